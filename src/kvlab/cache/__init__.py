@@ -1,0 +1,69 @@
+"""KV caches behind one protocol, and the names the CLI and planner know them by."""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import ConfigError
+from .base import CacheGeometry, KVCache
+from .concat import ConcatCache, NoCache
+from .dense import DenseCache
+from .names import EXAMPLES as _COMPRESSED_EXAMPLES
+from .names import is_compressed_name, parse as _parse_compressed
+from .quantized import QuantizedCache, QuantizedConfig
+from .turboquant import TurboQuantCache, TurboQuantConfig
+
+#: name -> cache class for the uncompressed caches; compressed caches add their parser below.
+_PLAIN = {"dense": DenseCache, "concat": ConcatCache, "none": NoCache}
+
+
+def cache_names() -> list[str]:
+    """Examples of every accepted name (compressed caches take parameters in the name)."""
+    return list(_PLAIN) + _COMPRESSED_EXAMPLES
+
+
+def make_cache(name: str, geometry: CacheGeometry, dtype: torch.dtype = torch.float32, device="cpu") -> KVCache:
+    """Build the cache called `name` (e.g. "dense", "concat", "none")."""
+    key = name.strip().lower()
+    if key in _PLAIN:
+        return _PLAIN[key](geometry, dtype=dtype, device=device)
+    if is_compressed_name(key):
+        cls, config = _parse_compressed(key)
+        return cls(geometry, dtype=dtype, device=device, config=config)
+    raise ConfigError(f"unknown cache {name!r}; choose one of: {', '.join(cache_names())}")
+
+
+def expected_nbytes(name: str, geometry: CacheGeometry, dtype: torch.dtype, tokens: int) -> int:
+    """The bytes cache `name` holds after `tokens` tokens per sequence, by formula (no tensors made)."""
+    key = name.strip().lower()
+    if key == "dense":
+        return DenseCache.bytes_per_token(geometry, dtype) * geometry.batch * geometry.capacity
+    if key == "concat":
+        return DenseCache.bytes_per_token(geometry, dtype) * geometry.batch * tokens
+    if key == "none":
+        return 0
+    if is_compressed_name(key):  # preallocated to the capacity: independent of `tokens`
+        cls, config = _parse_compressed(key)
+        return cls.expected_nbytes(config, geometry, dtype)
+    raise ConfigError(f"unknown cache {name!r}; choose one of: {', '.join(cache_names())}")
+
+
+def describe_formula(name: str, geometry: CacheGeometry, dtype: torch.dtype) -> str:
+    """The bytes of cache `name` in words, e.g. "per key vector: 64×4-bit codes + 16-bit norm = 34 B; ..."."""
+    key = name.strip().lower()
+    elem = torch.empty(0, dtype=dtype).element_size()
+    if key in ("dense", "concat"):
+        return f"per key and value vector: {geometry.head_dim}×{elem * 8}-bit values = {geometry.head_dim * elem} B"
+    if key == "none":
+        return "nothing is kept between forward passes"
+    cls, config = _parse_compressed(key)
+    text = cls.describe(config, geometry, dtype)
+    if config.full.recent:
+        text += f"; the newest {config.full.recent} tokens of every layer in {str(dtype).removeprefix('torch.')}"
+    if config.full.first_last:
+        text += f"; layers 0 and {geometry.n_layers - 1} whole in {str(dtype).removeprefix('torch.')}"
+    return text
+
+
+__all__ = ["CacheGeometry", "KVCache", "DenseCache", "ConcatCache", "NoCache", "make_cache", "expected_nbytes", "cache_names",
+           "describe_formula", "QuantizedCache", "QuantizedConfig", "TurboQuantCache", "TurboQuantConfig"]

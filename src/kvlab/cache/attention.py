@@ -1,0 +1,46 @@
+"""Grouped-query attention with the lower-right causal mask: the one place causality lives.
+
+A chunk of T new queries at absolute positions [S-T, S) attends to keys [0, S-T+t] (t = 0..T-1).
+PyTorch's `is_causal=True` aligns the mask upper-left when T != S, so it is never used here.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def causal_mask(n_queries: int, n_keys: int, device: torch.device | str = "cpu", window: int | None = None) -> torch.Tensor:
+    """(T, S) bool, True = may attend. Row t is query position S-T+t; it sees keys j <= S-T+t (and j > pos-window)."""
+    query_pos = torch.arange(n_keys - n_queries, n_keys, device=device)[:, None]  # (T, 1)
+    key_pos = torch.arange(n_keys, device=device)[None, :]                        # (1, S)
+    mask = key_pos <= query_pos
+    if window is not None:
+        mask &= key_pos > query_pos - window
+    return mask
+
+
+def grouped_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float | None = None,
+    causal: bool = True,
+    window: int | None = None,
+) -> torch.Tensor:
+    """softmax(q·kᵀ·scale + mask)·v with KV heads shared by groups of query heads.
+
+    q: (B, H, T, Dk) — the last T positions of the sequence
+    k: (B, Hkv, S, Dk), v: (B, Hkv, S, Dv) with H % Hkv == 0; query head h reads KV head h // (H/Hkv)
+    returns (B, H, T, Dv)
+    """
+    B, H, T, Dk = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    group = H // Hkv
+    # fold the group into the query axis so K/V are read once per KV head, never copied per query head
+    qg = q.reshape(B, Hkv, group * T, Dk)                                          # (B, Hkv, G·T, Dk)
+    mask = None
+    if causal and (T > 1 or (window is not None and S > window)):
+        mask = causal_mask(T, S, q.device, window).repeat(group, 1)               # (G·T, S)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)  # (B, Hkv, G·T, Dv)
+    return out.reshape(B, H, T, v.shape[-1])

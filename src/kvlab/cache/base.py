@@ -1,0 +1,120 @@
+"""The cache protocol: storage plus the attention that reads it.
+
+Every layer of the decoder does
+    cache.append(layer, k, v)     # k: (B, Hkv, T, Dk), v: (B, Hkv, T, Dv) for the T new tokens
+    out = cache.attend(layer, q)  # q: (B, H, T, Dk) for the same T tokens -> (B, H, T, Dv)
+so a cache decides how K/V are stored and how they are read, and swapping caches never touches the model.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import CacheCapacityError, ConfigError, NonFiniteError
+
+
+@dataclass(frozen=True)
+class CacheGeometry:
+    """The shapes a cache must hold: the attention part of a model, one batch of sequences."""
+
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    batch: int = 1
+    capacity: int = 2048               # tokens per sequence the cache can hold
+    n_heads: int = 0                   # query heads (0: unknown / same as n_kv_heads)
+    head_dim_v: int = 0                # 0: same as head_dim
+    window: int | None = None          # sliding-window attention, applied when reading
+
+    def __post_init__(self) -> None:
+        for name in ("n_layers", "n_kv_heads", "head_dim", "batch"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"cache {name} must be positive, got {getattr(self, name)}")
+        if self.capacity <= 0:
+            raise ConfigError(f"cache capacity must be positive, got {self.capacity}")
+        if self.head_dim_v == 0:
+            object.__setattr__(self, "head_dim_v", self.head_dim)
+        if self.n_heads == 0:
+            object.__setattr__(self, "n_heads", self.n_kv_heads)
+
+    @classmethod
+    def for_model(cls, config, batch: int = 1, capacity: int | None = None) -> "CacheGeometry":
+        """From a DecoderConfig."""
+        return cls(
+            n_layers=config.n_layers,
+            n_kv_heads=config.n_kv_heads,
+            head_dim=config.head_dim,
+            batch=batch,
+            capacity=capacity or config.max_seq_len,
+            n_heads=config.n_heads,
+            window=config.sliding_window,
+        )
+
+
+class KVCache(ABC):
+    """Base class for every cache. Subclasses store K/V their own way and answer `attend` from it."""
+
+    #: False for the no-cache baseline: generation must then feed the whole sequence every step.
+    persistent: bool = True
+
+    def __init__(self, geometry: CacheGeometry, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        self.geometry = geometry
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.scale = geometry.head_dim ** -0.5
+        self._lengths = [0] * geometry.n_layers
+
+    # -- the protocol ---------------------------------------------------------------------------
+    @abstractmethod
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the K/V of T new tokens for `layer`. k: (B, Hkv, T, Dk), v: (B, Hkv, T, Dv)."""
+
+    @abstractmethod
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """Attention of the T newest tokens' queries over everything stored. q: (B, H, T, Dk) -> (B, H, T, Dv)."""
+
+    @property
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Bytes of every buffer the cache holds right now (data and metadata)."""
+
+    def reset(self) -> None:
+        """Forget all tokens (buffers stay allocated where the cache preallocates)."""
+        self._lengths = [0] * self.geometry.n_layers
+
+    @property
+    def length(self) -> int:
+        """Tokens stored in every layer: the absolute position of the next token."""
+        return min(self._lengths)
+
+    def layer_length(self, layer: int) -> int:
+        return self._lengths[layer]
+
+    # -- shared checks ----------------------------------------------------------------------------
+    def _check_append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> int:
+        """Validate shapes, capacity and finiteness; returns the number of new tokens T."""
+        g = self.geometry
+        if not 0 <= layer < g.n_layers:
+            raise ConfigError(f"layer {layer} out of range for a cache of {g.n_layers} layers")
+        if k.dim() != 4 or k.shape[0] != g.batch or k.shape[1] != g.n_kv_heads or k.shape[3] != g.head_dim:
+            raise ConfigError(
+                f"key of shape {tuple(k.shape)} does not fit a cache of (batch={g.batch}, kv_heads={g.n_kv_heads}, T, head_dim={g.head_dim})"
+            )
+        if v.shape[:3] != k.shape[:3] or v.shape[3] != g.head_dim_v:
+            raise ConfigError(f"value of shape {tuple(v.shape)} does not match key of shape {tuple(k.shape)}")
+        n_new = k.shape[2]
+        if self.persistent and self._lengths[layer] + n_new > g.capacity:
+            raise CacheCapacityError(
+                f"context of {self._lengths[layer] + n_new} tokens exceeds the cache capacity of {g.capacity} tokens"
+            )
+        if not (torch.isfinite(k).all() and torch.isfinite(v).all()):
+            raise NonFiniteError(f"NaN or Inf in the keys/values appended to layer {layer}")
+        return n_new
+
+
+def tensors_nbytes(*tensors: torch.Tensor | None) -> int:
+    """Sum of `tensor.nbytes` over the given buffers (None counts as zero)."""
+    return sum(t.nbytes for t in tensors if t is not None)

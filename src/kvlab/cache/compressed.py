@@ -1,0 +1,201 @@
+"""What every compressed cache shares: full-precision exceptions, the recent window, one softmax.
+
+A compressed cache (int8/int4 in quantized.py, TurboQuant in turboquant.py) stores most tokens in
+its own format and may keep, spelled out in its name,
+  * `+recentN`: the N newest tokens of every layer in the cache dtype (a FIFO: a token is compressed
+    the moment it leaves the window), and
+  * `+fp-first-last`: the first and last layers whole in the cache dtype (a one-layer DenseCache each).
+Attention over a layer is one softmax over [compressed tokens | window tokens], with the
+lower-right causal mask of cache/attention.py; the subclass answers only for its compressed part:
+  _scores(layer, qg, n) -> logits of the grouped queries against its n compressed tokens
+  _mix(layer, p, n)     -> Σ p·v over those tokens
+so a subclass reads its own codes and never hands full-precision K/V to the attention.
+
+Bytes: every buffer is preallocated to the capacity (like DenseCache), so `nbytes` does not change
+as tokens arrive and equals the formula `expected_nbytes(config, geometry, dtype)`:
+  fp layers:        2·B·Hkv·capacity·D·elem           (a DenseCache of one layer)
+  other layers:     window: B·Hkv·min(N, capacity)·(Dk+Dv)·elem
+                    + the subclass's store for slots = capacity - min(N, capacity) tokens
+  once per cache:   the subclass's fixed state (rotations, codebooks, ...).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+from .attention import causal_mask
+from .base import CacheGeometry, KVCache, tensors_nbytes
+from .dense import DenseCache
+
+
+@dataclass(frozen=True)
+class FullPrecision:
+    """What a compressed cache keeps uncompressed, in the cache dtype. Both are part of the name."""
+
+    recent: int = 0             # newest tokens of every compressed layer kept in full precision
+    first_last: bool = False    # layers 0 and L-1 kept whole in full precision
+
+    def layers(self, n_layers: int) -> frozenset[int]:
+        return frozenset({0, n_layers - 1}) if self.first_last else frozenset()
+
+    @property
+    def suffix(self) -> str:
+        """The name options, e.g. "+recent64+fp-first-last" (empty for a plain name)."""
+        return (f"+recent{self.recent}" if self.recent else "") + ("+fp-first-last" if self.first_last else "")
+
+
+class CompressedCache(KVCache):
+    """Base class: routes tokens to full-precision layers, the recent window or the subclass's store."""
+
+    def __init__(self, geometry: CacheGeometry, dtype: torch.dtype, device, full: FullPrecision):
+        super().__init__(geometry, dtype, device)
+        g = geometry
+        self.full = full
+        self.fp_layers = full.layers(g.n_layers)
+        self.window = min(full.recent, g.capacity)       # full-precision tokens per compressed layer
+        self.slots = g.capacity - self.window              # compressed tokens per layer
+        one_layer = replace(g, n_layers=1)
+        self._dense = {layer: DenseCache(one_layer, dtype, device) for layer in sorted(self.fp_layers)}
+        shape_k = (g.batch, g.n_kv_heads, self.window, g.head_dim)
+        shape_v = (g.batch, g.n_kv_heads, self.window, g.head_dim_v)
+        self._win_k = {l: torch.zeros(shape_k, dtype=dtype, device=self.device) for l in self.compressed_layers}
+        self._win_v = {l: torch.zeros(shape_v, dtype=dtype, device=self.device) for l in self.compressed_layers}
+        self._n_comp = [0] * g.n_layers                    # compressed tokens per layer
+
+    @property
+    def compressed_layers(self) -> list[int]:
+        return [layer for layer in range(self.geometry.n_layers) if layer not in self.fp_layers]
+
+    # -- subclass hooks -----------------------------------------------------------------------------
+    def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+        """Compress tokens [start, start+T) of `layer`. k: (B, Hkv, T, Dk), v: (B, Hkv, T, Dv)."""
+        raise NotImplementedError
+
+    def _scores(self, layer: int, qg: torch.Tensor, n: int) -> torch.Tensor:
+        """Scaled logits of grouped queries qg: (B, Hkv, G·T, Dk) float32 against the n compressed tokens."""
+        raise NotImplementedError
+
+    def _mix(self, layer: int, p: torch.Tensor, n: int) -> torch.Tensor:
+        """Σ_i p_i·v_i over the n compressed tokens; p: (B, Hkv, G·T, n) -> (B, Hkv, G·T, Dv) float32."""
+        raise NotImplementedError
+
+    def _restore(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The n compressed tokens' K/V as the cache will read them, (B, Hkv, n, D) float32 (tests only)."""
+        raise NotImplementedError
+
+    def _store_nbytes(self) -> int:
+        """Bytes of the subclass's buffers and fixed state."""
+        raise NotImplementedError
+
+    @classmethod
+    def _expected_store_nbytes(cls, config, geometry: CacheGeometry, dtype: torch.dtype, slots: int, n_layers: int) -> int:
+        """The formula for `_store_nbytes` with `n_layers` compressed layers of `slots` tokens each."""
+        raise NotImplementedError
+
+    # -- the protocol -------------------------------------------------------------------------------
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        n_new = self._check_append(layer, k, v)
+        if layer in self.fp_layers:
+            self._dense[layer].append(0, k, v)
+            self._lengths[layer] += n_new
+            return
+        if self.window == 0:
+            self._store(layer, k, v, self._n_comp[layer])
+            self._n_comp[layer] += n_new
+        else:
+            held = self._lengths[layer] - self._n_comp[layer]                             # tokens in the window
+            all_k = torch.cat([self._win_k[layer][:, :, :held], k.to(self.dtype)], dim=2)  # (B, Hkv, held+T, Dk)
+            all_v = torch.cat([self._win_v[layer][:, :, :held], v.to(self.dtype)], dim=2)
+            spill = max(0, held + n_new - self.window)                                    # oldest leave the window
+            if spill:
+                self._store(layer, all_k[:, :, :spill], all_v[:, :, :spill], self._n_comp[layer])
+                self._n_comp[layer] += spill
+            kept = held + n_new - spill
+            self._win_k[layer][:, :, :kept] = all_k[:, :, spill:]
+            self._win_v[layer][:, :, :kept] = all_v[:, :, spill:]
+        self._lengths[layer] += n_new
+
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        if layer in self.fp_layers:
+            return self._dense[layer].attend(0, q)
+        B, H, T, Dk = q.shape
+        Hkv = self.geometry.n_kv_heads
+        group = H // Hkv
+        n = self._n_comp[layer]
+        held = self._lengths[layer] - n
+        qg = q.float().reshape(B, Hkv, group * T, Dk)                          # (B, Hkv, G·T, Dk)
+        logits = []
+        if n:
+            logits.append(self._scores(layer, qg, n))                          # (B, Hkv, G·T, n)
+        if held:
+            k_win = self._win_k[layer][:, :, :held].float()                    # (B, Hkv, held, Dk)
+            logits.append((qg @ k_win.transpose(-1, -2)) * self.scale)         # (B, Hkv, G·T, held)
+        scores = torch.cat(logits, dim=-1) if len(logits) > 1 else logits[0]  # (B, Hkv, G·T, S)
+        S = n + held
+        window = self.geometry.window
+        if T > 1 or (window is not None and S > window):
+            mask = causal_mask(T, S, q.device, window).repeat(group, 1)        # (G·T, S)
+            scores = scores.masked_fill(~mask, float("-inf"))
+        p = torch.softmax(scores, dim=-1)                                      # (B, Hkv, G·T, S)
+        out = self._mix(layer, p[..., :n], n) if n else 0.0                    # (B, Hkv, G·T, Dv)
+        if held:
+            out = out + p[..., n:] @ self._win_v[layer][:, :, :held].float()
+        return out.reshape(B, H, T, -1).to(q.dtype)
+
+    def reset(self) -> None:
+        super().reset()
+        self._n_comp = [0] * self.geometry.n_layers
+        for dense in self._dense.values():
+            dense.reset()
+
+    @property
+    def nbytes(self) -> int:
+        dense = sum(d.nbytes for d in self._dense.values())
+        return dense + tensors_nbytes(*self._win_k.values(), *self._win_v.values()) + self._store_nbytes()
+
+    # -- formula and debugging ------------------------------------------------------------------------
+    @classmethod
+    def expected_nbytes(cls, config, geometry: CacheGeometry, dtype: torch.dtype) -> int:
+        """What `nbytes` is for a cache built with (config, geometry, dtype): no tensors are made."""
+        g = geometry
+        elem = torch.empty(0, dtype=dtype).element_size()
+        n_fp = len(config.full.layers(g.n_layers))
+        window = min(config.full.recent, g.capacity)
+        per_token_dense = g.n_kv_heads * (g.head_dim + g.head_dim_v) * elem * g.batch
+        fp = n_fp * per_token_dense * g.capacity
+        n_comp_layers = g.n_layers - n_fp
+        win = n_comp_layers * per_token_dense * window
+        return fp + win + cls._expected_store_nbytes(config, g, dtype, g.capacity - window, n_comp_layers)
+
+    def dequantized(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """All stored K/V of `layer` as attention reads them, (B, Hkv, S, D) float32 — for tests and debugging."""
+        if layer in self.fp_layers:
+            n = self._lengths[layer]
+            dense = self._dense[layer]
+            return dense.k[0, :, :, :n].float(), dense.v[0, :, :, :n].float()
+        n = self._n_comp[layer]
+        held = self._lengths[layer] - n
+        k_parts, v_parts = [], []
+        if n:
+            k_c, v_c = self._restore(layer, n)
+            k_parts.append(k_c)
+            v_parts.append(v_c)
+        if held:
+            k_parts.append(self._win_k[layer][:, :, :held].float())
+            v_parts.append(self._win_v[layer][:, :, :held].float())
+        if not k_parts:
+            g = self.geometry
+            empty = torch.zeros(g.batch, g.n_kv_heads, 0, g.head_dim, device=self.device)
+            return empty, empty[..., : g.head_dim_v]
+        return torch.cat(k_parts, dim=2), torch.cat(v_parts, dim=2)
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def format_bytes(n: float) -> str:
+    return f"{n:,.0f}" if math.isclose(n, round(n)) else f"{n:,.1f}"

@@ -1,0 +1,105 @@
+"""The names of the compressed caches: a name always tells the bytes it costs.
+
+    name    := base ("+" option)*
+    base    := "int" B                  integer codes, B = 1..8 bits (int8, int4): KIVI-style
+             | "tq" W                   TurboQuant, keys and values at W bits
+             | "tq-k" W "v" W           TurboQuant, separate key / value widths (tq-k4v3)
+    W       := 1..8, with an optional fraction (tq3.5, tq2.5): that share of the rotated
+               channels gets one more bit
+    option  := "recent" N               the N newest tokens of every layer kept in the cache dtype
+             | "fp-first-last"          the first and last layers kept whole in the cache dtype
+             | "qjl"                    (tq) keys: W-1 bits of codes + the 1-bit QJL residual
+                                        sketch + a 16-bit residual norm
+             | "g" N                    (int) group size: tokens per key group, channels per value
+                                        group (default 32)
+    options that change no byte (numerics, for ablations):
+             | "kscale=" M | "vscale=" M   how the 16-bit per-vector scale is chosen
+                                        (tq; M in norm, renorm, lsq, unbiased)
+             | "bf16norms"              (tq) store the 16-bit scales as bfloat16 instead of float16
+             | "seed" N                 (tq) rotation / QJL seed (default 0)
+
+A plain name (int4, tq3) keeps nothing in full precision. Examples: int8, int4+g64, int4+recent128,
+tq4, tq3.5, tq2.5, tq-k4v3, tq4+qjl, tq3+recent64, tq3+fp-first-last.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+
+import torch
+
+from ..errors import ConfigError
+from .compressed import FullPrecision
+from .quantized import QuantizedCache, QuantizedConfig
+from .turboquant import TurboQuantCache, TurboQuantConfig
+
+EXAMPLES = ["int8", "int4", "int4+g64", "int4+recent128", "tq4", "tq3.5", "tq3", "tq2.5", "tq2", "tq-k4v3",
+            "tq4+qjl", "tq3+recent64", "tq3+fp-first-last"]
+
+_WIDTH = r"(\d+(?:\.\d+)?)"
+_BASES = [
+    (re.compile(r"int(\d+)"), "int"),
+    (re.compile(rf"tq-k{_WIDTH}v{_WIDTH}"), "tq-kv"),
+    (re.compile(rf"tq{_WIDTH}"), "tq"),
+]
+
+
+def is_compressed_name(name: str) -> bool:
+    head = name.strip().lower().split("+", 1)[0]
+    return any(pattern.fullmatch(head) for pattern, _ in _BASES)
+
+
+def parse(name: str) -> tuple[type, object]:
+    """'tq3+recent64' -> (TurboQuantCache, TurboQuantConfig(...)); ConfigError for anything else."""
+    key = name.strip().lower()
+    head, *options = key.split("+")
+    for pattern, kind in _BASES:
+        match = pattern.fullmatch(head)
+        if match:
+            break
+    else:
+        raise ConfigError(f"unknown cache {name!r}; compressed caches are named like {', '.join(EXAMPLES)}")
+    full, extra = _full_precision(name, options)
+    if kind == "int":
+        bits = int(match.group(1))
+        config = QuantizedConfig(bits=bits)
+        for option in extra:
+            if m := re.fullmatch(r"g(\d+)", option):
+                config = replace(config, group_size=int(m.group(1)))
+            else:
+                raise ConfigError(f"unknown option {option!r} in cache {name!r}; integer caches take +gN, +recentN, +fp-first-last")
+        return QuantizedCache, replace(config, full=full)
+    kb = float(match.group(1))
+    vb = float(match.group(2)) if kind == "tq-kv" else kb
+    settings: dict = {"key_bits": kb, "value_bits": vb, "full": full}
+    for option in extra:
+        if option == "qjl":
+            settings["qjl"] = True
+        elif option == "bf16norms":
+            settings["norm_dtype"] = torch.bfloat16
+        elif m := re.fullmatch(r"([kv])scale=(\w+)", option):
+            settings["key_scale" if m.group(1) == "k" else "value_scale"] = m.group(2)
+        elif m := re.fullmatch(r"seed(\d+)", option):
+            settings["seed"] = int(m.group(1))
+        else:
+            raise ConfigError(
+                f"unknown option {option!r} in cache {name!r}; TurboQuant caches take +qjl, +recentN, +fp-first-last, "
+                "+kscale=M, +vscale=M, +bf16norms, +seedN"
+            )
+    return TurboQuantCache, TurboQuantConfig(**settings)
+
+
+def _full_precision(name: str, options: list[str]) -> tuple[FullPrecision, list[str]]:
+    """Take the +recentN / +fp-first-last options out of `options`."""
+    recent, first_last, rest = 0, False, []
+    for option in options:
+        if m := re.fullmatch(r"recent(\d+)", option):
+            recent = int(m.group(1))
+        elif option == "fp-first-last":
+            first_last = True
+        elif option:
+            rest.append(option)
+        else:
+            raise ConfigError(f"empty option in cache name {name!r}")
+    return FullPrecision(recent=recent, first_last=first_last), rest

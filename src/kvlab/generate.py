@@ -1,0 +1,174 @@
+"""Generation: prefill the prompt in one pass (or in chunks), then decode one token at a time."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+
+from .cache.base import KVCache
+from .errors import CacheCapacityError, ConfigError
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """temperature 0 = greedy; top_k 0 and top_p 1.0 = off."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[list[int]]          # new tokens per sequence
+    prompt_tokens: int
+    prefill_seconds: float
+    decode_seconds: float
+    cache_bytes: int
+    stop_reason: str = "length"
+    step_seconds: list[float] = field(default_factory=list)
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.token_ids[0]) if self.token_ids else 0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Decode steps per second after the first token (which comes from the prefill)."""
+        steps = self.new_tokens - 1
+        return steps / self.decode_seconds if steps > 0 and self.decode_seconds > 0 else 0.0
+
+
+def sample_next(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
+    """logits (B, V) -> next token ids (B,)."""
+    if sampling.temperature == 0.0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / sampling.temperature
+    if sampling.top_k > 0:
+        kth = torch.topk(logits, min(sampling.top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if sampling.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        probs = sorted_logits.softmax(dim=-1)
+        drop = probs.cumsum(dim=-1) - probs > sampling.top_p       # keep the smallest prefix reaching top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@torch.inference_mode()
+def prefill(model, tokens: torch.Tensor, cache: KVCache, chunk_size: int | None = None, last_only: bool = True) -> torch.Tensor:
+    """Run the prompt (B, T) through the model into `cache`; chunks of `chunk_size` give the same result."""
+    T = tokens.shape[1]
+    step = chunk_size or T
+    logits = None
+    for start in range(0, T, step):
+        logits = model(tokens[:, start:start + step], cache, last_only=last_only)
+    return logits
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def generate_stream(
+    model,
+    prompt: torch.Tensor,
+    cache: KVCache,
+    max_new_tokens: int,
+    sampling: SamplingConfig = SamplingConfig(),
+    eos_ids: tuple[int, ...] = (),
+    chunk_size: int | None = None,
+    stats: dict | None = None,
+) -> Iterator[torch.Tensor]:
+    """Yield the next token ids (B,) one step at a time. prompt: (B, T) equal-length prompts.
+
+    With a persistent cache the prompt is prefilled once and each step feeds one token; with the
+    no-cache baseline (cache.persistent is False) each step feeds the whole sequence again.
+    `stats`, when given, receives prefill_seconds, decode_seconds and stop_reason.
+    """
+    if prompt.dim() != 2 or prompt.shape[1] == 0:
+        raise ConfigError(f"prompt must be a non-empty (batch, tokens) tensor, got shape {tuple(prompt.shape)}")
+    capacity = cache.geometry.capacity
+    if cache.persistent and cache.length + prompt.shape[1] > capacity:
+        raise CacheCapacityError(
+            f"prompt of {prompt.shape[1]} tokens exceeds the cache capacity of {capacity} tokens"
+        )
+    device = prompt.device
+    generator = None
+    if sampling.seed is not None:
+        generator = torch.Generator(device=device).manual_seed(sampling.seed)
+    stats = stats if stats is not None else {}
+    stats.update(prefill_seconds=0.0, decode_seconds=0.0, stop_reason="length")
+    finished = torch.zeros(prompt.shape[0], dtype=torch.bool, device=device)
+    eos = torch.tensor(eos_ids, device=device) if eos_ids else None
+    sequence = prompt
+
+    t0 = time.perf_counter()
+    logits = prefill(model, prompt, cache, chunk_size)[:, -1]                 # (B, V)
+    _sync(device)
+    stats["prefill_seconds"] = time.perf_counter() - t0
+    t_decode = time.perf_counter()
+    for step in range(max_new_tokens):
+        next_ids = sample_next(logits, sampling, generator)                   # (B,)
+        if eos is not None:
+            finished |= torch.isin(next_ids, eos)
+        yield next_ids
+        if bool(finished.all()):
+            stats["stop_reason"] = "eos"
+            break
+        if step == max_new_tokens - 1:
+            break
+        if cache.persistent:
+            if cache.length + 1 > capacity:
+                stats["stop_reason"] = "capacity"
+                break
+            logits = model(next_ids[:, None], cache, last_only=True)[:, -1]
+        else:
+            sequence = torch.cat([sequence, next_ids[:, None]], dim=1)       # (B, T+1): recompute everything
+            logits = model(sequence, cache, last_only=True)[:, -1]
+        _sync(device)
+        stats["decode_seconds"] = time.perf_counter() - t_decode
+
+
+def generate(
+    model,
+    prompt: torch.Tensor,
+    cache: KVCache,
+    max_new_tokens: int,
+    sampling: SamplingConfig = SamplingConfig(),
+    eos_ids: tuple[int, ...] = (),
+    chunk_size: int | None = None,
+    on_token: Callable[[torch.Tensor], None] | None = None,
+) -> GenerationResult:
+    """Generate up to `max_new_tokens` for each prompt row; stops when every row has hit EOS."""
+    stats: dict = {}
+    new: list[torch.Tensor] = []
+    for next_ids in generate_stream(model, prompt, cache, max_new_tokens, sampling, eos_ids, chunk_size, stats):
+        new.append(next_ids)
+        if on_token is not None:
+            on_token(next_ids)
+    ids = torch.stack(new, dim=1).tolist() if new else [[] for _ in range(prompt.shape[0])]
+    return GenerationResult(
+        token_ids=ids,
+        prompt_tokens=prompt.shape[1],
+        prefill_seconds=stats["prefill_seconds"],
+        decode_seconds=stats["decode_seconds"],
+        cache_bytes=cache.nbytes,
+        stop_reason=stats["stop_reason"],
+    )

@@ -1,0 +1,1 @@
+"""The runnable decoder: config, weights, tokenizer, forward pass."""

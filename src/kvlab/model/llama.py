@@ -1,0 +1,136 @@
+"""A readable Llama-family decoder: RMSNorm, RoPE, GQA/MQA/MHA attention through a KV cache, SwiGLU.
+
+Each attention layer projects q, k, v, rotates q and k, hands k/v to the cache and asks the cache
+for the attention output; the cache decides how K/V are stored and read.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..cache.base import KVCache
+from .config import DecoderConfig, RopeScaling
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """(head_dim/2,) inverse frequencies, with Llama 3's long-context scaling when given."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling is not None:
+        low_wavelen = scaling.original_max_position / scaling.low_freq_factor
+        high_wavelen = scaling.original_max_position / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (scaling.original_max_position / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+        mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+        inv_freq = torch.where(mid, (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq, scaled)
+    return inv_freq.float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (i, i + D/2) of each head: x (B, H, T, D), cos/sin (T, D)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DecoderConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        self.split = (q_dim, kv_dim, kv_dim)
+        self.qkv = nn.Linear(cfg.d_model, q_dim + 2 * kv_dim, bias=cfg.qkv_bias)  # q, k, v fused in one matmul
+        self.out = nn.Linear(q_dim, cfg.d_model, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps) if cfg.qk_norm else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).split(self.split, dim=-1)
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)     # (B, H, T, D)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cache.append(self.layer, k, v)
+        y = cache.attend(self.layer, q)                                   # (B, H, T, D)
+        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
+        return self.out(y)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused in one matmul."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.gate_up = nn.Linear(cfg.d_model, 2 * cfg.d_ff, bias=False)
+        self.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: DecoderConfig, layer: int):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.rms_eps)
+        self.attn = Attention(cfg, layer)
+        self.ffn_norm = RMSNorm(cfg.d_model, cfg.rms_eps)
+        self.ffn = FeedForward(cfg)
+
+    def forward(self, x, cos, sin, cache):
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class Decoder(nn.Module):
+    """tokens (B, T) + cache -> logits (B, T, vocab). Positions continue from `cache.length`."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.rms_eps)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False)
+
+    def rope(self, start: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape (n, D) for absolute positions [start, start + n)."""
+        positions = torch.arange(start, start + n, device=self.inv_freq.device, dtype=torch.float32)
+        angles = torch.outer(positions, self.inv_freq)                      # (n, D/2)
+        angles = torch.cat((angles, angles), dim=-1)                        # (n, D)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def output_weight(self) -> torch.Tensor:
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
+        B, T = tokens.shape
+        x = self.embed(tokens)                                              # (B, T, C)
+        cos, sin = self.rope(cache.length, T, x.dtype)
+        for block in self.blocks:
+            x = block(x, cos, sin, cache)
+        if last_only:
+            x = x[:, -1:]                                                   # (B, 1, C): decode needs one row
+        return F.linear(self.norm(x), self.output_weight())                # (B, T, vocab)

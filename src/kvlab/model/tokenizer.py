@@ -1,0 +1,160 @@
+"""Tokenizer: byte-level BPE from GGUF metadata or a tokenizer.json, plus the model's chat template."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tokenizers import Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+
+from ..errors import ModelFileError
+
+# Pre-tokenizer split patterns by GGUF `tokenizer.ggml.pre` (the regexes the original tokenizer.json used).
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GGUF_CONTROL = 3  # llama.cpp token type for special/control tokens
+
+
+def _byte_level_pre_tokenizer(pre: str):
+    if pre in ("smollm", "starcoder", "refact", "gpt2", "default", ""):
+        digits = [pre_tokenizers.Digits(individual_digits=True)] if pre in ("smollm", "starcoder", "refact") else []
+        return pre_tokenizers.Sequence(digits + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    pattern = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}.get(pre)
+    if pattern is None:
+        raise ModelFileError(f"GGUF tokenizer pre-tokenizer {pre!r} is not supported; use the model's tokenizer.json")
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+
+
+@dataclass
+class Tokenizer:
+    backend: HFTokenizer
+    bos_id: int | None = None
+    eos_ids: tuple[int, ...] = ()
+    add_bos: bool = False
+    chat_template: str | None = None
+    special_tokens: dict[str, int] = field(default_factory=dict)
+
+    # -- construction ---------------------------------------------------------------------------
+    @classmethod
+    def from_gguf_metadata(cls, meta: dict) -> "Tokenizer":
+        kind = meta.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ModelFileError(
+                f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2'); use the model's tokenizer.json"
+            )
+        tokens: list[str] = meta["tokenizer.ggml.tokens"]
+        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+        backend = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
+        backend.pre_tokenizer = _byte_level_pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"))
+        backend.decoder = decoders.ByteLevel()
+        types = meta.get("tokenizer.ggml.token_type", [])
+        specials = [tokens[i] for i, t in enumerate(types) if t == _GGUF_CONTROL]
+        backend.add_special_tokens(specials)
+        eos = meta.get("tokenizer.ggml.eos_token_id")
+        eos_ids = {eos} if eos is not None else set()
+        eot = meta.get("tokenizer.ggml.eot_token_id")
+        if eot is not None:
+            eos_ids.add(eot)
+        return cls(
+            backend=backend,
+            bos_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_ids=tuple(sorted(eos_ids)),
+            add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+            chat_template=meta.get("tokenizer.chat_template"),
+            special_tokens={t: tokens.index(t) for t in specials},
+        )
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> "Tokenizer":
+        import json
+
+        path = folder / "tokenizer.json"
+        if not path.is_file():
+            raise ModelFileError(f"{folder}: no tokenizer.json")
+        try:
+            backend = HFTokenizer.from_file(str(path))
+        except Exception as exc:  # tokenizers raises bare Exceptions with multi-line text
+            raise ModelFileError(f"{path}: not a valid tokenizer.json ({str(exc).splitlines()[0]})") from None
+        config = {}
+        if (folder / "tokenizer_config.json").is_file():
+            config = json.loads((folder / "tokenizer_config.json").read_text())
+        generation = {}
+        if (folder / "generation_config.json").is_file():
+            generation = json.loads((folder / "generation_config.json").read_text())
+
+        def token_id(entry) -> int | None:
+            text = entry.get("content") if isinstance(entry, dict) else entry
+            return backend.token_to_id(text) if text else None
+
+        eos = generation.get("eos_token_id", token_id(config.get("eos_token")))
+        eos_ids = tuple(sorted(set(eos if isinstance(eos, list) else [eos]) - {None}))
+        template = config.get("chat_template")
+        if template is None and (folder / "chat_template.jinja").is_file():
+            template = (folder / "chat_template.jinja").read_text()
+        return cls(
+            backend=backend,
+            bos_id=token_id(config.get("bos_token")),
+            eos_ids=eos_ids,
+            add_bos=False,  # tokenizer.json's post-processor adds BOS itself where the model wants it
+            chat_template=template,
+        )
+
+    # -- use --------------------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size()
+
+    def encode(self, text: str, add_special: bool = True) -> list[int]:
+        ids = self.backend.encode(text, add_special_tokens=add_special).ids
+        if add_special and self.add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
+            ids = [self.bos_id] + ids
+        return ids
+
+    def decode(self, ids: list[int], skip_special: bool = False) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render the model's own Jinja chat template in a sandbox (the template is untrusted input)."""
+        if not self.chat_template:
+            raise ModelFileError("this model has no chat template; drop --chat")
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+        def raise_exception(message):
+            raise ModelFileError(f"chat template: {message}")
+
+        env.globals["raise_exception"] = raise_exception
+        id_to_token = self.backend.id_to_token
+        return env.from_string(self.chat_template).render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=id_to_token(self.bos_id) if self.bos_id is not None else "",
+            eos_token=id_to_token(self.eos_ids[0]) if self.eos_ids else "",
+        )
+
+
+class StreamDecoder:
+    """Turns token ids into text pieces as they arrive, holding back incomplete UTF-8 sequences."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.emitted = ""
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        text = self.tokenizer.decode(self.ids, skip_special=True)
+        if text.endswith("\ufffd"):
+            return ""  # a multi-byte character is not complete yet
+        piece, self.emitted = text[len(self.emitted):], text
+        return piece

@@ -1,0 +1,174 @@
+"""Weights: GGUF tensors (dequantized) or safetensors, mapped onto the Decoder's parameter names.
+
+GGUF files from llama.cpp store the Q and K projections of `llama` models permuted for interleaved
+(pairwise) RoPE. The Decoder rotates halves (i, i + D/2) like Hugging Face, so those rows are permuted
+back here; qwen2/qwen3 GGUFs already use the half layout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ..errors import ModelFileError
+
+WEIGHTS_FORMAT = 1  # bump when the canonical layout changes, to invalidate cached conversions
+
+# canonical part -> (GGUF name, Hugging Face name); {i} is the layer index
+_LAYER_NAMES = {
+    "attn_norm": ("blk.{i}.attn_norm.weight", "model.layers.{i}.input_layernorm.weight"),
+    "q": ("blk.{i}.attn_q.weight", "model.layers.{i}.self_attn.q_proj.weight"),
+    "k": ("blk.{i}.attn_k.weight", "model.layers.{i}.self_attn.k_proj.weight"),
+    "v": ("blk.{i}.attn_v.weight", "model.layers.{i}.self_attn.v_proj.weight"),
+    "q_bias": ("blk.{i}.attn_q.bias", "model.layers.{i}.self_attn.q_proj.bias"),
+    "k_bias": ("blk.{i}.attn_k.bias", "model.layers.{i}.self_attn.k_proj.bias"),
+    "v_bias": ("blk.{i}.attn_v.bias", "model.layers.{i}.self_attn.v_proj.bias"),
+    "o": ("blk.{i}.attn_output.weight", "model.layers.{i}.self_attn.o_proj.weight"),
+    "q_norm": ("blk.{i}.attn_q_norm.weight", "model.layers.{i}.self_attn.q_norm.weight"),
+    "k_norm": ("blk.{i}.attn_k_norm.weight", "model.layers.{i}.self_attn.k_norm.weight"),
+    "ffn_norm": ("blk.{i}.ffn_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
+    "gate": ("blk.{i}.ffn_gate.weight", "model.layers.{i}.mlp.gate_proj.weight"),
+    "up": ("blk.{i}.ffn_up.weight", "model.layers.{i}.mlp.up_proj.weight"),
+    "down": ("blk.{i}.ffn_down.weight", "model.layers.{i}.mlp.down_proj.weight"),
+}
+_GLOBAL_NAMES = {
+    "embed": ("token_embd.weight", "model.embed_tokens.weight"),
+    "norm": ("output_norm.weight", "model.norm.weight"),
+    "lm_head": ("output.weight", "lm_head.weight"),
+}
+GGUF, HF = 0, 1
+
+
+def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation: per head, rows (0,1),(2,3)… pairs -> halves (i, i + D/2)."""
+    rows = w.shape[0]
+    head_dim = rows // n_heads
+    rest = w.shape[1:]
+    return w.reshape(n_heads, head_dim // 2, 2, *rest).transpose(1, 2).reshape(rows, *rest)
+
+
+def build_state_dict(get: Callable[[str], torch.Tensor | None], scheme: int, cfg, permute_qk: bool) -> dict[str, torch.Tensor]:
+    """Assemble the Decoder's state dict from a source's tensors (`get(name)` -> tensor or None)."""
+
+    def need(name: str) -> torch.Tensor:
+        tensor = get(name)
+        if tensor is None:
+            raise ModelFileError(f"tensor {name!r} is missing from the model file")
+        return tensor
+
+    state: dict[str, torch.Tensor] = {}
+    state["embed.weight"] = need(_GLOBAL_NAMES["embed"][scheme])
+    state["norm.weight"] = need(_GLOBAL_NAMES["norm"][scheme])
+    if not cfg.tie_embeddings:
+        state["lm_head.weight"] = need(_GLOBAL_NAMES["lm_head"][scheme])
+    for i in range(cfg.n_layers):
+        def part(key: str, required: bool = True):
+            name = _LAYER_NAMES[key][scheme].format(i=i)
+            return need(name) if required else get(name)
+
+        q, k, v = part("q"), part("k"), part("v")
+        if permute_qk:
+            q, k = unpermute_rope_rows(q, cfg.n_heads), unpermute_rope_rows(k, cfg.n_kv_heads)
+        prefix = f"blocks.{i}."
+        state[prefix + "attn_norm.weight"] = part("attn_norm")
+        state[prefix + "attn.qkv.weight"] = torch.cat([q, k, v], dim=0)
+        if cfg.qkv_bias:
+            qb, kb, vb = part("q_bias"), part("k_bias"), part("v_bias")
+            if permute_qk:
+                qb, kb = unpermute_rope_rows(qb, cfg.n_heads), unpermute_rope_rows(kb, cfg.n_kv_heads)
+            state[prefix + "attn.qkv.bias"] = torch.cat([qb, kb, vb], dim=0)
+        state[prefix + "attn.out.weight"] = part("o")
+        if cfg.qk_norm:
+            state[prefix + "attn.q_norm.weight"] = part("q_norm")
+            state[prefix + "attn.k_norm.weight"] = part("k_norm")
+        state[prefix + "ffn_norm.weight"] = part("ffn_norm")
+        state[prefix + "ffn.gate_up.weight"] = torch.cat([part("gate"), part("up")], dim=0)
+        state[prefix + "ffn.down.weight"] = part("down")
+    return state
+
+
+def dequantize_gguf_tensor(tensor) -> torch.Tensor:
+    """One GGUF tensor -> float32 torch tensor in PyTorch's (rows, cols) order."""
+    from gguf import quants
+
+    try:
+        values = quants.dequantize(tensor.data, tensor.tensor_type)
+    except (NotImplementedError, ValueError) as exc:
+        raise ModelFileError(f"tensor {tensor.name!r}: cannot dequantize {tensor.tensor_type.name} ({exc})") from None
+    shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists the fastest-moving dim first
+    return torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))  # a writable copy
+
+
+def gguf_state_dict(reader, cfg) -> dict[str, torch.Tensor]:
+    tensors = {t.name: t for t in reader.tensors}
+
+    def get(name: str):
+        return dequantize_gguf_tensor(tensors[name]) if name in tensors else None
+
+    return build_state_dict(get, GGUF, cfg, permute_qk=(cfg.arch in ("llama", "mistral")))
+
+
+def safetensors_state_dict(folder: Path, cfg) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelFileError(f"{folder}: no *.safetensors weights")
+    where: dict[str, Path] = {}
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                where.update({name: path for name in handle.keys()})
+        except Exception as exc:
+            raise ModelFileError(f"{path}: not a readable safetensors file ({str(exc).splitlines()[0]})") from None
+
+    def get(name: str):
+        if name not in where:
+            return None
+        with safe_open(str(where[name]), framework="pt") as handle:
+            return handle.get_tensor(name).float()
+
+    return build_state_dict(get, HF, cfg, permute_qk=False)
+
+
+# -- the dequantized-weights cache --------------------------------------------------------------
+def cache_dir() -> Path:
+    base = os.environ.get("KVLAB_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvlab"
+    )
+    return Path(base)
+
+
+def converted_weights_path(model_file: Path) -> Path:
+    """Where the dequantized copy of `model_file` lives: keyed by path, size and mtime."""
+    stat = model_file.stat()
+    key = json.dumps([str(model_file.resolve()), stat.st_size, stat.st_mtime_ns, WEIGHTS_FORMAT])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:20]
+    return cache_dir() / "weights" / f"{model_file.stem}-{digest}.safetensors"
+
+
+def load_or_convert(model_file: Path, convert: Callable[[], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Dequantized weights from the safetensors cache, converting (and saving) on first use."""
+    from safetensors.torch import load_file, save_file
+
+    target = converted_weights_path(model_file)
+    if target.is_file():
+        try:
+            return load_file(str(target))
+        except Exception:
+            target.unlink(missing_ok=True)  # a torn write from an interrupted run: convert again
+    state = convert()
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_suffix(f".tmp{os.getpid()}")
+        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp))
+        os.replace(tmp, target)  # atomic: readers never see a half-written file
+    except OSError:
+        pass  # a read-only cache folder only costs speed
+    return state

@@ -1,0 +1,128 @@
+"""The budget: weights + KV + recurrent state + overheads against a GPU, and the solvers.
+
+`make_plan` answers: does it fit; the longest context that fits; the most sequences at the asked
+context. With --tp N every figure is per GPU (vLLM splits KV heads; llama.cpp splits layers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable
+
+from ..spec import ModelSpec
+from .components import Component
+from .engines import Engine
+from .gpus import GPU
+from .kv_types import KV_TYPES
+from .layout import KVLayout
+from .settings import PlanSettings
+from .weights import WeightsEstimate, weights_bytes
+
+MAX_SEARCH_CONTEXT = 1 << 24
+
+
+@dataclass(frozen=True)
+class Plan:
+    spec: ModelSpec
+    engine: Engine
+    settings: PlanSettings
+    layout: KVLayout
+    weights: WeightsEstimate
+    components: tuple[Component, ...]
+    gpu: GPU | None = None
+    budget_bytes: int | None = None
+    max_context: int | None = None
+    max_sequences: int | None = None
+
+    @property
+    def per_gpu(self) -> bool:
+        return self.settings.tp > 1
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(c.bytes for c in self.components)
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.budget_bytes is None else self.total_bytes <= self.budget_bytes
+
+    def component(self, name: str) -> Component | None:
+        return next((c for c in self.components if c.name == name), None)
+
+
+def _split(nbytes: int, tp: int) -> int:
+    return -(-nbytes // tp)
+
+
+def _cache_formulas(spec: ModelSpec, layout: KVLayout, part: str) -> str:
+    """'8 full × 4096 cells × 1088 B' per group of identical layers, for K or V."""
+    terms = []
+    for kind, count, rep in layout.groups():
+        layer = spec.layers[rep.index]
+        if part == "k" and rep.k_bytes:
+            elems = layer.k_elements_per_token
+            what = f"({layer.kv_lora_rank}+{layer.rope_dim})" if kind == "mla" else f"{layer.n_kv_heads}×{layer.head_dim_k}"
+            size = f"{rep.cells:,} cells × {rep.k_row} B" if rep.k_row else f"{rep.k_bytes:,} B"
+            terms.append(f"{count} {kind} × {size} [{what}={elems} {layout.kv_type_k}]")
+        if part == "v" and rep.v_bytes:
+            what = f"{layer.n_kv_heads}×{layer.head_dim_v}"
+            size = f"{rep.cells:,} cells × {rep.v_row} B" if rep.v_row else f"{rep.v_bytes:,} B"
+            terms.append(f"{count} {kind} × {size} [{what} {layout.kv_type_v}]")
+        if part == "r" and rep.state_bytes:
+            terms.append(f"{count} × {layer.state_elements:,} values × {rep.state_bytes // layer.state_elements:,} B")
+    return " + ".join(terms) or "0"
+
+
+def plan_components(spec: ModelSpec, engine: Engine, settings: PlanSettings,
+                    weights: WeightsEstimate) -> tuple[KVLayout, tuple[Component, ...]]:
+    layout = engine.layout(spec, settings)
+    tp = settings.tp
+    kv_split = 1 if engine.name == "vllm" else tp   # vLLM's layout is already per GPU
+    tail = f" / {tp} GPUs" if tp > 1 else ""
+    parts = [
+        Component("weights", weights.formula + tail, _split(weights.bytes, tp), weights.exact, tp > 1),
+        Component("K cache", _cache_formulas(spec, layout, "k") + (tail if kv_split > 1 else ""), _split(layout.k_bytes, kv_split)),
+        Component("V cache", _cache_formulas(spec, layout, "v") + (tail if kv_split > 1 else ""), _split(layout.v_bytes, kv_split)),
+    ]
+    if layout.recurrent_bytes:
+        parts.append(Component("recurrent state", _cache_formulas(spec, layout, "r") + (tail if kv_split > 1 else ""),
+                               _split(layout.recurrent_bytes, kv_split)))
+    parts.extend(engine.overheads(spec, settings, layout))
+    return layout, tuple(parts)
+
+
+def _largest(fits: Callable[[int], bool], lo: int, hi: int) -> int:
+    """Largest n in [lo, hi] with fits(n), assuming fits is monotone (lo-1 if none)."""
+    if not fits(lo):
+        return lo - 1
+    if fits(hi):
+        return hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def make_plan(spec: ModelSpec, engine: Engine, settings: PlanSettings, weights_quant: str | None = None,
+              gpu: GPU | None = None, solve: bool = True) -> Plan:
+    """Plan one configuration; with a GPU also solve for the longest context and most sequences."""
+    weights = weights_bytes(spec, weights_quant)
+    layout, components = plan_components(spec, engine, settings, weights)
+    budget = engine.budget_bytes(gpu.vram_bytes, gpu.usable_bytes, settings) if gpu else None
+    max_context = max_sequences = None
+    if budget is not None and solve:
+        def total(ctx: int, seqs: int) -> int:
+            return sum(c.bytes for c in plan_components(spec, engine, replace(settings, context=ctx, parallel=seqs,
+                                                                              n_ctx_total=None), weights)[1])
+        cap = spec.context_length or MAX_SEARCH_CONTEXT
+        max_context = max(0, _largest(lambda c: total(c, settings.parallel) <= budget, 1, cap))
+        max_sequences = max(0, _largest(lambda p: total(settings.context, p) <= budget, 1, engine.max_parallel))
+    return Plan(spec, engine, settings, layout, weights, components, gpu, budget, max_context, max_sequences)
+
+
+def kv_bytes_at(spec: ModelSpec, engine: Engine, settings: PlanSettings, contexts: list[int]) -> list[int]:
+    """KV + recurrent bytes at each context (for plots)."""
+    return [engine.layout(spec, replace(settings, context=c)).total_bytes for c in contexts]
+
+
+__all__ = ["Plan", "make_plan", "plan_components", "kv_bytes_at", "KV_TYPES"]

@@ -1,0 +1,82 @@
+"""kvlab's own caches: exactly the bytes `kvlab.cache.expected_nbytes` says they hold.
+
+--kv-type names a cache of the kvlab registry (dense, concat, and the compressed caches as they
+land: int8, int4, tq4, ...), optionally with its element dtype: `dense@f16`. A bare f32 / f16 /
+bf16 means the dense cache in that dtype. Layers with the same geometry share one formula call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from ...errors import ConfigError
+from ...spec import ModelSpec
+from ..components import Component
+from ..layout import KVLayout, LayerBytes
+from ..settings import PlanSettings
+from .base import Engine
+
+_DTYPES = {"f32": torch.float32, "float32": torch.float32, "f16": torch.float16, "float16": torch.float16,
+           "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+
+
+def parse_cache(name: str | None) -> tuple[str, torch.dtype]:
+    """'dense' -> (dense, f32); 'f16' -> (dense, f16); 'int8@bf16' -> (int8, bf16)."""
+    text = (name or "dense").strip().lower()
+    cache, _, dtype = text.partition("@")
+    if cache in _DTYPES and not dtype:
+        return "dense", _DTYPES[cache]
+    if dtype and dtype not in _DTYPES:
+        raise ConfigError(f"unknown dtype {dtype!r} in --kv-type {name!r}; use f32, f16 or bf16")
+    return cache, _DTYPES[dtype or "f32"]
+
+
+class KvlabEngine(Engine):
+    name = "kvlab"
+    version = "kvlab (this package)"
+
+    def layout(self, spec: ModelSpec, settings: PlanSettings) -> KVLayout:
+        from ...cache import CacheGeometry, expected_nbytes
+
+        if settings.kv_type_v and settings.kv_type_v != settings.kv_type_k:
+            raise ConfigError("kvlab caches hold K and V in one cache: give --kv-type, not separate K and V types")
+        cache, dtype = parse_cache(settings.kv_type_k)
+        groups: dict[tuple, list[int]] = {}
+        for i, layer in enumerate(spec.layers):
+            if layer.kind in ("mla", "recurrent"):
+                raise ConfigError(f"kvlab's caches hold full and sliding-window attention only; layer {i} is {layer.kind}")
+            if layer.kind == "none":
+                continue
+            groups.setdefault((layer.n_kv_heads, layer.head_dim_k, layer.head_dim_v, layer.window, layer.n_heads), []).append(i)
+        rows: dict[int, LayerBytes] = {}
+        total = per_token = 0
+        for (kv_heads, dim_k, dim_v, window, heads), indices in groups.items():
+            geometry = CacheGeometry(n_layers=len(indices), n_kv_heads=kv_heads, head_dim=dim_k, batch=settings.parallel,
+                                     capacity=settings.context, n_heads=heads, head_dim_v=dim_v, window=window)
+            nbytes = expected_nbytes(cache, geometry, dtype, settings.context)   # ConfigError for unknown names
+            one_token = expected_nbytes(cache, CacheGeometry(1, kv_heads, dim_k, 1, 1, heads, dim_v, window), dtype, 1)
+            total += nbytes
+            per_token += one_token * len(indices)
+            per_layer = nbytes // len(indices)
+            k_share = per_layer * dim_k // (dim_k + dim_v)
+            for i in indices:
+                rows[i] = LayerBytes(i, spec.layers[i].kind, settings.context * settings.parallel,
+                                     k_total=k_share, v_total=per_layer - k_share)
+        layers = tuple(rows.get(i, LayerBytes(i, layer.kind)) for i, layer in enumerate(spec.layers))
+        label = f"{cache}@{str(dtype).removeprefix('torch.')}"
+        notes = ("K/V split by head dims (kvlab caches report them together)",) if cache != "dense" else ()
+        layout = KVLayout(self.name, layers, per_token, label, label, notes)
+        remainder = total - layout.kv_bytes   # integer division across layers: give the rest to the first layer
+        if remainder and rows:
+            first = min(rows)
+            rows[first] = replace(rows[first], v_total=rows[first].v_total + remainder)
+            layout = KVLayout(self.name, tuple(rows.get(i, LayerBytes(i, layer.kind)) for i, layer in enumerate(spec.layers)),
+                              per_token, label, label, notes)
+        return layout
+
+    def overheads(self, spec: ModelSpec, settings: PlanSettings, layout: KVLayout) -> list[Component]:
+        n_ub = settings.ubatch or settings.context
+        logits = spec.vocab_size * settings.parallel * n_ub * 4
+        return [Component("activations", f"logits {spec.vocab_size}×{settings.parallel}×{n_ub}×4 (prefill)", logits, exact=False)]

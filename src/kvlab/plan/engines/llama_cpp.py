@@ -1,0 +1,127 @@
+"""llama.cpp's allocation rules, as of ggml-org/llama.cpp@0c1e57098 (vendored by llama-cpp-python 0.3.36).
+
+Sources read (src/): llama-context.cpp (n_ctx, n_ctx_seq, n_batch/n_ubatch, output buffer),
+llama-kv-cache.cpp (one K and one V tensor per layer: row size × cells × streams),
+llama-kv-cache-iswa.cpp (the sliding-window cache), llama-memory-recurrent.cpp (R and S state in f32),
+llama-model.cpp create_memory (which cache each architecture gets).
+
+Rules
+- n_ctx = pad(-c, 256). Unified cache: one stream of n_ctx cells. Otherwise each of n_seq_max
+  streams gets n_ctx_seq = pad(n_ctx / n_seq_max, 256) cells.
+- K row = ggml_row_size(type_k, n_kv_heads × head_dim_k); V row likewise. Without flash attention
+  V is stored transposed and, when V widths differ between layers, every layer's V row is padded to
+  the widest. MLA layers store K only (latent + RoPE key) and need type_k == type_v.
+- Sliding-window layers live in a second cache of pad(min(n_ctx_seq, window × (n_seq if unified
+  else 1) + n_ubatch), 256) cells, unless swa_full.
+- Recurrent layers keep (n_embd_r + n_embd_s) f32 values per layer for max(1, n_seq_max) sequences.
+- A quantized V cache requires flash attention.
+"""
+
+from __future__ import annotations
+
+from ...errors import ConfigError
+from ...spec import ModelSpec
+from ..components import Component
+from ..kv_types import KVType, kv_type
+from ..layout import KVLayout, LayerBytes
+from ..settings import PlanSettings
+from .base import Engine, MiB, pad
+
+CELL_PAD = 256          # n_ctx and SWA cells are padded to 256
+DEFAULT_N_BATCH = 2048
+DEFAULT_N_UBATCH = 512
+RECURRENT_BYTES = 4     # R and S tensors are f32
+GPU_RUNTIME_BYTES = 400 * MiB   # CUDA context + cuBLAS workspace: typical, driver-dependent (estimate)
+
+
+class LlamaCppEngine(Engine):
+    name = "llama.cpp"
+    version = "llama.cpp 0c1e57098 (llama-cpp-python 0.3.36)"
+    max_parallel = 256   # LLAMA_MAX_SEQ
+
+    # -- sizes -------------------------------------------------------------------------------------
+    def types(self, settings: PlanSettings) -> tuple[KVType, KVType]:
+        k = kv_type(settings.kv_type_k or "f16")
+        v = kv_type(settings.kv_type_v or settings.kv_type_k or "f16")
+        for t in (k, v):
+            if not t.ggml:
+                raise ConfigError(f"llama.cpp has no {t.name} KV cache; use f16, bf16, f32, q8_0, q4_0, q4_1, q5_0, q5_1 or iq4_nl")
+        if v.quantized and not settings.flash_attn:
+            raise ConfigError(f"llama.cpp needs flash attention for a quantized V cache ({v.name}); drop --no-flash-attn")
+        return k, v
+
+    def contexts(self, settings: PlanSettings) -> tuple[int, int, int, int]:
+        """(n_ctx, cells per stream, streams, n_ubatch) as llama_context computes them."""
+        n_seq = settings.parallel
+        requested = settings.n_ctx_total or settings.context * n_seq
+        n_ctx = pad(requested, CELL_PAD)
+        if settings.kv_unified or n_seq == 1:
+            cells, streams = n_ctx, 1
+        else:
+            cells, streams = pad(n_ctx // n_seq, CELL_PAD), n_seq
+            n_ctx = cells * n_seq   # llama.cpp rounds n_ctx to whole per-sequence caches
+        n_batch = min(requested, DEFAULT_N_BATCH)
+        n_ubatch = min(n_batch, settings.ubatch or DEFAULT_N_UBATCH)
+        return n_ctx, cells, streams, n_ubatch
+
+    def swa_cells(self, window: int, cells: int, settings: PlanSettings, n_ubatch: int) -> int:
+        if settings.swa_full:
+            return cells
+        seqs = settings.parallel if settings.kv_unified else 1
+        return pad(min(cells, window * seqs + n_ubatch), CELL_PAD)
+
+    def layout(self, spec: ModelSpec, settings: PlanSettings) -> KVLayout:
+        type_k, type_v = self.types(settings)
+        if any(layer.kind == "mla" for layer in spec.layers) and type_k != type_v:
+            raise ConfigError(f"llama.cpp's MLA cache needs one type for K and V, got {type_k.name} and {type_v.name}")
+        _, cells, streams, n_ubatch = self.contexts(settings)
+        attention = [layer for layer in spec.layers if layer.kind in ("full", "sliding")]
+        widest_v = max((layer.v_elements_per_token for layer in attention), default=0)
+        variable_v = len({layer.v_elements_per_token for layer in attention}) > 1
+        rows = []
+        per_token = 0
+        for i, layer in enumerate(spec.layers):
+            if layer.kind in ("full", "sliding", "mla"):
+                k_row = type_k.row_bytes(layer.k_elements_per_token)
+                v_elems = widest_v if (variable_v and not settings.flash_attn and layer.kind != "mla") else layer.v_elements_per_token
+                v_row = type_v.row_bytes(v_elems) if v_elems else 0
+                layer_cells = self.swa_cells(layer.window, cells, settings, n_ubatch) if layer.kind == "sliding" else cells
+                rows.append(LayerBytes(i, layer.kind, layer_cells * streams, k_row, v_row))
+                per_token += k_row + v_row
+            elif layer.kind == "recurrent":
+                state = layer.state_elements * RECURRENT_BYTES * max(1, settings.parallel)
+                rows.append(LayerBytes(i, layer.kind, state_bytes=state))
+            else:
+                rows.append(LayerBytes(i, layer.kind))
+        notes = []
+        if any(layer.kind == "sliding" for layer in spec.layers) and not settings.swa_full:
+            notes.append("sliding-window layers keep pad(window + ubatch, 256) cells")
+        return KVLayout(self.name, tuple(rows), per_token, type_k.name, type_v.name, tuple(notes))
+
+    # -- the rest of the budget ---------------------------------------------------------------------
+    def overheads(self, spec: ModelSpec, settings: PlanSettings, layout: KVLayout) -> list[Component]:
+        _, cells, _, n_ubatch = self.contexts(settings)
+        n_embd, n_vocab = spec.d_model, spec.vocab_size
+        attention = spec.attention_layers
+        n_head = max((layer.n_heads for layer in attention), default=0)
+        n_ff = int(spec.extra.get("n_ff", 0) or 0)
+        # the worst-case graph (a full ubatch with every token an output) decides the compute buffer;
+        # ggml-alloc reuses memory, so the largest phase counts, plus the residual stream
+        residual = 2 * n_ubatch * n_embd * 4
+        logits = n_vocab * n_ubatch * 4
+        ffn = 3 * n_ubatch * n_ff * 4
+        scores = 0 if settings.flash_attn else n_head * n_ubatch * cells * 4
+        compute = residual + max(logits, ffn, scores)
+        output = n_vocab * settings.parallel * 4
+        return [
+            Component("compute buffer", f"max(logits {n_vocab}×{n_ubatch}×4, ffn 3×{n_ubatch}×{n_ff}×4"
+                      + ("" if settings.flash_attn else f", scores {n_head}×{n_ubatch}×{cells}×4")
+                      + f") + 2×{n_ubatch}×{n_embd}×4", compute, exact=False),
+            Component("output buffer", f"{n_vocab} vocab × {settings.parallel} seq × 4 B", output, exact=False),
+            Component("CUDA runtime", "CUDA context + cuBLAS workspace (typical)", GPU_RUNTIME_BYTES, exact=False),
+        ]
+
+    def kv_label(self, settings: PlanSettings) -> str:
+        n_ctx, cells, streams, _ = self.contexts(settings)
+        flags = f"-c {n_ctx} -np {settings.parallel}"
+        return flags + (" -kvu" if settings.kv_unified else "")

@@ -1,0 +1,123 @@
+"""Plan → rich table, per-layer table, verdict, and the JSON document."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from .budget import Plan
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+def human(nbytes: int | float) -> str:
+    """2.00 GiB / 72.0 MiB / 147,456 B."""
+    if abs(nbytes) >= GiB:
+        return f"{nbytes / GiB:.2f} GiB"
+    if abs(nbytes) >= MiB:
+        return f"{nbytes / MiB:.1f} MiB"
+    return f"{int(nbytes):,} B"
+
+
+def plan_json(plan: Plan) -> dict[str, Any]:
+    layout, s = plan.layout, plan.settings
+    c = {comp.name: comp for comp in plan.components}
+    return {
+        "model": plan.spec.name,
+        "source": plan.spec.source,
+        "engine": plan.engine.name,
+        "engine_version": plan.engine.version,
+        "context": s.context,
+        "parallel": s.parallel,
+        "tp": s.tp,
+        "per_gpu": plan.per_gpu,
+        "kv_type_k": layout.kv_type_k,
+        "kv_type_v": layout.kv_type_v,
+        "flash_attn": s.flash_attn,
+        "layers": {kind: sum(1 for layer in plan.spec.layers if layer.kind == kind)
+                   for kind in dict.fromkeys(layer.kind for layer in plan.spec.layers)},
+        "kv_bytes_per_token": layout.bytes_per_token,
+        "kv_bytes": c["K cache"].bytes + c["V cache"].bytes,
+        "k_bytes": c["K cache"].bytes,
+        "v_bytes": c["V cache"].bytes,
+        "recurrent_bytes": c["recurrent state"].bytes if "recurrent state" in c else 0,
+        "weights_bytes": c["weights"].bytes,
+        "weights_exact": plan.weights.exact,
+        "overhead_bytes": sum(comp.bytes for comp in plan.components
+                              if comp.name not in ("weights", "K cache", "V cache", "recurrent state")),
+        "total_bytes": plan.total_bytes,
+        "components": [{"name": comp.name, "formula": comp.formula, "bytes": comp.bytes, "exact": comp.exact}
+                       for comp in plan.components],
+        "gpu": plan.gpu.name if plan.gpu else None,
+        "budget_bytes": plan.budget_bytes,
+        "fits": plan.fits,
+        "max_context": plan.max_context,
+        "max_sequences": plan.max_sequences,
+        "notes": list(layout.notes),
+    }
+
+
+def components_table(plan: Plan) -> Table:
+    spec, s, layout = plan.spec, plan.settings, plan.layout
+    per_gpu = " per GPU" if plan.per_gpu else ""
+    title = (f"{spec.name} · {plan.engine.name} · ctx {s.context:,} × {s.parallel} seq · "
+             f"KV {layout.kv_type_k}/{layout.kv_type_v}{per_gpu}")
+    table = Table(title=title, title_justify="left")
+    table.add_column("component")
+    table.add_column("formula", overflow="fold")
+    table.add_column("bytes", justify="right")
+    table.add_column("", justify="right")
+    for comp in plan.components:
+        approx = "" if comp.exact else "≈ "
+        table.add_row(comp.name, comp.formula, f"{approx}{comp.bytes:,}", human(comp.bytes))
+    table.add_section()
+    table.add_row("total", "", f"{plan.total_bytes:,}", human(plan.total_bytes), style="bold")
+    return table
+
+
+def layers_table(plan: Plan) -> Table:
+    table = Table(title="per layer", title_justify="left")
+    for col in ("layer", "kind", "KV heads", "head dim K/V", "window", "cells", "K bytes", "V bytes", "state bytes"):
+        table.add_column(col, justify="right" if col not in ("kind",) else "left")
+    for row in plan.layout.layers:
+        layer = plan.spec.layers[row.index]
+        dims = f"{layer.kv_lora_rank}+{layer.rope_dim}" if layer.kind == "mla" else f"{layer.head_dim_k}/{layer.head_dim_v}"
+        table.add_row(str(row.index), row.kind, str(layer.n_kv_heads or ""), dims if layer.kind != "recurrent" else "",
+                      str(layer.window or ""), f"{row.cells:,}" if row.cells else "", f"{row.k_bytes:,}",
+                      f"{row.v_bytes:,}", f"{row.state_bytes:,}")
+    return table
+
+
+def verdict(plan: Plan) -> str:
+    s = plan.settings
+    lines = [f"KV per token: {plan.layout.bytes_per_token:,} B  ·  KV {human(plan.layout.kv_bytes)}"
+             + (f"  ·  recurrent {human(plan.layout.recurrent_bytes)}" if plan.layout.recurrent_bytes else "")]
+    label = plan.engine.kv_label(s)
+    if label:
+        lines.append(f"{plan.engine.name} settings: {label}")
+    if plan.budget_bytes is None:
+        lines.append(f"total {human(plan.total_bytes)} (give --gpu or --vram for a verdict)")
+        return "\n".join(lines)
+    where = f"{human(plan.budget_bytes)} usable on {plan.gpu.name}" + (" (per GPU)" if plan.per_gpu else "")
+    if plan.fits:
+        lines.append(f"[green]fits[/green]: {human(plan.total_bytes)} of {where}, {human(plan.budget_bytes - plan.total_bytes)} free")
+    else:
+        lines.append(f"[red]does not fit[/red]: {human(plan.total_bytes)} > {where}, short by {human(plan.total_bytes - plan.budget_bytes)}")
+    if plan.max_context is not None:
+        lines.append(f"longest context that fits ({s.parallel} seq): {plan.max_context:,} tokens" if plan.max_context
+                     else "nothing fits, even at 1 token of context")
+    if plan.max_sequences is not None:
+        lines.append(f"most sequences at {s.context:,} tokens: {plan.max_sequences}")
+    for note in plan.layout.notes:
+        lines.append(f"[dim]{note}[/dim]")
+    return "\n".join(lines)
+
+
+def print_plan(plan: Plan, console: Console, layers: bool = False) -> None:
+    console.print(components_table(plan))
+    if layers:
+        console.print(layers_table(plan))
+    console.print(verdict(plan))

@@ -1,0 +1,437 @@
+"""GGUF files: read the header (metadata + tensor table) without touching tensor data.
+
+`open_gguf(path)` parses the header with `struct` over an mmap of the file, so only the header's
+pages are ever read: a 40 GB file opens as fast as a 4 MB one. Tensor data is reachable lazily
+through `GGUFTensor.data` (a read-only numpy memmap view, shaped like `gguf.GGUFReader`'s), so the
+engine can dequantize from the same object. Nothing is ever unpickled or executed.
+
+Every failure (missing file, not GGUF, truncated, corrupt header) is one `ModelFileError` line.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import quant_shape_to_byte_shape
+
+from ..errors import ConfigError, ModelFileError
+from ..spec import ModelSpec
+from .layers import LayerFacts, build_layers, interval_kinds, pattern_kinds, per_layer, ssm_state_elements
+
+GGUF_MAGIC = b"GGUF"
+SUPPORTED_VERSIONS = (2, 3)
+DEFAULT_ALIGNMENT = 32
+_MAX_COUNT = 1 << 32  # more keys/tensors/array items than any real file: the header is corrupt
+
+# GGUF value type id -> struct format (scalars); 8 = string, 9 = array.
+_SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_NUMPY_DTYPES = {0: "u1", 1: "i1", 2: "u2", 3: "i2", 4: "u4", 5: "i4", 6: "f4", 7: "?", 10: "u8", 11: "i8", 12: "f8"}
+_STRING, _ARRAY = 8, 9
+
+# Tensor types whose data GGUFReader exposes as typed arrays (all others: raw bytes of blocks).
+_PLAIN_TENSOR_DTYPES = {
+    GGMLQuantizationType.F32: np.float32,
+    GGMLQuantizationType.F16: np.float16,
+    GGMLQuantizationType.F64: np.float64,
+    GGMLQuantizationType.I8: np.int8,
+    GGMLQuantizationType.I16: np.int16,
+    GGMLQuantizationType.I32: np.int32,
+    GGMLQuantizationType.I64: np.int64,
+}
+
+
+class _Truncated(Exception):
+    """Internal: a read ran past the end of the file."""
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One entry of the tensor table (attribute names follow gguf.ReaderTensor)."""
+
+    name: str
+    tensor_type: GGMLQuantizationType
+    shape: tuple[int, ...]          # GGUF order: fastest-varying dimension first
+    n_elements: int
+    n_bytes: int
+    data_offset: int                # absolute offset in the file
+    _file: "GGUFFile" = field(repr=False, compare=False)
+
+    @property
+    def data(self) -> np.ndarray:
+        """The tensor's bytes as a read-only memmap view (numpy order: dims reversed).
+
+        Plain types (F32, F16, I8, ...) come typed; quantized ones as uint8 rows of whole blocks,
+        exactly as gguf.GGUFReader exposes them, ready for gguf.quants.dequantize.
+        """
+        np_shape = tuple(reversed(self.shape))
+        dtype = _PLAIN_TENSOR_DTYPES.get(self.tensor_type)
+        if dtype is None:
+            np_shape = quant_shape_to_byte_shape(np_shape, self.tensor_type)
+            dtype = np.uint8
+        raw = self._file._memmap[self.data_offset:self.data_offset + self.n_bytes]
+        return raw.view(dtype).reshape(np_shape)
+
+
+@dataclass
+class GGUFFile:
+    """A parsed GGUF header: `metadata` (decoded Python values) and `tensors` (the table)."""
+
+    path: Path
+    version: int
+    metadata: dict[str, Any]
+    tensors: list[GGUFTensor]
+    alignment: int
+    data_offset: int               # where tensor data starts
+    file_size: int
+    header_bytes: int = 0          # bytes parsed: key/values + tensor table
+
+    @cached_property
+    def _memmap(self) -> np.memmap:
+        return np.memmap(self.path, mode="r", dtype=np.uint8)
+
+    @property
+    def architecture(self) -> str:
+        return str(self.metadata.get("general.architecture", ""))
+
+    def tensor(self, name: str) -> GGUFTensor:
+        for tensor in self.tensors:
+            if tensor.name == name:
+                return tensor
+        raise ModelFileError(f"{self.path}: no tensor named {name!r}")
+
+    @property
+    def tensor_bytes(self) -> int:
+        """Bytes of all tensor data (the weights as stored)."""
+        return sum(t.n_bytes for t in self.tensors)
+
+
+class _HeaderReader:
+    """Sequential little/big-endian reads over a buffer, raising _Truncated past its end."""
+
+    def __init__(self, buffer, size: int, endian: str = "<"):
+        self.buffer, self.size, self.endian, self.pos = buffer, size, endian, 0
+
+    def unpack(self, fmt: str) -> Any:
+        s = struct.Struct(self.endian + fmt)
+        if self.pos + s.size > self.size:
+            raise _Truncated
+        (value,) = s.unpack_from(self.buffer, self.pos)
+        self.pos += s.size
+        return value
+
+    def count(self, what: str) -> int:
+        n = self.unpack("Q")
+        if n >= _MAX_COUNT:
+            raise ModelFileError(f"corrupt GGUF header: {what} count {n} is implausible")
+        return n
+
+    def raw(self, n: int) -> bytes:
+        if self.pos + n > self.size:
+            raise _Truncated
+        data = self.buffer[self.pos:self.pos + n]
+        self.pos += n
+        return data
+
+    def string(self) -> str:
+        return self.raw(self.count("string length")).decode("utf-8", errors="replace")
+
+    def _strings(self, n: int) -> list[str]:
+        """n strings in a row (tokenizer vocabularies: the hot loop of header parsing)."""
+        length = struct.Struct(self.endian + "Q")
+        buffer, size, pos, out = self.buffer, self.size, self.pos, []
+        for _ in range(n):
+            if pos + 8 > size:
+                raise _Truncated
+            (k,) = length.unpack_from(buffer, pos)
+            pos += 8
+            if pos + k > size:
+                raise _Truncated
+            out.append(buffer[pos:pos + k].decode("utf-8", errors="replace"))
+            pos += k
+        self.pos = pos
+        return out
+
+    def value(self, type_id: int) -> Any:
+        fmt = _SCALAR_FORMATS.get(type_id)
+        if fmt is not None:
+            return self.unpack(fmt)
+        if type_id == _STRING:
+            return self.string()
+        if type_id == _ARRAY:
+            item_type = self.unpack("I")
+            n = self.count("array")
+            if item_type in _NUMPY_DTYPES:
+                dtype = np.dtype(_NUMPY_DTYPES[item_type]).newbyteorder(self.endian)
+                return np.frombuffer(self.raw(n * dtype.itemsize), dtype=dtype).tolist()
+            if item_type == _STRING:
+                return self._strings(n)
+            return [self.value(item_type) for _ in range(n)]
+        raise ModelFileError(f"corrupt GGUF header: unknown value type {type_id}")
+
+
+def _parse(path: Path, buffer, size: int) -> GGUFFile:
+    if size < 4 or buffer[:4] != GGUF_MAGIC:
+        raise ModelFileError(f"{path} is not a GGUF file (starts with {bytes(buffer[:4])!r}, expected b'GGUF')")
+    reader = _HeaderReader(buffer, size)
+    reader.pos = 4
+    version = reader.unpack("I")
+    if version & 0xFFFF == 0:  # written on a machine of the other byte order
+        reader.endian = ">"
+        version = struct.unpack(">I", struct.pack("<I", version))[0]
+    if version not in SUPPORTED_VERSIONS:
+        raise ModelFileError(f"{path}: GGUF version {version} is not supported (only {SUPPORTED_VERSIONS})")
+    n_tensors = reader.count("tensor")
+    n_kv = reader.count("metadata key")
+
+    metadata: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = reader.string()
+        metadata[key] = reader.value(reader.unpack("I"))
+
+    table = []
+    for _ in range(n_tensors):
+        name = reader.string()
+        n_dims = reader.unpack("I")
+        if n_dims > 8:
+            raise ModelFileError(f"corrupt GGUF header: tensor {name!r} has {n_dims} dimensions")
+        shape = tuple(reader.unpack("Q") for _ in range(n_dims))
+        raw_type = reader.unpack("I")
+        offset = reader.unpack("Q")
+        try:
+            tensor_type = GGMLQuantizationType(raw_type)
+            block_size, type_size = GGML_QUANT_SIZES[tensor_type]
+        except (ValueError, KeyError):
+            raise ModelFileError(f"{path}: tensor {name!r} has unknown type id {raw_type}") from None
+        n_elements = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        table.append((name, tensor_type, shape, n_elements, n_elements // block_size * type_size, offset))
+
+    alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        raise ModelFileError(f"{path}: general.alignment={alignment!r} is not a power of two")
+    header_bytes = reader.pos
+    data_offset = -(-reader.pos // alignment) * alignment
+
+    gguf_file = GGUFFile(path, version, metadata, [], alignment, data_offset, size, header_bytes)
+    for name, tensor_type, shape, n_elements, n_bytes, offset in table:
+        end = data_offset + offset + n_bytes
+        if end > size:
+            raise ModelFileError(
+                f"{path} is truncated: tensor {name!r} ends at byte {end:,} but the file has {size:,} bytes"
+            )
+        gguf_file.tensors.append(GGUFTensor(name, tensor_type, shape, n_elements, n_bytes, data_offset + offset, gguf_file))
+    return gguf_file
+
+
+def open_gguf(path: str | os.PathLike) -> GGUFFile:
+    """Parse a GGUF file's header; tensor data stays on disk (see GGUFTensor.data).
+
+    Raises ModelFileError (one line) for a missing file, a file that is not GGUF, a truncated
+    file, or a header that cannot be parsed.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise ModelFileError(f"{path}: no such file")
+    if not path.is_file():
+        raise ModelFileError(f"{path} is not a file")
+    try:
+        size = path.stat().st_size
+        if size < 24:  # magic + version + two counts
+            with open(path, "rb") as fh:
+                head = fh.read(4)
+            if head != GGUF_MAGIC:
+                raise ModelFileError(f"{path} is not a GGUF file (starts with {head!r}, expected b'GGUF')")
+            raise ModelFileError(f"{path} is truncated: {size} bytes is shorter than a GGUF header")
+        with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as view:
+            return _parse(path, view, size)
+    except _Truncated:
+        raise ModelFileError(f"{path} is truncated: the GGUF header runs past the end of the file") from None
+    except (OSError, ValueError, UnicodeDecodeError, OverflowError, struct.error) as exc:
+        raise ModelFileError(f"{path}: unreadable GGUF header ({type(exc).__name__}: {exc})") from None
+
+
+def gguf_metadata(gguf_file: Any) -> dict[str, Any]:
+    """The decoded metadata of a GGUFFile (or of a gguf.GGUFReader: strings decoded, arrays as lists)."""
+    if isinstance(gguf_file, GGUFFile):
+        return dict(gguf_file.metadata)
+    fields = getattr(gguf_file, "fields", None)
+    if fields is None:
+        raise TypeError(f"expected a GGUFFile or gguf.GGUFReader, got {type(gguf_file).__name__}")
+    return {key: f.contents() for key, f in fields.items() if not key.startswith("GGUF.")}
+
+
+# -- ModelSpec from the metadata ------------------------------------------------------------------
+
+#: What llama.cpp assumes when a GGUF lacks a key (it hard-codes these per architecture):
+#: the sliding-window period (0 = llama.cpp ignores the window), the full-attention interval of
+#: hybrid DeltaNet models, and the layers that own KV in Gemma 3n. Keys in the file always win.
+LLAMA_CPP_KEY_DEFAULTS: dict[str, dict[str, int]] = {
+    "gemma2": {"sliding_window_pattern": 2, "sliding_window": 4096},
+    "gemma3": {"sliding_window_pattern": 6},
+    "gemma3n": {"sliding_window_pattern": 5, "kv_layers": 20},
+    "cohere2": {"sliding_window_pattern": 4},
+    "gpt-oss": {"sliding_window_pattern": 2},
+    "exaone4": {"sliding_window_pattern": 4},
+    "llama4": {"sliding_window_pattern": 4, "sliding_window": 8192},
+    "qwen3next": {"full_attention_interval": 4},
+    "qwen35": {"full_attention_interval": 4},
+    "qwen35moe": {"full_attention_interval": 4},
+}
+#: Architectures whose llama.cpp loader never reads a sliding window (the key, if any, is ignored).
+_NO_SWA = {"llama", "qwen2", "qwen3", "qwen3moe", "mistral3", "deepseek2", "phi3"}
+
+
+def _gguf_kinds(md: dict[str, Any], arch: str, n_layers: int, kv_heads: list[int], n_ff: list[int]) -> list[str]:
+    """Per-layer kinds from the standard keys (see LLAMA_CPP_KEY_DEFAULTS for absent keys)."""
+    key = lambda name: md.get(f"{arch}.{name}")  # noqa: E731
+    defaults = LLAMA_CPP_KEY_DEFAULTS.get(arch, {})
+    has_ssm = key("ssm.state_size") is not None or key("wkv.head_size") is not None or key("shortconv.l_cache") is not None
+    recurrent_layers = key("attention.recurrent_layers")
+    interval = key("full_attention_interval") or (defaults.get("full_attention_interval") if has_ssm else None)
+    if isinstance(recurrent_layers, list):
+        kinds = ["recurrent" if r else "full" for r in per_layer(recurrent_layers, n_layers, "attention.recurrent_layers")]
+    elif has_ssm and interval:
+        kinds = interval_kinds(n_layers, int(interval))
+    elif has_ssm:
+        # a layer without KV heads is recurrent (or MLP-only when it has a feed-forward: Nemotron-H)
+        hybrid_mlp = any(n_ff) and any(kv == 0 and ff > 0 for kv, ff in zip(kv_heads, n_ff)) and any(
+            kv == 0 and ff == 0 for kv, ff in zip(kv_heads, n_ff))
+        kinds = ["full" if kv > 0 else ("none" if hybrid_mlp and ff > 0 else "recurrent") for kv, ff in zip(kv_heads, n_ff)]
+    else:
+        kinds = ["full"] * n_layers
+
+    window = key("attention.sliding_window") or defaults.get("sliding_window")
+    if window and arch not in _NO_SWA:
+        pattern = key("attention.sliding_window_pattern")
+        if isinstance(pattern, list):
+            swa = [bool(p) for p in per_layer(pattern, n_layers, "attention.sliding_window_pattern")]
+        else:
+            period = pattern if pattern is not None else defaults.get("sliding_window_pattern", 1)
+            swa = [k == "sliding" for k in pattern_kinds(n_layers, int(period))] if period else [False] * n_layers
+        kinds = ["sliding" if s and k == "full" else k for s, k in zip(swa, kinds)]
+
+    shared = key("attention.shared_kv_layers")
+    kv_layers = n_layers - int(shared) if shared else defaults.get("kv_layers")
+    if kv_layers:
+        kinds = [k if i < kv_layers else "none" for i, k in enumerate(kinds)]
+    return kinds
+
+
+def _gguf_state_elements(md: dict[str, Any], arch: str, n_embd: int, n_heads: int) -> int:
+    key = lambda name, default=0: md.get(f"{arch}.{name}", default)  # noqa: E731
+    if key("wkv.head_size"):  # RWKV: token shift + wkv state
+        return int(key("token_shift_count", 2)) * n_embd + n_embd * int(key("wkv.head_size"))
+    if key("shortconv.l_cache"):  # LFM2 short convolution
+        return n_embd * (int(key("shortconv.l_cache")) - 1)
+    if key("ssm.state_size"):
+        return ssm_state_elements(int(key("ssm.conv_kernel")), int(key("ssm.inner_size")),
+                                  int(key("ssm.state_size")), int(key("ssm.group_count")))
+    return 0
+
+
+def spec_from_gguf(gguf_file: GGUFFile) -> ModelSpec:
+    """A ModelSpec from GGUF metadata keys; weights_bytes are the tensor table's exact bytes."""
+    md, source = gguf_file.metadata, str(gguf_file.path)
+    arch = gguf_file.architecture
+    if not arch:
+        raise ConfigError(f"{source}: no general.architecture in the GGUF metadata")
+    key = lambda name, default=None: md.get(f"{arch}.{name}", default)  # noqa: E731
+    n_layers = key("block_count")
+    if n_layers is None:
+        raise ConfigError(f"{source}: no {arch}.block_count in the GGUF metadata")
+    n_layers = int(n_layers)
+    if n_layers <= 0:
+        raise ConfigError(f"{source}: {arch}.block_count must be positive, got {n_layers}")
+    n_embd = int(key("embedding_length", 0))
+    head_count = key("attention.head_count")
+    if head_count is None:
+        raise ConfigError(f"{source}: no {arch}.attention.head_count in the GGUF metadata")
+    n_heads = per_layer(head_count, n_layers, f"{arch}.attention.head_count")
+    kv_heads = per_layer(key("attention.head_count_kv", head_count), n_layers, f"{arch}.attention.head_count_kv")
+    n_ff = per_layer(key("feed_forward_length", 0), n_layers, f"{arch}.feed_forward_length")
+    max_heads = max(n_heads)
+    head_dim_k = int(key("attention.key_length", n_embd // max_heads if max_heads else 0))
+    head_dim_v = int(key("attention.value_length", n_embd // max_heads if max_heads else 0))
+
+    kinds = _gguf_kinds(md, arch, n_layers, kv_heads, n_ff)
+    facts = LayerFacts(
+        n_layers, kinds, n_heads, kv_heads, head_dim_k, head_dim_v,
+        window=int(key("attention.sliding_window") or LLAMA_CPP_KEY_DEFAULTS.get(arch, {}).get("sliding_window") or 0) or None,
+        head_dim_k_swa=key("attention.key_length_swa"),
+        head_dim_v_swa=key("attention.value_length_swa"),
+    )
+    if key("attention.key_length_mla") and key("attention.value_length_mla"):
+        # llama.cpp's MLA cache: K only, key_length values per KV head (latent + RoPE key)
+        rank = int(key("attention.kv_lora_rank", 0))
+        facts.kinds = ["mla" if k == "full" else k for k in facts.kinds]
+        facts.kv_lora_rank = rank
+        facts.rope_dim = head_dim_k * max(kv_heads) - rank
+    if "recurrent" in facts.kinds:
+        facts.state_elements = _gguf_state_elements(md, arch, n_embd, max_heads)
+    layers = build_layers(facts, source)
+    return ModelSpec(
+        name=str(md.get("general.name") or gguf_file.path.stem),
+        arch=arch,
+        layers=layers,
+        d_model=n_embd,
+        vocab_size=int(key("vocab_size") or len(md.get("tokenizer.ggml.tokens", [])) or 0),
+        context_length=int(key("context_length", 0)),
+        n_params=sum(t.n_elements for t in gguf_file.tensors),
+        weights_bytes=gguf_file.tensor_bytes,
+        source=source,
+        extra={"n_ff": max(n_ff), "n_expert": int(key("expert_count", 0)), "n_expert_used": int(key("expert_used_count", 0)),
+               "file_size": gguf_file.file_size, "dtype": "gguf"},
+    )
+
+
+# -- writing (test fixtures, the oracle's tiny models, benchmarks) ---------------------------------
+
+def _value_type(value: Any):
+    from gguf import GGUFValueType as T
+
+    if isinstance(value, bool):
+        return T.BOOL
+    if isinstance(value, int):
+        return T.UINT32 if 0 <= value < 1 << 32 else T.INT64
+    if isinstance(value, float):
+        return T.FLOAT32
+    if isinstance(value, str):
+        return T.STRING
+    raise ValueError(f"cannot store {type(value).__name__} in GGUF metadata")
+
+
+def write_gguf(path: str | os.PathLike, metadata: dict[str, Any], tensors: dict[str, np.ndarray] | None = None) -> Path:
+    """Write a GGUF with `metadata` (plain Python values) and optional f32/f16 tensors.
+
+    ints are stored as uint32 (int64 when out of range), floats as float32, lists as arrays of
+    their first item's type. `general.architecture` must be in `metadata`.
+    """
+    from gguf import GGUFValueType, GGUFWriter
+
+    path = Path(path)
+    writer = GGUFWriter(path, str(metadata["general.architecture"]))
+    for key, value in metadata.items():
+        if key == "general.architecture":
+            continue
+        if isinstance(value, (list, tuple)):
+            items = list(value)
+            item_type = _value_type(items[0]) if items else GGUFValueType.UINT32
+            if item_type == GGUFValueType.UINT32 and any(v < 0 for v in items):
+                item_type = GGUFValueType.INT32
+            writer.add_key_value(key, items, GGUFValueType.ARRAY, sub_type=item_type)
+        else:
+            writer.add_key_value(key, value, _value_type(value))
+    for name, array in (tensors or {}).items():
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

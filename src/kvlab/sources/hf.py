@@ -1,0 +1,292 @@
+"""Hugging Face models: config.json → ModelSpec; weights from safetensors headers only.
+
+The per-layer kinds come from the config's own keys, in this order:
+  layer_types            ["full_attention", "sliding_attention", "linear_attention", "mamba", ...]
+  layers_block_type      ["attention", "mamba", ...] (Jamba, Granite 4)
+  hybrid_override_pattern "M-M*-..." (Nemotron-H: M mamba, * attention, - MLP only)
+  full_attention_interval every n-th layer full, the rest linear attention (Qwen3-Next, Qwen3.5)
+  sliding_window_pattern  n-1 sliding layers then one full (Gemma 3)
+  sliding_window (+ use_sliding_window)  every layer sliding (Mistral 7B v0.1)
+then num_kv_shared_layers (the last n layers reuse earlier KV) and kv_lora_rank (MLA).
+
+A safetensors header is an 8-byte little-endian length and that many bytes of JSON; nothing
+else of the file is read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError, KvlabError, ModelFileError, OfflineError
+from ..spec import ModelSpec
+from .layers import LayerFacts, build_layers, interval_kinds, pattern_kinds, per_layer, ssm_state_elements
+
+#: bytes per element of safetensors dtypes
+SAFETENSORS_DTYPE_BYTES = {
+    "F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
+    "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I8": 1, "U8": 1, "BOOL": 1, "F4": 0.5, "F6_E2M3": 0.75, "F6_E3M2": 0.75,
+}
+_MAX_HEADER = 100 * 1024 * 1024
+
+_LAYER_TYPE_KINDS = {
+    "full_attention": "full", "attention": "full", "global": "full", "full": "full",
+    "sliding_attention": "sliding", "sliding": "sliding", "local": "sliding", "chunked_attention": "sliding",
+    "linear_attention": "recurrent", "mamba": "recurrent", "mamba2": "recurrent", "recurrent": "recurrent",
+    "conv": "recurrent", "deltanet": "recurrent", "gated_deltanet": "recurrent",
+    "none": "none", "mlp": "none", "moe": "none",
+}
+
+
+def _text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config (multimodal configs nest it under text_config / llm_config)."""
+    for key in ("text_config", "llm_config", "language_config"):
+        sub = config.get(key)
+        if isinstance(sub, dict) and "num_hidden_layers" not in config:
+            merged = {k: v for k, v in config.items() if k != key}
+            merged.update(sub)
+            return merged
+    return config
+
+
+def _first(config: dict[str, Any], *keys: str, default: Any = None) -> Any:
+    for key in keys:
+        if config.get(key) is not None:
+            return config[key]
+    return default
+
+
+def _recurrent_state(cfg: dict[str, Any]) -> int:
+    """Recurrent state values per layer and sequence, from linear-attention or Mamba keys."""
+    if cfg.get("linear_num_value_heads"):  # gated DeltaNet (Qwen3-Next, Qwen3.5)
+        n_v = int(cfg["linear_num_value_heads"])
+        n_k = int(cfg.get("linear_num_key_heads", n_v))
+        d_k = int(cfg["linear_key_head_dim"])
+        d_v = int(cfg["linear_value_head_dim"])
+        return ssm_state_elements(int(cfg.get("linear_conv_kernel_dim", 4)), n_v * d_v, d_k, n_k)
+    d_state = _first(cfg, "ssm_state_size", "mamba_d_state", "state_size")
+    if d_state:
+        hidden = int(cfg["hidden_size"])
+        heads = _first(cfg, "mamba_n_heads", "mamba_num_heads")
+        head_dim = _first(cfg, "mamba_d_head", "mamba_head_dim")
+        if heads and head_dim:
+            d_inner = int(heads) * int(head_dim)
+        else:
+            d_inner = int(_first(cfg, "mamba_expand", "expand", default=2) * hidden)
+            d_inner = int(_first(cfg, "intermediate_size", default=d_inner)) if cfg.get("model_type") == "mamba" else d_inner
+        n_groups = int(_first(cfg, "mamba_n_groups", "n_groups", default=0))
+        kernel = int(_first(cfg, "mamba_d_conv", "conv_kernel", "mamba_conv_kernel", "d_conv", default=4))
+        return ssm_state_elements(kernel, d_inner, int(d_state), n_groups)
+    return 0
+
+
+def _kinds(cfg: dict[str, Any], n_layers: int, source: str) -> list[str]:
+    layer_types = cfg.get("layer_types")
+    if isinstance(layer_types, list) and layer_types:
+        if len(layer_types) < n_layers:
+            raise ConfigError(f"{source}: layer_types lists {len(layer_types)} layers, num_hidden_layers is {n_layers}")
+        kinds = []
+        for t in layer_types[:n_layers]:
+            if str(t) not in _LAYER_TYPE_KINDS:
+                raise ConfigError(f"{source}: unknown layer type {t!r} in layer_types")
+            kinds.append(_LAYER_TYPE_KINDS[str(t)])
+        return kinds
+    block_types = cfg.get("layers_block_type")
+    if isinstance(block_types, list) and block_types:
+        return [_LAYER_TYPE_KINDS.get(str(t), "full") for t in block_types[:n_layers]]
+    pattern = cfg.get("hybrid_override_pattern")
+    if isinstance(pattern, str) and pattern:
+        return [{"M": "recurrent", "*": "full"}.get(c, "none") for c in pattern[:n_layers]]
+    if cfg.get("attn_layer_period"):  # Jamba's older keys
+        period, offset = int(cfg["attn_layer_period"]), int(cfg.get("attn_layer_offset", 0))
+        return ["full" if i % period == offset else "recurrent" for i in range(n_layers)]
+    if cfg.get("full_attention_interval"):
+        return interval_kinds(n_layers, int(cfg["full_attention_interval"]))
+    window = cfg.get("sliding_window")
+    uses_window = window and cfg.get("use_sliding_window", True) is not False
+    if uses_window and cfg.get("sliding_window_pattern"):
+        return pattern_kinds(n_layers, int(cfg["sliding_window_pattern"]))
+    if uses_window:
+        return ["sliding"] * n_layers
+    if _first(cfg, "ssm_state_size", "mamba_d_state", "state_size") and not cfg.get("num_attention_heads"):
+        return ["recurrent"] * n_layers
+    return ["full"] * n_layers
+
+
+def spec_from_config(config: dict[str, Any], name: str = "", source: str = "config.json",
+                     weights_bytes: int = 0, n_params: int = 0) -> ModelSpec:
+    """A ModelSpec from a transformers config dict (top level or nested text_config)."""
+    if not isinstance(config, dict):
+        raise ConfigError(f"{source}: config must be a JSON object")
+    cfg = _text_config(config)
+    n_layers = _first(cfg, "num_hidden_layers", "n_layer", "num_layers", "n_layers")
+    if n_layers is None:
+        raise ConfigError(f"{source}: no num_hidden_layers in the config")
+    n_layers = int(n_layers)
+    if n_layers <= 0:
+        raise ConfigError(f"{source}: num_hidden_layers must be positive, got {n_layers}")
+    kinds = _kinds(cfg, n_layers, source)
+
+    n_heads_raw = _first(cfg, "num_attention_heads", "n_head", "num_heads")
+    attention_kinds = {"full", "sliding", "mla"}
+    if n_heads_raw is None:
+        if any(k in attention_kinds for k in kinds):
+            raise ConfigError(f"{source}: no attention head count (num_attention_heads) in the config")
+        n_heads_raw = 0
+    n_heads = per_layer(n_heads_raw, n_layers, "num_attention_heads")
+    n_kv_heads = per_layer(_first(cfg, "num_key_value_heads", "num_kv_heads", "n_head_kv", default=n_heads_raw),
+                           n_layers, "num_key_value_heads")
+    hidden = int(_first(cfg, "hidden_size", "n_embd", "d_model", default=0))
+    max_heads = max(n_heads) if n_heads else 0
+    head_dim = cfg.get("head_dim")
+    if head_dim is None:
+        head_dim = hidden // max_heads if max_heads and hidden else 0
+    head_dim_v = int(cfg.get("v_head_dim") or head_dim) if not cfg.get("kv_lora_rank") else head_dim
+
+    facts = LayerFacts(n_layers, kinds, n_heads, n_kv_heads, int(head_dim), int(head_dim_v),
+                       window=int(cfg["sliding_window"]) if cfg.get("sliding_window") else None)
+    if cfg.get("attention_chunk_size") and "sliding" in kinds and not facts.window:
+        facts.window = int(cfg["attention_chunk_size"])
+    if cfg.get("kv_lora_rank"):  # multi-head latent attention: one latent + one RoPE key per token
+        facts.kinds = ["mla" if k == "full" else k for k in facts.kinds]
+        facts.kv_lora_rank = int(cfg["kv_lora_rank"])
+        facts.rope_dim = int(cfg.get("qk_rope_head_dim", 64))
+        facts.head_dim_k = int(cfg.get("qk_nope_head_dim", 128)) + facts.rope_dim
+        facts.head_dim_v = int(cfg.get("v_head_dim", 128))
+    if any(k == "recurrent" for k in facts.kinds):
+        facts.state_elements = _recurrent_state(cfg)
+    shared = int(cfg.get("num_kv_shared_layers") or 0)
+    if shared:
+        if not 0 < shared < n_layers:
+            raise ConfigError(f"{source}: num_kv_shared_layers={shared} with {n_layers} layers")
+        facts.kinds = facts.kinds[: n_layers - shared] + ["none"] * shared
+
+    layers = build_layers(facts, source)
+    extra = {
+        "n_ff": int(_first(cfg, "intermediate_size", "ffn_hidden_size", default=0) or 0),
+        "n_expert": int(_first(cfg, "num_experts", "num_local_experts", "n_routed_experts", default=0) or 0),
+        "n_expert_used": int(_first(cfg, "num_experts_per_tok", "num_experts_per_token", default=0) or 0),
+        "dtype": str(_first(cfg, "torch_dtype", "dtype", default="bfloat16")),
+    }
+    return ModelSpec(
+        name=name or str(_first(config, "_name_or_path", "model_type", default="model")),
+        arch=str(_first(cfg, "model_type", default=config.get("model_type", "unknown"))),
+        layers=layers,
+        d_model=hidden,
+        vocab_size=int(_first(cfg, "vocab_size", default=config.get("vocab_size", 0)) or 0),
+        context_length=int(_first(cfg, "max_position_embeddings", "n_positions", "max_seq_len", default=0) or 0),
+        n_params=n_params,
+        weights_bytes=weights_bytes,
+        source=source,
+        extra=extra,
+    )
+
+
+# -- files ---------------------------------------------------------------------------------------
+
+def read_config(path: str | os.PathLike) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ModelFileError(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelFileError(f"{path}: not a readable JSON config ({type(exc).__name__}: {exc})") from None
+
+
+def read_safetensors_header(path: str | os.PathLike) -> dict[str, Any]:
+    """The JSON header of a .safetensors file (8-byte length + JSON); tensor data is never read."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as fh:
+            prefix = fh.read(8)
+            if len(prefix) < 8:
+                raise ModelFileError(f"{path} is truncated: no safetensors header length")
+            (n,) = struct.unpack("<Q", prefix)
+            if n > _MAX_HEADER:
+                raise ModelFileError(f"{path} is not a safetensors file (header length {n} is implausible)")
+            raw = fh.read(n)
+    except FileNotFoundError:
+        raise ModelFileError(f"{path}: no such file") from None
+    except OSError as exc:
+        raise ModelFileError(f"{path}: cannot read ({exc})") from None
+    if len(raw) < n:
+        raise ModelFileError(f"{path} is truncated: header needs {n} bytes, file has {len(raw)}")
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise ModelFileError(f"{path} is not a safetensors file (header is not JSON)") from None
+    if not isinstance(header, dict):
+        raise ModelFileError(f"{path} is not a safetensors file (header is not a JSON object)")
+    return header
+
+
+def safetensors_weights(headers: list[dict[str, Any]]) -> tuple[int, int]:
+    """(bytes, parameters) of all tensors listed in safetensors headers."""
+    total_bytes = total_params = 0
+    for header in headers:
+        for tensor_name, info in header.items():
+            if tensor_name == "__metadata__":
+                continue
+            n = 1
+            for d in info.get("shape", []):
+                n *= int(d)
+            offsets = info.get("data_offsets")
+            total_bytes += int(offsets[1] - offsets[0]) if offsets else int(n * SAFETENSORS_DTYPE_BYTES.get(info.get("dtype"), 2))
+            total_params += n
+    return total_bytes, total_params
+
+
+def spec_from_folder(path: str | os.PathLike) -> ModelSpec:
+    """A HF model folder (config.json + *.safetensors) or a config.json path."""
+    path = Path(path)
+    config_path = path / "config.json" if path.is_dir() else path
+    folder = config_path.parent
+    config = read_config(config_path)
+    headers = [read_safetensors_header(p) for p in sorted(folder.glob("*.safetensors"))]
+    weights_bytes, n_params = safetensors_weights(headers)
+    return spec_from_config(config, name=folder.name if path.is_dir() else config_path.stem,
+                            source=str(config_path), weights_bytes=weights_bytes, n_params=n_params)
+
+
+# -- the Hub ---------------------------------------------------------------------------------------
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def spec_from_hub(repo_id: str) -> ModelSpec:
+    """config.json and the safetensors headers of a Hub repo (HTTP range reads of the headers only)."""
+    if _offline():
+        raise OfflineError(f"{repo_id}: looks like a Hugging Face repo id, but HF_HUB_OFFLINE is set; "
+                           "give a local file, folder or catalog name")
+    try:
+        from huggingface_hub import HfApi, hf_hub_download
+    except ImportError:
+        raise OfflineError(f"{repo_id}: huggingface_hub is not installed, so Hub repos cannot be fetched") from None
+    try:
+        config = read_config(hf_hub_download(repo_id, "config.json"))
+        weights_bytes = n_params = 0
+        try:
+            info = HfApi().get_safetensors_metadata(repo_id)
+            for file_meta in info.files_metadata.values():
+                for tensor in file_meta.tensors.values():
+                    n = 1
+                    for d in tensor.shape:
+                        n *= int(d)
+                    n_params += n
+                    weights_bytes += int(tensor.data_offsets[1] - tensor.data_offsets[0])
+        except Exception:  # noqa: BLE001 - weights are optional (repos without safetensors)
+            pass
+    except KvlabError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - network stacks raise many types
+        if "NotFound" in type(exc).__name__:
+            raise ModelFileError(f"{repo_id}: no such repo (or no config.json) on the Hugging Face Hub") from None
+        raise OfflineError(f"{repo_id}: cannot reach the Hugging Face Hub ({type(exc).__name__}); "
+                           "are you offline? give a local file, folder or catalog name") from None
+    return spec_from_config(config, name=repo_id, source=f"https://huggingface.co/{repo_id}/blob/main/config.json",
+                            weights_bytes=weights_bytes, n_params=n_params)

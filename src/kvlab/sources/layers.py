@@ -1,0 +1,111 @@
+"""From per-model facts to per-layer LayerSpecs: the one place both GGUF and config.json meet.
+
+A source (GGUF metadata, HF config.json, catalog entry) reduces its keys to a `LayerFacts`:
+how many layers, which kind each layer is, per-layer head counts, head dims, the window, the
+MLA latent and the recurrent state. `build_layers` turns that into LayerSpecs, validating as it goes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from ..errors import ConfigError
+from ..spec import LayerSpec
+
+
+@dataclass
+class LayerFacts:
+    """Everything a source knows about the layers, before validation."""
+
+    n_layers: int
+    kinds: list[str]                       # per layer: full | sliding | mla | recurrent | none
+    n_heads: list[int]
+    n_kv_heads: list[int]
+    head_dim_k: int
+    head_dim_v: int
+    window: int | None = None
+    head_dim_k_swa: int | None = None      # sliding layers may use other head dims (Gemma 4)
+    head_dim_v_swa: int | None = None
+    kv_lora_rank: int = 0
+    rope_dim: int = 0
+    state_elements: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+def per_layer(value, n_layers: int, what: str) -> list[int]:
+    """A scalar repeated for every layer, or a per-layer list checked for length."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != n_layers:
+            raise ConfigError(f"{what} lists {len(value)} values for {n_layers} layers")
+        return [int(v) for v in value]
+    return [int(value)] * n_layers
+
+
+def pattern_kinds(n_layers: int, period: int, dense_first: bool = False) -> list[str]:
+    """Sliding-window pattern of period n: n-1 sliding layers then one full (or full first)."""
+    if period <= 0:
+        return ["sliding"] * n_layers
+    if dense_first:
+        return ["full" if i % period == 0 else "sliding" for i in range(n_layers)]
+    return ["full" if i % period == period - 1 else "sliding" for i in range(n_layers)]
+
+
+def interval_kinds(n_layers: int, interval: int, other: str = "recurrent") -> list[str]:
+    """Every `interval`-th layer is full attention, the others `other` (Qwen3-Next: 3 linear + 1 full)."""
+    if interval <= 0:
+        raise ConfigError(f"full_attention_interval must be positive, got {interval}")
+    return ["full" if (i + 1) % interval == 0 else other for i in range(n_layers)]
+
+
+def ssm_state_elements(conv_kernel: int, d_inner: int, d_state: int, n_groups: int) -> int:
+    """Values of recurrent state per layer and sequence (conv window + SSM/delta state).
+
+    conv: (kernel - 1) × (d_inner + 2 × n_groups × d_state)   (the first column is shifted out)
+    ssm:  d_state × d_inner
+    Mamba-1 has n_groups = 0; gated DeltaNet has n_groups = key heads, d_state = key head dim.
+    """
+    conv = max(conv_kernel - 1, 0) * (d_inner + 2 * n_groups * d_state)
+    return conv + d_state * d_inner
+
+
+def build_layers(facts: LayerFacts, source: str) -> tuple[LayerSpec, ...]:
+    """Validate facts and build one LayerSpec per layer; errors name the source."""
+    f = facts
+    if f.n_layers <= 0:
+        raise ConfigError(f"{source}: number of layers must be positive, got {f.n_layers}")
+    for what, values in (("layer kinds", f.kinds), ("head counts", f.n_heads), ("KV head counts", f.n_kv_heads)):
+        if len(values) != f.n_layers:
+            raise ConfigError(f"{source}: {len(values)} {what} for {f.n_layers} layers")
+    layers = []
+    for i, kind in enumerate(f.kinds):
+        sliding = kind == "sliding"
+        dim_k = f.head_dim_k_swa if sliding and f.head_dim_k_swa else f.head_dim_k
+        dim_v = f.head_dim_v_swa if sliding and f.head_dim_v_swa else f.head_dim_v
+        try:
+            layers.append(LayerSpec(
+                kind=kind,
+                n_heads=f.n_heads[i],
+                n_kv_heads=f.n_kv_heads[i] if kind != "recurrent" else 0,
+                head_dim_k=dim_k,
+                head_dim_v=dim_v,
+                window=f.window if sliding else None,
+                kv_lora_rank=f.kv_lora_rank if kind == "mla" else 0,
+                rope_dim=f.rope_dim if kind == "mla" else 0,
+                state_elements=f.state_elements if kind == "recurrent" else 0,
+            ))
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: layer {i}: {exc}") from None
+    if not any(layer.kind != "none" for layer in layers):
+        raise ConfigError(f"{source}: no layer keeps any cache or state; is this a decoder-only LLM?")
+    if any(layer.kind == "recurrent" for layer in layers) and f.state_elements <= 0:
+        raise ConfigError(f"{source}: recurrent layers but no state size (ssm/linear-attention keys missing)")
+    return tuple(layers)
+
+
+def kinds_summary(kinds: Sequence[str]) -> str:
+    """'8 full + 24 recurrent' style summary."""
+    counts: dict[str, int] = {}
+    for kind in kinds:
+        counts[kind] = counts.get(kind, 0) + 1
+    return " + ".join(f"{n} {kind}" for kind, n in counts.items())

@@ -1,0 +1,104 @@
+"""ModelSpec / LayerSpec: one description of a model's layers, shared by the planner and the engine.
+
+The planner turns a ModelSpec into bytes; the engine's caches allocate exactly those bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from .errors import ConfigError
+
+LayerKind = Literal["full", "sliding", "mla", "recurrent", "none"]
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """What one layer keeps per token (and per sequence) in its cache.
+
+    kind:
+      full       standard attention: K (n_kv_heads × head_dim_k) and V (n_kv_heads × head_dim_v) per token
+      sliding    like full but only the last `window` tokens are needed
+      mla        multi-head latent attention: one latent of kv_lora_rank + rope_dim per token
+      recurrent  linear attention / SSM: a fixed state of `state_elements` values per sequence
+      none       no cache of its own (e.g. reuses another layer's KV)
+    """
+
+    kind: LayerKind
+    n_heads: int
+    n_kv_heads: int
+    head_dim_k: int
+    head_dim_v: int
+    window: int | None = None
+    kv_lora_rank: int = 0
+    rope_dim: int = 0
+    state_elements: int = 0  # recurrent state values per sequence (conv + ssm/delta state)
+
+    def __post_init__(self) -> None:
+        if self.kind in ("full", "sliding"):
+            if self.n_heads <= 0 or self.n_kv_heads <= 0:
+                raise ConfigError(f"layer needs positive head counts, got n_head={self.n_heads} n_kv_head={self.n_kv_heads}")
+            if self.n_heads % self.n_kv_heads != 0:
+                raise ConfigError(f"n_head={self.n_heads} is not a multiple of n_kv_head={self.n_kv_heads}")
+            if self.head_dim_k <= 0 or self.head_dim_v <= 0:
+                raise ConfigError(f"head dims must be positive, got k={self.head_dim_k} v={self.head_dim_v}")
+        if self.kind == "sliding" and (self.window is None or self.window <= 0):
+            raise ConfigError(f"sliding layer needs a positive window, got {self.window}")
+        if self.kind == "mla" and self.kv_lora_rank <= 0:
+            raise ConfigError(f"MLA layer needs kv_lora_rank > 0, got {self.kv_lora_rank}")
+
+    @property
+    def k_elements_per_token(self) -> int:
+        """K values stored per token (MLA: the latent plus the shared RoPE key)."""
+        if self.kind in ("full", "sliding"):
+            return self.n_kv_heads * self.head_dim_k
+        if self.kind == "mla":
+            return self.kv_lora_rank + self.rope_dim
+        return 0
+
+    @property
+    def v_elements_per_token(self) -> int:
+        if self.kind in ("full", "sliding"):
+            return self.n_kv_heads * self.head_dim_v
+        return 0  # MLA keeps only the latent (stored as K)
+
+    def cached_tokens(self, context: int) -> int:
+        """Tokens this layer must keep for a context of `context` tokens."""
+        if self.kind in ("full", "mla"):
+            return context
+        if self.kind == "sliding":
+            return min(context, self.window or context)
+        return 0
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only model as the planner and the caches see it."""
+
+    name: str
+    arch: str
+    layers: tuple[LayerSpec, ...]
+    d_model: int = 0
+    vocab_size: int = 0
+    context_length: int = 0
+    n_params: int = 0           # total parameters (0 = unknown)
+    weights_bytes: int = 0      # exact bytes of stored weights when known (GGUF/safetensors), else 0
+    source: str = ""            # where the facts came from (file path, config, catalog citation)
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise ConfigError(f"model {self.name!r} has no layers")
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def attention_layers(self) -> tuple[LayerSpec, ...]:
+        return tuple(layer for layer in self.layers if layer.kind in ("full", "sliding", "mla"))
+
+    def kv_elements_per_token(self) -> int:
+        """K+V values per token over all layers that cache every token (sliding layers counted too)."""
+        return sum(layer.k_elements_per_token + layer.v_elements_per_token for layer in self.layers)

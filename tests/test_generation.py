@@ -1,0 +1,94 @@
+"""Generation on the real model: the answer, sampling controls, batches, chunked prefill, streaming."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from typer.testing import CliRunner
+
+from kvlab.cache import CacheGeometry, make_cache
+from kvlab.cli import app
+from kvlab.generate import SamplingConfig, generate, sample_next
+from kvlab.session import run_generation
+
+
+def test_capital_of_france_is_paris(smollm2):
+    run = run_generation("The capital of France is", max_new_tokens=4)
+    assert run.text.strip().startswith("Paris")
+
+
+def test_chat_template_answer(smollm2):
+    run = run_generation("What is the capital of France? Answer in one word.", chat=True, max_new_tokens=16)
+    assert "Paris" in run.text
+    assert run.result.stop_reason == "eos"
+
+
+def test_all_caches_generate_the_same_tokens(smollm2):
+    texts = {name: run_generation("The three primary colours are", cache=name, max_new_tokens=12).result.token_ids[0]
+             for name in ("dense", "concat", "none")}
+    assert texts["dense"] == texts["concat"] == texts["none"]
+
+
+def test_chunked_prefill_generates_the_same(smollm2):
+    a = run_generation("A long time ago in a galaxy far, far away", max_new_tokens=8)
+    b = run_generation("A long time ago in a galaxy far, far away", max_new_tokens=8, chunk_size=3)
+    assert a.result.token_ids == b.result.token_ids
+
+
+def test_batch_of_equal_length_prompts_matches_single_runs(smollm2):
+    tok = smollm2.tokenizer
+    prompts = [tok.encode("The sun rises in the"), tok.encode("My favourite food is pizza")]
+    assert len(prompts[0]) == len(prompts[1])
+    batch = torch.tensor(prompts)
+    cache = make_cache("dense", CacheGeometry.for_model(smollm2.config, batch=2, capacity=32))
+    together = generate(smollm2.model, batch, cache, 6).token_ids
+    for row, prompt in enumerate(prompts):
+        single = make_cache("dense", CacheGeometry.for_model(smollm2.config, capacity=32))
+        assert generate(smollm2.model, torch.tensor([prompt]), single, 6).token_ids[0] == together[row]
+
+
+def test_seeded_sampling_is_reproducible_and_varies(smollm2):
+    runs = [run_generation("Once upon a time", temperature=1.0, top_k=50, top_p=0.95, seed=s, max_new_tokens=10).text
+            for s in (7, 7, 8)]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+
+
+def test_top_k_one_is_greedy():
+    logits = torch.tensor([[0.1, 3.0, 0.2], [2.0, 0.0, 1.0]])
+    picked = sample_next(logits, SamplingConfig(temperature=5.0, top_k=1, seed=0), torch.Generator().manual_seed(0))
+    assert picked.tolist() == [1, 0]
+
+
+def test_top_p_keeps_the_nucleus():
+    logits = torch.log(torch.tensor([[0.6, 0.3, 0.1]]))
+    g = torch.Generator().manual_seed(0)
+    draws = {int(sample_next(logits, SamplingConfig(temperature=1.0, top_p=0.5), g)) for _ in range(50)}
+    assert draws == {0}
+
+
+def test_streaming_pieces_add_up_to_the_text(smollm2):
+    pieces = []
+    run = run_generation("List three fruits:", max_new_tokens=12, stream=pieces.append)
+    assert "".join(pieces) == run.text
+
+
+def test_cli_generate_json(smollm2):
+    result = CliRunner().invoke(app, ["generate", "The capital of France is", "--max-new-tokens", "3", "--json"])
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.output)
+    for key in ("text", "token_ids", "prompt_tokens", "new_tokens", "decode_tokens_per_s", "cache_bytes"):
+        assert key in record
+    assert record["new_tokens"] == 3 and record["prompt_tokens"] == 5
+    assert record["cache_bytes"] == 2 * 30 * 3 * 64 * 4 * (5 + 3)
+    assert "Paris" in record["text"]
+
+
+def test_cli_info_formula(smollm2):
+    result = CliRunner().invoke(app, ["info", "--json"])
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.output)
+    assert (record["layers"], record["heads"], record["kv_heads"], record["head_dim_k"]) == (30, 9, 3, 64)
+    bf16 = next(r for r in record["kv_bytes_per_token"] if r["kv_type"] == "bf16")
+    assert bf16["bytes_per_token"] == 23040 and "2 × 30 layers × 3 kv_heads × 64 head_dim × 2 bytes" in bf16["formula"]

@@ -1,0 +1,57 @@
+"""--engine kvlab predicts exactly the nbytes kvlab's own caches report."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvlab.cache import CacheGeometry, cache_names, make_cache
+from kvlab.errors import ConfigError
+from kvlab.plan import PlanSettings, get_engine, make_plan
+from kvlab.plan.report import plan_json
+from kvlab.sources import load_spec
+
+SMOLLM2 = dict(n_layers=30, n_kv_heads=3, head_dim=64, n_heads=9)
+CACHES = [name for name in cache_names() if name != "none"]  # NoCache keeps nothing between passes
+
+
+def real_nbytes(name: str, dtype: torch.dtype, context: int, batch: int) -> int:
+    geometry = CacheGeometry(batch=batch, capacity=context, **SMOLLM2)
+    cache = make_cache(name, geometry, dtype=dtype)
+    gen = torch.Generator().manual_seed(0)
+    for start in range(0, context, 64):  # a prefill chunk, then more
+        n = min(64, context - start)
+        for layer in range(geometry.n_layers):
+            k = torch.randn(batch, 3, n, 64, generator=gen)
+            v = torch.randn(batch, 3, n, 64, generator=gen)
+            cache.append(layer, k, v)
+    return cache.nbytes
+
+
+@pytest.mark.parametrize("name", CACHES)
+@pytest.mark.parametrize("context, batch", [(1, 1), (100, 1), (257, 2)])
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+def test_kvlab_engine_equals_cache_nbytes(name, context, batch, dtype):
+    spec = load_spec("smollm2-135m")
+    settings = PlanSettings(context=context, parallel=batch, kv_type_k=f"{name}@{dtype}")
+    plan = plan_json(make_plan(spec, get_engine("kvlab"), settings))
+    torch_dtype = {"f32": torch.float32, "f16": torch.float16}[dtype]
+    assert plan["kv_bytes"] == real_nbytes(name, torch_dtype, context, batch)
+    assert plan["recurrent_bytes"] == 0
+
+
+def test_bare_dtype_means_dense():
+    spec = load_spec("smollm2-135m")
+    plan = plan_json(make_plan(spec, get_engine("kvlab"), PlanSettings(context=128, kv_type_k="f16")))
+    assert plan["kv_bytes"] == 30 * 2 * 3 * 64 * 2 * 128
+
+
+def test_unknown_cache_name_is_one_line_config_error():
+    with pytest.raises(ConfigError) as err:
+        make_plan(load_spec("smollm2-135m"), get_engine("kvlab"), PlanSettings(context=8, kv_type_k="nope"))
+    assert "\n" not in str(err.value)
+
+
+def test_kvlab_refuses_layers_it_cannot_cache():
+    with pytest.raises(ConfigError, match="recurrent"):
+        make_plan(load_spec("qwen3.5-9b"), get_engine("kvlab"), PlanSettings(context=8))

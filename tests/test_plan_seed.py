@@ -1,0 +1,73 @@
+"""The seed's own figures (Korean VRAM budget for Qwen3.5-9B on an RTX 3060 12 GB, and Qwen3-VL-4B)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from kvlab.plan import PlanSettings, get_engine, make_plan
+from kvlab.plan.report import plan_json
+from kvlab.sources import load_spec
+from kvlab.sources.gguf import write_gguf
+
+MiB, GiB = 1 << 20, 1 << 30
+
+
+def kv(spec, context, kv_type="bf16", engine="llama.cpp"):
+    plan = make_plan(spec, get_engine(engine), PlanSettings(context=context, kv_type_k=kv_type, kv_type_v=kv_type))
+    return plan_json(plan)
+
+
+def test_qwen3_vl_4b_language_model():
+    spec = load_spec("qwen3-vl-4b")
+    attention = spec.attention_layers
+    assert (len(attention), attention[0].n_kv_heads, attention[0].head_dim_k) == (36, 8, 128)
+    assert kv(spec, 512)["kv_bytes_per_token"] == 147_456
+    assert kv(spec, 512)["kv_bytes"] == 72 * MiB
+    assert kv(spec, 32_768)["kv_bytes"] == int(4.5 * GiB)
+
+
+@pytest.mark.parametrize("kv_heads, ratio", [(32, 4), (1, 1 / 8)])
+def test_mha_is_four_times_and_mqa_an_eighth(kv_heads, ratio):
+    spec = load_spec("qwen3-vl-4b")
+    variant = replace(spec, layers=tuple(replace(layer, n_kv_heads=kv_heads) for layer in spec.layers))
+    assert kv(variant, 4096)["kv_bytes_per_token"] == 147_456 * ratio
+    assert kv(variant, 4096)["kv_bytes"] == kv(spec, 4096)["kv_bytes"] * ratio
+
+
+def test_qwen35_9b_keeps_kv_in_8_of_32_layers():
+    spec = load_spec("qwen3.5-9b")
+    attention = spec.attention_layers
+    assert spec.n_layers == 32 and len(attention) == 8
+    assert {(layer.n_kv_heads, layer.head_dim_k) for layer in attention} == {(4, 256)}
+    assert spec.kv_elements_per_token() == 16_384
+    plan = kv(spec, 4096, "q8_0")
+    assert plan["kv_bytes_per_token"] == 17_408
+    assert plan["kv_bytes"] == 17_408 * 4096
+    assert plan["recurrent_bytes"] > 0  # the 24 DeltaNet layers: fixed state, in f32
+
+
+def test_qwen35_9b_from_gguf_keys(tmp_path):
+    """The same answer from GGUF metadata keys alone (full_attention_interval + ssm.* keys)."""
+    arch = "qwen35"
+    md = {"general.architecture": arch, f"{arch}.block_count": 32, f"{arch}.embedding_length": 4096,
+          f"{arch}.attention.head_count": 16, f"{arch}.attention.head_count_kv": 4, f"{arch}.attention.key_length": 256,
+          f"{arch}.attention.value_length": 256, f"{arch}.full_attention_interval": 4, f"{arch}.ssm.conv_kernel": 4,
+          f"{arch}.ssm.inner_size": 4096, f"{arch}.ssm.state_size": 128, f"{arch}.ssm.group_count": 16,
+          f"{arch}.ssm.time_step_rank": 32, f"{arch}.context_length": 262144}
+    spec = load_spec(str(write_gguf(tmp_path / "q35.gguf", md)))
+    assert [layer.kind for layer in spec.layers] == (["recurrent"] * 3 + ["full"]) * 8
+    assert kv(spec, 4096, "q8_0")["kv_bytes_per_token"] == 17_408
+    assert kv(spec, 4096, "q8_0")["recurrent_bytes"] == load_spec("qwen3.5-9b").layers[0].state_elements * 4 * 24
+
+
+def test_seed_budget_on_rtx_3060():
+    """UD-Q4_K_XL-class weights, q8_0 KV: the seed's 32k scenario fits in 12 GB."""
+    from kvlab.plan import find_gpu
+
+    spec = load_spec("qwen3.5-9b")
+    plan = make_plan(spec, get_engine("llama.cpp"), PlanSettings(context=32_768, kv_type_k="q8_0", kv_type_v="q8_0"),
+                     "q4_k_m", find_gpu("RTX 3060 12GB"))
+    assert plan.fits
+    assert plan.max_context >= 32_768

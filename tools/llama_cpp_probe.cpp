@@ -1,0 +1,155 @@
+// llama_cpp_probe: load a model into llama.cpp, build a context, print its cache sizes as JSON.
+//
+// Built and run by tools/llama_cpp_oracle.py against the libllama that llama-cpp-python ships and
+// the llama.cpp sources its sdist vendors. It reads the byte counts llama.cpp itself computes
+// (llama_kv_cache::size_k_bytes / size_v_bytes, llama_memory_recurrent::size_r_bytes / size_s_bytes,
+// the cell counts, and llama_get_memory_breakdown for buffer and compute sizes), so the fixture
+// holds exact bytes, not the rounded MiB of the log.
+//
+// usage: llama_cpp_probe MODEL.gguf META|FILE n_ctx n_seq_max type_k type_v flash_attn kv_unified swa_full n_ubatch
+//   META: the GGUF holds metadata only; tensors are created by llama_model_init_from_user (zeros)
+//   FILE: a complete GGUF loaded with llama_model_load_from_file
+
+// the size accessors are private members of exported classes; this tool only reads them
+#define private public
+#include "llama.h"
+#include "llama-ext.h"
+#include "llama-kv-cache.h"
+#include "llama-kv-cache-iswa.h"
+#include "llama-memory-hybrid.h"
+#include "llama-memory-hybrid-iswa.h"
+#include "llama-memory-recurrent.h"
+#undef private
+
+#include "ggml-backend.h"
+#include "gguf.h"
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+static std::string g_log;
+
+static void log_cb(ggml_log_level, const char * text, void *) { g_log += text; }
+
+static void zero_tensor(struct ggml_tensor * tensor, void *) {
+    ggml_backend_tensor_memset(tensor, 0, 0, ggml_nbytes(tensor));
+}
+
+static ggml_type parse_type(const char * name) {
+    for (int t = 0; t < GGML_TYPE_COUNT; ++t) {
+        const char * tn = ggml_type_name((ggml_type) t);
+        if (tn && strcmp(tn, name) == 0) {
+            return (ggml_type) t;
+        }
+    }
+    fprintf(stderr, "unknown ggml type %s\n", name);
+    exit(2);
+}
+
+static std::string kv_json(const char * role, const llama_kv_cache * kv) {
+    char buf[512];
+    snprintf(buf, sizeof(buf),
+             "{\"role\": \"%s\", \"cells\": %u, \"streams\": %u, \"layers\": %zu, \"k_bytes\": %zu, \"v_bytes\": %zu}",
+             role, kv->get_size(), kv->get_n_stream(), kv->layers.size(), kv->size_k_bytes(), kv->size_v_bytes());
+    return buf;
+}
+
+static std::string recr_json(const llama_memory_recurrent * rs) {
+    size_t n_layers = 0;
+    for (auto * t : rs->r_l) {
+        n_layers += t != nullptr;
+    }
+    char buf[512];
+    snprintf(buf, sizeof(buf),
+             "{\"role\": \"recurrent\", \"cells\": %u, \"layers\": %zu, \"r_bytes\": %zu, \"s_bytes\": %zu}",
+             rs->size, n_layers, rs->size_r_bytes(), rs->size_s_bytes());
+    return buf;
+}
+
+static void add_kv(std::vector<std::string> & out, const char * role, const llama_kv_cache * kv) {
+    if (kv) out.push_back(kv_json(role, kv));
+}
+
+int main(int argc, char ** argv) {
+    if (argc != 11) {
+        fprintf(stderr, "usage: %s MODEL META|FILE n_ctx n_seq_max type_k type_v flash_attn kv_unified swa_full n_ubatch\n", argv[0]);
+        return 2;
+    }
+    llama_log_set(log_cb, nullptr);
+    llama_backend_init();
+
+    llama_model_params mparams = llama_model_default_params();
+    mparams.n_gpu_layers = 0;
+    llama_model * model = nullptr;
+    if (strcmp(argv[2], "META") == 0) {
+        gguf_init_params gparams = { /*no_alloc =*/ true, /*ctx =*/ nullptr };
+        gguf_context * meta = gguf_init_from_file(argv[1], gparams);
+        if (!meta) { fprintf(stderr, "cannot read %s\n", argv[1]); return 1; }
+        model = llama_model_init_from_user(meta, zero_tensor, nullptr, mparams);
+    } else {
+        model = llama_model_load_from_file(argv[1], mparams);
+    }
+    if (!model) { fprintf(stderr, "model failed\n%s", g_log.c_str()); return 1; }
+
+    llama_context_params cparams = llama_context_default_params();
+    cparams.n_ctx      = (uint32_t) atoi(argv[3]);
+    cparams.n_seq_max  = (uint32_t) atoi(argv[4]);
+    cparams.type_k     = parse_type(argv[5]);
+    cparams.type_v     = parse_type(argv[6]);
+    cparams.flash_attn_type = atoi(argv[7]) ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
+    cparams.kv_unified = atoi(argv[8]) != 0;
+    cparams.swa_full   = atoi(argv[9]) != 0;
+    cparams.n_ubatch   = (uint32_t) atoi(argv[10]);
+    cparams.n_threads  = 2;
+    cparams.n_threads_batch = 2;
+
+    llama_context * ctx = llama_init_from_model(model, cparams);
+    if (!ctx) {
+        std::string last = g_log.size() > 600 ? g_log.substr(g_log.size() - 600) : g_log;
+        for (auto & c : last) if (c == '"' || c == '\\' || c == '\n') c = ' ';
+        printf("{\"error\": \"%s\"}\n", last.c_str());
+        return 0;
+    }
+
+    std::vector<std::string> caches;
+    llama_memory_i * mem = llama_get_memory(ctx);
+    if (auto * iswa = dynamic_cast<llama_kv_cache_iswa *>(mem)) {
+        add_kv(caches, "base", iswa->get_base());
+        add_kv(caches, "swa", iswa->get_swa());
+    } else if (auto * kv = dynamic_cast<llama_kv_cache *>(mem)) {
+        add_kv(caches, "base", kv);
+    } else if (auto * hyb = dynamic_cast<llama_memory_hybrid *>(mem)) {
+        add_kv(caches, "base", hyb->get_mem_attn());
+        caches.push_back(recr_json(hyb->get_mem_recr()));
+    } else if (auto * hyb_iswa = dynamic_cast<llama_memory_hybrid_iswa *>(mem)) {
+        add_kv(caches, "base", hyb_iswa->get_mem_attn()->get_base());
+        add_kv(caches, "swa", hyb_iswa->get_mem_attn()->get_swa());
+        caches.push_back(recr_json(hyb_iswa->get_mem_recr()));
+    } else if (auto * rs = dynamic_cast<llama_memory_recurrent *>(mem)) {
+        caches.push_back(recr_json(rs));
+    }
+
+    size_t model_bytes = 0, context_bytes = 0, compute_bytes = 0;
+    for (const auto & [buft, mb] : llama_get_memory_breakdown(ctx)) {
+        model_bytes += mb.model;
+        context_bytes += mb.context;
+        compute_bytes += mb.compute;
+    }
+
+    printf("{\"n_ctx\": %u, \"n_ctx_seq\": %u, \"n_seq_max\": %u, \"n_ubatch\": %u, \"n_batch\": %u, "
+           "\"model_bytes\": %zu, \"context_bytes\": %zu, \"compute_bytes\": %zu, \"caches\": [",
+           llama_n_ctx(ctx), llama_n_ctx_seq(ctx), llama_n_seq_max(ctx), llama_n_ubatch(ctx), llama_n_batch(ctx),
+           model_bytes, context_bytes, compute_bytes);
+    for (size_t i = 0; i < caches.size(); ++i) {
+        printf("%s%s", i ? ", " : "", caches[i].c_str());
+    }
+    printf("]}\n");
+
+    llama_free(ctx);
+    llama_model_free(model);
+    llama_backend_free();
+    return 0;
+}
