@@ -92,3 +92,16 @@ def test_cli_info_formula(smollm2):
     assert (record["layers"], record["heads"], record["kv_heads"], record["head_dim_k"]) == (30, 9, 3, 64)
     bf16 = next(r for r in record["kv_bytes_per_token"] if r["kv_type"] == "bf16")
     assert bf16["bytes_per_token"] == 23040 and "2 × 30 layers × 3 kv_heads × 64 head_dim × 2 bytes" in bf16["formula"]
+
+
+def test_bf16_generation_answers(smollm2):
+    run = run_generation("The capital of France is", dtype="bf16", max_new_tokens=4)
+    assert "Paris" in run.text
+    assert run.result.cache_bytes == 2 * 30 * 3 * 64 * 2 * (5 + 4)  # bf16 cache: 2 bytes per value
+
+
+def test_batch_rows_stop_at_their_own_eos():
+    from kvlab.generate import _cut_after_eos
+
+    assert _cut_after_eos([5, 6, 2, 9, 9], (2,)) == [5, 6, 2]
+    assert _cut_after_eos([5, 6, 7], (2,)) == [5, 6, 7]

@@ -15,7 +15,7 @@ from .errors import KvlabError
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Plan, run, compress and measure the KV cache of LLMs.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print tables and write bench/results/*.json.")
 app.add_typer(bench_app, name="bench")
-console = Console()
+console = Console(width=None if sys.stdout.isatty() else 140)
 err_console = Console(stderr=True)
 
 

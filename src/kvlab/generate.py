@@ -146,6 +146,13 @@ def generate_stream(
         stats["decode_seconds"] = time.perf_counter() - t_decode
 
 
+def _cut_after_eos(row: list[int], eos_ids: tuple[int, ...]) -> list[int]:
+    for i, token in enumerate(row):
+        if token in eos_ids:
+            return row[: i + 1]
+    return row
+
+
 def generate(
     model,
     prompt: torch.Tensor,
@@ -164,6 +171,7 @@ def generate(
         if on_token is not None:
             on_token(next_ids)
     ids = torch.stack(new, dim=1).tolist() if new else [[] for _ in range(prompt.shape[0])]
+    ids = [_cut_after_eos(row, eos_ids) for row in ids]  # rows of a batch that ended early
     return GenerationResult(
         token_ids=ids,
         prompt_tokens=prompt.shape[1],

@@ -1,0 +1,1 @@
+"""Benchmarks behind `kvlab bench`: they print tables and write bench/results/*.json."""

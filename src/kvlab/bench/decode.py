@@ -1,0 +1,173 @@
+"""`kvlab bench decode`: batch-1 greedy decode, kvlab's caches against transformers, interleaved in one run.
+
+Every contender generates `new_tokens` after the same `prompt_tokens`-token prompt. Two rates are kept:
+  tokens_per_s         new tokens / (prefill + decode) wall time: what a user waits for
+  decode_tokens_per_s  (new tokens - 1) / time after the first token: the steady-state decode step rate
+Contenders run in turn within each repeat (A B C A B C …) so drift of this shared machine hits all
+alike; the table shows medians and each ratio against transformers' default cache in the same dtype.
+Bandwidth achieved = (weight bytes + mean KV bytes read per step) × decode steps/s, against the
+machine's measured read bandwidth.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from ..cache import CacheGeometry, make_cache
+from ..errors import ConfigError
+from ..generate import generate
+from ..session import cached_model
+from .bandwidth import measure_read_bandwidth
+
+
+@dataclass
+class DecodeResult:
+    engine: str
+    cache: str
+    dtype: str
+    tokens_per_s: float
+    decode_tokens_per_s: float
+    runs: int
+    kv_bytes_read_per_step: float
+    weight_bytes: int
+    bandwidth_gb_s: float = 0.0
+    ratio_vs_transformers: float | None = None
+
+
+class _FirstTokenClock:
+    """A transformers streamer that notes when the first new token arrives (after the prompt)."""
+
+    def __init__(self):
+        self.calls = 0
+        self.first_token_time = None
+
+    def put(self, value):
+        self.calls += 1
+        if self.calls == 2:  # call 1 is the prompt itself
+            self.first_token_time = time.perf_counter()
+
+    def end(self):
+        pass
+
+
+def _time_kvlab(loaded, prompt, cache_name, new_tokens):
+    geometry = CacheGeometry.for_model(loaded.config, capacity=prompt.shape[1] + new_tokens)
+    cache = make_cache(cache_name, geometry, dtype=loaded.dtype)
+    start = time.perf_counter()
+    result = generate(loaded.model, prompt, cache, new_tokens)
+    total = time.perf_counter() - start
+    return new_tokens / total, result.decode_tokens_per_s
+
+
+def _time_transformers(hf_model, prompt, use_cache, new_tokens):
+    clock = _FirstTokenClock()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = hf_model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                use_cache=use_cache, streamer=clock, pad_token_id=0)
+    end = time.perf_counter()
+    produced = out.shape[1] - prompt.shape[1]
+    decode_rate = (produced - 1) / (end - clock.first_token_time) if clock.first_token_time else 0.0
+    return produced / (end - start), decode_rate
+
+
+def _run_contender(contender, loaded, hf_model, prompt, new_tokens):
+    engine, cache = contender.split(":")
+    if engine == "kvlab":
+        return _time_kvlab(loaded, prompt, cache, new_tokens)
+    return _time_transformers(hf_model, prompt, cache != "none", new_tokens)
+
+
+def _load_transformers(path: Path, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    if path.is_dir():
+        return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).eval()
+
+
+def _kv_bytes_read_per_step(config, dtype: torch.dtype, prompt_tokens: int, new_tokens: int, cache: str) -> float:
+    """Mean K+V bytes attention reads per decode step (the no-cache baselines recompute rather than read)."""
+    if cache in ("none",):
+        return 0.0
+    per_token = 2 * config.n_layers * config.n_kv_heads * config.head_dim * torch.empty(0, dtype=dtype).element_size()
+    return per_token * (prompt_tokens + new_tokens / 2)
+
+
+def run_decode_bench(model, prompt_tokens, new_tokens, dtypes, repeats, contenders, out, json_out, console: Console):
+    contenders = [c.strip() for c in contenders if c.strip()]
+    for c in contenders:
+        if c.split(":")[0] not in ("kvlab", "transformers") or ":" not in c:
+            raise ConfigError(f"contender {c!r} must be kvlab:<cache> or transformers:default|none")
+    torch.manual_seed(0)
+    bandwidth = measure_read_bandwidth()
+    results: list[DecodeResult] = []
+    with Progress(console=console, transient=True) as progress:
+        for dtype_name in dtypes:
+            loaded = cached_model(model, dtype_name, "cpu")
+            hf = _load_transformers(loaded.path, loaded.dtype) if any(c.startswith("transformers") for c in contenders) else None
+            prompt = torch.randint(100, loaded.config.vocab_size - 100, (1, prompt_tokens))
+            weight_bytes = loaded.weight_bytes
+            samples: dict[str, list[tuple[float, float]]] = {c: [] for c in contenders}
+            task = progress.add_task(f"{dtype_name}: {len(contenders)} contenders × {repeats} runs", total=repeats * len(contenders))
+            for contender in contenders:  # warm-up: a short run each, not counted
+                _run_contender(contender, loaded, hf, prompt[:, :8], 4)
+            for _ in range(repeats):
+                for contender in contenders:
+                    samples[contender].append(_run_contender(contender, loaded, hf, prompt, new_tokens))
+                    progress.advance(task)
+            for contender in contenders:
+                engine, cache = contender.split(":")
+                kv_read = _kv_bytes_read_per_step(loaded.config, loaded.dtype, prompt_tokens, new_tokens, cache)
+                decode_rate = statistics.median(s[1] for s in samples[contender])
+                results.append(DecodeResult(
+                    engine=engine, cache=cache, dtype=dtype_name,
+                    tokens_per_s=statistics.median(s[0] for s in samples[contender]),
+                    decode_tokens_per_s=decode_rate, runs=repeats,
+                    kv_bytes_read_per_step=kv_read, weight_bytes=weight_bytes,
+                    bandwidth_gb_s=(weight_bytes + kv_read) * decode_rate / 1e9 if cache != "none" else 0.0,
+                ))
+    for r in results:
+        base = next((b for b in results if b.engine == "transformers" and b.cache == "default" and b.dtype == r.dtype), None)
+        if base and base.tokens_per_s:
+            r.ratio_vs_transformers = r.tokens_per_s / base.tokens_per_s
+    record = {
+        "benchmark": "decode",
+        "model": str(cached_model(model, dtypes[0], "cpu").path.name),
+        "prompt_tokens": prompt_tokens,
+        "new_tokens": new_tokens,
+        "repeats": repeats,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "read_bandwidth_gb_s": bandwidth / 1e9,
+        "results": [asdict(r) for r in results],
+    }
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(record, indent=2))
+    if json_out:
+        print(json.dumps(record))
+        return record
+    table = Table(title=f"decode: {prompt_tokens}-token prompt, {new_tokens} new tokens, batch 1, greedy, median of {repeats}")
+    for col in ("engine", "cache", "dtype", "tokens/s", "× transformers", "decode steps/s", "bandwidth GB/s", "of limit"):
+        table.add_column(col, justify="left" if col in ("engine", "cache", "dtype") else "right")
+    for r in results:
+        table.add_row(
+            r.engine, r.cache, r.dtype, f"{r.tokens_per_s:.2f}",
+            f"{r.ratio_vs_transformers:.2f}×" if r.ratio_vs_transformers else "-",
+            f"{r.decode_tokens_per_s:.2f}",
+            f"{r.bandwidth_gb_s:.2f}" if r.bandwidth_gb_s else "-",
+            f"{r.bandwidth_gb_s * 1e9 / bandwidth:.0%}" if r.bandwidth_gb_s else "-",
+        )
+    console.print(table)
+    console.print(f"measured read bandwidth: {bandwidth / 1e9:.1f} GB/s ({torch.get_num_threads()} threads); results in {out}")
+    return record
