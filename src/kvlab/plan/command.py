@@ -66,8 +66,12 @@ def plan_command(model: str, ctx: str = "4096", kv_type: str | None = None, kv_t
                  kv_type_v: str | None = None, engine: str = "llama.cpp", flash_attn: bool = True, parallel: int = 1,
                  ubatch: int | None = None, tp: int = 1, weights_quant: str | None = None, gpu: str | None = None,
                  vram: float | None = None, layers: bool = False, json_out: bool = False, plot: str | None = None,
-                 kv_unified: bool = False, swa_full: bool = False, console: Console | None = None) -> int:
-    """Print the plan (rich table + verdict, or JSON); return 0 fits / 1 does not fit / 2 bad input."""
+                 kv_unified: bool = False, swa_full: bool = False, console: Console | None = None,
+                 err_console: Console | None = None) -> int:
+    """Print the plan (rich table + verdict, or JSON); return 0 fits / 1 does not fit / 2 bad input.
+
+    Errors go to `err_console` (default: the same console) as one line, `error: <message>`.
+    """
     console = console or Console()
     try:
         plan = build_plan(model, ctx, kv_type, kv_type_k, kv_type_v, engine, flash_attn, parallel, ubatch, tp,
@@ -75,7 +79,7 @@ def plan_command(model: str, ctx: str = "4096", kv_type: str | None = None, kv_t
         if plot:
             plot_plan(plan, plot)
     except KvlabError as exc:
-        console.print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
+        (err_console or console).print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
         return 2
     if json_out:
         console.print_json(json.dumps(plan_json(plan)))
@@ -113,5 +117,6 @@ def register(app) -> None:
     ) -> None:
         """How much memory a model needs: weights, KV cache, recurrent state, overheads; does it fit?"""
         code = plan_command(model, ctx, kv_type, kv_type_k, kv_type_v, engine, flash_attn, parallel, ubatch, tp,
-                            weights_quant, gpu, vram, layers, json_out, plot, kv_unified, swa_full)
+                            weights_quant, gpu, vram, layers, json_out, plot, kv_unified, swa_full,
+                            err_console=Console(stderr=True))
         raise typer.Exit(code)

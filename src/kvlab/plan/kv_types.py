@@ -63,7 +63,7 @@ KV_TYPES: dict[str, KVType] = {
 }
 
 _ALIASES = {"fp16": "f16", "float16": "f16", "half": "f16", "fp32": "f32", "float32": "f32", "float": "f32",
-            "bfloat16": "bf16", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8", "int8": "q8_0", "auto": "f16"}
+            "bfloat16": "bf16", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8"}
 
 
 def kv_type(name: str) -> KVType:

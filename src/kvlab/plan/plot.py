@@ -6,8 +6,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..errors import ConfigError, KvlabError
-from .budget import plan_components
-from .budget import Plan
+from .budget import Plan, plan_components
 
 GiB = 1 << 30
 PLOT_TYPES = {"llama.cpp": ("f16", "q8_0", "q4_0"), "vllm": ("bf16", "fp8"), "kvlab": ("dense@f32", "dense@f16")}
@@ -33,12 +32,12 @@ def plot_plan(plan: Plan, path: str | Path, points: int = 48) -> Path:
                       for ctx in contexts]
         except KvlabError:
             continue  # a type this engine or model cannot store
-        ax.plot(contexts, [t / GiB for t in totals], label=f"KV {kind}")
+        ax.plot(contexts, [t / GiB for t in totals], label=f"total, KV {kind}")
     if plan.budget_bytes is not None:
         ax.axhline(plan.budget_bytes / GiB, color="red", linestyle="--", label=f"{plan.gpu.name} usable")
     ax.axvline(plan.settings.context, color="gray", linestyle=":", linewidth=1)
     ax.set_xlabel("context (tokens per sequence)")
-    ax.set_ylabel("GiB" + (" per GPU" if plan.per_gpu else ""))
+    ax.set_ylabel("total memory, GiB" + (" per GPU" if plan.per_gpu else ""))
     ax.set_title(f"{plan.spec.name} · {plan.engine.name} · {plan.settings.parallel} seq")
     ax.grid(alpha=0.3)
     ax.legend()

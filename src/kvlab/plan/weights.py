@@ -31,7 +31,7 @@ class WeightsEstimate:
 
 def weights_bytes(spec: ModelSpec, quant: str | None = None) -> WeightsEstimate:
     """Stored weights when the source knows them (and no --weights-quant overrides), else params × bits / 8."""
-    if quant is None and spec.weights_bytes:
+    if quant is None and (spec.weights_bytes or spec.extra.get("dtype") == "gguf"):
         return WeightsEstimate(spec.weights_bytes, "tensor table of the file", True)
     key = (quant or str(spec.extra.get("dtype", "bf16"))).strip().lower()
     key = _ALIASES.get(key, key)

@@ -243,6 +243,8 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
         raise ModelFileError(f"{path} is not a file")
     try:
         size = path.stat().st_size
+        if size == 0:
+            raise ModelFileError(f"{path} is empty, not a GGUF file")
         if size < 24:  # magic + version + two counts
             with open(path, "rb") as fh:
                 head = fh.read(4)

@@ -68,15 +68,16 @@ def _recurrent_state(cfg: dict[str, Any]) -> int:
         d_v = int(cfg["linear_value_head_dim"])
         return ssm_state_elements(int(cfg.get("linear_conv_kernel_dim", 4)), n_v * d_v, d_k, n_k)
     d_state = _first(cfg, "ssm_state_size", "mamba_d_state", "state_size")
-    if d_state:
+    if d_state:  # Mamba-1/2 layers
         hidden = int(cfg["hidden_size"])
         heads = _first(cfg, "mamba_n_heads", "mamba_num_heads")
         head_dim = _first(cfg, "mamba_d_head", "mamba_head_dim")
-        if heads and head_dim:
+        if heads and head_dim:                      # Mamba-2: heads × head dim
             d_inner = int(heads) * int(head_dim)
+        elif cfg.get("state_size") and cfg.get("intermediate_size"):
+            d_inner = int(cfg["intermediate_size"])  # Mamba-1 (transformers MambaConfig)
         else:
-            d_inner = int(_first(cfg, "mamba_expand", "expand", default=2) * hidden)
-            d_inner = int(_first(cfg, "intermediate_size", default=d_inner)) if cfg.get("model_type") == "mamba" else d_inner
+            d_inner = int(_first(cfg, "mamba_expand", "expand", default=2)) * hidden
         n_groups = int(_first(cfg, "mamba_n_groups", "n_groups", default=0))
         kernel = int(_first(cfg, "mamba_d_conv", "conv_kernel", "mamba_conv_kernel", "d_conv", default=4))
         return ssm_state_elements(kernel, d_inner, int(d_state), n_groups)

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import torch
-
 from ...errors import ConfigError
 from ...spec import ModelSpec
 from ..components import Component
@@ -18,19 +16,21 @@ from ..layout import KVLayout, LayerBytes
 from ..settings import PlanSettings
 from .base import Engine
 
-_DTYPES = {"f32": torch.float32, "float32": torch.float32, "f16": torch.float16, "float16": torch.float16,
-           "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+_DTYPES = {"f32": "float32", "float32": "float32", "f16": "float16", "float16": "float16",
+           "bf16": "bfloat16", "bfloat16": "bfloat16"}
 
 
-def parse_cache(name: str | None) -> tuple[str, torch.dtype]:
-    """'dense' -> (dense, f32); 'f16' -> (dense, f16); 'int8@bf16' -> (int8, bf16)."""
+def parse_cache(name: str | None):
+    """'dense' -> (dense, torch.float32); 'f16' -> (dense, float16); 'int8@bf16' -> (int8, bfloat16)."""
+    import torch  # only the kvlab engine needs torch; planning for llama.cpp / vLLM stays light
+
     text = (name or "dense").strip().lower()
     cache, _, dtype = text.partition("@")
     if cache in _DTYPES and not dtype:
-        return "dense", _DTYPES[cache]
+        return "dense", getattr(torch, _DTYPES[cache])
     if dtype and dtype not in _DTYPES:
         raise ConfigError(f"unknown dtype {dtype!r} in --kv-type {name!r}; use f32, f16 or bf16")
-    return cache, _DTYPES[dtype or "f32"]
+    return cache, getattr(torch, _DTYPES[dtype or "f32"])
 
 
 class KvlabEngine(Engine):
