@@ -36,8 +36,16 @@ def run_demo(model: str | None, max_new_tokens: int, console: Console) -> None:
         "[dim]'none' recomputes every previous token at every step; the cached runs only process the new token. "
         "Dense caches are preallocated for prompt + new tokens.[/]\n"
     )
-    try:
-        from .plan.command import demo_plans
-    except ImportError:
-        return
-    demo_plans(model, console)
+    plan_tour(model, console)
+
+
+def plan_tour(model: str | None, console: Console) -> None:
+    """The memory plan for the model just run, then the seed's question: Qwen3.5-9B on a 12 GB RTX 3060."""
+    from .model.loader import default_model_path
+    from .plan.command import plan_command
+
+    path = str(model or default_model_path())
+    console.rule("[bold]kvlab plan[/]: the model above on an RTX 3060 12 GB, llama.cpp, 8k context, f16 KV")
+    plan_command(path, ctx="8192", kv_type="f16", gpu="RTX 3060", console=console)
+    console.rule("[bold]kvlab plan[/]: Qwen3.5-9B (only 8 of 32 layers keep KV) at 32k context, q8_0 KV, Q4_K_M weights")
+    plan_command("qwen3.5-9b", ctx="32768", kv_type="q8_0", weights_quant="q4_k_m", gpu="RTX 3060", console=console)
