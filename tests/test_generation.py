@@ -105,3 +105,11 @@ def test_batch_rows_stop_at_their_own_eos():
 
     assert _cut_after_eos([5, 6, 2, 9, 9], (2,)) == [5, 6, 2]
     assert _cut_after_eos([5, 6, 7], (2,)) == [5, 6, 7]
+
+
+def test_cli_info_lists_compressed_cache_costs(smollm2):
+    record = json.loads(CliRunner().invoke(app, ["info", "--json"]).output)
+    costs = {row["cache"]: row for row in record["caches"]}
+    assert costs["dense"]["bytes_per_token"] == 23040  # bf16 reference
+    assert costs["tq4"]["bytes_per_token"] == 30 * 3 * 2 * (64 * 4 // 8 + 2)  # codes + 16-bit norm per K and V vector
+    assert costs["tq3"]["bytes_per_token"] == 30 * 3 * 2 * (64 * 3 // 8 + 2)

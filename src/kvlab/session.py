@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 from rich.table import Table
 
-from .cache import CacheGeometry, make_cache
+from .cache import CacheGeometry, describe_formula, expected_nbytes, make_cache
 from .generate import GenerationResult, SamplingConfig, generate
 from .model.loader import LoadedModel, load_model, parse_dtype
 from .model.tokenizer import StreamDecoder
@@ -89,15 +89,33 @@ def run_generation(
     return GenerationRun(text=text, cache_name=cache, result=result)
 
 
-def model_info(model: str | None) -> tuple[dict, Table]:
-    """Shape facts and the KV-bytes-per-token formula with the model's own numbers."""
-    loaded_cfg = cached_model(model).config
-    c = loaded_cfg
+INFO_CACHES = ("dense", "int8", "int4", "tq4", "tq3.5", "tq3", "tq2.5", "tq-k4v3")
+
+
+def cache_cost(name: str, config, dtype: torch.dtype) -> tuple[int, int]:
+    """(bytes per token, fixed bytes) of cache `name` for one sequence, from the caches' own formula."""
+    small, large = 1024, 2048
+    at = {n: expected_nbytes(name, CacheGeometry.for_model(config, capacity=n), dtype, n) for n in (small, large)}
+    per_token = (at[large] - at[small]) // (large - small)
+    return per_token, at[small] - per_token * small
+
+
+def model_info(model: str | None, caches: tuple[str, ...] = INFO_CACHES) -> tuple[dict, Table]:
+    """Shape facts, the KV-bytes-per-token formula with the model's own numbers, and each cache's cost."""
+    c = cached_model(model).config
     rows = []
     for dtype_name, nbytes in (("fp32", 4), ("bf16", 2)):
         per_token = 2 * c.n_layers * c.n_kv_heads * c.head_dim * nbytes
         formula = f"2 × {c.n_layers} layers × {c.n_kv_heads} kv_heads × {c.head_dim} head_dim × {nbytes} bytes"
         rows.append({"kv_type": dtype_name, "bytes_per_token": per_token, "formula": formula})
+    bf16_per_token = rows[1]["bytes_per_token"]
+    cache_rows = []
+    for name in caches:
+        per_token, fixed = cache_cost(name, c, torch.bfloat16)
+        cache_rows.append({
+            "cache": name, "bytes_per_token": per_token, "fixed_bytes": fixed,
+            "vs_bf16": bf16_per_token / per_token, "formula": describe_formula(name, CacheGeometry.for_model(c), torch.bfloat16),
+        })
     record = {
         "model": c.name,
         "arch": c.arch,
@@ -111,6 +129,7 @@ def model_info(model: str | None) -> tuple[dict, Table]:
         "vocab_size": c.vocab_size,
         "context_length": c.max_seq_len,
         "kv_bytes_per_token": rows,
+        "caches": cache_rows,
     }
     table = Table(title=f"{c.name} ({c.arch})")
     table.add_column("fact")
@@ -119,4 +138,9 @@ def model_info(model: str | None) -> tuple[dict, Table]:
         table.add_row(key, str(record[key]))
     for row in rows:
         table.add_row(f"KV bytes/token ({row['kv_type']})", f"{row['formula']} = {row['bytes_per_token']:,}")
+    for row in cache_rows:
+        table.add_row(
+            f"cache {row['cache']} (bf16 compute)",
+            f"{row['bytes_per_token']:,} B/token ({row['vs_bf16']:.2f}× smaller than bf16) + {row['fixed_bytes']:,} B fixed; {row['formula']}",
+        )
     return record, table
