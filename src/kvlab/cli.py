@@ -102,6 +102,7 @@ def bench_decode(
     new_tokens: int = typer.Option(256, "--new-tokens", min=2),
     dtypes: str = typer.Option("fp32,bf16", "--dtypes"),
     repeats: int = typer.Option(3, "--repeats", min=1),
+    no_cache_repeats: int = typer.Option(1, "--no-cache-repeats", min=1, help="Runs of the (slow) no-cache contenders."),
     contenders: str = typer.Option("kvlab:dense,kvlab:concat,kvlab:none,transformers:default,transformers:none", "--contenders"),
     out: str = typer.Option("bench/results/decode.json", "--out"),
     json_out: bool = typer.Option(False, "--json"),
@@ -109,7 +110,8 @@ def bench_decode(
     """Decode tokens/s of kvlab's caches against transformers, interleaved in one run."""
     from .bench.decode import run_decode_bench
 
-    run_decode_bench(model, prompt_tokens, new_tokens, dtypes.split(","), repeats, contenders.split(","), out, json_out, console)
+    run_decode_bench(model, prompt_tokens, new_tokens, dtypes.split(","), repeats, contenders.split(","), out, json_out,
+                     console, no_cache_repeats=min(no_cache_repeats, repeats))
 
 
 def _register_optional_commands() -> None:
