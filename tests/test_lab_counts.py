@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlab.lab.common import torch_threads
+from kvlab.measure import torch_threads
 from kvlab.lab.counts import (COUNTS_CONFIG, CountingCache, forward_macs, generation_macs, run_counts, sum_squares,
                               triangle)
 from .conftest import tiny_model

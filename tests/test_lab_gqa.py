@@ -6,7 +6,7 @@ from fractions import Fraction
 
 import pytest
 
-from kvlab.lab.common import torch_threads
+from kvlab.measure import torch_threads
 from kvlab.lab.gqa import PROMPT, TrainSettings, lab_gpt_config, run_gqa, theoretical_bytes, weights_path
 from kvlab.lab.corpus import encode, splits
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlab.lab.common import torch_threads
+from kvlab.measure import torch_threads
 from kvlab.lab.invariance import INVARIANCE_CONFIG, UnmaskedCache, make_lab_cache, run_invariance
 
 

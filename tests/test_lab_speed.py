@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvlab.lab.common import torch_threads
+from kvlab.measure import torch_threads
 from kvlab.lab.speed import StepProfile, run_speed, step_grid
 
 

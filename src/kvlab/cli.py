@@ -103,6 +103,7 @@ def bench_decode(
     dtypes: str = typer.Option("fp32,bf16", "--dtypes"),
     repeats: int = typer.Option(3, "--repeats", min=1),
     no_cache_repeats: int = typer.Option(1, "--no-cache-repeats", min=1, help="Runs of the (slow) no-cache contenders."),
+    threads: int = typer.Option(0, "--threads", min=0, help="torch intra-op threads (0: torch's default)."),
     contenders: str = typer.Option("kvlab:dense,kvlab:concat,kvlab:none,transformers:default,transformers:none", "--contenders"),
     out: str = typer.Option("bench/results/decode.json", "--out"),
     json_out: bool = typer.Option(False, "--json"),
@@ -111,7 +112,7 @@ def bench_decode(
     from .bench.decode import run_decode_bench
 
     run_decode_bench(model, prompt_tokens, new_tokens, dtypes.split(","), repeats, contenders.split(","), out, json_out,
-                     console, no_cache_repeats=min(no_cache_repeats, repeats))
+                     console, no_cache_repeats=min(no_cache_repeats, repeats), threads=threads)
 
 
 def _register_optional_commands() -> None:

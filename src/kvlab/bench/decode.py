@@ -26,7 +26,7 @@ from ..cache import CacheGeometry, make_cache
 from ..errors import ConfigError
 from ..generate import generate
 from ..session import cached_model
-from .bandwidth import measure_read_bandwidth
+from ..measure import machine_info, read_bandwidth_gb_s, torch_threads
 
 
 @dataclass
@@ -104,13 +104,18 @@ def _kv_bytes_read_per_step(config, dtype: torch.dtype, prompt_tokens: int, new_
 
 
 def run_decode_bench(model, prompt_tokens, new_tokens, dtypes, repeats, contenders, out, json_out, console: Console,
-                     no_cache_repeats: int = 1):
+                     no_cache_repeats: int = 1, threads: int = 0):
+    with torch_threads(threads):
+        return _run(model, prompt_tokens, new_tokens, dtypes, repeats, contenders, out, json_out, console, no_cache_repeats)
+
+
+def _run(model, prompt_tokens, new_tokens, dtypes, repeats, contenders, out, json_out, console, no_cache_repeats):
     contenders = [c.strip() for c in contenders if c.strip()]
     for c in contenders:
         if c.split(":")[0] not in ("kvlab", "transformers") or ":" not in c:
             raise ConfigError(f"contender {c!r} must be kvlab:<cache> or transformers:default|none")
     torch.manual_seed(0)
-    bandwidth = measure_read_bandwidth()
+    bandwidth = read_bandwidth_gb_s() * 1e9
     results: list[DecodeResult] = []
     with Progress(console=console, transient=True) as progress:
         for dtype_name in dtypes:
@@ -150,8 +155,7 @@ def run_decode_bench(model, prompt_tokens, new_tokens, dtypes, repeats, contende
         "prompt_tokens": prompt_tokens,
         "new_tokens": new_tokens,
         "repeats": repeats,
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
+        "machine": machine_info(),
         "read_bandwidth_gb_s": bandwidth / 1e9,
         "results": [asdict(r) for r in results],
     }

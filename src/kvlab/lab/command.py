@@ -73,7 +73,7 @@ def register(app: typer.Typer) -> None:
         threads: int = typer.Option(0, "--threads", min=0, help=THREADS_HELP),
     ):
         """Append one token: do the earlier outputs change, with and without the causal mask? And a stale cache."""
-        from .common import torch_threads
+        from ..measure import torch_threads
         from .invariance import invariance_table, plot_invariance, run_invariance
 
         path = _png(plot)
@@ -97,7 +97,8 @@ def register(app: typer.Typer) -> None:
         threads: int = typer.Option(0, "--threads", min=0, help=THREADS_HELP),
     ):
         """Count (query, key) scores and K/V projections while generating n tokens, with and without a cache."""
-        from .common import ticker_for, torch_threads
+        from .common import ticker_for
+        from ..measure import torch_threads
         from .counts import counts_table, plot_counts, run_counts
 
         path = _png(plot)
@@ -130,7 +131,8 @@ def register(app: typer.Typer) -> None:
         """The record table: n_kv_head 8/4/2/1, cache bytes measured vs theory, ratio to MHA, tokens/s, val loss."""
         from dataclasses import replace
 
-        from .common import ticker_for, torch_threads
+        from .common import ticker_for
+        from ..measure import torch_threads
         from .gqa import TrainSettings, gqa_table, plot_gqa, run_gqa
 
         path = _png(plot)
@@ -164,7 +166,8 @@ def register(app: typer.Typer) -> None:
         threads: int = typer.Option(0, "--threads", min=0, help=THREADS_HELP),
     ):
         """Tokens/s with and without the cache, against the speed-up the operation counts predict."""
-        from .common import ticker_for, torch_threads
+        from .common import ticker_for
+        from ..measure import torch_threads
         from .report import speed_analysis
         from .speed import QUICK_LENGTHS, plot_speed, run_speed, speed_table
 
@@ -201,7 +204,7 @@ def register(app: typer.Typer) -> None:
         threads: int = typer.Option(0, "--threads", min=0, help=THREADS_HELP),
     ):
         """Run every experiment with one progress bar; write report.md, lab.json and PNG plots into --out."""
-        from .common import torch_threads
+        from ..measure import torch_threads
         from .report import AllSettings, run_all
 
         model_keys = tuple(m.strip() for m in models.split(",") if m.strip()) if models else None

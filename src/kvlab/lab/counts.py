@@ -218,7 +218,7 @@ def counts_markdown(records: list[CountRecord]) -> str:
 
 
 def plot_counts(records: list[CountRecord], path) -> None:
-    from .common import pyplot
+    from ..measure import pyplot
 
     plt = pyplot()
     top = max(r.n for r in records)

@@ -291,7 +291,7 @@ def gqa_markdown(records: list[GqaRecord]) -> str:
 
 
 def plot_gqa(records: list[GqaRecord], path) -> None:
-    from .common import pyplot
+    from ..measure import pyplot
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)

@@ -178,7 +178,7 @@ def invariance_markdown(result: InvarianceResult) -> str:
 
 
 def plot_invariance(result: InvarianceResult, path) -> None:
-    from .common import pyplot
+    from ..measure import pyplot
 
     plt = pyplot()
     floor = 1e-10  # exact zeros on a log axis

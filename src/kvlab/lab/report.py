@@ -11,7 +11,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .common import Ticker, machine_info, progress_bar, write_json
+from .common import Ticker, progress_bar
+from ..measure import machine_info, write_json
 from .counts import COUNTS_CONFIG, counts_markdown, plot_counts, run_counts
 from .gqa import TrainSettings, gqa_markdown, plot_gqa, run_gqa
 from .invariance import INVARIANCE_CONFIG, invariance_markdown, plot_invariance, run_invariance

@@ -34,7 +34,8 @@ from ..cache import make_cache
 from ..cache.base import CacheGeometry
 from ..errors import ConfigError
 from ..generate import generate
-from .common import Ticker, median_time, read_bandwidth_gb_s
+from .common import Ticker
+from ..measure import median_time, read_bandwidth_gb_s
 from .counts import forward_macs, generation_macs
 
 LENGTHS = (64, 256, 512, 1024, 2048)
@@ -456,7 +457,7 @@ def summary_markdown(result: SpeedResult) -> str:
 
 
 def plot_speed(result: SpeedResult, path) -> None:
-    from .common import pyplot
+    from ..measure import pyplot
 
     plt = pyplot()
     rows = len(result.summaries)

@@ -6,6 +6,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..errors import ConfigError, KvlabError
+from ..measure import pyplot
 from .budget import Plan, plan_components
 
 GiB = 1 << 30
@@ -13,11 +14,7 @@ PLOT_TYPES = {"llama.cpp": ("f16", "q8_0", "q4_0"), "vllm": ("bf16", "fp8"), "kv
 
 
 def plot_plan(plan: Plan, path: str | Path, points: int = 48) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     path = Path(path)
     if path.suffix.lower() not in (".png", ".svg", ".pdf"):
         raise ConfigError(f"--plot needs a .png, .svg or .pdf file name, got {path.name!r}")
