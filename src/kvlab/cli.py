@@ -2,35 +2,17 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import sys
 from typing import Optional
 
 import typer
-from rich.console import Console
 
-from .errors import KvlabError
+from .terminal import console, one_line_errors
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Plan, run, compress and measure the KV cache of LLMs.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print tables and write bench/results/*.json.")
 app.add_typer(bench_app, name="bench")
-console = Console(width=None if sys.stdout.isatty() else 140)
-err_console = Console(stderr=True)
-
-
-def one_line_errors(fn):
-    """Turn kvlab errors into `error: <message>` and exit code 2 instead of a traceback."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except KvlabError as exc:
-            err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
-            raise typer.Exit(2)
-
-    return wrapper
 
 
 @app.command()

@@ -6,32 +6,16 @@ list of records; `--plot FILE.png` saves its plot; `--threads N` sets torch's in
 
 from __future__ import annotations
 
-import functools
 import json
 from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
 
-from ..errors import ConfigError, KvlabError
-
-console = Console()
-err_console = Console(stderr=True)
+from ..errors import ConfigError
+from ..terminal import console, one_line_errors
 
 THREADS_HELP = "torch intra-op threads (0: torch's default). On a busy machine 1 can be much faster."
-
-
-def _errors(fn):
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except KvlabError as exc:
-            err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
-            raise typer.Exit(2)
-
-    return wrapper
 
 
 def _ints(text: str, option: str) -> tuple[int, ...]:
@@ -63,7 +47,7 @@ def register(app: typer.Typer) -> None:
     app.add_typer(lab, name="lab")
 
     @lab.command("invariance")
-    @_errors
+    @one_line_errors
     def invariance(
         tokens: int = typer.Option(8, "--tokens", min=1, help="Tokens before the appended one."),
         steps: int = typer.Option(8, "--steps", min=1, help="Tokens decoded from the cache for the stale-cache check."),
@@ -87,7 +71,7 @@ def register(app: typer.Typer) -> None:
             console.print(invariance_table(result))
 
     @lab.command("counts")
-    @_errors
+    @one_line_errors
     def counts(
         n: Optional[str] = typer.Option(None, "--n", help="Generated tokens: --n 100 1000 or --n 100,1000 (default 100 1000)."),
         more: Optional[list[int]] = typer.Argument(None, metavar="[N]...", help="More token counts (so that --n 100 1000 works)."),
@@ -116,7 +100,7 @@ def register(app: typer.Typer) -> None:
                 raise typer.Exit(1)
 
     @lab.command("gqa")
-    @_errors
+    @one_line_errors
     def gqa(
         steps: Optional[int] = typer.Option(None, "--steps", min=1, help="Training steps per variant (default 200)."),
         new_tokens: int = typer.Option(256, "--new-tokens", min=2, help="Tokens generated for the bytes and tokens/s columns."),
@@ -151,7 +135,7 @@ def register(app: typer.Typer) -> None:
             console.print(gqa_table(records, settings))
 
     @lab.command("speed")
-    @_errors
+    @one_line_errors
     def speed(
         models: str = typer.Option("lab,smollm2", "--models", help="lab (the lab GPT) and/or smollm2."),
         lengths: str = typer.Option("64,256,512,1024,2048", "--lengths", help="Generated tokens after a 16-token prompt."),
@@ -193,7 +177,7 @@ def register(app: typer.Typer) -> None:
             console.print(Markdown(speed_analysis(result)))
 
     @lab.command("all")
-    @_errors
+    @one_line_errors
     def all_(
         out: str = typer.Option("lab-report", "--out", help="Folder for report.md, lab.json and the plots."),
         quick: bool = typer.Option(False, "--quick", help="Small versions of every experiment (seconds)."),

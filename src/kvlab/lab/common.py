@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Iterator
 
 

@@ -166,7 +166,7 @@ def invariance_table(result: InvarianceResult):
 def invariance_markdown(result: InvarianceResult) -> str:
     r = result
     lines = [
-        f"| comparison (largest \\|difference\\|) | causal mask | no mask |",
+        "| comparison (largest \\|difference\\|) | causal mask | no mask |",
         "|---|---:|---:|",
         f"| first {r.n_tokens} outputs: {r.n_tokens} tokens vs {r.n_tokens + 1} tokens | {r.masked_max_diff:.2e} | {r.unmasked_max_diff:.3g} |",
     ]
