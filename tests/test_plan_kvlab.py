@@ -60,3 +60,13 @@ def test_unknown_cache_name_is_one_line_config_error():
 def test_kvlab_refuses_layers_it_cannot_cache():
     with pytest.raises(ConfigError, match="recurrent"):
         make_plan(load_spec("qwen3.5-9b"), get_engine("kvlab"), PlanSettings(context=8))
+
+
+def test_kvlab_engine_weights_are_what_the_engine_holds(smollm2):
+    """kvlab dequantizes the Q4_1 file: the plan counts parameters × 4 bytes, as the loaded model holds."""
+    from kvlab.plan.command import build_plan
+
+    plan = build_plan(str(smollm2.path), ctx="512", engine="kvlab")
+    assert plan.weights.bytes == smollm2.weight_bytes == 134_515_008 * 4
+    plan16 = build_plan(str(smollm2.path), ctx="512", engine="kvlab", weights_quant="bf16")
+    assert plan16.weights.bytes == 134_515_008 * 2

@@ -15,7 +15,7 @@ from .engines import Engine
 from .gpus import GPU
 from .layout import KVLayout
 from .settings import PlanSettings
-from .weights import WeightsEstimate, weights_bytes
+from .weights import WeightsEstimate
 
 MAX_SEARCH_CONTEXT = 1 << 24
 
@@ -105,7 +105,7 @@ def _largest(fits: Callable[[int], bool], lo: int, hi: int) -> int:
 def make_plan(spec: ModelSpec, engine: Engine, settings: PlanSettings, weights_quant: str | None = None,
               gpu: GPU | None = None, solve: bool = True) -> Plan:
     """Plan one configuration; with a GPU also solve for the longest context and most sequences."""
-    weights = weights_bytes(spec, weights_quant)
+    weights = engine.weights(spec, weights_quant)
     layout, components = plan_components(spec, engine, settings, weights)
     budget = engine.budget_bytes(gpu.vram_bytes, gpu.usable_bytes, settings) if gpu else None
     max_context = max_sequences = None

@@ -8,6 +8,7 @@ from ...spec import ModelSpec
 from ..components import Component
 from ..layout import KVLayout
 from ..settings import PlanSettings
+from ..weights import WeightsEstimate, weights_bytes
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -36,6 +37,10 @@ class Engine(ABC):
     @abstractmethod
     def overheads(self, spec: ModelSpec, settings: PlanSettings, layout: KVLayout) -> list[Component]:
         """Everything besides weights and caches: compute buffers, runtime, activations."""
+
+    def weights(self, spec: ModelSpec, quant: str | None) -> WeightsEstimate:
+        """The weights as this engine holds them: by default as stored (or params × the quant's bits)."""
+        return weights_bytes(spec, quant)
 
     def budget_bytes(self, vram_bytes: int, usable_bytes: int, settings: PlanSettings) -> int:
         """Bytes this engine may use on a GPU of `vram_bytes` of which `usable_bytes` are free."""

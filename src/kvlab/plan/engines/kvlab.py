@@ -14,6 +14,7 @@ from ...spec import ModelSpec
 from ..components import Component
 from ..layout import KVLayout, LayerBytes
 from ..settings import PlanSettings
+from ..weights import WeightsEstimate
 from .base import Engine
 
 _DTYPES = {"f32": "float32", "float32": "float32", "f16": "float16", "float16": "float16",
@@ -75,6 +76,16 @@ class KvlabEngine(Engine):
             layout = KVLayout(self.name, tuple(rows.get(i, LayerBytes(i, layer.kind)) for i, layer in enumerate(spec.layers)),
                               per_token, label, label, notes)
         return layout
+
+    def weights(self, spec: ModelSpec, quant: str | None) -> WeightsEstimate:
+        """kvlab dequantizes every tensor into its compute dtype: parameters × 4 (fp32) or × 2 (bf16/f16)."""
+        key = (quant or "f32").strip().lower()
+        if key not in _DTYPES:
+            raise ConfigError(f"--engine kvlab holds weights in f32, bf16 or f16, not {quant!r}")
+        if not spec.n_params:
+            raise ConfigError(f"{spec.name}: parameter count unknown, so kvlab's weight bytes cannot be computed")
+        size = 4 if _DTYPES[key] == "float32" else 2
+        return WeightsEstimate(spec.n_params * size, f"{spec.n_params:,} params × {size} B ({key}, dequantized)", True)
 
     def overheads(self, spec: ModelSpec, settings: PlanSettings, layout: KVLayout) -> list[Component]:
         n_ub = settings.ubatch or settings.context
