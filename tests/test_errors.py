@@ -122,3 +122,26 @@ def test_unknown_cache_name():
 
 def test_errors_are_single_lines():
     assert "\n" not in str(KvlabError("first line\nsecond line"))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prefill-chunk", "-1"], "prefill chunk size must be at least 1"),
+    (["--max-new-tokens", "0"], "max_new_tokens must be at least 1"),
+])
+def test_generate_option_errors(smollm2, args, message):
+    assert message in cli_error(["generate", "hi", *args])
+
+
+def test_cuda_without_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert "no usable CUDA device" in cli_error(["generate", "hi", "--device", "cuda"])
+
+
+def test_zero_kv_heads_in_hf_config(tmp_path):
+    (tmp_path / "config.json").write_text(
+        '{"model_type": "llama", "hidden_size": 48, "num_attention_heads": 6, "num_key_value_heads": 0,'
+        ' "num_hidden_layers": 1, "intermediate_size": 8, "vocab_size": 10}'
+    )
+    with pytest.raises(ConfigError, match="n_kv_heads must be a positive integer"):
+        load_model(tmp_path)

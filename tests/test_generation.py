@@ -113,3 +113,37 @@ def test_cli_info_lists_compressed_cache_costs(smollm2):
     assert costs["dense"]["bytes_per_token"] == 23040  # bf16 reference
     assert costs["tq4"]["bytes_per_token"] == 30 * 3 * 2 * (64 * 4 // 8 + 2)  # codes + 16-bit norm per K and V vector
     assert costs["tq3"]["bytes_per_token"] == 30 * 3 * 2 * (64 * 3 // 8 + 2)
+
+
+def test_bf16_keeps_rope_frequencies_in_fp32():
+    from kvlab.model.llama import rope_inv_freq
+    from kvlab.session import cached_model
+
+    bf16 = cached_model(None, "bf16", "cpu")
+    assert bf16.model.inv_freq.dtype == torch.float32
+    assert torch.equal(bf16.model.inv_freq, rope_inv_freq(bf16.config))
+
+
+def test_bf16_tracks_fp32_over_a_long_prompt(smollm2):
+    """bf16 weights and cache, 300 positions: next-token choices mostly agree with fp32."""
+    from kvlab.session import cached_model
+
+    bf16 = cached_model(None, "bf16", "cpu")
+    text = " ".join(["The quick brown fox jumps over the lazy dog."] * 30)
+    ids = torch.tensor([smollm2.tokenizer.encode(text)])
+    with torch.no_grad():
+        ref = smollm2.model(ids, make_cache("dense", CacheGeometry.for_model(smollm2.config, capacity=ids.shape[1])))
+        low = bf16.model(ids, make_cache("dense", CacheGeometry.for_model(bf16.config, capacity=ids.shape[1]), dtype=torch.bfloat16))
+    agreement = (ref.argmax(-1) == low.argmax(-1)).float().mean().item()
+    assert ids.shape[1] > 250 and agreement > 0.95, agreement
+
+
+def test_no_cache_ignores_prefill_chunks(smollm2):
+    dense = run_generation("The capital of France is", max_new_tokens=4)
+    none_chunked = run_generation("The capital of France is", cache="none", chunk_size=2, max_new_tokens=4)
+    assert none_chunked.result.token_ids == dense.result.token_ids
+
+
+def test_tiny_temperature_is_greedy():
+    logits = torch.tensor([[0.1, 3.0, 0.2]])
+    assert sample_next(logits, SamplingConfig(temperature=1e-40), torch.Generator().manual_seed(0)).tolist() == [1]

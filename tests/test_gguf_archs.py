@@ -109,3 +109,47 @@ def test_gguf_of_each_arch_matches_transformers(tmp_path, smollm2, arch):
         reference = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32)
         with torch.no_grad():
             assert (ours - reference.eval()(ids).logits).abs().max().item() < 1e-5
+
+
+def test_llama3_gguf_rope_freqs_match_transformers_llama3_scaling(tmp_path, smollm2):
+    """Llama 3.x GGUFs carry their long-context RoPE as a `rope_freqs` tensor of per-frequency factors."""
+    import gguf
+    import transformers
+
+    from kvlab.model.config import DecoderConfig, RopeScaling
+    from kvlab.model.llama import rope_inv_freq
+
+    tokenizer_meta = gguf_metadata(open_gguf(smollm2.path))
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer_meta["tokenizer.ggml.tokens"]), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+        rope_scaling=scaling, rope_theta=10000.0,
+    )
+    torch.manual_seed(2)
+    source = transformers.LlamaForCausalLM(config).eval()
+    plain = DecoderConfig(vocab_size=10, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=8)
+    scaled = DecoderConfig(vocab_size=10, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=8,
+                           rope_scaling=RopeScaling(8.0, 1.0, 4.0, 16))
+    factors = (rope_inv_freq(plain).double() / rope_inv_freq(scaled).double()).numpy().astype(np.float32)
+    assert factors.max() > 1.0  # the test model really is scaled
+    path = tmp_path / "llama3.gguf"
+    original_add = gguf.GGUFWriter.write_header_to_file
+
+    def with_rope_freqs(writer, *args, **kwargs):
+        writer.add_tensor("rope_freqs.weight", factors)
+        return original_add(writer, *args, **kwargs)
+
+    gguf.GGUFWriter.write_header_to_file = with_rope_freqs
+    try:
+        write_gguf(path, "llama", source, tokenizer_meta)
+    finally:
+        gguf.GGUFWriter.write_header_to_file = original_add
+    loaded = load_model(path)
+    assert loaded.config.rope_freq_factors is not None
+    ids = torch.tensor([loaded.tokenizer.encode("long context " * 12)])  # well past the 16 original positions
+    with torch.no_grad():
+        ours = loaded.model(ids, make_cache("dense", CacheGeometry.for_model(loaded.config, capacity=ids.shape[1])))
+        ref = source(ids).logits
+    assert (ours - ref).abs().max().item() < 1e-5

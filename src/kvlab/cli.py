@@ -22,7 +22,7 @@ def generate(
     model: Optional[str] = typer.Option(None, "--model", help="GGUF file or Hugging Face folder (default: embedded SmolLM2)."),
     cache: str = typer.Option("dense", "--cache", help="dense | concat | none (and compressed caches)."),
     dtype: str = typer.Option("fp32", "--dtype", help="fp32 | bf16."),
-    max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
     temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 = greedy."),
     top_k: int = typer.Option(0, "--top-k", min=0),
     top_p: float = typer.Option(1.0, "--top-p"),

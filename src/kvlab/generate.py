@@ -12,6 +12,9 @@ from .cache.base import KVCache
 from .errors import CacheCapacityError, ConfigError
 
 
+GREEDY_BELOW = 1e-5  # temperatures this small would overflow the logits; they mean greedy
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """temperature 0 = greedy; top_k 0 and top_p 1.0 = off."""
@@ -42,7 +45,8 @@ class GenerationResult:
 
     @property
     def new_tokens(self) -> int:
-        return len(self.token_ids[0]) if self.token_ids else 0
+        """Decode steps taken: the longest row (rows of a batch that hit EOS early are cut there)."""
+        return max((len(row) for row in self.token_ids), default=0)
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -53,8 +57,8 @@ class GenerationResult:
 
 def sample_next(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
     """logits (B, V) -> next token ids (B,)."""
-    if sampling.temperature == 0.0:
-        return logits.argmax(dim=-1)
+    if sampling.temperature < GREEDY_BELOW:
+        return logits.argmax(dim=-1)  # the limit of sampling as the temperature goes to 0
     logits = logits.float() / sampling.temperature
     if sampling.top_k > 0:
         kth = torch.topk(logits, min(sampling.top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (B, 1)
@@ -73,6 +77,10 @@ def sample_next(logits: torch.Tensor, sampling: SamplingConfig, generator: torch
 def prefill(model, tokens: torch.Tensor, cache: KVCache, chunk_size: int | None = None, last_only: bool = True) -> torch.Tensor:
     """Run the prompt (B, T) through the model into `cache`; chunks of `chunk_size` give the same result."""
     T = tokens.shape[1]
+    if chunk_size is not None and chunk_size < 1:
+        raise ConfigError(f"prefill chunk size must be at least 1 token, got {chunk_size}")
+    if not cache.persistent:
+        chunk_size = None  # without a cache a chunk could not see the chunks before it: one pass
     step = chunk_size or T
     logits = None
     for start in range(0, T, step):
@@ -102,6 +110,8 @@ def generate_stream(
     no-cache baseline (cache.persistent is False) each step feeds the whole sequence again.
     `stats`, when given, receives prefill_seconds, decode_seconds and stop_reason.
     """
+    if max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     if prompt.dim() != 2 or prompt.shape[1] == 0:
         raise ConfigError(f"prompt must be a non-empty (batch, tokens) tensor, got shape {tuple(prompt.shape)}")
     capacity = cache.geometry.capacity
@@ -123,7 +133,6 @@ def generate_stream(
     logits = prefill(model, prompt, cache, chunk_size)[:, -1]                 # (B, V)
     _sync(device)
     stats["prefill_seconds"] = time.perf_counter() - t0
-    t_decode = time.perf_counter()
     for step in range(max_new_tokens):
         next_ids = sample_next(logits, sampling, generator)                   # (B,)
         if eos is not None:
@@ -134,6 +143,7 @@ def generate_stream(
             break
         if step == max_new_tokens - 1:
             break
+        t_step = time.perf_counter()  # decode time counts the model's work, not the caller's between steps
         if cache.persistent:
             if cache.length + 1 > capacity:
                 stats["stop_reason"] = "capacity"
@@ -143,7 +153,7 @@ def generate_stream(
             sequence = torch.cat([sequence, next_ids[:, None]], dim=1)       # (B, T+1): recompute everything
             logits = model(sequence, cache, last_only=True)[:, -1]
         _sync(device)
-        stats["decode_seconds"] = time.perf_counter() - t_decode
+        stats["decode_seconds"] += time.perf_counter() - t_step
 
 
 def _cut_after_eos(row: list[int], eos_ids: tuple[int, ...]) -> list[int]:

@@ -24,5 +24,9 @@ def one_line_errors(fn):
         except KvlabError as exc:
             err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
             raise typer.Exit(2)
+        except OSError as exc:  # a file the user named: unreadable, unwritable, a folder, a full disk
+            where = f" {exc.filename}" if exc.filename else ""
+            err_console.print(f"[bold red]error:[/]{where}: {exc.strerror or exc}", highlight=False, soft_wrap=True)
+            raise typer.Exit(2)
 
     return wrapper

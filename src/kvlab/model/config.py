@@ -32,6 +32,7 @@ class DecoderConfig:
     arch: str = "llama"
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
+    rope_freq_factors: tuple[float, ...] | None = None  # llama.cpp's rope_freqs tensor (Llama 3.x GGUFs)
     rms_eps: float = 1e-5
     tie_embeddings: bool = True
     qk_norm: bool = False           # qwen3: RMSNorm over each head's q and k
@@ -56,6 +57,8 @@ class DecoderConfig:
             object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
         if self.head_dim % 2 != 0:
             raise ConfigError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
+            raise ConfigError(f"rope_freqs has {len(self.rope_freq_factors)} factors, expected head_dim/2 = {self.head_dim // 2}")
         if self.arch not in SUPPORTED_ARCHS:
             raise ConfigError(f"unknown architecture {self.arch!r}; the engine runs {', '.join(SUPPORTED_ARCHS)}")
 

@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..cache.base import KVCache
-from .config import DecoderConfig, RopeScaling
+from .config import DecoderConfig
 
 
 class RMSNorm(nn.Module):
@@ -26,9 +26,10 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
-    """(head_dim/2,) inverse frequencies, with Llama 3's long-context scaling when given."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+def rope_inv_freq(cfg: DecoderConfig) -> torch.Tensor:
+    """(head_dim/2,) fp32 inverse frequencies, with Llama 3's scaling (config) or frequency factors (GGUF)."""
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
+    scaling = cfg.rope_scaling
     if scaling is not None:
         low_wavelen = scaling.original_max_position / scaling.low_freq_factor
         high_wavelen = scaling.original_max_position / scaling.high_freq_factor
@@ -39,6 +40,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
         scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
         mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
         inv_freq = torch.where(mid, (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq, scaled)
+    if cfg.rope_freq_factors is not None:
+        inv_freq = inv_freq / torch.tensor(cfg.rope_freq_factors, dtype=torch.float64)
     return inv_freq.float()
 
 
@@ -129,7 +132,13 @@ class Decoder(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.rms_eps)
         self.lm_head = None if cfg.tie_embeddings else Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        """Module.to(dtype) would round the RoPE frequencies; they are always recomputed in fp32."""
+        super()._apply(fn, recurse)
+        self.inv_freq = rope_inv_freq(self.config).to(self.inv_freq.device)
+        return self
 
     def rope(self, start: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape (n, D) for absolute positions [start, start + n)."""

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from ..errors import ConfigError, ModelFileError, UnsupportedArchitectureError
 from .config import SUPPORTED_ARCHS, DecoderConfig, RopeScaling
-from .llama import Decoder, rope_inv_freq
+from .llama import Decoder
 from .tokenizer import Tokenizer
 from .weights import gguf_state_dict, load_or_convert, safetensors_state_dict
 
@@ -122,7 +122,7 @@ def config_from_hf(config: dict, name: str) -> DecoderConfig:
         d_model=config["hidden_size"],
         n_layers=config["num_hidden_layers"],
         n_heads=n_heads,
-        n_kv_heads=config.get("num_key_value_heads") or n_heads,
+        n_kv_heads=n_heads if config.get("num_key_value_heads") is None else config["num_key_value_heads"],
         d_ff=config["intermediate_size"],
         head_dim=config.get("head_dim") or config["hidden_size"] // n_heads,
         rope_theta=float(theta),
@@ -143,6 +143,8 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype | str = torch.
 
     if isinstance(dtype, str):
         dtype = parse_dtype(dtype)
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {device!r} requested but this torch has no usable CUDA device")
     path = Path(path) if path is not None else default_model_path()
     if not path.exists():
         raise ModelFileError(f"{path}: no such file or folder")
@@ -161,6 +163,9 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype | str = torch.
         reader = open_gguf(path)
         meta = gguf_metadata(reader)
         cfg = config_from_gguf(meta, {t.name for t in reader.tensors}, meta.get("general.name") or path.stem)
+        if any(t.name == "rope_freqs.weight" for t in reader.tensors):  # Llama 3.x: long-context RoPE factors
+            factors = reader.tensor("rope_freqs.weight").data.astype("float64").reshape(-1).tolist()
+            cfg = replace(cfg, rope_freq_factors=tuple(factors))
         tokenizer = Tokenizer.from_gguf_metadata(meta)
         state = load_or_convert(path, lambda: gguf_state_dict(reader, cfg))
     with torch.device("meta"):
@@ -170,7 +175,5 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype | str = torch.
     missing = [m for m in missing if m != "inv_freq"]
     if missing or unexpected:
         raise ModelFileError(f"{path}: weights do not match the config (missing {missing[:3]}, unexpected {unexpected[:3]})")
-    model.inv_freq.copy_(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))  # not in the state dict
-    model = model.to(device=device, dtype=dtype).eval()
-    model.inv_freq.data = model.inv_freq.float()  # RoPE angles stay fp32 in bf16 runs
+    model = model.to(device=device, dtype=dtype).eval()  # Decoder._apply recomputes inv_freq in fp32
     return LoadedModel(model, tokenizer, cfg, path, dtype, torch.device(device))

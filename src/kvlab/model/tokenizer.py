@@ -34,6 +34,18 @@ def _byte_level_pre_tokenizer(pre: str):
     )
 
 
+def _read_json(path: Path) -> dict:
+    """A small JSON file of a model folder, or {} when absent; a broken one is a one-line error."""
+    import json
+
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelFileError(f"{path}: not valid JSON ({exc})") from None
+
+
 @dataclass
 class Tokenizer:
     backend: HFTokenizer
@@ -75,8 +87,6 @@ class Tokenizer:
 
     @classmethod
     def from_folder(cls, folder: Path) -> "Tokenizer":
-        import json
-
         path = folder / "tokenizer.json"
         if not path.is_file():
             raise ModelFileError(f"{folder}: no tokenizer.json")
@@ -84,12 +94,8 @@ class Tokenizer:
             backend = HFTokenizer.from_file(str(path))
         except Exception as exc:  # tokenizers raises bare Exceptions with multi-line text
             raise ModelFileError(f"{path}: not a valid tokenizer.json ({str(exc).splitlines()[0]})") from None
-        config = {}
-        if (folder / "tokenizer_config.json").is_file():
-            config = json.loads((folder / "tokenizer_config.json").read_text())
-        generation = {}
-        if (folder / "generation_config.json").is_file():
-            generation = json.loads((folder / "generation_config.json").read_text())
+        config = _read_json(folder / "tokenizer_config.json")
+        generation = _read_json(folder / "generation_config.json")
 
         def token_id(entry) -> int | None:
             text = entry.get("content") if isinstance(entry, dict) else entry
