@@ -259,6 +259,21 @@ def _offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def _check_reachable(repo_id: str, timeout: float = 3.0) -> None:
+    """Fail fast when the Hub's host cannot even be resolved or connected to (the client would retry for ~25 s)."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    endpoint = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=timeout).close()
+    except OSError as exc:
+        raise OfflineError(f"{repo_id}: cannot reach the Hugging Face Hub at {endpoint.hostname} ({exc.strerror or exc}); "
+                           "are you offline? give a local file, folder or catalog name") from None
+
+
 def spec_from_hub(repo_id: str) -> ModelSpec:
     """config.json and the safetensors headers of a Hub repo (HTTP range reads of the headers only)."""
     if _offline():
@@ -268,8 +283,9 @@ def spec_from_hub(repo_id: str) -> ModelSpec:
         from huggingface_hub import HfApi, hf_hub_download
     except ImportError:
         raise OfflineError(f"{repo_id}: huggingface_hub is not installed, so Hub repos cannot be fetched") from None
+    _check_reachable(repo_id)
     try:
-        config = read_config(hf_hub_download(repo_id, "config.json"))
+        config = read_config(hf_hub_download(repo_id, "config.json", etag_timeout=5))
         weights_bytes = n_params = 0
         try:
             info = HfApi().get_safetensors_metadata(repo_id)
@@ -285,7 +301,9 @@ def spec_from_hub(repo_id: str) -> ModelSpec:
     except KvlabError:
         raise
     except Exception as exc:  # noqa: BLE001 - network stacks raise many types
-        if "NotFound" in type(exc).__name__:
+        kind = type(exc).__name__
+        # LocalEntryNotFoundError is what huggingface_hub raises when it cannot reach the Hub at all
+        if kind in ("RepositoryNotFoundError", "EntryNotFoundError", "RemoteEntryNotFoundError", "GatedRepoError"):
             raise ModelFileError(f"{repo_id}: no such repo (or no config.json) on the Hugging Face Hub") from None
         raise OfflineError(f"{repo_id}: cannot reach the Hugging Face Hub ({type(exc).__name__}); "
                            "are you offline? give a local file, folder or catalog name") from None
