@@ -97,19 +97,13 @@ def bench_decode(
                      console, no_cache_repeats=min(no_cache_repeats, repeats), threads=threads)
 
 
-def _register_optional_commands() -> None:
-    """Commands whose modules register themselves (plan, eval, lab)."""
-    for module_name in ("kvlab.plan.command", "kvlab.eval.command", "kvlab.lab.command"):
-        try:
-            module = __import__(module_name, fromlist=["register"])
-        except ModuleNotFoundError as exc:
-            if exc.name and exc.name.startswith("kvlab"):
-                continue
-            raise
-        module.register(app)
+from .eval.command import register as register_eval  # noqa: E402  (each sub-package adds its own commands)
+from .lab.command import register as register_lab  # noqa: E402
+from .plan.command import register as register_plan  # noqa: E402
 
-
-_register_optional_commands()
+register_plan(app)
+register_eval(app)
+register_lab(app)
 
 
 def main() -> None:  # pragma: no cover
