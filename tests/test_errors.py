@@ -69,7 +69,7 @@ def test_unknown_architecture(tmp_path):
     write_tiny_gguf(path, arch="rwkv9")
     with pytest.raises(UnsupportedArchitectureError, match="rwkv9"):
         load_model(path)
-    assert "rwkv9" in cli_error(["info", str(path)])
+    assert "rwkv9" in cli_error(["generate", "hi", "--model", str(path)])
 
 
 def test_heads_not_divisible():

@@ -51,10 +51,10 @@ def generate(
 @app.command()
 @one_line_errors
 def info(
-    model: Optional[str] = typer.Argument(None, help="GGUF file or Hugging Face folder (default: embedded SmolLM2)."),
+    model: Optional[str] = typer.Argument(None, help="GGUF file, HF folder or config.json, catalog name (default: embedded SmolLM2)."),
     json_out: bool = typer.Option(False, "--json"),
 ):
-    """Layers, heads, KV heads, head dims and KV bytes per token, with the formula written out."""
+    """Layers, heads, KV heads, head dims and KV bytes per token with the formula written out, and each cache's cost."""
     from .session import model_info
 
     record, table = model_info(model)

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 from rich.table import Table
 
 from .cache import CacheGeometry, describe_formula, expected_nbytes, make_cache
+from .errors import ConfigError
 from .generate import GenerationResult, SamplingConfig, generate
 from .model.loader import LoadedModel, load_model, parse_dtype
 from .model.tokenizer import StreamDecoder
@@ -92,53 +94,76 @@ def run_generation(
 INFO_CACHES = ("dense", "int8", "int4", "tq4", "tq3.5", "tq3", "tq2.5", "tq-k4v3")
 
 
-def cache_cost(name: str, config, dtype: torch.dtype) -> tuple[int, int]:
+def cache_cost(name: str, geometry: CacheGeometry, dtype: torch.dtype) -> tuple[int, int]:
     """(bytes per token, fixed bytes) of cache `name` for one sequence, from the caches' own formula."""
     small, large = 1024, 2048
-    at = {n: expected_nbytes(name, CacheGeometry.for_model(config, capacity=n), dtype, n) for n in (small, large)}
+    at = {n: expected_nbytes(name, replace(geometry, capacity=n), dtype, n) for n in (small, large)}
     per_token = (at[large] - at[small]) // (large - small)
     return per_token, at[small] - per_token * small
 
 
 def model_info(model: str | None, caches: tuple[str, ...] = INFO_CACHES) -> tuple[dict, Table]:
-    """Shape facts, the KV-bytes-per-token formula with the model's own numbers, and each cache's cost."""
-    c = cached_model(model).config
+    """Shape facts, the KV-bytes-per-token formula with the model's own numbers, and each cache's cost.
+
+    Reads only the model's header or config (any model `kvlab plan` reads: file, folder, catalog name).
+    """
+    from .model.loader import default_model_path
+    from .sources import load_spec
+
+    spec = load_spec(str(model) if model else str(default_model_path()))
+    attention = [layer for layer in spec.layers if layer.kind in ("full", "sliding")]
+    if not attention:
+        raise ConfigError(f"{spec.name} has no standard attention layers; `kvlab plan {model or ''}` breaks its state down")
+    shapes = Counter((layer.n_heads, layer.n_kv_heads, layer.head_dim_k, layer.head_dim_v) for layer in attention)
+    (n_heads, n_kv, dim_k, dim_v), _ = shapes.most_common(1)[0]
+    uniform = len(shapes) == 1
+    group = n_heads // n_kv
     rows = []
     for dtype_name, nbytes in (("fp32", 4), ("bf16", 2)):
-        per_token = 2 * c.n_layers * c.n_kv_heads * c.head_dim * nbytes
-        formula = f"2 × {c.n_layers} layers × {c.n_kv_heads} kv_heads × {c.head_dim} head_dim × {nbytes} bytes"
+        per_token = sum(layer.n_kv_heads * (layer.head_dim_k + layer.head_dim_v) for layer in attention) * nbytes
+        if uniform and dim_k == dim_v:
+            formula = f"2 × {len(attention)} layers × {n_kv} kv_heads × {dim_k} head_dim × {nbytes} bytes"
+        else:
+            formula = f"Σ over {len(attention)} attention layers of kv_heads × (head_dim_k + head_dim_v) × {nbytes} bytes"
         rows.append({"kv_type": dtype_name, "bytes_per_token": per_token, "formula": formula})
-    bf16_per_token = rows[1]["bytes_per_token"]
-    cache_rows = []
-    for name in caches:
-        per_token, fixed = cache_cost(name, c, torch.bfloat16)
-        cache_rows.append({
-            "cache": name, "bytes_per_token": per_token, "fixed_bytes": fixed,
-            "vs_bf16": bf16_per_token / per_token, "formula": describe_formula(name, CacheGeometry.for_model(c), torch.bfloat16),
-        })
+    others = Counter(layer.kind for layer in spec.layers if layer.kind not in ("full", "sliding"))
     record = {
-        "model": c.name,
-        "arch": c.arch,
-        "layers": c.n_layers,
-        "heads": c.n_heads,
-        "kv_heads": c.n_kv_heads,
-        "head_dim_k": c.head_dim,
-        "head_dim_v": c.head_dim,
-        "attention": "MHA" if c.group_size == 1 else ("MQA" if c.n_kv_heads == 1 else f"GQA ({c.group_size} query heads per KV head)"),
-        "d_model": c.d_model,
-        "vocab_size": c.vocab_size,
-        "context_length": c.max_seq_len,
+        "model": spec.name,
+        "arch": spec.arch,
+        "layers": spec.n_layers,
+        "attention_layers": len(attention),
+        "other_layers": dict(others),
+        "heads": n_heads,
+        "kv_heads": n_kv,
+        "head_dim_k": dim_k,
+        "head_dim_v": dim_v,
+        "attention": "MHA" if group == 1 else ("MQA" if n_kv == 1 else f"GQA ({group} query heads per KV head)"),
+        "d_model": spec.d_model,
+        "vocab_size": spec.vocab_size,
+        "context_length": spec.context_length,
         "kv_bytes_per_token": rows,
-        "caches": cache_rows,
+        "caches": [],
     }
-    table = Table(title=f"{c.name} ({c.arch})")
+    if uniform:
+        geometry = CacheGeometry(n_layers=len(attention), n_kv_heads=n_kv, head_dim=dim_k, head_dim_v=dim_v, n_heads=n_heads)
+        bf16_per_token = rows[1]["bytes_per_token"]
+        for name in caches:
+            per_token, fixed = cache_cost(name, geometry, torch.bfloat16)
+            record["caches"].append({
+                "cache": name, "bytes_per_token": per_token, "fixed_bytes": fixed, "vs_bf16": bf16_per_token / per_token,
+                "formula": describe_formula(name, geometry, torch.bfloat16),
+            })
+    table = Table(title=f"{spec.name} ({spec.arch})")
     table.add_column("fact")
     table.add_column("value", justify="right")
-    for key in ("layers", "heads", "kv_heads", "head_dim_k", "head_dim_v", "attention", "d_model", "vocab_size", "context_length"):
+    for key in ("layers", "attention_layers", "heads", "kv_heads", "head_dim_k", "head_dim_v", "attention", "d_model",
+                "vocab_size", "context_length"):
         table.add_row(key, str(record[key]))
+    if others:
+        table.add_row("other layers (see kvlab plan)", ", ".join(f"{n} {kind}" for kind, n in others.items()))
     for row in rows:
         table.add_row(f"KV bytes/token ({row['kv_type']})", f"{row['formula']} = {row['bytes_per_token']:,}")
-    for row in cache_rows:
+    for row in record["caches"]:
         table.add_row(
             f"cache {row['cache']} (bf16 compute)",
             f"{row['bytes_per_token']:,} B/token ({row['vs_bf16']:.2f}× smaller than bf16) + {row['fixed_bytes']:,} B fixed; {row['formula']}",
