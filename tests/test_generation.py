@@ -147,3 +147,11 @@ def test_no_cache_ignores_prefill_chunks(smollm2):
 def test_tiny_temperature_is_greedy():
     logits = torch.tensor([[0.1, 3.0, 0.2]])
     assert sample_next(logits, SamplingConfig(temperature=1e-40), torch.Generator().manual_seed(0)).tolist() == [1]
+
+
+def test_cli_info_hybrid_catalog_model():
+    """The seed's Qwen3.5-9B: only 8 of 32 layers keep KV — 2 × 8 × 4 × 256 values per token."""
+    record = json.loads(CliRunner().invoke(app, ["info", "qwen3.5-9b", "--json"]).output)
+    assert (record["layers"], record["attention_layers"], record["kv_heads"], record["head_dim_k"]) == (32, 8, 4, 256)
+    assert record["other_layers"] == {"recurrent": 24}
+    assert next(r for r in record["kv_bytes_per_token"] if r["kv_type"] == "bf16")["bytes_per_token"] == 2 * 8 * 4 * 256 * 2
