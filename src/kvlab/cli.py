@@ -97,10 +97,12 @@ def bench_decode(
                      console, no_cache_repeats=min(no_cache_repeats, repeats), threads=threads)
 
 
-from .lab.command import register as register_lab  # noqa: E402  (each sub-package adds its own commands)
+from .eval.command import register as register_eval  # noqa: E402  (each sub-package adds its own commands)
+from .lab.command import register as register_lab  # noqa: E402
 from .plan.command import register as register_plan  # noqa: E402
 
 register_plan(app)
+register_eval(app)
 register_lab(app)
 
 

@@ -21,7 +21,6 @@ as tokens arrive and equals the formula `expected_nbytes(config, geometry, dtype
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -37,14 +36,17 @@ class FullPrecision:
 
     recent: int = 0             # newest tokens of every compressed layer kept in full precision
     first_last: bool = False    # layers 0 and L-1 kept whole in full precision
+    layer_list: tuple[int, ...] = ()  # more layers kept whole (for per-layer studies)
 
     def layers(self, n_layers: int) -> frozenset[int]:
-        return frozenset({0, n_layers - 1}) if self.first_last else frozenset()
+        chosen = set(self.layer_list) | ({0, n_layers - 1} if self.first_last else set())
+        return frozenset(layer for layer in chosen if 0 <= layer < n_layers)
 
     @property
     def suffix(self) -> str:
         """The name options, e.g. "+recent64+fp-first-last" (empty for a plain name)."""
-        return (f"+recent{self.recent}" if self.recent else "") + ("+fp-first-last" if self.first_last else "")
+        listed = "+fp-layers=" + ".".join(str(l) for l in sorted(self.layer_list)) if self.layer_list else ""
+        return (f"+recent{self.recent}" if self.recent else "") + ("+fp-first-last" if self.first_last else "") + listed
 
 
 class CompressedCache(KVCache):
@@ -195,7 +197,3 @@ class CompressedCache(KVCache):
 
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def format_bytes(n: float) -> str:
-    return f"{n:,.0f}" if math.isclose(n, round(n)) else f"{n:,.1f}"

@@ -8,13 +8,16 @@
                channels gets one more bit
     option  := "recent" N               the N newest tokens of every layer kept in the cache dtype
              | "fp-first-last"          the first and last layers kept whole in the cache dtype
+             | "fp-layers=" I("." I)*   these layers kept whole in the cache dtype (fp-layers=0.29)
              | "qjl"                    (tq) keys: W-1 bits of codes + the 1-bit QJL residual
                                         sketch + a 16-bit residual norm
              | "g" N                    (int) group size: tokens per key group, channels per value
                                         group (default 32)
+             | "center=" C              (tq) which of K/V get a per-layer offset: none, k (default),
+                                        v, kv — 1 float8 per channel per layer and KV head each
     options that change no byte (numerics, for ablations):
              | "kscale=" M | "vscale=" M   how the 16-bit per-vector scale is chosen
-                                        (tq; M in norm, renorm, lsq, unbiased)
+                                        (tq; M in norm (the paper), renorm (default), lsq, unbiased)
              | "bf16norms"              (tq) store the 16-bit scales as bfloat16 instead of float16
              | "seed" N                 (tq) rotation / QJL seed (default 0)
 
@@ -34,7 +37,7 @@ from .compressed import FullPrecision
 from .quantized import QuantizedCache, QuantizedConfig
 from .turboquant import TurboQuantCache, TurboQuantConfig
 
-EXAMPLES = ["int8", "int4", "int4+g64", "int4+recent128", "tq4", "tq3.5", "tq3", "tq2.5", "tq2", "tq-k4v3",
+EXAMPLES = ["int8", "int4", "int4+g64", "int4+recent128", "tq4", "tq-k5v3", "tq3.5", "tq3", "tq2.5", "tq2", "tq-k4v3",
             "tq4+qjl", "tq3+recent64", "tq3+fp-first-last"]
 
 _WIDTH = r"(\d+(?:\.\d+)?)"
@@ -80,6 +83,8 @@ def parse(name: str) -> tuple[type, object]:
             settings["norm_dtype"] = torch.bfloat16
         elif m := re.fullmatch(r"([kv])scale=(\w+)", option):
             settings["key_scale" if m.group(1) == "k" else "value_scale"] = m.group(2)
+        elif m := re.fullmatch(r"center=(none|k|v|kv)", option):
+            settings["center"] = "" if m.group(1) == "none" else m.group(1)
         elif m := re.fullmatch(r"seed(\d+)", option):
             settings["seed"] = int(m.group(1))
         else:
@@ -92,14 +97,16 @@ def parse(name: str) -> tuple[type, object]:
 
 def _full_precision(name: str, options: list[str]) -> tuple[FullPrecision, list[str]]:
     """Take the +recentN / +fp-first-last options out of `options`."""
-    recent, first_last, rest = 0, False, []
+    recent, first_last, listed, rest = 0, False, (), []
     for option in options:
         if m := re.fullmatch(r"recent(\d+)", option):
             recent = int(m.group(1))
         elif option == "fp-first-last":
             first_last = True
+        elif m := re.fullmatch(r"fp-layers=(\d+(?:\.\d+)*)", option):
+            listed = tuple(sorted({int(i) for i in m.group(1).split(".")}))
         elif option:
             rest.append(option)
         else:
             raise ConfigError(f"empty option in cache name {name!r}")
-    return FullPrecision(recent=recent, first_last=first_last), rest
+    return FullPrecision(recent=recent, first_last=first_last, layer_list=listed), rest

@@ -1,9 +1,11 @@
-"""Bit packing: n codes of b bits (b = 1..8) stored in ceil(n·b/8) bytes of uint8.
+"""Bit packing: n codes of b bits (b = 1..8) stored in uint8, ⌈n·b/8⌉ bytes when 8 divides n.
 
-Codes are packed little-endian along the last axis: code i occupies bits [i·b, (i+1)·b) of the
-byte string, bit 0 being the least significant bit of byte 0. Widths that divide 8 (1, 2, 4, 8)
-use shifts on bytes; the others (3, 5, 6, 7) go through groups of 8 codes = b bytes held in an
-int64, so every width costs exactly n·b bits (rounded up to a whole byte at the end of a row).
+A width that divides 8 (1, 2, 4, 8) packs 8/b codes per byte, low bits first: code i of a byte
+sits at bits [i·b, (i+1)·b). Other widths are bit-sliced into power-of-two planes, high bits first
+(3 = 2 + 1, 5 = 4 + 1, 6 = 4 + 2, 7 = 4 + 2 + 1): the plane of width p holds bits [s, s+p) of every
+code, packed like a p-bit code, and the planes follow each other in the byte string. Every width
+then unpacks with byte shifts only (no wide-integer arithmetic), which keeps reading a long cache
+cheap; a plane costs ⌈n·p/8⌉ bytes, so the total is exactly n·b/8 bytes when 8 divides n.
 """
 
 from __future__ import annotations
@@ -13,59 +15,61 @@ import torch
 from ..errors import ConfigError
 
 
-def packed_nbytes(n_codes: int, bits: int) -> int:
-    """Bytes that hold `n_codes` codes of `bits` bits: ceil(n·b / 8)."""
+def planes(bits: int) -> list[tuple[int, int]]:
+    """(width, shift) of each plane of a `bits`-bit code, widest first: 7 -> [(4, 3), (2, 1), (1, 0)]."""
     _check_bits(bits)
-    return (n_codes * bits + 7) // 8
+    out, shift = [], bits
+    for width in (8, 4, 2, 1):
+        if bits & width:
+            shift -= width
+            out.append((width, shift))
+    return out
+
+
+def packed_nbytes(n_codes: int, bits: int) -> int:
+    """Bytes that hold `n_codes` codes of `bits` bits (Σ over planes of ⌈n·p/8⌉)."""
+    return sum((n_codes * width + 7) // 8 for width, _ in planes(bits))
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """(..., n) integer codes in [0, 2^bits) -> (..., ceil(n·bits/8)) uint8."""
-    _check_bits(bits)
-    n = codes.shape[-1]
-    lead = codes.shape[:-1]
-    if bits == 8:
-        return codes.to(torch.uint8)
-    if 8 % bits == 0:
-        per_byte = 8 // bits
-        padded = _pad_last(codes.to(torch.uint8), per_byte)                       # (..., n')
-        grouped = padded.reshape(*lead, -1, per_byte)                              # (..., n'/k, k)
-        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)  # (k,)
-        return (grouped << shifts).sum(dim=-1, dtype=torch.uint8)[..., : packed_nbytes(n, bits)]
-    padded = _pad_last(codes.to(torch.int64), 8)                                   # (..., n') n' % 8 == 0
-    grouped = padded.reshape(*lead, -1, 8)                                         # (..., n'/8, 8)
-    shifts = torch.arange(0, 8 * bits, bits, dtype=torch.int64, device=codes.device)
-    words = (grouped << shifts).sum(dim=-1)                                        # (..., n'/8) 8·b bits each
-    byte_shifts = torch.arange(0, 8 * bits, 8, dtype=torch.int64, device=codes.device)
-    out = ((words[..., None] >> byte_shifts) & 0xFF).to(torch.uint8)               # (..., n'/8, b)
-    return out.reshape(*lead, -1)[..., : packed_nbytes(n, bits)]
+    """(..., n) integer codes in [0, 2^bits) -> (..., packed_nbytes(n, bits)) uint8."""
+    codes = codes.to(torch.uint8)
+    parts = [_pack_plane((codes >> shift) & ((1 << width) - 1), width) for width, shift in planes(bits)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
 
 def unpack(packed: torch.Tensor, bits: int, n_codes: int) -> torch.Tensor:
-    """(..., ceil(n·bits/8)) uint8 -> (..., n) int64 codes; the inverse of `pack`."""
-    _check_bits(bits)
-    lead = packed.shape[:-1]
-    if bits == 8:
-        return packed[..., :n_codes].to(torch.int64)
-    if 8 % bits == 0:
-        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)  # (k,)
-        codes = (packed[..., None] >> shifts) & ((1 << bits) - 1)                   # (..., bytes, k)
-        return codes.reshape(*lead, -1)[..., :n_codes].to(torch.int64)
-    padded = _pad_last(packed, bits)                                                # (..., 8·m/… ) whole words
-    grouped = padded.reshape(*lead, -1, bits).to(torch.int64)                      # (..., words, b)
-    byte_shifts = torch.arange(0, 8 * bits, 8, dtype=torch.int64, device=packed.device)
-    words = (grouped << byte_shifts).sum(dim=-1)                                   # (..., words)
-    shifts = torch.arange(0, 8 * bits, bits, dtype=torch.int64, device=packed.device)
-    codes = (words[..., None] >> shifts) & ((1 << bits) - 1)                       # (..., words, 8)
-    return codes.reshape(*lead, -1)[..., :n_codes]
+    """(..., packed_nbytes(n, bits)) uint8 -> (..., n) int64 codes; the inverse of `pack`."""
+    codes, offset = None, 0
+    for width, shift in planes(bits):
+        size = (n_codes * width + 7) // 8
+        plane = _unpack_plane(packed[..., offset:offset + size], width, n_codes) << shift  # (..., n) uint8
+        codes = plane if codes is None else codes | plane
+        offset += size
+    return codes.to(torch.int64)
 
 
-def _pad_last(x: torch.Tensor, multiple: int) -> torch.Tensor:
-    """Zero-pad the last axis up to a multiple of `multiple`."""
-    extra = (-x.shape[-1]) % multiple
-    if extra == 0:
-        return x
-    return torch.cat([x, x.new_zeros(*x.shape[:-1], extra)], dim=-1)
+def _pack_plane(codes: torch.Tensor, width: int) -> torch.Tensor:
+    """(..., n) uint8 codes of `width` | 8 bits -> (..., ⌈n·width/8⌉) uint8, low bits first."""
+    if width == 8:
+        return codes
+    per_byte = 8 // width
+    n = codes.shape[-1]
+    extra = (-n) % per_byte
+    if extra:
+        codes = torch.cat([codes, codes.new_zeros(*codes.shape[:-1], extra)], dim=-1)
+    grouped = codes.reshape(*codes.shape[:-1], -1, per_byte)                      # (..., bytes, 8/w)
+    shifts = torch.arange(0, 8, width, dtype=torch.uint8, device=codes.device)
+    return (grouped << shifts).sum(dim=-1, dtype=torch.uint8)
+
+
+def _unpack_plane(packed: torch.Tensor, width: int, n_codes: int) -> torch.Tensor:
+    """(..., bytes) uint8 -> (..., n) uint8 codes of `width` | 8 bits."""
+    if width == 8:
+        return packed[..., :n_codes]
+    shifts = torch.arange(0, 8, width, dtype=torch.uint8, device=packed.device)
+    codes = (packed[..., None] >> shifts) & ((1 << width) - 1)                    # (..., bytes, 8/w)
+    return codes.reshape(*packed.shape[:-1], -1)[..., :n_codes]
 
 
 def _check_bits(bits: int) -> None:

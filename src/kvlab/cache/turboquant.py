@@ -2,28 +2,40 @@
 
 Zandieh, Daliri, Hadian, Mirrokni, "TurboQuant: Online Vector Quantization with Near-optimal
 Distortion Rate" (arXiv 2504.19874). Per layer, a seeded rotation Π (rotation.py). A K or V vector
-x is stored as
-    a 16-bit scale  ‖x‖·c  (c = 1 by default, see SCALE_MODES)  and
+x, minus its layer's offset μ (keys only by default, see below), is stored as
+    a 16-bit scale  ‖x-μ‖·c  (c from SCALE_MODES)  and
     codes           the Lloyd-Max codes (codebook.py, the exact law for the head dim d) of the
-                    unit vector y = Πx/‖x‖, bit-packed (packing.py)
-so ‖x‖·c·Πᵀŷ reconstructs it. Nothing else is stored per token.
+                    unit vector y = Π(x-μ)/‖x-μ‖, bit-packed (packing.py)
+so μ + ‖x-μ‖·c·Πᵀŷ reconstructs it. Nothing else is stored per token.
 
 Attention never rebuilds K/V in the original domain: with ŷ the codebook values (rotated domain)
-    scores_i = (Πq)·ŷ_i · ‖k_i‖c_i · scale                     (q·Πᵀŷ = Πq·ŷ)
-    out      = Πᵀ( Σ_i p_i ‖v_i‖c_i ŷ_i )                        (one inverse rotation per query)
+    scores_i = (Πq)·ŷ_i · ‖k_i-μ‖c_i · scale  +  q·μ·scale       (q·Πᵀŷ = Πq·ŷ)
+    out      = Πᵀ( Σ_i p_i ‖v_i‖c_i ŷ_i )                          (one inverse rotation per query)
+
+What kvlab adds to the paper (both measured in docs/benchmarks.md; `+center=none+kscale=norm+vscale=norm`
+gives the paper's recipe):
+  * key offset μ: SmolLM2's keys have a large common component (‖mean‖ ≈ 0.8‖k‖) that a rotation
+    spreads over every coordinate, so each key's quantization error scales with it. Each layer and
+    KV head keeps μ = the mean key of the first append (≥ 8 tokens; the prefill), in float8: 64 bytes
+    per layer and head, counted. Any μ is exact — the stored value is subtracted when coding and
+    added back when reading — and q·μ is the same for every key, so it costs one dot per query.
+  * renormalized scale c = 1/‖ŷ‖: the reconstruction keeps the vector's exact norm (the paper's
+    c = 1 shrinks every vector by √(1-D), D the distortion, which biases attention logits).
 
 Fractional widths (tq3.5, tq2.5): after the rotation all d coordinates follow the same law, so no
 channel is an outlier any more; "outlier channels" are simply the first ⌊frac·d⌉ rotated
 coordinates, quantized at ⌊b⌋+1 bits, the rest at ⌊b⌋ bits (both with the d-dimensional codebook).
-`+qjl` (the paper's inner-product variant, keys only): b-1 bits of codes, plus the 1-bit QJL sketch sign(S·r) of the residual r = y - ŷ (S: seeded d×d Gaussian, one per cache)
-and ‖r‖ in 16 bits; ⟨q, r⟩ is estimated without bias by √(π/2)/d·‖r‖·⟨Sq, sign(Sr)⟩.
+`+qjl` (the paper's inner-product variant, keys only): b-1 bits of codes, plus the 1-bit QJL
+sketch sign(S·r) of the residual r = y - ŷ (S: seeded d×d Gaussian, one per cache) and ‖r‖ in 16
+bits; ⟨q, r⟩ is estimated without bias by √(π/2)/d·‖r‖·⟨Sq, sign(Sr)⟩ (keys then use c = 1).
 
 Bytes (compressed layer, B sequences, Hkv heads, `slots` tokens), n16 = 2 bytes:
     keys   B·Hkv·slots·(codes(d, bk) + n16 [+ ⌈d/8⌉ + n16 with qjl])
     values B·Hkv·slots·(codes(d, bv) + n16)       codes(d, b) = Σ over channel splits ⌈n·b/8⌉
     fixed  per compressed layer the rotation state (d int8 signs; d² float32 if d is not a power
-           of two), per cache the K and V codebooks (centroids + boundaries, float32) and, with
-           qjl, S (d² float32).
+           of two) and the key offsets (B·Hkv·d float8), per cache the K and V codebooks
+           (centroids + boundaries, float32) and, with qjl, S (d² float32).
+The Sylvester Hadamard matrix and the codebooks' source are constants of d shared by all caches.
 """
 
 from __future__ import annotations
@@ -32,6 +44,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from ..errors import ConfigError, NonFiniteError
 from .base import CacheGeometry, tensors_nbytes
@@ -49,6 +62,13 @@ SCALE_MODES = {
     "unbiased": "‖x‖/⟨y,ŷ⟩: the projection of the reconstruction on x is exact",
 }
 _TINY = 1e-30
+#: Offsets are stored in float8 (e4m3): any offset is exact — the same stored value is subtracted
+#: before coding and added back when reading — so it only needs to be near the mean.
+_OFFSET = torch.float8_e4m3fn
+_OFFSET_MAX = 448.0
+_OFFSET_BYTES = 1
+#: The first append to a layer sets its offset only if it brings at least this many tokens.
+MIN_OFFSET_TOKENS = 8
 
 
 @dataclass(frozen=True)
@@ -60,9 +80,10 @@ class TurboQuantConfig:
     qjl: bool = False                  # keys: (key_bits - 1)-bit codes + 1-bit QJL residual + 16-bit ‖r‖
     full: FullPrecision = field(default_factory=FullPrecision)
     seed: int = 0
-    key_scale: str = "norm"
-    value_scale: str = "norm"
+    key_scale: str = "renorm"          # see SCALE_MODES ("norm" is the paper's)
+    value_scale: str = "renorm"
     norm_dtype: torch.dtype = torch.float16
+    center: str = "k"                  # "", "k" or "kv": which of K/V get a per-layer, per-head offset (OFFSETS)
 
     def __post_init__(self) -> None:
         for what, bits in (("key", self.key_bits), ("value", self.value_bits)):
@@ -73,6 +94,8 @@ class TurboQuantConfig:
         for mode in (self.key_scale, self.value_scale):
             if mode not in SCALE_MODES:
                 raise ConfigError(f"unknown TurboQuant scale mode {mode!r}; choose one of {', '.join(SCALE_MODES)}")
+        if self.center not in ("", "k", "v", "kv"):
+            raise ConfigError(f"TurboQuant centering is none, k, v or kv, got {self.center!r}")
         if self.norm_dtype not in (torch.float16, torch.bfloat16):
             raise ConfigError(f"TurboQuant norms are 16-bit floats, got {self.norm_dtype}")
 
@@ -86,6 +109,8 @@ class TurboQuantConfig:
             "+bf16norms" if self.norm_dtype == torch.bfloat16 else "",
             f"+seed{self.seed}" if self.seed else "",
         ])
+        if self.center != TurboQuantConfig.center:
+            numerics = f"+center={self.center or 'none'}" + numerics
         return base + ("+qjl" if self.qjl else "") + self.full.suffix + numerics
 
     @property
@@ -107,11 +132,13 @@ class RotatedCodes:
             raise ConfigError(f"{bits:g} bits does not split a head dim of {dim} into whole channels")
         self.dim, self.bits = dim, bits
         self.parts: list[tuple[int, int, int]] = [(lo, hi, b) for lo, hi, b in ((0, n_high, low + 1), (n_high, dim, low)) if hi > lo]
-        self.centroids, self.boundaries = [], []
+        self.centroids, self.boundaries, self.byte_tables = [], [], []
         for _, _, b in self.parts:
             book = lloyd_max(dim, b)
-            self.centroids.append(torch.tensor(book.centroids, dtype=torch.float32, device=device))   # (2^b,)
+            cent = torch.tensor(book.centroids, dtype=torch.float32, device=device)                # (2^b,)
+            self.centroids.append(cent)
             self.boundaries.append(torch.tensor(book.boundaries, dtype=torch.float32, device=device))  # (2^b-1,)
+            self.byte_tables.append(_byte_table(cent, b) if 8 % b == 0 else None)                 # (256, 8/b)
 
     @staticmethod
     def packed_bytes(dim: int, bits: float) -> int:
@@ -121,15 +148,15 @@ class RotatedCodes:
 
     @staticmethod
     def table_bytes(dim: int, bits: float) -> int:
-        """Bytes of the float32 centroids + boundaries held for this width."""
+        """Bytes of the float32 centroids + boundaries (+ byte tables for 1, 2, 4, 8 bits) held for this width."""
         low = math.floor(bits)
         n_high = round((bits - low) * dim)
         widths = ([low + 1] if n_high else []) + ([low] if dim > n_high else [])
-        return sum(4 * ((1 << b) + (1 << b) - 1) for b in widths)
+        return sum(4 * ((1 << b) + (1 << b) - 1 + (256 * (8 // b) if 8 % b == 0 else 0)) for b in widths)
 
     @property
     def nbytes(self) -> int:
-        return tensors_nbytes(*self.centroids, *self.boundaries)
+        return tensors_nbytes(*self.centroids, *self.boundaries, *(t for t in self.byte_tables if t is not None))
 
     def encode(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """y: (..., d) float32 -> (packed codes (..., bytes) uint8, ŷ (..., d) float32 codebook values)."""
@@ -143,10 +170,14 @@ class RotatedCodes:
     def decode(self, packed: torch.Tensor) -> torch.Tensor:
         """(..., bytes) uint8 -> ŷ (..., d) float32: codebook values in the rotated domain."""
         values, offset = [], 0
-        for (lo, hi, b), cent in zip(self.parts, self.centroids):
+        for (lo, hi, b), cent, table in zip(self.parts, self.centroids, self.byte_tables):
             width = packed_nbytes(hi - lo, b)
-            codes = unpack(packed[..., offset:offset + width], b, hi - lo)          # (..., hi-lo)
-            values.append(cent[codes])
+            part = packed[..., offset:offset + width]                              # (..., width) uint8
+            if table is not None:  # one lookup per byte gives its 8/b codebook values
+                looked = F.embedding(part.int(), table)                            # (..., width, 8/b)
+                values.append(looked.reshape(*part.shape[:-1], -1)[..., : hi - lo])
+            else:
+                values.append(cent[unpack(part, b, hi - lo)])                      # (..., hi-lo)
             offset += width
         return torch.cat(values, dim=-1) if len(values) > 1 else values[0]
 
@@ -177,6 +208,12 @@ class TurboQuantCache(CompressedCache):
         self.k_norm = buffers(0, nd)                                                         # (B, H, S)
         self.v_codes = buffers(RotatedCodes.packed_bytes(d, config.value_bits), torch.uint8)
         self.v_norm = buffers(0, nd)
+        # offsets: the mean of the first tokens each layer stores, subtracted before and added after coding
+        def offsets(which: str) -> dict[int, torch.Tensor]:
+            return {l: torch.zeros(B, H, d, dtype=_OFFSET, device=dev) for l in self.compressed_layers} if which in config.center else {}
+
+        self.k_offset, self.v_offset = offsets("k"), offsets("v")                            # (B, H, d) fp8
+        self._offset_ready: set[int] = set()
         self.qjl_matrix = None
         if config.qjl:
             gen = torch.Generator().manual_seed(_layer_seed(config.seed, -1))
@@ -184,14 +221,33 @@ class TurboQuantCache(CompressedCache):
             self.k_signs = buffers(packed_nbytes(d, 1), torch.uint8)                         # (B, H, S, d/8)
             self.k_rnorm = buffers(0, nd)                                                    # (B, H, S)
 
+    @property
+    def _key_scale(self) -> str:
+        """With QJL the key scale is the plain norm: the residual correction is unbiased only then."""
+        return "norm" if self.config.qjl else self.config.key_scale
+
+    def reset(self) -> None:
+        super().reset()
+        self._offset_ready.clear()
+
     # -- storing ------------------------------------------------------------------------------------
     def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         rot = self.rotations[layer]
         end = start + k.shape[2]
+        if layer not in self._offset_ready:
+            if k.shape[2] >= MIN_OFFSET_TOKENS:  # too few tokens: the offset stays 0 for this layer
+                for offsets, x in ((self.k_offset, k), (self.v_offset, v)):
+                    if offsets:
+                        offsets[layer][:] = x.float().mean(dim=2).clamp(-_OFFSET_MAX, _OFFSET_MAX)  # (B, H, d)
+            self._offset_ready.add(layer)
+        if self.k_offset:
+            k = k.float() - self.k_offset[layer][:, :, None].float()
+        if self.v_offset:
+            v = v.float() - self.v_offset[layer][:, :, None].float()
         y, norm = self._unit(rot, k)                                              # (B, H, T, d), (B, H, T)
         packed, y_hat = self.key_codes.encode(y)
         self.k_codes[layer][:, :, start:end] = packed
-        self.k_norm[layer][:, :, start:end] = self._to_norm(norm * _scale_factor(self.config.key_scale, y, y_hat), "key")
+        self.k_norm[layer][:, :, start:end] = self._to_norm(norm * _scale_factor(self._key_scale, y, y_hat), "key")
         if self.config.qjl:
             r = y - y_hat                                                         # (B, H, T, d) residual
             sketch = r @ self.qjl_matrix.T                                        # (B, H, T, m) S·r
@@ -231,12 +287,18 @@ class TurboQuantCache(CompressedCache):
         if self.config.qjl:
             y_hat = y_hat + self._qjl_term(layer, n)                              # unbiased residual estimate
         dots = q_rot @ y_hat.transpose(-1, -2)                                    # (B, H, G·T, n)
-        return dots * (self.k_norm[layer][:, :, None, :n].float() * self.scale)
+        scores = dots * (self.k_norm[layer][:, :, None, :n].float() * self.scale)
+        if self.k_offset:
+            scores = scores + (qg @ self.k_offset[layer][..., None].float()) * self.scale  # (B, H, G·T, 1) q·μ
+        return scores
 
     def _mix(self, layer: int, p: torch.Tensor, n: int) -> torch.Tensor:
         y_hat = self.value_codes.decode(self.v_codes[layer][:, :, :n])             # (B, H, n, d)
         weights = p * self.v_norm[layer][:, :, None, :n].float()                  # (B, H, G·T, n)
-        return self.rotations[layer].invert(weights @ y_hat)                       # (B, H, G·T, d)
+        out = self.rotations[layer].invert(weights @ y_hat)                        # (B, H, G·T, d)
+        if self.v_offset:
+            out = out + p.sum(dim=-1, keepdim=True) * self.v_offset[layer][:, :, None].float()
+        return out
 
     def _restore(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         rot = self.rotations[layer]
@@ -245,6 +307,10 @@ class TurboQuantCache(CompressedCache):
             k_rot = k_rot + self._qjl_term(layer, n)
         k = rot.invert(k_rot * self.k_norm[layer][:, :, :n].float()[..., None])
         v = rot.invert(self.value_codes.decode(self.v_codes[layer][:, :, :n]) * self.v_norm[layer][:, :, :n].float()[..., None])
+        if self.k_offset:
+            k = k + self.k_offset[layer][:, :, None].float()
+        if self.v_offset:
+            v = v + self.v_offset[layer][:, :, None].float()
         return k, v
 
     # -- bytes --------------------------------------------------------------------------------------
@@ -253,6 +319,7 @@ class TurboQuantCache(CompressedCache):
         if self.config.qjl:
             per_token += tensors_nbytes(*self.k_signs.values(), *self.k_rnorm.values(), self.qjl_matrix)
         fixed = sum(r.nbytes for r in self.rotations.values()) + self.key_codes.nbytes + self.value_codes.nbytes
+        fixed += tensors_nbytes(*self.k_offset.values(), *self.v_offset.values())
         return per_token + fixed
 
     @classmethod
@@ -265,6 +332,7 @@ class TurboQuantCache(CompressedCache):
         fixed = n_layers * rotation + RotatedCodes.table_bytes(d, config.code_bits) + RotatedCodes.table_bytes(d, config.value_bits)
         if config.qjl:
             fixed += d * d * 4
+        fixed += len(config.center) * n_layers * g.batch * g.n_kv_heads * d * _OFFSET_BYTES
         return per_token + fixed
 
     @staticmethod
@@ -283,7 +351,17 @@ class TurboQuantCache(CompressedCache):
         key = f"per key vector: {d}×{config.code_bits:g}-bit codes + 16-bit norm"
         if config.qjl:
             key += f" + {d}×1-bit QJL signs + 16-bit residual norm"
-        return f"{key} = {k} B; per value vector: {d}×{config.value_bits:g}-bit codes + 16-bit norm = {v} B"
+        fixed = f"; per layer: {d}-entry rotation sign vector" if is_power_of_two(d) else f"; per layer: {d}×{d} float32 rotation"
+        if config.center:
+            fixed += f", float8 {'/'.join(config.center.upper())} offset per KV head ({d} B each)"
+        return f"{key} = {k} B; per value vector: {d}×{config.value_bits:g}-bit codes + 16-bit norm = {v} B{fixed}"
+
+
+def _byte_table(centroids: torch.Tensor, bits: int) -> torch.Tensor:
+    """(256, 8/bits): row v holds the codebook values of the 8/bits codes packed in byte v (low bits first)."""
+    byte = torch.arange(256, device=centroids.device)
+    shifts = torch.arange(0, 8, bits, device=centroids.device)
+    return centroids[(byte[:, None] >> shifts) & ((1 << bits) - 1)]
 
 
 def _scale_factor(mode: str, y: torch.Tensor, y_hat: torch.Tensor) -> torch.Tensor:

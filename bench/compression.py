@@ -1,0 +1,126 @@
+"""Compressed KV caches on SmolLM2: quality, bytes, where the error comes from, and decode speed.
+
+    .venv/bin/python bench/compression.py                    # every part, writes bench/results/compression.json
+    .venv/bin/python bench/compression.py --parts quality     # one part (quality | passkey | layers | speed)
+
+Each part updates its own section of bench/results/compression.json, so parts can run separately.
+  quality  the `kvlab eval` perplexity suite (16 windows × 512 tokens, ANCHORS.md protocol) for CACHES
+  passkey  passkey retrieval at 1k/2k/4k filler tokens × depths 25/50/75% for PASSKEY_CACHES
+  layers   where the error comes from: one window, only layer l's keys (or values) compressed at 3 bits,
+           every other layer and the other half of that layer exact (tq-k3v8 / tq-k8v3 with fp-layers);
+           mean KL against dense per layer
+  speed    decode tokens/s after a 512- and a 4,096-token prompt, interleaved, median of 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from kvlab.cache import CacheGeometry, make_cache
+from kvlab.eval.agreement import kl_divergence
+from kvlab.eval.needle import PasskeyProtocol, passkey_trials
+from kvlab.eval.perplexity import WindowProtocol, run_window
+from kvlab.eval.plot import plot_quality
+from kvlab.eval.suite import corpus_windows, perplexity_suite
+from kvlab.generate import generate
+from kvlab.session import cached_model
+
+OUT = Path(__file__).parent / "results" / "compression.json"
+PLOT = Path(__file__).parent / "results" / "compression.png"
+CACHES = [
+    "int8", "int4", "int4+g64", "int4+recent128",
+    "tq4", "tq-k5v3", "tq3.5", "tq-k4v3", "tq3", "tq-k4v2", "tq2.5", "tq2",
+    "tq4+qjl", "tq3+recent64", "tq4+fp-first-last",
+    # the paper's recipe without kvlab's key offset and norm correction
+    "tq4+center=none+kscale=norm+vscale=norm", "tq3+center=none+kscale=norm+vscale=norm",
+]
+PASSKEY_CACHES = ["dense", "int4", "tq4", "tq-k5v3", "tq3"]
+PASSKEY = PasskeyProtocol(lengths=(1000, 2000, 4000))   # 6k-token prompts cost ~10 min per cache on 2 shared cores
+SPEED_CACHES = ["dense", "int8", "int4", "tq4", "tq3"]
+
+
+def part_quality(loaded) -> dict:
+    records = perplexity_suite(loaded, CACHES, WindowProtocol())
+    plot_quality(records, PLOT)
+    return {"protocol": "16 windows × 512 tokens of Hamlet+Macbeth+Tempest+Julius Caesar; fresh cache per window; "
+                        "64-token prefill then 32-token chunks; fp32; bytes at 511 tokens in a bf16 run",
+            "records": [r.to_json() for r in records], "plot": str(PLOT.name)}
+
+
+def part_passkey(loaded) -> dict:
+    protocol = PASSKEY
+    out = {"protocol": f"filler tokens {protocol.lengths} × depths {protocol.depths}, greedy, 12 new tokens"}
+    for name in PASSKEY_CACHES:
+        trials = passkey_trials(loaded, name, protocol)
+        out[name] = {"accuracy": sum(t["found"] for t in trials) / len(trials), "trials": trials}
+        print(name, out[name]["accuracy"], flush=True)
+    return out
+
+
+def part_layers(loaded) -> dict:
+    model, config = loaded.model, loaded.config
+    protocol = WindowProtocol(n_windows=1)
+    tokens = corpus_windows(loaded.tokenizer, WindowProtocol(n_windows=16))[5]
+    geometry = CacheGeometry.for_model(config, 1, protocol.length)
+    reference, _ = run_window(model, tokens, lambda: make_cache("dense", geometry), protocol)
+    rows = []
+    for layer in range(config.n_layers):
+        exact = ".".join(str(l) for l in range(config.n_layers) if l != layer)
+        row = {"layer": layer}
+        for part, base in (("keys", "tq-k3v8"), ("values", "tq-k8v3")):
+            name = f"{base}+fp-layers={exact}"
+            logits, _ = run_window(model, tokens, lambda: make_cache(name, geometry), protocol)
+            row[f"kl_{part}"] = kl_divergence(reference, logits).mean().item()
+        rows.append(row)
+        print(row, flush=True)
+    return {"what": "mean KL vs dense on one window when only this layer's keys (tq-k3v8) or values (tq-k8v3) are compressed",
+            "rows": rows}
+
+
+def part_speed(loaded) -> dict:
+    model, config = loaded.model, loaded.config
+    results = {}
+    for context in (512, 4096):
+        prompt = torch.randint(100, 10000, (1, context), generator=torch.Generator().manual_seed(0))
+        times: dict[str, list[float]] = {n: [] for n in SPEED_CACHES}
+        for _ in range(3):
+            for name in SPEED_CACHES:  # interleaved: the machine's noise hits every cache alike
+                cache = make_cache(name, CacheGeometry.for_model(config, 1, context + 33))
+                result = generate(model, prompt, cache, 33, chunk_size=256)
+                times[name].append(result.decode_tokens_per_s)
+        results[str(context)] = {n: round(statistics.median(v), 2) for n, v in times.items()}
+        print(context, results[str(context)], flush=True)
+    return {"what": "decode tokens/s (32 steps after the prompt), fp32, median of 3 interleaved runs", "tokens_per_s": results}
+
+
+PARTS = {"quality": part_quality, "passkey": part_passkey, "layers": part_layers, "speed": part_speed}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", default=",".join(PARTS))
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    loaded = cached_model(None, "fp32", "cpu")
+    for part in args.parts.split(","):
+        started = time.perf_counter()
+        section = PARTS[part](loaded)
+        section["seconds"] = round(time.perf_counter() - started, 1)
+        section["threads"] = torch.get_num_threads()
+        data = json.loads(OUT.read_text()) if OUT.exists() else {}
+        data[part] = section
+        OUT.parent.mkdir(parents=True, exist_ok=True)
+        OUT.write_text(json.dumps(data, indent=1) + "\n")
+        print(f"{part}: {section['seconds']} s -> {OUT}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

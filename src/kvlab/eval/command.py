@@ -1,0 +1,46 @@
+"""`kvlab eval`: perplexity, KL, top-1 agreement and passkey retrieval for a list of caches."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+DEFAULT_CACHES = "int8,int4,int4+g64,tq4,tq-k5v3,tq3.5,tq3,tq2.5,tq4+qjl"
+QUICK_WINDOWS = 4
+
+
+def register(app: typer.Typer) -> None:
+    from ..terminal import console, one_line_errors
+
+    @app.command("eval")
+    @one_line_errors
+    def eval_command(
+        caches: str = typer.Option(DEFAULT_CACHES, "--caches", help="Comma-separated cache names (dense is always the reference)."),
+        quick: bool = typer.Option(False, "--quick", help=f"{QUICK_WINDOWS} windows and one passkey trial per cache."),
+        windows: Optional[int] = typer.Option(None, "--windows", min=1, help="Windows of 512 tokens (default 16)."),
+        passkey: bool = typer.Option(True, "--passkey/--no-passkey", help="Run the passkey retrieval test."),
+        passkey_lengths: str = typer.Option("1000,3000,6000", "--passkey-lengths", help="Filler tokens per passkey prompt."),
+        model: Optional[str] = typer.Option(None, "--model", help="GGUF file or Hugging Face folder (default: embedded SmolLM2)."),
+        threads: Optional[int] = typer.Option(None, "--threads", min=1, help="torch CPU threads."),
+        json_out: bool = typer.Option(False, "--json", help="Print one JSON record per cache (a JSON list) instead of the table."),
+        out: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON records to this file."),
+        plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG of quality against bits per value."),
+    ):
+        """Quality of compressed caches against the dense cache on Shakespeare (the ANCHORS.md protocol)."""
+        from .run import EvalSettings, run_eval
+
+        settings = EvalSettings.build(caches, quick, windows, passkey, passkey_lengths, model, threads)
+        records = run_eval(settings, console=None if json_out else console)
+        payload = [r.to_json() for r in records]
+        if out:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(payload, indent=1) + "\n")
+        if plot:
+            from .plot import plot_quality
+
+            plot_quality(records, plot)
+        if json_out:
+            print(json.dumps(payload))

@@ -1,0 +1,77 @@
+"""Passkey retrieval: a number hidden at a depth of a long filler text, asked back through the chat template.
+
+Filler: King Lear (not among the perplexity plays), from its first full line on. The needle
+"The pass key is NNNNN. Remember it. NNNNN is the pass key." is inserted at a line boundary at the
+given depth (fraction of the filler tokens); the user message is filler + question, rendered with
+the model's chat template. The prompt is prefilled in chunks into the cache under test, then up to
+12 tokens are decoded greedily; a trial passes when the answer contains the number.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from ..cache import CacheGeometry, make_cache
+from ..generate import generate
+from .corpus import FILLER_PLAY, play_text
+
+QUESTION = "What is the pass key? Answer with the number only."
+
+
+@dataclass(frozen=True)
+class PasskeyProtocol:
+    lengths: tuple[int, ...] = (1000, 3000, 6000)   # filler tokens
+    depths: tuple[float, ...] = (0.25, 0.5, 0.75)
+    chunk: int = 256                                 # prefill chunk (bounds attention memory)
+    max_new_tokens: int = 12
+    seed: int = 0
+
+    @property
+    def trials(self) -> int:
+        return len(self.lengths) * len(self.depths)
+
+
+def _filler_lines(tokenizer, n_tokens: int) -> list[str]:
+    """Whole lines of the filler play adding up to about `n_tokens` tokens (the play repeats if needed)."""
+    lines = [line for line in play_text(FILLER_PLAY).splitlines() if line.strip()]
+    out, total, i = [], 0, 0
+    while total < n_tokens:
+        line = lines[i % len(lines)]
+        out.append(line)
+        total += len(tokenizer.encode(line + "\n", add_special=False))
+        i += 1
+    return out
+
+
+def passkey_prompt(tokenizer, n_tokens: int, depth: float, key: int) -> list[int]:
+    lines = _filler_lines(tokenizer, n_tokens)
+    at = round(depth * len(lines))
+    needle = f"The pass key is {key}. Remember it. {key} is the pass key."
+    text = "\n".join(lines[:at] + [needle] + lines[at:])
+    message = f"{text}\n\n{QUESTION}"
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": message}])
+    return tokenizer.encode(rendered, add_special=False)
+
+
+def passkey_trials(loaded, name: str, protocol: PasskeyProtocol, advance=None) -> list[dict]:
+    """One record per (length, depth): the key, the answer, whether it was found."""
+    rng = random.Random(protocol.seed)
+    records = []
+    for length in protocol.lengths:
+        for depth in protocol.depths:
+            key = rng.randrange(10000, 100000)
+            ids = passkey_prompt(loaded.tokenizer, length, depth, key)
+            geometry = CacheGeometry.for_model(loaded.config, batch=1, capacity=len(ids) + protocol.max_new_tokens)
+            cache = make_cache(name, geometry, loaded.dtype, loaded.device)
+            prompt = torch.tensor([ids], device=loaded.device)
+            result = generate(loaded.model, prompt, cache, protocol.max_new_tokens,
+                              eos_ids=loaded.tokenizer.eos_ids, chunk_size=protocol.chunk)
+            answer = loaded.tokenizer.decode(result.token_ids[0], skip_special=True)
+            records.append({"length": length, "prompt_tokens": len(ids), "depth": depth, "key": key,
+                            "answer": answer.strip(), "found": str(key) in answer})
+            if advance:
+                advance()
+    return records

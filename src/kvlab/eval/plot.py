@@ -1,0 +1,45 @@
+"""A PNG of quality (ΔPPL and mean KL) against bits per cached value."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .suite import CacheQuality
+
+
+def _family(name: str) -> str:
+    if name == "dense":
+        return "dense"
+    if name.startswith("int"):
+        return "int (KIVI-style)"
+    return "TurboQuant"
+
+
+def plot_quality(records: list[CacheQuality], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"dense": "black", "int (KIVI-style)": "tab:blue", "TurboQuant": "tab:red"}
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, metric, label in ((axes[0], "ppl_delta_pct", "ΔPPL vs dense (%)"), (axes[1], "kl", "mean KL vs dense (nats)")):
+        seen = set()
+        for r in records:
+            family = _family(r.cache)
+            value = getattr(r, metric)
+            ax.scatter(r.bits_per_value, value, color=colors[family], label=None if family in seen else family, zorder=3)
+            seen.add(family)
+            ax.annotate(r.cache, (r.bits_per_value, value), textcoords="offset points", xytext=(4, 3), fontsize=7)
+        ax.set_xlabel("bits per cached value (all metadata, 511 tokens)")
+        ax.set_ylabel(label)
+        ax.set_yscale("symlog", linthresh=1.0 if metric == "ppl_delta_pct" else 0.01)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("SmolLM2-135M KV cache quality against bits (Shakespeare, fp32 compute)")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,88 @@
+"""One evaluation run: settings, progress bars, the perplexity suite, the passkey trials, the table."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from ..errors import ConfigError
+from .needle import PasskeyProtocol, passkey_trials
+from .perplexity import WindowProtocol
+from .suite import CacheQuality, perplexity_suite
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    caches: tuple[str, ...]
+    protocol: WindowProtocol
+    passkey: PasskeyProtocol | None
+    model: str | None = None
+    threads: int | None = None
+
+    @classmethod
+    def build(cls, caches: str, quick: bool, windows: int | None, passkey: bool, passkey_lengths: str,
+              model: str | None = None, threads: int | None = None) -> "EvalSettings":
+        names = tuple(dict.fromkeys(n.strip() for n in caches.split(",") if n.strip()))
+        if not names:
+            raise ConfigError("--caches needs at least one cache name")
+        n_windows = windows or (4 if quick else 16)
+        try:
+            lengths = tuple(int(x) for x in passkey_lengths.split(",") if x.strip())
+        except ValueError:
+            raise ConfigError(f"--passkey-lengths must be comma-separated integers, got {passkey_lengths!r}") from None
+        keys = None
+        if passkey:
+            keys = PasskeyProtocol(lengths=lengths[:1], depths=(0.5,)) if quick else PasskeyProtocol(lengths=lengths)
+        return cls(names, WindowProtocol(n_windows=n_windows), keys, model, threads)
+
+
+def run_eval(settings: EvalSettings, console: Console | None = None) -> list[CacheQuality]:
+    from ..cache import make_cache, CacheGeometry
+    from ..session import cached_model
+
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    loaded = cached_model(settings.model, "fp32", "cpu")
+    for name in settings.caches:  # fail on a bad name before any long work
+        make_cache(name, CacheGeometry.for_model(loaded.config, 1, 16))
+    n_caches = len([n for n in settings.caches if n != "dense"]) + 1
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        console=console or Console(stderr=True), transient=console is None)
+    started = time.perf_counter()
+    with progress:
+        task = progress.add_task("perplexity (windows × caches)", total=settings.protocol.n_windows * n_caches)
+        records = perplexity_suite(loaded, list(settings.caches), settings.protocol, lambda: progress.advance(task))
+        if settings.passkey:
+            p = settings.passkey
+            task = progress.add_task("passkey (trials × caches)", total=p.trials * len(records))
+            for record in records:
+                trials = passkey_trials(loaded, record.cache, p, lambda: progress.advance(task))
+                record.passkey_accuracy = sum(t["found"] for t in trials) / len(trials)
+                record.extra["passkey_trials"] = trials
+    for record in records:
+        record.extra["seconds_total"] = round(time.perf_counter() - started, 1)
+        record.extra["protocol"] = (f"{settings.protocol.n_windows} windows × {settings.protocol.length} tokens, "
+                                    f"prefill {settings.protocol.prefill}, chunks {settings.protocol.chunk}, fp32")
+    if console is not None:
+        console.print(quality_table(records))
+    return records
+
+
+def quality_table(records: list[CacheQuality]) -> Table:
+    dense = next((r for r in records if r.cache == "dense"), None)
+    table = Table(title=f"KV cache quality (dense perplexity {dense.ppl:.2f}, {dense.scored_tokens:,} scored tokens)" if dense else "KV cache quality")
+    for column in ("cache", "bytes/token", "× smaller", "bits/value", "PPL", "ΔPPL", "mean KL", "top-1", "passkey"):
+        table.add_column(column, justify="left" if column == "cache" else "right")
+    for r in records:
+        ratio = records[0].bytes_per_token / r.bytes_per_token if r.bytes_per_token else float("inf")
+        table.add_row(
+            r.cache, f"{r.bytes_per_token:,.0f}", f"{ratio:.2f}×", f"{r.bits_per_value:.2f}", f"{r.ppl:.2f}",
+            f"{r.ppl_delta_pct:+.2f}%", f"{r.kl:.4f}", f"{100 * r.top1_agreement:.1f}%",
+            "—" if r.passkey_accuracy is None else f"{100 * r.passkey_accuracy:.0f}%",
+        )
+    return table

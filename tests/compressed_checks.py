@@ -1,0 +1,55 @@
+"""Checks every compressed cache must pass (used by test_quantized_cache.py and test_turboquant.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvlab.cache import CacheGeometry, expected_nbytes, make_cache
+from kvlab.cache.attention import grouped_attention
+
+GEOMETRY = CacheGeometry(n_layers=3, n_kv_heads=2, head_dim=64, capacity=96, n_heads=6)
+CHUNKS = (5, 1, 1, 32, 3, 17)   # prefill, decode steps, chunks: crosses key groups and windows
+
+
+def feed(name: str, geometry: CacheGeometry = GEOMETRY, chunks=CHUNKS, dtype=torch.float32, seed: int = 0, scale: float = 1.0):
+    """Append random K/V in `chunks` to every layer; yield (cache, q, k_all, v_all) after each chunk."""
+    gen = torch.Generator().manual_seed(seed)
+    cache = make_cache(name, geometry, dtype)
+    g = geometry
+    ks, vs = [], []
+    for T in chunks:
+        k = torch.randn(g.batch, g.n_kv_heads, T, g.head_dim, generator=gen) * scale
+        v = torch.randn(g.batch, g.n_kv_heads, T, g.head_dim_v, generator=gen) * scale
+        q = torch.randn(g.batch, g.n_heads, T, g.head_dim, generator=gen)
+        ks.append(k)
+        vs.append(v)
+        for layer in range(g.n_layers):
+            cache.append(layer, k.to(dtype), v.to(dtype))
+        yield cache, q.to(dtype), torch.cat(ks, dim=2), torch.cat(vs, dim=2)
+
+
+def check_attend_is_exact_to_storage(name: str, geometry: CacheGeometry = GEOMETRY) -> None:
+    """attend() == dense grouped attention over the cache's own dequantized K/V, at every step."""
+    for cache, q, _, _ in feed(name, geometry):
+        for layer in range(geometry.n_layers):
+            k, v = cache.dequantized(layer)
+            assert k.shape[2] == cache.layer_length(layer)
+            ref = grouped_attention(q.float(), k, v, cache.scale, window=geometry.window)
+            torch.testing.assert_close(cache.attend(layer, q).float(), ref, atol=2e-5, rtol=1e-4)
+
+
+def relative_error(name: str, geometry: CacheGeometry = GEOMETRY, scale: float = 1.0) -> tuple[float, float]:
+    """‖K̂ - K‖/‖K‖ and the same for V over the whole fed sequence (layer 1)."""
+    for cache, _, k, v in feed(name, geometry, scale=scale):
+        pass
+    k_hat, v_hat = cache.dequantized(1)
+    return ((k_hat - k).norm() / k.norm()).item(), ((v_hat - v).norm() / v.norm()).item()
+
+
+def check_nbytes(name: str, geometry: CacheGeometry = GEOMETRY, dtype=torch.bfloat16) -> None:
+    """nbytes == expected_nbytes at several token counts (the buffers are preallocated)."""
+    formula = expected_nbytes(name, geometry, dtype, 0)
+    cache = make_cache(name, geometry, dtype)
+    assert cache.nbytes == formula
+    for cache, _, k, _ in feed(name, geometry, dtype=dtype):
+        assert cache.nbytes == formula == expected_nbytes(name, geometry, dtype, k.shape[2])
