@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
@@ -41,7 +41,6 @@ class GenerationResult:
     decode_seconds: float
     cache_bytes: int
     stop_reason: str = "length"
-    step_seconds: list[float] = field(default_factory=list)
 
     @property
     def new_tokens(self) -> int:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import ConfigError
-from ..spec import LayerSpec, ModelSpec
 
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -66,15 +65,3 @@ class DecoderConfig:
     def group_size(self) -> int:
         """Query heads per KV head: 1 = MHA, n_heads = MQA, in between = GQA."""
         return self.n_heads // self.n_kv_heads
-
-    def to_spec(self) -> ModelSpec:
-        kind = "sliding" if self.sliding_window else "full"
-        layer = LayerSpec(kind, self.n_heads, self.n_kv_heads, self.head_dim, self.head_dim, window=self.sliding_window)
-        return ModelSpec(
-            name=self.name,
-            arch=self.arch,
-            layers=(layer,) * self.n_layers,
-            d_model=self.d_model,
-            vocab_size=self.vocab_size,
-            context_length=self.max_seq_len,
-        )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from tokenizers import Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
@@ -53,7 +53,6 @@ class Tokenizer:
     eos_ids: tuple[int, ...] = ()
     add_bos: bool = False
     chat_template: str | None = None
-    special_tokens: dict[str, int] = field(default_factory=dict)
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
@@ -82,7 +81,6 @@ class Tokenizer:
             eos_ids=tuple(sorted(eos_ids)),
             add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
             chat_template=meta.get("tokenizer.chat_template"),
-            special_tokens={t: tokens.index(t) for t in specials},
         )
 
     @classmethod
