@@ -5,7 +5,7 @@
 
 Each part updates its own section of bench/results/compression.json, so parts can run separately.
   quality  the `kvlab eval` perplexity suite (16 windows × 512 tokens, ANCHORS.md protocol) for CACHES
-  passkey  passkey retrieval at 1k/2k/4k filler tokens × depths 25/50/75% for PASSKEY_CACHES
+  passkey  passkey retrieval at 1k/3k/6k filler tokens × depths 25/50/75% for PASSKEY_CACHES
   layers   where the error comes from: one window, only layer l's keys (or values) compressed at 3 bits,
            every other layer and the other half of that layer exact (tq-k3v8 / tq-k8v3 with fp-layers);
            mean KL against dense per layer
@@ -37,11 +37,13 @@ CACHES = [
     "int8", "int4", "int4+g64", "int4+recent128",
     "tq4", "tq-k5v3", "tq3.5", "tq-k4v3", "tq3", "tq-k4v2", "tq2.5", "tq2",
     "tq4+qjl", "tq3+recent64", "tq4+fp-first-last",
-    # the paper's recipe without kvlab's key offset and norm correction
-    "tq4+center=none+kscale=norm+vscale=norm", "tq3+center=none+kscale=norm+vscale=norm",
+    # ablations: without the query-aware key weights; the paper's recipe (no key offset, no norm
+    # correction, no key weights)
+    "tq4+kweights=none", "tq3+kweights=none",
+    "tq4+center=none+kweights=none+kscale=norm+vscale=norm", "tq3+center=none+kweights=none+kscale=norm+vscale=norm",
 ]
-PASSKEY_CACHES = ["dense", "int4", "tq4", "tq-k5v3", "tq3"]
-PASSKEY = PasskeyProtocol(lengths=(1000, 2000, 4000))   # 6k-token prompts cost ~10 min per cache on 2 shared cores
+PASSKEY_CACHES = ["dense", "int4", "tq4", "tq3"]
+PASSKEY = PasskeyProtocol(lengths=(1000, 3000, 6000))   # kvlab eval's default lengths
 SPEED_CACHES = ["dense", "int8", "int4", "tq4", "tq3"]
 
 

@@ -76,7 +76,10 @@ def test_smollm2_stepwise_cache_equals_recompute(smollm2):
     ids = torch.tensor([smollm2.tokenizer.encode("The quick brown fox jumps over the lazy dog because")])
     diffs, scale = _stepwise_vs_recompute(smollm2.model, smollm2.config, ids, torch.float32)
     assert max(diffs.values()) <= 1e-5 * scale, (diffs, scale)
-    model64 = copy.deepcopy(smollm2.model).double()
+    from kvlab.session import cached_model
+
+    dense = cached_model(None, "fp32", "cpu", "dense")  # native weights are GGUF blocks computed in fp32: no fp64 copy
+    model64 = copy.deepcopy(dense.model).double()
     model64.inv_freq.data = model64.inv_freq.float()
     diffs64, _ = _stepwise_vs_recompute(model64, smollm2.config, ids, torch.float64)
     assert max(diffs64.values()) < 1e-9, diffs64

@@ -63,10 +63,16 @@ def test_kvlab_refuses_layers_it_cannot_cache():
 
 
 def test_kvlab_engine_weights_are_what_the_engine_holds(smollm2):
-    """kvlab dequantizes the Q4_1 file: the plan counts parameters × 4 bytes, as the loaded model holds."""
+    """A GGUF planned as-is: the native weights kvlab holds (Q4_1/Q8_0 blocks + fp32 norms), as the loaded
+    model reports; with --weights-quant f32/bf16 the dequantized parameters × 4 or × 2."""
     from kvlab.plan.command import build_plan
+    from kvlab.session import cached_model
+    from kvlab.sources.gguf import open_gguf
 
     plan = build_plan(str(smollm2.path), ctx="512", engine="kvlab")
-    assert plan.weights.bytes == smollm2.weight_bytes == 134_515_008 * 4
+    if smollm2.weights == "native":
+        assert plan.weights.bytes == smollm2.weight_bytes == open_gguf(smollm2.path).tensor_bytes
+    plan32 = build_plan(str(smollm2.path), ctx="512", engine="kvlab", weights_quant="f32")
+    assert plan32.weights.bytes == cached_model(None, "fp32", "cpu", "dense").weight_bytes == 134_515_008 * 4
     plan16 = build_plan(str(smollm2.path), ctx="512", engine="kvlab", weights_quant="bf16")
     assert plan16.weights.bytes == 134_515_008 * 2

@@ -11,7 +11,8 @@ from kvlab.errors import CacheCapacityError, ConfigError, NonFiniteError
 SMOLLM2 = CacheGeometry(n_layers=30, n_kv_heads=3, head_dim=64, capacity=512, n_heads=9)
 
 
-@pytest.mark.parametrize("name", ["int8", "int4", "int4+g16", "int3+g8", "int4+recent8", "int8+fp-first-last+recent40"])
+@pytest.mark.parametrize("name", ["int8", "int4", "int4+g16", "int3+g8", "int4+recent8", "int8+fp-first-last+recent40",
+                                  "int4+sink3", "int4+sink5+recent8"])
 def test_attend_equals_dense_attention_over_dequantized(name):
     check_attend_is_exact_to_storage(name)
 
@@ -36,7 +37,8 @@ def test_int4_error_is_that_of_16_levels():
     assert 0.03 < k_err < 0.12 and 0.03 < v_err < 0.12
 
 
-@pytest.mark.parametrize("name", ["int8", "int4", "int4+g64", "int4+recent128", "int2+fp-first-last", "int4+recent600", "int4+fp-layers=1.2"])
+@pytest.mark.parametrize("name", ["int8", "int4", "int4+g64", "int4+recent128", "int2+fp-first-last", "int4+recent600", "int4+fp-layers=1.2",
+                                  "int4+sink1", "int4+sink3+recent40"])
 def test_nbytes_equals_formula(name):
     check_nbytes(name)
     check_nbytes(name, SMOLLM2, torch.float32)

@@ -10,6 +10,8 @@ from kvlab.cache.rotation import Rotation
 from kvlab.cache.turboquant import RotatedCodes
 from kvlab.errors import ConfigError, NonFiniteError
 
+from kvlab.cache.attention import grouped_attention
+
 from .compressed_checks import GEOMETRY, check_attend_is_exact_to_storage, check_nbytes, feed, relative_error
 
 SMOLLM2 = CacheGeometry(n_layers=30, n_kv_heads=3, head_dim=64, capacity=511, n_heads=9)
@@ -83,7 +85,8 @@ def test_qjl_inner_products_are_unbiased():
 
 
 @pytest.mark.parametrize("name", ["tq4", "tq3", "tq2.5", "tq-k4v3", "tq3+qjl", "tq3+recent8", "tq2+fp-first-last+recent40",
-                                  "tq4+kscale=lsq+vscale=renorm", "tq3+kscale=unbiased+bf16norms", "tq3+center=kv+recent8", "tq3+center=k", "tq3+center=none+kscale=norm"])
+                                  "tq4+kscale=lsq+vscale=renorm", "tq3+kscale=unbiased+bf16norms", "tq3+center=kv+recent8", "tq3+center=k", "tq3+center=none+kscale=norm",
+                                  "tq3+sink7", "tq3+sink2+recent8", "tq3+sink200"])
 def test_attend_equals_dense_attention_over_dequantized(name):
     check_attend_is_exact_to_storage(name)
 
@@ -99,7 +102,8 @@ def test_reconstruction_error_matches_the_codebook():
     assert relative_error("tq4", scale=1e3)[0] == pytest.approx(k_err, rel=1e-2)  # scale-free
 
 
-@pytest.mark.parametrize("name", ["tq4", "tq3", "tq3.5", "tq2.5", "tq-k4v3", "tq4+qjl", "tq3+recent64", "tq3+fp-first-last"])
+@pytest.mark.parametrize("name", ["tq4", "tq3", "tq3.5", "tq2.5", "tq-k4v3", "tq4+qjl", "tq3+recent64", "tq3+fp-first-last",
+                                  "tq4+sink1", "tq3+sink4+recent8", "tq3+sink600"])
 def test_nbytes_equals_formula(name):
     check_nbytes(name)
     check_nbytes(name, SMOLLM2)
@@ -108,8 +112,9 @@ def test_nbytes_equals_formula(name):
 def test_smollm2_bytes_per_token_meet_the_targets():
     dense = 30 * 3 * 2 * 64 * 2
     assert expected_nbytes("dense", SMOLLM2, torch.bfloat16, 511) / 511 == dense == 23040
-    # sign vectors per layer, K and V codebooks + byte tables (4 bits), fp8 key offsets per layer and head
-    fixed = 30 * 64 + 4 * (16 + 15 + 256 * 2) * 2 + 30 * 3 * 64
+    # sign vectors per layer, K and V codebooks + byte tables (4 bits), fp8 key offsets and 4-bit key
+    # channel weights per layer and head
+    fixed = 30 * 64 + 4 * (16 + 15 + 256 * 2) * 2 + 30 * 3 * 64 + 30 * 3 * 32
     assert expected_nbytes("tq4", SMOLLM2, torch.bfloat16, 511) == 30 * 3 * 2 * (32 + 2) * 511 + fixed
     assert expected_nbytes("tq4", SMOLLM2, torch.bfloat16, 511) / 511 <= 6227
     assert expected_nbytes("tq3", SMOLLM2, torch.bfloat16, 511) / 511 <= 4702
@@ -169,13 +174,78 @@ def test_bad_configurations():
 
 
 def test_decode_steps_match_one_prefill():
-    # the same tokens appended one at a time or all at once are stored identically (no offset: it
-    # comes from the first append, which differs)
-    tokens = [c for c in feed("tq3+center=none", chunks=(1,) * 12)]
+    # the same tokens appended one at a time or all at once are stored identically (no offset and no
+    # key weights: they come from the first append, which differs)
+    tokens = [c for c in feed("tq3+center=none+kweights=none", chunks=(1,) * 12)]
     step_cache = tokens[-1][0]
     k_all, v_all = tokens[-1][2], tokens[-1][3]
-    once = make_cache("tq3+center=none", GEOMETRY)
+    once = make_cache("tq3+center=none+kweights=none", GEOMETRY)
     for layer in range(GEOMETRY.n_layers):
         once.append(layer, k_all, v_all)
     for a, b in zip(step_cache.dequantized(1), once.dequantized(1)):
         torch.testing.assert_close(a, b)
+
+
+def test_attend_first_reads_exactly_what_is_stored():
+    # the first chunk is coded when first attended (its key weights need the queries); attention
+    # must then equal dense attention over what dequantized() reads back
+    for cache, q, _, _ in feed("tq3"):
+        for layer in range(GEOMETRY.n_layers):
+            out = cache.attend(layer, q)
+            k, v = cache.dequantized(layer)
+            ref = grouped_attention(q.float(), k, v, cache.scale)
+            torch.testing.assert_close(out.float(), ref, atol=2e-5, rtol=1e-4)
+
+
+def test_key_weights_follow_the_queries_and_cut_the_score_error():
+    # channels 0-7: large key variance that no query reads; channels 8-15: queries' energy, small keys
+    gen = torch.Generator().manual_seed(3)
+    g = GEOMETRY
+    k = torch.randn(1, g.n_kv_heads, 64, 64, generator=gen)
+    k[..., :8] *= 20.0
+    k[..., 8:16] *= 0.2
+    q = torch.randn(1, g.n_heads, 64, 64, generator=gen)
+    q[..., :8] *= 0.05
+    q[..., 8:16] *= 10.0
+    errors = {}
+    for name in ("tq3", "tq3+kweights=none"):
+        cache = make_cache(name, g)
+        cache.append(0, k, torch.randn_like(k))
+        cache.attend(0, q)
+        k_hat, _ = cache.dequantized(0)
+        qg = q.reshape(1, g.n_kv_heads, -1, 64)
+        errors[name] = ((qg @ (k_hat - k).transpose(-1, -2)).square().mean()).item()
+        if name == "tq3":
+            weights = cache._key_weights(0)[0, :, 0]                          # (Hkv, d)
+            assert (weights[:, :8] > 2).all() and (weights[:, 8:16] < 0.5).all()
+    assert errors["tq3"] < errors["tq3+kweights=none"] / 3
+
+
+def test_key_weights_cost_four_bits_per_channel_and_head():
+    with_weights, without = make_cache("tq4", GEOMETRY), make_cache("tq4+kweights=none", GEOMETRY)
+    assert with_weights.nbytes - without.nbytes == GEOMETRY.n_layers * GEOMETRY.n_kv_heads * 64 // 2
+    assert make_cache("tq4+kweights=none", GEOMETRY).config.name == "tq4+kweights=none"
+
+
+@pytest.mark.parametrize("name", ["tq3+sink7", "int4+sink7+recent8"])
+def test_sink_tokens_are_kept_exactly(name):
+    # chunks of 5, 1, 1, 32, ...: the sink fills across three appends, then tokens go to the store
+    for cache, _, k, v in feed(name):
+        k_hat, v_hat = cache.dequantized(1)
+        n = min(7, k.shape[2])
+        assert torch.equal(k_hat[:, :, :n], k[:, :, :n]) and torch.equal(v_hat[:, :, :n], v[:, :, :n])
+    assert not torch.equal(k_hat[:, :, 7:], k[:, :, 7:])                     # the rest is compressed
+    assert make_cache(name, GEOMETRY).full.sink == 7 and name.split("+")[1] == "sink7"
+
+
+def test_two_appends_before_any_read_stay_exact():
+    cache = make_cache("tq3", GEOMETRY)
+    gen = torch.Generator().manual_seed(5)
+    k1, v1, k2, v2 = (torch.randn(1, 2, 16, 64, generator=gen) for _ in range(4))
+    cache.append(0, k1, v1)
+    cache.append(0, k2, v2)                  # the first chunk is coded now, before any query
+    q = torch.randn(1, GEOMETRY.n_heads, 4, 64, generator=gen)
+    out = cache.attend(0, q)
+    k, v = cache.dequantized(0)
+    torch.testing.assert_close(out, grouped_attention(q, k, v, cache.scale), atol=2e-5, rtol=1e-4)
+    assert ((k - torch.cat([k1, k2], dim=2)).norm() / k.norm()) < 0.25

@@ -31,6 +31,7 @@ def generate(
     capacity: Optional[int] = typer.Option(None, "--capacity", help="Cache capacity in tokens (default: prompt + new tokens)."),
     chunk_size: Optional[int] = typer.Option(None, "--prefill-chunk", help="Prefill the prompt in chunks of this many tokens."),
     device: str = typer.Option("cpu", "--device"),
+    weights: str = typer.Option("auto", "--weights", help="auto | native (GGUF blocks, fp32 CPU) | dense (dequantized)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
 ):
     """Generate text with a real KV cache; prints token counts, prefill time, decode tokens/s and cache bytes."""
@@ -38,7 +39,7 @@ def generate(
 
     result = run_generation(
         prompt, model=model, cache=cache, dtype=dtype, max_new_tokens=max_new_tokens, temperature=temperature,
-        top_k=top_k, top_p=top_p, seed=seed, chat=chat, capacity=capacity, chunk_size=chunk_size, device=device,
+        top_k=top_k, top_p=top_p, seed=seed, chat=chat, capacity=capacity, chunk_size=chunk_size, device=device, weights=weights,
         stream=None if json_out else (lambda piece: (sys.stdout.write(piece), sys.stdout.flush())),
     )
     if json_out:
@@ -86,7 +87,11 @@ def bench_decode(
     repeats: int = typer.Option(3, "--repeats", min=1),
     no_cache_repeats: int = typer.Option(1, "--no-cache-repeats", min=1, help="Runs of the (slow) no-cache contenders."),
     threads: int = typer.Option(0, "--threads", min=0, help="torch intra-op threads (0: torch's default)."),
-    contenders: str = typer.Option("kvlab:dense,kvlab:concat,kvlab:none,transformers:default,transformers:none", "--contenders"),
+    contenders: str = typer.Option(
+        "kvlab:dense,kvlab-dense-weights:dense,kvlab:concat,kvlab:none,transformers:default,transformers:none", "--contenders",
+        help="engine:cache pairs; engines: kvlab (--weights), kvlab-dense-weights (dequantized fp32/bf16 weights), transformers.",
+    ),
+    weights: str = typer.Option("auto", "--weights", help="Weights of the kvlab contenders: auto | native | dense."),
     out: str = typer.Option("bench/results/decode.json", "--out"),
     json_out: bool = typer.Option(False, "--json"),
 ):
@@ -94,7 +99,7 @@ def bench_decode(
     from .bench.decode import run_decode_bench
 
     run_decode_bench(model, prompt_tokens, new_tokens, dtypes.split(","), repeats, contenders.split(","), out, json_out,
-                     console, no_cache_repeats=min(no_cache_repeats, repeats), threads=threads)
+                     console, no_cache_repeats=min(no_cache_repeats, repeats), threads=threads, weights=weights)
 
 
 from .eval.command import register as register_eval  # noqa: E402  (each sub-package adds its own commands)

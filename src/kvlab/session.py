@@ -17,10 +17,10 @@ from .model.loader import LoadedModel, load_model, parse_dtype
 from .model.tokenizer import StreamDecoder
 
 
-@functools.lru_cache(maxsize=2)
-def cached_model(path: str | None, dtype: str = "fp32", device: str = "cpu") -> LoadedModel:
-    """One load per (model, dtype, device) in a process: the demo and benchmarks reuse it."""
-    return load_model(path, parse_dtype(dtype), device)
+@functools.lru_cache(maxsize=4)
+def cached_model(path: str | None, dtype: str = "fp32", device: str = "cpu", weights: str = "auto") -> LoadedModel:
+    """One load per (model, dtype, device, weights) in a process: the demo and benchmarks reuse it."""
+    return load_model(path, parse_dtype(dtype), device, weights)
 
 
 def encode_prompt(loaded: LoadedModel, prompt: str, chat: bool) -> list[int]:
@@ -74,8 +74,9 @@ def run_generation(
     chunk_size: int | None = None,
     device: str = "cpu",
     stream: Callable[[str], None] | None = None,
+    weights: str = "auto",
 ) -> GenerationRun:
-    loaded = cached_model(model, dtype, device)
+    loaded = cached_model(model, dtype, device, weights)
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     ids = encode_prompt(loaded, prompt, chat)
     capacity = capacity or len(ids) + max_new_tokens

@@ -6,7 +6,9 @@ Every contender generates `new_tokens` after the same `prompt_tokens`-token prom
 Contenders run in turn within each repeat (A B C A B C …) so drift of this shared machine hits all
 alike; the table shows medians and each ratio against transformers' default cache in the same dtype.
 Bandwidth achieved = (weight bytes + mean KV bytes read per step) × decode steps/s, against the
-machine's measured read bandwidth.
+machine's measured read bandwidth. Weight bytes are what each contender holds and reads every step:
+kvlab with native weights reads a GGUF's quantized blocks (kvlab.model.blockquant), `kvlab-dense-weights`
+the same values dequantized to the run's dtype, transformers its own dequantized parameters.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class DecodeResult:
     engine: str
     cache: str
     dtype: str
+    weights: str
     tokens_per_s: float
     decode_tokens_per_s: float
     runs: int
@@ -80,11 +83,14 @@ def _time_transformers(hf_model, prompt, use_cache, new_tokens):
     return produced / (end - start), decode_rate
 
 
-def _run_contender(contender, loaded, hf_model, prompt, new_tokens):
+ENGINES = ("kvlab", "kvlab-dense-weights", "transformers")
+
+
+def _run_contender(contender, models, hf_model, prompt, new_tokens):
     engine, cache = contender.split(":")
-    if engine == "kvlab":
-        return _time_kvlab(loaded, prompt, cache, new_tokens)
-    return _time_transformers(hf_model, prompt, cache != "none", new_tokens)
+    if engine == "transformers":
+        return _time_transformers(hf_model, prompt, cache != "none", new_tokens)
+    return _time_kvlab(models[engine], prompt, cache, new_tokens)
 
 
 def _load_transformers(path: Path, dtype: torch.dtype):
@@ -104,35 +110,43 @@ def _kv_bytes_read_per_step(config, dtype: torch.dtype, prompt_tokens: int, new_
 
 
 def run_decode_bench(model, prompt_tokens, new_tokens, dtypes, repeats, contenders, out, json_out, console: Console,
-                     no_cache_repeats: int = 1, threads: int = 0):
+                     no_cache_repeats: int = 1, threads: int = 0, weights: str = "auto"):
     with torch_threads(threads):
-        return _run(model, prompt_tokens, new_tokens, dtypes, repeats, contenders, out, json_out, console, no_cache_repeats)
+        return _run(model, prompt_tokens, new_tokens, dtypes, repeats, contenders, out, json_out, console, no_cache_repeats,
+                    weights)
 
 
-def _run(model, prompt_tokens, new_tokens, dtypes, repeats, contenders, out, json_out, console, no_cache_repeats):
+def _run(model, prompt_tokens, new_tokens, dtypes, repeats, contenders, out, json_out, console, no_cache_repeats, weights):
     contenders = [c.strip() for c in contenders if c.strip()]
     for c in contenders:
-        if c.split(":")[0] not in ("kvlab", "transformers") or ":" not in c:
-            raise ConfigError(f"contender {c!r} must be kvlab:<cache> or transformers:default|none")
+        if c.split(":")[0] not in ENGINES or ":" not in c:
+            raise ConfigError(f"contender {c!r} must be kvlab:<cache>, kvlab-dense-weights:<cache> or transformers:default|none")
     torch.manual_seed(0)
     bandwidths = [read_bandwidth_gb_s() * 1e9]  # measured again after every repeat; the best is the limit
     results: list[DecodeResult] = []
     with Progress(console=console, transient=True) as progress:
         for dtype_name in dtypes:
-            loaded = cached_model(model, dtype_name, "cpu")
+            loaded = cached_model(model, dtype_name, "cpu", weights)
+            models = {"kvlab": loaded}
+            if any(c.startswith("kvlab-dense-weights:") for c in contenders):
+                models["kvlab-dense-weights"] = cached_model(model, dtype_name, "cpu", "dense")
             hf = _load_transformers(loaded.path, loaded.dtype) if any(c.startswith("transformers") for c in contenders) else None
             prompt = torch.randint(100, loaded.config.vocab_size - 100, (1, prompt_tokens))
-            weight_bytes = loaded.weight_bytes
+            weight_bytes = {engine: m.weight_bytes for engine, m in models.items()}
+            weights_held = {engine: m.weights for engine, m in models.items()}
+            if hf is not None:
+                weight_bytes["transformers"] = sum(p.nbytes for p in hf.parameters())
+                weights_held["transformers"] = "dense"
             samples: dict[str, list[tuple[float, float]]] = {c: [] for c in contenders}
             n_runs = sum(no_cache_repeats if c.endswith(":none") else repeats for c in contenders)
             task = progress.add_task(f"{dtype_name}: {len(contenders)} contenders, {n_runs} runs", total=n_runs)
             for contender in contenders:  # warm-up: a short run each, not counted
-                _run_contender(contender, loaded, hf, prompt[:, :8], 4)
+                _run_contender(contender, models, hf, prompt[:, :8], 4)
             for repeat in range(repeats):
                 for contender in contenders:
                     if contender.endswith(":none") and repeat >= no_cache_repeats:
                         continue  # the recomputing baselines are ~10× slower: fewer runs, same interleaving
-                    samples[contender].append(_run_contender(contender, loaded, hf, prompt, new_tokens))
+                    samples[contender].append(_run_contender(contender, models, hf, prompt, new_tokens))
                     progress.advance(task)
                 bandwidths.append(read_bandwidth_gb_s() * 1e9)
             for contender in contenders:
@@ -140,11 +154,11 @@ def _run(model, prompt_tokens, new_tokens, dtypes, repeats, contenders, out, jso
                 kv_read = _kv_bytes_read_per_step(loaded.config, loaded.dtype, prompt_tokens, new_tokens, cache)
                 decode_rate = statistics.median(s[1] for s in samples[contender])
                 results.append(DecodeResult(
-                    engine=engine, cache=cache, dtype=dtype_name,
+                    engine=engine, cache=cache, dtype=dtype_name, weights=weights_held[engine],
                     tokens_per_s=statistics.median(s[0] for s in samples[contender]),
                     decode_tokens_per_s=decode_rate, runs=len(samples[contender]),
-                    kv_bytes_read_per_step=kv_read, weight_bytes=weight_bytes,
-                    bandwidth_gb_s=(weight_bytes + kv_read) * decode_rate / 1e9 if cache != "none" else 0.0,
+                    kv_bytes_read_per_step=kv_read, weight_bytes=weight_bytes[engine],
+                    bandwidth_gb_s=(weight_bytes[engine] + kv_read) * decode_rate / 1e9 if cache != "none" else 0.0,
                 ))
     bandwidth = max(bandwidths)
     for r in results:
@@ -153,7 +167,7 @@ def _run(model, prompt_tokens, new_tokens, dtypes, repeats, contenders, out, jso
             r.ratio_vs_transformers = r.tokens_per_s / base.tokens_per_s
     record = {
         "benchmark": "decode",
-        "model": str(cached_model(model, dtypes[0], "cpu").path.name),
+        "model": str(cached_model(model, dtypes[0], "cpu", weights).path.name),
         "prompt_tokens": prompt_tokens,
         "new_tokens": new_tokens,
         "repeats": repeats,
@@ -169,11 +183,12 @@ def _run(model, prompt_tokens, new_tokens, dtypes, repeats, contenders, out, jso
         print(json.dumps(record))
         return record
     table = Table(title=f"decode: {prompt_tokens}-token prompt, {new_tokens} new tokens, batch 1, greedy, median of {repeats} ({no_cache_repeats} for no-cache)")
-    for col in ("engine", "cache", "dtype", "tokens/s", "× transformers", "decode steps/s", "bandwidth GB/s", "of limit"):
-        table.add_column(col, justify="left" if col in ("engine", "cache", "dtype") else "right")
+    for col in ("engine", "cache", "dtype", "weights", "weight MB", "tokens/s", "× transformers", "decode steps/s",
+                "bandwidth GB/s", "of limit"):
+        table.add_column(col, justify="left" if col in ("engine", "cache", "dtype", "weights") else "right")
     for r in results:
         table.add_row(
-            r.engine, r.cache, r.dtype, f"{r.tokens_per_s:.2f}",
+            r.engine, r.cache, r.dtype, r.weights, f"{r.weight_bytes / 1e6:.0f}", f"{r.tokens_per_s:.2f}",
             f"{r.ratio_vs_transformers:.2f}×" if r.ratio_vs_transformers else "-",
             f"{r.decode_tokens_per_s:.2f}",
             f"{r.bandwidth_gb_s:.2f}" if r.bandwidth_gb_s else "-",

@@ -58,10 +58,13 @@ def describe_formula(name: str, geometry: CacheGeometry, dtype: torch.dtype) -> 
         return "nothing is kept between forward passes"
     cls, config = _parse_compressed(key)
     text = cls.describe(config, geometry, dtype)
+    dtype_name = str(dtype).removeprefix("torch.")
+    if config.full.sink:
+        text += f"; the first {config.full.sink} tokens of every layer in {dtype_name}"
     if config.full.recent:
-        text += f"; the newest {config.full.recent} tokens of every layer in {str(dtype).removeprefix('torch.')}"
+        text += f"; the newest {config.full.recent} tokens of every layer in {dtype_name}"
     if config.full.first_last:
-        text += f"; layers 0 and {geometry.n_layers - 1} whole in {str(dtype).removeprefix('torch.')}"
+        text += f"; layers 0 and {geometry.n_layers - 1} whole in {dtype_name}"
     return text
 
 

@@ -2,10 +2,12 @@
 
 A compressed cache (int8/int4 in quantized.py, TurboQuant in turboquant.py) stores most tokens in
 its own format and may keep, spelled out in its name,
+  * `+sinkN`: the N first tokens of every layer in the cache dtype (the "attention sink": models
+    send a large share of their attention to the first tokens, so their error weighs most),
   * `+recentN`: the N newest tokens of every layer in the cache dtype (a FIFO: a token is compressed
     the moment it leaves the window), and
   * `+fp-first-last`: the first and last layers whole in the cache dtype (a one-layer DenseCache each).
-Attention over a layer is one softmax over [compressed tokens | window tokens], with the
+Attention over a layer is one softmax over [sink tokens | compressed tokens | window tokens], with the
 lower-right causal mask of cache/attention.py; the subclass answers only for its compressed part:
   _scores(layer, qg, n) -> logits of the grouped queries against its n compressed tokens
   _mix(layer, p, n)     -> Σ p·v over those tokens
@@ -14,8 +16,9 @@ so a subclass reads its own codes and never hands full-precision K/V to the atte
 Bytes: every buffer is preallocated to the capacity (like DenseCache), so `nbytes` does not change
 as tokens arrive and equals the formula `expected_nbytes(config, geometry, dtype)`:
   fp layers:        2·B·Hkv·capacity·D·elem           (a DenseCache of one layer)
-  other layers:     window: B·Hkv·min(N, capacity)·(Dk+Dv)·elem
-                    + the subclass's store for slots = capacity - min(N, capacity) tokens
+  other layers:     sink + window: B·Hkv·(S + W)·(Dk+Dv)·elem, S = min(sink, capacity),
+                    W = min(recent, capacity - S)
+                    + the subclass's store for slots = capacity - S - W tokens
   once per cache:   the subclass's fixed state (rotations, codebooks, ...).
 """
 
@@ -35,6 +38,7 @@ class FullPrecision:
     """What a compressed cache keeps uncompressed, in the cache dtype. Both are part of the name."""
 
     recent: int = 0             # newest tokens of every compressed layer kept in full precision
+    sink: int = 0               # first tokens of every compressed layer kept in full precision
     first_last: bool = False    # layers 0 and L-1 kept whole in full precision
     layer_list: tuple[int, ...] = ()  # more layers kept whole (for per-layer studies)
 
@@ -46,7 +50,14 @@ class FullPrecision:
     def suffix(self) -> str:
         """The name options, e.g. "+recent64+fp-first-last" (empty for a plain name)."""
         listed = "+fp-layers=" + ".".join(str(l) for l in sorted(self.layer_list)) if self.layer_list else ""
-        return (f"+recent{self.recent}" if self.recent else "") + ("+fp-first-last" if self.first_last else "") + listed
+        return ((f"+sink{self.sink}" if self.sink else "") + (f"+recent{self.recent}" if self.recent else "")
+                + ("+fp-first-last" if self.first_last else "") + listed)
+
+    def split(self, capacity: int) -> tuple[int, int, int]:
+        """(sink, window, compressed slots) per compressed layer for a cache of `capacity` tokens."""
+        sink = min(self.sink, capacity)
+        window = min(self.recent, capacity - sink)
+        return sink, window, capacity - sink - window
 
 
 class CompressedCache(KVCache):
@@ -57,14 +68,17 @@ class CompressedCache(KVCache):
         g = geometry
         self.full = full
         self.fp_layers = full.layers(g.n_layers)
-        self.window = min(full.recent, g.capacity)       # full-precision tokens per compressed layer
-        self.slots = g.capacity - self.window              # compressed tokens per layer
+        # full-precision first and newest tokens per compressed layer, and the compressed tokens' slots
+        self.sink, self.window, self.slots = full.split(g.capacity)
         one_layer = replace(g, n_layers=1)
         self._dense = {layer: DenseCache(one_layer, dtype, device) for layer in sorted(self.fp_layers)}
-        shape_k = (g.batch, g.n_kv_heads, self.window, g.head_dim)
-        shape_v = (g.batch, g.n_kv_heads, self.window, g.head_dim_v)
-        self._win_k = {l: torch.zeros(shape_k, dtype=dtype, device=self.device) for l in self.compressed_layers}
-        self._win_v = {l: torch.zeros(shape_v, dtype=dtype, device=self.device) for l in self.compressed_layers}
+
+        def buffers(tokens: int, dim: int) -> dict[int, torch.Tensor]:
+            shape = (g.batch, g.n_kv_heads, tokens, dim)
+            return {l: torch.zeros(shape, dtype=dtype, device=self.device) for l in self.compressed_layers}
+
+        self._sink_k, self._sink_v = buffers(self.sink, g.head_dim), buffers(self.sink, g.head_dim_v)
+        self._win_k, self._win_v = buffers(self.window, g.head_dim), buffers(self.window, g.head_dim_v)
         self._n_comp = [0] * g.n_layers                    # compressed tokens per layer
 
     @property
@@ -104,11 +118,20 @@ class CompressedCache(KVCache):
             self._dense[layer].append(0, k, v)
             self._lengths[layer] += n_new
             return
+        in_sink = self._n_sink(layer)
+        to_sink = min(n_new, self.sink - in_sink)                                         # the first tokens
+        if to_sink:
+            self._sink_k[layer][:, :, in_sink:in_sink + to_sink] = k[:, :, :to_sink]
+            self._sink_v[layer][:, :, in_sink:in_sink + to_sink] = v[:, :, :to_sink]
+            self._lengths[layer] += to_sink
+            k, v, n_new = k[:, :, to_sink:], v[:, :, to_sink:], n_new - to_sink
+            if not n_new:
+                return
         if self.window == 0:
             self._store(layer, k, v, self._n_comp[layer])
             self._n_comp[layer] += n_new
         else:
-            held = self._lengths[layer] - self._n_comp[layer]                             # tokens in the window
+            held = self._held(layer)                                                      # tokens in the window
             all_k = torch.cat([self._win_k[layer][:, :, :held], k.to(self.dtype)], dim=2)  # (B, Hkv, held+T, Dk)
             all_v = torch.cat([self._win_v[layer][:, :, :held], v.to(self.dtype)], dim=2)
             spill = max(0, held + n_new - self.window)                                    # oldest leave the window
@@ -126,26 +149,38 @@ class CompressedCache(KVCache):
         B, H, T, Dk = q.shape
         Hkv = self.geometry.n_kv_heads
         group = H // Hkv
-        n = self._n_comp[layer]
-        held = self._lengths[layer] - n
+        n_sink, n, held = self._n_sink(layer), self._n_comp[layer], self._held(layer)
         qg = q.float().reshape(B, Hkv, group * T, Dk)                          # (B, Hkv, G·T, Dk)
         logits = []
+        if n_sink:
+            k_sink = self._sink_k[layer][:, :, :n_sink].float()                # (B, Hkv, n_sink, Dk)
+            logits.append((qg @ k_sink.transpose(-1, -2)) * self.scale)        # (B, Hkv, G·T, n_sink)
         if n:
             logits.append(self._scores(layer, qg, n))                          # (B, Hkv, G·T, n)
         if held:
             k_win = self._win_k[layer][:, :, :held].float()                    # (B, Hkv, held, Dk)
             logits.append((qg @ k_win.transpose(-1, -2)) * self.scale)         # (B, Hkv, G·T, held)
         scores = torch.cat(logits, dim=-1) if len(logits) > 1 else logits[0]  # (B, Hkv, G·T, S)
-        S = n + held
+        S = n_sink + n + held
         window = self.geometry.window
         if T > 1 or (window is not None and S > window):
             mask = causal_mask(T, S, q.device, window).repeat(group, 1)        # (G·T, S)
             scores = scores.masked_fill(~mask, float("-inf"))
         p = torch.softmax(scores, dim=-1)                                      # (B, Hkv, G·T, S)
-        out = self._mix(layer, p[..., :n], n) if n else 0.0                    # (B, Hkv, G·T, Dv)
+        out = self._mix(layer, p[..., n_sink:n_sink + n], n) if n else 0.0    # (B, Hkv, G·T, Dv)
+        if n_sink:
+            out = out + p[..., :n_sink] @ self._sink_v[layer][:, :, :n_sink].float()
         if held:
-            out = out + p[..., n:] @ self._win_v[layer][:, :, :held].float()
+            out = out + p[..., n_sink + n:] @ self._win_v[layer][:, :, :held].float()
         return out.reshape(B, H, T, -1).to(q.dtype)
+
+    def _n_sink(self, layer: int) -> int:
+        """Tokens of `layer` held in its full-precision sink (the first ones)."""
+        return min(self._lengths[layer], self.sink)
+
+    def _held(self, layer: int) -> int:
+        """Tokens of `layer` held in its full-precision recent window."""
+        return self._lengths[layer] - self._n_sink(layer) - self._n_comp[layer]
 
     def reset(self) -> None:
         super().reset()
@@ -156,7 +191,8 @@ class CompressedCache(KVCache):
     @property
     def nbytes(self) -> int:
         dense = sum(d.nbytes for d in self._dense.values())
-        return dense + tensors_nbytes(*self._win_k.values(), *self._win_v.values()) + self._store_nbytes()
+        held = tensors_nbytes(*self._sink_k.values(), *self._sink_v.values(), *self._win_k.values(), *self._win_v.values())
+        return dense + held + self._store_nbytes()
 
     # -- formula and debugging ------------------------------------------------------------------------
     @classmethod
@@ -165,12 +201,12 @@ class CompressedCache(KVCache):
         g = geometry
         elem = torch.empty(0, dtype=dtype).element_size()
         n_fp = len(config.full.layers(g.n_layers))
-        window = min(config.full.recent, g.capacity)
+        sink, window, slots = config.full.split(g.capacity)
         per_token_dense = g.n_kv_heads * (g.head_dim + g.head_dim_v) * elem * g.batch
         fp = n_fp * per_token_dense * g.capacity
         n_comp_layers = g.n_layers - n_fp
-        win = n_comp_layers * per_token_dense * window
-        return fp + win + cls._expected_store_nbytes(config, g, dtype, g.capacity - window, n_comp_layers)
+        held = n_comp_layers * per_token_dense * (sink + window)
+        return fp + held + cls._expected_store_nbytes(config, g, dtype, slots, n_comp_layers)
 
     def dequantized(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """All stored K/V of `layer` as attention reads them, (B, Hkv, S, D) float32 — for tests and debugging."""
@@ -178,9 +214,11 @@ class CompressedCache(KVCache):
             n = self._lengths[layer]
             dense = self._dense[layer]
             return dense.k[0, :, :, :n].float(), dense.v[0, :, :, :n].float()
-        n = self._n_comp[layer]
-        held = self._lengths[layer] - n
+        n_sink, n, held = self._n_sink(layer), self._n_comp[layer], self._held(layer)
         k_parts, v_parts = [], []
+        if n_sink:
+            k_parts.append(self._sink_k[layer][:, :, :n_sink].float())
+            v_parts.append(self._sink_v[layer][:, :, :n_sink].float())
         if n:
             k_c, v_c = self._restore(layer, n)
             k_parts.append(k_c)

@@ -7,6 +7,7 @@
     W       := 1..8, with an optional fraction (tq3.5, tq2.5): that share of the rotated
                channels gets one more bit
     option  := "recent" N               the N newest tokens of every layer kept in the cache dtype
+             | "sink" N                 the N first tokens of every layer kept in the cache dtype
              | "fp-first-last"          the first and last layers kept whole in the cache dtype
              | "fp-layers=" I("." I)*   these layers kept whole in the cache dtype (fp-layers=0.29)
              | "qjl"                    (tq) keys: W-1 bits of codes + the 1-bit QJL residual
@@ -15,6 +16,8 @@
                                         group (default 32)
              | "center=" C              (tq) which of K/V get a per-layer offset: none, k (default),
                                         v, kv — 1 float8 per channel per layer and KV head each
+             | "kweights=none"          (tq) no query-aware key channel weights (default: on, 4 bits
+                                        per channel per layer and KV head)
     options that change no byte (numerics, for ablations):
              | "kscale=" M | "vscale=" M   how the 16-bit per-vector scale is chosen
                                         (tq; M in norm (the paper), renorm (default), lsq, unbiased)
@@ -85,22 +88,26 @@ def parse(name: str) -> tuple[type, object]:
             settings["key_scale" if m.group(1) == "k" else "value_scale"] = m.group(2)
         elif m := re.fullmatch(r"center=(none|k|v|kv)", option):
             settings["center"] = "" if m.group(1) == "none" else m.group(1)
+        elif option == "kweights=none":
+            settings["key_weights"] = False
         elif m := re.fullmatch(r"seed(\d+)", option):
             settings["seed"] = int(m.group(1))
         else:
             raise ConfigError(
                 f"unknown option {option!r} in cache {name!r}; TurboQuant caches take +qjl, +recentN, +fp-first-last, "
-                "+kscale=M, +vscale=M, +bf16norms, +seedN"
+                "+center=C, +kweights=none, +kscale=M, +vscale=M, +bf16norms, +seedN"
             )
     return TurboQuantCache, TurboQuantConfig(**settings)
 
 
 def _full_precision(name: str, options: list[str]) -> tuple[FullPrecision, list[str]]:
-    """Take the +recentN / +fp-first-last options out of `options`."""
-    recent, first_last, listed, rest = 0, False, (), []
+    """Take the +recentN / +sinkN / +fp-first-last / +fp-layers options out of `options`."""
+    recent, sink, first_last, listed, rest = 0, 0, False, (), []
     for option in options:
         if m := re.fullmatch(r"recent(\d+)", option):
             recent = int(m.group(1))
+        elif m := re.fullmatch(r"sink(\d+)", option):
+            sink = int(m.group(1))
         elif option == "fp-first-last":
             first_last = True
         elif m := re.fullmatch(r"fp-layers=(\d+(?:\.\d+)*)", option):
@@ -109,4 +116,4 @@ def _full_precision(name: str, options: list[str]) -> tuple[FullPrecision, list[
             rest.append(option)
         else:
             raise ConfigError(f"empty option in cache name {name!r}")
-    return FullPrecision(recent=recent, first_last=first_last, layer_list=listed), rest
+    return FullPrecision(recent=recent, sink=sink, first_last=first_last, layer_list=listed), rest

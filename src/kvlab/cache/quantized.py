@@ -32,7 +32,7 @@ _META_MAX = torch.finfo(_META).max
 
 @dataclass(frozen=True)
 class QuantizedConfig:
-    """`int<bits>[+g<G>][+recentN][+fp-first-last]`."""
+    """`int<bits>[+g<G>][+sinkN][+recentN][+fp-first-last]`."""
 
     bits: int = 4
     group_size: int = 32        # tokens per key group, channels per value group

@@ -21,6 +21,13 @@ gives the paper's recipe):
     added back when reading — and q·μ is the same for every key, so it costs one dot per query.
   * renormalized scale c = 1/‖ŷ‖: the reconstruction keeps the vector's exact norm (the paper's
     c = 1 shrinks every vector by √(1-D), D the distortion, which biases attention logits).
+  * key channel weights w (query-aware): a key's error e only matters through q·e. Coding
+    k' = (k-μ)/w and reading with q' = q⊙w leaves q·(k-μ) unchanged, and with isotropic coding
+    error the expected (q·e)² is ∝ (Σ_c w_c² E[q_c²])·(Σ_c E[(k_c-μ_c)²]/w_c²), smallest for
+    w_c = (E[(k_c-μ_c)²] / E[q_c²])^¼. Each layer and KV head measures both on its first chunk
+    (the prefill: its keys, and the queries that first read it — so that chunk is coded when it is
+    first attended) and keeps w as 4-bit codes of log2 w in quarter octaves (32 bytes per layer and
+    head, counted). Like μ, any stored w is exact: coding and reading use the same value.
 
 Fractional widths (tq3.5, tq2.5): after the rotation all d coordinates follow the same law, so no
 channel is an outlier any more; "outlier channels" are simply the first ⌊frac·d⌉ rotated
@@ -34,7 +41,8 @@ Bytes (compressed layer, B sequences, Hkv heads, `slots` tokens), n16 = 2 bytes:
     values B·Hkv·slots·(codes(d, bv) + n16)       codes(d, b) = Σ over channel splits ⌈n·b/8⌉
     fixed  per compressed layer the rotation state (d int8 signs; d² float32 if d is not a power
            of two) and the key offsets (B·Hkv·d float8), per cache the K and V codebooks
-           (centroids + boundaries, float32) and, with qjl, S (d² float32).
+           (centroids + boundaries, float32) and, with qjl, S (d² float32); the key channel weights
+           (B·Hkv·d/2 bytes of 4-bit codes per compressed layer).
 The Sylvester Hadamard matrix and the codebooks' source are constants of d shared by all caches.
 """
 
@@ -67,8 +75,10 @@ _TINY = 1e-30
 _OFFSET = torch.float8_e4m3fn
 _OFFSET_MAX = 448.0
 _OFFSET_BYTES = 1
-#: The first append to a layer sets its offset only if it brings at least this many tokens.
-MIN_OFFSET_TOKENS = 8
+#: The first append to a layer sets its offset and key weights only if it brings at least this many tokens.
+MIN_CALIBRATION_TOKENS = 8
+#: Key channel weights w = 2^((code - WEIGHT_ZERO) / WEIGHT_STEPS) for 4-bit codes: 1/4 .. 3.4 in quarter octaves.
+WEIGHT_BITS, WEIGHT_ZERO, WEIGHT_STEPS = 4, 8, 4
 
 
 @dataclass(frozen=True)
@@ -84,6 +94,7 @@ class TurboQuantConfig:
     value_scale: str = "renorm"
     norm_dtype: torch.dtype = torch.float16
     center: str = "k"                  # "", "k" or "kv": which of K/V get a per-layer, per-head offset (OFFSETS)
+    key_weights: bool = True           # query-aware key channel weights (see the module docstring)
 
     def __post_init__(self) -> None:
         for what, bits in (("key", self.key_bits), ("value", self.value_bits)):
@@ -109,6 +120,8 @@ class TurboQuantConfig:
             "+bf16norms" if self.norm_dtype == torch.bfloat16 else "",
             f"+seed{self.seed}" if self.seed else "",
         ])
+        if not self.key_weights:
+            numerics = "+kweights=none" + numerics
         if self.center != TurboQuantConfig.center:
             numerics = f"+center={self.center or 'none'}" + numerics
         return base + ("+qjl" if self.qjl else "") + self.full.suffix + numerics
@@ -213,7 +226,13 @@ class TurboQuantCache(CompressedCache):
             return {l: torch.zeros(B, H, d, dtype=_OFFSET, device=dev) for l in self.compressed_layers} if which in config.center else {}
 
         self.k_offset, self.v_offset = offsets("k"), offsets("v")                            # (B, H, d) fp8
-        self._offset_ready: set[int] = set()
+        # key channel weights, 4-bit codes of log2 w; code WEIGHT_ZERO is w = 1
+        self.k_weight_codes = {
+            l: torch.full((B, H, packed_nbytes(d, WEIGHT_BITS)), _NEUTRAL_WEIGHT_BYTE, dtype=torch.uint8, device=dev)
+            for l in self.compressed_layers
+        } if config.key_weights else {}                                                      # (B, H, d/2) uint8
+        self._calibrated: set[int] = set()
+        self._pending: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}               # first chunk, until attended
         self.qjl_matrix = None
         if config.qjl:
             gen = torch.Generator().manual_seed(_layer_seed(config.seed, -1))
@@ -228,20 +247,72 @@ class TurboQuantCache(CompressedCache):
 
     def reset(self) -> None:
         super().reset()
-        self._offset_ready.clear()
+        self._calibrated.clear()
+        self._pending.clear()
+        for state in (*self.k_offset.values(), *self.v_offset.values()):
+            state.zero_()
+        for codes in self.k_weight_codes.values():
+            codes.fill_(_NEUTRAL_WEIGHT_BYTE)
+
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        if layer in self._pending:
+            self._calibrate_and_store(layer, q)
+        return super().attend(layer, q)
+
+    # -- calibration: offsets and key weights from a layer's first chunk ---------------------------------
+    def _calibrate_and_store(self, layer: int, q: torch.Tensor | None) -> None:
+        """Set `layer`'s key weights from its pending first chunk and the queries reading it, then code it.
+
+        q: (B, H, T, d), or None (a read without queries, e.g. `dequantized`): the weights then use the
+        keys alone, as if every query channel had the same energy.
+        """
+        k, v, start = self._pending.pop(layer)
+        B, Hkv, _, d = k.shape
+        key_energy = (k.float() - self._key_offset(layer)).square().mean(dim=2)    # (B, Hkv, d) E[(k-μ)²]
+        if q is None:
+            query_energy = torch.ones_like(key_energy)
+        else:
+            qg = q.float().reshape(B, Hkv, -1, d)                                      # (B, Hkv, G·T, d)
+            query_energy = qg.square().mean(dim=2)                                     # (B, Hkv, d) E[q²]
+        log_w = 0.25 * (key_energy.clamp_min(_TINY).log2() - query_energy.clamp_min(_TINY).log2())
+        log_w = log_w - log_w.mean(dim=-1, keepdim=True)                              # only ratios matter
+        codes = (log_w * WEIGHT_STEPS).round() + WEIGHT_ZERO
+        codes = codes.clamp(0, (1 << WEIGHT_BITS) - 1).to(torch.uint8)                # (B, Hkv, d)
+        self.k_weight_codes[layer][:] = pack(codes, WEIGHT_BITS)
+        self._encode(layer, k, v, start)
+
+    def _key_weights(self, layer: int) -> torch.Tensor | None:
+        """(B, Hkv, 1, d) float32 w, or None without key weights."""
+        if not self.k_weight_codes:
+            return None
+        codes = unpack(self.k_weight_codes[layer], WEIGHT_BITS, self.geometry.head_dim).float()
+        return torch.exp2((codes - WEIGHT_ZERO) / WEIGHT_STEPS)[:, :, None]
+
+    def _key_offset(self, layer: int) -> torch.Tensor | float:
+        return self.k_offset[layer][:, :, None].float() if self.k_offset else 0.0  # (B, Hkv, 1, d)
 
     # -- storing ------------------------------------------------------------------------------------
     def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
-        rot = self.rotations[layer]
-        end = start + k.shape[2]
-        if layer not in self._offset_ready:
-            if k.shape[2] >= MIN_OFFSET_TOKENS:  # too few tokens: the offset stays 0 for this layer
+        if layer in self._pending:  # a second chunk before the first was read: fix the weights now
+            self._calibrate_and_store(layer, None)
+        if layer not in self._calibrated:
+            self._calibrated.add(layer)
+            if k.shape[2] >= MIN_CALIBRATION_TOKENS:  # too few tokens: no offset, neutral weights
                 for offsets, x in ((self.k_offset, k), (self.v_offset, v)):
                     if offsets:
                         offsets[layer][:] = x.float().mean(dim=2).clamp(-_OFFSET_MAX, _OFFSET_MAX)  # (B, H, d)
-            self._offset_ready.add(layer)
-        if self.k_offset:
-            k = k.float() - self.k_offset[layer][:, :, None].float()
+                if self.k_weight_codes:  # the weights need the queries: code this chunk when it is first read
+                    self._pending[layer] = (k, v, start)
+                    return
+        self._encode(layer, k, v, start)
+
+    def _encode(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+        rot = self.rotations[layer]
+        end = start + k.shape[2]
+        k = k.float() - self._key_offset(layer)
+        weights = self._key_weights(layer)
+        if weights is not None:
+            k = k / weights
         if self.v_offset:
             v = v.float() - self.v_offset[layer][:, :, None].float()
         y, norm = self._unit(rot, k)                                              # (B, H, T, d), (B, H, T)
@@ -282,7 +353,8 @@ class TurboQuantCache(CompressedCache):
         return (signs @ self.qjl_matrix) * coef[..., None]
 
     def _scores(self, layer: int, qg: torch.Tensor, n: int) -> torch.Tensor:
-        q_rot = self.rotations[layer].apply(qg)                                   # (B, H, G·T, d) Πq
+        weights = self._key_weights(layer)
+        q_rot = self.rotations[layer].apply(qg if weights is None else qg * weights)  # (B, H, G·T, d) Π(q⊙w)
         y_hat = self.key_codes.decode(self.k_codes[layer][:, :, :n])               # (B, H, n, d) codebook values
         if self.config.qjl:
             y_hat = y_hat + self._qjl_term(layer, n)                              # unbiased residual estimate
@@ -301,11 +373,16 @@ class TurboQuantCache(CompressedCache):
         return out
 
     def _restore(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer in self._pending:
+            self._calibrate_and_store(layer, None)
         rot = self.rotations[layer]
         k_rot = self.key_codes.decode(self.k_codes[layer][:, :, :n])
         if self.config.qjl:
             k_rot = k_rot + self._qjl_term(layer, n)
         k = rot.invert(k_rot * self.k_norm[layer][:, :, :n].float()[..., None])
+        weights = self._key_weights(layer)
+        if weights is not None:
+            k = k * weights
         v = rot.invert(self.value_codes.decode(self.v_codes[layer][:, :, :n]) * self.v_norm[layer][:, :, :n].float()[..., None])
         if self.k_offset:
             k = k + self.k_offset[layer][:, :, None].float()
@@ -319,7 +396,7 @@ class TurboQuantCache(CompressedCache):
         if self.config.qjl:
             per_token += tensors_nbytes(*self.k_signs.values(), *self.k_rnorm.values(), self.qjl_matrix)
         fixed = sum(r.nbytes for r in self.rotations.values()) + self.key_codes.nbytes + self.value_codes.nbytes
-        fixed += tensors_nbytes(*self.k_offset.values(), *self.v_offset.values())
+        fixed += tensors_nbytes(*self.k_offset.values(), *self.v_offset.values(), *self.k_weight_codes.values())
         return per_token + fixed
 
     @classmethod
@@ -333,6 +410,8 @@ class TurboQuantCache(CompressedCache):
         if config.qjl:
             fixed += d * d * 4
         fixed += len(config.center) * n_layers * g.batch * g.n_kv_heads * d * _OFFSET_BYTES
+        if config.key_weights:
+            fixed += n_layers * g.batch * g.n_kv_heads * packed_nbytes(d, WEIGHT_BITS)
         return per_token + fixed
 
     @staticmethod
@@ -354,6 +433,8 @@ class TurboQuantCache(CompressedCache):
         fixed = f"; per layer: {d}-entry rotation sign vector" if is_power_of_two(d) else f"; per layer: {d}×{d} float32 rotation"
         if config.center:
             fixed += f", float8 {'/'.join(config.center.upper())} offset per KV head ({d} B each)"
+        if config.key_weights:
+            fixed += f", 4-bit key channel weights per KV head ({packed_nbytes(d, WEIGHT_BITS)} B each)"
         return f"{key} = {k} B; per value vector: {d}×{config.value_bits:g}-bit codes + 16-bit norm = {v} B{fixed}"
 
 
@@ -375,6 +456,10 @@ def _scale_factor(mode: str, y: torch.Tensor, y_hat: torch.Tensor) -> torch.Tens
     if mode == "lsq":
         return dot / sq
     return 1.0 / torch.where(dot.abs() > _TINY, dot, torch.ones_like(dot))   # unbiased
+
+
+#: A byte holding two neutral weight codes (w = 1).
+_NEUTRAL_WEIGHT_BYTE = WEIGHT_ZERO | (WEIGHT_ZERO << 4)
 
 
 def _layer_seed(seed: int, layer: int) -> int:

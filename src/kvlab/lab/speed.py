@@ -81,7 +81,7 @@ def load_models(keys: tuple[str, ...], quick: bool, weights_dir=None) -> list[Mo
         elif key == "smollm2":
             from ..session import cached_model
 
-            loaded = cached_model(None, "fp32", "cpu")
+            loaded = cached_model(None, "fp32", "cpu", "dense")  # fp32 parameters: the MAC and byte model counts them
             ids = loaded.tokenizer.encode(SMOLLM2_PROMPT)[:PROMPT_TOKENS]
             if len(ids) < PROMPT_TOKENS:
                 raise ConfigError(f"the SmolLM2 prompt gives {len(ids)} tokens, fewer than {PROMPT_TOKENS}")

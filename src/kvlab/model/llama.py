@@ -159,6 +159,8 @@ class Decoder(nn.Module):
         if last_only:
             x = x[:, -1:]                                                   # (B, 1, C): decode needs one row
         x = self.norm(x)
+        if self.lm_head is not None:  # a Linear, or a BlockQuantLinear (native weights; tied ones share the embedding's blocks)
+            return self.lm_head(x)                                          # (B, T, vocab)
         if x.shape[0] * x.shape[1] == 1 and x.device.type == "cpu":
             return torch.mv(self.output_weight(), x.reshape(-1)).view(1, 1, -1)  # (1, 1, vocab): see Linear
         return F.linear(x, self.output_weight())                           # (B, T, vocab)

@@ -17,7 +17,9 @@ from ..errors import ConfigError, ModelFileError, UnsupportedArchitectureError
 from .config import SUPPORTED_ARCHS, DecoderConfig, RopeScaling
 from .llama import Decoder
 from .tokenizer import Tokenizer
-from .weights import gguf_state_dict, load_or_convert, safetensors_state_dict
+from .weights import gguf_permutes_qk, gguf_state_dict, load_or_convert, safetensors_state_dict
+
+WEIGHTS = ("auto", "dense", "native")
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}
@@ -50,10 +52,27 @@ class LoadedModel:
     path: Path
     dtype: torch.dtype
     device: torch.device
+    weights: str = "dense"  # "native": GGUF blocks kept for the matrices (kvlab.model.blockquant)
 
     @property
     def weight_bytes(self) -> int:
-        return sum(p.nbytes for p in self.model.parameters())
+        """Bytes of weights the model holds: parameters and weight buffers (GGUF blocks), shared ones once."""
+        held = {t.data_ptr(): t.nbytes for t in self.model.state_dict().values()}
+        return sum(held.values())
+
+
+def resolve_weights(weights: str, path: Path, dtype: torch.dtype, device: str) -> str:
+    """"auto" -> "native" for a GGUF run in fp32 on CPU with the block kernel available, else "dense"."""
+    if weights not in WEIGHTS:
+        raise ConfigError(f"unknown weights {weights!r}; choose auto, dense or native")
+    native_ok = path.is_file() and torch.device(device).type == "cpu" and dtype == torch.float32
+    if weights == "native" and not native_ok:
+        raise ConfigError("--weights native needs a GGUF file run in fp32 on CPU; use --weights dense")
+    if weights == "auto":
+        from .kernels import block_kernel
+
+        return "native" if native_ok and block_kernel() is not None else "dense"
+    return weights
 
 
 def config_from_gguf(meta: dict, tensor_names: set[str], name: str) -> DecoderConfig:
@@ -137,8 +156,13 @@ def config_from_hf(config: dict, name: str) -> DecoderConfig:
     )
 
 
-def load_model(path: str | Path | None = None, dtype: torch.dtype | str = torch.float32, device: str = "cpu") -> LoadedModel:
-    """Load a runnable model. `path`: a .gguf file, a folder with config.json + safetensors, or None (SmolLM2)."""
+def load_model(path: str | Path | None = None, dtype: torch.dtype | str = torch.float32, device: str = "cpu",
+               weights: str = "auto") -> LoadedModel:
+    """Load a runnable model. `path`: a .gguf file, a folder with config.json + safetensors, or None (SmolLM2).
+
+    `weights`: "dense" dequantizes every tensor to `dtype`; "native" keeps a GGUF's Q4_0/Q4_1/Q8_0
+    matrices as blocks (fp32 on CPU; kvlab.model.blockquant); "auto" picks native when it can.
+    """
     from ..sources.gguf import gguf_metadata, open_gguf
 
     if isinstance(dtype, str):
@@ -148,6 +172,8 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype | str = torch.
     path = Path(path) if path is not None else default_model_path()
     if not path.exists():
         raise ModelFileError(f"{path}: no such file or folder")
+    weights = resolve_weights(weights, path, dtype, device)
+    blocks = {}
     if path.is_dir():
         config_file = path / "config.json"
         if not config_file.is_file():
@@ -167,13 +193,41 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype | str = torch.
             factors = reader.tensor("rope_freqs.weight").data.astype("float64").reshape(-1).tolist()
             cfg = replace(cfg, rope_freq_factors=tuple(factors))
         tokenizer = Tokenizer.from_gguf_metadata(meta)
-        state = load_or_convert(path, lambda: gguf_state_dict(reader, cfg))
+        if weights == "native":
+            from .blockquant import gguf_block_matrices
+
+            blocks = gguf_block_matrices({t.name: t for t in reader.tensors}, cfg, gguf_permutes_qk(cfg))
+        if blocks:
+            state = gguf_state_dict(reader, cfg, skip=frozenset(blocks))  # the rest (norms, other types) in fp32
+        else:
+            weights = "dense"  # no Q4_0/Q4_1/Q8_0 matrix in the file: nothing to keep as blocks
+            state = load_or_convert(path, lambda: gguf_state_dict(reader, cfg))
     with torch.device("meta"):
         model = Decoder(cfg)
     model = model.to_empty(device=device)
+    if blocks:
+        install_blocks(model, blocks)
     missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [m for m in missing if m != "inv_freq"]
+    missing = [m for m in missing if m != "inv_freq" and not m.endswith(".blocks")]
     if missing or unexpected:
         raise ModelFileError(f"{path}: weights do not match the config (missing {missing[:3]}, unexpected {unexpected[:3]})")
     model = model.to(device=device, dtype=dtype).eval()  # Decoder._apply recomputes inv_freq in fp32
-    return LoadedModel(model, tokenizer, cfg, path, dtype, torch.device(device))
+    return LoadedModel(model, tokenizer, cfg, path, dtype, torch.device(device), weights)
+
+
+def install_blocks(model: Decoder, blocks: dict) -> None:
+    """Swap the Decoder's embedding / linear modules named in `blocks` for block-holding ones.
+
+    A tied output head becomes a BlockQuantLinear over the embedding's own blocks (one buffer).
+    """
+    from .blockquant import BlockQuantEmbedding, BlockQuantLinear
+
+    for name, matrix in blocks.items():
+        if name == "embed":
+            model.embed = BlockQuantEmbedding(matrix)
+            if model.config.tie_embeddings:
+                model.lm_head = model.embed.as_linear()
+            continue
+        old = model.get_submodule(name)
+        bias = None if getattr(old, "bias", None) is None else torch.empty_like(old.bias)  # filled by the state dict
+        model.set_submodule(name, BlockQuantLinear(matrix, bias))

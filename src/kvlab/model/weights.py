@@ -53,8 +53,13 @@ def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, head_dim // 2, 2, *rest).transpose(1, 2).reshape(rows, *rest)
 
 
-def build_state_dict(get: Callable[[str], torch.Tensor | None], scheme: int, cfg, permute_qk: bool) -> dict[str, torch.Tensor]:
-    """Assemble the Decoder's state dict from a source's tensors (`get(name)` -> tensor or None)."""
+def build_state_dict(get: Callable[[str], torch.Tensor | None], scheme: int, cfg, permute_qk: bool,
+                     skip: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
+    """Assemble the Decoder's state dict from a source's tensors (`get(name)` -> tensor or None).
+
+    `skip`: modules (e.g. "blocks.0.attn.qkv", "embed") whose weight is held another way (GGUF blocks,
+    kvlab.model.blockquant); their weights are neither read nor assembled.
+    """
 
     def need(name: str) -> torch.Tensor:
         tensor = get(name)
@@ -63,33 +68,38 @@ def build_state_dict(get: Callable[[str], torch.Tensor | None], scheme: int, cfg
         return tensor
 
     state: dict[str, torch.Tensor] = {}
-    state["embed.weight"] = need(_GLOBAL_NAMES["embed"][scheme])
+    if "embed" not in skip:
+        state["embed.weight"] = need(_GLOBAL_NAMES["embed"][scheme])
     state["norm.weight"] = need(_GLOBAL_NAMES["norm"][scheme])
-    if not cfg.tie_embeddings:
+    if not cfg.tie_embeddings and "lm_head" not in skip:
         state["lm_head.weight"] = need(_GLOBAL_NAMES["lm_head"][scheme])
     for i in range(cfg.n_layers):
         def part(key: str, required: bool = True):
             name = _LAYER_NAMES[key][scheme].format(i=i)
             return need(name) if required else get(name)
 
-        q, k, v = part("q"), part("k"), part("v")
-        if permute_qk:
-            q, k = unpermute_rope_rows(q, cfg.n_heads), unpermute_rope_rows(k, cfg.n_kv_heads)
         prefix = f"blocks.{i}."
         state[prefix + "attn_norm.weight"] = part("attn_norm")
-        state[prefix + "attn.qkv.weight"] = torch.cat([q, k, v], dim=0)
+        if prefix + "attn.qkv" not in skip:
+            q, k, v = part("q"), part("k"), part("v")
+            if permute_qk:
+                q, k = unpermute_rope_rows(q, cfg.n_heads), unpermute_rope_rows(k, cfg.n_kv_heads)
+            state[prefix + "attn.qkv.weight"] = torch.cat([q, k, v], dim=0)
         if cfg.qkv_bias:
             qb, kb, vb = part("q_bias"), part("k_bias"), part("v_bias")
             if permute_qk:
                 qb, kb = unpermute_rope_rows(qb, cfg.n_heads), unpermute_rope_rows(kb, cfg.n_kv_heads)
             state[prefix + "attn.qkv.bias"] = torch.cat([qb, kb, vb], dim=0)
-        state[prefix + "attn.out.weight"] = part("o")
+        if prefix + "attn.out" not in skip:
+            state[prefix + "attn.out.weight"] = part("o")
         if cfg.qk_norm:
             state[prefix + "attn.q_norm.weight"] = part("q_norm")
             state[prefix + "attn.k_norm.weight"] = part("k_norm")
         state[prefix + "ffn_norm.weight"] = part("ffn_norm")
-        state[prefix + "ffn.gate_up.weight"] = torch.cat([part("gate"), part("up")], dim=0)
-        state[prefix + "ffn.down.weight"] = part("down")
+        if prefix + "ffn.gate_up" not in skip:
+            state[prefix + "ffn.gate_up.weight"] = torch.cat([part("gate"), part("up")], dim=0)
+        if prefix + "ffn.down" not in skip:
+            state[prefix + "ffn.down.weight"] = part("down")
     return state
 
 
@@ -105,13 +115,18 @@ def dequantize_gguf_tensor(tensor) -> torch.Tensor:
     return torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))  # a writable copy
 
 
-def gguf_state_dict(reader, cfg) -> dict[str, torch.Tensor]:
+def gguf_permutes_qk(cfg) -> bool:
+    """llama.cpp stores Q/K rows permuted for interleaved RoPE in `llama`-style GGUFs only."""
+    return cfg.arch in ("llama", "mistral")
+
+
+def gguf_state_dict(reader, cfg, skip: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
     tensors = {t.name: t for t in reader.tensors}
 
     def get(name: str):
         return dequantize_gguf_tensor(tensors[name]) if name in tensors else None
 
-    return build_state_dict(get, GGUF, cfg, permute_qk=(cfg.arch in ("llama", "mistral")))
+    return build_state_dict(get, GGUF, cfg, permute_qk=gguf_permutes_qk(cfg), skip=skip)
 
 
 def safetensors_state_dict(folder: Path, cfg) -> dict[str, torch.Tensor]:

@@ -8,6 +8,7 @@ bf16 means the dense cache in that dtype. Layers with the same geometry share on
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 from ...errors import ConfigError
 from ...spec import ModelSpec
@@ -78,7 +79,16 @@ class KvlabEngine(Engine):
         return layout
 
     def weights(self, spec: ModelSpec, quant: str | None) -> WeightsEstimate:
-        """kvlab dequantizes every tensor into its compute dtype: parameters × 4 (fp32) or × 2 (bf16/f16)."""
+        """What kvlab holds. A GGUF file with no --weights-quant: its native weights (`--weights auto`, fp32 on
+        CPU), i.e. the block bytes of the Q4_0/Q4_1/Q8_0 matrices kept as blocks + fp32 for every other
+        tensor. Otherwise every tensor dequantized into the compute dtype: parameters × 4 (fp32) or × 2."""
+        if quant is None and spec.extra.get("dtype") == "gguf" and Path(spec.source).is_file():
+            from ...model.blockquant import native_weight_bytes
+            from ...sources.gguf import open_gguf
+
+            tensors = {t.name: t for t in open_gguf(spec.source).tensors}
+            held = native_weight_bytes(tensors, spec.n_layers)
+            return WeightsEstimate(held, "GGUF blocks of the Q4_0/Q4_1/Q8_0 matrices + fp32 for the rest (native weights)", True)
         key = (quant or "f32").strip().lower()
         if key not in _DTYPES:
             raise ConfigError(f"--engine kvlab holds weights in f32, bf16 or f16, not {quant!r}")

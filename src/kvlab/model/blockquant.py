@@ -1,0 +1,181 @@
+"""Linear layers that hold GGUF quantized blocks (Q4_0, Q4_1, Q8_0) instead of fp32 weights.
+
+A BlockMatrix is a (rows, cols) weight kept as its GGUF bytes: `data` (rows, row_bytes) uint8, each row
+cols / 32 consecutive blocks. BlockQuantLinear multiplies one fp32 row straight from the blocks with the C
+kernel (kvlab.model.kernels), reading ~5-8.5 bits per weight instead of 32; anything else (prefill,
+no kernel) dequantizes to fp32 and uses F.linear. The weight values are the file's, exactly: only the
+fp32 summation order of the GEMV differs from the dense path.
+
+Rows of a BlockMatrix are whole blocks, so fusing q|k|v or gate|up is a concatenation of byte rows and
+llama.cpp's Q/K RoPE row permutation is undone by permuting byte rows, as for fp32 rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..errors import ConfigError, ModelFileError
+from .kernels import BLOCK_TYPES, block_kernel
+from .weights import _LAYER_NAMES, GGUF, unpermute_rope_rows
+
+
+@dataclass
+class BlockMatrix:
+    """A (rows, cols) weight as GGUF blocks: data (rows, row_bytes) uint8 of type `block_type`."""
+
+    block_type: str
+    data: torch.Tensor
+    cols: int
+
+    def __post_init__(self):
+        if self.block_type not in BLOCK_TYPES:
+            raise ConfigError(f"block type {self.block_type!r} is not one of {', '.join(BLOCK_TYPES)}")
+        _, per_block, block_bytes = BLOCK_TYPES[self.block_type]
+        if self.cols % per_block:
+            raise ModelFileError(f"{self.block_type} matrix with {self.cols} columns: not a whole number of {per_block}-weight blocks")
+        row_bytes = self.cols // per_block * block_bytes
+        if self.data.dtype != torch.uint8 or self.data.dim() != 2 or self.data.shape[1] != row_bytes:
+            raise ModelFileError(
+                f"{self.block_type} block buffer of shape {tuple(self.data.shape)} ({self.data.dtype}) does not hold rows × {row_bytes} bytes"
+            )
+
+    @property
+    def rows(self) -> int:
+        return self.data.shape[0]
+
+    @staticmethod
+    def from_gguf(tensor) -> "BlockMatrix":
+        """A 2-D GGUF tensor of a supported block type -> its bytes, copied out of the mmap."""
+        cols = int(tensor.shape[0])  # GGUF lists the fastest-moving dim (columns) first
+        data = torch.from_numpy(tensor.data.copy()).reshape(-1, tensor.data.shape[-1])
+        return BlockMatrix(tensor.tensor_type.name, data, cols)
+
+
+def supported(tensor) -> bool:
+    """Whether the kernel reads this GGUF tensor's blocks: a 2-D matrix of Q4_0, Q4_1 or Q8_0."""
+    return len(tensor.shape) == 2 and tensor.tensor_type.name in BLOCK_TYPES
+
+
+def dequantize_blocks(block_type: str, data: torch.Tensor, cols: int) -> torch.Tensor:
+    """(rows, row_bytes) uint8 blocks -> (rows, cols) fp32, with the C kernel when there is one, else torch."""
+    kernel = block_kernel()
+    if kernel is not None and data.is_contiguous():
+        return kernel.dequantize(block_type, data)
+    return _dequantize_torch(block_type, data, cols)
+
+
+def _dequantize_torch(block_type: str, data: torch.Tensor, cols: int) -> torch.Tensor:
+    """The same arithmetic in torch (no compiler needed): d * q + m per block, exact in fp32."""
+    _, per_block, block_bytes = BLOCK_TYPES[block_type]
+    rows = data.shape[0]
+    blocks = data.reshape(rows, cols // per_block, block_bytes)                   # (R, B, bytes)
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float()                 # (R, B, 1)
+    if block_type == "Q8_0":
+        q = blocks[..., 2:].contiguous().view(torch.int8).float()                 # (R, B, 32)
+        return (d * q).reshape(rows, cols)
+    nibbles = blocks[..., 4:] if block_type == "Q4_1" else blocks[..., 2:]      # (R, B, 16)
+    q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).float()                # (R, B, 32): low then high
+    if block_type == "Q4_1":
+        m = blocks[..., 2:4].contiguous().view(torch.float16).float()             # (R, B, 1)
+        return (d * q + m).reshape(rows, cols)
+    return (d * (q - 8)).reshape(rows, cols)
+
+
+class BlockQuantLinear(nn.Module):
+    """y = x Wᵀ + b with W held as GGUF blocks; one fp32 CPU row goes through the block GEMV kernel."""
+
+    def __init__(self, matrix: BlockMatrix, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.block_type = matrix.block_type
+        self.in_features, self.out_features = matrix.cols, matrix.rows
+        self.register_buffer("blocks", matrix.data.contiguous())                 # (out, row_bytes) uint8
+        self.bias = None if bias is None else nn.Parameter(bias)
+
+    def dequantized(self) -> torch.Tensor:
+        """(out, in) fp32 weight: the exact values the blocks encode."""
+        return dequantize_blocks(self.block_type, self.blocks, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernel = block_kernel()
+        if kernel is None or x.numel() != x.shape[-1] or x.device.type != "cpu" or x.dtype != torch.float32:
+            return F.linear(x, self.dequantized().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        y = kernel.gemv(self.block_type, self.blocks, x.reshape(-1).contiguous())  # (out,)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], -1)                                          # (..., out)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, blocks={self.block_type}"
+
+
+class BlockQuantEmbedding(nn.Module):
+    """Token embedding held as GGUF blocks: a lookup dequantizes only the gathered rows."""
+
+    def __init__(self, matrix: BlockMatrix):
+        super().__init__()
+        self.block_type = matrix.block_type
+        self.num_embeddings, self.embedding_dim = matrix.rows, matrix.cols
+        self.register_buffer("blocks", matrix.data.contiguous())                 # (vocab, row_bytes) uint8
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        rows = self.blocks.index_select(0, tokens.reshape(-1))                    # (N, row_bytes)
+        values = dequantize_blocks(self.block_type, rows, self.embedding_dim)      # (N, C)
+        return values.view(*tokens.shape, self.embedding_dim)                      # (..., C)
+
+    def as_linear(self) -> BlockQuantLinear:
+        """The tied output head over these same blocks (one buffer, no fp32 copy)."""
+        return BlockQuantLinear(BlockMatrix(self.block_type, self.blocks, self.embedding_dim))
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, blocks={self.block_type}"
+
+
+# -- which of a GGUF's matrices the Decoder keeps as blocks -----------------------------------------
+FUSED = {"attn.qkv": ("q", "k", "v"), "attn.out": ("o",), "ffn.gate_up": ("gate", "up"), "ffn.down": ("down",)}
+
+
+def native_parts(tensors: dict, n_layers: int) -> dict[str, list]:
+    """Decoder module name -> the GGUF tensors that become its blocks, for every module that can be native.
+
+    A fused module is native only when all its parts are supported matrices of one block type; the
+    others (and 1-D tensors: norms, biases) stay fp32.
+    """
+    parts: dict[str, list] = {}
+    if "token_embd.weight" in tensors and supported(tensors["token_embd.weight"]):
+        parts["embed"] = [tensors["token_embd.weight"]]
+    if "output.weight" in tensors and supported(tensors["output.weight"]):
+        parts["lm_head"] = [tensors["output.weight"]]
+    for i in range(n_layers):
+        for module, keys in FUSED.items():
+            found = [tensors.get(_LAYER_NAMES[key][GGUF].format(i=i)) for key in keys]
+            if all(t is not None and supported(t) for t in found) and len({t.tensor_type for t in found}) == 1:
+                parts[f"blocks.{i}.{module}"] = found
+    return parts
+
+
+def gguf_block_matrices(tensors: dict, cfg, permute_qk: bool) -> dict[str, BlockMatrix]:
+    """The native modules' BlockMatrix, fused and with Q/K rows un-permuted like the fp32 path."""
+    matrices = {}
+    for module, found in native_parts(tensors, cfg.n_layers).items():
+        pieces = [BlockMatrix.from_gguf(t) for t in found]
+        if module.endswith("attn.qkv") and permute_qk:
+            pieces[0].data = unpermute_rope_rows(pieces[0].data, cfg.n_heads)
+            pieces[1].data = unpermute_rope_rows(pieces[1].data, cfg.n_kv_heads)
+        data = torch.cat([p.data for p in pieces], dim=0) if len(pieces) > 1 else pieces[0].data
+        matrices[module] = BlockMatrix(pieces[0].block_type, data.contiguous(), pieces[0].cols)
+    return matrices
+
+
+def native_weight_bytes(tensors: dict, n_layers: int) -> int:
+    """Bytes a native-weights Decoder holds: block bytes of the native modules, fp32 for every other tensor."""
+    native = {t.name for found in native_parts(tensors, n_layers).values() for t in found}
+    total = 0
+    for name, t in tensors.items():
+        if name == "rope_freqs.weight":
+            continue  # folded into the RoPE frequencies, not held as a weight
+        total += t.n_bytes if name in native else t.n_elements * 4
+    return total

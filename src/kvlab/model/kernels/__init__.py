@@ -1,0 +1,149 @@
+"""The C block kernels (blockgemv.c): compiled on first use with the system `cc`, cached, loaded with ctypes.
+
+The shared library is built with `-fopenmp` and loaded after torch, so its `libgomp.so.1` resolves to
+the runtime torch already loaded (same soname): one thread pool, sized by torch.set_num_threads.
+Without a compiler, or if the build fails, `block_kernel()` returns None and `kernel_status()` says why;
+callers then use dequantized fp32 weights.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ...errors import ConfigError
+
+SOURCE = Path(__file__).with_name("blockgemv.c")
+FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp")
+
+# GGML type ids the kernel reads, and each block's (weights, bytes)
+BLOCK_TYPES = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q8_0": (8, 32, 34)}
+
+_status = "not loaded yet"
+
+
+def _cpu_fingerprint() -> str:
+    """What -march=native depends on: the CPU model and its feature flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    wanted = [line for line in text.splitlines() if line.startswith(("model name", "flags"))][:2]
+    return "\n".join(wanted) or platform.machine()
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC") or "cc")
+
+
+def library_path(compiler: str) -> Path:
+    """Where the build for this source, compiler, flags and CPU lives (kvlab's cache folder)."""
+    from ..weights import cache_dir
+
+    key = "\n".join([SOURCE.read_text(), compiler, " ".join(FLAGS), _cpu_fingerprint(), platform.machine()])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:20]
+    return cache_dir() / "kernels" / f"blockgemv-{digest}.so"
+
+
+def compile_library(compiler: str, target: Path) -> None:
+    """cc -O3 -march=native -fPIC -shared -fopenmp blockgemv.c -> target, via a temporary name (atomic)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=target.stem, suffix=".so.tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        run = subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120)
+        if run.returncode != 0:
+            lines = (run.stderr or run.stdout).strip().splitlines()
+            raise OSError(f"{compiler} failed: {lines[0] if lines else 'exit ' + str(run.returncode)}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+class BlockKernel:
+    """ctypes front end of blockgemv.c: GEMV of one fp32 row against blocks, and dequantization."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path):
+        self.path = path
+        self._lib = lib
+        i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+        lib.kvlab_block_gemv.argtypes = [i32, ptr, i64, i64, ptr, ptr, i32]
+        lib.kvlab_block_dequantize.argtypes = [i32, ptr, i64, i64, ptr, i32]
+        lib.kvlab_block_omp_threads.argtypes = [i32]
+        for fn in (lib.kvlab_block_gemv, lib.kvlab_block_dequantize, lib.kvlab_block_omp_threads):
+            fn.restype = i32
+
+    def gemv(self, type_name: str, blocks: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """blocks (rows, row_bytes) uint8, x (cols,) fp32 contiguous -> y (rows,) fp32."""
+        type_id, per_block, block_bytes = BLOCK_TYPES[type_name]
+        rows, cols = blocks.shape[0], blocks.shape[1] // block_bytes * per_block
+        if x.dtype != torch.float32 or not x.is_contiguous() or x.numel() != cols or not blocks.is_contiguous():
+            raise ConfigError(f"block GEMV needs a contiguous fp32 row of {cols} values, got {tuple(x.shape)} {x.dtype}")
+        y = torch.empty(rows, dtype=torch.float32) if out is None else out
+        if y.numel() != rows or y.dtype != torch.float32 or not y.is_contiguous():
+            raise ConfigError(f"block GEMV output must be a contiguous fp32 vector of {rows} values")
+        status = self._lib.kvlab_block_gemv(type_id, blocks.data_ptr(), rows, cols, x.data_ptr(), y.data_ptr(),
+                                            torch.get_num_threads())
+        if status != 0:
+            raise ConfigError(f"block GEMV refused {type_name} blocks of shape {tuple(blocks.shape)}")
+        return y
+
+    def dequantize(self, type_name: str, blocks: torch.Tensor) -> torch.Tensor:
+        """blocks (rows, row_bytes) uint8 contiguous -> (rows, cols) fp32, bit-exact d * q + m."""
+        type_id, per_block, block_bytes = BLOCK_TYPES[type_name]
+        rows, cols = blocks.shape[0], blocks.shape[1] // block_bytes * per_block
+        out = torch.empty(rows, cols, dtype=torch.float32)
+        if self._lib.kvlab_block_dequantize(type_id, blocks.data_ptr(), rows, cols, out.data_ptr(), torch.get_num_threads()):
+            raise ConfigError(f"block dequantize refused {type_name} blocks of shape {tuple(blocks.shape)}")
+        return out
+
+    def openmp_threads(self, n: int) -> int:
+        """Threads a parallel region of the kernel library actually gets when asked for n."""
+        return self._lib.kvlab_block_omp_threads(n)
+
+
+@functools.lru_cache(maxsize=1)
+def block_kernel() -> BlockKernel | None:
+    """The compiled kernel, building it on first use; None (see kernel_status) when it cannot be had."""
+    global _status
+    if os.environ.get("KVLAB_NO_KERNEL"):
+        _status = "disabled by KVLAB_NO_KERNEL"
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        _status = f"no C compiler ({os.environ.get('CC') or 'cc'}) on PATH"
+        return None
+    try:
+        target = library_path(compiler)
+        if not target.is_file():
+            compile_library(compiler, target)
+        lib = ctypes.CDLL(str(target))  # torch is imported above: libgomp.so.1 resolves to torch's copy
+    except (OSError, subprocess.SubprocessError) as exc:
+        _status = f"kernel unavailable: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+        return None
+    _status = f"loaded {target}"
+    return BlockKernel(lib, target)
+
+
+def kernel_status() -> str:
+    """Why block_kernel() returned what it did (for debugging the fallback)."""
+    return _status
+
+
+def openmp_runtimes() -> list[str]:
+    """Paths of the OpenMP runtimes mapped into this process (Linux; [] elsewhere): should be exactly one."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return []
+    return sorted({line.split()[-1] for line in maps.splitlines() if "libgomp" in line or "libiomp" in line})
