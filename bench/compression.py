@@ -37,6 +37,8 @@ CACHES = [
     "int8", "int4", "int4+g64", "int4+recent128",
     "tq4", "tq-k5v3", "tq3.5", "tq-k4v3", "tq3", "tq-k4v2", "tq2.5", "tq2",
     "tq4+qjl", "tq3+recent64", "tq4+fp-first-last",
+    # the first token kept in full precision (the attention sink); more bits
+    "tq4+sink1", "tq3+sink1", "tq-k5v3+sink1", "tq-k4v3+sink1", "tq4.5", "tq5",
     # ablations: without the query-aware key weights; the paper's recipe (no key offset, no norm
     # correction, no key weights)
     "tq4+kweights=none", "tq3+kweights=none",

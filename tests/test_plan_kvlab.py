@@ -76,3 +76,12 @@ def test_kvlab_engine_weights_are_what_the_engine_holds(smollm2):
     assert plan32.weights.bytes == cached_model(None, "fp32", "cpu", "dense").weight_bytes == 134_515_008 * 4
     plan16 = build_plan(str(smollm2.path), ctx="512", engine="kvlab", weights_quant="bf16")
     assert plan16.weights.bytes == 134_515_008 * 2
+
+
+def test_kvlab_plan_without_a_compiler_counts_dequantized_weights(smollm2, monkeypatch):
+    """No compiler, no block kernel: `--weights auto` loads dense fp32, and the plan says so."""
+    from kvlab.plan.command import build_plan
+
+    monkeypatch.setenv("KVLAB_NO_KERNEL", "1")
+    plan = build_plan(str(smollm2.path), ctx="512", engine="kvlab")
+    assert plan.weights.bytes == 134_515_008 * 4

@@ -45,6 +45,11 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CC") or "cc")
 
 
+def can_build() -> bool:
+    """Whether `block_kernel()` can be had here (cheap: checks for a compiler, builds nothing)."""
+    return not os.environ.get("KVLAB_NO_KERNEL") and _compiler() is not None
+
+
 def library_path(compiler: str) -> Path:
     """Where the build for this source, compiler, flags and CPU lives (kvlab's cache folder)."""
     from ..weights import cache_dir

@@ -81,8 +81,10 @@ class KvlabEngine(Engine):
     def weights(self, spec: ModelSpec, quant: str | None) -> WeightsEstimate:
         """What kvlab holds. A GGUF file with no --weights-quant: its native weights (`--weights auto`, fp32 on
         CPU), i.e. the block bytes of the Q4_0/Q4_1/Q8_0 matrices kept as blocks + fp32 for every other
-        tensor. Otherwise every tensor dequantized into the compute dtype: parameters × 4 (fp32) or × 2."""
-        if quant is None and spec.extra.get("dtype") == "gguf" and Path(spec.source).is_file():
+        tensor — if this machine can build the block kernel (a C compiler), as `auto` would. Otherwise every tensor dequantized into the compute dtype: parameters × 4 (fp32) or × 2."""
+        from ...model.kernels import can_build
+
+        if quant is None and spec.extra.get("dtype") == "gguf" and Path(spec.source).is_file() and can_build():
             from ...model.blockquant import native_weight_bytes
             from ...sources.gguf import open_gguf
 
