@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvlab.cache import CacheGeometry, expected_nbytes, make_cache
 from kvlab.cache.attention import grouped_attention
+from kvlab.errors import NonFiniteError
 
 GEOMETRY = CacheGeometry(n_layers=3, n_kv_heads=2, head_dim=64, capacity=96, n_heads=6)
 CHUNKS = (5, 1, 1, 32, 3, 17)   # prefill, decode steps, chunks: crosses key groups and windows
@@ -28,14 +30,29 @@ def feed(name: str, geometry: CacheGeometry = GEOMETRY, chunks=CHUNKS, dtype=tor
         yield cache, q.to(dtype), torch.cat(ks, dim=2), torch.cat(vs, dim=2)
 
 
-def check_attend_is_exact_to_storage(name: str, geometry: CacheGeometry = GEOMETRY) -> None:
-    """attend() == dense grouped attention over the cache's own dequantized K/V, at every step."""
+def check_attend_is_exact_to_storage(name: str, geometry: CacheGeometry = GEOMETRY, attend_first: bool = False) -> None:
+    """attend() == dense grouped attention over the cache's own dequantized K/V, at every step.
+
+    attend_first: read through attend() before dequantized() (a cache may code a chunk at its first read).
+    """
     for cache, q, _, _ in feed(name, geometry):
         for layer in range(geometry.n_layers):
+            out = cache.attend(layer, q) if attend_first else None
             k, v = cache.dequantized(layer)
             assert k.shape[2] == cache.layer_length(layer)
+            out = cache.attend(layer, q) if out is None else out
             ref = grouped_attention(q.float(), k, v, cache.scale, window=geometry.window)
-            torch.testing.assert_close(cache.attend(layer, q).float(), ref, atol=2e-5, rtol=1e-4)
+            torch.testing.assert_close(out.float(), ref, atol=2e-5, rtol=1e-4)
+
+
+def check_non_finite_is_a_one_line_error(name: str, bad: float, where: str) -> None:
+    """NaN or Inf in the keys (where="k") or values ("v") appended to a layer: a one-line NonFiniteError naming it."""
+    cache = make_cache(name, GEOMETRY)
+    k, v = torch.randn(1, 2, 3, 64), torch.randn(1, 2, 3, 64)
+    (k if where == "k" else v)[0, 1, 2, 5] = bad
+    with pytest.raises(NonFiniteError) as err:
+        cache.append(2, k, v)
+    assert "\n" not in str(err.value) and "layer 2" in str(err.value)
 
 
 def relative_error(name: str, geometry: CacheGeometry = GEOMETRY, scale: float = 1.0) -> tuple[float, float]:

@@ -2,7 +2,8 @@
 
 import pytest
 import torch
-from .compressed_checks import GEOMETRY, check_attend_is_exact_to_storage, check_nbytes, feed, relative_error
+from .compressed_checks import (GEOMETRY, check_attend_is_exact_to_storage, check_nbytes, check_non_finite_is_a_one_line_error,
+                              feed, relative_error)
 
 from kvlab.cache import CacheGeometry, DenseCache, cache_names, describe_formula, expected_nbytes, make_cache
 from kvlab.cache.names import parse
@@ -73,12 +74,7 @@ def test_zero_constant_and_large_inputs():
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_non_finite_is_a_one_line_error(bad):
-    cache = make_cache("int4", GEOMETRY)
-    k = torch.randn(1, 2, 3, 64)
-    k[0, 1, 2, 5] = bad
-    with pytest.raises(NonFiniteError) as err:
-        cache.append(0, k, torch.randn(1, 2, 3, 64))
-    assert "\n" not in str(err.value) and "layer 0" in str(err.value)
+    check_non_finite_is_a_one_line_error("int4", bad, "k")
 
 
 def test_beyond_float16_scales_is_a_clear_error():

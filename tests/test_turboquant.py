@@ -12,7 +12,8 @@ from kvlab.errors import ConfigError, NonFiniteError
 
 from kvlab.cache.attention import grouped_attention
 
-from .compressed_checks import GEOMETRY, check_attend_is_exact_to_storage, check_nbytes, feed, relative_error
+from .compressed_checks import (GEOMETRY, check_attend_is_exact_to_storage, check_nbytes, check_non_finite_is_a_one_line_error,
+                              feed, relative_error)
 
 SMOLLM2 = CacheGeometry(n_layers=30, n_kv_heads=3, head_dim=64, capacity=511, n_heads=9)
 PAPER_MSE = {1: 0.36, 2: 0.117, 3: 0.034, 4: 0.009}
@@ -142,12 +143,7 @@ def test_zero_constant_and_large_vectors():
 
 @pytest.mark.parametrize("bad", [float("nan"), float("-inf")])
 def test_non_finite_is_a_one_line_error(bad):
-    cache = make_cache("tq4", GEOMETRY)
-    v = torch.randn(1, 2, 3, 64)
-    v[0, 0, 1, 0] = bad
-    with pytest.raises(NonFiniteError) as err:
-        cache.append(2, torch.randn(1, 2, 3, 64), v)
-    assert "\n" not in str(err.value)
+    check_non_finite_is_a_one_line_error("tq4", bad, "v")
 
 
 def test_key_offset_comes_from_the_first_append_and_costs_fp8_bytes():
@@ -187,14 +183,8 @@ def test_decode_steps_match_one_prefill():
 
 
 def test_attend_first_reads_exactly_what_is_stored():
-    # the first chunk is coded when first attended (its key weights need the queries); attention
-    # must then equal dense attention over what dequantized() reads back
-    for cache, q, _, _ in feed("tq3"):
-        for layer in range(GEOMETRY.n_layers):
-            out = cache.attend(layer, q)
-            k, v = cache.dequantized(layer)
-            ref = grouped_attention(q.float(), k, v, cache.scale)
-            torch.testing.assert_close(out.float(), ref, atol=2e-5, rtol=1e-4)
+    # the first chunk is coded when first attended (its key weights need the queries)
+    check_attend_is_exact_to_storage("tq3", attend_first=True)
 
 
 def test_key_weights_follow_the_queries_and_cut_the_score_error():
