@@ -230,7 +230,8 @@ def test_scalar_and_avx2_builds_agree_with_native_build(kernel, tmp_path):
     for march in ("-march=haswell", "-march=x86-64"):
         target = tmp_path / f"k{march[7:]}.so"
         flags = [f if f != "-march=native" else march for f in kernels.FLAGS]
-        run = subprocess.run([compiler, *flags, "-o", str(target), str(kernels.SOURCE)], capture_output=True)
+        run = subprocess.run([compiler, *flags, "-o", str(target), *map(str, kernels.SOURCES), *kernels.LIBS],
+                             capture_output=True)
         if run.returncode != 0:
             pytest.skip(f"cannot build {march}")
         other = kernels.BlockKernel(ctypes.CDLL(str(target)), target)

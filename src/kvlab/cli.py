@@ -88,8 +88,10 @@ def bench_decode(
     no_cache_repeats: int = typer.Option(1, "--no-cache-repeats", min=1, help="Runs of the (slow) no-cache contenders."),
     threads: int = typer.Option(0, "--threads", min=0, help="torch intra-op threads (0: torch's default)."),
     contenders: str = typer.Option(
-        "kvlab:dense,kvlab-dense-weights:dense,kvlab:concat,kvlab:none,transformers:default,transformers:none", "--contenders",
-        help="engine:cache pairs; engines: kvlab (--weights), kvlab-dense-weights (dequantized fp32/bf16 weights), transformers.",
+        "kvlab:dense,kvlab-unfused:dense,kvlab-dense-weights:dense,kvlab:concat,kvlab:none,transformers:default,transformers:none",
+        "--contenders",
+        help="engine:cache pairs; engines: kvlab (--weights), kvlab-unfused (kvlab without the fused decode step), "
+        "kvlab-dense-weights (dequantized fp32/bf16 weights), transformers.",
     ),
     weights: str = typer.Option("auto", "--weights", help="Weights of the kvlab contenders: auto | native | dense."),
     out: str = typer.Option("bench/results/decode.json", "--out"),

@@ -9,6 +9,8 @@ Bandwidth achieved = (weight bytes + mean KV bytes read per step) × decode step
 machine's measured read bandwidth. Weight bytes are what each contender holds and reads every step:
 kvlab with native weights reads a GGUF's quantized blocks (kvlab.model.blockquant), `kvlab-dense-weights`
 the same values dequantized to the run's dtype, transformers its own dequantized parameters.
+`kvlab` decodes with the fused step where it applies (fp32 CPU, dense cache: kvlab.model.fused);
+`kvlab-unfused` is the same model with it switched off, so the table shows what the fusion buys.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class DecodeResult:
     weight_bytes: int
     bandwidth_gb_s: float = 0.0
     ratio_vs_transformers: float | None = None
+    step: str = "-"            # kvlab's decode step: "fused" (one C call per token) or "modules"
 
 
 class _FirstTokenClock:
@@ -62,12 +65,18 @@ class _FirstTokenClock:
         pass
 
 
-def _time_kvlab(loaded, prompt, cache_name, new_tokens):
+def _time_kvlab(loaded, prompt, cache_name, new_tokens, fused: bool = True):
+    """`fused=False`: the same model with its fused decode step switched off (each layer's modules run)."""
     geometry = CacheGeometry.for_model(loaded.config, capacity=prompt.shape[1] + new_tokens)
     cache = make_cache(cache_name, geometry, dtype=loaded.dtype)
-    start = time.perf_counter()
-    result = generate(loaded.model, prompt, cache, new_tokens)
-    total = time.perf_counter() - start
+    step = loaded.model.fused
+    loaded.model.fused = step if fused else None
+    try:
+        start = time.perf_counter()
+        result = generate(loaded.model, prompt, cache, new_tokens)
+        total = time.perf_counter() - start
+    finally:
+        loaded.model.fused = step
     return new_tokens / total, result.decode_tokens_per_s
 
 
@@ -83,13 +92,22 @@ def _time_transformers(hf_model, prompt, use_cache, new_tokens):
     return produced / (end - start), decode_rate
 
 
-ENGINES = ("kvlab", "kvlab-dense-weights", "transformers")
+ENGINES = ("kvlab", "kvlab-unfused", "kvlab-dense-weights", "transformers")
+
+
+def _step_kind(loaded, engine: str, cache: str) -> str:
+    if loaded is None:
+        return "-"
+    fused = engine != "kvlab-unfused" and loaded.model.fused is not None and cache == "dense"
+    return "fused" if fused else "modules"
 
 
 def _run_contender(contender, models, hf_model, prompt, new_tokens):
     engine, cache = contender.split(":")
     if engine == "transformers":
         return _time_transformers(hf_model, prompt, cache != "none", new_tokens)
+    if engine == "kvlab-unfused":
+        return _time_kvlab(models["kvlab"], prompt, cache, new_tokens, fused=False)
     return _time_kvlab(models[engine], prompt, cache, new_tokens)
 
 
@@ -120,7 +138,9 @@ def _run(model, prompt_tokens, new_tokens, dtypes, repeats, contenders, out, jso
     contenders = [c.strip() for c in contenders if c.strip()]
     for c in contenders:
         if c.split(":")[0] not in ENGINES or ":" not in c:
-            raise ConfigError(f"contender {c!r} must be kvlab:<cache>, kvlab-dense-weights:<cache> or transformers:default|none")
+            raise ConfigError(
+                f"contender {c!r} must be kvlab:<cache>, kvlab-unfused:<cache>, kvlab-dense-weights:<cache> or transformers:default|none"
+            )
     torch.manual_seed(0)
     bandwidths = [read_bandwidth_gb_s() * 1e9]  # measured again after every repeat; the best is the limit
     results: list[DecodeResult] = []
@@ -132,6 +152,7 @@ def _run(model, prompt_tokens, new_tokens, dtypes, repeats, contenders, out, jso
                 models["kvlab-dense-weights"] = cached_model(model, dtype_name, "cpu", "dense")
             hf = _load_transformers(loaded.path, loaded.dtype) if any(c.startswith("transformers") for c in contenders) else None
             prompt = torch.randint(100, loaded.config.vocab_size - 100, (1, prompt_tokens))
+            models["kvlab-unfused"] = loaded
             weight_bytes = {engine: m.weight_bytes for engine, m in models.items()}
             weights_held = {engine: m.weights for engine, m in models.items()}
             if hf is not None:
@@ -159,6 +180,7 @@ def _run(model, prompt_tokens, new_tokens, dtypes, repeats, contenders, out, jso
                     decode_tokens_per_s=decode_rate, runs=len(samples[contender]),
                     kv_bytes_read_per_step=kv_read, weight_bytes=weight_bytes[engine],
                     bandwidth_gb_s=(weight_bytes[engine] + kv_read) * decode_rate / 1e9 if cache != "none" else 0.0,
+                    step=_step_kind(models.get(engine), engine, cache),
                 ))
     bandwidth = max(bandwidths)
     for r in results:
@@ -183,12 +205,12 @@ def _run(model, prompt_tokens, new_tokens, dtypes, repeats, contenders, out, jso
         print(json.dumps(record))
         return record
     table = Table(title=f"decode: {prompt_tokens}-token prompt, {new_tokens} new tokens, batch 1, greedy, median of {repeats} ({no_cache_repeats} for no-cache)")
-    for col in ("engine", "cache", "dtype", "weights", "weight MB", "tokens/s", "× transformers", "decode steps/s",
+    for col in ("engine", "cache", "dtype", "weights", "step", "weight MB", "tokens/s", "× transformers", "decode steps/s",
                 "bandwidth GB/s", "of limit"):
-        table.add_column(col, justify="left" if col in ("engine", "cache", "dtype", "weights") else "right")
+        table.add_column(col, justify="left" if col in ("engine", "cache", "dtype", "weights", "step") else "right")
     for r in results:
         table.add_row(
-            r.engine, r.cache, r.dtype, r.weights, f"{r.weight_bytes / 1e6:.0f}", f"{r.tokens_per_s:.2f}",
+            r.engine, r.cache, r.dtype, r.weights, r.step, f"{r.weight_bytes / 1e6:.0f}", f"{r.tokens_per_s:.2f}",
             f"{r.ratio_vs_transformers:.2f}×" if r.ratio_vs_transformers else "-",
             f"{r.decode_tokens_per_s:.2f}",
             f"{r.bandwidth_gb_s:.2f}" if r.bandwidth_gb_s else "-",

@@ -36,6 +36,11 @@ class DenseCache(KVCache):
         v = self.v[layer, :, :, :n]
         return grouped_attention(q, k, v, self.scale, window=self.geometry.window)
 
+    def record_written(self, layers, n_new: int) -> None:
+        """Count `n_new` tokens a kernel wrote in place into `layers` (the fused decode step, model/fused.py)."""
+        for layer in layers:
+            self._lengths[layer] += n_new
+
     @property
     def nbytes(self) -> int:
         return tensors_nbytes(self.k, self.v)

@@ -133,11 +133,14 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(cfg.d_model, cfg.rms_eps)
         self.lm_head = None if cfg.tie_embeddings else Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.fused = None  # a FusedDecodeStep (model/fused.py), set by the loader where it can run
 
     def _apply(self, fn, recurse=True):
-        """Module.to(dtype) would round the RoPE frequencies; they are always recomputed in fp32."""
+        """Module.to(dtype) would round the RoPE frequencies; they are always recomputed in fp32.
+        The fused step points into the old buffers, so it is dropped (the loader builds it last)."""
         super()._apply(fn, recurse)
         self.inv_freq = rope_inv_freq(self.config).to(self.inv_freq.device)
+        self.fused = None
         return self
 
     def rope(self, start: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,6 +154,8 @@ class Decoder(nn.Module):
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
+        if self.fused is not None and self.fused.accepts(tokens, cache):
+            return self.fused(tokens, cache)                                # (1, 1, vocab): one C call
         B, T = tokens.shape
         x = self.embed(tokens)                                              # (B, T, C)
         cos, sin = self.rope(cache.length, T, x.dtype)

@@ -212,6 +212,10 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype | str = torch.
     if missing or unexpected:
         raise ModelFileError(f"{path}: weights do not match the config (missing {missing[:3]}, unexpected {unexpected[:3]})")
     model = model.to(device=device, dtype=dtype).eval()  # Decoder._apply recomputes inv_freq in fp32
+    if dtype == torch.float32 and torch.device(device).type == "cpu":
+        from .fused import fused_decode_step
+
+        model.fused = fused_decode_step(model)
     return LoadedModel(model, tokenizer, cfg, path, dtype, torch.device(device), weights)
 
 

@@ -1,4 +1,5 @@
-"""The C block kernels (blockgemv.c): compiled on first use with the system `cc`, cached, loaded with ctypes.
+"""The C kernels (blockgemv.c: GEMV from GGUF blocks; decode.c: a whole decode step): compiled on first use
+with the system `cc`, cached, loaded with ctypes.
 
 The shared library is built with `-fopenmp` and loaded after torch, so its `libgomp.so.1` resolves to
 the runtime torch already loaded (same soname): one thread pool, sized by torch.set_num_threads.
@@ -22,8 +23,11 @@ import torch
 
 from ...errors import ConfigError
 
-SOURCE = Path(__file__).with_name("blockgemv.c")
+HERE = Path(__file__).parent
+SOURCES = (HERE / "blockgemv.c", HERE / "decode.c")   # compiled together into one library
+HEADERS = (HERE / "blockgemv.h",)
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp")
+LIBS = ("-lm",)
 
 # GGML type ids the kernel reads, and each block's (weights, bytes)
 BLOCK_TYPES = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q8_0": (8, 32, 34)}
@@ -54,18 +58,19 @@ def library_path(compiler: str) -> Path:
     """Where the build for this source, compiler, flags and CPU lives (kvlab's cache folder)."""
     from ..weights import cache_dir
 
-    key = "\n".join([SOURCE.read_text(), compiler, " ".join(FLAGS), _cpu_fingerprint(), platform.machine()])
+    texts = [p.read_text() for p in (*SOURCES, *HEADERS)]
+    key = "\n".join([*texts, compiler, " ".join(FLAGS), _cpu_fingerprint(), platform.machine()])
     digest = hashlib.sha256(key.encode()).hexdigest()[:20]
     return cache_dir() / "kernels" / f"blockgemv-{digest}.so"
 
 
 def compile_library(compiler: str, target: Path) -> None:
-    """cc -O3 -march=native -fPIC -shared -fopenmp blockgemv.c -> target, via a temporary name (atomic)."""
+    """cc -O3 -march=native -fPIC -shared -fopenmp blockgemv.c decode.c -lm -> target, via a temporary name (atomic)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=target.stem, suffix=".so.tmp", dir=target.parent)
     os.close(fd)
     try:
-        run = subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120)
+        run = subprocess.run([compiler, *FLAGS, "-o", tmp, *map(str, SOURCES), *LIBS], capture_output=True, text=True, timeout=120)
         if run.returncode != 0:
             lines = (run.stderr or run.stdout).strip().splitlines()
             raise OSError(f"{compiler} failed: {lines[0] if lines else 'exit ' + str(run.returncode)}")

@@ -1,0 +1,137 @@
+"""FusedDecodeStep: the Decoder's one-token step through every layer in one C call (kernels/decode.c).
+
+Batch-1 decode on a CPU is a few hundred small operations per token (norms, RoPE, one-query attention,
+SwiGLU, a GEMV per matrix); run one by one from Python their overhead is about as long as reading the
+weights. The fused step does the same arithmetic in one call over the model's own buffers (GGUF blocks
+or fp32 rows) and writes K/V into a DenseCache in place. The Python modules stay the reference: tests hold
+the fused step to the module path, and everything it does not accept (prefill, batches, other caches,
+bf16, CUDA, autograd) goes through the modules.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from ctypes import POINTER, c_float, c_int32, c_int64, c_void_p
+
+import torch
+import torch.nn as nn
+
+from ..cache.dense import DenseCache
+from ..errors import ConfigError, NonFiniteError
+from .blockquant import BlockQuantLinear
+from .kernels import BLOCK_TYPES, block_kernel
+
+F32 = 0  # GGML type id of plain fp32 rows
+
+
+class _Matrix(ctypes.Structure):
+    _fields_ = [("type", c_int32), ("rows", c_int64), ("cols", c_int64), ("data", c_void_p), ("bias", c_void_p)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("attn_norm", c_void_p), ("ffn_norm", c_void_p), ("q_norm", c_void_p), ("k_norm", c_void_p),
+                ("qkv", _Matrix), ("out", _Matrix), ("gate_up", _Matrix), ("down", _Matrix)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("n_layers", c_int32), ("d_model", c_int32), ("n_heads", c_int32), ("n_kv_heads", c_int32),
+                ("head_dim", c_int32), ("d_ff", c_int32), ("window", c_int32), ("rms_eps", c_float),
+                ("attn_scale", c_float), ("layers", POINTER(_Layer)), ("final_norm", c_void_p), ("head", _Matrix)]
+
+
+class FusedDecodeStep:
+    """Built once per model (it holds pointers to the model's buffers); called for each decode token."""
+
+    def __init__(self, model: nn.Module, lib: ctypes.CDLL):
+        cfg = model.config
+        self.config = cfg
+        self._lib = lib
+        self._keep: list[torch.Tensor] = []   # every buffer the C structs point into stays alive with them
+        layers = (_Layer * cfg.n_layers)()
+        for i, block in enumerate(model.blocks):
+            attn = block.attn
+            layers[i] = _Layer(
+                self._ptr(block.attn_norm.weight), self._ptr(block.ffn_norm.weight),
+                self._ptr(attn.q_norm.weight if attn.q_norm is not None else None),
+                self._ptr(attn.k_norm.weight if attn.k_norm is not None else None),
+                self._matrix(attn.qkv), self._matrix(attn.out), self._matrix(block.ffn.gate_up), self._matrix(block.ffn.down),
+            )
+        self._layers = layers
+        head = model.lm_head if model.lm_head is not None else model.embed  # tied: the fp32 embedding table
+        self._model = _Model(cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff,
+                             cfg.sliding_window or 0, cfg.rms_eps, cfg.head_dim ** -0.5, layers,
+                             self._ptr(model.norm.weight), self._matrix(head))
+        self._embed = model.embed
+        self._rope = model.rope
+        lib.kvlab_decode_step.argtypes = [POINTER(_Model), c_void_p, c_int32, c_void_p, c_void_p, c_void_p, c_void_p,
+                                          c_int32, c_void_p, ctypes.c_int]
+        lib.kvlab_decode_step.restype = c_int32
+
+    def __deepcopy__(self, memo) -> None:
+        """A copied model has copied buffers: it does not inherit a step that points into the originals."""
+        return None
+
+    def _ptr(self, t: torch.Tensor | None) -> int | None:
+        if t is None:
+            return None
+        if t.dtype not in (torch.float32, torch.uint8) or t.device.type != "cpu" or not t.is_contiguous():
+            raise ConfigError(f"fused decode needs contiguous fp32 CPU weights, got {t.dtype} on {t.device}")
+        self._keep.append(t)
+        return t.data_ptr()
+
+    def _matrix(self, module: nn.Module) -> _Matrix:
+        """A Linear / Embedding (fp32 rows) or a BlockQuantLinear (GGUF blocks) as the C struct."""
+        bias = getattr(module, "bias", None)
+        if isinstance(module, BlockQuantLinear):
+            type_id = BLOCK_TYPES[module.block_type][0]
+            return _Matrix(type_id, module.out_features, module.in_features, self._ptr(module.blocks), self._ptr(bias))
+        weight = module.weight                                                # (rows, cols) fp32
+        return _Matrix(F32, weight.shape[0], weight.shape[1], self._ptr(weight), self._ptr(bias))
+
+    def accepts(self, tokens: torch.Tensor, cache) -> bool:
+        """One new token of one sequence into a fp32 CPU DenseCache shaped for this model, whose layers are
+        level and not full, without autograd. Anything else (and every error case) takes the module path."""
+        if tokens.shape != (1, 1) or type(cache) is not DenseCache or torch.is_grad_enabled():
+            return False
+        g, cfg = cache.geometry, self.config
+        return (
+            cache.dtype == torch.float32 and cache.device.type == "cpu"
+            and (g.batch, g.n_layers, g.n_kv_heads, g.head_dim, g.head_dim_v, g.window)
+            == (1, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.head_dim, cfg.sliding_window)
+            and cache.length < g.capacity
+            and all(n == cache.length for n in cache._lengths)
+        )
+
+    def __call__(self, tokens: torch.Tensor, cache: DenseCache) -> torch.Tensor:
+        """tokens (1, 1) -> logits (1, 1, vocab); K/V of the token written into `cache`."""
+        pos = cache.length
+        x = self._embed(tokens).reshape(-1).float().contiguous()               # (C,)
+        cos, sin = self._rope(pos, 1, torch.float32)                           # (1, D) each
+        logits = torch.empty(self._model.head.rows, dtype=torch.float32)        # (vocab,)
+        self._model.attn_scale = cache.scale
+        status = self._lib.kvlab_decode_step(
+            ctypes.byref(self._model), x.data_ptr(), pos, cos.data_ptr(), sin.data_ptr(),
+            cache.k.data_ptr(), cache.v.data_ptr(), cache.geometry.capacity, logits.data_ptr(), torch.get_num_threads(),
+        )
+        if status < 0:
+            raise ConfigError(f"fused decode step refused position {pos} of a cache of {cache.geometry.capacity} tokens")
+        if status > 0:  # layers before the bad one were written, as in the module path
+            cache.record_written(range(status - 1), 1)
+            raise NonFiniteError(f"NaN or Inf in the keys/values appended to layer {status - 1}")
+        cache.record_written(range(self.config.n_layers), 1)
+        return logits.view(1, 1, -1)
+
+
+def fused_decode_step(model: nn.Module) -> FusedDecodeStep | None:
+    """The fused step for a fp32 CPU Decoder whose matrices are fp32 or GGUF blocks; None when it cannot run
+    here (no kernel, another dtype or device, KVLAB_NO_FUSED set)."""
+    if os.environ.get("KVLAB_NO_FUSED"):
+        return None
+    kernel = block_kernel()
+    if kernel is None or not hasattr(kernel._lib, "kvlab_decode_step"):
+        return None
+    try:
+        return FusedDecodeStep(model, kernel._lib)
+    except ConfigError:
+        return None

@@ -1,0 +1,239 @@
+/* One decode step of a Llama-family decoder in one call: batch 1, one new token, fp32, K/V in kvlab's
+ * DenseCache buffers. It is the Python Decoder's T = 1 path (kvlab/model/llama.py) with the per-layer
+ * interpreter and small-op overhead taken out, and it is tested against that path.
+ *
+ * For every layer:  h = rms_norm(x) ; q|k|v = W_qkv h (+ bias) ; [q/k head norms] ; RoPE(q, k) at `pos` ;
+ *                   K/V written at `pos` (after a finiteness check) ; attention of each query head over its
+ *                   KV head's positions [start, pos] ; x += W_out a ;
+ *                   h = rms_norm(x) ; g|u = W_gate_up h ; x += W_down (silu(g) * u)
+ * then logits = W_head rms_norm(x). Matrices are GGUF blocks (Q4_0/Q4_1/Q8_0, read by blockgemv.c's row
+ * kernels) or fp32 rows. One OpenMP parallel region spans the whole step: matrix rows and attention heads
+ * are shared between the threads, the small vector work is done by one of them.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "blockgemv.h"
+
+typedef struct {
+    int32_t type;            /* F32, Q4_0, Q4_1 or Q8_0 */
+    int64_t rows, cols;
+    const uint8_t *data;     /* rows × row bytes: fp32 values or consecutive blocks */
+    const float *bias;       /* (rows,) or NULL */
+} Matrix;
+
+typedef struct {
+    const float *attn_norm, *ffn_norm;   /* (d_model,) */
+    const float *q_norm, *k_norm;        /* (head_dim,) or NULL */
+    Matrix qkv, out, gate_up, down;      /* q|k|v rows fused, gate|up rows fused */
+} Layer;
+
+typedef struct {
+    int32_t n_layers, d_model, n_heads, n_kv_heads, head_dim, d_ff;
+    int32_t window;                      /* sliding window in tokens, 0 for none */
+    float rms_eps, attn_scale;
+    const Layer *layers;
+    const float *final_norm;             /* (d_model,) */
+    Matrix head;                         /* (vocab, d_model) */
+} Model;
+
+/* Rotate pairs (i, i + D/2) of one head, as llama.py's apply_rope: x*cos + (-x2 | x1)*sin */
+static void rope(float *x, const float *cos_, const float *sin_, int d) {
+    const int half = d / 2;
+    for (int i = 0; i < half; i++) {
+        const float x1 = x[i], x2 = x[i + half];
+        x[i] = x1 * cos_[i] - x2 * sin_[i];
+        x[i + half] = x2 * cos_[i + half] + x1 * sin_[i + half];
+    }
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* a . b: 16-lane FMAs into two accumulators, then a fixed reduction tree: the same bits on every call */
+static float dot(const float *a, const float *b, int64_t n) {
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
+        acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), acc1);
+    }
+    for (; i < n; i += 16) {
+        const __mmask16 live = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u);
+        acc0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(live, a + i), _mm512_maskz_loadu_ps(live, b + i), acc0);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+}
+
+/* out (d,) = sum_t p[t] * values[t] over t in [start, end): 16 output lanes at a time, four positions at a
+ * time into four accumulators (one would make every position wait for the previous FMA) */
+static void weighted_sum(const float *p, const float *values, int start, int end, int d, float *out) {
+    for (int c = 0; c < d; c += 16) {
+        const __mmask16 live = d - c >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (d - c)) - 1u);
+        const float *v = values + c;
+        __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        int t = start;
+        for (; t + 4 <= end; t += 4)
+            for (int j = 0; j < 4; j++)
+                acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(p[t + j]), _mm512_maskz_loadu_ps(live, v + (int64_t)(t + j) * d), acc[j]);
+        for (; t < end; t++)
+            acc[0] = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), _mm512_maskz_loadu_ps(live, v + (int64_t)t * d), acc[0]);
+        _mm512_mask_storeu_ps(out + c, live, _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+    }
+}
+#else
+#define LANES 16
+/* a . b in LANES fixed partial sums, added in a fixed order: the same bits whatever the compiler vectorizes
+ * and wherever the buffers lie (a reduction the compiler may reorder could depend on their alignment). */
+static float dot(const float *a, const float *b, int64_t n) {
+    float acc[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int j = 0; j < LANES; j++) acc[j] += a[i + j] * b[i + j];
+    for (; i < n; i++) acc[i % LANES] += a[i] * b[i];
+    for (int width = LANES / 2; width > 0; width /= 2)     /* a pairwise tree, not a serial chain */
+        for (int j = 0; j < width; j++) acc[j] += acc[j + width];
+    return acc[0];
+}
+
+static void weighted_sum(const float *p, const float *values, int start, int end, int d, float *out) {
+    memset(out, 0, sizeof(float) * (size_t)d);
+    for (int t = start; t < end; t++) {
+        const float *v = values + (int64_t)t * d;
+        for (int i = 0; i < d; i++) out[i] += p[t] * v[i];
+    }
+}
+#endif
+
+/* y = rms_norm(x) * w over n values, as torch.nn.functional.rms_norm (y may be x) */
+static void rms_norm(const float *x, const float *w, float eps, int n, float *y) {
+    const float inv = 1.0f / sqrtf(dot(x, x, n) / (float)n + eps);
+    for (int i = 0; i < n; i++) y[i] = x[i] * inv * w[i];
+}
+
+static int all_finite(const float *x, int n) {
+    int ok = 1;
+    for (int i = 0; i < n; i++) ok &= isfinite(x[i]) != 0;
+    return ok;
+}
+
+/* y = M x (+ bias), rows shared between the threads of the enclosing parallel region. xsum: scratch. */
+static void matvec(const Matrix *m, const float *x, float *xsum, float *y) {
+    const int64_t nblocks = m->cols / QK;
+    const int64_t row_bytes = m->type == F32 ? m->cols * 4 : nblocks * kvlab_block_bytes(m->type);
+    if (m->type == Q4_0 || m->type == Q4_1) {
+        #pragma omp single
+        kvlab_block_sums(x, m->cols, xsum);
+    }
+    #pragma omp for schedule(static)
+    for (int64_t r = 0; r < m->rows; r++) {
+        const uint8_t *row = m->data + r * row_bytes;
+        const float v = m->type == F32 ? dot((const float *)row, x, m->cols)
+                                       : kvlab_block_row_dot(m->type, row, x, xsum, nblocks);
+        y[r] = m->bias ? v + m->bias[r] : v;
+    }
+}
+
+/* Softmax attention of one query over keys [start, end) of one KV head: out (D,) ; scores: scratch (end,) */
+static void attend_head(const float *q, const float *keys, const float *values, int start, int end, int d,
+                        float scale, float *scores, float *out) {
+    float top = -INFINITY;
+    for (int t = start; t < end; t++) {
+        scores[t] = dot(q, keys + (int64_t)t * d, d) * scale;
+        top = scores[t] > top ? scores[t] : top;
+    }
+    float total = 0.0f;
+    for (int t = start; t < end; t++) {
+        scores[t] = expf(scores[t] - top);
+        total += scores[t];
+    }
+    weighted_sum(scores, values, start, end, d, out);
+    const float inv = 1.0f / total;
+    for (int i = 0; i < d; i++) out[i] *= inv;
+}
+
+static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+/* x (d_model,): the token's embedding (not modified). k_cache/v_cache: (n_layers, n_kv_heads, capacity,
+ * head_dim) fp32, positions [0, pos) filled; position `pos` is written. cos/sin: (head_dim,) at `pos`.
+ * logits: (vocab,). Returns 0; L + 1 when layer L's new K/V hold a NaN/Inf (layers < L were written, L
+ * and later were not); -1 for bad arguments or no memory. */
+int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const float *cos_, const float *sin_,
+                      float *k_cache, float *v_cache, int32_t capacity, float *logits, int n_threads) {
+    const int d = m->d_model, hd = m->head_dim, H = m->n_heads, Hkv = m->n_kv_heads;
+    if (pos < 0 || pos >= capacity || Hkv <= 0 || H % Hkv != 0 || hd % 2 != 0) return -1;
+    const int q_dim = H * hd, kv_dim = Hkv * hd, group = H / Hkv;
+    const int start = m->window > 0 && pos + 1 > m->window ? pos + 1 - m->window : 0;
+    const int64_t widest = max64(max64(d, m->d_ff), q_dim);
+    float *x = malloc(sizeof(float) * (size_t)d);
+    float *h = malloc(sizeof(float) * (size_t)widest);
+    float *y = malloc(sizeof(float) * (size_t)d);
+    float *qkv = malloc(sizeof(float) * (size_t)(q_dim + 2 * kv_dim));
+    float *att = malloc(sizeof(float) * (size_t)q_dim);
+    float *gu = malloc(sizeof(float) * 2 * (size_t)m->d_ff);
+    float *xsum = malloc(sizeof(float) * (size_t)(widest / QK + 1));
+    float *scores = malloc(sizeof(float) * (size_t)H * (size_t)(pos + 1));
+    int status = 0;
+    if (!x || !h || !y || !qkv || !att || !gu || !xsum || !scores) status = -1;
+    else memcpy(x, x_in, sizeof(float) * (size_t)d);
+
+    #pragma omp parallel num_threads(n_threads) if(status == 0)
+    for (int l = 0; l < m->n_layers && status == 0; l++) {
+        const Layer *L = &m->layers[l];
+        const int64_t layer_at = (int64_t)l * Hkv * capacity;
+        #pragma omp single
+        rms_norm(x, L->attn_norm, m->rms_eps, d, h);
+        matvec(&L->qkv, h, xsum, qkv);
+        #pragma omp single
+        {
+            float *q = qkv, *k = qkv + q_dim, *v = qkv + q_dim + kv_dim;
+            for (int i = 0; i < H && L->q_norm; i++) rms_norm(q + i * hd, L->q_norm, m->rms_eps, hd, q + i * hd);
+            for (int i = 0; i < Hkv && L->k_norm; i++) rms_norm(k + i * hd, L->k_norm, m->rms_eps, hd, k + i * hd);
+            for (int i = 0; i < H; i++) rope(q + i * hd, cos_, sin_, hd);
+            for (int i = 0; i < Hkv; i++) rope(k + i * hd, cos_, sin_, hd);
+            if (!all_finite(k, kv_dim) || !all_finite(v, kv_dim)) {
+                status = l + 1;
+            } else {
+                for (int i = 0; i < Hkv; i++) {
+                    const int64_t at = (layer_at + (int64_t)i * capacity + pos) * hd;
+                    memcpy(k_cache + at, k + i * hd, sizeof(float) * (size_t)hd);
+                    memcpy(v_cache + at, v + i * hd, sizeof(float) * (size_t)hd);
+                }
+            }
+        }   /* the barrier here makes `status` the same for every thread */
+        if (status != 0) break;
+        #pragma omp for schedule(static)
+        for (int i = 0; i < H; i++) {
+            const int64_t head_at = (layer_at + (int64_t)(i / group) * capacity) * hd;
+            attend_head(qkv + i * hd, k_cache + head_at, v_cache + head_at, start, pos + 1, hd, m->attn_scale,
+                        scores + (int64_t)i * (pos + 1), att + i * hd);
+        }
+        matvec(&L->out, att, xsum, y);
+        #pragma omp single
+        {
+            for (int i = 0; i < d; i++) x[i] += y[i];
+            rms_norm(x, L->ffn_norm, m->rms_eps, d, h);
+        }
+        matvec(&L->gate_up, h, xsum, gu);
+        #pragma omp for schedule(static)
+        for (int i = 0; i < m->d_ff; i++) {
+            const float g = gu[i];
+            h[i] = g / (1.0f + expf(-g)) * gu[m->d_ff + i];   /* silu(gate) * up */
+        }
+        matvec(&L->down, h, xsum, y);
+        #pragma omp single
+        for (int i = 0; i < d; i++) x[i] += y[i];
+    }
+    if (status == 0) {
+        rms_norm(x, m->final_norm, m->rms_eps, d, h);
+        #pragma omp parallel num_threads(n_threads)
+        matvec(&m->head, h, xsum, logits);
+    }
+    free(x); free(h); free(y); free(qkv); free(att); free(gu); free(xsum); free(scores);
+    return status;
+}
