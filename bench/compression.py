@@ -88,16 +88,24 @@ def part_layers(loaded) -> dict:
 
 
 def part_speed(loaded) -> dict:
+    """Each cache with the engine's default step; `dense (modules)` is the dense cache with the fused
+    decode step switched off (the path every compressed cache takes), so caches and steps both show."""
     model, config = loaded.model, loaded.config
+    fused = model.fused
+    runs = {name: (name, fused) for name in SPEED_CACHES} | {"dense (modules)": ("dense", None)}
     results = {}
     for context in (512, 4096):
         prompt = torch.randint(100, 10000, (1, context), generator=torch.Generator().manual_seed(0))
-        times: dict[str, list[float]] = {n: [] for n in SPEED_CACHES}
+        times: dict[str, list[float]] = {label: [] for label in runs}
         for _ in range(3):
-            for name in SPEED_CACHES:  # interleaved: the machine's noise hits every cache alike
+            for label, (name, step) in runs.items():  # interleaved: the machine's noise hits every cache alike
                 cache = make_cache(name, CacheGeometry.for_model(config, 1, context + 33))
-                result = generate(model, prompt, cache, 33, chunk_size=256)
-                times[name].append(result.decode_tokens_per_s)
+                model.fused = step
+                try:
+                    result = generate(model, prompt, cache, 33, chunk_size=256)
+                finally:
+                    model.fused = fused
+                times[label].append(result.decode_tokens_per_s)
         results[str(context)] = {n: round(statistics.median(v), 2) for n, v in times.items()}
         print(context, results[str(context)], flush=True)
     return {"what": "decode tokens/s (32 steps after the prompt), fp32, median of 3 interleaved runs", "tokens_per_s": results}

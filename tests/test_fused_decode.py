@@ -25,6 +25,9 @@ CONFIGS = {
     "qk-norm": dict(n_heads=4, n_kv_heads=2, qk_norm=True),
     "qkv-bias": dict(n_heads=4, n_kv_heads=2, qkv_bias=True),
     "window": dict(n_heads=4, n_kv_heads=2, sliding_window=5),
+    # head_dim 16: keys are scored sixteen at a time (AVX-512), the window's start off that grid
+    "head-dim-16": dict(n_heads=4, n_kv_heads=2, d_model=64),
+    "head-dim-16-window": dict(n_heads=4, n_kv_heads=1, d_model=64, sliding_window=19),
 }
 
 
@@ -66,15 +69,30 @@ def decode(model, tokens, first_chunk, fused: bool):
 @pytest.mark.parametrize("kind", CONFIGS)
 def test_fused_steps_equal_modules_and_full_recompute(kind):
     model = tiny_model(**CONFIGS[kind])
-    tokens = torch.randint(0, 97, (1, 20), generator=torch.Generator().manual_seed(4))
+    tokens = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(4))
     fused, fused_cache = decode(model, tokens, 3, fused=True)
     modules, module_cache = decode(model, tokens, 3, fused=False)
-    full = model(tokens, make_cache("none", CacheGeometry.for_model(model.config, capacity=20)))
+    full = model(tokens, make_cache("none", CacheGeometry.for_model(model.config, capacity=40)))
     assert (fused - modules).abs().max().item() < 1e-5
     assert (fused - full).abs().max().item() < 1e-5
-    assert fused_cache.length == module_cache.length == 20
+    assert fused_cache.length == module_cache.length == 40
     assert torch.allclose(fused_cache.k, module_cache.k, atol=1e-5, rtol=0), (fused_cache.k - module_cache.k).abs().max()
     assert torch.allclose(fused_cache.v, module_cache.v, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("window", [None, 300])
+def test_fused_steps_over_several_key_chunks(window):
+    """600 positions: attention runs in chunks of 256 keys whose partial softmax sums are combined
+    (and, with a window, the chunks start at the window's edge)."""
+    model = tiny_model(n_heads=4, n_kv_heads=2, d_model=64, sliding_window=window)
+    tokens = torch.randint(0, 97, (1, 600), generator=torch.Generator().manual_seed(8))
+    fused, fused_cache = decode(model, tokens, 500, fused=True)
+    modules, _ = decode(model, tokens, 500, fused=False)
+    full = model(tokens, make_cache("none", CacheGeometry.for_model(model.config, capacity=600)))
+    scale = full.abs().max().item()  # ~10: fp32 rounding over 600 positions is relative to it
+    assert (fused - modules).abs().max().item() < 1e-5 * scale
+    assert (fused - full).abs().max().item() < 1e-5 * scale
+    assert fused_cache.length == 600
 
 
 def quantize_matrices(model, block_type: str) -> None:

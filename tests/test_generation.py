@@ -155,3 +155,12 @@ def test_cli_info_hybrid_catalog_model():
     assert (record["layers"], record["attention_layers"], record["kv_heads"], record["head_dim_k"]) == (32, 8, 4, 256)
     assert record["other_layers"] == {"recurrent": 24}
     assert next(r for r in record["kv_bytes_per_token"] if r["kv_type"] == "bf16")["bytes_per_token"] == 2 * 8 * 4 * 256 * 2
+
+
+def test_demo_tour_caches_are_valid_names():
+    """`make demo` runs every cache in its tour: each name must build (a typo would only show in the demo)."""
+    from kvlab.cache import CacheGeometry, make_cache
+    from kvlab.demo import TOUR_CACHES
+
+    geometry = CacheGeometry(n_layers=2, n_kv_heads=2, head_dim=64, capacity=8, n_heads=4)
+    assert [make_cache(name, geometry).geometry for name in TOUR_CACHES] == [geometry] * len(TOUR_CACHES)

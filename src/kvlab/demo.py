@@ -5,16 +5,13 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from .cache import cache_names
 from .session import run_generation
 
 PROMPT = "Explain in two sentences why a KV cache makes text generation faster."
-TOUR_CACHES = ("dense", "none", "concat", "int8", "int4", "tq4", "tq3")
+TOUR_CACHES = ("dense", "none", "concat", "int8", "int4", "tq4+sink1", "tq3")
 
 
 def run_demo(model: str | None, max_new_tokens: int, console: Console) -> None:
-    known = set(cache_names())
-    caches = [name for name in TOUR_CACHES if name in known]
     console.rule("[bold]kvlab demo[/]: the same prompt through different KV caches")
     console.print(f"[bold]prompt[/] (chat template): {PROMPT}\n")
     table = Table(title="one prompt, several caches (greedy)")
@@ -23,7 +20,7 @@ def run_demo(model: str | None, max_new_tokens: int, console: Console) -> None:
         table.add_column(column, justify=justify, overflow="fold")
     dense_text = None
     run_generation("warm-up", model=model, max_new_tokens=2)  # first calls pay one-off set-up costs
-    for name in caches:
+    for name in TOUR_CACHES:
         run = run_generation(PROMPT, model=model, cache=name, chat=True, max_new_tokens=max_new_tokens)
         result = run.result
         tokens = result.prompt_tokens + result.new_tokens

@@ -20,6 +20,12 @@
 
 #include "blockgemv.h"
 
+/* Attention reads the keys in chunks of KEY_CHUNK positions per KV head (flash-decoding): a chunk's K/V
+ * (64 KB each at head_dim 64) stay in cache while every query head of the group reads them, the chunks
+ * share out between the threads even when there are fewer KV heads than threads, and the chunks' partial
+ * softmax sums are combined in a fixed order, so the result does not depend on the thread count. */
+#define KEY_CHUNK 256
+
 typedef struct {
     int32_t type;            /* F32, Q4_0, Q4_1 or Q8_0 */
     int64_t rows, cols;
@@ -86,6 +92,43 @@ static void weighted_sum(const float *p, const float *values, int start, int end
         _mm512_mask_storeu_ps(out + c, live, _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
     }
 }
+
+/* One step of folding 16 vectors into one: lanes `lo` of (a, b) plus lanes `hi` of (a, b) */
+static inline __m512 fold(__m512 a, __m512 b, __m512i lo, __m512i hi) {
+    return _mm512_add_ps(_mm512_permutex2var_ps(a, lo, b), _mm512_permutex2var_ps(a, hi, b));
+}
+
+/* scores[t] = q . keys[t] * scale for t in [start, end). Sixteen keys at a time: each key's 16 lane partial
+ * sums, then four folds that halve the partials per key and pack the keys (16 vectors -> 8 -> 4 -> 2 -> 1),
+ * instead of a horizontal sum per key. The rest one key at a time. */
+static void key_scores(const float *q, const float *keys, int start, int end, int d, float scale, float *scores) {
+    int t = start;
+    if (d % 16 == 0) {
+        __m512i lo[4], hi[4];
+        for (int step = 0, w = 8; step < 4; step++, w /= 2) {   /* fold step: each key holds 2w partials */
+            int32_t l[16], h[16];
+            for (int j = 0; j < 16; j++) {
+                l[j] = (j < 8 ? 0 : 16) + (j % 8) / w * 2 * w + j % w;
+                h[j] = l[j] + w;
+            }
+            lo[step] = _mm512_loadu_si512(l);
+            hi[step] = _mm512_loadu_si512(h);
+        }
+        for (; t + 16 <= end; t += 16) {
+            __m512 v[16];
+            for (int k = 0; k < 16; k++) {
+                const float *key = keys + (int64_t)(t + k) * d;
+                __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(key));
+                for (int c = 16; c < d; c += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), _mm512_loadu_ps(key + c), acc);
+                v[k] = acc;
+            }
+            for (int step = 0, n = 16; step < 4; step++, n /= 2)
+                for (int k = 0; k < n / 2; k++) v[k] = fold(v[2 * k], v[2 * k + 1], lo[step], hi[step]);
+            _mm512_storeu_ps(scores + t, _mm512_mul_ps(v[0], _mm512_set1_ps(scale)));
+        }
+    }
+    for (; t < end; t++) scores[t] = dot(q, keys + (int64_t)t * d, d) * scale;
+}
 #else
 #define LANES 16
 /* a . b in LANES fixed partial sums, added in a fixed order: the same bits whatever the compiler vectorizes
@@ -107,6 +150,10 @@ static void weighted_sum(const float *p, const float *values, int start, int end
         const float *v = values + (int64_t)t * d;
         for (int i = 0; i < d; i++) out[i] += p[t] * v[i];
     }
+}
+
+static void key_scores(const float *q, const float *keys, int start, int end, int d, float scale, float *scores) {
+    for (int t = start; t < end; t++) scores[t] = dot(q, keys + (int64_t)t * d, d) * scale;
 }
 #endif
 
@@ -139,20 +186,34 @@ static void matvec(const Matrix *m, const float *x, float *xsum, float *y) {
     }
 }
 
-/* Softmax attention of one query over keys [start, end) of one KV head: out (D,) ; scores: scratch (end,) */
-static void attend_head(const float *q, const float *keys, const float *values, int start, int end, int d,
-                        float scale, float *scores, float *out) {
+/* Attention of one query over n consecutive keys/values of one KV head, not yet normalized:
+ * part (d + 2,) = [sum_t e^(s_t - top) v_t | top | sum_t e^(s_t - top)], s_t = q . k_t * scale. scores: (n,) */
+static void attend_part(const float *q, const float *keys, const float *values, int n, int d, float scale,
+                        float *scores, float *part) {
+    key_scores(q, keys, 0, n, d, scale, scores);
     float top = -INFINITY;
-    for (int t = start; t < end; t++) {
-        scores[t] = dot(q, keys + (int64_t)t * d, d) * scale;
-        top = scores[t] > top ? scores[t] : top;
-    }
+    for (int t = 0; t < n; t++) top = scores[t] > top ? scores[t] : top;
     float total = 0.0f;
-    for (int t = start; t < end; t++) {
+    for (int t = 0; t < n; t++) {
         scores[t] = expf(scores[t] - top);
         total += scores[t];
     }
-    weighted_sum(scores, values, start, end, d, out);
+    weighted_sum(scores, values, 0, n, d, part);
+    part[d] = top;
+    part[d + 1] = total;
+}
+
+/* out (d,) = the softmax-weighted sum over all keys, from the parts of n_parts key chunks (in order) */
+static void combine_parts(const float *parts, int n_parts, int d, float *out) {
+    float top = -INFINITY, total = 0.0f;
+    for (int c = 0; c < n_parts; c++) top = parts[c * (d + 2) + d] > top ? parts[c * (d + 2) + d] : top;
+    for (int i = 0; i < d; i++) out[i] = 0.0f;
+    for (int c = 0; c < n_parts; c++) {
+        const float *part = parts + c * (d + 2);
+        const float w = expf(part[d] - top);
+        total += w * part[d + 1];
+        for (int i = 0; i < d; i++) out[i] += w * part[i];
+    }
     const float inv = 1.0f / total;
     for (int i = 0; i < d; i++) out[i] *= inv;
 }
@@ -177,9 +238,11 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
     float *att = malloc(sizeof(float) * (size_t)q_dim);
     float *gu = malloc(sizeof(float) * 2 * (size_t)m->d_ff);
     float *xsum = malloc(sizeof(float) * (size_t)(widest / QK + 1));
-    float *scores = malloc(sizeof(float) * (size_t)H * (size_t)(pos + 1));
+    const int n_chunks = (pos + 1 - start + KEY_CHUNK - 1) / KEY_CHUNK;
+    float *scores = malloc(sizeof(float) * (size_t)H * (size_t)n_chunks * KEY_CHUNK);
+    float *parts = malloc(sizeof(float) * (size_t)H * (size_t)n_chunks * (size_t)(hd + 2));
     int status = 0;
-    if (!x || !h || !y || !qkv || !att || !gu || !xsum || !scores) status = -1;
+    if (!x || !h || !y || !qkv || !att || !gu || !xsum || !scores || !parts) status = -1;
     else memcpy(x, x_in, sizeof(float) * (size_t)d);
 
     #pragma omp parallel num_threads(n_threads) if(status == 0)
@@ -208,11 +271,17 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
         }   /* the barrier here makes `status` the same for every thread */
         if (status != 0) break;
         #pragma omp for schedule(static)
-        for (int i = 0; i < H; i++) {
-            const int64_t head_at = (layer_at + (int64_t)(i / group) * capacity) * hd;
-            attend_head(qkv + i * hd, k_cache + head_at, v_cache + head_at, start, pos + 1, hd, m->attn_scale,
-                        scores + (int64_t)i * (pos + 1), att + i * hd);
+        for (int item = 0; item < Hkv * n_chunks; item++) {       /* (KV head, key chunk) */
+            const int g = item / n_chunks, c = item % n_chunks;
+            const int t0 = start + c * KEY_CHUNK, n = pos + 1 - t0 < KEY_CHUNK ? pos + 1 - t0 : KEY_CHUNK;
+            const int64_t chunk_at = ((layer_at + (int64_t)g * capacity) + t0) * hd;
+            for (int i = g * group; i < (g + 1) * group; i++)
+                attend_part(qkv + i * hd, k_cache + chunk_at, v_cache + chunk_at, n, hd, m->attn_scale,
+                            scores + ((int64_t)i * n_chunks + c) * KEY_CHUNK, parts + ((int64_t)i * n_chunks + c) * (hd + 2));
         }
+        #pragma omp for schedule(static)
+        for (int i = 0; i < H; i++)
+            combine_parts(parts + (int64_t)i * n_chunks * (hd + 2), n_chunks, hd, att + i * hd);
         matvec(&L->out, att, xsum, y);
         #pragma omp single
         {
@@ -234,6 +303,6 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
         #pragma omp parallel num_threads(n_threads)
         matvec(&m->head, h, xsum, logits);
     }
-    free(x); free(h); free(y); free(qkv); free(att); free(gu); free(xsum); free(scores);
+    free(x); free(h); free(y); free(qkv); free(att); free(gu); free(xsum); free(scores); free(parts);
     return status;
 }
