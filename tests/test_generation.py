@@ -74,6 +74,19 @@ def test_streaming_pieces_add_up_to_the_text(smollm2):
     assert "".join(pieces) == run.text
 
 
+def test_stream_decoder_pieces_join_to_the_text_across_multibyte_characters(smollm2):
+    """Token by token, with characters split over several tokens (Korean, emoji) and leading spaces:
+    the pieces add up to decoding everything at once, and no piece ends inside a character."""
+    from kvlab.model.tokenizer import StreamDecoder
+
+    text = "KV 캐시는 이전 토큰의 키와 값을 저장합니다 🙂🚀 so   spaces\tand digits 12345 stay. " * 3
+    ids = smollm2.tokenizer.encode(text)
+    decoder = StreamDecoder(smollm2.tokenizer)
+    pieces = [decoder.push(i) for i in ids]
+    assert "".join(pieces) == smollm2.tokenizer.decode(ids, skip_special=True) == text
+    assert not any("\ufffd" in piece for piece in pieces)
+
+
 def test_cli_generate_json(smollm2):
     result = CliRunner().invoke(app, ["generate", "The capital of France is", "--max-new-tokens", "3", "--json"])
     assert result.exit_code == 0, result.output
@@ -83,6 +96,12 @@ def test_cli_generate_json(smollm2):
     assert record["new_tokens"] == 3 and record["prompt_tokens"] == 5
     assert record["cache_bytes"] == 2 * 30 * 3 * 64 * 4 * (5 + 3)
     assert "Paris" in record["text"]
+    from kvlab.model.kernels import block_kernel
+
+    expected = ("native", "fused") if block_kernel() is not None else ("dense", "modules")  # no C compiler: modules
+    assert (record["weights"], record["decode_step"]) == expected
+    int8 = json.loads(CliRunner().invoke(app, ["generate", "Hi", "--max-new-tokens", "2", "--cache", "int8", "--json"]).output)
+    assert int8["decode_step"] == "modules"   # only the dense cache has the fused step
 
 
 def test_cli_info_formula(smollm2):

@@ -36,6 +36,8 @@ class GenerationRun:
     text: str
     cache_name: str
     result: GenerationResult
+    weights: str = "dense"         # what the model holds: native (GGUF blocks) or dense
+    decode_step: str = "modules"   # "fused": one C call per decode token (kvlab.model.fused)
 
     def to_json(self) -> dict:
         r = self.result
@@ -49,13 +51,16 @@ class GenerationRun:
             "cache": self.cache_name,
             "cache_bytes": r.cache_bytes,
             "stop_reason": r.stop_reason,
+            "weights": self.weights,
+            "decode_step": self.decode_step,
         }
 
     def summary_line(self) -> str:
         r = self.result
         return (
             f"[dim]prompt {r.prompt_tokens} tokens · new {r.new_tokens} tokens · prefill {r.prefill_seconds * 1000:.0f} ms · "
-            f"decode {r.decode_tokens_per_s:.1f} tokens/s · cache {self.cache_name} {r.cache_bytes:,} bytes · stop: {r.stop_reason}[/]"
+            f"decode {r.decode_tokens_per_s:.1f} tokens/s ({self.weights} weights, {self.decode_step} step) · "
+            f"cache {self.cache_name} {r.cache_bytes:,} bytes · stop: {r.stop_reason}[/]"
         )
 
 
@@ -89,7 +94,9 @@ def run_generation(
     prompt_ids = torch.tensor([ids], device=loaded.device)
     result = generate(loaded.model, prompt_ids, kv, max_new_tokens, sampling, loaded.tokenizer.eos_ids, chunk_size, on_token)
     text = loaded.tokenizer.decode(result.token_ids[0], skip_special=True)
-    return GenerationRun(text=text, cache_name=cache, result=result)
+    fused = loaded.model.fused is not None and loaded.model.fused.serves(kv)
+    return GenerationRun(text=text, cache_name=cache, result=result, weights=loaded.weights,
+                         decode_step="fused" if fused else "modules")
 
 
 INFO_CACHES = ("dense", "int8", "int4", "tq4", "tq3.5", "tq3", "tq2.5", "tq-k4v3")

@@ -89,17 +89,22 @@ class FusedDecodeStep:
         weight = module.weight                                                # (rows, cols) fp32
         return _Matrix(F32, weight.shape[0], weight.shape[1], self._ptr(weight), self._ptr(bias))
 
-    def accepts(self, tokens: torch.Tensor, cache) -> bool:
-        """One new token of one sequence into a fp32 CPU DenseCache shaped for this model, whose layers are
-        level and not full, without autograd. Anything else (and every error case) takes the module path."""
-        if tokens.shape != (1, 1) or type(cache) is not DenseCache or torch.is_grad_enabled():
-            return False
+    def serves(self, cache) -> bool:
+        """Whether this kind of cache takes the fused step at all: a fp32 CPU DenseCache of one sequence
+        shaped for this model."""
         g, cfg = cache.geometry, self.config
         return (
-            cache.dtype == torch.float32 and cache.device.type == "cpu"
+            type(cache) is DenseCache and cache.dtype == torch.float32 and cache.device.type == "cpu"
             and (g.batch, g.n_layers, g.n_kv_heads, g.head_dim, g.head_dim_v, g.window)
             == (1, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.head_dim, cfg.sliding_window)
-            and cache.length < g.capacity
+        )
+
+    def accepts(self, tokens: torch.Tensor, cache) -> bool:
+        """One new token into a cache it serves, whose layers are level and not full, without autograd.
+        Anything else (and every error case) takes the module path."""
+        return (
+            tokens.shape == (1, 1) and not torch.is_grad_enabled() and self.serves(cache)
+            and cache.length < cache.geometry.capacity
             and all(n == cache.length for n in cache._lengths)
         )
 

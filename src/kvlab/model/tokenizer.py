@@ -148,17 +148,24 @@ class Tokenizer:
 
 
 class StreamDecoder:
-    """Turns token ids into text pieces as they arrive, holding back incomplete UTF-8 sequences."""
+    """Turns token ids into text pieces as they arrive, holding back incomplete UTF-8 sequences.
+
+    Each push decodes only the tokens since the last emitted piece, plus the piece before them as
+    context (so a tokenizer that treats a leading space specially still joins correctly): the cost per
+    token stays constant instead of re-decoding the whole text.
+    """
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
         self.ids: list[int] = []
-        self.emitted = ""
+        self.prefix_at = 0   # ids[prefix_at:read_at] were emitted last time: the context of the next piece
+        self.read_at = 0     # ids[read_at:] are not emitted yet
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        text = self.tokenizer.decode(self.ids, skip_special=True)
+        before = self.tokenizer.decode(self.ids[self.prefix_at:self.read_at], skip_special=True)
+        text = self.tokenizer.decode(self.ids[self.prefix_at:], skip_special=True)
         if text.endswith("\ufffd"):
             return ""  # a multi-byte character is not complete yet
-        piece, self.emitted = text[len(self.emitted):], text
-        return piece
+        self.prefix_at, self.read_at = self.read_at, len(self.ids)
+        return text[len(before):]
