@@ -5,7 +5,10 @@ x ≈ zero + code·scale with code in [0, 2^b), scale = (max - min)/(2^b - 1), z
           (keys have channel-wise outliers; grouping along tokens keeps an outlier channel from
           spending the range of the others);
   values  per token: one (scale, zero) per group of G channels of one token.
-Codes are bit-packed (int4: two per byte). A key group is quantized over the tokens it holds so
+Codes are bit-packed (int4: two per byte). On CPU, int8 and int4 attention reads the packed codes
+directly in C (kvlab/model/kernels/intcache.c: scores fold the query into each key group's scales,
+the mix folds the probabilities into each value group's) instead of dequantizing the cache with
+torch ops every step; `code_kernel = None` selects the torch path (the reference). A key group is quantized over the tokens it holds so
 far; until it is complete, the original keys of its tokens are also kept (the "stage", G tokens ×
 Dk in the cache dtype) so the group is re-quantized from them, never from codes, when tokens join.
 Attention always reads the codes; the stage is quantizer state and counts in `nbytes`.
@@ -76,6 +79,7 @@ class QuantizedCache(CompressedCache):
         self.v_codes = {l: torch.zeros(B, H, S, packed_nbytes(g.head_dim_v, b), dtype=torch.uint8, device=dev) for l in self.compressed_layers}
         self.v_scale = {l: torch.zeros(B, H, S, n_vg, dtype=_META, device=dev) for l in self.compressed_layers}
         self.v_zero = {l: torch.zeros(B, H, S, n_vg, dtype=_META, device=dev) for l in self.compressed_layers}
+        self.code_kernel = _code_kernel(self.device, b)
 
     # -- storing ------------------------------------------------------------------------------------
     def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
@@ -136,9 +140,15 @@ class QuantizedCache(CompressedCache):
         return self._keys(layer, n), self._values(layer, n)
 
     def _scores(self, layer: int, qg: torch.Tensor, n: int) -> torch.Tensor:
+        if self.code_kernel is not None:
+            return self.code_kernel.int_scores(self.config.bits, self.k_codes[layer], self.k_scale[layer], self.k_zero[layer],
+                                               n, self.config.group_size, qg, self.scale)  # (B, H, G·T, n)
         return (qg @ self._keys(layer, n).transpose(-1, -2)) * self.scale        # (B, H, G·T, n)
 
     def _mix(self, layer: int, p: torch.Tensor, n: int) -> torch.Tensor:
+        if self.code_kernel is not None:
+            return self.code_kernel.int_mix(self.config.bits, self.v_codes[layer], self.v_scale[layer], self.v_zero[layer],
+                                            n, self.geometry.head_dim_v, p)        # (B, H, G·T, Dv)
         return p @ self._values(layer, n)                                         # (B, H, G·T, Dv)
 
     # -- bytes --------------------------------------------------------------------------------------
@@ -166,6 +176,15 @@ class QuantizedCache(CompressedCache):
         return (f"per key vector: {g.head_dim}×{b}-bit codes + fp16 scale+zero per channel per {G} tokens = {k_vec:g} B; "
                 f"per value vector: {g.head_dim_v}×{b}-bit codes + fp16 scale+zero per {Gv} channels = {v_vec:g} B; "
                 f"plus a stage of {G} full-precision keys per layer and head")
+
+
+def _code_kernel(device: torch.device, bits: int):
+    """The C library when it can read these codes here (CPU, 8 or 4 bits), else None (torch path)."""
+    if device.type != "cpu" or bits not in (4, 8):
+        return None
+    from ..model.kernels import block_kernel
+
+    return block_kernel()
 
 
 def _affine(lo: torch.Tensor, hi: torch.Tensor, bits: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,5 +1,5 @@
-"""The C kernels (blockgemv.c: GEMV from GGUF blocks; decode.c: a whole decode step): compiled on first use
-with the system `cc`, cached, loaded with ctypes.
+"""The C kernels (blockgemv.c: GEMV from GGUF blocks; decode.c: a whole decode step; intcache.c: attention
+on the int8/int4 cache's codes): compiled on first use with the system `cc`, cached, loaded with ctypes.
 
 The shared library is built with `-fopenmp` and loaded after torch, so its `libgomp.so.1` resolves to
 the runtime torch already loaded (same soname): one thread pool, sized by torch.set_num_threads.
@@ -24,7 +24,7 @@ import torch
 from ...errors import ConfigError
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "blockgemv.c", HERE / "decode.c")   # compiled together into one library
+SOURCES = (HERE / "blockgemv.c", HERE / "decode.c", HERE / "intcache.c")   # compiled together into one library
 HEADERS = (HERE / "blockgemv.h",)
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp")
 LIBS = ("-lm",)
@@ -65,7 +65,7 @@ def library_path(compiler: str) -> Path:
 
 
 def compile_library(compiler: str, target: Path) -> None:
-    """cc -O3 -march=native -fPIC -shared -fopenmp blockgemv.c decode.c -lm -> target, via a temporary name (atomic)."""
+    """cc -O3 -march=native -fPIC -shared -fopenmp <SOURCES> -lm -> target, via a temporary name (atomic)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=target.stem, suffix=".so.tmp", dir=target.parent)
     os.close(fd)
@@ -90,7 +90,10 @@ class BlockKernel:
         lib.kvlab_block_gemv.argtypes = [i32, ptr, i64, i64, ptr, ptr, i32]
         lib.kvlab_block_dequantize.argtypes = [i32, ptr, i64, i64, ptr, i32]
         lib.kvlab_block_omp_threads.argtypes = [i32]
-        for fn in (lib.kvlab_block_gemv, lib.kvlab_block_dequantize, lib.kvlab_block_omp_threads):
+        lib.kvlab_int_scores.argtypes = [i32, ptr, ptr, ptr, i32, i64, i64, i32, i32, ptr, i32, ctypes.c_float, ptr, i32]
+        lib.kvlab_int_mix.argtypes = [i32, ptr, ptr, ptr, i32, i64, i64, i32, i32, ptr, i64, i32, ptr, i32]
+        for fn in (lib.kvlab_block_gemv, lib.kvlab_block_dequantize, lib.kvlab_block_omp_threads, lib.kvlab_int_scores,
+                   lib.kvlab_int_mix):
             fn.restype = i32
 
     def gemv(self, type_name: str, blocks: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -115,6 +118,38 @@ class BlockKernel:
         out = torch.empty(rows, cols, dtype=torch.float32)
         if self._lib.kvlab_block_dequantize(type_id, blocks.data_ptr(), rows, cols, out.data_ptr(), torch.get_num_threads()):
             raise ConfigError(f"block dequantize refused {type_name} blocks of shape {tuple(blocks.shape)}")
+        return out
+
+    def int_scores(self, bits: int, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, n: int, group: int,
+                   q: torch.Tensor, attn_scale: float) -> torch.Tensor:
+        """Scores straight from an integer cache's key codes (intcache.c).
+        codes (B, H, slots, row bytes) uint8; scale/zero (B, H, ⌈slots/G⌉, D) fp16; q (B, H, nq, D) fp32
+        -> (B, H, nq, n) fp32 = q · keys[:n]ᵀ · attn_scale."""
+        B, H, slots, _ = codes.shape
+        nq, d = q.shape[2], q.shape[3]
+        q = q.contiguous()
+        out = torch.empty(B, H, nq, n, dtype=torch.float32)
+        for t in (codes, scale, zero):
+            if not t.is_contiguous():
+                raise ConfigError("integer-cache kernel needs contiguous code and metadata buffers")
+        if self._lib.kvlab_int_scores(bits, codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), B * H, slots, n, d, group,
+                                      q.data_ptr(), nq, attn_scale, out.data_ptr(), torch.get_num_threads()):
+            raise ConfigError(f"integer-cache scores refused int{bits} codes of shape {tuple(codes.shape)}")
+        return out
+
+    def int_mix(self, bits: int, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, n: int, d: int,
+                p: torch.Tensor) -> torch.Tensor:
+        """Σ_t p[..., t] · values[t] straight from an integer cache's value codes (intcache.c).
+        codes (B, H, slots, row bytes) uint8; scale/zero (B, H, slots, D/Gv) fp16; p (B, H, nq, n) fp32
+        (rows may be strided, the last dim must be contiguous) -> (B, H, nq, d) fp32."""
+        B, H, slots, _ = codes.shape
+        nq, gv = p.shape[2], d // scale.shape[-1]
+        if p.stride(-1) != 1 or p.stride(2) * nq != p.stride(1) or p.stride(1) * H != p.stride(0):
+            p = p.contiguous()
+        out = torch.empty(B, H, nq, d, dtype=torch.float32)
+        if self._lib.kvlab_int_mix(bits, codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), B * H, slots, n, d, gv,
+                                   p.data_ptr(), p.stride(2), nq, out.data_ptr(), torch.get_num_threads()):
+            raise ConfigError(f"integer-cache mix refused int{bits} codes of shape {tuple(codes.shape)}")
         return out
 
     def openmp_threads(self, n: int) -> int:
