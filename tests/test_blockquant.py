@@ -199,7 +199,7 @@ def test_no_compiler_falls_back_to_dense_weights(monkeypatch, tmp_path):
 
     monkeypatch.setenv("KVLAB_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(kernels, "compile_library", broken)
-    kernels.block_kernel.cache_clear()
+    kernels._loaded_kernel.cache_clear()
     try:
         assert kernels.block_kernel() is None
         assert "simulated" in kernels.kernel_status()
@@ -212,7 +212,7 @@ def test_no_compiler_falls_back_to_dense_weights(monkeypatch, tmp_path):
         expected = F.linear(x, reference("Q4_1", data, 64))
         assert torch.equal(layer(x), expected)                                        # no kernel: dequantize + F.linear
     finally:
-        kernels.block_kernel.cache_clear()
+        kernels._loaded_kernel.cache_clear()
 
 
 def test_scalar_and_avx2_builds_agree_with_native_build(kernel, tmp_path):

@@ -49,11 +49,6 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CC") or "cc")
 
 
-def can_build() -> bool:
-    """Whether `block_kernel()` can be had here (cheap: checks for a compiler, builds nothing)."""
-    return not os.environ.get("KVLAB_NO_KERNEL") and _compiler() is not None
-
-
 def library_path(compiler: str) -> Path:
     """Where the build for this source, compiler, flags and CPU lives (kvlab's cache folder)."""
     from ..weights import cache_dir
@@ -157,13 +152,17 @@ class BlockKernel:
         return self._lib.kvlab_block_omp_threads(n)
 
 
-@functools.lru_cache(maxsize=1)
 def block_kernel() -> BlockKernel | None:
-    """The compiled kernel, building it on first use; None (see kernel_status) when it cannot be had."""
-    global _status
+    """The compiled library, built on first use; None (see kernel_status) when it cannot be had here or
+    KVLAB_NO_KERNEL is set (checked on every call, so the planner and the loader always agree)."""
     if os.environ.get("KVLAB_NO_KERNEL"):
-        _status = "disabled by KVLAB_NO_KERNEL"
         return None
+    return _loaded_kernel()
+
+
+@functools.lru_cache(maxsize=1)
+def _loaded_kernel() -> BlockKernel | None:
+    global _status
     compiler = _compiler()
     if compiler is None:
         _status = f"no C compiler ({os.environ.get('CC') or 'cc'}) on PATH"
@@ -181,8 +180,8 @@ def block_kernel() -> BlockKernel | None:
 
 
 def kernel_status() -> str:
-    """Why block_kernel() returned what it did (for debugging the fallback)."""
-    return _status
+    """Why block_kernel() returns what it does (for debugging the fallback)."""
+    return "disabled by KVLAB_NO_KERNEL" if os.environ.get("KVLAB_NO_KERNEL") else _status
 
 
 def openmp_runtimes() -> list[str]:

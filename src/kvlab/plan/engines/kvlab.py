@@ -81,10 +81,11 @@ class KvlabEngine(Engine):
     def weights(self, spec: ModelSpec, quant: str | None) -> WeightsEstimate:
         """What kvlab holds. A GGUF file with no --weights-quant: its native weights (`--weights auto`, fp32 on
         CPU), i.e. the block bytes of the Q4_0/Q4_1/Q8_0 matrices kept as blocks + fp32 for every other
-        tensor — if this machine can build the block kernel (a C compiler), as `auto` would. Otherwise every tensor dequantized into the compute dtype: parameters × 4 (fp32) or × 2."""
-        from ...model.kernels import can_build
+        tensor — if the block kernel loads here (built once per machine, then cached), the same test `auto`
+        makes. Otherwise every tensor dequantized into the compute dtype: parameters × 4 (fp32) or × 2."""
+        from ...model.kernels import block_kernel
 
-        if quant is None and spec.extra.get("dtype") == "gguf" and Path(spec.source).is_file() and can_build():
+        if quant is None and spec.extra.get("dtype") == "gguf" and Path(spec.source).is_file() and block_kernel() is not None:
             from ...model.blockquant import native_weight_bytes
             from ...sources.gguf import open_gguf
 
