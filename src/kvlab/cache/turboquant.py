@@ -209,6 +209,8 @@ class TurboQuantCache(CompressedCache):
         d, dev = g.head_dim, self.device
         self.key_codes = RotatedCodes(d, config.code_bits, dev)
         self.value_codes = RotatedCodes(d, config.value_bits, dev)
+        # C lookups of 4-bit codes on CPU (model/kernels/codebook4.c); None: torch decodes (the reference)
+        self.code_kernel = _codebook4_kernel(self.device)
         self.rotations = {l: Rotation(d, _layer_seed(config.seed, l), dev) for l in self.compressed_layers}
         B, H, S = g.batch, g.n_kv_heads, self.slots
         nd = config.norm_dtype
@@ -355,22 +357,36 @@ class TurboQuantCache(CompressedCache):
     def _scores(self, layer: int, qg: torch.Tensor, n: int) -> torch.Tensor:
         weights = self._key_weights(layer)
         q_rot = self.rotations[layer].apply(qg if weights is None else qg * weights)  # (B, H, G·T, d) Π(q⊙w)
-        y_hat = self.key_codes.decode(self.k_codes[layer][:, :, :n])               # (B, H, n, d) codebook values
-        if self.config.qjl:
-            y_hat = y_hat + self._qjl_term(layer, n)                              # unbiased residual estimate
-        dots = q_rot @ y_hat.transpose(-1, -2)                                    # (B, H, G·T, n)
+        centroids = self._four_bit_centroids(self.key_codes)
+        if centroids is not None and not self.config.qjl:
+            dots = self.code_kernel.codebook4_dots(self.k_codes[layer], n, centroids, q_rot)  # (B, H, G·T, n)
+        else:
+            y_hat = self.key_codes.decode(self.k_codes[layer][:, :, :n])           # (B, H, n, d) codebook values
+            if self.config.qjl:
+                y_hat = y_hat + self._qjl_term(layer, n)                          # unbiased residual estimate
+            dots = q_rot @ y_hat.transpose(-1, -2)                                # (B, H, G·T, n)
         scores = dots * (self.k_norm[layer][:, :, None, :n].float() * self.scale)
         if self.k_offset:
             scores = scores + (qg @ self.k_offset[layer][..., None].float()) * self.scale  # (B, H, G·T, 1) q·μ
         return scores
 
     def _mix(self, layer: int, p: torch.Tensor, n: int) -> torch.Tensor:
-        y_hat = self.value_codes.decode(self.v_codes[layer][:, :, :n])             # (B, H, n, d)
         weights = p * self.v_norm[layer][:, :, None, :n].float()                  # (B, H, G·T, n)
-        out = self.rotations[layer].invert(weights @ y_hat)                        # (B, H, G·T, d)
+        centroids = self._four_bit_centroids(self.value_codes)
+        if centroids is not None:
+            mixed = self.code_kernel.codebook4_mix(self.v_codes[layer], n, centroids, weights, self.geometry.head_dim)
+        else:
+            mixed = weights @ self.value_codes.decode(self.v_codes[layer][:, :, :n])  # (B, H, G·T, d)
+        out = self.rotations[layer].invert(mixed)                                  # (B, H, G·T, d)
         if self.v_offset:
             out = out + p.sum(dim=-1, keepdim=True) * self.v_offset[layer][:, :, None].float()
         return out
+
+    def _four_bit_centroids(self, codes: "RotatedCodes") -> torch.Tensor | None:
+        """The 16 centroids when these codes are one 4-bit part and the C lookup is here, else None."""
+        if self.code_kernel is None or len(codes.parts) != 1 or codes.parts[0][2] != 4:
+            return None
+        return codes.centroids[0]
 
     def _restore(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         if layer in self._pending:
@@ -465,3 +481,12 @@ _NEUTRAL_WEIGHT_BYTE = WEIGHT_ZERO | (WEIGHT_ZERO << 4)
 def _layer_seed(seed: int, layer: int) -> int:
     """Independent, reproducible seeds per layer (layer -1: the cache-wide QJL matrix)."""
     return (seed * 1_000_003 + layer + 1) % (2**63 - 1)
+
+
+def _codebook4_kernel(device: torch.device):
+    """The C library for 4-bit codebook lookups on CPU, else None (torch decodes the codes)."""
+    if device.type != "cpu":
+        return None
+    from ..model.kernels import block_kernel
+
+    return block_kernel()

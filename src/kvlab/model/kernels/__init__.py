@@ -1,5 +1,6 @@
 """The C kernels (blockgemv.c: GEMV from GGUF blocks; decode.c: a whole decode step; intcache.c: attention
-on the int8/int4 cache's codes): compiled on first use with the system `cc`, cached, loaded with ctypes.
+on the int8/int4 cache's codes; codebook4.c: on TurboQuant's 4-bit codes): compiled on first use with the
+system `cc`, cached, loaded with ctypes.
 
 The shared library is built with `-fopenmp` and loaded after torch, so its `libgomp.so.1` resolves to
 the runtime torch already loaded (same soname): one thread pool, sized by torch.set_num_threads.
@@ -24,7 +25,7 @@ import torch
 from ...errors import ConfigError
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "blockgemv.c", HERE / "decode.c", HERE / "intcache.c")   # compiled together into one library
+SOURCES = tuple(HERE / f for f in ("blockgemv.c", "decode.c", "intcache.c", "codebook4.c"))  # one library
 HEADERS = (HERE / "blockgemv.h",)
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp")
 LIBS = ("-lm",)
@@ -87,8 +88,10 @@ class BlockKernel:
         lib.kvlab_block_omp_threads.argtypes = [i32]
         lib.kvlab_int_scores.argtypes = [i32, ptr, ptr, ptr, i32, i64, i64, i32, i32, ptr, i32, ctypes.c_float, ptr, i32]
         lib.kvlab_int_mix.argtypes = [i32, ptr, ptr, ptr, i32, i64, i64, i32, i32, ptr, i64, i32, ptr, i32]
+        lib.kvlab_codebook4_dots.argtypes = [ptr, i32, i64, i64, i32, ptr, ptr, i32, ptr, i32]
+        lib.kvlab_codebook4_mix.argtypes = [ptr, i32, i64, i64, i32, ptr, ptr, i64, i32, ptr, i32]
         for fn in (lib.kvlab_block_gemv, lib.kvlab_block_dequantize, lib.kvlab_block_omp_threads, lib.kvlab_int_scores,
-                   lib.kvlab_int_mix):
+                   lib.kvlab_int_mix, lib.kvlab_codebook4_dots, lib.kvlab_codebook4_mix):
             fn.restype = i32
 
     def gemv(self, type_name: str, blocks: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -145,6 +148,33 @@ class BlockKernel:
         if self._lib.kvlab_int_mix(bits, codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), B * H, slots, n, d, gv,
                                    p.data_ptr(), p.stride(2), nq, out.data_ptr(), torch.get_num_threads()):
             raise ConfigError(f"integer-cache mix refused int{bits} codes of shape {tuple(codes.shape)}")
+        return out
+
+    def codebook4_dots(self, codes: torch.Tensor, n: int, centroids: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """q_rot · c[code[t]] for 4-bit codebook codes (codebook4.c). codes (B, H, slots, d/2) uint8,
+        centroids (16,) fp32, q (B, H, nq, d) fp32 -> (B, H, nq, n) fp32."""
+        B, H, slots, _ = codes.shape
+        nq, d = q.shape[2], q.shape[3]
+        q, centroids = q.contiguous(), centroids.contiguous()
+        out = torch.empty(B, H, nq, n, dtype=torch.float32)
+        if not codes.is_contiguous() or centroids.numel() != 16 or self._lib.kvlab_codebook4_dots(
+                codes.data_ptr(), B * H, slots, n, d, centroids.data_ptr(), q.data_ptr(), nq, out.data_ptr(), torch.get_num_threads()):
+            raise ConfigError(f"4-bit codebook scores refused codes of shape {tuple(codes.shape)}")
+        return out
+
+    def codebook4_mix(self, codes: torch.Tensor, n: int, centroids: torch.Tensor, w: torch.Tensor, d: int) -> torch.Tensor:
+        """Σ_t w[..., t] · c[code[t]] for 4-bit codebook codes (codebook4.c). codes (B, H, slots, d/2) uint8,
+        w (B, H, nq, n) fp32 -> (B, H, nq, d) fp32."""
+        B, H, slots, _ = codes.shape
+        nq = w.shape[2]
+        if w.stride(-1) != 1 or w.stride(2) * nq != w.stride(1) or w.stride(1) * H != w.stride(0):
+            w = w.contiguous()
+        centroids = centroids.contiguous()
+        out = torch.empty(B, H, nq, d, dtype=torch.float32)
+        if not codes.is_contiguous() or centroids.numel() != 16 or self._lib.kvlab_codebook4_mix(
+                codes.data_ptr(), B * H, slots, n, d, centroids.data_ptr(), w.data_ptr(), w.stride(2), nq, out.data_ptr(),
+                torch.get_num_threads()):
+            raise ConfigError(f"4-bit codebook mix refused codes of shape {tuple(codes.shape)}")
         return out
 
     def openmp_threads(self, n: int) -> int:
