@@ -29,6 +29,7 @@ from kvlab.eval.perplexity import WindowProtocol, run_window
 from kvlab.eval.plot import plot_quality
 from kvlab.eval.suite import corpus_windows, perplexity_suite
 from kvlab.generate import generate
+from kvlab.model.fused import fused_step_off
 from kvlab.session import cached_model
 
 OUT = Path(__file__).parent / "results" / "compression.json"
@@ -91,20 +92,16 @@ def part_speed(loaded) -> dict:
     """Each cache with the engine's default step; `dense (modules)` is the dense cache with the fused
     decode step switched off (the path every compressed cache takes), so caches and steps both show."""
     model, config = loaded.model, loaded.config
-    fused = model.fused
-    runs = {name: (name, fused) for name in SPEED_CACHES} | {"dense (modules)": ("dense", None)}
+    runs = {name: (name, False) for name in SPEED_CACHES} | {"dense (modules)": ("dense", True)}  # label: (cache, step off)
     results = {}
     for context in (512, 4096):
         prompt = torch.randint(100, 10000, (1, context), generator=torch.Generator().manual_seed(0))
         times: dict[str, list[float]] = {label: [] for label in runs}
         for _ in range(3):
-            for label, (name, step) in runs.items():  # interleaved: the machine's noise hits every cache alike
+            for label, (name, off) in runs.items():  # interleaved: the machine's noise hits every cache alike
                 cache = make_cache(name, CacheGeometry.for_model(config, 1, context + 33))
-                model.fused = step
-                try:
+                with fused_step_off(model, off):
                     result = generate(model, prompt, cache, 33, chunk_size=256)
-                finally:
-                    model.fused = fused
                 times[label].append(result.decode_tokens_per_s)
         results[str(context)] = {n: round(statistics.median(v), 2) for n, v in times.items()}
         print(context, results[str(context)], flush=True)

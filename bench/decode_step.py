@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from kvlab.cache import CacheGeometry, make_cache  # noqa: E402
 from kvlab.measure import read_bandwidth_gb_s  # noqa: E402
+from kvlab.model.fused import fused_step_off  # noqa: E402
 from kvlab.model.kernels import block_kernel  # noqa: E402
 from kvlab.session import cached_model  # noqa: E402
 
@@ -73,8 +74,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     loaded = cached_model(None, "fp32", "cpu", "native")
-    model, fused, kernel = loaded.model, loaded.model.fused, block_kernel()
-    if fused is None or kernel is None:
+    model, kernel = loaded.model, block_kernel()
+    if model.fused is None or kernel is None:
         sys.exit("needs the C kernels (a C compiler) for native weights and the fused step")
     rows = []
     with torch.inference_mode():
@@ -83,13 +84,10 @@ def main() -> None:
             model(torch.randint(100, 10000, (1, context)), cache)        # real K/V in the first `context` slots
             fused_ms, module_ms, gemv_share = [], [], []
             for _ in range(3):
-                model.fused = fused
                 fused_ms.append(step_ms(model, cache, context))
-                model.fused = None
-                with GemvClock(kernel) as clock:
+                with fused_step_off(model), GemvClock(kernel) as clock:
                     module_ms.append(step_ms(model, cache, context))
                 gemv_share.append(clock.seconds * 1e3 / STEPS / module_ms[-1])
-            model.fused = fused
             kv_mb = 2 * loaded.config.n_layers * loaded.config.n_kv_heads * loaded.config.head_dim * 4 * context / 1e6
             row = {"context": context, "kv_mb_read": round(kv_mb, 1), "fused_ms": round(min(fused_ms), 2),
                    "modules_ms": round(min(module_ms), 2), "modules_gemv_share": round(statistics.median(gemv_share), 2)}

@@ -13,7 +13,7 @@ from kvlab.cache import CacheGeometry, make_cache
 from kvlab.errors import CacheCapacityError, NonFiniteError
 from kvlab.model import kernels
 from kvlab.model.blockquant import BlockMatrix
-from kvlab.model.fused import FusedDecodeStep, fused_decode_step
+from kvlab.model.fused import FusedDecodeStep, decode_step_kind, fused_decode_step, fused_step_off
 from kvlab.model.loader import install_blocks
 
 from .conftest import tiny_model
@@ -199,18 +199,16 @@ def test_smollm2_fused_greedy_equals_modules(smollm2):
 
     model = smollm2.model
     ids = torch.tensor([smollm2.tokenizer.encode("Once upon a time, in a small village,")])
-    step = model.fused
     results = []
-    try:
-        for fused in (step, None):
-            model.fused = fused
+    for off in (False, True):
+        with fused_step_off(model, off):
             cache = make_cache("dense", CacheGeometry.for_model(smollm2.config, capacity=ids.shape[1] + 65))
+            assert decode_step_kind(model, cache) == ("modules" if off else "fused")
             tokens = generate(model, ids, cache, 64).token_ids[0]
             with torch.no_grad():
                 last = model(torch.tensor([[tokens[-1]]]), cache)
-            results.append((tokens, last))
-    finally:
-        model.fused = step
+        results.append((tokens, last))
+    assert isinstance(model.fused, FusedDecodeStep)   # put back
     assert results[0][0] == results[1][0]
     assert (results[0][1] - results[1][1]).abs().max().item() < 1e-4
 

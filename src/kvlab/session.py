@@ -14,6 +14,7 @@ from .cache import CacheGeometry, describe_formula, expected_nbytes, make_cache
 from .errors import ConfigError
 from .generate import GenerationResult, SamplingConfig, generate
 from .model.loader import LoadedModel, load_model, parse_dtype
+from .model.fused import decode_step_kind
 from .model.tokenizer import StreamDecoder
 
 
@@ -94,9 +95,8 @@ def run_generation(
     prompt_ids = torch.tensor([ids], device=loaded.device)
     result = generate(loaded.model, prompt_ids, kv, max_new_tokens, sampling, loaded.tokenizer.eos_ids, chunk_size, on_token)
     text = loaded.tokenizer.decode(result.token_ids[0], skip_special=True)
-    fused = loaded.model.fused is not None and loaded.model.fused.serves(kv)
     return GenerationRun(text=text, cache_name=cache, result=result, weights=loaded.weights,
-                         decode_step="fused" if fused else "modules")
+                         decode_step=decode_step_kind(loaded.model, kv))
 
 
 INFO_CACHES = ("dense", "int8", "int4", "tq4", "tq3.5", "tq3", "tq2.5", "tq-k4v3")

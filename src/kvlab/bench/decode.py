@@ -29,6 +29,7 @@ from rich.table import Table
 from ..cache import CacheGeometry, DenseCache, make_cache
 from ..errors import ConfigError
 from ..generate import generate
+from ..model.fused import decode_step_kind, fused_step_off
 from ..session import cached_model
 from ..measure import machine_info, read_bandwidth_gb_s, torch_threads
 
@@ -66,18 +67,16 @@ class _FirstTokenClock:
 
 
 def _time_kvlab(loaded, prompt, cache_name, new_tokens, fused: bool = True):
-    """`fused=False`: the same model with its fused decode step switched off (each layer's modules run)."""
+    """(tokens/s, decode tokens/s, the decode step that ran). `fused=False`: the same model with its fused
+    decode step switched off (each layer's modules run)."""
     geometry = CacheGeometry.for_model(loaded.config, capacity=prompt.shape[1] + new_tokens)
     cache = make_cache(cache_name, geometry, dtype=loaded.dtype)
-    step = loaded.model.fused
-    loaded.model.fused = step if fused else None
-    try:
+    with fused_step_off(loaded.model, off=not fused):
         start = time.perf_counter()
         result = generate(loaded.model, prompt, cache, new_tokens)
         total = time.perf_counter() - start
-    finally:
-        loaded.model.fused = step
-    return new_tokens / total, result.decode_tokens_per_s
+        step = decode_step_kind(loaded.model, cache)
+    return new_tokens / total, result.decode_tokens_per_s, step
 
 
 def _time_transformers(hf_model, prompt, use_cache, new_tokens):
@@ -89,17 +88,10 @@ def _time_transformers(hf_model, prompt, use_cache, new_tokens):
     end = time.perf_counter()
     produced = out.shape[1] - prompt.shape[1]
     decode_rate = (produced - 1) / (end - clock.first_token_time) if clock.first_token_time else 0.0
-    return produced / (end - start), decode_rate
+    return produced / (end - start), decode_rate, "-"
 
 
 ENGINES = ("kvlab", "kvlab-unfused", "kvlab-dense-weights", "transformers")
-
-
-def _step_kind(loaded, engine: str, cache: str) -> str:
-    if loaded is None:
-        return "-"
-    fused = engine != "kvlab-unfused" and loaded.model.fused is not None and cache == "dense"
-    return "fused" if fused else "modules"
 
 
 def _run_contender(contender, models, hf_model, prompt, new_tokens):
@@ -152,7 +144,7 @@ def _run(model, prompt_tokens, new_tokens, dtypes, repeats, contenders, out, jso
                 models["kvlab-dense-weights"] = cached_model(model, dtype_name, "cpu", "dense")
             hf = _load_transformers(loaded.path, loaded.dtype) if any(c.startswith("transformers") for c in contenders) else None
             prompt = torch.randint(100, loaded.config.vocab_size - 100, (1, prompt_tokens))
-            models["kvlab-unfused"] = loaded
+            models["kvlab-unfused"] = loaded  # the same model, run with its fused step off
             weight_bytes = {engine: m.weight_bytes for engine, m in models.items()}
             weights_held = {engine: m.weights for engine, m in models.items()}
             if hf is not None:
@@ -180,7 +172,7 @@ def _run(model, prompt_tokens, new_tokens, dtypes, repeats, contenders, out, jso
                     decode_tokens_per_s=decode_rate, runs=len(samples[contender]),
                     kv_bytes_read_per_step=kv_read, weight_bytes=weight_bytes[engine],
                     bandwidth_gb_s=(weight_bytes[engine] + kv_read) * decode_rate / 1e9 if cache != "none" else 0.0,
-                    step=_step_kind(models.get(engine), engine, cache),
+                    step=samples[contender][-1][2],
                 ))
     bandwidth = max(bandwidths)
     for r in results:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from contextlib import contextmanager
 from ctypes import POINTER, c_float, c_int32, c_int64, c_void_p
 
 import torch
@@ -140,3 +141,19 @@ def fused_decode_step(model: nn.Module) -> FusedDecodeStep | None:
         return FusedDecodeStep(model, kernel._lib)
     except ConfigError:
         return None
+
+
+@contextmanager
+def fused_step_off(model: nn.Module, off: bool = True):
+    """Run the block with the model's fused step switched off (when `off`), then put it back."""
+    step = model.fused
+    model.fused = None if off else step
+    try:
+        yield
+    finally:
+        model.fused = step
+
+
+def decode_step_kind(model: nn.Module, cache) -> str:
+    """"fused" when this model decodes into this cache with the fused step, else "modules"."""
+    return "fused" if model.fused is not None and model.fused.serves(cache) else "modules"
