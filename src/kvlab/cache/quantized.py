@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import ConfigError, NonFiniteError
+from ..model.kernels import kernel_for
 from .base import CacheGeometry, tensors_nbytes
 from .compressed import CompressedCache, FullPrecision, ceil_div
 from .packing import pack, packed_nbytes, unpack
@@ -79,7 +80,7 @@ class QuantizedCache(CompressedCache):
         self.v_codes = {l: torch.zeros(B, H, S, packed_nbytes(g.head_dim_v, b), dtype=torch.uint8, device=dev) for l in self.compressed_layers}
         self.v_scale = {l: torch.zeros(B, H, S, n_vg, dtype=_META, device=dev) for l in self.compressed_layers}
         self.v_zero = {l: torch.zeros(B, H, S, n_vg, dtype=_META, device=dev) for l in self.compressed_layers}
-        self.code_kernel = _code_kernel(self.device, b)
+        self.code_kernel = kernel_for(self.device) if b in (4, 8) else None
 
     # -- storing ------------------------------------------------------------------------------------
     def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
@@ -176,15 +177,6 @@ class QuantizedCache(CompressedCache):
         return (f"per key vector: {g.head_dim}×{b}-bit codes + fp16 scale+zero per channel per {G} tokens = {k_vec:g} B; "
                 f"per value vector: {g.head_dim_v}×{b}-bit codes + fp16 scale+zero per {Gv} channels = {v_vec:g} B; "
                 f"plus a stage of {G} full-precision keys per layer and head")
-
-
-def _code_kernel(device: torch.device, bits: int):
-    """The C library when it can read these codes here (CPU, 8 or 4 bits), else None (torch path)."""
-    if device.type != "cpu" or bits not in (4, 8):
-        return None
-    from ..model.kernels import block_kernel
-
-    return block_kernel()
 
 
 def _affine(lo: torch.Tensor, hi: torch.Tensor, bits: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -55,6 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError, NonFiniteError
+from ..model.kernels import kernel_for
 from .base import CacheGeometry, tensors_nbytes
 from .codebook import lloyd_max
 from .compressed import CompressedCache, FullPrecision
@@ -210,7 +211,7 @@ class TurboQuantCache(CompressedCache):
         self.key_codes = RotatedCodes(d, config.code_bits, dev)
         self.value_codes = RotatedCodes(d, config.value_bits, dev)
         # C lookups of 4-bit codes on CPU (model/kernels/codebook4.c); None: torch decodes (the reference)
-        self.code_kernel = _codebook4_kernel(self.device)
+        self.code_kernel = kernel_for(self.device)
         self.rotations = {l: Rotation(d, _layer_seed(config.seed, l), dev) for l in self.compressed_layers}
         B, H, S = g.batch, g.n_kv_heads, self.slots
         nd = config.norm_dtype
@@ -482,11 +483,3 @@ def _layer_seed(seed: int, layer: int) -> int:
     """Independent, reproducible seeds per layer (layer -1: the cache-wide QJL matrix)."""
     return (seed * 1_000_003 + layer + 1) % (2**63 - 1)
 
-
-def _codebook4_kernel(device: torch.device):
-    """The C library for 4-bit codebook lookups on CPU, else None (torch decodes the codes)."""
-    if device.type != "cpu":
-        return None
-    from ..model.kernels import block_kernel
-
-    return block_kernel()

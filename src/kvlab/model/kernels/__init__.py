@@ -142,8 +142,7 @@ class BlockKernel:
         (rows may be strided, the last dim must be contiguous) -> (B, H, nq, d) fp32."""
         B, H, slots, _ = codes.shape
         nq, gv = p.shape[2], d // scale.shape[-1]
-        if p.stride(-1) != 1 or p.stride(2) * nq != p.stride(1) or p.stride(1) * H != p.stride(0):
-            p = p.contiguous()
+        p = _evenly_strided_rows(p)
         out = torch.empty(B, H, nq, d, dtype=torch.float32)
         if self._lib.kvlab_int_mix(bits, codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), B * H, slots, n, d, gv,
                                    p.data_ptr(), p.stride(2), nq, out.data_ptr(), torch.get_num_threads()):
@@ -167,8 +166,7 @@ class BlockKernel:
         w (B, H, nq, n) fp32 -> (B, H, nq, d) fp32."""
         B, H, slots, _ = codes.shape
         nq = w.shape[2]
-        if w.stride(-1) != 1 or w.stride(2) * nq != w.stride(1) or w.stride(1) * H != w.stride(0):
-            w = w.contiguous()
+        w = _evenly_strided_rows(w)
         centroids = centroids.contiguous()
         out = torch.empty(B, H, nq, d, dtype=torch.float32)
         if not codes.is_contiguous() or centroids.numel() != 16 or self._lib.kvlab_codebook4_mix(
@@ -190,6 +188,15 @@ def block_kernel() -> BlockKernel | None:
     return _loaded_kernel()
 
 
+def _evenly_strided_rows(p: torch.Tensor) -> torch.Tensor:
+    """p (B, H, nq, n) as the C code reads it: contiguous rows of n, row r at r × p.stride(2) (a slice of
+    the last dim of a contiguous tensor qualifies as is); anything else is copied."""
+    B, H, nq, _ = p.shape
+    if p.stride(-1) != 1 or p.stride(2) * nq != p.stride(1) or p.stride(1) * H != p.stride(0):
+        return p.contiguous()
+    return p
+
+
 @functools.lru_cache(maxsize=1)
 def _loaded_kernel() -> BlockKernel | None:
     global _status
@@ -207,6 +214,11 @@ def _loaded_kernel() -> BlockKernel | None:
         return None
     _status = f"loaded {target}"
     return BlockKernel(lib, target)
+
+
+def kernel_for(device: torch.device) -> BlockKernel | None:
+    """The library for tensors on `device`: CPU only (the caches' code kernels), else None."""
+    return block_kernel() if device.type == "cpu" else None
 
 
 def kernel_status() -> str:
