@@ -42,30 +42,9 @@ static int block_bytes(int type) {
     }
 }
 
+/* the little-endian fp16 at p */
 static inline float fp16_to_fp32(const uint8_t *p) {
-    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
-#ifdef __F16C__
-    return _cvtsh_ss(h);
-#else
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-    uint32_t exp = (h >> 10) & 0x1fu;
-    uint32_t man = h & 0x3ffu;
-    uint32_t bits;
-    if (exp == 0x1f) {                      /* inf / nan */
-        bits = sign | 0x7f800000u | (man << 13);
-    } else if (exp != 0) {                  /* normal */
-        bits = sign | ((exp + 112) << 23) | (man << 13);
-    } else if (man == 0) {                  /* zero */
-        bits = sign;
-    } else {                                /* subnormal: normalize */
-        int e = -1;
-        do { man <<= 1; e++; } while ((man & 0x400u) == 0);
-        bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ffu) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-#endif
+    return kvlab_fp16_to_fp32((uint16_t)(p[0] | (p[1] << 8)));
 }
 
 /* sum of each 32-element block of x: (cols / 32,) */

@@ -1,8 +1,12 @@
-/* The block GEMV's row kernels, shared by blockgemv.c (one matrix-vector product per call) and decode.c
- * (a whole decode step per call). */
+/* What the library's C sources share: the block GEMV's row kernels (blockgemv.c, used by decode.c for a
+ * whole decode step per call) and the fp16 -> fp32 conversion (blockgemv.c, intcache.c). */
 #ifndef KVLAB_BLOCKGEMV_H
 #define KVLAB_BLOCKGEMV_H
 #include <stdint.h>
+#include <string.h>
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
 
 enum { F32 = 0, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };   /* GGML type ids */
 #define QK 32                                      /* weights per block */
@@ -13,4 +17,30 @@ int kvlab_block_bytes(int type);
 void kvlab_block_sums(const float *x, int64_t cols, float *sums);
 /* one row of `nblocks` blocks . x; xsum from kvlab_block_sums (unused by Q8_0) */
 float kvlab_block_row_dot(int type, const uint8_t *row, const float *x, const float *xsum, int64_t nblocks);
+
+/* IEEE half -> float, exact for every bit pattern (subnormals, inf, nan): F16C when the CPU has it */
+static inline float kvlab_fp16_to_fp32(uint16_t h) {
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu;
+    uint32_t man = h & 0x3ffu;
+    uint32_t bits;
+    if (exp == 0x1f) {                      /* inf / nan */
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {                  /* normal */
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man == 0) {                  /* zero */
+        bits = sign;
+    } else {                                /* subnormal: normalize */
+        int e = -1;
+        do { man <<= 1; e++; } while ((man & 0x400u) == 0);
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ffu) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
+}
 #endif

@@ -13,28 +13,11 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__F16C__) || defined(__AVX512F__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
-static inline float half_to_float(uint16_t h) {
-#ifdef __F16C__
-    return _cvtsh_ss(h);
-#else
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
-    if (exp == 0x1f) bits = sign | 0x7f800000u | (man << 13);
-    else if (exp != 0) bits = sign | ((exp + 112) << 23) | (man << 13);
-    else if (man == 0) bits = sign;
-    else {
-        int e = -1;
-        do { man <<= 1; e++; } while ((man & 0x400u) == 0);
-        bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ffu) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-#endif
-}
+#include "blockgemv.h"
 
 /* code c of a packed row */
 static inline float code_at(const uint8_t *row, int bits, int c) {
@@ -106,8 +89,8 @@ int kvlab_int_scores(int bits, const uint8_t *codes, const uint16_t *scale, cons
                     float base = 0.0f;
                     for (int c = 0; c < d; c++) {   /* int4: even channels first, then odd (see code_dot) */
                         const int to = bits == 8 ? c : (c & 1) * (d / 2) + c / 2;
-                        folded[to] = qi[c] * half_to_float(scale[at + c]);
-                        base += qi[c] * half_to_float(zero[at + c]);
+                        folded[to] = qi[c] * kvlab_fp16_to_fp32(scale[at + c]);
+                        base += qi[c] * kvlab_fp16_to_fp32(zero[at + c]);
                     }
                     const int64_t end = g0 + group < n ? g0 + group : n;
                     for (int64_t t = g0; t < end; t++)
@@ -129,8 +112,8 @@ static void mix_group(int bits, const uint8_t *rows, int row_bytes, const uint16
         __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
         const __m512i low4 = _mm512_set1_epi32(0x0f);
         for (int64_t t = 0; t < n; t++) {
-            const __m512 w = _mm512_set1_ps(p[t] * half_to_float(scale[t * meta_stride]));
-            shift += p[t] * half_to_float(zero[t * meta_stride]);
+            const __m512 w = _mm512_set1_ps(p[t] * kvlab_fp16_to_fp32(scale[t * meta_stride]));
+            shift += p[t] * kvlab_fp16_to_fp32(zero[t * meta_stride]);
             if (bits == 8) {
                 const uint8_t *q = rows + t * row_bytes + c0;
                 acc0 = _mm512_fmadd_ps(w, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q))), acc0);
@@ -158,8 +141,8 @@ static void mix_group(int bits, const uint8_t *rows, int row_bytes, const uint16
 #endif
     for (int c = 0; c < gv; c++) out[c] = 0.0f;
     for (int64_t t = 0; t < n; t++) {
-        const float w = p[t] * half_to_float(scale[t * meta_stride]);
-        shift += p[t] * half_to_float(zero[t * meta_stride]);
+        const float w = p[t] * kvlab_fp16_to_fp32(scale[t * meta_stride]);
+        shift += p[t] * kvlab_fp16_to_fp32(zero[t * meta_stride]);
         const uint8_t *row = rows + t * row_bytes;
         for (int c = 0; c < gv; c++) out[c] += w * code_at(row, bits, c0 + c);
     }
