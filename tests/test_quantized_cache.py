@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-from .compressed_checks import (GEOMETRY, check_attend_is_exact_to_storage, check_nbytes, check_non_finite_is_a_one_line_error,
-                              feed, relative_error)
+from .compressed_checks import (GEOMETRY, check_attend_is_exact_to_storage, check_code_kernel_equals_the_torch_path, check_nbytes,
+                              check_non_finite_is_a_one_line_error, feed, relative_error)
 
 from kvlab.cache import CacheGeometry, DenseCache, cache_names, describe_formula, expected_nbytes, make_cache
 from kvlab.cache.names import parse
@@ -108,20 +108,5 @@ def test_names_round_trip_and_errors():
 
 @pytest.mark.parametrize("name", ["int8", "int4", "int4+g64", "int8+g16", "int4+sink2+recent8"])
 def test_code_kernel_equals_the_torch_path(name):
-    """Attention straight from the packed codes (C) against dequantize-then-matmul (torch): batch 2, GQA,
-    a prompt that leaves a key group open, then single tokens and a chunk, every layer."""
-    geometry = CacheGeometry(n_layers=2, n_kv_heads=2, head_dim=64, batch=2, capacity=128, n_heads=6)
-    direct, reference = make_cache(name, geometry), make_cache(name, geometry)
-    if direct.code_kernel is None:
-        pytest.skip("no C kernel here")
-    reference.code_kernel = None
-    gen = torch.Generator().manual_seed(11)
-    for T in (45, 1, 1, 7, 1):
-        for layer in range(2):
-            k, v = torch.randn(2, 2, T, 64, generator=gen), torch.randn(2, 2, T, 64, generator=gen)
-            q = torch.randn(2, 6, T, 64, generator=gen)
-            direct.append(layer, k, v)
-            reference.append(layer, k, v)
-            got, want = direct.attend(layer, q), reference.attend(layer, q)
-            assert (got - want).abs().max().item() < 1e-5
-    assert direct.nbytes == reference.nbytes
+    """Attention straight from the packed integer codes (C) against dequantize-then-matmul (torch)."""
+    check_code_kernel_equals_the_torch_path(name, seed=11)

@@ -12,8 +12,8 @@ from kvlab.errors import ConfigError, NonFiniteError
 
 from kvlab.cache.attention import grouped_attention
 
-from .compressed_checks import (GEOMETRY, check_attend_is_exact_to_storage, check_nbytes, check_non_finite_is_a_one_line_error,
-                              feed, relative_error)
+from .compressed_checks import (GEOMETRY, check_attend_is_exact_to_storage, check_code_kernel_equals_the_torch_path, check_nbytes,
+                              check_non_finite_is_a_one_line_error, feed, relative_error)
 
 SMOLLM2 = CacheGeometry(n_layers=30, n_kv_heads=3, head_dim=64, capacity=511, n_heads=9)
 PAPER_MSE = {1: 0.36, 2: 0.117, 3: 0.034, 4: 0.009}
@@ -243,19 +243,6 @@ def test_two_appends_before_any_read_stay_exact():
 
 @pytest.mark.parametrize("name", ["tq4", "tq4+sink1", "tq-k4v3", "tq4+kweights=none", "tq4+center=kv"])
 def test_four_bit_code_lookups_equal_the_torch_path(name):
-    """4-bit codes scored and mixed by C table lookups against torch's decode-then-matmul: batch 2, GQA, a
-    prompt, single tokens and a chunk, every layer (tq-k4v3: keys in C, 3-bit values in torch)."""
-    geometry = CacheGeometry(n_layers=2, n_kv_heads=2, head_dim=64, batch=2, capacity=128, n_heads=6)
-    direct, reference = make_cache(name, geometry), make_cache(name, geometry)
-    if direct.code_kernel is None:
-        pytest.skip("no C kernel here")
-    reference.code_kernel = None
-    gen = torch.Generator().manual_seed(12)
-    for T in (45, 1, 1, 7, 1):
-        for layer in range(2):
-            k, v = torch.randn(2, 2, T, 64, generator=gen), torch.randn(2, 2, T, 64, generator=gen)
-            q = torch.randn(2, 6, T, 64, generator=gen)
-            direct.append(layer, k, v)
-            reference.append(layer, k, v)
-            assert (direct.attend(layer, q) - reference.attend(layer, q)).abs().max().item() < 1e-5
-    assert direct.nbytes == reference.nbytes
+    """4-bit codes scored and mixed by C table lookups against torch's decode-then-matmul (tq-k4v3: keys in C,
+    3-bit values in torch)."""
+    check_code_kernel_equals_the_torch_path(name, seed=12)
