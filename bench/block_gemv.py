@@ -19,7 +19,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from kvlab.model.kernels import BLOCK_TYPES, block_kernel, kernel_status  # noqa: E402
+from kvlab.kernels import BLOCK_TYPES, block_kernel, kernel_status  # noqa: E402
 
 OUT = ROOT / "bench" / "results" / "block_gemv.json"
 SHAPES = [(960, 576), (3072, 576), (576, 1536), (49152, 576)]   # q|k|v, gate|up, down, vocab head (rows, cols)

@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from kvlab.cache import CacheGeometry, make_cache  # noqa: E402
 from kvlab.measure import read_bandwidth_gb_s  # noqa: E402
 from kvlab.model.fused import fused_step_off  # noqa: E402
-from kvlab.model.kernels import block_kernel  # noqa: E402
+from kvlab.kernels import block_kernel  # noqa: E402
 from kvlab.session import cached_model  # noqa: E402
 
 OUT = ROOT / "bench" / "results" / "decode_step.json"

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType, quants
 
 from kvlab.errors import ConfigError, ModelFileError
-from kvlab.model import kernels
+from kvlab import kernels
 from kvlab.model.blockquant import BlockMatrix, BlockQuantEmbedding, BlockQuantLinear, _dequantize_torch
 
 TYPES = ["Q4_0", "Q4_1", "Q8_0"]

@@ -96,7 +96,7 @@ def test_cli_generate_json(smollm2):
     assert record["new_tokens"] == 3 and record["prompt_tokens"] == 5
     assert record["cache_bytes"] == 2 * 30 * 3 * 64 * 4 * (5 + 3)
     assert "Paris" in record["text"]
-    from kvlab.model.kernels import block_kernel
+    from kvlab.kernels import block_kernel
 
     expected = ("native", "fused") if block_kernel() is not None else ("dense", "modules")  # no C compiler: modules
     assert (record["weights"], record["decode_step"]) == expected

@@ -6,7 +6,7 @@ x ≈ zero + code·scale with code in [0, 2^b), scale = (max - min)/(2^b - 1), z
           spending the range of the others);
   values  per token: one (scale, zero) per group of G channels of one token.
 Codes are bit-packed (int4: two per byte). On CPU, int8 and int4 attention reads the packed codes
-directly in C (kvlab/model/kernels/intcache.c: scores fold the query into each key group's scales,
+directly in C (kvlab/kernels/intcache.c: scores fold the query into each key group's scales,
 the mix folds the probabilities into each value group's) instead of dequantizing the cache with
 torch ops every step; `code_kernel = None` selects the torch path (the reference). A key group is quantized over the tokens it holds so
 far; until it is complete, the original keys of its tokens are also kept (the "stage", G tokens ×
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import ConfigError, NonFiniteError
-from ..model.kernels import kernel_for
+from ..kernels import kernel_for
 from .base import CacheGeometry, tensors_nbytes
 from .compressed import CompressedCache, FullPrecision, ceil_div
 from .packing import pack, packed_nbytes, unpack

@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError, NonFiniteError
-from ..model.kernels import kernel_for
+from ..kernels import kernel_for
 from .base import CacheGeometry, tensors_nbytes
 from .codebook import lloyd_max
 from .compressed import CompressedCache, FullPrecision
@@ -210,7 +210,7 @@ class TurboQuantCache(CompressedCache):
         d, dev = g.head_dim, self.device
         self.key_codes = RotatedCodes(d, config.code_bits, dev)
         self.value_codes = RotatedCodes(d, config.value_bits, dev)
-        # C lookups of 4-bit codes on CPU (model/kernels/codebook4.c); None: torch decodes (the reference)
+        # C lookups of 4-bit codes on CPU (kernels/codebook4.c); None: torch decodes (the reference)
         self.code_kernel = kernel_for(self.device)
         self.rotations = {l: Rotation(d, _layer_seed(config.seed, l), dev) for l in self.compressed_layers}
         B, H, S = g.batch, g.n_kv_heads, self.slots

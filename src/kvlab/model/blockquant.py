@@ -2,7 +2,7 @@
 
 A BlockMatrix is a (rows, cols) weight kept as its GGUF bytes: `data` (rows, row_bytes) uint8, each row
 cols / 32 consecutive blocks. BlockQuantLinear multiplies one fp32 row straight from the blocks with the C
-kernel (kvlab.model.kernels), reading ~5-8.5 bits per weight instead of 32; anything else (prefill,
+kernel (kvlab.kernels), reading ~5-8.5 bits per weight instead of 32; anything else (prefill,
 no kernel) dequantizes to fp32 and uses F.linear. The weight values are the file's, exactly: only the
 fp32 summation order of the GEMV differs from the dense path.
 
@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import ConfigError, ModelFileError
-from .kernels import BLOCK_TYPES, block_kernel
+from ..kernels import BLOCK_TYPES, block_kernel
 from .weights import _LAYER_NAMES, GGUF, unpermute_rope_rows
 
 

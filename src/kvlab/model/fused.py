@@ -21,7 +21,7 @@ import torch.nn as nn
 from ..cache.dense import DenseCache
 from ..errors import ConfigError, NonFiniteError
 from .blockquant import BlockQuantLinear
-from .kernels import BLOCK_TYPES, block_kernel
+from ..kernels import BLOCK_TYPES, block_kernel
 
 F32 = 0  # GGML type id of plain fp32 rows
 

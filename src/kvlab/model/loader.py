@@ -69,7 +69,7 @@ def resolve_weights(weights: str, path: Path, dtype: torch.dtype, device: str) -
     if weights == "native" and not native_ok:
         raise ConfigError("--weights native needs a GGUF file run in fp32 on CPU; use --weights dense")
     if weights == "auto":
-        from .kernels import block_kernel
+        from ..kernels import block_kernel
 
         return "native" if native_ok and block_kernel() is not None else "dense"
     return weights

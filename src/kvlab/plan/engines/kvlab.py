@@ -83,7 +83,7 @@ class KvlabEngine(Engine):
         CPU), i.e. the block bytes of the Q4_0/Q4_1/Q8_0 matrices kept as blocks + fp32 for every other
         tensor — if the block kernel loads here (built once per machine, then cached), the same test `auto`
         makes. Otherwise every tensor dequantized into the compute dtype: parameters × 4 (fp32) or × 2."""
-        from ...model.kernels import block_kernel
+        from ...kernels import block_kernel
 
         if quant is None and spec.extra.get("dtype") == "gguf" and Path(spec.source).is_file() and block_kernel() is not None:
             from ...model.blockquant import native_weight_bytes

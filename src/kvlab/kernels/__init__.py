@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ...errors import ConfigError
+from ..errors import ConfigError
 
 HERE = Path(__file__).parent
 SOURCES = tuple(HERE / f for f in ("blockgemv.c", "decode.c", "intcache.c", "codebook4.c"))  # one library
@@ -52,7 +52,7 @@ def _compiler() -> str | None:
 
 def library_path(compiler: str) -> Path:
     """Where the build for this source, compiler, flags and CPU lives (kvlab's cache folder)."""
-    from ..weights import cache_dir
+    from ..model.weights import cache_dir
 
     texts = [p.read_text() for p in (*SOURCES, *HEADERS)]
     key = "\n".join([*texts, compiler, " ".join(FLAGS), _cpu_fingerprint(), platform.machine()])
