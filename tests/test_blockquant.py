@@ -19,6 +19,7 @@ from gguf import GGMLQuantizationType, quants
 from kvlab.errors import ConfigError, ModelFileError
 from kvlab import kernels
 from kvlab.model.blockquant import BlockMatrix, BlockQuantEmbedding, BlockQuantLinear, _dequantize_torch
+from .kernel_checks import require_kernel
 
 TYPES = ["Q4_0", "Q4_1", "Q8_0"]
 SHAPES = [(1, 32), (3, 64), (7, 96), (33, 576), (577, 1536)]  # odd row counts: not divisible by the thread count
@@ -55,10 +56,7 @@ def reference(block_type: str, data: torch.Tensor, cols: int) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def kernel():
-    k = kernels.block_kernel()
-    if k is None:
-        pytest.skip(f"no block kernel here: {kernels.kernel_status()}")
-    return k
+    return require_kernel()
 
 
 @pytest.mark.parametrize("block_type", TYPES)

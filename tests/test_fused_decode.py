@@ -15,6 +15,7 @@ from kvlab import kernels
 from kvlab.model.blockquant import BlockMatrix
 from kvlab.model.fused import FusedDecodeStep, decode_step_kind, fused_decode_step, fused_step_off
 from kvlab.model.loader import install_blocks
+from .kernel_checks import require_kernel
 
 from .conftest import tiny_model
 
@@ -33,10 +34,7 @@ CONFIGS = {
 
 @pytest.fixture(scope="module", autouse=True)
 def kernel():
-    k = kernels.block_kernel()
-    if k is None:
-        pytest.skip(f"no C kernel here: {kernels.kernel_status()}")
-    return k
+    return require_kernel()
 
 
 class CountingStep:

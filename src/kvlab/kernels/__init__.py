@@ -6,6 +6,14 @@ The shared library is built with `-fopenmp` and loaded after torch, so its `libg
 the runtime torch already loaded (same soname): one thread pool, sized by torch.set_num_threads.
 Without a compiler, or if the build fails, `block_kernel()` returns None and `kernel_status()` says why;
 callers then use dequantized fp32 weights.
+
+The cached library is built under a temporary name and renamed into place (atomic), with its size and
+sha256 recorded beside it (`<name>.so.sha256`); a library that does not match its record (a torn or
+damaged file) is rebuilt before it is ever mapped. A cache folder that cannot be written or read
+falls back, with one warning line, to a private temporary folder.
+
+Every wrapper below checks the dtype, shape, contiguity and length of each buffer against the sizes it
+passes to C, so no caller (and no model file) can make the C code read or write outside a buffer.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -36,6 +45,11 @@ BLOCK_TYPES = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q8_0": (8, 32, 34)}
 _status = "not loaded yet"
 
 
+def build_flags() -> tuple[str, ...]:
+    """The compiler flags of this build (FLAGS plus any extras); they are part of the library's cache key."""
+    return FLAGS
+
+
 def _cpu_fingerprint() -> str:
     """What -march=native depends on: the CPU model and its feature flags."""
     try:
@@ -50,34 +64,119 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CC") or "cc")
 
 
+def compiler_available() -> bool:
+    """Whether a C compiler is on PATH (a kernel test then fails, not skips, when the build does not work)."""
+    return _compiler() is not None
+
+
+def library_name(compiler: str) -> str:
+    """The library's file name: a digest of the sources, compiler, flags and CPU."""
+    texts = [p.read_text() for p in (*SOURCES, *HEADERS)]
+    key = "\n".join([*texts, compiler, " ".join(build_flags()), " ".join(LIBS), _cpu_fingerprint(), platform.machine()])
+    return f"blockgemv-{hashlib.sha256(key.encode()).hexdigest()[:20]}.so"
+
+
 def library_path(compiler: str) -> Path:
     """Where the build for this source, compiler, flags and CPU lives (kvlab's cache folder)."""
     from ..model.weights import cache_dir
 
-    texts = [p.read_text() for p in (*SOURCES, *HEADERS)]
-    key = "\n".join([*texts, compiler, " ".join(FLAGS), _cpu_fingerprint(), platform.machine()])
-    digest = hashlib.sha256(key.encode()).hexdigest()[:20]
-    return cache_dir() / "kernels" / f"blockgemv-{digest}.so"
+    return cache_dir() / "kernels" / library_name(compiler)
 
 
-def compile_library(compiler: str, target: Path) -> None:
-    """cc -O3 -march=native -fPIC -shared -fopenmp <SOURCES> -lm -> target, via a temporary name (atomic)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=target.stem, suffix=".so.tmp", dir=target.parent)
-    os.close(fd)
+def _record_path(library: Path) -> Path:
+    return library.with_name(library.name + ".sha256")
+
+
+def _file_digest(path: Path) -> tuple[int, str]:
+    data = path.read_bytes()
+    return len(data), hashlib.sha256(data).hexdigest()
+
+
+def verified(library: Path) -> bool:
+    """Whether `library` exists and matches the size and sha256 recorded beside it when it was built."""
     try:
-        run = subprocess.run([compiler, *FLAGS, "-o", tmp, *map(str, SOURCES), *LIBS], capture_output=True, text=True, timeout=120)
-        if run.returncode != 0:
-            lines = (run.stderr or run.stdout).strip().splitlines()
-            raise OSError(f"{compiler} failed: {lines[0] if lines else 'exit ' + str(run.returncode)}")
+        size, digest = _record_path(library).read_text().split()
+        return library.stat().st_size == int(size) and _file_digest(library) == (int(size), digest)
+    except (OSError, ValueError):
+        return False
+
+
+def _write_atomic(target: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=target.name, suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        os.chmod(tmp, 0o644)  # readable by the other users of a shared cache folder
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
 
 
+def compile_library(compiler: str, target: Path) -> None:
+    """cc <flags> <SOURCES> -lm -> target via a temporary name (atomic), with its size + sha256 recorded."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=target.stem, suffix=".so.tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        run = subprocess.run([compiler, *build_flags(), "-o", tmp, *map(str, SOURCES), *LIBS],
+                             capture_output=True, text=True, timeout=300)
+        if run.returncode != 0:
+            lines = (run.stderr or run.stdout).strip().splitlines()
+            raise OSError(f"{compiler} failed: {lines[0] if lines else 'exit ' + str(run.returncode)}")
+        size, digest = _file_digest(Path(tmp))
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, target)
+        _write_atomic(_record_path(target), f"{size} {digest}\n".encode())
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _warn(message: str) -> None:
+    print(f"warning: {' '.join(message.split())}", file=sys.stderr)
+
+
+# -- buffer checks: every pointer handed to C is a CPU tensor of exactly the size C will touch --------
+def _describe(t) -> str:
+    if not isinstance(t, torch.Tensor):
+        return type(t).__name__
+    layout = "contiguous" if t.is_contiguous() else "strided"
+    return f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')} {layout} on {t.device.type}"
+
+
+def check_buffer(what: str, name: str, t, dtype: torch.dtype, shape: tuple[int, ...], contiguous: bool = True) -> None:
+    """Raise a one-line ConfigError unless `t` is a CPU tensor of `dtype` and exactly `shape` (and contiguous)."""
+    if (not isinstance(t, torch.Tensor) or t.dtype != dtype or t.device.type != "cpu" or tuple(t.shape) != tuple(shape)
+            or (contiguous and not t.is_contiguous())):
+        want = f"{'contiguous ' if contiguous else ''}{str(dtype).removeprefix('torch.')} CPU tensor of shape {tuple(shape)}"
+        raise ConfigError(f"{what}: {name} must be a {want}, got {_describe(t)}")
+
+
+def _positive_int(what: str, name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{what}: {name} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def packed_row_bytes(bits: int, d: int) -> int:
+    """Bytes of one row of d integer codes (intcache.c's layout: int8 one per byte, int4 two)."""
+    return d if bits == 8 else (d + 1) // 2
+
+
+def _block_shape(what: str, type_name: str, blocks) -> tuple[int, int, int]:
+    """(type id, rows, cols) of a (rows, row_bytes) uint8 block buffer; row_bytes must be whole blocks."""
+    if type_name not in BLOCK_TYPES:
+        raise ConfigError(f"{what}: block type {type_name!r} is not one of {', '.join(BLOCK_TYPES)}")
+    type_id, per_block, block_bytes = BLOCK_TYPES[type_name]
+    if not isinstance(blocks, torch.Tensor) or blocks.dim() != 2 or blocks.shape[1] % block_bytes:
+        raise ConfigError(f"{what}: {type_name} blocks must be (rows, whole {block_bytes}-byte blocks) uint8, got {_describe(blocks)}")
+    check_buffer(what, "blocks", blocks, torch.uint8, tuple(blocks.shape))
+    return type_id, blocks.shape[0], blocks.shape[1] // block_bytes * per_block
+
+
 class BlockKernel:
-    """ctypes front end of blockgemv.c: GEMV of one fp32 row against blocks, and dequantization."""
+    """ctypes front end of the kernel library: block GEMV / dequantization and the caches' code kernels."""
 
     def __init__(self, lib: ctypes.CDLL, path: Path):
         self.path = path
@@ -96,13 +195,11 @@ class BlockKernel:
 
     def gemv(self, type_name: str, blocks: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """blocks (rows, row_bytes) uint8, x (cols,) fp32 contiguous -> y (rows,) fp32."""
-        type_id, per_block, block_bytes = BLOCK_TYPES[type_name]
-        rows, cols = blocks.shape[0], blocks.shape[1] // block_bytes * per_block
-        if x.dtype != torch.float32 or not x.is_contiguous() or x.numel() != cols or not blocks.is_contiguous():
-            raise ConfigError(f"block GEMV needs a contiguous fp32 row of {cols} values, got {tuple(x.shape)} {x.dtype}")
+        what = "block GEMV"
+        type_id, rows, cols = _block_shape(what, type_name, blocks)
+        check_buffer(what, "x", x, torch.float32, (cols,))
         y = torch.empty(rows, dtype=torch.float32) if out is None else out
-        if y.numel() != rows or y.dtype != torch.float32 or not y.is_contiguous():
-            raise ConfigError(f"block GEMV output must be a contiguous fp32 vector of {rows} values")
+        check_buffer(what, "output", y, torch.float32, (rows,))
         status = self._lib.kvlab_block_gemv(type_id, blocks.data_ptr(), rows, cols, x.data_ptr(), y.data_ptr(),
                                             torch.get_num_threads())
         if status != 0:
@@ -111,8 +208,7 @@ class BlockKernel:
 
     def dequantize(self, type_name: str, blocks: torch.Tensor) -> torch.Tensor:
         """blocks (rows, row_bytes) uint8 contiguous -> (rows, cols) fp32, bit-exact d * q + m."""
-        type_id, per_block, block_bytes = BLOCK_TYPES[type_name]
-        rows, cols = blocks.shape[0], blocks.shape[1] // block_bytes * per_block
+        type_id, rows, cols = _block_shape("block dequantize", type_name, blocks)
         out = torch.empty(rows, cols, dtype=torch.float32)
         if self._lib.kvlab_block_dequantize(type_id, blocks.data_ptr(), rows, cols, out.data_ptr(), torch.get_num_threads()):
             raise ConfigError(f"block dequantize refused {type_name} blocks of shape {tuple(blocks.shape)}")
@@ -123,13 +219,24 @@ class BlockKernel:
         """Scores straight from an integer cache's key codes (intcache.c).
         codes (B, H, slots, row bytes) uint8; scale/zero (B, H, ⌈slots/G⌉, D) fp16; q (B, H, nq, D) fp32
         -> (B, H, nq, n) fp32 = q · keys[:n]ᵀ · attn_scale."""
+        what = f"int{bits} cache scores"
+        if bits not in (4, 8) or isinstance(group, bool) or not isinstance(group, int) or group <= 0:
+            raise ConfigError(f"{what}: bits must be 4 or 8 and the key group positive, got bits={bits!r} group={group!r}")
+        if not isinstance(q, torch.Tensor) or q.dim() != 4 or not isinstance(codes, torch.Tensor) or codes.dim() != 4:
+            raise ConfigError(f"{what}: query and codes must be 4-D, got query {_describe(q)} and codes {_describe(codes)}")
         B, H, slots, _ = codes.shape
         nq, d = q.shape[2], q.shape[3]
+        if d <= 0 or (bits == 4 and d % 2):
+            raise ConfigError(f"{what}: query head dim {d} does not fit int{bits} codes")
+        check_buffer(what, "codes", codes, torch.uint8, (B, H, slots, packed_row_bytes(bits, d)))
+        meta = (B, H, -(-slots // group), d)
+        check_buffer(what, "key scales", scale, torch.float16, meta)
+        check_buffer(what, "key zeros", zero, torch.float16, meta)
+        check_buffer(what, "query", q, torch.float32, (B, H, nq, d), contiguous=False)
+        if not 0 <= _positive_int(what, "n", n) <= slots:
+            raise ConfigError(f"{what}: {n} tokens asked of a cache of {slots} slots")
         q = q.contiguous()
         out = torch.empty(B, H, nq, n, dtype=torch.float32)
-        for t in (codes, scale, zero):
-            if not t.is_contiguous():
-                raise ConfigError("integer-cache kernel needs contiguous code and metadata buffers")
         if self._lib.kvlab_int_scores(bits, codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), B * H, slots, n, d, group,
                                       q.data_ptr(), nq, attn_scale, out.data_ptr(), torch.get_num_threads()):
             raise ConfigError(f"integer-cache scores refused int{bits} codes of shape {tuple(codes.shape)}")
@@ -140,11 +247,25 @@ class BlockKernel:
         """Σ_t p[..., t] · values[t] straight from an integer cache's value codes (intcache.c).
         codes (B, H, slots, row bytes) uint8; scale/zero (B, H, slots, D/Gv) fp16; p (B, H, nq, n) fp32
         (rows may be strided, the last dim must be contiguous) -> (B, H, nq, d) fp32."""
+        what = f"int{bits} cache mix"
+        if bits not in (4, 8) or isinstance(d, bool) or not isinstance(d, int) or d <= 0:
+            raise ConfigError(f"{what}: bits must be 4 or 8 and the head dim positive, got bits={bits!r} d={d!r}")
+        if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (codes, scale, p)):
+            raise ConfigError(f"{what}: codes, scales and weights must be 4-D, got {_describe(codes)}, {_describe(scale)}, {_describe(p)}")
         B, H, slots, _ = codes.shape
-        nq, gv = p.shape[2], d // scale.shape[-1]
+        n_vg = scale.shape[-1]
+        if n_vg <= 0 or d % n_vg or (bits == 4 and (d // n_vg) % 2):
+            raise ConfigError(f"{what}: {n_vg} value groups do not divide head dim {d} into int{bits} groups")
+        check_buffer(what, "codes", codes, torch.uint8, (B, H, slots, packed_row_bytes(bits, d)))
+        check_buffer(what, "value scales", scale, torch.float16, (B, H, slots, n_vg))
+        check_buffer(what, "value zeros", zero, torch.float16, (B, H, slots, n_vg))
+        nq = p.shape[2]
+        check_buffer(what, "weights", p, torch.float32, (B, H, nq, n), contiguous=False)
+        if not 0 <= _positive_int(what, "n", n) <= slots:
+            raise ConfigError(f"{what}: {n} tokens asked of a cache of {slots} slots")
         p = _evenly_strided_rows(p)
         out = torch.empty(B, H, nq, d, dtype=torch.float32)
-        if self._lib.kvlab_int_mix(bits, codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), B * H, slots, n, d, gv,
+        if self._lib.kvlab_int_mix(bits, codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), B * H, slots, n, d, d // n_vg,
                                    p.data_ptr(), p.stride(2), nq, out.data_ptr(), torch.get_num_threads()):
             raise ConfigError(f"integer-cache mix refused int{bits} codes of shape {tuple(codes.shape)}")
         return out
@@ -152,26 +273,45 @@ class BlockKernel:
     def codebook4_dots(self, codes: torch.Tensor, n: int, centroids: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         """q_rot · c[code[t]] for 4-bit codebook codes (codebook4.c). codes (B, H, slots, d/2) uint8,
         centroids (16,) fp32, q (B, H, nq, d) fp32 -> (B, H, nq, n) fp32."""
+        what = "4-bit codebook scores"
+        if not isinstance(q, torch.Tensor) or q.dim() != 4 or not isinstance(codes, torch.Tensor) or codes.dim() != 4:
+            raise ConfigError(f"{what}: query and codes must be 4-D, got query {_describe(q)} and codes {_describe(codes)}")
         B, H, slots, _ = codes.shape
         nq, d = q.shape[2], q.shape[3]
+        if d <= 0 or d % 2:
+            raise ConfigError(f"{what}: query head dim {d} must be even and positive")
+        check_buffer(what, "codes", codes, torch.uint8, (B, H, slots, d // 2))
+        check_buffer(what, "centroids", centroids, torch.float32, (16,), contiguous=False)
+        check_buffer(what, "query", q, torch.float32, (B, H, nq, d), contiguous=False)
+        if not 0 <= _positive_int(what, "n", n) <= slots:
+            raise ConfigError(f"{what}: {n} tokens asked of a cache of {slots} slots")
         q, centroids = q.contiguous(), centroids.contiguous()
         out = torch.empty(B, H, nq, n, dtype=torch.float32)
-        if not codes.is_contiguous() or centroids.numel() != 16 or self._lib.kvlab_codebook4_dots(
-                codes.data_ptr(), B * H, slots, n, d, centroids.data_ptr(), q.data_ptr(), nq, out.data_ptr(), torch.get_num_threads()):
+        if self._lib.kvlab_codebook4_dots(codes.data_ptr(), B * H, slots, n, d, centroids.data_ptr(), q.data_ptr(), nq,
+                                          out.data_ptr(), torch.get_num_threads()):
             raise ConfigError(f"4-bit codebook scores refused codes of shape {tuple(codes.shape)}")
         return out
 
     def codebook4_mix(self, codes: torch.Tensor, n: int, centroids: torch.Tensor, w: torch.Tensor, d: int) -> torch.Tensor:
         """Σ_t w[..., t] · c[code[t]] for 4-bit codebook codes (codebook4.c). codes (B, H, slots, d/2) uint8,
         w (B, H, nq, n) fp32 -> (B, H, nq, d) fp32."""
+        what = "4-bit codebook mix"
+        if isinstance(d, bool) or not isinstance(d, int) or d <= 0 or d % 2:
+            raise ConfigError(f"{what}: head dim must be even and positive, got {d!r}")
+        if not isinstance(w, torch.Tensor) or w.dim() != 4 or not isinstance(codes, torch.Tensor) or codes.dim() != 4:
+            raise ConfigError(f"{what}: weights and codes must be 4-D, got weights {_describe(w)} and codes {_describe(codes)}")
         B, H, slots, _ = codes.shape
         nq = w.shape[2]
+        check_buffer(what, "codes", codes, torch.uint8, (B, H, slots, d // 2))
+        check_buffer(what, "centroids", centroids, torch.float32, (16,), contiguous=False)
+        check_buffer(what, "weights", w, torch.float32, (B, H, nq, n), contiguous=False)
+        if not 0 <= _positive_int(what, "n", n) <= slots:
+            raise ConfigError(f"{what}: {n} tokens asked of a cache of {slots} slots")
         w = _evenly_strided_rows(w)
         centroids = centroids.contiguous()
         out = torch.empty(B, H, nq, d, dtype=torch.float32)
-        if not codes.is_contiguous() or centroids.numel() != 16 or self._lib.kvlab_codebook4_mix(
-                codes.data_ptr(), B * H, slots, n, d, centroids.data_ptr(), w.data_ptr(), w.stride(2), nq, out.data_ptr(),
-                torch.get_num_threads()):
+        if self._lib.kvlab_codebook4_mix(codes.data_ptr(), B * H, slots, n, d, centroids.data_ptr(), w.data_ptr(),
+                                         w.stride(2), nq, out.data_ptr(), torch.get_num_threads()):
             raise ConfigError(f"4-bit codebook mix refused codes of shape {tuple(codes.shape)}")
         return out
 
@@ -188,6 +328,18 @@ def block_kernel() -> BlockKernel | None:
     return _loaded_kernel()
 
 
+def kernel_expected() -> bool:
+    """Whether block_kernel() would give a library, answered without building anything (the planner's
+    question): the one already loaded, else a verified build in the cache folder, else a compiler to build
+    one with. Only a build that fails later makes the loader fall back where this said yes."""
+    if os.environ.get("KVLAB_NO_KERNEL"):
+        return False
+    if _loaded_kernel.cache_info().currsize:
+        return _loaded_kernel() is not None
+    compiler = _compiler()
+    return compiler is not None
+
+
 def _evenly_strided_rows(p: torch.Tensor) -> torch.Tensor:
     """p (B, H, nq, n) as the C code reads it: contiguous rows of n, row r at r × p.stride(2) (a slice of
     the last dim of a contiguous tensor qualifies as is); anything else is copied."""
@@ -195,6 +347,48 @@ def _evenly_strided_rows(p: torch.Tensor) -> torch.Tensor:
     if p.stride(-1) != 1 or p.stride(2) * nq != p.stride(1) or p.stride(1) * H != p.stride(0):
         return p.contiguous()
     return p
+
+
+class _BuildFailed(Exception):
+    """Internal: the compiler ran and failed (building elsewhere would fail the same way)."""
+
+
+def _build_into(compiler: str, target: Path) -> Path:
+    try:
+        compile_library(compiler, target)
+    except OSError as exc:
+        if str(exc).startswith(f"{compiler} failed"):
+            raise _BuildFailed(str(exc)) from None
+        raise
+    if not verified(target):
+        raise OSError(f"{target} does not match its recorded size and sha256 right after the build")
+    return target
+
+
+@functools.lru_cache(maxsize=1)
+def _private_folder() -> Path:
+    """A folder of this process only (removed at exit): the fallback when the cache folder is unusable."""
+    import atexit
+
+    folder = Path(tempfile.mkdtemp(prefix="kvlab-kernels-"))
+    atexit.register(shutil.rmtree, folder, True)
+    return folder
+
+
+def obtain_library(compiler: str) -> Path:
+    """A verified library for this build: the cached one, else built into the cache folder (replacing a
+    damaged file), else, with one warning line, built into a private temporary folder."""
+    target = library_path(compiler)
+    if verified(target):
+        return target
+    try:
+        return _build_into(compiler, target)
+    except (OSError, subprocess.SubprocessError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        fallback = _private_folder() / target.name
+        _warn(f"kernel cache folder {target.parent} is unusable ({reason}); building the kernels into {fallback.parent} "
+              "for this run")
+        return _build_into(compiler, fallback)
 
 
 @functools.lru_cache(maxsize=1)
@@ -205,12 +399,11 @@ def _loaded_kernel() -> BlockKernel | None:
         _status = f"no C compiler ({os.environ.get('CC') or 'cc'}) on PATH"
         return None
     try:
-        target = library_path(compiler)
-        if not target.is_file():
-            compile_library(compiler, target)
+        target = obtain_library(compiler)
         lib = ctypes.CDLL(str(target))  # torch is imported above: libgomp.so.1 resolves to torch's copy
-    except (OSError, subprocess.SubprocessError) as exc:
+    except (OSError, subprocess.SubprocessError, _BuildFailed) as exc:
         _status = f"kernel unavailable: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+        _warn(f"C kernels unavailable ({_status.removeprefix('kernel unavailable: ')}); using dense fp32 weights and torch paths")
         return None
     _status = f"loaded {target}"
     return BlockKernel(lib, target)

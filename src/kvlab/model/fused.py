@@ -21,7 +21,7 @@ import torch.nn as nn
 from ..cache.dense import DenseCache
 from ..errors import ConfigError, NonFiniteError
 from .blockquant import BlockQuantLinear
-from ..kernels import BLOCK_TYPES, block_kernel
+from ..kernels import BLOCK_TYPES, block_kernel, check_buffer
 
 F32 = 0  # GGML type id of plain fp32 rows
 
@@ -49,20 +49,27 @@ class FusedDecodeStep:
         self.config = cfg
         self._lib = lib
         self._keep: list[torch.Tensor] = []   # every buffer the C structs point into stays alive with them
+        d, hd, ff = cfg.d_model, cfg.head_dim, cfg.d_ff
+        q_dim, kv_dim = cfg.n_heads * hd, cfg.n_kv_heads * hd
+        if len(model.blocks) != cfg.n_layers:
+            raise ConfigError(f"fused decode: the model has {len(model.blocks)} blocks, the config {cfg.n_layers} layers")
+        # decode.c sizes every scratch buffer from these numbers: each buffer it is given must match them exactly
         layers = (_Layer * cfg.n_layers)()
         for i, block in enumerate(model.blocks):
             attn = block.attn
+            at = f"layer {i}"
             layers[i] = _Layer(
-                self._ptr(block.attn_norm.weight), self._ptr(block.ffn_norm.weight),
-                self._ptr(attn.q_norm.weight if attn.q_norm is not None else None),
-                self._ptr(attn.k_norm.weight if attn.k_norm is not None else None),
-                self._matrix(attn.qkv), self._matrix(attn.out), self._matrix(block.ffn.gate_up), self._matrix(block.ffn.down),
+                self._ptr(block.attn_norm.weight, (d,), f"{at} attn_norm"), self._ptr(block.ffn_norm.weight, (d,), f"{at} ffn_norm"),
+                self._ptr(attn.q_norm.weight if attn.q_norm is not None else None, (hd,), f"{at} q_norm"),
+                self._ptr(attn.k_norm.weight if attn.k_norm is not None else None, (hd,), f"{at} k_norm"),
+                self._matrix(attn.qkv, q_dim + 2 * kv_dim, d, f"{at} qkv"), self._matrix(attn.out, d, q_dim, f"{at} attn out"),
+                self._matrix(block.ffn.gate_up, 2 * ff, d, f"{at} gate_up"), self._matrix(block.ffn.down, d, ff, f"{at} ffn down"),
             )
         self._layers = layers
         head = model.lm_head if model.lm_head is not None else model.embed  # tied: the fp32 embedding table
         self._model = _Model(cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff,
                              cfg.sliding_window or 0, cfg.rms_eps, cfg.head_dim ** -0.5, layers,
-                             self._ptr(model.norm.weight), self._matrix(head))
+                             self._ptr(model.norm.weight, (d,), "final norm"), self._matrix(head, cfg.vocab_size, d, "output head"))
         self._embed = model.embed
         self._rope = model.rope
         lib.kvlab_decode_step.argtypes = [POINTER(_Model), c_void_p, c_int32, c_void_p, c_void_p, c_void_p, c_void_p,
@@ -73,22 +80,25 @@ class FusedDecodeStep:
         """A copied model has copied buffers: it does not inherit a step that points into the originals."""
         return None
 
-    def _ptr(self, t: torch.Tensor | None) -> int | None:
+    def _ptr(self, t: torch.Tensor | None, shape: tuple[int, ...], what: str, dtype: torch.dtype = torch.float32) -> int | None:
+        """The address of `t` after checking it is a contiguous CPU tensor of `dtype` and exactly `shape`."""
         if t is None:
             return None
-        if t.dtype not in (torch.float32, torch.uint8) or t.device.type != "cpu" or not t.is_contiguous():
-            raise ConfigError(f"fused decode needs contiguous fp32 CPU weights, got {t.dtype} on {t.device}")
+        check_buffer("fused decode", what, t, dtype, shape)
         self._keep.append(t)
         return t.data_ptr()
 
-    def _matrix(self, module: nn.Module) -> _Matrix:
-        """A Linear / Embedding (fp32 rows) or a BlockQuantLinear (GGUF blocks) as the C struct."""
+    def _matrix(self, module: nn.Module, rows: int, cols: int, what: str) -> _Matrix:
+        """A Linear / Embedding (fp32 rows) or a BlockQuantLinear (GGUF blocks) of (rows, cols) as the C struct."""
         bias = getattr(module, "bias", None)
+        bias_ptr = self._ptr(bias, (rows,), f"{what} bias")
         if isinstance(module, BlockQuantLinear):
-            type_id = BLOCK_TYPES[module.block_type][0]
-            return _Matrix(type_id, module.out_features, module.in_features, self._ptr(module.blocks), self._ptr(bias))
-        weight = module.weight                                                # (rows, cols) fp32
-        return _Matrix(F32, weight.shape[0], weight.shape[1], self._ptr(weight), self._ptr(bias))
+            type_id, per_block, block_bytes = BLOCK_TYPES[module.block_type]
+            if cols % per_block:
+                raise ConfigError(f"fused decode: {what} has {cols} columns, not whole {per_block}-weight blocks")
+            data = self._ptr(module.blocks, (rows, cols // per_block * block_bytes), f"{what} {module.block_type} blocks", torch.uint8)
+            return _Matrix(type_id, rows, cols, data, bias_ptr)
+        return _Matrix(F32, rows, cols, self._ptr(module.weight, (rows, cols), f"{what} weight"), bias_ptr)  # (rows, cols) fp32
 
     def serves(self, cache) -> bool:
         """Whether this kind of cache takes the fused step at all: a fp32 CPU DenseCache of one sequence
@@ -111,14 +121,23 @@ class FusedDecodeStep:
 
     def __call__(self, tokens: torch.Tensor, cache: DenseCache) -> torch.Tensor:
         """tokens (1, 1) -> logits (1, 1, vocab); K/V of the token written into `cache`."""
-        pos = cache.length
+        cfg = self.config
+        if not self.accepts(tokens, cache):
+            raise ConfigError(f"fused decode step does not take tokens {tuple(tokens.shape)} into this {type(cache).__name__}")
+        pos, capacity = cache.length, cache.geometry.capacity
+        for name in ("k", "v"):  # the C code writes position `pos` and reads [0, pos] of every layer and head
+            check_buffer("fused decode", f"cache {name}", getattr(cache, name), torch.float32,
+                         (cfg.n_layers, 1, cfg.n_kv_heads, capacity, cfg.head_dim))
         x = self._embed(tokens).reshape(-1).float().contiguous()               # (C,)
         cos, sin = self._rope(pos, 1, torch.float32)                           # (1, D) each
+        check_buffer("fused decode", "embedding", x, torch.float32, (cfg.d_model,))
+        check_buffer("fused decode", "rope cos", cos, torch.float32, (1, cfg.head_dim))
+        check_buffer("fused decode", "rope sin", sin, torch.float32, (1, cfg.head_dim))
         logits = torch.empty(self._model.head.rows, dtype=torch.float32)        # (vocab,)
         self._model.attn_scale = cache.scale
         status = self._lib.kvlab_decode_step(
             ctypes.byref(self._model), x.data_ptr(), pos, cos.data_ptr(), sin.data_ptr(),
-            cache.k.data_ptr(), cache.v.data_ptr(), cache.geometry.capacity, logits.data_ptr(), torch.get_num_threads(),
+            cache.k.data_ptr(), cache.v.data_ptr(), capacity, logits.data_ptr(), torch.get_num_threads(),
         )
         if status < 0:
             raise ConfigError(f"fused decode step refused position {pos} of a cache of {cache.geometry.capacity} tokens")

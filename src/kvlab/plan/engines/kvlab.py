@@ -81,11 +81,12 @@ class KvlabEngine(Engine):
     def weights(self, spec: ModelSpec, quant: str | None) -> WeightsEstimate:
         """What kvlab holds. A GGUF file with no --weights-quant: its native weights (`--weights auto`, fp32 on
         CPU), i.e. the block bytes of the Q4_0/Q4_1/Q8_0 matrices kept as blocks + fp32 for every other
-        tensor — if the block kernel loads here (built once per machine, then cached), the same test `auto`
-        makes. Otherwise every tensor dequantized into the compute dtype: parameters × 4 (fp32) or × 2."""
-        from ...kernels import block_kernel
+        tensor — if the block kernel is expected here (kernels.kernel_expected: loaded, built, or a compiler
+        to build it; the planner never compiles), the test `auto` makes. Otherwise every tensor dequantized
+        into the compute dtype: parameters × 4 (fp32) or × 2."""
+        from ...kernels import kernel_expected
 
-        if quant is None and spec.extra.get("dtype") == "gguf" and Path(spec.source).is_file() and block_kernel() is not None:
+        if quant is None and spec.extra.get("dtype") == "gguf" and Path(spec.source).is_file() and kernel_expected():
             from ...model.blockquant import native_weight_bytes
             from ...sources.gguf import open_gguf
 
