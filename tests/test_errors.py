@@ -143,5 +143,5 @@ def test_zero_kv_heads_in_hf_config(tmp_path):
         '{"model_type": "llama", "hidden_size": 48, "num_attention_heads": 6, "num_key_value_heads": 0,'
         ' "num_hidden_layers": 1, "intermediate_size": 8, "vocab_size": 10}'
     )
-    with pytest.raises(ConfigError, match="n_kv_heads must be a positive integer"):
+    with pytest.raises(ConfigError, match="positive head counts, got n_head=6 n_kv_head=0"):
         load_model(tmp_path)

@@ -12,6 +12,9 @@ from .errors import ConfigError
 
 LayerKind = Literal["full", "sliding", "mla", "recurrent", "none"]
 
+#: More layers than any real model; a larger count is a corrupt or hostile file (and would allocate per layer).
+MAX_LAYERS = 4096
+
 
 @dataclass(frozen=True)
 class LayerSpec:
@@ -73,6 +76,49 @@ class LayerSpec:
 
 
 @dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3 style frequency scaling (rope_type == "llama3")."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position: int
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a model file as its header lists it (nothing of its data is read)."""
+
+    name: str
+    shape: tuple[int, ...]   # PyTorch order: rows first (GGUF lists the fastest dimension first: reversed here)
+    dtype: str               # GGUF type name (F32, Q4_1, ...) or safetensors dtype (F32, BF16, ...)
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What only the engine needs beyond the layers' cache shapes, read once by sources/.
+
+    `DecoderConfig.from_spec` (model/config.py) checks these against what the engine can run; nothing
+    else parses a model file a second time.
+    """
+
+    format: str                                  # "gguf" or "safetensors" (or "config": no tensors known)
+    d_ff: int | tuple[int, ...] = 0              # feed-forward width (per layer when the file lists several)
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None      # llama3 scaling (HF configs)
+    rope_scaling_type: str | None = None         # any other scaling type named by the file (the engine refuses it)
+    rope_dim: int = 0                            # rotated dims per head when the file says (0: all of head_dim)
+    rope_freq_factors: tuple[float, ...] | None = None  # llama.cpp's rope_freqs tensor (Llama 3.x GGUFs)
+    rms_eps: float = 1e-5
+    tie_embeddings: bool = True
+    qk_norm: bool = False
+    qkv_bias: bool = False
+    bos_id: int | None = None
+    eos_ids: tuple[int, ...] = ()
+    tensors: dict[str, TensorInfo] = field(default_factory=dict, compare=False, hash=False)
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """A decoder-only model as the planner and the caches see it."""
 
@@ -86,6 +132,7 @@ class ModelSpec:
     weights_bytes: int = 0      # exact bytes of stored weights when known (GGUF/safetensors), else 0
     source: str = ""            # where the facts came from (file path, config, catalog citation)
     extra: dict = field(default_factory=dict, compare=False, hash=False)
+    engine: EngineFacts | None = field(default=None, compare=False, hash=False)  # None: a catalog entry
 
     def __post_init__(self) -> None:
         if not self.layers:

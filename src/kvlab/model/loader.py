@@ -7,17 +7,18 @@ The default model is SmolLM2-135M-Instruct, shipped as a GGUF inside the PyPI pa
 from __future__ import annotations
 
 import importlib.util
-import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..errors import ConfigError, ModelFileError, UnsupportedArchitectureError
-from .config import SUPPORTED_ARCHS, DecoderConfig, RopeScaling
+from ..errors import ConfigError, KvlabError, ModelFileError
+from ..sources.gguf import GGUFFile
+from ..spec import ModelSpec
+from .config import DecoderConfig, decoder_config, require_runnable
 from .llama import Decoder
 from .tokenizer import Tokenizer
-from .weights import gguf_permutes_qk, gguf_state_dict, load_or_convert, safetensors_state_dict
+from .weights import GGUF, HF, check_tensors, gguf_permutes_qk, gguf_state_dict, load_or_convert, safetensors_state_dict
 
 WEIGHTS = ("auto", "dense", "native")
 
@@ -75,85 +76,34 @@ def resolve_weights(weights: str, path: Path, dtype: torch.dtype, device: str) -
     return weights
 
 
-def config_from_gguf(meta: dict, tensor_names: set[str], name: str) -> DecoderConfig:
-    arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_ARCHS:
-        raise UnsupportedArchitectureError(
-            f"architecture {arch!r} cannot be run by the engine (it runs {', '.join(SUPPORTED_ARCHS)}); `kvlab plan` still plans it"
-        )
+def read_model(path: Path) -> tuple[ModelSpec, GGUFFile | None]:
+    """The one read of a model file (kvlab.sources): its ModelSpec with the engine's facts, and the open GGUF
+    (tensor data stays on disk) for a GGUF file. An architecture the engine cannot run is refused first."""
+    from ..sources.gguf import open_gguf, spec_from_gguf
+    from ..sources.hf import read_config, spec_from_folder
 
-    def key(suffix: str, default=None, required: bool = True):
-        value = meta.get(f"{arch}.{suffix}", default)
-        if value is None and required:
-            raise ModelFileError(f"GGUF metadata lacks {arch}.{suffix}")
-        return value
-
-    n_heads = key("attention.head_count")
-    n_kv = key("attention.head_count_kv", n_heads)
-    if isinstance(n_kv, list):
-        raise UnsupportedArchitectureError("per-layer KV head counts cannot be run by the engine; `kvlab plan` plans them")
-    d_model = key("embedding_length")
-    vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
-    return DecoderConfig(
-        arch=arch,
-        vocab_size=int(vocab),
-        d_model=int(d_model),
-        n_layers=int(key("block_count")),
-        n_heads=int(n_heads),
-        n_kv_heads=int(n_kv),
-        d_ff=int(key("feed_forward_length")),
-        head_dim=int(key("attention.key_length", d_model // n_heads)),
-        rope_theta=float(key("rope.freq_base", 10000.0)),
-        rms_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
-        tie_embeddings="output.weight" not in tensor_names,
-        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
-        qkv_bias="blk.0.attn_q.bias" in tensor_names,
-        max_seq_len=int(key("context_length", 2048)),
-        sliding_window=key("attention.sliding_window", required=False),
-        name=name,
-    )
+    if path.is_dir():
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise ModelFileError(f"{path}: a model folder needs config.json")
+        config = read_config(config_file)
+        require_runnable(str(config.get("model_type", "")), str(config_file))
+        return spec_from_folder(path, config), None
+    gguf_file = open_gguf(path)
+    require_runnable(gguf_file.architecture, str(path))
+    return spec_from_gguf(gguf_file), gguf_file
 
 
-def config_from_hf(config: dict, name: str) -> DecoderConfig:
-    arch = config.get("model_type", "")
-    if arch not in SUPPORTED_ARCHS:
-        raise UnsupportedArchitectureError(
-            f"model_type {arch!r} cannot be run by the engine (it runs {', '.join(SUPPORTED_ARCHS)}); `kvlab plan` still plans it"
-        )
-    for field_name in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size"):
-        if field_name not in config:
-            raise ConfigError(f"config.json lacks {field_name!r}")
-    n_heads = config["num_attention_heads"]
-    scaling = config.get("rope_scaling") or config.get("rope_parameters")
-    rope_scaling = None
-    if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3":
-        rope_scaling = RopeScaling(
-            factor=scaling["factor"],
-            low_freq_factor=scaling["low_freq_factor"],
-            high_freq_factor=scaling["high_freq_factor"],
-            original_max_position=scaling["original_max_position_embeddings"],
-        )
-    theta = config.get("rope_theta") or (scaling or {}).get("rope_theta") or 10000.0
-    window = config.get("sliding_window") if config.get("use_sliding_window", arch == "mistral") else None
-    return DecoderConfig(
-        arch=arch,
-        vocab_size=config["vocab_size"],
-        d_model=config["hidden_size"],
-        n_layers=config["num_hidden_layers"],
-        n_heads=n_heads,
-        n_kv_heads=n_heads if config.get("num_key_value_heads") is None else config["num_key_value_heads"],
-        d_ff=config["intermediate_size"],
-        head_dim=config.get("head_dim") or config["hidden_size"] // n_heads,
-        rope_theta=float(theta),
-        rope_scaling=rope_scaling,
-        rms_eps=config.get("rms_norm_eps", 1e-6),
-        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        qk_norm=arch == "qwen3",
-        qkv_bias=arch == "qwen2" or bool(config.get("attention_bias", False)),
-        max_seq_len=config.get("max_position_embeddings", 2048),
-        sliding_window=window,
-        name=name,
-    )
+def _gguf_tokenizer(gguf_file: GGUFFile) -> Tokenizer:
+    """The tokenizer from a GGUF's metadata (whose types sources/ checked); a list it cannot build from is one line."""
+    if not gguf_file.metadata.get("tokenizer.ggml.tokens"):
+        raise ModelFileError(f"{gguf_file.path}: no tokenizer.ggml.tokens in the GGUF metadata")
+    try:
+        return Tokenizer.from_gguf_metadata(gguf_file.metadata)
+    except KvlabError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the tokenizers library raises plain Exceptions for bad vocabularies
+        raise ModelFileError(f"{gguf_file.path}: unusable tokenizer metadata ({type(exc).__name__}: {str(exc)[:200]})") from None
 
 
 def load_model(path: str | Path | None = None, dtype: torch.dtype | str = torch.float32, device: str = "cpu",
@@ -163,8 +113,6 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype | str = torch.
     `weights`: "dense" dequantizes every tensor to `dtype`; "native" keeps a GGUF's Q4_0/Q4_1/Q8_0
     matrices as blocks (fp32 on CPU; kvlab.model.blockquant); "auto" picks native when it can.
     """
-    from ..sources.gguf import gguf_metadata, open_gguf
-
     if isinstance(dtype, str):
         dtype = parse_dtype(dtype)
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
@@ -172,36 +120,25 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype | str = torch.
     path = Path(path) if path is not None else default_model_path()
     if not path.exists():
         raise ModelFileError(f"{path}: no such file or folder")
+    spec, gguf_file = read_model(path)
+    cfg = decoder_config(spec)
+    check_tensors(cfg, spec.engine.tensors, HF if gguf_file is None else GGUF, str(path))  # before any weight is read
     weights = resolve_weights(weights, path, dtype, device)
     blocks = {}
-    if path.is_dir():
-        config_file = path / "config.json"
-        if not config_file.is_file():
-            raise ModelFileError(f"{path}: a model folder needs config.json")
-        try:
-            raw = json.loads(config_file.read_text())
-        except json.JSONDecodeError as exc:
-            raise ModelFileError(f"{config_file}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
-        cfg = config_from_hf(raw, path.name)
+    if gguf_file is None:
         tokenizer = Tokenizer.from_folder(path)
         state = safetensors_state_dict(path, cfg)
     else:
-        reader = open_gguf(path)
-        meta = gguf_metadata(reader)
-        cfg = config_from_gguf(meta, {t.name for t in reader.tensors}, meta.get("general.name") or path.stem)
-        if any(t.name == "rope_freqs.weight" for t in reader.tensors):  # Llama 3.x: long-context RoPE factors
-            factors = reader.tensor("rope_freqs.weight").data.astype("float64").reshape(-1).tolist()
-            cfg = replace(cfg, rope_freq_factors=tuple(factors))
-        tokenizer = Tokenizer.from_gguf_metadata(meta)
+        tokenizer = _gguf_tokenizer(gguf_file)
         if weights == "native":
             from .blockquant import gguf_block_matrices
 
-            blocks = gguf_block_matrices({t.name: t for t in reader.tensors}, cfg, gguf_permutes_qk(cfg))
+            blocks = gguf_block_matrices({t.name: t for t in gguf_file.tensors}, cfg, gguf_permutes_qk(cfg))
         if blocks:
-            state = gguf_state_dict(reader, cfg, skip=frozenset(blocks))  # the rest (norms, other types) in fp32
+            state = gguf_state_dict(gguf_file, cfg, skip=frozenset(blocks))  # the rest (norms, other types) in fp32
         else:
             weights = "dense"  # no Q4_0/Q4_1/Q8_0 matrix in the file: nothing to keep as blocks
-            state = load_or_convert(path, lambda: gguf_state_dict(reader, cfg))
+            state = load_or_convert(path, lambda: gguf_state_dict(gguf_file, cfg))
     with torch.device("meta"):
         model = Decoder(cfg)
     model = model.to_empty(device=device)

@@ -44,6 +44,54 @@ _GLOBAL_NAMES = {
 }
 GGUF, HF = 0, 1
 
+#: safetensors dtypes the engine reads (converted to fp32); GGUF integer types are never weights
+SAFETENSORS_FLOATS = ("F32", "F16", "BF16", "F64")
+_GGUF_NOT_WEIGHTS = ("I8", "I16", "I32", "I64")
+
+
+def expected_shapes(cfg, scheme: int) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every tensor the Decoder reads for `cfg`: name -> (shape in PyTorch order, what sizes it)."""
+    d, hd, ff, vocab = cfg.d_model, cfg.head_dim, cfg.d_ff, cfg.vocab_size
+    q, kv = cfg.n_heads * hd, cfg.n_kv_heads * hd
+    shapes: dict[str, tuple[tuple[int, ...], str]] = {
+        _GLOBAL_NAMES["embed"][scheme]: ((vocab, d), "(vocab, d_model)"),
+        _GLOBAL_NAMES["norm"][scheme]: ((d,), "(d_model,)"),
+    }
+    if not cfg.tie_embeddings:
+        shapes[_GLOBAL_NAMES["lm_head"][scheme]] = ((vocab, d), "(vocab, d_model)")
+    per_layer = {
+        "attn_norm": ((d,), "(d_model,)"), "ffn_norm": ((d,), "(d_model,)"),
+        "q": ((q, d), "(n_head·head_dim, d_model)"), "k": ((kv, d), "(n_kv_head·head_dim, d_model)"),
+        "v": ((kv, d), "(n_kv_head·head_dim, d_model)"), "o": ((d, q), "(d_model, n_head·head_dim)"),
+        "gate": ((ff, d), "(d_ff, d_model)"), "up": ((ff, d), "(d_ff, d_model)"), "down": ((d, ff), "(d_model, d_ff)"),
+    }
+    if cfg.qkv_bias:
+        per_layer.update({"q_bias": ((q,), "(n_head·head_dim,)"), "k_bias": ((kv,), "(n_kv_head·head_dim,)"),
+                          "v_bias": ((kv,), "(n_kv_head·head_dim,)")})
+    if cfg.qk_norm:
+        per_layer.update({"q_norm": ((hd,), "(head_dim,)"), "k_norm": ((hd,), "(head_dim,)")})
+    for i in range(cfg.n_layers):
+        for part, shape in per_layer.items():
+            shapes[_LAYER_NAMES[part][scheme].format(i=i)] = shape
+    return shapes
+
+
+def check_tensors(cfg, tensors: dict, scheme: int, source: str) -> None:
+    """Every tensor the Decoder reads is in the file's table with exactly the shape the config gives it and a
+    type the engine reads; checked on the header alone, before any weight is read, installed or given to C.
+    One line names the tensor, the shape found and the shape expected."""
+    values = (f"n_head={cfg.n_heads}, n_kv_head={cfg.n_kv_heads}, head_dim={cfg.head_dim}, d_model={cfg.d_model}, "
+              f"d_ff={cfg.d_ff}, vocab={cfg.vocab_size}")
+    for name, (shape, meaning) in expected_shapes(cfg, scheme).items():
+        info = tensors.get(name)
+        if info is None:
+            raise ModelFileError(f"{source}: tensor {name!r} is missing from the model file")
+        if tuple(info.shape) != shape:
+            raise ModelFileError(f"{source}: tensor {name!r} has shape {tuple(info.shape)}, expected {shape} = {meaning} "
+                                 f"for {values}")
+        if (scheme == HF and info.dtype not in SAFETENSORS_FLOATS) or (scheme == GGUF and info.dtype in _GGUF_NOT_WEIGHTS):
+            raise ModelFileError(f"{source}: tensor {name!r} has type {info.dtype}, not a floating-point or block-quantized weight")
+
 
 def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Undo llama.cpp's Q/K row permutation: per head, rows (0,1),(2,3)… pairs -> halves (i, i + D/2)."""

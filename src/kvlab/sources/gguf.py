@@ -23,13 +23,17 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import quant_shape_to_byte_shape
 
 from ..errors import ConfigError, ModelFileError
-from ..spec import ModelSpec
-from .layers import LayerFacts, build_layers, interval_kinds, pattern_kinds, per_layer, ssm_state_elements
+from ..spec import EngineFacts, ModelSpec, TensorInfo
+from .layers import (LayerFacts, as_float, as_int, build_layers, interval_kinds, layer_count, pattern_kinds, per_layer,
+                     per_layer_flags, short,
+                     ssm_state_elements)
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 _MAX_COUNT = 1 << 32  # more keys/tensors/array items than any real file: the header is corrupt
+_MAX_DEPTH = 4        # arrays of arrays nested deeper than this: a corrupt or hostile header
+_MAX_DIMS = 8
 
 # GGUF value type id -> struct format (scalars); 8 = string, 9 = array.
 _SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
@@ -50,6 +54,10 @@ _PLAIN_TENSOR_DTYPES = {
 
 class _Truncated(Exception):
     """Internal: a read ran past the end of the file."""
+
+
+class _Corrupt(Exception):
+    """Internal: the header holds something no valid GGUF holds (open_gguf adds the path)."""
 
 
 @dataclass(frozen=True)
@@ -127,10 +135,11 @@ class _HeaderReader:
         self.pos += s.size
         return value
 
-    def count(self, what: str) -> int:
+    def count(self, what: str, min_item_bytes: int = 1) -> int:
+        """A count read from the header, bounded by the bytes left: each item takes at least `min_item_bytes`."""
         n = self.unpack("Q")
-        if n >= _MAX_COUNT:
-            raise ModelFileError(f"corrupt GGUF header: {what} count {n} is implausible")
+        if n >= _MAX_COUNT or n * min_item_bytes > self.size - self.pos:
+            raise _Corrupt(f"is truncated or corrupt: GGUF header {what} count {n:,} does not fit in the {self.size - self.pos:,} bytes left")
         return n
 
     def raw(self, n: int) -> bytes:
@@ -141,7 +150,7 @@ class _HeaderReader:
         return data
 
     def string(self) -> str:
-        return self.raw(self.count("string length")).decode("utf-8", errors="replace")
+        return bytes(self.raw(self.count("string length"))).decode("utf-8", errors="replace")
 
     def _strings(self, n: int) -> list[str]:
         """n strings in a row (tokenizer vocabularies: the hot loop of header parsing)."""
@@ -159,22 +168,27 @@ class _HeaderReader:
         self.pos = pos
         return out
 
-    def value(self, type_id: int) -> Any:
+    def value(self, type_id: int, depth: int = 0) -> Any:
         fmt = _SCALAR_FORMATS.get(type_id)
         if fmt is not None:
             return self.unpack(fmt)
         if type_id == _STRING:
             return self.string()
         if type_id == _ARRAY:
+            if depth >= _MAX_DEPTH:
+                raise _Corrupt(f"is corrupt: GGUF header: arrays nested more than {_MAX_DEPTH} deep")
             item_type = self.unpack("I")
-            n = self.count("array")
             if item_type in _NUMPY_DTYPES:
                 dtype = np.dtype(_NUMPY_DTYPES[item_type]).newbyteorder(self.endian)
+                n = self.count("array", dtype.itemsize)
                 return np.frombuffer(self.raw(n * dtype.itemsize), dtype=dtype).tolist()
             if item_type == _STRING:
-                return self._strings(n)
-            return [self.value(item_type) for _ in range(n)]
-        raise ModelFileError(f"corrupt GGUF header: unknown value type {type_id}")
+                return self._strings(self.count("string array", 8))
+            if item_type != _ARRAY:
+                raise _Corrupt(f"is corrupt: GGUF header: unknown array item type {item_type}")
+            n = self.count("nested array", 12)  # each item: its own item type + count
+            return [self.value(item_type, depth + 1) for _ in range(n)]
+        raise _Corrupt(f"is corrupt: GGUF header: unknown value type {type_id}")
 
 
 def _parse(path: Path, buffer, size: int) -> GGUFFile:
@@ -188,20 +202,23 @@ def _parse(path: Path, buffer, size: int) -> GGUFFile:
         version = struct.unpack(">I", struct.pack("<I", version))[0]
     if version not in SUPPORTED_VERSIONS:
         raise ModelFileError(f"{path}: GGUF version {version} is not supported (only {SUPPORTED_VERSIONS})")
-    n_tensors = reader.count("tensor")
-    n_kv = reader.count("metadata key")
+    n_tensors = reader.count("tensor", 8 + 4 + 4 + 8)   # name length, dims, type, offset
+    n_kv = reader.count("metadata key", 8 + 4)           # key length, value type
 
     metadata: dict[str, Any] = {}
     for _ in range(n_kv):
         key = reader.string()
         metadata[key] = reader.value(reader.unpack("I"))
 
-    table = []
+    table, names = [], set()
     for _ in range(n_tensors):
         name = reader.string()
+        if name in names:
+            raise ModelFileError(f"{path}: tensor {name[:80]!r} is listed twice")
+        names.add(name)
         n_dims = reader.unpack("I")
-        if n_dims > 8:
-            raise ModelFileError(f"corrupt GGUF header: tensor {name!r} has {n_dims} dimensions")
+        if n_dims > _MAX_DIMS:
+            raise _Corrupt(f"is corrupt: GGUF header: tensor {name[:80]!r} has {n_dims} dimensions")
         shape = tuple(reader.unpack("Q") for _ in range(n_dims))
         raw_type = reader.unpack("I")
         offset = reader.unpack("Q")
@@ -209,9 +226,18 @@ def _parse(path: Path, buffer, size: int) -> GGUFFile:
             tensor_type = GGMLQuantizationType(raw_type)
             block_size, type_size = GGML_QUANT_SIZES[tensor_type]
         except (ValueError, KeyError):
-            raise ModelFileError(f"{path}: tensor {name!r} has unknown type id {raw_type}") from None
-        n_elements = int(np.prod(shape, dtype=np.int64)) if shape else 1
-        table.append((name, tensor_type, shape, n_elements, n_elements // block_size * type_size, offset))
+            raise ModelFileError(f"{path}: tensor {name[:80]!r} has unknown type id {raw_type}") from None
+        n_elements = 1
+        for dim in shape:  # Python ints: a product that would overflow 64 bits is caught below, not wrapped
+            n_elements *= dim
+        if shape and shape[0] % block_size:
+            raise ModelFileError(f"{path}: tensor {name[:80]!r} of type {tensor_type.name} has rows of {shape[0]} values, "
+                                 f"not whole {block_size}-value blocks")
+        n_bytes = n_elements // block_size * type_size
+        if n_bytes > size:
+            raise ModelFileError(f"{path}: tensor {name[:80]!r} of shape {shape} needs {n_bytes:,} bytes, "
+                                 f"more than the whole file ({size:,} bytes)")
+        table.append((name, tensor_type, shape, n_elements, n_bytes, offset))
 
     alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
     if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
@@ -222,6 +248,8 @@ def _parse(path: Path, buffer, size: int) -> GGUFFile:
     gguf_file = GGUFFile(path, version, metadata, [], alignment, data_offset, size, header_bytes)
     for name, tensor_type, shape, n_elements, n_bytes, offset in table:
         end = data_offset + offset + n_bytes
+        if offset % alignment:
+            raise ModelFileError(f"{path}: tensor {name[:80]!r} starts at offset {offset:,}, not a multiple of the alignment {alignment}")
         if end > size:
             raise ModelFileError(
                 f"{path} is truncated: tensor {name!r} ends at byte {end:,} but the file has {size:,} bytes"
@@ -255,8 +283,10 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
             return _parse(path, view, size)
     except _Truncated:
         raise ModelFileError(f"{path} is truncated: the GGUF header runs past the end of the file") from None
-    except (OSError, ValueError, UnicodeDecodeError, OverflowError, struct.error) as exc:
-        raise ModelFileError(f"{path}: unreadable GGUF header ({type(exc).__name__}: {exc})") from None
+    except _Corrupt as exc:
+        raise ModelFileError(f"{path} {exc}") from None
+    except (OSError, ValueError, UnicodeDecodeError, OverflowError, struct.error, MemoryError, RecursionError) as exc:
+        raise ModelFileError(f"{path}: unreadable GGUF header ({type(exc).__name__}: {str(exc)[:200]})") from None
 
 
 def gguf_metadata(gguf_file: Any) -> dict[str, Any]:
@@ -298,7 +328,7 @@ def _gguf_kinds(md: dict[str, Any], arch: str, n_layers: int, kv_heads: list[int
     recurrent_layers = key("attention.recurrent_layers")
     interval = key("full_attention_interval") or (defaults.get("full_attention_interval") if has_ssm else None)
     if isinstance(recurrent_layers, list):
-        kinds = ["recurrent" if r else "full" for r in per_layer(recurrent_layers, n_layers, "attention.recurrent_layers")]
+        kinds = ["recurrent" if r else "full" for r in per_layer_flags(recurrent_layers, n_layers, "attention.recurrent_layers")]
     elif has_ssm and interval:
         kinds = interval_kinds(n_layers, int(interval))
     elif has_ssm:
@@ -313,7 +343,7 @@ def _gguf_kinds(md: dict[str, Any], arch: str, n_layers: int, kv_heads: list[int
     if window and arch not in _NO_SWA:
         pattern = key("attention.sliding_window_pattern")
         if isinstance(pattern, list):
-            swa = [bool(p) for p in per_layer(pattern, n_layers, "attention.sliding_window_pattern")]
+            swa = per_layer_flags(pattern, n_layers, "attention.sliding_window_pattern")
         else:
             period = pattern if pattern is not None else defaults.get("sliding_window_pattern", 1)
             swa = [k == "sliding" for k in pattern_kinds(n_layers, int(period))] if period else [False] * n_layers
@@ -338,8 +368,112 @@ def _gguf_state_elements(md: dict[str, Any], arch: str, n_embd: int, n_heads: in
     return 0
 
 
+#: Integer keys (after "<arch>.") and whether a per-layer list is allowed; checked before any is used.
+_INT_KEYS = {
+    "block_count": False, "context_length": False, "embedding_length": False, "vocab_size": False,
+    "feed_forward_length": True, "attention.head_count": True, "attention.head_count_kv": True,
+    "attention.key_length": False, "attention.value_length": False, "attention.sliding_window": False,
+    "attention.key_length_swa": False, "attention.value_length_swa": False, "attention.kv_lora_rank": False,
+    "attention.key_length_mla": False, "attention.value_length_mla": False, "attention.shared_kv_layers": False,
+    "rope.dimension_count": False, "expert_count": False, "expert_used_count": False,
+    "full_attention_interval": False, "ssm.state_size": False, "ssm.conv_kernel": False, "ssm.inner_size": False,
+    "ssm.group_count": False, "wkv.head_size": False, "shortconv.l_cache": False, "token_shift_count": False,
+}
+_FLOAT_KEYS = ("rope.freq_base", "attention.layer_norm_rms_epsilon", "rope.scaling.factor")
+_TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "eot_token_id", "unknown_token_id", "padding_token_id")
+
+
+def _checked_metadata(md: dict[str, Any], arch: str, source: str) -> None:
+    """Every key this reader uses holds what it should: one line naming the key otherwise."""
+    for suffix, listable in _INT_KEYS.items():
+        key = f"{arch}.{suffix}"
+        value = md.get(key)
+        if value is None:
+            continue
+        if isinstance(value, list) and listable:
+            for item in value:
+                as_int(item, f"{source}: {key}")
+        else:
+            as_int(value, f"{source}: {key}")
+    for suffix in _FLOAT_KEYS:
+        key = f"{arch}.{suffix}"
+        if md.get(key) is not None:
+            as_float(md[key], f"{source}: {key}")
+    tokens = md.get("tokenizer.ggml.tokens")
+    if tokens is not None and (not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens)):
+        raise ConfigError(f"{source}: tokenizer.ggml.tokens must be an array of strings")
+    merges = md.get("tokenizer.ggml.merges")
+    if merges is not None and (not isinstance(merges, list) or not all(isinstance(m, str) for m in merges)):
+        raise ConfigError(f"{source}: tokenizer.ggml.merges must be an array of strings")
+    types = md.get("tokenizer.ggml.token_type")
+    if types is not None and (not isinstance(types, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in types)):
+        raise ConfigError(f"{source}: tokenizer.ggml.token_type must be an array of integers")
+    for suffix in _TOKEN_ID_KEYS:
+        key = f"tokenizer.ggml.{suffix}"
+        if md.get(key) is not None:
+            as_int(md[key], f"{source}: {key}")
+    for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.chat_template", "general.name"):
+        if md.get(key) is not None and not isinstance(md[key], str):
+            raise ConfigError(f"{source}: {key} must be a string, got {short(md[key])}")
+
+
+def _vocab_size(md: dict[str, Any], arch: str, source: str) -> int:
+    """llama.cpp's n_vocab: the vocab_size key, else the tokenizer's token count; never fewer than the tokens."""
+    tokens = md.get("tokenizer.ggml.tokens") or []
+    vocab = as_int(md.get(f"{arch}.vocab_size") or len(tokens), f"{source}: {arch}.vocab_size")
+    if len(tokens) > vocab:
+        raise ConfigError(f"{source}: the tokenizer lists {len(tokens):,} tokens but {arch}.vocab_size is {vocab:,}")
+    return vocab
+
+
+def _engine_facts(gguf_file: GGUFFile, arch: str, vocab: int, n_ff: list[int]) -> EngineFacts:
+    md, source = gguf_file.metadata, str(gguf_file.path)
+    key = lambda name, default=None: md.get(f"{arch}.{name}", default)  # noqa: E731
+    names = {t.name for t in gguf_file.tensors}
+    ids = {}
+    for suffix in _TOKEN_ID_KEYS[:3]:
+        value = md.get(f"tokenizer.ggml.{suffix}")
+        if value is not None and vocab and not 0 <= value < vocab:
+            raise ModelFileError(f"{source}: tokenizer.ggml.{suffix}={value} is outside the vocabulary of {vocab:,} tokens")
+        ids[suffix] = value
+    factors = None
+    if "rope_freqs.weight" in names:  # Llama 3.x: long-context RoPE factors, one per rotated pair
+        tensor = gguf_file.tensor("rope_freqs.weight")
+        if tensor.tensor_type != GGMLQuantizationType.F32 or len(tensor.shape) != 1:
+            raise ModelFileError(f"{source}: tensor 'rope_freqs.weight' must be a 1-D F32 vector, "
+                                 f"got {tensor.tensor_type.name} of shape {tensor.shape}")
+        factors = tuple(float(f) for f in tensor.data.astype("float64"))
+    scaling = key("rope.scaling.type")
+    return EngineFacts(
+        format="gguf",
+        d_ff=n_ff[0] if len(set(n_ff)) == 1 else tuple(n_ff),
+        rope_theta=as_float(key("rope.freq_base", 10000.0), f"{source}: {arch}.rope.freq_base"),
+        rope_scaling_type=None if scaling in (None, "none") else str(scaling),
+        rope_dim=int(key("rope.dimension_count", 0)),
+        rope_freq_factors=factors,
+        rms_eps=as_float(key("attention.layer_norm_rms_epsilon", 1e-5), f"{source}: {arch}.attention.layer_norm_rms_epsilon"),
+        tie_embeddings="output.weight" not in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        qkv_bias="blk.0.attn_q.bias" in names,
+        bos_id=ids["bos_token_id"],
+        eos_ids=tuple(sorted({i for i in (ids["eos_token_id"], ids["eot_token_id"]) if i is not None})),
+        tensors={t.name: TensorInfo(t.name, tuple(reversed(t.shape)), t.tensor_type.name) for t in gguf_file.tensors},
+    )
+
+
 def spec_from_gguf(gguf_file: GGUFFile) -> ModelSpec:
-    """A ModelSpec from GGUF metadata keys; weights_bytes are the tensor table's exact bytes."""
+    """A ModelSpec from GGUF metadata keys; weights_bytes are the tensor table's exact bytes.
+
+    The spec carries the engine's facts (EngineFacts: RoPE, norms, biases, tied head, token ids, the
+    tensor table): this is the only parse of a GGUF's metadata.
+    """
+    try:
+        return _spec_from_gguf(gguf_file)
+    except (ValueError, TypeError, KeyError, OverflowError) as exc:  # a value of an unexpected kind the checks missed
+        raise ConfigError(f"{gguf_file.path}: malformed GGUF metadata ({type(exc).__name__}: {str(exc)[:200]})") from None
+
+
+def _spec_from_gguf(gguf_file: GGUFFile) -> ModelSpec:
     md, source = gguf_file.metadata, str(gguf_file.path)
     arch = gguf_file.architecture
     if not arch:
@@ -348,16 +482,15 @@ def spec_from_gguf(gguf_file: GGUFFile) -> ModelSpec:
     n_layers = key("block_count")
     if n_layers is None:
         raise ConfigError(f"{source}: no {arch}.block_count in the GGUF metadata")
-    n_layers = int(n_layers)
-    if n_layers <= 0:
-        raise ConfigError(f"{source}: {arch}.block_count must be positive, got {n_layers}")
+    n_layers = layer_count(n_layers, f"{source}: {arch}.block_count")
+    _checked_metadata(md, arch, source)
     n_embd = int(key("embedding_length", 0))
     head_count = key("attention.head_count")
     if head_count is None:
         raise ConfigError(f"{source}: no {arch}.attention.head_count in the GGUF metadata")
-    n_heads = per_layer(head_count, n_layers, f"{arch}.attention.head_count")
-    kv_heads = per_layer(key("attention.head_count_kv", head_count), n_layers, f"{arch}.attention.head_count_kv")
-    n_ff = per_layer(key("feed_forward_length", 0), n_layers, f"{arch}.feed_forward_length")
+    n_heads = per_layer(head_count, n_layers, f"{source}: {arch}.attention.head_count")
+    kv_heads = per_layer(key("attention.head_count_kv", head_count), n_layers, f"{source}: {arch}.attention.head_count_kv")
+    n_ff = per_layer(key("feed_forward_length", 0), n_layers, f"{source}: {arch}.feed_forward_length")
     max_heads = max(n_heads)
     head_dim_k = int(key("attention.key_length", n_embd // max_heads if max_heads else 0))
     head_dim_v = int(key("attention.value_length", n_embd // max_heads if max_heads else 0))
@@ -378,18 +511,20 @@ def spec_from_gguf(gguf_file: GGUFFile) -> ModelSpec:
     if "recurrent" in facts.kinds:
         facts.state_elements = _gguf_state_elements(md, arch, n_embd, max_heads)
     layers = build_layers(facts, source)
+    vocab = _vocab_size(md, arch, source)
     return ModelSpec(
         name=str(md.get("general.name") or gguf_file.path.stem),
         arch=arch,
         layers=layers,
         d_model=n_embd,
-        vocab_size=int(key("vocab_size") or len(md.get("tokenizer.ggml.tokens", [])) or 0),
+        vocab_size=vocab,
         context_length=int(key("context_length", 0)),
         n_params=sum(t.n_elements for t in gguf_file.tensors),
         weights_bytes=gguf_file.tensor_bytes,
         source=source,
         extra={"n_ff": max(n_ff), "n_expert": int(key("expert_count", 0)), "n_expert_used": int(key("expert_used_count", 0)),
                "file_size": gguf_file.file_size, "dtype": "gguf"},
+        engine=_engine_facts(gguf_file, arch, vocab, n_ff),
     )
 
 

@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, KvlabError, ModelFileError, OfflineError
-from ..spec import ModelSpec
-from .layers import LayerFacts, build_layers, interval_kinds, pattern_kinds, per_layer, ssm_state_elements
+from ..spec import EngineFacts, ModelSpec, RopeScaling, TensorInfo
+from .layers import (LayerFacts, as_float, as_int, build_layers, interval_kinds, layer_count, pattern_kinds, per_layer,
+                     short, ssm_state_elements)
 
 #: bytes per element of safetensors dtypes
 SAFETENSORS_DTYPE_BYTES = {
@@ -39,6 +40,95 @@ _LAYER_TYPE_KINDS = {
     "conv": "recurrent", "deltanet": "recurrent", "gated_deltanet": "recurrent",
     "none": "none", "mlp": "none", "moe": "none",
 }
+
+
+#: transformers model types whose sliding_window applies only when use_sliding_window is true (default false),
+#: and then only to layers from max_window_layers on (default 28). Every other type: the window applies when
+#: sliding_window is set, unless use_sliding_window is false.
+_WINDOW_SWITCHED = {"qwen2", "qwen2_moe", "qwen3", "qwen3_moe"}
+_QWEN_MAX_WINDOW_LAYERS = 28
+#: Where a model type keeps its KV head count. transformers' classes read num_key_value_heads (None: as many
+#: as query heads); only Falcon names it otherwise.
+_KV_HEAD_KEYS = {"falcon": ("num_kv_heads", "n_head_kv")}
+#: Keys holding a count (a per-layer list allowed where True); checked for type before any is used.
+_INT_KEYS = {
+    "num_attention_heads": True, "num_key_value_heads": True, "num_kv_heads": True,
+    "n_head_kv": True, "hidden_size": False, "intermediate_size": True, "vocab_size": False, "head_dim": False,
+    "max_position_embeddings": False, "sliding_window": False, "max_window_layers": False,
+    "sliding_window_pattern": False, "num_kv_shared_layers": False, "kv_lora_rank": False, "qk_rope_head_dim": False,
+    "qk_nope_head_dim": False, "v_head_dim": False, "full_attention_interval": False, "attention_chunk_size": False,
+    "num_experts": False, "num_local_experts": False, "n_routed_experts": False, "num_experts_per_tok": False,
+}
+_FLOAT_KEYS = ("rope_theta", "rms_norm_eps", "partial_rotary_factor")
+
+
+def _check_types(cfg: dict[str, Any], source: str) -> None:
+    """A string, list or object where a number belongs is one ConfigError naming the key."""
+    for key, listable in _INT_KEYS.items():
+        value = cfg.get(key)
+        if value is None:
+            continue
+        if isinstance(value, list) and listable:
+            for item in value:
+                as_int(item, f"{source}: {key}")
+        else:
+            as_int(value, f"{source}: {key}")
+    for key in _FLOAT_KEYS:
+        if cfg.get(key) is not None:
+            as_float(cfg[key], f"{source}: {key}")
+    for key in ("tie_word_embeddings", "attention_bias", "use_sliding_window"):
+        if cfg.get(key) is not None and not isinstance(cfg[key], bool):
+            raise ConfigError(f"{source}: {key} must be true or false, got {short(cfg[key])}")
+    for key in ("rope_scaling", "rope_parameters"):
+        if cfg.get(key) is not None and not isinstance(cfg[key], dict):
+            raise ConfigError(f"{source}: {key} must be an object, got {short(cfg[key])}")
+
+
+def _token_ids(cfg: dict[str, Any], key: str, vocab: int, source: str) -> tuple[int, ...]:
+    value = cfg.get(key)
+    values = value if isinstance(value, list) else [] if value is None else [value]
+    ids = tuple(as_int(v, f"{source}: {key}") for v in values)
+    for i in ids:
+        if vocab and i >= vocab:
+            raise ConfigError(f"{source}: {key}={i} is outside the vocabulary of {vocab:,} tokens")
+    return ids
+
+
+def _engine_facts(cfg: dict[str, Any], arch: str, vocab: int, head_dim: int, source: str,
+                  tensors: dict[str, TensorInfo] | None) -> EngineFacts:
+    """RoPE, norm, bias and head facts the engine needs, read with transformers' defaults for the model type."""
+    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    rope_type = scaling.get("rope_type", scaling.get("type"))
+    rope_scaling = None
+    if rope_type == "llama3":
+        what = f"{source}: rope_scaling"
+        try:
+            rope_scaling = RopeScaling(
+                factor=as_float(scaling["factor"], f"{what}.factor"),
+                low_freq_factor=as_float(scaling["low_freq_factor"], f"{what}.low_freq_factor"),
+                high_freq_factor=as_float(scaling["high_freq_factor"], f"{what}.high_freq_factor"),
+                original_max_position=as_int(scaling["original_max_position_embeddings"], f"{what}.original_max_position_embeddings", 1),
+            )
+        except KeyError as exc:
+            raise ConfigError(f"{what} of type llama3 lacks {exc.args[0]!r}") from None
+    theta = cfg.get("rope_theta") or scaling.get("rope_theta") or 10000.0
+    partial = cfg.get("partial_rotary_factor")
+    bos = _token_ids(cfg, "bos_token_id", vocab, source)
+    return EngineFacts(
+        format="safetensors" if tensors else "config",
+        d_ff=_first(cfg, "intermediate_size", default=0),
+        rope_theta=as_float(theta, f"{source}: rope_theta"),
+        rope_scaling=rope_scaling,
+        rope_scaling_type=None if rope_type in (None, "default", "llama3") else str(rope_type),
+        rope_dim=int(head_dim * partial) if partial is not None else 0,
+        rms_eps=as_float(cfg.get("rms_norm_eps", 1e-6), f"{source}: rms_norm_eps"),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qk_norm=arch == "qwen3",
+        qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+        bos_id=bos[0] if bos else None,
+        eos_ids=tuple(sorted(set(_token_ids(cfg, "eos_token_id", vocab, source)))),
+        tensors=tensors or {},
+    )
 
 
 def _text_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -107,9 +197,15 @@ def _kinds(cfg: dict[str, Any], n_layers: int, source: str) -> list[str]:
     if cfg.get("full_attention_interval"):
         return interval_kinds(n_layers, int(cfg["full_attention_interval"]))
     window = cfg.get("sliding_window")
+    model_type = cfg.get("model_type")
+    if window and model_type in _WINDOW_SWITCHED:
+        if cfg.get("use_sliding_window") is not True:
+            return ["full"] * n_layers
+        first = as_int(cfg.get("max_window_layers", _QWEN_MAX_WINDOW_LAYERS), f"{source}: max_window_layers")
+        return ["sliding" if i >= first else "full" for i in range(n_layers)]
     uses_window = window and cfg.get("use_sliding_window", True) is not False
     if uses_window and cfg.get("sliding_window_pattern"):
-        return pattern_kinds(n_layers, int(cfg["sliding_window_pattern"]))
+        return pattern_kinds(n_layers, as_int(cfg["sliding_window_pattern"], f"{source}: sliding_window_pattern"))
     if uses_window:
         return ["sliding"] * n_layers
     if _first(cfg, "ssm_state_size", "mamba_d_state", "state_size") and not cfg.get("num_attention_heads"):
@@ -118,18 +214,30 @@ def _kinds(cfg: dict[str, Any], n_layers: int, source: str) -> list[str]:
 
 
 def spec_from_config(config: dict[str, Any], name: str = "", source: str = "config.json",
-                     weights_bytes: int = 0, n_params: int = 0) -> ModelSpec:
-    """A ModelSpec from a transformers config dict (top level or nested text_config)."""
+                     weights_bytes: int = 0, n_params: int = 0,
+                     tensors: dict[str, TensorInfo] | None = None) -> ModelSpec:
+    """A ModelSpec from a transformers config dict (top level or nested text_config), with the engine's facts.
+
+    `tensors`: the safetensors headers' table, when the config comes with weights.
+    """
     if not isinstance(config, dict):
-        raise ConfigError(f"{source}: config must be a JSON object")
+        raise ConfigError(f"{source}: config must be a JSON object, got {type(config).__name__}")
+    try:
+        return _spec_from_config(config, name, source, weights_bytes, n_params, tensors)
+    except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as exc:  # a value the checks did not foresee
+        raise ConfigError(f"{source}: malformed config ({type(exc).__name__}: {str(exc)[:200]})") from None
+
+
+def _spec_from_config(config: dict[str, Any], name: str, source: str, weights_bytes: int, n_params: int,
+                      tensors: dict[str, TensorInfo] | None) -> ModelSpec:
     cfg = _text_config(config)
+    _check_types(cfg, source)
     n_layers = _first(cfg, "num_hidden_layers", "n_layer", "num_layers", "n_layers")
     if n_layers is None:
         raise ConfigError(f"{source}: no num_hidden_layers in the config")
-    n_layers = int(n_layers)
-    if n_layers <= 0:
-        raise ConfigError(f"{source}: num_hidden_layers must be positive, got {n_layers}")
+    n_layers = layer_count(n_layers, f"{source}: num_hidden_layers")
     kinds = _kinds(cfg, n_layers, source)
+    arch = str(_first(cfg, "model_type", default=config.get("model_type", "unknown")))
 
     n_heads_raw = _first(cfg, "num_attention_heads", "n_head", "num_heads")
     attention_kinds = {"full", "sliding", "mla"}
@@ -137,10 +245,10 @@ def spec_from_config(config: dict[str, Any], name: str = "", source: str = "conf
         if any(k in attention_kinds for k in kinds):
             raise ConfigError(f"{source}: no attention head count (num_attention_heads) in the config")
         n_heads_raw = 0
-    n_heads = per_layer(n_heads_raw, n_layers, "num_attention_heads")
-    n_kv_heads = per_layer(_first(cfg, "num_key_value_heads", "num_kv_heads", "n_head_kv", default=n_heads_raw),
-                           n_layers, "num_key_value_heads")
-    hidden = int(_first(cfg, "hidden_size", "n_embd", "d_model", default=0))
+    n_heads = per_layer(n_heads_raw, n_layers, f"{source}: num_attention_heads")
+    kv_keys = _KV_HEAD_KEYS.get(arch, ("num_key_value_heads",))
+    n_kv_heads = per_layer(_first(cfg, *kv_keys, default=n_heads_raw), n_layers, f"{source}: {kv_keys[0]}")
+    hidden = as_int(_first(cfg, "hidden_size", "n_embd", "d_model", default=0), f"{source}: hidden_size")
     max_heads = max(n_heads) if n_heads else 0
     head_dim = cfg.get("head_dim")
     if head_dim is None:
@@ -166,43 +274,93 @@ def spec_from_config(config: dict[str, Any], name: str = "", source: str = "conf
         facts.kinds = facts.kinds[: n_layers - shared] + ["none"] * shared
 
     layers = build_layers(facts, source)
+    n_ff = _first(cfg, "intermediate_size", "ffn_hidden_size", default=0) or 0
     extra = {
-        "n_ff": int(_first(cfg, "intermediate_size", "ffn_hidden_size", default=0) or 0),
+        "n_ff": int(max(n_ff) if isinstance(n_ff, list) and n_ff else n_ff or 0),
         "n_expert": int(_first(cfg, "num_experts", "num_local_experts", "n_routed_experts", default=0) or 0),
         "n_expert_used": int(_first(cfg, "num_experts_per_tok", "num_experts_per_token", default=0) or 0),
         "dtype": str(_first(cfg, "torch_dtype", "dtype", default="bfloat16")),
     }
+    vocab = as_int(_first(cfg, "vocab_size", default=config.get("vocab_size", 0)) or 0, f"{source}: vocab_size")
+    if tensors:
+        _check_kv_projections(layers, tensors, source)
     return ModelSpec(
         name=name or str(_first(config, "_name_or_path", "model_type", default="model")),
-        arch=str(_first(cfg, "model_type", default=config.get("model_type", "unknown"))),
+        arch=arch,
         layers=layers,
         d_model=hidden,
-        vocab_size=int(_first(cfg, "vocab_size", default=config.get("vocab_size", 0)) or 0),
-        context_length=int(_first(cfg, "max_position_embeddings", "n_positions", "max_seq_len", default=0) or 0),
+        vocab_size=vocab,
+        context_length=as_int(_first(cfg, "max_position_embeddings", "n_positions", "max_seq_len", default=0) or 0,
+                              f"{source}: max_position_embeddings"),
         n_params=n_params,
         weights_bytes=weights_bytes,
         source=source,
         extra=extra,
+        engine=_engine_facts(cfg, arch, vocab, int(head_dim), source, tensors),
     )
+
+
+def _check_kv_projections(layers, tensors: dict[str, TensorInfo], source: str) -> None:
+    """The K/V projections the safetensors hold (standard names) have the rows the config's KV heads need:
+    otherwise the cache the planner sizes is not the model's."""
+    for i, layer in enumerate(layers):
+        if layer.kind not in ("full", "sliding"):
+            continue
+        for proj, dim in (("k_proj", layer.head_dim_k), ("v_proj", layer.head_dim_v)):
+            info = tensors.get(f"model.layers.{i}.self_attn.{proj}.weight")
+            if info is not None and (len(info.shape) != 2 or info.shape[0] != layer.n_kv_heads * dim):
+                raise ModelFileError(
+                    f"{source}: tensor {info.name!r} has shape {info.shape}, but the config's "
+                    f"{layer.n_kv_heads} KV heads × head dim {dim} need {layer.n_kv_heads * dim} rows"
+                )
 
 
 # -- files ---------------------------------------------------------------------------------------
 
 def read_config(path: str | os.PathLike) -> dict[str, Any]:
+    """A config.json as a dict; anything else (a list, null, JSON nested past Python's limit) is one line."""
     path = Path(path)
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        config = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ModelFileError(f"{path}: no such file") from None
+    except RecursionError:
+        raise ModelFileError(f"{path}: JSON nested too deeply to be a model config") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ModelFileError(f"{path}: not a readable JSON config ({type(exc).__name__}: {exc})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path}: config must be a JSON object, got {type(config).__name__}")
+    return config
+
+
+def _checked_entry(path: Path, name: str, info: Any, data_bytes: int) -> TensorInfo:
+    """One safetensors header entry: a known dtype, a shape of non-negative ints, data inside the file."""
+    if not isinstance(info, dict) or info.get("dtype") not in SAFETENSORS_DTYPE_BYTES:
+        raise ModelFileError(f"{path}: tensor {name[:80]!r} has no known dtype ({short(info)})")
+    shape, offsets = info.get("shape"), info.get("data_offsets")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise ModelFileError(f"{path}: tensor {name[:80]!r} has shape {short(shape)}, not a list of non-negative integers")
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1] <= data_bytes):
+        raise ModelFileError(f"{path}: tensor {name[:80]!r} has data_offsets {short(offsets)} outside the {data_bytes:,} bytes of data")
+    n = 1
+    for d in shape:
+        n *= d
+    if n * SAFETENSORS_DTYPE_BYTES[info["dtype"]] != offsets[1] - offsets[0]:
+        raise ModelFileError(f"{path}: tensor {name[:80]!r} of shape {tuple(shape)} {info['dtype']} does not fill its "
+                             f"{offsets[1] - offsets[0]:,} bytes")
+    return TensorInfo(name, tuple(shape), info["dtype"])
 
 
 def read_safetensors_header(path: str | os.PathLike) -> dict[str, Any]:
-    """The JSON header of a .safetensors file (8-byte length + JSON); tensor data is never read."""
+    """The JSON header of a .safetensors file (8-byte length + JSON); tensor data is never read.
+
+    Every entry is checked: a known dtype, a shape of non-negative integers whose bytes fill its
+    data_offsets, and offsets inside the file."""
     path = Path(path)
     try:
         with open(path, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
             prefix = fh.read(8)
             if len(prefix) < 8:
                 raise ModelFileError(f"{path} is truncated: no safetensors header length")
@@ -218,11 +376,23 @@ def read_safetensors_header(path: str | os.PathLike) -> dict[str, Any]:
         raise ModelFileError(f"{path} is truncated: header needs {n} bytes, file has {len(raw)}")
     try:
         header = json.loads(raw)
+    except RecursionError:
+        raise ModelFileError(f"{path} is not a safetensors file (header JSON nested too deeply)") from None
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise ModelFileError(f"{path} is not a safetensors file (header is not JSON)") from None
     if not isinstance(header, dict):
         raise ModelFileError(f"{path} is not a safetensors file (header is not a JSON object)")
+    data_bytes = size - 8 - n
+    for tensor_name, info in header.items():
+        if tensor_name != "__metadata__":
+            _checked_entry(path, tensor_name, info, data_bytes)
     return header
+
+
+def safetensors_tensors(headers: list[dict[str, Any]]) -> dict[str, TensorInfo]:
+    """The tensor table of safetensors headers (as read_safetensors_header checked them)."""
+    return {name: TensorInfo(name, tuple(info["shape"]), info["dtype"])
+            for header in headers for name, info in header.items() if name != "__metadata__"}
 
 
 def safetensors_weights(headers: list[dict[str, Any]]) -> tuple[int, int]:
@@ -241,16 +411,17 @@ def safetensors_weights(headers: list[dict[str, Any]]) -> tuple[int, int]:
     return total_bytes, total_params
 
 
-def spec_from_folder(path: str | os.PathLike) -> ModelSpec:
-    """A HF model folder (config.json + *.safetensors) or a config.json path."""
+def spec_from_folder(path: str | os.PathLike, config: dict[str, Any] | None = None) -> ModelSpec:
+    """A HF model folder (config.json + *.safetensors) or a config.json path (`config`: already read from it)."""
     path = Path(path)
     config_path = path / "config.json" if path.is_dir() else path
     folder = config_path.parent
-    config = read_config(config_path)
+    config = read_config(config_path) if config is None else config
     headers = [read_safetensors_header(p) for p in sorted(folder.glob("*.safetensors"))]
     weights_bytes, n_params = safetensors_weights(headers)
     return spec_from_config(config, name=folder.name if path.is_dir() else config_path.stem,
-                            source=str(config_path), weights_bytes=weights_bytes, n_params=n_params)
+                            source=str(config_path), weights_bytes=weights_bytes, n_params=n_params,
+                            tensors=safetensors_tensors(headers))
 
 
 # -- the Hub ---------------------------------------------------------------------------------------

@@ -10,8 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import math
+
 from ..errors import ConfigError
-from ..spec import LayerSpec
+from ..spec import MAX_LAYERS, LayerSpec
 
 
 @dataclass
@@ -33,13 +35,55 @@ class LayerFacts:
     notes: list[str] = field(default_factory=list)
 
 
+def short(value, limit: int = 60) -> str:
+    """repr(value) cut to `limit` characters (error messages stay one short line whatever the file holds)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def as_int(value, what: str, minimum: int = 0) -> int:
+    """An integer count from a file: ints and integral floats; anything else (9.5, a string, a list, a bool)
+    or a value below `minimum` is a ConfigError naming `what`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+            isinstance(value, float) and not (math.isfinite(value) and value.is_integer())):
+        raise ConfigError(f"{what} must be an integer, got {short(value)}")
+    if value < minimum:
+        bound = "positive" if minimum == 1 else "non-negative" if minimum == 0 else f"at least {minimum}"
+        raise ConfigError(f"{what} must be {bound}, got {short(value)}")
+    return int(value)
+
+
+def as_float(value, what: str, positive: bool = True) -> float:
+    """A finite number from a file (a positive one when `positive`), else a ConfigError naming `what`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (positive and value <= 0):
+        raise ConfigError(f"{what} must be a finite {'positive ' if positive else ''}number, got {short(value)}")
+    return float(value)
+
+
+def layer_count(value, what: str) -> int:
+    """The number of layers: a positive integer no larger than MAX_LAYERS (checked before any per-layer list)."""
+    n = as_int(value, what, minimum=1)
+    if n > MAX_LAYERS:
+        raise ConfigError(f"{what}={n:,} is more layers than any model has (at most {MAX_LAYERS:,})")
+    return n
+
+
 def per_layer(value, n_layers: int, what: str) -> list[int]:
-    """A scalar repeated for every layer, or a per-layer list checked for length."""
+    """A scalar repeated for every layer, or a per-layer list checked for length; non-negative integers."""
     if isinstance(value, (list, tuple)):
         if len(value) != n_layers:
             raise ConfigError(f"{what} lists {len(value)} values for {n_layers} layers")
-        return [int(v) for v in value]
-    return [int(value)] * n_layers
+        return [as_int(v, what) for v in value]
+    return [as_int(value, what)] * n_layers
+
+
+def per_layer_flags(value, n_layers: int, what: str) -> list[bool]:
+    """A per-layer list of flags (bools or 0/1 integers), checked for length and kind."""
+    if not isinstance(value, (list, tuple)) or len(value) != n_layers:
+        raise ConfigError(f"{what} must list one flag for each of the {n_layers} layers, got {short(value)}")
+    if not all(isinstance(v, (bool, int)) for v in value):
+        raise ConfigError(f"{what} must hold booleans, got {short(value)}")
+    return [bool(v) for v in value]
 
 
 def pattern_kinds(n_layers: int, period: int, dense_first: bool = False) -> list[str]:
