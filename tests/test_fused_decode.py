@@ -11,7 +11,6 @@ from gguf import GGMLQuantizationType, quants
 
 from kvlab.cache import CacheGeometry, make_cache
 from kvlab.errors import CacheCapacityError, NonFiniteError
-from kvlab import kernels
 from kvlab.model.blockquant import BlockMatrix
 from kvlab.model.fused import FusedDecodeStep, decode_step_kind, fused_decode_step, fused_step_off
 from kvlab.model.loader import install_blocks

@@ -303,6 +303,13 @@ def test_safetensors_shapes_that_contradict_the_config(tmp_path):
     one_line_error(lambda: load_model(folder), ModelFileError, "type I32")
 
 
+def test_tokenizer_larger_than_the_vocabulary(tmp_path, smollm2):
+    config = {**HF, "vocab_size": 1000}
+    folder = write_hf(tmp_path / "m", config, hf_tensors(config))
+    smollm2.tokenizer.backend.save(str(tmp_path / "m" / "tokenizer.json"))
+    one_line_error(lambda: load_model(folder), ModelFileError, "the tokenizer has 49,152 tokens")
+
+
 def test_safetensors_header_entries_are_checked(tmp_path):
     from kvlab.sources.hf import read_safetensors_header
 

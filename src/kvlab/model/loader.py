@@ -139,6 +139,8 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype | str = torch.
         else:
             weights = "dense"  # no Q4_0/Q4_1/Q8_0 matrix in the file: nothing to keep as blocks
             state = load_or_convert(path, lambda: gguf_state_dict(gguf_file, cfg))
+    if tokenizer.vocab_size > cfg.vocab_size:  # a token id past the embedding's rows would reach the model
+        raise ModelFileError(f"{path}: the tokenizer has {tokenizer.vocab_size:,} tokens, the model's vocabulary {cfg.vocab_size:,}")
     with torch.device("meta"):
         model = Decoder(cfg)
     model = model.to_empty(device=device)

@@ -25,8 +25,7 @@ from gguf.quants import quant_shape_to_byte_shape
 from ..errors import ConfigError, ModelFileError
 from ..spec import EngineFacts, ModelSpec, TensorInfo
 from .layers import (LayerFacts, as_float, as_int, build_layers, interval_kinds, layer_count, pattern_kinds, per_layer,
-                     per_layer_flags, short,
-                     ssm_state_elements)
+                     per_layer_flags, short, ssm_state_elements)
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
