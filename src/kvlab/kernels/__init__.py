@@ -330,14 +330,13 @@ def block_kernel() -> BlockKernel | None:
 
 def kernel_expected() -> bool:
     """Whether block_kernel() would give a library, answered without building anything (the planner's
-    question): the one already loaded, else a verified build in the cache folder, else a compiler to build
-    one with. Only a build that fails later makes the loader fall back where this said yes."""
+    question): what this process already got when it has tried, else whether a compiler is here to build
+    one. Only a build that fails later makes the loader fall back where this said yes."""
     if os.environ.get("KVLAB_NO_KERNEL"):
         return False
     if _loaded_kernel.cache_info().currsize:
         return _loaded_kernel() is not None
-    compiler = _compiler()
-    return compiler is not None
+    return compiler_available()
 
 
 def _evenly_strided_rows(p: torch.Tensor) -> torch.Tensor:
