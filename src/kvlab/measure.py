@@ -3,7 +3,6 @@ what the machine was, JSON files and matplotlib figures."""
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import statistics
@@ -92,7 +91,7 @@ def pyplot():
 
 
 def write_json(path: str | Path, payload) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2) + "\n")
-    return path
+    """Indented JSON, written atomically (kvlab.fileio)."""
+    from .fileio import write_json as write_atomically
+
+    return write_atomically(path, payload, indent=2)

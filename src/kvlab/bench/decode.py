@@ -28,6 +28,7 @@ from rich.table import Table
 
 from ..cache import CacheGeometry, DenseCache, make_cache
 from ..errors import ConfigError
+from ..fileio import check_writable, write_json
 from ..generate import generate
 from ..model.fused import decode_step_kind, fused_step_off
 from ..session import cached_model
@@ -133,6 +134,8 @@ def _run(model, prompt_tokens, new_tokens, dtypes, repeats, contenders, out, jso
             raise ConfigError(
                 f"contender {c!r} must be kvlab:<cache>, kvlab-unfused:<cache>, kvlab-dense-weights:<cache> or transformers:default|none"
             )
+    if out:
+        check_writable(out, "--out")  # before the long run, not after it
     torch.manual_seed(0)
     bandwidths = [read_bandwidth_gb_s() * 1e9]  # measured again after every repeat; the best is the limit
     results: list[DecodeResult] = []
@@ -191,8 +194,7 @@ def _run(model, prompt_tokens, new_tokens, dtypes, repeats, contenders, out, jso
         "results": [asdict(r) for r in results],
     }
     if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(record, indent=2))
+        write_json(out, record, indent=2)
     if json_out:
         print(json.dumps(record))
         return record

@@ -13,6 +13,7 @@ from typing import Optional
 import typer
 
 from ..errors import ConfigError
+from ..fileio import PLOT_SUFFIXES, check_writable
 from ..terminal import console, one_line_errors
 
 THREADS_HELP = "torch intra-op threads (0: torch's default). On a busy machine 1 can be much faster."
@@ -31,11 +32,7 @@ def _ints(text: str, option: str) -> tuple[int, ...]:
 def _png(path: Optional[str]) -> Optional[Path]:
     if path is None:
         return None
-    p = Path(path)
-    if p.suffix.lower() not in (".png", ".svg", ".pdf"):
-        raise ConfigError(f"--plot needs a .png, .svg or .pdf file name, got {p.name!r}")
-    p.parent.mkdir(parents=True, exist_ok=True)
-    return p
+    return check_writable(path, "--plot", PLOT_SUFFIXES)  # before the experiment runs, not after
 
 
 def _print_json(records: list[dict]) -> None:

@@ -31,6 +31,7 @@ from ..generate import generate
 from ..model.config import DecoderConfig
 from ..model.llama import Decoder
 from .common import Ticker
+from ..fileio import save_figure
 
 #: The seed's problem 15 counts one block and one head: so does the default model (random weights).
 COUNTS_CONFIG = DecoderConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=1, n_kv_heads=1, d_ff=64,
@@ -238,5 +239,5 @@ def plot_counts(records: list[CountRecord], path) -> None:
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path)
+    save_figure(fig, path)
     plt.close(fig)

@@ -34,6 +34,7 @@ from ..generate import generate
 from ..model.config import DecoderConfig
 from ..model.llama import Decoder
 from .common import Ticker
+from ..fileio import atomic_path, save_figure
 from .corpus import VOCAB_SIZE, corpus_digest, decode, encode, splits
 
 KV_HEADS = (8, 4, 2, 1)
@@ -154,11 +155,9 @@ def weights_path(weights_dir: Path, cfg: DecoderConfig, s: TrainSettings) -> Pat
 def save_weights(path: Path, model: Decoder, meta: dict) -> None:
     from safetensors.torch import save_file
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp),
-              metadata={k: json.dumps(v) for k, v in meta.items()})
-    tmp.replace(path)
+    with atomic_path(path) as tmp:
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp),
+                  metadata={k: json.dumps(v) for k, v in meta.items()})
 
 
 def load_weights(path: Path, cfg: DecoderConfig) -> tuple[Decoder, dict]:
@@ -309,5 +308,5 @@ def plot_gqa(records: list[GqaRecord], path) -> None:
     ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], loc="upper right")
     ax.set_title("KV cache bytes and validation loss against n_kv_head")
     fig.tight_layout()
-    fig.savefig(path)
+    save_figure(fig, path)
     plt.close(fig)

@@ -23,6 +23,7 @@ from ..cache.dense import DenseCache
 from ..model.config import DecoderConfig
 from ..model.llama import Decoder
 from .common import Ticker
+from ..fileio import save_figure
 
 INVARIANCE_CONFIG = DecoderConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=4, d_ff=128,
                                   max_seq_len=64, name="invariance-4x32")
@@ -198,5 +199,5 @@ def plot_invariance(result: InvarianceResult, path) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
+    save_figure(fig, path)
     plt.close(fig)

@@ -35,6 +35,7 @@ from ..cache.base import CacheGeometry
 from ..errors import ConfigError
 from ..generate import generate
 from .common import Ticker
+from ..fileio import save_figure
 from ..measure import median_time, read_bandwidth_gb_s
 from .counts import forward_macs, generation_macs
 
@@ -492,6 +493,6 @@ def plot_speed(result: SpeedResult, path) -> None:
             ax.grid(alpha=0.3, which="both")
             ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path)
+    save_figure(fig, path)
     plt.close(fig)
 
