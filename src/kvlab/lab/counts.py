@@ -27,6 +27,7 @@ import torch
 from ..cache import make_cache
 from ..cache.base import CacheGeometry, KVCache
 from ..errors import ConfigError
+from ..limits import check_int
 from ..generate import generate
 from ..model.config import DecoderConfig
 from ..model.llama import Decoder
@@ -144,8 +145,10 @@ def run_counts(ns: list[int], ticker: Ticker | None = None, model=None) -> list[
     the default is one block with one head (so per block per head is the whole model)."""
     if not ns or any(n < 1 for n in ns):
         raise ConfigError(f"--n needs positive token counts, got {ns}")
-    ticker = ticker or Ticker()
     model = model or counts_model()
+    for n in ns:  # a 1-token prompt and n new tokens: n positions
+        check_int(n, "--n", 1, model.config.max_seq_len, f"the counting model's context")
+    ticker = ticker or Ticker()
     ticker.reset(sum(sum_squares(n) + triangle(n) for n in ns), "counts")  # proportional to the work
     records = []
     for n in ns:

@@ -34,11 +34,13 @@ from ..generate import generate
 from ..model.config import DecoderConfig
 from ..model.llama import Decoder
 from .common import Ticker
+from ..limits import MAX_REPEATS, check_int
 from ..fileio import atomic_path, save_figure
 from .corpus import VOCAB_SIZE, corpus_digest, decode, encode, splits
 
 KV_HEADS = (8, 4, 2, 1)
 PROMPT = "ROMEO:\nBut soft,"  # 16 bytes
+MAX_TRAIN_STEPS = 1_000_000  # --steps: a million steps of the lab GPT is days of CPU already
 
 
 @dataclass(frozen=True)
@@ -239,6 +241,12 @@ def run_gqa(settings: TrainSettings = TrainSettings(), new_tokens: int = 256, re
             ticker: Ticker | None = None) -> list[GqaRecord]:
     if 8 not in kv_heads:
         raise ConfigError("the GQA table needs n_kv_head 8 (MHA) as the baseline of its ratios")
+    context = lab_gpt_config(8, settings.n_layers, settings.d_ff).max_seq_len
+    prompt_tokens = len(encode(PROMPT))
+    check_int(new_tokens, "--new-tokens", 2, context - prompt_tokens + 1,
+              f"the lab GPT holds {context:,} tokens, {prompt_tokens} of them the prompt")
+    check_int(repeats, "--repeats", 1, MAX_REPEATS)
+    check_int(settings.steps, "--steps", 1, MAX_TRAIN_STEPS)
     ticker = ticker or Ticker()
     ticker.reset(len(kv_heads) * (settings.steps + 2), "gqa")
     _, val = splits()
