@@ -23,6 +23,7 @@ from typing import Any
 
 from ..errors import ConfigError, KvlabError, ModelFileError, OfflineError
 from ..spec import ModelSpec
+from .params import count_params
 from .layers import LayerFacts, build_layers, interval_kinds, pattern_kinds, per_layer, ssm_state_elements
 
 #: bytes per element of safetensors dtypes
@@ -172,6 +173,9 @@ def spec_from_config(config: dict[str, Any], name: str = "", source: str = "conf
         "n_expert_used": int(_first(cfg, "num_experts_per_tok", "num_experts_per_token", default=0) or 0),
         "dtype": str(_first(cfg, "torch_dtype", "dtype", default="bfloat16")),
     }
+    if not n_params and not weights_bytes:  # a bare config.json: count the parameters from the architecture
+        n_params = count_params(cfg, layers)
+        extra["n_params_source"] = "architecture" if n_params else None
     return ModelSpec(
         name=name or str(_first(config, "_name_or_path", "model_type", default="model")),
         arch=str(_first(cfg, "model_type", default=config.get("model_type", "unknown"))),
