@@ -64,11 +64,12 @@ def model_context(model) -> int | None:
 
 
 def check_fits(prompt_tokens: int, max_new_tokens: int, context: int | None, capacity: int | None = None,
-               cached: int = 0) -> None:
+               cached: int = 0, new_option: str = "--max-new-tokens") -> None:
     """Refuse, before any work, a generation that would pass the model's context or the cache's capacity.
 
     Positions used: the `cached` tokens already in the cache, the prompt, and every new token but the
     last (it is returned, never fed back). `capacity` None: no cache bound (the no-cache baseline).
+    `new_option` is the option the messages name for the new tokens.
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
@@ -78,13 +79,13 @@ def check_fits(prompt_tokens: int, max_new_tokens: int, context: int | None, cap
                               f"exceeds the model's context of {context:,} tokens")
     if context is not None and needed > context:
         room = context - cached - prompt_tokens + 1
-        raise InputLimitError(f"prompt of {prompt_tokens:,} tokens + --max-new-tokens {max_new_tokens:,} needs {needed:,} "
-                              f"positions, more than the model's context of {context:,}; use --max-new-tokens {room:,} or less")
+        raise InputLimitError(f"prompt of {prompt_tokens:,} tokens + {new_option} {max_new_tokens:,} needs {needed:,} positions, "
+                              f"more than the model's context of {context:,}; use {new_option} {room:,} or less")
     if capacity is not None and cached + prompt_tokens > capacity:
         raise CacheCapacityError(f"prompt of {prompt_tokens} tokens exceeds the cache capacity of {capacity} tokens")
     if capacity is not None and needed > capacity:
-        raise CacheCapacityError(f"prompt of {prompt_tokens:,} tokens + --max-new-tokens {max_new_tokens:,} needs a cache of "
-                                 f"{needed:,} tokens, more than its capacity of {capacity:,}; raise --capacity or lower --max-new-tokens")
+        raise CacheCapacityError(f"prompt of {prompt_tokens:,} tokens + {new_option} {max_new_tokens:,} needs a cache of {needed:,} "
+                                 f"tokens, more than its capacity of {capacity:,}; raise --capacity or lower {new_option}")
 
 
 def sample_next(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:

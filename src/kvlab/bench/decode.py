@@ -29,7 +29,8 @@ from rich.table import Table
 from ..cache import CacheGeometry, DenseCache, make_cache
 from ..errors import ConfigError
 from ..fileio import check_writable, write_json
-from ..generate import generate
+from ..limits import check_int
+from ..generate import check_fits, generate, model_context
 from ..model.fused import decode_step_kind, fused_step_off
 from ..session import cached_model
 from ..measure import machine_info, read_bandwidth_gb_s, torch_threads
@@ -142,6 +143,9 @@ def _run(model, prompt_tokens, new_tokens, dtypes, repeats, contenders, out, jso
     with Progress(console=console, transient=True) as progress:
         for dtype_name in dtypes:
             loaded = cached_model(model, dtype_name, "cpu", weights)
+            context = model_context(loaded.model)
+            check_int(prompt_tokens, "--prompt-tokens", 1, context, "the model's context")  # before the prompt exists
+            check_fits(prompt_tokens, new_tokens, context, new_option="--new-tokens")
             models = {"kvlab": loaded}
             if any(c.startswith("kvlab-dense-weights:") for c in contenders):
                 models["kvlab-dense-weights"] = cached_model(model, dtype_name, "cpu", "dense")

@@ -14,7 +14,7 @@ from ..errors import ConfigError
 from ..limits import check_int, check_threads
 from .needle import PasskeyProtocol, check_passkey_fits, passkey_trials
 from .perplexity import WindowProtocol
-from .suite import CacheQuality, perplexity_suite
+from .suite import CacheQuality, corpus_windows, perplexity_suite
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,7 @@ def run_eval(settings: EvalSettings, console: Console | None = None) -> list[Cac
     loaded = cached_model(settings.model, "fp32", "cpu")
     for name in settings.caches:  # fail on a bad name before any long work
         make_cache(name, CacheGeometry.for_model(loaded.config, 1, 16))
+    token_windows = corpus_windows(loaded.tokenizer, settings.protocol)  # and on more windows than the corpus holds
     if settings.passkey:  # and on a passkey prompt the model cannot hold
         check_passkey_fits(loaded, settings.passkey)
     n_caches = len([n for n in settings.caches if n != "dense"]) + 1
@@ -63,7 +64,8 @@ def run_eval(settings: EvalSettings, console: Console | None = None) -> list[Cac
     started = time.perf_counter()
     with progress:
         task = progress.add_task("perplexity (windows × caches)", total=settings.protocol.n_windows * n_caches)
-        records = perplexity_suite(loaded, list(settings.caches), settings.protocol, lambda: progress.advance(task))
+        records = perplexity_suite(loaded, list(settings.caches), settings.protocol, lambda: progress.advance(task),
+                                   token_windows)
         if settings.passkey:
             p = settings.passkey
             task = progress.add_task("passkey (trials × caches)", total=p.trials * len(records))
