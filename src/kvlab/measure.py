@@ -13,6 +13,8 @@ from typing import Callable, Iterator
 
 import torch
 
+from .limits import check_threads
+
 
 @contextmanager
 def torch_threads(n: int) -> Iterator[None]:
@@ -20,8 +22,6 @@ def torch_threads(n: int) -> Iterator[None]:
 
     On a shared machine fewer threads than cores can be much faster: every parallel op waits for
     all its threads, and one descheduled thread stalls the op."""
-    from .limits import check_threads
-
     check_threads(n)
     before = torch.get_num_threads()
     if n > 0:

@@ -35,7 +35,7 @@ from ..model.config import DecoderConfig
 from ..model.llama import Decoder
 from .common import Ticker
 from ..limits import MAX_REPEATS, check_int
-from ..fileio import atomic_path, save_figure
+from ..fileio import atomic_path, check_writable_folder, save_figure
 from .corpus import VOCAB_SIZE, corpus_digest, decode, encode, splits
 
 KV_HEADS = (8, 4, 2, 1)
@@ -247,6 +247,10 @@ def run_gqa(settings: TrainSettings = TrainSettings(), new_tokens: int = 256, re
               f"the lab GPT holds {context:,} tokens, {prompt_tokens} of them the prompt")
     check_int(repeats, "--repeats", 1, MAX_REPEATS)
     check_int(settings.steps, "--steps", 1, MAX_TRAIN_STEPS)
+    folder = weights_dir or default_weights_dir()
+    if retrain or any(not weights_path(folder, lab_gpt_config(n, settings.n_layers, settings.d_ff), settings).is_file()
+                      for n in kv_heads):  # weights will be saved after training: make sure they can be, first
+        check_writable_folder(folder, "--weights-dir")
     ticker = ticker or Ticker()
     ticker.reset(len(kv_heads) * (settings.steps + 2), "gqa")
     _, val = splits()
