@@ -126,3 +126,4 @@ def test_lab_plot_and_out_are_checked_before_the_experiment(tmp_path):
     assert "--plot" in one_line_error(["lab", "invariance", "--plot", str(blocker / "inv.png")])
     assert "--out" in one_line_error(["lab", "all", "--quick", "--out", str(blocker)])
     assert "--out" in one_line_error(["bench", "decode", "--out", str(blocker / "d.json"), "--contenders", "kvlab:dense"])
+    assert "--weights-dir" in one_line_error(["lab", "gqa", "--quick", "--retrain", "--weights-dir", str(blocker / "w")])
