@@ -9,7 +9,6 @@ step walking the layers. If the two are close, the kernel is compute-bound, not 
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from kvlab.kernels import BLOCK_TYPES, block_kernel, kernel_status  # noqa: E402
+from kvlab.fileio import write_json  # noqa: E402
 
 OUT = ROOT / "bench" / "results" / "block_gemv.json"
 SHAPES = [(960, 576), (3072, 576), (576, 1536), (49152, 576)]   # q|k|v, gate|up, down, vocab head (rows, cols)
@@ -60,8 +60,7 @@ def main() -> None:
     rows.append({"case": "cold 30 × 3072×576", "gb_s": round(rate(kernel, cold, torch.randn(576)), 2)})
     for row in rows:
         print(f"{row['case']:22s} {row['gb_s']:6.2f} GB/s")
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps({"what": __doc__.splitlines()[0], "threads": 1, "rows": rows}, indent=1) + "\n")
+    write_json(OUT, {"what": __doc__.splitlines()[0], "threads": 1, "rows": rows}, indent=1)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from kvlab.eval.needle import PasskeyProtocol, passkey_trials
 from kvlab.eval.perplexity import WindowProtocol, run_window
 from kvlab.eval.plot import plot_quality
 from kvlab.eval.suite import corpus_windows, perplexity_suite
+from kvlab.fileio import write_json
 from kvlab.generate import generate
 from kvlab.model.fused import fused_step_off
 from kvlab.session import cached_model
@@ -126,8 +127,7 @@ def main() -> None:
         section["threads"] = torch.get_num_threads()
         data = json.loads(OUT.read_text()) if OUT.exists() else {}
         data[part] = section
-        OUT.parent.mkdir(parents=True, exist_ok=True)
-        OUT.write_text(json.dumps(data, indent=1) + "\n")
+        write_json(OUT, data, indent=1)
         print(f"{part}: {section['seconds']} s -> {OUT}", flush=True)
 
 

@@ -11,7 +11,6 @@ alternate so the machine's drift hits both alike.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -23,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from kvlab.cache import CacheGeometry, make_cache  # noqa: E402
+from kvlab.fileio import write_json  # noqa: E402
 from kvlab.measure import read_bandwidth_gb_s  # noqa: E402
 from kvlab.model.fused import fused_step_off  # noqa: E402
 from kvlab.kernels import block_kernel  # noqa: E402
@@ -95,8 +95,7 @@ def main() -> None:
             print(row, flush=True)
     record = {"what": __doc__.splitlines()[0], "threads": torch.get_num_threads(), "weight_mb": round(loaded.weight_bytes / 1e6, 1),
               "read_bandwidth_gb_s": round(read_bandwidth_gb_s(), 1), "rows": rows}
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(record, indent=1) + "\n")
+    write_json(OUT, record, indent=1)
     print(f"-> {OUT}")
 
 

@@ -17,7 +17,6 @@ prefill or, as an upper bound nobody could deploy, from the whole window.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from kvlab.cache.rotation import Rotation  # noqa: E402
 from kvlab.cache.turboquant import RotatedCodes  # noqa: E402
 from kvlab.eval.perplexity import WindowProtocol  # noqa: E402
 from kvlab.eval.suite import corpus_windows  # noqa: E402
+from kvlab.fileio import write_json  # noqa: E402
 from kvlab.session import cached_model  # noqa: E402
 
 OUT = ROOT / "bench" / "results" / "key_error.json"
@@ -132,8 +132,7 @@ def main() -> None:
             for name, v in totals.items()]
     for row in rows:
         print(f"{row['coder']:50s} {row['attention_kl_sum_over_layers']:8.4f}  {row['vs_tq4_without_weights']:.2f}×")
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps({"what": __doc__.splitlines()[0], "windows": WINDOWS, "rows": rows}, indent=1) + "\n")
+    write_json(OUT, {"what": __doc__.splitlines()[0], "windows": WINDOWS, "rows": rows}, indent=1)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import statistics
@@ -28,6 +27,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from kvlab.model.loader import default_model_path  # noqa: E402
 from kvlab.plan import PlanSettings, find_gpu, get_engine, make_plan  # noqa: E402
+from kvlab.fileio import write_json  # noqa: E402
 from kvlab.sources import catalog, load_spec, open_gguf  # noqa: E402
 
 RUNS = 7
@@ -123,8 +123,7 @@ def main() -> None:
         "gguf_header": gguf_rows,
     }
     out = ROOT / "bench" / "results" / "plan_speed.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    write_json(out, result, indent=1)
     print(f"wrote {out}")
 
 

@@ -8,9 +8,10 @@ from typing import Optional
 
 import typer
 
-from .terminal import console, one_line_errors
+from .limits import MAX_REPEATS
+from .terminal import OneLineUsageErrors, console, one_line_errors
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Plan, run, compress and measure the KV cache of LLMs.")
+app = typer.Typer(cls=OneLineUsageErrors, add_completion=False, no_args_is_help=True, help="Plan, run, compress and measure the KV cache of LLMs.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print tables and write bench/results/*.json.")
 app.add_typer(bench_app, name="bench")
 
@@ -22,15 +23,15 @@ def generate(
     model: Optional[str] = typer.Option(None, "--model", help="GGUF file or Hugging Face folder (default: embedded SmolLM2)."),
     cache: str = typer.Option("dense", "--cache", help="dense | concat | none (and compressed caches)."),
     dtype: str = typer.Option("fp32", "--dtype", help="fp32 | bf16."),
-    max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="At most the model's context minus the prompt."),
     temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 = greedy."),
     top_k: int = typer.Option(0, "--top-k", min=0),
     top_p: float = typer.Option(1.0, "--top-p"),
-    seed: Optional[int] = typer.Option(None, "--seed"),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Sampling seed, 0 .. 2^64-1."),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template."),
     capacity: Optional[int] = typer.Option(None, "--capacity", help="Cache capacity in tokens (default: prompt + new tokens)."),
     chunk_size: Optional[int] = typer.Option(None, "--prefill-chunk", help="Prefill the prompt in chunks of this many tokens."),
-    device: str = typer.Option("cpu", "--device"),
+    device: str = typer.Option("cpu", "--device", help="cpu | cuda | cuda:N | mps (a device this machine has)."),
     weights: str = typer.Option("auto", "--weights", help="auto | native (GGUF blocks, fp32 CPU) | dense (dequantized)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
 ):
@@ -84,9 +85,9 @@ def bench_decode(
     prompt_tokens: int = typer.Option(128, "--prompt-tokens", min=1),
     new_tokens: int = typer.Option(256, "--new-tokens", min=2),
     dtypes: str = typer.Option("fp32,bf16", "--dtypes"),
-    repeats: int = typer.Option(3, "--repeats", min=1),
-    no_cache_repeats: int = typer.Option(1, "--no-cache-repeats", min=1, help="Runs of the (slow) no-cache contenders."),
-    threads: int = typer.Option(0, "--threads", min=0, help="torch intra-op threads (0: torch's default)."),
+    repeats: int = typer.Option(3, "--repeats", min=1, max=MAX_REPEATS),
+    no_cache_repeats: int = typer.Option(1, "--no-cache-repeats", min=1, max=MAX_REPEATS, help="Runs of the (slow) no-cache contenders."),
+    threads: int = typer.Option(0, "--threads", min=0, help="torch intra-op threads (0: torch's default; at most 4 per core)."),
     contenders: str = typer.Option(
         "kvlab:dense,kvlab-unfused:dense,kvlab-dense-weights:dense,kvlab:concat,kvlab:none,transformers:default,transformers:none",
         "--contenders",

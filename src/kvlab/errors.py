@@ -30,3 +30,11 @@ class NonFiniteError(KvlabError):
 
 class OfflineError(KvlabError):
     """A network resource was requested while offline."""
+
+
+class OutputError(KvlabError):
+    """A report, plot or JSON file that cannot be written where it was asked for."""
+
+
+class InputLimitError(KvlabError):
+    """A number or a text beyond what kvlab will run: too many threads, tokens past the context, an endless template."""

@@ -9,7 +9,8 @@ from typing import Callable, Iterator
 import torch
 
 from .cache.base import KVCache
-from .errors import CacheCapacityError, ConfigError
+from .errors import CacheCapacityError, ConfigError, InputLimitError
+from .limits import check_float, check_seed
 
 
 GREEDY_BELOW = 1e-5  # temperatures this small would overflow the logits; they mean greedy
@@ -25,12 +26,14 @@ class SamplingConfig:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
+        if not self.temperature >= 0:  # NaN too
             raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        check_float(self.temperature, "temperature (--temperature)")  # and finite
         if self.top_k < 0:
             raise ConfigError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        check_seed(self.seed, "seed (--seed)")
 
 
 @dataclass
@@ -52,6 +55,37 @@ class GenerationResult:
         """Decode steps per second after the first token (which comes from the prefill)."""
         steps = self.new_tokens - 1
         return steps / self.decode_seconds if steps > 0 and self.decode_seconds > 0 else 0.0
+
+
+def model_context(model) -> int | None:
+    """The longest sequence the model was built for (its config's max_seq_len), or None when it says nothing."""
+    context = getattr(getattr(model, "config", None), "max_seq_len", None)
+    return context if isinstance(context, int) and context > 0 else None
+
+
+def check_fits(prompt_tokens: int, max_new_tokens: int, context: int | None, capacity: int | None = None,
+               cached: int = 0, new_option: str = "--max-new-tokens") -> None:
+    """Refuse, before any work, a generation that would pass the model's context or the cache's capacity.
+
+    Positions used: the `cached` tokens already in the cache, the prompt, and every new token but the
+    last (it is returned, never fed back). `capacity` None: no cache bound (the no-cache baseline).
+    `new_option` is the option the messages name for the new tokens.
+    """
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    needed = cached + prompt_tokens + max_new_tokens - 1
+    if context is not None and cached + prompt_tokens > context:
+        raise InputLimitError(f"prompt of {prompt_tokens:,} tokens{f' after {cached:,} cached' if cached else ''} "
+                              f"exceeds the model's context of {context:,} tokens")
+    if context is not None and needed > context:
+        room = context - cached - prompt_tokens + 1
+        raise InputLimitError(f"prompt of {prompt_tokens:,} tokens + {new_option} {max_new_tokens:,} needs {needed:,} positions, "
+                              f"more than the model's context of {context:,}; use {new_option} {room:,} or less")
+    if capacity is not None and cached + prompt_tokens > capacity:
+        raise CacheCapacityError(f"prompt of {prompt_tokens} tokens exceeds the cache capacity of {capacity} tokens")
+    if capacity is not None and needed > capacity:
+        raise CacheCapacityError(f"prompt of {prompt_tokens:,} tokens + {new_option} {max_new_tokens:,} needs a cache of {needed:,} "
+                                 f"tokens, more than its capacity of {capacity:,}; raise --capacity or lower {new_option}")
 
 
 def sample_next(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
@@ -109,15 +143,11 @@ def generate_stream(
     no-cache baseline (cache.persistent is False) each step feeds the whole sequence again.
     `stats`, when given, receives prefill_seconds, decode_seconds and stop_reason.
     """
-    if max_new_tokens < 1:
-        raise ConfigError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     if prompt.dim() != 2 or prompt.shape[1] == 0:
         raise ConfigError(f"prompt must be a non-empty (batch, tokens) tensor, got shape {tuple(prompt.shape)}")
     capacity = cache.geometry.capacity
-    if cache.persistent and cache.length + prompt.shape[1] > capacity:
-        raise CacheCapacityError(
-            f"prompt of {prompt.shape[1]} tokens exceeds the cache capacity of {capacity} tokens"
-        )
+    check_fits(prompt.shape[1], max_new_tokens, model_context(model), capacity if cache.persistent else None,
+               cache.length if cache.persistent else 0)
     device = prompt.device
     generator = None
     if sampling.seed is not None:

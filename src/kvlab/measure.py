@@ -3,7 +3,6 @@ what the machine was, JSON files and matplotlib figures."""
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import statistics
@@ -14,6 +13,8 @@ from typing import Callable, Iterator
 
 import torch
 
+from .limits import check_threads
+
 
 @contextmanager
 def torch_threads(n: int) -> Iterator[None]:
@@ -21,6 +22,7 @@ def torch_threads(n: int) -> Iterator[None]:
 
     On a shared machine fewer threads than cores can be much faster: every parallel op waits for
     all its threads, and one descheduled thread stalls the op."""
+    check_threads(n)
     before = torch.get_num_threads()
     if n > 0:
         torch.set_num_threads(n)
@@ -92,7 +94,7 @@ def pyplot():
 
 
 def write_json(path: str | Path, payload) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2) + "\n")
-    return path
+    """Indented JSON, written atomically (kvlab.fileio)."""
+    from .fileio import write_json as write_atomically
+
+    return write_atomically(path, payload, indent=2)

@@ -12,7 +12,8 @@ from rich.table import Table
 
 from .cache import CacheGeometry, describe_formula, expected_nbytes, make_cache
 from .errors import ConfigError
-from .generate import GenerationResult, SamplingConfig, generate
+from .generate import GenerationResult, SamplingConfig, check_fits, generate, model_context
+from .limits import check_device, check_int
 from .model.loader import LoadedModel, load_model, parse_dtype
 from .model.fused import decode_step_kind
 from .model.tokenizer import StreamDecoder
@@ -21,6 +22,7 @@ from .model.tokenizer import StreamDecoder
 @functools.lru_cache(maxsize=4)
 def cached_model(path: str | None, dtype: str = "fp32", device: str = "cpu", weights: str = "auto") -> LoadedModel:
     """One load per (model, dtype, device, weights) in a process: the demo and benchmarks reuse it."""
+    check_device(device)  # one line naming --device, before any loading
     return load_model(path, parse_dtype(dtype), device, weights)
 
 
@@ -82,9 +84,13 @@ def run_generation(
     stream: Callable[[str], None] | None = None,
     weights: str = "auto",
 ) -> GenerationRun:
-    loaded = cached_model(model, dtype, device, weights)
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    loaded = cached_model(model, dtype, device, weights)
+    context = model_context(loaded.model)
+    if capacity is not None:
+        check_int(capacity, "--capacity", 1, context, "the model's context" if context else "")
     ids = encode_prompt(loaded, prompt, chat)
+    check_fits(len(ids), max_new_tokens, context, capacity)  # before the cache is allocated, not after
     capacity = capacity or len(ids) + max_new_tokens
     geometry = CacheGeometry.for_model(loaded.config, batch=1, capacity=capacity)
     kv = make_cache(cache, geometry, dtype=loaded.dtype, device=loaded.device)

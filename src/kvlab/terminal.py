@@ -7,6 +7,8 @@ import sys
 
 import typer
 from rich.console import Console
+from rich.markup import escape
+from typer.core import TyperGroup
 
 from .errors import KvlabError
 
@@ -30,3 +32,23 @@ def one_line_errors(fn):
             raise typer.Exit(2)
 
     return wrapper
+
+
+class OneLineUsageErrors(TyperGroup):
+    """The app's command group: click's own usage errors (`--threads abc`, `--repeats 0`, an unknown option)
+    also print one line, `error: Invalid value for '--threads': ...`, and exit 2, like kvlab's errors."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except typer.Abort:
+            err_console.print("[bold red]aborted[/]", highlight=False)
+            sys.exit(1)
+        except typer.TyperException as exc:  # typer's (vendored) click exceptions: usage errors, bad values
+            if type(exc).__name__ != "NoArgsIsHelpError":  # that one has printed the help already
+                err_console.print(f"[bold red]error:[/] {escape(' '.join(exc.format_message().split()))}",
+                                  highlight=False, soft_wrap=True)
+            sys.exit(getattr(exc, "exit_code", 2))
+        sys.exit(code if isinstance(code, int) else 0)

@@ -28,7 +28,9 @@ from rich.table import Table
 
 from ..cache import CacheGeometry, DenseCache, make_cache
 from ..errors import ConfigError
-from ..generate import generate
+from ..fileio import check_writable, write_json
+from ..limits import check_int
+from ..generate import check_fits, generate, model_context
 from ..model.fused import decode_step_kind, fused_step_off
 from ..session import cached_model
 from ..measure import machine_info, read_bandwidth_gb_s, torch_threads
@@ -133,12 +135,17 @@ def _run(model, prompt_tokens, new_tokens, dtypes, repeats, contenders, out, jso
             raise ConfigError(
                 f"contender {c!r} must be kvlab:<cache>, kvlab-unfused:<cache>, kvlab-dense-weights:<cache> or transformers:default|none"
             )
+    if out:
+        check_writable(out, "--out")  # before the long run, not after it
     torch.manual_seed(0)
     bandwidths = [read_bandwidth_gb_s() * 1e9]  # measured again after every repeat; the best is the limit
     results: list[DecodeResult] = []
     with Progress(console=console, transient=True) as progress:
         for dtype_name in dtypes:
             loaded = cached_model(model, dtype_name, "cpu", weights)
+            context = model_context(loaded.model)
+            check_int(prompt_tokens, "--prompt-tokens", 1, context, "the model's context")  # before the prompt exists
+            check_fits(prompt_tokens, new_tokens, context, new_option="--new-tokens")
             models = {"kvlab": loaded}
             if any(c.startswith("kvlab-dense-weights:") for c in contenders):
                 models["kvlab-dense-weights"] = cached_model(model, dtype_name, "cpu", "dense")
@@ -191,8 +198,7 @@ def _run(model, prompt_tokens, new_tokens, dtypes, repeats, contenders, out, jso
         "results": [asdict(r) for r in results],
     }
     if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(record, indent=2))
+        write_json(out, record, indent=2)
     if json_out:
         print(json.dumps(record))
         return record

@@ -13,6 +13,7 @@ QUICK_WINDOWS = 4
 
 
 def register(app: typer.Typer) -> None:
+    from ..fileio import PLOT_SUFFIXES, check_writable, write_json
     from ..terminal import console, one_line_errors
 
     @app.command("eval")
@@ -33,11 +34,14 @@ def register(app: typer.Typer) -> None:
         from .run import EvalSettings, run_eval
 
         settings = EvalSettings.build(caches, quick, windows, passkey, passkey_lengths, model, threads)
+        if out:
+            check_writable(out, "--out")  # before the run: a typo must not cost the whole evaluation
+        if plot:
+            check_writable(plot, "--plot", PLOT_SUFFIXES)
         records = run_eval(settings, console=None if json_out else console)
         payload = [r.to_json() for r in records]
         if out:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(payload, indent=1) + "\n")
+            write_json(out, payload, indent=1)
         if plot:
             from .plot import plot_quality
 

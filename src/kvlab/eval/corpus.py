@@ -45,6 +45,8 @@ def windows(tokens: list[int], n_windows: int, length: int) -> list[list[int]]:
     """`n_windows` windows of `length` tokens, evenly spaced over the token stream (first at 0, last at the end)."""
     if len(tokens) < length:
         raise ConfigError(f"the corpus has {len(tokens)} tokens, fewer than one window of {length}")
+    if n_windows > len(tokens) // length:
+        raise ConfigError(f"--windows {n_windows:,}: the corpus holds {len(tokens) // length:,} windows of {length} tokens")
     if n_windows == 1:
         return [tokens[:length]]
     last = len(tokens) - length

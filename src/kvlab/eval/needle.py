@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache import CacheGeometry, make_cache
+from ..errors import InputLimitError
 from ..generate import generate
 from .corpus import FILLER_PLAY, play_text
 
@@ -54,6 +55,16 @@ def passkey_prompt(tokenizer, n_tokens: int, depth: float, key: int) -> list[int
     message = f"{text}\n\n{QUESTION}"
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": message}])
     return tokenizer.encode(rendered, add_special=False)
+
+
+def check_passkey_fits(loaded, protocol: PasskeyProtocol) -> None:
+    """Refuse, before the evaluation starts, a filler length whose prompt + answer the model cannot hold."""
+    context = loaded.config.max_seq_len
+    longest = max(protocol.lengths)
+    needed = len(passkey_prompt(loaded.tokenizer, longest, 0.5, 10000)) + protocol.max_new_tokens - 1
+    if needed > context:
+        raise InputLimitError(f"--passkey-lengths {longest:,}: the passkey prompt and answer need {needed:,} tokens, "
+                              f"more than the model's context of {context:,}")
 
 
 def passkey_trials(loaded, name: str, protocol: PasskeyProtocol, advance=None) -> list[dict]:

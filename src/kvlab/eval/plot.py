@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..fileio import save_figure
 from .suite import CacheQuality
 
 
@@ -39,7 +40,6 @@ def plot_quality(records: list[CacheQuality], path: Path) -> Path:
     fig.suptitle("SmolLM2-135M KV cache quality against bits (Shakespeare, fp32 compute)")
     fig.tight_layout()
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
     return path

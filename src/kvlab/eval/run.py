@@ -11,9 +11,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from ..errors import ConfigError
-from .needle import PasskeyProtocol, passkey_trials
+from ..limits import check_int, check_threads
+from .needle import PasskeyProtocol, check_passkey_fits, passkey_trials
 from .perplexity import WindowProtocol
-from .suite import CacheQuality, perplexity_suite
+from .suite import CacheQuality, corpus_windows, perplexity_suite
 
 
 @dataclass(frozen=True)
@@ -30,11 +31,15 @@ class EvalSettings:
         names = tuple(dict.fromkeys(n.strip() for n in caches.split(",") if n.strip()))
         if not names:
             raise ConfigError("--caches needs at least one cache name")
-        n_windows = windows or (4 if quick else 16)
+        n_windows = check_int(windows, "--windows", 1) if windows is not None else (4 if quick else 16)
+        if threads is not None:
+            check_threads(threads, allow_default=False)
         try:
             lengths = tuple(int(x) for x in passkey_lengths.split(",") if x.strip())
         except ValueError:
             raise ConfigError(f"--passkey-lengths must be comma-separated integers, got {passkey_lengths!r}") from None
+        for length in lengths:
+            check_int(length, "--passkey-lengths", 1)
         keys = None
         if passkey:
             keys = PasskeyProtocol(lengths=lengths[:1], depths=(0.5,)) if quick else PasskeyProtocol(lengths=lengths)
@@ -50,13 +55,17 @@ def run_eval(settings: EvalSettings, console: Console | None = None) -> list[Cac
     loaded = cached_model(settings.model, "fp32", "cpu")
     for name in settings.caches:  # fail on a bad name before any long work
         make_cache(name, CacheGeometry.for_model(loaded.config, 1, 16))
+    token_windows = corpus_windows(loaded.tokenizer, settings.protocol)  # and on more windows than the corpus holds
+    if settings.passkey:  # and on a passkey prompt the model cannot hold
+        check_passkey_fits(loaded, settings.passkey)
     n_caches = len([n for n in settings.caches if n != "dense"]) + 1
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         console=console or Console(stderr=True), transient=console is None)
     started = time.perf_counter()
     with progress:
         task = progress.add_task("perplexity (windows × caches)", total=settings.protocol.n_windows * n_caches)
-        records = perplexity_suite(loaded, list(settings.caches), settings.protocol, lambda: progress.advance(task))
+        records = perplexity_suite(loaded, list(settings.caches), settings.protocol, lambda: progress.advance(task),
+                                   token_windows)
         if settings.passkey:
             p = settings.passkey
             task = progress.add_task("passkey (trials × caches)", total=p.trials * len(records))

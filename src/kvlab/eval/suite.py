@@ -49,16 +49,18 @@ def corpus_windows(tokenizer, protocol: WindowProtocol) -> list[torch.Tensor]:
     return [torch.tensor([w]) for w in windows(ids, protocol.n_windows, protocol.length)]
 
 
-def perplexity_suite(loaded, names: list[str], protocol: WindowProtocol, advance=None) -> list[CacheQuality]:
+def perplexity_suite(loaded, names: list[str], protocol: WindowProtocol, advance=None,
+                     token_windows: list[torch.Tensor] | None = None) -> list[CacheQuality]:
     """Dense first (the reference), then every cache in `names`, window by window.
 
-    `advance()` is called after each (window, cache) pass, for a progress bar.
+    `advance()` is called after each (window, cache) pass, for a progress bar. `token_windows`: the
+    corpus windows when the caller cut them already (default: cut them here).
     """
     model, config = loaded.model, loaded.config
     geometry = CacheGeometry.for_model(config, batch=1, capacity=protocol.length)
     names = ["dense"] + [n for n in names if n != "dense"]
     sums = {n: {"nll": 0.0, "kl": 0.0, "top1": 0, "count": 0} for n in names}
-    for tokens in corpus_windows(loaded.tokenizer, protocol):
+    for tokens in token_windows if token_windows is not None else corpus_windows(loaded.tokenizer, protocol):
         reference = None
         for name in names:
             logits, _ = run_window(model, tokens, lambda: make_cache(name, geometry, loaded.dtype, loaded.device), protocol)

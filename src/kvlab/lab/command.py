@@ -13,6 +13,8 @@ from typing import Optional
 import typer
 
 from ..errors import ConfigError
+from ..fileio import PLOT_SUFFIXES, check_writable
+from ..limits import MAX_REPEATS
 from ..terminal import console, one_line_errors
 
 THREADS_HELP = "torch intra-op threads (0: torch's default). On a busy machine 1 can be much faster."
@@ -31,11 +33,7 @@ def _ints(text: str, option: str) -> tuple[int, ...]:
 def _png(path: Optional[str]) -> Optional[Path]:
     if path is None:
         return None
-    p = Path(path)
-    if p.suffix.lower() not in (".png", ".svg", ".pdf"):
-        raise ConfigError(f"--plot needs a .png, .svg or .pdf file name, got {p.name!r}")
-    p.parent.mkdir(parents=True, exist_ok=True)
-    return p
+    return check_writable(path, "--plot", PLOT_SUFFIXES)  # before the experiment runs, not after
 
 
 def _print_json(records: list[dict]) -> None:
@@ -104,7 +102,7 @@ def register(app: typer.Typer) -> None:
     def gqa(
         steps: Optional[int] = typer.Option(None, "--steps", min=1, help="Training steps per variant (default 200)."),
         new_tokens: int = typer.Option(256, "--new-tokens", min=2, help="Tokens generated for the bytes and tokens/s columns."),
-        repeats: int = typer.Option(3, "--repeats", min=1),
+        repeats: int = typer.Option(3, "--repeats", min=1, max=MAX_REPEATS),
         weights_dir: Optional[str] = typer.Option(None, "--weights-dir", help="Where trained weights are saved and resumed from."),
         retrain: bool = typer.Option(False, "--retrain", help="Train again even when saved weights exist."),
         quick: bool = typer.Option(False, "--quick", help="A 1-block model, 3 steps: for tests."),
@@ -139,7 +137,7 @@ def register(app: typer.Typer) -> None:
     def speed(
         models: str = typer.Option("lab,smollm2", "--models", help="lab (the lab GPT) and/or smollm2."),
         lengths: str = typer.Option("64,256,512,1024,2048", "--lengths", help="Generated tokens after a 16-token prompt."),
-        repeats: int = typer.Option(3, "--repeats", min=1),
+        repeats: int = typer.Option(3, "--repeats", min=1, max=MAX_REPEATS),
         check: str = typer.Option("64", "--check", help="n at which real generate() runs check the step-sum estimate."),
         check_budget: float = typer.Option(30.0, "--check-budget", min=0.0,
                                            help="Skip a check whose no-cache run would take longer than this many seconds."),

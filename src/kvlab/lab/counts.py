@@ -27,10 +27,12 @@ import torch
 from ..cache import make_cache
 from ..cache.base import CacheGeometry, KVCache
 from ..errors import ConfigError
+from ..limits import check_int
 from ..generate import generate
 from ..model.config import DecoderConfig
 from ..model.llama import Decoder
 from .common import Ticker
+from ..fileio import save_figure
 
 #: The seed's problem 15 counts one block and one head: so does the default model (random weights).
 COUNTS_CONFIG = DecoderConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=1, n_kv_heads=1, d_ff=64,
@@ -143,8 +145,10 @@ def run_counts(ns: list[int], ticker: Ticker | None = None, model=None) -> list[
     the default is one block with one head (so per block per head is the whole model)."""
     if not ns or any(n < 1 for n in ns):
         raise ConfigError(f"--n needs positive token counts, got {ns}")
-    ticker = ticker or Ticker()
     model = model or counts_model()
+    for n in ns:  # a 1-token prompt and n new tokens: n positions
+        check_int(n, "--n", 1, model.config.max_seq_len, f"the counting model's context")
+    ticker = ticker or Ticker()
     ticker.reset(sum(sum_squares(n) + triangle(n) for n in ns), "counts")  # proportional to the work
     records = []
     for n in ns:
@@ -238,5 +242,5 @@ def plot_counts(records: list[CountRecord], path) -> None:
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path)
+    save_figure(fig, path)
     plt.close(fig)

@@ -34,10 +34,13 @@ from ..generate import generate
 from ..model.config import DecoderConfig
 from ..model.llama import Decoder
 from .common import Ticker
+from ..limits import MAX_REPEATS, check_int
+from ..fileio import atomic_path, check_writable_folder, save_figure
 from .corpus import VOCAB_SIZE, corpus_digest, decode, encode, splits
 
 KV_HEADS = (8, 4, 2, 1)
 PROMPT = "ROMEO:\nBut soft,"  # 16 bytes
+MAX_TRAIN_STEPS = 1_000_000  # --steps: a million steps of the lab GPT is days of CPU already
 
 
 @dataclass(frozen=True)
@@ -154,11 +157,9 @@ def weights_path(weights_dir: Path, cfg: DecoderConfig, s: TrainSettings) -> Pat
 def save_weights(path: Path, model: Decoder, meta: dict) -> None:
     from safetensors.torch import save_file
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp),
-              metadata={k: json.dumps(v) for k, v in meta.items()})
-    tmp.replace(path)
+    with atomic_path(path) as tmp:
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp),
+                  metadata={k: json.dumps(v) for k, v in meta.items()})
 
 
 def load_weights(path: Path, cfg: DecoderConfig) -> tuple[Decoder, dict]:
@@ -240,6 +241,16 @@ def run_gqa(settings: TrainSettings = TrainSettings(), new_tokens: int = 256, re
             ticker: Ticker | None = None) -> list[GqaRecord]:
     if 8 not in kv_heads:
         raise ConfigError("the GQA table needs n_kv_head 8 (MHA) as the baseline of its ratios")
+    context = lab_gpt_config(8, settings.n_layers, settings.d_ff).max_seq_len
+    prompt_tokens = len(encode(PROMPT))
+    check_int(new_tokens, "--new-tokens", 2, context - prompt_tokens + 1,
+              f"the lab GPT holds {context:,} tokens, {prompt_tokens} of them the prompt")
+    check_int(repeats, "--repeats", 1, MAX_REPEATS)
+    check_int(settings.steps, "--steps", 1, MAX_TRAIN_STEPS)
+    folder = weights_dir or default_weights_dir()
+    if retrain or any(not weights_path(folder, lab_gpt_config(n, settings.n_layers, settings.d_ff), settings).is_file()
+                      for n in kv_heads):  # weights will be saved after training: make sure they can be, first
+        check_writable_folder(folder, "--weights-dir")
     ticker = ticker or Ticker()
     ticker.reset(len(kv_heads) * (settings.steps + 2), "gqa")
     _, val = splits()
@@ -309,5 +320,5 @@ def plot_gqa(records: list[GqaRecord], path) -> None:
     ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], loc="upper right")
     ax.set_title("KV cache bytes and validation loss against n_kv_head")
     fig.tight_layout()
-    fig.savefig(path)
+    save_figure(fig, path)
     plt.close(fig)

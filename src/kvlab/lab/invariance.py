@@ -23,6 +23,8 @@ from ..cache.dense import DenseCache
 from ..model.config import DecoderConfig
 from ..model.llama import Decoder
 from .common import Ticker
+from ..limits import MAX_SEED, check_int
+from ..fileio import save_figure
 
 INVARIANCE_CONFIG = DecoderConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=4, d_ff=128,
                                   max_seq_len=64, name="invariance-4x32")
@@ -95,6 +97,10 @@ def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @torch.inference_mode()
 def run_invariance(n_tokens: int = 8, decode_steps: int = 8, seed: int = 0, ticker: Ticker | None = None) -> InvarianceResult:
+    context = INVARIANCE_CONFIG.max_seq_len
+    check_int(n_tokens, "--tokens", 1, context - 1, f"the invariance model holds {context} tokens")
+    check_int(decode_steps, "--steps", 1, context - n_tokens, f"--tokens + --steps must fit its {context} tokens")
+    check_int(seed, "--seed", 0, MAX_SEED - 1)
     ticker = ticker or Ticker()
     ticker.reset(3, "invariance")
     model = invariance_model(seed)
@@ -198,5 +204,5 @@ def plot_invariance(result: InvarianceResult, path) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
+    save_figure(fig, path)
     plt.close(fig)

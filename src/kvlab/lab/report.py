@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .common import Ticker, progress_bar
+from ..fileio import check_writable_folder, write_text
 from ..measure import machine_info, write_json
 from .counts import COUNTS_CONFIG, counts_markdown, plot_counts, run_counts
 from .gqa import TrainSettings, gqa_markdown, plot_gqa, run_gqa
@@ -59,8 +60,7 @@ class AllSettings:
 
 def run_all(settings: AllSettings, console=None, show_progress: bool = True) -> dict:
     """Run the four experiments; write the report, plots and JSON into settings.out; return the JSON payload."""
-    out = settings.out
-    out.mkdir(parents=True, exist_ok=True)
+    out = check_writable_folder(settings.out, "--out")  # before the long run, not after it
     machine = machine_info()
     timings: dict[str, float] = {}
     if show_progress:
@@ -90,7 +90,7 @@ def run_all(settings: AllSettings, console=None, show_progress: bool = True) -> 
         "speed": speed.json_records(),
     }
     write_json(out / "lab.json", payload)
-    (out / "report.md").write_text(render_report(settings, payload, inv, counts, gqa, speed))
+    write_text(out / "report.md", render_report(settings, payload, inv, counts, gqa, speed))
     return payload
 
 

@@ -33,8 +33,10 @@ import torch
 from ..cache import make_cache
 from ..cache.base import CacheGeometry
 from ..errors import ConfigError
+from ..limits import check_float, check_int
 from ..generate import generate
 from .common import Ticker
+from ..fileio import save_figure
 from ..measure import median_time, read_bandwidth_gb_s
 from .counts import forward_macs, generation_macs
 
@@ -312,9 +314,16 @@ def run_speed(models: tuple[str, ...] = MODELS, lengths: tuple[int, ...] = LENGT
     `check_budget_s` seconds."""
     if not lengths or min(lengths) < 2:
         raise ConfigError(f"--lengths must be token counts of at least 2, got {list(lengths)}")
+    for n in check_ns:
+        check_int(n, "--check", 1)
+    check_float(check_budget_s, "--check-budget", 0.0)
     ticker = ticker or Ticker()
     mut = load_models(tuple(models), quick, weights_dir)
     top = max(lengths)
+    for m in mut:  # the longest run must fit every model's context: refuse now, not after the profiles
+        context = m.config.max_seq_len
+        check_int(top, "--lengths", 2, context - m.prompt.shape[1] + 1,
+                  f"{m.key} holds {context:,} tokens, {m.prompt.shape[1]} of them the prompt")
     ks = step_grid(top)
     check_ns = tuple(n for n in check_ns if n <= top)
     ticker.reset(len(mut) * ((1 + len(ks) * repeats) + (1 + len(ks)) + len(check_ns)), "speed")
@@ -492,6 +501,6 @@ def plot_speed(result: SpeedResult, path) -> None:
             ax.grid(alpha=0.3, which="both")
             ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path)
+    save_figure(fig, path)
     plt.close(fig)
 

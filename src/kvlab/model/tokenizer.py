@@ -127,23 +127,18 @@ class Tokenizer:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render the model's own Jinja chat template in a sandbox (the template is untrusted input)."""
+        """Render the model's own Jinja chat template, bounded in time, memory and size (kvlab.model.chat_template)."""
         if not self.chat_template:
             raise ModelFileError("this model has no chat template; drop --chat")
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        from .chat_template import render_chat_template
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-
-        def raise_exception(message):
-            raise ModelFileError(f"chat template: {message}")
-
-        env.globals["raise_exception"] = raise_exception
         id_to_token = self.backend.id_to_token
-        return env.from_string(self.chat_template).render(
-            messages=messages,
+        return render_chat_template(
+            self.chat_template,
+            messages,
             add_generation_prompt=add_generation_prompt,
-            bos_token=id_to_token(self.bos_id) if self.bos_id is not None else "",
-            eos_token=id_to_token(self.eos_ids[0]) if self.eos_ids else "",
+            bos_token=(id_to_token(self.bos_id) or "") if self.bos_id is not None else "",
+            eos_token=(id_to_token(self.eos_ids[0]) or "") if self.eos_ids else "",
         )
 
 

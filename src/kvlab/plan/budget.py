@@ -32,6 +32,15 @@ class Plan:
     budget_bytes: int | None = None
     max_context: int | None = None
     max_sequences: int | None = None
+    alias_of: str | None = None   # the name asked for, when the catalog planned another model under it
+
+    @property
+    def alias_note(self) -> str | None:
+        """One line saying which model was planned when the name asked for was a catalog alias."""
+        if not self.alias_of:
+            return None
+        return (f"note: {self.alias_of} is not in the catalog under its own name; planned {self.spec.name}, "
+                f"its catalog alias (same architecture)")
 
     @property
     def per_gpu(self) -> bool:

@@ -59,7 +59,23 @@ def build_plan(model: str, ctx: str | int = "4096", kv_type: str | None = None, 
         if not plan.max_context:
             raise ConfigError(f"{spec.name} does not fit on {card.name} even at 1 token of context")
         plan = make_plan(spec, eng, replace(settings, context=plan.max_context), weights_quant, card)
-    return plan
+    return replace(plan, alias_of=_alias_asked(model))
+
+
+def _alias_asked(model: str) -> str | None:
+    """`model` when it named a catalog entry by one of its aliases (another model planned in its place)."""
+    from pathlib import Path
+
+    from ..sources import find_entry
+
+    if Path(model).expanduser().exists():
+        return None
+    entry = find_entry(model)
+    if entry is None:
+        return None
+    key = model.strip().lower().replace("_", "-")
+    own_names = {entry.name.lower().replace("_", "-"), entry.repo.lower().replace("_", "-")}
+    return None if key in own_names else model
 
 
 def plan_command(model: str, ctx: str = "4096", kv_type: str | None = None, kv_type_k: str | None = None,
@@ -84,6 +100,8 @@ def plan_command(model: str, ctx: str = "4096", kv_type: str | None = None, kv_t
     if json_out:
         console.print_json(json.dumps(plan_json(plan)))
     else:
+        if plan.alias_note:
+            console.print(plan.alias_note, markup=False, highlight=False, soft_wrap=True)
         print_plan(plan, console, layers=layers)
         if plot:
             console.print(f"plot: {plot}")

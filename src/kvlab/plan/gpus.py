@@ -64,6 +64,7 @@ def find_gpu(name: str) -> GPU:
 
 
 def custom_gpu(vram_gib: float) -> GPU:
-    if not vram_gib or vram_gib <= 0:
-        raise ConfigError(f"--vram must be a positive number of GiB, got {vram_gib!r}")
+    from ..limits import check_float
+
+    check_float(vram_gib, "--vram (GiB)", 0.0, low_open=True)  # NaN, inf and <= 0 are not a GPU
     return GPU(f"{vram_gib:g} GiB", vram_gib, reserve_gib=0.0)

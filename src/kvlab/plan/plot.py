@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from ..errors import ConfigError, KvlabError
+from ..errors import KvlabError
+from ..fileio import PLOT_SUFFIXES, check_writable, save_figure
 from ..measure import pyplot
 from .budget import Plan, plan_components
 
@@ -15,9 +16,7 @@ PLOT_TYPES = {"llama.cpp": ("f16", "q8_0", "q4_0"), "vllm": ("bf16", "fp8"), "kv
 
 def plot_plan(plan: Plan, path: str | Path, points: int = 48) -> Path:
     plt = pyplot()
-    path = Path(path)
-    if path.suffix.lower() not in (".png", ".svg", ".pdf"):
-        raise ConfigError(f"--plot needs a .png, .svg or .pdf file name, got {path.name!r}")
+    path = check_writable(path, "--plot", PLOT_SUFFIXES)
     top = max(plan.settings.context, plan.max_context or 0, plan.spec.context_length or 0, 1024)
     contexts = sorted({max(1, int(top * i / points)) for i in range(1, points + 1)} | {plan.settings.context})
     kinds = list(dict.fromkeys((plan.layout.kv_type_k, *PLOT_TYPES.get(plan.engine.name, ()))))
@@ -39,6 +38,6 @@ def plot_plan(plan: Plan, path: str | Path, points: int = 48) -> Path:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
+    save_figure(fig, path)
     plt.close(fig)
     return path

@@ -27,6 +27,9 @@ def plan_json(plan: Plan) -> dict[str, Any]:
     c = {comp.name: comp for comp in plan.components}
     return {
         "model": plan.spec.name,
+        "alias": {"requested": plan.alias_of, "planned": plan.spec.name, "note": plan.alias_note} if plan.alias_of else None,
+        "n_params": plan.spec.n_params or None,
+        "n_params_source": plan.spec.extra.get("n_params_source", "model file or catalog" if plan.spec.n_params else None),
         "source": plan.spec.source,
         "engine": plan.engine.name,
         "engine_version": plan.engine.version,

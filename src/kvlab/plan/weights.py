@@ -38,6 +38,9 @@ def weights_bytes(spec: ModelSpec, quant: str | None = None) -> WeightsEstimate:
     if key not in BITS_PER_WEIGHT:
         raise ConfigError(f"unknown --weights-quant {quant!r}; choose one of: {', '.join(BITS_PER_WEIGHT)}")
     if not spec.n_params:
-        raise ConfigError(f"{spec.name}: parameter count unknown, so weights cannot be estimated; give a GGUF or safetensors")
+        raise ConfigError(f"{spec.name}: parameter count unknown for architecture {spec.arch!r}, so weights cannot be "
+                          "estimated; give a GGUF or safetensors")
     bits = BITS_PER_WEIGHT[key]
-    return WeightsEstimate(int(spec.n_params * bits / 8), f"{spec.n_params / 1e9:.2f} B params × {bits:g} bits ({key}) / 8", False)
+    counted = " (counted from the architecture)" if spec.extra.get("n_params_source") == "architecture" else ""
+    return WeightsEstimate(int(spec.n_params * bits / 8),
+                           f"{spec.n_params / 1e9:.2f} B params{counted} × {bits:g} bits ({key}) / 8", False)

@@ -25,6 +25,7 @@ from ..errors import ConfigError, KvlabError, ModelFileError, OfflineError
 from ..spec import EngineFacts, ModelSpec, RopeScaling, TensorInfo
 from .layers import (LayerFacts, as_float, as_int, build_layers, interval_kinds, layer_count, pattern_kinds, per_layer,
                      short, ssm_state_elements)
+from .params import count_params
 
 #: bytes per element of safetensors dtypes
 SAFETENSORS_DTYPE_BYTES = {
@@ -284,6 +285,9 @@ def _spec_from_config(config: dict[str, Any], name: str, source: str, weights_by
     vocab = as_int(_first(cfg, "vocab_size", default=config.get("vocab_size", 0)) or 0, f"{source}: vocab_size")
     if tensors:
         _check_kv_projections(layers, tensors, source)
+    if not n_params and not weights_bytes:  # a bare config.json: count the parameters from the architecture
+        n_params = count_params(cfg, layers)
+        extra["n_params_source"] = "architecture" if n_params else None
     return ModelSpec(
         name=name or str(_first(config, "_name_or_path", "model_type", default="model")),
         arch=arch,

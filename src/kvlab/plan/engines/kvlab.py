@@ -42,9 +42,9 @@ class KvlabEngine(Engine):
     def layout(self, spec: ModelSpec, settings: PlanSettings) -> KVLayout:
         from ...cache import CacheGeometry, expected_nbytes
 
-        if settings.kv_type_v and settings.kv_type_v != settings.kv_type_k:
+        if settings.kv_type_k and settings.kv_type_v and settings.kv_type_v != settings.kv_type_k:
             raise ConfigError("kvlab caches hold K and V in one cache: give --kv-type, not separate K and V types")
-        cache, dtype = parse_cache(settings.kv_type_k)
+        cache, dtype = parse_cache(settings.kv_type_k or settings.kv_type_v)  # one given alone names the cache
         groups: dict[tuple, list[int]] = {}
         for i, layer in enumerate(spec.layers):
             if layer.kind in ("mla", "recurrent"):

@@ -42,7 +42,7 @@ class LlamaCppEngine(Engine):
     # -- sizes -------------------------------------------------------------------------------------
     def types(self, settings: PlanSettings) -> tuple[KVType, KVType]:
         k = kv_type(settings.kv_type_k or "f16")
-        v = kv_type(settings.kv_type_v or settings.kv_type_k or "f16")
+        v = kv_type(settings.kv_type_v or "f16")  # K and V are independent in llama.cpp (-ctk / -ctv)
         for t in (k, v):
             if not t.ggml:
                 raise ConfigError(f"llama.cpp has no {t.name} KV cache; use f16, bf16, f32, q8_0, q4_0, q4_1, q5_0, q5_1 or iq4_nl")

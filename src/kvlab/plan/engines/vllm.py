@@ -38,8 +38,9 @@ class VllmEngine(Engine):
     version = "vLLM v1 @ 001cabc1 (kv_cache_interface.py)"
 
     def kv_dtype(self, spec: ModelSpec, settings: PlanSettings) -> KVType:
-        name_k = settings.kv_type_k or "auto"
-        name_v = settings.kv_type_v or name_k
+        # vLLM has one kv_cache_dtype: a type given for K alone or V alone is that dtype, for both
+        name_k = settings.kv_type_k or settings.kv_type_v or "auto"
+        name_v = settings.kv_type_v or settings.kv_type_k or "auto"
         if name_k != name_v:
             raise ConfigError(f"vLLM uses one KV cache dtype, got K={name_k} V={name_v}")
         t = kv_type(_model_dtype(spec) if name_k.lower() == "auto" else name_k)

@@ -1,0 +1,129 @@
+"""Chat templates come inside model files, so they are untrusted input: render them so that no template
+can hang kvlab, exhaust its memory, reach Python's internals or end in a traceback.
+
+Jinja's ImmutableSandboxedEnvironment keeps a template away from Python internals (no `__class__`
+walks, no mutation of the messages), but not from running for ever
+(`{% for a in range(99999) %}{% for b in range(99999) %}{% endfor %}{% endfor %}` does no call and
+writes nothing, so no in-process hook sees it) or from building a 10 GB string. A Python thread cannot
+be stopped from outside, so the template is rendered in a child Python process (`python -I`):
+  time    the parent kills the child after RENDER_SECONDS (subprocess timeout); RLIMIT_CPU backs it up
+  memory  the child caps its own address space at its start-up size + CHILD_MEMORY_BYTES (RLIMIT_AS)
+  size    the child streams the output (Template.generate) and stops past MAX_OUTPUT_CHARS
+The child reads the template and its variables as JSON on stdin and answers one JSON object on stdout,
+so nothing is ever unpickled. A render costs one process start (~0.1-0.2 s); results are cached per
+(template, messages), so a prompt rendered again (the passkey trials of every cache) costs nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import subprocess
+import sys
+
+from ..errors import ModelFileError
+
+RENDER_SECONDS = 10.0             # a real template renders in milliseconds
+MAX_OUTPUT_CHARS = 8_000_000      # more characters than any model's context holds tokens
+CHILD_MEMORY_BYTES = 1 << 30      # on top of the child's own start-up address space
+
+_CHILD = r'''
+import json, sys
+
+request = json.loads(sys.stdin.read())
+
+
+def answer(**reply):
+    sys.stdout.write(json.dumps(reply))
+    sys.stdout.flush()
+    raise SystemExit(0)
+
+
+try:  # bound this process before the template runs (POSIX; elsewhere the parent's timeout still holds)
+    import resource
+
+    start = 0
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmSize:"):
+                start = int(line.split()[1]) * 1024
+    limit = start + request["memory"]
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    cpu = int(request["seconds"]) + 1
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+except (ImportError, OSError, ValueError):
+    pass
+
+try:
+    from datetime import datetime
+
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class TemplateRaised(Exception):
+        pass
+
+    def raise_exception(message):
+        raise TemplateRaised(str(message))
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    template = env.from_string(request["template"])
+    pieces, size = [], 0
+    for piece in template.generate(**request["variables"]):
+        size += len(piece)
+        if size > request["max_chars"]:
+            answer(error=f"it renders more than {request['max_chars']:,} characters")
+        pieces.append(piece)
+    answer(text="".join(pieces))
+except TemplateSyntaxError as exc:
+    answer(error=f"syntax error on line {exc.lineno}: {exc.message}")
+except TemplateRaised as exc:
+    answer(error=str(exc))
+except MemoryError:
+    answer(error=f"it needs more than {request['memory'] >> 20} MiB of memory")
+except RecursionError:
+    answer(error="it recurses too deeply")
+except Exception as exc:
+    answer(error=f"{type(exc).__name__}: {exc}")
+'''
+
+
+def render_chat_template(template: str, messages: list[dict], add_generation_prompt: bool = True,
+                         bos_token: str = "", eos_token: str = "") -> str:
+    """The rendered prompt, or ModelFileError with one line: a syntax error, the template's own
+    raise_exception(), a render past RENDER_SECONDS, MAX_OUTPUT_CHARS or the memory cap."""
+    try:
+        messages_json = json.dumps(messages)
+    except (TypeError, ValueError):
+        raise ModelFileError("chat messages must be JSON-like (lists, dicts, strings, numbers)") from None
+    return _render(template, messages_json, bool(add_generation_prompt), bos_token, eos_token)
+
+
+@functools.lru_cache(maxsize=256)
+def _render(template: str, messages_json: str, add_generation_prompt: bool, bos_token: str, eos_token: str) -> str:
+    request = {
+        "template": template,
+        "variables": {"messages": json.loads(messages_json), "add_generation_prompt": add_generation_prompt,
+                      "bos_token": bos_token, "eos_token": eos_token},
+        "max_chars": MAX_OUTPUT_CHARS,
+        "memory": CHILD_MEMORY_BYTES,
+        "seconds": RENDER_SECONDS,
+    }
+    try:
+        done = subprocess.run([sys.executable, "-I", "-c", _CHILD], input=json.dumps(request), capture_output=True,
+                              text=True, timeout=RENDER_SECONDS)
+    except subprocess.TimeoutExpired:
+        raise ModelFileError(f"chat template: did not finish within {RENDER_SECONDS:g} s (an endless loop?); "
+                             "fix the template or drop --chat") from None
+    except OSError as exc:
+        raise ModelFileError(f"chat template: cannot start a Python process to render it ({exc.strerror or exc})") from None
+    try:
+        reply = json.loads(done.stdout)
+    except ValueError:
+        raise ModelFileError(f"chat template: the renderer stopped without an answer (exit status {done.returncode}; "
+                             "out of CPU time or memory?)") from None
+    if "error" in reply:
+        raise ModelFileError(f"chat template: {reply['error']}")
+    return reply["text"]

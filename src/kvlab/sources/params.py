@@ -1,0 +1,169 @@
+"""Parameters from a Hugging Face config's architecture: the count for a bare config.json (no weights to read).
+
+Tensor by tensor, for the families the catalog holds:
+  dense decoders    llama, mistral, qwen2, qwen3, phi3, gemma2/3, smollm (GQA, biases, q/k norms, sandwich norms)
+  mixture of experts mixtral, qwen2_moe/qwen3_moe, qwen3_next, gpt-oss (biased experts, sinks), deepseek v2/v3
+                    (multi-head latent attention, shared experts, leading dense layers)
+  hybrids           gated DeltaNet layers (qwen3-next, qwen3.5), Mamba-1
+The per-layer attention shapes come from the same LayerSpecs the planner uses. A key missing from the
+config takes its transformers default for that model type (config.json leaves out values equal to the
+default). The count is what a checkpoint stores (parameters, tied ones once, and saved buffers such as
+DeepSeek-V3's router bias), tested against transformers' own models built from the same configs and
+against the safetensors files save_pretrained writes. An architecture it does not know counts 0 (unknown), never a guess.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..spec import LayerSpec
+
+#: transformers' defaults for the keys below, where they differ from "absent = off / 0"
+_TIED_BY_DEFAULT = {"gemma", "gemma2", "gemma3", "gemma3_text", "mamba", "falcon_mamba"}
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gpt_oss": {"attention_bias": True},
+    "deepseek_v2": {"n_shared_experts": 2, "first_k_dense_replace": 0, "moe_intermediate_size": 1407},
+    "deepseek_v3": {"n_shared_experts": 1, "first_k_dense_replace": 3, "moe_intermediate_size": 2048},
+    "qwen3_moe": {"moe_intermediate_size": 768},
+    "qwen3_next": {"moe_intermediate_size": 512, "shared_expert_intermediate_size": 512},
+    "qwen2_moe": {"moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632},
+}
+_QKV_BIAS = {"qwen2", "qwen2_moe"}                    # biases on q, k, v (not o), with no config key
+_QK_NORM = {"qwen3", "qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_vl", "qwen3_vl_text", "gemma3",
+            "gemma3_text"}                            # an RMSNorm of head_dim over each head's q and k
+_SANDWICH_NORMS = {"gemma2", "gemma3", "gemma3_text"}  # pre/post norms around attention and around the MLP
+_GATED_ATTENTION = {"qwen3_next", "qwen3_5", "qwen3_5_text"}  # q_proj also emits a per-head output gate
+_SINKS = {"gpt_oss"}                                  # one learned attention sink logit per head
+_BIASED_EXPERTS = {"gpt_oss"}                         # router and expert projections carry biases
+_DENSE = {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3", "gemma3_text", "smollm3",
+          "qwen3_vl", "qwen3_vl_text", "qwen3_5", "qwen3_5_text", "granite", "olmo"}
+_MOE = {"mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next", "gpt_oss", "deepseek_v2", "deepseek_v3"}
+
+
+def _get(cfg: dict[str, Any], key: str, default: Any = None) -> Any:
+    value = cfg.get(key)
+    if value is not None:
+        return value
+    return _DEFAULTS.get(str(cfg.get("model_type")), {}).get(key, default)
+
+
+def _int(cfg: dict[str, Any], key: str, default: int = 0) -> int:
+    return int(_get(cfg, key, default) or 0)
+
+
+def count_params(cfg: dict[str, Any], layers: list[LayerSpec]) -> int:
+    """Parameters of the language model described by `cfg` (the text config), or 0 when the family is unknown."""
+    model_type = str(cfg.get("model_type", ""))
+    if model_type == "mamba":
+        return _mamba(cfg)
+    if model_type not in _DENSE | _MOE:
+        return 0
+    hidden, vocab = _int(cfg, "hidden_size"), _int(cfg, "vocab_size")
+    if not hidden or not vocab or not layers:
+        return 0
+    tied = _get(cfg, "tie_word_embeddings", model_type in _TIED_BY_DEFAULT)
+    total = vocab * hidden * (1 if tied else 2) + hidden  # embeddings (+ lm_head) + the final norm
+    for i, layer in enumerate(layers):
+        norms = 4 if model_type in _SANDWICH_NORMS else 2
+        mixer = _attention(cfg, layer, hidden) if layer.kind in ("full", "sliding") else \
+            _latent_attention(cfg, layer, hidden) if layer.kind == "mla" else \
+            _gated_deltanet(cfg, hidden) if layer.kind == "recurrent" else None
+        if mixer is None:
+            return 0  # a layer kind this counter does not know
+        total += norms * hidden + mixer + _mlp(cfg, i, hidden)
+    return total
+
+
+def _attention(cfg: dict[str, Any], layer: LayerSpec, hidden: int) -> int:
+    model_type = str(cfg.get("model_type"))
+    q_out = layer.n_heads * layer.head_dim_k
+    kv_out = layer.n_kv_heads * (layer.head_dim_k + layer.head_dim_v)
+    count = hidden * (q_out * (2 if model_type in _GATED_ATTENTION else 1) + kv_out) + q_out * hidden  # q, k, v, o
+    if _get(cfg, "attention_bias", False):
+        count += q_out + kv_out + hidden
+    elif model_type in _QKV_BIAS:
+        count += q_out + kv_out
+    if model_type in _QK_NORM:
+        count += 2 * layer.head_dim_k
+    if model_type in _SINKS:
+        count += layer.n_heads
+    return count
+
+
+def _latent_attention(cfg: dict[str, Any], layer: LayerSpec, hidden: int) -> int:
+    """DeepSeek's multi-head latent attention: low-rank q (optional) and one compressed KV latent."""
+    heads, rope, latent = layer.n_heads, layer.rope_dim, layer.kv_lora_rank
+    nope = layer.head_dim_k - rope
+    q_rank = _int(cfg, "q_lora_rank")
+    q = hidden * q_rank + q_rank + q_rank * heads * (nope + rope) if q_rank else hidden * heads * (nope + rope)
+    kv = hidden * (latent + rope) + latent + latent * heads * (nope + layer.head_dim_v)
+    return q + kv + heads * layer.head_dim_v * hidden
+
+
+def _gated_deltanet(cfg: dict[str, Any], hidden: int) -> int | None:
+    """Qwen3-Next / Qwen3.5 linear attention: q, k, v, z, b, a projections, a causal conv, decay, norm, out."""
+    if not cfg.get("linear_num_value_heads"):
+        return None  # Mamba-2 and other recurrent layers inside a transformer: not counted
+    n_v = int(cfg["linear_num_value_heads"])
+    n_k = int(cfg.get("linear_num_key_heads") or n_v)
+    d_k, d_v = int(cfg.get("linear_key_head_dim") or 128), int(cfg.get("linear_value_head_dim") or 128)
+    kernel = int(cfg.get("linear_conv_kernel_dim") or 4)
+    key_dim, value_dim = n_k * d_k, n_v * d_v
+    projections = hidden * (2 * key_dim + 2 * value_dim + 2 * n_v)   # qkv + z + b + a
+    conv = (2 * key_dim + value_dim) * kernel
+    return projections + conv + 2 * n_v + d_v + value_dim * hidden   # dt_bias, A_log, head norm, out_proj
+
+
+def _n_experts(cfg: dict[str, Any]) -> int:
+    return _int(cfg, "num_experts") or _int(cfg, "num_local_experts") or _int(cfg, "n_routed_experts")
+
+
+def _is_moe_layer(cfg: dict[str, Any], index: int) -> bool:
+    model_type = str(cfg.get("model_type"))
+    if model_type not in _MOE or not _n_experts(cfg):
+        return False
+    if model_type in ("deepseek_v2", "deepseek_v3"):   # the first k layers stay dense
+        return index >= _int(cfg, "first_k_dense_replace") and index % (_int(cfg, "moe_layer_freq", 1) or 1) == 0
+    if model_type in ("qwen2_moe", "qwen3_moe", "qwen3_next"):
+        step = _int(cfg, "decoder_sparse_step", 1) or 1
+        return index not in (cfg.get("mlp_only_layers") or []) and (index + 1) % step == 0
+    return True                                          # mixtral, gpt-oss: every layer
+
+
+def _mlp(cfg: dict[str, Any], index: int, hidden: int) -> int:
+    """A SwiGLU MLP (gate, up, down), or a router + experts (+ shared experts) on MoE layers."""
+    if not _is_moe_layer(cfg, index):
+        ff = _int(cfg, "intermediate_size")
+        return 3 * hidden * ff + (2 * ff + hidden if _get(cfg, "mlp_bias", False) else 0)
+    experts = _n_experts(cfg)
+    expert_ff = _int(cfg, "moe_intermediate_size") or _int(cfg, "intermediate_size")
+    count = experts * hidden + experts * 3 * hidden * expert_ff     # router + experts
+    if str(cfg.get("model_type")) in _BIASED_EXPERTS:
+        count += experts + experts * (2 * expert_ff + hidden)
+    if str(cfg.get("model_type")) == "deepseek_v3":
+        count += experts                                              # the router's score-correction bias
+    shared = _int(cfg, "n_shared_experts")
+    if shared:                                                        # DeepSeek: always-on experts
+        count += 3 * hidden * expert_ff * shared
+    shared_ff = _int(cfg, "shared_expert_intermediate_size")
+    if shared_ff and str(cfg.get("model_type")) in ("qwen2_moe", "qwen3_next"):
+        count += 3 * hidden * shared_ff + hidden                      # one shared expert and its sigmoid gate
+    return count
+
+
+def _mamba(cfg: dict[str, Any]) -> int:
+    """Mamba-1 (transformers MambaConfig): in/out projections, depthwise conv, x/dt projections, A, D."""
+    hidden, vocab, n_layers = _int(cfg, "hidden_size"), _int(cfg, "vocab_size"), _int(cfg, "num_hidden_layers")
+    if not hidden or not vocab or not n_layers:
+        return 0
+    inner = _int(cfg, "intermediate_size") or 2 * hidden
+    state = _int(cfg, "state_size", 16)
+    kernel = _int(cfg, "conv_kernel", 4)
+    rank = cfg.get("time_step_rank", "auto")
+    rank = -(-hidden // 16) if rank in (None, "auto") else int(rank)
+    bias = 2 * inner + hidden if cfg.get("use_bias", False) else 0   # in_proj and out_proj biases
+    conv_bias = inner if cfg.get("use_conv_bias", True) else 0
+    layer = (hidden * 2 * inner + inner * kernel + conv_bias + inner * (rank + 2 * state) + rank * inner + inner
+             + inner * state + inner + inner * hidden + bias + hidden)
+    tied = cfg.get("tie_word_embeddings", True)
+    return vocab * hidden * (1 if tied else 2) + n_layers * layer + hidden
