@@ -106,7 +106,8 @@ def test_block_quant_linear_equals_linear_on_dequantized_weight(block_type):
     w = reference(block_type, data, 128)
     one = torch.randn(1, 1, 128)
     many = torch.randn(2, 5, 128)
-    assert torch.equal(layer(many), F.linear(many, w, bias))                          # multi-row: dequantize + F.linear
+    many_diff = (layer(many).double() - F.linear(many.double(), w.double(), bias.double())).abs()   # multi-row: block GEMM
+    assert (many_diff <= 2e-6 * (many.double().abs() @ scale.T) + 1e-6 * bias.abs().double() + 1e-7).all()
     bound = 2e-6 * (scale @ one.reshape(-1).double().abs()) + 1e-6 * bias.abs().double()
     diff = (layer(one).reshape(-1).double() - F.linear(one.double(), w.double(), bias.double()).reshape(-1)).abs()
     assert layer(one).shape == (1, 1, 45)
@@ -158,8 +159,8 @@ def test_native_weights_hold_the_files_block_bytes(smollm2_native, smollm2_dense
 
 
 def test_native_logits_equal_dense_logits(smollm2_native, smollm2_dense):
-    """Prefill dequantizes the blocks exactly (same values, same F.linear): bit-equal. One-row steps use
-    the GEMV: logits (magnitude ~35) within 1e-4 over 30 layers, and the same argmax."""
+    """Same weight values, other summation orders: prefill (the block GEMM) and one-row steps (the GEMV) give
+    logits (magnitude ~35) within 1e-4 over 30 layers, and the same argmax."""
     from kvlab.cache import CacheGeometry, make_cache
 
     ids = torch.tensor([smollm2_dense.tokenizer.encode("The capital of France is")])
@@ -171,7 +172,8 @@ def test_native_logits_equal_dense_logits(smollm2_native, smollm2_dense):
             step = loaded.model(ids[:, -1:], cache)
         outputs.append((prefill, step))
     (native_prefill, native_step), (dense_prefill, dense_step) = outputs
-    assert torch.equal(native_prefill, dense_prefill)
+    assert (native_prefill - dense_prefill).abs().max().item() < 1e-4
+    assert torch.equal(native_prefill.argmax(-1), dense_prefill.argmax(-1))
     assert (native_step - dense_step).abs().max().item() < 1e-4
     assert torch.equal(native_step.argmax(-1), dense_step.argmax(-1))
 

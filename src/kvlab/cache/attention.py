@@ -37,6 +37,10 @@ def grouped_attention(
     B, H, T, Dk = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     group = H // Hkv
+    if causal and T == S > 1 and (window is None or S <= window):
+        # a whole prompt: the upper-left causal mask is the right one, and without a mask tensor the kernel
+        # skips the masked half instead of reading a (G·T, S) mask (K/V still read once per KV head)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=group > 1)  # (B, H, T, Dv)
     # fold the group into the query axis so K/V are read once per KV head, never copied per query head
     qg = q.reshape(B, Hkv, group * T, Dk)                                          # (B, Hkv, G·T, Dk)
     mask = None

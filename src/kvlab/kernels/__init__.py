@@ -31,10 +31,10 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, KvlabError
 
 HERE = Path(__file__).parent
-SOURCES = tuple(HERE / f for f in ("blockgemv.c", "decode.c", "intcache.c", "codebook4.c"))  # one library
+SOURCES = tuple(HERE / f for f in ("blockgemv.c", "blockgemm.c", "decode.c", "intcache.c", "codebook4.c"))  # one library
 HEADERS = (HERE / "blockgemv.h",)
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp")
 LIBS = ("-lm",)
@@ -189,7 +189,8 @@ class BlockKernel:
         lib.kvlab_int_mix.argtypes = [i32, ptr, ptr, ptr, i32, i64, i64, i32, i32, ptr, i64, i32, ptr, i32]
         lib.kvlab_codebook4_dots.argtypes = [ptr, i32, i64, i64, i32, ptr, ptr, i32, ptr, i32]
         lib.kvlab_codebook4_mix.argtypes = [ptr, i32, i64, i64, i32, ptr, ptr, i64, i32, ptr, i32]
-        for fn in (lib.kvlab_block_gemv, lib.kvlab_block_dequantize, lib.kvlab_block_omp_threads, lib.kvlab_int_scores,
+        lib.kvlab_block_gemm.argtypes = [i32, ptr, i64, i64, ptr, i64, ptr, i32]
+        for fn in (lib.kvlab_block_gemv, lib.kvlab_block_gemm, lib.kvlab_block_dequantize, lib.kvlab_block_omp_threads, lib.kvlab_int_scores,
                    lib.kvlab_int_mix, lib.kvlab_codebook4_dots, lib.kvlab_codebook4_mix):
             fn.restype = i32
 
@@ -204,6 +205,30 @@ class BlockKernel:
                                             torch.get_num_threads())
         if status != 0:
             raise ConfigError(f"block GEMV refused {type_name} blocks of shape {tuple(blocks.shape)}")
+        return y
+
+    def gemm(self, type_name: str, blocks: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Y = X Wᵀ straight from blocks (blockgemm.c): blocks (N, row_bytes) uint8, x (M, K) fp32, both contiguous
+        CPU tensors -> (M, N) fp32; the same for any thread count."""
+        if type_name not in BLOCK_TYPES:
+            raise ConfigError(f"block GEMM: unknown block type {type_name!r}; choose {', '.join(BLOCK_TYPES)}")
+        type_id, per_block, block_bytes = BLOCK_TYPES[type_name]
+        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or not blocks.is_contiguous() or blocks.device.type != "cpu" \
+                or blocks.shape[1] == 0 or blocks.shape[1] % block_bytes:
+            raise ConfigError(f"block GEMM needs contiguous CPU uint8 {type_name} blocks (rows, k × {block_bytes} bytes), "
+                              f"got {tuple(blocks.shape)} {blocks.dtype} on {blocks.device}")
+        n, k = blocks.shape[0], blocks.shape[1] // block_bytes * per_block
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or not x.is_contiguous() or x.device.type != "cpu":
+            raise ConfigError(f"block GEMM needs a contiguous CPU fp32 (rows, {k}) input, got {tuple(x.shape)} {x.dtype} on {x.device}")
+        m = x.shape[0]
+        y = torch.empty(m, n, dtype=torch.float32) if out is None else out
+        if y.dtype != torch.float32 or tuple(y.shape) != (m, n) or not y.is_contiguous() or y.device.type != "cpu":
+            raise ConfigError(f"block GEMM output must be a contiguous CPU fp32 ({m}, {n}) tensor, got {tuple(y.shape)} {y.dtype}")
+        status = self._lib.kvlab_block_gemm(type_id, blocks.data_ptr(), n, k, x.data_ptr(), m, y.data_ptr(), torch.get_num_threads())
+        if status == -2:
+            raise KvlabError(f"block GEMM: no memory for its scratch buffers ({m}×{k} packed input)")
+        if status != 0:
+            raise ConfigError(f"block GEMM refused {type_name} blocks of shape {tuple(blocks.shape)} with input {tuple(x.shape)}")
         return y
 
     def dequantize(self, type_name: str, blocks: torch.Tensor) -> torch.Tensor:

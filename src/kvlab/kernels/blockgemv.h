@@ -17,6 +17,8 @@ int kvlab_block_bytes(int type);
 void kvlab_block_sums(const float *x, int64_t cols, float *sums);
 /* one row of `nblocks` blocks . x; xsum from kvlab_block_sums (unused by Q8_0) */
 float kvlab_block_row_dot(int type, const uint8_t *row, const float *x, const float *xsum, int64_t nblocks);
+/* out (rows, cols) fp32 = the weights the blocks encode, exactly d * q + m; 0, or -1 for a bad type or shape */
+int kvlab_block_dequantize(int type, const uint8_t *blocks, int64_t rows, int64_t cols, float *out, int n_threads);
 
 /* IEEE half -> float, exact for every bit pattern (subnormals, inf, nan): F16C when the CPU has it */
 static inline float kvlab_fp16_to_fp32(uint16_t h) {

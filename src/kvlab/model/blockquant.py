@@ -2,9 +2,12 @@
 
 A BlockMatrix is a (rows, cols) weight kept as its GGUF bytes: `data` (rows, row_bytes) uint8, each row
 cols / 32 consecutive blocks. BlockQuantLinear multiplies one fp32 row straight from the blocks with the C
-kernel (kvlab.kernels), reading ~5-8.5 bits per weight instead of 32; anything else (prefill,
-no kernel) dequantizes to fp32 and uses F.linear. The weight values are the file's, exactly: only the
-fp32 summation order of the GEMV differs from the dense path.
+kernel (kvlab.kernels), reading ~5-8.5 bits per weight instead of 32, and several rows (prefill, eval
+chunks, a batch) with the block GEMM kernel, which dequantizes a few rows of the matrix at a time into
+per-thread scratch, so no fp32 copy of a whole matrix is ever made. Without a kernel (or with
+KVLAB_NO_GEMM=1 for several rows: the reference path the GEMM is tested against) the matrix is
+dequantized to fp32 and F.linear is used. The weight values are the file's, exactly: only the fp32
+summation order of the kernels differs from the dense path.
 
 Rows of a BlockMatrix are whole blocks, so fusing q|k|v or gate|up is a concatenation of byte rows and
 llama.cpp's Q/K RoPE row permutation is undone by permuting byte rows, as for fp32 rows.
@@ -12,6 +15,7 @@ llama.cpp's Q/K RoPE row permutation is undone by permuting byte rows, as for fp
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -85,8 +89,14 @@ def _dequantize_torch(block_type: str, data: torch.Tensor, cols: int) -> torch.T
     return (d * (q - 8)).reshape(rows, cols)
 
 
+def gemm_enabled() -> bool:
+    """Whether several rows go through the block GEMM kernel; KVLAB_NO_GEMM=1 selects the reference path
+    (dequantize the whole matrix, F.linear). Read on every call, like KVLAB_NO_KERNEL."""
+    return not os.environ.get("KVLAB_NO_GEMM")
+
+
 class BlockQuantLinear(nn.Module):
-    """y = x Wᵀ + b with W held as GGUF blocks; one fp32 CPU row goes through the block GEMV kernel."""
+    """y = x Wᵀ + b with W held as GGUF blocks; fp32 CPU rows go through the block GEMV (one row) or GEMM kernel."""
 
     def __init__(self, matrix: BlockMatrix, bias: torch.Tensor | None = None):
         super().__init__()
@@ -101,9 +111,13 @@ class BlockQuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kernel = block_kernel()
-        if kernel is None or x.numel() != x.shape[-1] or x.device.type != "cpu" or x.dtype != torch.float32:
+        one_row = x.numel() == x.shape[-1]
+        if kernel is None or x.device.type != "cpu" or x.dtype != torch.float32 or not (one_row or gemm_enabled()):
             return F.linear(x, self.dequantized().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
-        y = kernel.gemv(self.block_type, self.blocks, x.reshape(-1).contiguous())  # (out,)
+        if one_row:
+            y = kernel.gemv(self.block_type, self.blocks, x.reshape(-1).contiguous())           # (out,)
+        else:
+            y = kernel.gemm(self.block_type, self.blocks, x.reshape(-1, self.in_features).contiguous())  # (rows, out)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], -1)                                          # (..., out)

@@ -1,0 +1,154 @@
+"""The block GEMM kernel (kernels/blockgemm.c): Y = X Wᵀ for several rows straight from GGUF blocks, against
+the reference it replaces (dequantize the whole matrix, then multiply), and BlockQuantLinear's multi-row path.
+
+Tolerance. The GEMM multiplies the exact dequantized weights in fp32, summing each output over k in order;
+the reference sums in another order. Both are within a few fp32 roundings of the float64 product, so each
+output may differ from it by at most 1e-5 × Σ_k |x_k|·|w_k| (K ≤ 1536 roundings of 6e-8 stay far below): the
+relative 1e-4 of the brief, measured against the magnitudes summed so that cancellation cannot hide an error.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvlab import kernels
+from kvlab.errors import ConfigError
+from kvlab.model.blockquant import BlockMatrix, BlockQuantLinear
+from .test_blockquant import TYPES, random_blocks, reference
+
+ROWS = [1, 2, 7, 33, 256]                   # rows of X: one, a small batch, odd, a panel plus one, many panels
+SHAPES = [(1, 32), (33, 96), (77, 576), (9, 1536)]  # (N odd: weight rows, K: columns, multiple of 32)
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = kernels.block_kernel()
+    if k is None:
+        pytest.skip(f"no block kernel here: {kernels.kernel_status()}")
+    return k
+
+
+def assert_close_to_reference(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """y (M, N) fp32 against x (M, K) @ w (N, K)ᵀ in float64, within 1e-5 of Σ|x||w| per output."""
+    exact = x.double() @ w.double().T
+    bound = 1e-5 * (x.double().abs() @ w.double().abs().T) + 1e-30
+    assert y.shape == exact.shape
+    assert ((y.double() - exact).abs() <= bound).all(), float(((y.double() - exact).abs() / bound).max())
+
+
+@pytest.mark.parametrize("block_type", TYPES)
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("m", ROWS)
+def test_gemm_equals_dequantized_product(kernel, block_type, m, n, k):
+    data, _ = random_blocks(block_type, n, k, seed=m * n + k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    w = reference(block_type, data, k)
+    y = kernel.gemm(block_type, data, x)
+    assert_close_to_reference(y, x, w)
+    torch.testing.assert_close(y, x @ w.T, rtol=1e-4, atol=1e-4 * float((x.abs() @ w.abs().T).max()))  # the fp32 path
+
+
+@pytest.mark.parametrize("block_type", TYPES)
+def test_gemm_is_bit_identical_for_any_thread_count(kernel, block_type):
+    """Each output is one sum in k order whichever thread computes its tile: 1, 2 and 3 threads agree bit for bit."""
+    data, _ = random_blocks(block_type, 203, 576, seed=5)    # 26 tiles of 8 rows: uneven splits
+    x = torch.randn(97, 576)
+    previous = torch.get_num_threads()
+    try:
+        outputs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outputs.append(kernel.gemm(block_type, data, x))
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])
+
+
+def test_gemm_writes_into_a_given_output_and_handles_empty_inputs(kernel):
+    data, _ = random_blocks("Q8_0", 5, 64)
+    x = torch.randn(3, 64)
+    out = torch.full((3, 5), float("nan"))
+    assert kernel.gemm("Q8_0", data, x, out=out) is out
+    assert_close_to_reference(out, x, reference("Q8_0", data, 64))
+    assert kernel.gemm("Q8_0", data, torch.empty(0, 64)).shape == (0, 5)
+
+
+def test_gemm_bad_arguments_are_one_line_errors(kernel):
+    data, _ = random_blocks("Q4_1", 6, 64)
+    x = torch.randn(4, 64)
+    bad_calls = {
+        "unknown block type": lambda: kernel.gemm("Q6_K", data, x),
+        "uint8": lambda: kernel.gemm("Q4_1", data.to(torch.int16), x),
+        "blocks not 2-D": lambda: kernel.gemm("Q4_1", data.reshape(-1), x),
+        "blocks not contiguous": lambda: kernel.gemm("Q4_1", data[:, :20], x),
+        "row bytes not whole blocks": lambda: kernel.gemm("Q4_1", data[:, :30].contiguous(), x),
+        "fp64 input": lambda: kernel.gemm("Q4_1", data, x.double()),
+        "input of the wrong width": lambda: kernel.gemm("Q4_1", data, torch.randn(4, 96)),
+        "input not 2-D": lambda: kernel.gemm("Q4_1", data, x.reshape(2, 2, 64)),
+        "input not contiguous": lambda: kernel.gemm("Q4_1", data, torch.randn(64, 4).T),
+        "output of the wrong shape": lambda: kernel.gemm("Q4_1", data, x, out=torch.empty(4, 7)),
+        "output of the wrong dtype": lambda: kernel.gemm("Q4_1", data, x, out=torch.empty(4, 6, dtype=torch.float64)),
+        "output not contiguous": lambda: kernel.gemm("Q4_1", data, x, out=torch.empty(6, 4).T),
+    }
+    for what, call in bad_calls.items():
+        with pytest.raises(ConfigError) as err:
+            call()
+        assert "\n" not in str(err.value), what
+
+
+@pytest.mark.parametrize("block_type", TYPES)
+def test_block_quant_linear_several_rows_use_the_gemm(kernel, block_type, monkeypatch):
+    """(B, T, C) inputs with a bias: the GEMM path equals the dequantize + F.linear reference (KVLAB_NO_GEMM=1),
+    which stays exact; one row still takes the GEMV."""
+    data, _ = random_blocks(block_type, 45, 128, seed=3)
+    bias = torch.randn(45)
+    layer = BlockQuantLinear(BlockMatrix(block_type, data, 128), bias)
+    w = reference(block_type, data, 128)
+    many = torch.randn(2, 5, 128)
+    y = layer(many)
+    assert y.shape == (2, 5, 45)
+    assert_close_to_reference((y - bias).reshape(10, 45), many.reshape(10, 128), w)
+    monkeypatch.setenv("KVLAB_NO_GEMM", "1")
+    assert torch.equal(layer(many), F.linear(many, w, bias))
+    one = torch.randn(1, 1, 128)
+    assert torch.equal(layer(one), kernel.gemv(block_type, data, one.reshape(-1)).view(1, 1, 45) + bias)
+
+
+def test_native_prefill_logits_match_the_dequantize_path(smollm2, kernel, monkeypatch):
+    """SmolLM2's prompt through the GEMM and through dequantize + F.linear: logits within 1e-4, same argmax."""
+    from kvlab.cache import CacheGeometry, make_cache
+
+    ids = torch.tensor([smollm2.tokenizer.encode("The quick brown fox jumps over the lazy dog, and then it")])
+    logits = []
+    for no_gemm in ("", "1"):
+        monkeypatch.setenv("KVLAB_NO_GEMM", no_gemm)
+        cache = make_cache("dense", CacheGeometry.for_model(smollm2.config, capacity=ids.shape[1]))
+        with torch.inference_mode():
+            logits.append(smollm2.model(ids, cache))
+    assert (logits[0] - logits[1]).abs().max().item() < 1e-4
+    assert torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))
+
+
+@pytest.mark.parametrize("march", ["-march=haswell", "-march=x86-64"])
+def test_avx2_and_plain_c_builds_compute_the_same_gemm(kernel, tmp_path, march):
+    """CI machines may lack AVX-512: the AVX2 and plain-C micro-kernels sum in the same k order, so they
+    agree with the reference as closely (not bit for bit: only AVX-512 and AVX2 are sure to fuse multiply-adds)."""
+    compiler = shutil.which("cc")
+    if compiler is None:
+        pytest.skip("no cc")
+    target = tmp_path / f"k{march[7:]}.so"
+    flags = [f if f != "-march=native" else march for f in kernels.FLAGS]
+    run = subprocess.run([compiler, *flags, "-o", str(target), *map(str, kernels.SOURCES), *kernels.LIBS], capture_output=True)
+    if run.returncode != 0:
+        pytest.skip(f"cannot build {march}")
+    other = kernels.BlockKernel(ctypes.CDLL(str(target)), target)
+    for block_type in TYPES:
+        data, _ = random_blocks(block_type, 41, 320, seed=11)
+        x = torch.randn(35, 320)
+        assert_close_to_reference(other.gemm(block_type, data, x), x, reference(block_type, data, 320))
