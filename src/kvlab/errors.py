@@ -30,3 +30,7 @@ class NonFiniteError(KvlabError):
 
 class OfflineError(KvlabError):
     """A network resource was requested while offline."""
+
+
+class RequestTooLargeError(KvlabError):
+    """A serving request that can never fit: longer than the model's context or the whole KV pool."""

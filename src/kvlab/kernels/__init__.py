@@ -25,7 +25,7 @@ import torch
 from ..errors import ConfigError
 
 HERE = Path(__file__).parent
-SOURCES = tuple(HERE / f for f in ("blockgemv.c", "decode.c", "intcache.c", "codebook4.c"))  # one library
+SOURCES = tuple(HERE / f for f in ("blockgemv.c", "decode.c", "intcache.c", "codebook4.c", "paged.c"))  # one library
 HEADERS = (HERE / "blockgemv.h",)
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp")
 LIBS = ("-lm",)
