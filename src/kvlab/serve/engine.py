@@ -195,6 +195,7 @@ class Engine:
         if len(params) != len(prompts):
             raise ConfigError(f"{len(params)} sampling params for {len(prompts)} prompts")
         ids = [self.add_request(p, s) for p, s in zip(prompts, params)]
+        prompt_of = dict(zip(ids, prompts))
         tokens = {i: [] for i in ids}
         texts = {i: [] for i in ids}
         results: dict[str, GenerationOutput] = {}
@@ -207,7 +208,7 @@ class Engine:
                     texts[out.request_id].append(out.text_delta)
                     if out.finished:
                         results[out.request_id] = GenerationOutput(
-                            out.request_id, list(prompts[ids.index(out.request_id)]), tokens[out.request_id],
+                            out.request_id, list(prompt_of[out.request_id]), tokens[out.request_id],
                             "".join(texts[out.request_id]), out.finish_reason, out.cached_prompt_tokens)
                         bar.advance(self.stats())
         return [results[i] for i in ids]
