@@ -112,6 +112,8 @@ from .plan.command import register as register_plan  # noqa: E402
 register_plan(app)
 register_eval(app)
 register_lab(app)
+from .bench.throughput import register as register_bench_throughput  # noqa: E402  (kvlab bench throughput)
+register_bench_throughput(bench_app)
 
 
 def main() -> None:  # pragma: no cover

@@ -38,3 +38,7 @@ class OutputError(KvlabError):
 
 class InputLimitError(KvlabError):
     """A number or a text beyond what kvlab will run: too many threads, tokens past the context, an endless template."""
+
+
+class RequestTooLargeError(InputLimitError):
+    """A serving request that can never fit: longer than the model's context or the whole KV pool."""

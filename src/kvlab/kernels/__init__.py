@@ -34,7 +34,7 @@ import torch
 from ..errors import ConfigError, KvlabError
 
 HERE = Path(__file__).parent
-SOURCES = tuple(HERE / f for f in ("blockgemv.c", "blockgemm.c", "decode.c", "intcache.c", "codebook4.c"))  # one library
+SOURCES = tuple(HERE / f for f in ("blockgemv.c", "blockgemm.c", "decode.c", "intcache.c", "codebook4.c", "paged.c"))  # one library
 HEADERS = (HERE / "blockgemv.h",)
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp")
 LIBS = ("-lm",)

@@ -1,0 +1,270 @@
+"""The block pool: every sequence's K/V in fixed-size blocks of one preallocated buffer per layer.
+
+    pool.k[layer]   (n_blocks · block_size, Hkv, D)    token slot = block · block_size + offset
+    pool.v[layer]   (n_blocks · block_size, Hkv, Dv)
+
+A block's format is a cache format (`dense` fp32, `dense-f16`, `dense-bf16`: storage dtype; compute stays
+fp32). Its bytes come from the caches' own formula (kvlab.cache.expected_nbytes), the one the planner's
+`--engine kvlab` uses, so the number of blocks a budget buys is the planner's number.
+
+BlockManager keeps the metadata: a block table per sequence, a reference count per block, and the
+prefix index. A full block is keyed by a hash chained over the token ids (key_i = hash(key_{i-1}, ids_i))
+and verified on lookup against its stored ids and the exact block (id, generation) before it, so a hash
+collision can only miss, never mix two prompts. Freed blocks keep their key and sit in an LRU until their
+memory is needed; a block shared by several sequences is copied before one of them writes into it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..cache import CacheGeometry, expected_nbytes
+from ..cache.base import tensors_nbytes
+from ..errors import ConfigError
+
+#: block format -> storage dtype (the dense formats; attention reads them in fp32)
+DENSE_FORMATS = {"dense": torch.float32, "dense-f16": torch.float16, "dense-bf16": torch.bfloat16}
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(value: int | str) -> int:
+    """512MiB, 2GiB, 1e9, 4096 -> bytes (> 0)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        number = value
+    else:
+        match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?(?:e[0-9]+)?)\s*([a-z]*)\s*", str(value).lower())
+        if not match or match.group(2) not in _UNITS:
+            raise ConfigError(f"kv_budget must be a size like 512MiB or 2GiB, got {value!r}")
+        number = int(float(match.group(1)) * _UNITS[match.group(2)])
+    if number <= 0:
+        raise ConfigError(f"kv_budget must be positive, got {value!r}")
+    return number
+
+
+def storage_dtype(block_format: str) -> torch.dtype:
+    key = block_format.strip().lower()
+    if key not in DENSE_FORMATS:
+        raise ConfigError(f"unknown block format {block_format!r}; choose one of: {', '.join(DENSE_FORMATS)}")
+    return DENSE_FORMATS[key]
+
+
+@dataclass(frozen=True)
+class CapacityPlan:
+    """What a byte budget buys in one block format: the engine's admission and the planner share it."""
+
+    format: str
+    budget: int          # bytes asked for
+    block_size: int      # tokens per block
+    block_bytes: int     # one block in every layer, K and V
+    n_blocks: int
+
+    @classmethod
+    def build(cls, geometry: CacheGeometry, block_format: str, kv_budget: int | str, block_size: int = 16) -> "CapacityPlan":
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ConfigError(f"block_size must be a positive integer, got {block_size!r}")
+        dtype = storage_dtype(block_format)
+        one_block = replace(geometry, batch=1, capacity=block_size)
+        block_bytes = expected_nbytes("dense", one_block, dtype, block_size)   # the caches' (and planner's) formula
+        budget = parse_bytes(kv_budget)
+        n_blocks = budget // block_bytes
+        if n_blocks < 1:
+            raise ConfigError(f"kv_budget of {budget:,} bytes holds no block: one {block_format} block of "
+                              f"{block_size} tokens needs {block_bytes:,} bytes")
+        return cls(block_format.strip().lower(), budget, block_size, block_bytes, n_blocks)
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.n_blocks * self.block_bytes
+
+    @property
+    def tokens(self) -> int:
+        return self.n_blocks * self.block_size
+
+    def blocks_for(self, tokens: int) -> int:
+        return math.ceil(tokens / self.block_size)
+
+    def max_concurrent(self, ctx_tokens: int) -> int:
+        """Sequences of `ctx_tokens` tokens each that fit in the pool at once."""
+        return self.n_blocks // self.blocks_for(max(1, ctx_tokens))
+
+
+class BlockPool:
+    """The K/V storage: one preallocated (slots, Hkv, D) buffer per layer, in the format's dtype."""
+
+    def __init__(self, geometry: CacheGeometry, plan: CapacityPlan, device="cpu"):
+        g = geometry
+        self.geometry, self.plan, self.block_size = g, plan, plan.block_size
+        self.dtype = storage_dtype(plan.format)
+        slots = plan.n_blocks * plan.block_size
+        self.k = torch.zeros(g.n_layers, slots, g.n_kv_heads, g.head_dim, dtype=self.dtype, device=device)
+        self.v = torch.zeros(g.n_layers, slots, g.n_kv_heads, g.head_dim_v, dtype=self.dtype, device=device)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k (N, Hkv, D), v (N, Hkv, Dv) of N tokens into their slots (N,) int64."""
+        self.k[layer].index_copy_(0, slots, k.to(self.dtype))
+        self.v[layer].index_copy_(0, slots, v.to(self.dtype))
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Every layer's K/V of block `src` into block `dst` (copy-on-write)."""
+        bs = self.block_size
+        self.k[:, dst * bs:(dst + 1) * bs] = self.k[:, src * bs:(src + 1) * bs]
+        self.v[:, dst * bs:(dst + 1) * bs] = self.v[:, src * bs:(src + 1) * bs]
+
+    @property
+    def nbytes(self) -> int:
+        return tensors_nbytes(self.k, self.v)
+
+
+@dataclass
+class Block:
+    id: int
+    ref_count: int = 0
+    generation: int = 0                       # bumped each time the block is handed out again
+    key: int | None = None                    # prefix-index key, once full and registered
+    token_ids: tuple[int, ...] = ()           # the ids a registered block holds (verification)
+    parent: tuple[int, int] | None = None     # (id, generation) of the block before it in its sequence
+
+
+class BlockManager:
+    """Block tables, reference counts, the prefix index and the LRU of free blocks."""
+
+    def __init__(self, n_blocks: int, block_size: int, prefix_caching: bool = True, on_copy=None):
+        self.block_size = block_size
+        self.prefix_caching = prefix_caching
+        self.blocks = [Block(i) for i in range(n_blocks)]
+        self.free_lru: OrderedDict[int, None] = OrderedDict((i, None) for i in range(n_blocks))  # first = evicted first
+        self.index: dict[int, int] = {}         # key -> block id
+        self.on_copy = on_copy                  # on_copy(src, dst): copy the data of a block (the pool's copy_block)
+
+    # -- counts -----------------------------------------------------------------------------------------
+    @property
+    def n_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def n_free(self) -> int:
+        """Blocks no sequence references (cached ones included: they are evicted when needed)."""
+        return len(self.free_lru)
+
+    @property
+    def n_used(self) -> int:
+        return self.n_blocks - self.n_free
+
+    # -- prefix cache -------------------------------------------------------------------------------------
+    @staticmethod
+    def chain_key(parent_key: int | None, ids: tuple[int, ...]) -> int:
+        return hash((parent_key, ids))
+
+    def take_cached_prefix(self, seq) -> int:
+        """Give a sequence with no blocks the longest cached run of full blocks of its tokens (never the
+        last token: its logits are needed). Returns the number of tokens it now has computed."""
+        assert not seq.block_table and seq.num_computed == 0
+        if not self.prefix_caching:
+            return 0
+        bs, key, parent = self.block_size, None, None
+        for i in range((len(seq.token_ids) - 1) // bs):
+            ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            key = self.chain_key(key, ids)
+            block_id = self.index.get(key)
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            if block.token_ids != ids or block.parent != parent:   # a hash collision, or a stale chain: a miss
+                break
+            if block.ref_count == 0:
+                del self.free_lru[block_id]
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+            parent = (block.id, block.generation)
+        seq.num_hashed = len(seq.block_table)
+        seq.num_computed = seq.num_hashed * bs
+        return seq.num_computed
+
+    def register_full_blocks(self, seq) -> None:
+        """Enter the sequence's newly completed blocks into the prefix index (the first holder keeps a key)."""
+        if not self.prefix_caching:
+            return
+        bs = self.block_size
+        key = self.blocks[seq.block_table[seq.num_hashed - 1]].key if seq.num_hashed else None
+        for i in range(seq.num_hashed, seq.num_computed // bs):
+            block = self.blocks[seq.block_table[i]]
+            ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            key = self.chain_key(key, ids)
+            if block.key is None:
+                before = self.blocks[seq.block_table[i - 1]] if i else None
+                block.key, block.token_ids = key, ids
+                block.parent = None if before is None else (before.id, before.generation)
+                self.index.setdefault(key, block.id)
+            seq.num_hashed = i + 1
+
+    # -- allocation -------------------------------------------------------------------------------------
+    def blocks_needed(self, seq, n_new: int) -> int:
+        """Fresh blocks writing tokens [num_computed, num_computed + n_new) takes (a copy of a shared block included)."""
+        needed = math.ceil((seq.num_computed + n_new) / self.block_size) - len(seq.block_table)
+        return needed + int(self._shared_tail(seq))
+
+    def can_reserve(self, seq, n_new: int) -> bool:
+        return self.blocks_needed(seq, n_new) <= self.n_free
+
+    def tokens_that_fit(self, seq) -> int:
+        """How many more tokens the sequence could write with the free blocks there are now."""
+        room = len(seq.block_table) * self.block_size - seq.num_computed
+        free = self.n_free - int(self._shared_tail(seq))
+        return max(0, room + free * self.block_size) if free >= 0 else 0
+
+    def reserve(self, seq, n_new: int) -> list[int]:
+        """Blocks for n_new more tokens (copying a shared tail block first); returns their slots."""
+        if not self.can_reserve(seq, n_new):
+            raise RuntimeError("reserve() without can_reserve(): the scheduler must check first")
+        bs = self.block_size
+        if self._shared_tail(seq):                     # copy-on-write
+            tail = seq.num_computed // bs
+            old, new = self.blocks[seq.block_table[tail]], self._allocate()
+            if self.on_copy is not None:
+                self.on_copy(old.id, new.id)
+            old.ref_count -= 1
+            seq.block_table[tail] = new.id
+        while len(seq.block_table) * bs < seq.num_computed + n_new:
+            seq.block_table.append(self._allocate().id)
+        return [seq.block_table[t // bs] * bs + t % bs for t in range(seq.num_computed, seq.num_computed + n_new)]
+
+    def free(self, seq) -> None:
+        """Drop the sequence's references, last block first (so a prefix outlives its tail in the LRU)."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_lru[block_id] = None
+        seq.block_table = []
+        seq.num_computed = seq.num_hashed = 0
+
+    def fork(self, parent, child) -> None:
+        """The child shares all of the parent's blocks (and tokens); writes then copy a shared tail."""
+        child.token_ids = list(parent.token_ids)
+        child.block_table = list(parent.block_table)
+        child.num_computed, child.num_hashed = parent.num_computed, parent.num_hashed
+        for block_id in child.block_table:
+            self.blocks[block_id].ref_count += 1
+
+    def _shared_tail(self, seq) -> bool:
+        """The next token would be written into a partly filled block another sequence also holds."""
+        if seq.num_computed % self.block_size == 0 or len(seq.block_table) * self.block_size <= seq.num_computed:
+            return False
+        return self.blocks[seq.block_table[seq.num_computed // self.block_size]].ref_count > 1
+
+    def _allocate(self) -> Block:
+        """The least recently freed block, forgotten by the prefix index."""
+        block_id, _ = self.free_lru.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.key is not None and self.index.get(block.key) == block_id:
+            del self.index[block.key]
+        block.key, block.token_ids, block.parent = None, (), None
+        block.generation += 1
+        block.ref_count = 1
+        return block

@@ -1,0 +1,256 @@
+"""Engine: continuous batching over one block pool. add_request · step · abort · generate.
+
+Each step is three lines: the scheduler picks tokens (decodes of every running sequence, prefill chunks
+under the token budget), the runner runs them as one batch, the scheduler records the results. The
+engine adds what a caller sees: request ids, stop conditions, text deltas and stats.
+The Engine is not thread-safe: one thread owns it and calls step().
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from ..cache import CacheGeometry
+from ..errors import ConfigError, KvlabError, RequestTooLargeError
+from .blocks import BlockManager, BlockPool, CapacityPlan
+from .runner import Runner
+from .sampling import SamplingParams, TextStream
+from .scheduler import Scheduler
+from .sequence import Sequence, Status
+
+
+@dataclass
+class RequestOutput:
+    """One per request that changed in a step."""
+
+    request_id: str
+    new_token_ids: list[int]       # tokens produced this step (usually 1; 0 when just finished by abort)
+    text_delta: str                # newly decoded text (UTF-8 safe, stop strings removed)
+    finished: bool
+    finish_reason: str | None      # "stop" (EOS / stop id / stop string) | "length" | "abort" | None
+    prompt_tokens: int
+    cached_prompt_tokens: int      # prompt tokens served from the prefix cache
+    completion_tokens: int         # tokens generated so far
+
+
+@dataclass
+class EngineStats:
+    """A snapshot, cheap to take."""
+
+    running: int
+    waiting: int
+    blocks_total: int
+    blocks_used: int
+    blocks_free: int               # not referenced by any sequence (cached blocks included)
+    block_size: int
+    kv_bytes_total: int
+    kv_bytes_used: int
+    prefix_queries_tokens: int
+    prefix_hit_tokens: int         # hit rate = hit / queried
+    prompt_tokens: int
+    generated_tokens: int
+    preemptions: int
+    steps: int
+    computed_tokens: int = 0       # tokens run through the model (prefill chunks, recomputes and decodes)
+    kv_bytes_peak: int = 0         # the most kv_bytes_used has been
+
+
+@dataclass
+class GenerationOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    cached_prompt_tokens: int = 0
+
+
+class Engine:
+    def __init__(self, model, tokenizer=None, *, cache: str = "dense", kv_budget: int | str = "512MiB",
+                 max_batch: int = 16, block_size: int = 16, max_step_tokens: int = 512, prefix_caching: bool = True,
+                 use_kernel: bool = True):
+        if hasattr(model, "tokenizer") and hasattr(model, "model"):     # a LoadedModel
+            tokenizer = tokenizer if tokenizer is not None else model.tokenizer
+            model = model.model
+        for name, value in (("max_batch", max_batch), ("max_step_tokens", max_step_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if max_step_tokens < max_batch:
+            raise ConfigError(f"max_step_tokens ({max_step_tokens}) must be at least max_batch ({max_batch}): "
+                              "every running sequence decodes a token each step")
+        self.model, self.tokenizer = model, tokenizer
+        self.config = model.config
+        device = next(model.parameters()).device
+        geometry = CacheGeometry.for_model(self.config)
+        self.capacity = CapacityPlan.build(geometry, cache, kv_budget, block_size)
+        self.pool = BlockPool(geometry, self.capacity, device)
+        self.blocks = BlockManager(self.capacity.n_blocks, block_size, prefix_caching, on_copy=self.pool.copy_block)
+        self.scheduler = Scheduler(self.blocks, max_batch, max_step_tokens)
+        self.runner = Runner(model, self.pool, use_kernel)
+        self.eos_ids = tuple(tokenizer.eos_ids) if tokenizer is not None else ()
+        self.requests: dict[str, Sequence] = {}
+        self._aborted: list[RequestOutput] = []
+        self._ids = itertools.count()
+        self._counts = dict(prompt_tokens=0, generated_tokens=0, steps=0, computed_tokens=0, kv_bytes_peak=0)
+
+    @classmethod
+    def from_model_path(cls, path=None, *, dtype: str = "fp32", device: str = "cpu", weights: str = "auto", **kw) -> "Engine":
+        """Load a model like `kvlab generate` does (default: the embedded SmolLM2) and serve it."""
+        from ..session import cached_model
+
+        return cls(cached_model(None if path is None else str(path), dtype, device, weights), **kw)
+
+    # -- requests -----------------------------------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], sampling: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        sampling = sampling or SamplingParams()
+        if not isinstance(sampling, SamplingParams):
+            raise ConfigError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        ids = list(prompt_ids)
+        vocab = self.config.vocab_size
+        if not ids:
+            raise ConfigError("prompt must hold at least one token id")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+            raise ConfigError(f"prompt token ids must be integers in [0, {vocab})")
+        total = len(ids) + sampling.max_tokens
+        if total > self.config.max_seq_len:
+            raise RequestTooLargeError(f"request of {len(ids)} prompt + {sampling.max_tokens} new tokens exceeds the "
+                                       f"model's context of {self.config.max_seq_len} tokens")
+        if total > self.capacity.tokens:
+            raise RequestTooLargeError(f"request of {len(ids)} prompt + {sampling.max_tokens} new tokens exceeds the KV pool "
+                                       f"of {self.capacity.tokens} tokens ({self.capacity.n_blocks} blocks of "
+                                       f"{self.capacity.block_size}); raise kv_budget")
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self.requests:
+            raise ConfigError(f"request id {request_id!r} is already in use")
+        seq = Sequence(request_id, ids, sampling, generator=sampling.generator(self.runner.device),
+                       text=TextStream(self.tokenizer, sampling.stop) if self.tokenizer is not None else None)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        self._counts["prompt_tokens"] += len(ids)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Free the request's blocks now; the next step() reports it finished with reason "abort"."""
+        seq = self.requests.pop(str(request_id), None)
+        if seq is None:
+            return
+        self.scheduler.remove(seq)
+        seq.status, seq.finish_reason = Status.FINISHED, "abort"
+        self._aborted.append(self._output(seq, [], seq.text.flush() if seq.text else ""))
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work() or bool(self._aborted)
+
+    # -- the loop -----------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        tokens = self.runner.run(batch)
+        self.scheduler.update(batch, tokens)
+        return self._after_step(batch, tokens)
+
+    def _after_step(self, batch, tokens) -> list[RequestOutput]:
+        """Stop conditions and outputs of the sequences that got a token; counters."""
+        outputs, self._aborted = self._aborted, []
+        self._counts["steps"] += 1
+        self._counts["computed_tokens"] += sum(c.n_tokens for c in batch)
+        self._counts["kv_bytes_peak"] = max(self._counts["kv_bytes_peak"], self.blocks.n_used * self.capacity.block_bytes)
+        for chunk, token in zip(batch, tokens):
+            if token is None:
+                continue
+            seq = chunk.seq
+            self._counts["generated_tokens"] += 1
+            delta, hit_stop = seq.text.push(token) if seq.text is not None else ("", False)
+            if hit_stop or (token in self.eos_ids and not seq.sampling.ignore_eos) or token in seq.sampling.stop_token_ids:
+                seq.finish_reason = "stop"
+            elif len(seq.output_ids) >= seq.sampling.max_tokens:
+                seq.finish_reason = "length"
+            if seq.finish_reason is not None:
+                delta += seq.text.flush() if seq.text is not None and not hit_stop else ""
+                seq.status = Status.FINISHED
+                self.scheduler.remove(seq)
+                self.requests.pop(seq.request_id, None)
+            outputs.append(self._output(seq, [token], delta))
+        return outputs
+
+    def _output(self, seq: Sequence, new: list[int], delta: str) -> RequestOutput:
+        return RequestOutput(seq.request_id, new, delta, seq.finished, seq.finish_reason, seq.n_prompt,
+                             seq.cached_prompt_tokens, len(seq.output_ids))
+
+    def stats(self) -> EngineStats:
+        s, b, c = self.scheduler, self.blocks, self._counts
+        return EngineStats(
+            running=len(s.running), waiting=len(s.waiting), blocks_total=b.n_blocks, blocks_used=b.n_used,
+            blocks_free=b.n_free, block_size=b.block_size, kv_bytes_total=self.pool.nbytes,
+            kv_bytes_used=b.n_used * self.capacity.block_bytes, prefix_queries_tokens=s.prefix_query_tokens,
+            prefix_hit_tokens=s.prefix_hit_tokens, prompt_tokens=c["prompt_tokens"], generated_tokens=c["generated_tokens"],
+            preemptions=s.preemptions, steps=c["steps"], computed_tokens=c["computed_tokens"], kv_bytes_peak=c["kv_bytes_peak"])
+
+    # -- offline use --------------------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams] | None = None,
+                 progress: bool = True) -> list[GenerationOutput]:
+        """Run every prompt to the end (continuous batching); results in the prompts' order."""
+        params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        if len(params) != len(prompts):
+            raise ConfigError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(self.add_request(prompt, p))
+        except KvlabError:
+            for rid in ids:                          # all or nothing: no half-submitted batch left behind
+                self.abort(rid)
+            self._aborted = [o for o in self._aborted if o.request_id not in ids]
+            raise
+        prompt_of = dict(zip(ids, prompts))
+        tokens = {i: [] for i in ids}
+        texts = {i: [] for i in ids}
+        results: dict[str, GenerationOutput] = {}
+        with _progress(progress, len(ids)) as bar:
+            while self.has_unfinished():
+                for out in self.step():
+                    if out.request_id not in tokens:
+                        continue
+                    tokens[out.request_id] += out.new_token_ids
+                    texts[out.request_id].append(out.text_delta)
+                    if out.finished:
+                        results[out.request_id] = GenerationOutput(
+                            out.request_id, list(prompt_of[out.request_id]), tokens[out.request_id],
+                            "".join(texts[out.request_id]), out.finish_reason, out.cached_prompt_tokens)
+                        bar.advance(self.stats())
+        return [results[i] for i in ids]
+
+
+class _progress:
+    """A rich progress bar over finished requests with generated tokens/s (nothing when off)."""
+
+    def __init__(self, enabled: bool, total: int):
+        self.enabled, self.total = enabled, total
+
+    def __enter__(self):
+        if self.enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.bar = Progress(TextColumn("requests"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                TextColumn("{task.fields[info]}"), transient=True)
+            self.bar.__enter__()
+            self.task = self.bar.add_task("generate", total=self.total, info="")
+            self.start = _now()
+        return self
+
+    def advance(self, stats: EngineStats) -> None:
+        if self.enabled:
+            rate = stats.generated_tokens / max(_now() - self.start, 1e-9)
+            self.bar.update(self.task, advance=1, info=f"{rate:.1f} tokens/s · {stats.running} running")
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            self.bar.__exit__(*exc)
+        return False
+
+
+def _now() -> float:
+    import time
+
+    return time.perf_counter()

@@ -1,0 +1,83 @@
+"""One batched forward over a ragged batch: all scheduled tokens of all sequences as one row stack.
+
+The N tokens of a step (decode tokens and prefill chunks of any number of sequences) go through the
+model as one (1, N, C) batch, so every weight matrix is read once per step. The model's own Block
+modules run it: BatchView speaks the cache protocol (append / attend) for the step, writing each token's
+K/V into its pool slot and answering attention per sequence through its block table.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .attention import RaggedLayout, ragged_attention
+from .blocks import BlockPool
+from .sampling import sample_rows
+from .scheduler import Chunk
+
+
+class BatchView:
+    """The cache protocol over one step's batch: the model's Attention modules call append, then attend."""
+
+    def __init__(self, pool: BlockPool, slots: torch.Tensor, layout: RaggedLayout, scale: float,
+                 window: int | None, use_kernel: bool):
+        self.pool, self.slots, self.layout = pool, slots, layout
+        self.scale, self.window, self.use_kernel = scale, window, use_kernel
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k (1, Hkv, N, D), v (1, Hkv, N, Dv): the N new tokens, written to their slots."""
+        self.pool.write(layer, self.slots, k[0].transpose(0, 1), v[0].transpose(0, 1))   # (N, Hkv, D)
+
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """q (1, H, N, D) -> (1, H, N, Dv): each sequence's rows against its own blocks."""
+        out = ragged_attention(q[0].transpose(0, 1).float(), self.pool.k[layer], self.pool.v[layer], self.layout,
+                               self.scale, self.window, self.use_kernel)                  # (N, H, Dv)
+        return out.transpose(0, 1)[None].to(q.dtype)
+
+
+def rope_at(model, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (N, D) for arbitrary absolute positions (N,): the model's own table, one row per token."""
+    cos, sin = model.rope(0, int(positions.max()) + 1, dtype)              # (P, D)
+    return cos[positions], sin[positions]                                   # (N, D)
+
+
+def output_logits(model, x: torch.Tensor) -> torch.Tensor:
+    """Final norm and output projection of rows x (1, R, C) -> (1, R, vocab), as Decoder.forward ends."""
+    x = model.norm(x)
+    return model.lm_head(x) if model.lm_head is not None else F.linear(x, model.output_weight())
+
+
+class Runner:
+    def __init__(self, model, pool: BlockPool, use_kernel: bool = True):
+        self.model, self.pool, self.use_kernel = model, pool, use_kernel
+        cfg = model.config
+        self.scale = cfg.head_dim ** -0.5
+        self.window = cfg.sliding_window
+        self.device = pool.k.device
+
+    @torch.inference_mode()
+    def run(self, chunks: list[Chunk]) -> list[int | None]:
+        """Forward every chunk; the next token of each chunk that reaches its sequence's end, else None."""
+        if not chunks:
+            return []
+        ids = [t for c in chunks for t in c.seq.token_ids[c.start:c.start + c.n_tokens]]
+        positions = torch.tensor([p for c in chunks for p in range(c.start, c.start + c.n_tokens)], device=self.device)
+        slots = torch.tensor([s for c in chunks for s in c.slots], dtype=torch.long, device=self.device)   # (N,)
+        layout = RaggedLayout.build([c.seq.block_table for c in chunks], [c.n_tokens for c in chunks],
+                                    [c.start + c.n_tokens for c in chunks], self.pool.block_size)
+        x = self.model.embed(torch.tensor([ids], device=self.device))              # (1, N, C)
+        cos, sin = rope_at(self.model, positions, x.dtype)                          # (N, D)
+        view = BatchView(self.pool, slots, layout, self.scale, self.window, self.use_kernel)
+        for block in self.model.blocks:
+            x = block(x, cos, sin, view)                                            # (1, N, C)
+        ends = torch.tensor([c.n_tokens for c in chunks]).cumsum(0) - 1             # last row of each chunk
+        sampling = [i for i, c in enumerate(chunks) if c.samples]
+        tokens: list[int | None] = [None] * len(chunks)
+        if sampling:
+            logits = output_logits(self.model, x[:, ends[sampling]])[0]            # (R, vocab)
+            seqs = [chunks[i].seq for i in sampling]
+            drawn = sample_rows(logits, [s.sampling for s in seqs], [s.generator for s in seqs])
+            for i, token in zip(sampling, drawn):
+                tokens[i] = token
+        return tokens
