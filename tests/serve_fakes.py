@@ -13,12 +13,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from kvlab.errors import ConfigError, KvlabError
-
-
-class FakeRequestTooLarge(KvlabError):
-    """Stands for kvlab.errors.RequestTooLargeError."""
-
+from kvlab.errors import ConfigError, RequestTooLargeError
 
 @dataclass
 class FakeOutput:
@@ -92,7 +87,7 @@ class FakeEngine:
             raise ConfigError("prompt is empty")
         req = {"id": request_id, "prompt": list(prompt_ids), "sampling": sampling, "n": 0, "text": ""}
         if len(prompt_ids) + sampling.max_tokens > self.context or self._blocks(req) > self.blocks_total:
-            raise FakeRequestTooLarge(f"prompt of {len(prompt_ids)} tokens + max_tokens {sampling.max_tokens} "
+            raise RequestTooLargeError(f"prompt of {len(prompt_ids)} tokens + max_tokens {sampling.max_tokens} "
                                       f"exceeds the context of {self.context} tokens")
         self.waiting.append(req)
         return request_id

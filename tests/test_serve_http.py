@@ -8,6 +8,7 @@ concurrent streaming clients, and whose KV blocks must all come back after abort
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 
@@ -254,6 +255,7 @@ def real(smollm2):
     assert not server.state.engine_loop.alive
 
 
+@functools.lru_cache(maxsize=None)
 def reference_text(prompt: str) -> str:
     """What `kvlab generate --chat PROMPT --max-new-tokens NEW_TOKENS` prints (its library path)."""
     from kvlab.session import run_generation
@@ -328,3 +330,81 @@ def test_real_request_that_cannot_fit_is_a_400(real):
                           json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100_000})
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "context_length_exceeded"
+
+
+# -- kvlab bench serve, and the CLI ------------------------------------------------------------------------
+def test_bench_serve_refuses_urls_off_this_machine():
+    from kvlab.bench.serve import check_loopback
+    from kvlab.errors import ConfigError
+
+    for url in ("http://127.0.0.1:8000/", "http://127.8.9.10:1", "http://localhost:8000", "http://[::1]:8000"):
+        assert check_loopback(url) == url.rstrip("/")
+    for url in ("http://10.0.0.1:8000", "http://example.com", "http://0.0.0.0:8000", "ftp://127.0.0.1", "127.0.0.1:8000"):
+        with pytest.raises(ConfigError):
+            check_loopback(url)
+
+
+def test_bench_serve_measures_a_server_and_writes_json_and_a_plot(fake, tmp_path):
+    from rich.console import Console
+
+    from kvlab.bench.serve import ServeBenchSettings, percentile, run_serve_bench
+
+    assert percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5 and percentile([5.0], 99) == 5.0 and percentile([], 50) is None
+    settings = ServeBenchSettings(url=fake.url, concurrency=(1, 3), requests=4, max_tokens=5)
+    out, plot = tmp_path / "serve.json", tmp_path / "serve.png"
+    record = run_serve_bench(settings, str(out), str(plot), json_out=False, console=Console(file=open(tmp_path / "log", "w")))
+    assert json.loads(out.read_text()) == json.loads(json.dumps(record)) and plot.stat().st_size > 0
+    assert [lv["concurrency"] for lv in record["levels"]] == [1, 3]
+    for level in record["levels"]:
+        assert level["errors"] == 0 and level["requests"] == 4
+        assert level["output_tokens_per_s"] > 0 and level["ttft_p50_ms"] is not None and level["tpot_p99_ms"] is not None
+        assert level["peak_kv_bytes"] is not None
+    assert record["http_overhead"] is None  # only measured against a server it started itself
+
+
+def test_serve_without_the_extra_is_a_one_line_error(monkeypatch):
+    import sys
+
+    from kvlab.errors import KvlabError
+    from kvlab.serve.command import check_serve_extra
+
+    monkeypatch.setitem(sys.modules, "fastapi", None)  # what an interpreter without fastapi sees
+    with pytest.raises(KvlabError, match=r"pip install 'kvlab\[serve\]'"):
+        check_serve_extra()
+
+
+def test_kvlab_serve_prints_its_plan_and_exits_cleanly_on_sigterm(smollm2):
+    """The CLI in a subprocess: memory plan on start, loopback bind, a running stream aborted by SIGTERM, exit 0."""
+    import signal
+    import subprocess
+    import sys
+
+    from kvlab.bench.serve import free_port
+
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-c", "from kvlab.cli import app; app()", "serve", "--port", str(port),
+                                "--kv-budget", "16MiB", "--shutdown-grace", "0.2"],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        def up() -> bool:
+            assert process.poll() is None, process.stdout.read()
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(up, timeout=180, what="kvlab serve to start")
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
+            response = open_stream(client, max_tokens=300)  # the 16 MiB pool holds 352 tokens
+            process.send_signal(signal.SIGTERM)
+            rest = [line for line in response.event_lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2][len("data: "):])["choices"][0]["finish_reason"] == "abort"
+        assert process.wait(60) == 0
+        output = process.stdout.read()
+        assert "KV memory plan" in output and "sequences of 512 tokens" in output
+        assert f"http://127.0.0.1:{port}" in output
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
-import os
 import signal
 import socket
 import statistics
@@ -35,6 +34,7 @@ from ..errors import ConfigError, KvlabError
 
 TOPICS = ("the sea", "a lighthouse", "winter", "a city at night", "bread", "the moon", "a river", "old books",
           "a garden", "trains", "rain", "a mountain", "the desert", "a cat", "music", "the forest")
+WARMUP_PROMPT = "Say hi."   # one short request before measuring: first-call costs stay out of every level
 SERVER_START_TIMEOUT_S = 300
 METRICS_POLL_S = 0.25
 
@@ -206,24 +206,27 @@ def free_port() -> int:
 class OwnServer:
     """`kvlab serve` in a subprocess on a free loopback port, stopped with SIGTERM on exit."""
 
-    def __init__(self, model: str | None, cache: str, kv_budget: str, max_batch: int, console: Console):
+    def __init__(self, model: str | None, cache: str, kv_budget: str, max_batch: int):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = [sys.executable, "-c", "from kvlab.cli import app; app()", "serve"] + ([model] if model else []) + [
             "--cache", cache, "--kv-budget", kv_budget, "--max-batch", str(max_batch), "--port", str(self.port)]
-        self.console = console
 
     def __enter__(self) -> "OwnServer":
+        import tempfile
+
         import httpx
 
-        self.log = open(os.devnull, "w")
-        self.process = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.PIPE, text=True)
+        self.log = tempfile.TemporaryFile(mode="w+")  # not a pipe: nobody reads it while the bench runs
+        self.process = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + SERVER_START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                message = (self.process.stderr.read() or "").strip().splitlines()
+                self.log.seek(0)
+                lines = [line for line in self.log.read().splitlines() if line.strip()]
+                self.log.close()
                 raise KvlabError(f"kvlab serve exited with code {self.process.returncode}: "
-                                 f"{message[-1] if message else 'no message'}")
+                                 f"{lines[-1].strip() if lines else 'no message'}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
                     return self
@@ -244,22 +247,29 @@ class OwnServer:
         self.log.close()
 
 
-def direct_tokens_per_s(model: str | None, cache: str, kv_budget: str, prompts: list[str], max_tokens: int,
-                        ignore_eos: bool) -> float:
-    """Output tokens/s of the concurrency-1 workload on an Engine called directly (no HTTP): the baseline."""
+def direct_tokens_per_s(model: str | None, cache: str, kv_budget: str, max_batch: int, prompts: list[str],
+                        max_tokens: int, ignore_eos: bool) -> float:
+    """Output tokens/s of the concurrency-1 workload on an Engine called directly (no HTTP): the baseline.
+    The engine is set up as the served one was, and warmed up with one request first, as the server was."""
     from ..serve.engine import Engine
     from ..serve.sampling import SamplingParams
 
-    engine = Engine.from_model_path(model, cache=cache, kv_budget=kv_budget, max_batch=1)
+    engine = Engine.from_model_path(model, cache=cache, kv_budget=kv_budget, max_batch=max_batch,
+                                    max_step_tokens=max(512, max_batch))
     tokenizer = engine.tokenizer
-    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
-    tokens = 0
-    start = time.perf_counter()
-    for prompt in prompts:
+
+    def run(prompt: str, n: int) -> int:
         text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-        engine.add_request(tokenizer.encode(text, add_special=False), sampling)
+        engine.add_request(tokenizer.encode(text, add_special=False),
+                           SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=ignore_eos))
+        produced = 0
         while engine.has_unfinished():
-            tokens += sum(len(out.new_token_ids) for out in engine.step())
+            produced += sum(len(out.new_token_ids) for out in engine.step())
+        return produced
+
+    run(WARMUP_PROMPT, 2)
+    start = time.perf_counter()
+    tokens = sum(run(prompt, max_tokens) for prompt in prompts)
     return tokens / (time.perf_counter() - start)
 
 
@@ -297,6 +307,9 @@ def run_serve_bench(settings: ServeBenchSettings, out: str | None, plot: str | N
 
     def run_levels(url: str) -> None:
         body["model"] = settings.model or served_model(url, settings.api_key)
+        warmup = asyncio.run(run_level(url, 1, [WARMUP_PROMPT], {**body, "max_tokens": 2}, settings.api_key))
+        if warmup.errors:
+            raise KvlabError(f"{url} failed the warm-up request: {warmup.first_error}")
         for c in settings.concurrency:
             prompts = workload(max(settings.requests, c))
             level = asyncio.run(run_level(url, c, prompts, body, settings.api_key))
@@ -310,11 +323,11 @@ def run_serve_bench(settings: ServeBenchSettings, out: str | None, plot: str | N
         url = check_loopback(settings.url)
         run_levels(url)
     else:
-        with OwnServer(settings.model, settings.cache, settings.kv_budget, max(settings.concurrency), console) as server:
+        with OwnServer(settings.model, settings.cache, settings.kv_budget, max(settings.concurrency)) as server:
             url = server.url
             run_levels(url)
         if settings.direct and 1 in settings.concurrency:
-            direct = direct_tokens_per_s(settings.model, settings.cache, settings.kv_budget,
+            direct = direct_tokens_per_s(settings.model, settings.cache, settings.kv_budget, max(settings.concurrency),
                                          workload(max(settings.requests, 1)), settings.max_tokens, settings.ignore_eos)
     served_c1 = next((lv.output_tokens_per_s for lv in levels if lv.concurrency == 1), None)
     record = {

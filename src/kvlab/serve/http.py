@@ -27,7 +27,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import KvlabError
+from ..errors import KvlabError, RequestTooLargeError
 from .engine_loop import AbortedOutput, EngineFailure, EngineLoop, Submission
 from .metrics import ServeMetrics
 from .openai_api import (
@@ -201,9 +201,10 @@ async def _serve(state: ServerState, request: Request, body, prompt_ids: list[in
     try:
         state.engine_loop.submit(Submission(request_id, prompt_ids, sampling, deliver))
         first = await events.get()
+        if isinstance(first, RequestTooLargeError):
+            raise ApiError(400, str(first), param="max_tokens", code="context_length_exceeded")
         if isinstance(first, KvlabError):
-            raise ApiError(400, str(first), param="max_tokens" if "max_tokens" in str(first) else None,
-                           code="context_length_exceeded" if type(first).__name__ == "RequestTooLargeError" else None)
+            raise ApiError(400, str(first))
         if isinstance(first, EngineFailure):
             raise ApiError(503, str(first), type="server_error")
         stream = _RequestStream(state, request_id, events)
@@ -342,6 +343,12 @@ class Server(uvicorn.Server):
             await super().shutdown(sockets)
         finally:
             aborter.cancel()
+
+    async def _serve(self, sockets=None) -> None:
+        await super()._serve(sockets)
+        # uvicorn re-raises the SIGINT/SIGTERM it caught once it has shut down, which would end `kvlab serve` with a
+        # KeyboardInterrupt or a signal status after a clean shutdown; the shutdown was the answer, so exit 0
+        self._captured_signals.clear()
 
 
 def _is_loopback(host: str) -> bool:
