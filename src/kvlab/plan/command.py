@@ -67,7 +67,7 @@ def plan_command(model: str, ctx: str = "4096", kv_type: str | None = None, kv_t
                  ubatch: int | None = None, tp: int = 1, weights_quant: str | None = None, gpu: str | None = None,
                  vram: float | None = None, layers: bool = False, json_out: bool = False, plot: str | None = None,
                  kv_unified: bool = False, swa_full: bool = False, console: Console | None = None,
-                 err_console: Console | None = None) -> int:
+                 err_console: Console | None = None, kv_budget: str | None = None) -> int:
     """Print the plan (rich table + verdict, or JSON); return 0 fits / 1 does not fit / 2 bad input.
 
     Errors go to `err_console` (default: the same console) as one line, `error: <message>`.
@@ -78,16 +78,30 @@ def plan_command(model: str, ctx: str = "4096", kv_type: str | None = None, kv_t
                           weights_quant, gpu, vram, kv_unified, swa_full)
         if plot:
             plot_plan(plan, plot)
+        admission = _engine_admission(plan, kv_budget) if kv_budget else None
     except KvlabError as exc:
         (err_console or console).print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
         return 2
     if json_out:
-        console.print_json(json.dumps(plan_json(plan)))
+        console.print_json(json.dumps(plan_json(plan) | ({"engine_admission": admission} if admission else {})))
     else:
         print_plan(plan, console, layers=layers)
+        if admission:
+            a = admission
+            console.print(f"kvlab serving engine: {a['max_concurrent']} concurrent sequences of {a['context']:,} tokens in "
+                          f"{a['budget_bytes']:,} B of {a['format']} blocks ({a['blocks']:,} blocks of {a['block_size']} tokens, "
+                          f"{a['block_bytes']:,} B each)", highlight=False)
         if plot:
             console.print(f"plot: {plot}")
     return 1 if plan.fits is False else 0
+
+
+def _engine_admission(plan, kv_budget: str) -> dict:
+    from .engines.kvlab import engine_admission
+
+    if plan.engine.name != "kvlab":
+        raise ConfigError("--kv-budget sizes the kvlab serving engine's block pool: use it with --engine kvlab")
+    return engine_admission(plan.spec, plan.settings, kv_budget)
 
 
 def register(app) -> None:
@@ -114,9 +128,10 @@ def register(app) -> None:
         layers: bool = typer.Option(False, "--layers", help="per-layer breakdown"),
         json_out: bool = typer.Option(False, "--json", help="machine-readable output"),
         plot: str = typer.Option(None, "--plot", help="write memory vs context to FILE.png"),
+        kv_budget: str = typer.Option(None, "--kv-budget", help="kvlab engine: KV bytes (512MiB) -> concurrent sequences at --ctx"),
     ) -> None:
         """How much memory a model needs: weights, KV cache, recurrent state, overheads; does it fit?"""
         code = plan_command(model, ctx, kv_type, kv_type_k, kv_type_v, engine, flash_attn, parallel, ubatch, tp,
                             weights_quant, gpu, vram, layers, json_out, plot, kv_unified, swa_full,
-                            err_console=Console(stderr=True))
+                            err_console=Console(stderr=True), kv_budget=kv_budget)
         raise typer.Exit(code)

@@ -27,6 +27,8 @@ def parse_cache(name: str | None):
     import torch  # only the kvlab engine needs torch; planning for llama.cpp / vLLM stays light
 
     text = (name or "dense").strip().lower()
+    if text.startswith("dense-") and "@" not in text:   # the serving engine's block formats: dense-f16, dense-bf16
+        text = "dense@" + text.removeprefix("dense-")
     cache, _, dtype = text.partition("@")
     if cache in _DTYPES and not dtype:
         return "dense", getattr(torch, _DTYPES[cache])
@@ -104,3 +106,26 @@ class KvlabEngine(Engine):
         n_ub = settings.ubatch or settings.context
         logits = spec.vocab_size * settings.parallel * n_ub * 4
         return [Component("activations", f"logits {spec.vocab_size}×{settings.parallel}×{n_ub}×4 (prefill)", logits, exact=False)]
+
+
+def engine_admission(spec: ModelSpec, settings: PlanSettings, kv_budget: str) -> dict:
+    """How many sequences of `settings.context` tokens the serving engine (kvlab.serve) admits in a KV budget:
+    the engine's own CapacityPlan (blocks sized by the caches' formula), so the planner and the engine agree."""
+    import torch
+
+    from ...cache import CacheGeometry
+    from ...serve.blocks import CapacityPlan
+
+    cache, dtype = parse_cache(settings.kv_type_k)
+    formats = {torch.float32: "dense", torch.float16: "dense-f16", torch.bfloat16: "dense-bf16"}
+    if cache != "dense":
+        raise ConfigError(f"--kv-budget: the serving engine's blocks are {', '.join(formats.values())}, not {settings.kv_type_k!r}")
+    layers = [layer for layer in spec.layers if layer.kind in ("full", "sliding")]
+    shapes = {(layer.n_kv_heads, layer.head_dim_k, layer.head_dim_v, layer.n_heads) for layer in layers}
+    if len(shapes) != 1 or len(layers) != len(spec.layers):
+        raise ConfigError(f"--kv-budget: the serving engine runs models whose layers all share one attention shape; {spec.name} does not")
+    (kv_heads, dim_k, dim_v, heads), = shapes
+    geometry = CacheGeometry(n_layers=len(layers), n_kv_heads=kv_heads, head_dim=dim_k, head_dim_v=dim_v, n_heads=heads)
+    plan = CapacityPlan.build(geometry, formats[dtype], kv_budget, settings.block_size)
+    return {"format": plan.format, "budget_bytes": plan.budget, "block_size": plan.block_size, "block_bytes": plan.block_bytes,
+            "blocks": plan.n_blocks, "context": settings.context, "max_concurrent": plan.max_concurrent(settings.context)}
