@@ -283,6 +283,26 @@ def test_real_chat_equals_kvlab_generate_chat_streamed_and_not(real):
     assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1] if e["choices"]) == expected
 
 
+def test_real_seeded_sampling_repeats(real):
+    client = openai.OpenAI(base_url=f"{real.url}/v1", api_key="unused", max_retries=0)
+    texts = {client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": PROMPTS[1]}],
+                                            max_tokens=NEW_TOKENS, temperature=0.9, seed=7).choices[0].message.content
+             for _ in range(2)}
+    assert len(texts) == 1
+
+
+def test_ctx_and_max_seqs_size_the_pool_for_exactly_that_many_sequences(smollm2):
+    from kvlab.cache import CacheGeometry
+    from kvlab.serve.blocks import CapacityPlan
+    from kvlab.serve.command import budget_for
+
+    geometry = CacheGeometry.for_model(smollm2.config)
+    block_bytes = CapacityPlan.build(geometry, "dense", 2**30, 16).block_bytes
+    for ctx, seqs in ((1000, 3), (4096, 8), (16, 1)):
+        plan = CapacityPlan.build(geometry, "dense", budget_for(ctx, seqs, block_bytes, 16), 16)
+        assert plan.max_concurrent(ctx) == seqs
+
+
 def test_real_16_concurrent_streams_each_get_their_own_completion(real):
     expected = [reference_text(p) for p in PROMPTS]
     client = openai.AsyncOpenAI(base_url=f"{real.url}/v1", api_key="unused", max_retries=0)

@@ -19,7 +19,6 @@ import ipaddress
 import json
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import time

@@ -22,6 +22,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import uvicorn
+from jinja2 import TemplateError
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -99,16 +100,8 @@ def create_app(engine, tokenizer, config: ServerConfig) -> FastAPI:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return JSONResponse(ApiError(exc.status_code, str(exc.detail), type=kind).body(), status_code=exc.status_code)
 
-    @app.middleware("http")
-    async def require_api_key(request: Request, call_next):
-        if config.api_key is not None and request.url.path != "/health":
-            given = request.headers.get("authorization", "")
-            expected = f"Bearer {config.api_key}"
-            if not secrets.compare_digest(given.encode(), expected.encode()):
-                error = ApiError(401, "missing or incorrect API key: send `Authorization: Bearer <key>`",
-                                 type="authentication_error", code="invalid_api_key")
-                return JSONResponse(error.body(), status_code=401)
-        return await call_next(request)
+    if config.api_key is not None:
+        app.add_middleware(ApiKeyGuard, api_key=config.api_key)
 
     @app.get("/health")
     async def health():
@@ -131,8 +124,8 @@ def create_app(engine, tokenizer, config: ServerConfig) -> FastAPI:
         body.check_supported()
         try:
             text = tokenizer.apply_chat_template(body.template_messages(), add_generation_prompt=True)
-        except KvlabError as exc:
-            raise ApiError(400, str(exc), param="messages") from None
+        except (KvlabError, TemplateError) as exc:  # the template refused these messages
+            raise ApiError(400, f"chat template: {exc}", param="messages") from None
         prompt_ids = tokenizer.encode(text, add_special=False)  # the template writes the special tokens itself
         return await _serve(state, request, body, prompt_ids, chat=True)
 
@@ -156,6 +149,25 @@ def create_app(engine, tokenizer, config: ServerConfig) -> FastAPI:
         return await _serve(state, request, body, prompt_ids, chat=False)
 
     return app
+
+
+class ApiKeyGuard:
+    """Every route but /health needs `Authorization: Bearer <key>` (a plain ASGI middleware: streams pass
+    through untouched)."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                error = ApiError(401, "missing or incorrect API key: send `Authorization: Bearer <key>`",
+                                 type="authentication_error", code="invalid_api_key")
+                await JSONResponse(error.body(), status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 # -- one request ----------------------------------------------------------------------------------------
