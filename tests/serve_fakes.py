@@ -68,9 +68,10 @@ def fake_text(prompt_ids: list[int], n: int) -> str:
 
 class FakeEngine:
     def __init__(self, blocks_total: int = 1024, block_size: int = 4, max_batch: int = 4, context: int = 4096,
-                 step_delay_s: float = 0.0):
+                 step_delay_s: float = 0.0, fail_steps: int = 0):
         self.blocks_total, self.block_size, self.max_batch, self.context = blocks_total, block_size, max_batch, context
         self.step_delay_s = step_delay_s
+        self.fail_steps = fail_steps        # the next this many steps raise (a bug in the engine)
         self.waiting: list[dict] = []
         self.running: list[dict] = []
         self.blocks_used = 0
@@ -110,6 +111,9 @@ class FakeEngine:
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
         self.steps += 1
+        if self.fail_steps:
+            self.fail_steps -= 1
+            raise RuntimeError("injected engine failure")
         while self.waiting and len(self.running) < self.max_batch and \
                 self.blocks_used + self._blocks(self.waiting[0]) <= self.blocks_total:
             req = self.waiting.pop(0)

@@ -220,6 +220,27 @@ def test_a_disconnected_stream_is_aborted_and_its_blocks_freed():
         assert len(engine.aborted) == 3  # ended by the disconnects, not by running to max_tokens
 
 
+def test_a_client_that_leaves_before_a_plain_answer_is_aborted_too():
+    server, engine = fake_server(step_delay_s=0.005)
+    with server:
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
+            httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1000, "ignore_eos": True},
+                       timeout=httpx.Timeout(30, read=0.3))
+        wait_until(lambda: len(engine.aborted) == 1 and not engine.has_unfinished(), what="the abort")
+        assert engine.blocks_used == 0
+        wait_until(lambda: server.state.in_flight == 0, what="the handler to finish")
+
+
+def test_an_engine_failure_fails_its_requests_and_the_server_goes_on():
+    server, engine = fake_server(fail_steps=1)
+    with server:
+        failed = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3})
+        assert failed.status_code == 500 and "injected engine failure" in failed.json()["error"]["message"]
+        after = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3})
+        assert after.status_code == 200 and after.json()["choices"][0]["text"] == fake_text([120], 3)
+        assert httpx.get(server.url + "/health").status_code == 200
+
+
 def test_shutdown_aborts_running_streams_after_the_grace_and_stops_the_engine_thread():
     server, engine = fake_server(step_delay_s=0.005, grace=0.2)
     with server, httpx.Client(base_url=server.url, timeout=30) as client:
@@ -276,6 +297,8 @@ def test_real_chat_equals_kvlab_generate_chat_streamed_and_not(real):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
     # the same prompt again: its full blocks come from the prefix cache
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
+    assert 0 < metric(real.url, "kvlab_prefix_cache_hit_rate") <= 1
+    assert metric(real.url, "kvlab_kv_bytes_peak") > 0
     with httpx.stream("POST", f"{real.url}/v1/chat/completions", timeout=60,
                       json={"messages": messages, "max_tokens": NEW_TOKENS, "temperature": 0, "stream": True}) as r:
         events = sse_events(r)

@@ -64,6 +64,7 @@ class ServeMetrics:
             "kvlab_kv_blocks_free": ("KV blocks not referenced by any sequence.", "blocks_free"),
             "kvlab_kv_bytes_total": ("Bytes of the KV pool.", "kv_bytes_total"),
             "kvlab_kv_bytes_used": ("Bytes of the KV pool in use.", "kv_bytes_used"),
+            "kvlab_kv_bytes_peak": ("The most bytes of the KV pool in use at once.", "kv_bytes_peak"),
             "kvlab_preemptions": ("Sequences preempted so far (recomputed later).", "preemptions"),
         }
         for name, (doc, field) in gauges.items():
