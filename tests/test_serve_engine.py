@@ -6,6 +6,8 @@ prompt and output lengths, chunked prefill, prefix hits, preemption under a tiny
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -13,6 +15,8 @@ from kvlab.cache import CacheGeometry, make_cache
 from kvlab.errors import ConfigError, RequestTooLargeError
 from kvlab.generate import SamplingConfig, generate
 from kvlab.serve import Engine, SamplingParams
+
+from .conftest import tiny_model
 
 TEXT = ("To be, or not to be, that is the question: Whether 'tis nobler in the mind to suffer the slings and "
         "arrows of outrageous fortune, or to take arms against a sea of troubles and by opposing end them. To die, "
@@ -80,12 +84,12 @@ def test_preemption_under_a_tiny_budget_loses_nothing(smollm2):
     engine = Engine(smollm2, kv_budget=6 * plan_bytes, max_batch=4, prefix_caching=False)
     assert engine.capacity.n_blocks == 6
     for prompt in prompts:
-        engine.add_request(prompt, SamplingParams(max_tokens=12))
+        engine.add_request(prompt, SamplingParams(max_tokens=5))
     used = []
     tokens = run_all(engine, on_step=lambda _: used.append(engine.stats().blocks_used))
     assert engine.stats().preemptions > 0 and max(used) <= 6
     for rid, prompt in zip(sorted(tokens, key=int), prompts):
-        assert tokens[rid] == alone(smollm2, prompt, 12)
+        assert tokens[rid] == alone(smollm2, prompt, 5)
 
 
 def test_abort_frees_blocks_at_once_and_leaves_the_others_unchanged(smollm2):
@@ -121,7 +125,8 @@ def test_seeded_sampling_stop_strings_and_stop_ids(smollm2):
     stop = text[6:9]                                          # a stop string inside the greedy text
     engine = Engine(smollm2, kv_budget="16MiB", max_batch=4)
     out_sampled, out_stop, out_id = engine.generate(
-        [prompt] * 3, [sampled, SamplingParams(max_tokens=12, stop=(stop,)), SamplingParams(max_tokens=12, stop_token_ids=(greedy[3],))],
+        [prompt] * 3,
+        [sampled, SamplingParams(max_tokens=12, stop=(stop,)), SamplingParams(max_tokens=12, stop_token_ids=(greedy[3],))],
         progress=False)
     assert out_sampled.token_ids == reference
     assert out_stop.finish_reason == "stop" and out_stop.text == text[:text.find(stop)]
@@ -131,7 +136,8 @@ def test_seeded_sampling_stop_strings_and_stop_ids(smollm2):
 def test_f16_blocks_batched_equal_one_at_a_time(smollm2):
     prompts = [ids_of(smollm2, n, n) for n in (5, 19, 36)]
     params = SamplingParams(max_tokens=6)
-    batched = Engine(smollm2, cache="dense-f16", kv_budget="16MiB", max_batch=4, max_step_tokens=24).generate(prompts, params, progress=False)
+    batched = Engine(smollm2, cache="dense-f16", kv_budget="16MiB", max_batch=4, max_step_tokens=24)
+    batched = batched.generate(prompts, params, progress=False)
     one = Engine(smollm2, cache="dense-f16", kv_budget="16MiB", max_batch=1)
     for prompt, out in zip(prompts, batched):
         assert out.token_ids == one.generate([prompt], params, progress=False)[0].token_ids
@@ -154,3 +160,41 @@ def test_requests_that_can_never_fit_are_rejected_at_add_request(smollm2):
             SamplingParams(**bad)
     with pytest.raises(ConfigError, match="max_step_tokens"):
         Engine(smollm2, max_batch=8, max_step_tokens=4)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_traffic_on_a_tiny_model_never_fails_mid_step_and_matches_alone(seed):
+    """Random prompts (many sharing prefixes), a pool of a few blocks, aborts and late arrivals: every step
+    succeeds, blocks never exceed the pool, and every finished sequence equals its greedy run alone."""
+    rng = random.Random(seed)
+    model = tiny_model(seed, max_seq_len=64)
+    block_bytes = Engine(model, kv_budget="1MiB", block_size=4).capacity.block_bytes
+    engine = Engine(model, kv_budget=rng.randint(6, 12) * block_bytes, block_size=4, max_batch=rng.choice([2, 3, 5]),
+                    max_step_tokens=rng.choice([5, 8, 13]))
+    shared = [rng.randrange(97) for _ in range(10)]
+    pending = []
+    for _ in range(10):
+        head = shared[:rng.randint(0, 10)]
+        pending.append((head + [rng.randrange(97) for _ in range(rng.randint(1, 12))], rng.randint(1, 8)))
+    requests, tokens, finished, aborted = {}, {}, {}, set()
+    while pending or engine.has_unfinished():
+        if pending and rng.random() < 0.5:
+            prompt, n = pending.pop()
+            requests[engine.add_request(prompt, SamplingParams(max_tokens=n))] = (prompt, n)
+        if requests and rng.random() < 0.05:
+            victim = rng.choice(sorted(requests))
+            engine.abort(victim)
+            aborted.add(victim)
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished:
+                finished[out.request_id] = out.finish_reason
+        stats = engine.stats()
+        assert stats.blocks_used + stats.blocks_free == stats.blocks_total == engine.capacity.n_blocks
+    assert engine.stats().blocks_used == 0 and set(finished) == set(requests)
+    for rid, (prompt, n) in requests.items():
+        if finished[rid] == "abort":
+            continue
+        geometry = CacheGeometry.for_model(model.config, capacity=len(prompt) + n)
+        want = generate(model, torch.tensor([prompt]), make_cache("dense", geometry), n).token_ids[0]
+        assert tokens[rid] == want, rid

@@ -35,7 +35,8 @@ def paged_attention(kernel, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
                     window: int = 0) -> torch.Tensor:
     """q (N, H, D) fp32; k_pool (slots, Hkv, D), v_pool (slots, Hkv, Dv) fp32/fp16/bf16; block_tables (S, max_blocks),
     query_start (S + 1,), context_len (S,) int32 -> (N, H, Dv) fp32. `kernel`: kvlab.kernels.block_kernel()."""
-    _check(q.dim() == 3 and q.dtype == torch.float32 and q.is_contiguous(), f"q must be contiguous fp32 (N, H, D), got {tuple(q.shape)} {q.dtype}")
+    _check(q.dim() == 3 and q.dtype == torch.float32 and q.is_contiguous(),
+           f"q must be contiguous fp32 (N, H, D), got {tuple(q.shape)} {q.dtype}")
     N, H, D = q.shape
     _check(k_pool.dim() == 3 and v_pool.dim() == 3 and k_pool.shape[:2] == v_pool.shape[:2] and k_pool.shape[2] == D,
            f"pools must be (slots, Hkv, {D}) and (slots, Hkv, Dv), got {tuple(k_pool.shape)} and {tuple(v_pool.shape)}")
@@ -46,7 +47,8 @@ def paged_attention(kernel, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     _check(Hkv > 0 and H % Hkv == 0, f"{H} query heads are not a multiple of {Hkv} KV heads")
     _check(block_size > 0 and slots % block_size == 0, f"{slots} pool slots are not whole blocks of {block_size}")
     for name, t in (("block_tables", block_tables), ("query_start", query_start), ("context_len", context_len)):
-        _check(t.dtype == torch.int32 and t.is_contiguous() and t.device.type == "cpu", f"{name} must be contiguous int32 on the CPU")
+        _check(t.dtype == torch.int32 and t.is_contiguous() and t.device.type == "cpu",
+               f"{name} must be contiguous int32 on the CPU")
     S = context_len.numel()
     _check(context_len.dim() == 1 and query_start.dim() == 1 and query_start.numel() == S + 1,
            f"query_start must hold {S + 1} offsets for {S} sequences, got {query_start.numel()}")

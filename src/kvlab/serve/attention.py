@@ -51,7 +51,7 @@ def ragged_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: to
     out = q.new_empty(q.shape[0], q.shape[1], v_pool.shape[-1], dtype=torch.float32)       # (N, H, Dv)
     for s in range(layout.context_len.numel()):
         lo, hi = int(layout.query_start[s]), int(layout.query_start[s + 1])
-        slots = layout.slots(s)
+        slots = layout.slots(s).to(k_pool.device)
         k = k_pool[slots].float().transpose(0, 1)[None]                                     # (1, Hkv, S, D)
         v = v_pool[slots].float().transpose(0, 1)[None]                                     # (1, Hkv, S, Dv)
         qs = q[lo:hi].float().transpose(0, 1)[None]                                         # (1, H, T, D)
