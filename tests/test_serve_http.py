@@ -129,6 +129,7 @@ BAD_REQUESTS = [
     ({"messages": CHAT, "n": 2}, "n", "n must be 1"),
     ({"messages": CHAT, "logprobs": True}, "logprobs", "not supported"),
     ({"messages": CHAT, "presence_penalty": 0.5}, "presence_penalty", "not supported"),
+    ({"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format", "not supported"),
 ]
 
 

@@ -28,6 +28,7 @@ UNSUPPORTED_DEFAULTS: dict[str, tuple] = {
     "top_logprobs": (None, 0),
     "tools": (None, []),
     "functions": (None, []),
+    "response_format": (None, {"type": "text"}),
     "best_of": (None, 1),
     "echo": (None, False),
     "suffix": (None, ""),
@@ -74,6 +75,7 @@ class _Sampling(BaseModel):
     top_logprobs: Any = None
     tools: Any = None
     functions: Any = None
+    response_format: Any = None
 
     def check_supported(self) -> None:
         if self.n not in (None, 1):
