@@ -108,12 +108,14 @@ def bench_decode(
 from .eval.command import register as register_eval  # noqa: E402  (each sub-package adds its own commands)
 from .lab.command import register as register_lab  # noqa: E402
 from .plan.command import register as register_plan  # noqa: E402
+from .serve.command import register as register_serve  # noqa: E402
 
 register_plan(app)
 register_eval(app)
 register_lab(app)
 from .bench.throughput import register as register_bench_throughput  # noqa: E402  (kvlab bench throughput)
 register_bench_throughput(bench_app)
+register_serve(app, bench_app)
 
 
 def main() -> None:  # pragma: no cover

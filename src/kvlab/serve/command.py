@@ -1,0 +1,118 @@
+"""`kvlab serve` and `kvlab bench serve`: the CLI front of the HTTP server and its load generator.
+
+Register both with `register(app, bench_app)`. Nothing here imports FastAPI until a command runs, so
+kvlab works without the `serve` extra; `kvlab serve` without it says which extra to install.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from ..errors import ConfigError, KvlabError
+
+PLAN_CONTEXTS = (512, 2048, 8192)  # the memory plan shows how many sequences of these lengths fit
+
+
+def check_serve_extra() -> None:
+    missing = []
+    for module in ("fastapi", "uvicorn", "prometheus_client"):
+        try:
+            __import__(module)
+        except ImportError:
+            missing.append(module)
+    if missing:
+        raise KvlabError(f"kvlab serve needs the serve extra ({', '.join(missing)} missing): pip install 'kvlab[serve]'")
+
+
+def budget_for(ctx: int, max_seqs: int, block_bytes: int, block_size: int) -> int:
+    """The KV bytes that hold `max_seqs` sequences of `ctx` tokens each, in whole blocks."""
+    return max_seqs * math.ceil(ctx / block_size) * block_bytes
+
+
+def memory_plan_table(capacity, model_name: str, context_length: int, max_batch: int, ctx: int | None = None) -> Table:
+    """What the server allocated, from Engine.capacity: budget, format, blocks, and how many sequences fit."""
+    table = Table(title=f"kvlab serve: KV memory plan for {model_name}")
+    table.add_column("")
+    table.add_column("value", justify="right")
+    table.add_row("cache format", str(capacity.format))
+    table.add_row("KV budget", f"{capacity.budget:,} bytes ({capacity.budget / 2**20:,.1f} MiB)")
+    table.add_row("block", f"{capacity.block_size} tokens × {capacity.block_bytes:,} bytes (all layers, K and V)")
+    table.add_row("blocks", f"{capacity.n_blocks:,} = {capacity.n_blocks * capacity.block_size:,} tokens, "
+                            f"{capacity.n_blocks * capacity.block_bytes / 2**20:,.1f} MiB")
+    lengths = sorted({n for n in (*PLAN_CONTEXTS, ctx or 0, context_length) if 0 < n <= context_length})
+    for n in lengths:
+        fits = capacity.max_concurrent(n)
+        note = f" (decoded together: at most {max_batch})" if fits > max_batch else ""
+        table.add_row(f"sequences of {n:,} tokens", f"{fits:,}{note}")
+    return table
+
+
+def register(app: typer.Typer, bench_app: typer.Typer) -> None:
+    from ..terminal import console, one_line_errors
+
+    @app.command("serve")
+    @one_line_errors
+    def serve(
+        model: Optional[str] = typer.Argument(None, help="GGUF file or Hugging Face folder (default: embedded SmolLM2)."),
+        cache: str = typer.Option("dense", "--cache", help="Block format of the KV pool (dense, and what the engine offers)."),
+        kv_budget: Optional[str] = typer.Option(None, "--kv-budget", help="KV pool size, e.g. 512MiB or 2GiB (default 512MiB)."),
+        ctx: Optional[int] = typer.Option(None, "--ctx", min=1, help="With --max-seqs: size the pool for M sequences of N tokens."),
+        max_seqs: Optional[int] = typer.Option(None, "--max-seqs", min=1, help="With --ctx: sequences of --ctx tokens the pool must hold."),
+        host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (default: this machine only)."),
+        port: int = typer.Option(8000, "--port", min=0, max=65535),
+        api_key: Optional[str] = typer.Option(None, "--api-key", envvar="KVLAB_API_KEY",
+                                              help="Require `Authorization: Bearer KEY` on every route but /health."),
+        max_batch: int = typer.Option(16, "--max-batch", min=1, help="Requests decoded together."),
+        max_waiting: int = typer.Option(64, "--max-waiting", min=0, help="Requests allowed to queue beyond those; more get 429."),
+        block_size: int = typer.Option(16, "--block-size", min=1, help="Tokens per KV block."),
+        default_max_tokens: int = typer.Option(256, "--default-max-tokens", min=1, help="max_tokens of requests that name none."),
+        grace: float = typer.Option(5.0, "--shutdown-grace", min=0.0, help="Seconds running requests may finish on SIGINT/SIGTERM."),
+        dtype: str = typer.Option("fp32", "--dtype", help="fp32 | bf16."),
+    ):
+        """An OpenAI-compatible HTTP server (chat/completions, streaming, /metrics) on the batched engine."""
+        check_serve_extra()
+        if (ctx is None) != (max_seqs is None):
+            raise ConfigError("--ctx and --max-seqs go together (the pool is sized for --max-seqs sequences of --ctx tokens)")
+        if kv_budget is not None and ctx is not None:
+            raise ConfigError("give either --kv-budget or --ctx with --max-seqs, not both")
+        from .http import run_server
+
+        run_server(model=model, cache=cache, kv_budget=kv_budget, ctx=ctx, max_seqs=max_seqs, host=host, port=port,
+                   api_key=api_key, max_batch=max_batch, max_waiting=max_waiting, block_size=block_size,
+                   default_max_tokens=default_max_tokens, grace=grace, dtype=dtype, console=console)
+
+    @bench_app.command("serve")
+    @one_line_errors
+    def bench_serve(
+        url: Optional[str] = typer.Option(None, "--url", help="An OpenAI-compatible server on this machine "
+                                          "(default: start `kvlab serve` on a free port)."),
+        concurrency: str = typer.Option("1,4,16,32", "--concurrency", help="Comma-separated numbers of clients."),
+        requests: int = typer.Option(32, "--requests", min=1, help="Requests per level (at least its concurrency)."),
+        max_tokens: int = typer.Option(64, "--max-tokens", min=1),
+        ignore_eos: bool = typer.Option(True, "--ignore-eos/--stop-at-eos",
+                                        help="Send ignore_eos so every request makes max_tokens tokens."),
+        model: Optional[str] = typer.Option(None, "--model", help="For the server it starts; with --url, the model name to send."),
+        cache: str = typer.Option("dense", "--cache", help="Cache of the server it starts."),
+        kv_budget: str = typer.Option("512MiB", "--kv-budget", help="KV pool of the server it starts."),
+        api_key: Optional[str] = typer.Option(None, "--api-key", envvar="KVLAB_API_KEY"),
+        direct: bool = typer.Option(True, "--direct/--no-direct",
+                                    help="Also run concurrency 1 on the engine directly: the HTTP overhead (own server only)."),
+        out: str = typer.Option("bench/results/serve.json", "--out"),
+        plot: Optional[str] = typer.Option("bench/results/serve.png", "--plot", help="PNG of throughput and latency."),
+        json_out: bool = typer.Option(False, "--json"),
+    ):
+        """Load an OpenAI-compatible server: requests/s, output tokens/s, TTFT/TPOT p50/p99, errors per concurrency."""
+        from ..bench.serve import ServeBenchSettings, run_serve_bench
+
+        try:
+            levels = tuple(int(c) for c in concurrency.split(","))
+        except ValueError:
+            raise ConfigError(f"--concurrency must be comma-separated integers, got {concurrency!r}") from None
+        settings = ServeBenchSettings(url=url, concurrency=levels, requests=requests, max_tokens=max_tokens,
+                                      ignore_eos=ignore_eos, model=model, cache=cache, kv_budget=kv_budget,
+                                      api_key=api_key, direct=direct)
+        run_serve_bench(settings, out, plot, json_out, console)
