@@ -15,6 +15,10 @@ names fail with one line.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -191,12 +195,14 @@ def test_sliding_layers_keep_and_return_what_transformers_does(name):
         assert keys.shape == want_k.shape and values.shape == want_v.shape
         if name == "dense":
             assert torch.equal(keys, want_k) and torch.equal(values, want_v)
-        else:   # the stored tokens, each in its segment
-            assert (keys - want_k).abs().max() < 0.5 * want_k.abs().max()
+        else:   # the same tokens, compressed: each vector near its original (measured max 0.10 int4, 0.27 tq4)
+            error = ((keys - want_k).norm(dim=-1) / want_k.norm(dim=-1)).max().item()
+            assert 0 < error < 0.35
         segments = layer.store.segments
         held = sum(c.layer_length(0) for _, c in segments)
         seen = layer.get_seq_length()
         assert min(seen, window - 1) <= held < window - 1 + window           # the window, in whole segments
+        assert len(segments) <= 2
         geometry = CacheGeometry(1, KV_HEADS, HEAD_DIM, BATCH, capacity=window)
         plain = name.split("+")[0]                                           # the sink lives in the first segment only
         want = sum(expected_nbytes(name if start == 0 else plain, geometry, torch.float32, window) for start, _ in segments)
@@ -214,3 +220,14 @@ def test_bad_names_and_refused_operations_fail_with_one_line():
     cache.update(torch.randn(1, KV_HEADS, 3, HEAD_DIM), torch.randn(1, KV_HEADS, 3, HEAD_DIM), 0)
     with pytest.raises(ConfigError, match="beam search"):
         cache.reorder_cache(torch.tensor([0]))
+
+
+def test_transformers_stays_optional():
+    """kvlab never imports transformers; kvlab.hf without it says how to install it, in one line."""
+    code = ("import sys, kvlab, kvlab.cache, kvlab.errors; assert 'transformers' not in sys.modules; "
+            "sys.modules['transformers'] = None\n"
+            "try:\n    import kvlab.hf\nexcept ImportError as error:\n    print(error)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "kvlab.hf needs transformers (>= 4.56): pip install 'kvlab[hf]'"

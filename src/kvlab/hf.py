@@ -18,8 +18,10 @@ Storage, per kind of layer (transformers' `layer_types`):
                     so no token is ever re-quantized and no capacity guess is needed.
   sliding window    what transformers' DynamicSlidingWindowLayer keeps (the last window-1 tokens, plus the new
                     chunk while it is read), in segments of `window` tokens, each a one-layer kvlab cache; a
-                    segment is dropped once all its tokens have left the window. `+sinkN` lives in the first
-                    segment only (it leaves with the window, as in transformers); `+recentN` is per segment.
+                    segment is dropped once all its tokens have left the window, so at most two segments
+                    (2·window slots) are held between forward passes. `+sinkN` lives in the first segment only
+                    (it leaves with the window, as in transformers); `+recentN` is per segment (the newest N
+                    tokens are always in full precision; a full segment keeps its last N so too).
 Bytes: `nbytes` is the sum of `nbytes` of every kvlab cache held, so it equals kvlab's formula
 (`kvlab.cache.expected_nbytes`) for each one's geometry at its current capacity.
 
