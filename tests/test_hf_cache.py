@@ -135,7 +135,7 @@ def test_left_padded_batch_equals_each_row_alone(arch):
 # -- without a model: feed `update` directly ------------------------------------------------------------
 
 LAYERS, KV_HEADS, HEAD_DIM, BATCH = 3, 2, 32, 2
-CHUNKS = [7, 1, 1, 12, 3, 1, 30, 1]                                          # prefill, decode, chunked prefill
+CHUNKS = [9, 1, 1, 12, 3, 1, 30, 1]                                          # prefill, decode, chunked prefill
 
 
 def llama_config(**overrides):
@@ -208,6 +208,11 @@ def test_sliding_layers_keep_and_return_what_transformers_does(name):
         want = sum(expected_nbytes(name if start == 0 else plain, geometry, torch.float32, window) for start, _ in segments)
         assert layer.store.nbytes == want
     assert layer.get_seq_length() == reference.get_seq_length() == sum(CHUNKS)
+    if name.startswith("tq"):   # later segments code with the key offset measured on the first chunk
+        first = make_cache(name, CacheGeometry(1, KV_HEADS, HEAD_DIM, BATCH, capacity=window))
+        first.append(0, *next(chunks()))
+        assert first.k_offset[0].float().abs().sum() > 0
+        assert all(torch.equal(cache.k_offset[0], first.k_offset[0]) for _, cache in segments)
 
 
 def test_bad_names_and_refused_operations_fail_with_one_line():

@@ -21,13 +21,15 @@ Storage, per kind of layer (transformers' `layer_types`):
                     segment is dropped once all its tokens have left the window, so at most two segments
                     (2·window slots) are held between forward passes. `+sinkN` lives in the first segment only
                     (it leaves with the window, as in transformers); `+recentN` is per segment (the newest N
-                    tokens are always in full precision; a full segment keeps its last N so too).
+                    tokens are always in full precision; a full segment keeps its last N so too). A new
+                    segment takes TurboQuant's offsets and key weights from the one before it.
 Bytes: `nbytes` is the sum of `nbytes` of every kvlab cache held, so it equals kvlab's formula
 (`kvlab.cache.expected_nbytes`) for each one's geometry at its current capacity.
 
 Known differences from kvlab's engine: TurboQuant's query-aware key channel weights are calibrated from the
-keys alone (transformers does not hand the queries to the cache), and each sliding segment calibrates on its
-own first tokens. Beam search, `crop` and row selection are refused (kvlab's formats have no row reorder).
+keys alone (transformers does not hand the queries to the cache). Beam search, `crop` and row selection are refused (kvlab's formats have no row reorder).
+Tested with transformers 5.24; the 4.56-4.x spellings of the layer contract (`get_max_cache_shape`,
+`get_mask_sizes(cache_position)`) are answered too, untested.
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ INITIAL_CAPACITY = 256
 #: Python state of a kvlab cache that is not a buffer: carried over when the cache grows.
 _COUNTERS = ("_lengths", "_n_comp", "_calibrated", "_pending")
 _SLIDING_TYPES = ("sliding_attention", "chunked_attention")
+#: Per-layer state a TurboQuant cache measures on its first tokens (see turboquant.py).
+_CALIBRATION = ("k_offset", "v_offset", "k_weight_codes")
 
 
 @dataclass(frozen=True)
@@ -197,6 +201,8 @@ class WindowStore:
                 first = not self.segments and before + done == 0
                 geometry = _geometry(1, k, v, self.segment)
                 cache = self.fmt.build(geometry, k.dtype, k.device, frozenset({0}) if self.whole_fp else frozenset(), sink=first)
+                if self.segments:
+                    inherit_calibration(self.segments[-1][1], cache)
                 self.segments.append((before + done, cache))
             take = min(n_new - done, self._room())
             self.segments[-1][1].append(0, k[:, :, done:done + take], v[:, :, done:done + take])
@@ -243,6 +249,17 @@ class WindowStore:
         self.segments, self.seen = [], 0
 
 
+def inherit_calibration(old: KVCache, new: KVCache) -> None:
+    """Give a fresh segment the per-layer state its predecessor measured on the first tokens (TurboQuant's
+    key/value offsets and key channel weights): a segment started by one decode token could not measure
+    them, and any stored offset or weight is exact (the same value codes and reads)."""
+    for name in _CALIBRATION:
+        if hasattr(old, name):
+            _copy_buffers(getattr(old, name), getattr(new, name))
+    if hasattr(old, "_calibrated"):
+        new._calibrated = set(old._calibrated)
+
+
 def _geometry(n_layers: int, k: torch.Tensor, v: torch.Tensor, capacity: int) -> CacheGeometry:
     """The geometry of a store, read off the first chunk's K/V: (B, Hkv, T, Dk), (B, Hkv, T, Dv)."""
     return CacheGeometry(n_layers=n_layers, n_kv_heads=k.shape[1], head_dim=k.shape[3], batch=k.shape[0],
@@ -259,7 +276,7 @@ class _KVLabLayer(CacheLayerMixin):
         super().__init__()
         self.length = 0                                        # tokens seen by this layer
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
         self.device = key_states.device
         self.is_initialized = True
 
@@ -279,6 +296,9 @@ class _KVLabLayer(CacheLayerMixin):
 
     def get_max_length(self) -> int:
         return -1
+
+    def get_max_cache_shape(self) -> int:  # the transformers 4.x name
+        return self.get_max_length()
 
     def get_mask_sizes(self, query_length) -> tuple[int, int]:
         """(kv_length, kv_offset) of the K/V the next `update` returns."""
