@@ -27,7 +27,9 @@ Bytes: `nbytes` is the sum of `nbytes` of every kvlab cache held, so it equals k
 (`kvlab.cache.expected_nbytes`) for each one's geometry at its current capacity.
 
 Known differences from kvlab's engine: TurboQuant's query-aware key channel weights are calibrated from the
-keys alone (transformers does not hand the queries to the cache). Beam search, `crop` and row selection are refused (kvlab's formats have no row reorder).
+keys alone (transformers does not hand the queries to the cache), and a compressed layer dequantizes all its
+tokens at every step (as QuantizedCache does) instead of attending on the codes. Beam search, `crop` and row
+selection are refused (kvlab's formats have no row reorder).
 Tested with transformers 5.24; the 4.56-4.x spellings of the layer contract (`get_max_cache_shape`,
 `get_mask_sizes(cache_position)`) are answered too, untested.
 """
