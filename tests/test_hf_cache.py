@@ -225,6 +225,10 @@ def test_bad_names_and_refused_operations_fail_with_one_line():
     cache.update(torch.randn(1, KV_HEADS, 3, HEAD_DIM), torch.randn(1, KV_HEADS, 3, HEAD_DIM), 0)
     with pytest.raises(ConfigError, match="beam search"):
         cache.reorder_cache(torch.tensor([0]))
+    cache.reset()                                                            # forgets everything, holds nothing
+    assert cache.get_seq_length() == 0 and cache.nbytes == 0
+    keys, _ = cache.update(torch.randn(2, KV_HEADS, 5, HEAD_DIM), torch.randn(2, KV_HEADS, 5, HEAD_DIM), 0)
+    assert keys.shape == (2, KV_HEADS, 5, HEAD_DIM)                          # a new batch size after the reset
 
 
 def test_transformers_stays_optional():
