@@ -1,0 +1,438 @@
+"""kvlab's caches inside transformers: a `transformers.Cache` whose layers store K/V in kvlab's formats.
+
+    from kvlab.hf import KVLabCache
+    cache = KVLabCache.from_name("tq4+sink1", model.config)
+    out = model.generate(**inputs, cache=cache, max_new_tokens=64)   # past_key_values=cache before transformers 5
+    print(cache.nbytes)                                              # every buffer the cache holds
+
+transformers' attention reads full-precision K/V, so a layer's `update(key_states, value_states)` stores the
+new tokens in the kvlab format and returns every stored token the way kvlab reads it back: the buffers
+themselves for `dense`/`concat`, the dequantized K/V (`CompressedCache.dequantized`) for int8/int4 and
+TurboQuant, as transformers' own QuantizedCache does. The new tokens are returned as stored too, so a
+chunk attends to its own compressed K/V exactly as in kvlab's engine (whose models read the codes directly).
+
+Storage, per kind of layer (transformers' `layer_types`):
+  full attention    one kvlab cache for all of them (so layer seeds, `+fp-first-last` and the bytes are those
+                    of kvlab's own cache), preallocated like DenseCache and grown geometrically: when a chunk
+                    does not fit, a cache of twice the capacity is built and every buffer is copied into it,
+                    so no token is ever re-quantized and no capacity guess is needed.
+  sliding window    what transformers' DynamicSlidingWindowLayer keeps (the last window-1 tokens, plus the new
+                    chunk while it is read), in segments of `window` tokens, each a one-layer kvlab cache; a
+                    segment is dropped once all its tokens have left the window, so at most two segments
+                    (2·window slots) are held between forward passes. `+sinkN` lives in the first segment only
+                    (it leaves with the window, as in transformers); `+recentN` is per segment (the newest N
+                    tokens are always in full precision; a full segment keeps its last N so too). A new
+                    segment takes TurboQuant's offsets and key weights from the one before it.
+Bytes: `nbytes` is the sum of `nbytes` of every kvlab cache held, so it equals kvlab's formula
+(`kvlab.cache.expected_nbytes`) for each one's geometry at its current capacity.
+
+Known differences from kvlab's engine: TurboQuant's query-aware key channel weights are calibrated from the
+keys alone (transformers does not hand the queries to the cache), and a compressed layer dequantizes all its
+tokens at every step (as QuantizedCache does) instead of attending on the codes. Beam search, `crop` and row
+selection are refused (kvlab's formats have no row reorder).
+Tested with transformers 5.24; the 4.56-4.x spellings of the layer contract (`get_max_cache_shape`,
+`get_mask_sizes(cache_position)`) are answered too, untested.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, replace
+
+import torch
+
+from .cache import CacheGeometry, ConcatCache, DenseCache, KVCache, cache_names
+from .cache.compressed import CompressedCache
+from .cache.names import is_compressed_name, parse as parse_compressed
+from .errors import ConfigError, UnsupportedArchitectureError
+
+try:
+    from transformers.cache_utils import Cache, CacheLayerMixin
+except ImportError as error:  # transformers is an optional extra
+    raise ImportError("kvlab.hf needs transformers (>= 4.56): pip install 'kvlab[hf]'") from error
+
+#: Tokens a full-attention store holds before its first growth (it doubles from there).
+INITIAL_CAPACITY = 256
+#: Python state of a kvlab cache that is not a buffer: carried over when the cache grows.
+_COUNTERS = ("_lengths", "_n_comp", "_calibrated", "_pending")
+_SLIDING_TYPES = ("sliding_attention", "chunked_attention")
+#: Per-layer state a TurboQuant cache measures on its first tokens (see turboquant.py).
+_CALIBRATION = ("k_offset", "v_offset", "k_weight_codes")
+
+
+@dataclass(frozen=True)
+class CacheFormat:
+    """A kvlab cache name, parsed: the class that stores K/V and its config (None for dense / concat)."""
+
+    name: str
+    cls: type
+    config: object | None = None
+
+    @classmethod
+    def parse(cls, name: str) -> "CacheFormat":
+        key = name.strip().lower()
+        if key == "dense":
+            return cls(key, DenseCache)
+        if key == "concat":
+            return cls(key, ConcatCache)
+        if key == "none":
+            raise ConfigError("cache 'none' keeps nothing between forward passes; a transformers cache must (use dense, int8, tq4, ...)")
+        if is_compressed_name(key):
+            cache_cls, config = parse_compressed(key)
+            return cls(key, cache_cls, config)
+        raise ConfigError(f"unknown cache {name!r}; choose one of: {', '.join(n for n in cache_names() if n != 'none')}")
+
+    @property
+    def fixed_tokens(self) -> int:
+        """Tokens a compressed cache keeps in full precision per layer (+sinkN, +recentN): the least capacity."""
+        return self.config.full.sink + self.config.full.recent if self.config is not None else 0
+
+    def full_layers(self, n_layers: int) -> frozenset[int]:
+        """Model layers kept whole in full precision (+fp-first-last, +fp-layers=)."""
+        return self.config.full.layers(n_layers) if self.config is not None else frozenset()
+
+    def build(self, geometry: CacheGeometry, dtype: torch.dtype, device, fp_layers=frozenset(), sink: bool = True) -> KVCache:
+        """The kvlab cache for `geometry`, with `fp_layers` (indices in this cache) whole in full precision."""
+        if self.config is None:
+            return self.cls(geometry, dtype=dtype, device=device)
+        full = replace(self.config.full, first_last=False, layer_list=tuple(sorted(fp_layers)),
+                       sink=self.config.full.sink if sink else 0)
+        return self.cls(geometry, dtype=dtype, device=device, config=replace(self.config, full=full))
+
+
+def stored_kv(cache: KVCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every token `layer` holds, as the cache reads it back: (B, Hkv, S, Dk), (B, Hkv, S, Dv)."""
+    if isinstance(cache, DenseCache):
+        n = cache.layer_length(layer)
+        return cache.k[layer, :, :, :n], cache.v[layer, :, :, :n]     # views, no copy
+    if isinstance(cache, ConcatCache):
+        return cache.k[layer], cache.v[layer]
+    if isinstance(cache, CompressedCache):
+        k, v = cache.dequantized(layer)                               # float32
+        return k.to(cache.dtype), v.to(cache.dtype)
+    raise ConfigError(f"{type(cache).__name__} cannot hand its K/V to transformers")
+
+
+def grown(cache: KVCache, fmt: CacheFormat, fp_layers: frozenset[int], capacity: int) -> KVCache:
+    """A copy of `cache` with room for `capacity` tokens per layer: same tokens, same codes, bigger buffers.
+
+    Every buffer keeps its layout when the capacity grows (tokens and key groups are prefix-aligned along
+    the slot axis; sink and window buffers keep their size once the capacity covers them), so each old
+    buffer is copied into the leading corner of its new counterpart.
+    """
+    bigger = fmt.build(replace(cache.geometry, capacity=capacity), cache.dtype, cache.device, fp_layers)
+    _copy_state(cache, bigger)
+    return bigger
+
+
+def _copy_state(old: KVCache, new: KVCache) -> None:
+    for name, value in vars(old).items():
+        if name in _COUNTERS:
+            setattr(new, name, copy.copy(value))
+        else:
+            _copy_buffers(value, getattr(new, name))
+
+
+def _copy_buffers(old, new) -> None:
+    if isinstance(old, torch.Tensor):
+        if old is new:  # a shared constant
+            return
+        if old.dim() != new.dim() or any(a > b for a, b in zip(old.shape, new.shape)):
+            raise ConfigError(f"cannot grow a buffer of shape {tuple(old.shape)} into {tuple(new.shape)}")
+        new[tuple(slice(0, n) for n in old.shape)].copy_(old)
+    elif isinstance(old, dict):
+        for key, value in old.items():
+            _copy_buffers(value, new[key])
+    elif isinstance(old, list) and all(item is None for item in new):  # ConcatCache's per-layer tensors
+        new[:] = old
+    elif isinstance(old, KVCache):   # the one-layer DenseCaches of full-precision layers
+        _copy_state(old, new)
+
+
+class GrowingStore:
+    """One kvlab cache for the model's full-attention layers, grown geometrically as tokens arrive."""
+
+    def __init__(self, fmt: CacheFormat, model_layers: list[int], fp_model_layers: frozenset[int], initial_capacity: int):
+        self.fmt = fmt
+        self.index = {layer: i for i, layer in enumerate(model_layers)}            # model layer -> cache layer
+        self.fp_layers = frozenset(self.index[l] for l in fp_model_layers if l in self.index)
+        self.initial_capacity = max(initial_capacity, fmt.fixed_tokens + 1)
+        self.cache: KVCache | None = None
+
+    @property
+    def capacity(self) -> int:
+        return self.cache.geometry.capacity if self.cache is not None else 0
+
+    def append(self, model_layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k: (B, Hkv, T, Dk), v: (B, Hkv, T, Dv); returns all of the layer's tokens as stored."""
+        layer = self.index[model_layer]
+        needed = (self.cache.layer_length(layer) if self.cache is not None else 0) + k.shape[2]
+        if self.cache is None:
+            geometry = _geometry(len(self.index), k, v, max(self.initial_capacity, needed))
+            self.cache = self.fmt.build(geometry, k.dtype, k.device, self.fp_layers)
+        elif needed > self.capacity:
+            self.cache = grown(self.cache, self.fmt, self.fp_layers, max(2 * self.capacity, needed))
+        self.cache.append(layer, k, v)
+        return stored_kv(self.cache, layer)
+
+    @property
+    def nbytes(self) -> int:
+        return self.cache.nbytes if self.cache is not None else 0
+
+    def reset(self) -> None:
+        self.cache = None
+
+
+class WindowStore:
+    """One sliding-window layer: the tokens transformers keeps, in one-layer kvlab caches of `segment` tokens."""
+
+    def __init__(self, fmt: CacheFormat, window: int, whole_fp: bool, segment: int | None = None):
+        if window is None or window <= 1:
+            raise ConfigError(f"a sliding-window layer needs a window of at least 2 tokens, got {window}")
+        self.fmt, self.window, self.whole_fp = fmt, window, whole_fp
+        self.segment = max(segment or window, fmt.fixed_tokens + 1)
+        self.segments: list[tuple[int, KVCache]] = []          # (position of its first token, cache)
+        self.seen = 0                                          # tokens ever appended (cumulative length)
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the chunk; return the last window-1 tokens before it plus the chunk, as stored."""
+        before, n_new = self.seen, k.shape[2]
+        done = 0
+        while done < n_new:
+            if not self.segments or self._room() == 0:
+                first = not self.segments and before + done == 0
+                geometry = _geometry(1, k, v, self.segment)
+                cache = self.fmt.build(geometry, k.dtype, k.device, frozenset({0}) if self.whole_fp else frozenset(), sink=first)
+                if self.segments:
+                    inherit_calibration(self.segments[-1][1], cache)
+                self.segments.append((before + done, cache))
+            take = min(n_new - done, self._room())
+            self.segments[-1][1].append(0, k[:, :, done:done + take], v[:, :, done:done + take])
+            done += take
+        self.seen += n_new
+        start = before - min(before, self.window - 1)          # = kv_offset of get_mask_sizes
+        keys, values = self._read(start)
+        self._evict()
+        return keys, values
+
+    def _room(self) -> int:
+        cache = self.segments[-1][1]
+        return cache.geometry.capacity - cache.layer_length(0)
+
+    def _read(self, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens [start, seen) as stored: (B, Hkv, seen-start, D)."""
+        ks, vs = [], []
+        for first, cache in self.segments:
+            end = first + cache.layer_length(0)
+            if end <= start:
+                continue
+            k, v = stored_kv(cache, 0)
+            skip = max(0, start - first)
+            ks.append(k[:, :, skip:])
+            vs.append(v[:, :, skip:])
+        if len(ks) == 1:
+            return ks[0], vs[0]
+        return torch.cat(ks, dim=2), torch.cat(vs, dim=2)      # (B, Hkv, S, D)
+
+    def _evict(self) -> None:
+        """Drop the segments whose every token is older than the last window-1 (none is read again)."""
+        keep_from = self.seen - (self.window - 1)
+        while self.segments:
+            first, cache = self.segments[0]
+            if first + cache.layer_length(0) > keep_from:
+                break
+            self.segments.pop(0)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(cache.nbytes for _, cache in self.segments)
+
+    def reset(self) -> None:
+        self.segments, self.seen = [], 0
+
+
+def inherit_calibration(old: KVCache, new: KVCache) -> None:
+    """Give a fresh segment the per-layer state its predecessor measured on the first tokens (TurboQuant's
+    key/value offsets and key channel weights): a segment started by one decode token could not measure
+    them, and any stored offset or weight is exact (the same value codes and reads)."""
+    for name in _CALIBRATION:
+        if hasattr(old, name):
+            _copy_buffers(getattr(old, name), getattr(new, name))
+    if hasattr(old, "_calibrated"):
+        new._calibrated = set(old._calibrated)
+
+
+def _geometry(n_layers: int, k: torch.Tensor, v: torch.Tensor, capacity: int) -> CacheGeometry:
+    """The geometry of a store, read off the first chunk's K/V: (B, Hkv, T, Dk), (B, Hkv, T, Dv)."""
+    return CacheGeometry(n_layers=n_layers, n_kv_heads=k.shape[1], head_dim=k.shape[3], batch=k.shape[0],
+                         capacity=capacity, head_dim_v=v.shape[3])
+
+
+class _KVLabLayer(CacheLayerMixin):
+    """transformers' per-layer contract; subclasses say where the tokens go."""
+
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self):
+        super().__init__()
+        self.length = 0                                        # tokens seen by this layer
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
+        self.device = key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """key_states: (B, Hkv, T, Dk), value_states: (B, Hkv, T, Dv) -> the K/V attention reads, (B, Hkv, S, D)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        keys, values = self._store(key_states, value_states)
+        self.length += key_states.shape[2]
+        return keys.to(key_states.dtype), values.to(value_states.dtype)
+
+    def _store(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def get_max_cache_shape(self) -> int:  # the transformers 4.x name
+        return self.get_max_length()
+
+    def get_mask_sizes(self, query_length) -> tuple[int, int]:
+        """(kv_length, kv_offset) of the K/V the next `update` returns."""
+        if isinstance(query_length, torch.Tensor):  # transformers 4.x passes the cache positions
+            query_length = query_length.shape[0]
+        return self.length + query_length, 0
+
+    def reset(self) -> None:
+        self.length = 0
+        self.is_initialized = False
+
+    def _refuse(self, what: str) -> None:
+        if self.length:
+            raise ConfigError(f"kvlab caches cannot {what} (kvlab's formats keep no per-row index); use greedy or sampled generation")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._refuse("reorder rows for beam search")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._refuse("repeat rows")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._refuse("select rows")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove:
+            self._refuse("drop tokens (crop)")
+
+
+class FullLayer(_KVLabLayer):
+    """A full-attention layer: its tokens live in the cache's GrowingStore."""
+
+    is_sliding = False
+
+    def __init__(self, store: GrowingStore, model_layer: int):
+        super().__init__()
+        self.store, self.model_layer = store, model_layer
+
+    def _store(self, k, v):
+        return self.store.append(self.model_layer, k, v)
+
+
+class SlidingLayer(_KVLabLayer):
+    """A sliding-window layer: the last window-1 tokens, as transformers' DynamicSlidingWindowLayer keeps."""
+
+    is_sliding = True
+
+    def __init__(self, store: WindowStore):
+        super().__init__()
+        self.store = store
+        self.sliding_window = store.window
+
+    def _store(self, k, v):
+        return self.store.append(k, v)
+
+    def get_mask_sizes(self, query_length) -> tuple[int, int]:
+        if isinstance(query_length, torch.Tensor):
+            query_length = query_length.shape[0]
+        kept = min(self.length, self.sliding_window - 1)
+        return kept + query_length, self.length - kept
+
+    def get_max_length(self) -> int:
+        return self.sliding_window
+
+    def reset(self) -> None:
+        super().reset()
+        self.store.reset()
+
+
+class KVLabCache(Cache):
+    """A transformers Cache storing K/V in the kvlab cache called `name` (dense, int8, int4, tq4, tq4+sink1, ...).
+
+    `config` is the model's config (`model.config`): it tells the layers and which of them use a sliding
+    window. Batch, KV heads, head dims, dtype and device are read off the first `update`.
+    """
+
+    def __init__(self, name: str, config, initial_capacity: int = INITIAL_CAPACITY):
+        self.format = CacheFormat.parse(name)
+        layer_types, windows = _layer_types(config)
+        fp_model_layers = self.format.full_layers(len(layer_types))
+        full = [i for i, kind in enumerate(layer_types) if kind == "full_attention"]
+        self.store = GrowingStore(self.format, full, fp_model_layers, initial_capacity)
+        layers: list[_KVLabLayer] = []
+        for i, kind in enumerate(layer_types):
+            if kind == "full_attention":
+                layers.append(FullLayer(self.store, i))
+            elif kind in _SLIDING_TYPES:
+                layers.append(SlidingLayer(WindowStore(self.format, windows[i], i in fp_model_layers)))
+            else:
+                raise UnsupportedArchitectureError(
+                    f"kvlab caches hold full and sliding-window attention layers; layer {i} is {kind!r}")
+        super().__init__(layers=layers)
+
+    @classmethod
+    def from_name(cls, name: str, config, initial_capacity: int = INITIAL_CAPACITY) -> "KVLabCache":
+        return cls(name, config, initial_capacity)
+
+    @property
+    def name(self) -> str:
+        return self.format.name
+
+    @property
+    def capacity(self) -> int:
+        """Tokens per sequence the full-attention layers hold before they grow again (0 before any token)."""
+        return self.store.capacity
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every buffer held: codes, scales, norms, full-precision tokens, fixed state."""
+        sliding = sum(layer.store.nbytes for layer in self.layers if isinstance(layer, SlidingLayer))
+        return self.store.nbytes + sliding
+
+    def reset(self) -> None:
+        super().reset()
+        self.store.reset()
+
+    def __repr__(self) -> str:
+        return f"KVLabCache({self.name!r}, layers={len(self.layers)}, capacity={self.capacity}, nbytes={self.nbytes})"
+
+
+def _layer_types(config) -> tuple[list[str], list[int | None]]:
+    """The decoder's layer types (transformers' names) and each layer's sliding window (None: full)."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    try:
+        from transformers.cache_utils import get_layer_types_and_kwargs
+    except ImportError:  # transformers 4.x: the config lists the layer types, or every layer is full
+        n = text.num_hidden_layers
+        kinds = list(getattr(text, "layer_types", None) or ["full_attention"] * n)[:n]
+        window = getattr(text, "sliding_window", None)
+        return kinds, [window if kind in _SLIDING_TYPES else None for kind in kinds]
+    kinds, kwargs = get_layer_types_and_kwargs(text)
+    return list(kinds), [kw.get("sliding_window") for kw in kwargs]
+
+
+__all__ = ["KVLabCache", "CacheFormat", "GrowingStore", "WindowStore", "grown", "stored_kv"]
