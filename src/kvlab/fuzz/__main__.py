@@ -71,6 +71,7 @@ def main(argv=None) -> int:
         console.print(table)
     meta = {"seed": args.seed, "asan": args.asan, "kernel": facts}
     if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
         write_json(results, args.json, meta)
         console.print(f"wrote {args.json}")
     if args.save_corpus:

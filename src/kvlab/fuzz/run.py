@@ -73,15 +73,20 @@ class CaseResult:
 
 # -- the worker's environment ----------------------------------------------------------------------------------
 
-def asan_runtime() -> Path:
-    """The compiler's libasan (what LD_PRELOAD must name); FuzzSetupError when there is none."""
+def asan_preload() -> str:
+    """LD_PRELOAD for an instrumented kernel in CPython: the compiler's libasan, which must come first, and
+    libstdc++, without which ASan's __cxa_throw interceptor aborts on torch's first C++ exception.
+    FuzzSetupError when the compiler has no libasan."""
     compiler = shutil.which(os.environ.get("CC") or "cc")
     if compiler is None:
         raise FuzzSetupError("no C compiler: the AddressSanitizer kernel cannot be built")
-    found = subprocess.run([compiler, "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
-    if not found or not os.path.isabs(found) or not os.path.exists(found):
-        raise FuzzSetupError(f"{compiler} has no libasan.so (-print-file-name gave {found!r})")
-    return Path(os.path.realpath(found))
+    libs = []
+    for name in ("libasan.so", "libstdc++.so"):
+        found = subprocess.run([compiler, f"-print-file-name={name}"], capture_output=True, text=True).stdout.strip()
+        if not found or not os.path.isabs(found) or not os.path.exists(found):
+            raise FuzzSetupError(f"{compiler} has no {name} (-print-file-name gave {found!r})")
+        libs.append(os.path.realpath(found))
+    return ":".join(libs)
 
 
 def worker_env(cfg: FuzzConfig) -> dict[str, str]:
@@ -103,7 +108,7 @@ def worker_env(cfg: FuzzConfig) -> dict[str, str]:
     env["KVLAB_CACHE_DIR"] = str(cache)
     if cfg.asan:
         env["KVLAB_KERNEL_SANITIZE"] = "address"
-        env["LD_PRELOAD"] = str(asan_runtime())
+        env["LD_PRELOAD"] = asan_preload()
         # leaks: CPython never frees everything; abort: faulthandler then prints the Python stack;
         # a failed huge allocation returns NULL like plain malloc (torch raises, the runner says "memory")
         env["ASAN_OPTIONS"] = "detect_leaks=0:abort_on_error=1:allocator_may_return_null=1:quarantine_size_mb=64"
