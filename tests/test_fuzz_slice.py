@@ -21,8 +21,8 @@ from kvlab.fuzz.worker import classify_exit
 CORPUS = Path(__file__).parent / "fuzz_corpus"
 SEED = 0
 # the descriptors run again under ASan: the heap corruptions of issue 10 on SmolLM2 and their tiny twins
-ASAN_CASES = ("heap-smollm2-q-1152-rows", "heap-smollm2-head-count-12", "heap-q-rows-doubled", "heap-ffn-down-swapped",
-              "heap-attn-output-cols-doubled", "heap-key-length-32")
+ASAN_CASES = ("heap-smollm2-q-1152-rows", "heap-q-rows-doubled", "heap-ffn-down-swapped", "heap-attn-output-cols-doubled",
+              "heap-head-count-8", "heap-ff-length-96", "heap-key-length-8")
 
 
 @pytest.fixture(scope="module")

@@ -235,7 +235,7 @@ def death_record(returncode: int, killed: str | None, stderr: str) -> dict:
         summary = next((line for line in stderr.splitlines() if line.startswith("SUMMARY: AddressSanitizer")), "")
         frames = _C_FRAME.findall(stderr.split("ERROR: AddressSanitizer", 1)[1])
         kind = "memory" if any(m in stderr for m in _ASAN_MEMORY) else "asan"
-        record.update(kind=kind, message=summary[:300], where=" <- ".join(f"{fn} {loc.rsplit('/', 1)[-1]}" for fn, loc in frames[:3]))
+        record.update(kind=kind, message=summary[:300], where=" <- ".join(f"{fn} {loc.strip('()').rsplit('/', 1)[-1]}" for fn, loc in frames[:3]))
     elif killed == "hang":
         record.update(kind="hang", message="step ran past the time limit (the stack is where it was)")
     elif killed == "memory":

@@ -13,6 +13,7 @@ import numpy as np
 from .formats import HFFolder, SafetensorsFile
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+MERGES = ("h i",)  # "hi" is one token, as in SmolLM2: `generate hi` goes straight to the fused C decode step
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "<|im_start|>assistant\n")
 
@@ -32,10 +33,10 @@ class TinyLlama:
 
 
 def byte_vocab() -> list[str]:
-    """The 256 byte-level BPE symbols, then the special tokens (no merges: every byte is a token)."""
+    """The 256 byte-level BPE symbols, the merged tokens, then the special tokens."""
     from tokenizers import pre_tokenizers
 
-    return sorted(pre_tokenizers.ByteLevel.alphabet()) + list(SPECIALS)
+    return sorted(pre_tokenizers.ByteLevel.alphabet()) + [m.replace(" ", "") for m in MERGES] + list(SPECIALS)
 
 
 def tiny_matrices(cfg: TinyLlama, vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -100,7 +101,7 @@ def write_tiny_gguf(path: Path, cfg: TinyLlama = TinyLlama()) -> Path:
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
     writer.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
-    writer.add_token_merges([])
+    writer.add_token_merges(list(MERGES))
     writer.add_bos_token_id(tokens.index("<|im_start|>"))
     writer.add_eos_token_id(tokens.index("<|im_end|>"))
     writer.add_chat_template(CHAT_TEMPLATE)
@@ -121,7 +122,8 @@ def tiny_hf_folder(cfg: TinyLlama = TinyLlama()) -> HFFolder:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     tokens = byte_vocab()
-    backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[], fuse_unk=False))
+    merges = [tuple(m.split(" ")) for m in MERGES]
+    backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens(list(SPECIALS))
