@@ -167,9 +167,14 @@ def run_jobs(jobs: list[dict], cfg: FuzzConfig, folder: Path) -> tuple[list[dict
         if dying is None and proc.returncode == 0:
             break
         stderr = stderr_file.read_text(errors="replace")
-        if dying is None:  # died before its first job: nothing will get further
-            raise FuzzSetupError(f"fuzz worker failed to start (exit {proc.returncode}): {_tail(stderr)}")
+        late = dying is None
+        if late:  # died between jobs (a corrupted heap fails at the next free): blame the last job it ran
+            if not ended:
+                raise FuzzSetupError(f"fuzz worker failed to start (exit {proc.returncode}): {_tail(stderr)}")
+            dying = max(ended)
         outcomes[dying] = death_record(proc.returncode, killed, _job_stderr(stderr, dying))
+        if late:
+            outcomes[dying]["message"] += " (after the step had ended)"
         start = dying + 1
     return [o or {"kind": "ok"} for o in outcomes], workers
 
