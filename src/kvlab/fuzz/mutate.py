@@ -18,7 +18,7 @@ import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .formats import SCALARS, GGUFLayout, HFFolder, TensorInfo, encode_value, nested_array
+from .formats import GGUFLayout, HFFolder, TensorInfo, encode_value, nested_array
 
 GGUF_TARGETS = ("tiny-gguf", "smollm2")
 TARGETS = (*GGUF_TARGETS, "tiny-hf")
@@ -126,9 +126,12 @@ def gguf_kv_value(rng, layout):
         return f"{key} = {value} (f32)", [{"op": "set_kv", "key": key, "type": "f32", "value": value}]
     key = rng.choice(_hyper_keys(layout))
     usual = layout.type_name(key) or "u32"
+    current = layout.value(key)
     if key.startswith("tokenizer.ggml.") and rng.random() < 0.6:  # ids just past / far beyond the vocab
         vocab = layout.array_length("tokenizer.ggml.tokens") or 0
         value = rng.choice([vocab, vocab + 1, 2**31 - 1, -1])
+    elif isinstance(current, int) and current > 0 and rng.random() < 0.5:  # plausible, but not what the tensors say
+        value = rng.choice([current * 2, current // 2, current + 1, current - 1, current + 32, current * 3 // 4])
     else:
         value = rng.choice(INTS)
     kind = _int_type(value, usual)
@@ -558,4 +561,4 @@ def _parent(doc, path: list):
     return doc
 
 
-__all__ = ["Case", "Seeds", "make_case", "materialize", "kinds", "TARGETS", "GGUF_TARGETS", "SCALARS"]
+__all__ = ["Case", "Seeds", "make_case", "materialize", "kinds", "TARGETS", "GGUF_TARGETS"]
