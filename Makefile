@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench fuzz clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -26,6 +26,13 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/kvlab bench decode
+
+# mutated GGUF files and HF folders through info/plan/generate/API, kernels built with AddressSanitizer;
+# a descriptor per distinct failure lands in $(FUZZ_OUT)/corpus (copy the ones worth keeping to tests/fuzz_corpus)
+FUZZ_OUT ?= fuzz-out
+FUZZ_ARGS ?= --cases 300 --smollm2 14 --seed 0 --asan
+fuzz: $(STAMP)
+	$(BIN)/python -m kvlab.fuzz $(FUZZ_ARGS) --json $(FUZZ_OUT)/report.json --save-corpus $(FUZZ_OUT)/corpus
 
 clean:
 	rm -rf $(VENV)

@@ -37,6 +37,9 @@ HERE = Path(__file__).parent
 SOURCES = tuple(HERE / f for f in ("blockgemv.c", "blockgemm.c", "decode.c", "intcache.c", "codebook4.c", "paged.c"))  # one library
 HEADERS = (HERE / "blockgemv.h",)
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp")
+SANITIZE = os.environ.get("KVLAB_KERNEL_SANITIZE")  # e.g. "address": an instrumented build for kvlab.fuzz
+if SANITIZE:
+    FLAGS += (f"-fsanitize={SANITIZE}", "-fno-omit-frame-pointer", "-g")
 LIBS = ("-lm",)
 
 # GGML type ids the kernel reads, and each block's (weights, bytes)
