@@ -23,8 +23,8 @@ from typing import Any
 
 from ..errors import ConfigError, KvlabError, ModelFileError, OfflineError
 from ..spec import ModelSpec
-from .params import count_params
 from .layers import LayerFacts, build_layers, interval_kinds, pattern_kinds, per_layer, ssm_state_elements
+from .params import count_params
 
 #: bytes per element of safetensors dtypes
 SAFETENSORS_DTYPE_BYTES = {
