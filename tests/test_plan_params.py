@@ -126,3 +126,13 @@ def test_an_unknown_architecture_still_says_so_in_one_line(tmp_path):
     result = CliRunner().invoke(app, ["plan", str(tmp_path / "config.json")])
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert "parameter count unknown for architecture 'brand_new'" in result.output
+
+
+@pytest.mark.parametrize("key, value", [("moe_intermediate_size", "big"), ("n_shared_experts", -1),
+                                        ("first_k_dense_replace", float("nan")), ("q_lora_rank", [1])])
+def test_a_malformed_count_key_is_one_line_naming_it(key, value, tmp_path):
+    config = dict(catalog()["deepseek-v3"].config, **{key: value})
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    result = CliRunner().invoke(app, ["plan", str(tmp_path / "config.json")])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert key in result.output and len(result.output.strip().splitlines()) == 1

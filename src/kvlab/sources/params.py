@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..errors import ConfigError
 from ..spec import LayerSpec
 
 #: transformers' defaults for the keys below, where they differ from "absent = off / 0"
@@ -48,7 +49,15 @@ def _get(cfg: dict[str, Any], key: str, default: Any = None) -> Any:
 
 
 def _int(cfg: dict[str, Any], key: str, default: int = 0) -> int:
-    return int(_get(cfg, key, default) or 0)
+    """A non-negative whole number from the config; anything else is a one-line error naming the key."""
+    value = _get(cfg, key, default)
+    if value is None:
+        return 0
+    if isinstance(value, float) and value.is_integer():  # 4096.0 is a whole number; NaN and inf are not
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"config.json: {key} must be a non-negative whole number, got {value!r}")
+    return value
 
 
 def count_params(cfg: dict[str, Any], layers: list[LayerSpec]) -> int:
@@ -61,7 +70,7 @@ def count_params(cfg: dict[str, Any], layers: list[LayerSpec]) -> int:
     hidden, vocab = _int(cfg, "hidden_size"), _int(cfg, "vocab_size")
     if not hidden or not vocab or not layers:
         return 0
-    tied = _get(cfg, "tie_word_embeddings", model_type in _TIED_BY_DEFAULT)
+    tied = bool(_get(cfg, "tie_word_embeddings", model_type in _TIED_BY_DEFAULT))
     total = vocab * hidden * (1 if tied else 2) + hidden  # embeddings (+ lm_head) + the final norm
     for i, layer in enumerate(layers):
         norms = 4 if model_type in _SANDWICH_NORMS else 2
@@ -102,12 +111,12 @@ def _latent_attention(cfg: dict[str, Any], layer: LayerSpec, hidden: int) -> int
 
 def _gated_deltanet(cfg: dict[str, Any], hidden: int) -> int | None:
     """Qwen3-Next / Qwen3.5 linear attention: q, k, v, z, b, a projections, a causal conv, decay, norm, out."""
-    if not cfg.get("linear_num_value_heads"):
+    n_v = _int(cfg, "linear_num_value_heads")
+    if not n_v:
         return None  # Mamba-2 and other recurrent layers inside a transformer: not counted
-    n_v = int(cfg["linear_num_value_heads"])
-    n_k = int(cfg.get("linear_num_key_heads") or n_v)
-    d_k, d_v = int(cfg.get("linear_key_head_dim") or 128), int(cfg.get("linear_value_head_dim") or 128)
-    kernel = int(cfg.get("linear_conv_kernel_dim") or 4)
+    n_k = _int(cfg, "linear_num_key_heads") or n_v
+    d_k, d_v = _int(cfg, "linear_key_head_dim") or 128, _int(cfg, "linear_value_head_dim") or 128
+    kernel = _int(cfg, "linear_conv_kernel_dim") or 4
     key_dim, value_dim = n_k * d_k, n_v * d_v
     projections = hidden * (2 * key_dim + 2 * value_dim + 2 * n_v)   # qkv + z + b + a
     conv = (2 * key_dim + value_dim) * kernel
@@ -126,7 +135,10 @@ def _is_moe_layer(cfg: dict[str, Any], index: int) -> bool:
         return index >= _int(cfg, "first_k_dense_replace") and index % (_int(cfg, "moe_layer_freq", 1) or 1) == 0
     if model_type in ("qwen2_moe", "qwen3_moe", "qwen3_next"):
         step = _int(cfg, "decoder_sparse_step", 1) or 1
-        return index not in (cfg.get("mlp_only_layers") or []) and (index + 1) % step == 0
+        dense_layers = cfg.get("mlp_only_layers") or []
+        if not isinstance(dense_layers, list):
+            raise ConfigError(f"config.json: mlp_only_layers must be a list of layer indices, got {dense_layers!r}")
+        return index not in dense_layers and (index + 1) % step == 0
     return True                                          # mixtral, gpt-oss: every layer
 
 
@@ -159,8 +171,7 @@ def _mamba(cfg: dict[str, Any]) -> int:
     inner = _int(cfg, "intermediate_size") or 2 * hidden
     state = _int(cfg, "state_size", 16)
     kernel = _int(cfg, "conv_kernel", 4)
-    rank = cfg.get("time_step_rank", "auto")
-    rank = -(-hidden // 16) if rank in (None, "auto") else int(rank)
+    rank = -(-hidden // 16) if cfg.get("time_step_rank") in (None, "auto") else _int(cfg, "time_step_rank")
     bias = 2 * inner + hidden if cfg.get("use_bias", False) else 0   # in_proj and out_proj biases
     conv_bias = inner if cfg.get("use_conv_bias", True) else 0
     layer = (hidden * 2 * inner + inner * kernel + conv_bias + inner * (rank + 2 * state) + rank * inner + inner
