@@ -35,6 +35,7 @@
 #define TILE 8                     /* rows of W per micro-kernel call */
 #define SLAB_BYTES (512 * 1024)    /* fp32 bytes of dequantized W a thread holds at once */
 #define FEW_ROWS 8                 /* fewer rows of X than this: the GEMV's row dots (a 32-row panel would be mostly padding) */
+#define MAX_K ((int64_t)1 << 26)   /* the gathers' int32 offsets (up to 15 K) must not overflow */
 #define KC 128                     /* k per micro-kernel call: 32 x 128 floats of X stay in L1 */
 
 /* 64-byte aligned buffer of n floats (rounded up, as aligned_alloc requires), or NULL */
@@ -158,7 +159,7 @@ static int few_rows(int type, const uint8_t *blocks, int64_t N, int64_t K, const
 int kvlab_block_gemm(int type, const uint8_t *blocks, int64_t N, int64_t K, const float *x, int64_t M, float *y,
                      int n_threads) {
     const int stride = kvlab_block_bytes(type);
-    if (stride == 0 || K % QK != 0 || K <= 0 || N < 0 || M < 0) return -1;
+    if (stride == 0 || K % QK != 0 || K <= 0 || K > MAX_K || N < 0 || M < 0) return -1;
     if (N == 0 || M == 0) return 0;
     if (M < FEW_ROWS) return few_rows(type, blocks, N, K, x, M, y, n_threads);
     const int64_t row_bytes = K / QK * stride;
