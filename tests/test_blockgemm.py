@@ -22,7 +22,7 @@ from kvlab.errors import ConfigError
 from kvlab.model.blockquant import BlockMatrix, BlockQuantLinear
 from .test_blockquant import TYPES, random_blocks, reference
 
-ROWS = [1, 2, 7, 33, 256]                   # rows of X: one, a small batch, odd, a panel plus one, many panels
+ROWS = [1, 2, 7, 33, 256]  # rows of X: < 8 take the GEMV's row dots; then odd, a panel plus one, many panels
 SHAPES = [(1, 32), (33, 96), (77, 576), (9, 1536)]  # (N odd: weight rows, K: columns, multiple of 32)
 
 
@@ -55,10 +55,21 @@ def test_gemm_equals_dequantized_product(kernel, block_type, m, n, k):
 
 
 @pytest.mark.parametrize("block_type", TYPES)
-def test_gemm_is_bit_identical_for_any_thread_count(kernel, block_type):
-    """Each output is one sum in k order whichever thread computes its tile: 1, 2 and 3 threads agree bit for bit."""
+def test_few_rows_equal_the_gemv_bit_for_bit(kernel, block_type):
+    """A decode step for a few sequences: each row's output is exactly what it gets alone (the GEMV)."""
+    data, _ = random_blocks(block_type, 77, 576, seed=8)
+    x = torch.randn(7, 576)
+    y = kernel.gemm(block_type, data, x)
+    for i in range(7):
+        assert torch.equal(y[i], kernel.gemv(block_type, data, x[i].contiguous()))
+
+
+@pytest.mark.parametrize("block_type", TYPES)
+@pytest.mark.parametrize("m", [3, 97])
+def test_gemm_is_bit_identical_for_any_thread_count(kernel, block_type, m):
+    """Each output is the same sum whichever thread computes its tile: 1, 2 and 3 threads agree bit for bit."""
     data, _ = random_blocks(block_type, 203, 576, seed=5)    # 26 tiles of 8 rows: uneven splits
-    x = torch.randn(97, 576)
+    x = torch.randn(m, 576)
     previous = torch.get_num_threads()
     try:
         outputs = []

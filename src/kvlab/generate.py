@@ -14,6 +14,9 @@ from .limits import check_float, check_seed
 
 
 GREEDY_BELOW = 1e-5  # temperatures this small would overflow the logits; they mean greedy
+# a long prompt is prefilled in chunks of this many tokens unless told otherwise: the activations (and the
+# attention's (T, S) mask) of one chunk, not of the whole prompt, are alive at once; the result is the same
+PREFILL_CHUNK = 512
 
 
 @dataclass(frozen=True)
@@ -108,13 +111,15 @@ def sample_next(logits: torch.Tensor, sampling: SamplingConfig, generator: torch
 
 @torch.inference_mode()
 def prefill(model, tokens: torch.Tensor, cache: KVCache, chunk_size: int | None = None, last_only: bool = True) -> torch.Tensor:
-    """Run the prompt (B, T) through the model into `cache`; chunks of `chunk_size` give the same result."""
+    """Run the prompt (B, T) through the model into `cache`; chunks of `chunk_size` (default PREFILL_CHUNK) give
+    the same result as one pass."""
     T = tokens.shape[1]
     if chunk_size is not None and chunk_size < 1:
         raise ConfigError(f"prefill chunk size must be at least 1 token, got {chunk_size}")
-    if not cache.persistent:
-        chunk_size = None  # without a cache a chunk could not see the chunks before it: one pass
-    step = chunk_size or T
+    if cache.persistent:
+        step = chunk_size or min(T, PREFILL_CHUNK)
+    else:
+        step = T  # without a cache a chunk could not see the chunks before it: one pass
     logits = None
     for start in range(0, T, step):
         logits = model(tokens[:, start:start + step], cache, last_only=last_only)

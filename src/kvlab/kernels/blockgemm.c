@@ -13,6 +13,9 @@
  * of each KC slice of k, the slices added in order. Results do not depend on the thread count, and differ
  * from dequantize-then-matmul only by the fp32 summation order.
  *
+ * Fewer than FEW_ROWS rows (a decode step for a few sequences) take the GEMV's row dots instead, reading each
+ * W row once for all of them: each output then equals kvlab_block_gemv's for that row, bit for bit.
+ *
  * OpenMP: thread t takes a contiguous range of 8-row W tiles, dequantizes them a slab at a time, and for
  * each slab walks all X panels (each panel reused across the slab's tiles while it sits in L1/L2).
  */
@@ -31,6 +34,8 @@
 #define PANEL 32                   /* rows of X per packed panel */
 #define TILE 8                     /* rows of W per micro-kernel call */
 #define SLAB_BYTES (512 * 1024)    /* fp32 bytes of dequantized W a thread holds at once */
+#define FEW_ROWS 8                 /* fewer rows of X than this: the GEMV's row dots (a 32-row panel would be mostly padding) */
+#define MAX_K ((int64_t)1 << 26)   /* the gathers' int32 offsets (up to 15 K) must not overflow */
 #define KC 128                     /* k per micro-kernel call: 32 x 128 floats of X stay in L1 */
 
 /* 64-byte aligned buffer of n floats (rounded up, as aligned_alloc requires), or NULL */
@@ -41,11 +46,25 @@ static float *alloc_floats(int64_t n) {
 
 /* xp[k * 32 + l] = x[(row0 + l) * K + k] for l < rows (<= 32), 0 for the padding rows */
 static void pack_panel(const float *x, int64_t K, int64_t row0, int rows, float *xp) {
-    if (rows < PANEL) memset(xp, 0, (size_t)K * PANEL * sizeof(float));
-    for (int l = 0; l < rows; l++) {
-        const float *src = x + (row0 + l) * K;
-        for (int64_t k = 0; k < K; k++) xp[k * PANEL + l] = src[k];
+#if defined(__AVX512F__)
+    /* two 16-row gathers per k (masked past `rows`): sequential writes, 32 read streams */
+    const __m512i at = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                          _mm512_set1_epi32((int)K));
+    const __mmask16 live0 = (__mmask16)(rows >= 16 ? 0xffffu : (1u << rows) - 1u);
+    const __mmask16 live1 = (__mmask16)(rows <= 16 ? 0u : rows >= 32 ? 0xffffu : (1u << (rows - 16)) - 1u);
+    const float *base = x + row0 * K;
+    for (int64_t k = 0; k < K; k++) {
+        _mm512_store_ps(xp + k * PANEL, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live0, at, base + k, 4));
+        _mm512_store_ps(xp + k * PANEL + 16, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live1, at, base + 16 * K + k, 4));
     }
+#else
+    const float *src[PANEL];
+    for (int l = 0; l < PANEL; l++) src[l] = x + (row0 + (l < rows ? l : 0)) * K;
+    for (int64_t k = 0; k < K; k++) {          /* sequential writes; 32 read streams, each line read 16 times */
+        float *dst = xp + k * PANEL;
+        for (int l = 0; l < PANEL; l++) dst[l] = l < rows ? src[l][k] : 0.0f;
+    }
+#endif
 }
 
 /* One tile of W: rows [r0, r0 + rows) dequantized exactly (rows <= 8) into `rowwise` (8, K), then stored
@@ -54,8 +73,13 @@ static void pack_tile(int type, const uint8_t *blocks, int64_t row_bytes, int64_
                       float *rowwise, float *wp) {
     kvlab_block_dequantize(type, blocks + r0 * row_bytes, rows, K, rowwise, 1);
     if (rows < TILE) memset(rowwise + rows * K, 0, (size_t)(TILE - rows) * K * sizeof(float));
+#if defined(__AVX2__)
+    const __m256i at = _mm256_mullo_epi32(_mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0), _mm256_set1_epi32((int)K));
+    for (int64_t k = 0; k < K; k++) _mm256_store_ps(wp + k * TILE, _mm256_i32gather_ps(rowwise + k, at, 4));
+#else
     for (int64_t k = 0; k < K; k++)
         for (int j = 0; j < TILE; j++) wp[k * TILE + j] = rowwise[j * K + k];
+#endif
 }
 
 /* acc[j][l] += (sum_k w[k * 8 + j] * xp[k * 32 + l] over k < kc, in order) for j < 8, l < 32: one packed W tile
@@ -114,13 +138,30 @@ static void micro_kernel(const float *w, const float *xp, int64_t kc, float *acc
 }
 #endif
 
+/* Fewer than FEW_ROWS rows: the GEMV's row dot (blockgemv.c) for each row of X against each row of W, the W row
+ * still in L1 for the next X row, so W is read once; each output equals kvlab_block_gemv's bit for bit. */
+static int few_rows(int type, const uint8_t *blocks, int64_t N, int64_t K, const float *x, int64_t M, float *y,
+                    int n_threads) {
+    const int64_t nblocks = K / QK, row_bytes = nblocks * kvlab_block_bytes(type);
+    float *xsum = alloc_floats(M * nblocks);
+    if (xsum == NULL) return -2;
+    for (int64_t i = 0; i < M; i++) kvlab_block_sums(x + i * K, K, xsum + i * nblocks);
+    #pragma omp parallel for schedule(static) num_threads(n_threads) if(N * K >= 32768)
+    for (int64_t r = 0; r < N; r++)
+        for (int64_t i = 0; i < M; i++)
+            y[i * N + r] = kvlab_block_row_dot(type, blocks + r * row_bytes, x + i * K, xsum + i * nblocks, nblocks);
+    free(xsum);
+    return 0;
+}
+
 /* Y (M, N) = X (M, K) @ W^T with W (N, K) as blocks of `type`. X and Y contiguous fp32. Returns 0, -1 for a
  * bad type or shape, -2 when scratch memory could not be had. */
 int kvlab_block_gemm(int type, const uint8_t *blocks, int64_t N, int64_t K, const float *x, int64_t M, float *y,
                      int n_threads) {
     const int stride = kvlab_block_bytes(type);
-    if (stride == 0 || K % QK != 0 || K <= 0 || N < 0 || M < 0) return -1;
+    if (stride == 0 || K % QK != 0 || K <= 0 || K > MAX_K || N < 0 || M < 0) return -1;
     if (N == 0 || M == 0) return 0;
+    if (M < FEW_ROWS) return few_rows(type, blocks, N, K, x, M, y, n_threads);
     const int64_t row_bytes = K / QK * stride;
     const int64_t n_panels = (M + PANEL - 1) / PANEL, n_tiles = (N + TILE - 1) / TILE;
     int64_t slab_tiles = SLAB_BYTES / ((int64_t)sizeof(float) * K * TILE);

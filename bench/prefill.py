@@ -1,0 +1,121 @@
+"""Prompt prefill on SmolLM2 (native Q4_1 weights, fp32, 1 thread): the block GEMM kernel against the path it
+replaced (dequantize each whole matrix to fp32, then F.linear; KVLAB_NO_GEMM=1), and the peak RSS a user sees.
+
+    .venv/bin/python bench/prefill.py [--repeats 3] [--lengths 512,2048,4000]   # writes bench/results/prefill.json
+
+Speed: prompts of 512 / 2,048 / 4,000 random token ids, each prefilled into a fresh dense cache by
+kvlab.generate.prefill (its default chunking, the same for both paths); the two paths alternate, `repeats`
+times, and the table shows the median tokens/s. Memory: a fresh Python process per row loads the model,
+prefills a 4,000-token prompt and decodes 64 tokens at 1 thread, then reports its peak RSS (ru_maxrss):
+with the GEMM, with the dequantize path, and with the GEMM and the prompt in one pass (chunk = prompt).
+On a shared machine the times are noisy: the load average is recorded next to them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+import torch  # noqa: E402
+
+OUT = ROOT / "bench" / "results" / "prefill.json"
+PATHS = {"block GEMM": "", "dequantize + F.linear": "1"}    # value of KVLAB_NO_GEMM
+MEMORY_RUN = """
+import resource, sys, torch
+torch.set_num_threads(1)
+from kvlab.session import cached_model
+from kvlab.cache import CacheGeometry, make_cache
+from kvlab.generate import generate
+loaded = cached_model(None)
+prompt, new, chunk = 4000, 64, int(sys.argv[1]) or None
+ids = torch.randint(0, loaded.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0))
+cache = make_cache("dense", CacheGeometry.for_model(loaded.config, 1, prompt + new), dtype=torch.float32)
+result = generate(loaded.model, ids, cache, new, chunk_size=chunk)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, result.new_tokens, loaded.weights)
+"""
+MEMORY_CASES = [("block GEMM", "", 0), ("dequantize + F.linear", "1", 0), ("block GEMM, prompt in one pass", "", 4000)]
+
+
+def prefill_seconds(loaded, n_tokens: int, no_gemm: str) -> float:
+    from kvlab.cache import CacheGeometry, make_cache
+    from kvlab.generate import prefill
+
+    os.environ["KVLAB_NO_GEMM"] = no_gemm
+    ids = torch.randint(0, loaded.config.vocab_size, (1, n_tokens), generator=torch.Generator().manual_seed(n_tokens))
+    cache = make_cache("dense", CacheGeometry.for_model(loaded.config, 1, n_tokens), dtype=torch.float32)
+    start = time.perf_counter()
+    prefill(loaded.model, ids, cache)
+    return time.perf_counter() - start
+
+
+def peak_rss_mib(no_gemm: str, chunk: int) -> tuple[float, int]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), KVLAB_NO_GEMM=no_gemm, OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, "-c", MEMORY_RUN, str(chunk)], env=env, capture_output=True, text=True, timeout=1800)
+    if run.returncode != 0:
+        sys.exit(f"memory run failed: {(run.stderr or run.stdout).strip().splitlines()[-1]}")
+    maxrss_kib, new_tokens, weights = run.stdout.split()
+    if weights != "native":
+        sys.exit(f"memory run used {weights} weights, not native: no block kernel here?")
+    return int(maxrss_kib) / 1024, int(new_tokens)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--lengths", default="512,2048,4000")
+    parser.add_argument("--skip-memory", action="store_true", help="only the speed table (a quick smoke run)")
+    args = parser.parse_args()
+    lengths = [int(n) for n in args.lengths.split(",")]
+    torch.set_num_threads(1)
+    from kvlab.kernels import block_kernel, kernel_status
+    from kvlab.session import cached_model
+
+    if block_kernel() is None:
+        sys.exit(f"no block kernel: {kernel_status()}")
+    loaded = cached_model(None)
+    load_before = os.getloadavg()[0]
+    seconds: dict[tuple[int, str], list[float]] = {(n, p): [] for n in lengths for p in PATHS}
+    for n in lengths:
+        prefill_seconds(loaded, min(n, 64), "")                               # warm-up
+        for _ in range(args.repeats):
+            for path, no_gemm in PATHS.items():                               # interleaved
+                seconds[(n, path)].append(prefill_seconds(loaded, n, no_gemm))
+    os.environ.pop("KVLAB_NO_GEMM", None)
+    speed = []
+    for n in lengths:
+        rates = {p: n / statistics.median(seconds[(n, p)]) for p in PATHS}
+        speed.append({"prompt_tokens": n, **{f"{p} tokens/s": round(r, 1) for p, r in rates.items()},
+                      "speedup": round(rates["block GEMM"] / rates["dequantize + F.linear"], 3),
+                      "seconds": {p: [round(s, 3) for s in seconds[(n, p)]] for p in PATHS}})
+    memory = []
+    for name, no_gemm, chunk in [] if args.skip_memory else MEMORY_CASES:
+        mib, new_tokens = peak_rss_mib(no_gemm, chunk)
+        memory.append({"case": name, "peak_rss_mib": round(mib), "prompt_tokens": 4000, "new_tokens": new_tokens})
+    record = {"model": loaded.path.name, "threads": 1, "repeats": args.repeats, "statistic": "median",
+              "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)], "cpu_count": os.cpu_count(),
+              "prefill": speed, "memory": memory,
+              "note": "shared machine: other processes ran during the measurement; times are noisy"}
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"prefill, 1 thread, median of {args.repeats} (load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}; noisy)")
+    print(f"{'prompt':>7} {'GEMM tok/s':>11} {'dequant tok/s':>14} {'speedup':>8}")
+    for row in speed:
+        print(f"{row['prompt_tokens']:>7} {row['block GEMM tokens/s']:>11.1f} {row['dequantize + F.linear tokens/s']:>14.1f} "
+              f"{row['speedup']:>7.2f}×")
+    print("peak RSS of a fresh process: load, 4,000-token prompt, 64 new tokens, 1 thread")
+    for row in memory:
+        print(f"  {row['case']:<34} {row['peak_rss_mib']:>5} MiB")
+    print(f"wrote {OUT.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()
