@@ -158,6 +158,10 @@ def test_requests_that_can_never_fit_are_rejected_at_add_request(smollm2):
     for bad in (dict(max_tokens=0), dict(temperature=-1.0), dict(top_p=0.0), dict(top_k=-2), dict(stop=("",))):
         with pytest.raises(ConfigError):
             SamplingParams(**bad)
+    fresh = Engine(smollm2, kv_budget="4MiB")
+    with pytest.raises(RequestTooLargeError):                # all or nothing: the good prompt is not left queued
+        fresh.generate([[1, 2, 3], [1] * fresh.capacity.tokens], progress=False)
+    assert not fresh.has_unfinished() and fresh.stats().waiting == 0
     with pytest.raises(ConfigError, match="max_step_tokens"):
         Engine(smollm2, max_batch=8, max_step_tokens=4)
 

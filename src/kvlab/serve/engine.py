@@ -12,7 +12,7 @@ import itertools
 from dataclasses import dataclass
 
 from ..cache import CacheGeometry
-from ..errors import ConfigError, RequestTooLargeError
+from ..errors import ConfigError, KvlabError, RequestTooLargeError
 from .blocks import BlockManager, BlockPool, CapacityPlan
 from .runner import Runner
 from .sampling import SamplingParams, TextStream
@@ -194,7 +194,16 @@ class Engine:
         params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         if len(params) != len(prompts):
             raise ConfigError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        ids = [self.add_request(p, s) for p, s in zip(prompts, params)]
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(self.add_request(prompt, p))
+        except KvlabError:
+            for rid in ids:                          # all or nothing: no half-submitted batch left behind
+                self.abort(rid)
+            self._aborted = [o for o in self._aborted if o.request_id not in ids]
+            raise
+        prompt_of = dict(zip(ids, prompts))
         tokens = {i: [] for i in ids}
         texts = {i: [] for i in ids}
         results: dict[str, GenerationOutput] = {}
@@ -207,7 +216,7 @@ class Engine:
                     texts[out.request_id].append(out.text_delta)
                     if out.finished:
                         results[out.request_id] = GenerationOutput(
-                            out.request_id, list(prompts[ids.index(out.request_id)]), tokens[out.request_id],
+                            out.request_id, list(prompt_of[out.request_id]), tokens[out.request_id],
                             "".join(texts[out.request_id]), out.finish_reason, out.cached_prompt_tokens)
                         bar.advance(self.stats())
         return [results[i] for i in ids]

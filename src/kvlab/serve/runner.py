@@ -37,10 +37,9 @@ class BatchView:
 
 
 def rope_at(model, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin (N, D) for arbitrary absolute positions (N,): Decoder.rope, one position per row."""
-    angles = torch.outer(positions.float(), model.inv_freq)                 # (N, D/2)
-    angles = torch.cat((angles, angles), dim=-1)                            # (N, D)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    """cos, sin (N, D) for arbitrary absolute positions (N,): the model's own table, one row per token."""
+    cos, sin = model.rope(0, int(positions.max()) + 1, dtype)              # (P, D)
+    return cos[positions], sin[positions]                                   # (N, D)
 
 
 def output_logits(model, x: torch.Tensor) -> torch.Tensor:
