@@ -113,9 +113,9 @@ from .serve.command import register as register_serve  # noqa: E402
 register_plan(app)
 register_eval(app)
 register_lab(app)
+register_serve(app, bench_app)
 from .bench.throughput import register as register_bench_throughput  # noqa: E402  (kvlab bench throughput)
 register_bench_throughput(bench_app)
-register_serve(app, bench_app)
 
 
 def main() -> None:  # pragma: no cover
