@@ -202,7 +202,8 @@ def gguf_tensor_shape(rng, layout):
         "zero rows": [cols, 0], "rows 2^32": [cols, 2**32], "element count overflows": [2**40, 2**40],
         "one row short": [cols, max(0, rows - 1)], "1 row": [cols, 1], "cols + 32": [cols + 32, rows],
     }
-    what = rng.choice(sorted(options))
+    plausible = ["rows doubled", "rows halved", "cols doubled", "dims swapped", "cols + 32"]  # what reaches the kernels
+    what = rng.choice(plausible if len(t.shape) == 2 and rng.random() < 0.5 else sorted(options))
     return f"{t.name} shape {t.shape} -> {options[what]} ({what})", [{"op": "tensor", "name": t.name, "shape": options[what]}]
 
 
