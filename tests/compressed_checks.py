@@ -46,6 +46,24 @@ def check_attend_is_exact_to_storage(name: str, geometry: CacheGeometry = GEOMET
             torch.testing.assert_close(out.float(), ref, atol=2e-5, rtol=1e-4)
 
 
+def check_attend_is_token_by_token(name: str, geometry: CacheGeometry = GEOMETRY) -> None:
+    """attend() over each chunk of CHUNKS, row by row == dense grouped attention over the K/V that the same
+    cache fed one token at a time holds (dequantized) right after that row's token: a chunk reads, for
+    every query, exactly what token-by-token decoding reads (no query sees a later token's influence)."""
+    twin = make_cache(name, geometry)
+    for cache, q, k_all, v_all in feed(name, geometry):
+        T = q.shape[2]
+        for layer in range(geometry.n_layers):
+            out = cache.attend(layer, q)                                             # (B, H, T, Dv)
+            assert cache.dequantized(layer)[0].shape[2] == cache.layer_length(layer)
+            for t in range(T):
+                pos = k_all.shape[2] - T + t
+                twin.append(layer, k_all[:, :, pos:pos + 1], v_all[:, :, pos:pos + 1])
+                k, v = twin.dequantized(layer)
+                ref = grouped_attention(q[:, :, t:t + 1].float(), k, v, cache.scale, window=geometry.window)
+                torch.testing.assert_close(out[:, :, t:t + 1].float(), ref, atol=2e-5, rtol=1e-4)
+
+
 def check_non_finite_is_a_one_line_error(name: str, bad: float, where: str) -> None:
     """NaN or Inf in the keys (where="k") or values ("v") appended to a layer: a one-line NonFiniteError naming it."""
     cache = make_cache(name, GEOMETRY)

@@ -81,34 +81,36 @@ class QuantizedCache(CompressedCache):
         self.v_scale = {l: torch.zeros(B, H, S, n_vg, dtype=_META, device=dev) for l in self.compressed_layers}
         self.v_zero = {l: torch.zeros(B, H, S, n_vg, dtype=_META, device=dev) for l in self.compressed_layers}
         self.code_kernel = kernel_for(self.device) if b in (4, 8) else None
+        # per layer, the last append's (open group's first token, its full-precision keys from there,
+        # first token of the append, its values if there is a recent window): read by the same chunk only
+        self._fresh: dict[int, tuple] = {}
 
     # -- storing ------------------------------------------------------------------------------------
     def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         b, G = self.config.bits, self.config.group_size
         B, H, T, Dk = k.shape
+        _check_range(k, "key")
         # keys: re-open the incomplete group (if any) from the stage, so groups start aligned
         have = start % G
-        block = torch.cat([self.k_stage[layer][:, :, :have], k.to(self.dtype)], dim=2) if have else k
-        block = block.float()                                                   # (B, H, have+T, Dk)
+        first = start - have                                                    # first token of the open group
+        block = k.to(self.dtype)
+        if have:
+            block = torch.cat([self.k_stage[layer][:, :, :have], block], dim=2)  # (B, H, have+T, Dk)
         n = have + T
-        n_groups = ceil_div(n, G)
-        pad = n_groups * G - n
-        if pad:  # repeat the last token: the group's min and max are unchanged
-            block_p = torch.cat([block, block[:, :, -1:].expand(B, H, pad, Dk)], dim=2)
-        else:
-            block_p = block
-        groups = block_p.reshape(B, H, n_groups, G, Dk)                         # (B, H, ng, G, Dk)
-        scale, zero = _affine(groups.amin(dim=3), groups.amax(dim=3), b, "key")  # (B, H, ng, Dk)
-        codes = _encode(groups, scale[:, :, :, None], zero[:, :, :, None], b)    # (B, H, ng, G, Dk)
-        codes = codes.reshape(B, H, n_groups * G, Dk)[:, :, :n]
-        first = start - have
-        self.k_codes[layer][:, :, first:start + T] = pack(codes, b)
-        g0 = first // G
-        self.k_scale[layer][:, :, g0:g0 + n_groups] = scale
-        self.k_zero[layer][:, :, g0:g0 + n_groups] = zero
-        tail = n % G
-        if tail:
-            self.k_stage[layer][:, :, :tail] = block[:, :, n - tail:].to(self.dtype)
+        complete = n // G * G                                                   # tokens of the groups now complete
+        if complete:
+            groups = block[:, :, :complete].float().reshape(B, H, complete // G, G, Dk)  # (B, H, ng, G, Dk)
+            scale, zero = _affine(groups.amin(dim=3), groups.amax(dim=3), b, "key")      # (B, H, ng, Dk)
+            codes = _encode(groups, scale[:, :, :, None], zero[:, :, :, None], b)         # (B, H, ng, G, Dk)
+            self.k_codes[layer][:, :, first:first + complete] = pack(codes.reshape(B, H, complete, Dk), b)
+            g0 = first // G
+            self.k_scale[layer][:, :, g0:g0 + complete // G] = scale
+            self.k_zero[layer][:, :, g0:g0 + complete // G] = zero
+        if n > complete:
+            self.k_stage[layer][:, :, :n - complete] = block[:, :, complete:]
+        # this append's full-precision keys (and, with a recent window, values) for the queries of the
+        # same chunk that precede a group's completion (or a token's spill): see `_scores` and `_mix`
+        self._fresh[layer] = (first, block, start, v.to(self.dtype) if self.window else None)
         # values: groups of channels within each token
         Dv, Gv = v.shape[-1], self.value_group
         vg = v.float().reshape(B, H, T, Dv // Gv, Gv)                            # (B, H, T, nvg, Gv)
@@ -119,14 +121,19 @@ class QuantizedCache(CompressedCache):
         self.v_zero[layer][:, :, start:start + T] = zero
 
     # -- reading ------------------------------------------------------------------------------------
-    def _keys(self, layer: int, n: int) -> torch.Tensor:
-        """(B, H, n, Dk) float32: zero + code·scale with one (scale, zero) per channel per G tokens."""
+    def _coded_keys(self, layer: int, n: int) -> torch.Tensor:
+        """(B, H, n, Dk) float32 for n = whole groups: zero + code·scale, one (scale, zero) per channel per G tokens."""
         b, G = self.config.bits, self.config.group_size
         codes = unpack(self.k_codes[layer][:, :, :n], b, self.geometry.head_dim).float()  # (B, H, n, Dk)
-        n_groups = ceil_div(n, G)
-        scale = self.k_scale[layer][:, :, :n_groups].float().repeat_interleave(G, dim=2)[:, :, :n]
-        zero = self.k_zero[layer][:, :, :n_groups].float().repeat_interleave(G, dim=2)[:, :, :n]
+        scale = self.k_scale[layer][:, :, :n // G].float().repeat_interleave(G, dim=2)  # (B, H, n, Dk)
+        zero = self.k_zero[layer][:, :, :n // G].float().repeat_interleave(G, dim=2)
         return zero + codes * scale
+
+    def _keys(self, layer: int, n: int) -> torch.Tensor:
+        """(B, H, n, Dk) float32 as the next query reads them: codes of the complete groups, then the stage."""
+        complete = n // self.config.group_size * self.config.group_size
+        stage = self.k_stage[layer][:, :, :n - complete].float()                 # (B, H, n - complete, Dk)
+        return torch.cat([self._coded_keys(layer, complete), stage], dim=2) if complete else stage
 
     def _values(self, layer: int, n: int) -> torch.Tensor:
         """(B, H, n, Dv) float32: zero + code·scale with one (scale, zero) per G channels of a token."""
@@ -140,17 +147,71 @@ class QuantizedCache(CompressedCache):
     def _restore(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._keys(layer, n), self._values(layer, n)
 
+    def _stored_counts(self, n: int, n_rows: int) -> torch.Tensor:
+        """(G·T,) for each grouped query row: how many compressed tokens the store held when that query's
+        token was appended one at a time. The T queries are the newest tokens, so row h·T + t gets
+        n - (T-1-t) (zero or less while the recent window was still filling)."""
+        T = n_rows // (self.geometry.n_heads // self.geometry.n_kv_heads)
+        return (torch.arange(n - T + 1, n + 1, device=self.device)).repeat(n_rows // T)  # (G·T,)
+
+    def _fresh_keys(self, layer: int, lo: int, n: int) -> torch.Tensor:
+        """(B, H, n - lo, Dk) float32: the full-precision keys of compressed tokens [lo, n)."""
+        complete = n // self.config.group_size * self.config.group_size
+        if lo >= complete:
+            return self.k_stage[layer][:, :, lo - complete:n - complete].float()
+        first, block, _, _ = self._fresh.get(layer, (n, None, n, None))
+        if first > lo or block is None or first + block.shape[2] != n:
+            raise ConfigError(f"layer {layer}: attention over more queries than the tokens just appended to the integer cache")
+        return block[:, :, lo - first:].float()
+
     def _scores(self, layer: int, qg: torch.Tensor, n: int) -> torch.Tensor:
-        if self.code_kernel is not None:
-            return self.code_kernel.int_scores(self.config.bits, self.k_codes[layer], self.k_scale[layer], self.k_zero[layer],
-                                               n, self.config.group_size, qg, self.scale)  # (B, H, G·T, n)
-        return (qg @ self._keys(layer, n).transpose(-1, -2)) * self.scale        # (B, H, G·T, n)
+        G = self.config.group_size
+        complete = n // G * G
+        if not complete:
+            coded = qg.new_zeros(*qg.shape[:3], 0)
+        elif self.code_kernel is not None:
+            coded = self.code_kernel.int_scores(self.config.bits, self.k_codes[layer], self.k_scale[layer], self.k_zero[layer],
+                                                complete, G, qg, self.scale)       # (B, H, G·T, complete)
+        else:
+            coded = (qg @ self._coded_keys(layer, complete).transpose(-1, -2)) * self.scale
+        counts = self._stored_counts(n, qg.shape[2])                                # (G·T,)
+        lo = max(0, int(counts[0])) // G * G        # the earliest query's open group starts here
+        if lo >= n:
+            return coded
+        fresh = self._fresh_keys(layer, lo, n)                                      # (B, H, n - lo, Dk)
+        exact = (qg @ fresh.transpose(-1, -2)) * self.scale                         # (B, H, G·T, n - lo)
+        if lo == complete:
+            return torch.cat([coded, exact], dim=-1)                                # (B, H, G·T, n)
+        # groups completed inside this chunk: codes only for the queries at or after the completion
+        group_end = (torch.arange(lo, complete, device=self.device) // G + 1) * G   # (complete - lo,)
+        done = group_end[None, :] <= counts[:, None]                                # (G·T, complete - lo)
+        mixed = torch.where(done, coded[..., lo:], exact[..., :complete - lo])       # (B, H, G·T, complete - lo)
+        return torch.cat([coded[..., :lo], mixed, exact[..., complete - lo:]], dim=-1)  # (B, H, G·T, n)
 
     def _mix(self, layer: int, p: torch.Tensor, n: int) -> torch.Tensor:
+        late = None
+        if self.window:  # tokens this chunk pushed out of the window: earlier queries still read them exact
+            counts = self._stored_counts(n, p.shape[2])                             # (G·T,)
+            lo = max(0, int(counts[0]))
+            if lo < n:
+                late = torch.arange(lo, n, device=self.device)[None, :] >= counts[:, None]  # (G·T, n - lo)
+                _, _, start, v_fresh = self._fresh.get(layer, (n, None, n, None))
+                if start > lo or v_fresh is None or start + v_fresh.shape[2] != n:
+                    raise ConfigError(f"layer {layer}: attention over more queries than the tokens just appended to the integer cache")
+                p_late = p[..., lo:] * late                                         # (B, H, G·T, n - lo)
+                p = torch.cat([p[..., :lo], p[..., lo:] * ~late], dim=-1)            # (B, H, G·T, n)
         if self.code_kernel is not None:
-            return self.code_kernel.int_mix(self.config.bits, self.v_codes[layer], self.v_scale[layer], self.v_zero[layer],
-                                            n, self.geometry.head_dim_v, p)        # (B, H, G·T, Dv)
-        return p @ self._values(layer, n)                                         # (B, H, G·T, Dv)
+            out = self.code_kernel.int_mix(self.config.bits, self.v_codes[layer], self.v_scale[layer], self.v_zero[layer],
+                                           n, self.geometry.head_dim_v, p)         # (B, H, G·T, Dv)
+        else:
+            out = p @ self._values(layer, n)                                        # (B, H, G·T, Dv)
+        if late is not None:
+            out = out + p_late @ v_fresh[:, :, lo - start:].float()                # (B, H, G·T, Dv)
+        return out
+
+    def reset(self) -> None:
+        super().reset()
+        self._fresh = {}
 
     # -- bytes --------------------------------------------------------------------------------------
     def _store_nbytes(self) -> int:
@@ -179,11 +240,17 @@ class QuantizedCache(CompressedCache):
                 f"plus a stage of {G} full-precision keys per layer and head")
 
 
-def _affine(lo: torch.Tensor, hi: torch.Tensor, bits: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """float16 (scale, zero) for the range [lo, hi] with 2^bits levels."""
-    biggest = max(hi.abs().max().item() if hi.numel() else 0.0, lo.abs().max().item() if lo.numel() else 0.0)
+def _check_range(x: torch.Tensor, what: str) -> None:
+    """A one-line error for entries beyond float16, where the scales and zero points cannot follow."""
+    biggest = x.abs().max().item() if x.numel() else 0.0
     if biggest > _META_MAX:
         raise NonFiniteError(f"{what} magnitude {biggest:.3g} exceeds the float16 range of the integer cache's scales")
+
+
+def _affine(lo: torch.Tensor, hi: torch.Tensor, bits: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """float16 (scale, zero) for the range [lo, hi] with 2^bits levels."""
+    _check_range(lo, what)
+    _check_range(hi, what)
     zero = lo.to(_META)
     scale = ((hi - zero.float()) / ((1 << bits) - 1)).to(_META)
     return scale, zero
