@@ -37,15 +37,14 @@ def grouped_attention(
     B, H, T, Dk = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     group = H // Hkv
-    if causal and T == S > 1 and (window is None or S <= window):
+    if causal and T == S > 1 and window is None:
         # a whole prompt: the upper-left causal mask is the right one, and without a mask tensor the kernel
         # skips the masked half instead of reading a (G·T, S) mask (K/V still read once per KV head)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=group > 1)  # (B, H, T, Dv)
-    if causal and (T > 1 or (window is not None and S > window)):
-        # a chunk after earlier tokens: one (T, S) mask broadcast over the heads, not a copy per query head
-        mask = causal_mask(T, S, q.device, window)                                # (T, S)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1)  # (B, H, T, Dv)
     # fold the group into the query axis so K/V are read once per KV head, never copied per query head
     qg = q.reshape(B, Hkv, group * T, Dk)                                          # (B, Hkv, G·T, Dk)
-    out = F.scaled_dot_product_attention(qg, k, v, scale=scale)                   # (B, Hkv, G·T, Dv)
+    mask = None
+    if causal and (T > 1 or (window is not None and S > window)):
+        mask = causal_mask(T, S, q.device, window).repeat(group, 1)               # (G·T, S)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)  # (B, Hkv, G·T, Dv)
     return out.reshape(B, H, T, v.shape[-1])
