@@ -46,12 +46,12 @@ def check_attend_is_exact_to_storage(name: str, geometry: CacheGeometry = GEOMET
             torch.testing.assert_close(out.float(), ref, atol=2e-5, rtol=1e-4)
 
 
-def check_attend_is_token_by_token(name: str, geometry: CacheGeometry = GEOMETRY) -> None:
-    """attend() over each chunk of CHUNKS, row by row == dense grouped attention over the K/V that the same
+def check_attend_is_token_by_token(name: str, geometry: CacheGeometry = GEOMETRY, chunks=CHUNKS) -> None:
+    """attend() over each chunk of `chunks`, row by row == dense grouped attention over the K/V that the same
     cache fed one token at a time holds (dequantized) right after that row's token: a chunk reads, for
     every query, exactly what token-by-token decoding reads (no query sees a later token's influence)."""
     twin = make_cache(name, geometry)
-    for cache, q, k_all, v_all in feed(name, geometry):
+    for cache, q, k_all, v_all in feed(name, geometry, chunks):
         T = q.shape[2]
         for layer in range(geometry.n_layers):
             out = cache.attend(layer, q)                                             # (B, H, T, Dv)

@@ -11,7 +11,12 @@ Attention over a layer is one softmax over [sink tokens | compressed tokens | wi
 lower-right causal mask of cache/attention.py; the subclass answers only for its compressed part:
   _scores(layer, qg, n) -> logits of the grouped queries against its n compressed tokens
   _mix(layer, p, n)     -> Σ p·v over those tokens
-so a subclass reads its own codes and never hands full-precision K/V to the attention.
+so a subclass reads its own storage (codes, and any full-precision state it counts in its bytes, such
+as the integer caches' incomplete key group) and the base class never sees its K/V.
+
+Causality: a query never reads anything a later token set. Per-token codes (TurboQuant, integer values)
+are causal by construction; the integer caches' key groups are read per query as token-by-token
+decoding reads them (quantized.py).
 
 Bytes: every buffer is preallocated to the capacity (like DenseCache), so `nbytes` does not change
 as tokens arrive and equals the formula `expected_nbytes(config, geometry, dtype)`:

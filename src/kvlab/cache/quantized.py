@@ -8,10 +8,24 @@ x ≈ zero + code·scale with code in [0, 2^b), scale = (max - min)/(2^b - 1), z
 Codes are bit-packed (int4: two per byte). On CPU, int8 and int4 attention reads the packed codes
 directly in C (kvlab/kernels/intcache.c: scores fold the query into each key group's scales,
 the mix folds the probabilities into each value group's) instead of dequantizing the cache with
-torch ops every step; `code_kernel = None` selects the torch path (the reference). A key group is quantized over the tokens it holds so
-far; until it is complete, the original keys of its tokens are also kept (the "stage", G tokens ×
-Dk in the cache dtype) so the group is re-quantized from them, never from codes, when tokens join.
-Attention always reads the codes; the stage is quantizer state and counts in `nbytes`.
+torch ops every step; `code_kernel = None` selects the torch path (the reference).
+
+Causal in every schedule (KIVI's rule): a key group is coded only once its G tokens are all there, from
+their original keys; until then those keys wait in the "stage" (G tokens × Dk in the cache dtype,
+counted in `nbytes`) and attention reads them from there in full precision. The rule, per query, is
+what token-by-token decoding reads: the query of the token at compressed index t reads codes for the
+groups complete at t (all G tokens ≤ t) and full-precision keys for the rest, so a chunk of any size
+gives token-by-token's result and no query reads a scale or zero point set by a later token. Within a
+chunk that completes a group, the earlier queries still read that group in full precision: the
+append keeps its full-precision keys (from the open group's first token) until the next append of
+the layer, and `_scores` takes, per query row, the coded score of a key whose group was complete at
+that query and the exact score otherwise (one `where` over the groups the chunk completed; every
+other key is read one way by all rows). This is a split of the scores by group-completion position,
+not a second attention: the softmax and the values are shared. With `+recentN` the same holds for
+tokens the chunk pushed out of the window: a query before the push read them in full precision
+(keys by the rule above, values from the append's copy in `_mix`). Values are coded per token, so they
+never depend on a later token. The append's copy is working memory of one chunk (like the chunk's K/V
+the model already holds), replaced by the layer's next append and not part of `nbytes`.
 
 Bytes per compressed layer (B sequences, Hkv heads, `slots` tokens, fp16 metadata):
   keys:   B·Hkv·[slots·⌈Dk·b/8⌉ + ⌈slots/G⌉·Dk·2·2 + G·Dk·elem]
