@@ -188,6 +188,7 @@ def test_sliding_layers_keep_and_return_what_transformers_does(name):
     reference = DynamicSlidingWindowLayer(sliding_window=window)
     layer = cache.layers[0]
     assert isinstance(layer, SlidingLayer)
+    worst = 0.0
     for k, v in chunks():
         assert layer.get_mask_sizes(k.shape[2]) == reference.get_mask_sizes(k.shape[2])
         keys, values = cache.update(k, v, 0)
@@ -196,8 +197,11 @@ def test_sliding_layers_keep_and_return_what_transformers_does(name):
         if name == "dense":
             assert torch.equal(keys, want_k) and torch.equal(values, want_v)
         else:   # the same tokens, compressed: each vector near its original (measured max 0.10 int4, 0.27 tq4)
-            error = ((keys - want_k).norm(dim=-1) / want_k.norm(dim=-1)).max().item()
-            assert 0 < error < 0.35
+            # (int keys wait in full precision until their 32-token group is complete: values are coded at once)
+            error = max(((got - want).norm(dim=-1) / want.norm(dim=-1)).max().item()
+                        for got, want in ((keys, want_k), (values, want_v)))
+            assert error < 0.35
+            worst = max(worst, error)
         segments = layer.store.segments
         held = sum(c.layer_length(0) for _, c in segments)
         seen = layer.get_seq_length()
@@ -208,6 +212,7 @@ def test_sliding_layers_keep_and_return_what_transformers_does(name):
         want = sum(expected_nbytes(name if start == 0 else plain, geometry, torch.float32, window) for start, _ in segments)
         assert layer.store.nbytes == want
     assert layer.get_seq_length() == reference.get_seq_length() == sum(CHUNKS)
+    assert (worst > 0) == (name != "dense")                                  # compressed formats really code
     if name.startswith("tq"):   # later segments code with the key offset measured on the first chunk
         first = make_cache(name, CacheGeometry(1, KV_HEADS, HEAD_DIM, BATCH, capacity=window))
         first.append(0, *next(chunks()))

@@ -142,7 +142,10 @@ def _copy_buffers(old, new) -> None:
         new[tuple(slice(0, n) for n in old.shape)].copy_(old)
     elif isinstance(old, dict):
         for key, value in old.items():
-            _copy_buffers(value, new[key])
+            if key in new:
+                _copy_buffers(value, new[key])
+            else:  # per-chunk working state the new cache has not made yet (e.g. the int caches' last append)
+                new[key] = value
     elif isinstance(old, list) and all(item is None for item in new):  # ConcatCache's per-layer tensors
         new[:] = old
     elif isinstance(old, KVCache):   # the one-layer DenseCaches of full-precision layers

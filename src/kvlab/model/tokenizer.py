@@ -41,9 +41,25 @@ def _read_json(path: Path) -> dict:
     if not path.is_file():
         return {}
     try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ModelFileError(f"{path}: not valid JSON ({exc})") from None
+        value = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise ModelFileError(f"{path}: not valid JSON ({str(exc).splitlines()[0] or 'nested too deeply'})") from None
+    if not isinstance(value, dict):
+        raise ModelFileError(f"{path}: must hold a JSON object, not {type(value).__name__}")
+    return value
+
+
+def _chat_template(value, folder: Path) -> str | None:
+    """tokenizer_config.json's chat_template: a string, or a list of named templates (the "default" one)."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        chosen = named.get("default")
+        if isinstance(chosen, str):
+            return chosen
+    raise ModelFileError(f"{folder / 'tokenizer_config.json'}: chat_template must be a string or a list of "
+                         f"named templates with a \"default\" one, not {type(value).__name__}")
 
 
 @dataclass
@@ -97,13 +113,19 @@ class Tokenizer:
 
         def token_id(entry) -> int | None:
             text = entry.get("content") if isinstance(entry, dict) else entry
+            if text is not None and not isinstance(text, str):
+                raise ModelFileError(f"{folder / 'tokenizer_config.json'}: special token {text!r} is not a string")
             return backend.token_to_id(text) if text else None
 
         eos = generation.get("eos_token_id", token_id(config.get("eos_token")))
         eos_ids = tuple(sorted(set(eos if isinstance(eos, list) else [eos]) - {None}))
-        template = config.get("chat_template")
+        vocab = backend.get_vocab_size()
+        for eos_id in eos_ids:
+            if not isinstance(eos_id, int) or isinstance(eos_id, bool) or not 0 <= eos_id < vocab:
+                raise ModelFileError(f"{folder}: eos_token_id {eos_id!r} is not a token id below the vocabulary size {vocab}")
+        template = _chat_template(config.get("chat_template"), folder)
         if template is None and (folder / "chat_template.jinja").is_file():
-            template = (folder / "chat_template.jinja").read_text()
+            template = (folder / "chat_template.jinja").read_text(errors="replace")
         return cls(
             backend=backend,
             bos_id=token_id(config.get("bos_token")),
