@@ -149,6 +149,7 @@ class CompressedCache(KVCache):
         self._lengths[layer] += n_new
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        self._check_attend(layer, q)
         if layer in self.fp_layers:
             return self._dense[layer].attend(0, q)
         B, H, T, Dk = q.shape

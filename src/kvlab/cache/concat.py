@@ -25,6 +25,7 @@ class ConcatCache(KVCache):
         self._lengths[layer] += n_new
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        self._check_attend(layer, q)
         return grouped_attention(q, self.k[layer], self.v[layer], self.scale, window=self.geometry.window)
 
     def reset(self) -> None:
@@ -55,6 +56,7 @@ class NoCache(KVCache):
         self._pending[layer] = (k, v)
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        self._check_attend(layer, q)
         k, v = self._pending.pop(layer)  # dropped as soon as it is read: nothing outlives the pass
         return grouped_attention(q, k, v, self.scale, window=self.geometry.window)
 

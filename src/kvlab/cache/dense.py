@@ -31,6 +31,7 @@ class DenseCache(KVCache):
         self._lengths[layer] = start + n_new
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        self._check_attend(layer, q)
         n = self._lengths[layer]
         k = self.k[layer, :, :, :n]                    # (B, Hkv, S, D) view, no copy
         v = self.v[layer, :, :, :n]

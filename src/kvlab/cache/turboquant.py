@@ -258,6 +258,7 @@ class TurboQuantCache(CompressedCache):
             codes.fill_(_NEUTRAL_WEIGHT_BYTE)
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        self._check_attend(layer, q)       # before the calibration reads q
         if layer in self._pending:
             self._calibrate_and_store(layer, q)
         return super().attend(layer, q)
