@@ -95,15 +95,15 @@ class KVCache(ABC):
 
     # -- shared checks ----------------------------------------------------------------------------
     def _check_attend(self, layer: int, q: torch.Tensor) -> None:
-        """The query fits this cache: q (B, H, T, Dk) with H a multiple of the KV heads (one line otherwise)."""
+        """The query fits this cache: q (B, H, T, Dk) with H a multiple of the KV heads (one line otherwise; T may be 0)."""
         g = self.geometry
         if not 0 <= layer < g.n_layers:
             raise ConfigError(f"layer {layer} out of range for a cache of {g.n_layers} layers")
         if (q.dim() != 4 or q.shape[0] != g.batch or q.shape[1] == 0 or q.shape[1] % g.n_kv_heads
-                or q.shape[2] == 0 or q.shape[3] != g.head_dim):
+                or q.shape[3] != g.head_dim):
             raise ConfigError(
                 f"query of shape {tuple(q.shape)} does not fit a cache of (batch={g.batch}, heads=a multiple of "
-                f"{g.n_kv_heads}, T>=1, head_dim={g.head_dim})"
+                f"{g.n_kv_heads}, T, head_dim={g.head_dim})"
             )
 
     def _check_append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> int:
