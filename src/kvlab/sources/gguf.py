@@ -24,7 +24,7 @@ from gguf.quants import quant_shape_to_byte_shape
 
 from ..errors import ConfigError, ModelFileError
 from ..spec import EngineFacts, ModelSpec, TensorInfo
-from .layers import (LayerFacts, as_float, as_int, build_layers, interval_kinds, layer_count, pattern_kinds, per_layer,
+from .layers import (LayerFacts, as_float, as_int, build_layers, check_number_keys, interval_kinds, layer_count, pattern_kinds, per_layer,
                      per_layer_flags, short, ssm_state_elements)
 
 GGUF_MAGIC = b"GGUF"
@@ -384,20 +384,7 @@ _TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "eot_token_id", "unknown_token
 
 def _checked_metadata(md: dict[str, Any], arch: str, source: str) -> None:
     """Every key this reader uses holds what it should: one line naming the key otherwise."""
-    for suffix, listable in _INT_KEYS.items():
-        key = f"{arch}.{suffix}"
-        value = md.get(key)
-        if value is None:
-            continue
-        if isinstance(value, list) and listable:
-            for item in value:
-                as_int(item, f"{source}: {key}")
-        else:
-            as_int(value, f"{source}: {key}")
-    for suffix in _FLOAT_KEYS:
-        key = f"{arch}.{suffix}"
-        if md.get(key) is not None:
-            as_float(md[key], f"{source}: {key}")
+    check_number_keys(md, _INT_KEYS, _FLOAT_KEYS, source, prefix=f"{arch}.")
     tokens = md.get("tokenizer.ggml.tokens")
     if tokens is not None and (not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens)):
         raise ConfigError(f"{source}: tokenizer.ggml.tokens must be an array of strings")

@@ -23,7 +23,7 @@ from typing import Any
 
 from ..errors import ConfigError, KvlabError, ModelFileError, OfflineError
 from ..spec import EngineFacts, ModelSpec, RopeScaling, TensorInfo
-from .layers import (LayerFacts, as_float, as_int, build_layers, interval_kinds, layer_count, pattern_kinds, per_layer,
+from .layers import (LayerFacts, as_float, as_int, build_layers, check_number_keys, interval_kinds, layer_count, pattern_kinds, per_layer,
                      short, ssm_state_elements)
 from .params import count_params
 
@@ -65,18 +65,7 @@ _FLOAT_KEYS = ("rope_theta", "rms_norm_eps", "partial_rotary_factor")
 
 def _check_types(cfg: dict[str, Any], source: str) -> None:
     """A string, list or object where a number belongs is one ConfigError naming the key."""
-    for key, listable in _INT_KEYS.items():
-        value = cfg.get(key)
-        if value is None:
-            continue
-        if isinstance(value, list) and listable:
-            for item in value:
-                as_int(item, f"{source}: {key}")
-        else:
-            as_int(value, f"{source}: {key}")
-    for key in _FLOAT_KEYS:
-        if cfg.get(key) is not None:
-            as_float(cfg[key], f"{source}: {key}")
+    check_number_keys(cfg, _INT_KEYS, _FLOAT_KEYS, source)
     for key in ("tie_word_embeddings", "attention_bias", "use_sliding_window"):
         if cfg.get(key) is not None and not isinstance(cfg[key], bool):
             raise ConfigError(f"{source}: {key} must be true or false, got {short(cfg[key])}")

@@ -60,6 +60,22 @@ def as_float(value, what: str, positive: bool = True) -> float:
     return float(value)
 
 
+def check_number_keys(values: dict, int_keys: dict[str, bool], float_keys, source: str, prefix: str = "") -> None:
+    """Every number key present holds a number: as_int for `int_keys` (each maps to whether a per-layer list
+    is allowed), as_float for `float_keys`; keys are looked up as prefix + key. One line naming the key otherwise."""
+    for suffix, listable in int_keys.items():
+        key = prefix + suffix
+        value = values.get(key)
+        if value is None:
+            continue
+        for item in (value if isinstance(value, list) and listable else [value]):
+            as_int(item, f"{source}: {key}")
+    for suffix in float_keys:
+        key = prefix + suffix
+        if values.get(key) is not None:
+            as_float(values[key], f"{source}: {key}")
+
+
 def layer_count(value, what: str) -> int:
     """The number of layers: a positive integer no larger than MAX_LAYERS (checked before any per-layer list)."""
     n = as_int(value, what, minimum=1)
