@@ -46,3 +46,17 @@ def hf_smollm2():
 
     path = default_model_path()
     return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def cli_error(args) -> str:
+    """The one line a failing `kvlab ARGS` prints (exit code 2, no traceback)."""
+    from typer.testing import CliRunner
+
+    from kvlab.cli import app
+
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    lines = [line for line in result.output.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, result.output
+    return lines[0]

@@ -12,14 +12,7 @@ from kvlab import fileio
 from kvlab.cli import app
 from kvlab.errors import OutputError
 
-
-def one_line_error(args) -> str:
-    result = CliRunner().invoke(app, args)
-    assert result.exit_code == 2, result.output
-    assert "Traceback" not in result.output
-    lines = [line for line in result.output.strip().splitlines() if line.strip()]
-    assert len(lines) == 1, result.output
-    return lines[0]
+from .conftest import cli_error
 
 
 def leftovers(folder) -> list[str]:
@@ -100,12 +93,12 @@ def test_eval_out_into_an_impossible_place_fails_before_the_run(tmp_path, monkey
     monkeypatch.setattr(eval_run, "run_eval", must_not_run)
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    line = one_line_error(["eval", "--quick", "--caches", "int8", "--out", str(blocker / "r.json")])
+    line = cli_error(["eval", "--quick", "--caches", "int8", "--out", str(blocker / "r.json")])
     assert "--out" in line and "is a file" in line
     if os.path.isdir("/proc/self"):  # a place nobody, not even root, can make a folder in
-        line = one_line_error(["eval", "--quick", "--caches", "int8", "--out", "/proc/kvlab-nowhere/r.json"])
+        line = cli_error(["eval", "--quick", "--caches", "int8", "--out", "/proc/kvlab-nowhere/r.json"])
         assert "--out" in line and "cannot write there" in line
-    line = one_line_error(["eval", "--quick", "--caches", "int8", "--plot", str(blocker / "q.png")])
+    line = cli_error(["eval", "--quick", "--caches", "int8", "--plot", str(blocker / "q.png")])
     assert "--plot" in line
 
 
@@ -116,14 +109,14 @@ def test_plan_plot_into_a_missing_folder_is_made(tmp_path):
     assert target.read_bytes().startswith(b"\x89PNG")
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    line = one_line_error(["plan", "smollm2-135m", "--plot", str(blocker / "plan.png")])
+    line = cli_error(["plan", "smollm2-135m", "--plot", str(blocker / "plan.png")])
     assert "--plot" in line and "Traceback" not in line
 
 
 def test_lab_plot_and_out_are_checked_before_the_experiment(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    assert "--plot" in one_line_error(["lab", "invariance", "--plot", str(blocker / "inv.png")])
-    assert "--out" in one_line_error(["lab", "all", "--quick", "--out", str(blocker)])
-    assert "--out" in one_line_error(["bench", "decode", "--out", str(blocker / "d.json"), "--contenders", "kvlab:dense"])
-    assert "--weights-dir" in one_line_error(["lab", "gqa", "--quick", "--retrain", "--weights-dir", str(blocker / "w")])
+    assert "--plot" in cli_error(["lab", "invariance", "--plot", str(blocker / "inv.png")])
+    assert "--out" in cli_error(["lab", "all", "--quick", "--out", str(blocker)])
+    assert "--out" in cli_error(["bench", "decode", "--out", str(blocker / "d.json"), "--contenders", "kvlab:dense"])
+    assert "--weights-dir" in cli_error(["lab", "gqa", "--quick", "--retrain", "--weights-dir", str(blocker / "w")])

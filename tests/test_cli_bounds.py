@@ -5,25 +5,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
 from kvlab.cache import CacheGeometry, make_cache
-from kvlab.cli import app
 from kvlab.errors import CacheCapacityError, InputLimitError
 from kvlab.generate import SamplingConfig, generate
 from kvlab.limits import MAX_SEED, check_threads, max_threads
 
-from .conftest import tiny_model
+from .conftest import cli_error, tiny_model
 
 
 def one_line_error(args) -> str:
-    result = CliRunner().invoke(app, args)
-    assert result.exit_code == 2, result.output
-    assert "Traceback" not in result.output
-    lines = [line for line in result.output.strip().splitlines() if line.strip()]
-    assert len(lines) == 1, result.output
-    assert lines[0].startswith("error:"), lines[0]
-    return lines[0]
+    line = cli_error(args)
+    assert line.startswith("error:"), line
+    return line
 
 
 HUGE = str(2**70)

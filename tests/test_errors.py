@@ -5,25 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from typer.testing import CliRunner
 
 from kvlab.cache import CacheGeometry, make_cache
-from kvlab.cli import app
 from kvlab.errors import CacheCapacityError, ConfigError, KvlabError, ModelFileError, NonFiniteError, UnsupportedArchitectureError
 from kvlab.generate import generate
 from kvlab.model.config import DecoderConfig
 from kvlab.model.loader import load_model
 
-from .conftest import tiny_model
-
-
-def cli_error(args) -> str:
-    result = CliRunner().invoke(app, args)
-    assert result.exit_code == 2, result.output
-    assert "Traceback" not in result.output
-    lines = [line for line in result.output.strip().splitlines() if line.strip()]
-    assert len(lines) == 1, result.output
-    return lines[0]
+from .conftest import cli_error, tiny_model
 
 
 def write_tiny_gguf(path, arch="llama"):
