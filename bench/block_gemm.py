@@ -33,16 +33,17 @@ REPEATS = 7
 
 
 def ms_per_call(linear: BlockQuantLinear, x: torch.Tensor, reference: bool) -> float:
-    """Milliseconds per forward, over enough calls for ~0.1 s; `reference` selects dequantize + F.linear."""
+    """CPU milliseconds per forward (this process's CPU time, 1 thread: a busy machine's time slicing does not count),
+    over enough calls for ~0.1 s; `reference` selects dequantize + F.linear."""
     if reference:
         os.environ["KVLAB_NO_GEMM"] = "1"
     try:
         linear(x)                                                            # warm-up
-        calls, start = 0, time.perf_counter()
-        while time.perf_counter() - start < 0.1:
+        calls, start = 0, time.process_time()
+        while time.process_time() - start < 0.1:
             linear(x)
             calls += 1
-        return (time.perf_counter() - start) / calls * 1e3
+        return (time.process_time() - start) / calls * 1e3
     finally:
         os.environ.pop("KVLAB_NO_GEMM", None)
 

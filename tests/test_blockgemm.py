@@ -55,20 +55,18 @@ def test_gemm_equals_dequantized_product(kernel, block_type, m, n, k):
 
 
 @pytest.mark.parametrize("block_type", TYPES)
-def test_few_rows_equal_the_gemv_bit_for_bit(kernel, block_type):
-    """A decode step for a few sequences: each row's output is exactly what it gets alone (the GEMV)."""
+def test_one_row_equals_the_gemv_bit_for_bit(kernel, block_type):
+    """A single row through the GEMM entry point is the GEMV's row dot, exactly."""
     data, _ = random_blocks(block_type, 77, 576, seed=8)
-    x = torch.randn(7, 576)
-    y = kernel.gemm(block_type, data, x)
-    for i in range(7):
-        assert torch.equal(y[i], kernel.gemv(block_type, data, x[i].contiguous()))
+    x = torch.randn(1, 576)
+    assert torch.equal(kernel.gemm(block_type, data, x)[0], kernel.gemv(block_type, data, x[0].contiguous()))
 
 
 @pytest.mark.parametrize("block_type", TYPES)
 @pytest.mark.parametrize("m", [3, 97])
 def test_gemm_is_bit_identical_for_any_thread_count(kernel, block_type, m):
     """Each output is the same sum whichever thread computes its tile: 1, 2 and 3 threads agree bit for bit."""
-    data, _ = random_blocks(block_type, 203, 576, seed=5)    # 26 tiles of 8 rows: uneven splits
+    data, _ = random_blocks(block_type, 203, 576, seed=5)    # 102 row pairs, the last one single: uneven splits
     x = torch.randn(m, 576)
     previous = torch.get_num_threads()
     try:
@@ -129,6 +127,19 @@ def test_block_quant_linear_several_rows_use_the_gemm(kernel, block_type, monkey
     assert torch.equal(layer(many), F.linear(many, w, bias))
     one = torch.randn(1, 1, 128)
     assert torch.equal(layer(one), kernel.gemv(block_type, data, one.reshape(-1)).view(1, 1, 45) + bias)
+
+
+def test_block_quant_linear_takes_torch_gemm_beyond_the_crossover(kernel):
+    """Past GEMM_MAX_ROWS rows (prompt chunks) the layer dequantizes and uses F.linear: exactly the reference."""
+    from kvlab.model.blockquant import GEMM_MAX_ROWS
+
+    data, _ = random_blocks("Q4_1", 40, 64, seed=4)
+    layer = BlockQuantLinear(BlockMatrix("Q4_1", data, 64))
+    w = reference("Q4_1", data, 64)
+    x = torch.randn(1, GEMM_MAX_ROWS + 1, 64)
+    assert torch.equal(layer(x), F.linear(x, w))
+    batch = x[:, :GEMM_MAX_ROWS]                                   # at the crossover: still the block GEMM
+    assert torch.equal(layer(batch).reshape(GEMM_MAX_ROWS, 40), kernel.gemm("Q4_1", data, batch.reshape(GEMM_MAX_ROWS, 64).contiguous()))
 
 
 def test_native_prefill_logits_match_the_dequantize_path(smollm2, kernel, monkeypatch):

@@ -2,22 +2,28 @@
  *
  *   Y (M, N) = X (M, K) @ W^T,   W (N, K) held as blocks (N rows of K / 32 blocks, see blockgemv.c)
  *
- * No fp32 copy of W is ever made whole: each thread dequantizes a slab of W's rows (at most SLAB_BYTES of
- * fp32, so it stays in L2) with the library's own dequantizer (kvlab_block_dequantize: the exact values
- * d * q + m), and multiplies every row of X against it. X is first packed into panels of 32 rows stored
- * k-major (xp[k][0..31], zero rows past M), so the micro-kernel reads 32 rows of X for one k as two vectors.
+ * No fp32 copy of W is ever made, not even of a slab: the micro-kernel dequantizes one block of two W rows into
+ * registers (the exact values d * q + m: d * q is exact in fp32, so one fused multiply-add rounds like the
+ * dequantizer's multiply-then-add) and multiplies it against the same 32 columns of up to 8 rows of X, keeping
+ * 2 x 8 vectors of per-lane partial sums (lanes run along k). Each dequantized block is used 8 times and each
+ * loaded X vector twice; per 32 weights x 8 rows the work is 4 conversions and 32 multiply-adds, and W needs
+ * no packing or transposing. At the end the 16 accumulators are summed across their lanes.
  *
- * Micro-kernel: 8 rows of W x 32 rows of X over a slice of KC values of k. For each k it broadcasts W[j][k]
- * (j < 8) and does 16 FMAs into 16 accumulators (AVX-512; AVX2 and plain C do the same sums in smaller
- * pieces). Every output Y[i][j] is the same fp32 sum whatever thread or tile computes it: the in-order sum
- * of each KC slice of k, the slices added in order. Results do not depend on the thread count, and differ
- * from dequantize-then-matmul only by the fp32 summation order.
+ * Order: X is first packed into groups of 8 rows, block-major (the 8 rows' block b side by side), so the
+ * micro-kernel reads one sequential stream. Each thread takes a static range of W row pairs; for each group
+ * (which stays in L1) it sweeps its W rows past it. Every output Y[i][j] is the sum of its own 16 lane partial
+ * sums, each summed over the blocks in order, whatever thread computes it: results do not depend on the
+ * thread count, and differ from dequantize-then-matmul only by the fp32 summation order.
  *
- * Fewer than FEW_ROWS rows (a decode step for a few sequences) take the GEMV's row dots instead, reading each
- * W row once for all of them: each output then equals kvlab_block_gemv's for that row, bit for bit.
+ * Measured (bench/block_gemm.py, 1 thread): 3.3x dequantize + F.linear at 2-8 rows, 1.8x at 16, 1.3x at 32,
+ * 0.93x at 64 and 0.6x at 512, where torch's blocked GEMM on an fp32 copy wins; BlockQuantLinear sends
+ * more than GEMM_MAX_ROWS rows there.
  *
- * OpenMP: thread t takes a contiguous range of 8-row W tiles, dequantizes them a slab at a time, and for
- * each slab walks all X panels (each panel reused across the slab's tiles while it sits in L1/L2).
+ * One row takes the GEMV's row dot (bit for bit kvlab_block_gemv's).
+ *
+ * The micro-kernel is written once with GCC/Clang vector extensions (16-float vectors): the compiler emits
+ * AVX-512, AVX2 (each vector in two halves: 32 accumulators for 16 registers, so it spills and is slower) or
+ * scalar code for whatever -march the library is built with. OpenMP: threads split the W row pairs statically.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -27,16 +33,19 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
-#define PANEL 32                   /* rows of X per packed panel */
-#define TILE 8                     /* rows of W per micro-kernel call */
-#define SLAB_BYTES (512 * 1024)    /* fp32 bytes of dequantized W a thread holds at once */
-#define FEW_ROWS 8                 /* fewer rows of X than this: the GEMV's row dots (a 32-row panel would be mostly padding) */
-#define MAX_K ((int64_t)1 << 26)   /* the gathers' int32 offsets (up to 15 K) must not overflow */
-#define KC 128                     /* k per micro-kernel call: 32 x 128 floats of X stay in L1 */
+#define GROUP 8                    /* rows of X per micro-kernel call */
+#define AHEAD 2                    /* W row pairs prefetched ahead of the micro-kernel */
+#define FEW_ROWS 2                 /* fewer rows of X than this: the GEMV's row dot */
+#define MAX_K ((int64_t)1 << 26)
+
+typedef float vf16 __attribute__((vector_size(64)));
+typedef int32_t vi16 __attribute__((vector_size(64)));
+typedef uint8_t vu8x16 __attribute__((vector_size(16)));
+typedef int8_t vi8x16 __attribute__((vector_size(16)));
 
 /* 64-byte aligned buffer of n floats (rounded up, as aligned_alloc requires), or NULL */
 static float *alloc_floats(int64_t n) {
@@ -44,99 +53,139 @@ static float *alloc_floats(int64_t n) {
     return (float *)aligned_alloc(64, bytes);
 }
 
-/* xp[k * 32 + l] = x[(row0 + l) * K + k] for l < rows (<= 32), 0 for the padding rows */
-static void pack_panel(const float *x, int64_t K, int64_t row0, int rows, float *xp) {
+static inline vf16 load16(const float *p) {
+    vf16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* the sum of the 16 lanes as a fixed tree (halves added, four times): a few shuffles, no serial chain of adds */
+static inline float lane_sum(vf16 v) {
+    v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    return v[0];
+}
+
+static inline float fp16_at(const uint8_t *p) {
+    return kvlab_fp16_to_fp32((uint16_t)(p[0] | (p[1] << 8)));
+}
+
+/* 16 bytes at p -> 16 int32 lanes, zero- or sign-extended (vpmovzxbd / vpmovsxbd where the CPU has AVX-512) */
+static inline vi16 widen_u8(const uint8_t *p) {
 #if defined(__AVX512F__)
-    /* two 16-row gathers per k (masked past `rows`): sequential writes, 32 read streams */
-    const __m512i at = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                          _mm512_set1_epi32((int)K));
-    const __mmask16 live0 = (__mmask16)(rows >= 16 ? 0xffffu : (1u << rows) - 1u);
-    const __mmask16 live1 = (__mmask16)(rows <= 16 ? 0u : rows >= 32 ? 0xffffu : (1u << (rows - 16)) - 1u);
-    const float *base = x + row0 * K;
-    for (int64_t k = 0; k < K; k++) {
-        _mm512_store_ps(xp + k * PANEL, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live0, at, base + k, 4));
-        _mm512_store_ps(xp + k * PANEL + 16, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live1, at, base + 16 * K + k, 4));
-    }
+    return (vi16)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
 #else
-    const float *src[PANEL];
-    for (int l = 0; l < PANEL; l++) src[l] = x + (row0 + (l < rows ? l : 0)) * K;
-    for (int64_t k = 0; k < K; k++) {          /* sequential writes; 32 read streams, each line read 16 times */
-        float *dst = xp + k * PANEL;
-        for (int l = 0; l < PANEL; l++) dst[l] = l < rows ? src[l][k] : 0.0f;
-    }
+    vu8x16 q;
+    memcpy(&q, p, 16);
+    return __builtin_convertvector(q, vi16);
 #endif
 }
 
-/* One tile of W: rows [r0, r0 + rows) dequantized exactly (rows <= 8) into `rowwise` (8, K), then stored
- * k-major as wp[k * 8 + j], zero for j >= rows. */
-static void pack_tile(int type, const uint8_t *blocks, int64_t row_bytes, int64_t r0, int rows, int64_t K,
-                      float *rowwise, float *wp) {
-    kvlab_block_dequantize(type, blocks + r0 * row_bytes, rows, K, rowwise, 1);
-    if (rows < TILE) memset(rowwise + rows * K, 0, (size_t)(TILE - rows) * K * sizeof(float));
-#if defined(__AVX2__)
-    const __m256i at = _mm256_mullo_epi32(_mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0), _mm256_set1_epi32((int)K));
-    for (int64_t k = 0; k < K; k++) _mm256_store_ps(wp + k * TILE, _mm256_i32gather_ps(rowwise + k, at, 4));
+static inline vi16 widen_i8(const uint8_t *p) {
+#if defined(__AVX512F__)
+    return (vi16)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
 #else
-    for (int64_t k = 0; k < K; k++)
-        for (int j = 0; j < TILE; j++) wp[k * TILE + j] = rowwise[j * K + k];
+    vi8x16 q;
+    memcpy(&q, p, 16);
+    return __builtin_convertvector(q, vi16);
 #endif
 }
 
-/* acc[j][l] += (sum_k w[k * 8 + j] * xp[k * 32 + l] over k < kc, in order) for j < 8, l < 32: one packed W tile
- * against one packed X panel (two sequential streams). Each KC slice is summed on its own and then added, so an
- * output is a sum of K / KC slice sums (rounding error ~ KC + K / KC terms, not K). acc is (8, 32). */
-#if defined(__AVX512F__)
-static void micro_kernel(const float *w, const float *xp, int64_t kc, float *acc_io) {
-    __m512 acc[TILE][2];
-    for (int j = 0; j < TILE; j++) acc[j][0] = acc[j][1] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < kc; k++) {
-        const __m512 x0 = _mm512_load_ps(xp + k * PANEL), x1 = _mm512_load_ps(xp + k * PANEL + 16);
-        for (int j = 0; j < TILE; j++) {
-            const __m512 wj = _mm512_set1_ps(w[k * TILE + j]);
-            acc[j][0] = _mm512_fmadd_ps(wj, x0, acc[j][0]);
-            acc[j][1] = _mm512_fmadd_ps(wj, x1, acc[j][1]);
+/* One block (32 weights) of `type` at blk -> lo (weights 0-15) and hi (16-31), exactly d * q + m */
+static inline __attribute__((always_inline)) void block_weights(const int type, const uint8_t *blk, vf16 *lo, vf16 *hi) {
+    const float d = fp16_at(blk);
+    if (type == Q8_0) {
+        *lo = d * __builtin_convertvector(widen_i8(blk + 2), vf16);
+        *hi = d * __builtin_convertvector(widen_i8(blk + 18), vf16);
+        return;
+    }
+    const vi16 q = widen_u8(blk + (type == Q4_1 ? 4 : 2));
+    const float m = type == Q4_1 ? fp16_at(blk + 2) : -8.0f * d;   /* Q4_0: d * (q - 8) = d * q - 8d, both exact */
+    *lo = d * __builtin_convertvector(q & 0x0f, vf16) + m;
+    *hi = d * __builtin_convertvector(q >> 4, vf16) + m;
+}
+
+/* y[i * N] and y[i * N + 1] (the latter only if `two`) for the rows i < n of one packed group of X rows, xg
+ * (block b of row i at xg + (b * GROUP + i) * 32): W rows w0 and w1, `nblocks` blocks of `stride` bytes each.
+ * `n` is a constant in each inlined copy, so the 2n sums stay in registers. */
+static inline __attribute__((always_inline)) void micro_kernel(const int type, const int n, const uint8_t *w0,
+                                                              const uint8_t *w1, int stride, int64_t nblocks,
+                                                              const float *xg, float *y, int64_t N, int two) {
+    vf16 acc0[GROUP], acc1[GROUP];
+    for (int i = 0; i < n; i++) acc0[i] = acc1[i] = (vf16){0};
+    for (int64_t b = 0; b < nblocks; b++) {
+        vf16 a_lo, a_hi, b_lo, b_hi;
+        block_weights(type, w0 + b * stride, &a_lo, &a_hi);
+        block_weights(type, w1 + b * stride, &b_lo, &b_hi);
+        const float *xb = xg + b * GROUP * QK;
+        for (int i = 0; i < n; i++) {
+            const vf16 x_lo = load16(xb + i * QK), x_hi = load16(xb + i * QK + 16);
+            acc0[i] += a_lo * x_lo;
+            acc1[i] += b_lo * x_lo;
+            acc0[i] += a_hi * x_hi;
+            acc1[i] += b_hi * x_hi;
         }
     }
-    for (int j = 0; j < TILE; j++) {
-        _mm512_store_ps(acc_io + j * PANEL, _mm512_add_ps(_mm512_load_ps(acc_io + j * PANEL), acc[j][0]));
-        _mm512_store_ps(acc_io + j * PANEL + 16, _mm512_add_ps(_mm512_load_ps(acc_io + j * PANEL + 16), acc[j][1]));
+    for (int i = 0; i < n; i++) {
+        y[i * N] = lane_sum(acc0[i]);
+        if (two) y[i * N + 1] = lane_sum(acc1[i]);
     }
 }
-#elif defined(__AVX2__) && defined(__FMA__)
-/* 16 registers: 4 W rows x 16 X rows (8 accumulators) per pass, four passes */
-static void micro_kernel(const float *w, const float *xp, int64_t kc, float *acc_io) {
-    for (int jg = 0; jg < TILE; jg += 4) {
-        for (int h = 0; h < PANEL; h += 16) {
-            __m256 acc[4][2];
-            for (int j = 0; j < 4; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
-            for (int64_t k = 0; k < kc; k++) {
-                const __m256 x0 = _mm256_load_ps(xp + k * PANEL + h), x1 = _mm256_load_ps(xp + k * PANEL + h + 8);
-                for (int j = 0; j < 4; j++) {
-                    const __m256 wj = _mm256_set1_ps(w[k * TILE + jg + j]);
-                    acc[j][0] = _mm256_fmadd_ps(wj, x0, acc[j][0]);
-                    acc[j][1] = _mm256_fmadd_ps(wj, x1, acc[j][1]);
-                }
-            }
-            for (int j = 0; j < 4; j++) {
-                float *out = acc_io + (jg + j) * PANEL + h;
-                _mm256_store_ps(out, _mm256_add_ps(_mm256_load_ps(out), acc[j][0]));
-                _mm256_store_ps(out + 8, _mm256_add_ps(_mm256_load_ps(out + 8), acc[j][1]));
-            }
+
+/* The group's row count as a compile-time constant, so each copy of the micro-kernel keeps its sums in registers */
+static inline __attribute__((always_inline)) void group_kernel(const int type, int n, const uint8_t *w0, const uint8_t *w1,
+                                                               int stride, int64_t nblocks, const float *xg,
+                                                               float *y, int64_t N, int two) {
+    switch (n) {
+    case 8: micro_kernel(type, 8, w0, w1, stride, nblocks, xg, y, N, two); break;
+    case 7: micro_kernel(type, 7, w0, w1, stride, nblocks, xg, y, N, two); break;
+    case 6: micro_kernel(type, 6, w0, w1, stride, nblocks, xg, y, N, two); break;
+    case 5: micro_kernel(type, 5, w0, w1, stride, nblocks, xg, y, N, two); break;
+    case 4: micro_kernel(type, 4, w0, w1, stride, nblocks, xg, y, N, two); break;
+    case 3: micro_kernel(type, 3, w0, w1, stride, nblocks, xg, y, N, two); break;
+    case 2: micro_kernel(type, 2, w0, w1, stride, nblocks, xg, y, N, two); break;
+    default: micro_kernel(type, 1, w0, w1, stride, nblocks, xg, y, N, two); break;
+    }
+}
+
+/* X (M, K) -> groups of GROUP rows, each block-major: xp[((g * nblocks + b) * GROUP + i) * 32 + c] = X[g * GROUP + i][32b + c] */
+static void pack_groups(const float *x, int64_t M, int64_t K, float *xp) {
+    const int64_t nblocks = K / QK;
+    for (int64_t r = 0; r < M; r++) {
+        const int64_t g = r / GROUP, i = r % GROUP;
+        for (int64_t b = 0; b < nblocks; b++)
+            memcpy(xp + ((g * nblocks + b) * GROUP + i) * QK, x + r * K + b * QK, QK * sizeof(float));
+    }
+}
+
+/* Every packed group of X against W row pairs [p0, p1): one thread's work. The group (8 rows) stays in L1 while the
+ * thread sweeps its W rows past it; W streams from L2 (or beyond), 40 bytes or fewer per 32 multiply-adds. */
+static void thread_rows(const int type, const uint8_t *blocks, int64_t N, int64_t K, const float *xp, int64_t M,
+                        int64_t p0, int64_t p1, float *y) {
+    const int stride = kvlab_block_bytes(type);
+    const int64_t nblocks = K / QK, row_bytes = nblocks * stride;
+    for (int64_t i = 0; i < M; i += GROUP) {
+        const int n = M - i < GROUP ? (int)(M - i) : GROUP;
+        for (int64_t p = p0; p < p1; p++) {
+            const int64_t j = 2 * p;
+            const int two = j + 1 < N;
+            const uint8_t *w0 = blocks + j * row_bytes, *w1 = two ? w0 + row_bytes : w0;
+            if (p + AHEAD < p1)   /* the pair AHEAD pairs on: once y outgrows L2, W comes from L3 for every group */
+                for (int64_t at = 0; at < 2 * row_bytes; at += 64) __builtin_prefetch(w0 + AHEAD * 2 * row_bytes + at, 0, 3);
+            group_kernel(type, n, w0, w1, stride, nblocks, xp + i * K, y + i * N + j, N, two);
         }
     }
 }
-#else
-static void micro_kernel(const float *w, const float *xp, int64_t kc, float *acc_io) {
-    for (int j = 0; j < TILE; j++) {
-        float acc[PANEL] = {0};
-        for (int64_t k = 0; k < kc; k++) {
-            const float wj = w[k * TILE + j];
-            for (int l = 0; l < PANEL; l++) acc[l] += wj * xp[k * PANEL + l];
-        }
-        for (int l = 0; l < PANEL; l++) acc_io[j * PANEL + l] += acc[l];
-    }
-}
-#endif
+
+/* one instantiation per block type, so the type is a constant inside the micro-kernels */
+static void thread_rows_q4_0(const uint8_t *w, int64_t N, int64_t K, const float *xp, int64_t M, int64_t p0, int64_t p1,
+                             float *y) { thread_rows(Q4_0, w, N, K, xp, M, p0, p1, y); }
+static void thread_rows_q4_1(const uint8_t *w, int64_t N, int64_t K, const float *xp, int64_t M, int64_t p0, int64_t p1,
+                             float *y) { thread_rows(Q4_1, w, N, K, xp, M, p0, p1, y); }
+static void thread_rows_q8_0(const uint8_t *w, int64_t N, int64_t K, const float *xp, int64_t M, int64_t p0, int64_t p1,
+                             float *y) { thread_rows(Q8_0, w, N, K, xp, M, p0, p1, y); }
 
 /* Fewer than FEW_ROWS rows: the GEMV's row dot (blockgemv.c) for each row of X against each row of W, the W row
  * still in L1 for the next X row, so W is read once; each output equals kvlab_block_gemv's bit for bit. */
@@ -162,64 +211,23 @@ int kvlab_block_gemm(int type, const uint8_t *blocks, int64_t N, int64_t K, cons
     if (stride == 0 || K % QK != 0 || K <= 0 || K > MAX_K || N < 0 || M < 0) return -1;
     if (N == 0 || M == 0) return 0;
     if (M < FEW_ROWS) return few_rows(type, blocks, N, K, x, M, y, n_threads);
-    const int64_t row_bytes = K / QK * stride;
-    const int64_t n_panels = (M + PANEL - 1) / PANEL, n_tiles = (N + TILE - 1) / TILE;
-    int64_t slab_tiles = SLAB_BYTES / ((int64_t)sizeof(float) * K * TILE);
-    if (slab_tiles < 1) slab_tiles = 1;
     if (n_threads < 1) n_threads = 1;
-
-    float *xp = alloc_floats(n_panels * PANEL * K);
+    void (*rows_fn)(const uint8_t *, int64_t, int64_t, const float *, int64_t, int64_t, int64_t, float *) =
+        type == Q4_0 ? thread_rows_q4_0 : type == Q4_1 ? thread_rows_q4_1 : thread_rows_q8_0;
+    float *xp = alloc_floats((M + GROUP - 1) / GROUP * GROUP * K);
     if (xp == NULL) return -2;
-    int failed = 0;
-    #pragma omp parallel num_threads(n_threads)
+    pack_groups(x, M, K, xp);
+    const int64_t pairs = (N + 1) / 2;
+    #pragma omp parallel num_threads(n_threads) if(N * K * M >= 65536)
     {
         int t = 0, nt = 1;
 #ifdef _OPENMP
         t = omp_get_thread_num();
         nt = omp_get_num_threads();
 #endif
-        #pragma omp for schedule(static)
-        for (int64_t p = 0; p < n_panels; p++) {
-            const int rows = M - p * PANEL < PANEL ? (int)(M - p * PANEL) : PANEL;
-            pack_panel(x, K, p * PANEL, rows, xp + p * PANEL * K);
-        }   /* implicit barrier: every panel is packed before any thread multiplies */
-
-        const int64_t tile0 = n_tiles * t / nt, tile1 = n_tiles * (t + 1) / nt;
-        /* per thread: slab_tiles packed W tiles, one row-major tile, and a (8, 32) accumulator per slab tile */
-        float *slab = tile1 > tile0 ? alloc_floats((slab_tiles + 1) * TILE * K + slab_tiles * TILE * PANEL) : NULL;
-        if (tile1 > tile0 && slab == NULL) {
-            #pragma omp atomic write
-            failed = 1;
-        }
-        for (int64_t s = tile0; slab != NULL && s < tile1; s += slab_tiles) {
-            const int64_t s_end = s + slab_tiles < tile1 ? s + slab_tiles : tile1;
-            float *rowwise = slab + slab_tiles * TILE * K, *accs = rowwise + TILE * K;
-            for (int64_t tile = s; tile < s_end; tile++) {
-                const int rows = N - tile * TILE < TILE ? (int)(N - tile * TILE) : TILE;
-                pack_tile(type, blocks, row_bytes, tile * TILE, rows, K, rowwise, slab + (tile - s) * TILE * K);
-            }
-            for (int64_t p = 0; p < n_panels; p++) {
-                const int64_t i0 = p * PANEL;
-                const int rows = M - i0 < PANEL ? (int)(M - i0) : PANEL;
-                const float *panel = xp + p * PANEL * K;
-                memset(accs, 0, (size_t)(s_end - s) * TILE * PANEL * sizeof(float));
-                for (int64_t k0 = 0; k0 < K; k0 += KC) {   /* a KC slice of the panel stays in L1 across the tiles */
-                    const int64_t kc = K - k0 < KC ? K - k0 : KC;
-                    for (int64_t tile = s; tile < s_end; tile++)
-                        micro_kernel(slab + (tile - s) * TILE * K + k0 * TILE, panel + k0 * PANEL, kc,
-                                     accs + (tile - s) * TILE * PANEL);
-                }
-                for (int64_t tile = s; tile < s_end; tile++) {
-                    const int64_t j0 = tile * TILE;
-                    const int cols = N - j0 < TILE ? (int)(N - j0) : TILE;
-                    const float *acc = accs + (tile - s) * TILE * PANEL;
-                    for (int l = 0; l < rows; l++)
-                        for (int j = 0; j < cols; j++) y[(i0 + l) * N + j0 + j] = acc[j * PANEL + l];
-                }
-            }
-        }
-        free(slab);
+        const int64_t p0 = pairs * t / nt, p1 = pairs * (t + 1) / nt;
+        rows_fn(blocks, N, K, xp, M, p0, p1, y);
     }
     free(xp);
-    return failed ? -2 : 0;
+    return 0;
 }

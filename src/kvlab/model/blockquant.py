@@ -2,11 +2,11 @@
 
 A BlockMatrix is a (rows, cols) weight kept as its GGUF bytes: `data` (rows, row_bytes) uint8, each row
 cols / 32 consecutive blocks. BlockQuantLinear multiplies one fp32 row straight from the blocks with the C
-kernel (kvlab.kernels), reading ~5-8.5 bits per weight instead of 32, and several rows (prefill, eval
-chunks, a batch) with the block GEMM kernel, which dequantizes a few rows of the matrix at a time into
-per-thread scratch, so no fp32 copy of a whole matrix is ever made. Without a kernel (or with
-KVLAB_NO_GEMM=1 for several rows: the reference path the GEMM is tested against) the matrix is
-dequantized to fp32 and F.linear is used. The weight values are the file's, exactly: only the fp32
+kernel (kvlab.kernels), reading ~5-8.5 bits per weight instead of 32, and a few rows (a batched decode
+step: up to GEMM_MAX_ROWS) with the block GEMM kernel, which dequantizes each block in registers and uses it
+for 8 rows at once, so no fp32 copy of the matrix is made. More rows (prompt chunks, eval windows), no
+kernel, or KVLAB_NO_GEMM=1 (the reference path the GEMM is tested against): the matrix is dequantized to
+fp32 and F.linear is used. The weight values are the file's, exactly: only the fp32
 summation order of the kernels differs from the dense path.
 
 Rows of a BlockMatrix are whole blocks, so fusing q|k|v or gate|up is a concatenation of byte rows and
@@ -89,6 +89,12 @@ def _dequantize_torch(block_type: str, data: torch.Tensor, cols: int) -> torch.T
     return (d * (q - 8)).reshape(rows, cols)
 
 
+# Up to this many rows (a decode step for a batch of sequences) the block GEMM wins: it reads each weight once
+# and never writes an fp32 copy. Beyond it (prompt chunks) dequantizing one matrix at a time and multiplying
+# with torch's GEMM wins: 0.93x at 64 rows, 0.59x at 512 (bench/block_gemm.py, 1 thread; docs/benchmarks.md).
+GEMM_MAX_ROWS = 48
+
+
 def gemm_enabled() -> bool:
     """Whether several rows go through the block GEMM kernel; KVLAB_NO_GEMM=1 selects the reference path
     (dequantize the whole matrix, F.linear). Read on every call, like KVLAB_NO_KERNEL."""
@@ -112,7 +118,9 @@ class BlockQuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kernel = block_kernel()
         one_row = x.numel() == x.shape[-1]
-        if kernel is None or x.device.type != "cpu" or x.dtype != torch.float32 or not (one_row or gemm_enabled()):
+        rows = x.numel() // x.shape[-1]
+        if (kernel is None or x.device.type != "cpu" or x.dtype != torch.float32 or rows > GEMM_MAX_ROWS
+                or not (one_row or gemm_enabled())):
             return F.linear(x, self.dequantized().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         if one_row:
             y = kernel.gemv(self.block_type, self.blocks, x.reshape(-1).contiguous())           # (out,)
