@@ -145,9 +145,12 @@ class Decoder(nn.Module):
 
     def rope(self, start: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape (n, D) for absolute positions [start, start + n)."""
-        positions = torch.arange(start, start + n, device=self.inv_freq.device, dtype=torch.float32)
-        angles = torch.outer(positions, self.inv_freq)                      # (n, D/2)
-        angles = torch.cat((angles, angles), dim=-1)                        # (n, D)
+        return self.rope_at(torch.arange(start, start + n, device=self.inv_freq.device), dtype)
+
+    def rope_at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape (N, D) for any absolute positions (N,) (a batch of sequences at different lengths)."""
+        angles = torch.outer(positions.to(torch.float32), self.inv_freq)    # (N, D/2)
+        angles = torch.cat((angles, angles), dim=-1)                        # (N, D)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
     def output_weight(self) -> torch.Tensor:

@@ -36,12 +36,6 @@ class BatchView:
         return out.transpose(0, 1)[None].to(q.dtype)
 
 
-def rope_at(model, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin (N, D) for arbitrary absolute positions (N,): the model's own table, one row per token."""
-    cos, sin = model.rope(0, int(positions.max()) + 1, dtype)              # (P, D)
-    return cos[positions], sin[positions]                                   # (N, D)
-
-
 def output_logits(model, x: torch.Tensor) -> torch.Tensor:
     """Final norm and output projection of rows x (1, R, C) -> (1, R, vocab), as Decoder.forward ends."""
     x = model.norm(x)
@@ -67,7 +61,7 @@ class Runner:
         layout = RaggedLayout.build([c.seq.block_table for c in chunks], [c.n_tokens for c in chunks],
                                     [c.start + c.n_tokens for c in chunks], self.pool.block_size)
         x = self.model.embed(torch.tensor([ids], device=self.device))              # (1, N, C)
-        cos, sin = rope_at(self.model, positions, x.dtype)                          # (N, D)
+        cos, sin = self.model.rope_at(positions, x.dtype)                         # (N, D)
         view = BatchView(self.pool, slots, layout, self.scale, self.window, self.use_kernel)
         for block in self.model.blocks:
             x = block(x, cos, sin, view)                                            # (1, N, C)
