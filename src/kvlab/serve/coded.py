@@ -212,9 +212,9 @@ class IntPool(CodedPool):
 class TurboPool(CodedPool):
     """TurboQuant blocks: per-token codes and norms; the per-layer state lives in `codec`."""
 
-    def __init__(self, geometry: CacheGeometry, plan, fmt: BlockFormat, device="cpu", model=None):
+    def __init__(self, geometry: CacheGeometry, plan, fmt: BlockFormat, codec: TurboQuantCache, device="cpu"):
         super().__init__(geometry, plan, fmt, device)
-        self.codec = calibrated_codec(model, geometry, fmt.config, self._device)
+        self.codec = codec                                     # calibrated_codec(...): the shared per-layer state
         for name in self.codec.token_buffer_names():           # the codec's (1, Hkv, 1[, bytes]) buffers give the shapes
             like = getattr(self.codec, name)[0]                  # layer 0: (1, Hkv, 1[, bytes])
             self._tokens(name, like.shape[1], *like.shape[3:], dtype=like.dtype)
@@ -263,4 +263,4 @@ def make_pool(geometry: CacheGeometry, plan, device="cpu", model=None):
         return BlockPool(geometry, plan, device)
     if fmt.kind == "int":
         return IntPool(geometry, plan, fmt, device)
-    return TurboPool(geometry, plan, fmt, device, model)
+    return TurboPool(geometry, plan, fmt, calibrated_codec(model, geometry, fmt.config, device), device)
