@@ -91,13 +91,19 @@ def calibrated(geometry: CacheGeometry, config, rng: torch.Generator) -> TurboQu
     return codec
 
 
-@pytest.mark.parametrize("seed", range(2))
-@pytest.mark.parametrize("name,block_size", [("int4", 16), ("int8+g4", 8), ("int3+g8", 16), ("tq4", 16), ("tq3.5", 8),
-                                             ("tq-k4v3+qjl", 16)])
-@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 1), (2, 2)])
-def test_pool_attention_equals_the_single_cache_on_random_chunks(seed, name, block_size, heads, kv_heads):
+CASES = [  # format, block size, query heads, KV heads, sliding window, C path (TurboQuant reads the codes)
+    ("int4", 16, 9, 3, None, False), ("int8+g4", 8, 4, 1, None, False), ("int3+g8", 16, 2, 2, None, False),
+    ("int4", 8, 4, 1, 7, False), ("tq4", 16, 9, 3, None, False), ("tq4", 16, 9, 3, None, True),
+    ("tq4", 8, 4, 1, 9, True), ("tq3.5", 8, 2, 2, None, False), ("tq3.5", 8, 2, 2, None, True),
+    ("tq-k4v3+qjl", 16, 9, 3, None, False), ("tq-k4v3+qjl", 16, 4, 1, None, True),
+]
+
+
+@pytest.mark.parametrize("seed,case", list(enumerate(CASES)))
+def test_pool_attention_equals_the_single_cache_on_random_chunks(seed, case):
+    name, block_size, heads, kv_heads, window, use_kernel = case
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
-    geometry = CacheGeometry(n_layers=1, n_kv_heads=kv_heads, head_dim=16, n_heads=heads, capacity=64)
+    geometry = CacheGeometry(n_layers=1, n_kv_heads=kv_heads, head_dim=16, n_heads=heads, capacity=64, window=window)
     plan = CapacityPlan.build(geometry, name, 10**9, block_size, max_batch=4)
     plan = replace(plan, n_blocks=24)
     fmt = block_format(name, geometry, block_size)
@@ -129,7 +135,7 @@ def test_pool_attention_equals_the_single_cache_on_random_chunks(seed, name, blo
         k = torch.randn(len(slots), kv_heads, 16, generator=gen) + 2.0       # (N, Hkv, D) with a common component
         v = torch.randn(len(slots), kv_heads, 16, generator=gen)
         q = torch.randn(len(slots), heads, 16, generator=gen)               # (N, H, D)
-        view = BatchView(pool, slots, layout, 16 ** -0.5, None, False, pool.rows_for([seqs[s] for s in active]))
+        view = BatchView(pool, slots, layout, 16 ** -0.5, window, use_kernel, pool.rows_for([seqs[s] for s in active]))
         pool.append(0, view, k, v)
         out = pool.attend(0, view, q)                                        # (N, H, D)
         at = 0

@@ -359,40 +359,49 @@ class TurboQuantCache(CompressedCache):
         return stored
 
     # -- reading ------------------------------------------------------------------------------------
-    def _qjl_term(self, layer: int, n: int) -> torch.Tensor:
-        """The QJL residual estimate per key in the rotated domain: √(π/2)/m·‖r‖·Sᵀsign(Sr), (B, H, n, d)."""
-        return self._qjl_residual(self.k_signs[layer][:, :, :n], self.k_rnorm[layer][:, :, :n])
-
     def _qjl_residual(self, signs: torch.Tensor, rnorm: torch.Tensor) -> torch.Tensor:
-        """signs (..., n, m/8) uint8, rnorm (..., n) -> (..., n, d): see `_qjl_term`."""
+        """The QJL residual estimate per key in the rotated domain, √(π/2)/m·‖r‖·Sᵀsign(Sr):
+        signs (..., n, m/8) uint8, rnorm (..., n) -> (..., n, d)."""
         m = self.qjl_matrix.shape[0]
         sign = unpack(signs, 1, m).float() * 2 - 1                                # (..., n, m) ±1
         coef = math.sqrt(math.pi / 2) / m * rnorm.float()                         # (..., n)
         return (sign @ self.qjl_matrix) * coef[..., None]
 
+    def _buffers(self, layer: int) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name)[layer] for name in self.token_buffer_names()}
+
     def _scores(self, layer: int, qg: torch.Tensor, n: int) -> torch.Tensor:
+        return self.scores(layer, qg, self._buffers(layer), n)
+
+    def _mix(self, layer: int, p: torch.Tensor, n: int) -> torch.Tensor:
+        return self.mix(layer, p, self._buffers(layer), n)
+
+    def scores(self, layer: int, qg: torch.Tensor, stored: dict[str, torch.Tensor], n: int) -> torch.Tensor:
+        """Scaled logits of qg (B, H, G·T, d) against the first n tokens of `stored` ({buffer name: (B, H, slots[, bytes])},
+        this cache's buffers or codes gathered from a serving pool) -> (B, H, G·T, n), read on the codes."""
         weights = self._key_weights(layer)
         q_rot = self.rotations[layer].apply(qg if weights is None else qg * weights)  # (B, H, G·T, d) Π(q⊙w)
         centroids = self._four_bit_centroids(self.key_codes)
         if centroids is not None and not self.config.qjl:
-            dots = self.code_kernel.codebook4_dots(self.k_codes[layer], n, centroids, q_rot)  # (B, H, G·T, n)
+            dots = self.code_kernel.codebook4_dots(stored["k_codes"], n, centroids, q_rot)  # (B, H, G·T, n)
         else:
-            y_hat = self.key_codes.decode(self.k_codes[layer][:, :, :n])           # (B, H, n, d) codebook values
-            if self.config.qjl:
-                y_hat = y_hat + self._qjl_term(layer, n)                          # unbiased residual estimate
+            y_hat = self.key_codes.decode(stored["k_codes"][:, :, :n])            # (B, H, n, d) codebook values
+            if self.config.qjl:                                                   # unbiased residual estimate
+                y_hat = y_hat + self._qjl_residual(stored["k_signs"][:, :, :n], stored["k_rnorm"][:, :, :n])
             dots = q_rot @ y_hat.transpose(-1, -2)                                # (B, H, G·T, n)
-        scores = dots * (self.k_norm[layer][:, :, None, :n].float() * self.scale)
+        scores = dots * (stored["k_norm"][:, :, None, :n].float() * self.scale)
         if self.k_offset:
             scores = scores + (qg @ self.k_offset[layer][..., None].float()) * self.scale  # (B, H, G·T, 1) q·μ
         return scores
 
-    def _mix(self, layer: int, p: torch.Tensor, n: int) -> torch.Tensor:
-        weights = p * self.v_norm[layer][:, :, None, :n].float()                  # (B, H, G·T, n)
+    def mix(self, layer: int, p: torch.Tensor, stored: dict[str, torch.Tensor], n: int) -> torch.Tensor:
+        """Σ_i p_i·v_i over the first n tokens of `stored` (see `scores`); p (B, H, G·T, n) -> (B, H, G·T, d)."""
+        weights = p * stored["v_norm"][:, :, None, :n].float()                   # (B, H, G·T, n)
         centroids = self._four_bit_centroids(self.value_codes)
         if centroids is not None:
-            mixed = self.code_kernel.codebook4_mix(self.v_codes[layer], n, centroids, weights, self.geometry.head_dim)
+            mixed = self.code_kernel.codebook4_mix(stored["v_codes"], n, centroids, weights, self.geometry.head_dim)
         else:
-            mixed = weights @ self.value_codes.decode(self.v_codes[layer][:, :, :n])  # (B, H, G·T, d)
+            mixed = weights @ self.value_codes.decode(stored["v_codes"][:, :, :n])  # (B, H, G·T, d)
         out = self.rotations[layer].invert(mixed)                                  # (B, H, G·T, d)
         if self.v_offset:
             out = out + p.sum(dim=-1, keepdim=True) * self.v_offset[layer][:, :, None].float()
@@ -407,7 +416,7 @@ class TurboQuantCache(CompressedCache):
     def _restore(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         if layer in self._pending:
             self._calibrate_and_store(layer, None)
-        return self.decode(layer, {name: getattr(self, name)[layer][:, :, :n] for name in self.token_buffer_names()})
+        return self.decode(layer, {name: buf[:, :, :n] for name, buf in self._buffers(layer).items()})
 
     def decode(self, layer: int, stored: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The inverse of `code`: {buffer name: (B, H, n[, bytes])} -> k, v (B, H, n, d) float32 as attention reads them."""

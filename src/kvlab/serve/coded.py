@@ -8,8 +8,10 @@ Every buffer is token-major like the dense pool, so token slot = block · block_
           + one TurboQuantCache `codec` holding the per-layer state all sequences share
 and a block copy (copy-on-write) copies every buffer's rows of that block.
 
-Reading is the torch reference: per sequence, gather its slots, dequantize, then
-cache.attention.grouped_attention, the same causal attention every cache uses. The int formats keep the
+Reading, per sequence: gather its slots. The torch reference dequantizes them, then runs
+cache.attention.grouped_attention, the same causal attention every cache uses. TurboQuant pools with
+use_kernel read the gathered codes instead, with the single cache's own scores and mix (kernels/codebook4.c
+for 4-bit codes on CPU): the path the tests hold equal to the reference. The int formats keep the
 single cache's rule for key groups (cache/quantized.py): the query of the token at position p reads codes
 for the groups complete at p and full-precision keys for the rest, so a chunk's queries before a group's
 completion read that group exactly (from the stage and the chunk's own keys, kept for the step like the
@@ -31,7 +33,7 @@ from dataclasses import replace
 import torch
 
 from ..cache import CacheGeometry
-from ..cache.attention import grouped_attention
+from ..cache.attention import causal_mask, grouped_attention
 from ..cache.base import tensors_nbytes
 from ..cache.packing import pack, packed_nbytes, unpack
 from ..cache.quantized import _affine, _encode
@@ -228,14 +230,34 @@ class TurboPool(CodedPool):
             self.token_buffers[name][layer][view.slots] = t[0].transpose(0, 1)              # (N, Hkv, ...)
 
     def attend(self, layer: int, view, q: torch.Tensor) -> torch.Tensor:
+        """q (N, H, D) fp32 -> (N, H, D): on the codes with the codec's own scores and mix (C kernels for 4-bit
+        codes on CPU) when view.use_kernel, else the torch reference (dequantize, then grouped_attention)."""
         out = q.new_empty(q.shape[0], q.shape[1], self.geometry.head_dim)            # (N, H, D)
+        on_codes = view.use_kernel and self.codec.code_kernel is not None
         for s, lo, hi, start, ctx in self.sequences(view):
             slots = view.layout.slots(s).to(self._device)                            # (ctx,)
-            stored = {name: buf[layer][slots].transpose(0, 1)[None] for name, buf in self.token_buffers.items()}
-            k, v = self.codec.decode(layer, stored)                                  # (1, Hkv, ctx, D)
+            stored = {name: buf[layer][slots].transpose(0, 1)[None].contiguous()     # (1, Hkv, ctx[, bytes])
+                      for name, buf in self.token_buffers.items()}
             qs = q[lo:hi].transpose(0, 1)[None]                                      # (1, H, T, D)
-            out[lo:hi] = grouped_attention(qs, k, v, view.scale, window=view.window)[0].transpose(0, 1)
+            if on_codes:
+                o = self._attend_codes(layer, qs, stored, ctx, view.window)
+            else:
+                k, v = self.codec.decode(layer, stored)                              # (1, Hkv, ctx, D)
+                o = grouped_attention(qs, k, v, view.scale, window=view.window)
+            out[lo:hi] = o[0].transpose(0, 1)
         return out
+
+    def _attend_codes(self, layer: int, q: torch.Tensor, stored: dict, n: int, window: int | None) -> torch.Tensor:
+        """q (1, H, T, D) against n coded tokens -> (1, H, T, D): the softmax of CompressedCache.attend, no sink or window."""
+        _, H, T, D = q.shape
+        Hkv = self.geometry.n_kv_heads
+        qg = q.reshape(1, Hkv, H // Hkv * T, D)                                       # (1, Hkv, G·T, D)
+        scores = self.codec.scores(layer, qg, stored, n)                             # (1, Hkv, G·T, n)
+        if T > 1 or (window is not None and n > window):
+            mask = causal_mask(T, n, q.device, window).repeat(H // Hkv, 1)           # (G·T, n)
+            scores = scores.masked_fill(~mask, float("-inf"))
+        p = torch.softmax(scores, dim=-1)
+        return self.codec.mix(layer, p, stored, n).reshape(1, H, T, D)
 
 
 def calibrated_codec(model, geometry: CacheGeometry, config, device) -> TurboQuantCache:
