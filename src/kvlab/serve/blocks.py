@@ -87,8 +87,13 @@ class CapacityPlan:
         return cls(fmt.name, budget, block_size, fmt.block_bytes, n_blocks, fmt.shared_bytes, fmt.sequence_bytes, max_batch)
 
     @property
+    def fixed_bytes(self) -> int:
+        """What the pool holds besides its blocks: shared state and one row of per-sequence state per batch slot."""
+        return self.shared_bytes + self.max_batch * self.sequence_bytes
+
+    @property
     def pool_bytes(self) -> int:
-        return self.n_blocks * self.block_bytes + self.shared_bytes + self.max_batch * self.sequence_bytes
+        return self.n_blocks * self.block_bytes + self.fixed_bytes
 
     @property
     def tokens(self) -> int:
