@@ -91,9 +91,10 @@ def calibrated(geometry: CacheGeometry, config, rng: torch.Generator) -> TurboQu
     return codec
 
 
-CASES = [  # format, block size, query heads, KV heads, sliding window, C path (TurboQuant reads the codes)
-    ("int4", 16, 9, 3, None, False), ("int8+g4", 8, 4, 1, None, False), ("int3+g8", 16, 2, 2, None, False),
-    ("int4", 8, 4, 1, 7, False), ("tq4", 16, 9, 3, None, False), ("tq4", 16, 9, 3, None, True),
+CASES = [  # format, block size, query heads, KV heads, sliding window, C path (reads the codes)
+    ("int4", 16, 9, 3, None, False), ("int4", 16, 9, 3, None, True), ("int8+g4", 8, 4, 1, None, False),
+    ("int8+g4", 8, 4, 1, None, True), ("int3+g8", 16, 2, 2, None, False), ("int4", 8, 4, 1, 7, False),
+    ("int4", 8, 4, 1, 7, True), ("tq4", 16, 9, 3, None, False), ("tq4", 16, 9, 3, None, True),
     ("tq4", 8, 4, 1, 9, True), ("tq3.5", 8, 2, 2, None, False), ("tq3.5", 8, 2, 2, None, True),
     ("tq-k4v3+qjl", 16, 9, 3, None, False), ("tq-k4v3+qjl", 16, 4, 1, None, True),
 ]
