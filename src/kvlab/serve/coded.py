@@ -217,7 +217,6 @@ class IntPool(CodedPool):
                 a = b
         return out
 
-
     def _attend_codes(self, kernel, layer: int, q: torch.Tensor, slots: torch.Tensor, fresh: tuple, view) -> torch.Tensor:
         """q (1, H, T, D) of one sequence, its slots (ctx,) and its step's full-precision keys from token `first`
         -> (1, H, T, Dv), scores and mix read from the gathered codes.
