@@ -160,11 +160,16 @@ def run_engine(loaded, name: str, reqs: list[Request], max_batch: int, block_for
 def run_throughput_bench(model: str | None, quick: bool, workloads: list[str], batches: list[int], formats: list[str],
                          kv_budget: str, max_step_tokens: int, threads: int, out: str | None, json_out: bool,
                          console: Console, sequential: bool = True) -> dict:
+    from ..cache import CacheGeometry
     from ..measure import machine_info, torch_threads, write_json
+    from ..serve.formats import block_format as parse_block_format
     from ..session import cached_model
 
     with torch_threads(threads):
         loaded = cached_model(model, "fp32", "cpu", "auto")
+        geometry = CacheGeometry.for_model(loaded.config)
+        for block_format in formats:                      # a bad name fails now, not after the first runs
+            parse_block_format(block_format, geometry, 16)
         results: list[RunResult] = []
         for name in workloads:
             reqs = workload(name, loaded.tokenizer, quick)
@@ -226,7 +231,7 @@ def register(bench_app) -> None:
         quick: bool = typer.Option(False, "--quick", help="Small workloads (a smoke run, minutes)."),
         workloads: str = typer.Option("mixed,shared", "--workloads", help="mixed | shared, comma-separated."),
         batches: str = typer.Option("1,4,16,32", "--batches", help="Engine max batch sizes."),
-        formats: str = typer.Option("dense,dense-f16", "--formats", help="Block formats; the first one runs every batch."),
+        formats: str = typer.Option("dense,dense-f16", "--formats", help="Block formats (dense, dense-f16, dense-bf16, int8, int4, tq4, tq3, ...); the first one runs every batch."),
         kv_budget: str = typer.Option("1GiB", "--kv-budget", help="The engine's KV pool."),
         max_step_tokens: int = typer.Option(512, "--max-step-tokens", min=1),
         threads: int = typer.Option(0, "--threads", min=0, help="torch intra-op threads (0: torch's default)."),

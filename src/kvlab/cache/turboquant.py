@@ -311,27 +311,37 @@ class TurboQuantCache(CompressedCache):
         self._encode(layer, k, v, start)
 
     def _encode(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
-        rot = self.rotations[layer]
         end = start + k.shape[2]
+        for name, coded in self.code(layer, k, v).items():
+            getattr(self, name)[layer][:, :, start:end] = coded
+
+    def token_buffer_names(self) -> list[str]:
+        """The per-token buffers: what `code` returns and `decode` reads."""
+        return ["k_codes", "k_norm", "v_codes", "v_norm"] + (["k_signs", "k_rnorm"] if self.config.qjl else [])
+
+    def code(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What this cache stores for T tokens of `layer`, without storing it: k, v (B, H, T, d) ->
+        {buffer name: (B, H, T[, bytes])} for each of `token_buffer_names()` (the serving pool writes them)."""
+        rot = self.rotations[layer]
         k = k.float() - self._key_offset(layer)
         weights = self._key_weights(layer)
         if weights is not None:
             k = k / weights
         if self.v_offset:
             v = v.float() - self.v_offset[layer][:, :, None].float()
+        out = {}
         y, norm = self._unit(rot, k)                                              # (B, H, T, d), (B, H, T)
-        packed, y_hat = self.key_codes.encode(y)
-        self.k_codes[layer][:, :, start:end] = packed
-        self.k_norm[layer][:, :, start:end] = self._to_norm(norm * _scale_factor(self._key_scale, y, y_hat), "key")
+        out["k_codes"], y_hat = self.key_codes.encode(y)
+        out["k_norm"] = self._to_norm(norm * _scale_factor(self._key_scale, y, y_hat), "key")
         if self.config.qjl:
             r = y - y_hat                                                         # (B, H, T, d) residual
             sketch = r @ self.qjl_matrix.T                                        # (B, H, T, m) S·r
-            self.k_signs[layer][:, :, start:end] = pack((sketch >= 0).to(torch.uint8), 1)
-            self.k_rnorm[layer][:, :, start:end] = self._to_norm(r.norm(dim=-1), "key residual")
+            out["k_signs"] = pack((sketch >= 0).to(torch.uint8), 1)
+            out["k_rnorm"] = self._to_norm(r.norm(dim=-1), "key residual")
         y, norm = self._unit(rot, v)
-        packed, y_hat = self.value_codes.encode(y)
-        self.v_codes[layer][:, :, start:end] = packed
-        self.v_norm[layer][:, :, start:end] = self._to_norm(norm * _scale_factor(self.config.value_scale, y, y_hat), "value")
+        out["v_codes"], y_hat = self.value_codes.encode(y)
+        out["v_norm"] = self._to_norm(norm * _scale_factor(self.config.value_scale, y, y_hat), "value")
+        return out
 
     @staticmethod
     def _unit(rot: Rotation, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -349,36 +359,49 @@ class TurboQuantCache(CompressedCache):
         return stored
 
     # -- reading ------------------------------------------------------------------------------------
-    def _qjl_term(self, layer: int, n: int) -> torch.Tensor:
-        """The QJL residual estimate per key in the rotated domain: √(π/2)/m·‖r‖·Sᵀsign(Sr), (B, H, n, d)."""
+    def _qjl_residual(self, signs: torch.Tensor, rnorm: torch.Tensor) -> torch.Tensor:
+        """The QJL residual estimate per key in the rotated domain, √(π/2)/m·‖r‖·Sᵀsign(Sr):
+        signs (..., n, m/8) uint8, rnorm (..., n) -> (..., n, d)."""
         m = self.qjl_matrix.shape[0]
-        signs = unpack(self.k_signs[layer][:, :, :n], 1, m).float() * 2 - 1      # (B, H, n, m) ±1
-        coef = math.sqrt(math.pi / 2) / m * self.k_rnorm[layer][:, :, :n].float()  # (B, H, n)
-        return (signs @ self.qjl_matrix) * coef[..., None]
+        sign = unpack(signs, 1, m).float() * 2 - 1                                # (..., n, m) ±1
+        coef = math.sqrt(math.pi / 2) / m * rnorm.float()                         # (..., n)
+        return (sign @ self.qjl_matrix) * coef[..., None]
+
+    def _buffers(self, layer: int) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name)[layer] for name in self.token_buffer_names()}
 
     def _scores(self, layer: int, qg: torch.Tensor, n: int) -> torch.Tensor:
+        return self.scores(layer, qg, self._buffers(layer), n)
+
+    def _mix(self, layer: int, p: torch.Tensor, n: int) -> torch.Tensor:
+        return self.mix(layer, p, self._buffers(layer), n)
+
+    def scores(self, layer: int, qg: torch.Tensor, stored: dict[str, torch.Tensor], n: int) -> torch.Tensor:
+        """Scaled logits of qg (B, H, G·T, d) against the first n tokens of `stored` ({buffer name: (B, H, slots[, bytes])},
+        this cache's buffers or codes gathered from a serving pool) -> (B, H, G·T, n), read on the codes."""
         weights = self._key_weights(layer)
         q_rot = self.rotations[layer].apply(qg if weights is None else qg * weights)  # (B, H, G·T, d) Π(q⊙w)
         centroids = self._four_bit_centroids(self.key_codes)
         if centroids is not None and not self.config.qjl:
-            dots = self.code_kernel.codebook4_dots(self.k_codes[layer], n, centroids, q_rot)  # (B, H, G·T, n)
+            dots = self.code_kernel.codebook4_dots(stored["k_codes"], n, centroids, q_rot)  # (B, H, G·T, n)
         else:
-            y_hat = self.key_codes.decode(self.k_codes[layer][:, :, :n])           # (B, H, n, d) codebook values
-            if self.config.qjl:
-                y_hat = y_hat + self._qjl_term(layer, n)                          # unbiased residual estimate
+            y_hat = self.key_codes.decode(stored["k_codes"][:, :, :n])            # (B, H, n, d) codebook values
+            if self.config.qjl:                                                   # unbiased residual estimate
+                y_hat = y_hat + self._qjl_residual(stored["k_signs"][:, :, :n], stored["k_rnorm"][:, :, :n])
             dots = q_rot @ y_hat.transpose(-1, -2)                                # (B, H, G·T, n)
-        scores = dots * (self.k_norm[layer][:, :, None, :n].float() * self.scale)
+        scores = dots * (stored["k_norm"][:, :, None, :n].float() * self.scale)
         if self.k_offset:
             scores = scores + (qg @ self.k_offset[layer][..., None].float()) * self.scale  # (B, H, G·T, 1) q·μ
         return scores
 
-    def _mix(self, layer: int, p: torch.Tensor, n: int) -> torch.Tensor:
-        weights = p * self.v_norm[layer][:, :, None, :n].float()                  # (B, H, G·T, n)
+    def mix(self, layer: int, p: torch.Tensor, stored: dict[str, torch.Tensor], n: int) -> torch.Tensor:
+        """Σ_i p_i·v_i over the first n tokens of `stored` (see `scores`); p (B, H, G·T, n) -> (B, H, G·T, d)."""
+        weights = p * stored["v_norm"][:, :, None, :n].float()                   # (B, H, G·T, n)
         centroids = self._four_bit_centroids(self.value_codes)
         if centroids is not None:
-            mixed = self.code_kernel.codebook4_mix(self.v_codes[layer], n, centroids, weights, self.geometry.head_dim)
+            mixed = self.code_kernel.codebook4_mix(stored["v_codes"], n, centroids, weights, self.geometry.head_dim)
         else:
-            mixed = weights @ self.value_codes.decode(self.v_codes[layer][:, :, :n])  # (B, H, G·T, d)
+            mixed = weights @ self.value_codes.decode(stored["v_codes"][:, :, :n])  # (B, H, G·T, d)
         out = self.rotations[layer].invert(mixed)                                  # (B, H, G·T, d)
         if self.v_offset:
             out = out + p.sum(dim=-1, keepdim=True) * self.v_offset[layer][:, :, None].float()
@@ -393,29 +416,49 @@ class TurboQuantCache(CompressedCache):
     def _restore(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         if layer in self._pending:
             self._calibrate_and_store(layer, None)
+        return self.decode(layer, {name: buf[:, :, :n] for name, buf in self._buffers(layer).items()})
+
+    def decode(self, layer: int, stored: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The inverse of `code`: {buffer name: (B, H, n[, bytes])} -> k, v (B, H, n, d) float32 as attention reads them."""
         rot = self.rotations[layer]
-        k_rot = self.key_codes.decode(self.k_codes[layer][:, :, :n])
+        k_rot = self.key_codes.decode(stored["k_codes"])
         if self.config.qjl:
-            k_rot = k_rot + self._qjl_term(layer, n)
-        k = rot.invert(k_rot * self.k_norm[layer][:, :, :n].float()[..., None])
+            k_rot = k_rot + self._qjl_residual(stored["k_signs"], stored["k_rnorm"])
+        k = rot.invert(k_rot * stored["k_norm"].float()[..., None])
         weights = self._key_weights(layer)
         if weights is not None:
             k = k * weights
-        v = rot.invert(self.value_codes.decode(self.v_codes[layer][:, :, :n]) * self.v_norm[layer][:, :, :n].float()[..., None])
+        v = rot.invert(self.value_codes.decode(stored["v_codes"]) * stored["v_norm"].float()[..., None])
         if self.k_offset:
             k = k + self.k_offset[layer][:, :, None].float()
         if self.v_offset:
             v = v + self.v_offset[layer][:, :, None].float()
         return k, v
 
+    # -- a calibration shared by many sequences (the serving pool) ------------------------------------
+    def use_calibration(self, other: "TurboQuantCache") -> None:
+        """Code every token from now on with `other`'s per-layer offsets and key weights (its first batch row),
+        instead of calibrating on this cache's first chunk; `reset` forgets them."""
+        for layer in self.compressed_layers:
+            for mine, theirs in ((self.k_offset, other.k_offset), (self.v_offset, other.v_offset),
+                                 (self.k_weight_codes, other.k_weight_codes)):
+                if mine:
+                    mine[layer][:] = theirs[layer][0]
+        self._pending.clear()
+        self._calibrated = set(self.compressed_layers)
+
     # -- bytes --------------------------------------------------------------------------------------
     def _store_nbytes(self) -> int:
         per_token = tensors_nbytes(*self.k_codes.values(), *self.k_norm.values(), *self.v_codes.values(), *self.v_norm.values())
         if self.config.qjl:
-            per_token += tensors_nbytes(*self.k_signs.values(), *self.k_rnorm.values(), self.qjl_matrix)
+            per_token += tensors_nbytes(*self.k_signs.values(), *self.k_rnorm.values())
+        return per_token + self.state_nbytes()
+
+    def state_nbytes(self) -> int:
+        """Bytes of the state every token shares: rotations, codebooks, offsets, key weights, the QJL matrix."""
         fixed = sum(r.nbytes for r in self.rotations.values()) + self.key_codes.nbytes + self.value_codes.nbytes
-        fixed += tensors_nbytes(*self.k_offset.values(), *self.v_offset.values(), *self.k_weight_codes.values())
-        return per_token + fixed
+        fixed += tensors_nbytes(self.qjl_matrix)
+        return fixed + tensors_nbytes(*self.k_offset.values(), *self.v_offset.values(), *self.k_weight_codes.values())
 
     @classmethod
     def _expected_store_nbytes(cls, config: TurboQuantConfig, geometry: CacheGeometry, dtype: torch.dtype,

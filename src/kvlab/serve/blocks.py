@@ -4,8 +4,9 @@
     pool.v[layer]   (n_blocks · block_size, Hkv, Dv)
 
 A block's format is a cache format (`dense` fp32, `dense-f16`, `dense-bf16`: storage dtype; compute stays
-fp32). Its bytes come from the caches' own formula (kvlab.cache.expected_nbytes), the one the planner's
-`--engine kvlab` uses, so the number of blocks a budget buys is the planner's number.
+fp32; the compressed formats int4, tq4, ... live in coded.py, see formats.py). Its bytes come from the
+caches' own formula (kvlab.cache.expected_nbytes), the one the planner's `--engine kvlab` uses, so the
+number of blocks a budget buys is the planner's number.
 
 BlockManager keeps the metadata: a block table per sequence, a reference count per block, and the
 prefix index. A full block is keyed by a hash chained over the token ids (key_i = hash(key_{i-1}, ids_i))
@@ -23,12 +24,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..cache import CacheGeometry, expected_nbytes
+from ..cache import CacheGeometry
 from ..cache.base import tensors_nbytes
 from ..errors import ConfigError
+from . import formats
+from .attention import ragged_attention
+from .formats import DENSE_FORMATS
 
-#: block format -> storage dtype (the dense formats; attention reads them in fp32)
-DENSE_FORMATS = {"dense": torch.float32, "dense-f16": torch.float16, "dense-bf16": torch.bfloat16}
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -50,37 +52,48 @@ def parse_bytes(value: int | str) -> int:
 def storage_dtype(block_format: str) -> torch.dtype:
     key = block_format.strip().lower()
     if key not in DENSE_FORMATS:
-        raise ConfigError(f"unknown block format {block_format!r}; choose one of: {', '.join(DENSE_FORMATS)}")
+        raise ConfigError(f"unknown dense block format {block_format!r}; choose one of: {', '.join(DENSE_FORMATS)}")
     return DENSE_FORMATS[key]
 
 
 @dataclass(frozen=True)
 class CapacityPlan:
-    """What a byte budget buys in one block format: the engine's admission and the planner share it."""
+    """What a byte budget buys in one block format: the engine's admission and the planner share it.
+
+    budget >= pool_bytes = n_blocks·block_bytes + shared_bytes + max_batch·sequence_bytes (formats.py)."""
 
     format: str
     budget: int          # bytes asked for
     block_size: int      # tokens per block
     block_bytes: int     # one block in every layer, K and V
     n_blocks: int
+    shared_bytes: int = 0     # once per pool (TurboQuant's rotations, codebooks, calibration)
+    sequence_bytes: int = 0   # per batch slot (the int formats' open key group)
+    max_batch: int = 16
 
     @classmethod
-    def build(cls, geometry: CacheGeometry, block_format: str, kv_budget: int | str, block_size: int = 16) -> "CapacityPlan":
+    def build(cls, geometry: CacheGeometry, block_format: str, kv_budget: int | str, block_size: int = 16,
+              max_batch: int = 16) -> "CapacityPlan":
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ConfigError(f"block_size must be a positive integer, got {block_size!r}")
-        dtype = storage_dtype(block_format)
-        one_block = replace(geometry, batch=1, capacity=block_size)
-        block_bytes = expected_nbytes("dense", one_block, dtype, block_size)   # the caches' (and planner's) formula
+        fmt = formats.block_format(block_format, geometry, block_size)   # the caches' (and planner's) formula
         budget = parse_bytes(kv_budget)
-        n_blocks = budget // block_bytes
+        fixed = fmt.shared_bytes + max_batch * fmt.sequence_bytes
+        n_blocks = max(0, budget - fixed) // fmt.block_bytes
         if n_blocks < 1:
-            raise ConfigError(f"kv_budget of {budget:,} bytes holds no block: one {block_format} block of "
-                              f"{block_size} tokens needs {block_bytes:,} bytes")
-        return cls(block_format.strip().lower(), budget, block_size, block_bytes, n_blocks)
+            raise ConfigError(f"kv_budget of {budget:,} bytes holds no block: one {fmt.name} block of "
+                              f"{block_size} tokens needs {fmt.block_bytes:,} bytes"
+                              + (f" after {fixed:,} bytes of shared and per-sequence state" if fixed else ""))
+        return cls(fmt.name, budget, block_size, fmt.block_bytes, n_blocks, fmt.shared_bytes, fmt.sequence_bytes, max_batch)
+
+    @property
+    def fixed_bytes(self) -> int:
+        """What the pool holds besides its blocks: shared state and one row of per-sequence state per batch slot."""
+        return self.shared_bytes + self.max_batch * self.sequence_bytes
 
     @property
     def pool_bytes(self) -> int:
-        return self.n_blocks * self.block_bytes
+        return self.n_blocks * self.block_bytes + self.fixed_bytes
 
     @property
     def tokens(self) -> int:
@@ -104,6 +117,25 @@ class BlockPool:
         slots = plan.n_blocks * plan.block_size
         self.k = torch.zeros(g.n_layers, slots, g.n_kv_heads, g.head_dim, dtype=self.dtype, device=device)
         self.v = torch.zeros(g.n_layers, slots, g.n_kv_heads, g.head_dim_v, dtype=self.dtype, device=device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+    def rows_for(self, seqs) -> None:
+        """Dense blocks keep no per-sequence state (coded pools give each running sequence a row)."""
+        return None
+
+    def release(self, seq) -> None:
+        """Nothing to forget when a sequence's blocks are freed."""
+
+    def append(self, layer: int, view, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k (N, Hkv, D), v (N, Hkv, Dv): the step's N new tokens into their slots (view.slots)."""
+        self.write(layer, view.slots, k, v)
+
+    def attend(self, layer: int, view, q: torch.Tensor) -> torch.Tensor:
+        """q (N, H, D) fp32 -> (N, H, Dv) fp32: each sequence's rows against its own blocks."""
+        return ragged_attention(q, self.k[layer], self.v[layer], view.layout, view.scale, view.window, view.use_kernel)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k (N, Hkv, D), v (N, Hkv, Dv) of N tokens into their slots (N,) int64."""
@@ -134,13 +166,14 @@ class Block:
 class BlockManager:
     """Block tables, reference counts, the prefix index and the LRU of free blocks."""
 
-    def __init__(self, n_blocks: int, block_size: int, prefix_caching: bool = True, on_copy=None):
+    def __init__(self, n_blocks: int, block_size: int, prefix_caching: bool = True, on_copy=None, on_free=None):
         self.block_size = block_size
         self.prefix_caching = prefix_caching
         self.blocks = [Block(i) for i in range(n_blocks)]
         self.free_lru: OrderedDict[int, None] = OrderedDict((i, None) for i in range(n_blocks))  # first = evicted first
         self.index: dict[int, int] = {}         # key -> block id
         self.on_copy = on_copy                  # on_copy(src, dst): copy the data of a block (the pool's copy_block)
+        self.on_free = on_free                  # on_free(seq): the sequence holds no blocks any more (the pool's release)
 
     # -- counts -----------------------------------------------------------------------------------------
     @property
@@ -243,6 +276,8 @@ class BlockManager:
                 self.free_lru[block_id] = None
         seq.block_table = []
         seq.num_computed = seq.num_hashed = 0
+        if self.on_free is not None:
+            self.on_free(seq)
 
     def fork(self, parent, child) -> None:
         """The child shares all of the parent's blocks (and tokens); writes then copy a shared tail."""

@@ -43,6 +43,8 @@ def memory_plan_table(capacity, model_name: str, context_length: int, max_batch:
     table.add_row("block", f"{capacity.block_size} tokens × {capacity.block_bytes:,} bytes (all layers, K and V)")
     table.add_row("blocks", f"{capacity.n_blocks:,} = {capacity.n_blocks * capacity.block_size:,} tokens, "
                             f"{capacity.n_blocks * capacity.block_bytes / 2**20:,.1f} MiB")
+    if capacity.fixed_bytes:
+        table.add_row("besides the blocks", f"{capacity.fixed_bytes:,} bytes (shared codec state, per-sequence key groups)")
     lengths = sorted({n for n in (*PLAN_CONTEXTS, ctx or 0, context_length) if 0 < n <= context_length})
     for n in lengths:
         fits = capacity.max_concurrent(n)
@@ -58,7 +60,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
     @one_line_errors
     def serve(
         model: Optional[str] = typer.Argument(None, help="GGUF file or Hugging Face folder (default: embedded SmolLM2)."),
-        cache: str = typer.Option("dense", "--cache", help="Block format of the KV pool (dense, and what the engine offers)."),
+        cache: str = typer.Option("dense", "--cache", help="Block format of the KV pool: dense, dense-f16, dense-bf16, int8, int4, tq4, tq3, ..."),
         kv_budget: Optional[str] = typer.Option(None, "--kv-budget", help="KV pool size, e.g. 512MiB or 2GiB (default 512MiB)."),
         ctx: Optional[int] = typer.Option(None, "--ctx", min=1, help="With --max-seqs: size the pool for M sequences of N tokens."),
         max_seqs: Optional[int] = typer.Option(None, "--max-seqs", min=1, help="With --ctx: sequences of --ctx tokens the pool must hold."),

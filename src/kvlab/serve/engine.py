@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from ..cache import CacheGeometry
 from ..errors import ConfigError, KvlabError, RequestTooLargeError
-from .blocks import BlockManager, BlockPool, CapacityPlan
+from .blocks import BlockManager, CapacityPlan
+from .coded import make_pool
 from .runner import Runner
 from .sampling import SamplingParams, TextStream
 from .scheduler import Scheduler
@@ -83,9 +84,10 @@ class Engine:
         self.config = model.config
         device = next(model.parameters()).device
         geometry = CacheGeometry.for_model(self.config)
-        self.capacity = CapacityPlan.build(geometry, cache, kv_budget, block_size)
-        self.pool = BlockPool(geometry, self.capacity, device)
-        self.blocks = BlockManager(self.capacity.n_blocks, block_size, prefix_caching, on_copy=self.pool.copy_block)
+        self.capacity = CapacityPlan.build(geometry, cache, kv_budget, block_size, max_batch)
+        self.pool = make_pool(geometry, self.capacity, device, model)
+        self.blocks = BlockManager(self.capacity.n_blocks, block_size, prefix_caching, on_copy=self.pool.copy_block,
+                                   on_free=self.pool.release)
         self.scheduler = Scheduler(self.blocks, max_batch, max_step_tokens)
         self.runner = Runner(model, self.pool, use_kernel)
         self.eos_ids = tuple(tokenizer.eos_ids) if tokenizer is not None else ()

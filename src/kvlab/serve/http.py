@@ -389,8 +389,8 @@ def run_server(*, model: str | None, cache: str, kv_budget: str | None, ctx: int
     if ctx is not None:
         if ctx > context_length:
             raise ConfigError(f"--ctx {ctx} exceeds the model's context of {context_length} tokens")
-        one = CapacityPlan.build(CacheGeometry.for_model(loaded.config), cache, 2**40, block_size)  # sizes only
-        budget = budget_for(ctx, max_seqs, one.block_bytes, block_size)
+        one = CapacityPlan.build(CacheGeometry.for_model(loaded.config), cache, 2**40, block_size, max_batch)  # sizes only
+        budget = budget_for(ctx, max_seqs, one.block_bytes, block_size) + one.fixed_bytes
     engine = Engine(loaded, cache=cache, kv_budget=budget, max_batch=max_batch, block_size=block_size,
                     max_step_tokens=max(512, max_batch))
     name = loaded.path.stem if loaded.path.is_file() else loaded.path.name

@@ -11,28 +11,29 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .attention import RaggedLayout, ragged_attention
-from .blocks import BlockPool
+from .attention import RaggedLayout
 from .sampling import sample_rows
 from .scheduler import Chunk
 
 
 class BatchView:
-    """The cache protocol over one step's batch: the model's Attention modules call append, then attend."""
+    """The cache protocol over one step's batch: the model's Attention modules call append, then attend.
 
-    def __init__(self, pool: BlockPool, slots: torch.Tensor, layout: RaggedLayout, scale: float,
-                 window: int | None, use_kernel: bool):
+    The pool stores and reads (dense blocks, or codes: coded.py); the view carries the step's layout."""
+
+    def __init__(self, pool, slots: torch.Tensor, layout: RaggedLayout, scale: float, window: int | None,
+                 use_kernel: bool, rows: list[int] | None = None):
         self.pool, self.slots, self.layout = pool, slots, layout
         self.scale, self.window, self.use_kernel = scale, window, use_kernel
+        self.rows = rows                    # each sequence's row of per-sequence pool state (coded pools)
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k (1, Hkv, N, D), v (1, Hkv, N, Dv): the N new tokens, written to their slots."""
-        self.pool.write(layer, self.slots, k[0].transpose(0, 1), v[0].transpose(0, 1))   # (N, Hkv, D)
+        self.pool.append(layer, self, k[0].transpose(0, 1), v[0].transpose(0, 1))   # (N, Hkv, D)
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """q (1, H, N, D) -> (1, H, N, Dv): each sequence's rows against its own blocks."""
-        out = ragged_attention(q[0].transpose(0, 1).float(), self.pool.k[layer], self.pool.v[layer], self.layout,
-                               self.scale, self.window, self.use_kernel)                  # (N, H, Dv)
+        out = self.pool.attend(layer, self, q[0].transpose(0, 1).float())             # (N, H, Dv)
         return out.transpose(0, 1)[None].to(q.dtype)
 
 
@@ -43,12 +44,12 @@ def output_logits(model, x: torch.Tensor) -> torch.Tensor:
 
 
 class Runner:
-    def __init__(self, model, pool: BlockPool, use_kernel: bool = True):
+    def __init__(self, model, pool, use_kernel: bool = True):
         self.model, self.pool, self.use_kernel = model, pool, use_kernel
         cfg = model.config
         self.scale = cfg.head_dim ** -0.5
         self.window = cfg.sliding_window
-        self.device = pool.k.device
+        self.device = pool.device
 
     @torch.inference_mode()
     def run(self, chunks: list[Chunk]) -> list[int | None]:
@@ -62,7 +63,8 @@ class Runner:
                                     [c.start + c.n_tokens for c in chunks], self.pool.block_size)
         x = self.model.embed(torch.tensor([ids], device=self.device))              # (1, N, C)
         cos, sin = self.model.rope_at(positions, x.dtype)                         # (N, D)
-        view = BatchView(self.pool, slots, layout, self.scale, self.window, self.use_kernel)
+        rows = self.pool.rows_for([c.seq for c in chunks])
+        view = BatchView(self.pool, slots, layout, self.scale, self.window, self.use_kernel, rows)
         for block in self.model.blocks:
             x = block(x, cos, sin, view)                                            # (1, N, C)
         ends = torch.tensor([c.n_tokens for c in chunks]).cumsum(0) - 1             # last row of each chunk

@@ -111,7 +111,9 @@ class KvlabEngine(Engine):
 
 def engine_admission(spec: ModelSpec, settings: PlanSettings, kv_budget: str) -> dict:
     """How many sequences of `settings.context` tokens the serving engine (kvlab.serve) admits in a KV budget:
-    the engine's own CapacityPlan (blocks sized by the caches' formula), so the planner and the engine agree."""
+    the engine's own CapacityPlan (blocks sized by the caches' formula), so the planner and the engine agree.
+    Dense and compressed block formats (int4, tq4, ...); per-sequence state is sized for the engine's default
+    max_batch (16)."""
     import torch
 
     from ...cache import CacheGeometry
@@ -119,14 +121,18 @@ def engine_admission(spec: ModelSpec, settings: PlanSettings, kv_budget: str) ->
 
     cache, dtype = parse_cache(settings.kv_type_k)
     formats = {torch.float32: "dense", torch.float16: "dense-f16", torch.bfloat16: "dense-bf16"}
-    if cache != "dense":
-        raise ConfigError(f"--kv-budget: the serving engine's blocks are {', '.join(formats.values())}, not {settings.kv_type_k!r}")
+    if cache == "dense":
+        block_format = formats[dtype]
+    elif dtype == torch.float32:                          # a compressed block format: int4, tq4, ... (serve/formats.py)
+        block_format = cache
+    else:
+        raise ConfigError(f"--kv-budget: compressed blocks keep their full-precision state in f32, not {settings.kv_type_k!r}")
     layers = [layer for layer in spec.layers if layer.kind in ("full", "sliding")]
     shapes = {(layer.n_kv_heads, layer.head_dim_k, layer.head_dim_v, layer.n_heads) for layer in layers}
     if len(shapes) != 1 or len(layers) != len(spec.layers):
         raise ConfigError(f"--kv-budget: the serving engine runs models whose layers all share one attention shape; {spec.name} does not")
     (kv_heads, dim_k, dim_v, heads), = shapes
     geometry = CacheGeometry(n_layers=len(layers), n_kv_heads=kv_heads, head_dim=dim_k, head_dim_v=dim_v, n_heads=heads)
-    plan = CapacityPlan.build(geometry, formats[dtype], kv_budget, settings.block_size)
+    plan = CapacityPlan.build(geometry, block_format, kv_budget, settings.block_size)   # the engine's default max_batch
     return {"format": plan.format, "budget_bytes": plan.budget, "block_size": plan.block_size, "block_bytes": plan.block_bytes,
             "blocks": plan.n_blocks, "context": settings.context, "max_concurrent": plan.max_concurrent(settings.context)}

@@ -1,0 +1,332 @@
+"""Compressed block pools: int and TurboQuant codes in the blocks, read back the way the single caches read.
+
+Every buffer is token-major like the dense pool, so token slot = block · block_size + offset indexes all:
+    int   k_codes (L, slots, Hkv, ⌈Dk·b/8⌉)   k_scale, k_zero (L, slots/G, Hkv, Dk) fp16: group = slot // G
+          v_codes (L, slots, Hkv, ⌈Dv·b/8⌉)   v_scale, v_zero (L, slots, Hkv, Dv/Gv) fp16
+          stage   (L, max_batch, G, Hkv, Dk) fp32: each running sequence's open key group (its row)
+    tq    k_codes, v_codes (L, slots, Hkv, bytes), k_norm, v_norm (L, slots, Hkv) 16-bit [+ qjl signs, ‖r‖]
+          + one TurboQuantCache `codec` holding the per-layer state all sequences share
+and a block copy (copy-on-write) copies every buffer's rows of that block.
+
+Reading, per sequence: gather its slots. The torch reference dequantizes them, then runs
+cache.attention.grouped_attention, the same causal attention every cache uses. TurboQuant pools with
+use_kernel read the gathered codes instead, with the single cache's own scores and mix (kernels/codebook4.c
+for 4-bit codes on CPU): the path the tests hold equal to the reference. The int formats keep the
+single cache's rule for key groups (cache/quantized.py): the query of the token at position p reads codes
+for the groups complete at p and full-precision keys for the rest, so a chunk's queries before a group's
+completion read that group exactly (from the stage and the chunk's own keys, kept for the step like the
+single cache's `_fresh`). The chunk's queries are split into runs between group completions; each run is
+one grouped_attention over the keys it reads.
+
+TurboQuant's per-layer state: rotations and codebooks are data-independent; the key offset and the key
+channel weights are calibrated once, at pool construction, by running the model on CALIBRATION_IDS with a
+single TurboQuantCache (which calibrates on its first chunk as it always does), and then shared by every
+sequence: the pool's `codec`. A single TurboQuantCache given the same state (`use_calibration(codec)`)
+stores and reads every token exactly as the pool does, whatever the chunking: that is the single-sequence
+reference for the tq formats (a plain `tq4` cache calibrates on each sequence's own prompt instead).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from ..cache import CacheGeometry
+from ..cache.attention import causal_mask, grouped_attention
+from ..cache.base import tensors_nbytes
+from ..cache.packing import pack, packed_nbytes, unpack
+from ..cache.quantized import _affine, _encode
+from ..cache.turboquant import TurboQuantCache
+from ..errors import ConfigError
+from ..kernels import kernel_for
+from .formats import BlockFormat
+
+#: the calibration prompt of the TurboQuant pools: fixed ids spread over the vocabulary (no data involved)
+CALIBRATION_TOKENS = 64
+
+
+def calibration_ids(vocab_size: int) -> list[int]:
+    return [(1 + 7919 * i) % vocab_size for i in range(CALIBRATION_TOKENS)]
+
+
+class CodedPool:
+    """What the compressed pools share: token-major buffers, block copies, rows for running sequences."""
+
+    def __init__(self, geometry: CacheGeometry, plan, fmt: BlockFormat, device):
+        self.geometry, self.plan, self.format = geometry, plan, fmt
+        self.block_size = plan.block_size
+        self.slots = plan.n_blocks * plan.block_size
+        self._device = torch.device(device)
+        self.token_buffers: dict[str, torch.Tensor] = {}     # (L, slots, ...)
+        self.group_buffers: dict[str, torch.Tensor] = {}     # (L, slots // G, ...)
+        self.group = self.block_size                          # tokens per group buffer row
+        self.rows: dict[object, int] = {}                     # running sequence -> its row
+        self.free_rows = list(range(plan.max_batch))
+
+    def _tokens(self, name: str, *shape: int, dtype: torch.dtype) -> None:
+        g = self.geometry
+        self.token_buffers[name] = torch.zeros(g.n_layers, self.slots, *shape, dtype=dtype, device=self._device)
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    # -- rows: per-sequence state of the running sequences ------------------------------------------------
+    def rows_for(self, seqs) -> list[int]:
+        out = []
+        for seq in seqs:
+            if seq not in self.rows:
+                if not self.free_rows:
+                    raise RuntimeError("more running sequences than the pool has rows (max_batch)")
+                self.rows[seq] = self.free_rows.pop()
+            out.append(self.rows[seq])
+        return out
+
+    def release(self, seq) -> None:
+        row = self.rows.pop(seq, None)
+        if row is not None:
+            self.free_rows.append(row)
+
+    # -- blocks -------------------------------------------------------------------------------------------
+    def copy_block(self, src: int, dst: int) -> None:
+        """Every layer's codes of block `src` into block `dst` (copy-on-write)."""
+        bs = self.block_size
+        for buf in self.token_buffers.values():
+            buf[:, dst * bs:(dst + 1) * bs] = buf[:, src * bs:(src + 1) * bs]
+        per = bs // self.group
+        for buf in self.group_buffers.values():
+            buf[:, dst * per:(dst + 1) * per] = buf[:, src * per:(src + 1) * per]
+
+    @property
+    def nbytes(self) -> int:
+        return tensors_nbytes(*self.token_buffers.values(), *self.group_buffers.values()) + self._state_nbytes()
+
+    def _state_nbytes(self) -> int:
+        raise NotImplementedError
+
+    # -- reading ------------------------------------------------------------------------------------------
+    @staticmethod
+    def sequences(view):
+        """(s, query rows lo:hi, chunk start, context length) of each sequence of the step."""
+        layout = view.layout
+        for s in range(layout.context_len.numel()):
+            lo, hi = int(layout.query_start[s]), int(layout.query_start[s + 1])
+            ctx = int(layout.context_len[s])
+            yield s, lo, hi, ctx - (hi - lo), ctx
+
+
+class IntPool(CodedPool):
+    """int<b>+g<G> blocks (G divides the block size): the codes of cache/quantized.py."""
+
+    def __init__(self, geometry: CacheGeometry, plan, fmt: BlockFormat, device="cpu"):
+        super().__init__(geometry, plan, fmt, device)
+        g, cfg = geometry, fmt.config
+        self.bits, self.group = cfg.bits, cfg.group_size
+        self.value_group = cfg.value_group(g.head_dim_v)
+        meta = torch.float16
+        self._tokens("k_codes", g.n_kv_heads, packed_nbytes(g.head_dim, self.bits), dtype=torch.uint8)
+        self._tokens("v_codes", g.n_kv_heads, packed_nbytes(g.head_dim_v, self.bits), dtype=torch.uint8)
+        n_vg = g.head_dim_v // self.value_group
+        self._tokens("v_scale", g.n_kv_heads, n_vg, dtype=meta)
+        self._tokens("v_zero", g.n_kv_heads, n_vg, dtype=meta)
+        groups = self.slots // self.group
+        for name in ("k_scale", "k_zero"):
+            self.group_buffers[name] = torch.zeros(g.n_layers, groups, g.n_kv_heads, g.head_dim, dtype=meta, device=self._device)
+        self.stage = torch.zeros(g.n_layers, plan.max_batch, self.group, g.n_kv_heads, g.head_dim, dtype=fmt.dtype,
+                                 device=self._device)                      # (L, rows, G, Hkv, Dk)
+        self._fresh: list[tuple[int, torch.Tensor]] = []                  # per sequence of the step: (first, keys)
+
+    def _state_nbytes(self) -> int:
+        return self.stage.nbytes
+
+    def append(self, layer: int, view, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k (N, Hkv, D), v (N, Hkv, Dv) of the step's tokens: values coded per token, keys per complete group."""
+        b, G = self.bits, self.group
+        buf, groups = self.token_buffers, self.group_buffers
+        N, Hkv, Dv = v.shape
+        vg = v.float().reshape(N, Hkv, Dv // self.value_group, self.value_group)      # (N, Hkv, nvg, Gv)
+        scale, zero = _affine(vg.amin(dim=-1), vg.amax(dim=-1), b, "value")           # (N, Hkv, nvg)
+        codes = _encode(vg, scale[..., None], zero[..., None], b).reshape(N, Hkv, Dv)
+        buf["v_codes"][layer][view.slots] = pack(codes, b)
+        buf["v_scale"][layer][view.slots] = scale
+        buf["v_zero"][layer][view.slots] = zero
+        self._fresh = []
+        for s, lo, hi, start, ctx in self.sequences(view):
+            row = view.rows[s]
+            have = start % G
+            first = start - have                                                       # the open group's first token
+            keys = k[lo:hi].to(self.stage.dtype)                                       # (T, Hkv, D)
+            if have:
+                keys = torch.cat([self.stage[layer, row, :have], keys])               # (have + T, Hkv, D)
+            complete = len(keys) // G * G
+            if complete:
+                slots = view.layout.slots(s)[first:first + complete].to(self._device)  # (complete,)
+                grouped = keys[:complete].float().reshape(complete // G, G, Hkv, -1)   # (ng, G, Hkv, D)
+                scale, zero = _affine(grouped.amin(dim=1), grouped.amax(dim=1), b, "key")  # (ng, Hkv, D)
+                codes = _encode(grouped, scale[:, None], zero[:, None], b).reshape(complete, Hkv, -1)
+                buf["k_codes"][layer][slots] = pack(codes, b)
+                groups["k_scale"][layer][slots[::G] // G] = scale
+                groups["k_zero"][layer][slots[::G] // G] = zero
+            self.stage[layer, row, :len(keys) - complete] = keys[complete:]
+            self._fresh.append((first, keys))
+
+    def _coded_keys(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """(n, Hkv, Dk) float32 for the slots of n = whole groups: zero + code·scale."""
+        G = self.group
+        if not len(slots):
+            g = self.geometry
+            return torch.zeros(0, g.n_kv_heads, g.head_dim, device=self._device)
+        codes = unpack(self.token_buffers["k_codes"][layer][slots], self.bits, self.geometry.head_dim).float()
+        scale = self.group_buffers["k_scale"][layer][slots[::G] // G].float().repeat_interleave(G, dim=0)  # (n, Hkv, Dk)
+        zero = self.group_buffers["k_zero"][layer][slots[::G] // G].float().repeat_interleave(G, dim=0)
+        return zero + codes * scale
+
+    def _values(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """(n, Hkv, Dv) float32: zero + code·scale per value group of each token."""
+        buf = self.token_buffers
+        codes = unpack(buf["v_codes"][layer][slots], self.bits, self.geometry.head_dim_v).float()
+        n, Hkv, Dv = codes.shape
+        codes = codes.reshape(n, Hkv, Dv // self.value_group, self.value_group)       # (n, Hkv, nvg, Gv)
+        out = buf["v_zero"][layer][slots].float()[..., None] + codes * buf["v_scale"][layer][slots].float()[..., None]
+        return out.reshape(n, Hkv, Dv)
+
+    def attend(self, layer: int, view, q: torch.Tensor) -> torch.Tensor:
+        """q (N, H, D) fp32 -> (N, H, Dv) fp32: on the codes (kernels/intcache.c) when view.use_kernel and the
+        kernel reads these codes, else the torch reference (dequantize, grouped_attention per run of queries)."""
+        G = self.group
+        out = q.new_empty(q.shape[0], q.shape[1], self.geometry.head_dim_v)          # (N, H, Dv)
+        kernel = kernel_for(self._device) if view.use_kernel and self.bits in (4, 8) else None
+        for s, lo, hi, start, ctx in self.sequences(view):
+            slots = view.layout.slots(s).to(self._device)                            # (ctx,)
+            if kernel is not None:
+                o = self._attend_codes(kernel, layer, q[lo:hi].transpose(0, 1)[None], slots, self._fresh[s], view)
+                out[lo:hi] = o[0].transpose(0, 1)
+                continue
+            coded = self._coded_keys(layer, slots[:ctx // G * G])                   # (complete, Hkv, Dk)
+            values = self._values(layer, slots).transpose(0, 1)[None]               # (1, Hkv, ctx, Dv)
+            first, exact = self._fresh[s]                                            # keys [first, ctx) in full precision
+            a = start
+            while a < ctx:                       # a run of queries that read the same complete groups
+                c = (a + 1) // G * G             # tokens of the groups complete at position a
+                b = min(ctx, c + G - 1)          # the next group completes at position c + G - 1 (> a)
+                keys = torch.cat([coded[:c], exact[c - first:b - first].float()]).transpose(0, 1)[None]  # (1, Hkv, b, Dk)
+                qs = q[lo + a - start:lo + b - start].transpose(0, 1)[None]          # (1, H, b - a, Dk)
+                o = grouped_attention(qs, keys, values[:, :, :b], view.scale, window=view.window)
+                out[lo + a - start:lo + b - start] = o[0].transpose(0, 1)
+                a = b
+        return out
+
+    def _attend_codes(self, kernel, layer: int, q: torch.Tensor, slots: torch.Tensor, fresh: tuple, view) -> torch.Tensor:
+        """q (1, H, T, D) of one sequence, its slots (ctx,) and its step's full-precision keys from token `first`
+        -> (1, H, T, Dv), scores and mix read from the gathered codes.
+
+        The rule of `attend` as one softmax: per query row the coded score of a key whose group was complete at
+        that query, the exact score (from the step's full-precision keys) otherwise (QuantizedCache._scores)."""
+        G, b = self.group, self.bits
+        _, H, T, D = q.shape
+        Hkv, ctx = self.geometry.n_kv_heads, len(slots)
+        start, complete = ctx - T, ctx // G * G
+        qg = q.reshape(1, Hkv, H // Hkv * T, D)                                        # (1, Hkv, G·T, D)
+
+        def gathered(buf: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+            return buf[layer][rows].transpose(0, 1)[None].contiguous()                   # (1, Hkv, n, ...)
+
+        if complete:
+            coded = kernel.int_scores(b, gathered(self.token_buffers["k_codes"], slots[:complete]),
+                                      gathered(self.group_buffers["k_scale"], slots[:complete:G] // G),
+                                      gathered(self.group_buffers["k_zero"], slots[:complete:G] // G),
+                                      complete, G, qg, view.scale)                       # (1, Hkv, G·T, complete)
+        else:
+            coded = qg.new_zeros(1, Hkv, qg.shape[2], 0)
+        first, exact = fresh                                                             # (ctx - first, Hkv, D)
+        exact_scores = (qg @ exact.float().permute(1, 2, 0)[None]) * view.scale         # (1, Hkv, G·T, ctx - first)
+        position = start + torch.arange(qg.shape[2], device=q.device) % T                # (G·T,) each row's token
+        read_coded = torch.arange(first, ctx, device=q.device)[None, :] < ((position + 1) // G * G)[:, None]
+        padded = torch.cat([coded[..., first:], coded.new_zeros(*coded.shape[:3], ctx - complete)], dim=-1)
+        scores = torch.cat([coded[..., :first], torch.where(read_coded, padded, exact_scores)], dim=-1)  # (1, Hkv, G·T, ctx)
+        if T > 1 or (view.window is not None and ctx > view.window):
+            mask = causal_mask(T, ctx, q.device, view.window).repeat(H // Hkv, 1)      # (G·T, ctx)
+            scores = scores.masked_fill(~mask, float("-inf"))
+        p = torch.softmax(scores, dim=-1)
+        buf = self.token_buffers
+        mixed = kernel.int_mix(b, gathered(buf["v_codes"], slots), gathered(buf["v_scale"], slots),
+                               gathered(buf["v_zero"], slots), ctx, self.geometry.head_dim_v, p)  # (1, Hkv, G·T, Dv)
+        return mixed.reshape(1, H, T, -1)
+
+
+class TurboPool(CodedPool):
+    """TurboQuant blocks: per-token codes and norms; the per-layer state lives in `codec`."""
+
+    def __init__(self, geometry: CacheGeometry, plan, fmt: BlockFormat, codec: TurboQuantCache, device="cpu"):
+        super().__init__(geometry, plan, fmt, device)
+        self.codec = codec                                     # calibrated_codec(...): the shared per-layer state
+        for name in self.codec.token_buffer_names():           # the codec's (1, Hkv, 1[, bytes]) buffers give the shapes
+            like = getattr(self.codec, name)[0]                  # layer 0: (1, Hkv, 1[, bytes])
+            self._tokens(name, like.shape[1], *like.shape[3:], dtype=like.dtype)
+
+    def _state_nbytes(self) -> int:
+        return self.codec.state_nbytes()
+
+    def append(self, layer: int, view, k: torch.Tensor, v: torch.Tensor) -> None:
+        coded = self.codec.code(layer, k.transpose(0, 1)[None], v.transpose(0, 1)[None])   # (1, Hkv, N, ...)
+        for name, t in coded.items():
+            self.token_buffers[name][layer][view.slots] = t[0].transpose(0, 1)              # (N, Hkv, ...)
+
+    def attend(self, layer: int, view, q: torch.Tensor) -> torch.Tensor:
+        """q (N, H, D) fp32 -> (N, H, D): on the codes with the codec's own scores and mix (C kernels for 4-bit
+        codes on CPU) when view.use_kernel, else the torch reference (dequantize, then grouped_attention)."""
+        out = q.new_empty(q.shape[0], q.shape[1], self.geometry.head_dim)            # (N, H, D)
+        on_codes = view.use_kernel and self.codec.code_kernel is not None
+        for s, lo, hi, start, ctx in self.sequences(view):
+            slots = view.layout.slots(s).to(self._device)                            # (ctx,)
+            stored = {name: buf[layer][slots].transpose(0, 1)[None].contiguous()     # (1, Hkv, ctx[, bytes])
+                      for name, buf in self.token_buffers.items()}
+            qs = q[lo:hi].transpose(0, 1)[None]                                      # (1, H, T, D)
+            if on_codes:
+                o = self._attend_codes(layer, qs, stored, ctx, view.window)
+            else:
+                k, v = self.codec.decode(layer, stored)                              # (1, Hkv, ctx, D)
+                o = grouped_attention(qs, k, v, view.scale, window=view.window)
+            out[lo:hi] = o[0].transpose(0, 1)
+        return out
+
+    def _attend_codes(self, layer: int, q: torch.Tensor, stored: dict, n: int, window: int | None) -> torch.Tensor:
+        """q (1, H, T, D) against n coded tokens -> (1, H, T, D): the softmax of CompressedCache.attend, no sink or window."""
+        _, H, T, D = q.shape
+        Hkv = self.geometry.n_kv_heads
+        qg = q.reshape(1, Hkv, H // Hkv * T, D)                                       # (1, Hkv, G·T, D)
+        scores = self.codec.scores(layer, qg, stored, n)                             # (1, Hkv, G·T, n)
+        if T > 1 or (window is not None and n > window):
+            mask = causal_mask(T, n, q.device, window).repeat(H // Hkv, 1)           # (G·T, n)
+            scores = scores.masked_fill(~mask, float("-inf"))
+        p = torch.softmax(scores, dim=-1)
+        return self.codec.mix(layer, p, stored, n).reshape(1, H, T, D)
+
+
+def calibrated_codec(model, geometry: CacheGeometry, config, device) -> TurboQuantCache:
+    """A one-token TurboQuantCache whose offsets and key weights come from the model on CALIBRATION_IDS."""
+    one = replace(geometry, batch=1)
+    codec = TurboQuantCache(replace(one, capacity=1), config=config, device=device)
+    if config.center or config.key_weights:
+        if model is None:
+            raise ConfigError("TurboQuant blocks are calibrated on the model: give the pool the model")
+        probe = TurboQuantCache(replace(one, capacity=CALIBRATION_TOKENS), config=config, device=device)
+        ids = torch.tensor([calibration_ids(model.config.vocab_size)], device=device)
+        with torch.inference_mode():
+            model(ids, probe, last_only=True)
+        codec.use_calibration(probe)
+    return codec
+
+
+def make_pool(geometry: CacheGeometry, plan, device="cpu", model=None):
+    """The pool for the plan's block format: dense (blocks.BlockPool), int or TurboQuant codes."""
+    from .blocks import BlockPool
+    from .formats import block_format
+
+    fmt = block_format(plan.format, geometry, plan.block_size)
+    if fmt.kind == "dense":
+        return BlockPool(geometry, plan, device)
+    if fmt.kind == "int":
+        return IntPool(geometry, plan, fmt, device)
+    return TurboPool(geometry, plan, fmt, calibrated_codec(model, geometry, fmt.config, device), device)

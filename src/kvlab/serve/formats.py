@@ -1,0 +1,87 @@
+"""Block formats: what one block of the pool holds, and its bytes by the caches' own formula.
+
+    dense, dense-f16, dense-bf16   K/V in that storage dtype (attention computes in fp32)
+    int<B>[+g<G>]                  the integer cache's codes (cache/quantized.py): per token B-bit value codes
+                                   with fp16 scale+zero per value group, B-bit key codes with fp16 scale+zero
+                                   per channel per key group of G tokens. G must divide the block size so a
+                                   group never straddles two blocks; without +gN, G = the block size
+                                   (so the format's name is int4+g16 at the default block size of 16)
+    tq<W>, tq-k<W>v<W>, +qjl, ...  TurboQuant codes (cache/turboquant.py): per token codes + 16-bit norms
+
+Compressed blocks hold codes, norms and scales only. Two more kinds of bytes come with them:
+  shared        once per pool: TurboQuant's per-layer rotations, codebooks, key offsets and key channel
+                weights (one calibration for every sequence, see serve/coded.py)
+  per sequence  int formats: the open key group of each running sequence (< G tokens of fp32 keys,
+                the single cache's "stage"), one row per batch slot (max_batch rows)
+All three come from `expected_nbytes` of the single-sequence cache at batch 1: its bytes at a capacity
+of c tokens are c·per_token + rest, so a block is f(2·bs) - f(bs) and the rest is f(bs) - block.
+Names whose single cache keeps full-precision tokens or layers (+sinkN, +recentN, +fp-first-last,
++fp-layers=) are not block formats: those are per-sequence full-precision state the pool does not hold.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..cache import CacheGeometry, expected_nbytes
+from ..cache.compressed import FullPrecision
+from ..cache.names import is_compressed_name, parse
+from ..cache.quantized import QuantizedCache
+from ..errors import ConfigError
+
+#: dense block format -> storage dtype
+DENSE_FORMATS = {"dense": torch.float32, "dense-f16": torch.float16, "dense-bf16": torch.bfloat16}
+#: the dtype of whatever a compressed format keeps in full precision (the int formats' open key group)
+CODED_DTYPE = torch.float32
+EXAMPLES = [*DENSE_FORMATS, "int8", "int4", "tq4", "tq3", "tq3.5", "tq-k4v3", "tq4+qjl"]
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    name: str                   # canonical: dense-f16, int4+g16, tq4
+    kind: str                   # "dense" | "int" | "tq"
+    dtype: torch.dtype          # dense: the storage dtype; coded: CODED_DTYPE
+    config: object | None       # QuantizedConfig / TurboQuantConfig of the single-sequence cache
+    block_bytes: int            # one block of block_size tokens, every layer, K and V
+    shared_bytes: int = 0       # once per pool
+    sequence_bytes: int = 0     # per running sequence (batch slot)
+
+    @property
+    def cache_name(self) -> str:
+        """The single-sequence cache that stores and reads tokens exactly as these blocks do."""
+        return "dense" if self.kind == "dense" else self.name
+
+
+def block_format(name: str, geometry: CacheGeometry, block_size: int) -> BlockFormat:
+    """Parse a block format name; ConfigError (one line) for anything the pool cannot hold."""
+    key = str(name).strip().lower()
+    one = replace(geometry, batch=1, capacity=block_size)
+    if key in DENSE_FORMATS:
+        return BlockFormat(key, "dense", DENSE_FORMATS[key], None,
+                           expected_nbytes("dense", one, DENSE_FORMATS[key], block_size))
+    if not is_compressed_name(key):
+        raise ConfigError(f"unknown block format {name!r}; choose one of: {', '.join(EXAMPLES)}")
+    cls, config = parse(key)
+    if config.full != FullPrecision():
+        raise ConfigError(f"block format {name!r} keeps full-precision tokens or layers ({config.full.suffix.lstrip('+')}), "
+                          f"which blocks do not hold; use a plain name like {key.split('+')[0]}")
+    if cls is QuantizedCache:
+        explicit = any(re.fullmatch(r"g\d+", option) for option in key.split("+")[1:])
+        if not explicit:
+            config = replace(config, group_size=block_size)
+        if block_size % config.group_size:
+            raise ConfigError(f"block format {name!r}: the key group of {config.group_size} tokens must divide the block "
+                              f"size of {block_size} (use +g{block_size} or a block size that is a multiple)")
+        config.value_group(geometry.head_dim_v)      # the value groups must tile the head dim
+        kind = "int"
+    else:
+        kind = "tq"
+    one_block = cls.expected_nbytes(config, one, CODED_DTYPE)
+    two_blocks = cls.expected_nbytes(config, replace(one, capacity=2 * block_size), CODED_DTYPE)
+    block_bytes = two_blocks - one_block
+    rest = one_block - block_bytes
+    return BlockFormat(config.name, kind, CODED_DTYPE, config, block_bytes,
+                       shared_bytes=rest if kind == "tq" else 0, sequence_bytes=rest if kind == "int" else 0)

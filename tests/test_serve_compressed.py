@@ -1,0 +1,193 @@
+"""Compressed block formats (int8, int4, tq4, tq3, ...) in the serving pool.
+
+The single-sequence reference of a block format is the cache `fmt.cache_name` (int4 blocks of 16 tokens:
+int4+g16), and for TurboQuant that cache given the pool's shared calibration (`use_calibration(codec)`;
+a plain tq4 cache calibrates on each prompt, which a pool shared by many sequences cannot). With it,
+batched greedy tokens equal each sequence's tokens alone, and the pool's attention equals the single
+cache's attention on the same K/V stream in any chunking.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+
+from kvlab.cache import CacheGeometry, make_cache
+from kvlab.cache.turboquant import TurboQuantCache
+from kvlab.errors import ConfigError
+from kvlab.generate import generate
+from kvlab.model.loader import default_model_path
+from kvlab.plan.command import build_plan
+from kvlab.plan.engines.kvlab import engine_admission
+from kvlab.serve import Engine, SamplingParams
+from kvlab.serve.attention import RaggedLayout
+from kvlab.serve.blocks import CapacityPlan
+from kvlab.serve.coded import IntPool, TurboPool
+from kvlab.serve.formats import block_format
+from kvlab.serve.runner import BatchView
+
+from .test_serve_engine import ids_of
+
+FORMATS = ["int8", "int4", "tq4", "tq3"]
+
+
+def single_cache(engine: Engine, geometry: CacheGeometry):
+    """The single-sequence cache that stores and reads tokens as the engine's blocks do."""
+    fmt = block_format(engine.capacity.format, geometry, engine.capacity.block_size)
+    if fmt.kind == "tq":
+        cache = TurboQuantCache(geometry, config=fmt.config)
+        cache.use_calibration(engine.pool.codec)
+        return cache
+    return make_cache(fmt.cache_name, geometry)
+
+
+def alone(smollm2, engine: Engine, prompt: list[int], max_tokens: int) -> list[int]:
+    geometry = CacheGeometry.for_model(smollm2.config, capacity=len(prompt) + max_tokens)
+    cache = single_cache(engine, geometry)
+    return generate(smollm2.model, torch.tensor([prompt]), cache, max_tokens, eos_ids=smollm2.tokenizer.eos_ids).token_ids[0]
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_batched_tokens_equal_each_sequence_alone_with_that_format(smollm2, name):
+    system = ids_of(smollm2, 37)
+    cases = [(system + ids_of(smollm2, 4, 60), 4), (ids_of(smollm2, 5, 3), 5), (system + ids_of(smollm2, 11, 80), 3)]
+    engine = Engine(smollm2, cache=name, kv_budget="8MiB", max_batch=4, max_step_tokens=24)   # chunked prefill
+    first = engine.add_request(cases[0][0], SamplingParams(max_tokens=cases[0][1]))
+    tokens: dict[str, list[int]] = {}
+    for _ in range(3):                                   # the system prompt's two full blocks get cached
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    rids = [first] + [engine.add_request(p, SamplingParams(max_tokens=n)) for p, n in cases[1:]]
+    doomed = engine.add_request(ids_of(smollm2, 20, 7), SamplingParams(max_tokens=20))
+    steps, reasons, cached = 0, {}, {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            cached[out.request_id] = out.cached_prompt_tokens
+            if out.finished:
+                reasons[out.request_id] = out.finish_reason
+        steps += 1
+        if steps == 2:
+            engine.abort(doomed)                          # in its first decodes: its row and blocks go back
+    assert reasons[doomed] == "abort" and cached[rids[2]] == 32
+    for rid, (prompt, n) in zip(rids, cases):
+        assert tokens[rid] == alone(smollm2, engine, prompt, n), rid
+    stats = engine.stats()
+    assert stats.blocks_used == 0 and stats.running == 0 and not getattr(engine.pool, "rows", {})
+
+
+# -- the pool's attention against the single caches', on random shapes -------------------------------------
+def calibrated(geometry: CacheGeometry, config, rng: torch.Generator) -> TurboQuantCache:
+    """A codec calibrated (offsets and key weights) on random keys and queries with a common key component."""
+    probe = TurboQuantCache(replace(geometry, capacity=32), config=config)
+    k = torch.randn(1, geometry.n_kv_heads, 32, geometry.head_dim, generator=rng) + 2.0
+    probe.append(0, k, torch.randn(k.shape, generator=rng))
+    probe.attend(0, torch.randn(1, geometry.n_heads, 32, geometry.head_dim, generator=rng))
+    codec = TurboQuantCache(replace(geometry, capacity=1), config=config)
+    codec.use_calibration(probe)
+    return codec
+
+
+CASES = [  # format, block size, query heads, KV heads, sliding window, C path (reads the codes)
+    ("int4", 16, 9, 3, None, False), ("int4", 16, 9, 3, None, True), ("int8+g4", 8, 4, 1, None, False),
+    ("int8+g4", 8, 4, 1, None, True), ("int3+g8", 16, 2, 2, None, False), ("int4", 8, 4, 1, 7, False),
+    ("int4", 8, 4, 1, 7, True), ("tq4", 16, 9, 3, None, False), ("tq4", 16, 9, 3, None, True),
+    ("tq4", 8, 4, 1, 9, True), ("tq3.5", 8, 2, 2, None, False), ("tq3.5", 8, 2, 2, None, True),
+    ("tq-k4v3+qjl", 16, 9, 3, None, False), ("tq-k4v3+qjl", 16, 4, 1, None, True),
+]
+
+
+@pytest.mark.parametrize("seed,case", list(enumerate(CASES)))
+def test_pool_attention_equals_the_single_cache_on_random_chunks(seed, case):
+    name, block_size, heads, kv_heads, window, use_kernel = case
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    geometry = CacheGeometry(n_layers=1, n_kv_heads=kv_heads, head_dim=16, n_heads=heads, capacity=64, window=window)
+    plan = CapacityPlan.build(geometry, name, 10**9, block_size, max_batch=4)
+    plan = replace(plan, n_blocks=24)
+    fmt = block_format(name, geometry, block_size)
+    if fmt.kind == "tq":
+        codec = calibrated(geometry, fmt.config, gen)
+        pool = TurboPool(geometry, plan, fmt, codec)
+    else:
+        pool = IntPool(geometry, plan, fmt)
+    lengths = [rng.randint(1, 40) for _ in range(3)]
+    free = list(range(plan.n_blocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-n // block_size))] for n in lengths]
+    singles = []
+    for _ in lengths:
+        if fmt.kind == "tq":
+            cache = TurboQuantCache(geometry, config=fmt.config)
+            cache.use_calibration(codec)
+        else:
+            cache = make_cache(fmt.cache_name, geometry)
+        singles.append(cache)
+    done = [0] * len(lengths)
+    seqs = [object() for _ in lengths]
+    while any(d < n for d, n in zip(done, lengths)):
+        active = [s for s in range(len(lengths)) if done[s] < lengths[s]]
+        chunk = {s: min(lengths[s] - done[s], rng.choice([1, 1, rng.randint(1, 2 * block_size)])) for s in active}
+        layout = RaggedLayout.build([tables[s] for s in active], [chunk[s] for s in active],
+                                    [done[s] + chunk[s] for s in active], block_size)
+        slots = torch.cat([layout.slots(i)[done[s]:] for i, s in enumerate(active)])
+        k = torch.randn(len(slots), kv_heads, 16, generator=gen) + 2.0       # (N, Hkv, D) with a common component
+        v = torch.randn(len(slots), kv_heads, 16, generator=gen)
+        q = torch.randn(len(slots), heads, 16, generator=gen)               # (N, H, D)
+        view = BatchView(pool, slots, layout, 16 ** -0.5, window, use_kernel, pool.rows_for([seqs[s] for s in active]))
+        pool.append(0, view, k, v)
+        out = pool.attend(0, view, q)                                        # (N, H, D)
+        at = 0
+        for s in active:
+            rows = slice(at, at + chunk[s])
+            singles[s].append(0, k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None])
+            expected = singles[s].attend(0, q[rows].transpose(0, 1)[None])[0].transpose(0, 1)
+            torch.testing.assert_close(out[rows], expected, atol=2e-5, rtol=1e-4)
+            at += chunk[s]
+            done[s] += chunk[s]
+
+
+# -- bytes ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name,per_head_token", [
+    ("int8", 64 + 64 * 4 / 16 + 64 + 4 * 4),            # codes, fp16 scale+zero per channel per 16 tokens; values per 16 channels
+    ("int4", 32 + 64 * 4 / 16 + 32 + 4 * 4),
+    ("int4+g8", 32 + 64 * 4 / 8 + 32 + 8 * 4),
+    ("tq4", 32 + 2 + 32 + 2),                           # codes + a 16-bit norm per vector
+    ("tq3", 24 + 2 + 24 + 2),
+    ("tq-k4v3", 32 + 2 + 24 + 2),
+])
+def test_pool_bytes_are_blocks_times_the_formula(smollm2, name, per_head_token):
+    engine = Engine(smollm2, cache=name, kv_budget="6MiB", max_batch=3)
+    cap, cfg = engine.capacity, smollm2.config
+    assert cap.block_bytes == cfg.n_layers * cfg.n_kv_heads * 16 * per_head_token
+    assert engine.pool.nbytes == cap.pool_bytes <= cap.budget < cap.pool_bytes + cap.block_bytes
+    assert engine.pool.nbytes == cap.n_blocks * cap.block_bytes + cap.shared_bytes + 3 * cap.sequence_bytes
+    # one sequence of 4 blocks in the single cache holds 4 blocks + the per-sequence and shared state
+    geometry = CacheGeometry.for_model(cfg, capacity=64)
+    assert single_cache(engine, geometry).nbytes == 4 * cap.block_bytes + cap.shared_bytes + cap.sequence_bytes
+    assert (cap.shared_bytes == 0) == name.startswith("int") and (cap.sequence_bytes == 0) == name.startswith("tq")
+
+
+def test_planner_admission_is_the_engines_and_tq4_holds_3_5x_the_f16_sequences(smollm2):
+    admitted = {}
+    for name in ("dense-f16", "tq4"):
+        plan = build_plan(str(default_model_path()), ctx=4096, kv_type=name, engine="kvlab")
+        planned = engine_admission(plan.spec, plan.settings, "256MiB")
+        engine = Engine(smollm2, cache=name, kv_budget="256MiB", max_batch=16, max_step_tokens=16 * 4096)
+        assert planned["blocks"] == engine.capacity.n_blocks and planned["max_concurrent"] == engine.capacity.max_concurrent(4096)
+        for i in range(planned["max_concurrent"] + 1):
+            engine.add_request([(7 * i + j) % 500 + 10 for j in range(4095)], SamplingParams(max_tokens=1, ignore_eos=True))
+        engine.scheduler.schedule()                      # admission only: the blocks are reserved, nothing runs
+        assert len(engine.scheduler.running) == planned["max_concurrent"] and len(engine.scheduler.waiting) == 1
+        admitted[name] = len(engine.scheduler.running)
+    assert admitted["tq4"] >= 3.5 * admitted["dense-f16"] > 0
+
+
+@pytest.mark.parametrize("name,match", [("tq4+sink1", "tq4\\+sink1.*full-precision"), ("int4+recent64", "int4\\+recent64"),
+                                        ("int4+g32", "must divide the block size"), ("zip9", "unknown block format 'zip9'")])
+def test_formats_the_pool_cannot_hold_are_one_line_errors(smollm2, name, match):
+    with pytest.raises(ConfigError, match=match) as info:
+        Engine(smollm2, cache=name, kv_budget="4MiB")
+    assert "\n" not in str(info.value)
