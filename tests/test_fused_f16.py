@@ -172,3 +172,16 @@ def test_smollm2_fused_greedy_text_is_the_modules(smollm2, name):
             results.append(generate(model, ids, cache, 48).token_ids[0])
     assert results[0] == results[1]
     assert fused_decode_step(model) is not None
+
+
+@pytest.mark.parametrize("env, expected", [({}, "passive"), ({"OMP_WAIT_POLICY": "active"}, "active"),
+                                           ({"GOMP_SPINCOUNT": "5000"}, None)])
+def test_openmp_threads_wait_passively_unless_the_user_chose(env, expected):
+    """`import kvlab` (before torch) sets OMP_WAIT_POLICY=passive for libgomp, leaving any user choice alone."""
+    import os
+    import sys
+
+    clean = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    code = "import os, kvlab; print(os.environ.get('OMP_WAIT_POLICY'))"
+    run = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True, check=True)
+    assert run.stdout.strip() == str(expected)
