@@ -56,7 +56,7 @@ def chunked_attention(
     v: torch.Tensor,
     scale: float | None = None,
     window: int | None = None,
-    key_chunk: int = 1024,
+    key_chunk: int = 512,
     query_block: int = 512,
 ) -> torch.Tensor:
     """grouped_attention (causal, lower-right) over K/V stored in a narrower dtype (f16, bf16).
@@ -76,31 +76,31 @@ def chunked_attention(
     out = q.new_empty(B, H, T, Dv)
     for a in range(0, T, query_block):
         b = min(T, a + query_block)
-        n_q = b - a
+        rows = group * (b - a)                                                          # G·Tq query rows per KV head
         positions = torch.arange(S - T + a, S - T + b, device=q.device)               # (Tq,) absolute
-        qb = q[:, :, a:b].reshape(B, Hkv, group * n_q, Dk)                               # (B, Hkv, G·Tq, Dk)
-        top = q.new_full((B, Hkv, group * n_q, 1), float("-inf"))                       # running max score
-        total = q.new_zeros(B, Hkv, group * n_q, 1)                                     # running Σ e^(s - top)
-        acc = q.new_zeros(B, Hkv, group * n_q, Dv)                                      # running Σ e^(s - top) v
+        qb = (q[:, :, a:b] * scale).reshape(B * Hkv, rows, Dk)                          # (B·Hkv, G·Tq, Dk), scaled once
+        top = q.new_full((B * Hkv, rows, 1), float("-inf"))                             # running max score
+        total = q.new_zeros(B * Hkv, rows, 1)                                           # running Σ e^(s - top)
+        acc = q.new_zeros(B * Hkv, rows, Dv)                                            # running Σ e^(s - top) v
         first = 0 if window is None else max(0, S - T + a - window + 1)
         last = S - T + b                                                                # keys [first, last)
         for s0 in range(first // key_chunk * key_chunk, last, key_chunk):
             s0, s1 = max(s0, first), min(last, s0 + key_chunk)
-            kc = k[:, :, s0:s1].to(q.dtype)                                             # (B, Hkv, C, Dk) this chunk only
-            vc = v[:, :, s0:s1].to(q.dtype)                                             # (B, Hkv, C, Dv)
-            scores = (qb @ kc.transpose(-2, -1)) * scale                                # (B, Hkv, G·Tq, C)
+            kc = k[:, :, s0:s1].to(q.dtype).reshape(B * Hkv, s1 - s0, Dk)              # (B·Hkv, C, Dk) this chunk only
+            vc = v[:, :, s0:s1].to(q.dtype).reshape(B * Hkv, s1 - s0, Dv)              # (B·Hkv, C, Dv)
+            scores = torch.bmm(qb, kc.transpose(1, 2))                                  # (B·Hkv, G·Tq, C)
             keys = torch.arange(s0, s1, device=q.device)[None, :]                       # (1, C)
             visible = keys <= positions[:, None]                                        # (Tq, C)
             if window is not None:
                 visible &= keys > positions[:, None] - window
             if not bool(visible.all()):
-                scores = scores.masked_fill(~visible.repeat(group, 1), float("-inf"))
+                scores.masked_fill_(~visible.repeat(group, 1), float("-inf"))
             new_top = torch.maximum(top, scores.amax(-1, keepdim=True))
             shift = new_top.masked_fill(new_top == float("-inf"), 0.0)                  # a query that sees nothing yet
-            weights = torch.exp(scores - shift)                                         # (B, Hkv, G·Tq, C)
+            weights = scores.sub_(shift).exp_()                                         # in place: e^(s - top)
             rescale = torch.exp(top - shift)
             total = total * rescale + weights.sum(-1, keepdim=True)
-            acc = acc * rescale + weights @ vc                                          # (B, Hkv, G·Tq, Dv)
+            acc = torch.baddbmm(acc * rescale, weights, vc)                             # (B·Hkv, G·Tq, Dv)
             top = new_top
-        out[:, :, a:b] = (acc / total).reshape(B, H, n_q, Dv)
+        out[:, :, a:b] = (acc / total).reshape(B, H, b - a, Dv)
     return out
