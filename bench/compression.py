@@ -9,14 +9,13 @@ Each part updates its own section of bench/results/compression.json, so parts ca
   layers   where the error comes from: one window, only layer l's keys (or values) compressed at 3 bits,
            every other layer and the other half of that layer exact (tq-k3v8 / tq-k8v3 with fp-layers);
            mean KL against dense per layer
-  speed    decode tokens/s after a 512- and a 4,096-token prompt, interleaved, median of 3
+  speed    decode tokens/s and bandwidth at 512, 2k, 4k and 8k tokens of context (kvlab bench decode --contexts)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from pathlib import Path
 
@@ -29,8 +28,6 @@ from kvlab.eval.perplexity import WindowProtocol, run_window
 from kvlab.eval.plot import plot_quality
 from kvlab.eval.suite import corpus_windows, perplexity_suite
 from kvlab.fileio import write_json
-from kvlab.generate import generate
-from kvlab.model.fused import fused_step_off
 from kvlab.session import cached_model
 
 OUT = Path(__file__).parent / "results" / "compression.json"
@@ -48,7 +45,7 @@ CACHES = [
 ]
 PASSKEY_CACHES = ["dense", "int4", "tq4", "tq3"]
 PASSKEY = PasskeyProtocol(lengths=(1000, 3000, 6000))   # kvlab eval's default lengths
-SPEED_CACHES = ["dense", "int8", "int4", "tq4", "tq3"]
+SPEED_CACHES = ["dense", "dense-f16", "int8", "int4", "tq4", "tq3"]
 
 
 def part_quality(loaded) -> dict:
@@ -90,23 +87,15 @@ def part_layers(loaded) -> dict:
 
 
 def part_speed(loaded) -> dict:
-    """Each cache with the engine's default step; `dense (modules)` is the dense cache with the fused
-    decode step switched off (the path every compressed cache takes), so caches and steps both show."""
-    model, config = loaded.model, loaded.config
-    runs = {name: (name, False) for name in SPEED_CACHES} | {"dense (modules)": ("dense", True)}  # label: (cache, step off)
-    results = {}
-    for context in (512, 4096):
-        prompt = torch.randint(100, 10000, (1, context), generator=torch.Generator().manual_seed(0))
-        times: dict[str, list[float]] = {label: [] for label in runs}
-        for _ in range(3):
-            for label, (name, off) in runs.items():  # interleaved: the machine's noise hits every cache alike
-                cache = make_cache(name, CacheGeometry.for_model(config, 1, context + 33))
-                with fused_step_off(model, off):
-                    result = generate(model, prompt, cache, 33, chunk_size=256)
-                times[label].append(result.decode_tokens_per_s)
-        results[str(context)] = {n: round(statistics.median(v), 2) for n, v in times.items()}
-        print(context, results[str(context)], flush=True)
-    return {"what": "decode tokens/s (32 steps after the prompt), fp32, median of 3 interleaved runs", "tokens_per_s": results}
+    """`kvlab bench decode --contexts 512,2k,4k,8k --caches SPEED_CACHES` (kvlab/bench/contexts.py, the one
+    implementation): decode tokens/s and achieved bandwidth per cache and context, interleaved, fused steps
+    where they exist."""
+    from rich.console import Console
+
+    from kvlab.bench.contexts import run_context_bench
+
+    return run_context_bench(None, [512, 2048, 4096, 8192], SPEED_CACHES, repeats=3, steps=16, warmup=2, threads=0,
+                             weights=loaded.weights, out=None, json_out=False, console=Console())
 
 
 PARTS = {"quality": part_quality, "passkey": part_passkey, "layers": part_layers, "speed": part_speed}

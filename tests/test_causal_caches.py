@@ -48,7 +48,7 @@ def two_sequences() -> torch.Tensor:
     return tokens
 
 
-@pytest.mark.parametrize("name", ["dense", *EXAMPLES])
+@pytest.mark.parametrize("name", ["dense", "dense-f16", "dense-bf16", *EXAMPLES])
 def test_later_tokens_never_change_earlier_logits(model, name):
     tokens = two_sequences()
     # one sequence per run: batch rows could share per-batch statistics

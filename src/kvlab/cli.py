@@ -95,14 +95,30 @@ def bench_decode(
         "kvlab-dense-weights (dequantized fp32/bf16 weights), transformers.",
     ),
     weights: str = typer.Option("auto", "--weights", help="Weights of the kvlab contenders: auto | native | dense."),
-    out: str = typer.Option("bench/results/decode.json", "--out"),
+    out: Optional[str] = typer.Option(None, "--out", help="[default: bench/results/decode.json, decode_contexts.json with --contexts]"),
     json_out: bool = typer.Option(False, "--json"),
+    contexts: Optional[str] = typer.Option(
+        None, "--contexts",
+        help="Context lengths (512,2k,4k,8k): decode tokens/s and bandwidth of each of --caches at each, fp32, fused "
+        "steps where they exist. Uses --caches, --steps, --warmup, --repeats, --threads, --weights, --out, --json.",
+    ),
+    caches: str = typer.Option("dense,dense-f16,int8,int4,tq4,tq3", "--caches", help="Caches of --contexts."),
+    steps: int = typer.Option(16, "--steps", min=1, max=4096, help="Timed tokens per repeat (--contexts)."),
+    warmup: int = typer.Option(2, "--warmup", min=0, max=4096, help="Untimed tokens before the repeats (--contexts)."),
 ):
-    """Decode tokens/s of kvlab's caches against transformers, interleaved in one run."""
+    """Decode tokens/s of kvlab's caches against transformers, interleaved in one run; with --contexts, of
+    each cache at each context length."""
+    if contexts is not None:
+        from .bench.contexts import parse_contexts, run_context_bench
+
+        run_context_bench(model, parse_contexts(contexts), caches.split(","), repeats, steps, warmup, threads, weights,
+                          "bench/results/decode_contexts.json" if out is None else out, json_out, console)
+        return
     from .bench.decode import run_decode_bench
 
-    run_decode_bench(model, prompt_tokens, new_tokens, dtypes.split(","), repeats, contenders.split(","), out, json_out,
-                     console, no_cache_repeats=min(no_cache_repeats, repeats), threads=threads, weights=weights)
+    run_decode_bench(model, prompt_tokens, new_tokens, dtypes.split(","), repeats, contenders.split(","),
+                     "bench/results/decode.json" if out is None else out, json_out, console,
+                     no_cache_repeats=min(no_cache_repeats, repeats), threads=threads, weights=weights)
 
 
 from .eval.command import register as register_eval  # noqa: E402  (each sub-package adds its own commands)

@@ -7,6 +7,7 @@ import torch
 from ..errors import ConfigError
 from .base import CacheGeometry, KVCache
 from .concat import ConcatCache, NoCache
+from .dense import STORAGE as _DENSE_STORAGE
 from .dense import DenseCache
 from .names import EXAMPLES as _COMPRESSED_EXAMPLES
 from .names import is_compressed_name, parse as _parse_compressed
@@ -14,7 +15,13 @@ from .quantized import QuantizedCache, QuantizedConfig
 from .turboquant import TurboQuantCache, TurboQuantConfig
 
 #: name -> cache class for the uncompressed caches; compressed caches add their parser below.
-_PLAIN = {"dense": DenseCache, "concat": ConcatCache, "none": NoCache}
+#: dense-f16 / dense-bf16: the dense cache storing K/V in f16 / bf16 whatever the run's dtype (cache/dense.py).
+_PLAIN = {"dense": DenseCache, "dense-f16": DenseCache, "dense-bf16": DenseCache, "concat": ConcatCache, "none": NoCache}
+
+
+def _storage(key: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype the dense cache `key` stores K/V in, in a run of `dtype`."""
+    return _DENSE_STORAGE[key] or dtype
 
 
 def cache_names() -> list[str]:
@@ -25,6 +32,8 @@ def cache_names() -> list[str]:
 def make_cache(name: str, geometry: CacheGeometry, dtype: torch.dtype = torch.float32, device="cpu") -> KVCache:
     """Build the cache called `name` (e.g. "dense", "concat", "none")."""
     key = name.strip().lower()
+    if key in _DENSE_STORAGE:
+        return DenseCache(geometry, dtype=dtype, device=device, storage=_storage(key, dtype))
     if key in _PLAIN:
         return _PLAIN[key](geometry, dtype=dtype, device=device)
     if is_compressed_name(key):
@@ -36,8 +45,8 @@ def make_cache(name: str, geometry: CacheGeometry, dtype: torch.dtype = torch.fl
 def expected_nbytes(name: str, geometry: CacheGeometry, dtype: torch.dtype, tokens: int) -> int:
     """The bytes cache `name` holds after `tokens` tokens per sequence, by formula (no tensors made)."""
     key = name.strip().lower()
-    if key == "dense":
-        return DenseCache.bytes_per_token(geometry, dtype) * geometry.batch * geometry.capacity
+    if key in _DENSE_STORAGE:
+        return DenseCache.bytes_per_token(geometry, _storage(key, dtype)) * geometry.batch * geometry.capacity
     if key == "concat":
         return DenseCache.bytes_per_token(geometry, dtype) * geometry.batch * tokens
     if key == "none":
@@ -51,9 +60,13 @@ def expected_nbytes(name: str, geometry: CacheGeometry, dtype: torch.dtype, toke
 def describe_formula(name: str, geometry: CacheGeometry, dtype: torch.dtype) -> str:
     """The bytes of cache `name` in words, e.g. "per key vector: 64×4-bit codes + 16-bit norm = 34 B; ..."."""
     key = name.strip().lower()
-    elem = torch.empty(0, dtype=dtype).element_size()
-    if key in ("dense", "concat"):
-        return f"per key and value vector: {geometry.head_dim}×{elem * 8}-bit values = {geometry.head_dim * elem} B"
+    if key in ("dense", "concat") or key in _DENSE_STORAGE:
+        stored = _storage(key, dtype) if key in _DENSE_STORAGE else dtype
+        elem = torch.empty(0, dtype=stored).element_size()
+        text = f"per key and value vector: {geometry.head_dim}×{elem * 8}-bit values = {geometry.head_dim * elem} B"
+        if stored != dtype:
+            text += f" ({str(stored).removeprefix('torch.')} storage, {str(dtype).removeprefix('torch.')} attention)"
+        return text
     if key == "none":
         return "nothing is kept between forward passes"
     cls, config = _parse_compressed(key)

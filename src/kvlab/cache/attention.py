@@ -48,3 +48,59 @@ def grouped_attention(
         mask = causal_mask(T, S, q.device, window).repeat(group, 1)               # (G·T, S)
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)  # (B, Hkv, G·T, Dv)
     return out.reshape(B, H, T, v.shape[-1])
+
+
+def chunked_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float | None = None,
+    window: int | None = None,
+    key_chunk: int = 512,
+    query_block: int = 512,
+) -> torch.Tensor:
+    """grouped_attention (causal, lower-right) over K/V stored in a narrower dtype (f16, bf16).
+
+    K/V are read `key_chunk` positions at a time and upcast to q's dtype chunk by chunk; a running maximum,
+    sum and output per query (the online softmax) combine the chunks, so no full-context K/V copy in q's
+    dtype is ever made. Queries go `query_block` at a time, each reading only the keys it may see.
+    Chunk edges sit on a fixed grid of absolute positions: later tokens never change earlier results.
+
+    q: (B, H, T, Dk) in the compute dtype; k: (B, Hkv, S, Dk), v: (B, Hkv, S, Dv) in the storage dtype
+    returns (B, H, T, Dv) in q's dtype
+    """
+    B, H, T, Dk = q.shape
+    Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    group = H // Hkv
+    scale = Dk ** -0.5 if scale is None else scale
+    out = q.new_empty(B, H, T, Dv)
+    for a in range(0, T, query_block):
+        b = min(T, a + query_block)
+        rows = group * (b - a)                                                          # G·Tq query rows per KV head
+        positions = torch.arange(S - T + a, S - T + b, device=q.device)               # (Tq,) absolute
+        qb = (q[:, :, a:b] * scale).reshape(B * Hkv, rows, Dk)                          # (B·Hkv, G·Tq, Dk), scaled once
+        top = q.new_full((B * Hkv, rows, 1), float("-inf"))                             # running max score
+        total = q.new_zeros(B * Hkv, rows, 1)                                           # running Σ e^(s - top)
+        acc = q.new_zeros(B * Hkv, rows, Dv)                                            # running Σ e^(s - top) v
+        first = 0 if window is None else max(0, S - T + a - window + 1)
+        last = S - T + b                                                                # keys [first, last)
+        for s0 in range(first // key_chunk * key_chunk, last, key_chunk):
+            s0, s1 = max(s0, first), min(last, s0 + key_chunk)
+            kc = k[:, :, s0:s1].to(q.dtype).reshape(B * Hkv, s1 - s0, Dk)              # (B·Hkv, C, Dk) this chunk only
+            vc = v[:, :, s0:s1].to(q.dtype).reshape(B * Hkv, s1 - s0, Dv)              # (B·Hkv, C, Dv)
+            scores = torch.bmm(qb, kc.transpose(1, 2))                                  # (B·Hkv, G·Tq, C)
+            keys = torch.arange(s0, s1, device=q.device)[None, :]                       # (1, C)
+            visible = keys <= positions[:, None]                                        # (Tq, C)
+            if window is not None:
+                visible &= keys > positions[:, None] - window
+            if not bool(visible.all()):
+                scores.masked_fill_(~visible.repeat(group, 1), float("-inf"))
+            new_top = torch.maximum(top, scores.amax(-1, keepdim=True))
+            shift = new_top.masked_fill(new_top == float("-inf"), 0.0)                  # a query that sees nothing yet
+            weights = scores.sub_(shift).exp_()                                         # in place: e^(s - top)
+            rescale = torch.exp(top - shift)
+            total = total * rescale + weights.sum(-1, keepdim=True)
+            acc = torch.baddbmm(acc * rescale, weights, vc)                             # (B·Hkv, G·Tq, Dv)
+            top = new_top
+        out[:, :, a:b] = (acc / total).reshape(B, H, b - a, Dv)
+    return out

@@ -1,30 +1,47 @@
-"""DenseCache: K/V preallocated to a capacity and written in place (the gpt-fast static cache)."""
+"""DenseCache: K/V preallocated to a capacity and written in place (the gpt-fast static cache).
+
+The storage dtype may be narrower than the run's compute dtype (`dense-f16`, `dense-bf16` in a fp32 run:
+what llama.cpp and vLLM store by default): K/V are rounded to it when written, and attention reads them
+back chunk by chunk, upcast to the compute dtype (attention.chunked_attention), never as a whole-context copy.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from .attention import grouped_attention
+from ..errors import NonFiniteError
+from .attention import chunked_attention, grouped_attention
 from .base import CacheGeometry, KVCache, tensors_nbytes
+
+#: cache name -> the dtype its K/V are stored in (None: the run's dtype)
+STORAGE = {"dense": None, "dense-f16": torch.float16, "dense-bf16": torch.bfloat16}
 
 
 class DenseCache(KVCache):
-    """Two buffers of (layers, B, Hkv, capacity, D); token t of layer l lives at [l, :, :, t]."""
+    """Two buffers of (layers, B, Hkv, capacity, D); token t of layer l lives at [l, :, :, t].
+    `storage`: the dtype of those buffers (default: `dtype`, the compute dtype)."""
 
-    def __init__(self, geometry: CacheGeometry, dtype: torch.dtype = torch.float32, device="cpu"):
+    def __init__(self, geometry: CacheGeometry, dtype: torch.dtype = torch.float32, device="cpu",
+                 storage: torch.dtype | None = None):
         super().__init__(geometry, dtype, device)
         g = geometry
-        self.k = torch.zeros(g.n_layers, g.batch, g.n_kv_heads, g.capacity, g.head_dim, dtype=dtype, device=self.device)
-        self.v = torch.zeros(g.n_layers, g.batch, g.n_kv_heads, g.capacity, g.head_dim_v, dtype=dtype, device=self.device)
+        self.storage = storage or dtype
+        self.k = torch.zeros(g.n_layers, g.batch, g.n_kv_heads, g.capacity, g.head_dim, dtype=self.storage, device=self.device)
+        self.v = torch.zeros(g.n_layers, g.batch, g.n_kv_heads, g.capacity, g.head_dim_v, dtype=self.storage, device=self.device)
 
     @staticmethod
     def bytes_per_token(geometry: CacheGeometry, dtype: torch.dtype) -> int:
-        """Per token of capacity, per sequence: 2 (K and V) × layers × kv_heads × head_dim × bytes."""
+        """Per token of capacity, per sequence: 2 (K and V) × layers × kv_heads × head_dim × bytes of the
+        storage dtype."""
         g = geometry
         return g.n_layers * g.n_kv_heads * (g.head_dim + g.head_dim_v) * torch.empty(0, dtype=dtype).element_size()
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         n_new = self._check_append(layer, k, v)
+        if self.storage != k.dtype:  # rounded as stored: a value beyond float16's range would be stored as Inf
+            k, v = k.to(self.storage), v.to(self.storage)
+            if not (torch.isfinite(k).all() and torch.isfinite(v).all()):
+                raise NonFiniteError(f"NaN or Inf in the keys/values appended to layer {layer}")
         start = self._lengths[layer]
         self.k[layer, :, :, start:start + n_new] = k   # (B, Hkv, T, D) written in place
         self.v[layer, :, :, start:start + n_new] = v
@@ -35,6 +52,8 @@ class DenseCache(KVCache):
         n = self._lengths[layer]
         k = self.k[layer, :, :, :n]                    # (B, Hkv, S, D) view, no copy
         v = self.v[layer, :, :, :n]
+        if self.storage != q.dtype:
+            return chunked_attention(q, k, v, self.scale, window=self.geometry.window)
         return grouped_attention(q, k, v, self.scale, window=self.geometry.window)
 
     def record_written(self, layers, n_new: int) -> None:

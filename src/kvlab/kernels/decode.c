@@ -9,6 +9,12 @@
  * then logits = W_head rms_norm(x). Matrices are GGUF blocks (Q4_0/Q4_1/Q8_0, read by blockgemv.c's row
  * kernels) or fp32 rows. One OpenMP parallel region spans the whole step: matrix rows and attention heads
  * are shared between the threads, the small vector work is done by one of them.
+ *
+ * K/V storage: fp32, f16 or bf16 (kvlab's dense, dense-f16, dense-bf16 caches). A new token's K/V are
+ * rounded to nearest-even as torch's .to() rounds them; f16/bf16 keys and values are read back one key chunk
+ * at a time, converted to fp32 into a per-thread scratch that stays in cache (F16C / a 16-bit shift, 16 or 8
+ * lanes at a time under AVX-512 / AVX2, one value at a time in plain C), and the chunk's attention is the
+ * fp32 arithmetic of the fp32 cache: exact conversions, so the step equals the module path's upcast reads.
  */
 #include <math.h>
 #include <stdint.h>
@@ -25,6 +31,94 @@
  * share out between the threads even when there are fewer KV heads than threads, and the chunks' partial
  * softmax sums are combined in a fixed order, so the result does not depend on the thread count. */
 #define KEY_CHUNK 256
+
+enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };   /* how the cache stores K/V */
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__F16C__))
+#include <immintrin.h>
+#endif
+
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* round to nearest, ties to even (torch's float -> bfloat16), for finite x; a finite x past bf16's largest
+ * value becomes Inf */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    x += 0x7fffu + ((x >> 16) & 1u);
+    return (uint16_t)(x >> 16);
+}
+
+/* round to nearest, ties to even (torch's float -> float16): |x| >= 65520 becomes Inf, below 2^-14 a subnormal */
+static inline uint16_t f32_to_f16(float f) {
+#ifdef __F16C__
+    return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    const uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+    const uint32_t ax = x & 0x7fffffffu;
+    if (ax > 0x7f800000u) return sign | 0x7e00u;                        /* nan */
+    if (ax >= 0x477ff000u) return sign | 0x7c00u;                       /* >= 65520 (or inf): inf */
+    if (ax < 0x38800000u) {                                             /* below 2^-14: units of 2^-24 */
+        float a;
+        memcpy(&a, &ax, sizeof a);
+        return sign | (uint16_t)lrintf(a * 16777216.0f);                /* exact scaling; lrintf rounds to even */
+    }
+    uint32_t m = ax - 0x38000000u;                                      /* exponent bias 127 -> 15 */
+    m += 0x0fffu + ((m >> 13) & 1u);                                    /* 23 -> 10 mantissa bits, ties to even */
+    return sign | (uint16_t)(m >> 13);
+#endif
+}
+
+/* dst (n,) fp32 = the f16 / bf16 values at src, exactly */
+static void kv_load(int kv_type, const uint16_t *src, int64_t n, float *dst) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    if (kv_type == KV_F16)
+        for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + i))));
+    else
+        for (; i + 16 <= n; i += 16)
+            _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + i))), 16)));
+#elif defined(__AVX2__) && defined(__F16C__)
+    if (kv_type == KV_F16)
+        for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+    else
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(
+                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + i))), 16)));
+#endif
+    for (; i < n; i++) dst[i] = kv_type == KV_F16 ? kvlab_fp16_to_fp32(src[i]) : bf16_to_f32(src[i]);
+}
+
+/* dst (n,) = src rounded to f16 / bf16; returns 1 when every stored value is finite */
+static int kv_store(int kv_type, const float *src, int64_t n, uint16_t *dst) {
+    const uint16_t inf = kv_type == KV_F16 ? 0x7c00u : 0x7f80u;
+    int ok = 1;
+    for (int64_t i = 0; i < n; i++) {
+        dst[i] = kv_type == KV_F16 ? f32_to_f16(src[i]) : f32_to_bf16(src[i]);
+        ok &= (dst[i] & inf) != inf;
+    }
+    return ok;
+}
+
+/* The conversions on their own, for the tests: to f16/bf16 (0 when all finite, 1 otherwise) and back. */
+int kvlab_kv_store(int kv_type, const float *src, int64_t n, uint16_t *dst) {
+    if (kv_type != KV_F16 && kv_type != KV_BF16) return -1;
+    return kv_store(kv_type, src, n, dst) ? 0 : 1;
+}
+
+int kvlab_kv_load(int kv_type, const uint16_t *src, int64_t n, float *dst) {
+    if (kv_type != KV_F16 && kv_type != KV_BF16) return -1;
+    kv_load(kv_type, src, n, dst);
+    return 0;
+}
 
 typedef struct {
     int32_t type;            /* F32, Q4_0, Q4_1 or Q8_0 */
@@ -59,8 +153,6 @@ static void rope(float *x, const float *cos_, const float *sin_, int d) {
 }
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
-
 /* a . b: 16-lane FMAs into two accumulators, then a fixed reduction tree: the same bits on every call */
 static float dot(const float *a, const float *b, int64_t n) {
     __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
@@ -221,13 +313,16 @@ static void combine_parts(const float *parts, int n_parts, int d, float *out) {
 static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
 /* x (d_model,): the token's embedding (not modified). k_cache/v_cache: (n_layers, n_kv_heads, capacity,
- * head_dim) fp32, positions [0, pos) filled; position `pos` is written. cos/sin: (head_dim,) at `pos`.
- * logits: (vocab,). Returns 0; L + 1 when layer L's new K/V hold a NaN/Inf (layers < L were written, L
- * and later were not); -1 for bad arguments or no memory. */
+ * head_dim) of `kv_type` (KV_F32, KV_F16, KV_BF16), positions [0, pos) filled; position `pos` is written.
+ * cos/sin: (head_dim,) at `pos`. logits: (vocab,). Returns 0; L + 1 when layer L's new K/V hold a NaN/Inf
+ * (or round to Inf in f16/bf16: layers < L were written, L and later were not); -1 for bad arguments or
+ * no memory. */
 int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const float *cos_, const float *sin_,
-                      float *k_cache, float *v_cache, int32_t capacity, float *logits, int n_threads) {
+                      void *k_cache, void *v_cache, int32_t capacity, float *logits, int n_threads, int kv_type) {
     const int d = m->d_model, hd = m->head_dim, H = m->n_heads, Hkv = m->n_kv_heads;
-    if (pos < 0 || pos >= capacity || Hkv <= 0 || H % Hkv != 0 || hd % 2 != 0) return -1;
+    if (pos < 0 || pos >= capacity || Hkv <= 0 || H % Hkv != 0 || hd % 2 != 0 || n_threads < 1) return -1;
+    if (kv_type != KV_F32 && kv_type != KV_F16 && kv_type != KV_BF16) return -1;
+    const size_t elem = kv_type == KV_F32 ? 4 : 2;
     const int q_dim = H * hd, kv_dim = Hkv * hd, group = H / Hkv;
     const int start = m->window > 0 && pos + 1 > m->window ? pos + 1 - m->window : 0;
     const int64_t widest = max64(max64(d, m->d_ff), q_dim);
@@ -241,8 +336,12 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
     const int n_chunks = (pos + 1 - start + KEY_CHUNK - 1) / KEY_CHUNK;
     float *scores = malloc(sizeof(float) * (size_t)H * (size_t)n_chunks * KEY_CHUNK);
     float *parts = malloc(sizeof(float) * (size_t)H * (size_t)n_chunks * (size_t)(hd + 2));
+    /* f16/bf16: each thread's fp32 copy of one key chunk's keys and values; the new token's rounded K|V */
+    float *chunk_kv = kv_type == KV_F32 ? NULL : malloc(sizeof(float) * (size_t)n_threads * 2 * KEY_CHUNK * (size_t)hd);
+    uint16_t *rounded = kv_type == KV_F32 ? NULL : malloc(sizeof(uint16_t) * 2 * (size_t)kv_dim);
     int status = 0;
-    if (!x || !h || !y || !qkv || !att || !gu || !xsum || !scores || !parts) status = -1;
+    if (!x || !h || !y || !qkv || !att || !gu || !xsum || !scores || !parts
+        || (kv_type != KV_F32 && (!chunk_kv || !rounded))) status = -1;
     else memcpy(x, x_in, sizeof(float) * (size_t)d);
 
     #pragma omp parallel num_threads(n_threads) if(status == 0)
@@ -259,13 +358,20 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
             for (int i = 0; i < Hkv && L->k_norm; i++) rms_norm(k + i * hd, L->k_norm, m->rms_eps, hd, k + i * hd);
             for (int i = 0; i < H; i++) rope(q + i * hd, cos_, sin_, hd);
             for (int i = 0; i < Hkv; i++) rope(k + i * hd, cos_, sin_, hd);
-            if (!all_finite(k, kv_dim) || !all_finite(v, kv_dim)) {
+            const void *k_new = k, *v_new = v;       /* what is stored: fp32, or the rounded 16-bit values */
+            int ok = all_finite(k, kv_dim) && all_finite(v, kv_dim);
+            if (ok && kv_type != KV_F32) {
+                ok = kv_store(kv_type, k, kv_dim, rounded) & kv_store(kv_type, v, kv_dim, rounded + kv_dim);
+                k_new = rounded;
+                v_new = rounded + kv_dim;
+            }
+            if (!ok) {
                 status = l + 1;
             } else {
                 for (int i = 0; i < Hkv; i++) {
                     const int64_t at = (layer_at + (int64_t)i * capacity + pos) * hd;
-                    memcpy(k_cache + at, k + i * hd, sizeof(float) * (size_t)hd);
-                    memcpy(v_cache + at, v + i * hd, sizeof(float) * (size_t)hd);
+                    memcpy((uint8_t *)k_cache + at * elem, (const uint8_t *)k_new + (size_t)i * hd * elem, elem * (size_t)hd);
+                    memcpy((uint8_t *)v_cache + at * elem, (const uint8_t *)v_new + (size_t)i * hd * elem, elem * (size_t)hd);
                 }
             }
         }   /* the barrier here makes `status` the same for every thread */
@@ -275,8 +381,20 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
             const int g = item / n_chunks, c = item % n_chunks;
             const int t0 = start + c * KEY_CHUNK, n = pos + 1 - t0 < KEY_CHUNK ? pos + 1 - t0 : KEY_CHUNK;
             const int64_t chunk_at = ((layer_at + (int64_t)g * capacity) + t0) * hd;
+            const float *keys = (const float *)k_cache + chunk_at, *values = (const float *)v_cache + chunk_at;
+            if (kv_type != KV_F32) {   /* this chunk only, upcast once for the whole query group */
+#ifdef _OPENMP
+                float *mine = chunk_kv + (size_t)omp_get_thread_num() * 2 * KEY_CHUNK * (size_t)hd;
+#else
+                float *mine = chunk_kv;
+#endif
+                kv_load(kv_type, (const uint16_t *)k_cache + chunk_at, (int64_t)n * hd, mine);
+                kv_load(kv_type, (const uint16_t *)v_cache + chunk_at, (int64_t)n * hd, mine + (size_t)KEY_CHUNK * hd);
+                keys = mine;
+                values = mine + (size_t)KEY_CHUNK * hd;
+            }
             for (int i = g * group; i < (g + 1) * group; i++)
-                attend_part(qkv + i * hd, k_cache + chunk_at, v_cache + chunk_at, n, hd, m->attn_scale,
+                attend_part(qkv + i * hd, keys, values, n, hd, m->attn_scale,
                             scores + ((int64_t)i * n_chunks + c) * KEY_CHUNK, parts + ((int64_t)i * n_chunks + c) * (hd + 2));
         }
         #pragma omp for schedule(static)
@@ -303,6 +421,6 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
         #pragma omp parallel num_threads(n_threads)
         matvec(&m->head, h, xsum, logits);
     }
-    free(x); free(h); free(y); free(qkv); free(att); free(gu); free(xsum); free(scores); free(parts);
+    free(x); free(h); free(y); free(qkv); free(att); free(gu); free(xsum); free(scores); free(parts); free(chunk_kv); free(rounded);
     return status;
 }

@@ -3,7 +3,8 @@
 Batch-1 decode on a CPU is a few hundred small operations per token (norms, RoPE, one-query attention,
 SwiGLU, a GEMV per matrix); run one by one from Python their overhead is about as long as reading the
 weights. The fused step does the same arithmetic in one call over the model's own buffers (GGUF blocks
-or fp32 rows) and writes K/V into a DenseCache in place. The Python modules stay the reference: tests hold
+or fp32 rows) and writes K/V into a DenseCache in place (stored fp32, or f16 / bf16 for dense-f16 / dense-bf16,
+read back in fp32 one key chunk at a time). The Python modules stay the reference: tests hold
 the fused step to the module path, and everything it does not accept (prefill, batches, other caches,
 bf16, CUDA, autograd) goes through the modules.
 """
@@ -24,6 +25,7 @@ from .blockquant import BlockQuantLinear
 from ..kernels import BLOCK_TYPES, block_kernel, check_buffer
 
 F32 = 0  # GGML type id of plain fp32 rows
+KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # decode.c's KV_F32, KV_F16, KV_BF16
 
 
 class _Matrix(ctypes.Structure):
@@ -73,7 +75,7 @@ class FusedDecodeStep:
         self._embed = model.embed
         self._rope = model.rope
         lib.kvlab_decode_step.argtypes = [POINTER(_Model), c_void_p, c_int32, c_void_p, c_void_p, c_void_p, c_void_p,
-                                          c_int32, c_void_p, ctypes.c_int]
+                                          c_int32, c_void_p, ctypes.c_int, ctypes.c_int]
         lib.kvlab_decode_step.restype = c_int32
 
     def __deepcopy__(self, memo) -> None:
@@ -101,11 +103,12 @@ class FusedDecodeStep:
         return _Matrix(F32, rows, cols, self._ptr(module.weight, (rows, cols), f"{what} weight"), bias_ptr)  # (rows, cols) fp32
 
     def serves(self, cache) -> bool:
-        """Whether this kind of cache takes the fused step at all: a fp32 CPU DenseCache of one sequence
-        shaped for this model."""
+        """Whether this kind of cache takes the fused step at all: a fp32 CPU DenseCache (K/V stored in fp32,
+        f16 or bf16) of one sequence shaped for this model."""
         g, cfg = cache.geometry, self.config
         return (
-            type(cache) is DenseCache and cache.dtype == torch.float32 and cache.device.type == "cpu"
+            type(cache) is DenseCache and cache.dtype == torch.float32 and cache.storage in KV_TYPES
+            and cache.device.type == "cpu"
             and (g.batch, g.n_layers, g.n_kv_heads, g.head_dim, g.head_dim_v, g.window)
             == (1, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.head_dim, cfg.sliding_window)
         )
@@ -126,7 +129,7 @@ class FusedDecodeStep:
             raise ConfigError(f"fused decode step does not take tokens {tuple(tokens.shape)} into this {type(cache).__name__}")
         pos, capacity = cache.length, cache.geometry.capacity
         for name in ("k", "v"):  # the C code writes position `pos` and reads [0, pos] of every layer and head
-            check_buffer("fused decode", f"cache {name}", getattr(cache, name), torch.float32,
+            check_buffer("fused decode", f"cache {name}", getattr(cache, name), cache.storage,
                          (cfg.n_layers, 1, cfg.n_kv_heads, capacity, cfg.head_dim))
         x = self._embed(tokens).reshape(-1).float().contiguous()               # (C,)
         cos, sin = self._rope(pos, 1, torch.float32)                           # (1, D) each
@@ -138,6 +141,7 @@ class FusedDecodeStep:
         status = self._lib.kvlab_decode_step(
             ctypes.byref(self._model), x.data_ptr(), pos, cos.data_ptr(), sin.data_ptr(),
             cache.k.data_ptr(), cache.v.data_ptr(), capacity, logits.data_ptr(), torch.get_num_threads(),
+            KV_TYPES[cache.storage],
         )
         if status < 0:
             raise ConfigError(f"fused decode step refused position {pos} of a cache of {cache.geometry.capacity} tokens")

@@ -23,13 +23,12 @@ _DTYPES = {"f32": "float32", "float32": "float32", "f16": "float16", "float16": 
 
 
 def parse_cache(name: str | None):
-    """'dense' -> (dense, torch.float32); 'f16' -> (dense, float16); 'int8@bf16' -> (int8, bfloat16)."""
+    """'dense' -> (dense, torch.float32); 'f16' -> (dense, float16); 'int8@bf16' -> (int8, bfloat16);
+    'dense-f16' -> (dense-f16, float32): the dense cache storing f16 in a fp32 run (the same bytes as dense@f16)."""
     import torch  # only the kvlab engine needs torch; planning for llama.cpp / vLLM stays light
 
     text = (name or "dense").strip().lower()
-    if text.startswith("dense-") and "@" not in text:   # the serving engine's block formats: dense-f16, dense-bf16
-        text = "dense@" + text.removeprefix("dense-")
-    cache, _, dtype = text.partition("@")
+    cache, _, dtype = text.partition("@")   # dense-f16 / dense-bf16: f16 / bf16 storage in a (default f32) run
     if cache in _DTYPES and not dtype:
         return "dense", getattr(torch, _DTYPES[cache])
     if dtype and dtype not in _DTYPES:
@@ -70,7 +69,7 @@ class KvlabEngine(Engine):
                                      k_total=k_share, v_total=per_layer - k_share)
         layers = tuple(rows.get(i, LayerBytes(i, layer.kind)) for i, layer in enumerate(spec.layers))
         label = f"{cache}@{str(dtype).removeprefix('torch.')}"
-        notes = ("K/V split by head dims (kvlab caches report them together)",) if cache != "dense" else ()
+        notes = ("K/V split by head dims (kvlab caches report them together)",) if not cache.startswith("dense") else ()
         layout = KVLayout(self.name, layers, per_token, label, label, notes)
         remainder = total - layout.kv_bytes   # integer division across layers: give the rest to the first layer
         if remainder and rows:
@@ -121,6 +120,8 @@ def engine_admission(spec: ModelSpec, settings: PlanSettings, kv_budget: str) ->
 
     cache, dtype = parse_cache(settings.kv_type_k)
     formats = {torch.float32: "dense", torch.float16: "dense-f16", torch.bfloat16: "dense-bf16"}
+    if cache in ("dense-f16", "dense-bf16"):   # the block format of that name: its storage dtype whatever the run's
+        cache, dtype = "dense", {"dense-f16": torch.float16, "dense-bf16": torch.bfloat16}[cache]
     if cache == "dense":
         block_format = formats[dtype]
     elif dtype == torch.float32:                          # a compressed block format: int4, tq4, ... (serve/formats.py)

@@ -1,0 +1,52 @@
+"""`kvlab bench decode --contexts`: decode tokens/s and bandwidth per cache at each context length."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from kvlab.bench import contexts as bench_contexts
+from kvlab.bench.contexts import parse_contexts
+from kvlab.cli import app
+from kvlab.errors import ConfigError
+
+from .conftest import cli_error
+
+
+def test_contexts_parse_like_plan_ctx():
+    assert parse_contexts("512, 2k,4K,8k") == [512, 2048, 4096, 8192]
+    for bad in ("", "512,,4k", "0", "4x", "max"):
+        with pytest.raises(ConfigError, match="--contexts"):
+            parse_contexts(bad)
+
+
+def test_smoke_run_records_every_cache_at_every_context(smollm2, tmp_path, monkeypatch):
+    """Two tiny contexts (the second past a 40-token model context: lowered to fit the steps), three caches."""
+    monkeypatch.setattr(bench_contexts, "model_context", lambda model: 40)
+    out = tmp_path / "contexts.json"
+    result = CliRunner().invoke(app, ["bench", "decode", "--contexts", "16,64", "--caches", "dense,dense-f16,int8",
+                                      "--repeats", "2", "--steps", "2", "--warmup", "1", "--threads", "1",
+                                      "--out", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    record = json.loads(out.read_text())
+    assert record["benchmark"] == "decode_contexts" and record["baseline"] == "dense-f16" and record["threads"] == 1
+    rows = {(r["asked"], r["cache"]): r for r in record["results"]}
+    assert set(rows) == {(a, c) for a in (16, 64) for c in ("dense", "dense-f16", "int8")}
+    assert rows[16, "dense"]["context"] == 16 and rows[64, "dense"]["context"] == 40 - 1 - 2 * 2
+    for (asked, cache), r in rows.items():
+        assert len(r["samples"]) == 2 and r["tokens_per_s"] > 0 and r["bandwidth_gb_s"] > 0
+        assert r["step"] == ("modules" if cache == "int8" else "fused")
+        # bytes read per step: the cache's per-token bytes × tokens at mid-run (dense: 30 × 3 × 128 × 4 B per token)
+        mid = r["context"] + 1 + 2
+        if cache.startswith("dense"):
+            assert r["kv_bytes_read_per_step"] == 30 * 3 * 128 * (4 if cache == "dense" else 2) * mid
+        assert r["bandwidth_gb_s"] == pytest.approx((r["weight_bytes"] + r["kv_bytes_read_per_step"]) * r["tokens_per_s"] / 1e9)
+    assert rows[16, "dense-f16"]["ratio_vs_baseline"] == 1.0
+    assert json.loads(result.output.strip().splitlines()[-1]) == record
+
+
+def test_bad_cache_is_one_line_error():
+    line = cli_error(["bench", "decode", "--contexts", "16", "--caches", "dense,nope", "--out", ""])
+    assert "nope" in line
