@@ -29,6 +29,14 @@ gives the paper's recipe):
     first attended) and keeps w as 4-bit codes of log2 w in quarter octaves (32 bytes per layer and
     head, counted). Like μ, any stored w is exact: coding and reading use the same value.
 
+`+prerope` (KVQuant's pre-RoPE keys): keys are coded before RoPE. The cache undoes RoPE at the
+token's position (sink + slot) before the offset, weights and rotation, and applies it again to the
+rebuilt keys when reading (so scores go through the decoded keys, not the code lookups). Without
+RoPE the common key component is one constant vector that the offset removes whole; after RoPE it
+turns with the position (SmolLM2: the energy left after the offset is 0.22 of ‖k‖² pre-RoPE, 0.50
+post-RoPE, one window). The key weights then use each RoPE pair's mean query energy. Costs the
+d/2 float32 RoPE frequencies (the model's, from CacheGeometry.rope_inv_freq), counted.
+
 Fractional widths (tq3.5, tq2.5): after the rotation all d coordinates follow the same law, so no
 channel is an outlier any more; "outlier channels" are simply the first ⌊frac·d⌉ rotated
 coordinates, quantized at ⌊b⌋+1 bits, the rest at ⌊b⌋ bits (both with the d-dimensional codebook).
@@ -96,6 +104,7 @@ class TurboQuantConfig:
     norm_dtype: torch.dtype = torch.float16
     center: str = "k"                  # "", "k" or "kv": which of K/V get a per-layer, per-head offset (OFFSETS)
     key_weights: bool = True           # query-aware key channel weights (see the module docstring)
+    pre_rope: bool = False             # keys coded before RoPE, RoPE applied when reading (+prerope)
 
     def __post_init__(self) -> None:
         for what, bits in (("key", self.key_bits), ("value", self.value_bits)):
@@ -125,7 +134,7 @@ class TurboQuantConfig:
             numerics = "+kweights=none" + numerics
         if self.center != TurboQuantConfig.center:
             numerics = f"+center={self.center or 'none'}" + numerics
-        return base + ("+qjl" if self.qjl else "") + self.full.suffix + numerics
+        return base + ("+qjl" if self.qjl else "") + ("+prerope" if self.pre_rope else "") + self.full.suffix + numerics
 
     @property
     def code_bits(self) -> float:
@@ -242,6 +251,11 @@ class TurboQuantCache(CompressedCache):
             self.qjl_matrix = torch.randn(d, d, generator=gen).to(dev)                       # (m=d, d) S
             self.k_signs = buffers(packed_nbytes(d, 1), torch.uint8)                         # (B, H, S, d/8)
             self.k_rnorm = buffers(0, nd)                                                    # (B, H, S)
+        self.rope_inv_freq = None
+        if config.pre_rope:
+            if g.rope_inv_freq is None or len(g.rope_inv_freq) != d // 2:
+                raise ConfigError("+prerope needs the model's RoPE frequencies (a cache geometry from CacheGeometry.for_model)")
+            self.rope_inv_freq = torch.tensor(g.rope_inv_freq, dtype=torch.float32, device=dev)  # (d/2,)
 
     @property
     def _key_scale(self) -> str:
@@ -278,6 +292,8 @@ class TurboQuantCache(CompressedCache):
         else:
             qg = q.float().reshape(B, Hkv, -1, d)                                      # (B, Hkv, G·T, d)
             query_energy = qg.square().mean(dim=2)                                     # (B, Hkv, d) E[q²]
+            if self.config.pre_rope:  # RoPE turns each pair (i, i+d/2) of the query: both see its mean
+                query_energy = (query_energy + query_energy.roll(d // 2, dims=-1)) / 2
         log_w = 0.25 * (key_energy.clamp_min(_TINY).log2() - query_energy.clamp_min(_TINY).log2())
         log_w = log_w - log_w.mean(dim=-1, keepdim=True)                              # only ratios matter
         codes = (log_w * WEIGHT_STEPS).round() + WEIGHT_ZERO
@@ -297,6 +313,8 @@ class TurboQuantCache(CompressedCache):
 
     # -- storing ------------------------------------------------------------------------------------
     def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+        if self.config.pre_rope:
+            k = self._rope(k, start, inverse=True)                                # (B, H, T, d) keys before RoPE
         if layer in self._pending:  # a second chunk before the first was read: fix the weights now
             self._calibrate_and_store(layer, None)
         if layer not in self._calibrated:
@@ -356,7 +374,18 @@ class TurboQuantCache(CompressedCache):
         coef = math.sqrt(math.pi / 2) / m * self.k_rnorm[layer][:, :, :n].float()  # (B, H, n)
         return (signs @ self.qjl_matrix) * coef[..., None]
 
+    def _rope(self, k: torch.Tensor, start: int, inverse: bool = False) -> torch.Tensor:
+        """RoPE (or its inverse) for compressed slots [start, start+T): positions sink + slot. k: (B, H, T, d)."""
+        from ..model.llama import apply_rope
+
+        positions = torch.arange(self.sink + start, self.sink + start + k.shape[2], device=k.device, dtype=torch.float32)
+        angles = torch.outer(positions, self.rope_inv_freq)                       # (T, d/2), as the model's rope()
+        angles = torch.cat((angles, angles), dim=-1)                              # (T, d)
+        return apply_rope(k.float(), angles.cos(), -angles.sin() if inverse else angles.sin())
+
     def _scores(self, layer: int, qg: torch.Tensor, n: int) -> torch.Tensor:
+        if self.config.pre_rope:  # each key turns by its own position: score the rebuilt keys
+            return (qg @ self._keys(layer, n).transpose(-1, -2)) * self.scale     # (B, H, G·T, n)
         weights = self._key_weights(layer)
         q_rot = self.rotations[layer].apply(qg if weights is None else qg * weights)  # (B, H, G·T, d) Π(q⊙w)
         centroids = self._four_bit_centroids(self.key_codes)
@@ -390,23 +419,27 @@ class TurboQuantCache(CompressedCache):
             return None
         return codes.centroids[0]
 
+    def _keys(self, layer: int, n: int) -> torch.Tensor:
+        """The n compressed keys as the cache reads them (after RoPE), (B, H, n, d) float32."""
+        k_rot = self.key_codes.decode(self.k_codes[layer][:, :, :n])
+        if self.config.qjl:
+            k_rot = k_rot + self._qjl_term(layer, n)
+        k = self.rotations[layer].invert(k_rot * self.k_norm[layer][:, :, :n].float()[..., None])
+        weights = self._key_weights(layer)
+        if weights is not None:
+            k = k * weights
+        if self.k_offset:
+            k = k + self.k_offset[layer][:, :, None].float()
+        return self._rope(k, 0) if self.config.pre_rope else k
+
     def _restore(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         if layer in self._pending:
             self._calibrate_and_store(layer, None)
         rot = self.rotations[layer]
-        k_rot = self.key_codes.decode(self.k_codes[layer][:, :, :n])
-        if self.config.qjl:
-            k_rot = k_rot + self._qjl_term(layer, n)
-        k = rot.invert(k_rot * self.k_norm[layer][:, :, :n].float()[..., None])
-        weights = self._key_weights(layer)
-        if weights is not None:
-            k = k * weights
         v = rot.invert(self.value_codes.decode(self.v_codes[layer][:, :, :n]) * self.v_norm[layer][:, :, :n].float()[..., None])
-        if self.k_offset:
-            k = k + self.k_offset[layer][:, :, None].float()
         if self.v_offset:
             v = v + self.v_offset[layer][:, :, None].float()
-        return k, v
+        return self._keys(layer, n), v
 
     # -- bytes --------------------------------------------------------------------------------------
     def _store_nbytes(self) -> int:
@@ -415,6 +448,8 @@ class TurboQuantCache(CompressedCache):
             per_token += tensors_nbytes(*self.k_signs.values(), *self.k_rnorm.values(), self.qjl_matrix)
         fixed = sum(r.nbytes for r in self.rotations.values()) + self.key_codes.nbytes + self.value_codes.nbytes
         fixed += tensors_nbytes(*self.k_offset.values(), *self.v_offset.values(), *self.k_weight_codes.values())
+        if self.rope_inv_freq is not None:
+            fixed += tensors_nbytes(self.rope_inv_freq)
         return per_token + fixed
 
     @classmethod
@@ -430,6 +465,8 @@ class TurboQuantCache(CompressedCache):
         fixed += len(config.center) * n_layers * g.batch * g.n_kv_heads * d * _OFFSET_BYTES
         if config.key_weights:
             fixed += n_layers * g.batch * g.n_kv_heads * packed_nbytes(d, WEIGHT_BITS)
+        if config.pre_rope:
+            fixed += d // 2 * 4                                                   # float32 RoPE frequencies
         return per_token + fixed
 
     @staticmethod
@@ -453,6 +490,8 @@ class TurboQuantCache(CompressedCache):
             fixed += f", float8 {'/'.join(config.center.upper())} offset per KV head ({d} B each)"
         if config.key_weights:
             fixed += f", 4-bit key channel weights per KV head ({packed_nbytes(d, WEIGHT_BITS)} B each)"
+        if config.pre_rope:
+            fixed += f"; keys coded before RoPE (per cache: {d // 2} float32 RoPE frequencies)"
         return f"{key} = {k} B; per value vector: {d}×{config.value_bits:g}-bit codes + 16-bit norm = {v} B{fixed}"
 
 
