@@ -37,6 +37,10 @@ turns with the position (SmolLM2: the energy left after the offset is 0.22 of �
 post-RoPE, one window). The key weights then use each RoPE pair's mean query energy. Costs the
 d/2 float32 RoPE frequencies (the model's, from CacheGeometry.rope_inv_freq), counted.
 
+`+rot=haar`: the per-layer rotations are Q·diag(s_l), Q one seeded Haar matrix shared by the layers
+(d² float32 per cache, counted) and s_l each layer's ±1 signs, instead of the randomized Hadamard
+(which misses the paper's worst-case bound for inputs along a basis vector).
+
 Fractional widths (tq3.5, tq2.5): after the rotation all d coordinates follow the same law, so no
 channel is an outlier any more; "outlier channels" are simply the first ⌊frac·d⌉ rotated
 coordinates, quantized at ⌊b⌋+1 bits, the rest at ⌊b⌋ bits (both with the d-dimensional codebook).
@@ -68,7 +72,7 @@ from .base import CacheGeometry, tensors_nbytes
 from .codebook import lloyd_max
 from .compressed import CompressedCache, FullPrecision
 from .packing import pack, packed_nbytes, unpack
-from .rotation import Rotation, is_power_of_two
+from .rotation import Rotation, haar_matrix, is_power_of_two
 
 #: How the stored 16-bit scale of a vector x (y = Πx/‖x‖, ŷ its codes) is chosen; the reconstruction
 #: is scale·Πᵀŷ. All cost the same bytes.
@@ -105,6 +109,7 @@ class TurboQuantConfig:
     center: str = "k"                  # "", "k" or "kv": which of K/V get a per-layer, per-head offset (OFFSETS)
     key_weights: bool = True           # query-aware key channel weights (see the module docstring)
     pre_rope: bool = False             # keys coded before RoPE, RoPE applied when reading (+prerope)
+    rotation: str = "hadamard"         # "hadamard" (randomized, powers of two) or "haar" (+rot=haar, shared Q)
 
     def __post_init__(self) -> None:
         for what, bits in (("key", self.key_bits), ("value", self.value_bits)):
@@ -117,6 +122,8 @@ class TurboQuantConfig:
                 raise ConfigError(f"unknown TurboQuant scale mode {mode!r}; choose one of {', '.join(SCALE_MODES)}")
         if self.center not in ("", "k", "v", "kv"):
             raise ConfigError(f"TurboQuant centering is none, k, v or kv, got {self.center!r}")
+        if self.rotation not in ("hadamard", "haar"):
+            raise ConfigError(f"TurboQuant rotations are hadamard or haar, got {self.rotation!r}")
         if self.norm_dtype not in (torch.float16, torch.bfloat16):
             raise ConfigError(f"TurboQuant norms are 16-bit floats, got {self.norm_dtype}")
 
@@ -134,7 +141,8 @@ class TurboQuantConfig:
             numerics = "+kweights=none" + numerics
         if self.center != TurboQuantConfig.center:
             numerics = f"+center={self.center or 'none'}" + numerics
-        return base + ("+qjl" if self.qjl else "") + ("+prerope" if self.pre_rope else "") + self.full.suffix + numerics
+        options = ("+qjl" if self.qjl else "") + ("+prerope" if self.pre_rope else "") + ("+rot=haar" if self.rotation == "haar" else "")
+        return base + options + self.full.suffix + numerics
 
     @property
     def code_bits(self) -> float:
@@ -221,7 +229,10 @@ class TurboQuantCache(CompressedCache):
         self.value_codes = RotatedCodes(d, config.value_bits, dev)
         # C lookups of 4-bit codes on CPU (kernels/codebook4.c); None: torch decodes (the reference)
         self.code_kernel = kernel_for(self.device)
-        self.rotations = {l: Rotation(d, _layer_seed(config.seed, l), dev) for l in self.compressed_layers}
+        self.haar_basis = None                                                               # (d, d) Q shared by the layers
+        if config.rotation == "haar":
+            self.haar_basis = haar_matrix(d, torch.Generator().manual_seed(_layer_seed(config.seed, -2))).to(dev)
+        self.rotations = {l: Rotation(d, _layer_seed(config.seed, l), dev, self.haar_basis) for l in self.compressed_layers}
         B, H, S = g.batch, g.n_kv_heads, self.slots
         nd = config.norm_dtype
 
@@ -450,6 +461,8 @@ class TurboQuantCache(CompressedCache):
         fixed += tensors_nbytes(*self.k_offset.values(), *self.v_offset.values(), *self.k_weight_codes.values())
         if self.rope_inv_freq is not None:
             fixed += tensors_nbytes(self.rope_inv_freq)
+        if self.haar_basis is not None:
+            fixed += tensors_nbytes(self.haar_basis)
         return per_token + fixed
 
     @classmethod
@@ -458,7 +471,8 @@ class TurboQuantCache(CompressedCache):
         g, d = geometry, geometry.head_dim
         per_vector_k, per_vector_v = cls.vector_bytes(config, d)
         per_token = n_layers * g.batch * g.n_kv_heads * slots * (per_vector_k + per_vector_v)
-        rotation = d if is_power_of_two(d) else d * d * 4
+        haar = config.rotation == "haar"
+        rotation = d if is_power_of_two(d) or haar else d * d * 4                 # signs, or a matrix per layer
         fixed = n_layers * rotation + RotatedCodes.table_bytes(d, config.code_bits) + RotatedCodes.table_bytes(d, config.value_bits)
         if config.qjl:
             fixed += d * d * 4
@@ -467,6 +481,8 @@ class TurboQuantCache(CompressedCache):
             fixed += n_layers * g.batch * g.n_kv_heads * packed_nbytes(d, WEIGHT_BITS)
         if config.pre_rope:
             fixed += d // 2 * 4                                                   # float32 RoPE frequencies
+        if haar:
+            fixed += d * d * 4                                                    # the shared Haar matrix
         return per_token + fixed
 
     @staticmethod
@@ -486,6 +502,8 @@ class TurboQuantCache(CompressedCache):
         if config.qjl:
             key += f" + {d}×1-bit QJL signs + 16-bit residual norm"
         fixed = f"; per layer: {d}-entry rotation sign vector" if is_power_of_two(d) else f"; per layer: {d}×{d} float32 rotation"
+        if config.rotation == "haar":
+            fixed = f"; per cache: one {d}×{d} float32 Haar matrix; per layer: {d}-entry rotation sign vector"
         if config.center:
             fixed += f", float8 {'/'.join(config.center.upper())} offset per KV head ({d} B each)"
         if config.key_weights:
@@ -520,6 +538,6 @@ _NEUTRAL_WEIGHT_BYTE = WEIGHT_ZERO | (WEIGHT_ZERO << 4)
 
 
 def _layer_seed(seed: int, layer: int) -> int:
-    """Independent, reproducible seeds per layer (layer -1: the cache-wide QJL matrix)."""
+    """Independent, reproducible seeds per layer (layer -1: the cache-wide QJL matrix, -2: the shared Haar matrix)."""
     return (seed * 1_000_003 + layer + 1) % (2**63 - 1)
 
