@@ -28,6 +28,8 @@ class CacheGeometry:
     n_heads: int = 0                   # query heads (0: unknown / same as n_kv_heads)
     head_dim_v: int = 0                # 0: same as head_dim
     window: int | None = None          # sliding-window attention, applied when reading
+    rope_inv_freq: tuple[float, ...] | None = None  # the model's RoPE frequencies (head_dim/2), for caches that
+                                                    # code keys before RoPE (tq+prerope); None: unknown
 
     def __post_init__(self) -> None:
         for name in ("n_layers", "n_kv_heads", "head_dim", "batch"):
@@ -51,7 +53,17 @@ class CacheGeometry:
             capacity=capacity or config.max_seq_len,
             n_heads=config.n_heads,
             window=config.sliding_window,
+            rope_inv_freq=_rope_frequencies(config),
         )
+
+
+def _rope_frequencies(config) -> tuple[float, ...] | None:
+    """The decoder's RoPE inverse frequencies as a tuple (None for a config without RoPE settings)."""
+    if not hasattr(config, "rope_theta"):
+        return None
+    from ..model.llama import rope_inv_freq
+
+    return tuple(rope_inv_freq(config).tolist())
 
 
 class KVCache(ABC):

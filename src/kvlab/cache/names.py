@@ -18,6 +18,10 @@
                                         v, kv — 1 float8 per channel per layer and KV head each
              | "kweights=none"          (tq) no query-aware key channel weights (default: on, 4 bits
                                         per channel per layer and KV head)
+             | "prerope"                (tq) keys coded before RoPE, RoPE applied when reading
+                                        (KVQuant; + the d/2 float32 RoPE frequencies per cache)
+             | "rot=" R                 (tq) rotation: hadamard (default: randomized Hadamard for powers
+                                        of two) or haar (per layer Q·diag(s), one d×d float32 Q per cache)
     options that change no byte (numerics, for ablations):
              | "kscale=" M | "vscale=" M   how the 16-bit per-vector scale is chosen
                                         (tq; M in norm (the paper), renorm (default), lsq, unbiased)
@@ -90,12 +94,16 @@ def parse(name: str) -> tuple[type, object]:
             settings["center"] = "" if m.group(1) == "none" else m.group(1)
         elif option == "kweights=none":
             settings["key_weights"] = False
+        elif option == "prerope":
+            settings["pre_rope"] = True
+        elif m := re.fullmatch(r"rot=(hadamard|haar)", option):
+            settings["rotation"] = m.group(1)
         elif m := re.fullmatch(r"seed(\d+)", option):
             settings["seed"] = int(m.group(1))
         else:
             raise ConfigError(
                 f"unknown option {option!r} in cache {name!r}; TurboQuant caches take +qjl, +recentN, +fp-first-last, "
-                "+center=C, +kweights=none, +kscale=M, +vscale=M, +bf16norms, +seedN"
+                "+center=C, +kweights=none, +prerope, +rot=R, +kscale=M, +vscale=M, +bf16norms, +seedN"
             )
     return TurboQuantCache, TurboQuantConfig(**settings)
 

@@ -29,6 +29,18 @@ gives the paper's recipe):
     first attended) and keeps w as 4-bit codes of log2 w in quarter octaves (32 bytes per layer and
     head, counted). Like μ, any stored w is exact: coding and reading use the same value.
 
+`+prerope` (KVQuant's pre-RoPE keys): keys are coded before RoPE. The cache undoes RoPE at the
+token's position (sink + slot) before the offset, weights and rotation, and applies it again to the
+rebuilt keys when reading (so scores go through the decoded keys, not the code lookups). Without
+RoPE the common key component is one constant vector that the offset removes whole; after RoPE it
+turns with the position (SmolLM2: the energy left after the offset is 0.22 of ‖k‖² pre-RoPE, 0.50
+post-RoPE, one window). The key weights then use each RoPE pair's mean query energy. Costs the
+d/2 float32 RoPE frequencies (the model's, from CacheGeometry.rope_inv_freq), counted.
+
+`+rot=haar`: the per-layer rotations are Q·diag(s_l), Q one seeded Haar matrix shared by the layers
+(d² float32 per cache, counted) and s_l each layer's ±1 signs, instead of the randomized Hadamard
+(which misses the paper's worst-case bound for inputs along a basis vector).
+
 Fractional widths (tq3.5, tq2.5): after the rotation all d coordinates follow the same law, so no
 channel is an outlier any more; "outlier channels" are simply the first ⌊frac·d⌉ rotated
 coordinates, quantized at ⌊b⌋+1 bits, the rest at ⌊b⌋ bits (both with the d-dimensional codebook).
@@ -60,7 +72,7 @@ from .base import CacheGeometry, tensors_nbytes
 from .codebook import lloyd_max
 from .compressed import CompressedCache, FullPrecision
 from .packing import pack, packed_nbytes, unpack
-from .rotation import Rotation, is_power_of_two
+from .rotation import Rotation, haar_matrix, is_power_of_two
 
 #: How the stored 16-bit scale of a vector x (y = Πx/‖x‖, ŷ its codes) is chosen; the reconstruction
 #: is scale·Πᵀŷ. All cost the same bytes.
@@ -96,6 +108,8 @@ class TurboQuantConfig:
     norm_dtype: torch.dtype = torch.float16
     center: str = "k"                  # "", "k" or "kv": which of K/V get a per-layer, per-head offset (OFFSETS)
     key_weights: bool = True           # query-aware key channel weights (see the module docstring)
+    pre_rope: bool = False             # keys coded before RoPE, RoPE applied when reading (+prerope)
+    rotation: str = "hadamard"         # "hadamard" (randomized, powers of two) or "haar" (+rot=haar, shared Q)
 
     def __post_init__(self) -> None:
         for what, bits in (("key", self.key_bits), ("value", self.value_bits)):
@@ -108,6 +122,8 @@ class TurboQuantConfig:
                 raise ConfigError(f"unknown TurboQuant scale mode {mode!r}; choose one of {', '.join(SCALE_MODES)}")
         if self.center not in ("", "k", "v", "kv"):
             raise ConfigError(f"TurboQuant centering is none, k, v or kv, got {self.center!r}")
+        if self.rotation not in ("hadamard", "haar"):
+            raise ConfigError(f"TurboQuant rotations are hadamard or haar, got {self.rotation!r}")
         if self.norm_dtype not in (torch.float16, torch.bfloat16):
             raise ConfigError(f"TurboQuant norms are 16-bit floats, got {self.norm_dtype}")
 
@@ -125,7 +141,8 @@ class TurboQuantConfig:
             numerics = "+kweights=none" + numerics
         if self.center != TurboQuantConfig.center:
             numerics = f"+center={self.center or 'none'}" + numerics
-        return base + ("+qjl" if self.qjl else "") + self.full.suffix + numerics
+        options = ("+qjl" if self.qjl else "") + ("+prerope" if self.pre_rope else "") + ("+rot=haar" if self.rotation == "haar" else "")
+        return base + options + self.full.suffix + numerics
 
     @property
     def code_bits(self) -> float:
@@ -212,7 +229,10 @@ class TurboQuantCache(CompressedCache):
         self.value_codes = RotatedCodes(d, config.value_bits, dev)
         # C lookups of 4-bit codes on CPU (kernels/codebook4.c); None: torch decodes (the reference)
         self.code_kernel = kernel_for(self.device)
-        self.rotations = {l: Rotation(d, _layer_seed(config.seed, l), dev) for l in self.compressed_layers}
+        self.haar_basis = None                                                               # (d, d) Q shared by the layers
+        if config.rotation == "haar":
+            self.haar_basis = haar_matrix(d, torch.Generator().manual_seed(_layer_seed(config.seed, -2))).to(dev)
+        self.rotations = {l: Rotation(d, _layer_seed(config.seed, l), dev, self.haar_basis) for l in self.compressed_layers}
         B, H, S = g.batch, g.n_kv_heads, self.slots
         nd = config.norm_dtype
 
@@ -242,6 +262,11 @@ class TurboQuantCache(CompressedCache):
             self.qjl_matrix = torch.randn(d, d, generator=gen).to(dev)                       # (m=d, d) S
             self.k_signs = buffers(packed_nbytes(d, 1), torch.uint8)                         # (B, H, S, d/8)
             self.k_rnorm = buffers(0, nd)                                                    # (B, H, S)
+        self.rope_inv_freq = None
+        if config.pre_rope:
+            if g.rope_inv_freq is None or len(g.rope_inv_freq) != d // 2:
+                raise ConfigError("+prerope needs the model's RoPE frequencies (a cache geometry from CacheGeometry.for_model)")
+            self.rope_inv_freq = torch.tensor(g.rope_inv_freq, dtype=torch.float32, device=dev)  # (d/2,)
 
     @property
     def _key_scale(self) -> str:
@@ -278,6 +303,8 @@ class TurboQuantCache(CompressedCache):
         else:
             qg = q.float().reshape(B, Hkv, -1, d)                                      # (B, Hkv, G·T, d)
             query_energy = qg.square().mean(dim=2)                                     # (B, Hkv, d) E[q²]
+            if self.config.pre_rope:  # RoPE turns each pair (i, i+d/2) of the query: both see its mean
+                query_energy = (query_energy + query_energy.roll(d // 2, dims=-1)) / 2
         log_w = 0.25 * (key_energy.clamp_min(_TINY).log2() - query_energy.clamp_min(_TINY).log2())
         log_w = log_w - log_w.mean(dim=-1, keepdim=True)                              # only ratios matter
         codes = (log_w * WEIGHT_STEPS).round() + WEIGHT_ZERO
@@ -297,6 +324,8 @@ class TurboQuantCache(CompressedCache):
 
     # -- storing ------------------------------------------------------------------------------------
     def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+        if self.config.pre_rope:
+            k = self._rope(k, start, inverse=True)                                # (B, H, T, d) keys before RoPE
         if layer in self._pending:  # a second chunk before the first was read: fix the weights now
             self._calibrate_and_store(layer, None)
         if layer not in self._calibrated:
@@ -370,7 +399,18 @@ class TurboQuantCache(CompressedCache):
     def _buffers(self, layer: int) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name)[layer] for name in self.token_buffer_names()}
 
+    def _rope(self, k: torch.Tensor, start: int, inverse: bool = False) -> torch.Tensor:
+        """RoPE (or its inverse) for compressed slots [start, start+T): positions sink + slot. k: (B, H, T, d)."""
+        from ..model.llama import apply_rope
+
+        positions = torch.arange(self.sink + start, self.sink + start + k.shape[2], device=k.device, dtype=torch.float32)
+        angles = torch.outer(positions, self.rope_inv_freq)                       # (T, d/2), as the model's rope()
+        angles = torch.cat((angles, angles), dim=-1)                              # (T, d)
+        return apply_rope(k.float(), angles.cos(), -angles.sin() if inverse else angles.sin())
+
     def _scores(self, layer: int, qg: torch.Tensor, n: int) -> torch.Tensor:
+        if self.config.pre_rope:  # each key turns by its own position: score the rebuilt keys
+            return (qg @ self._keys(layer, self._stored(layer, n)).transpose(-1, -2)) * self.scale  # (B, H, G·T, n)
         return self.scores(layer, qg, self._buffers(layer), n)
 
     def _mix(self, layer: int, p: torch.Tensor, n: int) -> torch.Tensor:
@@ -413,27 +453,35 @@ class TurboQuantCache(CompressedCache):
             return None
         return codes.centroids[0]
 
+    def _stored(self, layer: int, n: int) -> dict[str, torch.Tensor]:
+        """This cache's first n tokens of `layer`: {buffer name: (B, H, n[, bytes])}."""
+        return {name: buf[:, :, :n] for name, buf in self._buffers(layer).items()}
+
+    def _keys(self, layer: int, stored: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The stored keys as attention reads them (after RoPE with +prerope), (B, H, n, d) float32."""
+        k_rot = self.key_codes.decode(stored["k_codes"])
+        if self.config.qjl:
+            k_rot = k_rot + self._qjl_residual(stored["k_signs"], stored["k_rnorm"])
+        k = self.rotations[layer].invert(k_rot * stored["k_norm"].float()[..., None])
+        weights = self._key_weights(layer)
+        if weights is not None:
+            k = k * weights
+        if self.k_offset:
+            k = k + self.k_offset[layer][:, :, None].float()
+        return self._rope(k, 0) if self.config.pre_rope else k
+
     def _restore(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         if layer in self._pending:
             self._calibrate_and_store(layer, None)
-        return self.decode(layer, {name: buf[:, :, :n] for name, buf in self._buffers(layer).items()})
+        return self.decode(layer, self._stored(layer, n))
 
     def decode(self, layer: int, stored: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The inverse of `code`: {buffer name: (B, H, n[, bytes])} -> k, v (B, H, n, d) float32 as attention reads them."""
         rot = self.rotations[layer]
-        k_rot = self.key_codes.decode(stored["k_codes"])
-        if self.config.qjl:
-            k_rot = k_rot + self._qjl_residual(stored["k_signs"], stored["k_rnorm"])
-        k = rot.invert(k_rot * stored["k_norm"].float()[..., None])
-        weights = self._key_weights(layer)
-        if weights is not None:
-            k = k * weights
         v = rot.invert(self.value_codes.decode(stored["v_codes"]) * stored["v_norm"].float()[..., None])
-        if self.k_offset:
-            k = k + self.k_offset[layer][:, :, None].float()
         if self.v_offset:
             v = v + self.v_offset[layer][:, :, None].float()
-        return k, v
+        return self._keys(layer, stored), v
 
     # -- a calibration shared by many sequences (the serving pool) ------------------------------------
     def use_calibration(self, other: "TurboQuantCache") -> None:
@@ -457,8 +505,12 @@ class TurboQuantCache(CompressedCache):
     def state_nbytes(self) -> int:
         """Bytes of the state every token shares: rotations, codebooks, offsets, key weights, the QJL matrix."""
         fixed = sum(r.nbytes for r in self.rotations.values()) + self.key_codes.nbytes + self.value_codes.nbytes
-        fixed += tensors_nbytes(self.qjl_matrix)
-        return fixed + tensors_nbytes(*self.k_offset.values(), *self.v_offset.values(), *self.k_weight_codes.values())
+        fixed += tensors_nbytes(self.qjl_matrix, *self.k_offset.values(), *self.v_offset.values(), *self.k_weight_codes.values())
+        if self.rope_inv_freq is not None:
+            fixed += tensors_nbytes(self.rope_inv_freq)
+        if self.haar_basis is not None:
+            fixed += tensors_nbytes(self.haar_basis)
+        return fixed
 
     @classmethod
     def _expected_store_nbytes(cls, config: TurboQuantConfig, geometry: CacheGeometry, dtype: torch.dtype,
@@ -466,13 +518,18 @@ class TurboQuantCache(CompressedCache):
         g, d = geometry, geometry.head_dim
         per_vector_k, per_vector_v = cls.vector_bytes(config, d)
         per_token = n_layers * g.batch * g.n_kv_heads * slots * (per_vector_k + per_vector_v)
-        rotation = d if is_power_of_two(d) else d * d * 4
+        haar = config.rotation == "haar"
+        rotation = d if is_power_of_two(d) or haar else d * d * 4                 # signs, or a matrix per layer
         fixed = n_layers * rotation + RotatedCodes.table_bytes(d, config.code_bits) + RotatedCodes.table_bytes(d, config.value_bits)
         if config.qjl:
             fixed += d * d * 4
         fixed += len(config.center) * n_layers * g.batch * g.n_kv_heads * d * _OFFSET_BYTES
         if config.key_weights:
             fixed += n_layers * g.batch * g.n_kv_heads * packed_nbytes(d, WEIGHT_BITS)
+        if config.pre_rope:
+            fixed += d // 2 * 4                                                   # float32 RoPE frequencies
+        if haar:
+            fixed += d * d * 4                                                    # the shared Haar matrix
         return per_token + fixed
 
     @staticmethod
@@ -492,10 +549,14 @@ class TurboQuantCache(CompressedCache):
         if config.qjl:
             key += f" + {d}×1-bit QJL signs + 16-bit residual norm"
         fixed = f"; per layer: {d}-entry rotation sign vector" if is_power_of_two(d) else f"; per layer: {d}×{d} float32 rotation"
+        if config.rotation == "haar":
+            fixed = f"; per cache: one {d}×{d} float32 Haar matrix; per layer: {d}-entry rotation sign vector"
         if config.center:
             fixed += f", float8 {'/'.join(config.center.upper())} offset per KV head ({d} B each)"
         if config.key_weights:
             fixed += f", 4-bit key channel weights per KV head ({packed_nbytes(d, WEIGHT_BITS)} B each)"
+        if config.pre_rope:
+            fixed += f"; keys coded before RoPE (per cache: {d // 2} float32 RoPE frequencies)"
         return f"{key} = {k} B; per value vector: {d}×{config.value_bits:g}-bit codes + 16-bit norm = {v} B{fixed}"
 
 
@@ -524,6 +585,6 @@ _NEUTRAL_WEIGHT_BYTE = WEIGHT_ZERO | (WEIGHT_ZERO << 4)
 
 
 def _layer_seed(seed: int, layer: int) -> int:
-    """Independent, reproducible seeds per layer (layer -1: the cache-wide QJL matrix)."""
+    """Independent, reproducible seeds per layer (layer -1: the cache-wide QJL matrix, -2: the shared Haar matrix)."""
     return (seed * 1_000_003 + layer + 1) % (2**63 - 1)
 

@@ -20,7 +20,7 @@ def register(app: typer.Typer) -> None:
     @one_line_errors
     def eval_command(
         caches: str = typer.Option(DEFAULT_CACHES, "--caches", help="Comma-separated cache names (dense is always the reference)."),
-        quick: bool = typer.Option(False, "--quick", help=f"{QUICK_WINDOWS} windows and one passkey trial per cache."),
+        quick: bool = typer.Option(False, "--quick", help=f"{QUICK_WINDOWS} windows, one rotation seed, passkey trials at the first length only."),
         windows: Optional[int] = typer.Option(None, "--windows", min=1, help="Windows of 512 tokens (default 16)."),
         passkey: bool = typer.Option(True, "--passkey/--no-passkey", help="Run the passkey retrieval test."),
         passkey_lengths: str = typer.Option("1000,3000,6000", "--passkey-lengths", help="Filler tokens per passkey prompt."),
@@ -29,11 +29,12 @@ def register(app: typer.Typer) -> None:
         json_out: bool = typer.Option(False, "--json", help="Print one JSON record per cache (a JSON list) instead of the table."),
         out: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON records to this file."),
         plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG of quality against bits per value."),
+        seeds: Optional[str] = typer.Option(None, "--seeds", help="Rotation seeds each TurboQuant cache runs with (default 0,1,2; --quick: 0)."),
     ):
         """Quality of compressed caches against the dense cache on Shakespeare (the ANCHORS.md protocol)."""
         from .run import EvalSettings, run_eval
 
-        settings = EvalSettings.build(caches, quick, windows, passkey, passkey_lengths, model, threads)
+        settings = EvalSettings.build(caches, quick, windows, passkey, passkey_lengths, model, threads, seeds=seeds)
         if out:
             check_writable(out, "--out")  # before the run: a typo must not cost the whole evaluation
         if plot:

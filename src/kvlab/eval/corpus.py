@@ -16,6 +16,11 @@ from ..errors import ConfigError
 PLAYS = ("hamlet", "macbeth", "tempest", "julius_caesar")
 #: Filler for the passkey test (a play not in PLAYS).
 FILLER_PLAY = "lear"
+#: Calibration text for anything tuned on text (recipes, bit allocations): plays in neither PLAYS nor
+#: FILLER_PLAY, so nothing is tuned on the text it is scored on.
+CALIBRATION_PLAYS = ("othello", "twelfth_night")
+#: Two windows sharing this many consecutive tokens count as overlapping (see shared_spans).
+OVERLAP_TOKENS = 24
 
 
 def texts_dir() -> Path:
@@ -52,3 +57,19 @@ def windows(tokens: list[int], n_windows: int, length: int) -> list[list[int]]:
     last = len(tokens) - length
     starts = [round(i * last / (n_windows - 1)) for i in range(n_windows)]
     return [tokens[s:s + length] for s in starts]
+
+
+def calibration_text() -> str:
+    """The calibration plays joined by blank lines (disjoint from the evaluation and passkey plays)."""
+    shared = set(CALIBRATION_PLAYS) & (set(PLAYS) | {FILLER_PLAY})
+    if shared:
+        raise ConfigError(f"calibration plays {sorted(shared)} are also evaluation or passkey text")
+    return corpus_text(CALIBRATION_PLAYS)
+
+
+def shared_spans(a: list[list[int]], b: list[list[int]], span: int = OVERLAP_TOKENS) -> set[tuple[int, ...]]:
+    """The runs of `span` consecutive tokens found in a window of `a` and in a window of `b`."""
+    def spans(ws: list[list[int]]) -> set[tuple[int, ...]]:
+        return {tuple(w[i:i + span]) for w in ws for i in range(len(w) - span + 1)}
+
+    return spans(a) & spans(b)

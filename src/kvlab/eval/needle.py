@@ -5,6 +5,10 @@ Filler: King Lear (not among the perplexity plays), from its first full line on.
 given depth (fraction of the filler tokens); the user message is filler + question, rendered with
 the model's chat template. The prompt is prefilled in chunks into the cache under test, then up to
 12 tokens are decoded greedily; a trial passes when the answer contains the number.
+
+A cache is judged on a count of trials, never on one: lengths × depths × repeats (at least
+MIN_TRIALS by default, `--quick` included), each repeat with a new random key; a cache with rotation
+seeds cycles through them over the trials.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from ..generate import generate
 from .corpus import FILLER_PLAY, play_text
 
 QUESTION = "What is the pass key? Answer with the number only."
+#: The fewest trials a default passkey protocol runs per cache.
+MIN_TRIALS = 9
 
 
 @dataclass(frozen=True)
@@ -28,11 +34,18 @@ class PasskeyProtocol:
     depths: tuple[float, ...] = (0.25, 0.5, 0.75)
     chunk: int = 256                                 # prefill chunk (bounds attention memory)
     max_new_tokens: int = 12
-    seed: int = 0
+    seed: int = 0                                    # of the random keys
+    repeats: int = 1                                 # trials per (length, depth), each with its own key
 
     @property
     def trials(self) -> int:
-        return len(self.lengths) * len(self.depths)
+        return len(self.lengths) * len(self.depths) * self.repeats
+
+    @classmethod
+    def covering(cls, lengths: tuple[int, ...], depths: tuple[float, ...] = (0.25, 0.5, 0.75)) -> "PasskeyProtocol":
+        """These lengths and depths, repeated until there are at least MIN_TRIALS trials."""
+        positions = len(lengths) * len(depths)
+        return cls(lengths=lengths, depths=depths, repeats=-(-MIN_TRIALS // positions))
 
 
 def _filler_lines(tokenizer, n_tokens: int) -> list[str]:
@@ -67,22 +80,30 @@ def check_passkey_fits(loaded, protocol: PasskeyProtocol) -> None:
                               f"more than the model's context of {context:,}")
 
 
-def passkey_trials(loaded, name: str, protocol: PasskeyProtocol, advance=None) -> list[dict]:
-    """One record per (length, depth): the key, the answer, whether it was found."""
+def passkey_trials(loaded, name: str, protocol: PasskeyProtocol, advance=None,
+                   variants: list[tuple[int | None, str]] | None = None) -> list[dict]:
+    """One record per (length, depth, repeat): the key, the answer, whether it was found.
+
+    `variants`: [(seed, cache name)] to cycle through over the trials (suite.seed_variants); default
+    [(None, name)].
+    """
+    variants = variants or [(None, name)]
     rng = random.Random(protocol.seed)
     records = []
     for length in protocol.lengths:
         for depth in protocol.depths:
-            key = rng.randrange(10000, 100000)
-            ids = passkey_prompt(loaded.tokenizer, length, depth, key)
-            geometry = CacheGeometry.for_model(loaded.config, batch=1, capacity=len(ids) + protocol.max_new_tokens)
-            cache = make_cache(name, geometry, loaded.dtype, loaded.device)
-            prompt = torch.tensor([ids], device=loaded.device)
-            result = generate(loaded.model, prompt, cache, protocol.max_new_tokens,
-                              eos_ids=loaded.tokenizer.eos_ids, chunk_size=protocol.chunk)
-            answer = loaded.tokenizer.decode(result.token_ids[0], skip_special=True)
-            records.append({"length": length, "prompt_tokens": len(ids), "depth": depth, "key": key,
-                            "answer": answer.strip(), "found": str(key) in answer})
-            if advance:
-                advance()
+            for _ in range(protocol.repeats):
+                key = rng.randrange(10000, 100000)
+                seed, built = variants[len(records) % len(variants)]
+                ids = passkey_prompt(loaded.tokenizer, length, depth, key)
+                geometry = CacheGeometry.for_model(loaded.config, batch=1, capacity=len(ids) + protocol.max_new_tokens)
+                cache = make_cache(built, geometry, loaded.dtype, loaded.device)
+                prompt = torch.tensor([ids], device=loaded.device)
+                result = generate(loaded.model, prompt, cache, protocol.max_new_tokens,
+                                  eos_ids=loaded.tokenizer.eos_ids, chunk_size=protocol.chunk)
+                answer = loaded.tokenizer.decode(result.token_ids[0], skip_special=True)
+                records.append({"length": length, "prompt_tokens": len(ids), "depth": depth, "key": key, "seed": seed,
+                                "answer": answer.strip(), "found": str(key) in answer})
+                if advance:
+                    advance()
     return records

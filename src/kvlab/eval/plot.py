@@ -1,4 +1,4 @@
-"""A PNG of quality (ΔPPL and mean KL) against bits per cached value."""
+"""A PNG of quality (ΔPPL and mean KL, with their bootstrap intervals) against bits per cached value."""
 
 from __future__ import annotations
 
@@ -30,6 +30,10 @@ def plot_quality(records: list[CacheQuality], path: Path) -> Path:
             family = _family(r.cache)
             value = getattr(r, metric)
             ax.scatter(r.bits_per_value, value, color=colors[family], label=None if family in seen else family, zorder=3)
+            interval = r.ppl_delta_ci if metric == "ppl_delta_pct" else r.kl_ci
+            if interval is not None:  # the bootstrap interval over windows
+                ax.errorbar(r.bits_per_value, value, yerr=[[max(0.0, value - interval[0])], [max(0.0, interval[1] - value)]],
+                            color=colors[family], capsize=3, linewidth=1, zorder=2)
             seen.add(family)
             ax.annotate(r.cache, (r.bits_per_value, value), textcoords="offset points", xytext=(4, 3), fontsize=7)
         ax.set_xlabel("bits per cached value (all metadata, 511 tokens)")

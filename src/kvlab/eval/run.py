@@ -14,7 +14,12 @@ from ..errors import ConfigError
 from ..limits import check_int, check_threads
 from .needle import PasskeyProtocol, check_passkey_fits, passkey_trials
 from .perplexity import WindowProtocol
-from .suite import CacheQuality, corpus_windows, perplexity_suite
+from .stats import COVERAGE
+from .suite import CacheQuality, corpus_windows, perplexity_suite, seed_variants
+
+#: Rotation seeds of the TurboQuant caches: three by default, one with --quick.
+DEFAULT_SEEDS = (0, 1, 2)
+QUICK_SEEDS = (0,)
 
 
 @dataclass(frozen=True)
@@ -24,10 +29,11 @@ class EvalSettings:
     passkey: PasskeyProtocol | None
     model: str | None = None
     threads: int | None = None
+    seeds: tuple[int, ...] = DEFAULT_SEEDS      # rotation seeds of every TurboQuant cache
 
     @classmethod
     def build(cls, caches: str, quick: bool, windows: int | None, passkey: bool, passkey_lengths: str,
-              model: str | None = None, threads: int | None = None) -> "EvalSettings":
+              model: str | None = None, threads: int | None = None, seeds: str | None = None) -> "EvalSettings":
         names = tuple(dict.fromkeys(n.strip() for n in caches.split(",") if n.strip()))
         if not names:
             raise ConfigError("--caches needs at least one cache name")
@@ -42,8 +48,22 @@ class EvalSettings:
             check_int(length, "--passkey-lengths", 1)
         keys = None
         if passkey:
-            keys = PasskeyProtocol(lengths=lengths[:1], depths=(0.5,)) if quick else PasskeyProtocol(lengths=lengths)
-        return cls(names, WindowProtocol(n_windows=n_windows), keys, model, threads)
+            keys = PasskeyProtocol.covering(lengths[:1] if quick else lengths)
+        run_seeds = parse_seeds(seeds) if seeds is not None else (QUICK_SEEDS if quick else DEFAULT_SEEDS)
+        return cls(names, WindowProtocol(n_windows=n_windows), keys, model, threads, run_seeds)
+
+
+def parse_seeds(text: str) -> tuple[int, ...]:
+    """'0,1,2' -> (0, 1, 2); a count 'N' alone is not accepted (it reads like one seed)."""
+    try:
+        seeds = tuple(dict.fromkeys(int(x) for x in text.split(",") if x.strip()))
+    except ValueError:
+        raise ConfigError(f"--seeds must be comma-separated integers, got {text!r}") from None
+    if not seeds:
+        raise ConfigError("--seeds needs at least one seed")
+    for seed in seeds:
+        check_int(seed, "--seeds", 0)
+    return seeds
 
 
 def run_eval(settings: EvalSettings, console: Console | None = None) -> list[CacheQuality]:
@@ -58,25 +78,30 @@ def run_eval(settings: EvalSettings, console: Console | None = None) -> list[Cac
     token_windows = corpus_windows(loaded.tokenizer, settings.protocol)  # and on more windows than the corpus holds
     if settings.passkey:  # and on a passkey prompt the model cannot hold
         check_passkey_fits(loaded, settings.passkey)
-    n_caches = len([n for n in settings.caches if n != "dense"]) + 1
+    n_runs = 1 + sum(len(seed_variants(n, settings.seeds)) for n in settings.caches if n != "dense")
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         console=console or Console(stderr=True), transient=console is None)
     started = time.perf_counter()
     with progress:
-        task = progress.add_task("perplexity (windows × caches)", total=settings.protocol.n_windows * n_caches)
+        task = progress.add_task("perplexity (windows × cache runs)", total=settings.protocol.n_windows * n_runs)
         records = perplexity_suite(loaded, list(settings.caches), settings.protocol, lambda: progress.advance(task),
-                                   token_windows)
+                                   token_windows, settings.seeds)
         if settings.passkey:
             p = settings.passkey
             task = progress.add_task("passkey (trials × caches)", total=p.trials * len(records))
             for record in records:
-                trials = passkey_trials(loaded, record.cache, p, lambda: progress.advance(task))
-                record.passkey_accuracy = sum(t["found"] for t in trials) / len(trials)
+                trials = passkey_trials(loaded, record.cache, p, lambda: progress.advance(task),
+                                        seed_variants(record.cache, settings.seeds))
+                record.passkey_found = sum(t["found"] for t in trials)
+                record.passkey_total = len(trials)
+                record.passkey_accuracy = record.passkey_found / len(trials)
                 record.extra["passkey_trials"] = trials
     for record in records:
         record.extra["seconds_total"] = round(time.perf_counter() - started, 1)
         record.extra["protocol"] = (f"{settings.protocol.n_windows} windows × {settings.protocol.length} tokens, "
-                                    f"prefill {settings.protocol.prefill}, chunks {settings.protocol.chunk}, fp32")
+                                    f"prefill {settings.protocol.prefill}, chunks {settings.protocol.chunk}, fp32, "
+                                    f"TurboQuant seeds {','.join(map(str, settings.seeds))}, "
+                                    f"{100 * COVERAGE:.0f}% bootstrap interval over windows")
     if console is not None:
         console.print(quality_table(records))
     return records
@@ -84,14 +109,26 @@ def run_eval(settings: EvalSettings, console: Console | None = None) -> list[Cac
 
 def quality_table(records: list[CacheQuality]) -> Table:
     dense = next((r for r in records if r.cache == "dense"), None)
-    table = Table(title=f"KV cache quality (dense perplexity {dense.ppl:.2f}, {dense.scored_tokens:,} scored tokens)" if dense else "KV cache quality")
-    for column in ("cache", "bytes/token", "× smaller", "bits/value", "PPL", "ΔPPL", "mean KL", "top-1", "passkey"):
+    title = "KV cache quality"
+    if dense:
+        title += f" (dense perplexity {dense.ppl:.2f}, {dense.scored_tokens:,} scored tokens"
+        title += f"; ± sd over seeds, [{100 * COVERAGE:.0f}% bootstrap interval over windows])"
+    table = Table(title=title)
+    for column in ("cache", "bytes/token", "× smaller", "bits/value", "seeds", "PPL", "ΔPPL", "ΔPPL interval",
+                   "mean KL", "top-1", "passkey"):
         table.add_column(column, justify="left" if column == "cache" else "right")
     for r in records:
         ratio = records[0].bytes_per_token / r.bytes_per_token if r.bytes_per_token else float("inf")
+        delta = f"{r.ppl_delta_pct:+.2f}%" + (f" ± {r.ppl_delta_sd:.2f}" if len(r.seeds) > 1 else "")
+        interval = "—" if r.ppl_delta_ci is None else f"[{r.ppl_delta_ci[0]:+.2f}, {r.ppl_delta_ci[1]:+.2f}]"
         table.add_row(
-            r.cache, f"{r.bytes_per_token:,.0f}", f"{ratio:.2f}×", f"{r.bits_per_value:.2f}", f"{r.ppl:.2f}",
-            f"{r.ppl_delta_pct:+.2f}%", f"{r.kl:.4f}", f"{100 * r.top1_agreement:.1f}%",
-            "—" if r.passkey_accuracy is None else f"{100 * r.passkey_accuracy:.0f}%",
+            r.cache, f"{r.bytes_per_token:,.0f}", f"{ratio:.2f}×", f"{r.bits_per_value:.2f}", str(max(1, len(r.seeds))),
+            f"{r.ppl:.2f}", delta, interval, f"{r.kl:.4f}", f"{100 * r.top1_agreement:.1f}%", passkey_cell(r),
         )
     return table
+
+
+def passkey_cell(r: CacheQuality) -> str:
+    if r.passkey_total:
+        return f"{r.passkey_found}/{r.passkey_total}"
+    return "—" if r.passkey_accuracy is None else f"{100 * r.passkey_accuracy:.0f}%"

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ..cache import CacheGeometry, expected_nbytes, make_cache
+from ..cache import CacheGeometry, TurboQuantCache, expected_nbytes, make_cache
+from ..cache.names import is_compressed_name, parse as parse_cache_name
 from .agreement import kl_divergence, top1_matches
-from .corpus import corpus_text, windows
+from .corpus import calibration_text, corpus_text, windows
 from .perplexity import WindowProtocol, run_window, window_nll
+from .stats import WindowSums, summarize
 
 #: bytes per token are reported the ANCHORS.md way: everything the cache holds at 511 tokens, bf16 run.
 BYTES_TOKENS = 511
@@ -19,6 +22,8 @@ BYTES_DTYPE = torch.bfloat16
 
 @dataclass
 class CacheQuality:
+    """One cache's quality against dense; with several rotation seeds, ppl .. top1_agreement are seed means."""
+
     cache: str
     bytes_per_token: float
     bits_per_value: float
@@ -29,6 +34,14 @@ class CacheQuality:
     passkey_accuracy: float | None = None
     scored_tokens: int = 0
     extra: dict = field(default_factory=dict)
+    seeds: list[int] = field(default_factory=list)             # rotation seeds run ([] : the cache has none)
+    ppl_delta_sd: float = 0.0                                   # spread of ΔPPL over the seeds (sample sd)
+    ppl_delta_ci: tuple[float, float] | None = None             # 95% bootstrap interval over windows
+    kl_ci: tuple[float, float] | None = None
+    top1_ci: tuple[float, float] | None = None
+    per_seed: list[dict] = field(default_factory=list)          # {"seed", "ppl", "ppl_delta_pct", "kl", "top1"}
+    passkey_found: int | None = None                            # passkey trials passed, of passkey_total
+    passkey_total: int | None = None
 
     def to_json(self) -> dict:
         record = asdict(self)
@@ -44,45 +57,67 @@ def bytes_per_token(name: str, config) -> tuple[float, float]:
     return per_token, per_token * 8 / values
 
 
-def corpus_windows(tokenizer, protocol: WindowProtocol) -> list[torch.Tensor]:
-    ids = tokenizer.encode(corpus_text(), add_special=False)
+def corpus_windows(tokenizer, protocol: WindowProtocol, text: str | None = None) -> list[torch.Tensor]:
+    """The protocol's (1, length) token windows of `text` (default: the evaluation plays)."""
+    ids = tokenizer.encode(corpus_text() if text is None else text, add_special=False)
     return [torch.tensor([w]) for w in windows(ids, protocol.n_windows, protocol.length)]
 
 
+def calibration_windows(tokenizer, protocol: WindowProtocol) -> list[torch.Tensor]:
+    """Windows of the calibration plays (corpus.CALIBRATION_PLAYS): text no evaluation window contains."""
+    return corpus_windows(tokenizer, protocol, calibration_text())
+
+
+def seed_variants(name: str, seeds: tuple[int, ...]) -> list[tuple[int | None, str]]:
+    """[(seed, cache name to build)]: one per seed for a TurboQuant cache without its own `+seedN`, else [(None, name)]."""
+    key = name.strip().lower()
+    if not seeds or not is_compressed_name(key) or re.search(r"\+seed\d+", key):
+        return [(None, name)]
+    cls, _ = parse_cache_name(key)
+    if cls is not TurboQuantCache:
+        return [(None, name)]
+    return [(seed, f"{name}+seed{seed}") for seed in seeds]
+
+
 def perplexity_suite(loaded, names: list[str], protocol: WindowProtocol, advance=None,
-                     token_windows: list[torch.Tensor] | None = None) -> list[CacheQuality]:
+                     token_windows: list[torch.Tensor] | None = None, seeds: tuple[int, ...] = ()) -> list[CacheQuality]:
     """Dense first (the reference), then every cache in `names`, window by window.
 
-    `advance()` is called after each (window, cache) pass, for a progress bar. `token_windows`: the
-    corpus windows when the caller cut them already (default: cut them here).
+    `advance()` is called after each (window, cache run) pass, for a progress bar. `token_windows`: the
+    corpus windows when the caller cut them already (default: cut them here). `seeds`: rotation seeds
+    each TurboQuant cache runs with (default: its own, one run); see stats.py for the statistics.
     """
     model, config = loaded.model, loaded.config
     geometry = CacheGeometry.for_model(config, batch=1, capacity=protocol.length)
     names = ["dense"] + [n for n in names if n != "dense"]
-    sums = {n: {"nll": 0.0, "kl": 0.0, "top1": 0, "count": 0} for n in names}
-    for tokens in token_windows if token_windows is not None else corpus_windows(loaded.tokenizer, protocol):
+    runs = [(name, seed, built) for name in names for seed, built in seed_variants(name, seeds)]
+    token_windows = token_windows if token_windows is not None else corpus_windows(loaded.tokenizer, protocol)
+    sums = {(name, seed): [] for name, seed, _ in runs}              # per run: one (nll, kl, top1, count) per window
+    for tokens in token_windows:
         reference = None
-        for name in names:
-            logits, _ = run_window(model, tokens, lambda: make_cache(name, geometry, loaded.dtype, loaded.device), protocol)
+        for name, seed, built in runs:
+            logits, _ = run_window(model, tokens, lambda: make_cache(built, geometry, loaded.dtype, loaded.device), protocol)
             nll = window_nll(torch.cat([logits, logits[-1:]]), tokens, protocol.prefill)
-            s = sums[name]
-            s["nll"] += nll.sum().item()
-            s["count"] += nll.numel()
             if reference is None:
                 reference = logits
-            s["kl"] += kl_divergence(reference, logits).sum().item()
-            s["top1"] += int(top1_matches(reference, logits).sum())
+            sums[name, seed].append((nll.sum().item(), kl_divergence(reference, logits).sum().item(),
+                                     int(top1_matches(reference, logits).sum()), nll.numel()))
             if advance:
                 advance()
+    window_sums = {run: WindowSums(*torch.tensor(rows, dtype=torch.float64).T) for run, rows in sums.items()}
+    dense = window_sums["dense", None]
     records = []
-    dense_ppl = math.exp(sums["dense"]["nll"] / sums["dense"]["count"])
     for name in names:
-        s = sums[name]
-        ppl = math.exp(s["nll"] / s["count"])
+        run_seeds = [seed for n, seed, _ in runs if n == name]
+        summary = summarize([window_sums[name, seed] for seed in run_seeds], dense)
         per_token, bits = bytes_per_token(name, config)
+        delta, kl, top1 = summary["ppl_delta_pct"], summary["kl"], summary["top1"]
         records.append(CacheQuality(
-            cache=name, bytes_per_token=round(per_token, 1), bits_per_value=round(bits, 3), ppl=ppl,
-            ppl_delta_pct=100 * (ppl / dense_ppl - 1), kl=s["kl"] / s["count"], top1_agreement=s["top1"] / s["count"],
-            scored_tokens=s["count"],
+            cache=name, bytes_per_token=round(per_token, 1), bits_per_value=round(bits, 3), ppl=summary["ppl"].mean,
+            ppl_delta_pct=delta.mean, kl=kl.mean, top1_agreement=top1.mean, scored_tokens=int(dense.count.sum()),
+            seeds=[s for s in run_seeds if s is not None], ppl_delta_sd=delta.sd, ppl_delta_ci=delta.ci, kl_ci=kl.ci,
+            top1_ci=top1.ci,
+            per_seed=[{"seed": seed, "ppl": p, "ppl_delta_pct": d, "kl": k, "top1": t} for seed, p, d, k, t in
+                      zip(run_seeds, summary["ppl"].per_seed, delta.per_seed, kl.per_seed, top1.per_seed)],
         ))
     return records

@@ -17,6 +17,7 @@ All three come from `expected_nbytes` of the single-sequence cache at batch 1: i
 of c tokens are c·per_token + rest, so a block is f(2·bs) - f(bs) and the rest is f(bs) - block.
 Names whose single cache keeps full-precision tokens or layers (+sinkN, +recentN, +fp-first-last,
 +fp-layers=) are not block formats: those are per-sequence full-precision state the pool does not hold.
+Nor is +prerope: it codes each key at its position in one sequence's cache, which the pool does not track.
 """
 
 from __future__ import annotations
@@ -68,6 +69,9 @@ def block_format(name: str, geometry: CacheGeometry, block_size: int) -> BlockFo
     if config.full != FullPrecision():
         raise ConfigError(f"block format {name!r} keeps full-precision tokens or layers ({config.full.suffix.lstrip('+')}), "
                           f"which blocks do not hold; use a plain name like {key.split('+')[0]}")
+    if getattr(config, "pre_rope", False):
+        raise ConfigError(f"block format {name!r} codes keys before RoPE, at their position in one sequence's cache; "
+                          f"the pool codes tokens without positions, so use it without +prerope")
     if cls is QuantizedCache:
         explicit = any(re.fullmatch(r"g\d+", option) for option in key.split("+")[1:])
         if not explicit:

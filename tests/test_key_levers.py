@@ -1,0 +1,132 @@
+"""TurboQuant key-coding options: +prerope (keys coded before RoPE) and +rot=haar (a shared Haar basis)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from kvlab.cache import CacheGeometry, expected_nbytes, make_cache
+from kvlab.cache.rotation import Rotation, haar_matrix
+from kvlab.cache.turboquant import RotatedCodes
+from kvlab.errors import ConfigError
+from kvlab.model.llama import apply_rope
+
+from .compressed_checks import GEOMETRY, check_attend_is_exact_to_storage, check_nbytes
+from .test_causal_caches import CHUNKS, SAME, chunked_logits, two_sequences
+
+INV_FREQ = tuple((1.0 / 10000 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64)).float().tolist())
+ROPED = replace(GEOMETRY, rope_inv_freq=INV_FREQ)
+
+
+def rope_at(x: torch.Tensor, start: int) -> torch.Tensor:
+    """The model's RoPE for positions start .. start+T. x: (B, H, T, 64)."""
+    angles = torch.outer(torch.arange(start, start + x.shape[2], dtype=torch.float32), torch.tensor(INV_FREQ))
+    angles = torch.cat((angles, angles), dim=-1)
+    return apply_rope(x, angles.cos(), angles.sin())
+
+
+@pytest.mark.parametrize("name", ["tq4+prerope", "tq3+prerope+sink2", "tq4+prerope+recent8"])
+def test_attention_is_exact_to_the_stored_keys(name):
+    check_attend_is_exact_to_storage(name, ROPED)
+    check_attend_is_exact_to_storage(name, ROPED, attend_first=True)
+
+
+def test_bytes_are_the_formula_and_the_frequencies_are_counted():
+    check_nbytes("tq4+prerope", ROPED)
+    plain = expected_nbytes("tq4", ROPED, torch.bfloat16, 10)
+    assert expected_nbytes("tq4+prerope", GEOMETRY, torch.bfloat16, 10) == plain + 32 * 4   # d/2 float32
+    assert make_cache("tq4+prerope", ROPED).config.name == "tq4+prerope"
+
+
+def test_without_the_models_rope_frequencies_it_is_a_one_line_error():
+    with pytest.raises(ConfigError, match="prerope needs the model's RoPE frequencies"):
+        make_cache("tq4+prerope", GEOMETRY)
+
+
+def test_a_common_key_direction_turned_by_rope_is_coded_far_better_before_rope():
+    """Keys = RoPE(m + noise) with one large common m (SmolLM2's keys are like this): the offset removes m
+    whole only before RoPE."""
+    gen = torch.Generator().manual_seed(4)
+    common = 3 * torch.randn(1, 2, 1, 64, generator=gen)
+    errors = {}
+    for name in ("tq4", "tq4+prerope"):
+        cache = make_cache(name, ROPED)
+        keys, start = [], 0
+        for T in (40, 1, 1, 20):
+            k = rope_at(common + 0.5 * torch.randn(1, 2, T, 64, generator=gen), start)
+            v = torch.randn(1, 2, T, 64, generator=gen)
+            cache.append(0, k, v)
+            cache.attend(0, torch.randn(1, 6, T, 64, generator=gen))
+            keys.append(k)
+            start += T
+        k_all = torch.cat(keys, dim=2)
+        errors[name] = ((cache.dequantized(0)[0] - k_all).norm() / k_all.norm()).item()
+        gen = torch.Generator().manual_seed(4)
+        common = 3 * torch.randn(1, 2, 1, 64, generator=gen)
+    assert errors["tq4+prerope"] < errors["tq4"] / 2, errors
+
+
+@pytest.fixture(scope="module")
+def model():
+    from .conftest import tiny_model
+    from .test_causal_caches import SEQ
+
+    return tiny_model(seed=3, n_heads=4, n_kv_heads=2, d_model=256, max_seq_len=SEQ)
+
+
+def test_later_tokens_never_change_earlier_logits(model):
+    tokens = two_sequences()
+    a = chunked_logits(model, tokens[:1], "tq4+prerope", CHUNKS)
+    b = chunked_logits(model, tokens[1:], "tq4+prerope", CHUNKS)
+    assert torch.equal(a[:, :SAME], b[:, :SAME]) and not torch.equal(a[:, SAME:], b[:, SAME:])
+    geometry = CacheGeometry.for_model(model.config, 1, 16)
+    assert geometry.rope_inv_freq is not None and len(geometry.rope_inv_freq) == model.config.head_dim // 2
+
+
+# -- +rot=haar ------------------------------------------------------------------------------------------
+
+def test_a_shared_haar_basis_gives_orthogonal_seeded_rotations_of_their_own():
+    basis = haar_matrix(64, torch.Generator().manual_seed(1))
+    eye = torch.eye(64)
+    torch.testing.assert_close(basis @ basis.T, eye, atol=1e-5, rtol=0)
+    a, b = Rotation(64, 3, basis=basis), Rotation(64, 4, basis=basis)
+    x = torch.randn(5, 64)
+    torch.testing.assert_close(a.invert(a.apply(x)), x, atol=1e-5, rtol=0)
+    torch.testing.assert_close(a.apply(eye) @ a.apply(eye).T, eye, atol=1e-5, rtol=0)
+    assert not torch.allclose(a.apply(x), b.apply(x)) and a.nbytes == 64 and not a.hadamard
+    torch.testing.assert_close(Rotation(64, 3, basis=basis).apply(x), a.apply(x))
+
+
+def test_haar_codes_two_basis_vectors_at_the_papers_distortion_where_hadamard_does_not():
+    """x = (e_i + e_j)/√2: a randomized Hadamard maps it to a vector with half its coordinates exactly 0 (a law the
+    Lloyd-Max codebook was not made for); a Haar rotation spreads it like any unit vector (paper: 0.009 at 4 bits)."""
+    pairs = torch.combinations(torch.arange(64), 2)[::7]                   # (N, 2)
+    x = torch.zeros(len(pairs), 64).scatter_(1, pairs, 2 ** -0.5)           # (N, 64) unit vectors
+    codes = RotatedCodes(64, 4)
+    errors = {}
+    for kind, rot in (("hadamard", Rotation(64, 0)), ("haar", Rotation(64, 0, basis=haar_matrix(64, torch.Generator().manual_seed(0))))):
+        y = rot.apply(x)
+        errors[kind] = ((rot.invert(codes.decode(codes.encode(y)[0])) - x) ** 2).sum(-1).mean().item()
+        if kind == "hadamard":
+            assert ((y.abs() < 1e-6).float().mean(dim=-1) == 0.5).all()
+    assert errors["haar"] == pytest.approx(0.009, rel=0.15)
+    assert abs(errors["hadamard"] - 0.009) > abs(errors["haar"] - 0.009), errors
+
+
+@pytest.mark.parametrize("name", ["tq4+rot=haar", "tq3+prerope+rot=haar+sink1"])
+def test_haar_caches_read_exactly_what_they_store_and_count_the_basis(name):
+    check_attend_is_exact_to_storage(name, ROPED)
+    check_nbytes(name, ROPED)
+    base = name.replace("+rot=haar", "")
+    assert expected_nbytes(name, ROPED, torch.bfloat16, 1) == expected_nbytes(base, ROPED, torch.bfloat16, 1) + 64 * 64 * 4
+    assert make_cache(name, ROPED).config.name == name
+
+
+def test_the_haar_basis_follows_the_seed():
+    one, two = make_cache("tq4+rot=haar", GEOMETRY), make_cache("tq4+rot=haar+seed1", GEOMETRY)
+    assert not torch.equal(one.haar_basis, two.haar_basis)
+    assert torch.equal(one.haar_basis, make_cache("tq4+rot=haar", GEOMETRY).haar_basis)
+    with pytest.raises(ConfigError, match="unknown option 'rot=qr'"):
+        make_cache("tq4+rot=qr", GEOMETRY)
