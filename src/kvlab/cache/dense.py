@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .attention import grouped_attention
-from .base import CacheGeometry, KVCache, tensors_nbytes
+from .base import CacheGeometry, KVCache, copy_prefix, tensors_nbytes
 
 
 class DenseCache(KVCache):
@@ -41,6 +41,11 @@ class DenseCache(KVCache):
         """Count `n_new` tokens a kernel wrote in place into `layers` (the fused decode step, model/fused.py)."""
         for layer in layers:
             self._lengths[layer] += n_new
+
+    def _copy_into(self, bigger: "DenseCache") -> None:
+        super()._copy_into(bigger)
+        copy_prefix(self.k, bigger.k)                  # (L, B, Hkv, capacity, D): tokens along the slot axis
+        copy_prefix(self.v, bigger.v)
 
     @property
     def nbytes(self) -> int:

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache import CacheGeometry, make_cache
 from ..errors import InputLimitError
 from ..generate import generate
 from .corpus import FILLER_PLAY, play_text
@@ -60,6 +59,8 @@ def passkey_prompt(tokenizer, n_tokens: int, depth: float, key: int) -> list[int
 def check_passkey_fits(loaded, protocol: PasskeyProtocol) -> None:
     """Refuse, before the evaluation starts, a filler length whose prompt + answer the model cannot hold."""
     context = loaded.config.max_seq_len
+    if context is None:  # the model states no context
+        return
     longest = max(protocol.lengths)
     needed = len(passkey_prompt(loaded.tokenizer, longest, 0.5, 10000)) + protocol.max_new_tokens - 1
     if needed > context:
@@ -67,16 +68,19 @@ def check_passkey_fits(loaded, protocol: PasskeyProtocol) -> None:
                               f"more than the model's context of {context:,}")
 
 
-def passkey_trials(loaded, name: str, protocol: PasskeyProtocol, advance=None) -> list[dict]:
-    """One record per (length, depth): the key, the answer, whether it was found."""
+def passkey_trials(loaded, name: str, protocol: PasskeyProtocol, advance=None, engine=None) -> list[dict]:
+    """One record per (length, depth): the key, the answer, whether it was found. `engine`: the backend
+    running `loaded` (kvlab.backends; default kvlab's own)."""
+    from ..backends import KvlabEngine
+
+    engine = engine or KvlabEngine(loaded)
     rng = random.Random(protocol.seed)
     records = []
     for length in protocol.lengths:
         for depth in protocol.depths:
             key = rng.randrange(10000, 100000)
             ids = passkey_prompt(loaded.tokenizer, length, depth, key)
-            geometry = CacheGeometry.for_model(loaded.config, batch=1, capacity=len(ids) + protocol.max_new_tokens)
-            cache = make_cache(name, geometry, loaded.dtype, loaded.device)
+            cache = engine.make_cache(name, len(ids) + protocol.max_new_tokens)
             prompt = torch.tensor([ids], device=loaded.device)
             result = generate(loaded.model, prompt, cache, protocol.max_new_tokens,
                               eos_ids=loaded.tokenizer.eos_ids, chunk_size=protocol.chunk)

@@ -24,11 +24,15 @@ class EvalSettings:
     passkey: PasskeyProtocol | None
     model: str | None = None
     threads: int | None = None
+    backend: str = "kvlab"              # kvlab.backends: kvlab | transformers
 
     @classmethod
     def build(cls, caches: str, quick: bool, windows: int | None, passkey: bool, passkey_lengths: str,
-              model: str | None = None, threads: int | None = None) -> "EvalSettings":
-        names = tuple(dict.fromkeys(n.strip() for n in caches.split(",") if n.strip()))
+              model: str | None = None, threads: int | None = None, backend: str = "kvlab") -> "EvalSettings":
+        from ..backends import cache_name, check_backend
+
+        backend = check_backend(backend)
+        names = tuple(dict.fromkeys(cache_name(backend, n) for n in caches.split(",") if n.strip()))
         if not names:
             raise ConfigError("--caches needs at least one cache name")
         n_windows = check_int(windows, "--windows", 1) if windows is not None else (4 if quick else 16)
@@ -43,48 +47,49 @@ class EvalSettings:
         keys = None
         if passkey:
             keys = PasskeyProtocol(lengths=lengths[:1], depths=(0.5,)) if quick else PasskeyProtocol(lengths=lengths)
-        return cls(names, WindowProtocol(n_windows=n_windows), keys, model, threads)
+        return cls(names, WindowProtocol(n_windows=n_windows), keys, model, threads, backend)
 
 
 def run_eval(settings: EvalSettings, console: Console | None = None) -> list[CacheQuality]:
-    from ..cache import make_cache, CacheGeometry
-    from ..session import cached_model
+    from ..backends import load_engine
 
     if settings.threads:
         torch.set_num_threads(settings.threads)
-    loaded = cached_model(settings.model, "fp32", "cpu")
-    for name in settings.caches:  # fail on a bad name before any long work
-        make_cache(name, CacheGeometry.for_model(loaded.config, 1, 16))
+    engine = load_engine(settings.backend, settings.model, "fp32", "cpu")
+    loaded = engine.loaded
+    for name in settings.caches:  # fail on a cache this model cannot hold before any long work
+        engine.make_cache(name, 16)
     token_windows = corpus_windows(loaded.tokenizer, settings.protocol)  # and on more windows than the corpus holds
     if settings.passkey:  # and on a passkey prompt the model cannot hold
         check_passkey_fits(loaded, settings.passkey)
-    n_caches = len([n for n in settings.caches if n != "dense"]) + 1
+    n_caches = len([n for n in settings.caches if n != engine.reference]) + 1
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         console=console or Console(stderr=True), transient=console is None)
     started = time.perf_counter()
     with progress:
         task = progress.add_task("perplexity (windows × caches)", total=settings.protocol.n_windows * n_caches)
         records = perplexity_suite(loaded, list(settings.caches), settings.protocol, lambda: progress.advance(task),
-                                   token_windows)
+                                   token_windows, engine)
         if settings.passkey:
             p = settings.passkey
             task = progress.add_task("passkey (trials × caches)", total=p.trials * len(records))
             for record in records:
-                trials = passkey_trials(loaded, record.cache, p, lambda: progress.advance(task))
+                trials = passkey_trials(loaded, record.cache, p, lambda: progress.advance(task), engine)
                 record.passkey_accuracy = sum(t["found"] for t in trials) / len(trials)
                 record.extra["passkey_trials"] = trials
     for record in records:
         record.extra["seconds_total"] = round(time.perf_counter() - started, 1)
         record.extra["protocol"] = (f"{settings.protocol.n_windows} windows × {settings.protocol.length} tokens, "
                                     f"prefill {settings.protocol.prefill}, chunks {settings.protocol.chunk}, fp32")
+        record.extra["backend"] = settings.backend
     if console is not None:
         console.print(quality_table(records))
     return records
 
 
 def quality_table(records: list[CacheQuality]) -> Table:
-    dense = next((r for r in records if r.cache == "dense"), None)
-    table = Table(title=f"KV cache quality (dense perplexity {dense.ppl:.2f}, {dense.scored_tokens:,} scored tokens)" if dense else "KV cache quality")
+    dense = records[0] if records else None   # the reference: dense (hf:dynamic with --backend transformers)
+    table = Table(title=f"KV cache quality ({dense.cache} perplexity {dense.ppl:.2f}, {dense.scored_tokens:,} scored tokens)" if dense else "KV cache quality")
     for column in ("cache", "bytes/token", "× smaller", "bits/value", "PPL", "ΔPPL", "mean KL", "top-1", "passkey"):
         table.add_column(column, justify="left" if column == "cache" else "right")
     for r in records:

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ..cache import CacheGeometry, expected_nbytes, make_cache
+from ..backends import KvlabEngine, formula_bytes_per_token
 from .agreement import kl_divergence, top1_matches
 from .corpus import corpus_text, windows
 from .perplexity import WindowProtocol, run_window, window_nll
@@ -38,10 +38,7 @@ class CacheQuality:
 
 def bytes_per_token(name: str, config) -> tuple[float, float]:
     """(bytes per token, bits per cached value) of cache `name` holding 511 tokens in a bf16 run."""
-    geometry = CacheGeometry.for_model(config, batch=1, capacity=BYTES_TOKENS)
-    per_token = expected_nbytes(name, geometry, BYTES_DTYPE, BYTES_TOKENS) / BYTES_TOKENS
-    values = config.n_layers * config.n_kv_heads * 2 * config.head_dim
-    return per_token, per_token * 8 / values
+    return formula_bytes_per_token(name, config, BYTES_TOKENS, BYTES_DTYPE)
 
 
 def corpus_windows(tokenizer, protocol: WindowProtocol) -> list[torch.Tensor]:
@@ -50,20 +47,21 @@ def corpus_windows(tokenizer, protocol: WindowProtocol) -> list[torch.Tensor]:
 
 
 def perplexity_suite(loaded, names: list[str], protocol: WindowProtocol, advance=None,
-                     token_windows: list[torch.Tensor] | None = None) -> list[CacheQuality]:
-    """Dense first (the reference), then every cache in `names`, window by window.
+                     token_windows: list[torch.Tensor] | None = None, engine=None) -> list[CacheQuality]:
+    """The engine's reference first (dense; hf:dynamic for transformers), then every cache in `names`, window by window.
 
     `advance()` is called after each (window, cache) pass, for a progress bar. `token_windows`: the
-    corpus windows when the caller cut them already (default: cut them here).
+    corpus windows when the caller cut them already (default: cut them here). `engine`: the backend
+    running `loaded` (kvlab.backends; default kvlab's own).
     """
-    model, config = loaded.model, loaded.config
-    geometry = CacheGeometry.for_model(config, batch=1, capacity=protocol.length)
-    names = ["dense"] + [n for n in names if n != "dense"]
+    engine = engine or KvlabEngine(loaded)
+    model, reference_name = loaded.model, engine.reference
+    names = [reference_name] + [n for n in names if n != reference_name]
     sums = {n: {"nll": 0.0, "kl": 0.0, "top1": 0, "count": 0} for n in names}
     for tokens in token_windows if token_windows is not None else corpus_windows(loaded.tokenizer, protocol):
         reference = None
         for name in names:
-            logits, _ = run_window(model, tokens, lambda: make_cache(name, geometry, loaded.dtype, loaded.device), protocol)
+            logits, _ = run_window(model, tokens, lambda: engine.make_cache(name, protocol.length), protocol)
             nll = window_nll(torch.cat([logits, logits[-1:]]), tokens, protocol.prefill)
             s = sums[name]
             s["nll"] += nll.sum().item()
@@ -75,11 +73,11 @@ def perplexity_suite(loaded, names: list[str], protocol: WindowProtocol, advance
             if advance:
                 advance()
     records = []
-    dense_ppl = math.exp(sums["dense"]["nll"] / sums["dense"]["count"])
+    dense_ppl = math.exp(sums[reference_name]["nll"] / sums[reference_name]["count"])
     for name in names:
         s = sums[name]
         ppl = math.exp(s["nll"] / s["count"])
-        per_token, bits = bytes_per_token(name, config)
+        per_token, bits = engine.bytes_per_token(name, BYTES_TOKENS, BYTES_DTYPE, protocol.prefill, protocol.chunk)
         records.append(CacheQuality(
             cache=name, bytes_per_token=round(per_token, 1), bits_per_value=round(bits, 3), ppl=ppl,
             ppl_delta_pct=100 * (ppl / dense_ppl - 1), kl=s["kl"] / s["count"], top1_agreement=s["top1"] / s["count"],
