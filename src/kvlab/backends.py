@@ -16,6 +16,7 @@ Both engines answer the same calls, so the evaluation and generation loops are t
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
@@ -203,9 +204,10 @@ class TransformersEngine:
         first = min(first or tokens, tokens)
         sizes = [first] + [min(chunk or tokens, tokens - s) for s in range(first, tokens, chunk or tokens)]
         for n in sizes:
-            k = torch.zeros(1, facts.n_kv_heads, n, facts.head_dim, dtype=dtype, device=self.loaded.device)  # (B, Hkv, T, D)
             for layer in range(len(handle.cache.layers)):
-                handle.cache.update(k, k, layer)
+                k, v = (torch.zeros(1, facts.n_kv_heads, n, facts.head_dim, dtype=dtype, device=self.loaded.device)
+                        for _ in range(2))                                  # (B, Hkv, T, D), separate storages
+                handle.cache.update(k, v, layer)
         per_token = handle.nbytes / tokens
         values = facts.n_layers * facts.n_kv_heads * 2 * facts.head_dim
         return per_token, per_token * 8 / values
@@ -242,7 +244,9 @@ def load_transformers(model: str | None, dtype: torch.dtype = torch.float32, dev
     from .sources.gguf import open_gguf
 
     path = resolve_model_path(model)
-    hf_logging.disable_progress_bar()   # the GGUF conversion's bars; kvlab prints its own progress
+    hf_logging.disable_progress_bar()   # transformers' loading bars; kvlab prints its own progress
+    previous = os.environ.get("TQDM_DISABLE")
+    os.environ["TQDM_DISABLE"] = "1"    # and the GGUF conversion's plain tqdm bar
     try:
         if path.is_dir():
             hf_model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
@@ -254,6 +258,11 @@ def load_transformers(model: str | None, dtype: torch.dtype = torch.float32, dev
     except (OSError, ValueError, KeyError, RuntimeError) as error:
         message = " ".join(str(error).split())
         raise ModelFileError(f"{path}: transformers cannot load it ({type(error).__name__}: {message[:200]})") from None
+    finally:
+        if previous is None:
+            del os.environ["TQDM_DISABLE"]
+        else:
+            os.environ["TQDM_DISABLE"] = previous
     hf_model = hf_model.to(device).eval()
     read_queries(hf_model)              # TurboQuant's key weights from the queries, as kvlab's engine
     adapter = TransformersLM(hf_model)
