@@ -86,7 +86,8 @@ def passkey_trials(loaded, name: str, protocol: PasskeyProtocol, advance=None, e
                               eos_ids=loaded.tokenizer.eos_ids, chunk_size=protocol.chunk)
             answer = loaded.tokenizer.decode(result.token_ids[0], skip_special=True)
             records.append({"length": length, "prompt_tokens": len(ids), "depth": depth, "key": key,
-                            "answer": answer.strip(), "found": str(key) in answer})
+                            "answer": answer.strip(), "found": str(key) in answer,
+                            "decode_tokens_per_s": round(result.decode_tokens_per_s, 2)})
             if advance:
                 advance()
     return records

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -77,6 +78,7 @@ def run_eval(settings: EvalSettings, console: Console | None = None) -> list[Cac
                 trials = passkey_trials(loaded, record.cache, p, lambda: progress.advance(task), engine)
                 record.passkey_accuracy = sum(t["found"] for t in trials) / len(trials)
                 record.extra["passkey_trials"] = trials
+                record.extra["decode_tokens_per_s"] = statistics.median(t["decode_tokens_per_s"] for t in trials)
     for record in records:
         record.extra["seconds_total"] = round(time.perf_counter() - started, 1)
         record.extra["protocol"] = (f"{settings.protocol.n_windows} windows × {settings.protocol.length} tokens, "
