@@ -34,6 +34,7 @@ def generate(
     device: str = typer.Option("cpu", "--device", help="cpu | cuda | cuda:N | mps (a device this machine has)."),
     weights: str = typer.Option("auto", "--weights", help="auto | native (GGUF blocks, fp32 CPU) | dense (dequantized)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
+    backend: str = typer.Option("kvlab", "--backend", help="kvlab | transformers (any causal LM it loads from local files, with kvlab's caches inside)."),
 ):
     """Generate text with a real KV cache; prints token counts, prefill time, decode tokens/s and cache bytes."""
     from .session import run_generation
@@ -41,7 +42,7 @@ def generate(
     result = run_generation(
         prompt, model=model, cache=cache, dtype=dtype, max_new_tokens=max_new_tokens, temperature=temperature,
         top_k=top_k, top_p=top_p, seed=seed, chat=chat, capacity=capacity, chunk_size=chunk_size, device=device, weights=weights,
-        stream=None if json_out else (lambda piece: (sys.stdout.write(piece), sys.stdout.flush())),
+        backend=backend, stream=None if json_out else (lambda piece: (sys.stdout.write(piece), sys.stdout.flush())),
     )
     if json_out:
         print(json.dumps(result.to_json()))

@@ -14,8 +14,8 @@ chunk attends to its own compressed K/V exactly as in kvlab's engine (whose mode
 Storage, per kind of layer (transformers' `layer_types`):
   full attention    one kvlab cache for all of them (so layer seeds, `+fp-first-last` and the bytes are those
                     of kvlab's own cache), preallocated like DenseCache and grown geometrically: when a chunk
-                    does not fit, a cache of twice the capacity is built and every buffer is copied into it,
-                    so no token is ever re-quantized and no capacity guess is needed.
+                    does not fit, `KVCache.grown` builds one of twice the capacity holding the same codes and
+                    state, so no token is ever re-quantized and no capacity guess is needed.
   sliding window    what transformers' DynamicSlidingWindowLayer keeps (the last window-1 tokens, plus the new
                     chunk while it is read), in segments of `window` tokens, each a one-layer kvlab cache; a
                     segment is dropped once all its tokens have left the window, so at most two segments
@@ -26,9 +26,16 @@ Storage, per kind of layer (transformers' `layer_types`):
 Bytes: `nbytes` is the sum of `nbytes` of every kvlab cache held, so it equals kvlab's formula
 (`kvlab.cache.expected_nbytes`) for each one's geometry at its current capacity.
 
-Known differences from kvlab's engine: TurboQuant's query-aware key channel weights are calibrated from the
-keys alone (transformers does not hand the queries to the cache), and a compressed layer dequantizes all its
-tokens at every step (as QuantizedCache does) instead of attending on the codes. Beam search, `crop` and row
+TurboQuant's query-aware key channel weights need the queries that first read a layer, which transformers
+does not hand to a cache. `read_queries(model)` switches the model to an attention implementation (sdpa, with
+a hand-off) that gives each full-attention layer's first chunk its queries before it is coded, exactly as
+kvlab's engine calibrates; caches built from `model.config` after it use it (`kvlab eval/generate --backend
+transformers` do). Without it, and in sliding-window segments, the weights are calibrated from the keys alone
+(measured on SmolLM2, one 512-token window: tq4 ΔPPL +5.5% from the keys alone, +3.4% with the queries;
+kvlab's engine +2.6%, the rest being coding noise: tests/test_hf_backend.py).
+
+Known differences from kvlab's engine: a compressed layer dequantizes all its tokens at every step (as
+QuantizedCache does) instead of attending on the codes. Beam search, `crop` and row
 selection are refused (kvlab's formats have no row reorder).
 Tested with transformers 5.24; the 4.56-4.x spellings of the layer contract (`get_max_cache_shape`,
 `get_mask_sizes(cache_position)`) are answered too, untested.
@@ -36,13 +43,15 @@ Tested with transformers 5.24; the 4.56-4.x spellings of the layer contract (`ge
 
 from __future__ import annotations
 
-import copy
+import threading
 from dataclasses import dataclass, replace
 
 import torch
 
 from .cache import CacheGeometry, ConcatCache, DenseCache, KVCache, cache_names
+from .cache.base import copy_prefix
 from .cache.compressed import CompressedCache
+from .cache.turboquant import TurboQuantCache
 from .cache.names import is_compressed_name, parse as parse_compressed
 from .errors import ConfigError, UnsupportedArchitectureError
 
@@ -53,9 +62,11 @@ except ImportError as error:  # transformers is an optional extra
 
 #: Tokens a full-attention store holds before its first growth (it doubles from there).
 INITIAL_CAPACITY = 256
-#: Python state of a kvlab cache that is not a buffer: carried over when the cache grows.
-_COUNTERS = ("_lengths", "_n_comp", "_calibrated", "_pending")
 _SLIDING_TYPES = ("sliding_attention", "chunked_attention")
+#: The attention implementation `read_queries` registers: sdpa, after handing the queries to a waiting layer.
+ATTENTION = "kvlab_sdpa"
+#: The read a layer left for the attention that follows its `update` (same thread, same layer, next call).
+_HANDOFF = threading.local()
 #: Per-layer state a TurboQuant cache measures on its first tokens (see turboquant.py).
 _CALIBRATION = ("k_offset", "v_offset", "k_weight_codes")
 
@@ -113,50 +124,13 @@ def stored_kv(cache: KVCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     raise ConfigError(f"{type(cache).__name__} cannot hand its K/V to transformers")
 
 
-def grown(cache: KVCache, fmt: CacheFormat, fp_layers: frozenset[int], capacity: int) -> KVCache:
-    """A copy of `cache` with room for `capacity` tokens per layer: same tokens, same codes, bigger buffers.
-
-    Every buffer keeps its layout when the capacity grows (tokens and key groups are prefix-aligned along
-    the slot axis; sink and window buffers keep their size once the capacity covers them), so each old
-    buffer is copied into the leading corner of its new counterpart.
-    """
-    bigger = fmt.build(replace(cache.geometry, capacity=capacity), cache.dtype, cache.device, fp_layers)
-    _copy_state(cache, bigger)
-    return bigger
-
-
-def _copy_state(old: KVCache, new: KVCache) -> None:
-    for name, value in vars(old).items():
-        if name in _COUNTERS:
-            setattr(new, name, copy.copy(value))
-        else:
-            _copy_buffers(value, getattr(new, name))
-
-
-def _copy_buffers(old, new) -> None:
-    if isinstance(old, torch.Tensor):
-        if old is new:  # a shared constant
-            return
-        if old.dim() != new.dim() or any(a > b for a, b in zip(old.shape, new.shape)):
-            raise ConfigError(f"cannot grow a buffer of shape {tuple(old.shape)} into {tuple(new.shape)}")
-        new[tuple(slice(0, n) for n in old.shape)].copy_(old)
-    elif isinstance(old, dict):
-        for key, value in old.items():
-            if key in new:
-                _copy_buffers(value, new[key])
-            else:  # per-chunk working state the new cache has not made yet (e.g. the int caches' last append)
-                new[key] = value
-    elif isinstance(old, list) and all(item is None for item in new):  # ConcatCache's per-layer tensors
-        new[:] = old
-    elif isinstance(old, KVCache):   # the one-layer DenseCaches of full-precision layers
-        _copy_state(old, new)
-
-
 class GrowingStore:
     """One kvlab cache for the model's full-attention layers, grown geometrically as tokens arrive."""
 
-    def __init__(self, fmt: CacheFormat, model_layers: list[int], fp_model_layers: frozenset[int], initial_capacity: int):
+    def __init__(self, fmt: CacheFormat, model_layers: list[int], fp_model_layers: frozenset[int], initial_capacity: int,
+                 queries_follow: bool = False):
         self.fmt = fmt
+        self.queries_follow = queries_follow                   # the model's attention is ATTENTION (read_queries)
         self.index = {layer: i for i, layer in enumerate(model_layers)}            # model layer -> cache layer
         self.fp_layers = frozenset(self.index[l] for l in fp_model_layers if l in self.index)
         self.initial_capacity = max(initial_capacity, fmt.fixed_tokens + 1)
@@ -174,9 +148,17 @@ class GrowingStore:
             geometry = _geometry(len(self.index), k, v, max(self.initial_capacity, needed))
             self.cache = self.fmt.build(geometry, k.dtype, k.device, self.fp_layers)
         elif needed > self.capacity:
-            self.cache = grown(self.cache, self.fmt, self.fp_layers, max(2 * self.capacity, needed))
+            self.cache = self.cache.grown(max(2 * self.capacity, needed))   # the same codes in bigger buffers
         self.cache.append(layer, k, v)
-        return stored_kv(self.cache, layer)
+        cache = self.cache
+        if self.queries_follow and isinstance(cache, TurboQuantCache) and cache.awaits_queries(layer):
+            def read(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:   # q: (B, H, T, Dk) after RoPE
+                cache.calibrate(layer, q)
+                return stored_kv(cache, layer)
+
+            _HANDOFF.read = read
+            return k, v          # placeholders: the attention that follows reads through `read` instead
+        return stored_kv(cache, layer)
 
     @property
     def nbytes(self) -> int:
@@ -258,10 +240,9 @@ def inherit_calibration(old: KVCache, new: KVCache) -> None:
     """Give a fresh segment the per-layer state its predecessor measured on the first tokens (TurboQuant's
     key/value offsets and key channel weights): a segment started by one decode token could not measure
     them, and any stored offset or weight is exact (the same value codes and reads)."""
-    for name in _CALIBRATION:
-        if hasattr(old, name):
-            _copy_buffers(getattr(old, name), getattr(new, name))
-    if hasattr(old, "_calibrated"):
+    if isinstance(old, TurboQuantCache):
+        for name in _CALIBRATION:
+            copy_prefix(getattr(old, name), getattr(new, name))
         new._calibrated = set(old._calibrated)
 
 
@@ -385,7 +366,8 @@ class KVLabCache(Cache):
         layer_types, windows = _layer_types(config)
         fp_model_layers = self.format.full_layers(len(layer_types))
         full = [i for i, kind in enumerate(layer_types) if kind == "full_attention"]
-        self.store = GrowingStore(self.format, full, fp_model_layers, initial_capacity)
+        queries_follow = getattr(config, "_attn_implementation", None) == ATTENTION
+        self.store = GrowingStore(self.format, full, fp_model_layers, initial_capacity, queries_follow)
         layers: list[_KVLabLayer] = []
         for i, kind in enumerate(layer_types):
             if kind == "full_attention":
@@ -424,6 +406,26 @@ class KVLabCache(Cache):
         return f"KVLabCache({self.name!r}, layers={len(self.layers)}, capacity={self.capacity}, nbytes={self.nbytes})"
 
 
+def read_queries(model) -> None:
+    """Switch `model` (a transformers PreTrainedModel) to sdpa attention that first hands each layer's queries
+    to a kvlab cache layer waiting for them, so TurboQuant calibrates its key weights on them as kvlab's engine
+    does. Call it before building caches from `model.config`."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import sdpa_mask
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        read = getattr(_HANDOFF, "read", None)
+        if read is not None:
+            _HANDOFF.read = None
+            key, value = (x.to(query.dtype) for x in read(query))   # (B, Hkv, S, D) as stored
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register(ATTENTION, attention)
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+    model.set_attn_implementation(ATTENTION)
+
+
 def _layer_types(config) -> tuple[list[str], list[int | None]]:
     """The decoder's layer types (transformers' names) and each layer's sliding window (None: full)."""
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
@@ -438,4 +440,4 @@ def _layer_types(config) -> tuple[list[str], list[int | None]]:
     return list(kinds), [kw.get("sliding_window") for kw in kwargs]
 
 
-__all__ = ["KVLabCache", "CacheFormat", "GrowingStore", "WindowStore", "grown", "stored_kv"]
+__all__ = ["KVLabCache", "CacheFormat", "GrowingStore", "WindowStore", "read_queries", "stored_kv"]

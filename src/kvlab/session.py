@@ -83,17 +83,21 @@ def run_generation(
     device: str = "cpu",
     stream: Callable[[str], None] | None = None,
     weights: str = "auto",
+    backend: str = "kvlab",
 ) -> GenerationRun:
+    from .backends import check_backend, load_engine
+
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    loaded = cached_model(model, dtype, device, weights)
+    backend = check_backend(backend, [cache])   # before any loading
+    engine = load_engine(backend, model, dtype, device, weights)
+    loaded = engine.loaded
     context = model_context(loaded.model)
     if capacity is not None:
         check_int(capacity, "--capacity", 1, context, "the model's context" if context else "")
     ids = encode_prompt(loaded, prompt, chat)
     check_fits(len(ids), max_new_tokens, context, capacity)  # before the cache is allocated, not after
     capacity = capacity or len(ids) + max_new_tokens
-    geometry = CacheGeometry.for_model(loaded.config, batch=1, capacity=capacity)
-    kv = make_cache(cache, geometry, dtype=loaded.dtype, device=loaded.device)
+    kv = engine.make_cache(cache, capacity)
     decoder = StreamDecoder(loaded.tokenizer)
     on_token = None
     if stream is not None:
@@ -101,8 +105,9 @@ def run_generation(
     prompt_ids = torch.tensor([ids], device=loaded.device)
     result = generate(loaded.model, prompt_ids, kv, max_new_tokens, sampling, loaded.tokenizer.eos_ids, chunk_size, on_token)
     text = loaded.tokenizer.decode(result.token_ids[0], skip_special=True)
-    return GenerationRun(text=text, cache_name=cache, result=result, weights=loaded.weights,
-                         decode_step=decode_step_kind(loaded.model, kv))
+    step = decode_step_kind(loaded.model, kv) if backend == "kvlab" else "transformers"
+    return GenerationRun(text=text, cache_name=getattr(kv, "name", cache), result=result, weights=loaded.weights,
+                         decode_step=step)
 
 
 INFO_CACHES = ("dense", "int8", "int4", "tq4", "tq3.5", "tq3", "tq2.5", "tq-k4v3")

@@ -9,7 +9,7 @@ so a cache decides how K/V are stored and how they are read, and swapping caches
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -105,6 +105,26 @@ class KVCache(ABC):
     def layer_length(self, layer: int) -> int:
         return self._lengths[layer]
 
+    # -- growth ---------------------------------------------------------------------------------------
+    def grown(self, capacity: int) -> "KVCache":
+        """A new cache with room for `capacity` tokens per sequence holding exactly what this one holds: the same
+        tokens, codes and per-layer state in bigger buffers (nothing is re-coded). Used by kvlab.hf, whose caches
+        grow as transformers' DynamicCache does."""
+        if capacity < self.geometry.capacity:
+            raise ConfigError(f"a cache grows, never shrinks: capacity {capacity} < {self.geometry.capacity}")
+        bigger = self._empty(replace(self.geometry, capacity=capacity))
+        self._copy_into(bigger)
+        return bigger
+
+    def _empty(self, geometry: CacheGeometry) -> "KVCache":
+        """An empty cache of this kind and configuration for `geometry`."""
+        return type(self)(geometry, self.dtype, self.device)
+
+    def _copy_into(self, bigger: "KVCache") -> None:
+        """Copy every token and piece of state into `bigger` (same kind, capacity at least this one's).
+        Subclasses extend it with their buffers."""
+        bigger._lengths = list(self._lengths)
+
     # -- shared checks ----------------------------------------------------------------------------
     def _check_attend(self, layer: int, q: torch.Tensor) -> None:
         """The query fits this cache: q (B, H, T, Dk) with H a multiple of the KV heads (one line otherwise; T may be 0)."""
@@ -137,6 +157,18 @@ class KVCache(ABC):
         if not (torch.isfinite(k).all() and torch.isfinite(v).all()):
             raise NonFiniteError(f"NaN or Inf in the keys/values appended to layer {layer}")
         return n_new
+
+
+def copy_prefix(old, new) -> None:
+    """Copy buffer `old` into the leading corner of `new` (same rank, each size at least old's); dicts of
+    buffers key by key. Tokens and groups are prefix-aligned along the slot axis, so this is how they grow."""
+    if isinstance(old, dict):
+        for key, tensor in old.items():
+            copy_prefix(tensor, new[key])
+        return
+    if old.dim() != new.dim() or any(a > b for a, b in zip(old.shape, new.shape)):
+        raise ConfigError(f"cannot grow a buffer of shape {tuple(old.shape)} into {tuple(new.shape)}")
+    new[tuple(slice(0, n) for n in old.shape)] = old
 
 
 def tensors_nbytes(*tensors: torch.Tensor | None) -> int:

@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .attention import causal_mask
-from .base import CacheGeometry, KVCache, tensors_nbytes
+from .base import CacheGeometry, KVCache, copy_prefix, tensors_nbytes
 from .dense import DenseCache
 
 
@@ -193,6 +193,20 @@ class CompressedCache(KVCache):
         self._n_comp = [0] * self.geometry.n_layers
         for dense in self._dense.values():
             dense.reset()
+
+    def _empty(self, geometry: CacheGeometry) -> "CompressedCache":
+        return type(self)(geometry, self.dtype, self.device, config=self.config)
+
+    def _copy_into(self, bigger: "CompressedCache") -> None:
+        """The full-precision layers, sink and recent window, then the subclass's store (its `_copy_into`).
+        The sink and window keep their sizes once the capacity covers them (kvlab.hf starts above that)."""
+        super()._copy_into(bigger)
+        bigger._n_comp = list(self._n_comp)
+        for layer, dense in self._dense.items():
+            dense._copy_into(bigger._dense[layer])
+        for old, new in ((self._sink_k, bigger._sink_k), (self._sink_v, bigger._sink_v),
+                         (self._win_k, bigger._win_k), (self._win_v, bigger._win_v)):
+            copy_prefix(old, new)
 
     @property
     def nbytes(self) -> int:

@@ -28,6 +28,10 @@ class ConcatCache(KVCache):
         self._check_attend(layer, q)
         return grouped_attention(q, self.k[layer], self.v[layer], self.scale, window=self.geometry.window)
 
+    def _copy_into(self, bigger: "ConcatCache") -> None:
+        super()._copy_into(bigger)
+        bigger.k, bigger.v = list(self.k), list(self.v)  # no preallocation: the tensors are shared, never written in place
+
     def reset(self) -> None:
         super().reset()
         self.k = [None] * self.geometry.n_layers

@@ -11,7 +11,7 @@ import torch
 
 from ..errors import NonFiniteError
 from .attention import chunked_attention, grouped_attention
-from .base import CacheGeometry, KVCache, tensors_nbytes
+from .base import CacheGeometry, KVCache, copy_prefix, tensors_nbytes
 
 #: cache name -> the dtype its K/V are stored in (None: the run's dtype)
 STORAGE = {"dense": None, "dense-f16": torch.float16, "dense-bf16": torch.bfloat16}
@@ -60,6 +60,14 @@ class DenseCache(KVCache):
         """Count `n_new` tokens a kernel wrote in place into `layers` (the fused decode step, model/fused.py)."""
         for layer in layers:
             self._lengths[layer] += n_new
+
+    def _empty(self, geometry: CacheGeometry) -> "DenseCache":
+        return type(self)(geometry, self.dtype, self.device, storage=self.storage)   # dense-f16 grows as dense-f16
+
+    def _copy_into(self, bigger: "DenseCache") -> None:
+        super()._copy_into(bigger)
+        copy_prefix(self.k, bigger.k)                  # (L, B, Hkv, capacity, D): tokens along the slot axis
+        copy_prefix(self.v, bigger.v)
 
     @property
     def nbytes(self) -> int:

@@ -40,7 +40,7 @@ import torch
 
 from ..errors import ConfigError, NonFiniteError
 from ..kernels import kernel_for
-from .base import CacheGeometry, tensors_nbytes
+from .base import CacheGeometry, copy_prefix, tensors_nbytes
 from .compressed import CompressedCache, FullPrecision, ceil_div
 from .packing import pack, packed_nbytes, unpack
 
@@ -226,6 +226,12 @@ class QuantizedCache(CompressedCache):
     def reset(self) -> None:
         super().reset()
         self._fresh = {}
+
+    def _copy_into(self, bigger: "QuantizedCache") -> None:
+        super()._copy_into(bigger)
+        for name in ("k_codes", "k_scale", "k_zero", "k_stage", "v_codes", "v_scale", "v_zero"):
+            copy_prefix(getattr(self, name), getattr(bigger, name))   # tokens / key groups along axis 2
+        bigger._fresh = dict(self._fresh)   # the last append's full-precision K/V, read by the same chunk
 
     # -- bytes --------------------------------------------------------------------------------------
     def _store_nbytes(self) -> int:

@@ -68,7 +68,7 @@ import torch.nn.functional as F
 
 from ..errors import ConfigError, NonFiniteError
 from ..kernels import kernel_for
-from .base import CacheGeometry, tensors_nbytes
+from .base import CacheGeometry, copy_prefix, tensors_nbytes
 from .codebook import lloyd_max
 from .compressed import CompressedCache, FullPrecision
 from .packing import pack, packed_nbytes, unpack
@@ -282,11 +282,32 @@ class TurboQuantCache(CompressedCache):
         for codes in self.k_weight_codes.values():
             codes.fill_(_NEUTRAL_WEIGHT_BYTE)
 
+    def _copy_into(self, bigger: "TurboQuantCache") -> None:
+        """Codes, norms and the calibration (offsets, key weights, which layers have them, a first chunk still
+        waiting for its queries); the rotations and the QJL matrix are rebuilt identically from the seed."""
+        super()._copy_into(bigger)
+        names = ["k_codes", "k_norm", "v_codes", "v_norm", "k_offset", "v_offset", "k_weight_codes"]
+        if self.config.qjl:
+            names += ["k_signs", "k_rnorm"]
+        for name in names:
+            copy_prefix(getattr(self, name), getattr(bigger, name))
+        bigger._calibrated = set(self._calibrated)
+        bigger._pending = dict(self._pending)
+
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        self.calibrate(layer, q)
+        return super().attend(layer, q)
+
+    def calibrate(self, layer: int, q: torch.Tensor) -> None:
+        """Code `layer`'s first chunk, if it still waits for its queries, with the key weights the queries
+        q (B, H, T, d) call for: what `attend` does first (kvlab.hf calls it where transformers attends)."""
         self._check_attend(layer, q)       # before the calibration reads q
         if layer in self._pending:
             self._calibrate_and_store(layer, q)
-        return super().attend(layer, q)
+
+    def awaits_queries(self, layer: int) -> bool:
+        """True while `layer`'s first chunk is held uncoded until queries read it (key weights need them)."""
+        return layer in self._pending
 
     # -- calibration: offsets and key weights from a layer's first chunk ---------------------------------
     def _calibrate_and_store(self, layer: int, q: torch.Tensor | None) -> None:

@@ -25,6 +25,7 @@ def register(app: typer.Typer) -> None:
         passkey: bool = typer.Option(True, "--passkey/--no-passkey", help="Run the passkey retrieval test."),
         passkey_lengths: str = typer.Option("1000,3000,6000", "--passkey-lengths", help="Filler tokens per passkey prompt."),
         model: Optional[str] = typer.Option(None, "--model", help="GGUF file or Hugging Face folder (default: embedded SmolLM2)."),
+        backend: str = typer.Option("kvlab", "--backend", help="kvlab | transformers (any causal LM it loads from local files; adds hf:dynamic, hf:quanto-int4+r128, ... caches)."),
         threads: Optional[int] = typer.Option(None, "--threads", min=1, help="torch CPU threads."),
         json_out: bool = typer.Option(False, "--json", help="Print one JSON record per cache (a JSON list) instead of the table."),
         out: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON records to this file."),
@@ -34,7 +35,8 @@ def register(app: typer.Typer) -> None:
         """Quality of compressed caches against the dense cache on Shakespeare (the ANCHORS.md protocol)."""
         from .run import EvalSettings, run_eval
 
-        settings = EvalSettings.build(caches, quick, windows, passkey, passkey_lengths, model, threads, seeds=seeds)
+        settings = EvalSettings.build(caches, quick, windows, passkey, passkey_lengths, model, threads, seeds=seeds,
+                                      backend=backend)
         if out:
             check_writable(out, "--out")  # before the run: a typo must not cost the whole evaluation
         if plot:

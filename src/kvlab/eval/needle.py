@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache import CacheGeometry, make_cache
 from ..errors import InputLimitError
 from ..generate import generate
 from .corpus import FILLER_PLAY, play_text
@@ -73,6 +72,8 @@ def passkey_prompt(tokenizer, n_tokens: int, depth: float, key: int) -> list[int
 def check_passkey_fits(loaded, protocol: PasskeyProtocol) -> None:
     """Refuse, before the evaluation starts, a filler length whose prompt + answer the model cannot hold."""
     context = loaded.config.max_seq_len
+    if context is None:  # the model states no context
+        return
     longest = max(protocol.lengths)
     needed = len(passkey_prompt(loaded.tokenizer, longest, 0.5, 10000)) + protocol.max_new_tokens - 1
     if needed > context:
@@ -81,12 +82,15 @@ def check_passkey_fits(loaded, protocol: PasskeyProtocol) -> None:
 
 
 def passkey_trials(loaded, name: str, protocol: PasskeyProtocol, advance=None,
-                   variants: list[tuple[int | None, str]] | None = None) -> list[dict]:
+                   variants: list[tuple[int | None, str]] | None = None, engine=None) -> list[dict]:
     """One record per (length, depth, repeat): the key, the answer, whether it was found.
 
     `variants`: [(seed, cache name)] to cycle through over the trials (suite.seed_variants); default
-    [(None, name)].
+    [(None, name)]. `engine`: the backend running `loaded` (kvlab.backends; default kvlab's own).
     """
+    from ..backends import KvlabEngine
+
+    engine = engine or KvlabEngine(loaded)
     variants = variants or [(None, name)]
     rng = random.Random(protocol.seed)
     records = []
@@ -96,14 +100,14 @@ def passkey_trials(loaded, name: str, protocol: PasskeyProtocol, advance=None,
                 key = rng.randrange(10000, 100000)
                 seed, built = variants[len(records) % len(variants)]
                 ids = passkey_prompt(loaded.tokenizer, length, depth, key)
-                geometry = CacheGeometry.for_model(loaded.config, batch=1, capacity=len(ids) + protocol.max_new_tokens)
-                cache = make_cache(built, geometry, loaded.dtype, loaded.device)
+                cache = engine.make_cache(built, len(ids) + protocol.max_new_tokens)
                 prompt = torch.tensor([ids], device=loaded.device)
                 result = generate(loaded.model, prompt, cache, protocol.max_new_tokens,
                                   eos_ids=loaded.tokenizer.eos_ids, chunk_size=protocol.chunk)
                 answer = loaded.tokenizer.decode(result.token_ids[0], skip_special=True)
                 records.append({"length": length, "prompt_tokens": len(ids), "depth": depth, "key": key, "seed": seed,
-                                "answer": answer.strip(), "found": str(key) in answer})
+                                "answer": answer.strip(), "found": str(key) in answer,
+                                "decode_tokens_per_s": round(result.decode_tokens_per_s, 2)})
                 if advance:
                     advance()
     return records

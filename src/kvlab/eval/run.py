@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -30,11 +31,16 @@ class EvalSettings:
     model: str | None = None
     threads: int | None = None
     seeds: tuple[int, ...] = DEFAULT_SEEDS      # rotation seeds of every TurboQuant cache
+    backend: str = "kvlab"                      # kvlab.backends: kvlab | transformers
 
     @classmethod
     def build(cls, caches: str, quick: bool, windows: int | None, passkey: bool, passkey_lengths: str,
-              model: str | None = None, threads: int | None = None, seeds: str | None = None) -> "EvalSettings":
-        names = tuple(dict.fromkeys(n.strip() for n in caches.split(",") if n.strip()))
+              model: str | None = None, threads: int | None = None, seeds: str | None = None,
+              backend: str = "kvlab") -> "EvalSettings":
+        from ..backends import cache_name, check_backend
+
+        backend = check_backend(backend)
+        names = tuple(dict.fromkeys(cache_name(backend, n) for n in caches.split(",") if n.strip()))
         if not names:
             raise ConfigError("--caches needs at least one cache name")
         n_windows = check_int(windows, "--windows", 1) if windows is not None else (4 if quick else 16)
@@ -50,7 +56,7 @@ class EvalSettings:
         if passkey:
             keys = PasskeyProtocol.covering(lengths[:1] if quick else lengths)
         run_seeds = parse_seeds(seeds) if seeds is not None else (QUICK_SEEDS if quick else DEFAULT_SEEDS)
-        return cls(names, WindowProtocol(n_windows=n_windows), keys, model, threads, run_seeds)
+        return cls(names, WindowProtocol(n_windows=n_windows), keys, model, threads, run_seeds, backend)
 
 
 def parse_seeds(text: str) -> tuple[int, ...]:
@@ -67,51 +73,53 @@ def parse_seeds(text: str) -> tuple[int, ...]:
 
 
 def run_eval(settings: EvalSettings, console: Console | None = None) -> list[CacheQuality]:
-    from ..cache import make_cache, CacheGeometry
-    from ..session import cached_model
+    from ..backends import load_engine
 
     if settings.threads:
         torch.set_num_threads(settings.threads)
-    loaded = cached_model(settings.model, "fp32", "cpu")
-    for name in settings.caches:  # fail on a bad name before any long work
-        make_cache(name, CacheGeometry.for_model(loaded.config, 1, 16))
+    engine = load_engine(settings.backend, settings.model, "fp32", "cpu")
+    loaded = engine.loaded
+    for name in settings.caches:  # fail on a cache this model cannot hold before any long work
+        engine.make_cache(name, 16)
     token_windows = corpus_windows(loaded.tokenizer, settings.protocol)  # and on more windows than the corpus holds
     if settings.passkey:  # and on a passkey prompt the model cannot hold
         check_passkey_fits(loaded, settings.passkey)
-    n_runs = 1 + sum(len(seed_variants(n, settings.seeds)) for n in settings.caches if n != "dense")
+    n_runs = 1 + sum(len(seed_variants(n, settings.seeds)) for n in settings.caches if n != engine.reference)
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         console=console or Console(stderr=True), transient=console is None)
     started = time.perf_counter()
     with progress:
         task = progress.add_task("perplexity (windows × cache runs)", total=settings.protocol.n_windows * n_runs)
         records = perplexity_suite(loaded, list(settings.caches), settings.protocol, lambda: progress.advance(task),
-                                   token_windows, settings.seeds)
+                                   token_windows, settings.seeds, engine)
         if settings.passkey:
             p = settings.passkey
             task = progress.add_task("passkey (trials × caches)", total=p.trials * len(records))
             for record in records:
                 trials = passkey_trials(loaded, record.cache, p, lambda: progress.advance(task),
-                                        seed_variants(record.cache, settings.seeds))
+                                        seed_variants(record.cache, settings.seeds), engine)
                 record.passkey_found = sum(t["found"] for t in trials)
                 record.passkey_total = len(trials)
                 record.passkey_accuracy = record.passkey_found / len(trials)
                 record.extra["passkey_trials"] = trials
+                record.extra["decode_tokens_per_s"] = statistics.median(t["decode_tokens_per_s"] for t in trials)
     for record in records:
         record.extra["seconds_total"] = round(time.perf_counter() - started, 1)
         record.extra["protocol"] = (f"{settings.protocol.n_windows} windows × {settings.protocol.length} tokens, "
                                     f"prefill {settings.protocol.prefill}, chunks {settings.protocol.chunk}, fp32, "
                                     f"TurboQuant seeds {','.join(map(str, settings.seeds))}, "
                                     f"{100 * COVERAGE:.0f}% bootstrap interval over windows")
+        record.extra["backend"] = settings.backend
     if console is not None:
         console.print(quality_table(records))
     return records
 
 
 def quality_table(records: list[CacheQuality]) -> Table:
-    dense = next((r for r in records if r.cache == "dense"), None)
+    dense = records[0] if records else None   # the reference: dense (hf:dynamic with --backend transformers)
     title = "KV cache quality"
     if dense:
-        title += f" (dense perplexity {dense.ppl:.2f}, {dense.scored_tokens:,} scored tokens"
+        title += f" ({dense.cache} perplexity {dense.ppl:.2f}, {dense.scored_tokens:,} scored tokens"
         title += f"; ± sd over seeds, [{100 * COVERAGE:.0f}% bootstrap interval over windows])"
     table = Table(title=title)
     for column in ("cache", "bytes/token", "× smaller", "bits/value", "seeds", "PPL", "ΔPPL", "ΔPPL interval",

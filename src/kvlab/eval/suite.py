@@ -8,7 +8,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ..cache import CacheGeometry, TurboQuantCache, expected_nbytes, make_cache
+from ..backends import KvlabEngine, formula_bytes_per_token
+from ..cache import TurboQuantCache
 from ..cache.names import is_compressed_name, parse as parse_cache_name
 from .agreement import kl_divergence, top1_matches
 from .corpus import calibration_text, corpus_text, windows
@@ -51,10 +52,7 @@ class CacheQuality:
 
 def bytes_per_token(name: str, config) -> tuple[float, float]:
     """(bytes per token, bits per cached value) of cache `name` holding 511 tokens in a bf16 run."""
-    geometry = CacheGeometry.for_model(config, batch=1, capacity=BYTES_TOKENS)
-    per_token = expected_nbytes(name, geometry, BYTES_DTYPE, BYTES_TOKENS) / BYTES_TOKENS
-    values = config.n_layers * config.n_kv_heads * 2 * config.head_dim
-    return per_token, per_token * 8 / values
+    return formula_bytes_per_token(name, config, BYTES_TOKENS, BYTES_DTYPE)
 
 
 def corpus_windows(tokenizer, protocol: WindowProtocol, text: str | None = None) -> list[torch.Tensor]:
@@ -80,23 +78,25 @@ def seed_variants(name: str, seeds: tuple[int, ...]) -> list[tuple[int | None, s
 
 
 def perplexity_suite(loaded, names: list[str], protocol: WindowProtocol, advance=None,
-                     token_windows: list[torch.Tensor] | None = None, seeds: tuple[int, ...] = ()) -> list[CacheQuality]:
-    """Dense first (the reference), then every cache in `names`, window by window.
+                     token_windows: list[torch.Tensor] | None = None, seeds: tuple[int, ...] = (),
+                     engine=None) -> list[CacheQuality]:
+    """The engine's reference first (dense; hf:dynamic for transformers), then every cache in `names`, window by window.
 
     `advance()` is called after each (window, cache run) pass, for a progress bar. `token_windows`: the
     corpus windows when the caller cut them already (default: cut them here). `seeds`: rotation seeds
     each TurboQuant cache runs with (default: its own, one run); see stats.py for the statistics.
+    `engine`: the backend running `loaded` (kvlab.backends; default kvlab's own).
     """
-    model, config = loaded.model, loaded.config
-    geometry = CacheGeometry.for_model(config, batch=1, capacity=protocol.length)
-    names = ["dense"] + [n for n in names if n != "dense"]
+    engine = engine or KvlabEngine(loaded)
+    model, reference_name = loaded.model, engine.reference
+    names = [reference_name] + [n for n in names if n != reference_name]
     runs = [(name, seed, built) for name in names for seed, built in seed_variants(name, seeds)]
     token_windows = token_windows if token_windows is not None else corpus_windows(loaded.tokenizer, protocol)
     sums = {(name, seed): [] for name, seed, _ in runs}              # per run: one (nll, kl, top1, count) per window
     for tokens in token_windows:
         reference = None
         for name, seed, built in runs:
-            logits, _ = run_window(model, tokens, lambda: make_cache(built, geometry, loaded.dtype, loaded.device), protocol)
+            logits, _ = run_window(model, tokens, lambda: engine.make_cache(built, protocol.length), protocol)
             nll = window_nll(torch.cat([logits, logits[-1:]]), tokens, protocol.prefill)
             if reference is None:
                 reference = logits
@@ -105,12 +105,12 @@ def perplexity_suite(loaded, names: list[str], protocol: WindowProtocol, advance
             if advance:
                 advance()
     window_sums = {run: WindowSums(*torch.tensor(rows, dtype=torch.float64).T) for run, rows in sums.items()}
-    dense = window_sums["dense", None]
+    dense = window_sums[reference_name, None]
     records = []
     for name in names:
         run_seeds = [seed for n, seed, _ in runs if n == name]
         summary = summarize([window_sums[name, seed] for seed in run_seeds], dense)
-        per_token, bits = bytes_per_token(name, config)
+        per_token, bits = engine.bytes_per_token(name, BYTES_TOKENS, BYTES_DTYPE, protocol.prefill, protocol.chunk)
         delta, kl, top1 = summary["ppl_delta_pct"], summary["kl"], summary["top1"]
         records.append(CacheQuality(
             cache=name, bytes_per_token=round(per_token, 1), bits_per_value=round(bits, 3), ppl=summary["ppl"].mean,
