@@ -12,8 +12,15 @@ import torch.nn.functional as F
 
 def causal_mask(n_queries: int, n_keys: int, device: torch.device | str = "cpu", window: int | None = None) -> torch.Tensor:
     """(T, S) bool, True = may attend. Row t is query position S-T+t; it sees keys j <= S-T+t (and j > pos-window)."""
-    query_pos = torch.arange(n_keys - n_queries, n_keys, device=device)[:, None]  # (T, 1)
-    key_pos = torch.arange(n_keys, device=device)[None, :]                        # (1, S)
+    return block_mask(n_keys - n_queries, n_queries, 0, n_keys, device, window)
+
+
+def block_mask(first_query: int, n_queries: int, first_key: int, n_keys: int, device: torch.device | str = "cpu",
+               window: int | None = None) -> torch.Tensor:
+    """(T, K) bool, the causal mask's block for queries at positions first_query.. and keys at first_key..:
+    True where key position j <= query position (and j > position - window)."""
+    query_pos = torch.arange(first_query, first_query + n_queries, device=device)[:, None]  # (T, 1)
+    key_pos = torch.arange(first_key, first_key + n_keys, device=device)[None, :]          # (1, K)
     mask = key_pos <= query_pos
     if window is not None:
         mask &= key_pos > query_pos - window

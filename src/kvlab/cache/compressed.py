@@ -14,6 +14,13 @@ lower-right causal mask of cache/attention.py; the subclass answers only for its
 so a subclass reads its own storage (codes, and any full-precision state it counts in its bytes, such
 as the integer caches' incomplete key group) and the base class never sees its K/V.
 
+Long prompts: a subclass that can read a span of its compressed tokens (`reads_spans`, hooks
+`_span_scores(layer, qg, lo, hi)` / `_span_mix(layer, p, lo, hi)`; TurboQuant) is read in blocks of
+ATTEND_ROWS query rows against chunks of ATTEND_KEYS keys with an online softmax (running max, sum and
+Σp·v per row) once a chunk's logits would exceed one such block, so a prompt of T tokens over S keys
+holds O(ATTEND_ROWS × ATTEND_KEYS) logits per KV head, never (G·T, S); blocks wholly above the causal
+diagonal are skipped.
+
 Causality: a query never reads anything a later token set. Per-token codes (TurboQuant, integer values)
 are causal by construction; the integer caches' key groups are read per query as token-by-token
 decoding reads them (quantized.py).
@@ -33,7 +40,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .attention import causal_mask
+from .attention import block_mask, causal_mask
 from .base import CacheGeometry, KVCache, tensors_nbytes
 from .dense import DenseCache
 
@@ -65,8 +72,18 @@ class FullPrecision:
         return sink, window, capacity - sink - window
 
 
+#: A long chunk is attended in blocks of this many query rows (G·T axis) ...
+ATTEND_ROWS = 512
+#: ... against chunks of this many keys, once its logits exceed one such block per KV head (see the docstring).
+ATTEND_KEYS = 1024
+
+
 class CompressedCache(KVCache):
     """Base class: routes tokens to full-precision layers, the recent window or the subclass's store."""
+
+    #: whether the subclass reads spans of its compressed tokens (`_span_scores`, `_span_mix`): long chunks
+    #: are then attended in bounded blocks
+    reads_spans = False
 
     def __init__(self, geometry: CacheGeometry, dtype: torch.dtype, device, full: FullPrecision):
         super().__init__(geometry, dtype, device)
@@ -101,6 +118,14 @@ class CompressedCache(KVCache):
 
     def _mix(self, layer: int, p: torch.Tensor, n: int) -> torch.Tensor:
         """Σ_i p_i·v_i over the n compressed tokens; p: (B, Hkv, G·T, n) -> (B, Hkv, G·T, Dv) float32."""
+        raise NotImplementedError
+
+    def _span_scores(self, layer: int, qg: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """`_scores` against compressed tokens [lo, hi) only: (B, Hkv, G·T, hi-lo) (when `reads_spans`)."""
+        raise NotImplementedError
+
+    def _span_mix(self, layer: int, p: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """`_mix` over compressed tokens [lo, hi) only; p: (B, Hkv, G·T, hi-lo) (when `reads_spans`)."""
         raise NotImplementedError
 
     def _restore(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,6 +182,8 @@ class CompressedCache(KVCache):
         group = H // Hkv
         n_sink, n, held = self._n_sink(layer), self._n_comp[layer], self._held(layer)
         qg = q.float().reshape(B, Hkv, group * T, Dk)                          # (B, Hkv, G·T, Dk)
+        if self.reads_spans and T > 1 and group * T * (n_sink + n + held) > ATTEND_ROWS * ATTEND_KEYS:
+            return self._attend_blocks(layer, qg, T).reshape(B, H, T, -1).to(q.dtype)
         logits = []
         if n_sink:
             k_sink = self._sink_k[layer][:, :, :n_sink].float()                # (B, Hkv, n_sink, Dk)
@@ -179,6 +206,61 @@ class CompressedCache(KVCache):
         if held:
             out = out + p[..., n_sink + n:] @ self._win_v[layer][:, :, :held].float()
         return out.reshape(B, H, T, -1).to(q.dtype)
+
+    def _attend_blocks(self, layer: int, qg: torch.Tensor, T: int) -> torch.Tensor:
+        """attend() of a long chunk in bounded memory: qg (B, Hkv, G·T, Dk) -> (B, Hkv, G, T, Dv) float32.
+
+        Query blocks of ATTEND_ROWS rows (all G heads of a group for the same positions, so one mask serves
+        them) against key chunks of ATTEND_KEYS keys of one part (sink, compressed or window) at a time, with
+        an online softmax; chunks no query of the block may see are never read.
+        """
+        B, Hkv, rows, Dk = qg.shape
+        group = rows // T
+        n_sink, n, held = self._n_sink(layer), self._n_comp[layer], self._held(layer)
+        S = n_sink + n + held
+        window = self.geometry.window
+        sink_v, win_v = self._sink_v[layer], self._win_v[layer]
+        Dv = sink_v.shape[-1]
+        parts = [  # (first key position, keys, logits of a block for keys [a, b) of the part, its Σ p·v)
+            (0, n_sink,
+             lambda qb, a, b: (qb @ self._sink_k[layer][:, :, a:b].float().transpose(-1, -2)) * self.scale,
+             lambda p, a, b: p @ sink_v[:, :, a:b].float()),
+            (n_sink, n,
+             lambda qb, a, b: self._span_scores(layer, qb, a, b),
+             lambda p, a, b: self._span_mix(layer, p, a, b)),
+            (n_sink + n, held,
+             lambda qb, a, b: (qb @ self._win_k[layer][:, :, a:b].float().transpose(-1, -2)) * self.scale,
+             lambda p, a, b: p @ win_v[:, :, a:b].float()),
+        ]
+        q_by_position = qg.reshape(B, Hkv, group, T, Dk)                          # (B, Hkv, G, T, Dk)
+        out = torch.empty(B, Hkv, group, T, Dv, device=qg.device)
+        step = max(1, ATTEND_ROWS // group)
+        for t0 in range(0, T, step):
+            t1 = min(T, t0 + step)
+            first, last = S - T + t0, S - T + t1 - 1                              # the block's query positions
+            qb = q_by_position[:, :, :, t0:t1].reshape(B, Hkv, group * (t1 - t0), Dk)  # (B, Hkv, R, Dk)
+            top = torch.full((B, Hkv, qb.shape[2], 1), float("-inf"), device=qg.device)  # running max
+            total = torch.zeros_like(top)                                         # running Σ exp
+            acc = torch.zeros(B, Hkv, qb.shape[2], Dv, device=qg.device)          # running Σ exp·v
+            for start, count, scores, mix in parts:
+                for a in range(0, count, ATTEND_KEYS):
+                    b = min(count, a + ATTEND_KEYS)
+                    lo, hi = start + a, start + b - 1                             # key positions
+                    if lo > last or (window is not None and hi <= first - window):
+                        continue                                                  # no query of the block sees it
+                    logits = scores(qb, a, b)                                     # (B, Hkv, R, b-a)
+                    if hi > first or (window is not None and lo <= last - window):
+                        mask = block_mask(first, t1 - t0, lo, b - a, qg.device, window).repeat(group, 1)
+                        logits = logits.masked_fill(~mask, float("-inf"))
+                    new_top = torch.maximum(top, logits.amax(dim=-1, keepdim=True))
+                    shift = new_top.masked_fill(new_top == float("-inf"), 0.0)     # rows that have seen nothing yet
+                    p = logits.sub_(shift).exp_()                                 # (B, Hkv, R, b-a)
+                    rescale = (top - shift).exp_()
+                    total = total * rescale + p.sum(dim=-1, keepdim=True)
+                    acc = acc * rescale + mix(p, a, b)
+                    top = new_top
+            out[:, :, :, t0:t1] = (acc / total).reshape(B, Hkv, group, t1 - t0, Dv)
+        return out
 
     def _n_sink(self, layer: int) -> int:
         """Tokens of `layer` held in its full-precision sink (the first ones)."""

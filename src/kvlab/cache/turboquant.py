@@ -55,9 +55,10 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError, NonFiniteError
-from ..kernels import kernel_for
+from ..kernels.codebook import CodeLayout, codebook_kernel_for
 from .base import CacheGeometry, tensors_nbytes
 from .codebook import lloyd_max
+from . import compressed
 from .compressed import CompressedCache, FullPrecision
 from .packing import pack, packed_nbytes, unpack
 from .rotation import Rotation, is_power_of_two
@@ -153,6 +154,7 @@ class RotatedCodes:
             self.centroids.append(cent)
             self.boundaries.append(torch.tensor(book.boundaries, dtype=torch.float32, device=device))  # (2^b-1,)
             self.byte_tables.append(_byte_table(cent, b) if 8 % b == 0 else None)                 # (256, 8/b)
+        self.layout = CodeLayout.of(self.parts, self.centroids, self.packed_bytes(dim, bits))  # what the C kernels read
 
     @staticmethod
     def packed_bytes(dim: int, bits: float) -> int:
@@ -199,6 +201,8 @@ class RotatedCodes:
 class TurboQuantCache(CompressedCache):
     """Rotated, Lloyd-Max-coded K/V with 16-bit per-vector scales; attention on the codes."""
 
+    reads_spans = True
+
     def __init__(self, geometry: CacheGeometry, dtype: torch.dtype = torch.float32, device="cpu",
                  config: TurboQuantConfig | None = None):
         config = config or TurboQuantConfig()
@@ -210,8 +214,8 @@ class TurboQuantCache(CompressedCache):
         d, dev = g.head_dim, self.device
         self.key_codes = RotatedCodes(d, config.code_bits, dev)
         self.value_codes = RotatedCodes(d, config.value_bits, dev)
-        # C lookups of 4-bit codes on CPU (kernels/codebook4.c); None: torch decodes (the reference)
-        self.code_kernel = kernel_for(self.device)
+        # attention straight from the codes in C on CPU (kernels/codebook.c); None: torch decodes (the reference)
+        self.code_kernel = codebook_kernel_for(self.device)
         self.rotations = {l: Rotation(d, _layer_seed(config.seed, l), dev) for l in self.compressed_layers}
         B, H, S = g.batch, g.n_kv_heads, self.slots
         nd = config.norm_dtype
@@ -241,6 +245,8 @@ class TurboQuantCache(CompressedCache):
             gen = torch.Generator().manual_seed(_layer_seed(config.seed, -1))
             self.qjl_matrix = torch.randn(d, d, generator=gen).to(dev)                       # (m=d, d) S
             self.k_signs = buffers(packed_nbytes(d, 1), torch.uint8)                         # (B, H, S, d/8)
+            # the signs as 1-bit codes whose two centroids are -1 and +1, for the C kernels
+            self.sign_layout = CodeLayout.of([(0, d, 1)], [torch.tensor([-1.0, 1.0])], packed_nbytes(d, 1))
             self.k_rnorm = buffers(0, nd)                                                    # (B, H, S)
 
     @property
@@ -349,46 +355,59 @@ class TurboQuantCache(CompressedCache):
         return stored
 
     # -- reading ------------------------------------------------------------------------------------
-    def _qjl_term(self, layer: int, n: int) -> torch.Tensor:
-        """The QJL residual estimate per key in the rotated domain: √(π/2)/m·‖r‖·Sᵀsign(Sr), (B, H, n, d)."""
+    def _qjl_term(self, layer: int, lo: int, hi: int) -> torch.Tensor:
+        """The QJL residual estimate per key in the rotated domain: √(π/2)/m·‖r‖·Sᵀsign(Sr), (B, H, hi-lo, d)."""
         m = self.qjl_matrix.shape[0]
-        signs = unpack(self.k_signs[layer][:, :, :n], 1, m).float() * 2 - 1      # (B, H, n, m) ±1
-        coef = math.sqrt(math.pi / 2) / m * self.k_rnorm[layer][:, :, :n].float()  # (B, H, n)
-        return (signs @ self.qjl_matrix) * coef[..., None]
+        signs = unpack(self.k_signs[layer][:, :, lo:hi], 1, m).float() * 2 - 1   # (B, H, n, m) ±1
+        return (signs @ self.qjl_matrix) * self._qjl_coef(layer, lo, hi)[..., None]
+
+    def _qjl_coef(self, layer: int, lo: int, hi: int) -> torch.Tensor:
+        """√(π/2)/m·‖r‖ per key, (B, H, hi-lo)."""
+        return math.sqrt(math.pi / 2) / self.qjl_matrix.shape[0] * self.k_rnorm[layer][:, :, lo:hi].float()
 
     def _scores(self, layer: int, qg: torch.Tensor, n: int) -> torch.Tensor:
+        return self._span_scores(layer, qg, 0, n)
+
+    def _mix(self, layer: int, p: torch.Tensor, n: int) -> torch.Tensor:
+        return self._span_mix(layer, p, 0, n)
+
+    def _span_scores(self, layer: int, qg: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         weights = self._key_weights(layer)
         q_rot = self.rotations[layer].apply(qg if weights is None else qg * weights)  # (B, H, G·T, d) Π(q⊙w)
-        centroids = self._four_bit_centroids(self.key_codes)
-        if centroids is not None and not self.config.qjl:
-            dots = self.code_kernel.codebook4_dots(self.k_codes[layer], n, centroids, q_rot)  # (B, H, G·T, n)
-        else:
-            y_hat = self.key_codes.decode(self.k_codes[layer][:, :, :n])           # (B, H, n, d) codebook values
+        if self.code_kernel is None:                                               # the reference: decode, matmul
+            y_hat = self.key_codes.decode(self.k_codes[layer][:, :, lo:hi])       # (B, H, n, d) codebook values
             if self.config.qjl:
-                y_hat = y_hat + self._qjl_term(layer, n)                          # unbiased residual estimate
+                y_hat = y_hat + self._qjl_term(layer, lo, hi)                     # unbiased residual estimate
             dots = q_rot @ y_hat.transpose(-1, -2)                                # (B, H, G·T, n)
-        scores = dots * (self.k_norm[layer][:, :, None, :n].float() * self.scale)
+        else:
+            dots = self._code_dots(self.k_codes[layer], self.key_codes.layout, lo, hi, q_rot)
+            if self.config.qjl:  # q·Sᵀsign(Sr) = (Sq)·sign(Sr): the signs are 1-bit codes read like the others
+                sketched = q_rot @ self.qjl_matrix.T                              # (B, H, G·T, m) Sq
+                signs = self._code_dots(self.k_signs[layer], self.sign_layout, lo, hi, sketched)
+                dots = dots + signs * self._qjl_coef(layer, lo, hi)[:, :, None]
+        scores = dots * (self.k_norm[layer][:, :, None, lo:hi].float() * self.scale)
         if self.k_offset:
             scores = scores + (qg @ self.k_offset[layer][..., None].float()) * self.scale  # (B, H, G·T, 1) q·μ
         return scores
 
-    def _mix(self, layer: int, p: torch.Tensor, n: int) -> torch.Tensor:
-        weights = p * self.v_norm[layer][:, :, None, :n].float()                  # (B, H, G·T, n)
-        centroids = self._four_bit_centroids(self.value_codes)
-        if centroids is not None:
-            mixed = self.code_kernel.codebook4_mix(self.v_codes[layer], n, centroids, weights, self.geometry.head_dim)
+    def _span_mix(self, layer: int, p: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        weights = p * self.v_norm[layer][:, :, None, lo:hi].float()               # (B, H, G·T, n)
+        if self.code_kernel is None:
+            mixed = weights @ self.value_codes.decode(self.v_codes[layer][:, :, lo:hi])  # (B, H, G·T, d)
+        elif _decode_chunk(weights.shape[2], hi - lo):
+            mixed = weights @ self.code_kernel.decode(self.v_codes[layer], lo, hi - lo, self.value_codes.layout)
         else:
-            mixed = weights @ self.value_codes.decode(self.v_codes[layer][:, :, :n])  # (B, H, G·T, d)
+            mixed = self.code_kernel.mix(self.v_codes[layer], lo, hi - lo, self.value_codes.layout, weights)
         out = self.rotations[layer].invert(mixed)                                  # (B, H, G·T, d)
         if self.v_offset:
             out = out + p.sum(dim=-1, keepdim=True) * self.v_offset[layer][:, :, None].float()
         return out
 
-    def _four_bit_centroids(self, codes: "RotatedCodes") -> torch.Tensor | None:
-        """The 16 centroids when these codes are one 4-bit part and the C lookup is here, else None."""
-        if self.code_kernel is None or len(codes.parts) != 1 or codes.parts[0][2] != 4:
-            return None
-        return codes.centroids[0]
+    def _code_dots(self, codes: torch.Tensor, layout: CodeLayout, lo: int, hi: int, q: torch.Tensor) -> torch.Tensor:
+        """q · value(t) for stored rows [lo, hi) in C: (B, H, nq, hi-lo)."""
+        if _decode_chunk(q.shape[2], hi - lo):
+            return q @ self.code_kernel.decode(codes, lo, hi - lo, layout).transpose(-1, -2)
+        return self.code_kernel.dots(codes, lo, hi - lo, layout, q)
 
     def _restore(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         if layer in self._pending:
@@ -396,7 +415,7 @@ class TurboQuantCache(CompressedCache):
         rot = self.rotations[layer]
         k_rot = self.key_codes.decode(self.k_codes[layer][:, :, :n])
         if self.config.qjl:
-            k_rot = k_rot + self._qjl_term(layer, n)
+            k_rot = k_rot + self._qjl_term(layer, 0, n)
         k = rot.invert(k_rot * self.k_norm[layer][:, :, :n].float()[..., None])
         weights = self._key_weights(layer)
         if weights is not None:
@@ -454,6 +473,15 @@ class TurboQuantCache(CompressedCache):
         if config.key_weights:
             fixed += f", 4-bit key channel weights per KV head ({packed_nbytes(d, WEIGHT_BITS)} B each)"
         return f"{key} = {k} B; per value vector: {d}×{config.value_bits:g}-bit codes + 16-bit norm = {v} B{fixed}"
+
+
+#: Many query rows against a chunk of keys: decode the chunk in C into a transient and multiply (a GEMM beats
+#: a dot per row and query); few rows, or a span longer than a key chunk: read the codes row by row in C.
+DECODE_ROWS = 16
+
+
+def _decode_chunk(rows: int, keys: int) -> bool:
+    return rows >= DECODE_ROWS and keys <= compressed.ATTEND_KEYS
 
 
 def _byte_table(centroids: torch.Tensor, bits: int) -> torch.Tensor:
