@@ -87,140 +87,225 @@ static int make_layout(cb_layout *L, int d, int n_parts, const int32_t *spec, co
     return expect_lo == d && offset == row_bytes ? 0 : -1;
 }
 
-static inline int scalar_code(const cb_part *P, const uint8_t *row, int c) {
-    int code = 0;
-    for (int k = 0; k < P->n_planes; k++) {
-        const int w = P->width[k];
-        const int byte = row[P->offset[k] + (c * w) / 8];
-        code |= ((byte >> ((c * w) % 8)) & ((1 << w) - 1)) << P->shift[k];
-    }
-    return code;
-}
-
 #if defined(__AVX512F__)
 #define CB_LANES 16
-/* codes of channels c .. c+15 (c a multiple of 16) of the w-bit plane at `plane` */
-static inline __m512i plane_codes(const uint8_t *plane, int c, int w) {
-    const uint8_t *p = plane + c * w / 8;
-    __m128i bytes;
-    if (w == 8) return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-    if (w == 4) {
-        bytes = _mm_loadl_epi64((const __m128i *)p);
-    } else if (w == 2) {
-        int32_t v;
-        memcpy(&v, p, 4);
-        bytes = _mm_cvtsi32_si128(v);
-    } else {
-        uint16_t v;
-        memcpy(&v, p, 2);
-        bytes = _mm_cvtsi32_si128(v);
+/* codes of a w-bit plane, n channels, into codes[] (shifted left by `shift`; OR-ed into what is there unless
+ * `first`), sixteen at a time: widen the 2w bytes of a block to lanes, spread byte i*w/8 to lane i, shift it
+ * right by (i*w)%8, mask. w is a constant where this is inlined, so the spread is a constant too. */
+static inline int plane_blocks(const uint8_t *plane, int n, const int w, int shift, int first, int32_t *codes) {
+    int32_t spread_lanes[16], bit_lanes[16];
+    for (int i = 0; i < 16; i++) {
+        spread_lanes[i] = i * w / 8;
+        bit_lanes[i] = i * w % 8;
     }
-    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i bits = _mm512_mullo_epi32(lane, _mm512_set1_epi32(w));        /* lane i: bit i*w of the block */
-    const __m512i spread = _mm512_permutexvar_epi32(_mm512_srli_epi32(bits, 3), _mm512_cvtepu8_epi32(bytes));
-    const __m512i shifted = _mm512_srlv_epi32(spread, _mm512_and_si512(bits, _mm512_set1_epi32(7)));
-    return _mm512_and_si512(shifted, _mm512_set1_epi32((1 << w) - 1));
+    const __m512i spread = _mm512_loadu_si512(spread_lanes), bit = _mm512_loadu_si512(bit_lanes);
+    const __m512i mask = _mm512_set1_epi32((1 << w) - 1);
+    int c = 0;
+    for (; c + 16 <= n; c += 16) {
+        const uint8_t *p = plane + c * w / 8;
+        __m512i v;
+        if (w == 8) {
+            v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+        } else {
+            __m128i bytes;
+            if (w == 4) {
+                bytes = _mm_loadl_epi64((const __m128i *)p);
+            } else if (w == 2) {
+                int32_t x;
+                memcpy(&x, p, 4);
+                bytes = _mm_cvtsi32_si128(x);
+            } else {
+                uint16_t x;
+                memcpy(&x, p, 2);
+                bytes = _mm_cvtsi32_si128(x);
+            }
+            v = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(spread, _mm512_cvtepu8_epi32(bytes)), bit), mask);
+        }
+        if (shift) v = _mm512_slli_epi32(v, shift);
+        if (!first) v = _mm512_or_si512(v, _mm512_loadu_si512(codes + c));
+        _mm512_storeu_si512(codes + c, v);
+    }
+    return c;
 }
 
-static inline __m512 lookup(const cb_part *P, __m512i code) {
-    if (P->bits <= 4) return _mm512_permutexvar_ps(code, _mm512_loadu_ps(P->table));
-    if (P->bits == 5) return _mm512_permutex2var_ps(_mm512_loadu_ps(P->table), code, _mm512_loadu_ps(P->table + 16));
-    return _mm512_i32gather_ps(code, P->table, 4);
+/* out[c] = table[codes[c]] for c < n, sixteen at a time; returns how many were done */
+static inline int lookup_blocks(const float *table, int bits, const int32_t *codes, int n, float *out) {
+    int c = 0;
+    if (bits <= 4) {
+        const __m512 t = _mm512_loadu_ps(table);
+        for (; c + 16 <= n; c += 16) _mm512_storeu_ps(out + c, _mm512_permutexvar_ps(_mm512_loadu_si512(codes + c), t));
+    } else if (bits == 5) {
+        const __m512 t0 = _mm512_loadu_ps(table), t1 = _mm512_loadu_ps(table + 16);
+        for (; c + 16 <= n; c += 16) _mm512_storeu_ps(out + c, _mm512_permutex2var_ps(t0, _mm512_loadu_si512(codes + c), t1));
+    } else {
+        for (; c + 16 <= n; c += 16) _mm512_storeu_ps(out + c, _mm512_i32gather_ps(_mm512_loadu_si512(codes + c), table, 4));
+    }
+    return c;
 }
 
-static inline void decode_block(const cb_part *P, const uint8_t *row, int c, float *out) {
-    __m512i code = _mm512_slli_epi32(plane_codes(row + P->offset[0], c, P->width[0]), P->shift[0]);
-    for (int k = 1; k < P->n_planes; k++)
-        code = _mm512_or_si512(code, _mm512_slli_epi32(plane_codes(row + P->offset[k], c, P->width[k]), P->shift[k]));
-    _mm512_storeu_ps(out, lookup(P, code));
+/* out[r] = a . rows[r] for 8 rows dpad floats apart (dpad a multiple of 16): the eight sums reduced together */
+static inline void dot8(const float *a, const float *rows, int dpad, float *out) {
+    __m512 acc[8];   /* eight independent chains: rows inside, channels outside */
+    for (int r = 0; r < 8; r++) acc[r] = _mm512_setzero_ps();
+    for (int c = 0; c < dpad; c += 16) {
+        const __m512 av = _mm512_loadu_ps(a + c);
+        for (int r = 0; r < 8; r++) acc[r] = _mm512_fmadd_ps(av, _mm512_loadu_ps(rows + r * dpad + c), acc[r]);
+    }
+    __m256 half[8];
+    for (int r = 0; r < 8; r++)
+        half[r] = _mm256_add_ps(_mm512_castps512_ps256(acc[r]), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1)));
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(half[0], half[1]), _mm256_hadd_ps(half[2], half[3]));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(half[4], half[5]), _mm256_hadd_ps(half[6], half[7]));
+    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
 }
 
-static inline float dot(const float *a, const float *b, int dpad) {   /* dpad: a multiple of 16 */
-    __m512 acc = _mm512_setzero_ps();
-    for (int c = 0; c < dpad; c += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + c), _mm512_loadu_ps(b + c), acc);
-    return _mm512_reduce_add_ps(acc);
-}
-
-static inline void axpy(float w, const float *x, float *y, int dpad) {
-    const __m512 wv = _mm512_set1_ps(w);
-    for (int c = 0; c < dpad; c += 16) _mm512_storeu_ps(y + c, _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + c), _mm512_loadu_ps(y + c)));
+/* y[0 .. dpad) += sum_r w[r] rows[r] over `count` rows dpad floats apart */
+static inline void axpy_rows(const float *w, const float *rows, int64_t count, float *y, int dpad) {
+    int c = 0;
+    for (; c + 64 <= dpad; c += 64) {   /* four independent chains */
+        __m512 acc[4];
+        for (int k = 0; k < 4; k++) acc[k] = _mm512_loadu_ps(y + c + 16 * k);
+        for (int64_t r = 0; r < count; r++) {
+            const __m512 wr = _mm512_set1_ps(w[r]);
+            for (int k = 0; k < 4; k++) acc[k] = _mm512_fmadd_ps(wr, _mm512_loadu_ps(rows + r * dpad + c + 16 * k), acc[k]);
+        }
+        for (int k = 0; k < 4; k++) _mm512_storeu_ps(y + c + 16 * k, acc[k]);
+    }
+    for (; c < dpad; c += 16) {
+        __m512 acc = _mm512_loadu_ps(y + c);
+        for (int64_t r = 0; r < count; r++) acc = _mm512_fmadd_ps(_mm512_set1_ps(w[r]), _mm512_loadu_ps(rows + r * dpad + c), acc);
+        _mm512_storeu_ps(y + c, acc);
+    }
 }
 
 #elif defined(__AVX2__)
 #define CB_LANES 8
-/* codes of channels c .. c+7 (c a multiple of 8) of the w-bit plane at `plane` */
-static inline __m256i plane_codes(const uint8_t *plane, int c, int w) {
-    const uint8_t *p = plane + c * w / 8;
-    __m128i bytes;
-    if (w == 8) return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-    if (w == 4) {
-        int32_t v;
-        memcpy(&v, p, 4);
-        bytes = _mm_cvtsi32_si128(v);
-    } else if (w == 2) {
-        uint16_t v;
-        memcpy(&v, p, 2);
-        bytes = _mm_cvtsi32_si128(v);
+/* as the AVX-512 version, eight channels at a time */
+static inline int plane_blocks(const uint8_t *plane, int n, const int w, int shift, int first, int32_t *codes) {
+    int32_t spread_lanes[8], bit_lanes[8];
+    for (int i = 0; i < 8; i++) {
+        spread_lanes[i] = i * w / 8;
+        bit_lanes[i] = i * w % 8;
+    }
+    const __m256i spread = _mm256_loadu_si256((const __m256i *)spread_lanes), bit = _mm256_loadu_si256((const __m256i *)bit_lanes);
+    const __m256i mask = _mm256_set1_epi32((1 << w) - 1);
+    int c = 0;
+    for (; c + 8 <= n; c += 8) {
+        const uint8_t *p = plane + c * w / 8;
+        __m256i v;
+        if (w == 8) {
+            v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+        } else {
+            __m128i bytes;
+            if (w == 4) {
+                int32_t x;
+                memcpy(&x, p, 4);
+                bytes = _mm_cvtsi32_si128(x);
+            } else if (w == 2) {
+                uint16_t x;
+                memcpy(&x, p, 2);
+                bytes = _mm_cvtsi32_si128(x);
+            } else {
+                bytes = _mm_cvtsi32_si128(p[0]);
+            }
+            v = _mm256_and_si256(_mm256_srlv_epi32(_mm256_permutevar8x32_epi32(_mm256_cvtepu8_epi32(bytes), spread), bit), mask);
+        }
+        if (shift) v = _mm256_slli_epi32(v, shift);
+        if (!first) v = _mm256_or_si256(v, _mm256_loadu_si256((const __m256i *)(codes + c)));
+        _mm256_storeu_si256((__m256i *)(codes + c), v);
+    }
+    return c;
+}
+
+static inline int lookup_blocks(const float *table, int bits, const int32_t *codes, int n, float *out) {
+    int c = 0;
+    if (bits <= 3) {
+        const __m256 t = _mm256_loadu_ps(table);
+        for (; c + 8 <= n; c += 8) _mm256_storeu_ps(out + c, _mm256_permutevar8x32_ps(t, _mm256_loadu_si256((const __m256i *)(codes + c))));
     } else {
-        bytes = _mm_cvtsi32_si128(p[0]);
+        for (; c + 8 <= n; c += 8) _mm256_storeu_ps(out + c, _mm256_i32gather_ps(table, _mm256_loadu_si256((const __m256i *)(codes + c)), 4));
     }
-    const __m256i bits = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(w));
-    const __m256i spread = _mm256_permutevar8x32_epi32(_mm256_cvtepu8_epi32(bytes), _mm256_srli_epi32(bits, 3));
-    const __m256i shifted = _mm256_srlv_epi32(spread, _mm256_and_si256(bits, _mm256_set1_epi32(7)));
-    return _mm256_and_si256(shifted, _mm256_set1_epi32((1 << w) - 1));
+    return c;
 }
 
-static inline __m256 lookup(const cb_part *P, __m256i code) {
-    if (P->bits <= 3) return _mm256_permutevar8x32_ps(_mm256_loadu_ps(P->table), code);
-    return _mm256_i32gather_ps(P->table, code, 4);
-}
-
-static inline void decode_block(const cb_part *P, const uint8_t *row, int c, float *out) {
-    __m256i code = _mm256_slli_epi32(plane_codes(row + P->offset[0], c, P->width[0]), P->shift[0]);
-    for (int k = 1; k < P->n_planes; k++)
-        code = _mm256_or_si256(code, _mm256_slli_epi32(plane_codes(row + P->offset[k], c, P->width[k]), P->shift[k]));
-    _mm256_storeu_ps(out, lookup(P, code));
-}
-
-static inline float dot(const float *a, const float *b, int dpad) {
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    for (int c = 0; c < dpad; c += 16) {
-        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + c), _mm256_loadu_ps(b + c), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + c + 8), _mm256_loadu_ps(b + c + 8), acc1);
+static inline void dot8(const float *a, const float *rows, int dpad, float *out) {
+    __m256 acc[8];
+    for (int r = 0; r < 8; r++) acc[r] = _mm256_setzero_ps();
+    for (int c = 0; c < dpad; c += 8) {
+        const __m256 av = _mm256_loadu_ps(a + c);
+        for (int r = 0; r < 8; r++) acc[r] = _mm256_fmadd_ps(av, _mm256_loadu_ps(rows + r * dpad + c), acc[r]);
     }
-    float lanes[8];
-    _mm256_storeu_ps(lanes, _mm256_add_ps(acc0, acc1));
-    return ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
 }
 
-static inline void axpy(float w, const float *x, float *y, int dpad) {
-    const __m256 wv = _mm256_set1_ps(w);
-    for (int c = 0; c < dpad; c += 8) _mm256_storeu_ps(y + c, _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + c), _mm256_loadu_ps(y + c)));
+static inline void axpy_rows(const float *w, const float *rows, int64_t count, float *y, int dpad) {
+    int c = 0;
+    for (; c + 32 <= dpad; c += 32) {   /* four independent chains */
+        __m256 acc[4];
+        for (int k = 0; k < 4; k++) acc[k] = _mm256_loadu_ps(y + c + 8 * k);
+        for (int64_t r = 0; r < count; r++) {
+            const __m256 wr = _mm256_set1_ps(w[r]);
+            for (int k = 0; k < 4; k++) acc[k] = _mm256_fmadd_ps(wr, _mm256_loadu_ps(rows + r * dpad + c + 8 * k), acc[k]);
+        }
+        for (int k = 0; k < 4; k++) _mm256_storeu_ps(y + c + 8 * k, acc[k]);
+    }
+    for (; c < dpad; c += 8) {
+        __m256 acc = _mm256_loadu_ps(y + c);
+        for (int64_t r = 0; r < count; r++) acc = _mm256_fmadd_ps(_mm256_set1_ps(w[r]), _mm256_loadu_ps(rows + r * dpad + c), acc);
+        _mm256_storeu_ps(y + c, acc);
+    }
 }
 
 #else
 #define CB_LANES 0
-static inline float dot(const float *a, const float *b, int dpad) {
-    float acc = 0.0f;
-    for (int c = 0; c < dpad; c++) acc += a[c] * b[c];
-    return acc;
+static inline int plane_blocks(const uint8_t *plane, int n, const int w, int shift, int first, int32_t *codes) {
+    (void)plane, (void)n, (void)w, (void)shift, (void)first, (void)codes;
+    return 0;
 }
 
-static inline void axpy(float w, const float *x, float *y, int dpad) {
-    for (int c = 0; c < dpad; c++) y[c] += w * x[c];
+static inline int lookup_blocks(const float *table, int bits, const int32_t *codes, int n, float *out) {
+    (void)table, (void)bits, (void)codes, (void)n, (void)out;
+    return 0;
+}
+
+static inline void dot8(const float *a, const float *rows, int dpad, float *out) {
+    for (int r = 0; r < 8; r++) {
+        float acc = 0.0f;
+        for (int c = 0; c < dpad; c++) acc += a[c] * rows[r * dpad + c];
+        out[r] = acc;
+    }
+}
+
+static inline void axpy_rows(const float *w, const float *rows, int64_t count, float *y, int dpad) {
+    for (int64_t r = 0; r < count; r++)
+        for (int c = 0; c < dpad; c++) y[c] += w[r] * rows[r * dpad + c];
 }
 #endif
 
-/* out[0 .. dpad) = the row's values, zero past d */
-static void decode_row(const cb_layout *L, const uint8_t *row, float *out) {
+/* codes[0 .. n) of one plane (see plane_blocks), the SIMD blocks then the rest one channel at a time */
+static void plane_codes(const uint8_t *plane, int n, int w, int shift, int first, int32_t *codes) {
+    int c;
+    switch (w) {   /* a constant width in each call: its spread and masks are constants */
+        case 8: c = plane_blocks(plane, n, 8, shift, first, codes); break;
+        case 4: c = plane_blocks(plane, n, 4, shift, first, codes); break;
+        case 2: c = plane_blocks(plane, n, 2, shift, first, codes); break;
+        default: c = plane_blocks(plane, n, 1, shift, first, codes); break;
+    }
+    for (; c < n; c++) {
+        const int v = ((plane[c * w / 8] >> (c * w % 8)) & ((1 << w) - 1)) << shift;
+        codes[c] = first ? v : codes[c] | v;
+    }
+}
+
+/* out[0 .. dpad) = the row's values, zero past d; codes: dpad ints of scratch */
+static void decode_row(const cb_layout *L, const uint8_t *row, float *out, int32_t *codes) {
     for (int p = 0; p < L->n_parts; p++) {
         const cb_part *P = &L->part[p];
         const int n = P->hi - P->lo;
-        int c = 0;
-#if CB_LANES
-        for (; c + CB_LANES <= n; c += CB_LANES) decode_block(P, row, c, out + P->lo + c);
-#endif
-        for (; c < n; c++) out[P->lo + c] = P->table[scalar_code(P, row, c)];
+        for (int k = 0; k < P->n_planes; k++) plane_codes(row + P->offset[k], n, P->width[k], P->shift[k], k == 0, codes + P->lo);
+        for (int c = lookup_blocks(P->table, P->bits, codes + P->lo, n, out + P->lo); c < n; c++) out[P->lo + c] = P->table[codes[P->lo + c]];
     }
     for (int c = L->d; c < L->dpad; c++) out[c] = 0.0f;
 }
@@ -240,7 +325,7 @@ int kvlab_codebook_dots(const uint8_t *codes, int heads, int64_t slots, int64_t 
     int failed = 0;
     #pragma omp parallel num_threads(n_threads)
     {
-        float *buf = malloc(sizeof(float) * (size_t)dpad * (CB_TILE + (size_t)nq));
+        float *buf = calloc((size_t)dpad * (CB_TILE + (size_t)nq), sizeof(float));
         if (!buf) {
             #pragma omp atomic write
             failed = 1;
@@ -251,14 +336,16 @@ int kvlab_codebook_dots(const uint8_t *codes, int heads, int64_t slots, int64_t 
                 if (!buf) continue;
                 float *rows = buf, *qpad = buf + (size_t)dpad * CB_TILE;
                 const int64_t t0 = tile * CB_TILE, count = n - t0 < CB_TILE ? n - t0 : CB_TILE;
+                int32_t scratch[CB_MAX_DIM];
                 for (int64_t r = 0; r < count; r++)
-                    decode_row(&L, codes + ((int64_t)h * slots + start + t0 + r) * row_bytes, rows + r * dpad);
+                    decode_row(&L, codes + ((int64_t)h * slots + start + t0 + r) * row_bytes, rows + r * dpad, scratch);
                 for (int i = 0; i < nq; i++) {
                     float *qi = qpad + (size_t)i * dpad;   /* the query, zero-padded (cheap next to the tile) */
                     memcpy(qi, q + ((int64_t)h * nq + i) * d, sizeof(float) * d);
                     for (int c = d; c < dpad; c++) qi[c] = 0.0f;
-                    float *o = out + ((int64_t)h * nq + i) * n + t0;
-                    for (int64_t r = 0; r < count; r++) o[r] = dot(qi, rows + r * dpad, dpad);
+                    float *o = out + ((int64_t)h * nq + i) * n + t0, sums[CB_TILE];
+                    for (int r = 0; r < CB_TILE; r += 8) dot8(qi, rows + r * dpad, dpad, sums + r);
+                    memcpy(o, sums, sizeof(float) * count);
                 }
             }
         free(buf);
@@ -292,12 +379,11 @@ int kvlab_codebook_mix(const uint8_t *codes, int heads, int64_t slots, int64_t r
                 const int64_t end = (s + 1) * CB_SEGMENT < n ? (s + 1) * CB_SEGMENT : n;
                 for (int64_t t0 = s * CB_SEGMENT; t0 < end; t0 += CB_TILE) {
                     const int64_t count = end - t0 < CB_TILE ? end - t0 : CB_TILE;
+                    int32_t scratch[CB_MAX_DIM];
                     for (int64_t r = 0; r < count; r++)
-                        decode_row(&L, codes + ((int64_t)h * slots + start + t0 + r) * row_bytes, rows + r * dpad);
-                    for (int i = 0; i < nq; i++) {
-                        const float *wi = w + ((int64_t)h * nq + i) * w_stride + t0;
-                        for (int64_t r = 0; r < count; r++) axpy(wi[r], rows + r * dpad, acc + (size_t)i * dpad, dpad);
-                    }
+                        decode_row(&L, codes + ((int64_t)h * slots + start + t0 + r) * row_bytes, rows + r * dpad, scratch);
+                    for (int i = 0; i < nq; i++)
+                        axpy_rows(w + ((int64_t)h * nq + i) * w_stride + t0, rows, count, acc + (size_t)i * dpad, dpad);
                 }
             }
         free(rows);
@@ -326,7 +412,8 @@ int kvlab_codebook_decode(const uint8_t *codes, int heads, int64_t slots, int64_
     for (int h = 0; h < heads; h++)
         for (int64_t t = 0; t < n; t++) {
             float row[CB_MAX_DIM];
-            decode_row(&L, codes + ((int64_t)h * slots + start + t) * row_bytes, row);
+            int32_t scratch[CB_MAX_DIM];
+            decode_row(&L, codes + ((int64_t)h * slots + start + t) * row_bytes, row, scratch);
             memcpy(out + ((int64_t)h * n + t) * d, row, sizeof(float) * d);
         }
     return 0;
