@@ -28,6 +28,7 @@
 #define CB_MAX_DIM 1024
 #define CB_TILE 16          /* rows decoded at once */
 #define CB_SEGMENT 256      /* rows per partial sum of the mix */
+#define CB_SERIAL_WORK (1 << 17)   /* below this many multiply-adds one thread does it (a region costs more) */
 
 typedef struct {
     int lo, hi, bits, n_planes;
@@ -314,6 +315,11 @@ static int check(int heads, int64_t slots, int64_t start, int64_t n, int nq) {
     return heads < 0 || nq < 0 || start < 0 || n < 0 || start + n > slots ? -1 : 0;
 }
 
+/* threads for a call of `work` multiply-adds: one for small calls (decode steps of short contexts, tests) */
+static int threads_for(int64_t work, int n_threads) {
+    return work < CB_SERIAL_WORK || n_threads < 1 ? 1 : n_threads;
+}
+
 /* out (heads, nq, n) = q (heads, nq, d) . value(row start + t), codes (heads, slots, row_bytes). 0, or -1. */
 int kvlab_codebook_dots(const uint8_t *codes, int heads, int64_t slots, int64_t row_bytes, int64_t start, int64_t n,
                         int d, int n_parts, const int32_t *spec, const float *tables, const float *q, int nq,
@@ -323,7 +329,7 @@ int kvlab_codebook_dots(const uint8_t *codes, int heads, int64_t slots, int64_t 
     const int64_t tiles = (n + CB_TILE - 1) / CB_TILE;
     const int dpad = L.dpad;
     int failed = 0;
-    #pragma omp parallel num_threads(n_threads)
+    #pragma omp parallel num_threads(threads_for((int64_t)heads * n * (nq + 1) * d, n_threads))
     {
         float *buf = calloc((size_t)dpad * (CB_TILE + (size_t)nq), sizeof(float));
         if (!buf) {
@@ -364,7 +370,7 @@ int kvlab_codebook_mix(const uint8_t *codes, int heads, int64_t slots, int64_t r
     float *partial = calloc((size_t)heads * segments * nq * dpad + 1, sizeof(float));   /* (heads, segments, nq, dpad) */
     if (!partial) return -2;
     int failed = 0;
-    #pragma omp parallel num_threads(n_threads)
+    #pragma omp parallel num_threads(threads_for((int64_t)heads * n * (nq + 1) * d, n_threads))
     {
         float *rows = malloc(sizeof(float) * (size_t)dpad * CB_TILE);
         if (!rows) {
@@ -408,7 +414,7 @@ int kvlab_codebook_decode(const uint8_t *codes, int heads, int64_t slots, int64_
                           int d, int n_parts, const int32_t *spec, const float *tables, float *out, int n_threads) {
     cb_layout L;
     if (make_layout(&L, d, n_parts, spec, tables, row_bytes) || check(heads, slots, start, n, 0)) return -1;
-    #pragma omp parallel for schedule(static) collapse(2) num_threads(n_threads)
+    #pragma omp parallel for schedule(static) collapse(2) num_threads(threads_for((int64_t)heads * n * d, n_threads))
     for (int h = 0; h < heads; h++)
         for (int64_t t = 0; t < n; t++) {
             float row[CB_MAX_DIM];
