@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from kvlab import kernels
-from kvlab.cache import CacheGeometry, compressed, make_cache
+from kvlab.cache import CacheGeometry, attention, compressed, make_cache
 from kvlab.cache.attention import grouped_attention
 from kvlab.cache.turboquant import RotatedCodes
 from kvlab.errors import ConfigError
@@ -187,21 +187,24 @@ def test_the_kernel_path_never_decodes_the_whole_context(name, monkeypatch):
     assert spans and max(spans) <= 16
 
 
-@pytest.mark.parametrize("name, window", [("tq4", None), ("tq3+sink3+recent8", 11), ("tq-k5v3+qjl+sink1", None)])
-def test_long_chunks_in_bounded_blocks_equal_one_pass(name, window, monkeypatch):
-    """A chunk whose logits exceed one block is read in query blocks x key chunks with an online softmax:
-    the same as the one-pass read (both with the C kernel) and as dense attention over the stored K/V; every
-    block of logits stays within ATTEND_ROWS x ATTEND_KEYS."""
+@pytest.mark.parametrize("name, window, flash", [("tq4", None, True), ("tq3+sink3+recent8", 11, True),
+                                                  ("tq-k5v3+qjl+sink1", None, True), ("tq3.5+sink2+recent8", 11, False)])
+def test_long_chunks_in_bounded_blocks_equal_one_pass(name, window, flash, monkeypatch):
+    """A chunk whose logits exceed one block is read in query blocks x key chunks joined by their log-sum-exps
+    (torch's flash kernel, or the plain softmax where it is missing): the same as the one-pass read (both with
+    the C kernel) and as dense attention over the stored K/V; every block stays within ATTEND_ROWS x ATTEND_KEYS."""
     kernel = _native()
+    if not flash:
+        monkeypatch.setattr(attention, "_FLASH_CPU", None)
     g = _geometry("GQA-64", capacity=160, window=window)
     blocked, one_pass = make_cache(name, g), make_cache(name, g)
     blocked.code_kernel = one_pass.code_kernel = kernel
     shapes = []
-    span_scores = type(blocked)._span_scores
+    span_attend = type(blocked)._span_attend
 
-    def recorded(self, layer, qg, lo, hi):
+    def recorded(self, layer, qg, lo, hi, mask):
         shapes.append((qg.shape[2], hi - lo))
-        return span_scores(self, layer, qg, lo, hi)
+        return span_attend(self, layer, qg, lo, hi, mask)
 
     gen = torch.Generator().manual_seed(3)
     for T in (70, 60, 12):
@@ -213,7 +216,7 @@ def test_long_chunks_in_bounded_blocks_equal_one_pass(name, window, monkeypatch)
         with monkeypatch.context() as patch:
             patch.setattr(compressed, "ATTEND_ROWS", 45)
             patch.setattr(compressed, "ATTEND_KEYS", 32)
-            patch.setattr(type(blocked), "_span_scores", recorded)
+            patch.setattr(type(blocked), "_span_attend", recorded)
             ours = blocked.attend(0, q)
         torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
         keys, values = blocked.dequantized(0)

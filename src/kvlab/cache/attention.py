@@ -55,3 +55,29 @@ def grouped_attention(
         mask = causal_mask(T, S, q.device, window).repeat(group, 1)               # (G·T, S)
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)  # (B, Hkv, G·T, Dv)
     return out.reshape(B, H, T, v.shape[-1])
+
+
+#: torch's CPU flash-attention kernel, which also returns each row's log-sum-exp (None where this torch lacks it)
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                    mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q·kᵀ·scale + mask)·v and each row's log Σ exp(q·kᵀ·scale + mask), for combining attention over
+    parts of the keys (out = Σ_parts exp(lse_part - lse)·out_part).
+
+    q: (B, H, R, D), k: (B, H, n, D), v: (B, H, n, Dv) float32; mask: (R, n) additive float (0 or -inf), None
+    for none. A row whose keys are all masked gets lse = -inf (and an output of zeros).
+    returns (B, H, R, Dv), (B, H, R)
+    """
+    if _FLASH_CPU is not None and q.device.type == "cpu":
+        out, lse = _FLASH_CPU(q, k, v, 0.0, False, attn_mask=mask, scale=scale)
+    else:
+        logits = (q @ k.transpose(-1, -2)) * scale                                    # (B, H, R, n)
+        if mask is not None:
+            logits = logits + mask
+        lse = torch.logsumexp(logits, dim=-1)                                           # (B, H, R)
+        out = torch.softmax(logits, dim=-1).nan_to_num_(0.0) @ v
+    if mask is not None:
+        lse = lse.masked_fill(~torch.isfinite(mask).any(dim=-1), float("-inf"))       # rows that see none of k
+    return out, lse

@@ -59,6 +59,7 @@ from ..kernels.codebook import CodeLayout, codebook_kernel_for
 from .base import CacheGeometry, tensors_nbytes
 from .codebook import lloyd_max
 from . import compressed
+from .attention import attend_with_lse
 from .compressed import CompressedCache, FullPrecision
 from .packing import pack, packed_nbytes, unpack
 from .rotation import Rotation, is_power_of_two
@@ -357,8 +358,10 @@ class TurboQuantCache(CompressedCache):
     # -- reading ------------------------------------------------------------------------------------
     def _qjl_term(self, layer: int, lo: int, hi: int) -> torch.Tensor:
         """The QJL residual estimate per key in the rotated domain: √(π/2)/m·‖r‖·Sᵀsign(Sr), (B, H, hi-lo, d)."""
-        m = self.qjl_matrix.shape[0]
-        signs = unpack(self.k_signs[layer][:, :, lo:hi], 1, m).float() * 2 - 1   # (B, H, n, m) ±1
+        if self.code_kernel is None:
+            signs = unpack(self.k_signs[layer][:, :, lo:hi], 1, self.qjl_matrix.shape[0]).float() * 2 - 1  # (B, H, n, m) ±1
+        else:
+            signs = self.code_kernel.decode(self.k_signs[layer], lo, hi - lo, self.sign_layout)
         return (signs @ self.qjl_matrix) * self._qjl_coef(layer, lo, hi)[..., None]
 
     def _qjl_coef(self, layer: int, lo: int, hi: int) -> torch.Tensor:
@@ -366,48 +369,63 @@ class TurboQuantCache(CompressedCache):
         return math.sqrt(math.pi / 2) / self.qjl_matrix.shape[0] * self.k_rnorm[layer][:, :, lo:hi].float()
 
     def _scores(self, layer: int, qg: torch.Tensor, n: int) -> torch.Tensor:
-        return self._span_scores(layer, qg, 0, n)
-
-    def _mix(self, layer: int, p: torch.Tensor, n: int) -> torch.Tensor:
-        return self._span_mix(layer, p, 0, n)
-
-    def _span_scores(self, layer: int, qg: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-        weights = self._key_weights(layer)
-        q_rot = self.rotations[layer].apply(qg if weights is None else qg * weights)  # (B, H, G·T, d) Π(q⊙w)
-        if self.code_kernel is None:                                               # the reference: decode, matmul
-            y_hat = self.key_codes.decode(self.k_codes[layer][:, :, lo:hi])       # (B, H, n, d) codebook values
-            if self.config.qjl:
-                y_hat = y_hat + self._qjl_term(layer, lo, hi)                     # unbiased residual estimate
-            dots = q_rot @ y_hat.transpose(-1, -2)                                # (B, H, G·T, n)
-        else:
-            dots = self._code_dots(self.k_codes[layer], self.key_codes.layout, lo, hi, q_rot)
+        q_rot = self._rotated_queries(layer, qg)                                   # (B, H, G·T, d)
+        norms = self.k_norm[layer][:, :, :n].float() * self.scale                  # (B, H, n)
+        if self.code_kernel is not None and not _decode_chunk(qg.shape[2], n):     # few rows or many keys: dots in C
+            dots = self.code_kernel.dots(self.k_codes[layer], 0, n, self.key_codes.layout, q_rot)  # (B, H, G·T, n)
             if self.config.qjl:  # q·Sᵀsign(Sr) = (Sq)·sign(Sr): the signs are 1-bit codes read like the others
                 sketched = q_rot @ self.qjl_matrix.T                              # (B, H, G·T, m) Sq
-                signs = self._code_dots(self.k_signs[layer], self.sign_layout, lo, hi, sketched)
-                dots = dots + signs * self._qjl_coef(layer, lo, hi)[:, :, None]
-        scores = dots * (self.k_norm[layer][:, :, None, lo:hi].float() * self.scale)
+                signs = self.code_kernel.dots(self.k_signs[layer], 0, n, self.sign_layout, sketched)
+                dots = dots + signs * self._qjl_coef(layer, 0, n)[:, :, None]
+            scores = dots * norms[:, :, None]
+        else:  # the reference (torch decodes), or many rows against few keys (C decodes them, then a GEMM)
+            y_hat = self._decoded(self.k_codes[layer], self.key_codes, 0, n)      # (B, H, n, d) codebook values
+            if self.config.qjl:
+                y_hat = y_hat + self._qjl_term(layer, 0, n)                       # unbiased residual estimate
+            scores = q_rot @ (y_hat * norms[..., None]).transpose(-1, -2)         # (B, H, G·T, n)
         if self.k_offset:
-            scores = scores + (qg @ self.k_offset[layer][..., None].float()) * self.scale  # (B, H, G·T, 1) q·μ
+            scores += (qg @ self.k_offset[layer][..., None].float()) * self.scale  # (B, H, G·T, 1) q·μ
         return scores
 
-    def _span_mix(self, layer: int, p: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-        weights = p * self.v_norm[layer][:, :, None, lo:hi].float()               # (B, H, G·T, n)
-        if self.code_kernel is None:
-            mixed = weights @ self.value_codes.decode(self.v_codes[layer][:, :, lo:hi])  # (B, H, G·T, d)
-        elif _decode_chunk(weights.shape[2], hi - lo):
-            mixed = weights @ self.code_kernel.decode(self.v_codes[layer], lo, hi - lo, self.value_codes.layout)
+    def _mix(self, layer: int, p: torch.Tensor, n: int) -> torch.Tensor:
+        norms = self.v_norm[layer][:, :, :n].float()                              # (B, H, n)
+        if self.code_kernel is not None and not _decode_chunk(p.shape[2], n):
+            weights = p * norms[:, :, None]                                       # (B, H, G·T, n)
+            mixed = self.code_kernel.mix(self.v_codes[layer], 0, n, self.value_codes.layout, weights)
         else:
-            mixed = self.code_kernel.mix(self.v_codes[layer], lo, hi - lo, self.value_codes.layout, weights)
+            mixed = p @ (self._decoded(self.v_codes[layer], self.value_codes, 0, n) * norms[..., None])  # (B, H, G·T, d)
         out = self.rotations[layer].invert(mixed)                                  # (B, H, G·T, d)
         if self.v_offset:
             out = out + p.sum(dim=-1, keepdim=True) * self.v_offset[layer][:, :, None].float()
         return out
 
-    def _code_dots(self, codes: torch.Tensor, layout: CodeLayout, lo: int, hi: int, q: torch.Tensor) -> torch.Tensor:
-        """q · value(t) for stored rows [lo, hi) in C: (B, H, nq, hi-lo)."""
-        if _decode_chunk(q.shape[2], hi - lo):
-            return q @ self.code_kernel.decode(codes, lo, hi - lo, layout).transpose(-1, -2)
-        return self.code_kernel.dots(codes, lo, hi - lo, layout, q)
+    def _span_attend(self, layer: int, qg: torch.Tensor, lo: int, hi: int,
+                     mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of [lo, hi) decoded (in C, a chunk's transient) in the rotated domain with their
+        norms, one fused attention there, one inverse rotation of its output; q·μ shifts the log-sum-exp."""
+        keys = self._decoded(self.k_codes[layer], self.key_codes, lo, hi)         # (B, H, n, d) codebook values
+        if self.config.qjl:
+            keys = keys + self._qjl_term(layer, lo, hi)
+        keys = keys * self.k_norm[layer][:, :, lo:hi, None].float()
+        values = self._decoded(self.v_codes[layer], self.value_codes, lo, hi) * self.v_norm[layer][:, :, lo:hi, None].float()
+        out, lse = attend_with_lse(self._rotated_queries(layer, qg), keys, values, self.scale, mask)  # (B, H, R, d), (B, H, R)
+        if self.k_offset:
+            lse = lse + (qg @ self.k_offset[layer][..., None].float())[..., 0] * self.scale  # q·μ, the same for every key
+        out = self.rotations[layer].invert(out)
+        if self.v_offset:
+            out = out + self.v_offset[layer][:, :, None].float()                  # the output is normalized: Σp = 1
+        return out, lse
+
+    def _rotated_queries(self, layer: int, qg: torch.Tensor) -> torch.Tensor:
+        """Π(q⊙w): the queries as the codes are read, (B, H, R, d)."""
+        weights = self._key_weights(layer)
+        return self.rotations[layer].apply(qg if weights is None else qg * weights)
+
+    def _decoded(self, buffer: torch.Tensor, codes: RotatedCodes, lo: int, hi: int) -> torch.Tensor:
+        """Codebook values of stored rows [lo, hi), (B, H, hi-lo, d): in C (a chunk's transient) or by torch."""
+        if self.code_kernel is None:
+            return codes.decode(buffer[:, :, lo:hi])
+        return self.code_kernel.decode(buffer, lo, hi - lo, codes.layout)
 
     def _restore(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         if layer in self._pending:
