@@ -369,31 +369,30 @@ class TurboQuantCache(CompressedCache):
         return math.sqrt(math.pi / 2) / self.qjl_matrix.shape[0] * self.k_rnorm[layer][:, :, lo:hi].float()
 
     def _scores(self, layer: int, qg: torch.Tensor, n: int) -> torch.Tensor:
-        q_rot = self._rotated_queries(layer, qg)                                   # (B, H, G·T, d)
-        norms = self.k_norm[layer][:, :, :n].float() * self.scale                  # (B, H, n)
+        q_rot = self._rotated_queries(layer, qg) * self.scale                      # (B, H, G·T, d)
+        norms = self.k_norm[layer][:, :, None, :n]                                 # (B, H, 1, n) 16-bit
         if self.code_kernel is not None and not _decode_chunk(qg.shape[2], n):     # few rows or many keys: dots in C
             dots = self.code_kernel.dots(self.k_codes[layer], 0, n, self.key_codes.layout, q_rot)  # (B, H, G·T, n)
             if self.config.qjl:  # q·Sᵀsign(Sr) = (Sq)·sign(Sr): the signs are 1-bit codes read like the others
                 sketched = q_rot @ self.qjl_matrix.T                              # (B, H, G·T, m) Sq
                 signs = self.code_kernel.dots(self.k_signs[layer], 0, n, self.sign_layout, sketched)
-                dots = dots + signs * self._qjl_coef(layer, 0, n)[:, :, None]
-            scores = dots * norms[:, :, None]
+                dots += signs * self._qjl_coef(layer, 0, n)[:, :, None]
+            scores = dots.mul_(norms)                                             # fp32 × 16-bit stays fp32
         else:  # the reference (torch decodes), or many rows against few keys (C decodes them, then a GEMM)
             y_hat = self._decoded(self.k_codes[layer], self.key_codes, 0, n)      # (B, H, n, d) codebook values
             if self.config.qjl:
                 y_hat = y_hat + self._qjl_term(layer, 0, n)                       # unbiased residual estimate
-            scores = q_rot @ (y_hat * norms[..., None]).transpose(-1, -2)         # (B, H, G·T, n)
+            scores = q_rot @ (y_hat * norms.transpose(-1, -2)).transpose(-1, -2)  # (B, H, G·T, n)
         if self.k_offset:
             scores += (qg @ self.k_offset[layer][..., None].float()) * self.scale  # (B, H, G·T, 1) q·μ
         return scores
 
     def _mix(self, layer: int, p: torch.Tensor, n: int) -> torch.Tensor:
-        norms = self.v_norm[layer][:, :, :n].float()                              # (B, H, n)
+        norms = self.v_norm[layer][:, :, None, :n]                                 # (B, H, 1, n) 16-bit
         if self.code_kernel is not None and not _decode_chunk(p.shape[2], n):
-            weights = p * norms[:, :, None]                                       # (B, H, G·T, n)
-            mixed = self.code_kernel.mix(self.v_codes[layer], 0, n, self.value_codes.layout, weights)
+            mixed = self.code_kernel.mix(self.v_codes[layer], 0, n, self.value_codes.layout, p * norms)  # (B, H, G·T, d)
         else:
-            mixed = p @ (self._decoded(self.v_codes[layer], self.value_codes, 0, n) * norms[..., None])  # (B, H, G·T, d)
+            mixed = p @ (self._decoded(self.v_codes[layer], self.value_codes, 0, n) * norms.transpose(-1, -2))
         out = self.rotations[layer].invert(mixed)                                  # (B, H, G·T, d)
         if self.v_offset:
             out = out + p.sum(dim=-1, keepdim=True) * self.v_offset[layer][:, :, None].float()
