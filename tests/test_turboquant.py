@@ -243,6 +243,6 @@ def test_two_appends_before_any_read_stay_exact():
 
 @pytest.mark.parametrize("name", ["tq4", "tq4+sink1", "tq-k4v3", "tq4+kweights=none", "tq4+center=kv"])
 def test_four_bit_code_lookups_equal_the_torch_path(name):
-    """4-bit codes scored and mixed by C table lookups against torch's decode-then-matmul (tq-k4v3: keys in C,
-    3-bit values in torch)."""
+    """4-bit codes scored and mixed in C (kernels/codebook.c) against torch's decode-then-matmul (tq-k4v3: 4-bit keys,
+    3-bit values; every other width: tests/test_tq_kernels.py)."""
     check_code_kernel_equals_the_torch_path(name, seed=12)

@@ -12,8 +12,15 @@ import torch.nn.functional as F
 
 def causal_mask(n_queries: int, n_keys: int, device: torch.device | str = "cpu", window: int | None = None) -> torch.Tensor:
     """(T, S) bool, True = may attend. Row t is query position S-T+t; it sees keys j <= S-T+t (and j > pos-window)."""
-    query_pos = torch.arange(n_keys - n_queries, n_keys, device=device)[:, None]  # (T, 1)
-    key_pos = torch.arange(n_keys, device=device)[None, :]                        # (1, S)
+    return block_mask(n_keys - n_queries, n_queries, 0, n_keys, device, window)
+
+
+def block_mask(first_query: int, n_queries: int, first_key: int, n_keys: int, device: torch.device | str = "cpu",
+               window: int | None = None) -> torch.Tensor:
+    """(T, K) bool, the causal mask's block for queries at positions first_query.. and keys at first_key..:
+    True where key position j <= query position (and j > position - window)."""
+    query_pos = torch.arange(first_query, first_query + n_queries, device=device)[:, None]  # (T, 1)
+    key_pos = torch.arange(first_key, first_key + n_keys, device=device)[None, :]          # (1, K)
     mask = key_pos <= query_pos
     if window is not None:
         mask &= key_pos > query_pos - window
@@ -104,3 +111,29 @@ def chunked_attention(
             top = new_top
         out[:, :, a:b] = (acc / total).reshape(B, H, b - a, Dv)
     return out
+
+
+#: torch's CPU flash-attention kernel, which also returns each row's log-sum-exp (None where this torch lacks it)
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                    mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q·kᵀ·scale + mask)·v and each row's log Σ exp(q·kᵀ·scale + mask), for combining attention over
+    parts of the keys (out = Σ_parts exp(lse_part - lse)·out_part).
+
+    q: (B, H, R, D), k: (B, H, n, D), v: (B, H, n, Dv) float32; mask: (R, n) additive float (0 or -inf), None
+    for none. A row whose keys are all masked gets lse = -inf (and an output of zeros).
+    returns (B, H, R, Dv), (B, H, R)
+    """
+    if _FLASH_CPU is not None and q.device.type == "cpu":
+        out, lse = _FLASH_CPU(q, k, v, 0.0, False, attn_mask=mask, scale=scale)
+    else:
+        logits = (q @ k.transpose(-1, -2)) * scale                                    # (B, H, R, n)
+        if mask is not None:
+            logits = logits + mask
+        lse = torch.logsumexp(logits, dim=-1)                                           # (B, H, R)
+        out = torch.softmax(logits, dim=-1).nan_to_num_(0.0) @ v
+    if mask is not None:
+        lse = lse.masked_fill(~torch.isfinite(mask).any(dim=-1), float("-inf"))       # rows that see none of k
+    return out, lse

@@ -14,6 +14,14 @@ lower-right causal mask of cache/attention.py; the subclass answers only for its
 so a subclass reads its own storage (codes, and any full-precision state it counts in its bytes, such
 as the integer caches' incomplete key group) and the base class never sees its K/V.
 
+Long prompts: a subclass that can attend over a span of its compressed tokens (`reads_spans`, hook
+`_span_attend(layer, qg, lo, hi, mask) -> (out, lse)`; TurboQuant) is read in blocks of ATTEND_ROWS
+query rows against chunks of ATTEND_KEYS keys of one part at a time once a chunk's logits would exceed one
+such block: each chunk gives its normalized output and log-sum-exp per row (attention.attend_with_lse,
+torch's fused CPU flash kernel where it exists) and the chunks combine by their log-sum-exps, so a
+prompt of T tokens over S keys holds O(ATTEND_ROWS × ATTEND_KEYS) logits per KV head, never (G·T, S);
+chunks no query of a block may see are skipped.
+
 Causality: a query never reads anything a later token set. Per-token codes (TurboQuant, integer values)
 are causal by construction; the integer caches' key groups are read per query as token-by-token
 decoding reads them (quantized.py).
@@ -33,7 +41,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .attention import causal_mask
+from .attention import attend_with_lse, block_mask, causal_mask
 from .base import CacheGeometry, KVCache, copy_prefix, tensors_nbytes
 from .dense import DenseCache
 
@@ -65,8 +73,18 @@ class FullPrecision:
         return sink, window, capacity - sink - window
 
 
+#: A long chunk is attended in blocks of this many query rows (G·T axis) ...
+ATTEND_ROWS = 512
+#: ... against chunks of this many keys, once its logits exceed one such block per KV head (see the docstring).
+ATTEND_KEYS = 1024
+
+
 class CompressedCache(KVCache):
     """Base class: routes tokens to full-precision layers, the recent window or the subclass's store."""
+
+    #: whether the subclass attends over spans of its compressed tokens (`_span_attend`): long chunks are
+    #: then attended in bounded blocks
+    reads_spans = False
 
     def __init__(self, geometry: CacheGeometry, dtype: torch.dtype, device, full: FullPrecision):
         super().__init__(geometry, dtype, device)
@@ -101,6 +119,12 @@ class CompressedCache(KVCache):
 
     def _mix(self, layer: int, p: torch.Tensor, n: int) -> torch.Tensor:
         """Σ_i p_i·v_i over the n compressed tokens; p: (B, Hkv, G·T, n) -> (B, Hkv, G·T, Dv) float32."""
+        raise NotImplementedError
+
+    def _span_attend(self, layer: int, qg: torch.Tensor, lo: int, hi: int,
+                     mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention of qg (B, Hkv, R, Dk) over compressed tokens [lo, hi) alone, as attend_with_lse returns it:
+        (normalized output (B, Hkv, R, Dv) float32, log-sum-exp (B, Hkv, R)); mask: (R, hi-lo) additive or None."""
         raise NotImplementedError
 
     def _restore(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,6 +181,8 @@ class CompressedCache(KVCache):
         group = H // Hkv
         n_sink, n, held = self._n_sink(layer), self._n_comp[layer], self._held(layer)
         qg = q.float().reshape(B, Hkv, group * T, Dk)                          # (B, Hkv, G·T, Dk)
+        if self.reads_spans and T > 1 and group * T * (n_sink + n + held) > ATTEND_ROWS * ATTEND_KEYS:
+            return self._attend_blocks(layer, qg, T).reshape(B, H, T, -1).to(q.dtype)
         logits = []
         if n_sink:
             k_sink = self._sink_k[layer][:, :, :n_sink].float()                # (B, Hkv, n_sink, Dk)
@@ -179,6 +205,55 @@ class CompressedCache(KVCache):
         if held:
             out = out + p[..., n_sink + n:] @ self._win_v[layer][:, :, :held].float()
         return out.reshape(B, H, T, -1).to(q.dtype)
+
+    def _attend_blocks(self, layer: int, qg: torch.Tensor, T: int) -> torch.Tensor:
+        """attend() of a long chunk in bounded memory: qg (B, Hkv, G·T, Dk) -> (B, Hkv, G, T, Dv) float32.
+
+        Query blocks of at most ATTEND_ROWS rows (all G heads of a group for the same positions, so one mask
+        serves them) against key chunks of ATTEND_KEYS keys of one part (sink, compressed or window) at a time;
+        each chunk's output joins the block's by their log-sum-exps. Chunks no query of the block sees are skipped.
+        """
+        B, Hkv, rows, Dk = qg.shape
+        group = rows // T
+        n_sink, n, held = self._n_sink(layer), self._n_comp[layer], self._held(layer)
+        S = n_sink + n + held
+        window = self.geometry.window
+        Dv = self._sink_v[layer].shape[-1]
+
+        def full_precision(keys: torch.Tensor, values: torch.Tensor):
+            return lambda qb, a, b, mask: attend_with_lse(qb, keys[:, :, a:b].float(), values[:, :, a:b].float(), self.scale, mask)
+
+        parts = [  # (first key position, keys, attention of a query block over keys [a, b) of the part)
+            (0, n_sink, full_precision(self._sink_k[layer], self._sink_v[layer])),
+            (n_sink, n, lambda qb, a, b, mask: self._span_attend(layer, qb, a, b, mask)),
+            (n_sink + n, held, full_precision(self._win_k[layer], self._win_v[layer])),
+        ]
+        q_by_position = qg.reshape(B, Hkv, group, T, Dk)                          # (B, Hkv, G, T, Dk)
+        out = torch.empty(B, Hkv, group, T, Dv, device=qg.device)
+        step = -(-T // -(-rows // ATTEND_ROWS))                                   # positions per block, blocks even
+        for t0 in range(0, T, step):
+            t1 = min(T, t0 + step)
+            first, last = S - T + t0, S - T + t1 - 1                              # the block's query positions
+            qb = q_by_position[:, :, :, t0:t1].reshape(B, Hkv, group * (t1 - t0), Dk)  # (B, Hkv, R, Dk)
+            acc = torch.zeros(B, Hkv, qb.shape[2], Dv, device=qg.device)          # Σ over chunks so far, normalized
+            lse = torch.full((B, Hkv, qb.shape[2]), float("-inf"), device=qg.device)
+            for start, count, attend in parts:
+                for a in range(0, count, ATTEND_KEYS):
+                    b = min(count, a + ATTEND_KEYS)
+                    lo, hi = start + a, start + b - 1                             # key positions
+                    if lo > last or (window is not None and hi <= first - window):
+                        continue                                                  # no query of the block sees it
+                    mask = None
+                    if hi > first or (window is not None and lo <= last - window):
+                        seen = block_mask(first, t1 - t0, lo, b - a, qg.device, window).repeat(group, 1)  # (R, b-a)
+                        mask = torch.zeros(seen.shape, device=qg.device).masked_fill_(~seen, float("-inf"))
+                    part_out, part_lse = attend(qb, a, b, mask)                   # (B, Hkv, R, Dv), (B, Hkv, R)
+                    new_lse = torch.logaddexp(lse, part_lse)
+                    shift = new_lse.masked_fill(new_lse == float("-inf"), 0.0)     # rows that have seen nothing yet
+                    acc = acc * (lse - shift).exp_()[..., None] + part_out * (part_lse - shift).exp_()[..., None]
+                    lse = new_lse
+            out[:, :, :, t0:t1] = acc.reshape(B, Hkv, group, t1 - t0, Dv)
+        return out
 
     def _n_sink(self, layer: int) -> int:
         """Tokens of `layer` held in its full-precision sink (the first ones)."""

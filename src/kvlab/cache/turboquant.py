@@ -67,9 +67,11 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError, NonFiniteError
-from ..kernels import kernel_for
+from ..kernels.codebook import CodeLayout, codebook_kernel_for
 from .base import CacheGeometry, copy_prefix, tensors_nbytes
 from .codebook import lloyd_max
+from . import compressed
+from .attention import attend_with_lse
 from .compressed import CompressedCache, FullPrecision
 from .packing import pack, packed_nbytes, unpack
 from .rotation import Rotation, haar_matrix, is_power_of_two
@@ -170,6 +172,7 @@ class RotatedCodes:
             self.centroids.append(cent)
             self.boundaries.append(torch.tensor(book.boundaries, dtype=torch.float32, device=device))  # (2^b-1,)
             self.byte_tables.append(_byte_table(cent, b) if 8 % b == 0 else None)                 # (256, 8/b)
+        self.layout = CodeLayout.of(self.parts, self.centroids, self.packed_bytes(dim, bits))  # what the C kernels read
 
     @staticmethod
     def packed_bytes(dim: int, bits: float) -> int:
@@ -216,6 +219,7 @@ class RotatedCodes:
 class TurboQuantCache(CompressedCache):
     """Rotated, Lloyd-Max-coded K/V with 16-bit per-vector scales; attention on the codes."""
 
+
     def __init__(self, geometry: CacheGeometry, dtype: torch.dtype = torch.float32, device="cpu",
                  config: TurboQuantConfig | None = None):
         config = config or TurboQuantConfig()
@@ -227,8 +231,8 @@ class TurboQuantCache(CompressedCache):
         d, dev = g.head_dim, self.device
         self.key_codes = RotatedCodes(d, config.code_bits, dev)
         self.value_codes = RotatedCodes(d, config.value_bits, dev)
-        # C lookups of 4-bit codes on CPU (kernels/codebook4.c); None: torch decodes (the reference)
-        self.code_kernel = kernel_for(self.device)
+        # attention straight from the codes in C on CPU (kernels/codebook.c); None: torch decodes (the reference)
+        self.code_kernel = codebook_kernel_for(self.device)
         self.haar_basis = None                                                               # (d, d) Q shared by the layers
         if config.rotation == "haar":
             self.haar_basis = haar_matrix(d, torch.Generator().manual_seed(_layer_seed(config.seed, -2))).to(dev)
@@ -261,6 +265,8 @@ class TurboQuantCache(CompressedCache):
             gen = torch.Generator().manual_seed(_layer_seed(config.seed, -1))
             self.qjl_matrix = torch.randn(d, d, generator=gen).to(dev)                       # (m=d, d) S
             self.k_signs = buffers(packed_nbytes(d, 1), torch.uint8)                         # (B, H, S, d/8)
+            # the signs as 1-bit codes whose two centroids are -1 and +1, for the C kernels
+            self.sign_layout = CodeLayout.of([(0, d, 1)], [torch.tensor([-1.0, 1.0])], packed_nbytes(d, 1))
             self.k_rnorm = buffers(0, nd)                                                    # (B, H, S)
         self.rope_inv_freq = None
         if config.pre_rope:
@@ -409,14 +415,8 @@ class TurboQuantCache(CompressedCache):
         return stored
 
     # -- reading ------------------------------------------------------------------------------------
-    def _qjl_residual(self, signs: torch.Tensor, rnorm: torch.Tensor) -> torch.Tensor:
-        """The QJL residual estimate per key in the rotated domain, √(π/2)/m·‖r‖·Sᵀsign(Sr):
-        signs (..., n, m/8) uint8, rnorm (..., n) -> (..., n, d)."""
-        m = self.qjl_matrix.shape[0]
-        sign = unpack(signs, 1, m).float() * 2 - 1                                # (..., n, m) ±1
-        coef = math.sqrt(math.pi / 2) / m * rnorm.float()                         # (..., n)
-        return (sign @ self.qjl_matrix) * coef[..., None]
-
+    # Every read takes `stored`: {buffer name: (B, H, slots[, bytes])}, this cache's own buffers or the codes a
+    # serving pool gathered for one sequence (serve/coded.py), and reads its rows [lo, hi) or its first n.
     def _buffers(self, layer: int) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name)[layer] for name in self.token_buffer_names()}
 
@@ -429,61 +429,98 @@ class TurboQuantCache(CompressedCache):
         angles = torch.cat((angles, angles), dim=-1)                              # (T, d)
         return apply_rope(k.float(), angles.cos(), -angles.sin() if inverse else angles.sin())
 
+    def _qjl_coef(self, stored: dict[str, torch.Tensor], lo: int, hi: int) -> torch.Tensor:
+        """√(π/2)/m·‖r‖ per key, (B, H, hi-lo)."""
+        return math.sqrt(math.pi / 2) / self.qjl_matrix.shape[0] * stored["k_rnorm"][:, :, lo:hi].float()
+
+    def _qjl_term(self, stored: dict[str, torch.Tensor], lo: int, hi: int) -> torch.Tensor:
+        """The QJL residual estimate per key in the rotated domain: √(π/2)/m·‖r‖·Sᵀsign(Sr), (B, H, hi-lo, d)."""
+        if self.code_kernel is None:
+            signs = unpack(stored["k_signs"][:, :, lo:hi], 1, self.qjl_matrix.shape[0]).float() * 2 - 1  # (B, H, n, m) ±1
+        else:
+            signs = self.code_kernel.decode(stored["k_signs"], lo, hi - lo, self.sign_layout)
+        return (signs @ self.qjl_matrix) * self._qjl_coef(stored, lo, hi)[..., None]
+
     def _scores(self, layer: int, qg: torch.Tensor, n: int) -> torch.Tensor:
         if self.config.pre_rope:  # each key turns by its own position: score the rebuilt keys
-            return (qg @ self._keys(layer, self._stored(layer, n)).transpose(-1, -2)) * self.scale  # (B, H, G·T, n)
+            return (qg @ self._keys(layer, self._buffers(layer), n).transpose(-1, -2)) * self.scale  # (B, H, G·T, n)
         return self.scores(layer, qg, self._buffers(layer), n)
 
     def _mix(self, layer: int, p: torch.Tensor, n: int) -> torch.Tensor:
         return self.mix(layer, p, self._buffers(layer), n)
 
     def scores(self, layer: int, qg: torch.Tensor, stored: dict[str, torch.Tensor], n: int) -> torch.Tensor:
-        """Scaled logits of qg (B, H, G·T, d) against the first n tokens of `stored` ({buffer name: (B, H, slots[, bytes])},
-        this cache's buffers or codes gathered from a serving pool) -> (B, H, G·T, n), read on the codes."""
-        weights = self._key_weights(layer)
-        q_rot = self.rotations[layer].apply(qg if weights is None else qg * weights)  # (B, H, G·T, d) Π(q⊙w)
-        centroids = self._four_bit_centroids(self.key_codes)
-        if centroids is not None and not self.config.qjl:
-            dots = self.code_kernel.codebook4_dots(stored["k_codes"], n, centroids, q_rot)  # (B, H, G·T, n)
-        else:
-            y_hat = self.key_codes.decode(stored["k_codes"][:, :, :n])            # (B, H, n, d) codebook values
-            if self.config.qjl:                                                   # unbiased residual estimate
-                y_hat = y_hat + self._qjl_residual(stored["k_signs"][:, :, :n], stored["k_rnorm"][:, :, :n])
-            dots = q_rot @ y_hat.transpose(-1, -2)                                # (B, H, G·T, n)
-        scores = dots * (stored["k_norm"][:, :, None, :n].float() * self.scale)
+        """Scaled logits of qg (B, H, G·T, d) against the first n tokens of `stored` -> (B, H, G·T, n), read on the codes."""
+        q_rot = self._rotated_queries(layer, qg) * self.scale                      # (B, H, G·T, d)
+        norms = stored["k_norm"][:, :, None, :n]                                   # (B, H, 1, n) 16-bit
+        if self.code_kernel is not None and not _decode_chunk(qg.shape[2], n):     # few rows or many keys: dots in C
+            dots = self.code_kernel.dots(stored["k_codes"], 0, n, self.key_codes.layout, q_rot)  # (B, H, G·T, n)
+            if self.config.qjl:  # q·Sᵀsign(Sr) = (Sq)·sign(Sr): the signs are 1-bit codes read like the others
+                sketched = q_rot @ self.qjl_matrix.T                              # (B, H, G·T, m) Sq
+                signs = self.code_kernel.dots(stored["k_signs"], 0, n, self.sign_layout, sketched)
+                dots += signs * self._qjl_coef(stored, 0, n)[:, :, None]
+            scores = dots.mul_(norms)                                             # fp32 × 16-bit stays fp32
+        else:  # the reference (torch decodes), or many rows against few keys (C decodes them, then a GEMM)
+            y_hat = self._decoded(stored["k_codes"], self.key_codes, 0, n)        # (B, H, n, d) codebook values
+            if self.config.qjl:
+                y_hat = y_hat + self._qjl_term(stored, 0, n)                      # unbiased residual estimate
+            scores = q_rot @ (y_hat * norms.transpose(-1, -2)).transpose(-1, -2)  # (B, H, G·T, n)
         if self.k_offset:
-            scores = scores + (qg @ self.k_offset[layer][..., None].float()) * self.scale  # (B, H, G·T, 1) q·μ
+            scores += (qg @ self.k_offset[layer][..., None].float()) * self.scale  # (B, H, G·T, 1) q·μ
         return scores
 
     def mix(self, layer: int, p: torch.Tensor, stored: dict[str, torch.Tensor], n: int) -> torch.Tensor:
         """Σ_i p_i·v_i over the first n tokens of `stored` (see `scores`); p (B, H, G·T, n) -> (B, H, G·T, d)."""
-        weights = p * stored["v_norm"][:, :, None, :n].float()                   # (B, H, G·T, n)
-        centroids = self._four_bit_centroids(self.value_codes)
-        if centroids is not None:
-            mixed = self.code_kernel.codebook4_mix(stored["v_codes"], n, centroids, weights, self.geometry.head_dim)
+        norms = stored["v_norm"][:, :, None, :n]                                   # (B, H, 1, n) 16-bit
+        if self.code_kernel is not None and not _decode_chunk(p.shape[2], n):
+            mixed = self.code_kernel.mix(stored["v_codes"], 0, n, self.value_codes.layout, p * norms)  # (B, H, G·T, d)
         else:
-            mixed = weights @ self.value_codes.decode(stored["v_codes"][:, :, :n])  # (B, H, G·T, d)
+            mixed = p @ (self._decoded(stored["v_codes"], self.value_codes, 0, n) * norms.transpose(-1, -2))
         out = self.rotations[layer].invert(mixed)                                  # (B, H, G·T, d)
         if self.v_offset:
             out = out + p.sum(dim=-1, keepdim=True) * self.v_offset[layer][:, :, None].float()
         return out
 
-    def _four_bit_centroids(self, codes: "RotatedCodes") -> torch.Tensor | None:
-        """The 16 centroids when these codes are one 4-bit part and the C lookup is here, else None."""
-        if self.code_kernel is None or len(codes.parts) != 1 or codes.parts[0][2] != 4:
-            return None
-        return codes.centroids[0]
+    @property
+    def reads_spans(self) -> bool:
+        """Long chunks in blocks over spans of codes (compressed.py), except +prerope, whose keys are read rebuilt."""
+        return not self.config.pre_rope
 
-    def _stored(self, layer: int, n: int) -> dict[str, torch.Tensor]:
-        """This cache's first n tokens of `layer`: {buffer name: (B, H, n[, bytes])}."""
-        return {name: buf[:, :, :n] for name, buf in self._buffers(layer).items()}
-
-    def _keys(self, layer: int, stored: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The stored keys as attention reads them (after RoPE with +prerope), (B, H, n, d) float32."""
-        k_rot = self.key_codes.decode(stored["k_codes"])
+    def _span_attend(self, layer: int, qg: torch.Tensor, lo: int, hi: int,
+                     mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of [lo, hi) decoded (in C, a chunk's transient) in the rotated domain with their
+        norms, one fused attention there, one inverse rotation of its output; q·μ shifts the log-sum-exp."""
+        stored = self._buffers(layer)
+        keys = self._decoded(stored["k_codes"], self.key_codes, lo, hi)            # (B, H, n, d) codebook values
         if self.config.qjl:
-            k_rot = k_rot + self._qjl_residual(stored["k_signs"], stored["k_rnorm"])
-        k = self.rotations[layer].invert(k_rot * stored["k_norm"].float()[..., None])
+            keys = keys + self._qjl_term(stored, lo, hi)
+        keys = keys * stored["k_norm"][:, :, lo:hi, None].float()
+        values = self._decoded(stored["v_codes"], self.value_codes, lo, hi) * stored["v_norm"][:, :, lo:hi, None].float()
+        out, lse = attend_with_lse(self._rotated_queries(layer, qg), keys, values, self.scale, mask)  # (B, H, R, d), (B, H, R)
+        if self.k_offset:
+            lse = lse + (qg @ self.k_offset[layer][..., None].float())[..., 0] * self.scale  # q·μ, the same for every key
+        out = self.rotations[layer].invert(out)
+        if self.v_offset:
+            out = out + self.v_offset[layer][:, :, None].float()                  # the output is normalized: Σp = 1
+        return out, lse
+
+    def _rotated_queries(self, layer: int, qg: torch.Tensor) -> torch.Tensor:
+        """Π(q⊙w): the queries as the codes are read, (B, H, R, d)."""
+        weights = self._key_weights(layer)
+        return self.rotations[layer].apply(qg if weights is None else qg * weights)
+
+    def _decoded(self, buffer: torch.Tensor, codes: RotatedCodes, lo: int, hi: int) -> torch.Tensor:
+        """Codebook values of stored rows [lo, hi), (B, H, hi-lo, d): in C (a chunk's transient) or by torch."""
+        if self.code_kernel is None:
+            return codes.decode(buffer[:, :, lo:hi])
+        return self.code_kernel.decode(buffer, lo, hi - lo, codes.layout)
+
+    def _keys(self, layer: int, stored: dict[str, torch.Tensor], n: int) -> torch.Tensor:
+        """The first n stored keys as attention reads them (after RoPE with +prerope), (B, H, n, d) float32."""
+        k_rot = self._decoded(stored["k_codes"], self.key_codes, 0, n)
+        if self.config.qjl:
+            k_rot = k_rot + self._qjl_term(stored, 0, n)
+        k = self.rotations[layer].invert(k_rot * stored["k_norm"][:, :, :n].float()[..., None])
         weights = self._key_weights(layer)
         if weights is not None:
             k = k * weights
@@ -494,15 +531,17 @@ class TurboQuantCache(CompressedCache):
     def _restore(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         if layer in self._pending:
             self._calibrate_and_store(layer, None)
-        return self.decode(layer, self._stored(layer, n))
+        return self.decode(layer, self._buffers(layer), n)
 
-    def decode(self, layer: int, stored: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The inverse of `code`: {buffer name: (B, H, n[, bytes])} -> k, v (B, H, n, d) float32 as attention reads them."""
-        rot = self.rotations[layer]
-        v = rot.invert(self.value_codes.decode(stored["v_codes"]) * stored["v_norm"].float()[..., None])
+    def decode(self, layer: int, stored: dict[str, torch.Tensor], n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The inverse of `code`: the first n (default: all) tokens of `stored` -> k, v (B, H, n, d) float32 as
+        attention reads them."""
+        n = stored["k_codes"].shape[2] if n is None else n
+        v = self._decoded(stored["v_codes"], self.value_codes, 0, n) * stored["v_norm"][:, :, :n].float()[..., None]
+        v = self.rotations[layer].invert(v)
         if self.v_offset:
             v = v + self.v_offset[layer][:, :, None].float()
-        return self._keys(layer, stored), v
+        return self._keys(layer, stored, n), v
 
     # -- a calibration shared by many sequences (the serving pool) ------------------------------------
     def use_calibration(self, other: "TurboQuantCache") -> None:
@@ -579,6 +618,15 @@ class TurboQuantCache(CompressedCache):
         if config.pre_rope:
             fixed += f"; keys coded before RoPE (per cache: {d // 2} float32 RoPE frequencies)"
         return f"{key} = {k} B; per value vector: {d}×{config.value_bits:g}-bit codes + 16-bit norm = {v} B{fixed}"
+
+
+#: Many query rows against a chunk of keys: decode the chunk in C into a transient and multiply (a GEMM beats
+#: a dot per row and query); few rows, or a span longer than a key chunk: read the codes row by row in C.
+DECODE_ROWS = 16
+
+
+def _decode_chunk(rows: int, keys: int) -> bool:
+    return rows >= DECODE_ROWS and keys <= compressed.ATTEND_KEYS
 
 
 def _byte_table(centroids: torch.Tensor, bits: int) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """The C kernels (blockgemv.c: GEMV from GGUF blocks; decode.c: a whole decode step; intcache.c: attention
-on the int8/int4 cache's codes; codebook4.c: on TurboQuant's 4-bit codes): compiled on first use with the
+on the int8/int4 cache's codes; codebook4.c: on TurboQuant's 4-bit codes; codebook.c: on its codes of any width,
+wrapped by codebook.py): compiled on first use with the
 system `cc`, cached, loaded with ctypes.
 
 The shared library is built with `-fopenmp` and loaded after torch, so its `libgomp.so.1` resolves to
@@ -34,7 +35,7 @@ import torch
 from ..errors import ConfigError, KvlabError
 
 HERE = Path(__file__).parent
-SOURCES = tuple(HERE / f for f in ("blockgemv.c", "blockgemm.c", "decode.c", "intcache.c", "codebook4.c", "paged.c"))  # one library
+SOURCES = tuple(HERE / f for f in ("blockgemv.c", "blockgemm.c", "decode.c", "intcache.c", "codebook4.c", "paged.c", "codebook.c"))  # one library
 HEADERS = (HERE / "blockgemv.h",)
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp")
 SANITIZE = os.environ.get("KVLAB_KERNEL_SANITIZE")  # e.g. "address": an instrumented build for kvlab.fuzz
