@@ -219,7 +219,6 @@ class RotatedCodes:
 class TurboQuantCache(CompressedCache):
     """Rotated, Lloyd-Max-coded K/V with 16-bit per-vector scales; attention on the codes."""
 
-
     def __init__(self, geometry: CacheGeometry, dtype: torch.dtype = torch.float32, device="cpu",
                  config: TurboQuantConfig | None = None):
         config = config or TurboQuantConfig()
