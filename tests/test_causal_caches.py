@@ -28,8 +28,13 @@ def model():
 
 
 def chunked_logits(model, tokens: torch.Tensor, name: str, chunks) -> torch.Tensor:
-    """(B, T, vocab) logits of every position, the tokens fed through one cache in `chunks`."""
+    """(B, T, vocab) logits of every position, the tokens fed through one new cache `name` in `chunks`."""
     cache = make_cache(name, CacheGeometry.for_model(model.config, batch=tokens.shape[0], capacity=tokens.shape[1]))
+    return feed_chunks(model, tokens, cache, chunks)
+
+
+def feed_chunks(model, tokens: torch.Tensor, cache, chunks) -> torch.Tensor:
+    """(B, T, vocab) logits of every position, the tokens fed through `cache` in `chunks`."""
     out, start = [], 0
     with torch.no_grad():
         for size in chunks:

@@ -16,6 +16,7 @@ from kvlab.plan.report import plan_json
 from kvlab.sources import load_spec
 
 from .conftest import tiny_model
+from .test_causal_caches import feed_chunks
 
 STORAGE = {"dense-f16": torch.float16, "dense-bf16": torch.bfloat16}
 HEADS = {"MHA": (4, 4), "GQA": (4, 2), "MQA": (4, 1)}
@@ -37,16 +38,6 @@ def rounded_full_logits(model, tokens, storage):
         return model(tokens, cache, last_only=False)
 
 
-def chunked_logits(model, tokens, name, chunks):
-    cache = make_cache(name, CacheGeometry.for_model(model.config, batch=tokens.shape[0], capacity=tokens.shape[1]))
-    out, start = [], 0
-    with torch.no_grad():
-        for size in chunks:
-            out.append(model(tokens[:, start:start + size], cache, last_only=False))
-            start += size
-    return torch.cat(out, dim=1), cache
-
-
 @pytest.mark.parametrize("name", STORAGE)
 @pytest.mark.parametrize("kind", [*HEADS, "window"])
 def test_equals_full_recompute_on_rounded_kv(name, kind):
@@ -57,7 +48,8 @@ def test_equals_full_recompute_on_rounded_kv(name, kind):
     model = tiny_model(n_heads=n_heads, n_kv_heads=n_kv, sliding_window=6 if kind == "window" else None, n_layers=1)
     tokens = torch.randint(0, 97, (2, 26), generator=torch.Generator().manual_seed(1))
     ref = rounded_full_logits(model, tokens, STORAGE[name])
-    got, cache = chunked_logits(model, tokens, name, [5] + [1] * 7 + [7, 7])
+    cache = make_cache(name, CacheGeometry.for_model(model.config, batch=tokens.shape[0], capacity=tokens.shape[1]))
+    got = feed_chunks(model, tokens, cache, [5] + [1] * 7 + [7, 7])
     assert (got - ref).abs().max().item() < 1e-5 * ref.abs().max().item()
     assert cache.k.dtype == cache.v.dtype == STORAGE[name] and cache.length == 26
     unrounded = rounded_full_logits(model, tokens, torch.float32)

@@ -15,6 +15,7 @@ llama.cpp's Q/K RoPE row permutation is undone by permuting byte rows, as for fp
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -118,7 +119,7 @@ class BlockQuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kernel = block_kernel()
         one_row = x.numel() == x.shape[-1]
-        rows = x.numel() // x.shape[-1]
+        rows = math.prod(x.shape[:-1])                                            # no division: a 0-wide x is legal
         if (kernel is None or x.device.type != "cpu" or x.dtype != torch.float32 or rows > GEMM_MAX_ROWS
                 or not (one_row or gemm_enabled())):
             return F.linear(x, self.dequantized().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
