@@ -1,6 +1,6 @@
 """The C kernels (blockgemv.c: GEMV from GGUF blocks; decode.c: a whole decode step; intcache.c: attention
-on the int8/int4 cache's codes; codebook4.c: on TurboQuant's 4-bit codes; codebook.c: on its codes of any width,
-wrapped by codebook.py): compiled on first use with the
+on the int8/int4 cache's codes; codebook.c: on TurboQuant's codes of any width, wrapped by codebook.py;
+paged.c: over paged blocks): compiled on first use with the
 system `cc`, cached, loaded with ctypes.
 
 The shared library is built with `-fopenmp` and loaded after torch, so its `libgomp.so.1` resolves to
@@ -35,7 +35,7 @@ import torch
 from ..errors import ConfigError, KvlabError
 
 HERE = Path(__file__).parent
-SOURCES = tuple(HERE / f for f in ("blockgemv.c", "blockgemm.c", "decode.c", "intcache.c", "codebook4.c", "paged.c", "codebook.c"))  # one library
+SOURCES = tuple(HERE / f for f in ("blockgemv.c", "blockgemm.c", "decode.c", "intcache.c", "paged.c", "codebook.c"))  # one library
 HEADERS = (HERE / "blockgemv.h",)
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp")
 SANITIZE = os.environ.get("KVLAB_KERNEL_SANITIZE")  # e.g. "address": an instrumented build for kvlab.fuzz
@@ -191,11 +191,9 @@ class BlockKernel:
         lib.kvlab_block_omp_threads.argtypes = [i32]
         lib.kvlab_int_scores.argtypes = [i32, ptr, ptr, ptr, i32, i64, i64, i32, i32, ptr, i32, ctypes.c_float, ptr, i32]
         lib.kvlab_int_mix.argtypes = [i32, ptr, ptr, ptr, i32, i64, i64, i32, i32, ptr, i64, i32, ptr, i32]
-        lib.kvlab_codebook4_dots.argtypes = [ptr, i32, i64, i64, i32, ptr, ptr, i32, ptr, i32]
-        lib.kvlab_codebook4_mix.argtypes = [ptr, i32, i64, i64, i32, ptr, ptr, i64, i32, ptr, i32]
         lib.kvlab_block_gemm.argtypes = [i32, ptr, i64, i64, ptr, i64, ptr, i32]
         for fn in (lib.kvlab_block_gemv, lib.kvlab_block_gemm, lib.kvlab_block_dequantize, lib.kvlab_block_omp_threads, lib.kvlab_int_scores,
-                   lib.kvlab_int_mix, lib.kvlab_codebook4_dots, lib.kvlab_codebook4_mix):
+                   lib.kvlab_int_mix):
             fn.restype = i32
 
     def gemv(self, type_name: str, blocks: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -297,51 +295,6 @@ class BlockKernel:
         if self._lib.kvlab_int_mix(bits, codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), B * H, slots, n, d, d // n_vg,
                                    p.data_ptr(), p.stride(2), nq, out.data_ptr(), torch.get_num_threads()):
             raise ConfigError(f"integer-cache mix refused int{bits} codes of shape {tuple(codes.shape)}")
-        return out
-
-    def codebook4_dots(self, codes: torch.Tensor, n: int, centroids: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-        """q_rot · c[code[t]] for 4-bit codebook codes (codebook4.c). codes (B, H, slots, d/2) uint8,
-        centroids (16,) fp32, q (B, H, nq, d) fp32 -> (B, H, nq, n) fp32."""
-        what = "4-bit codebook scores"
-        if not isinstance(q, torch.Tensor) or q.dim() != 4 or not isinstance(codes, torch.Tensor) or codes.dim() != 4:
-            raise ConfigError(f"{what}: query and codes must be 4-D, got query {_describe(q)} and codes {_describe(codes)}")
-        B, H, slots, _ = codes.shape
-        nq, d = q.shape[2], q.shape[3]
-        if d <= 0 or d % 2:
-            raise ConfigError(f"{what}: query head dim {d} must be even and positive")
-        check_buffer(what, "codes", codes, torch.uint8, (B, H, slots, d // 2))
-        check_buffer(what, "centroids", centroids, torch.float32, (16,), contiguous=False)
-        check_buffer(what, "query", q, torch.float32, (B, H, nq, d), contiguous=False)
-        if not 0 <= _positive_int(what, "n", n) <= slots:
-            raise ConfigError(f"{what}: {n} tokens asked of a cache of {slots} slots")
-        q, centroids = q.contiguous(), centroids.contiguous()
-        out = torch.empty(B, H, nq, n, dtype=torch.float32)
-        if self._lib.kvlab_codebook4_dots(codes.data_ptr(), B * H, slots, n, d, centroids.data_ptr(), q.data_ptr(), nq,
-                                          out.data_ptr(), torch.get_num_threads()):
-            raise ConfigError(f"4-bit codebook scores refused codes of shape {tuple(codes.shape)}")
-        return out
-
-    def codebook4_mix(self, codes: torch.Tensor, n: int, centroids: torch.Tensor, w: torch.Tensor, d: int) -> torch.Tensor:
-        """Σ_t w[..., t] · c[code[t]] for 4-bit codebook codes (codebook4.c). codes (B, H, slots, d/2) uint8,
-        w (B, H, nq, n) fp32 -> (B, H, nq, d) fp32."""
-        what = "4-bit codebook mix"
-        if isinstance(d, bool) or not isinstance(d, int) or d <= 0 or d % 2:
-            raise ConfigError(f"{what}: head dim must be even and positive, got {d!r}")
-        if not isinstance(w, torch.Tensor) or w.dim() != 4 or not isinstance(codes, torch.Tensor) or codes.dim() != 4:
-            raise ConfigError(f"{what}: weights and codes must be 4-D, got weights {_describe(w)} and codes {_describe(codes)}")
-        B, H, slots, _ = codes.shape
-        nq = w.shape[2]
-        check_buffer(what, "codes", codes, torch.uint8, (B, H, slots, d // 2))
-        check_buffer(what, "centroids", centroids, torch.float32, (16,), contiguous=False)
-        check_buffer(what, "weights", w, torch.float32, (B, H, nq, n), contiguous=False)
-        if not 0 <= _positive_int(what, "n", n) <= slots:
-            raise ConfigError(f"{what}: {n} tokens asked of a cache of {slots} slots")
-        w = _evenly_strided_rows(w)
-        centroids = centroids.contiguous()
-        out = torch.empty(B, H, nq, d, dtype=torch.float32)
-        if self._lib.kvlab_codebook4_mix(codes.data_ptr(), B * H, slots, n, d, centroids.data_ptr(), w.data_ptr(),
-                                         w.stride(2), nq, out.data_ptr(), torch.get_num_threads()):
-            raise ConfigError(f"4-bit codebook mix refused codes of shape {tuple(codes.shape)}")
         return out
 
     def openmp_threads(self, n: int) -> int:

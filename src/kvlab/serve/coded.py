@@ -10,8 +10,8 @@ and a block copy (copy-on-write) copies every buffer's rows of that block.
 
 Reading, per sequence: gather its slots. The torch reference dequantizes them, then runs
 cache.attention.grouped_attention, the same causal attention every cache uses. TurboQuant pools with
-use_kernel read the gathered codes instead, with the single cache's own scores and mix (kernels/codebook4.c
-for 4-bit codes on CPU): the path the tests hold equal to the reference. The int formats keep the
+use_kernel read the gathered codes instead, with the single cache's own scores and mix (kernels/codebook.c
+on CPU): the path the tests hold equal to the reference. The int formats keep the
 single cache's rule for key groups (cache/quantized.py): the query of the token at position p reads codes
 for the groups complete at p and full-precision keys for the rest, so a chunk's queries before a group's
 completion read that group exactly (from the stage and the chunk's own keys, kept for the step like the
