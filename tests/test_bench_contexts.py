@@ -50,3 +50,64 @@ def test_smoke_run_records_every_cache_at_every_context(smollm2, tmp_path, monke
 def test_bad_cache_is_one_line_error():
     line = cli_error(["bench", "decode", "--contexts", "16", "--caches", "dense,nope", "--out", ""])
     assert "nope" in line
+
+
+# -- llama.cpp as a contender: the real worker protocol, driven through a stand-in llama_cpp module ----------
+FAKE_LLAMA_CPP = '''
+import ctypes
+GGML_TYPE_F16, GGML_TYPE_Q8_0, GGML_TYPE_Q4_0 = 1, 8, 2
+def llama_print_system_info():
+    return b"fake"
+class _Ctx:
+    def __init__(self, vocab):
+        self.logits = (ctypes.c_float * vocab)()
+    def get_logits_ith(self, i):
+        return self.logits
+class Llama:
+    def __init__(self, model_path, n_ctx, type_k, type_v, flash_attn, **kw):
+        assert type_k == type_v and flash_attn
+        self.n_ctx, self.n_tokens, self._ctx = n_ctx, 0, _Ctx(50)
+    def n_vocab(self):
+        return 50
+    def reset(self):
+        self.n_tokens = 0
+    def eval(self, tokens):
+        self.n_tokens += len(tokens)
+        if self.n_tokens > self.n_ctx:
+            raise ValueError("past n_ctx")
+        self._ctx.logits[(tokens[-1] + 1) % 50] = float(self.n_tokens)   # next greedy token: last + 1
+'''
+
+
+def test_llama_cpp_contenders_run_interleaved_through_the_worker(smollm2, tmp_path, monkeypatch):
+    """The worker (bench/llama_worker.py, run by another Python) answers prefill and steps; the bench records
+    llama.cpp rows next to kvlab's with llama.cpp's K/V type sizes."""
+    import sys
+
+    (tmp_path / "fake").mkdir()
+    (tmp_path / "fake" / "llama_cpp.py").write_text(FAKE_LLAMA_CPP)
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/sh\nPYTHONPATH={tmp_path / 'fake'} exec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    monkeypatch.setattr(bench_contexts, "model_context", lambda model: 40)
+    out = tmp_path / "contexts.json"
+    result = CliRunner().invoke(app, ["bench", "decode", "--contexts", "16", "--caches", "dense-f16,llama.cpp:f16,llama.cpp:q8_0",
+                                      "--llama-cpp", str(python), "--repeats", "2", "--steps", "2", "--warmup", "1",
+                                      "--threads", "1", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    rows = {r["cache"]: r for r in json.loads(out.read_text())["results"]}
+    mid = 16 + 1 + 2
+    for kv, value_bytes in (("f16", 2), ("q8_0", 34 / 32)):
+        r = rows[f"llama.cpp:{kv}"]
+        assert r["step"] == "llama.cpp" and len(r["samples"]) == 2 and r["tokens_per_s"] > 0
+        assert r["kv_bytes_read_per_step"] == int(30 * 3 * 64 * 2 * value_bytes * mid)
+    assert rows["llama.cpp:f16"]["kv_bytes_read_per_step"] == rows["dense-f16"]["kv_bytes_read_per_step"]
+
+
+def test_llama_cpp_contenders_need_a_python_with_llama_cpp(tmp_path):
+    assert "--llama-cpp" in cli_error(["bench", "decode", "--contexts", "16", "--caches", "llama.cpp:f16", "--out", ""])
+    line = cli_error(["bench", "decode", "--contexts", "16", "--caches", "llama.cpp:f16", "--llama-cpp",
+                      str(tmp_path / "no-python"), "--out", ""])
+    assert "--llama-cpp" in line
+    assert "q3_k" in cli_error(["bench", "decode", "--contexts", "16", "--caches", "llama.cpp:q3_k", "--llama-cpp",
+                                "python3", "--out", ""])

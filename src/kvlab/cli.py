@@ -106,6 +106,11 @@ def bench_decode(
     caches: str = typer.Option("dense,dense-f16,int8,int4,tq4,tq3", "--caches", help="Caches of --contexts."),
     steps: int = typer.Option(16, "--steps", min=1, max=4096, help="Timed tokens per repeat (--contexts)."),
     warmup: int = typer.Option(2, "--warmup", min=0, max=4096, help="Untimed tokens before the repeats (--contexts)."),
+    llama_cpp: Optional[str] = typer.Option(
+        None, "--llama-cpp",
+        help="A Python that imports llama_cpp (built apart, see docs/benchmarks.md): --caches may then name "
+        "llama.cpp:f16, llama.cpp:q8_0, llama.cpp:q4_0 (--contexts).",
+    ),
 ):
     """Decode tokens/s of kvlab's caches against transformers, interleaved in one run; with --contexts, of
     each cache at each context length."""
@@ -113,7 +118,8 @@ def bench_decode(
         from .bench.contexts import parse_contexts, run_context_bench
 
         run_context_bench(model, parse_contexts(contexts), caches.split(","), repeats, steps, warmup, threads, weights,
-                          "bench/results/decode_contexts.json" if out is None else out, json_out, console)
+                          "bench/results/decode_contexts.json" if out is None else out, json_out, console,
+                          llama_python=llama_cpp)
         return
     from .bench.decode import run_decode_bench
 

@@ -11,6 +11,10 @@ Achieved bandwidth = (weight bytes + K/V bytes read per step) × tokens/s. K/V b
 bytes the cache holds for the tokens it has at mid-run, by the caches' own formula (kvlab.cache.expected_nbytes
 via session.cache_cost): a step reads every stored K/V byte once. The read limit is the best of the machine's
 read bandwidth measured before and after every repeat (kvlab.measure.read_bandwidth_gb_s).
+
+With `--llama-cpp PYTHON`, `llama.cpp:f16` / `llama.cpp:q8_0` / `llama.cpp:q4_0` in --caches run llama.cpp on the
+same GGUF in the same interleaved loop (bench/llama_peer.py): same prompt, same greedy one-token steps, same
+threads; its K/V bytes per step are llama.cpp's type sizes.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from ..generate import model_context, prefill
 from ..measure import machine_info, read_bandwidth_gb_s, torch_threads
 from ..model.fused import decode_step_kind
 from ..session import cache_cost, cached_model
+from .llama_peer import LlamaPeer, check_python, is_peer, kv_bytes_per_token, peer_kv
 
 DEFAULT_CACHES = "dense,dense-f16,int8,int4,tq4,tq3"
 BASELINE = "dense-f16"   # the cache llama.cpp and vLLM store by default: the ratio column's reference
@@ -79,20 +84,31 @@ def _timed_steps(model, cache, token: torch.Tensor, n: int) -> tuple[float, torc
 
 
 def run_context_bench(model_name, contexts: list[int], caches: list[str], repeats: int, steps: int, warmup: int,
-                      threads: int, weights: str, out: str | None, json_out: bool, console: Console) -> dict:
+                      threads: int, weights: str, out: str | None, json_out: bool, console: Console,
+                      llama_python: str | None = None) -> dict:
     caches = [c.strip().lower() for c in caches if c.strip()]
     if not caches or len(set(caches)) != len(caches):
         raise ConfigError(f"--caches must name at least one cache, each once, got {','.join(caches) or 'nothing'}")
     if out:
         check_writable(out, "--out")   # before the long run, not after it
+    peers = [name for name in caches if is_peer(name)]
+    if peers and not llama_python:
+        raise ConfigError(f"{peers[0]} needs --llama-cpp PYTHON: a Python that imports llama_cpp")
     with torch_threads(threads):
         loaded = cached_model(model_name, "fp32", "cpu", weights)
+        if peers:
+            for name in peers:
+                peer_kv(name)
+            if loaded.path.suffix.lower() != ".gguf":
+                raise ConfigError(f"llama.cpp contenders run a GGUF file; {loaded.path.name} is not one")
+            check_python(llama_python)
         limit = model_context(loaded.model) or max(contexts) + warmup + repeats * steps
         geometry = CacheGeometry.for_model(loaded.config, capacity=1)
         for name in caches:   # every name (and its bytes) checked before anything runs
-            make_cache(name, geometry)
-            cache_cost(name, geometry, torch.float32)
-        record = _run(loaded, contexts, caches, repeats, steps, warmup, limit, console)
+            if not is_peer(name):
+                make_cache(name, geometry)
+                cache_cost(name, geometry, torch.float32)
+        record = _run(loaded, contexts, caches, repeats, steps, warmup, limit, console, llama_python)
     record["model"] = loaded.path.name
     if out:
         write_json(out, record, indent=2)
@@ -103,7 +119,7 @@ def run_context_bench(model_name, contexts: list[int], caches: list[str], repeat
     return record
 
 
-def _run(loaded, contexts, caches, repeats, steps, warmup, limit, console) -> dict:
+def _run(loaded, contexts, caches, repeats, steps, warmup, limit, console, llama_python=None) -> dict:
     model, config = loaded.model, loaded.config
     extra = warmup + repeats * steps                       # tokens each cache takes after the prompt
     if limit <= extra:
@@ -119,29 +135,45 @@ def _run(loaded, contexts, caches, repeats, steps, warmup, limit, console) -> di
             prompt = prompt_all[:, :context]
             geometry = CacheGeometry.for_model(config, capacity=context + extra)
             held, tokens, prefill_s = {}, {}, {}
-            for name in caches:
-                progress.update(task, description=f"{context} tokens: prefill {name}")
-                held[name] = make_cache(name, geometry)
-                start = time.perf_counter()
-                logits = prefill(model, prompt, held[name])
-                prefill_s[name] = time.perf_counter() - start
-                tokens[name] = _timed_steps(model, held[name], logits[:, -1].argmax(-1, keepdim=True), warmup)[1]
-                progress.advance(task)
-            samples: dict[str, list[float]] = {name: [] for name in caches}
-            for repeat in range(repeats):
-                for name in caches:   # interleaved
-                    progress.update(task, description=f"{context} tokens: repeat {repeat + 1}/{repeats} {name}")
-                    seconds, tokens[name] = _timed_steps(model, held[name], tokens[name], steps)
-                    samples[name].append(steps / seconds)
+            try:
+                for name in caches:
+                    progress.update(task, description=f"{context} tokens: prefill {name}")
+                    if is_peer(name):
+                        held[name] = LlamaPeer(llama_python, loaded.path, context + extra, torch.get_num_threads(), peer_kv(name))
+                        prefill_s[name], token = held[name].prefill(prompt)
+                        tokens[name] = held[name].steps(token, warmup)[1] if warmup else token
+                    else:
+                        held[name] = make_cache(name, geometry)
+                        start = time.perf_counter()
+                        logits = prefill(model, prompt, held[name])
+                        prefill_s[name] = time.perf_counter() - start
+                        tokens[name] = _timed_steps(model, held[name], logits[:, -1].argmax(-1, keepdim=True), warmup)[1]
                     progress.advance(task)
-                bandwidths.append(read_bandwidth_gb_s() * 1e9)
+                samples: dict[str, list[float]] = {name: [] for name in caches}
+                for repeat in range(repeats):
+                    for name in caches:   # interleaved
+                        progress.update(task, description=f"{context} tokens: repeat {repeat + 1}/{repeats} {name}")
+                        if is_peer(name):
+                            seconds, tokens[name] = held[name].steps(tokens[name], steps)
+                        else:
+                            seconds, tokens[name] = _timed_steps(model, held[name], tokens[name], steps)
+                        samples[name].append(steps / seconds)
+                        progress.advance(task)
+                    bandwidths.append(read_bandwidth_gb_s() * 1e9)
+            finally:
+                for contender in held.values():
+                    if isinstance(contender, LlamaPeer):
+                        contender.close()
             mid = context + warmup + repeats * steps // 2
             for name in caches:
-                per_token, fixed = cache_cost(name, geometry, torch.float32)
-                kv_read = per_token * mid + fixed
+                if is_peer(name):
+                    per_token, fixed, step = kv_bytes_per_token(config, peer_kv(name)), 0, "llama.cpp"
+                else:
+                    (per_token, fixed), step = cache_cost(name, geometry, torch.float32), decode_step_kind(model, held[name])
+                kv_read = int(per_token * mid + fixed)
                 rate = statistics.median(samples[name])
                 results.append(ContextResult(
-                    asked=asked, context=context, cache=name, step=decode_step_kind(model, held[name]),
+                    asked=asked, context=context, cache=name, step=step,
                     tokens_per_s=rate, samples=[round(s, 3) for s in samples[name]], prefill_s=round(prefill_s[name], 3),
                     weight_bytes=loaded.weight_bytes, kv_bytes_read_per_step=kv_read,
                     bandwidth_gb_s=(loaded.weight_bytes + kv_read) * rate / 1e9, share_of_read_limit=0.0,
