@@ -130,10 +130,18 @@ def test_fixed_state_counts_the_recipe_and_every_held_codebook():
     assert cache.state_nbytes() - plain.state_nbytes() == books + 6 - plain.key_codes.nbytes - plain.value_codes.nbytes
 
 
-def test_smollm2_tq4_alloc_costs_no_more_than_tq4():
-    g = CacheGeometry(n_layers=30, n_kv_heads=3, head_dim=64, capacity=511, n_heads=9)
+def test_smollm2_alloc_caches_stay_within_the_issue_budgets():
+    """SmolLM2's geometry at 511 tokens, bf16 (the eval's bytes per token): tq4+alloc no more than tq4, and both
+    tq4-class caches within 6,227 B/token, tq3+alloc within 4,702 (its held 2- and 4-bit codebooks included)."""
+    from kvlab.eval.suite import bytes_per_token
+    from kvlab.model.config import DecoderConfig
+
+    smollm2 = DecoderConfig(vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3, d_ff=1536, max_seq_len=8192)
+    per_token = {name: bytes_per_token(name, smollm2)[0] for name in ("tq4", "tq4+alloc", "tq3+alloc")}
+    assert per_token["tq4+alloc"] <= per_token["tq4"] <= 6227 and per_token["tq3+alloc"] <= 4702, per_token
     recipe = "k" + "35" * 15 + "v" + "4" * 30
-    assert expected_nbytes(f"tq4+alloc={recipe}", g, torch.bfloat16, 511) <= expected_nbytes("tq4", g, torch.bfloat16, 511)
+    g = CacheGeometry.for_model(smollm2, capacity=511)
+    assert expected_nbytes(f"tq4+alloc={recipe}", g, torch.bfloat16, 511) == expected_nbytes("tq4+alloc", g, torch.bfloat16, 511)
 
 
 # -- names and bad recipes -----------------------------------------------------------------------------------

@@ -7,7 +7,9 @@ head dim in TurboQuant, and with a head dim that is a multiple of 8 a vector's c
 bytes, so the codes of every token cost exactly what the uniform cache's cost (a bit moved from one
 layer's values to another layer's keys is the same bytes). What the recipe adds is fixed state, counted:
 the recipe itself (one uint8 width per layer for keys and one for values) and the codebooks of every
-width a recipe may use (b-1, b, b+1), whatever this recipe uses, so the bytes do not depend on it.
+width a recipe may use (b-1, b, b+1), whatever this recipe uses, so the bytes do not depend on it (one
+codebook per width for keys and values, centroids and boundaries only: the torch path then unpacks codes
+instead of looking up whole bytes, the same values).
 
 A recipe is spelled in the cache name, one digit per layer, layer 0 first:
     tq4+alloc=k4453…v3444…      (n_layers digits after k, n_layers after v)

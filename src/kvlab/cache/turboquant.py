@@ -43,7 +43,8 @@ d/2 float32 RoPE frequencies (the model's, from CacheGeometry.rope_inv_freq), co
 
 `+alloc` (allocation.py): each layer codes its keys and its values at its own whole width, b-1..b+1,
 from a recipe at the uniform total (spelled `+alloc=k…v…`, or calibrated for the model, eval/calibrate.py):
-the per-token bytes are the uniform cache's; the recipe (L·2 uint8) and every held width's codebook count.
+the per-token bytes are the uniform cache's; the recipe (L·2 uint8) and every held width's codebook count
+(shared by keys and values, without the torch path's byte tables, so tq3+alloc stays within tq3's budget).
 Every read takes the layer's RotatedCodes (`layer_key_codes`, `layer_value_codes`).
 
 Fractional widths (tq3.5, tq2.5): after the rotation all d coordinates follow the same law, so no
@@ -201,9 +202,11 @@ class RotatedCodes:
     """Coordinate-wise Lloyd-Max codes of rotated unit vectors at a possibly fractional width.
 
     Width b = ⌊b⌋ + f: the first round(f·d) coordinates get ⌊b⌋+1 bits, the others ⌊b⌋ bits.
+    byte_tables: also hold, for 1, 2, 4 and 8 bits, the codebook values of every byte (the torch path's
+    lookup; without them it unpacks the codes, same values).
     """
 
-    def __init__(self, dim: int, bits: float, device: torch.device | str = "cpu"):
+    def __init__(self, dim: int, bits: float, device: torch.device | str = "cpu", byte_tables: bool = True):
         low = math.floor(bits)
         n_high = round((bits - low) * dim)
         if not math.isclose(n_high, (bits - low) * dim, abs_tol=1e-9):
@@ -216,7 +219,7 @@ class RotatedCodes:
             cent = torch.tensor(book.centroids, dtype=torch.float32, device=device)                # (2^b,)
             self.centroids.append(cent)
             self.boundaries.append(torch.tensor(book.boundaries, dtype=torch.float32, device=device))  # (2^b-1,)
-            self.byte_tables.append(_byte_table(cent, b) if 8 % b == 0 else None)                 # (256, 8/b)
+            self.byte_tables.append(_byte_table(cent, b) if byte_tables and 8 % b == 0 else None)  # (256, 8/b)
         self.layout = CodeLayout.of(self.parts, self.centroids, self.packed_bytes(dim, bits))  # what the C kernels read
 
     @staticmethod
@@ -226,12 +229,12 @@ class RotatedCodes:
         return (packed_nbytes(n_high, low + 1) if n_high else 0) + packed_nbytes(dim - n_high, low)
 
     @staticmethod
-    def table_bytes(dim: int, bits: float) -> int:
+    def table_bytes(dim: int, bits: float, byte_tables: bool = True) -> int:
         """Bytes of the float32 centroids + boundaries (+ byte tables for 1, 2, 4, 8 bits) held for this width."""
         low = math.floor(bits)
         n_high = round((bits - low) * dim)
         widths = ([low + 1] if n_high else []) + ([low] if dim > n_high else [])
-        return sum(4 * ((1 << b) + (1 << b) - 1 + (256 * (8 // b) if 8 % b == 0 else 0)) for b in widths)
+        return sum(4 * ((1 << b) + (1 << b) - 1 + (256 * (8 // b) if byte_tables and 8 % b == 0 else 0)) for b in widths)
 
     @property
     def nbytes(self) -> int:
@@ -277,7 +280,8 @@ class TurboQuantCache(CompressedCache):
             check_geometry(config.key_alloc, g.n_layers, d)
         # the codebooks of every width held (one each without +alloc), and each layer's (RotatedCodes per width)
         key_held, value_held = config.held_widths()
-        shared = {b: RotatedCodes(d, b, dev) for b in config.codebook_widths()} if config.alloc else {}
+        # +alloc: the held widths' codebooks, shared by keys and values, without byte tables (allocation.py)
+        shared = {b: RotatedCodes(d, b, dev, byte_tables=False) for b in config.codebook_widths()} if config.alloc else {}
         self.key_books = {b: shared.get(b) or RotatedCodes(d, b, dev) for b in key_held}
         self.value_books = {b: shared.get(b) or RotatedCodes(d, b, dev) for b in value_held}
         widths = {l: config.layer_widths(l) for l in range(g.n_layers)}
@@ -641,7 +645,7 @@ class TurboQuantCache(CompressedCache):
         per_token = n_layers * g.batch * g.n_kv_heads * slots * (per_vector_k + per_vector_v)
         haar = config.rotation == "haar"
         rotation = d if is_power_of_two(d) or haar else d * d * 4                 # signs, or a matrix per layer
-        fixed = n_layers * rotation + sum(RotatedCodes.table_bytes(d, b) for b in config.codebook_widths())
+        fixed = n_layers * rotation + sum(RotatedCodes.table_bytes(d, b, not config.alloc) for b in config.codebook_widths())
         if config.alloc:  # the codes cost the uniform widths' bytes (allocation.py); the recipe is one byte per width
             check_geometry(config.key_alloc, g.n_layers, d)
             fixed += g.n_layers * 2
