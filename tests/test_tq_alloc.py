@@ -40,6 +40,7 @@ BASES = {  # recipe name: (the uniform cache, the name without a recipe)
     "tq3+alloc=k234v333+sink2": ("tq3+sink2", "tq3+alloc+sink2"),
     "tq-k4v3+alloc=k553v233+recent8": ("tq-k4v3+recent8", "tq-k4v3+alloc+recent8"),
     "tq4+rot=haar+alloc=k543v354": ("tq4+rot=haar", "tq4+rot=haar+alloc"),
+    "tq4+alloc2=k264v444": ("tq4", "tq4+alloc2"),
 }
 NAMES = list(BASES)
 SMALL = WindowProtocol(length=96, prefill=32, chunk=32, n_windows=1)
@@ -146,7 +147,7 @@ def test_smollm2_alloc_caches_stay_within_the_issue_budgets():
 
 # -- names and bad recipes -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", NAMES + ["tq4+alloc", "tq4+prerope+alloc+sink1+seed2"])
+@pytest.mark.parametrize("name", NAMES + ["tq4+alloc", "tq4+alloc2", "tq4+prerope+alloc+sink1+seed2"])
 def test_names_round_trip(name):
     _, config = parse(name)
     assert parse(config.name)[1] == config
@@ -163,6 +164,8 @@ def test_names_round_trip(name):
     ("tq4+qjl+alloc", "whole base widths"),
     ("tq4+fp-first-last+alloc", "every layer"),
     ("tq4+alloc", "no recipe yet"),
+    ("tq4+alloc3", "spreads the widths by 1 or 2"),
+    ("tq4+alloc=k264v444", "outside 3..5"),
 ])
 def test_bad_recipes_are_one_line_errors(name, words):
     with pytest.raises(ConfigError) as err:
@@ -243,7 +246,7 @@ def test_the_engine_calibrates_once_stores_the_recipe_and_reads_it_back(loaded, 
     stored = list((calibrate.recipe_dir()).glob("*.json"))
     assert len(stored) == 1
     record = json.loads(stored[0].read_text())
-    assert record["cache"] == "tq4" and record["model_sha256"] == calibrate.model_digest(loaded.path)
+    assert record["cache"] == "tq4+alloc" and record["model_sha256"] == calibrate.model_digest(loaded.path)
     assert (tuple(record["keys"]), tuple(record["values"])) == (cache.config.key_alloc, cache.config.value_alloc)
     calibrate._MEMO.clear()                                # from disk now, not calibrated again
     monkeypatch.setattr(calibrate, "measure_harms", lambda *a, **k: pytest.fail("calibrated twice"))
@@ -254,9 +257,9 @@ def test_the_engine_calibrates_once_stores_the_recipe_and_reads_it_back(loaded, 
 @pytest.mark.parametrize("damage", ["not json", "other model", "bad widths"])
 def test_a_stored_recipe_that_does_not_fit_is_a_one_line_error(loaded, damage):
     digest = calibrate.model_digest(loaded.path)
-    path = calibrate.recipe_dir() / f"{digest[:16]}-tq4.json"
+    path = calibrate.recipe_dir() / f"{digest[:16]}-tq4+alloc.json"
     path.parent.mkdir(parents=True)
-    record = {"format": 1, "model_sha256": digest, "cache": "tq4", "keys": [5, 4], "values": [4, 3]}
+    record = {"format": 1, "model_sha256": digest, "cache": "tq4+alloc", "keys": [5, 4], "values": [4, 3]}
     if damage == "other model":
         record["model_sha256"] = "0" * 64
     if damage == "bad widths":

@@ -1,13 +1,13 @@
 """Per-layer bit allocation for TurboQuant (`+alloc`): the recipe, its checks and the allocator.
 
-A recipe gives every layer its own key width and value width, integers within ALLOC_SPREAD bits of the
-base name's (tq4+alloc: 3, 4 or 5 bits), with the same total as the uniform cache: the widths of all
+A recipe gives every layer its own key width and value width, integers within a spread of N bits of the
+base name's (`+allocN`, N = 1 or 2, `+alloc` is +alloc1: tq4+alloc takes 3, 4 or 5 bits, tq4+alloc2 2..6), with the same total as the uniform cache: the widths of all
 layers, keys and values together, sum to n_layers·(key bits + value bits). Keys and values have the same
 head dim in TurboQuant, and with a head dim that is a multiple of 8 a vector's codes cost exactly d·b/8
 bytes, so the codes of every token cost exactly what the uniform cache's cost (a bit moved from one
 layer's values to another layer's keys is the same bytes). What the recipe adds is fixed state, counted:
 the recipe itself (one uint8 width per layer for keys and one for values) and the codebooks of every
-width a recipe may use (b-1, b, b+1), whatever this recipe uses, so the bytes do not depend on it (one
+width a recipe may use (b-N .. b+N), whatever this recipe uses, so the bytes do not depend on it (one
 codebook per width for keys and values, centroids and boundaries only: the torch path then unpacks codes
 instead of looking up whole bytes, the same values).
 
@@ -27,14 +27,14 @@ import re
 
 from ..errors import ConfigError
 
-#: A recipe's widths lie within this many bits of the base width (and within 1..8).
-ALLOC_SPREAD = 1
+#: The spreads a name may ask for: a recipe's widths lie within that many bits of the base width (and 1..8).
+SPREADS = (1, 2)
 _RECIPE = re.compile(r"k([1-8]+)v([1-8]+)")
 
 
-def held_widths(base: int) -> tuple[int, ...]:
-    """The widths a recipe around `base` may use (their codebooks are held): base-1 .. base+1 within 1..8."""
-    return tuple(b for b in range(base - ALLOC_SPREAD, base + ALLOC_SPREAD + 1) if 1 <= b <= 8)
+def held_widths(base: int, spread: int = 1) -> tuple[int, ...]:
+    """The widths a recipe around `base` may use (their codebooks are held): base-spread .. base+spread within 1..8."""
+    return tuple(b for b in range(base - spread, base + spread + 1) if 1 <= b <= 8)
 
 
 def parse_recipe(text: str, name: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -50,12 +50,12 @@ def format_recipe(keys: tuple[int, ...], values: tuple[int, ...]) -> str:
     return "k" + "".join(map(str, keys)) + "v" + "".join(map(str, values))
 
 
-def check_recipe(keys: tuple[int, ...], values: tuple[int, ...], key_bits: int, value_bits: int) -> None:
+def check_recipe(keys: tuple[int, ...], values: tuple[int, ...], key_bits: int, value_bits: int, spread: int = 1) -> None:
     """Widths within the spread of their base and summing to the uniform budget (one-line ConfigError)."""
     if len(keys) != len(values) or not keys:
         raise ConfigError(f"+alloc recipe needs one key and one value width per layer, got {len(keys)} and {len(values)}")
     for what, widths, base in (("key", keys, key_bits), ("value", values, value_bits)):
-        allowed = held_widths(base)
+        allowed = held_widths(base, spread)
         bad = [w for w in widths if w not in allowed]
         if bad:
             raise ConfigError(f"+alloc {what} width {bad[0]} is outside {allowed[0]}..{allowed[-1]} (base {base} bits)")
@@ -77,15 +77,15 @@ def allocate(key_harm: list[dict[int, float]], value_harm: list[dict[int, float]
              value_bits: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The widths of least total harm at the uniform budget.
 
-    key_harm[l][w]: the measured harm of coding layer l's keys at w bits (every w of held_widths(key_bits));
-    value_harm likewise. Harms are taken as additive over layers. Ties keep the base width, then the
+    key_harm[l][w]: the measured harm of coding layer l's keys at w bits (the widths it may take: the keys
+    of key_harm[l], which hold key_bits); value_harm likewise. Harms are taken as additive over layers. Ties keep the base width, then the
     narrower one: the result is a function of the harms alone.
     """
     units = [(harm, key_bits) for harm in key_harm] + [(harm, value_bits) for harm in value_harm]
     # best[s]: (total harm, widths off their base, widths so far) over the units seen, the widths summing to base + s
     best: dict[int, tuple[float, int, tuple[int, ...]]] = {0: (0.0, 0, ())}
     for harm, base in units:
-        options = sorted(held_widths(base), key=lambda w: (w != base, w))         # base first, then narrower
+        options = sorted(harm, key=lambda w: (w != base, w))                      # base first, then narrower
         step: dict[int, tuple[float, int, tuple[int, ...]]] = {}
         for offset in sorted(best):
             total, moved, widths = best[offset]

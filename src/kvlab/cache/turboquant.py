@@ -41,7 +41,7 @@ d/2 float32 RoPE frequencies (the model's, from CacheGeometry.rope_inv_freq), co
 (d² float32 per cache, counted) and s_l each layer's ±1 signs, instead of the randomized Hadamard
 (which misses the paper's worst-case bound for inputs along a basis vector).
 
-`+alloc` (allocation.py): each layer codes its keys and its values at its own whole width, b-1..b+1,
+`+alloc` (allocation.py): each layer codes its keys and its values at its own whole width, b-N..b+N,
 from a recipe at the uniform total (spelled `+alloc=k…v…`, or calibrated for the model, eval/calibrate.py):
 the per-token bytes are the uniform cache's; the recipe (L·2 uint8) and every held width's codebook count
 (shared by keys and values, without the torch path's byte tables, so tq3+alloc stays within tq3's budget).
@@ -74,7 +74,7 @@ import torch.nn.functional as F
 
 from ..errors import ConfigError, NonFiniteError
 from ..kernels.codebook import CodeLayout, codebook_kernel_for
-from .allocation import check_geometry, check_recipe, format_recipe, held_widths
+from .allocation import SPREADS, check_geometry, check_recipe, format_recipe, held_widths
 from .base import CacheGeometry, copy_prefix, tensors_nbytes
 from .codebook import lloyd_max
 from . import compressed
@@ -119,7 +119,7 @@ class TurboQuantConfig:
     key_weights: bool = True           # query-aware key channel weights (see the module docstring)
     pre_rope: bool = False             # keys coded before RoPE, RoPE applied when reading (+prerope)
     rotation: str = "hadamard"         # "hadamard" (randomized, powers of two) or "haar" (+rot=haar, shared Q)
-    alloc: bool = False                # +alloc: a width per layer for keys and for values (allocation.py)
+    alloc: int = 0                     # +allocN: a width per layer for keys and for values within N bits of the base (allocation.py)
     key_alloc: tuple[int, ...] = ()    # the recipe's key widths, layer 0 first (): not spelled out yet
     value_alloc: tuple[int, ...] = ()
 
@@ -138,18 +138,20 @@ class TurboQuantConfig:
             raise ConfigError(f"TurboQuant rotations are hadamard or haar, got {self.rotation!r}")
         if self.norm_dtype not in (torch.float16, torch.bfloat16):
             raise ConfigError(f"TurboQuant norms are 16-bit floats, got {self.norm_dtype}")
-        if self.key_alloc or self.value_alloc:
-            object.__setattr__(self, "alloc", True)
+        if (self.key_alloc or self.value_alloc) and not self.alloc:
+            object.__setattr__(self, "alloc", 1)
         if self.alloc:
             self._check_alloc()
 
     def _check_alloc(self) -> None:
+        if self.alloc not in SPREADS:
+            raise ConfigError(f"+alloc spreads the widths by {' or '.join(map(str, SPREADS))} bits (+alloc, +alloc2), got {self.alloc}")
         if self.key_bits != int(self.key_bits) or self.value_bits != int(self.value_bits) or self.qjl:
             raise ConfigError("+alloc takes whole base widths without +qjl (tq4, tq-k4v3, ...)")
         if self.full.first_last or self.full.layer_list:
             raise ConfigError("+alloc spreads the bits over every layer: use it without +fp-first-last / +fp-layers=")
         if self.key_alloc or self.value_alloc:
-            check_recipe(self.key_alloc, self.value_alloc, int(self.key_bits), int(self.value_bits))
+            check_recipe(self.key_alloc, self.value_alloc, int(self.key_bits), int(self.value_bits), self.alloc)
 
     @property
     def name(self) -> str:
@@ -167,7 +169,7 @@ class TurboQuantConfig:
             numerics = f"+center={self.center or 'none'}" + numerics
         options = ("+qjl" if self.qjl else "") + ("+prerope" if self.pre_rope else "") + ("+rot=haar" if self.rotation == "haar" else "")
         if self.alloc:
-            options += "+alloc" + (f"={format_recipe(self.key_alloc, self.value_alloc)}" if self.key_alloc else "")
+            options += "+alloc" + (str(self.alloc) if self.alloc > 1 else "") + (f"={format_recipe(self.key_alloc, self.value_alloc)}" if self.key_alloc else "")
         return base + options + self.full.suffix + numerics
 
     @property
@@ -187,7 +189,7 @@ class TurboQuantConfig:
     def held_widths(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """The key and value widths whose codebooks a cache holds (all a recipe may use, with +alloc)."""
         if self.alloc:
-            return held_widths(int(self.key_bits)), held_widths(int(self.value_bits))
+            return held_widths(int(self.key_bits), self.alloc), held_widths(int(self.value_bits), self.alloc)
         return (self.code_bits,), (self.value_bits,)
 
     def codebook_widths(self) -> list[float]:

@@ -6,7 +6,7 @@ of the calibration plays (corpus.CALIBRATION_PLAYS, disjoint from the evaluation
     width b (layer l's other half coded at 8 bits, every other layer dense): the harm as the model's output
     feels it, through every later layer;
   * e_u(w): the mean squared error of block l's output with the unit coded at each width w the recipe may use
-    (b-1, b, b+1) against the dense block's: how the unit's own error grows or shrinks by a bit.
+    (b-N .. b+N) against the dense block's: how the unit's own error grows or shrinks by a bit.
 The harm of width w is KL_u·e_u(w)/e_u(b) (small errors: the KL is quadratic in the perturbation, as the
 squared error is), so one pass through the later layers per unit serves every width. Every run feeds the
 window in the evaluation's chunks (prefill, then chunks: the key offsets and weights calibrate as in eval),
@@ -15,7 +15,7 @@ is 0 for every recipe: `tq4+alloc+seed1` reads the same recipe with other rotati
 
 Recipes are kept in-process and on disk as JSON (never pickled) under the user cache directory
 ($KVLAB_CACHE_DIR/alloc, ...), keyed by the model file's SHA-256 and the cache's name without +alloc and
-+seedN; a stored recipe that does not parse or does not fit is a one-line ConfigError naming the file.
++seedN (tq4+alloc+sink1, tq4+alloc2); a stored recipe that does not parse or does not fit is a one-line ConfigError naming the file.
 """
 
 from __future__ import annotations
@@ -70,14 +70,14 @@ def measure_harms(model, token_windows: list[torch.Tensor], config: TurboQuantCo
     L = model.config.n_layers
     base = {"keys": int(config.key_bits), "values": int(config.value_bits)}
     kl = {kind: [0.0] * L for kind in base}
-    err = {kind: [{w: 0.0 for w in held_widths(base[kind])} for _ in range(L)] for kind in base}
+    err = {kind: [{w: 0.0 for w in held_widths(base[kind], config.alloc)} for _ in range(L)] for kind in base}
     for tokens in token_windows:
         hidden = _dense_hidden(model, tokens)                                     # L+1 × (1, T, C)
         geometry = CacheGeometry.for_model(model.config, batch=1, capacity=tokens.shape[1])
         reference = _head(model, _run_blocks(model, hidden[0], 0, L, DenseCache(geometry), protocol), protocol)
         for kind in base:
             for layer in range(L):
-                for width in held_widths(base[kind]):
+                for width in held_widths(base[kind], config.alloc):
                     cache = _unit_cache(geometry, config, layer, kind, width)
                     out = _run_blocks(model, hidden[layer], layer, layer + 1, cache, protocol)  # (1, T, C)
                     err[kind][layer][width] += (out - hidden[layer + 1])[0, protocol.prefill:].square().sum().item()
@@ -103,7 +103,7 @@ def _unit_cache(geometry: CacheGeometry, config: TurboQuantConfig, layer: int, k
     """A cache coding only `layer`, its keys (kind "keys") or values at `width`, the other half at OTHER_BITS."""
     others = tuple(l for l in range(geometry.n_layers) if l != layer)
     key_bits, value_bits = (width, OTHER_BITS) if kind == "keys" else (OTHER_BITS, width)
-    unit = replace(config, key_bits=key_bits, value_bits=value_bits, alloc=False, key_alloc=(), value_alloc=(), seed=0,
+    unit = replace(config, key_bits=key_bits, value_bits=value_bits, alloc=0, key_alloc=(), value_alloc=(), seed=0,
                    full=replace(config.full, first_last=False, layer_list=others))
     return TurboQuantCache(geometry, config=unit)
 
@@ -156,7 +156,7 @@ def resolve(name: str, loaded) -> str:
         return name
     check_geometry((), loaded.config.n_layers, loaded.config.head_dim)
     digest = model_digest(Path(loaded.path))
-    calibrated = replace(config, alloc=False, seed=0).name                        # what the recipe is for
+    calibrated = replace(config, seed=0).name                                     # what the recipe is for: tq4+alloc
     memo = (digest, calibrated)
     if memo not in _MEMO:
         path = recipe_dir() / f"{digest[:16]}-{calibrated.replace('=', '_')}.json"
@@ -196,7 +196,7 @@ def load_recipe(path: Path, digest: str, calibrated: str, config: TurboQuantConf
         keys, values = tuple(int(w) for w in data["keys"]), tuple(int(w) for w in data["values"])
         if data["format"] != _FORMAT or data["model_sha256"] != digest or data["cache"] != calibrated:
             raise ValueError("for another model, cache or format")
-        check_recipe(keys, values, int(config.key_bits), int(config.value_bits))
+        check_recipe(keys, values, int(config.key_bits), int(config.value_bits), config.alloc)
         if len(keys) != n_layers:
             raise ValueError(f"{len(keys)} layers, the model has {n_layers}")
     except (OSError, ValueError, KeyError, TypeError, ConfigError) as err:
