@@ -1,15 +1,15 @@
 """Per-layer bit allocation for TurboQuant (`+alloc`): the recipe, its checks and the allocator.
 
-A recipe gives every layer its own key width and value width, integers within a spread of N bits of the
-base name's (`+allocN`, N = 1 or 2, `+alloc` is +alloc1: tq4+alloc takes 3, 4 or 5 bits, tq4+alloc2 2..6), with the same total as the uniform cache: the widths of all
-layers, keys and values together, sum to n_layers·(key bits + value bits). Keys and values have the same
-head dim in TurboQuant, and with a head dim that is a multiple of 8 a vector's codes cost exactly d·b/8
-bytes, so the codes of every token cost exactly what the uniform cache's cost (a bit moved from one
-layer's values to another layer's keys is the same bytes). What the recipe adds is fixed state, counted:
-the recipe itself (one uint8 width per layer for keys and one for values) and the codebooks of every
-width a recipe may use (b-N .. b+N), whatever this recipe uses, so the bytes do not depend on it (one
-codebook per width for keys and values, centroids and boundaries only: the torch path then unpacks codes
-instead of looking up whole bytes, the same values).
+A recipe gives every layer its own key width and value width, integers within N bits of the base name's
+(`+allocN`, N = 1 or 2; `+alloc` is N = 1: tq4+alloc takes 3, 4 or 5 bits, tq4+alloc2 2..6), with the
+same total as the uniform cache: the widths of all layers, keys and values together, sum to
+n_layers·(key bits + value bits). Keys and values have the same head dim in TurboQuant, and with a head
+dim that is a multiple of 8 a vector's codes cost exactly d·b/8 bytes, so the codes of every token cost
+exactly what the uniform cache's cost (a bit moved from one layer's values to another layer's keys is the
+same bytes). What the recipe adds is fixed state, counted: the recipe itself (one uint8 width per layer for
+keys and one for values) and the codebooks of every width a recipe may use (b-N .. b+N), whatever this
+recipe uses, so the bytes do not depend on it (one codebook per width for keys and values, centroids and
+boundaries only: the torch path then unpacks codes instead of looking up whole bytes, the same values).
 
 A recipe is spelled in the cache name, one digit per layer, layer 0 first:
     tq4+alloc=k4453…v3444…      (n_layers digits after k, n_layers after v)

@@ -119,7 +119,7 @@ class TurboQuantConfig:
     key_weights: bool = True           # query-aware key channel weights (see the module docstring)
     pre_rope: bool = False             # keys coded before RoPE, RoPE applied when reading (+prerope)
     rotation: str = "hadamard"         # "hadamard" (randomized, powers of two) or "haar" (+rot=haar, shared Q)
-    alloc: int = 0                     # +allocN: a width per layer for keys and for values within N bits of the base (allocation.py)
+    alloc: int = 0                     # +allocN: per-layer key / value widths within N bits of the base (allocation.py)
     key_alloc: tuple[int, ...] = ()    # the recipe's key widths, layer 0 first (): not spelled out yet
     value_alloc: tuple[int, ...] = ()
 
@@ -145,7 +145,8 @@ class TurboQuantConfig:
 
     def _check_alloc(self) -> None:
         if self.alloc not in SPREADS:
-            raise ConfigError(f"+alloc spreads the widths by {' or '.join(map(str, SPREADS))} bits (+alloc, +alloc2), got {self.alloc}")
+            spreads = " or ".join(map(str, SPREADS))
+            raise ConfigError(f"+alloc spreads the widths by {spreads} bits (+alloc, +alloc2), got {self.alloc}")
         if self.key_bits != int(self.key_bits) or self.value_bits != int(self.value_bits) or self.qjl:
             raise ConfigError("+alloc takes whole base widths without +qjl (tq4, tq-k4v3, ...)")
         if self.full.first_last or self.full.layer_list:
@@ -169,7 +170,8 @@ class TurboQuantConfig:
             numerics = f"+center={self.center or 'none'}" + numerics
         options = ("+qjl" if self.qjl else "") + ("+prerope" if self.pre_rope else "") + ("+rot=haar" if self.rotation == "haar" else "")
         if self.alloc:
-            options += "+alloc" + (str(self.alloc) if self.alloc > 1 else "") + (f"={format_recipe(self.key_alloc, self.value_alloc)}" if self.key_alloc else "")
+            options += "+alloc" + (str(self.alloc) if self.alloc > 1 else "")
+            options += f"={format_recipe(self.key_alloc, self.value_alloc)}" if self.key_alloc else ""
         return base + options + self.full.suffix + numerics
 
     @property
