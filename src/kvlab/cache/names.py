@@ -22,6 +22,10 @@
                                         (KVQuant; + the d/2 float32 RoPE frequencies per cache)
              | "rot=" R                 (tq) rotation: hadamard (default: randomized Hadamard for powers
                                         of two) or haar (per layer Q·diag(s), one d×d float32 Q per cache)
+             | "alloc" [N]              (tq) a key and a value width per layer (W-N..W+N, N = 1 (default)
+                                        or 2) at the uniform total, calibrated for the model the cache
+                                        is made for
+             | "alloc" [N] "=k" D+ "v" D+   (tq) that recipe spelled out, one digit per layer (allocation.py)
     options that change no byte (numerics, for ablations):
              | "kscale=" M | "vscale=" M   how the 16-bit per-vector scale is chosen
                                         (tq; M in norm (the paper), renorm (default), lsq, unbiased)
@@ -40,6 +44,7 @@ from dataclasses import replace
 import torch
 
 from ..errors import ConfigError
+from .allocation import parse_recipe
 from .compressed import FullPrecision
 from .quantized import QuantizedCache, QuantizedConfig
 from .turboquant import TurboQuantCache, TurboQuantConfig
@@ -100,10 +105,14 @@ def parse(name: str) -> tuple[type, object]:
             settings["rotation"] = m.group(1)
         elif m := re.fullmatch(r"seed(\d+)", option):
             settings["seed"] = int(m.group(1))
+        elif m := re.fullmatch(r"alloc(\d?)(=.*)?", option):
+            settings["alloc"] = int(m.group(1) or 1)
+            if m.group(2):
+                settings["key_alloc"], settings["value_alloc"] = parse_recipe(m.group(2)[1:], name)
         else:
             raise ConfigError(
                 f"unknown option {option!r} in cache {name!r}; TurboQuant caches take +qjl, +recentN, +fp-first-last, "
-                "+center=C, +kweights=none, +prerope, +rot=R, +kscale=M, +vscale=M, +bf16norms, +seedN"
+                "+center=C, +kweights=none, +prerope, +rot=R, +alloc[N][=recipe], +kscale=M, +vscale=M, +bf16norms, +seedN"
             )
     return TurboQuantCache, TurboQuantConfig(**settings)
 

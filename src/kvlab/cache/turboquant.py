@@ -41,6 +41,12 @@ d/2 float32 RoPE frequencies (the model's, from CacheGeometry.rope_inv_freq), co
 (d² float32 per cache, counted) and s_l each layer's ±1 signs, instead of the randomized Hadamard
 (which misses the paper's worst-case bound for inputs along a basis vector).
 
+`+alloc` (allocation.py): each layer codes its keys and its values at its own whole width, b-N..b+N,
+from a recipe at the uniform total (spelled `+alloc=k…v…`, or calibrated for the model, eval/calibrate.py):
+the per-token bytes are the uniform cache's; the recipe (L·2 uint8) and every held width's codebook count
+(shared by keys and values, without the torch path's byte tables, so tq3+alloc stays within tq3's budget).
+Every read takes the layer's RotatedCodes (`layer_key_codes`, `layer_value_codes`).
+
 Fractional widths (tq3.5, tq2.5): after the rotation all d coordinates follow the same law, so no
 channel is an outlier any more; "outlier channels" are simply the first ⌊frac·d⌉ rotated
 coordinates, quantized at ⌊b⌋+1 bits, the rest at ⌊b⌋ bits (both with the d-dimensional codebook).
@@ -68,6 +74,7 @@ import torch.nn.functional as F
 
 from ..errors import ConfigError, NonFiniteError
 from ..kernels.codebook import CodeLayout, codebook_kernel_for
+from .allocation import SPREADS, check_geometry, check_recipe, format_recipe, held_widths
 from .base import CacheGeometry, copy_prefix, tensors_nbytes
 from .codebook import lloyd_max
 from . import compressed
@@ -112,6 +119,9 @@ class TurboQuantConfig:
     key_weights: bool = True           # query-aware key channel weights (see the module docstring)
     pre_rope: bool = False             # keys coded before RoPE, RoPE applied when reading (+prerope)
     rotation: str = "hadamard"         # "hadamard" (randomized, powers of two) or "haar" (+rot=haar, shared Q)
+    alloc: int = 0                     # +allocN: per-layer key / value widths within N bits of the base (allocation.py)
+    key_alloc: tuple[int, ...] = ()    # the recipe's key widths, layer 0 first (): not spelled out yet
+    value_alloc: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for what, bits in (("key", self.key_bits), ("value", self.value_bits)):
@@ -128,6 +138,21 @@ class TurboQuantConfig:
             raise ConfigError(f"TurboQuant rotations are hadamard or haar, got {self.rotation!r}")
         if self.norm_dtype not in (torch.float16, torch.bfloat16):
             raise ConfigError(f"TurboQuant norms are 16-bit floats, got {self.norm_dtype}")
+        if (self.key_alloc or self.value_alloc) and not self.alloc:
+            object.__setattr__(self, "alloc", 1)
+        if self.alloc:
+            self._check_alloc()
+
+    def _check_alloc(self) -> None:
+        if self.alloc not in SPREADS:
+            spreads = " or ".join(map(str, SPREADS))
+            raise ConfigError(f"+alloc spreads the widths by {spreads} bits (+alloc, +alloc2), got {self.alloc}")
+        if self.key_bits != int(self.key_bits) or self.value_bits != int(self.value_bits) or self.qjl:
+            raise ConfigError("+alloc takes whole base widths without +qjl (tq4, tq-k4v3, ...)")
+        if self.full.first_last or self.full.layer_list:
+            raise ConfigError("+alloc spreads the bits over every layer: use it without +fp-first-last / +fp-layers=")
+        if self.key_alloc or self.value_alloc:
+            check_recipe(self.key_alloc, self.value_alloc, int(self.key_bits), int(self.value_bits), self.alloc)
 
     @property
     def name(self) -> str:
@@ -144,6 +169,9 @@ class TurboQuantConfig:
         if self.center != TurboQuantConfig.center:
             numerics = f"+center={self.center or 'none'}" + numerics
         options = ("+qjl" if self.qjl else "") + ("+prerope" if self.pre_rope else "") + ("+rot=haar" if self.rotation == "haar" else "")
+        if self.alloc:
+            options += "+alloc" + (str(self.alloc) if self.alloc > 1 else "")
+            options += f"={format_recipe(self.key_alloc, self.value_alloc)}" if self.key_alloc else ""
         return base + options + self.full.suffix + numerics
 
     @property
@@ -151,14 +179,38 @@ class TurboQuantConfig:
         """Bits of Lloyd-Max codes per key coordinate (one fewer with qjl)."""
         return self.key_bits - 1 if self.qjl else self.key_bits
 
+    def layer_widths(self, layer: int) -> tuple[float, float]:
+        """(key code bits, value bits) of `layer`: the recipe's with +alloc, else the base widths."""
+        if self.alloc and not self.key_alloc:
+            raise ConfigError(f"cache {self.name!r} has no recipe yet: build it through an engine that calibrates it for "
+                              "its model (kvlab eval / generate), or spell the recipe as +alloc=k<digits>v<digits>")
+        if self.key_alloc:
+            return self.key_alloc[layer], self.value_alloc[layer]
+        return self.code_bits, self.value_bits
+
+    def held_widths(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """The key and value widths whose codebooks a cache holds (all a recipe may use, with +alloc)."""
+        if self.alloc:
+            return held_widths(int(self.key_bits), self.alloc), held_widths(int(self.value_bits), self.alloc)
+        return (self.code_bits,), (self.value_bits,)
+
+    def codebook_widths(self) -> list[float]:
+        """One entry per codebook the cache holds: the key and the value width, or with +alloc every held
+        width once (keys and values share them)."""
+        if self.alloc:
+            return sorted(set(self.held_widths()[0]) | set(self.held_widths()[1]))
+        return [self.code_bits, self.value_bits]
+
 
 class RotatedCodes:
     """Coordinate-wise Lloyd-Max codes of rotated unit vectors at a possibly fractional width.
 
     Width b = ⌊b⌋ + f: the first round(f·d) coordinates get ⌊b⌋+1 bits, the others ⌊b⌋ bits.
+    byte_tables: also hold, for 1, 2, 4 and 8 bits, the codebook values of every byte (the torch path's
+    lookup; without them it unpacks the codes, same values).
     """
 
-    def __init__(self, dim: int, bits: float, device: torch.device | str = "cpu"):
+    def __init__(self, dim: int, bits: float, device: torch.device | str = "cpu", byte_tables: bool = True):
         low = math.floor(bits)
         n_high = round((bits - low) * dim)
         if not math.isclose(n_high, (bits - low) * dim, abs_tol=1e-9):
@@ -171,7 +223,7 @@ class RotatedCodes:
             cent = torch.tensor(book.centroids, dtype=torch.float32, device=device)                # (2^b,)
             self.centroids.append(cent)
             self.boundaries.append(torch.tensor(book.boundaries, dtype=torch.float32, device=device))  # (2^b-1,)
-            self.byte_tables.append(_byte_table(cent, b) if 8 % b == 0 else None)                 # (256, 8/b)
+            self.byte_tables.append(_byte_table(cent, b) if byte_tables and 8 % b == 0 else None)  # (256, 8/b)
         self.layout = CodeLayout.of(self.parts, self.centroids, self.packed_bytes(dim, bits))  # what the C kernels read
 
     @staticmethod
@@ -181,12 +233,12 @@ class RotatedCodes:
         return (packed_nbytes(n_high, low + 1) if n_high else 0) + packed_nbytes(dim - n_high, low)
 
     @staticmethod
-    def table_bytes(dim: int, bits: float) -> int:
+    def table_bytes(dim: int, bits: float, byte_tables: bool = True) -> int:
         """Bytes of the float32 centroids + boundaries (+ byte tables for 1, 2, 4, 8 bits) held for this width."""
         low = math.floor(bits)
         n_high = round((bits - low) * dim)
         widths = ([low + 1] if n_high else []) + ([low] if dim > n_high else [])
-        return sum(4 * ((1 << b) + (1 << b) - 1 + (256 * (8 // b) if 8 % b == 0 else 0)) for b in widths)
+        return sum(4 * ((1 << b) + (1 << b) - 1 + (256 * (8 // b) if byte_tables and 8 % b == 0 else 0)) for b in widths)
 
     @property
     def nbytes(self) -> int:
@@ -228,8 +280,21 @@ class TurboQuantCache(CompressedCache):
         if g.head_dim != g.head_dim_v:
             raise ConfigError(f"TurboQuant needs equal key and value head dims, got {g.head_dim} and {g.head_dim_v}")
         d, dev = g.head_dim, self.device
-        self.key_codes = RotatedCodes(d, config.code_bits, dev)
-        self.value_codes = RotatedCodes(d, config.value_bits, dev)
+        if config.alloc:
+            check_geometry(config.key_alloc, g.n_layers, d)
+        # the codebooks of every width held (one each without +alloc), and each layer's (RotatedCodes per width)
+        key_held, value_held = config.held_widths()
+        # +alloc: the held widths' codebooks, shared by keys and values, without byte tables (allocation.py)
+        shared = {b: RotatedCodes(d, b, dev, byte_tables=False) for b in config.codebook_widths()} if config.alloc else {}
+        self.key_books = {b: shared.get(b) or RotatedCodes(d, b, dev) for b in key_held}
+        self.value_books = {b: shared.get(b) or RotatedCodes(d, b, dev) for b in value_held}
+        widths = {l: config.layer_widths(l) for l in range(g.n_layers)}
+        self.layer_key_codes = {l: self.key_books[widths[l][0]] for l in self.compressed_layers}
+        self.layer_value_codes = {l: self.value_books[widths[l][1]] for l in self.compressed_layers}
+        self.key_codes, self.value_codes = self.key_books[config.code_bits], self.value_books[config.value_bits]  # base widths
+        # +alloc: the recipe is state the cache holds, one uint8 key and value width per layer
+        self.recipe = torch.tensor([widths[l] for l in range(g.n_layers)], dtype=torch.uint8, device=dev) \
+            if config.alloc else None                                                       # (L, 2)
         # attention straight from the codes in C on CPU (kernels/codebook.c); None: torch decodes (the reference)
         self.code_kernel = codebook_kernel_for(self.device)
         self.haar_basis = None                                                               # (d, d) Q shared by the layers
@@ -239,13 +304,15 @@ class TurboQuantCache(CompressedCache):
         B, H, S = g.batch, g.n_kv_heads, self.slots
         nd = config.norm_dtype
 
-        def buffers(width: int, dtype: torch.dtype) -> dict[int, torch.Tensor]:
-            shape = (B, H, S, width) if width else (B, H, S)
-            return {l: torch.zeros(shape, dtype=dtype, device=dev) for l in self.compressed_layers}
+        def buffers(width, dtype: torch.dtype) -> dict[int, torch.Tensor]:
+            """width: bytes per token (0: one value per token), or a function of the layer giving them."""
+            shape = lambda l: (B, H, S, width(l)) if callable(width) else ((B, H, S, width) if width else (B, H, S))
+            return {l: torch.zeros(shape(l), dtype=dtype, device=dev) for l in self.compressed_layers}
 
-        self.k_codes = buffers(RotatedCodes.packed_bytes(d, config.code_bits), torch.uint8)  # (B, H, S, bytes)
+        packed = lambda books: lambda l: RotatedCodes.packed_bytes(d, books[l].bits)
+        self.k_codes = buffers(packed(self.layer_key_codes), torch.uint8)                    # (B, H, S, bytes)
         self.k_norm = buffers(0, nd)                                                         # (B, H, S)
-        self.v_codes = buffers(RotatedCodes.packed_bytes(d, config.value_bits), torch.uint8)
+        self.v_codes = buffers(packed(self.layer_value_codes), torch.uint8)
         self.v_norm = buffers(0, nd)
         # offsets: the mean of the first tokens each layer stores, subtracted before and added after coding
         def offsets(which: str) -> dict[int, torch.Tensor]:
@@ -386,7 +453,7 @@ class TurboQuantCache(CompressedCache):
             v = v.float() - self.v_offset[layer][:, :, None].float()
         out = {}
         y, norm = self._unit(rot, k)                                              # (B, H, T, d), (B, H, T)
-        out["k_codes"], y_hat = self.key_codes.encode(y)
+        out["k_codes"], y_hat = self.layer_key_codes[layer].encode(y)
         out["k_norm"] = self._to_norm(norm * _scale_factor(self._key_scale, y, y_hat), "key")
         if self.config.qjl:
             r = y - y_hat                                                         # (B, H, T, d) residual
@@ -394,7 +461,7 @@ class TurboQuantCache(CompressedCache):
             out["k_signs"] = pack((sketch >= 0).to(torch.uint8), 1)
             out["k_rnorm"] = self._to_norm(r.norm(dim=-1), "key residual")
         y, norm = self._unit(rot, v)
-        out["v_codes"], y_hat = self.value_codes.encode(y)
+        out["v_codes"], y_hat = self.layer_value_codes[layer].encode(y)
         out["v_norm"] = self._to_norm(norm * _scale_factor(self.config.value_scale, y, y_hat), "value")
         return out
 
@@ -453,14 +520,14 @@ class TurboQuantCache(CompressedCache):
         q_rot = self._rotated_queries(layer, qg) * self.scale                      # (B, H, G·T, d)
         norms = stored["k_norm"][:, :, None, :n]                                   # (B, H, 1, n) 16-bit
         if self.code_kernel is not None and not _decode_chunk(qg.shape[2], n):     # few rows or many keys: dots in C
-            dots = self.code_kernel.dots(stored["k_codes"], 0, n, self.key_codes.layout, q_rot)  # (B, H, G·T, n)
+            dots = self.code_kernel.dots(stored["k_codes"], 0, n, self.layer_key_codes[layer].layout, q_rot)  # (B, H, G·T, n)
             if self.config.qjl:  # q·Sᵀsign(Sr) = (Sq)·sign(Sr): the signs are 1-bit codes read like the others
                 sketched = q_rot @ self.qjl_matrix.T                              # (B, H, G·T, m) Sq
                 signs = self.code_kernel.dots(stored["k_signs"], 0, n, self.sign_layout, sketched)
                 dots += signs * self._qjl_coef(stored, 0, n)[:, :, None]
             scores = dots.mul_(norms)                                             # fp32 × 16-bit stays fp32
         else:  # the reference (torch decodes), or many rows against few keys (C decodes them, then a GEMM)
-            y_hat = self._decoded(stored["k_codes"], self.key_codes, 0, n)        # (B, H, n, d) codebook values
+            y_hat = self._decoded(stored["k_codes"], self.layer_key_codes[layer], 0, n)        # (B, H, n, d) codebook values
             if self.config.qjl:
                 y_hat = y_hat + self._qjl_term(stored, 0, n)                      # unbiased residual estimate
             scores = q_rot @ (y_hat * norms.transpose(-1, -2)).transpose(-1, -2)  # (B, H, G·T, n)
@@ -472,9 +539,9 @@ class TurboQuantCache(CompressedCache):
         """Σ_i p_i·v_i over the first n tokens of `stored` (see `scores`); p (B, H, G·T, n) -> (B, H, G·T, d)."""
         norms = stored["v_norm"][:, :, None, :n]                                   # (B, H, 1, n) 16-bit
         if self.code_kernel is not None and not _decode_chunk(p.shape[2], n):
-            mixed = self.code_kernel.mix(stored["v_codes"], 0, n, self.value_codes.layout, p * norms)  # (B, H, G·T, d)
+            mixed = self.code_kernel.mix(stored["v_codes"], 0, n, self.layer_value_codes[layer].layout, p * norms)  # (B, H, G·T, d)
         else:
-            mixed = p @ (self._decoded(stored["v_codes"], self.value_codes, 0, n) * norms.transpose(-1, -2))
+            mixed = p @ (self._decoded(stored["v_codes"], self.layer_value_codes[layer], 0, n) * norms.transpose(-1, -2))
         out = self.rotations[layer].invert(mixed)                                  # (B, H, G·T, d)
         if self.v_offset:
             out = out + p.sum(dim=-1, keepdim=True) * self.v_offset[layer][:, :, None].float()
@@ -490,11 +557,11 @@ class TurboQuantCache(CompressedCache):
         """Keys and values of [lo, hi) decoded (in C, a chunk's transient) in the rotated domain with their
         norms, one fused attention there, one inverse rotation of its output; q·μ shifts the log-sum-exp."""
         stored = self._buffers(layer)
-        keys = self._decoded(stored["k_codes"], self.key_codes, lo, hi)            # (B, H, n, d) codebook values
+        keys = self._decoded(stored["k_codes"], self.layer_key_codes[layer], lo, hi)            # (B, H, n, d) codebook values
         if self.config.qjl:
             keys = keys + self._qjl_term(stored, lo, hi)
         keys = keys * stored["k_norm"][:, :, lo:hi, None].float()
-        values = self._decoded(stored["v_codes"], self.value_codes, lo, hi) * stored["v_norm"][:, :, lo:hi, None].float()
+        values = self._decoded(stored["v_codes"], self.layer_value_codes[layer], lo, hi) * stored["v_norm"][:, :, lo:hi, None].float()
         out, lse = attend_with_lse(self._rotated_queries(layer, qg), keys, values, self.scale, mask)  # (B, H, R, d), (B, H, R)
         if self.k_offset:
             lse = lse + (qg @ self.k_offset[layer][..., None].float())[..., 0] * self.scale  # q·μ, the same for every key
@@ -516,7 +583,7 @@ class TurboQuantCache(CompressedCache):
 
     def _keys(self, layer: int, stored: dict[str, torch.Tensor], n: int) -> torch.Tensor:
         """The first n stored keys as attention reads them (after RoPE with +prerope), (B, H, n, d) float32."""
-        k_rot = self._decoded(stored["k_codes"], self.key_codes, 0, n)
+        k_rot = self._decoded(stored["k_codes"], self.layer_key_codes[layer], 0, n)
         if self.config.qjl:
             k_rot = k_rot + self._qjl_term(stored, 0, n)
         k = self.rotations[layer].invert(k_rot * stored["k_norm"][:, :, :n].float()[..., None])
@@ -536,7 +603,7 @@ class TurboQuantCache(CompressedCache):
         """The inverse of `code`: the first n (default: all) tokens of `stored` -> k, v (B, H, n, d) float32 as
         attention reads them."""
         n = stored["k_codes"].shape[2] if n is None else n
-        v = self._decoded(stored["v_codes"], self.value_codes, 0, n) * stored["v_norm"][:, :, :n].float()[..., None]
+        v = self._decoded(stored["v_codes"], self.layer_value_codes[layer], 0, n) * stored["v_norm"][:, :, :n].float()[..., None]
         v = self.rotations[layer].invert(v)
         if self.v_offset:
             v = v + self.v_offset[layer][:, :, None].float()
@@ -563,7 +630,10 @@ class TurboQuantCache(CompressedCache):
 
     def state_nbytes(self) -> int:
         """Bytes of the state every token shares: rotations, codebooks, offsets, key weights, the QJL matrix."""
-        fixed = sum(r.nbytes for r in self.rotations.values()) + self.key_codes.nbytes + self.value_codes.nbytes
+        fixed = sum(r.nbytes for r in self.rotations.values())
+        books = {id(book): book for book in (*self.key_books.values(), *self.value_books.values())}  # shared ones once
+        fixed += sum(book.nbytes for book in books.values())
+        fixed += tensors_nbytes(self.recipe)
         fixed += tensors_nbytes(self.qjl_matrix, *self.k_offset.values(), *self.v_offset.values(), *self.k_weight_codes.values())
         if self.rope_inv_freq is not None:
             fixed += tensors_nbytes(self.rope_inv_freq)
@@ -579,7 +649,10 @@ class TurboQuantCache(CompressedCache):
         per_token = n_layers * g.batch * g.n_kv_heads * slots * (per_vector_k + per_vector_v)
         haar = config.rotation == "haar"
         rotation = d if is_power_of_two(d) or haar else d * d * 4                 # signs, or a matrix per layer
-        fixed = n_layers * rotation + RotatedCodes.table_bytes(d, config.code_bits) + RotatedCodes.table_bytes(d, config.value_bits)
+        fixed = n_layers * rotation + sum(RotatedCodes.table_bytes(d, b, not config.alloc) for b in config.codebook_widths())
+        if config.alloc:  # the codes cost the uniform widths' bytes (allocation.py); the recipe is one byte per width
+            check_geometry(config.key_alloc, g.n_layers, d)
+            fixed += g.n_layers * 2
         if config.qjl:
             fixed += d * d * 4
         fixed += len(config.center) * n_layers * g.batch * g.n_kv_heads * d * _OFFSET_BYTES
@@ -616,6 +689,10 @@ class TurboQuantCache(CompressedCache):
             fixed += f", 4-bit key channel weights per KV head ({packed_nbytes(d, WEIGHT_BITS)} B each)"
         if config.pre_rope:
             fixed += f"; keys coded before RoPE (per cache: {d // 2} float32 RoPE frequencies)"
+        if config.alloc:
+            key_held, value_held = config.held_widths()
+            fixed += (f"; +alloc: each layer's key ({key_held[0]}..{key_held[-1]}) and value ({value_held[0]}..{value_held[-1]}) "
+                      "widths from a calibration recipe at the same total (1 B each per layer, every width's codebook held)")
         return f"{key} = {k} B; per value vector: {d}×{config.value_bits:g}-bit codes + 16-bit norm = {v} B{fixed}"
 
 

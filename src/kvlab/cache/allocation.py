@@ -1,0 +1,100 @@
+"""Per-layer bit allocation for TurboQuant (`+alloc`): the recipe, its checks and the allocator.
+
+A recipe gives every layer its own key width and value width, integers within N bits of the base name's
+(`+allocN`, N = 1 or 2; `+alloc` is N = 1: tq4+alloc takes 3, 4 or 5 bits, tq4+alloc2 2..6), with the
+same total as the uniform cache: the widths of all layers, keys and values together, sum to
+n_layers·(key bits + value bits). Keys and values have the same head dim in TurboQuant, and with a head
+dim that is a multiple of 8 a vector's codes cost exactly d·b/8 bytes, so the codes of every token cost
+exactly what the uniform cache's cost (a bit moved from one layer's values to another layer's keys is the
+same bytes). What the recipe adds is fixed state, counted: the recipe itself (one uint8 width per layer for
+keys and one for values) and the codebooks of every width a recipe may use (b-N .. b+N), whatever this
+recipe uses, so the bytes do not depend on it (one codebook per width for keys and values, centroids and
+boundaries only: the torch path then unpacks codes instead of looking up whole bytes, the same values).
+
+A recipe is spelled in the cache name, one digit per layer, layer 0 first:
+    tq4+alloc=k4453…v3444…      (n_layers digits after k, n_layers after v)
+`tq4+alloc` alone names the recipe calibrated for the model the cache is made for (eval/calibrate.py
+measures it on text no evaluation window contains; the engine spells it out before building the cache).
+
+The allocator (`allocate`) takes, per layer and for keys and values, the measured harm of each width
+and finds the widths of least total harm at the uniform budget exactly (a knapsack over the bit offsets
+by dynamic programming: every unit is one layer's keys or values, every bit costs the same bytes).
+"""
+
+from __future__ import annotations
+
+import re
+
+from ..errors import ConfigError
+
+#: The spreads a name may ask for: a recipe's widths lie within that many bits of the base width (and 1..8).
+SPREADS = (1, 2)
+_RECIPE = re.compile(r"k([1-8]+)v([1-8]+)")
+
+
+def held_widths(base: int, spread: int = 1) -> tuple[int, ...]:
+    """The widths a recipe around `base` may use (their codebooks are held): base-spread .. base+spread within 1..8."""
+    return tuple(b for b in range(base - spread, base + spread + 1) if 1 <= b <= 8)
+
+
+def parse_recipe(text: str, name: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """'k4453v3544' -> ((4, 4, 5, 3), (3, 5, 4, 4)); one-line ConfigError for anything else."""
+    match = _RECIPE.fullmatch(text)
+    if not match or len(match.group(1)) != len(match.group(2)):
+        raise ConfigError(f"bad +alloc recipe {text[:40]!r} in cache {name[:60]!r}: expected k<one digit 1-8 per layer>"
+                          "v<as many digits>, e.g. +alloc=k4534v4453")
+    return tuple(int(c) for c in match.group(1)), tuple(int(c) for c in match.group(2))
+
+
+def format_recipe(keys: tuple[int, ...], values: tuple[int, ...]) -> str:
+    return "k" + "".join(map(str, keys)) + "v" + "".join(map(str, values))
+
+
+def check_recipe(keys: tuple[int, ...], values: tuple[int, ...], key_bits: int, value_bits: int, spread: int = 1) -> None:
+    """Widths within the spread of their base and summing to the uniform budget (one-line ConfigError)."""
+    if len(keys) != len(values) or not keys:
+        raise ConfigError(f"+alloc recipe needs one key and one value width per layer, got {len(keys)} and {len(values)}")
+    for what, widths, base in (("key", keys, key_bits), ("value", values, value_bits)):
+        allowed = held_widths(base, spread)
+        bad = [w for w in widths if w not in allowed]
+        if bad:
+            raise ConfigError(f"+alloc {what} width {bad[0]} is outside {allowed[0]}..{allowed[-1]} (base {base} bits)")
+    budget = len(keys) * (key_bits + value_bits)
+    if sum(keys) + sum(values) != budget:
+        raise ConfigError(f"+alloc recipe spends {sum(keys) + sum(values)} bits per token and head over its {len(keys)} "
+                          f"layers, not the uniform {budget}")
+
+
+def check_geometry(keys: tuple[int, ...], n_layers: int, head_dim: int) -> None:
+    """The recipe fits the cache: one width per layer, codes of whole bytes for every width."""
+    if keys and len(keys) != n_layers:
+        raise ConfigError(f"+alloc recipe has widths for {len(keys)} layers, the cache has {n_layers}")
+    if head_dim % 8:
+        raise ConfigError(f"+alloc needs a head dim that is a multiple of 8 (codes of whole bytes), got {head_dim}")
+
+
+def allocate(key_harm: list[dict[int, float]], value_harm: list[dict[int, float]], key_bits: int,
+             value_bits: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The widths of least total harm at the uniform budget.
+
+    key_harm[l][w]: the measured harm of coding layer l's keys at w bits (the widths it may take: the keys
+    of key_harm[l], which hold key_bits); value_harm likewise. Harms are taken as additive over layers. Ties keep the base width, then the
+    narrower one: the result is a function of the harms alone.
+    """
+    units = [(harm, key_bits) for harm in key_harm] + [(harm, value_bits) for harm in value_harm]
+    # best[s]: (total harm, widths off their base, widths so far) over the units seen, the widths summing to base + s
+    best: dict[int, tuple[float, int, tuple[int, ...]]] = {0: (0.0, 0, ())}
+    for harm, base in units:
+        options = sorted(harm, key=lambda w: (w != base, w))                      # base first, then narrower
+        step: dict[int, tuple[float, int, tuple[int, ...]]] = {}
+        for offset in sorted(best):
+            total, moved, widths = best[offset]
+            for w in options:
+                key = offset + w - base
+                candidate = (total + float(harm[w]), moved + (w != base), widths + (w,))
+                if key not in step or candidate[:2] < step[key][:2]:
+                    step[key] = candidate
+        best = step
+    widths = best[0][2]
+    n = len(key_harm)
+    return widths[:n], widths[n:]

@@ -1,0 +1,220 @@
+"""`+alloc` recipes for a model: a calibration pass on text no evaluation window contains, then the allocator.
+
+What the pass measures, for every layer l, for its keys and for its values (a "unit"), on CALIBRATION windows
+of the calibration plays (corpus.CALIBRATION_PLAYS, disjoint from the evaluation and passkey plays):
+  * KL_u: the mean KL of the next-token distribution from dense's when only this unit is coded at the base
+    width b (layer l's other half coded at 8 bits, every other layer dense): the harm as the model's output
+    feels it, through every later layer;
+  * e_u(w): the mean squared error of block l's output with the unit coded at each width w the recipe may use
+    (b-N .. b+N) against the dense block's: how the unit's own error grows or shrinks by a bit.
+The harm of width w is KL_u·e_u(w)/e_u(b) (small errors: the KL is quadratic in the perturbation, as the
+squared error is), so one pass through the later layers per unit serves every width. Every run feeds the
+window in the evaluation's chunks (prefill, then chunks: the key offsets and weights calibrate as in eval),
+from the dense hidden state entering layer l, so the layers before it are not run again. The rotation seed
+is 0 for every recipe: `tq4+alloc+seed1` reads the same recipe with other rotations.
+
+Recipes are kept in-process and on disk as JSON (never pickled) under the user cache directory
+($KVLAB_CACHE_DIR/alloc, ...), keyed by the model file's SHA-256 and the cache's name without +alloc and
++seedN (tq4+alloc+sink1, tq4+alloc2); a stored recipe that does not parse or does not fit is a one-line ConfigError naming the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..cache import CacheGeometry, TurboQuantCache
+from ..cache.allocation import allocate, check_geometry, check_recipe, held_widths
+from ..cache.codebook import cache_dir
+from ..cache.dense import DenseCache
+from ..cache.names import is_compressed_name, parse
+from ..cache.turboquant import TurboQuantConfig
+from ..errors import ConfigError
+from .agreement import kl_divergence
+from .corpus import calibration_text, windows
+from .perplexity import WindowProtocol
+
+#: The calibration windows: the evaluation's prefill and chunks, shorter windows, two of them.
+CALIBRATION = WindowProtocol(length=256, prefill=64, chunk=32, n_windows=2)
+#: The other half of a measured layer (values when keys are measured) is coded at this width: nearly exact.
+OTHER_BITS = 8
+_FORMAT = 1
+_MEMO: dict[tuple[str, str], tuple[tuple[int, ...], tuple[int, ...]]] = {}
+
+
+@dataclass
+class Harms:
+    """Per layer, per width: the harm of coding that layer's keys (values) at that width."""
+
+    keys: list[dict[int, float]]
+    values: list[dict[int, float]]
+
+
+def calibration_windows(tokenizer, protocol: WindowProtocol | None = None) -> list[torch.Tensor]:
+    """(1, length) token windows of the calibration plays."""
+    protocol = protocol or CALIBRATION
+    ids = tokenizer.encode(calibration_text(), add_special=False)
+    return [torch.tensor([w]) for w in windows(ids, protocol.n_windows, protocol.length)]
+
+
+@torch.inference_mode()
+def measure_harms(model, token_windows: list[torch.Tensor], config: TurboQuantConfig,
+                  protocol: WindowProtocol = CALIBRATION) -> Harms:
+    """The pass described in the module docstring, summed over `token_windows` ((1, length) each)."""
+    L = model.config.n_layers
+    base = {"keys": int(config.key_bits), "values": int(config.value_bits)}
+    kl = {kind: [0.0] * L for kind in base}
+    err = {kind: [{w: 0.0 for w in held_widths(base[kind], config.alloc)} for _ in range(L)] for kind in base}
+    for tokens in token_windows:
+        hidden = _dense_hidden(model, tokens)                                     # L+1 × (1, T, C)
+        geometry = CacheGeometry.for_model(model.config, batch=1, capacity=tokens.shape[1])
+        reference = _head(model, _run_blocks(model, hidden[0], 0, L, DenseCache(geometry), protocol), protocol)
+        for kind in base:
+            for layer in range(L):
+                for width in held_widths(base[kind], config.alloc):
+                    cache = _unit_cache(geometry, config, layer, kind, width)
+                    out = _run_blocks(model, hidden[layer], layer, layer + 1, cache, protocol)  # (1, T, C)
+                    err[kind][layer][width] += (out - hidden[layer + 1])[0, protocol.prefill:].square().sum().item()
+                cache = _unit_cache(geometry, config, layer, kind, base[kind])
+                logits = _head(model, _run_blocks(model, hidden[layer], layer, L, cache, protocol), protocol)
+                kl[kind][layer] += kl_divergence(reference, logits).mean().item()
+    harms = {}
+    for kind in base:
+        harms[kind] = []
+        for layer in range(L):
+            at_base = err[kind][layer][base[kind]]
+            ratio = {w: (e / at_base if at_base > 0 else 1.0) for w, e in err[kind][layer].items()}
+            harms[kind].append({w: kl[kind][layer] / len(token_windows) * r for w, r in ratio.items()})
+    return Harms(harms["keys"], harms["values"])
+
+
+def recipe_from(harms: Harms, config: TurboQuantConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The widths of least total harm at the uniform budget (allocation.allocate)."""
+    return allocate(harms.keys, harms.values, int(config.key_bits), int(config.value_bits))
+
+
+def _unit_cache(geometry: CacheGeometry, config: TurboQuantConfig, layer: int, kind: str, width: int) -> TurboQuantCache:
+    """A cache coding only `layer`, its keys (kind "keys") or values at `width`, the other half at OTHER_BITS."""
+    others = tuple(l for l in range(geometry.n_layers) if l != layer)
+    key_bits, value_bits = (width, OTHER_BITS) if kind == "keys" else (OTHER_BITS, width)
+    unit = replace(config, key_bits=key_bits, value_bits=value_bits, alloc=0, key_alloc=(), value_alloc=(), seed=0,
+                   full=replace(config.full, first_last=False, layer_list=others))
+    return TurboQuantCache(geometry, config=unit)
+
+
+def _chunks(protocol: WindowProtocol, length: int) -> list[tuple[int, int]]:
+    starts = [0, protocol.prefill, *range(protocol.prefill + protocol.chunk, length, protocol.chunk)]
+    return [(a, min(b, length)) for a, b in zip(starts, [*starts[1:], length]) if a < length]
+
+
+def _run_blocks(model, x: torch.Tensor, first: int, stop: int, cache, protocol: WindowProtocol) -> torch.Tensor:
+    """Blocks first .. stop-1 over x (1, T, C), the input of block `first`, fed in the protocol's chunks -> (1, T, C)."""
+    out = []
+    for a, b in _chunks(protocol, x.shape[1]):
+        h = x[:, a:b]                                                             # (1, b-a, C)
+        cos, sin = model.rope(a, b - a, h.dtype)
+        for block in model.blocks[first:stop]:
+            h = block(h, cos, sin, cache)
+        out.append(h)
+    return torch.cat(out, dim=1)
+
+
+def _dense_hidden(model, tokens: torch.Tensor) -> list[torch.Tensor]:
+    """The hidden state entering every block and leaving the last one, one dense pass: L+1 × (1, T, C)."""
+    geometry = CacheGeometry.for_model(model.config, batch=1, capacity=tokens.shape[1])
+    x = model.embed(tokens)                                                       # (1, T, C)
+    cos, sin = model.rope(0, tokens.shape[1], x.dtype)
+    cache, hidden = DenseCache(geometry), [x]
+    for block in model.blocks:
+        x = block(x, cos, sin, cache)
+        hidden.append(x)
+    return hidden
+
+
+def _head(model, x: torch.Tensor, protocol: WindowProtocol) -> torch.Tensor:
+    """Logits (N, V) of the scored positions (prefill .. T-1) from the last block's output x (1, T, C)."""
+    x = model.norm(x[0, protocol.prefill:])                                       # (N, C)
+    return (model.lm_head(x) if model.lm_head is not None else F.linear(x, model.output_weight())).float()
+
+
+# -- recipes for a model, by name ----------------------------------------------------------------------------
+
+def resolve(name: str, loaded) -> str:
+    """`name` with its recipe spelled out when it asks for one (`tq4+alloc`): from memory, from disk, or
+    calibrated now for `loaded` (a LoadedModel); any other name is returned as it is."""
+    key = name.strip().lower()
+    if not is_compressed_name(key):
+        return name
+    cls, config = parse(key)
+    if cls is not TurboQuantCache or not config.alloc or config.key_alloc:
+        return name
+    check_geometry((), loaded.config.n_layers, loaded.config.head_dim)
+    digest = model_digest(Path(loaded.path))
+    calibrated = replace(config, seed=0).name                                     # what the recipe is for: tq4+alloc
+    memo = (digest, calibrated)
+    if memo not in _MEMO:
+        path = recipe_dir() / f"{digest[:16]}-{calibrated.replace('=', '_')}.json"
+        recipe = load_recipe(path, digest, calibrated, config, loaded.config.n_layers)
+        if recipe is None:
+            harms = measure_harms(loaded.model, calibration_windows(loaded.tokenizer, CALIBRATION), config, CALIBRATION)
+            recipe = recipe_from(harms, config)
+            save_recipe(path, digest, calibrated, recipe, harms)
+        _MEMO[memo] = recipe
+    keys, values = _MEMO[memo]
+    return replace(config, key_alloc=keys, value_alloc=values).name
+
+
+def recipe_dir() -> Path:
+    return cache_dir().parent / "alloc"
+
+
+def model_digest(path: Path) -> str:
+    """SHA-256 of the model file (of every file, by relative name, for a model folder)."""
+    digest = hashlib.sha256()
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    for file in files:
+        digest.update(str(file.relative_to(path) if path.is_dir() else file.name).encode())
+        with open(file, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def load_recipe(path: Path, digest: str, calibrated: str, config: TurboQuantConfig,
+                n_layers: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The stored recipe, None if there is none; ConfigError (one line) if it does not parse or fit."""
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        keys, values = tuple(int(w) for w in data["keys"]), tuple(int(w) for w in data["values"])
+        if data["format"] != _FORMAT or data["model_sha256"] != digest or data["cache"] != calibrated:
+            raise ValueError("for another model, cache or format")
+        check_recipe(keys, values, int(config.key_bits), int(config.value_bits), config.alloc)
+        if len(keys) != n_layers:
+            raise ValueError(f"{len(keys)} layers, the model has {n_layers}")
+    except (OSError, ValueError, KeyError, TypeError, ConfigError) as err:
+        raise ConfigError(f"stored +alloc recipe {path} is unusable ({err}); delete it to calibrate again") from None
+    return keys, values
+
+
+def save_recipe(path: Path, digest: str, calibrated: str, recipe: tuple[tuple[int, ...], tuple[int, ...]],
+                harms: Harms) -> None:
+    """Atomic JSON write; a read-only cache directory only costs a calibration next time."""
+    record = {"format": _FORMAT, "model_sha256": digest, "cache": calibrated, "keys": list(recipe[0]),
+              "values": list(recipe[1]), "protocol": str(CALIBRATION),
+              "key_harm": [{str(w): h for w, h in row.items()} for row in harms.keys],
+              "value_harm": [{str(w): h for w, h in row.items()} for row in harms.values]}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(record, indent=1))
+        tmp.replace(path)
+    except OSError:
+        pass
