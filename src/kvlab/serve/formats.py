@@ -17,7 +17,8 @@ All three come from `expected_nbytes` of the single-sequence cache at batch 1: i
 of c tokens are c·per_token + rest, so a block is f(2·bs) - f(bs) and the rest is f(bs) - block.
 Names whose single cache keeps full-precision tokens or layers (+sinkN, +recentN, +fp-first-last,
 +fp-layers=) are not block formats: those are per-sequence full-precision state the pool does not hold.
-Nor is +prerope: it codes each key at its position in one sequence's cache, which the pool does not track.
+Nor is +prerope: it codes each key at its position in one sequence's cache, which the pool does not track,
+nor +alloc (a width per layer; the pool's buffers hold one width for all layers).
 """
 
 from __future__ import annotations
@@ -72,6 +73,9 @@ def block_format(name: str, geometry: CacheGeometry, block_size: int) -> BlockFo
     if getattr(config, "pre_rope", False):
         raise ConfigError(f"block format {name!r} codes keys before RoPE, at their position in one sequence's cache; "
                           f"the pool codes tokens without positions, so use it without +prerope")
+    if getattr(config, "alloc", 0):
+        raise ConfigError(f"block format {name!r} gives each layer its own widths (+alloc); the pool's blocks hold "
+                          f"one width for every layer, so use it without +alloc")
     if cls is QuantizedCache:
         explicit = any(re.fullmatch(r"g\d+", option) for option in key.split("+")[1:])
         if not explicit:
