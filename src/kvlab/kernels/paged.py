@@ -1,7 +1,8 @@
-"""ctypes front end of paged.c: attention of a ragged batch over K/V blocks (kvlab/serve/attention.py).
+"""ctypes front end of paged.c: attention of a ragged batch over K/V blocks (kvlab/serve/attention.py), dense
+(`paged_attention`) or TurboQuant codes (`paged_codes_attention`, serve/coded.py TurboPool).
 
-paged.c is built into the one kernel library (SOURCES); this wrapper opens that library by its path and
-checks the dtype, shape, contiguity and length of every buffer before C reads or writes it.
+paged.c is built into the one kernel library (SOURCES); these wrappers open that library by its path and
+check the dtype, shape, contiguity and length of every buffer before C reads or writes it.
 """
 
 from __future__ import annotations
@@ -11,9 +12,12 @@ import functools
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, KvlabError
+from .codebook import CodeLayout
 
 POOL_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+NORM_DTYPES = (torch.float16, torch.bfloat16)
+MAX_PARTS, MAX_CODE_DIM = 4, 512      # codebook.h CB_MAX_PARTS; paged.c MAX_DIM
 
 
 @functools.lru_cache(maxsize=4)
@@ -21,6 +25,16 @@ def _function(library_path: str):
     fn = ctypes.CDLL(library_path).kvlab_paged_attention   # already loaded by kernels.block_kernel(): same handle
     i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, i64, i32, i32, i32, i32, ptr, ptr, i32, i64, ptr, i32, i32, i32, ptr, ptr, ctypes.c_float, i32, ptr, i32]
+    fn.restype = i32
+    return fn
+
+
+@functools.lru_cache(maxsize=4)
+def _codes_function(library_path: str):
+    fn = ctypes.CDLL(library_path).kvlab_paged_codes_attention
+    i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, i64, i32, i32, i32, ptr, ptr, ptr, ptr, i32, i64, i32, ptr, ptr, i64, i32, ptr, ptr, i64,
+                   ptr, i32, i32, i32, ptr, ptr, ctypes.c_float, i32, ptr, i32]
     fn.restype = i32
     return fn
 
@@ -45,19 +59,90 @@ def paged_attention(kernel, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     _check(k_pool.is_contiguous() and v_pool.is_contiguous(), "pools must be contiguous")
     _check(k_pool.device.type == "cpu" and q.device.type == "cpu", "tensors must be on the CPU")
     _check(Hkv > 0 and H % Hkv == 0, f"{H} query heads are not a multiple of {Hkv} KV heads")
-    _check(block_size > 0 and slots % block_size == 0, f"{slots} pool slots are not whole blocks of {block_size}")
-    for name, t in (("block_tables", block_tables), ("query_start", query_start), ("context_len", context_len)):
-        _check(t.dtype == torch.int32 and t.is_contiguous() and t.device.type == "cpu",
-               f"{name} must be contiguous int32 on the CPU")
+    _check_layout(block_tables, query_start, context_len, slots, block_size)
     S = context_len.numel()
-    _check(context_len.dim() == 1 and query_start.dim() == 1 and query_start.numel() == S + 1,
-           f"query_start must hold {S + 1} offsets for {S} sequences, got {query_start.numel()}")
-    _check(block_tables.dim() == 2 and block_tables.shape[0] == S and block_tables.shape[1] > 0,
-           f"block_tables must be ({S}, max_blocks), got {tuple(block_tables.shape)}")
     out = torch.empty(N, H, Dv, dtype=torch.float32)
     status = _function(str(kernel.path))(
         q.data_ptr(), N, H, Hkv, D, Dv, k_pool.data_ptr(), v_pool.data_ptr(), POOL_DTYPES[k_pool.dtype], slots,
         block_tables.data_ptr(), S, block_tables.shape[1], block_size, query_start.data_ptr(), context_len.data_ptr(),
         scale, int(window), out.data_ptr(), torch.get_num_threads())
     _check(status == 0, f"refused the layout of {S} sequences over {slots} slots (a block id, length or offset out of range)")
+    return out
+
+
+def _check_layout(block_tables: torch.Tensor, query_start: torch.Tensor, context_len: torch.Tensor, slots: int,
+                  block_size: int) -> None:
+    """The ragged layout's buffers (their values are checked in C before any is used as an index)."""
+    _check(isinstance(block_size, int) and block_size > 0 and slots % block_size == 0,
+           f"{slots} pool slots are not whole blocks of {block_size}")
+    for name, t in (("block_tables", block_tables), ("query_start", query_start), ("context_len", context_len)):
+        _check(isinstance(t, torch.Tensor) and t.dtype == torch.int32 and t.is_contiguous() and t.device.type == "cpu",
+               f"{name} must be contiguous int32 on the CPU")
+    S = context_len.numel()
+    _check(context_len.dim() == 1 and query_start.dim() == 1 and query_start.numel() == S + 1,
+           f"query_start must hold {S + 1} offsets for {S} sequences, got {query_start.numel()}")
+    _check(block_tables.dim() == 2 and block_tables.shape[0] == S and block_tables.shape[1] > 0,
+           f"block_tables must be ({S}, max_blocks), got {tuple(block_tables.shape)}")
+
+
+def _check_code_layout(layout: CodeLayout, what: str, d: int, row_bytes: int) -> None:
+    """A CodeLayout C can read: (parts, 3) int32 spec of widths 1..8 over d channels, tables of exactly the padded
+    sizes C steps through, rows of row_bytes (C re-checks the parts against the row length)."""
+    spec, tables = layout.spec, layout.tables
+    _check(isinstance(spec, torch.Tensor) and spec.dtype == torch.int32 and spec.dim() == 2 and spec.shape[1] == 3
+           and 0 < spec.shape[0] <= MAX_PARTS and spec.is_contiguous() and spec.device.type == "cpu",
+           f"{what} code layout: spec must be contiguous int32 (parts <= {MAX_PARTS}, 3) on the CPU")
+    bits = spec[:, 2].tolist()
+    _check(all(1 <= b <= 8 for b in bits), f"{what} code layout: widths {bits} are not 1..8 bits")
+    size = sum(max(16, 1 << b) for b in bits)
+    _check(isinstance(tables, torch.Tensor) and tables.dtype == torch.float32 and tables.shape == (size,)
+           and tables.is_contiguous() and tables.device.type == "cpu",
+           f"{what} code layout: tables must be contiguous fp32 ({size},) on the CPU")
+    _check(layout.dim == d and layout.row_bytes == row_bytes,
+           f"{what} code layout of {layout.dim} channels in {layout.row_bytes} bytes does not read rows of {d} channels "
+           f"in {row_bytes} bytes")
+
+
+def paged_codes_attention(kernel, q: torch.Tensor, k_codes: torch.Tensor, k_norm: torch.Tensor, v_codes: torch.Tensor,
+                          v_norm: torch.Tensor, k_layout: CodeLayout, v_layout: CodeLayout, block_tables: torch.Tensor,
+                          query_start: torch.Tensor, context_len: torch.Tensor, block_size: int, scale: float,
+                          window: int = 0) -> torch.Tensor:
+    """Ragged attention straight from TurboQuant codes in blocks (paged.c kvlab_paged_codes_attention).
+
+    q (N, H, D) fp32: the queries as the codes are read (rotated, key weights applied); k_codes (slots, Hkv, kbytes),
+    v_codes (slots, Hkv, vbytes) uint8 with their layouts; k_norm, v_norm (slots, Hkv) fp16 or bf16; the ragged
+    layout as `paged_attention` -> (N, H, D) fp32 = Σ_t p_t·v_norm_t·v̂_t, p = softmax_t(scale·k_norm_t·(q·k̂_t)) over
+    each row's causal (and window) keys, k̂/v̂ the codebook values: the output in the rotated domain (the caller
+    inverts the rotation)."""
+    _check(isinstance(q, torch.Tensor) and q.dim() == 3 and q.dtype == torch.float32 and q.is_contiguous()
+           and q.device.type == "cpu", "q must be a contiguous fp32 (N, H, D) CPU tensor")
+    N, H, D = q.shape
+    _check(isinstance(k_codes, torch.Tensor) and k_codes.dim() == 3, "k_codes must be (slots, Hkv, row bytes)")
+    slots, Hkv = k_codes.shape[:2]
+    _check(Hkv > 0 and H % Hkv == 0, f"{H} query heads are not a multiple of {Hkv} KV heads")
+    _check(0 < D <= MAX_CODE_DIM, f"head dim {D} is not 1..{MAX_CODE_DIM}")
+    _check(isinstance(v_codes, torch.Tensor) and v_codes.dim() == 3, "v_codes must be (slots, Hkv, row bytes)")
+    for name, t, dtypes, shape in (("k_codes", k_codes, (torch.uint8,), (slots, Hkv, k_layout.row_bytes)),
+                                   ("v_codes", v_codes, (torch.uint8,), (slots, Hkv, v_layout.row_bytes)),
+                                   ("k_norm", k_norm, NORM_DTYPES, (slots, Hkv)), ("v_norm", v_norm, NORM_DTYPES, (slots, Hkv))):
+        _check(isinstance(t, torch.Tensor) and t.dtype in dtypes and tuple(t.shape) == shape and t.is_contiguous()
+               and t.device.type == "cpu", f"{name} must be a contiguous {'/'.join(str(d).removeprefix('torch.') for d in dtypes)} "
+               f"CPU tensor of shape {shape}, got {tuple(t.shape)} {t.dtype}")
+    _check(k_norm.dtype == v_norm.dtype, f"key and value norms differ in dtype: {k_norm.dtype}, {v_norm.dtype}")
+    _check_code_layout(k_layout, "key", D, k_codes.shape[2])
+    _check_code_layout(v_layout, "value", D, v_codes.shape[2])
+    _check_layout(block_tables, query_start, context_len, slots, block_size)
+    S = context_len.numel()
+    out = torch.empty(N, H, D, dtype=torch.float32)
+    status = _codes_function(str(kernel.path))(
+        q.data_ptr(), N, H, Hkv, D, k_codes.data_ptr(), k_norm.data_ptr(), v_codes.data_ptr(), v_norm.data_ptr(),
+        POOL_DTYPES[k_norm.dtype], slots,
+        k_layout.spec.shape[0], k_layout.spec.data_ptr(), k_layout.tables.data_ptr(), k_layout.row_bytes,
+        v_layout.spec.shape[0], v_layout.spec.data_ptr(), v_layout.tables.data_ptr(), v_layout.row_bytes,
+        block_tables.data_ptr(), S, block_tables.shape[1], block_size, query_start.data_ptr(), context_len.data_ptr(),
+        scale, int(window or 0), out.data_ptr(), torch.get_num_threads())
+    if status == -2:
+        raise KvlabError("paged codes attention: no memory for the kernel's work items")
+    _check(status == 0, f"refused the layout of {S} sequences over {slots} slots (a block id, length, offset or code "
+                        f"layout out of range)")
     return out
