@@ -1,6 +1,6 @@
-"""TurboQuant blocks attended in one C call per layer (kernels/paged.c kvlab_paged_codes_attention) against the
-pool's torch reference (gather, dequantize, grouped_attention per sequence), and the int pools' open key group
-across a fork.
+"""TurboQuant and integer blocks attended in one C call per layer (kernels/paged.c kvlab_paged_codes_attention,
+kvlab_paged_int_attention) against the pools' torch reference (gather, dequantize, grouped_attention per
+sequence), and the int pools' open key group across a fork.
 
 The random pools hold several sequences of different lengths (one past a flash-decoding key chunk of 256), with
 blocks shared between them (a cached prefix, a fork's whole table), and a step that mixes prefill chunks with
@@ -17,7 +17,7 @@ import torch
 
 from kvlab.cache import CacheGeometry, make_cache
 from kvlab.errors import ConfigError
-from kvlab.kernels.paged import paged_codes_attention
+from kvlab.kernels.paged import paged_codes_attention, paged_int_attention
 from kvlab.serve import coded
 from kvlab.serve.attention import RaggedLayout
 from kvlab.serve.blocks import BlockManager, CapacityPlan
@@ -132,6 +132,56 @@ def test_the_ragged_code_kernel_checks_every_buffer():
         assert "\n" not in str(info.value)
     with pytest.raises(ConfigError):
         paged_codes_attention(kernel, q[:, :3], **args)                              # 3 heads over 2 KV heads
+
+
+# -- int pools -------------------------------------------------------------------------------------------------
+INT_CASES = [  # format, block size, query heads, KV heads, head dim, sliding window
+    ("int4", 16, 9, 3, 64, None),
+    ("int8", 16, 8, 1, 128, 30),        # MQA, a window
+    ("int4+g4", 12, 4, 2, 128, None),   # a block size that is not a power of two, key groups of 4
+    ("int3", 16, 6, 6, 64, None),       # MHA, a width that is two bit planes
+]
+
+
+@pytest.mark.parametrize("seed,case", list(enumerate(INT_CASES)))
+def test_the_ragged_int_kernel_equals_the_torch_reference(seed, case, monkeypatch):
+    """Sequences prefilled in chunks and decoded together, one of them forked mid-group (its blocks shared, its open
+    key group copied): every step's attention on the codes equals the reference."""
+    require_kernel()
+    name, block_size, heads, kv_heads, d, window = case
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    geometry = CacheGeometry(n_layers=1, n_kv_heads=kv_heads, head_dim=d, n_heads=heads, capacity=64, window=window)
+    plan = replace(CapacityPlan.build(geometry, name, 10**9, block_size, max_batch=8), n_blocks=900 // block_size)
+    pool = IntPool(geometry, plan, block_format(name, geometry, block_size))
+    manager = BlockManager(plan.n_blocks, block_size, prefix_caching=False, on_copy=pool.copy_block,
+                           on_free=pool.release, on_fork=pool.fork)
+    lengths = {Seq(): n for n in (rng.randint(260, 300), rng.randint(20, 60), rng.randint(1, 30))}
+    calls = []
+    monkeypatch.setattr(coded, "paged_int_attention", lambda *a, **kw: calls.append(1) or paged_int_attention(*a, **kw))
+    forked = False
+    while any(s.num_computed < n for s, n in lengths.items()):
+        seqs = [s for s, n in lengths.items() if s.num_computed < n]
+        chunks = [min(lengths[s] - s.num_computed, rng.choice([1, rng.randint(1, 3 * block_size), 100, 100])) for s in seqs]
+        slots = torch.tensor(sum((manager.reserve(s, n) for s, n in zip(seqs, chunks)), []))
+        layout = RaggedLayout.build([s.block_table for s in seqs], chunks, [s.num_computed + n for s, n in zip(seqs, chunks)],
+                                    block_size)
+        k = torch.randn(len(slots), kv_heads, d, generator=gen) + 1.0
+        v = torch.randn(len(slots), kv_heads, d, generator=gen)
+        q = torch.randn(len(slots), heads, d, generator=gen)
+        rows = pool.rows_for(seqs)
+        pool.append(0, BatchView(pool, slots, layout, d ** -0.5, window, True, rows), k, v)
+        on_codes = pool.attend(0, BatchView(pool, slots, layout, d ** -0.5, window, True, rows), q)
+        reference = pool.attend(0, BatchView(pool, slots, layout, d ** -0.5, window, False, rows), q)
+        torch.testing.assert_close(on_codes, reference, atol=1e-5, rtol=1e-5)
+        for s, n in zip(seqs, chunks):
+            s.num_computed += n
+        parent = next(iter(lengths))
+        if not forked and parent.num_computed % block_size and parent.num_computed < lengths[parent]:
+            child = Seq()
+            manager.fork(parent, child)           # shares every block, a partly filled tail included
+            lengths[child] = lengths[parent] + rng.randint(0, 20)
+            forked = True
+    assert forked and len(calls) > 3
 
 
 # -- int pools: a fork carries the parent's open key group ----------------------------------------------------

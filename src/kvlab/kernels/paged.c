@@ -198,9 +198,10 @@ int kvlab_paged_attention(const float *q, int64_t n_rows, int n_heads, int n_kv_
     return 0;
 }
 
-/* -- TurboQuant codes ------------------------------------------------------------------------------------ */
+/* -- coded blocks: TurboQuant and integer codes --------------------------------------------------------- */
 #define CODE_CHUNK 256      /* keys per work item (flash-decoding split of a long context) */
 #define CODE_QUERIES 64     /* query vectors (rows x group) per work item, at most */
+enum { CODES_TQ = 0, CODES_INT = 1 };
 
 typedef struct {
     int s, h;               /* sequence, KV head */
@@ -209,13 +210,21 @@ typedef struct {
 } code_item;
 
 typedef struct {
-    const uint8_t *k_codes, *v_codes;     /* (slots, Hkv, row bytes) */
-    const uint16_t *k_norm, *v_norm;      /* (slots, Hkv) fp16 or bf16 */
-    int64_t k_row_bytes, v_row_bytes;
-    int norm_dtype, n_heads, n_kv_heads, group, d, window, block_size, max_blocks;
+    int kind, n_heads, n_kv_heads, group, d, window, block_size, max_blocks;
     const int32_t *block_tables, *query_start, *context_len;
     float scale;
-    cb_layout keys, values;
+    const uint8_t *k_codes, *v_codes;     /* (slots, Hkv, row bytes) */
+    int64_t k_row_bytes, v_row_bytes;
+    cb_layout keys, values;               /* TQ: the codebooks; INT: tables of the code values 0, 1, 2, ... */
+    /* TQ */
+    const uint16_t *k_norm, *v_norm;      /* (slots, Hkv) fp16 or bf16 */
+    int norm_dtype;
+    /* INT */
+    const uint16_t *k_scale, *k_zero;     /* (slots / key_group, Hkv, d) fp16 */
+    const uint16_t *v_scale, *v_zero;     /* (slots, Hkv, d / value_group) fp16 */
+    int key_group, value_group;
+    const float *exact;                   /* (rows, Hkv, d) fp32: each sequence's keys from the open group on */
+    const int64_t *exact_start;           /* (n_seqs + 1,) its rows: the last ones of its context */
 } code_pool;
 
 static inline float norm_value(uint16_t h, int dtype) {
@@ -254,17 +263,52 @@ static int64_t code_items(const code_pool *P, int n_seqs, int64_t rows_per_tile,
     return n;
 }
 
+/* Keys t0 .. t0+n of an item as attention reads them: rows of keys and values (dpad apart), and per key the factor
+ * of its score (TQ: norm x scale; INT: scale) and of its value (TQ: norm; INT: 1). INT keys past the last complete
+ * key group have no codes yet: their rows are zero (their queries read them exact). */
+static void load_tile(const code_pool *P, const code_item *it, int64_t t0, int n, float *keys, float *values,
+                      float *key_scale, float *value_scale, int32_t *codes) {
+    const int d = P->d, dpad = P->keys.dpad, bs = P->block_size, Hkv = P->n_kv_heads;
+    const int32_t *table = P->block_tables + (int64_t)it->s * P->max_blocks;
+    const int64_t complete = P->kind == CODES_INT ? P->context_len[it->s] / P->key_group * P->key_group : 0;
+    for (int j = 0; j < n; j++) {
+        const int64_t t = t0 + j, slot = (int64_t)table[t / bs] * bs + t % bs, index = slot * Hkv + it->h;
+        float *k = keys + (int64_t)j * dpad, *v = values + (int64_t)j * dpad;
+        kvlab_cb_decode_row(&P->values, P->v_codes + index * P->v_row_bytes, v, codes);
+        if (P->kind == CODES_TQ) {
+            kvlab_cb_decode_row(&P->keys, P->k_codes + index * P->k_row_bytes, k, codes);
+            key_scale[j] = norm_value(P->k_norm[index], P->norm_dtype) * P->scale;
+            value_scale[j] = norm_value(P->v_norm[index], P->norm_dtype);
+            continue;
+        }
+        if (t < complete) {   /* zero + code x scale, per channel of the key group */
+            kvlab_cb_decode_row(&P->keys, P->k_codes + index * P->k_row_bytes, k, codes);
+            const int64_t meta = ((slot / P->key_group) * Hkv + it->h) * d;
+            for (int c = 0; c < d; c++) k[c] = kvlab_fp16_to_fp32(P->k_zero[meta + c]) + k[c] * kvlab_fp16_to_fp32(P->k_scale[meta + c]);
+        } else {
+            memset(k, 0, sizeof(float) * dpad);
+        }
+        const int n_vg = d / P->value_group;
+        const uint16_t *vs = P->v_scale + index * n_vg, *vz = P->v_zero + index * n_vg;
+        for (int c = 0; c < d; c++) v[c] = kvlab_fp16_to_fp32(vz[c / P->value_group]) + v[c] * kvlab_fp16_to_fp32(vs[c / P->value_group]);
+        key_scale[j] = P->scale;
+        value_scale[j] = 1.0f;
+    }
+}
+
 /* One item: for each of its nq = rows x G queries, the softmax-weighted sum of its keys' values, unnormalized,
  * with the running max m and sum l. partial: nq x d sums, then nq maxima, then nq sums.
- * scratch: qpad, acc (max_queries x dpad each), then keys, values (CB_TILE x dpad each). */
+ * scratch: qpad, acc (max_queries x dpad each), then keys, values, exact keys (CB_TILE x dpad each).
+ * INT: the query at position p reads the keys of the groups complete at p (t < (p+1) / G * G) from their codes,
+ * the rest exact (QuantizedCache's rule). */
 static void code_item_attend(const code_pool *P, const float *q, const code_item *it, float *scratch, float *partial,
                              int64_t max_queries) {
-    const int d = P->d, dpad = P->keys.dpad, G = P->group, bs = P->block_size, Hkv = P->n_kv_heads;
-    const int32_t *table = P->block_tables + (int64_t)it->s * P->max_blocks;
+    const int d = P->d, dpad = P->keys.dpad, G = P->group;
     const int32_t q0 = P->query_start[it->s];
     const int64_t first_pos = P->context_len[it->s] - (P->query_start[it->s + 1] - q0);   /* of row q0 */
     const int64_t nq = (it->r1 - it->r0) * G;
-    float *qpad = scratch, *acc = qpad + max_queries * dpad, *keys = acc + max_queries * dpad, *values = keys + CB_TILE * dpad;
+    float *qpad = scratch, *acc = qpad + max_queries * dpad, *keys = acc + max_queries * dpad;
+    float *values = keys + CB_TILE * dpad, *exact = values + CB_TILE * dpad;
     float *o = partial, *m = partial + nq * d, *l = m + nq;
     int32_t codes[CB_MAX_DIM];
     for (int64_t i = 0; i < nq; i++) {
@@ -278,21 +322,37 @@ static void code_item_attend(const code_pool *P, const float *q, const code_item
     for (int64_t t0 = it->k0; t0 < it->k1; t0 += CB_TILE) {
         const int n = (int)(it->k1 - t0 < CB_TILE ? it->k1 - t0 : CB_TILE);
         float key_scale[CB_TILE], value_scale[CB_TILE];
-        for (int j = 0; j < n; j++) {   /* the tile's keys and values decoded once, for every query */
-            const int64_t t = t0 + j, slot = (int64_t)table[t / bs] * bs + t % bs, index = slot * Hkv + it->h;
-            kvlab_cb_decode_row(&P->keys, P->k_codes + index * P->k_row_bytes, keys + j * dpad, codes);
-            kvlab_cb_decode_row(&P->values, P->v_codes + index * P->v_row_bytes, values + j * dpad, codes);
-            key_scale[j] = norm_value(P->k_norm[index], P->norm_dtype) * P->scale;
-            value_scale[j] = norm_value(P->v_norm[index], P->norm_dtype);
-        }
+        int have_exact = 0;
+        load_tile(P, it, t0, n, keys, values, key_scale, value_scale, codes);   /* once for every query */
         for (int64_t i = 0; i < nq; i++) {
             const int64_t pos = first_pos + (it->r0 + i / G - q0);
             const int64_t lo = P->window > 0 ? pos - P->window + 1 : 0;
             const int j0 = lo > t0 ? (int)(lo - t0) : 0, j1 = pos + 1 - t0 < n ? (int)(pos + 1 - t0) : n;
             if (j1 <= j0) continue;                                   /* no key of this tile is seen by query i */
+            /* keys from tile index `coded` on are read exact (INT only) */
+            const int64_t boundary = P->kind == CODES_INT ? (pos + 1) / P->key_group * P->key_group - t0 : n;
+            const int coded = boundary < j0 ? j0 : boundary > j1 ? j1 : (int)boundary;
             float score[CB_TILE], w[CB_TILE];
-            kvlab_cb_dot8(qpad + i * dpad, keys, dpad, score);
-            if (j1 > 8) kvlab_cb_dot8(qpad + i * dpad, keys + 8 * dpad, dpad, score + 8);
+            if (coded > j0) {
+                kvlab_cb_dot8(qpad + i * dpad, keys, dpad, score);
+                if (coded > 8) kvlab_cb_dot8(qpad + i * dpad, keys + 8 * dpad, dpad, score + 8);
+            }
+            if (coded < j1) {
+                if (!have_exact) {   /* this tile's exact keys: rows of the sequence's open group and chunk */
+                    const int64_t first = P->context_len[it->s] - (P->exact_start[it->s + 1] - P->exact_start[it->s]);
+                    for (int j = 0; j < n; j++) {
+                        float *e = exact + (int64_t)j * dpad;
+                        memset(e, 0, sizeof(float) * dpad);
+                        if (t0 + j >= first)
+                            memcpy(e, P->exact + ((P->exact_start[it->s] + t0 + j - first) * P->n_kv_heads + it->h) * d, sizeof(float) * d);
+                    }
+                    have_exact = 1;
+                }
+                float exact_score[CB_TILE];
+                kvlab_cb_dot8(qpad + i * dpad, exact, dpad, exact_score);
+                if (j1 > 8) kvlab_cb_dot8(qpad + i * dpad, exact + 8 * dpad, dpad, exact_score + 8);
+                for (int j = coded; j < j1; j++) score[j] = exact_score[j];
+            }
             float tile_max = -INFINITY;
             for (int j = j0; j < j1; j++) {
                 score[j] *= key_scale[j];
@@ -316,6 +376,68 @@ static void code_item_attend(const code_pool *P, const float *q, const code_item
     for (int64_t i = 0; i < nq; i++) memcpy(o + i * d, acc + i * dpad, sizeof(float) * d);
 }
 
+/* Every item, then each query's chunks merged in chunk order: out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c.
+ * 0, or -2 (no memory). */
+static int code_attention(const code_pool *P, const float *q, int n_seqs, float *out, int n_threads) {
+    const int G = P->group, d = P->d;
+    const int64_t rows_per_tile = CODE_QUERIES / G > 1 ? CODE_QUERIES / G : 1;
+    const int64_t max_queries = rows_per_tile * G, dpad = P->keys.dpad, partial_floats = max_queries * (d + 2);
+    int64_t n_groups;
+    const int64_t n_items = code_items(P, n_seqs, rows_per_tile, NULL, NULL, &n_groups);
+    code_item *items = malloc(sizeof(code_item) * (size_t)(n_items + 1));
+    int64_t *group_first = malloc(sizeof(int64_t) * (size_t)(n_groups + 1));
+    float *partial = malloc(sizeof(float) * (size_t)(n_items * partial_floats + 1));
+    int failed = !items || !group_first || !partial;
+    if (!failed) {
+        code_items(P, n_seqs, rows_per_tile, items, group_first, &n_groups);
+        int64_t work = 0;
+        for (int64_t i = 0; i < n_items; i++) work += (items[i].r1 - items[i].r0) * G * (items[i].k1 - items[i].k0) * 2 * d;
+        #pragma omp parallel num_threads(kvlab_cb_threads(work, n_threads))
+        {
+            float *scratch = calloc((size_t)(2 * max_queries + 3 * CB_TILE) * dpad, sizeof(float));
+            if (!scratch) {
+                #pragma omp atomic write
+                failed = 1;
+            }
+            #pragma omp for schedule(dynamic, 1)
+            for (int64_t i = 0; i < n_items; i++)
+                if (scratch) code_item_attend(P, q, &items[i], scratch, partial + i * partial_floats, max_queries);
+            free(scratch);
+            #pragma omp for schedule(static)
+            for (int64_t g = 0; g < n_groups; g++) {
+                if (failed) continue;
+                const code_item *first = &items[group_first[g]];
+                const int64_t nq = (first->r1 - first->r0) * G, chunks = group_first[g + 1] - group_first[g];
+                for (int64_t i = 0; i < nq; i++) {
+                    float top = -INFINITY, sum = 0.0f;
+                    for (int64_t c = 0; c < chunks; c++) {
+                        const float mc = partial[(group_first[g] + c) * partial_floats + nq * d + i];
+                        top = mc > top ? mc : top;
+                    }
+                    float *o = out + ((first->r0 + i / G) * P->n_heads + (int64_t)first->h * G + i % G) * d;
+                    memset(o, 0, sizeof(float) * d);
+                    for (int64_t c = 0; c < chunks; c++) {
+                        const float *part = partial + (group_first[g] + c) * partial_floats;
+                        const float mc = part[nq * d + i];
+                        if (mc == -INFINITY) continue;               /* no key of this chunk is seen by query i */
+                        const float weight = expf(mc - top);
+                        sum += weight * part[nq * d + nq + i];
+                        for (int k = 0; k < d; k++) o[k] += weight * part[i * d + k];
+                    }
+                    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+                    for (int k = 0; k < d; k++) o[k] *= inv;
+                }
+            }
+        }
+    }
+    free(items);
+    free(group_first);
+    free(partial);
+    return failed ? -2 : 0;
+}
+
+/* TurboQuant blocks: q (n_rows, H, d) rotated and weighted as the codes are read; out (n_rows, H, d) in the rotated
+ * domain. 0, -1 (a layout, length or code layout out of range: nothing read), or -2 (no memory). */
 int kvlab_paged_codes_attention(const float *q, int64_t n_rows, int n_heads, int n_kv_heads, int d,
                                 const uint8_t *k_codes, const uint16_t *k_norm, const uint8_t *v_codes,
                                 const uint16_t *v_norm, int norm_dtype, int64_t n_slots,
@@ -324,70 +446,54 @@ int kvlab_paged_codes_attention(const float *q, int64_t n_rows, int n_heads, int
                                 const int32_t *block_tables, int n_seqs, int max_blocks, int block_size,
                                 const int32_t *query_start, const int32_t *context_len,
                                 float scale, int window, float *out, int n_threads) {
-    code_pool P = {k_codes, v_codes, k_norm, v_norm, k_row_bytes, v_row_bytes, norm_dtype, n_heads, n_kv_heads, 0, d,
-                   window, block_size, max_blocks, block_tables, query_start, context_len, scale, {0}, {0}};
     if (norm_dtype != POOL_F16 && norm_dtype != POOL_BF16) return -1;
     if (check_layout(n_rows, n_heads, n_kv_heads, d, d, POOL_F32, n_slots, block_tables, n_seqs, max_blocks, block_size,
                      query_start, context_len))
         return -1;
+    code_pool P = {.kind = CODES_TQ, .n_heads = n_heads, .n_kv_heads = n_kv_heads, .group = n_heads / n_kv_heads, .d = d,
+                   .window = window, .block_size = block_size, .max_blocks = max_blocks, .block_tables = block_tables,
+                   .query_start = query_start, .context_len = context_len, .scale = scale, .k_codes = k_codes,
+                   .v_codes = v_codes, .k_row_bytes = k_row_bytes, .v_row_bytes = v_row_bytes, .k_norm = k_norm,
+                   .v_norm = v_norm, .norm_dtype = norm_dtype};
     if (kvlab_cb_layout(&P.keys, d, k_parts, k_spec, k_tables, k_row_bytes) ||
         kvlab_cb_layout(&P.values, d, v_parts, v_spec, v_tables, v_row_bytes))
         return -1;
-    P.group = n_heads / n_kv_heads;
-    const int64_t rows_per_tile = CODE_QUERIES / P.group > 1 ? CODE_QUERIES / P.group : 1;
-    const int64_t max_queries = rows_per_tile * P.group, dpad = P.keys.dpad, partial_floats = max_queries * (d + 2);
-    int64_t n_groups;
-    const int64_t n_items = code_items(&P, n_seqs, rows_per_tile, NULL, NULL, &n_groups);
-    code_item *items = malloc(sizeof(code_item) * (size_t)(n_items + 1));
-    int64_t *group_first = malloc(sizeof(int64_t) * (size_t)(n_groups + 1));
-    float *partial = malloc(sizeof(float) * (size_t)(n_items * partial_floats + 1));
-    int failed = !items || !group_first || !partial;
-    if (failed) goto done;
-    code_items(&P, n_seqs, rows_per_tile, items, group_first, &n_groups);
-    int64_t work = 0;
-    for (int64_t i = 0; i < n_items; i++) work += (items[i].r1 - items[i].r0) * P.group * (items[i].k1 - items[i].k0) * 2 * d;
-    const int threads = kvlab_cb_threads(work, n_threads);
-    #pragma omp parallel num_threads(threads)
-    {
-        float *scratch = calloc((size_t)(2 * max_queries + 2 * CB_TILE) * dpad, sizeof(float));
-        if (!scratch) {
-            #pragma omp atomic write
-            failed = 1;
-        }
-        #pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < n_items; i++)
-            if (scratch) code_item_attend(&P, q, &items[i], scratch, partial + i * partial_floats, max_queries);
-        free(scratch);
-        /* each query's chunks merged in chunk order: out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c */
-        #pragma omp for schedule(static)
-        for (int64_t g = 0; g < n_groups; g++) {
-            if (failed) continue;
-            const code_item *first = &items[group_first[g]];
-            const int64_t nq = (first->r1 - first->r0) * P.group, chunks = group_first[g + 1] - group_first[g];
-            for (int64_t i = 0; i < nq; i++) {
-                float top = -INFINITY, sum = 0.0f;
-                for (int64_t c = 0; c < chunks; c++) {
-                    const float mc = partial[(group_first[g] + c) * partial_floats + nq * d + i];
-                    top = mc > top ? mc : top;
-                }
-                float *o = out + ((first->r0 + i / P.group) * n_heads + (int64_t)first->h * P.group + i % P.group) * d;
-                memset(o, 0, sizeof(float) * d);
-                for (int64_t c = 0; c < chunks; c++) {
-                    const float *part = partial + (group_first[g] + c) * partial_floats;
-                    const float mc = part[nq * d + i];
-                    if (mc == -INFINITY) continue;                   /* no key of this chunk is seen by query i */
-                    const float weight = expf(mc - top);
-                    sum += weight * part[nq * d + nq + i];
-                    for (int k = 0; k < d; k++) o[k] += weight * part[i * d + k];
-                }
-                const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-                for (int k = 0; k < d; k++) o[k] *= inv;
-            }
-        }
+    return code_attention(&P, q, n_seqs, out, n_threads);
+}
+
+/* Integer blocks (kvlab/serve/coded.py IntPool; codes packed as kvlab/cache/packing.py, the codebook layout with
+ * the code values as the table): keys zero + code x scale per channel per key group of key_group tokens, values
+ * per value group of value_group channels; exact (rows, Hkv, d) fp32 holds each sequence's keys from its open key
+ * group on (exact_start: its rows, the last of its context). q, out (n_rows, H, d). 0, -1 (nothing read), -2. */
+int kvlab_paged_int_attention(const float *q, int64_t n_rows, int n_heads, int n_kv_heads, int d, int bits,
+                              const uint8_t *k_codes, const uint16_t *k_scale, const uint16_t *k_zero, int key_group,
+                              const uint8_t *v_codes, const uint16_t *v_scale, const uint16_t *v_zero, int value_group,
+                              int64_t n_slots, const float *exact, const int64_t *exact_start, int64_t exact_rows,
+                              const int32_t *block_tables, int n_seqs, int max_blocks, int block_size,
+                              const int32_t *query_start, const int32_t *context_len,
+                              float scale, int window, float *out, int n_threads) {
+    if (bits < 1 || bits > 8 || key_group <= 0 || block_size % key_group || value_group <= 0 || d % value_group) return -1;
+    if (check_layout(n_rows, n_heads, n_kv_heads, d, d, POOL_F32, n_slots, block_tables, n_seqs, max_blocks, block_size,
+                     query_start, context_len))
+        return -1;
+    if (exact_start[0] != 0 || exact_start[n_seqs] != exact_rows) return -1;
+    for (int s = 0; s < n_seqs; s++) {   /* the exact keys cover every key some query reads exact: from its open group */
+        const int64_t n_exact = exact_start[s + 1] - exact_start[s], start = context_len[s] - (query_start[s + 1] - query_start[s]);
+        if (n_exact < 0 || n_exact > context_len[s] || context_len[s] - n_exact > (start + 1) / key_group * key_group) return -1;
     }
-done:
-    free(items);
-    free(group_first);
-    free(partial);
-    return failed ? -2 : 0;
+    float values[256];
+    for (int c = 0; c < 256; c++) values[c] = (float)c;
+    const int32_t spec[3] = {0, d, bits};
+    code_pool P = {.kind = CODES_INT, .n_heads = n_heads, .n_kv_heads = n_kv_heads, .group = n_heads / n_kv_heads, .d = d,
+                   .window = window, .block_size = block_size, .max_blocks = max_blocks, .block_tables = block_tables,
+                   .query_start = query_start, .context_len = context_len, .scale = scale, .k_codes = k_codes,
+                   .v_codes = v_codes, .k_scale = k_scale, .k_zero = k_zero, .v_scale = v_scale, .v_zero = v_zero,
+                   .key_group = key_group, .value_group = value_group, .exact = exact, .exact_start = exact_start};
+    /* rows are exactly as long as the codebook layout of one part at `bits` bits says (packing.py's planes) */
+    int64_t bytes = 0;
+    for (int w = 8; w >= 1; w /= 2)
+        if (bits & w) bytes += ((int64_t)d * w + 7) / 8;
+    P.k_row_bytes = P.v_row_bytes = bytes;
+    if (kvlab_cb_layout(&P.keys, d, 1, spec, values, bytes) || kvlab_cb_layout(&P.values, d, 1, spec, values, bytes)) return -1;
+    return code_attention(&P, q, n_seqs, out, n_threads);
 }

@@ -18,8 +18,9 @@ tests hold equal to the reference. The int formats keep the
 single cache's rule for key groups (cache/quantized.py): the query of the token at position p reads codes
 for the groups complete at p and full-precision keys for the rest, so a chunk's queries before a group's
 completion read that group exactly (from the stage and the chunk's own keys, kept for the step like the
-single cache's `_fresh`). The chunk's queries are split into runs between group completions; each run is
-one grouped_attention over the keys it reads.
+single cache's `_fresh`). The reference splits the chunk's queries into runs between group completions, each
+one grouped_attention over the keys it reads; with use_kernel (CPU) the whole step is one C call per layer
+(kernels/paged.c kvlab_paged_int_attention) that reads the codes in place and the `_fresh` keys exact.
 
 TurboQuant's per-layer state: rotations and codebooks are data-independent; the key offset and the key
 channel weights are calibrated once, at pool construction, by running the model on CALIBRATION_IDS with a
@@ -43,7 +44,7 @@ from ..cache.quantized import _affine, _encode
 from ..cache.turboquant import TurboQuantCache
 from ..errors import ConfigError
 from ..kernels import kernel_for
-from ..kernels.paged import paged_codes_attention
+from ..kernels.paged import paged_codes_attention, paged_int_attention
 from .formats import BlockFormat
 
 #: the calibration prompt of the TurboQuant pools: fixed ids spread over the vocabulary (no data involved)
@@ -204,17 +205,15 @@ class IntPool(CodedPool):
         return out.reshape(n, Hkv, Dv)
 
     def attend(self, layer: int, view, q: torch.Tensor) -> torch.Tensor:
-        """q (N, H, D) fp32 -> (N, H, Dv) fp32: on the codes (kernels/intcache.c) when view.use_kernel and the
-        kernel reads these codes, else the torch reference (dequantize, grouped_attention per run of queries)."""
+        """q (N, H, D) fp32 -> (N, H, Dv) fp32: the whole batch in one C call on the pool's codes (kernels/paged.c)
+        when view.use_kernel on CPU, else the torch reference (dequantize, grouped_attention per run of queries)."""
         G = self.group
+        kernel = kernel_for(self._device) if view.use_kernel else None
+        if kernel is not None and self.geometry.head_dim == self.geometry.head_dim_v:
+            return self._attend_ragged(kernel, layer, view, q)
         out = q.new_empty(q.shape[0], q.shape[1], self.geometry.head_dim_v)          # (N, H, Dv)
-        kernel = kernel_for(self._device) if view.use_kernel and self.bits in (4, 8) else None
         for s, lo, hi, start, ctx in self.sequences(view):
             slots = view.layout.slots(s).to(self._device)                            # (ctx,)
-            if kernel is not None:
-                o = self._attend_codes(kernel, layer, q[lo:hi].transpose(0, 1)[None], slots, self._fresh[s], view)
-                out[lo:hi] = o[0].transpose(0, 1)
-                continue
             coded = self._coded_keys(layer, slots[:ctx // G * G])                   # (complete, Hkv, Dk)
             values = self._values(layer, slots).transpose(0, 1)[None]               # (1, Hkv, ctx, Dv)
             first, exact = self._fresh[s]                                            # keys [first, ctx) in full precision
@@ -229,42 +228,16 @@ class IntPool(CodedPool):
                 a = b
         return out
 
-    def _attend_codes(self, kernel, layer: int, q: torch.Tensor, slots: torch.Tensor, fresh: tuple, view) -> torch.Tensor:
-        """q (1, H, T, D) of one sequence, its slots (ctx,) and its step's full-precision keys from token `first`
-        -> (1, H, T, Dv), scores and mix read from the gathered codes.
-
-        The rule of `attend` as one softmax: per query row the coded score of a key whose group was complete at
-        that query, the exact score (from the step's full-precision keys) otherwise (QuantizedCache._scores)."""
-        G, b = self.group, self.bits
-        _, H, T, D = q.shape
-        Hkv, ctx = self.geometry.n_kv_heads, len(slots)
-        start, complete = ctx - T, ctx // G * G
-        qg = q.reshape(1, Hkv, H // Hkv * T, D)                                        # (1, Hkv, G·T, D)
-
-        def gathered(buf: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-            return buf[layer][rows].transpose(0, 1)[None].contiguous()                   # (1, Hkv, n, ...)
-
-        if complete:
-            coded = kernel.int_scores(b, gathered(self.token_buffers["k_codes"], slots[:complete]),
-                                      gathered(self.group_buffers["k_scale"], slots[:complete:G] // G),
-                                      gathered(self.group_buffers["k_zero"], slots[:complete:G] // G),
-                                      complete, G, qg, view.scale)                       # (1, Hkv, G·T, complete)
-        else:
-            coded = qg.new_zeros(1, Hkv, qg.shape[2], 0)
-        first, exact = fresh                                                             # (ctx - first, Hkv, D)
-        exact_scores = (qg @ exact.float().permute(1, 2, 0)[None]) * view.scale         # (1, Hkv, G·T, ctx - first)
-        position = start + torch.arange(qg.shape[2], device=q.device) % T                # (G·T,) each row's token
-        read_coded = torch.arange(first, ctx, device=q.device)[None, :] < ((position + 1) // G * G)[:, None]
-        padded = torch.cat([coded[..., first:], coded.new_zeros(*coded.shape[:3], ctx - complete)], dim=-1)
-        scores = torch.cat([coded[..., :first], torch.where(read_coded, padded, exact_scores)], dim=-1)  # (1, Hkv, G·T, ctx)
-        if T > 1 or (view.window is not None and ctx > view.window):
-            mask = causal_mask(T, ctx, q.device, view.window).repeat(H // Hkv, 1)      # (G·T, ctx)
-            scores = scores.masked_fill(~mask, float("-inf"))
-        p = torch.softmax(scores, dim=-1)
-        buf = self.token_buffers
-        mixed = kernel.int_mix(b, gathered(buf["v_codes"], slots), gathered(buf["v_scale"], slots),
-                               gathered(buf["v_zero"], slots), ctx, self.geometry.head_dim_v, p)  # (1, Hkv, G·T, Dv)
-        return mixed.reshape(1, H, T, -1)
+    def _attend_ragged(self, kernel, layer: int, view, q: torch.Tensor) -> torch.Tensor:
+        """q (N, H, D) -> (N, H, D): every sequence of the step in one C call on the pool's codes through the block
+        tables, with the rule of `attend`: each sequence's step keys from its open group on (`_fresh`) go in exact."""
+        exact = torch.cat([keys for _, keys in self._fresh]).float().contiguous()      # (Σ ctx - first, Hkv, D)
+        counts = torch.tensor([0] + [len(keys) for _, keys in self._fresh], dtype=torch.int64)
+        buf, groups, layout = self.token_buffers, self.group_buffers, view.layout
+        return paged_int_attention(kernel, q.contiguous(), self.bits, buf["k_codes"][layer], groups["k_scale"][layer],
+                                   groups["k_zero"][layer], buf["v_codes"][layer], buf["v_scale"][layer],
+                                   buf["v_zero"][layer], exact, counts.cumsum(0), layout.block_tables, layout.query_start,
+                                   layout.context_len, layout.block_size, self.group, view.scale, view.window or 0)
 
 
 class TurboPool(CodedPool):
