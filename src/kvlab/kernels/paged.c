@@ -24,6 +24,9 @@
 
 #include "blockgemv.h"
 #include "codebook.h"
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 enum { POOL_F32 = 0, POOL_F16 = 1, POOL_BF16 = 2 };
 #define TILE 64
@@ -231,6 +234,15 @@ static inline float norm_value(uint16_t h, int dtype) {
     return dtype == POOL_F16 ? kvlab_fp16_to_fp32(h) : bf16_to_fp32(h);
 }
 
+/* out[0 .. n) = the fp16 values in[0 .. n), sixteen at a time where AVX-512 is there */
+static inline void fp16_row(const uint16_t *in, float *out, int n) {
+    int c = 0;
+#if defined(__AVX512F__)
+    for (; c + 16 <= n; c += 16) _mm512_storeu_ps(out + c, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(in + c))));
+#endif
+    for (; c < n; c++) out[c] = kvlab_fp16_to_fp32(in[c]);
+}
+
 /* Enumerate the work items in (sequence, query tile, KV head, key chunk) order into items (when not NULL) and
  * each (sequence, query tile, KV head) group's first item into group_first (n_groups + 1 entries); returns the
  * number of items and sets *n_groups. Only key chunks some query of the tile sees (causal, window) are items. */
@@ -271,6 +283,8 @@ static void load_tile(const code_pool *P, const code_item *it, int64_t t0, int n
     const int d = P->d, dpad = P->keys.dpad, bs = P->block_size, Hkv = P->n_kv_heads;
     const int32_t *table = P->block_tables + (int64_t)it->s * P->max_blocks;
     const int64_t complete = P->kind == CODES_INT ? P->context_len[it->s] / P->key_group * P->key_group : 0;
+    float zero[MAX_DIM], scale[MAX_DIM];   /* INT: the current key group's (one group spans many keys of a tile) */
+    int64_t meta_at = -1;
     for (int j = 0; j < n; j++) {
         const int64_t t = t0 + j, slot = (int64_t)table[t / bs] * bs + t % bs, index = slot * Hkv + it->h;
         float *k = keys + (int64_t)j * dpad, *v = values + (int64_t)j * dpad;
@@ -284,13 +298,22 @@ static void load_tile(const code_pool *P, const code_item *it, int64_t t0, int n
         if (t < complete) {   /* zero + code x scale, per channel of the key group */
             kvlab_cb_decode_row(&P->keys, P->k_codes + index * P->k_row_bytes, k, codes);
             const int64_t meta = ((slot / P->key_group) * Hkv + it->h) * d;
-            for (int c = 0; c < d; c++) k[c] = kvlab_fp16_to_fp32(P->k_zero[meta + c]) + k[c] * kvlab_fp16_to_fp32(P->k_scale[meta + c]);
+            if (meta != meta_at) {
+                fp16_row(P->k_zero + meta, zero, d);
+                fp16_row(P->k_scale + meta, scale, d);
+                meta_at = meta;
+            }
+            for (int c = 0; c < d; c++) k[c] = zero[c] + k[c] * scale[c];
         } else {
             memset(k, 0, sizeof(float) * dpad);
         }
-        const int n_vg = d / P->value_group;
+        const int n_vg = d / P->value_group, gv = P->value_group;
         const uint16_t *vs = P->v_scale + index * n_vg, *vz = P->v_zero + index * n_vg;
-        for (int c = 0; c < d; c++) v[c] = kvlab_fp16_to_fp32(vz[c / P->value_group]) + v[c] * kvlab_fp16_to_fp32(vs[c / P->value_group]);
+        for (int group = 0; group < n_vg; group++) {
+            const float z = kvlab_fp16_to_fp32(vz[group]), sc = kvlab_fp16_to_fp32(vs[group]);
+            float *vg = v + group * gv;
+            for (int c = 0; c < gv; c++) vg[c] = z + vg[c] * sc;
+        }
         key_scale[j] = P->scale;
         value_scale[j] = 1.0f;
     }
