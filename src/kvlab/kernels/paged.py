@@ -141,13 +141,11 @@ def paged_codes_attention(kernel, q: torch.Tensor, k_codes: torch.Tensor, k_norm
     _check(Hkv > 0 and H % Hkv == 0, f"{H} query heads are not a multiple of {Hkv} KV heads")
     _check(0 < D <= MAX_CODE_DIM, f"head dim {D} is not 1..{MAX_CODE_DIM}")
     _check(isinstance(v_codes, torch.Tensor) and v_codes.dim() == 3, "v_codes must be (slots, Hkv, row bytes)")
-    for name, t, dtypes, shape in (("k_codes", k_codes, (torch.uint8,), (slots, Hkv, k_layout.row_bytes)),
-                                   ("v_codes", v_codes, (torch.uint8,), (slots, Hkv, v_layout.row_bytes)),
-                                   ("k_norm", k_norm, NORM_DTYPES, (slots, Hkv)), ("v_norm", v_norm, NORM_DTYPES, (slots, Hkv))):
-        _check(isinstance(t, torch.Tensor) and t.dtype in dtypes and tuple(t.shape) == shape and t.is_contiguous()
-               and t.device.type == "cpu", f"{name} must be a contiguous {'/'.join(str(d).removeprefix('torch.') for d in dtypes)} "
-               f"CPU tensor of shape {shape}, got {tuple(t.shape)} {t.dtype}")
-    _check(k_norm.dtype == v_norm.dtype, f"key and value norms differ in dtype: {k_norm.dtype}, {v_norm.dtype}")
+    norm = k_norm.dtype if isinstance(k_norm, torch.Tensor) and k_norm.dtype in NORM_DTYPES else torch.float16
+    for name, t, dtype, shape in (("k_codes", k_codes, torch.uint8, (slots, Hkv, k_layout.row_bytes)),
+                                  ("v_codes", v_codes, torch.uint8, (slots, Hkv, v_layout.row_bytes)),
+                                  ("k_norm", k_norm, norm, (slots, Hkv)), ("v_norm", v_norm, norm, (slots, Hkv))):
+        _check_tensor(name, t, dtype, shape)
     _check_code_layout(k_layout, "key", D, k_codes.shape[2])
     _check_code_layout(v_layout, "value", D, v_codes.shape[2])
     _check_layout(block_tables, query_start, context_len, slots, block_size)

@@ -254,7 +254,6 @@ class IntPool(CodedPool):
                                    buf["v_zero"][layer], exact, counts.cumsum(0), layout.block_tables, layout.query_start,
                                    layout.context_len, layout.block_size, self.group, view.scale, view.window or 0)
 
-
     def _attend_codes(self, kernel, layer: int, q: torch.Tensor, slots: torch.Tensor, fresh: tuple, view) -> torch.Tensor:
         """q (1, H, T, D) of one sequence, its slots (ctx,) and its step's full-precision keys from token `first`
         -> (1, H, T, Dv), scores and mix read from the gathered codes.
