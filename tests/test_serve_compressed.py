@@ -22,7 +22,9 @@ from kvlab.generate import generate
 from kvlab.model.loader import default_model_path
 from kvlab.plan.command import build_plan
 from kvlab.plan.engines.kvlab import engine_admission
-from kvlab.serve import Engine, SamplingParams
+from kvlab.kernels import block_kernel
+from kvlab.kernels.paged import paged_codes_attention
+from kvlab.serve import Engine, SamplingParams, coded
 from kvlab.serve.attention import RaggedLayout
 from kvlab.serve.blocks import CapacityPlan
 from kvlab.serve.coded import IntPool, TurboPool
@@ -51,7 +53,10 @@ def alone(smollm2, engine: Engine, prompt: list[int], max_tokens: int) -> list[i
 
 
 @pytest.mark.parametrize("name", FORMATS)
-def test_batched_tokens_equal_each_sequence_alone_with_that_format(smollm2, name):
+def test_batched_tokens_equal_each_sequence_alone_with_that_format(smollm2, name, monkeypatch):
+    """Through the pool's C kernels where they build (TurboQuant: one ragged call per layer and step, kernels/paged.c)."""
+    calls = []
+    monkeypatch.setattr(coded, "paged_codes_attention", lambda *a, **kw: calls.append(1) or paged_codes_attention(*a, **kw))
     system = ids_of(smollm2, 37)
     cases = [(system + ids_of(smollm2, 4, 60), 4), (ids_of(smollm2, 5, 3), 5), (system + ids_of(smollm2, 11, 80), 3)]
     engine = Engine(smollm2, cache=name, kv_budget="8MiB", max_batch=4, max_step_tokens=24)   # chunked prefill
@@ -77,6 +82,7 @@ def test_batched_tokens_equal_each_sequence_alone_with_that_format(smollm2, name
         assert tokens[rid] == alone(smollm2, engine, prompt, n), rid
     stats = engine.stats()
     assert stats.blocks_used == 0 and stats.running == 0 and not getattr(engine.pool, "rows", {})
+    assert bool(calls) == (block_kernel() is not None and name.startswith("tq"))
 
 
 # -- the pool's attention against the single caches', on random shapes -------------------------------------

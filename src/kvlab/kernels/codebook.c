@@ -24,23 +24,10 @@
 #include <immintrin.h>
 #endif
 
-#define CB_MAX_PARTS 4
-#define CB_MAX_DIM 1024
-#define CB_TILE 16          /* rows decoded at once */
+#include "codebook.h"
+
 #define CB_SEGMENT 256      /* rows per partial sum of the mix */
 #define CB_SERIAL_WORK (1 << 17)   /* below this many multiply-adds one thread does it (a region costs more) */
-
-typedef struct {
-    int lo, hi, bits, n_planes;
-    int width[4], shift[4];
-    int64_t offset[4];      /* byte offset of each plane in a row */
-    const float *table;     /* centroids, padded to max(16, 2^bits) entries */
-} cb_part;
-
-typedef struct {
-    int n_parts, d, dpad;
-    cb_part part[CB_MAX_PARTS];
-} cb_layout;
 
 /* Which variant this build is: 512 (AVX-512), 256 (AVX2) or 0 (plain C). */
 int kvlab_codebook_variant(void) {
@@ -424,3 +411,16 @@ int kvlab_codebook_decode(const uint8_t *codes, int heads, int64_t slots, int64_
         }
     return 0;
 }
+
+/* the exported entry points of codebook.h: the routines above, for the library's other sources */
+int kvlab_cb_layout(cb_layout *L, int d, int n_parts, const int32_t *spec, const float *tables, int64_t row_bytes) {
+    return make_layout(L, d, n_parts, spec, tables, row_bytes);
+}
+
+void kvlab_cb_decode_row(const cb_layout *L, const uint8_t *row, float *out, int32_t *codes) { decode_row(L, row, out, codes); }
+
+void kvlab_cb_dot8(const float *a, const float *rows, int dpad, float *out) { dot8(a, rows, dpad, out); }
+
+void kvlab_cb_axpy_rows(const float *w, const float *rows, int64_t count, float *y, int dpad) { axpy_rows(w, rows, count, y, dpad); }
+
+int kvlab_cb_threads(int64_t work, int n_threads) { return threads_for(work, n_threads); }

@@ -7,17 +7,38 @@
  * One work item = (query row, KV head): the G = H / Hkv query heads sharing that KV head read each key once.
  * Keys are scored in tiles of 64 with a running max (online softmax); everything is computed in fp32.
  * Every index is checked before the loop: a bad table or length returns -1 and touches nothing.
+ *
+ * kvlab_paged_codes_attention does the same over TurboQuant blocks (kvlab/serve/coded.py TurboPool): per token
+ * and KV head, b-bit codebook codes (codebook.h's row layout) and a 16-bit norm, for K and for V. The queries
+ * come rotated (and weighted) as the codes are read; the output stays in the rotated domain (torch applies the
+ * inverse rotation and the value offset to the whole batch). A work item is (sequence, query tile, KV head, key
+ * chunk): it decodes each tile of CB_TILE keys and values once for all its queries (rows x the G heads of the
+ * KV head) and keeps an online softmax per query; chunks of CODE_CHUNK keys are separate items (flash-decoding:
+ * a long context splits over threads), merged per query in chunk order, so the result is the same for any
+ * thread count.
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "blockgemv.h"
+#include "codebook.h"
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 enum { POOL_F32 = 0, POOL_F16 = 1, POOL_BF16 = 2 };
 #define TILE 64
 #define MAX_DIM 512
 #define MAX_GROUP 64
+
+static inline float bf16_to_fp32(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
 
 /* row `index` of a pool of `d`-wide rows as fp32: a pointer into an fp32 pool, else converted into buf */
 static inline const float *pool_row(const void *pool, int dtype, int64_t index, int d, float *buf) {
@@ -26,10 +47,7 @@ static inline const float *pool_row(const void *pool, int dtype, int64_t index, 
     if (dtype == POOL_F16) {
         for (int c = 0; c < d; c++) buf[c] = kvlab_fp16_to_fp32(row[c]);
     } else {
-        for (int c = 0; c < d; c++) {
-            uint32_t bits = (uint32_t)row[c] << 16;
-            memcpy(buf + c, &bits, sizeof bits);
-        }
+        for (int c = 0; c < d; c++) buf[c] = bf16_to_fp32(row[c]);
     }
     return buf;
 }
@@ -181,4 +199,324 @@ int kvlab_paged_attention(const float *q, int64_t n_rows, int n_heads, int n_kv_
         }
     }
     return 0;
+}
+
+/* -- coded blocks: TurboQuant and integer codes --------------------------------------------------------- */
+#define CODE_CHUNK 256      /* keys per work item (flash-decoding split of a long context) */
+#define CODE_QUERIES 64     /* query vectors (rows x group) per work item, at most */
+enum { CODES_TQ = 0, CODES_INT = 1 };
+
+typedef struct {
+    int s, h;               /* sequence, KV head */
+    int64_t r0, r1;         /* query rows [r0, r1) of the flat batch */
+    int64_t k0, k1;         /* key positions [k0, k1) of the sequence */
+} code_item;
+
+typedef struct {
+    int kind, n_heads, n_kv_heads, group, d, window, block_size, max_blocks;
+    const int32_t *block_tables, *query_start, *context_len;
+    float scale;
+    const uint8_t *k_codes, *v_codes;     /* (slots, Hkv, row bytes) */
+    int64_t k_row_bytes, v_row_bytes;
+    cb_layout keys, values;               /* TQ: the codebooks; INT: tables of the code values 0, 1, 2, ... */
+    /* TQ */
+    const uint16_t *k_norm, *v_norm;      /* (slots, Hkv) fp16 or bf16 */
+    int norm_dtype;
+    /* INT */
+    const uint16_t *k_scale, *k_zero;     /* (slots / key_group, Hkv, d) fp16 */
+    const uint16_t *v_scale, *v_zero;     /* (slots, Hkv, d / value_group) fp16 */
+    int key_group, value_group;
+    const float *exact;                   /* (rows, Hkv, d) fp32: each sequence's keys from the open group on */
+    const int64_t *exact_start;           /* (n_seqs + 1,) its rows: the last ones of its context */
+} code_pool;
+
+static inline float norm_value(uint16_t h, int dtype) {
+    return dtype == POOL_F16 ? kvlab_fp16_to_fp32(h) : bf16_to_fp32(h);
+}
+
+/* out[0 .. n) = the fp16 values in[0 .. n), sixteen at a time where AVX-512 is there */
+static inline void fp16_row(const uint16_t *in, float *out, int n) {
+    int c = 0;
+#if defined(__AVX512F__)
+    for (; c + 16 <= n; c += 16) _mm512_storeu_ps(out + c, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(in + c))));
+#endif
+    for (; c < n; c++) out[c] = kvlab_fp16_to_fp32(in[c]);
+}
+
+/* Enumerate the work items in (sequence, query tile, KV head, key chunk) order into items (when not NULL) and
+ * each (sequence, query tile, KV head) group's first item into group_first (n_groups + 1 entries); returns the
+ * number of items and sets *n_groups. Only key chunks some query of the tile sees (causal, window) are items. */
+static int64_t code_items(const code_pool *P, int n_seqs, int64_t rows_per_tile, code_item *items, int64_t *group_first,
+                          int64_t *n_groups) {
+    int64_t n = 0, groups = 0;
+    for (int s = 0; s < n_seqs; s++) {
+        const int64_t q0 = P->query_start[s], q1 = P->query_start[s + 1], first_pos = P->context_len[s] - (q1 - q0);
+        for (int64_t r0 = q0; r0 < q1; r0 += rows_per_tile) {
+            const int64_t r1 = r0 + rows_per_tile < q1 ? r0 + rows_per_tile : q1;
+            const int64_t p0 = first_pos + (r0 - q0), p1 = first_pos + (r1 - 1 - q0);
+            const int64_t lo = P->window > 0 && p0 - P->window + 1 > 0 ? p0 - P->window + 1 : 0, hi = p1 + 1;
+            for (int h = 0; h < P->n_kv_heads; h++) {
+                if (group_first) group_first[groups] = n;
+                groups++;
+                for (int64_t c = lo / CODE_CHUNK * CODE_CHUNK; c < hi; c += CODE_CHUNK) {
+                    if (items) {
+                        code_item *it = &items[n];
+                        it->s = s, it->h = h, it->r0 = r0, it->r1 = r1;
+                        it->k0 = c > lo ? c : lo;
+                        it->k1 = c + CODE_CHUNK < hi ? c + CODE_CHUNK : hi;
+                    }
+                    n++;
+                }
+            }
+        }
+    }
+    if (group_first) group_first[groups] = n;
+    *n_groups = groups;
+    return n;
+}
+
+/* Keys t0 .. t0+n of an item as attention reads them: rows of keys and values (dpad apart), and per key the factor
+ * of its score (TQ: norm x scale; INT: scale) and of its value (TQ: norm; INT: 1). INT keys past the last complete
+ * key group have no codes yet: their rows are zero (their queries read them exact). */
+static void load_tile(const code_pool *P, const code_item *it, int64_t t0, int n, float *keys, float *values,
+                      float *key_scale, float *value_scale, int32_t *codes) {
+    const int d = P->d, dpad = P->keys.dpad, bs = P->block_size, Hkv = P->n_kv_heads;
+    const int32_t *table = P->block_tables + (int64_t)it->s * P->max_blocks;
+    const int64_t complete = P->kind == CODES_INT ? P->context_len[it->s] / P->key_group * P->key_group : 0;
+    float zero[MAX_DIM], scale[MAX_DIM];   /* INT: the current key group's (one group spans many keys of a tile) */
+    int64_t meta_at = -1;
+    for (int j = 0; j < n; j++) {
+        const int64_t t = t0 + j, slot = (int64_t)table[t / bs] * bs + t % bs, index = slot * Hkv + it->h;
+        float *k = keys + (int64_t)j * dpad, *v = values + (int64_t)j * dpad;
+        kvlab_cb_decode_row(&P->values, P->v_codes + index * P->v_row_bytes, v, codes);
+        if (P->kind == CODES_TQ) {
+            kvlab_cb_decode_row(&P->keys, P->k_codes + index * P->k_row_bytes, k, codes);
+            key_scale[j] = norm_value(P->k_norm[index], P->norm_dtype) * P->scale;
+            value_scale[j] = norm_value(P->v_norm[index], P->norm_dtype);
+            continue;
+        }
+        if (t < complete) {   /* zero + code x scale, per channel of the key group */
+            kvlab_cb_decode_row(&P->keys, P->k_codes + index * P->k_row_bytes, k, codes);
+            const int64_t meta = ((slot / P->key_group) * Hkv + it->h) * d;
+            if (meta != meta_at) {
+                fp16_row(P->k_zero + meta, zero, d);
+                fp16_row(P->k_scale + meta, scale, d);
+                meta_at = meta;
+            }
+            for (int c = 0; c < d; c++) k[c] = zero[c] + k[c] * scale[c];
+        } else {
+            memset(k, 0, sizeof(float) * dpad);
+        }
+        const int n_vg = d / P->value_group, gv = P->value_group;
+        const uint16_t *vs = P->v_scale + index * n_vg, *vz = P->v_zero + index * n_vg;
+        for (int group = 0; group < n_vg; group++) {
+            const float z = kvlab_fp16_to_fp32(vz[group]), sc = kvlab_fp16_to_fp32(vs[group]);
+            float *vg = v + group * gv;
+            for (int c = 0; c < gv; c++) vg[c] = z + vg[c] * sc;
+        }
+        key_scale[j] = P->scale;
+        value_scale[j] = 1.0f;
+    }
+}
+
+/* One item: for each of its nq = rows x G queries, the softmax-weighted sum of its keys' values, unnormalized,
+ * with the running max m and sum l. partial: nq x d sums, then nq maxima, then nq sums.
+ * scratch: qpad, acc (max_queries x dpad each), then keys, values, exact keys (CB_TILE x dpad each).
+ * INT: the query at position p reads the keys of the groups complete at p (t < (p+1) / G * G) from their codes,
+ * the rest exact (QuantizedCache's rule). */
+static void code_item_attend(const code_pool *P, const float *q, const code_item *it, float *scratch, float *partial,
+                             int64_t max_queries) {
+    const int d = P->d, dpad = P->keys.dpad, G = P->group;
+    const int32_t q0 = P->query_start[it->s];
+    const int64_t first_pos = P->context_len[it->s] - (P->query_start[it->s + 1] - q0);   /* of row q0 */
+    const int64_t nq = (it->r1 - it->r0) * G;
+    float *qpad = scratch, *acc = qpad + max_queries * dpad, *keys = acc + max_queries * dpad;
+    float *values = keys + CB_TILE * dpad, *exact = values + CB_TILE * dpad;
+    float *o = partial, *m = partial + nq * d, *l = m + nq;
+    int32_t codes[CB_MAX_DIM];
+    for (int64_t i = 0; i < nq; i++) {
+        const int64_t row = it->r0 + i / G;
+        memcpy(qpad + i * dpad, q + (row * P->n_heads + (int64_t)it->h * G + i % G) * d, sizeof(float) * d);
+        memset(qpad + i * dpad + d, 0, sizeof(float) * (dpad - d));
+        memset(acc + i * dpad, 0, sizeof(float) * dpad);
+        m[i] = -INFINITY;
+        l[i] = 0.0f;
+    }
+    for (int64_t t0 = it->k0; t0 < it->k1; t0 += CB_TILE) {
+        const int n = (int)(it->k1 - t0 < CB_TILE ? it->k1 - t0 : CB_TILE);
+        float key_scale[CB_TILE], value_scale[CB_TILE];
+        int have_exact = 0;
+        load_tile(P, it, t0, n, keys, values, key_scale, value_scale, codes);   /* once for every query */
+        for (int64_t i = 0; i < nq; i++) {
+            const int64_t pos = first_pos + (it->r0 + i / G - q0);
+            const int64_t lo = P->window > 0 ? pos - P->window + 1 : 0;
+            const int j0 = lo > t0 ? (int)(lo - t0) : 0, j1 = pos + 1 - t0 < n ? (int)(pos + 1 - t0) : n;
+            if (j1 <= j0) continue;                                   /* no key of this tile is seen by query i */
+            /* keys from tile index `coded` on are read exact (INT only) */
+            const int64_t boundary = P->kind == CODES_INT ? (pos + 1) / P->key_group * P->key_group - t0 : n;
+            const int coded = boundary < j0 ? j0 : boundary > j1 ? j1 : (int)boundary;
+            float score[CB_TILE], w[CB_TILE];
+            if (coded > j0) {
+                kvlab_cb_dot8(qpad + i * dpad, keys, dpad, score);
+                if (coded > 8) kvlab_cb_dot8(qpad + i * dpad, keys + 8 * dpad, dpad, score + 8);
+            }
+            if (coded < j1) {
+                if (!have_exact) {   /* this tile's exact keys: rows of the sequence's open group and chunk */
+                    const int64_t first = P->context_len[it->s] - (P->exact_start[it->s + 1] - P->exact_start[it->s]);
+                    for (int j = 0; j < n; j++) {
+                        float *e = exact + (int64_t)j * dpad;
+                        memset(e, 0, sizeof(float) * dpad);
+                        if (t0 + j >= first)
+                            memcpy(e, P->exact + ((P->exact_start[it->s] + t0 + j - first) * P->n_kv_heads + it->h) * d, sizeof(float) * d);
+                    }
+                    have_exact = 1;
+                }
+                float exact_score[CB_TILE];
+                kvlab_cb_dot8(qpad + i * dpad, exact, dpad, exact_score);
+                if (j1 > 8) kvlab_cb_dot8(qpad + i * dpad, exact + 8 * dpad, dpad, exact_score + 8);
+                for (int j = coded; j < j1; j++) score[j] = exact_score[j];
+            }
+            float tile_max = -INFINITY;
+            for (int j = j0; j < j1; j++) {
+                score[j] *= key_scale[j];
+                tile_max = score[j] > tile_max ? score[j] : tile_max;
+            }
+            const float new_max = tile_max > m[i] ? tile_max : m[i];
+            const float correction = expf(m[i] - new_max);           /* 0 on the first tile (m = -inf) */
+            float *a = acc + i * dpad;
+            if (correction != 1.0f)
+                for (int c = 0; c < dpad; c++) a[c] *= correction;
+            l[i] *= correction;
+            for (int j = j0; j < j1; j++) {
+                const float p = expf(score[j] - new_max);
+                l[i] += p;
+                w[j] = p * value_scale[j];
+            }
+            m[i] = new_max;
+            kvlab_cb_axpy_rows(w + j0, values + (int64_t)j0 * dpad, j1 - j0, a, dpad);
+        }
+    }
+    for (int64_t i = 0; i < nq; i++) memcpy(o + i * d, acc + i * dpad, sizeof(float) * d);
+}
+
+/* Every item, then each query's chunks merged in chunk order: out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c.
+ * 0, or -2 (no memory). */
+static int code_attention(const code_pool *P, const float *q, int n_seqs, float *out, int n_threads) {
+    const int G = P->group, d = P->d;
+    const int64_t rows_per_tile = CODE_QUERIES / G > 1 ? CODE_QUERIES / G : 1;
+    const int64_t max_queries = rows_per_tile * G, dpad = P->keys.dpad, partial_floats = max_queries * (d + 2);
+    int64_t n_groups;
+    const int64_t n_items = code_items(P, n_seqs, rows_per_tile, NULL, NULL, &n_groups);
+    code_item *items = malloc(sizeof(code_item) * (size_t)(n_items + 1));
+    int64_t *group_first = malloc(sizeof(int64_t) * (size_t)(n_groups + 1));
+    float *partial = malloc(sizeof(float) * (size_t)(n_items * partial_floats + 1));
+    int failed = !items || !group_first || !partial;
+    if (!failed) {
+        code_items(P, n_seqs, rows_per_tile, items, group_first, &n_groups);
+        int64_t work = 0;
+        for (int64_t i = 0; i < n_items; i++) work += (items[i].r1 - items[i].r0) * G * (items[i].k1 - items[i].k0) * 2 * d;
+        #pragma omp parallel num_threads(kvlab_cb_threads(work, n_threads))
+        {
+            float *scratch = calloc((size_t)(2 * max_queries + 3 * CB_TILE) * dpad, sizeof(float));
+            if (!scratch) {
+                #pragma omp atomic write
+                failed = 1;
+            }
+            #pragma omp for schedule(dynamic, 1)
+            for (int64_t i = 0; i < n_items; i++)
+                if (scratch) code_item_attend(P, q, &items[i], scratch, partial + i * partial_floats, max_queries);
+            free(scratch);
+            #pragma omp for schedule(static)
+            for (int64_t g = 0; g < n_groups; g++) {
+                if (failed) continue;
+                const code_item *first = &items[group_first[g]];
+                const int64_t nq = (first->r1 - first->r0) * G, chunks = group_first[g + 1] - group_first[g];
+                for (int64_t i = 0; i < nq; i++) {
+                    float top = -INFINITY, sum = 0.0f;
+                    for (int64_t c = 0; c < chunks; c++) {
+                        const float mc = partial[(group_first[g] + c) * partial_floats + nq * d + i];
+                        top = mc > top ? mc : top;
+                    }
+                    float *o = out + ((first->r0 + i / G) * P->n_heads + (int64_t)first->h * G + i % G) * d;
+                    memset(o, 0, sizeof(float) * d);
+                    for (int64_t c = 0; c < chunks; c++) {
+                        const float *part = partial + (group_first[g] + c) * partial_floats;
+                        const float mc = part[nq * d + i];
+                        if (mc == -INFINITY) continue;               /* no key of this chunk is seen by query i */
+                        const float weight = expf(mc - top);
+                        sum += weight * part[nq * d + nq + i];
+                        for (int k = 0; k < d; k++) o[k] += weight * part[i * d + k];
+                    }
+                    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+                    for (int k = 0; k < d; k++) o[k] *= inv;
+                }
+            }
+        }
+    }
+    free(items);
+    free(group_first);
+    free(partial);
+    return failed ? -2 : 0;
+}
+
+/* TurboQuant blocks: q (n_rows, H, d) rotated and weighted as the codes are read; out (n_rows, H, d) in the rotated
+ * domain. 0, -1 (a layout, length or code layout out of range: nothing read), or -2 (no memory). */
+int kvlab_paged_codes_attention(const float *q, int64_t n_rows, int n_heads, int n_kv_heads, int d,
+                                const uint8_t *k_codes, const uint16_t *k_norm, const uint8_t *v_codes,
+                                const uint16_t *v_norm, int norm_dtype, int64_t n_slots,
+                                int k_parts, const int32_t *k_spec, const float *k_tables, int64_t k_row_bytes,
+                                int v_parts, const int32_t *v_spec, const float *v_tables, int64_t v_row_bytes,
+                                const int32_t *block_tables, int n_seqs, int max_blocks, int block_size,
+                                const int32_t *query_start, const int32_t *context_len,
+                                float scale, int window, float *out, int n_threads) {
+    if (norm_dtype != POOL_F16 && norm_dtype != POOL_BF16) return -1;
+    if (check_layout(n_rows, n_heads, n_kv_heads, d, d, POOL_F32, n_slots, block_tables, n_seqs, max_blocks, block_size,
+                     query_start, context_len))
+        return -1;
+    code_pool P = {.kind = CODES_TQ, .n_heads = n_heads, .n_kv_heads = n_kv_heads, .group = n_heads / n_kv_heads, .d = d,
+                   .window = window, .block_size = block_size, .max_blocks = max_blocks, .block_tables = block_tables,
+                   .query_start = query_start, .context_len = context_len, .scale = scale, .k_codes = k_codes,
+                   .v_codes = v_codes, .k_row_bytes = k_row_bytes, .v_row_bytes = v_row_bytes, .k_norm = k_norm,
+                   .v_norm = v_norm, .norm_dtype = norm_dtype};
+    if (kvlab_cb_layout(&P.keys, d, k_parts, k_spec, k_tables, k_row_bytes) ||
+        kvlab_cb_layout(&P.values, d, v_parts, v_spec, v_tables, v_row_bytes))
+        return -1;
+    return code_attention(&P, q, n_seqs, out, n_threads);
+}
+
+/* Integer blocks (kvlab/serve/coded.py IntPool; codes packed as kvlab/cache/packing.py, the codebook layout with
+ * the code values as the table): keys zero + code x scale per channel per key group of key_group tokens, values
+ * per value group of value_group channels; exact (rows, Hkv, d) fp32 holds each sequence's keys from its open key
+ * group on (exact_start: its rows, the last of its context). q, out (n_rows, H, d). 0, -1 (nothing read), -2. */
+int kvlab_paged_int_attention(const float *q, int64_t n_rows, int n_heads, int n_kv_heads, int d, int bits,
+                              const uint8_t *k_codes, const uint16_t *k_scale, const uint16_t *k_zero, int key_group,
+                              const uint8_t *v_codes, const uint16_t *v_scale, const uint16_t *v_zero, int value_group,
+                              int64_t n_slots, const float *exact, const int64_t *exact_start, int64_t exact_rows,
+                              const int32_t *block_tables, int n_seqs, int max_blocks, int block_size,
+                              const int32_t *query_start, const int32_t *context_len,
+                              float scale, int window, float *out, int n_threads) {
+    if (bits < 1 || bits > 8 || key_group <= 0 || block_size % key_group || value_group <= 0 || d % value_group) return -1;
+    if (check_layout(n_rows, n_heads, n_kv_heads, d, d, POOL_F32, n_slots, block_tables, n_seqs, max_blocks, block_size,
+                     query_start, context_len))
+        return -1;
+    if (exact_start[0] != 0 || exact_start[n_seqs] != exact_rows) return -1;
+    for (int s = 0; s < n_seqs; s++) {   /* the exact keys cover every key some query reads exact: from its open group */
+        const int64_t n_exact = exact_start[s + 1] - exact_start[s], start = context_len[s] - (query_start[s + 1] - query_start[s]);
+        if (n_exact < 0 || n_exact > context_len[s] || context_len[s] - n_exact > (start + 1) / key_group * key_group) return -1;
+    }
+    float values[256];
+    for (int c = 0; c < 256; c++) values[c] = (float)c;
+    const int32_t spec[3] = {0, d, bits};
+    code_pool P = {.kind = CODES_INT, .n_heads = n_heads, .n_kv_heads = n_kv_heads, .group = n_heads / n_kv_heads, .d = d,
+                   .window = window, .block_size = block_size, .max_blocks = max_blocks, .block_tables = block_tables,
+                   .query_start = query_start, .context_len = context_len, .scale = scale, .k_codes = k_codes,
+                   .v_codes = v_codes, .k_scale = k_scale, .k_zero = k_zero, .v_scale = v_scale, .v_zero = v_zero,
+                   .key_group = key_group, .value_group = value_group, .exact = exact, .exact_start = exact_start};
+    /* rows are exactly as long as the codebook layout of one part at `bits` bits says (packing.py's planes) */
+    int64_t bytes = 0;
+    for (int w = 8; w >= 1; w /= 2)
+        if (bits & w) bytes += ((int64_t)d * w + 7) / 8;
+    P.k_row_bytes = P.v_row_bytes = bytes;
+    if (kvlab_cb_layout(&P.keys, d, 1, spec, values, bytes) || kvlab_cb_layout(&P.values, d, 1, spec, values, bytes)) return -1;
+    return code_attention(&P, q, n_seqs, out, n_threads);
 }

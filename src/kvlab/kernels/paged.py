@@ -1,7 +1,9 @@
-"""ctypes front end of paged.c: attention of a ragged batch over K/V blocks (kvlab/serve/attention.py).
+"""ctypes front end of paged.c: attention of a ragged batch over K/V blocks (kvlab/serve/attention.py), dense
+(`paged_attention`), TurboQuant codes (`paged_codes_attention`, serve/coded.py TurboPool) or integer codes
+(`paged_int_attention`, IntPool).
 
-paged.c is built into the one kernel library (SOURCES); this wrapper opens that library by its path and
-checks the dtype, shape, contiguity and length of every buffer before C reads or writes it.
+paged.c is built into the one kernel library (SOURCES); these wrappers open that library by its path and
+check the dtype, shape, contiguity and length of every buffer before C reads or writes it.
 """
 
 from __future__ import annotations
@@ -11,9 +13,13 @@ import functools
 
 import torch
 
-from ..errors import ConfigError
+from ..cache.packing import packed_nbytes
+from ..errors import ConfigError, KvlabError
+from .codebook import CodeLayout
 
 POOL_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+NORM_DTYPES = (torch.float16, torch.bfloat16)
+MAX_PARTS, MAX_CODE_DIM = 4, 512      # codebook.h CB_MAX_PARTS; paged.c MAX_DIM
 
 
 @functools.lru_cache(maxsize=4)
@@ -21,6 +27,16 @@ def _function(library_path: str):
     fn = ctypes.CDLL(library_path).kvlab_paged_attention   # already loaded by kernels.block_kernel(): same handle
     i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, i64, i32, i32, i32, i32, ptr, ptr, i32, i64, ptr, i32, i32, i32, ptr, ptr, ctypes.c_float, i32, ptr, i32]
+    fn.restype = i32
+    return fn
+
+
+@functools.lru_cache(maxsize=4)
+def _codes_function(library_path: str):
+    fn = ctypes.CDLL(library_path).kvlab_paged_codes_attention
+    i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, i64, i32, i32, i32, ptr, ptr, ptr, ptr, i32, i64, i32, ptr, ptr, i64, i32, ptr, ptr, i64,
+                   ptr, i32, i32, i32, ptr, ptr, ctypes.c_float, i32, ptr, i32]
     fn.restype = i32
     return fn
 
@@ -45,19 +61,156 @@ def paged_attention(kernel, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     _check(k_pool.is_contiguous() and v_pool.is_contiguous(), "pools must be contiguous")
     _check(k_pool.device.type == "cpu" and q.device.type == "cpu", "tensors must be on the CPU")
     _check(Hkv > 0 and H % Hkv == 0, f"{H} query heads are not a multiple of {Hkv} KV heads")
-    _check(block_size > 0 and slots % block_size == 0, f"{slots} pool slots are not whole blocks of {block_size}")
-    for name, t in (("block_tables", block_tables), ("query_start", query_start), ("context_len", context_len)):
-        _check(t.dtype == torch.int32 and t.is_contiguous() and t.device.type == "cpu",
-               f"{name} must be contiguous int32 on the CPU")
+    _check_layout(block_tables, query_start, context_len, slots, block_size)
     S = context_len.numel()
-    _check(context_len.dim() == 1 and query_start.dim() == 1 and query_start.numel() == S + 1,
-           f"query_start must hold {S + 1} offsets for {S} sequences, got {query_start.numel()}")
-    _check(block_tables.dim() == 2 and block_tables.shape[0] == S and block_tables.shape[1] > 0,
-           f"block_tables must be ({S}, max_blocks), got {tuple(block_tables.shape)}")
     out = torch.empty(N, H, Dv, dtype=torch.float32)
     status = _function(str(kernel.path))(
         q.data_ptr(), N, H, Hkv, D, Dv, k_pool.data_ptr(), v_pool.data_ptr(), POOL_DTYPES[k_pool.dtype], slots,
         block_tables.data_ptr(), S, block_tables.shape[1], block_size, query_start.data_ptr(), context_len.data_ptr(),
         scale, int(window), out.data_ptr(), torch.get_num_threads())
     _check(status == 0, f"refused the layout of {S} sequences over {slots} slots (a block id, length or offset out of range)")
+    return out
+
+
+@functools.lru_cache(maxsize=4)
+def _int_function(library_path: str):
+    fn = ctypes.CDLL(library_path).kvlab_paged_int_attention
+    i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, i64, i32, i32, i32, i32, ptr, ptr, ptr, i32, ptr, ptr, ptr, i32, i64, ptr, ptr, i64,
+                   ptr, i32, i32, i32, ptr, ptr, ctypes.c_float, i32, ptr, i32]
+    fn.restype = i32
+    return fn
+
+
+def _check_tensor(name: str, t, dtype: torch.dtype, shape: tuple) -> None:
+    _check(isinstance(t, torch.Tensor) and t.dtype == dtype and tuple(t.shape) == tuple(shape) and t.is_contiguous()
+           and t.device.type == "cpu", f"{name} must be a contiguous {str(dtype).removeprefix('torch.')} CPU tensor of shape "
+           f"{tuple(shape)}, got {tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__} "
+           f"{t.dtype if isinstance(t, torch.Tensor) else ''}".rstrip())
+
+
+def _check_layout(block_tables: torch.Tensor, query_start: torch.Tensor, context_len: torch.Tensor, slots: int,
+                  block_size: int) -> None:
+    """The ragged layout's buffers (their values are checked in C before any is used as an index)."""
+    _check(isinstance(block_size, int) and block_size > 0 and slots % block_size == 0,
+           f"{slots} pool slots are not whole blocks of {block_size}")
+    for name, t in (("block_tables", block_tables), ("query_start", query_start), ("context_len", context_len)):
+        _check(isinstance(t, torch.Tensor) and t.dtype == torch.int32 and t.is_contiguous() and t.device.type == "cpu",
+               f"{name} must be contiguous int32 on the CPU")
+    S = context_len.numel()
+    _check(context_len.dim() == 1 and query_start.dim() == 1 and query_start.numel() == S + 1,
+           f"query_start must hold {S + 1} offsets for {S} sequences, got {query_start.numel()}")
+    _check(block_tables.dim() == 2 and block_tables.shape[0] == S and block_tables.shape[1] > 0,
+           f"block_tables must be ({S}, max_blocks), got {tuple(block_tables.shape)}")
+
+
+def _check_code_layout(layout: CodeLayout, what: str, d: int, row_bytes: int) -> None:
+    """A CodeLayout C can read: (parts, 3) int32 spec of widths 1..8 over d channels, tables of exactly the padded
+    sizes C steps through, rows of row_bytes (C re-checks the parts against the row length)."""
+    spec, tables = layout.spec, layout.tables
+    _check(isinstance(spec, torch.Tensor) and spec.dtype == torch.int32 and spec.dim() == 2 and spec.shape[1] == 3
+           and 0 < spec.shape[0] <= MAX_PARTS and spec.is_contiguous() and spec.device.type == "cpu",
+           f"{what} code layout: spec must be contiguous int32 (parts <= {MAX_PARTS}, 3) on the CPU")
+    bits = spec[:, 2].tolist()
+    _check(all(1 <= b <= 8 for b in bits), f"{what} code layout: widths {bits} are not 1..8 bits")
+    size = sum(max(16, 1 << b) for b in bits)
+    _check(isinstance(tables, torch.Tensor) and tables.dtype == torch.float32 and tables.shape == (size,)
+           and tables.is_contiguous() and tables.device.type == "cpu",
+           f"{what} code layout: tables must be contiguous fp32 ({size},) on the CPU")
+    _check(layout.dim == d and layout.row_bytes == row_bytes,
+           f"{what} code layout of {layout.dim} channels in {layout.row_bytes} bytes does not read rows of {d} channels "
+           f"in {row_bytes} bytes")
+
+
+def paged_codes_attention(kernel, q: torch.Tensor, k_codes: torch.Tensor, k_norm: torch.Tensor, v_codes: torch.Tensor,
+                          v_norm: torch.Tensor, k_layout: CodeLayout, v_layout: CodeLayout, block_tables: torch.Tensor,
+                          query_start: torch.Tensor, context_len: torch.Tensor, block_size: int, scale: float,
+                          window: int = 0) -> torch.Tensor:
+    """Ragged attention straight from TurboQuant codes in blocks (paged.c kvlab_paged_codes_attention).
+
+    q (N, H, D) fp32: the queries as the codes are read (rotated, key weights applied); k_codes (slots, Hkv, kbytes),
+    v_codes (slots, Hkv, vbytes) uint8 with their layouts; k_norm, v_norm (slots, Hkv) fp16 or bf16; the ragged
+    layout as `paged_attention` -> (N, H, D) fp32 = Σ_t p_t·v_norm_t·v̂_t, p = softmax_t(scale·k_norm_t·(q·k̂_t)) over
+    each row's causal (and window) keys, k̂/v̂ the codebook values: the output in the rotated domain (the caller
+    inverts the rotation)."""
+    _check(isinstance(q, torch.Tensor) and q.dim() == 3 and q.dtype == torch.float32 and q.is_contiguous()
+           and q.device.type == "cpu", "q must be a contiguous fp32 (N, H, D) CPU tensor")
+    N, H, D = q.shape
+    _check(isinstance(k_codes, torch.Tensor) and k_codes.dim() == 3, "k_codes must be (slots, Hkv, row bytes)")
+    slots, Hkv = k_codes.shape[:2]
+    _check(Hkv > 0 and H % Hkv == 0, f"{H} query heads are not a multiple of {Hkv} KV heads")
+    _check(0 < D <= MAX_CODE_DIM, f"head dim {D} is not 1..{MAX_CODE_DIM}")
+    _check(isinstance(v_codes, torch.Tensor) and v_codes.dim() == 3, "v_codes must be (slots, Hkv, row bytes)")
+    norm = k_norm.dtype if isinstance(k_norm, torch.Tensor) and k_norm.dtype in NORM_DTYPES else torch.float16
+    for name, t, dtype, shape in (("k_codes", k_codes, torch.uint8, (slots, Hkv, k_layout.row_bytes)),
+                                  ("v_codes", v_codes, torch.uint8, (slots, Hkv, v_layout.row_bytes)),
+                                  ("k_norm", k_norm, norm, (slots, Hkv)), ("v_norm", v_norm, norm, (slots, Hkv))):
+        _check_tensor(name, t, dtype, shape)
+    _check_code_layout(k_layout, "key", D, k_codes.shape[2])
+    _check_code_layout(v_layout, "value", D, v_codes.shape[2])
+    _check_layout(block_tables, query_start, context_len, slots, block_size)
+    S = context_len.numel()
+    out = torch.empty(N, H, D, dtype=torch.float32)
+    status = _codes_function(str(kernel.path))(
+        q.data_ptr(), N, H, Hkv, D, k_codes.data_ptr(), k_norm.data_ptr(), v_codes.data_ptr(), v_norm.data_ptr(),
+        POOL_DTYPES[k_norm.dtype], slots,
+        k_layout.spec.shape[0], k_layout.spec.data_ptr(), k_layout.tables.data_ptr(), k_layout.row_bytes,
+        v_layout.spec.shape[0], v_layout.spec.data_ptr(), v_layout.tables.data_ptr(), v_layout.row_bytes,
+        block_tables.data_ptr(), S, block_tables.shape[1], block_size, query_start.data_ptr(), context_len.data_ptr(),
+        scale, int(window or 0), out.data_ptr(), torch.get_num_threads())
+    if status == -2:
+        raise KvlabError("paged codes attention: no memory for the kernel's work items")
+    _check(status == 0, f"refused the layout of {S} sequences over {slots} slots (a block id, length, offset or code "
+                        f"layout out of range)")
+    return out
+
+
+def paged_int_attention(kernel, q: torch.Tensor, bits: int, k_codes: torch.Tensor, k_scale: torch.Tensor,
+                        k_zero: torch.Tensor, v_codes: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor,
+                        exact: torch.Tensor, exact_start: torch.Tensor, block_tables: torch.Tensor,
+                        query_start: torch.Tensor, context_len: torch.Tensor, block_size: int, key_group: int,
+                        scale: float, window: int = 0) -> torch.Tensor:
+    """Ragged attention straight from integer codes in blocks (paged.c kvlab_paged_int_attention, serve/coded.py IntPool).
+
+    q (N, H, D) fp32; k_codes, v_codes (slots, Hkv, packed bytes of D codes) uint8; k_scale, k_zero (slots / key_group,
+    Hkv, D) and v_scale, v_zero (slots, Hkv, D / value group) fp16; exact (E, Hkv, D) fp32: each sequence's keys from
+    its open key group on, sequence s's rows exact_start[s]:exact_start[s + 1] (int64, S + 1) the last of its context;
+    the ragged layout as `paged_attention` -> (N, H, D) fp32. The query at position p reads the keys of the groups
+    complete at p from their codes, the others exact (cache/quantized.py)."""
+    _check(isinstance(q, torch.Tensor) and q.dim() == 3 and q.dtype == torch.float32 and q.is_contiguous()
+           and q.device.type == "cpu", "q must be a contiguous fp32 (N, H, D) CPU tensor")
+    N, H, D = q.shape
+    _check(isinstance(bits, int) and 1 <= bits <= 8, f"integer codes are 1..8 bits, got {bits!r}")
+    _check(0 < D <= MAX_CODE_DIM, f"head dim {D} is not 1..{MAX_CODE_DIM}")
+    _check(isinstance(k_codes, torch.Tensor) and k_codes.dim() == 3, "k_codes must be (slots, Hkv, row bytes)")
+    slots, Hkv = k_codes.shape[:2]
+    _check(Hkv > 0 and H % Hkv == 0, f"{H} query heads are not a multiple of {Hkv} KV heads")
+    _check(isinstance(key_group, int) and key_group > 0 and isinstance(block_size, int) and block_size > 0
+           and block_size % key_group == 0, f"key group {key_group} does not divide the block size {block_size}")
+    _check(isinstance(v_scale, torch.Tensor) and v_scale.dim() == 3 and v_scale.shape[2] > 0 and D % v_scale.shape[2] == 0,
+           f"value scales must be (slots, Hkv, value groups dividing {D})")
+    n_vg = v_scale.shape[2]
+    row = packed_nbytes(D, bits)
+    for name, t, dtype, shape in (("k_codes", k_codes, torch.uint8, (slots, Hkv, row)),
+                                  ("v_codes", v_codes, torch.uint8, (slots, Hkv, row)),
+                                  ("k_scale", k_scale, torch.float16, (slots // key_group, Hkv, D)),
+                                  ("k_zero", k_zero, torch.float16, (slots // key_group, Hkv, D)),
+                                  ("v_scale", v_scale, torch.float16, (slots, Hkv, n_vg)),
+                                  ("v_zero", v_zero, torch.float16, (slots, Hkv, n_vg))):
+        _check_tensor(name, t, dtype, shape)
+    _check_layout(block_tables, query_start, context_len, slots, block_size)
+    S = context_len.numel()
+    _check(isinstance(exact, torch.Tensor) and exact.dim() == 3, "exact keys must be (rows, Hkv, D)")
+    _check_tensor("exact keys", exact, torch.float32, (exact.shape[0], Hkv, D))
+    _check_tensor("exact_start", exact_start, torch.int64, (S + 1,))
+    out = torch.empty(N, H, D, dtype=torch.float32)
+    status = _int_function(str(kernel.path))(
+        q.data_ptr(), N, H, Hkv, D, bits, k_codes.data_ptr(), k_scale.data_ptr(), k_zero.data_ptr(), key_group,
+        v_codes.data_ptr(), v_scale.data_ptr(), v_zero.data_ptr(), D // n_vg, slots, exact.data_ptr(),
+        exact_start.data_ptr(), exact.shape[0], block_tables.data_ptr(), S, block_tables.shape[1], block_size,
+        query_start.data_ptr(), context_len.data_ptr(), scale, int(window or 0), out.data_ptr(), torch.get_num_threads())
+    if status == -2:
+        raise KvlabError("paged int attention: no memory for the kernel's work items")
+    _check(status == 0, f"refused the layout of {S} sequences over {slots} slots (a block id, length, offset or exact-key "
+                        f"range out of range)")
     return out

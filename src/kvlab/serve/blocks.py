@@ -129,6 +129,9 @@ class BlockPool:
     def release(self, seq) -> None:
         """Nothing to forget when a sequence's blocks are freed."""
 
+    def fork(self, parent, child) -> None:
+        """Nothing but blocks to share when a sequence is forked."""
+
     def append(self, layer: int, view, k: torch.Tensor, v: torch.Tensor) -> None:
         """k (N, Hkv, D), v (N, Hkv, Dv): the step's N new tokens into their slots (view.slots)."""
         self.write(layer, view.slots, k, v)
@@ -166,7 +169,8 @@ class Block:
 class BlockManager:
     """Block tables, reference counts, the prefix index and the LRU of free blocks."""
 
-    def __init__(self, n_blocks: int, block_size: int, prefix_caching: bool = True, on_copy=None, on_free=None):
+    def __init__(self, n_blocks: int, block_size: int, prefix_caching: bool = True, on_copy=None, on_free=None,
+                 on_fork=None):
         self.block_size = block_size
         self.prefix_caching = prefix_caching
         self.blocks = [Block(i) for i in range(n_blocks)]
@@ -174,6 +178,7 @@ class BlockManager:
         self.index: dict[int, int] = {}         # key -> block id
         self.on_copy = on_copy                  # on_copy(src, dst): copy the data of a block (the pool's copy_block)
         self.on_free = on_free                  # on_free(seq): the sequence holds no blocks any more (the pool's release)
+        self.on_fork = on_fork                  # on_fork(parent, child): per-sequence pool state too (the pool's fork)
 
     # -- counts -----------------------------------------------------------------------------------------
     @property
@@ -286,6 +291,8 @@ class BlockManager:
         child.num_computed, child.num_hashed = parent.num_computed, parent.num_hashed
         for block_id in child.block_table:
             self.blocks[block_id].ref_count += 1
+        if self.on_fork is not None:
+            self.on_fork(parent, child)
 
     def _shared_tail(self, seq) -> bool:
         """The next token would be written into a partly filled block another sequence also holds."""

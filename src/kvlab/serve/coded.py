@@ -8,15 +8,21 @@ Every buffer is token-major like the dense pool, so token slot = block · block_
           + one TurboQuantCache `codec` holding the per-layer state all sequences share
 and a block copy (copy-on-write) copies every buffer's rows of that block.
 
-Reading, per sequence: gather its slots. The torch reference dequantizes them, then runs
+Reading. The torch reference, per sequence: gather its slots, dequantize them, then run
 cache.attention.grouped_attention, the same causal attention every cache uses. TurboQuant pools with
-use_kernel read the gathered codes instead, with the single cache's own scores and mix (kernels/codebook.c
-on CPU): the path the tests hold equal to the reference. The int formats keep the
+use_kernel (on CPU, where the codec reads codes in C) attend the whole step in one C call per layer
+(kernels/paged.c kvlab_paged_codes_attention): the codes are read in place through the block tables,
+the queries go in rotated and the output comes back in the rotated domain (one inverse rotation for the
+batch); +qjl codes read per sequence with the codec's own scores and mix instead. Both are the paths the
+tests hold equal to the reference. The int formats keep the
 single cache's rule for key groups (cache/quantized.py): the query of the token at position p reads codes
 for the groups complete at p and full-precision keys for the rest, so a chunk's queries before a group's
 completion read that group exactly (from the stage and the chunk's own keys, kept for the step like the
-single cache's `_fresh`). The chunk's queries are split into runs between group completions; each run is
-one grouped_attention over the keys it reads.
+single cache's `_fresh`). The reference splits the chunk's queries into runs between group completions, each
+one grouped_attention over the keys it reads; with use_kernel (CPU) each sequence reads its gathered codes with
+the single cache's own kernels (intcache.c, int8/int4: bitwise the single cache's scores and mix), or, with
+`ragged` (off by default, see IntPool), the whole step is one C call per layer (kernels/paged.c
+kvlab_paged_int_attention) that reads the codes in place and the `_fresh` keys exact.
 
 TurboQuant's per-layer state: rotations and codebooks are data-independent; the key offset and the key
 channel weights are calibrated once, at pool construction, by running the model on CALIBRATION_IDS with a
@@ -40,6 +46,7 @@ from ..cache.quantized import _affine, _encode
 from ..cache.turboquant import TurboQuantCache
 from ..errors import ConfigError
 from ..kernels import kernel_for
+from ..kernels.paged import paged_codes_attention, paged_int_attention
 from .formats import BlockFormat
 
 #: the calibration prompt of the TurboQuant pools: fixed ids spread over the vocabulary (no data involved)
@@ -87,6 +94,9 @@ class CodedPool:
         row = self.rows.pop(seq, None)
         if row is not None:
             self.free_rows.append(row)
+
+    def fork(self, parent, child) -> None:
+        """The child shares the parent's blocks (BlockManager.fork): it gets the parent's per-sequence state too."""
 
     # -- blocks -------------------------------------------------------------------------------------------
     def copy_block(self, src: int, dst: int) -> None:
@@ -136,9 +146,19 @@ class IntPool(CodedPool):
         self.stage = torch.zeros(g.n_layers, plan.max_batch, self.group, g.n_kv_heads, g.head_dim, dtype=fmt.dtype,
                                  device=self._device)                      # (L, rows, G, Hkv, Dk)
         self._fresh: list[tuple[int, torch.Tensor]] = []                  # per sequence of the step: (first, keys)
+        # one ragged C call per layer (kvlab_paged_int_attention) instead of per-sequence calls of the single cache's
+        # kernels: equal to the reference within float rounding, but not bitwise equal to the single int cache, and
+        # int codes turn a rounding difference into a different code now and then, so greedy tokens can part from
+        # the single cache's (tests/test_serve_compressed.py holds them equal); off until that test allows it
+        self.ragged = False
 
     def _state_nbytes(self) -> int:
         return self.stage.nbytes
+
+    def fork(self, parent, child) -> None:
+        """The child's row starts as a copy of the parent's open key group (the keys its shared blocks lack)."""
+        if parent in self.rows:
+            self.stage[:, self.rows_for([child])[0]] = self.stage[:, self.rows[parent]]   # (L, G, Hkv, Dk)
 
     def append(self, layer: int, view, k: torch.Tensor, v: torch.Tensor) -> None:
         """k (N, Hkv, D), v (N, Hkv, Dv) of the step's tokens: values coded per token, keys per complete group."""
@@ -192,11 +212,17 @@ class IntPool(CodedPool):
         return out.reshape(n, Hkv, Dv)
 
     def attend(self, layer: int, view, q: torch.Tensor) -> torch.Tensor:
-        """q (N, H, D) fp32 -> (N, H, Dv) fp32: on the codes (kernels/intcache.c) when view.use_kernel and the
-        kernel reads these codes, else the torch reference (dequantize, grouped_attention per run of queries)."""
+        """q (N, H, D) fp32 -> (N, H, Dv) fp32. With view.use_kernel on CPU: the whole batch in one C call on the pool's
+        codes (kernels/paged.c) when `ragged`, else per sequence on its gathered codes with the single cache's own
+        kernels (kernels/intcache.c, int8/int4); otherwise the torch reference (dequantize, grouped_attention per run
+        of queries)."""
         G = self.group
+        kernel = kernel_for(self._device) if view.use_kernel else None
+        if kernel is not None and self.ragged and self.geometry.head_dim == self.geometry.head_dim_v:
+            return self._attend_ragged(kernel, layer, view, q)
+        if self.bits not in (4, 8):
+            kernel = None
         out = q.new_empty(q.shape[0], q.shape[1], self.geometry.head_dim_v)          # (N, H, Dv)
-        kernel = kernel_for(self._device) if view.use_kernel and self.bits in (4, 8) else None
         for s, lo, hi, start, ctx in self.sequences(view):
             slots = view.layout.slots(s).to(self._device)                            # (ctx,)
             if kernel is not None:
@@ -216,6 +242,17 @@ class IntPool(CodedPool):
                 out[lo + a - start:lo + b - start] = o[0].transpose(0, 1)
                 a = b
         return out
+
+    def _attend_ragged(self, kernel, layer: int, view, q: torch.Tensor) -> torch.Tensor:
+        """q (N, H, D) -> (N, H, D): every sequence of the step in one C call on the pool's codes through the block
+        tables, with the rule of `attend`: each sequence's step keys from its open group on (`_fresh`) go in exact."""
+        exact = torch.cat([keys for _, keys in self._fresh]).float().contiguous()      # (Σ ctx - first, Hkv, D)
+        counts = torch.tensor([0] + [len(keys) for _, keys in self._fresh], dtype=torch.int64)
+        buf, groups, layout = self.token_buffers, self.group_buffers, view.layout
+        return paged_int_attention(kernel, q.contiguous(), self.bits, buf["k_codes"][layer], groups["k_scale"][layer],
+                                   groups["k_zero"][layer], buf["v_codes"][layer], buf["v_scale"][layer],
+                                   buf["v_zero"][layer], exact, counts.cumsum(0), layout.block_tables, layout.query_start,
+                                   layout.context_len, layout.block_size, self.group, view.scale, view.window or 0)
 
     def _attend_codes(self, kernel, layer: int, q: torch.Tensor, slots: torch.Tensor, fresh: tuple, view) -> torch.Tensor:
         """q (1, H, T, D) of one sequence, its slots (ctx,) and its step's full-precision keys from token `first`
@@ -274,10 +311,14 @@ class TurboPool(CodedPool):
             self.token_buffers[name][layer][view.slots] = t[0].transpose(0, 1)              # (N, Hkv, ...)
 
     def attend(self, layer: int, view, q: torch.Tensor) -> torch.Tensor:
-        """q (N, H, D) fp32 -> (N, H, D): on the codes with the codec's own scores and mix (C kernels for 4-bit
-        codes on CPU) when view.use_kernel, else the torch reference (dequantize, then grouped_attention)."""
-        out = q.new_empty(q.shape[0], q.shape[1], self.geometry.head_dim)            # (N, H, D)
+        """q (N, H, D) fp32 -> (N, H, D). With view.use_kernel where the codec reads codes in C (CPU): the whole batch
+        in one ragged call on the pool's codes (kernels/paged.c), or, for +qjl codes, per sequence with the codec's
+        own scores and mix; else the torch reference (gather, dequantize, grouped_attention per sequence)."""
         on_codes = view.use_kernel and self.codec.code_kernel is not None
+        kernel = kernel_for(self._device) if on_codes and not self.codec.config.qjl else None
+        if kernel is not None:
+            return self._attend_ragged(kernel, layer, view, q)
+        out = q.new_empty(q.shape[0], q.shape[1], self.geometry.head_dim)            # (N, H, D)
         for s, lo, hi, start, ctx in self.sequences(view):
             slots = view.layout.slots(s).to(self._device)                            # (ctx,)
             stored = {name: buf[layer][slots].transpose(0, 1)[None].contiguous()     # (1, Hkv, ctx[, bytes])
@@ -289,6 +330,27 @@ class TurboPool(CodedPool):
                 k, v = self.codec.decode(layer, stored)                              # (1, Hkv, ctx, D)
                 o = grouped_attention(qs, k, v, view.scale, window=view.window)
             out[lo:hi] = o[0].transpose(0, 1)
+        return out
+
+    def _attend_ragged(self, kernel, layer: int, view, q: torch.Tensor) -> torch.Tensor:
+        """q (N, H, D) -> (N, H, D): every sequence of the step in one C call on the pool's codes through the block
+        tables. The queries go in as the codes are read (Π(q⊙w), TurboQuantCache._rotated_queries); the kernel's
+        output is in the rotated domain: one inverse rotation and the value offset for the whole batch. The key
+        offset's q·μ is the same for every key of a query, so the softmax does not see it."""
+        N, H, D = q.shape
+        Hkv = self.geometry.n_kv_heads
+        qg = q.reshape(N, Hkv, H // Hkv, D).transpose(0, 1).reshape(1, Hkv, -1, D)       # (1, Hkv, N·G, D)
+        q_rot = self.codec._rotated_queries(layer, qg)                                    # (1, Hkv, N·G, D)
+        q_rot = q_rot.reshape(Hkv, N, H // Hkv, D).transpose(0, 1).reshape(N, H, D).contiguous()
+        buf, codec, layout = self.token_buffers, self.codec, view.layout
+        rotated = paged_codes_attention(kernel, q_rot, buf["k_codes"][layer], buf["k_norm"][layer],
+                                        buf["v_codes"][layer], buf["v_norm"][layer], codec.key_codes.layout,
+                                        codec.value_codes.layout, layout.block_tables, layout.query_start,
+                                        layout.context_len, layout.block_size, view.scale, view.window or 0)  # (N, H, D)
+        out = codec.rotations[layer].invert(rotated)                                      # (N, H, D)
+        if codec.v_offset:
+            offset = codec.v_offset[layer][0].float()                                     # (Hkv, D)
+            out = (out.reshape(N, Hkv, H // Hkv, D) + offset[:, None]).reshape(N, H, D)
         return out
 
     def _attend_codes(self, layer: int, q: torch.Tensor, stored: dict, n: int, window: int | None) -> torch.Tensor:
