@@ -24,23 +24,11 @@
 #include <immintrin.h>
 #endif
 
-#define CB_MAX_PARTS 4
-#define CB_MAX_DIM 1024
+#include "codebook.h"
+
 #define CB_TILE 16          /* rows decoded at once */
 #define CB_SEGMENT 256      /* rows per partial sum of the mix */
 #define CB_SERIAL_WORK (1 << 17)   /* below this many multiply-adds one thread does it (a region costs more) */
-
-typedef struct {
-    int lo, hi, bits, n_planes;
-    int width[4], shift[4];
-    int64_t offset[4];      /* byte offset of each plane in a row */
-    const float *table;     /* centroids, padded to max(16, 2^bits) entries */
-} cb_part;
-
-typedef struct {
-    int n_parts, d, dpad;
-    cb_part part[CB_MAX_PARTS];
-} cb_layout;
 
 /* Which variant this build is: 512 (AVX-512), 256 (AVX2) or 0 (plain C). */
 int kvlab_codebook_variant(void) {
@@ -55,9 +43,7 @@ int kvlab_codebook_variant(void) {
 
 static int table_size(int bits) { return bits < 4 ? 16 : 1 << bits; }
 
-/* spec: n_parts x (lo, hi, bits), parts in channel order covering [0, d); tables: each part's padded table in
- * turn. Returns 0 when the layout is valid and its rows are exactly row_bytes long, else -1. */
-static int make_layout(cb_layout *L, int d, int n_parts, const int32_t *spec, const float *tables, int64_t row_bytes) {
+int kvlab_cb_layout(cb_layout *L, int d, int n_parts, const int32_t *spec, const float *tables, int64_t row_bytes) {
     if (d <= 0 || d > CB_MAX_DIM || n_parts <= 0 || n_parts > CB_MAX_PARTS) return -1;
     L->n_parts = n_parts;
     L->d = d;
@@ -311,6 +297,39 @@ static void decode_row(const cb_layout *L, const uint8_t *row, float *out, int32
     for (int c = L->d; c < L->dpad; c++) out[c] = 0.0f;
 }
 
+void kvlab_cb_decode_rows(const cb_layout *L, const uint8_t *rows, int64_t row_bytes, int64_t count, float *out, int64_t stride) {
+    int32_t scratch[CB_MAX_DIM];
+    for (int64_t r = 0; r < count; r++) decode_row(L, rows + r * row_bytes, out + r * stride, scratch);
+}
+
+/* index of the first of n increasing bounds >= y (n when none is): torch.bucketize(y, bounds, right=False) */
+static int bucket(const float *bounds, int n, float y) {
+    int lo = 0, hi = n;
+    while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        if (bounds[mid] < y) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+void kvlab_cb_encode_row(const cb_layout *L, const float *bounds, const float *y, uint8_t *row, float *y_hat) {
+    for (int p = 0; p < L->n_parts; p++) {
+        const cb_part *P = &L->part[p];
+        const int n_bounds = (1 << P->bits) - 1, n = P->hi - P->lo;
+        for (int k = 0; k < P->n_planes; k++) memset(row + P->offset[k], 0, (size_t)(((int64_t)n * P->width[k] + 7) / 8));
+        for (int c = 0; c < n; c++) {
+            const int code = bucket(bounds, n_bounds, y[P->lo + c]);
+            y_hat[P->lo + c] = P->table[code];
+            for (int k = 0; k < P->n_planes; k++) {   /* plane k holds bits [shift, shift + width) at c*width of its bytes */
+                const int w = P->width[k], bits = (code >> P->shift[k]) & ((1 << w) - 1);
+                row[P->offset[k] + (int64_t)c * w / 8] |= (uint8_t)(bits << (c * w % 8));
+            }
+        }
+        bounds += n_bounds;
+    }
+}
+
 static int check(int heads, int64_t slots, int64_t start, int64_t n, int nq) {
     return heads < 0 || nq < 0 || start < 0 || n < 0 || start + n > slots ? -1 : 0;
 }
@@ -325,7 +344,7 @@ int kvlab_codebook_dots(const uint8_t *codes, int heads, int64_t slots, int64_t 
                         int d, int n_parts, const int32_t *spec, const float *tables, const float *q, int nq,
                         float *out, int n_threads) {
     cb_layout L;
-    if (make_layout(&L, d, n_parts, spec, tables, row_bytes) || check(heads, slots, start, n, nq)) return -1;
+    if (kvlab_cb_layout(&L, d, n_parts, spec, tables, row_bytes) || check(heads, slots, start, n, nq)) return -1;
     const int64_t tiles = (n + CB_TILE - 1) / CB_TILE;
     const int dpad = L.dpad;
     int failed = 0;
@@ -364,7 +383,7 @@ int kvlab_codebook_mix(const uint8_t *codes, int heads, int64_t slots, int64_t r
                        int d, int n_parts, const int32_t *spec, const float *tables, const float *w, int64_t w_stride,
                        int nq, float *out, int n_threads) {
     cb_layout L;
-    if (make_layout(&L, d, n_parts, spec, tables, row_bytes) || check(heads, slots, start, n, nq) || w_stride < n) return -1;
+    if (kvlab_cb_layout(&L, d, n_parts, spec, tables, row_bytes) || check(heads, slots, start, n, nq) || w_stride < n) return -1;
     const int dpad = L.dpad;
     const int64_t segments = n ? (n + CB_SEGMENT - 1) / CB_SEGMENT : 1;
     float *partial = calloc((size_t)heads * segments * nq * dpad + 1, sizeof(float));   /* (heads, segments, nq, dpad) */
@@ -413,7 +432,7 @@ int kvlab_codebook_mix(const uint8_t *codes, int heads, int64_t slots, int64_t r
 int kvlab_codebook_decode(const uint8_t *codes, int heads, int64_t slots, int64_t row_bytes, int64_t start, int64_t n,
                           int d, int n_parts, const int32_t *spec, const float *tables, float *out, int n_threads) {
     cb_layout L;
-    if (make_layout(&L, d, n_parts, spec, tables, row_bytes) || check(heads, slots, start, n, 0)) return -1;
+    if (kvlab_cb_layout(&L, d, n_parts, spec, tables, row_bytes) || check(heads, slots, start, n, 0)) return -1;
     #pragma omp parallel for schedule(static) collapse(2) num_threads(threads_for((int64_t)heads * n * d, n_threads))
     for (int h = 0; h < heads; h++)
         for (int64_t t = 0; t < n; t++) {

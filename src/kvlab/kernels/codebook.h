@@ -1,0 +1,34 @@
+/* What codebook.c shares with the rest of the library (decode.c's fused step on TurboQuant caches): a row's code
+ * layout, and decoding / coding whole rows with it. See codebook.c for the packing. */
+#ifndef KVLAB_CODEBOOK_H
+#define KVLAB_CODEBOOK_H
+#include <stdint.h>
+
+#define CB_MAX_PARTS 4
+#define CB_MAX_DIM 1024
+
+typedef struct {
+    int lo, hi, bits, n_planes;
+    int width[4], shift[4];
+    int64_t offset[4];      /* byte offset of each plane in a row */
+    const float *table;     /* centroids, padded to max(16, 2^bits) entries */
+} cb_part;
+
+typedef struct {
+    int n_parts, d, dpad;
+    cb_part part[CB_MAX_PARTS];
+} cb_layout;
+
+/* spec: n_parts x (lo, hi, bits), parts in channel order covering [0, d); tables: each part's padded table in
+ * turn. 0 when the layout is valid and its rows are exactly row_bytes long, else -1. */
+int kvlab_cb_layout(cb_layout *L, int d, int n_parts, const int32_t *spec, const float *tables, int64_t row_bytes);
+
+/* out + r * stride (stride >= d) = the values of row r of `rows` (count rows, row_bytes apart), r < count.
+ * Each row writes dpad floats (zeros past d): the buffer needs dpad - d floats of room after the last row. */
+void kvlab_cb_decode_rows(const cb_layout *L, const uint8_t *rows, int64_t row_bytes, int64_t count, float *out, int64_t stride);
+
+/* Code one vector y (d,): each channel's code is the number of its part's boundaries below y (torch.bucketize,
+ * right=False; `bounds`: each part's 2^bits - 1 increasing boundaries in turn), packed into `row` as
+ * kvlab/cache/packing.py packs it; y_hat (d,) = the codes' centroids. */
+void kvlab_cb_encode_row(const cb_layout *L, const float *bounds, const float *y, uint8_t *row, float *y_hat);
+#endif
