@@ -286,13 +286,87 @@ static void plane_codes(const uint8_t *plane, int n, int w, int shift, int first
     }
 }
 
+#if defined(__AVX512F__)
+/* the 16 codes of channels [c, c + 16) of a w-bit plane (c a multiple of 16), in registers: each lane's byte
+ * (pshufb), shifted right to its bits, masked */
+static inline __m512i plane16(const uint8_t *plane, int c, const int w) {
+    const uint8_t *p = plane + c * w / 8;
+    if (w == 8) return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    __m128i bytes, spread;
+    __m512i bit;
+    if (w == 4) {
+        bytes = _mm_loadl_epi64((const __m128i *)p);
+        spread = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+        bit = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+    } else if (w == 2) {
+        int32_t x;
+        memcpy(&x, p, 4);
+        bytes = _mm_cvtsi32_si128(x);
+        spread = _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+        bit = _mm512_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6);
+    } else {
+        uint16_t x;
+        memcpy(&x, p, 2);
+        bytes = _mm_cvtsi32_si128(x);
+        spread = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+        bit = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7);
+    }
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(bytes, spread));
+    return _mm512_and_si512(_mm512_srlv_epi32(v, bit), _mm512_set1_epi32((1 << w) - 1));
+}
+
+/* out[c] = the part's values for whole blocks of 16 channels, planes combined and looked up in registers, for the
+ * widths of one or two planes with a one- or two-register table (1 to 5 bits); returns the channels done (0: none) */
+static inline int fast_part(const cb_part *P, const uint8_t *row, float *out) {
+    const int n = P->hi - P->lo;
+    const uint8_t *p0 = row + P->offset[0], *p1 = P->n_planes > 1 ? row + P->offset[1] : NULL;
+    const __m512 t0 = _mm512_loadu_ps(P->table), t1 = P->bits == 5 ? _mm512_loadu_ps(P->table + 16) : t0;
+    int c = 0;
+    switch (P->bits) {   /* constant plane widths in each loop */
+        case 1: for (; c + 16 <= n; c += 16) _mm512_storeu_ps(out + c, _mm512_permutexvar_ps(plane16(p0, c, 1), t0)); break;
+        case 2: for (; c + 16 <= n; c += 16) _mm512_storeu_ps(out + c, _mm512_permutexvar_ps(plane16(p0, c, 2), t0)); break;
+        case 4: for (; c + 16 <= n; c += 16) _mm512_storeu_ps(out + c, _mm512_permutexvar_ps(plane16(p0, c, 4), t0)); break;
+        case 3:
+            for (; c + 16 <= n; c += 16) {
+                const __m512i code = _mm512_or_si512(_mm512_slli_epi32(plane16(p0, c, 2), 1), plane16(p1, c, 1));
+                _mm512_storeu_ps(out + c, _mm512_permutexvar_ps(code, t0));
+            }
+            break;
+        case 5:
+            for (; c + 16 <= n; c += 16) {
+                const __m512i code = _mm512_or_si512(_mm512_slli_epi32(plane16(p0, c, 4), 1), plane16(p1, c, 1));
+                _mm512_storeu_ps(out + c, _mm512_permutex2var_ps(t0, code, t1));
+            }
+            break;
+        default: break;
+    }
+    return c;
+}
+#else
+static inline int fast_part(const cb_part *P, const uint8_t *row, float *out) {
+    (void)P, (void)row, (void)out;
+    return 0;
+}
+#endif
+
 /* out[0 .. dpad) = the row's values, zero past d; codes: dpad ints of scratch */
 static void decode_row(const cb_layout *L, const uint8_t *row, float *out, int32_t *codes) {
     for (int p = 0; p < L->n_parts; p++) {
         const cb_part *P = &L->part[p];
         const int n = P->hi - P->lo;
-        for (int k = 0; k < P->n_planes; k++) plane_codes(row + P->offset[k], n, P->width[k], P->shift[k], k == 0, codes + P->lo);
-        for (int c = lookup_blocks(P->table, P->bits, codes + P->lo, n, out + P->lo); c < n; c++) out[P->lo + c] = P->table[codes[P->lo + c]];
+        int c = fast_part(P, row, out + P->lo);
+        if (c == 0) {
+            for (int k = 0; k < P->n_planes; k++) plane_codes(row + P->offset[k], n, P->width[k], P->shift[k], k == 0, codes + P->lo);
+            for (c = lookup_blocks(P->table, P->bits, codes + P->lo, n, out + P->lo); c < n; c++) out[P->lo + c] = P->table[codes[P->lo + c]];
+        }
+        for (; c < n; c++) {   /* the channels after the last whole block */
+            int code = 0;
+            for (int k = 0; k < P->n_planes; k++) {
+                const int w = P->width[k];
+                code |= ((row[P->offset[k] + c * w / 8] >> (c * w % 8)) & ((1 << w) - 1)) << P->shift[k];
+            }
+            out[P->lo + c] = P->table[code];
+        }
     }
     for (int c = L->d; c < L->dpad; c++) out[c] = 0.0f;
 }

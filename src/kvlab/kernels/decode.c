@@ -169,13 +169,14 @@ static float dot(const float *a, const float *b, int64_t n) {
     return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
 }
 
-/* out (d,) = sum_t p[t] * values[t] over t in [start, end): 16 output lanes at a time, four positions at a
- * time into four accumulators (one would make every position wait for the previous FMA) */
-static void weighted_sum(const float *p, const float *values, int start, int end, int d, float *out) {
+/* out (d,) = sum_t p[t] * values[t] over t in [start, end) (added to out when `add`): 16 output lanes at a time,
+ * four positions at a time into four accumulators (one would make every position wait for the previous FMA) */
+static void weighted_sum(const float *p, const float *values, int start, int end, int d, float *out, int add) {
     for (int c = 0; c < d; c += 16) {
         const __mmask16 live = d - c >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (d - c)) - 1u);
         const float *v = values + c;
-        __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        __m512 acc[4] = {add ? _mm512_maskz_loadu_ps(live, out + c) : _mm512_setzero_ps(), _mm512_setzero_ps(),
+                         _mm512_setzero_ps(), _mm512_setzero_ps()};
         int t = start;
         for (; t + 4 <= end; t += 4)
             for (int j = 0; j < 4; j++)
@@ -197,15 +198,15 @@ static inline __m512 fold(__m512 a, __m512 b, __m512i lo, __m512i hi) {
 static void key_scores(const float *q, const float *keys, int start, int end, int d, float scale, float *scores) {
     int t = start;
     if (d % 16 == 0) {
+        /* fold step s (w = 8, 4, 2, 1: each key holds 2w partials): lane j takes lane (j < 8 ? 0 : 16) + (j % 8) / w * 2w
+         * + j % w of the pair (lo), and that + w (hi) */
+        static const int32_t fold_lo[4][16] = {
+            {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}, {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27},
+            {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29}, {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}};
         __m512i lo[4], hi[4];
-        for (int step = 0, w = 8; step < 4; step++, w /= 2) {   /* fold step: each key holds 2w partials */
-            int32_t l[16], h[16];
-            for (int j = 0; j < 16; j++) {
-                l[j] = (j < 8 ? 0 : 16) + (j % 8) / w * 2 * w + j % w;
-                h[j] = l[j] + w;
-            }
-            lo[step] = _mm512_loadu_si512(l);
-            hi[step] = _mm512_loadu_si512(h);
+        for (int step = 0, w = 8; step < 4; step++, w /= 2) {
+            lo[step] = _mm512_loadu_si512(fold_lo[step]);
+            hi[step] = _mm512_add_epi32(lo[step], _mm512_set1_epi32(w));
         }
         for (; t + 16 <= end; t += 16) {
             __m512 v[16];
@@ -237,8 +238,8 @@ static float dot(const float *a, const float *b, int64_t n) {
     return acc[0];
 }
 
-static void weighted_sum(const float *p, const float *values, int start, int end, int d, float *out) {
-    memset(out, 0, sizeof(float) * (size_t)d);
+static void weighted_sum(const float *p, const float *values, int start, int end, int d, float *out, int add) {
+    if (!add) memset(out, 0, sizeof(float) * (size_t)d);
     for (int t = start; t < end; t++) {
         const float *v = values + (int64_t)t * d;
         for (int i = 0; i < d; i++) out[i] += p[t] * v[i];
@@ -247,6 +248,82 @@ static void weighted_sum(const float *p, const float *values, int start, int end
 
 static void key_scores(const float *q, const float *keys, int start, int end, int d, float scale, float *scores) {
     for (int t = start; t < end; t++) scores[t] = dot(q, keys + (int64_t)t * d, d) * scale;
+}
+#endif
+
+/* s[t] = e^(s[t] - top) for t < n (every s[t] <= top, finite); returns their sum. Sixteen (AVX-512) or eight (AVX2)
+ * at a time: e^x = 2^k e^r, k = round(x log2 e), r = x - k ln 2 in two parts, e^r by Cephes' expf polynomial (about
+ * one ulp); x below -87 gives 0 or a subnormal, as expf. The sum: lane partials added in a fixed order. */
+#if defined(__AVX512F__)
+static inline __m512 exp_lanes(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.5f));
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, k);
+}
+
+static float exp_shifted(float *s, int n, float top) {
+    __m512 total = _mm512_setzero_ps();
+    const __m512 shift = _mm512_set1_ps(top);
+    for (int t = 0; t < n; t += 16) {
+        const __mmask16 live = n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1u);
+        const __m512 e = _mm512_maskz_mov_ps(live, exp_lanes(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + t), shift)));
+        _mm512_mask_storeu_ps(s + t, live, e);
+        total = _mm512_add_ps(total, e);
+    }
+    return _mm512_reduce_add_ps(total);
+}
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+static inline __m256 exp_lanes(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);  /* 2^k */
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+
+static float exp_shifted(float *s, int n, float top) {
+    __m256 total = _mm256_setzero_ps();
+    const __m256 shift = _mm256_set1_ps(top);
+    int t = 0;
+    for (; t + 8 <= n; t += 8) {
+        const __m256 e = exp_lanes(_mm256_sub_ps(_mm256_loadu_ps(s + t), shift));
+        _mm256_storeu_ps(s + t, e);
+        total = _mm256_add_ps(total, e);
+    }
+    float lanes[8], sum = 0.0f;
+    _mm256_storeu_ps(lanes, total);
+    for (int j = 0; j < 8; j++) sum += lanes[j];
+    for (; t < n; t++) {
+        s[t] = expf(s[t] - top);
+        sum += s[t];
+    }
+    return sum;
+}
+#else
+static float exp_shifted(float *s, int n, float top) {
+    float total = 0.0f;
+    for (int t = 0; t < n; t++) {
+        s[t] = expf(s[t] - top);
+        total += s[t];
+    }
+    return total;
 }
 #endif
 
@@ -280,26 +357,55 @@ static void matvec(const Matrix *m, const float *x, float *xsum, float *y) {
 }
 
 /* Attention of one query over n consecutive keys/values of one KV head, not yet normalized:
- * part (d + 2,) = [sum_t e^(s_t - top) u_t v_t | top + shift | sum_t e^(s_t - top)], s_t = q . k_t * scale * r_t,
- * with r_t = k_scale[t] and u_t = v_scale[t] (1 where NULL: full-precision rows; a coded chunk's 16-bit norms), and
- * `shift` a score offset every key of the chunk shares (q . mu for TurboQuant's key offset). scores: (n,) */
+ * part (d + 2,) = [sum_t e^(s_t - top) v_t | top | sum_t e^(s_t - top)], s_t = q . k_t * scale. scores: (n,) */
 static void attend_part(const float *q, const float *keys, const float *values, int n, int d, float scale,
-                        const float *k_scale, const float *v_scale, float shift, float *scores, float *part) {
+                        float *scores, float *part) {
     key_scores(q, keys, 0, n, d, scale, scores);
-    if (k_scale)
-        for (int t = 0; t < n; t++) scores[t] *= k_scale[t];
     float top = -INFINITY;
     for (int t = 0; t < n; t++) top = scores[t] > top ? scores[t] : top;
-    float total = 0.0f;
-    for (int t = 0; t < n; t++) {
-        scores[t] = expf(scores[t] - top);
-        total += scores[t];
-    }
-    if (v_scale)
-        for (int t = 0; t < n; t++) scores[t] *= v_scale[t];
-    weighted_sum(scores, values, 0, n, d, part);
-    part[d] = top + shift;
+    const float total = exp_shifted(scores, n, top);
+    weighted_sum(scores, values, 0, n, d, part, 0);
+    part[d] = top;
     part[d + 1] = total;
+}
+
+#define SUB_ROWS 16   /* coded rows decoded at once: a tile that stays in L1 while every query head of the group reads it */
+
+/* attend_part for the `group` query heads of one KV head over n coded rows (one key chunk), scores scaled by the
+ * rows' key scales (k_scale) and weights by their value scales (v_scale), `top` shifted by the score offset every
+ * coded key shares (shifts: q . mu * scale per head), values summed in the rotated domain. The rows are decoded
+ * SUB_ROWS at a time into `tile` (SUB_ROWS * d floats + CB_MAX_DIM of room), keys then values, each sub-tile read
+ * by every query head while it is in L1. queries (group, d) are q' (already scaled), shifts (group,); head i's
+ * scores at scores + i * score_stride, its part at parts + i * part_stride. */
+static void attend_codes(const cb_layout *KL, const cb_layout *VL, const uint8_t *k_rows, const uint8_t *v_rows,
+                         int64_t k_bytes, int64_t v_bytes, const float *k_scale, const float *v_scale, int n, int d,
+                         const float *queries, const float *shifts, int group, float *tile,
+                         float *scores, int64_t score_stride, float *parts, int64_t part_stride) {
+    for (int t0 = 0; t0 < n; t0 += SUB_ROWS) {
+        const int count = n - t0 < SUB_ROWS ? n - t0 : SUB_ROWS;
+        kvlab_cb_decode_rows(KL, k_rows + (int64_t)t0 * k_bytes, k_bytes, count, tile, d);
+        for (int i = 0; i < group; i++) key_scores(queries + (int64_t)i * d, tile, 0, count, d, 1.0f, scores + i * score_stride + t0);
+    }
+    float tops[CB_MAX_DIM], totals[CB_MAX_DIM];   /* per query head of the group (group <= heads <= CB_MAX_DIM) */
+    for (int i = 0; i < group; i++) {
+        float *s = scores + i * score_stride, top = -INFINITY;
+        for (int t = 0; t < n; t++) {
+            s[t] *= k_scale[t];
+            top = s[t] > top ? s[t] : top;
+        }
+        tops[i] = top;
+        totals[i] = exp_shifted(s, n, top);
+        for (int t = 0; t < n; t++) s[t] *= v_scale[t];
+    }
+    for (int t0 = 0; t0 < n; t0 += SUB_ROWS) {
+        const int count = n - t0 < SUB_ROWS ? n - t0 : SUB_ROWS;
+        kvlab_cb_decode_rows(VL, v_rows + (int64_t)t0 * v_bytes, v_bytes, count, tile, d);
+        for (int i = 0; i < group; i++) weighted_sum(scores + i * score_stride + t0, tile, 0, count, d, parts + i * part_stride, t0 > 0);
+    }
+    for (int i = 0; i < group; i++) {
+        parts[i * part_stride + d] = tops[i] + shifts[i];
+        parts[i * part_stride + d + 1] = totals[i];
+    }
 }
 
 /* out (d,) = the softmax-weighted sum over all keys, from the parts of n_parts key chunks (in order). Parts
@@ -583,8 +689,8 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
 #else
             float *mine = chunk_kv;
 #endif
-            const float *keys, *values, *k_scale = NULL, *v_scale = NULL, *queries = qkv;
-            int n, coded = 0;
+            const float *keys, *values;
+            int n;
             if (c < c_first) {             /* full-precision rows of first */
                 const int t0 = start + c * KEY_CHUNK;
                 n = start + n_first - t0 < KEY_CHUNK ? start + n_first - t0 : KEY_CHUNK;
@@ -597,22 +703,19 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
                     keys = mine;
                     values = mine + (size_t)KEY_CHUNK * hd;
                 }
-            } else if (c < c_first + c_coded) {   /* coded rows: decoded into this thread's tile with their scales */
+            } else if (c < c_first + c_coded) {   /* coded rows: decoded a sub-tile at a time, with their scales */
                 const int t0 = (c - c_first) * KEY_CHUNK;
                 n = n_coded - t0 < KEY_CHUNK ? n_coded - t0 : KEY_CHUNK;
                 const int64_t slot = (int64_t)g * C->slots + t0;
-                /* the V tile starts after the K tile's padding room, the scales at the end of `tile` */
-                float *k_tile = mine, *v_tile = mine + (size_t)KEY_CHUNK * hd + CB_MAX_DIM, *scales = mine + tile - 2 * KEY_CHUNK;
-                kvlab_cb_decode_rows(K_layout, C->codes[0] + slot * C->row_bytes[0], C->row_bytes[0], n, k_tile, hd);
-                kvlab_cb_decode_rows(V_layout, C->codes[1] + slot * C->row_bytes[1], C->row_bytes[1], n, v_tile, hd);
+                float *scales = mine + tile - 2 * KEY_CHUNK;
                 kv_load(C->norm_type, C->norms[0] + slot, n, scales);
                 kv_load(C->norm_type, C->norms[1] + slot, n, scales + KEY_CHUNK);
-                keys = k_tile;
-                values = v_tile;
-                k_scale = scales;
-                v_scale = scales + KEY_CHUNK;
-                queries = q_coded;
-                coded = 1;
+                attend_codes(K_layout, V_layout, C->codes[0] + slot * C->row_bytes[0], C->codes[1] + slot * C->row_bytes[1],
+                             C->row_bytes[0], C->row_bytes[1], scales, scales + KEY_CHUNK, n, hd, q_coded + (int64_t)g * group * hd,
+                             q_coded + q_dim + g * group, group, mine,
+                             scores + ((int64_t)g * group * max_chunks + c) * KEY_CHUNK, (int64_t)max_chunks * KEY_CHUNK,
+                             parts + ((int64_t)g * group * max_chunks + c) * (hd + 2), (int64_t)max_chunks * (hd + 2));
+                continue;
             } else {                         /* full-precision rows of the recent window */
                 const int t0 = (c - c_first - c_coded) * KEY_CHUNK;
                 n = n_recent - t0 < KEY_CHUNK ? n_recent - t0 : KEY_CHUNK;
@@ -620,8 +723,7 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
                 values = L->win_v + ((int64_t)g * L->window + t0) * hd;
             }
             for (int i = g * group; i < (g + 1) * group; i++)
-                attend_part(queries + i * hd, keys, values, n, hd, coded ? 1.0f : m->attn_scale, k_scale, v_scale,
-                            coded ? q_coded[q_dim + i] : 0.0f,
+                attend_part(qkv + i * hd, keys, values, n, hd, m->attn_scale,
                             scores + ((int64_t)i * max_chunks + c) * KEY_CHUNK, parts + ((int64_t)i * max_chunks + c) * (hd + 2));
         }
         #pragma omp for schedule(static)
