@@ -371,9 +371,113 @@ static void decode_row(const cb_layout *L, const uint8_t *row, float *out, int32
     for (int c = L->d; c < L->dpad; c++) out[c] = 0.0f;
 }
 
+#if defined(__AVX512F__)
+/* rows of one part whose width (1 to 5 bits, a constant where this is inlined) and channel count (a multiple of 16)
+ * fast_part reads: the planes and table are set up once for all the rows */
+static inline void part_rows(const cb_part *P, const uint8_t *rows, int64_t row_bytes, int64_t count, float *out,
+                             int64_t stride, const int bits) {
+    const int n = P->hi - P->lo;
+    const __m512 t0 = _mm512_loadu_ps(P->table), t1 = bits == 5 ? _mm512_loadu_ps(P->table + 16) : t0;
+    const int64_t o0 = P->offset[0], o1 = P->n_planes > 1 ? P->offset[1] : 0;
+    for (int64_t r = 0; r < count; r++) {
+        const uint8_t *row = rows + r * row_bytes;
+        float *o = out + r * stride + P->lo;
+        for (int c = 0; c < n; c += 16) {
+            __m512i code;
+            if (bits == 3) code = _mm512_or_si512(_mm512_slli_epi32(plane16(row + o0, c, 2), 1), plane16(row + o1, c, 1));
+            else if (bits == 5) code = _mm512_or_si512(_mm512_slli_epi32(plane16(row + o0, c, 4), 1), plane16(row + o1, c, 1));
+            else code = plane16(row + o0, c, bits);
+            _mm512_storeu_ps(o + c, bits == 5 ? _mm512_permutex2var_ps(t0, code, t1) : _mm512_permutexvar_ps(code, t0));
+        }
+    }
+}
+#endif
+
 void kvlab_cb_decode_rows(const cb_layout *L, const uint8_t *rows, int64_t row_bytes, int64_t count, float *out, int64_t stride) {
+#if defined(__AVX512F__)
+    int fast = L->d == L->dpad;   /* every part 1..5 bits over whole blocks of 16 channels: part by part, tight loops */
+    for (int p = 0; p < L->n_parts; p++) fast &= L->part[p].bits <= 5 && (L->part[p].hi - L->part[p].lo) % 16 == 0;
+    if (fast) {
+        for (int p = 0; p < L->n_parts; p++) {
+            const cb_part *P = &L->part[p];
+            switch (P->bits) {
+                case 1: part_rows(P, rows, row_bytes, count, out, stride, 1); break;
+                case 2: part_rows(P, rows, row_bytes, count, out, stride, 2); break;
+                case 3: part_rows(P, rows, row_bytes, count, out, stride, 3); break;
+                case 4: part_rows(P, rows, row_bytes, count, out, stride, 4); break;
+                default: part_rows(P, rows, row_bytes, count, out, stride, 5); break;
+            }
+        }
+        return;
+    }
+#endif
     int32_t scratch[CB_MAX_DIM];
     for (int64_t r = 0; r < count; r++) decode_row(L, rows + r * row_bytes, out + r * stride, scratch);
+}
+
+#if defined(__AVX512F__)
+/* acc[h][lo + c0 .. + 64) += sum_r w[h][r] value(r) for `gh` heads, one part, 64 channels from c0: the codes are
+ * unpacked and looked up in registers, each row's four blocks read by every head (bits and gh constants here) */
+static inline void mix_block(const cb_part *P, const uint8_t *rows, int64_t row_bytes, int64_t count, const float *w,
+                             int64_t w_stride, float *acc, int64_t acc_stride, int c0, const int bits, const int gh) {
+    const __m512 t0 = _mm512_loadu_ps(P->table), t1 = bits == 5 ? _mm512_loadu_ps(P->table + 16) : t0;
+    const int64_t o0 = P->offset[0], o1 = P->n_planes > 1 ? P->offset[1] : 0;
+    __m512 a[4][4];
+    for (int h = 0; h < gh; h++)
+        for (int b = 0; b < 4; b++) a[h][b] = _mm512_loadu_ps(acc + h * acc_stride + P->lo + c0 + 16 * b);
+    for (int64_t r = 0; r < count; r++) {
+        const uint8_t *row = rows + r * row_bytes;
+        __m512 value[4];
+        for (int b = 0; b < 4; b++) {
+            const int c = c0 + 16 * b;
+            __m512i code;
+            if (bits == 3) code = _mm512_or_si512(_mm512_slli_epi32(plane16(row + o0, c, 2), 1), plane16(row + o1, c, 1));
+            else if (bits == 5) code = _mm512_or_si512(_mm512_slli_epi32(plane16(row + o0, c, 4), 1), plane16(row + o1, c, 1));
+            else code = plane16(row + o0, c, bits);
+            value[b] = bits == 5 ? _mm512_permutex2var_ps(t0, code, t1) : _mm512_permutexvar_ps(code, t0);
+        }
+        for (int h = 0; h < gh; h++) {
+            const __m512 wr = _mm512_set1_ps(w[h * w_stride + r]);
+            for (int b = 0; b < 4; b++) a[h][b] = _mm512_fmadd_ps(wr, value[b], a[h][b]);
+        }
+    }
+    for (int h = 0; h < gh; h++)
+        for (int b = 0; b < 4; b++) _mm512_storeu_ps(acc + h * acc_stride + P->lo + c0 + 16 * b, a[h][b]);
+}
+
+static void mix_heads(const cb_part *P, const uint8_t *rows, int64_t row_bytes, int64_t count, const float *w,
+                      int64_t w_stride, float *acc, int64_t acc_stride, int c0, int bits, int gh) {
+#define MIX_CASE(B) switch (gh) { \
+        case 1: mix_block(P, rows, row_bytes, count, w, w_stride, acc, acc_stride, c0, B, 1); break; \
+        case 2: mix_block(P, rows, row_bytes, count, w, w_stride, acc, acc_stride, c0, B, 2); break; \
+        case 3: mix_block(P, rows, row_bytes, count, w, w_stride, acc, acc_stride, c0, B, 3); break; \
+        default: mix_block(P, rows, row_bytes, count, w, w_stride, acc, acc_stride, c0, B, 4); break; }
+    switch (bits) {
+        case 1: MIX_CASE(1) break;
+        case 2: MIX_CASE(2) break;
+        case 3: MIX_CASE(3) break;
+        case 4: MIX_CASE(4) break;
+        default: MIX_CASE(5) break;
+    }
+#undef MIX_CASE
+}
+#endif
+
+int kvlab_cb_mix_rows(const cb_layout *L, const uint8_t *rows, int64_t row_bytes, int64_t count, const float *w,
+                      int64_t w_stride, int heads, float *acc, int64_t acc_stride) {
+#if defined(__AVX512F__)
+    for (int p = 0; p < L->n_parts; p++)
+        if (L->part[p].bits > 5 || (L->part[p].hi - L->part[p].lo) % 64) return -1;
+    for (int p = 0; p < L->n_parts; p++)
+        for (int c0 = 0; c0 < L->part[p].hi - L->part[p].lo; c0 += 64)
+            for (int h0 = 0; h0 < heads; h0 += 4)
+                mix_heads(&L->part[p], rows, row_bytes, count, w + h0 * w_stride, w_stride, acc + h0 * acc_stride, acc_stride,
+                          c0, L->part[p].bits, heads - h0 < 4 ? heads - h0 : 4);
+    return 0;
+#else
+    (void)L, (void)rows, (void)row_bytes, (void)count, (void)w, (void)w_stride, (void)heads, (void)acc, (void)acc_stride;
+    return -1;
+#endif
 }
 
 /* index of the first of n increasing bounds >= y (n when none is): torch.bucketize(y, bounds, right=False) */

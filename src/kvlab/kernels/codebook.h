@@ -27,6 +27,11 @@ int kvlab_cb_layout(cb_layout *L, int d, int n_parts, const int32_t *spec, const
  * Each row writes dpad floats (zeros past d): the buffer needs dpad - d floats of room after the last row. */
 void kvlab_cb_decode_rows(const cb_layout *L, const uint8_t *rows, int64_t row_bytes, int64_t count, float *out, int64_t stride);
 
+/* acc[h * acc_stride + c] += sum_r w[h * w_stride + r] value(row r)[c] for h < heads, c < d, r < count: the rows decoded
+ * in registers. 0, or -1 where this build or layout has no such path (the caller decodes rows into a tile instead). */
+int kvlab_cb_mix_rows(const cb_layout *L, const uint8_t *rows, int64_t row_bytes, int64_t count, const float *w,
+                      int64_t w_stride, int heads, float *acc, int64_t acc_stride);
+
 /* Code one vector y (d,): each channel's code is the number of its part's boundaries below y (torch.bucketize,
  * right=False; `bounds`: each part's 2^bits - 1 increasing boundaries in turn), packed into `row` as
  * kvlab/cache/packing.py packs it; y_hat (d,) = the codes' centroids. */

@@ -397,11 +397,13 @@ static void attend_codes(const cb_layout *KL, const cb_layout *VL, const uint8_t
         totals[i] = exp_shifted(s, n, top);
         for (int t = 0; t < n; t++) s[t] *= v_scale[t];
     }
-    for (int t0 = 0; t0 < n; t0 += SUB_ROWS) {
-        const int count = n - t0 < SUB_ROWS ? n - t0 : SUB_ROWS;
-        kvlab_cb_decode_rows(VL, v_rows + (int64_t)t0 * v_bytes, v_bytes, count, tile, d);
-        for (int i = 0; i < group; i++) weighted_sum(scores + i * score_stride + t0, tile, 0, count, d, parts + i * part_stride, t0 > 0);
-    }
+    for (int i = 0; i < group; i++) memset(parts + i * part_stride, 0, sizeof(float) * (size_t)d);
+    if (kvlab_cb_mix_rows(VL, v_rows, v_bytes, n, scores, score_stride, group, parts, part_stride) != 0)
+        for (int t0 = 0; t0 < n; t0 += SUB_ROWS) {   /* no register path: a sub-tile at a time */
+            const int count = n - t0 < SUB_ROWS ? n - t0 : SUB_ROWS;
+            kvlab_cb_decode_rows(VL, v_rows + (int64_t)t0 * v_bytes, v_bytes, count, tile, d);
+            for (int i = 0; i < group; i++) weighted_sum(scores + i * score_stride + t0, tile, 0, count, d, parts + i * part_stride, 1);
+        }
     for (int i = 0; i < group; i++) {
         parts[i * part_stride + d] = tops[i] + shifts[i];
         parts[i * part_stride + d + 1] = totals[i];
