@@ -15,6 +15,15 @@
  * at a time, converted to fp32 into a per-thread scratch that stays in cache (F16C / a 16-bit shift, 16 or 8
  * lanes at a time under AVX-512 / AVX2, one value at a time in plain C), and the chunk's attention is the
  * fp32 arithmetic of the fp32 cache: exact conversions, so the step equals the module path's upcast reads.
+ *
+ * TurboQuant layers (kvlab/cache/turboquant.py; LayerKV with `coded` set): a sink and a recent window of fp32
+ * rows around the coded rows. The new token (or the row leaving the window) is coded here as
+ * TurboQuantCache.code codes it: x' = (x - mu) / w, scale ||x'|| * factor in 16 bits, codes of y = x' M / ||x'||
+ * (codebook.c's encoder). A coded chunk is attended in the rotated domain: q' = (q w) M * scale for every query
+ * head, keys decoded SUB_ROWS at a time into an L1 tile read by every head of the group, the scores times the
+ * keys' scales, `top` shifted by q . mu * scale (the same for every coded key), values summed straight from their
+ * codes times their scales; the coded chunks' sum turns back once per head (x = y Mᵀ) when the parts combine.
+ * The softmax's exponentials are vectorized (about 2 ulp, AVX-512 / AVX2; expf in plain C).
  */
 #include <math.h>
 #include <stdint.h>

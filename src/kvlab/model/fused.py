@@ -80,8 +80,7 @@ class FusedDecodeStep:
         lib.kvlab_decode_step.argtypes = [POINTER(_Model), c_void_p, c_int32, c_void_p, c_void_p, POINTER(LayerKV),
                                           POINTER(Fill), c_void_p, ctypes.c_int]
         lib.kvlab_decode_step.restype = c_int32
-        self._view: CacheView | None = None   # the structs of the cache last decoded into
-        self._view_of = None                  # a weak reference to that cache
+        self._views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # cache -> its CacheView, while it lives
 
     def __deepcopy__(self, memo) -> None:
         """A copied model has copied buffers: it does not inherit a step that points into the originals."""
@@ -130,11 +129,11 @@ class FusedDecodeStep:
         )
 
     def _view_for(self, cache) -> CacheView:
-        """The C structs of `cache`: built on its first fused step, reused while the same cache decodes."""
-        if self._view_of is None or self._view_of() is not cache:
-            self._view = CacheView(cache, self.config)
-            self._view_of = weakref.ref(cache)
-        return self._view
+        """The C structs of `cache`: built on its first fused step, reused while its buffers stay in place."""
+        view = self._views.get(cache)
+        if view is None or not view.fits(cache):
+            view = self._views[cache] = CacheView(cache, self.config)
+        return view
 
     def __call__(self, tokens: torch.Tensor, cache) -> torch.Tensor:
         """tokens (1, 1) -> logits (1, 1, vocab); K/V of the token written (or coded) into `cache`."""

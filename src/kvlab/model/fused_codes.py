@@ -51,12 +51,13 @@ class Fill(ctypes.Structure):
 
 
 class CacheView:
-    """The C structs for one cache, built once (they point into its buffers, which never move) and kept alive
-    with everything they point to."""
+    """The C structs for one cache, built once and kept while its buffers stay where they were (`fits`). They
+    point into the cache's buffers without holding them (a finished cache is freed as before; the step keeps its
+    view only as long as the cache lives) and hold what they made themselves (rotations, boundaries)."""
 
     def __init__(self, cache, cfg):
-        self.cache = cache
         self._keep: list = []
+        self.buffers = buffer_addresses(cache)
         L, hd = cfg.n_layers, cfg.head_dim
         self.layers = (LayerKV * L)()
         if isinstance(cache, DenseCache):
@@ -71,10 +72,16 @@ class CacheView:
                 self.coded[layer] = self._coded(cache, layer, hd)
                 self.layers[layer] = self._coded_layer(cache, layer, hd)
 
-    def _ptr(self, t: torch.Tensor, shape: tuple[int, ...], what: str, dtype: torch.dtype) -> int:
+    def _ptr(self, t: torch.Tensor, shape: tuple[int, ...], what: str, dtype: torch.dtype, own: bool = False) -> int:
+        """The address of `t` after checking its dtype, shape and contiguity; `own`: a tensor the view made, kept."""
         check_buffer(WHAT, what, t, dtype, shape)
-        self._keep.append(t)
+        if own:
+            self._keep.append(t)
         return t.data_ptr()
+
+    def fits(self, cache) -> bool:
+        """Whether the cache's buffers are still the ones this view points into."""
+        return buffer_addresses(cache) == self.buffers
 
     def _dense(self, cache: DenseCache, layer: int) -> LayerKV:
         """Layer `layer` of a DenseCache (a dense cache's, or a TurboQuant cache's full-precision layer)."""
@@ -113,23 +120,34 @@ class CacheView:
             c.spec[i] = self._ptr(layout.spec, tuple(layout.spec.shape), f"{name} layout", torch.int32)
             c.tables[i] = self._ptr(layout.tables, tuple(layout.tables.shape), f"{name} centroids", torch.float32)
             bounds = torch.cat(codes.boundaries).float().cpu().contiguous()   # each part's 2^bits - 1 in turn
-            c.bounds[i] = self._ptr(bounds, tuple(bounds.shape), f"{name} boundaries", torch.float32)
+            c.bounds[i] = self._ptr(bounds, tuple(bounds.shape), f"{name} boundaries", torch.float32, own=True)
             c.scale_mode[i] = SCALE_MODES[mode]
             offsets = getattr(cache, f"{name}_offset")
             if offsets:  # float8 bytes, read through fp8_values
                 c.offset[i] = self._ptr(offsets[layer][0].view(torch.uint8), (H, hd), f"{at} {name} offset", torch.uint8)
         rotation = cache.rotations[layer].apply(torch.eye(hd, device=cache.device)).contiguous()  # (D, D): y = x M
-        c.rotation = self._ptr(rotation, (hd, hd), f"{at} rotation", torch.float32)
+        c.rotation = self._ptr(rotation, (hd, hd), f"{at} rotation", torch.float32, own=True)
         if cache.k_weight_codes:
             c.weight_codes = self._ptr(cache.k_weight_codes[layer][0], (H, hd // 2), f"{at} key weights", torch.uint8)
-        c.fp8_values = self._ptr(FP8_VALUES, (256,), "float8 values", torch.float32)
-        c.weight_values = self._ptr(WEIGHT_VALUES, (16,), "key weight values", torch.float32)
+        c.fp8_values = self._ptr(FP8_VALUES, (256,), "float8 values", torch.float32, own=True)
+        c.weight_values = self._ptr(WEIGHT_VALUES, (16,), "key weight values", torch.float32, own=True)
         return c
 
 
 #: the value of each float8 e4m3 byte, and of each 4-bit key weight code (as TurboQuantCache._key_weights computes it)
 FP8_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()                  # (256,)
 WEIGHT_VALUES = torch.exp2((torch.arange(16, dtype=torch.float32) - WEIGHT_ZERO) / WEIGHT_STEPS)     # (16,)
+
+
+def buffer_addresses(cache) -> tuple[int, ...]:
+    """Where the buffers a view points into lie (a view is rebuilt if one was replaced)."""
+    if isinstance(cache, DenseCache):
+        return cache.k.data_ptr(), cache.v.data_ptr()
+    held = [cache._dense[l].k for l in sorted(cache._dense)] + [cache._dense[l].v for l in sorted(cache._dense)]
+    for buffers in (cache._sink_k, cache._sink_v, cache._win_k, cache._win_v, cache.k_codes, cache.v_codes, cache.k_norm,
+                    cache.v_norm, cache.k_offset, cache.v_offset, cache.k_weight_codes):
+        held += buffers.values()
+    return tuple(t.data_ptr() for t in held)
 
 
 def serves_codes(cache, cfg) -> bool:
@@ -162,10 +180,10 @@ def fill(cache) -> Fill | None:
         write = WRITE_CODED
     else:
         write = WRITE_RECENT if held < cache.window else WRITE_SPILL
-    if write in (WRITE_CODED, WRITE_SPILL) and not all(l in cache._calibrated for l in layers):
+    if write in (WRITE_CODED, WRITE_SPILL) and not cache._calibrated.issuperset(layers):
         return None
-    if any((cache._n_sink(l), cache._n_comp[l], cache._held(l)) != (n_sink, n_coded, held) for l in layers):
-        return None
+    if not all(cache._n_comp[l] == n_coded for l in layers):   # level layers (as accepts checks) with level codes
+        return None                                             # hold level sinks and windows too
     return Fill(n_sink, n_coded, held, write)
 
 
