@@ -315,6 +315,13 @@ static inline __m512i plane16(const uint8_t *plane, int c, const int w) {
     return _mm512_and_si512(_mm512_srlv_epi32(v, bit), _mm512_set1_epi32((1 << w) - 1));
 }
 
+/* high | the 1-bit plane's bits of channels [c, c + 16) as the low bit: the two bytes are a lane mask */
+static inline __m512i low_plane16(__m512i high, const uint8_t *plane, int c) {
+    uint16_t bits;
+    memcpy(&bits, plane + c / 8, 2);
+    return _mm512_mask_or_epi32(high, (__mmask16)bits, high, _mm512_set1_epi32(1));
+}
+
 /* out[c] = the part's values for whole blocks of 16 channels, planes combined and looked up in registers, for the
  * widths of one or two planes with a one- or two-register table (1 to 5 bits); returns the channels done (0: none) */
 static inline int fast_part(const cb_part *P, const uint8_t *row, float *out) {
@@ -323,18 +330,18 @@ static inline int fast_part(const cb_part *P, const uint8_t *row, float *out) {
     const __m512 t0 = _mm512_loadu_ps(P->table), t1 = P->bits == 5 ? _mm512_loadu_ps(P->table + 16) : t0;
     int c = 0;
     switch (P->bits) {   /* constant plane widths in each loop */
-        case 1: for (; c + 16 <= n; c += 16) _mm512_storeu_ps(out + c, _mm512_permutexvar_ps(plane16(p0, c, 1), t0)); break;
+        case 1: for (; c + 16 <= n; c += 16) _mm512_storeu_ps(out + c, _mm512_permutexvar_ps(low_plane16(_mm512_setzero_si512(), p0, c), t0)); break;
         case 2: for (; c + 16 <= n; c += 16) _mm512_storeu_ps(out + c, _mm512_permutexvar_ps(plane16(p0, c, 2), t0)); break;
         case 4: for (; c + 16 <= n; c += 16) _mm512_storeu_ps(out + c, _mm512_permutexvar_ps(plane16(p0, c, 4), t0)); break;
         case 3:
             for (; c + 16 <= n; c += 16) {
-                const __m512i code = _mm512_or_si512(_mm512_slli_epi32(plane16(p0, c, 2), 1), plane16(p1, c, 1));
+                const __m512i code = low_plane16(_mm512_slli_epi32(plane16(p0, c, 2), 1), p1, c);
                 _mm512_storeu_ps(out + c, _mm512_permutexvar_ps(code, t0));
             }
             break;
         case 5:
             for (; c + 16 <= n; c += 16) {
-                const __m512i code = _mm512_or_si512(_mm512_slli_epi32(plane16(p0, c, 4), 1), plane16(p1, c, 1));
+                const __m512i code = low_plane16(_mm512_slli_epi32(plane16(p0, c, 4), 1), p1, c);
                 _mm512_storeu_ps(out + c, _mm512_permutex2var_ps(t0, code, t1));
             }
             break;
@@ -384,8 +391,9 @@ static inline void part_rows(const cb_part *P, const uint8_t *rows, int64_t row_
         float *o = out + r * stride + P->lo;
         for (int c = 0; c < n; c += 16) {
             __m512i code;
-            if (bits == 3) code = _mm512_or_si512(_mm512_slli_epi32(plane16(row + o0, c, 2), 1), plane16(row + o1, c, 1));
-            else if (bits == 5) code = _mm512_or_si512(_mm512_slli_epi32(plane16(row + o0, c, 4), 1), plane16(row + o1, c, 1));
+            if (bits == 3) code = low_plane16(_mm512_slli_epi32(plane16(row + o0, c, 2), 1), row + o1, c);
+            else if (bits == 5) code = low_plane16(_mm512_slli_epi32(plane16(row + o0, c, 4), 1), row + o1, c);
+            else if (bits == 1) code = low_plane16(_mm512_setzero_si512(), row + o0, c);
             else code = plane16(row + o0, c, bits);
             _mm512_storeu_ps(o + c, bits == 5 ? _mm512_permutex2var_ps(t0, code, t1) : _mm512_permutexvar_ps(code, t0));
         }
@@ -431,8 +439,9 @@ static inline void mix_block(const cb_part *P, const uint8_t *rows, int64_t row_
         for (int b = 0; b < 4; b++) {
             const int c = c0 + 16 * b;
             __m512i code;
-            if (bits == 3) code = _mm512_or_si512(_mm512_slli_epi32(plane16(row + o0, c, 2), 1), plane16(row + o1, c, 1));
-            else if (bits == 5) code = _mm512_or_si512(_mm512_slli_epi32(plane16(row + o0, c, 4), 1), plane16(row + o1, c, 1));
+            if (bits == 3) code = low_plane16(_mm512_slli_epi32(plane16(row + o0, c, 2), 1), row + o1, c);
+            else if (bits == 5) code = low_plane16(_mm512_slli_epi32(plane16(row + o0, c, 4), 1), row + o1, c);
+            else if (bits == 1) code = low_plane16(_mm512_setzero_si512(), row + o0, c);
             else code = plane16(row + o0, c, bits);
             value[b] = bits == 5 ? _mm512_permutex2var_ps(t0, code, t1) : _mm512_permutexvar_ps(code, t0);
         }
