@@ -200,8 +200,11 @@ def test_caches_it_does_not_serve_take_the_modules(native):
     geometry = CacheGeometry.for_model(model.config, capacity=40)
     one = torch.tensor([[3]])
     with torch.no_grad():
+        model.fused = step
         for name in ("tq4+qjl", "tq4+prerope", "int8", "int4"):
             assert not step.serves(make_cache(name, geometry)), name
+            assert decode_step_kind(model, make_cache(name, geometry)) == "modules"
+        assert decode_step_kind(model, make_cache("tq3.5+sink4+recent8+fp-first-last", geometry)) == "fused"
         assert not step.serves(make_cache("tq4", CacheGeometry.for_model(model.config, batch=2, capacity=40)))
         cache = make_cache("tq4", geometry)
         assert step.serves(cache)
@@ -209,7 +212,6 @@ def test_caches_it_does_not_serve_take_the_modules(native):
         assert cache.awaits_queries(0) and not step.accepts(one, cache)
         # a short prompt: tokens fill the sink and the window in C; the first coded token (a calibration) takes
         # the modules, every later one the fused step
-        model.fused = step
         cache = make_cache("tq4+sink2+recent3", geometry)
         model(torch.tensor([[1, 2]]), cache)
         taken = []
