@@ -26,6 +26,7 @@
 
 #include "codebook.h"
 
+#define CB_TILE 16          /* rows decoded at once */
 #define CB_SEGMENT 256      /* rows per partial sum of the mix */
 #define CB_SERIAL_WORK (1 << 17)   /* below this many multiply-adds one thread does it (a region costs more) */
 
@@ -42,9 +43,7 @@ int kvlab_codebook_variant(void) {
 
 static int table_size(int bits) { return bits < 4 ? 16 : 1 << bits; }
 
-/* spec: n_parts x (lo, hi, bits), parts in channel order covering [0, d); tables: each part's padded table in
- * turn. Returns 0 when the layout is valid and its rows are exactly row_bytes long, else -1. */
-static int make_layout(cb_layout *L, int d, int n_parts, const int32_t *spec, const float *tables, int64_t row_bytes) {
+int kvlab_cb_layout(cb_layout *L, int d, int n_parts, const int32_t *spec, const float *tables, int64_t row_bytes) {
     if (d <= 0 || d > CB_MAX_DIM || n_parts <= 0 || n_parts > CB_MAX_PARTS) return -1;
     L->n_parts = n_parts;
     L->d = d;
@@ -287,15 +286,235 @@ static void plane_codes(const uint8_t *plane, int n, int w, int shift, int first
     }
 }
 
+#if defined(__AVX512F__)
+/* the 16 codes of channels [c, c + 16) of a w-bit plane (c a multiple of 16), in registers: each lane's byte
+ * (pshufb), shifted right to its bits, masked */
+static inline __m512i plane16(const uint8_t *plane, int c, const int w) {
+    const uint8_t *p = plane + c * w / 8;
+    if (w == 8) return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    __m128i bytes, spread;
+    __m512i bit;
+    if (w == 4) {
+        bytes = _mm_loadl_epi64((const __m128i *)p);
+        spread = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+        bit = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+    } else if (w == 2) {
+        int32_t x;
+        memcpy(&x, p, 4);
+        bytes = _mm_cvtsi32_si128(x);
+        spread = _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+        bit = _mm512_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6);
+    } else {
+        uint16_t x;
+        memcpy(&x, p, 2);
+        bytes = _mm_cvtsi32_si128(x);
+        spread = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+        bit = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7);
+    }
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(bytes, spread));
+    return _mm512_and_si512(_mm512_srlv_epi32(v, bit), _mm512_set1_epi32((1 << w) - 1));
+}
+
+/* high | the 1-bit plane's bits of channels [c, c + 16) as the low bit: the two bytes are a lane mask */
+static inline __m512i low_plane16(__m512i high, const uint8_t *plane, int c) {
+    uint16_t bits;
+    memcpy(&bits, plane + c / 8, 2);
+    return _mm512_mask_or_epi32(high, (__mmask16)bits, high, _mm512_set1_epi32(1));
+}
+
+/* out[c] = the part's values for whole blocks of 16 channels, planes combined and looked up in registers, for the
+ * widths of one or two planes with a one- or two-register table (1 to 5 bits); returns the channels done (0: none) */
+static inline int fast_part(const cb_part *P, const uint8_t *row, float *out) {
+    const int n = P->hi - P->lo;
+    const uint8_t *p0 = row + P->offset[0], *p1 = P->n_planes > 1 ? row + P->offset[1] : NULL;
+    const __m512 t0 = _mm512_loadu_ps(P->table), t1 = P->bits == 5 ? _mm512_loadu_ps(P->table + 16) : t0;
+    int c = 0;
+    switch (P->bits) {   /* constant plane widths in each loop */
+        case 1: for (; c + 16 <= n; c += 16) _mm512_storeu_ps(out + c, _mm512_permutexvar_ps(low_plane16(_mm512_setzero_si512(), p0, c), t0)); break;
+        case 2: for (; c + 16 <= n; c += 16) _mm512_storeu_ps(out + c, _mm512_permutexvar_ps(plane16(p0, c, 2), t0)); break;
+        case 4: for (; c + 16 <= n; c += 16) _mm512_storeu_ps(out + c, _mm512_permutexvar_ps(plane16(p0, c, 4), t0)); break;
+        case 3:
+            for (; c + 16 <= n; c += 16) {
+                const __m512i code = low_plane16(_mm512_slli_epi32(plane16(p0, c, 2), 1), p1, c);
+                _mm512_storeu_ps(out + c, _mm512_permutexvar_ps(code, t0));
+            }
+            break;
+        case 5:
+            for (; c + 16 <= n; c += 16) {
+                const __m512i code = low_plane16(_mm512_slli_epi32(plane16(p0, c, 4), 1), p1, c);
+                _mm512_storeu_ps(out + c, _mm512_permutex2var_ps(t0, code, t1));
+            }
+            break;
+        default: break;
+    }
+    return c;
+}
+#else
+static inline int fast_part(const cb_part *P, const uint8_t *row, float *out) {
+    (void)P, (void)row, (void)out;
+    return 0;
+}
+#endif
+
 /* out[0 .. dpad) = the row's values, zero past d; codes: dpad ints of scratch */
 static void decode_row(const cb_layout *L, const uint8_t *row, float *out, int32_t *codes) {
     for (int p = 0; p < L->n_parts; p++) {
         const cb_part *P = &L->part[p];
         const int n = P->hi - P->lo;
-        for (int k = 0; k < P->n_planes; k++) plane_codes(row + P->offset[k], n, P->width[k], P->shift[k], k == 0, codes + P->lo);
-        for (int c = lookup_blocks(P->table, P->bits, codes + P->lo, n, out + P->lo); c < n; c++) out[P->lo + c] = P->table[codes[P->lo + c]];
+        int c = fast_part(P, row, out + P->lo);
+        if (c == 0) {
+            for (int k = 0; k < P->n_planes; k++) plane_codes(row + P->offset[k], n, P->width[k], P->shift[k], k == 0, codes + P->lo);
+            for (c = lookup_blocks(P->table, P->bits, codes + P->lo, n, out + P->lo); c < n; c++) out[P->lo + c] = P->table[codes[P->lo + c]];
+        }
+        for (; c < n; c++) {   /* the channels after the last whole block */
+            int code = 0;
+            for (int k = 0; k < P->n_planes; k++) {
+                const int w = P->width[k];
+                code |= ((row[P->offset[k] + c * w / 8] >> (c * w % 8)) & ((1 << w) - 1)) << P->shift[k];
+            }
+            out[P->lo + c] = P->table[code];
+        }
     }
     for (int c = L->d; c < L->dpad; c++) out[c] = 0.0f;
+}
+
+#if defined(__AVX512F__)
+/* rows of one part whose width (1 to 5 bits, a constant where this is inlined) and channel count (a multiple of 16)
+ * fast_part reads: the planes and table are set up once for all the rows */
+static inline void part_rows(const cb_part *P, const uint8_t *rows, int64_t row_bytes, int64_t count, float *out,
+                             int64_t stride, const int bits) {
+    const int n = P->hi - P->lo;
+    const __m512 t0 = _mm512_loadu_ps(P->table), t1 = bits == 5 ? _mm512_loadu_ps(P->table + 16) : t0;
+    const int64_t o0 = P->offset[0], o1 = P->n_planes > 1 ? P->offset[1] : 0;
+    for (int64_t r = 0; r < count; r++) {
+        const uint8_t *row = rows + r * row_bytes;
+        float *o = out + r * stride + P->lo;
+        for (int c = 0; c < n; c += 16) {
+            __m512i code;
+            if (bits == 3) code = low_plane16(_mm512_slli_epi32(plane16(row + o0, c, 2), 1), row + o1, c);
+            else if (bits == 5) code = low_plane16(_mm512_slli_epi32(plane16(row + o0, c, 4), 1), row + o1, c);
+            else if (bits == 1) code = low_plane16(_mm512_setzero_si512(), row + o0, c);
+            else code = plane16(row + o0, c, bits);
+            _mm512_storeu_ps(o + c, bits == 5 ? _mm512_permutex2var_ps(t0, code, t1) : _mm512_permutexvar_ps(code, t0));
+        }
+    }
+}
+#endif
+
+void kvlab_cb_decode_rows(const cb_layout *L, const uint8_t *rows, int64_t row_bytes, int64_t count, float *out, int64_t stride) {
+#if defined(__AVX512F__)
+    int fast = L->d == L->dpad;   /* every part 1..5 bits over whole blocks of 16 channels: part by part, tight loops */
+    for (int p = 0; p < L->n_parts; p++) fast &= L->part[p].bits <= 5 && (L->part[p].hi - L->part[p].lo) % 16 == 0;
+    if (fast) {
+        for (int p = 0; p < L->n_parts; p++) {
+            const cb_part *P = &L->part[p];
+            switch (P->bits) {
+                case 1: part_rows(P, rows, row_bytes, count, out, stride, 1); break;
+                case 2: part_rows(P, rows, row_bytes, count, out, stride, 2); break;
+                case 3: part_rows(P, rows, row_bytes, count, out, stride, 3); break;
+                case 4: part_rows(P, rows, row_bytes, count, out, stride, 4); break;
+                default: part_rows(P, rows, row_bytes, count, out, stride, 5); break;
+            }
+        }
+        return;
+    }
+#endif
+    int32_t scratch[CB_MAX_DIM];
+    for (int64_t r = 0; r < count; r++) decode_row(L, rows + r * row_bytes, out + r * stride, scratch);
+}
+
+#if defined(__AVX512F__)
+/* acc[h][lo + c0 .. + 64) += sum_r w[h][r] value(r) for `gh` heads, one part, 64 channels from c0: the codes are
+ * unpacked and looked up in registers, each row's four blocks read by every head (bits and gh constants here) */
+static inline void mix_block(const cb_part *P, const uint8_t *rows, int64_t row_bytes, int64_t count, const float *w,
+                             int64_t w_stride, float *acc, int64_t acc_stride, int c0, const int bits, const int gh) {
+    const __m512 t0 = _mm512_loadu_ps(P->table), t1 = bits == 5 ? _mm512_loadu_ps(P->table + 16) : t0;
+    const int64_t o0 = P->offset[0], o1 = P->n_planes > 1 ? P->offset[1] : 0;
+    __m512 a[4][4];
+    for (int h = 0; h < gh; h++)
+        for (int b = 0; b < 4; b++) a[h][b] = _mm512_loadu_ps(acc + h * acc_stride + P->lo + c0 + 16 * b);
+    for (int64_t r = 0; r < count; r++) {
+        const uint8_t *row = rows + r * row_bytes;
+        __m512 value[4];
+        for (int b = 0; b < 4; b++) {
+            const int c = c0 + 16 * b;
+            __m512i code;
+            if (bits == 3) code = low_plane16(_mm512_slli_epi32(plane16(row + o0, c, 2), 1), row + o1, c);
+            else if (bits == 5) code = low_plane16(_mm512_slli_epi32(plane16(row + o0, c, 4), 1), row + o1, c);
+            else if (bits == 1) code = low_plane16(_mm512_setzero_si512(), row + o0, c);
+            else code = plane16(row + o0, c, bits);
+            value[b] = bits == 5 ? _mm512_permutex2var_ps(t0, code, t1) : _mm512_permutexvar_ps(code, t0);
+        }
+        for (int h = 0; h < gh; h++) {
+            const __m512 wr = _mm512_set1_ps(w[h * w_stride + r]);
+            for (int b = 0; b < 4; b++) a[h][b] = _mm512_fmadd_ps(wr, value[b], a[h][b]);
+        }
+    }
+    for (int h = 0; h < gh; h++)
+        for (int b = 0; b < 4; b++) _mm512_storeu_ps(acc + h * acc_stride + P->lo + c0 + 16 * b, a[h][b]);
+}
+
+static void mix_heads(const cb_part *P, const uint8_t *rows, int64_t row_bytes, int64_t count, const float *w,
+                      int64_t w_stride, float *acc, int64_t acc_stride, int c0, int bits, int gh) {
+#define MIX_CASE(B) switch (gh) { \
+        case 1: mix_block(P, rows, row_bytes, count, w, w_stride, acc, acc_stride, c0, B, 1); break; \
+        case 2: mix_block(P, rows, row_bytes, count, w, w_stride, acc, acc_stride, c0, B, 2); break; \
+        case 3: mix_block(P, rows, row_bytes, count, w, w_stride, acc, acc_stride, c0, B, 3); break; \
+        default: mix_block(P, rows, row_bytes, count, w, w_stride, acc, acc_stride, c0, B, 4); break; }
+    switch (bits) {
+        case 1: MIX_CASE(1) break;
+        case 2: MIX_CASE(2) break;
+        case 3: MIX_CASE(3) break;
+        case 4: MIX_CASE(4) break;
+        default: MIX_CASE(5) break;
+    }
+#undef MIX_CASE
+}
+#endif
+
+int kvlab_cb_mix_rows(const cb_layout *L, const uint8_t *rows, int64_t row_bytes, int64_t count, const float *w,
+                      int64_t w_stride, int heads, float *acc, int64_t acc_stride) {
+#if defined(__AVX512F__)
+    for (int p = 0; p < L->n_parts; p++)
+        if (L->part[p].bits > 5 || (L->part[p].hi - L->part[p].lo) % 64) return -1;
+    for (int p = 0; p < L->n_parts; p++)
+        for (int c0 = 0; c0 < L->part[p].hi - L->part[p].lo; c0 += 64)
+            for (int h0 = 0; h0 < heads; h0 += 4)
+                mix_heads(&L->part[p], rows, row_bytes, count, w + h0 * w_stride, w_stride, acc + h0 * acc_stride, acc_stride,
+                          c0, L->part[p].bits, heads - h0 < 4 ? heads - h0 : 4);
+    return 0;
+#else
+    (void)L, (void)rows, (void)row_bytes, (void)count, (void)w, (void)w_stride, (void)heads, (void)acc, (void)acc_stride;
+    return -1;
+#endif
+}
+
+/* index of the first of n increasing bounds >= y (n when none is): torch.bucketize(y, bounds, right=False) */
+static int bucket(const float *bounds, int n, float y) {
+    int lo = 0, hi = n;
+    while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        if (bounds[mid] < y) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+void kvlab_cb_encode_row(const cb_layout *L, const float *bounds, const float *y, uint8_t *row, float *y_hat) {
+    for (int p = 0; p < L->n_parts; p++) {
+        const cb_part *P = &L->part[p];
+        const int n_bounds = (1 << P->bits) - 1, n = P->hi - P->lo;
+        for (int k = 0; k < P->n_planes; k++) memset(row + P->offset[k], 0, (size_t)(((int64_t)n * P->width[k] + 7) / 8));
+        for (int c = 0; c < n; c++) {
+            const int code = bucket(bounds, n_bounds, y[P->lo + c]);
+            y_hat[P->lo + c] = P->table[code];
+            for (int k = 0; k < P->n_planes; k++) {   /* plane k holds bits [shift, shift + width) at c*width of its bytes */
+                const int w = P->width[k], bits = (code >> P->shift[k]) & ((1 << w) - 1);
+                row[P->offset[k] + (int64_t)c * w / 8] |= (uint8_t)(bits << (c * w % 8));
+            }
+        }
+        bounds += n_bounds;
+    }
 }
 
 static int check(int heads, int64_t slots, int64_t start, int64_t n, int nq) {
@@ -312,7 +531,7 @@ int kvlab_codebook_dots(const uint8_t *codes, int heads, int64_t slots, int64_t 
                         int d, int n_parts, const int32_t *spec, const float *tables, const float *q, int nq,
                         float *out, int n_threads) {
     cb_layout L;
-    if (make_layout(&L, d, n_parts, spec, tables, row_bytes) || check(heads, slots, start, n, nq)) return -1;
+    if (kvlab_cb_layout(&L, d, n_parts, spec, tables, row_bytes) || check(heads, slots, start, n, nq)) return -1;
     const int64_t tiles = (n + CB_TILE - 1) / CB_TILE;
     const int dpad = L.dpad;
     int failed = 0;
@@ -351,7 +570,7 @@ int kvlab_codebook_mix(const uint8_t *codes, int heads, int64_t slots, int64_t r
                        int d, int n_parts, const int32_t *spec, const float *tables, const float *w, int64_t w_stride,
                        int nq, float *out, int n_threads) {
     cb_layout L;
-    if (make_layout(&L, d, n_parts, spec, tables, row_bytes) || check(heads, slots, start, n, nq) || w_stride < n) return -1;
+    if (kvlab_cb_layout(&L, d, n_parts, spec, tables, row_bytes) || check(heads, slots, start, n, nq) || w_stride < n) return -1;
     const int dpad = L.dpad;
     const int64_t segments = n ? (n + CB_SEGMENT - 1) / CB_SEGMENT : 1;
     float *partial = calloc((size_t)heads * segments * nq * dpad + 1, sizeof(float));   /* (heads, segments, nq, dpad) */
@@ -400,7 +619,7 @@ int kvlab_codebook_mix(const uint8_t *codes, int heads, int64_t slots, int64_t r
 int kvlab_codebook_decode(const uint8_t *codes, int heads, int64_t slots, int64_t row_bytes, int64_t start, int64_t n,
                           int d, int n_parts, const int32_t *spec, const float *tables, float *out, int n_threads) {
     cb_layout L;
-    if (make_layout(&L, d, n_parts, spec, tables, row_bytes) || check(heads, slots, start, n, 0)) return -1;
+    if (kvlab_cb_layout(&L, d, n_parts, spec, tables, row_bytes) || check(heads, slots, start, n, 0)) return -1;
     #pragma omp parallel for schedule(static) collapse(2) num_threads(threads_for((int64_t)heads * n * d, n_threads))
     for (int h = 0; h < heads; h++)
         for (int64_t t = 0; t < n; t++) {
@@ -412,11 +631,7 @@ int kvlab_codebook_decode(const uint8_t *codes, int heads, int64_t slots, int64_
     return 0;
 }
 
-/* the exported entry points of codebook.h: the routines above, for the library's other sources */
-int kvlab_cb_layout(cb_layout *L, int d, int n_parts, const int32_t *spec, const float *tables, int64_t row_bytes) {
-    return make_layout(L, d, n_parts, spec, tables, row_bytes);
-}
-
+/* more exported entry points of codebook.h (paged.c's ragged attention over blocks): the routines above */
 void kvlab_cb_decode_row(const cb_layout *L, const uint8_t *row, float *out, int32_t *codes) { decode_row(L, row, out, codes); }
 
 void kvlab_cb_dot8(const float *a, const float *rows, int dpad, float *out) { dot8(a, rows, dpad, out); }

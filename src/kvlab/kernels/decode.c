@@ -15,6 +15,15 @@
  * at a time, converted to fp32 into a per-thread scratch that stays in cache (F16C / a 16-bit shift, 16 or 8
  * lanes at a time under AVX-512 / AVX2, one value at a time in plain C), and the chunk's attention is the
  * fp32 arithmetic of the fp32 cache: exact conversions, so the step equals the module path's upcast reads.
+ *
+ * TurboQuant layers (kvlab/cache/turboquant.py; LayerKV with `coded` set): a sink and a recent window of fp32
+ * rows around the coded rows. The new token (or the row leaving the window) is coded here as
+ * TurboQuantCache.code codes it: x' = (x - mu) / w, scale ||x'|| * factor in 16 bits, codes of y = x' M / ||x'||
+ * (codebook.c's encoder). A coded chunk is attended in the rotated domain: q' = (q w) M * scale for every query
+ * head, keys decoded SUB_ROWS at a time into an L1 tile read by every head of the group, the scores times the
+ * keys' scales, `top` shifted by q . mu * scale (the same for every coded key), values summed straight from their
+ * codes times their scales; the coded chunks' sum turns back once per head (x = y Mᵀ) when the parts combine.
+ * The softmax's exponentials are vectorized (about 2 ulp, AVX-512 / AVX2; expf in plain C).
  */
 #include <math.h>
 #include <stdint.h>
@@ -25,6 +34,7 @@
 #endif
 
 #include "blockgemv.h"
+#include "codebook.h"
 
 /* Attention reads the keys in chunks of KEY_CHUNK positions per KV head (flash-decoding): a chunk's K/V
  * (64 KB each at head_dim 64) stay in cache while every query head of the group reads them, the chunks
@@ -168,13 +178,14 @@ static float dot(const float *a, const float *b, int64_t n) {
     return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
 }
 
-/* out (d,) = sum_t p[t] * values[t] over t in [start, end): 16 output lanes at a time, four positions at a
- * time into four accumulators (one would make every position wait for the previous FMA) */
-static void weighted_sum(const float *p, const float *values, int start, int end, int d, float *out) {
+/* out (d,) = sum_t p[t] * values[t] over t in [start, end) (added to out when `add`): 16 output lanes at a time,
+ * four positions at a time into four accumulators (one would make every position wait for the previous FMA) */
+static void weighted_sum(const float *p, const float *values, int start, int end, int d, float *out, int add) {
     for (int c = 0; c < d; c += 16) {
         const __mmask16 live = d - c >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (d - c)) - 1u);
         const float *v = values + c;
-        __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        __m512 acc[4] = {add ? _mm512_maskz_loadu_ps(live, out + c) : _mm512_setzero_ps(), _mm512_setzero_ps(),
+                         _mm512_setzero_ps(), _mm512_setzero_ps()};
         int t = start;
         for (; t + 4 <= end; t += 4)
             for (int j = 0; j < 4; j++)
@@ -196,15 +207,15 @@ static inline __m512 fold(__m512 a, __m512 b, __m512i lo, __m512i hi) {
 static void key_scores(const float *q, const float *keys, int start, int end, int d, float scale, float *scores) {
     int t = start;
     if (d % 16 == 0) {
+        /* fold step s (w = 8, 4, 2, 1: each key holds 2w partials): lane j takes lane (j < 8 ? 0 : 16) + (j % 8) / w * 2w
+         * + j % w of the pair (lo), and that + w (hi) */
+        static const int32_t fold_lo[4][16] = {
+            {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}, {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27},
+            {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29}, {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}};
         __m512i lo[4], hi[4];
-        for (int step = 0, w = 8; step < 4; step++, w /= 2) {   /* fold step: each key holds 2w partials */
-            int32_t l[16], h[16];
-            for (int j = 0; j < 16; j++) {
-                l[j] = (j < 8 ? 0 : 16) + (j % 8) / w * 2 * w + j % w;
-                h[j] = l[j] + w;
-            }
-            lo[step] = _mm512_loadu_si512(l);
-            hi[step] = _mm512_loadu_si512(h);
+        for (int step = 0, w = 8; step < 4; step++, w /= 2) {
+            lo[step] = _mm512_loadu_si512(fold_lo[step]);
+            hi[step] = _mm512_add_epi32(lo[step], _mm512_set1_epi32(w));
         }
         for (; t + 16 <= end; t += 16) {
             __m512 v[16];
@@ -236,8 +247,8 @@ static float dot(const float *a, const float *b, int64_t n) {
     return acc[0];
 }
 
-static void weighted_sum(const float *p, const float *values, int start, int end, int d, float *out) {
-    memset(out, 0, sizeof(float) * (size_t)d);
+static void weighted_sum(const float *p, const float *values, int start, int end, int d, float *out, int add) {
+    if (!add) memset(out, 0, sizeof(float) * (size_t)d);
     for (int t = start; t < end; t++) {
         const float *v = values + (int64_t)t * d;
         for (int i = 0; i < d; i++) out[i] += p[t] * v[i];
@@ -246,6 +257,82 @@ static void weighted_sum(const float *p, const float *values, int start, int end
 
 static void key_scores(const float *q, const float *keys, int start, int end, int d, float scale, float *scores) {
     for (int t = start; t < end; t++) scores[t] = dot(q, keys + (int64_t)t * d, d) * scale;
+}
+#endif
+
+/* s[t] = e^(s[t] - top) for t < n (every s[t] <= top, finite); returns their sum. Sixteen (AVX-512) or eight (AVX2)
+ * at a time: e^x = 2^k e^r, k = round(x log2 e), r = x - k ln 2 in two parts, e^r by Cephes' expf polynomial (about
+ * one ulp); x below -87 gives 0 or a subnormal, as expf. The sum: lane partials added in a fixed order. */
+#if defined(__AVX512F__)
+static inline __m512 exp_lanes(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.5f));
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, k);
+}
+
+static float exp_shifted(float *s, int n, float top) {
+    __m512 total = _mm512_setzero_ps();
+    const __m512 shift = _mm512_set1_ps(top);
+    for (int t = 0; t < n; t += 16) {
+        const __mmask16 live = n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1u);
+        const __m512 e = _mm512_maskz_mov_ps(live, exp_lanes(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + t), shift)));
+        _mm512_mask_storeu_ps(s + t, live, e);
+        total = _mm512_add_ps(total, e);
+    }
+    return _mm512_reduce_add_ps(total);
+}
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+static inline __m256 exp_lanes(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);  /* 2^k */
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+
+static float exp_shifted(float *s, int n, float top) {
+    __m256 total = _mm256_setzero_ps();
+    const __m256 shift = _mm256_set1_ps(top);
+    int t = 0;
+    for (; t + 8 <= n; t += 8) {
+        const __m256 e = exp_lanes(_mm256_sub_ps(_mm256_loadu_ps(s + t), shift));
+        _mm256_storeu_ps(s + t, e);
+        total = _mm256_add_ps(total, e);
+    }
+    float lanes[8], sum = 0.0f;
+    _mm256_storeu_ps(lanes, total);
+    for (int j = 0; j < 8; j++) sum += lanes[j];
+    for (; t < n; t++) {
+        s[t] = expf(s[t] - top);
+        sum += s[t];
+    }
+    return sum;
+}
+#else
+static float exp_shifted(float *s, int n, float top) {
+    float total = 0.0f;
+    for (int t = 0; t < n; t++) {
+        s[t] = expf(s[t] - top);
+        total += s[t];
+    }
+    return total;
 }
 #endif
 
@@ -285,46 +372,208 @@ static void attend_part(const float *q, const float *keys, const float *values, 
     key_scores(q, keys, 0, n, d, scale, scores);
     float top = -INFINITY;
     for (int t = 0; t < n; t++) top = scores[t] > top ? scores[t] : top;
-    float total = 0.0f;
-    for (int t = 0; t < n; t++) {
-        scores[t] = expf(scores[t] - top);
-        total += scores[t];
-    }
-    weighted_sum(scores, values, 0, n, d, part);
+    const float total = exp_shifted(scores, n, top);
+    weighted_sum(scores, values, 0, n, d, part, 0);
     part[d] = top;
     part[d + 1] = total;
 }
 
-/* out (d,) = the softmax-weighted sum over all keys, from the parts of n_parts key chunks (in order) */
-static void combine_parts(const float *parts, int n_parts, int d, float *out) {
-    float top = -INFINITY, total = 0.0f;
+#define SUB_ROWS 16   /* coded rows decoded at once: a tile that stays in L1 while every query head of the group reads it */
+
+/* attend_part for the `group` query heads of one KV head over n coded rows (one key chunk), scores scaled by the
+ * rows' key scales (k_scale) and weights by their value scales (v_scale), `top` shifted by the score offset every
+ * coded key shares (shifts: q . mu * scale per head), values summed in the rotated domain. The rows are decoded
+ * SUB_ROWS at a time into `tile` (SUB_ROWS * d floats + CB_MAX_DIM of room), keys then values, each sub-tile read
+ * by every query head while it is in L1. queries (group, d) are q' (already scaled), shifts (group,); head i's
+ * scores at scores + i * score_stride, its part at parts + i * part_stride. */
+static void attend_codes(const cb_layout *KL, const cb_layout *VL, const uint8_t *k_rows, const uint8_t *v_rows,
+                         int64_t k_bytes, int64_t v_bytes, const float *k_scale, const float *v_scale, int n, int d,
+                         const float *queries, const float *shifts, int group, float *tile,
+                         float *scores, int64_t score_stride, float *parts, int64_t part_stride) {
+    for (int t0 = 0; t0 < n; t0 += SUB_ROWS) {
+        const int count = n - t0 < SUB_ROWS ? n - t0 : SUB_ROWS;
+        kvlab_cb_decode_rows(KL, k_rows + (int64_t)t0 * k_bytes, k_bytes, count, tile, d);
+        for (int i = 0; i < group; i++) key_scores(queries + (int64_t)i * d, tile, 0, count, d, 1.0f, scores + i * score_stride + t0);
+    }
+    float tops[CB_MAX_DIM], totals[CB_MAX_DIM];   /* per query head of the group (group <= heads <= CB_MAX_DIM) */
+    for (int i = 0; i < group; i++) {
+        float *s = scores + i * score_stride, top = -INFINITY;
+        for (int t = 0; t < n; t++) {
+            s[t] *= k_scale[t];
+            top = s[t] > top ? s[t] : top;
+        }
+        tops[i] = top;
+        totals[i] = exp_shifted(s, n, top);
+        for (int t = 0; t < n; t++) s[t] *= v_scale[t];
+    }
+    for (int i = 0; i < group; i++) memset(parts + i * part_stride, 0, sizeof(float) * (size_t)d);
+    if (kvlab_cb_mix_rows(VL, v_rows, v_bytes, n, scores, score_stride, group, parts, part_stride) != 0)
+        for (int t0 = 0; t0 < n; t0 += SUB_ROWS) {   /* no register path: a sub-tile at a time */
+            const int count = n - t0 < SUB_ROWS ? n - t0 : SUB_ROWS;
+            kvlab_cb_decode_rows(VL, v_rows + (int64_t)t0 * v_bytes, v_bytes, count, tile, d);
+            for (int i = 0; i < group; i++) weighted_sum(scores + i * score_stride + t0, tile, 0, count, d, parts + i * part_stride, 1);
+        }
+    for (int i = 0; i < group; i++) {
+        parts[i * part_stride + d] = tops[i] + shifts[i];
+        parts[i * part_stride + d + 1] = totals[i];
+    }
+}
+
+/* out (d,) = the softmax-weighted sum over all keys, from the parts of n_parts key chunks (in order). Parts
+ * [rot_lo, rot_hi) are coded chunks, summed in the rotated domain (y = x M): that sum turns back once, x = y Mᵀ,
+ * and gains the value offset (if any) times the coded keys' share of the attention. */
+static void combine_parts(const float *parts, int n_parts, int d, int rot_lo, int rot_hi, const float *rotation,
+                          const float *v_offset, float *out) {
+    float top = -INFINITY, total = 0.0f, coded = 0.0f, rot[CB_MAX_DIM];
     for (int c = 0; c < n_parts; c++) top = parts[c * (d + 2) + d] > top ? parts[c * (d + 2) + d] : top;
-    for (int i = 0; i < d; i++) out[i] = 0.0f;
+    for (int i = 0; i < d; i++) out[i] = rot[i] = 0.0f;
     for (int c = 0; c < n_parts; c++) {
         const float *part = parts + c * (d + 2);
         const float w = expf(part[d] - top);
+        const int rotated = c >= rot_lo && c < rot_hi;
+        float *acc = rotated ? rot : out;
         total += w * part[d + 1];
-        for (int i = 0; i < d; i++) out[i] += w * part[i];
+        if (rotated) coded += w * part[d + 1];
+        for (int i = 0; i < d; i++) acc[i] += w * part[i];
     }
+    if (rot_hi > rot_lo)
+        for (int i = 0; i < d; i++) out[i] += dot(rotation + (int64_t)i * d, rot, d);
     const float inv = 1.0f / total;
     for (int i = 0; i < d; i++) out[i] *= inv;
+    if (rot_hi > rot_lo && v_offset)
+        for (int i = 0; i < d; i++) out[i] += coded * inv * v_offset[i];
+}
+
+/* ---- the K/V of a layer ---------------------------------------------------------------------------------
+ * A layer's attention reads up to three parts in turn: `first` (full-precision rows: a dense cache's layer, or a
+ * TurboQuant layer's sink), `coded` (TurboQuant codes, NULL for a dense layer) and `recent` (full-precision rows:
+ * TurboQuant's recent window). The new token goes into one of them (`Fill.write`). */
+#define ROW_ROOM CB_MAX_DIM   /* bytes of one coded row at most (d <= CB_MAX_DIM channels of <= 8 bits) */
+enum { WRITE_FIRST = 0, WRITE_CODED = 1, WRITE_RECENT = 2, WRITE_SPILL = 3 };  /* SPILL: the window's oldest row is
+                                                                                  coded, the new one joins the window */
+enum { SCALE_NORM = 0, SCALE_RENORM = 1, SCALE_LSQ = 2, SCALE_UNBIASED = 3 };  /* turboquant.py SCALE_MODES */
+
+typedef struct {                   /* a TurboQuant layer's codes (kvlab/cache/turboquant.py); [0] keys, [1] values */
+    int32_t slots;                 /* coded rows per KV head */
+    int32_t norm_type;             /* KV_F16 or KV_BF16 */
+    uint8_t *codes[2];             /* (Hkv, slots, row_bytes) */
+    uint16_t *norms[2];            /* (Hkv, slots): the stored scales */
+    int64_t row_bytes[2];
+    int32_t n_parts[2];
+    const int32_t *spec[2];        /* n_parts x (lo, hi, bits) */
+    const float *tables[2];        /* each part's centroids, padded (codebook.c) */
+    const float *bounds[2];        /* each part's 2^bits - 1 boundaries in turn */
+    int32_t scale_mode[2];
+    const float *rotation;         /* (hd, hd) M: the rotated vector is y = x M */
+    const uint8_t *offset[2];      /* (Hkv, hd) float8 e4m3 offsets, or NULL */
+    const uint8_t *weight_codes;   /* (Hkv, hd / 2) 4-bit codes of the key channel weights, low nibble first, or NULL */
+    const float *fp8_values;       /* (256,) the value of each float8 e4m3 byte */
+    const float *weight_values;    /* (16,) the weight of each 4-bit code */
+} Coded;
+
+typedef struct {
+    int32_t type;                  /* KV_F32, KV_F16 or KV_BF16: how `first` stores K/V */
+    int32_t capacity;              /* rows per KV head of first */
+    void *k, *v;                   /* first: (Hkv, capacity, hd) */
+    const Coded *coded;            /* NULL: a dense layer (first only) */
+    int32_t window;                /* rows per KV head of recent (0: none) */
+    float *win_k, *win_v;          /* recent: (Hkv, window, hd) fp32 */
+} LayerKV;
+
+typedef struct {                   /* rows a coded layer's parts hold before the step (every coded layer alike), and */
+    int32_t first, coded, recent;  /* where the new token goes (WRITE_*); dense layers hold `pos` rows and write there */
+    int32_t write;
+} Fill;
+
+/* y (d,) = x M, M (d, d) row-major */
+static void rotate(const float *x, const float *M, int d, float *y) {
+    for (int j = 0; j < d; j++) y[j] = 0.0f;
+    for (int i = 0; i < d; i++)
+        for (int j = 0; j < d; j++) y[j] += x[i] * M[(int64_t)i * d + j];
+}
+
+static float key_weight(const Coded *C, int g, int d, int c) {
+    const uint8_t byte = C->weight_codes[(int64_t)g * (d / 2) + c / 2];
+    return C->weight_values[c % 2 ? byte >> 4 : byte & 15];
+}
+
+/* Code x (d,), KV head g's key (which = 0) or value (1), as TurboQuantCache.code: x' = (x - mu) [/ w], the stored
+ * scale ||x'|| * factor rounded to 16 bits, the codes of y = x' M / ||x'||. 0, or 1 when the scale is not finite. */
+static int code_vector(const Coded *C, const cb_layout *L, int which, int g, const float *x_in, int d,
+                       uint8_t *row, uint16_t *scale_out) {
+    float x[CB_MAX_DIM], y[CB_MAX_DIM], y_hat[CB_MAX_DIM];
+    const uint8_t *offset = C->offset[which] ? C->offset[which] + (int64_t)g * d : NULL;
+    for (int c = 0; c < d; c++) {
+        x[c] = offset ? x_in[c] - C->fp8_values[offset[c]] : x_in[c];
+        if (which == 0 && C->weight_codes) x[c] /= key_weight(C, g, d, c);
+    }
+    const float norm = sqrtf(dot(x, x, d)), inv = norm > 1e-30f ? norm : 1e-30f;
+    rotate(x, C->rotation, d, y);
+    for (int c = 0; c < d; c++) y[c] /= inv;
+    kvlab_cb_encode_row(L, C->bounds[which], y, row, y_hat);
+    float factor = 1.0f;
+    if (C->scale_mode[which] != SCALE_NORM) {
+        const float sq_raw = dot(y_hat, y_hat, d), sq = sq_raw > 1e-30f ? sq_raw : 1e-30f, yy = dot(y, y_hat, d);
+        factor = C->scale_mode[which] == SCALE_RENORM ? 1.0f / sqrtf(sq)
+               : C->scale_mode[which] == SCALE_LSQ ? yy / sq
+               : 1.0f / (fabsf(yy) > 1e-30f ? yy : 1.0f);
+    }
+    const float scale = norm * factor;
+    return !kv_store(C->norm_type, &scale, 1, scale_out);
 }
 
 static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+static int chunks_of(int rows) { return (rows + KEY_CHUNK - 1) / KEY_CHUNK; }
 
-/* x (d_model,): the token's embedding (not modified). k_cache/v_cache: (n_layers, n_kv_heads, capacity,
- * head_dim) of `kv_type` (KV_F32, KV_F16, KV_BF16), positions [0, pos) filled; position `pos` is written.
- * cos/sin: (head_dim,) at `pos`. logits: (vocab,). Returns 0; L + 1 when layer L's new K/V hold a NaN/Inf
- * (or round to Inf in f16/bf16: layers < L were written, L and later were not); -1 for bad arguments or
- * no memory. */
+/* A coded layer's fill is possible: the parts hold what they can and the write has room */
+static int fill_fits(const LayerKV *kv, const Fill *f) {
+    const Coded *C = kv->coded;
+    if (f->first < 0 || f->coded < 0 || f->recent < 0 || f->first > kv->capacity || f->coded > C->slots || f->recent > kv->window)
+        return 0;
+    switch (f->write) {
+        case WRITE_FIRST: return f->first < kv->capacity;
+        case WRITE_CODED: return f->coded < C->slots;
+        case WRITE_RECENT: return f->recent < kv->window;
+        case WRITE_SPILL: return kv->window > 0 && f->recent == kv->window && f->coded < C->slots;
+        default: return 0;
+    }
+}
+
+/* x (d_model,): the token's embedding (not modified). kv: (n_layers,) each layer's K/V (see LayerKV); dense layers
+ * hold positions [0, pos) and `pos` is written; coded layers hold and write as `fill` says. cos/sin: (head_dim,) at
+ * `pos`. logits: (vocab,). Returns 0; L + 1 when layer L's new K/V hold a NaN/Inf (or round to Inf in f16/bf16);
+ * n_layers + L + 1 when a coded layer L's new 16-bit scale overflows (layers < L were written, L and later were
+ * not); -1 for bad arguments or no memory. */
 int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const float *cos_, const float *sin_,
-                      void *k_cache, void *v_cache, int32_t capacity, float *logits, int n_threads, int kv_type) {
-    const int d = m->d_model, hd = m->head_dim, H = m->n_heads, Hkv = m->n_kv_heads;
-    if (pos < 0 || pos >= capacity || Hkv <= 0 || H % Hkv != 0 || hd % 2 != 0 || n_threads < 1) return -1;
-    if (kv_type != KV_F32 && kv_type != KV_F16 && kv_type != KV_BF16) return -1;
-    const size_t elem = kv_type == KV_F32 ? 4 : 2;
+                      const LayerKV *kv, const Fill *fill, float *logits, int n_threads) {
+    const int d = m->d_model, hd = m->head_dim, H = m->n_heads, Hkv = m->n_kv_heads, n_layers = m->n_layers;
+    if (pos < 0 || Hkv <= 0 || H % Hkv != 0 || hd % 2 != 0 || hd > CB_MAX_DIM || n_threads < 1) return -1;
+    int any_coded = 0, any_16 = 0, max_chunks = 0;
+    cb_layout *layouts = calloc(2 * (size_t)n_layers, sizeof(cb_layout));   /* K, V layout of each coded layer */
+    if (!layouts) return -1;
+    for (int l = 0; l < n_layers; l++) {
+        const LayerKV *L = &kv[l];
+        int chunks;
+        if (L->type != KV_F32 && L->type != KV_F16 && L->type != KV_BF16) { free(layouts); return -1; }
+        if (L->coded) {
+            const Coded *C = L->coded;
+            if (L->type != KV_F32 || !fill || !fill_fits(L, fill) || (C->norm_type != KV_F16 && C->norm_type != KV_BF16)) { free(layouts); return -1; }
+            for (int i = 0; i < 2; i++)
+                if (kvlab_cb_layout(&layouts[2 * l + i], hd, C->n_parts[i], C->spec[i], C->tables[i], C->row_bytes[i])
+                    || C->scale_mode[i] < SCALE_NORM || C->scale_mode[i] > SCALE_UNBIASED) { free(layouts); return -1; }
+            const int spill = fill->write == WRITE_SPILL;
+            chunks = chunks_of(fill->first + (fill->write == WRITE_FIRST)) + chunks_of(fill->coded + (fill->write == WRITE_CODED || spill))
+                   + chunks_of(fill->recent + (fill->write == WRITE_RECENT));
+            any_coded = 1;
+        } else {
+            if (pos >= L->capacity) { free(layouts); return -1; }
+            const int start = m->window > 0 && pos + 1 > m->window ? pos + 1 - m->window : 0;
+            chunks = chunks_of(pos + 1 - start);
+            any_16 |= L->type != KV_F32;
+        }
+        max_chunks = chunks > max_chunks ? chunks : max_chunks;
+    }
     const int q_dim = H * hd, kv_dim = Hkv * hd, group = H / Hkv;
-    const int start = m->window > 0 && pos + 1 > m->window ? pos + 1 - m->window : 0;
     const int64_t widest = max64(max64(d, m->d_ff), q_dim);
     float *x = malloc(sizeof(float) * (size_t)d);
     float *h = malloc(sizeof(float) * (size_t)widest);
@@ -333,86 +582,183 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
     float *att = malloc(sizeof(float) * (size_t)q_dim);
     float *gu = malloc(sizeof(float) * 2 * (size_t)m->d_ff);
     float *xsum = malloc(sizeof(float) * (size_t)(widest / QK + 1));
-    const int n_chunks = (pos + 1 - start + KEY_CHUNK - 1) / KEY_CHUNK;
-    float *scores = malloc(sizeof(float) * (size_t)H * (size_t)n_chunks * KEY_CHUNK);
-    float *parts = malloc(sizeof(float) * (size_t)H * (size_t)n_chunks * (size_t)(hd + 2));
-    /* f16/bf16: each thread's fp32 copy of one key chunk's keys and values; the new token's rounded K|V */
-    float *chunk_kv = kv_type == KV_F32 ? NULL : malloc(sizeof(float) * (size_t)n_threads * 2 * KEY_CHUNK * (size_t)hd);
-    uint16_t *rounded = kv_type == KV_F32 ? NULL : malloc(sizeof(uint16_t) * 2 * (size_t)kv_dim);
+    float *scores = malloc(sizeof(float) * (size_t)H * (size_t)max_chunks * KEY_CHUNK);
+    float *parts = malloc(sizeof(float) * (size_t)H * (size_t)max_chunks * (size_t)(hd + 2));
+    /* 16-bit or coded rows: each thread's fp32 copy of one key chunk's keys and values (+ a row of room for the
+     * decoder's padding) and its scales; the new token's rounded K|V */
+    const size_t tile = 2 * (size_t)KEY_CHUNK * hd + CB_MAX_DIM + 2 * KEY_CHUNK;
+    float *chunk_kv = any_16 || any_coded ? malloc(sizeof(float) * (size_t)n_threads * tile) : NULL;
+    uint16_t *rounded = malloc(sizeof(uint16_t) * 2 * (size_t)kv_dim);
+    /* coded layers: the queries as the codes read them, q' = (q w) M * scale, and q . mu * scale per query head;
+     * the new token's codes and scales before they are stored */
+    float *q_coded = malloc(sizeof(float) * ((size_t)q_dim + H));
+    uint8_t *new_codes = any_coded ? malloc((size_t)Hkv * 2 * ROW_ROOM) : NULL;
+    uint16_t *new_scales = malloc(sizeof(uint16_t) * 2 * (size_t)Hkv);
     int status = 0;
-    if (!x || !h || !y || !qkv || !att || !gu || !xsum || !scores || !parts
-        || (kv_type != KV_F32 && (!chunk_kv || !rounded))) status = -1;
+    if (!x || !h || !y || !qkv || !att || !gu || !xsum || !scores || !parts || !rounded || !q_coded || !new_scales
+        || ((any_16 || any_coded) && !chunk_kv) || (any_coded && !new_codes)) status = -1;
     else memcpy(x, x_in, sizeof(float) * (size_t)d);
 
     #pragma omp parallel num_threads(n_threads) if(status == 0)
-    for (int l = 0; l < m->n_layers && status == 0; l++) {
-        const Layer *L = &m->layers[l];
-        const int64_t layer_at = (int64_t)l * Hkv * capacity;
+    for (int l = 0; l < n_layers && status == 0; l++) {
+        const Layer *W = &m->layers[l];
+        const LayerKV *L = &kv[l];
+        const Coded *C = L->coded;
+        const cb_layout *K_layout = &layouts[2 * l], *V_layout = &layouts[2 * l + 1];
+        const size_t elem = L->type == KV_F32 ? 4 : 2;
+        /* rows of each part once this token is in, and their chunks */
+        int start = 0, n_first, n_coded = 0, n_recent = 0;
+        if (C) {
+            n_first = fill->first + (fill->write == WRITE_FIRST);
+            n_coded = fill->coded + (fill->write == WRITE_CODED || fill->write == WRITE_SPILL);
+            n_recent = fill->recent + (fill->write == WRITE_RECENT);
+        } else {
+            start = m->window > 0 && pos + 1 > m->window ? pos + 1 - m->window : 0;
+            n_first = pos + 1 - start;
+        }
+        const int c_first = chunks_of(n_first), c_coded = chunks_of(n_coded), n_chunks = c_first + c_coded + chunks_of(n_recent);
         #pragma omp single
-        rms_norm(x, L->attn_norm, m->rms_eps, d, h);
-        matvec(&L->qkv, h, xsum, qkv);
+        rms_norm(x, W->attn_norm, m->rms_eps, d, h);
+        matvec(&W->qkv, h, xsum, qkv);
         #pragma omp single
         {
             float *q = qkv, *k = qkv + q_dim, *v = qkv + q_dim + kv_dim;
-            for (int i = 0; i < H && L->q_norm; i++) rms_norm(q + i * hd, L->q_norm, m->rms_eps, hd, q + i * hd);
-            for (int i = 0; i < Hkv && L->k_norm; i++) rms_norm(k + i * hd, L->k_norm, m->rms_eps, hd, k + i * hd);
+            for (int i = 0; i < H && W->q_norm; i++) rms_norm(q + i * hd, W->q_norm, m->rms_eps, hd, q + i * hd);
+            for (int i = 0; i < Hkv && W->k_norm; i++) rms_norm(k + i * hd, W->k_norm, m->rms_eps, hd, k + i * hd);
             for (int i = 0; i < H; i++) rope(q + i * hd, cos_, sin_, hd);
             for (int i = 0; i < Hkv; i++) rope(k + i * hd, cos_, sin_, hd);
             const void *k_new = k, *v_new = v;       /* what is stored: fp32, or the rounded 16-bit values */
             int ok = all_finite(k, kv_dim) && all_finite(v, kv_dim);
-            if (ok && kv_type != KV_F32) {
-                ok = kv_store(kv_type, k, kv_dim, rounded) & kv_store(kv_type, v, kv_dim, rounded + kv_dim);
+            if (ok && L->type != KV_F32) {
+                ok = kv_store(L->type, k, kv_dim, rounded) & kv_store(L->type, v, kv_dim, rounded + kv_dim);
                 k_new = rounded;
                 v_new = rounded + kv_dim;
             }
-            if (!ok) {
-                status = l + 1;
-            } else {
-                for (int i = 0; i < Hkv; i++) {
-                    const int64_t at = (layer_at + (int64_t)i * capacity + pos) * hd;
-                    memcpy((uint8_t *)k_cache + at * elem, (const uint8_t *)k_new + (size_t)i * hd * elem, elem * (size_t)hd);
-                    memcpy((uint8_t *)v_cache + at * elem, (const uint8_t *)v_new + (size_t)i * hd * elem, elem * (size_t)hd);
+            const int write = C ? fill->write : WRITE_FIRST;
+            const int row_first = C ? fill->first : pos;
+            if (ok && C && (write == WRITE_CODED || write == WRITE_SPILL)) {   /* code every head before storing any */
+                for (int g = 0; g < Hkv && status == 0; g++) {
+                    const float *src_k = write == WRITE_CODED ? k + g * hd : L->win_k + (int64_t)g * L->window * hd;
+                    const float *src_v = write == WRITE_CODED ? v + g * hd : L->win_v + (int64_t)g * L->window * hd;
+                    if (code_vector(C, K_layout, 0, g, src_k, hd, new_codes + (size_t)g * 2 * ROW_ROOM, &new_scales[2 * g])
+                        || code_vector(C, V_layout, 1, g, src_v, hd, new_codes + (size_t)g * 2 * ROW_ROOM + ROW_ROOM,
+                                       &new_scales[2 * g + 1]))
+                        status = n_layers + l + 1;
                 }
+            }
+            if (!ok) status = l + 1;
+            if (status == 0) {
+                for (int g = 0; g < Hkv; g++) {
+                    if (write == WRITE_FIRST) {
+                        const int64_t at = ((int64_t)g * L->capacity + row_first) * hd;
+                        memcpy((uint8_t *)L->k + at * elem, (const uint8_t *)k_new + (size_t)g * hd * elem, elem * (size_t)hd);
+                        memcpy((uint8_t *)L->v + at * elem, (const uint8_t *)v_new + (size_t)g * hd * elem, elem * (size_t)hd);
+                        continue;
+                    }
+                    float *wk = L->win_k + (int64_t)g * L->window * hd, *wv = L->win_v + (int64_t)g * L->window * hd;
+                    if (write == WRITE_CODED || write == WRITE_SPILL) {
+                        const uint8_t *codes = new_codes + (size_t)g * 2 * ROW_ROOM;
+                        const int64_t slot = (int64_t)g * C->slots + fill->coded;
+                        memcpy(C->codes[0] + slot * C->row_bytes[0], codes, (size_t)C->row_bytes[0]);
+                        memcpy(C->codes[1] + slot * C->row_bytes[1], codes + ROW_ROOM, (size_t)C->row_bytes[1]);
+                        C->norms[0][slot] = new_scales[2 * g];
+                        C->norms[1][slot] = new_scales[2 * g + 1];
+                    }
+                    if (write == WRITE_SPILL) {   /* the window moves up one row */
+                        memmove(wk, wk + hd, sizeof(float) * (size_t)(L->window - 1) * hd);
+                        memmove(wv, wv + hd, sizeof(float) * (size_t)(L->window - 1) * hd);
+                    }
+                    if (write == WRITE_RECENT || write == WRITE_SPILL) {
+                        const int row = write == WRITE_RECENT ? fill->recent : L->window - 1;
+                        memcpy(wk + (int64_t)row * hd, k + g * hd, sizeof(float) * (size_t)hd);
+                        memcpy(wv + (int64_t)row * hd, v + g * hd, sizeof(float) * (size_t)hd);
+                    }
+                }
+                if (C && n_coded > 0)   /* the queries as the codes read them */
+                    for (int i = 0; i < H; i++) {
+                        const int g = i / group;
+                        float qw[CB_MAX_DIM];
+                        for (int c = 0; c < hd; c++) qw[c] = C->weight_codes ? q[i * hd + c] * key_weight(C, g, hd, c) : q[i * hd + c];
+                        rotate(qw, C->rotation, hd, q_coded + (int64_t)i * hd);
+                        for (int c = 0; c < hd; c++) q_coded[(int64_t)i * hd + c] *= m->attn_scale;
+                        float shift = 0.0f;
+                        if (C->offset[0]) {
+                            float mu[CB_MAX_DIM];
+                            for (int c = 0; c < hd; c++) mu[c] = C->fp8_values[C->offset[0][(int64_t)g * hd + c]];
+                            shift = dot(q + i * hd, mu, hd) * m->attn_scale;
+                        }
+                        q_coded[q_dim + i] = shift;
+                    }
             }
         }   /* the barrier here makes `status` the same for every thread */
         if (status != 0) break;
         #pragma omp for schedule(static)
         for (int item = 0; item < Hkv * n_chunks; item++) {       /* (KV head, key chunk) */
             const int g = item / n_chunks, c = item % n_chunks;
-            const int t0 = start + c * KEY_CHUNK, n = pos + 1 - t0 < KEY_CHUNK ? pos + 1 - t0 : KEY_CHUNK;
-            const int64_t chunk_at = ((layer_at + (int64_t)g * capacity) + t0) * hd;
-            const float *keys = (const float *)k_cache + chunk_at, *values = (const float *)v_cache + chunk_at;
-            if (kv_type != KV_F32) {   /* this chunk only, upcast once for the whole query group */
 #ifdef _OPENMP
-                float *mine = chunk_kv + (size_t)omp_get_thread_num() * 2 * KEY_CHUNK * (size_t)hd;
+            float *mine = chunk_kv ? chunk_kv + (size_t)omp_get_thread_num() * tile : NULL;
 #else
-                float *mine = chunk_kv;
+            float *mine = chunk_kv;
 #endif
-                kv_load(kv_type, (const uint16_t *)k_cache + chunk_at, (int64_t)n * hd, mine);
-                kv_load(kv_type, (const uint16_t *)v_cache + chunk_at, (int64_t)n * hd, mine + (size_t)KEY_CHUNK * hd);
-                keys = mine;
-                values = mine + (size_t)KEY_CHUNK * hd;
+            const float *keys, *values;
+            int n;
+            if (c < c_first) {             /* full-precision rows of first */
+                const int t0 = start + c * KEY_CHUNK;
+                n = start + n_first - t0 < KEY_CHUNK ? start + n_first - t0 : KEY_CHUNK;
+                const int64_t chunk_at = ((int64_t)g * L->capacity + t0) * hd;
+                keys = (const float *)L->k + chunk_at;
+                values = (const float *)L->v + chunk_at;
+                if (L->type != KV_F32) {   /* this chunk only, upcast once for the whole query group */
+                    kv_load(L->type, (const uint16_t *)L->k + chunk_at, (int64_t)n * hd, mine);
+                    kv_load(L->type, (const uint16_t *)L->v + chunk_at, (int64_t)n * hd, mine + (size_t)KEY_CHUNK * hd);
+                    keys = mine;
+                    values = mine + (size_t)KEY_CHUNK * hd;
+                }
+            } else if (c < c_first + c_coded) {   /* coded rows: decoded a sub-tile at a time, with their scales */
+                const int t0 = (c - c_first) * KEY_CHUNK;
+                n = n_coded - t0 < KEY_CHUNK ? n_coded - t0 : KEY_CHUNK;
+                const int64_t slot = (int64_t)g * C->slots + t0;
+                float *scales = mine + tile - 2 * KEY_CHUNK;
+                kv_load(C->norm_type, C->norms[0] + slot, n, scales);
+                kv_load(C->norm_type, C->norms[1] + slot, n, scales + KEY_CHUNK);
+                attend_codes(K_layout, V_layout, C->codes[0] + slot * C->row_bytes[0], C->codes[1] + slot * C->row_bytes[1],
+                             C->row_bytes[0], C->row_bytes[1], scales, scales + KEY_CHUNK, n, hd, q_coded + (int64_t)g * group * hd,
+                             q_coded + q_dim + g * group, group, mine,
+                             scores + ((int64_t)g * group * max_chunks + c) * KEY_CHUNK, (int64_t)max_chunks * KEY_CHUNK,
+                             parts + ((int64_t)g * group * max_chunks + c) * (hd + 2), (int64_t)max_chunks * (hd + 2));
+                continue;
+            } else {                         /* full-precision rows of the recent window */
+                const int t0 = (c - c_first - c_coded) * KEY_CHUNK;
+                n = n_recent - t0 < KEY_CHUNK ? n_recent - t0 : KEY_CHUNK;
+                keys = L->win_k + ((int64_t)g * L->window + t0) * hd;
+                values = L->win_v + ((int64_t)g * L->window + t0) * hd;
             }
             for (int i = g * group; i < (g + 1) * group; i++)
                 attend_part(qkv + i * hd, keys, values, n, hd, m->attn_scale,
-                            scores + ((int64_t)i * n_chunks + c) * KEY_CHUNK, parts + ((int64_t)i * n_chunks + c) * (hd + 2));
+                            scores + ((int64_t)i * max_chunks + c) * KEY_CHUNK, parts + ((int64_t)i * max_chunks + c) * (hd + 2));
         }
         #pragma omp for schedule(static)
-        for (int i = 0; i < H; i++)
-            combine_parts(parts + (int64_t)i * n_chunks * (hd + 2), n_chunks, hd, att + i * hd);
-        matvec(&L->out, att, xsum, y);
+        for (int i = 0; i < H; i++) {
+            const int g = i / group;
+            float v_offset[CB_MAX_DIM];
+            const int has_offset = C && C->offset[1];
+            for (int c = 0; has_offset && c < hd; c++) v_offset[c] = C->fp8_values[C->offset[1][(int64_t)g * hd + c]];
+            combine_parts(parts + (int64_t)i * max_chunks * (hd + 2), n_chunks, hd, c_first, c_first + c_coded,
+                          C ? C->rotation : NULL, has_offset ? v_offset : NULL, att + i * hd);
+        }
+        matvec(&W->out, att, xsum, y);
         #pragma omp single
         {
             for (int i = 0; i < d; i++) x[i] += y[i];
-            rms_norm(x, L->ffn_norm, m->rms_eps, d, h);
+            rms_norm(x, W->ffn_norm, m->rms_eps, d, h);
         }
-        matvec(&L->gate_up, h, xsum, gu);
+        matvec(&W->gate_up, h, xsum, gu);
         #pragma omp for schedule(static)
         for (int i = 0; i < m->d_ff; i++) {
             const float g = gu[i];
             h[i] = g / (1.0f + expf(-g)) * gu[m->d_ff + i];   /* silu(gate) * up */
         }
-        matvec(&L->down, h, xsum, y);
+        matvec(&W->down, h, xsum, y);
         #pragma omp single
         for (int i = 0; i < d; i++) x[i] += y[i];
     }
@@ -422,5 +768,6 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
         matvec(&m->head, h, xsum, logits);
     }
     free(x); free(h); free(y); free(qkv); free(att); free(gu); free(xsum); free(scores); free(parts); free(chunk_kv); free(rounded);
+    free(q_coded); free(new_codes); free(new_scales); free(layouts);
     return status;
 }

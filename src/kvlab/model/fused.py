@@ -4,15 +4,17 @@ Batch-1 decode on a CPU is a few hundred small operations per token (norms, RoPE
 SwiGLU, a GEMV per matrix); run one by one from Python their overhead is about as long as reading the
 weights. The fused step does the same arithmetic in one call over the model's own buffers (GGUF blocks
 or fp32 rows) and writes K/V into a DenseCache in place (stored fp32, or f16 / bf16 for dense-f16 / dense-bf16,
-read back in fp32 one key chunk at a time). The Python modules stay the reference: tests hold
-the fused step to the module path, and everything it does not accept (prefill, batches, other caches,
-bf16, CUDA, autograd) goes through the modules.
+read back in fp32 one key chunk at a time), or into a TurboQuantCache, whose tokens it codes and whose
+attention it reads straight from the codes (model/fused_codes.py says which TurboQuant caches it serves).
+The Python modules stay the reference: tests hold the fused step to the module path, and everything it
+does not accept (prefill, batches, other caches, bf16, CUDA, autograd) goes through the modules.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import weakref
 from contextlib import contextmanager
 from ctypes import POINTER, c_float, c_int32, c_int64, c_void_p
 
@@ -23,9 +25,10 @@ from ..cache.dense import DenseCache
 from ..errors import ConfigError, NonFiniteError
 from .blockquant import BlockQuantLinear
 from ..kernels import BLOCK_TYPES, block_kernel, check_buffer
+from . import fused_codes
+from .fused_codes import KV_TYPES, CacheView, Fill, LayerKV
 
 F32 = 0  # GGML type id of plain fp32 rows
-KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # decode.c's KV_F32, KV_F16, KV_BF16
 
 
 class _Matrix(ctypes.Structure):
@@ -74,9 +77,10 @@ class FusedDecodeStep:
                              self._ptr(model.norm.weight, (d,), "final norm"), self._matrix(head, cfg.vocab_size, d, "output head"))
         self._embed = model.embed
         self._rope = model.rope
-        lib.kvlab_decode_step.argtypes = [POINTER(_Model), c_void_p, c_int32, c_void_p, c_void_p, c_void_p, c_void_p,
-                                          c_int32, c_void_p, ctypes.c_int, ctypes.c_int]
+        lib.kvlab_decode_step.argtypes = [POINTER(_Model), c_void_p, c_int32, c_void_p, c_void_p, POINTER(LayerKV),
+                                          POINTER(Fill), c_void_p, ctypes.c_int]
         lib.kvlab_decode_step.restype = c_int32
+        self._views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # cache -> its CacheView, while it lives
 
     def __deepcopy__(self, memo) -> None:
         """A copied model has copied buffers: it does not inherit a step that points into the originals."""
@@ -104,11 +108,12 @@ class FusedDecodeStep:
 
     def serves(self, cache) -> bool:
         """Whether this kind of cache takes the fused step at all: a fp32 CPU DenseCache (K/V stored in fp32,
-        f16 or bf16) of one sequence shaped for this model."""
+        f16 or bf16) of one sequence shaped for this model, or a TurboQuantCache fused_codes serves."""
         g, cfg = cache.geometry, self.config
+        if type(cache) is not DenseCache:
+            return fused_codes.serves_codes(cache, cfg)
         return (
-            type(cache) is DenseCache and cache.dtype == torch.float32 and cache.storage in KV_TYPES
-            and cache.device.type == "cpu"
+            cache.dtype == torch.float32 and cache.storage in KV_TYPES and cache.device.type == "cpu"
             and (g.batch, g.n_layers, g.n_kv_heads, g.head_dim, g.head_dim_v, g.window)
             == (1, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.head_dim, cfg.sliding_window)
         )
@@ -120,17 +125,23 @@ class FusedDecodeStep:
             tokens.shape == (1, 1) and not torch.is_grad_enabled() and self.serves(cache)
             and cache.length < cache.geometry.capacity
             and all(n == cache.length for n in cache._lengths)
+            and fused_codes.fill(cache) is not None
         )
 
-    def __call__(self, tokens: torch.Tensor, cache: DenseCache) -> torch.Tensor:
-        """tokens (1, 1) -> logits (1, 1, vocab); K/V of the token written into `cache`."""
+    def _view_for(self, cache) -> CacheView:
+        """The C structs of `cache`: built on its first fused step, reused while its buffers stay in place."""
+        view = self._views.get(cache)
+        if view is None or not view.fits(cache):
+            view = self._views[cache] = CacheView(cache, self.config)
+        return view
+
+    def __call__(self, tokens: torch.Tensor, cache) -> torch.Tensor:
+        """tokens (1, 1) -> logits (1, 1, vocab); K/V of the token written (or coded) into `cache`."""
         cfg = self.config
         if not self.accepts(tokens, cache):
             raise ConfigError(f"fused decode step does not take tokens {tuple(tokens.shape)} into this {type(cache).__name__}")
-        pos, capacity = cache.length, cache.geometry.capacity
-        for name in ("k", "v"):  # the C code writes position `pos` and reads [0, pos] of every layer and head
-            check_buffer("fused decode", f"cache {name}", getattr(cache, name), cache.storage,
-                         (cfg.n_layers, 1, cfg.n_kv_heads, capacity, cfg.head_dim))
+        pos = cache.length
+        view, where = self._view_for(cache), fused_codes.fill(cache)   # the C code checks every row it writes
         x = self._embed(tokens).reshape(-1).float().contiguous()               # (C,)
         cos, sin = self._rope(pos, 1, torch.float32)                           # (1, D) each
         check_buffer("fused decode", "embedding", x, torch.float32, (cfg.d_model,))
@@ -139,16 +150,20 @@ class FusedDecodeStep:
         logits = torch.empty(self._model.head.rows, dtype=torch.float32)        # (vocab,)
         self._model.attn_scale = cache.scale
         status = self._lib.kvlab_decode_step(
-            ctypes.byref(self._model), x.data_ptr(), pos, cos.data_ptr(), sin.data_ptr(),
-            cache.k.data_ptr(), cache.v.data_ptr(), capacity, logits.data_ptr(), torch.get_num_threads(),
-            KV_TYPES[cache.storage],
+            ctypes.byref(self._model), x.data_ptr(), pos, cos.data_ptr(), sin.data_ptr(), view.layers,
+            ctypes.byref(where), logits.data_ptr(), torch.get_num_threads(),
         )
         if status < 0:
             raise ConfigError(f"fused decode step refused position {pos} of a cache of {cache.geometry.capacity} tokens")
+        n_layers = cfg.n_layers
         if status > 0:  # layers before the bad one were written, as in the module path
-            cache.record_written(range(status - 1), 1)
-            raise NonFiniteError(f"NaN or Inf in the keys/values appended to layer {status - 1}")
-        cache.record_written(range(self.config.n_layers), 1)
+            bad = (status - 1) % n_layers
+            fused_codes.record_written(cache, range(bad), where)
+            if status > n_layers:
+                raise NonFiniteError(f"a key or value norm of layer {bad} overflows the {cache.config.norm_dtype} norms "
+                                     "of the TurboQuant cache")
+            raise NonFiniteError(f"NaN or Inf in the keys/values appended to layer {bad}")
+        fused_codes.record_written(cache, range(n_layers), where)
         return logits.view(1, 1, -1)
 
 

@@ -1,0 +1,200 @@
+"""The fused decode step's view of a cache (kernels/decode.c `LayerKV`, `Coded`, `Fill`): what each layer holds and
+where the new token goes, for the dense caches and for TurboQuant caches.
+
+A TurboQuant layer is read in C straight from its codes: the stored rows are decoded one key chunk at a time into
+a per-thread tile of centroid values (rotated domain), scored against q' = Π(q⊙w)·scale and scaled by their 16-bit
+norms; q·μ·scale, the same for every coded key, shifts the chunk's softmax; the coded chunks' value sum turns back
+with Πᵀ once per query head (+ the value offset). The new token is coded in C as `TurboQuantCache.code` codes it.
+The C code gets Π as a (d, d) matrix (`Rotation.apply` of the identity: Hadamard, Haar and non-power-of-two alike),
+the cache's own offset and key-weight buffers (float8 and 4-bit codes, read through two small tables), and each
+width's layout (kernels/codebook.py `CodeLayout`) with its boundaries.
+
+Served: every width (3/5-bit, fractional, mixed K/V), +sinkN, +recentN, +fp-first-last (dense layers in the same
+step), +center=…, +kweights=none, +rot=haar, every scale mode, f16/bf16 norms. Not served (the modules run them):
++qjl and +prerope, a sliding-window model, batches, other dtypes and devices, and a step that would calibrate a
+layer (its first coded token) or find a layer's first chunk still waiting for its queries.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from ctypes import c_float, c_int32, c_int64, c_void_p
+
+import torch
+
+from ..cache.compressed import CompressedCache
+from ..cache.dense import DenseCache
+from ..cache.turboquant import WEIGHT_STEPS, WEIGHT_ZERO, TurboQuantCache
+from ..kernels import check_buffer
+
+KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # decode.c's KV_F32, KV_F16, KV_BF16
+WRITE_FIRST, WRITE_CODED, WRITE_RECENT, WRITE_SPILL = range(4)        # decode.c's WRITE_*
+SCALE_MODES = {"norm": 0, "renorm": 1, "lsq": 2, "unbiased": 3}       # decode.c's SCALE_*
+
+WHAT = "fused decode"
+
+
+class Coded(ctypes.Structure):
+    _fields_ = [("slots", c_int32), ("norm_type", c_int32), ("codes", c_void_p * 2), ("norms", c_void_p * 2),
+                ("row_bytes", c_int64 * 2), ("n_parts", c_int32 * 2), ("spec", c_void_p * 2), ("tables", c_void_p * 2),
+                ("bounds", c_void_p * 2), ("scale_mode", c_int32 * 2), ("rotation", c_void_p), ("offset", c_void_p * 2),
+                ("weight_codes", c_void_p), ("fp8_values", c_void_p), ("weight_values", c_void_p)]
+
+
+class LayerKV(ctypes.Structure):
+    _fields_ = [("type", c_int32), ("capacity", c_int32), ("k", c_void_p), ("v", c_void_p),
+                ("coded", ctypes.POINTER(Coded)), ("window", c_int32), ("win_k", c_void_p), ("win_v", c_void_p)]
+
+
+class Fill(ctypes.Structure):
+    _fields_ = [("first", c_int32), ("coded", c_int32), ("recent", c_int32), ("write", c_int32)]
+
+
+class CacheView:
+    """The C structs for one cache, built once and kept while its buffers stay where they were (`fits`). They
+    point into the cache's buffers without holding them (a finished cache is freed as before; the step keeps its
+    view only as long as the cache lives) and hold what they made themselves (rotations, boundaries)."""
+
+    def __init__(self, cache, cfg):
+        self._keep: list = []
+        self.buffers = buffer_addresses(cache)
+        L, hd = cfg.n_layers, cfg.head_dim
+        self.layers = (LayerKV * L)()
+        if isinstance(cache, DenseCache):
+            for layer in range(L):
+                self.layers[layer] = self._dense(cache, layer)
+            return
+        self.coded = {}
+        for layer in range(L):
+            if layer in cache.fp_layers:
+                self.layers[layer] = self._dense(cache._dense[layer], 0)
+            else:
+                self.coded[layer] = self._coded(cache, layer, hd)
+                self.layers[layer] = self._coded_layer(cache, layer, hd)
+
+    def _ptr(self, t: torch.Tensor, shape: tuple[int, ...], what: str, dtype: torch.dtype, own: bool = False) -> int:
+        """The address of `t` after checking its dtype, shape and contiguity; `own`: a tensor the view made, kept."""
+        check_buffer(WHAT, what, t, dtype, shape)
+        if own:
+            self._keep.append(t)
+        return t.data_ptr()
+
+    def fits(self, cache) -> bool:
+        """Whether the cache's buffers are still the ones this view points into."""
+        return buffer_addresses(cache) == self.buffers
+
+    def _dense(self, cache: DenseCache, layer: int) -> LayerKV:
+        """Layer `layer` of a DenseCache (a dense cache's, or a TurboQuant cache's full-precision layer)."""
+        g = cache.geometry
+        shape = (g.n_kv_heads, g.capacity, g.head_dim)
+        k, v = cache.k[layer, 0], cache.v[layer, 0]                         # (Hkv, capacity, D) views
+        return LayerKV(KV_TYPES[cache.storage], g.capacity, self._ptr(k, shape, f"layer {layer} keys", cache.storage),
+                       self._ptr(v, shape, f"layer {layer} values", cache.storage))
+
+    def _coded_layer(self, cache: TurboQuantCache, layer: int, hd: int) -> LayerKV:
+        """A TurboQuant layer: its sink (fp32 rows), codes and recent window (fp32 rows)."""
+        H = cache.geometry.n_kv_heads
+        at = f"layer {layer}"
+        sink_k, sink_v = cache._sink_k[layer][0], cache._sink_v[layer][0]   # (Hkv, sink, D)
+        win_k, win_v = cache._win_k[layer][0], cache._win_v[layer][0]       # (Hkv, window, D)
+        return LayerKV(
+            KV_TYPES[torch.float32], cache.sink,
+            self._ptr(sink_k, (H, cache.sink, hd), f"{at} sink keys", torch.float32),
+            self._ptr(sink_v, (H, cache.sink, hd), f"{at} sink values", torch.float32),
+            ctypes.pointer(self.coded[layer]), cache.window,
+            self._ptr(win_k, (H, cache.window, hd), f"{at} window keys", torch.float32),
+            self._ptr(win_v, (H, cache.window, hd), f"{at} window values", torch.float32),
+        )
+
+    def _coded(self, cache: TurboQuantCache, layer: int, hd: int) -> Coded:
+        H, S = cache.geometry.n_kv_heads, cache.slots
+        at = f"layer {layer}"
+        c = Coded()
+        c.slots, c.norm_type = S, KV_TYPES[cache.config.norm_dtype]
+        for i, (name, codes, mode) in enumerate((("k", cache.key_codes, cache._key_scale),
+                                                 ("v", cache.value_codes, cache.config.value_scale))):
+            layout = codes.layout
+            c.codes[i] = self._ptr(getattr(cache, f"{name}_codes")[layer][0], (H, S, layout.row_bytes), f"{at} {name} codes", torch.uint8)
+            c.norms[i] = self._ptr(getattr(cache, f"{name}_norm")[layer][0], (H, S), f"{at} {name} norms", cache.config.norm_dtype)
+            c.row_bytes[i], c.n_parts[i] = layout.row_bytes, layout.spec.shape[0]
+            c.spec[i] = self._ptr(layout.spec, tuple(layout.spec.shape), f"{name} layout", torch.int32)
+            c.tables[i] = self._ptr(layout.tables, tuple(layout.tables.shape), f"{name} centroids", torch.float32)
+            bounds = torch.cat(codes.boundaries).float().cpu().contiguous()   # each part's 2^bits - 1 in turn
+            c.bounds[i] = self._ptr(bounds, tuple(bounds.shape), f"{name} boundaries", torch.float32, own=True)
+            c.scale_mode[i] = SCALE_MODES[mode]
+            offsets = getattr(cache, f"{name}_offset")
+            if offsets:  # float8 bytes, read through fp8_values
+                c.offset[i] = self._ptr(offsets[layer][0].view(torch.uint8), (H, hd), f"{at} {name} offset", torch.uint8)
+        rotation = cache.rotations[layer].apply(torch.eye(hd, device=cache.device)).contiguous()  # (D, D): y = x M
+        c.rotation = self._ptr(rotation, (hd, hd), f"{at} rotation", torch.float32, own=True)
+        if cache.k_weight_codes:
+            c.weight_codes = self._ptr(cache.k_weight_codes[layer][0], (H, hd // 2), f"{at} key weights", torch.uint8)
+        c.fp8_values = self._ptr(FP8_VALUES, (256,), "float8 values", torch.float32, own=True)
+        c.weight_values = self._ptr(WEIGHT_VALUES, (16,), "key weight values", torch.float32, own=True)
+        return c
+
+
+#: the value of each float8 e4m3 byte, and of each 4-bit key weight code (as TurboQuantCache._key_weights computes it)
+FP8_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()                  # (256,)
+WEIGHT_VALUES = torch.exp2((torch.arange(16, dtype=torch.float32) - WEIGHT_ZERO) / WEIGHT_STEPS)     # (16,)
+
+
+def buffer_addresses(cache) -> tuple[int, ...]:
+    """Where the buffers a view points into lie (a view is rebuilt if one was replaced)."""
+    if isinstance(cache, DenseCache):
+        return cache.k.data_ptr(), cache.v.data_ptr()
+    held = [cache._dense[l].k for l in sorted(cache._dense)] + [cache._dense[l].v for l in sorted(cache._dense)]
+    for buffers in (cache._sink_k, cache._sink_v, cache._win_k, cache._win_v, cache.k_codes, cache.v_codes, cache.k_norm,
+                    cache.v_norm, cache.k_offset, cache.v_offset, cache.k_weight_codes):
+        held += buffers.values()
+    return tuple(t.data_ptr() for t in held)
+
+
+def serves_codes(cache, cfg) -> bool:
+    """Whether the fused step reads this TurboQuant cache in C (see the module docstring)."""
+    g = cache.geometry
+    return (
+        type(cache) is TurboQuantCache and cache.dtype == torch.float32 and cache.device.type == "cpu"
+        and not cache.config.qjl and not cache.config.pre_rope and g.window is None and cfg.sliding_window is None
+        and cfg.head_dim % 2 == 0 and cfg.head_dim <= 1024
+        and (g.batch, g.n_layers, g.n_kv_heads, g.head_dim, g.head_dim_v) == (1, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.head_dim)
+    )
+
+
+def fill(cache) -> Fill | None:
+    """Where the next token goes in every compressed layer (they are level), or None when only the modules can
+    take it: a layer's first chunk still waits for its queries, or the token would be a layer's first coded one
+    (its calibration)."""
+    if not isinstance(cache, CompressedCache):
+        return Fill(cache.length, 0, 0, WRITE_FIRST)
+    layers = cache.compressed_layers
+    if not layers:
+        return Fill(cache.length, 0, 0, WRITE_FIRST)
+    if cache._pending:
+        return None
+    layer = layers[0]
+    n_sink, n_coded, held = cache._n_sink(layer), cache._n_comp[layer], cache._held(layer)
+    if n_sink < cache.sink:
+        write = WRITE_FIRST
+    elif cache.window == 0:
+        write = WRITE_CODED
+    else:
+        write = WRITE_RECENT if held < cache.window else WRITE_SPILL
+    if write in (WRITE_CODED, WRITE_SPILL) and not cache._calibrated.issuperset(layers):
+        return None
+    if not all(cache._n_comp[l] == n_coded for l in layers):   # level layers (as accepts checks) with level codes
+        return None                                             # hold level sinks and windows too
+    return Fill(n_sink, n_coded, held, write)
+
+
+def record_written(cache, written: range, where: Fill) -> None:
+    """Count the token the C step wrote into `written` layers (as `append` would have)."""
+    if isinstance(cache, DenseCache):
+        cache.record_written(written, 1)
+        return
+    for layer in written:
+        cache._lengths[layer] += 1
+        if layer in cache.fp_layers:
+            cache._dense[layer].record_written([0], 1)
+        elif where.write in (WRITE_CODED, WRITE_SPILL):
+            cache._n_comp[layer] += 1

@@ -1,0 +1,252 @@
+"""The fused decode step on TurboQuant caches (kernels/decode.c coding the new token and attending from the codes,
+model/fused_codes.py): it equals the module path for every cache name it serves, keeps greedy SmolLM2 text, gives
+the same logits for any thread count, and its AVX-512, AVX2 and plain-C builds all do; what it does not serve takes
+the modules, and bad K/V are the module path's one-line errors.
+
+Tolerances. The fused step and the modules compute the same thing in another order (the rotation as a matrix
+product instead of Hadamard / Haar products, the norms applied after the dot products, the chunks' softmax sums
+combined in C): on these models the logits agree within ~1e-5 of their scale when both stored the same codes
+(held to 5e-5). The new token's codes come from two computations of y = Π(x-μ)/‖x-μ‖ that differ by fp32
+rounding (~1e-7): a coordinate lying that close to a bucket boundary takes the neighbouring code, and a scale
+that close to a 16-bit rounding edge rounds to the neighbouring value. Such a step is held to 5e-3 of the scale
+(one code of one vector moves the logits by up to a few 1e-3), stored codes must agree but for a tiny fraction,
+scales within one 16-bit step where their codes agree (a flipped code changes the renormalized scale), and the
+flips must be the exception.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import platform
+import subprocess
+
+import pytest
+import torch
+
+from kvlab import kernels
+from kvlab.cache import CacheGeometry, make_cache
+from kvlab.errors import NonFiniteError
+from kvlab.model.fused import FusedDecodeStep, decode_step_kind, fused_step_off
+
+from .conftest import tiny_model
+from .kernel_checks import require_kernel
+
+#: every width and option the step serves (each option at least once)
+NAMES = ["tq4", "tq3", "tq5", "tq3.5", "tq-k5v3", "tq3+sink4+recent8", "tq4+recent16+fp-first-last",
+         "tq4+center=kv+kscale=lsq+vscale=unbiased+bf16norms", "tq3+rot=haar+kweights=none+center=none+kscale=norm"]
+#: (n_heads, n_kv_heads, head_dim): MHA, GQA, MQA; head dims 64, 128 and 96 (not a power of two: a dense rotation)
+GEOMETRIES = {"MHA-64": (4, 4, 64), "GQA-128": (4, 2, 128), "MQA-96": (3, 1, 96)}
+MARCH = {"avx512": "-march=x86-64-v4", "avx2": "-march=haswell", "plain": "-march=x86-64"}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def native():
+    return require_kernel()
+
+
+#: what the fused step links: the step (decode.c), its matrix rows (blockgemv.c) and the codes (codebook.c)
+STEP_SOURCES = ("blockgemv.c", "decode.c", "codebook.c")
+
+
+@pytest.fixture(scope="module")
+def variants(native, tmp_path_factory):
+    """{"avx512": lib, "avx2": lib, "plain": lib}: the step's sources built for each instruction set this CPU runs,
+    concurrently (a failed build is a failure where a compiler exists); off x86 only the native library."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return {"native": native._lib}
+    flags = open("/proc/cpuinfo").read()
+    folder = tmp_path_factory.mktemp("isa")
+    builds = {}
+    for label, march in MARCH.items():
+        if label == "avx512" and "avx512f" not in flags:
+            continue
+        command = [f if f != "-march=native" else march for f in kernels.FLAGS]
+        builds[label] = subprocess.Popen([kernels._compiler(), *command, "-o", str(folder / f"{label}.so"),
+                                          *(str(kernels.HERE / f) for f in STEP_SOURCES), *kernels.LIBS],
+                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    libs = {}
+    for label, build in builds.items():
+        output, _ = build.communicate()
+        assert build.returncode == 0, output
+        libs[label] = ctypes.CDLL(str(folder / f"{label}.so"))
+        libs[label].kvlab_codebook_variant.restype = ctypes.c_int
+        assert libs[label].kvlab_codebook_variant() == {"avx512": 512, "avx2": 256, "plain": 0}[label]
+    return libs
+
+
+def model_for(geometry: str = "GQA-128", max_seq_len: int = 300):
+    n_heads, n_kv, hd = GEOMETRIES[geometry]
+    return tiny_model(n_heads=n_heads, n_kv_heads=n_kv, d_model=n_heads * hd, max_seq_len=max_seq_len)
+
+
+def copied(cache):
+    """An independent copy of a cache (its codes, norms, calibration and full-precision parts)."""
+    return cache.grown(cache.geometry.capacity)
+
+
+def compare_stored(fused, modules) -> bool:
+    """Both caches hold the same tokens; True when every code and scale is identical. Codes may differ in a tiny
+    fraction of bytes and scales by one 16-bit step (see the module docstring)."""
+    assert fused._lengths == modules._lengths and fused._n_comp == modules._n_comp
+    identical = True
+    for name in modules.token_buffer_names():
+        for layer, want in getattr(modules, name).items():
+            got = getattr(fused, name)[layer]
+            if torch.equal(got, want):
+                continue
+            identical = False
+            if want.dtype == torch.uint8:
+                assert (got != want).float().mean().item() < 0.01, (name, layer)
+            else:  # a scale within one 16-bit step, where its vector's codes agree (a flipped code changes ‖ŷ‖)
+                codes = name.replace("norm", "codes")
+                same_codes = (getattr(fused, codes)[layer] == getattr(modules, codes)[layer]).all(dim=-1)
+                steps = (got.view(torch.int16).int() - want.view(torch.int16).int()).abs()
+                assert steps[same_codes].max().item() <= 1, (name, layer)
+    # full-precision rows: the new token's K/V as C and torch compute them (fp32 rounding apart, relative to their scale)
+    held = [(getattr(fused, part)[layer], want) for part in ("_sink_k", "_sink_v", "_win_k", "_win_v")
+            for layer, want in getattr(modules, part).items()]
+    held += [(getattr(fused._dense[layer], name), getattr(dense, name)) for layer, dense in modules._dense.items() for name in "kv"]
+    for got, want in (pair for pair in held if pair[1].numel()):
+        assert (got - want).abs().max().item() <= 1e-5 * max(1.0, want.abs().max().item())
+    return identical
+
+
+def assert_fused_equals_modules(model, name: str, first: int, steps: int, lib, torch_reference: bool = False,
+                                exact_logits: float = 5e-5):
+    """Prefill `first` tokens with the modules, then at each of `steps` positions one fused step and one module step
+    from the same cache (the modules reading the codes in torch when `torch_reference`)."""
+    step = FusedDecodeStep(model, lib)
+    tokens = torch.randint(0, 97, (1, first + steps), generator=torch.Generator().manual_seed(first))
+    cache = make_cache(name, CacheGeometry.for_model(model.config, capacity=first + steps))
+    if torch_reference:
+        cache.code_kernel = None
+    model.fused = None
+    identical = 0
+    with torch.no_grad():
+        model(tokens[:, :first], cache)
+        for t in range(first, first + steps):
+            token, fused_cache = tokens[:, t:t + 1], copied(cache)
+            assert step.accepts(token, fused_cache)                     # the fused step really runs
+            fused = step(token, fused_cache)
+            modules = model(token, cache)
+            same = compare_stored(fused_cache, cache)
+            identical += same
+            scale = modules.abs().max().item()
+            assert (fused - modules).abs().max().item() < (exact_logits if same else 5e-3) * scale, (name, t, same)
+    assert identical >= steps // 2, f"{name}: only {identical} of {steps} steps stored identical codes"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_fused_step_equals_modules(name, native):
+    """Two key chunks of codes (256 + the rest), every width and option; sinks and windows fill and spill."""
+    assert_fused_equals_modules(model_for("GQA-128"), name, 270, 6, native._lib)
+
+
+@pytest.mark.parametrize("variant", list(MARCH))
+@pytest.mark.parametrize("geometry", list(GEOMETRIES))
+def test_every_isa_variant_codes_and_attends_like_torch(variant, geometry, variants):
+    """Each build (AVX-512, AVX2, plain C), MHA/GQA/MQA at head dims 64/128/96, against the modules reading the codes
+    in torch (a ragged second chunk of codes; a fractional width with a sink and a window)."""
+    if variant not in variants:
+        pytest.skip(f"no {variant} build on this CPU")
+    model = model_for(geometry)
+    for name in ("tq4", "tq3.5+sink3+recent5"):
+        assert_fused_equals_modules(model, name, 262, 3, variants[variant], torch_reference=True, exact_logits=1e-5)
+
+
+def test_fused_step_is_the_same_for_any_thread_count(native):
+    """Threads share (KV head, key chunk) items; the chunks' sums are combined in a fixed order: 1 and 2 threads
+    give bit-identical logits over three chunks of codes."""
+    model = model_for("GQA-128", max_seq_len=600)
+    step = FusedDecodeStep(model, native._lib)
+    tokens = torch.randint(0, 97, (1, 560), generator=torch.Generator().manual_seed(3))
+    runs = []
+    for threads in (1, 2):
+        cache = make_cache("tq3.5+recent8", CacheGeometry.for_model(model.config, capacity=560))
+        model.fused = None
+        with torch.no_grad():
+            model(tokens[:, :550], cache)
+            torch.set_num_threads(threads)
+            runs.append(torch.cat([step(tokens[:, t:t + 1], cache) for t in range(550, 560)], dim=1))
+    assert torch.equal(runs[0], runs[1])
+
+
+def test_smollm2_greedy_text_is_the_modules(smollm2):
+    """16 greedy tokens into tq4 with and without the fused step: the same tokens."""
+    from kvlab.generate import generate
+
+    model = smollm2.model
+    ids = torch.tensor([smollm2.tokenizer.encode("The quick brown fox jumps over the lazy dog. Then it")])
+    results = []
+    for off in (False, True):
+        with fused_step_off(model, off):
+            cache = make_cache("tq4", CacheGeometry.for_model(smollm2.config, capacity=ids.shape[1] + 16))
+            assert decode_step_kind(model, cache) == ("modules" if off else "fused")
+            results.append(generate(model, ids, cache, 16).token_ids[0])
+    assert results[0] == results[1]
+
+
+def test_caches_it_does_not_serve_take_the_modules(native):
+    model = model_for("MQA-96", max_seq_len=40)
+    step = FusedDecodeStep(model, native._lib)
+    geometry = CacheGeometry.for_model(model.config, capacity=40)
+    one = torch.tensor([[3]])
+    with torch.no_grad():
+        model.fused = step
+        for name in ("tq4+qjl", "tq4+prerope", "int8", "int4"):
+            assert not step.serves(make_cache(name, geometry)), name
+            assert decode_step_kind(model, make_cache(name, geometry)) == "modules"
+        assert decode_step_kind(model, make_cache("tq3.5+sink4+recent8+fp-first-last", geometry)) == "fused"
+        assert not step.serves(make_cache("tq4", CacheGeometry.for_model(model.config, batch=2, capacity=40)))
+        cache = make_cache("tq4", geometry)
+        assert step.serves(cache)
+        cache.append(0, torch.randn(1, 1, 9, 96), torch.randn(1, 1, 9, 96))   # a first chunk, never attended
+        assert cache.awaits_queries(0) and not step.accepts(one, cache)
+        # a short prompt: tokens fill the sink and the window in C; the first coded token (a calibration) takes
+        # the modules, every later one the fused step
+        cache = make_cache("tq4+sink2+recent3", geometry)
+        model(torch.tensor([[1, 2]]), cache)
+        taken = []
+        for t in range(8):
+            taken.append(step.accepts(one, cache))
+            model(one, cache)
+        assert taken == [True, True, True, False, True, True, True, True]
+    model.fused = None
+
+
+def test_non_finite_kv_is_the_module_paths_error(native):
+    """A NaN key in layer 1: the one-line NonFiniteError of the module path, layer 0 written, layer 1 not; a key too
+    large for the 16-bit norms: a one-line NonFiniteError too."""
+    model = model_for("GQA-128", max_seq_len=20)
+    cfg = model.config
+    q_dim = cfg.n_heads * cfg.head_dim
+    tokens = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(7))
+    for bad, expect in ((float("nan"), "NaN or Inf"), (1e9, "overflows")):
+        messages = []
+        for fused in (True, False):
+            model.fused = FusedDecodeStep(model, native._lib) if fused else None
+            cache = make_cache("tq4", CacheGeometry.for_model(cfg, capacity=16))
+            weight = model.blocks[1].attn.qkv.weight
+            with torch.no_grad():
+                model(tokens[:, :11], cache)
+                assert not fused or model.fused.accepts(tokens[:, 11:12], cache)
+                saved = weight[q_dim].clone()
+                weight[q_dim] = bad                                     # a key row of layer 1
+                with pytest.raises(NonFiniteError) as err:
+                    model(tokens[:, 11:12], cache)
+                weight[q_dim] = saved
+            messages.append(str(err.value))
+            assert [cache.layer_length(0), cache.layer_length(1)] == [12, 11]
+            assert cache._n_comp == [12, 11]
+        model.fused = None
+        assert all(expect in m and "\n" not in m for m in messages) and "layer 1" in messages[0], messages
+        if expect == "NaN or Inf":
+            assert messages[0] == messages[1]
