@@ -427,7 +427,7 @@ def test_fused_step_refuses_buffers_that_do_not_match_the_config(tiny_path):
     cache = make_cache("dense", CacheGeometry.for_model(loaded.config, capacity=4))
     cache.k = cache.k[:, :, :, :2]                               # a cache whose buffers are smaller than its geometry
     with torch.no_grad():
-        one_line_error(lambda: step(torch.tensor([[1]]), cache), ConfigError, "cache k")
+        one_line_error(lambda: step(torch.tensor([[1]]), cache), ConfigError, "layer 0 keys")
 
 
 @pytest.fixture
