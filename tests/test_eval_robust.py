@@ -127,6 +127,13 @@ def test_table_and_plot_show_spread_interval_and_passkey_count(tmp_path):
     assert plot_quality([dense, tq4], tmp_path / "q.png").stat().st_size > 1000
 
 
+def test_the_plot_groups_transformers_caches_apart_from_kvlabs():
+    from kvlab.eval.plot import _family
+
+    assert [_family(n) for n in ("dense", "hf:dynamic", "int4", "tq4+sink1", "hf:hqq-4+r128", "hf:quanto-int4+r0")] == [
+        "dense", "dense", "int (KIVI-style)", "TurboQuant", "transformers' caches", "transformers' caches"]
+
+
 # -- settings and the CLI ------------------------------------------------------------------------------
 
 def test_default_and_quick_settings_run_at_least_nine_passkey_trials_and_three_seeds():

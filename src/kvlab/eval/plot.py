@@ -9,8 +9,10 @@ from .suite import CacheQuality
 
 
 def _family(name: str) -> str:
-    if name == "dense":
+    if name in ("dense", "hf:dynamic"):
         return "dense"
+    if name.startswith("hf:"):
+        return "transformers' caches"
     if name.startswith("int"):
         return "int (KIVI-style)"
     return "TurboQuant"
@@ -22,7 +24,7 @@ def plot_quality(records: list[CacheQuality], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"dense": "black", "int (KIVI-style)": "tab:blue", "TurboQuant": "tab:red"}
+    colors = {"dense": "black", "int (KIVI-style)": "tab:blue", "TurboQuant": "tab:red", "transformers' caches": "tab:green"}
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, metric, label in ((axes[0], "ppl_delta_pct", "ΔPPL vs dense (%)"), (axes[1], "kl", "mean KL vs dense (nats)")):
         seen = set()
