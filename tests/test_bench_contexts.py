@@ -65,7 +65,7 @@ class _Ctx:
         return self.logits
 class Llama:
     def __init__(self, model_path, n_ctx, type_k, type_v, flash_attn, **kw):
-        assert type_k == type_v and flash_attn
+        assert type_k == type_v and flash_attn == (type_k != GGML_TYPE_F16)
         self.n_ctx, self.n_tokens, self._ctx = n_ctx, 0, _Ctx(50)
     def n_vocab(self):
         return 50
@@ -102,6 +102,17 @@ def test_llama_cpp_contenders_run_interleaved_through_the_worker(smollm2, tmp_pa
         assert r["step"] == "llama.cpp" and len(r["samples"]) == 2 and r["tokens_per_s"] > 0
         assert r["kv_bytes_read_per_step"] == int(30 * 3 * 64 * 2 * value_bytes * mid)
     assert rows["llama.cpp:f16"]["kv_bytes_read_per_step"] == rows["dense-f16"]["kv_bytes_read_per_step"]
+
+
+def test_peers_run_without_the_wait_policy_kvlab_chose_for_itself(monkeypatch):
+    import kvlab
+    from kvlab.bench.llama_peer import peer_environment
+
+    monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
+    monkeypatch.setattr(kvlab, "WAIT_POLICY_SET_BY_KVLAB", True)
+    assert "OMP_WAIT_POLICY" not in peer_environment()
+    monkeypatch.setattr(kvlab, "WAIT_POLICY_SET_BY_KVLAB", False)   # the user's own choice is kept
+    assert peer_environment()["OMP_WAIT_POLICY"] == "passive"
 
 
 def test_llama_cpp_contenders_need_a_python_with_llama_cpp(tmp_path):

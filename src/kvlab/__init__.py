@@ -11,7 +11,9 @@ import os as _os
 # waiter costs a futex wake-up (microseconds) per barrier on an idle machine instead; set
 # OMP_WAIT_POLICY=active to trade that back. libgomp reads this once, when it is loaded (with torch): it
 # takes effect when kvlab is imported before torch, as the `kvlab` command does, and in child processes.
-if "OMP_WAIT_POLICY" not in _os.environ and "GOMP_SPINCOUNT" not in _os.environ:
+#: True when the passive policy is kvlab's choice, not the user's (benchmarks start peers without it).
+WAIT_POLICY_SET_BY_KVLAB = "OMP_WAIT_POLICY" not in _os.environ and "GOMP_SPINCOUNT" not in _os.environ
+if WAIT_POLICY_SET_BY_KVLAB:
     _os.environ["OMP_WAIT_POLICY"] = "passive"
 
 __version__ = "0.1.0"

@@ -6,12 +6,16 @@ holds its llama.cpp context for one context length, so its K/V grow across the r
 kvlab cache does, and the bench interleaves it with kvlab's caches (A B C A B C …).
 
 A contender name is `llama.cpp:<kv>`, kv one of f16 (llama.cpp's default), q8_0, q4_0: the type of
-both K and V, with flash attention (which llama.cpp's quantized V needs).
+both K and V. f16 runs without flash attention (llama-cpp-python's default, and 2× faster than llama.cpp's
+CPU flash attention at 2,000 tokens of context on this machine); q8_0 and q4_0 with it (llama.cpp's quantized V
+needs it). The worker runs in the user's environment: OMP_WAIT_POLICY=passive, which `import kvlab` sets for
+its own threads, is taken out again (llama.cpp's OpenMP threads spin between its ops, as its users run it).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -43,6 +47,16 @@ def kv_bytes_per_token(config, kv: str) -> float:
     return config.n_layers * config.n_kv_heads * config.head_dim * 2 * KV_VALUE_BYTES[kv]
 
 
+def peer_environment() -> dict[str, str]:
+    """This process's environment without the OpenMP wait policy kvlab chose for itself (see kvlab/__init__.py)."""
+    import kvlab
+
+    env = dict(os.environ)
+    if kvlab.WAIT_POLICY_SET_BY_KVLAB:
+        env.pop("OMP_WAIT_POLICY", None)
+    return env
+
+
 def check_python(python: str) -> None:
     """A one-line error unless `python` runs and imports llama_cpp."""
     try:
@@ -60,7 +74,7 @@ class LlamaPeer:
     def __init__(self, python: str, model: Path, n_ctx: int, threads: int, kv: str):
         self.kv = kv
         self._proc = subprocess.Popen([python, str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True)
+                                      stderr=subprocess.PIPE, text=True, env=peer_environment())
         try:
             self.info = self._ask(cmd="load", model=str(model), n_ctx=n_ctx, threads=threads, kv=kv)
         except BaseException:

@@ -6,11 +6,12 @@ It holds one llama.cpp context and answers one JSON command per stdin line with 
     {"cmd": "prefill", "tokens": [ids]}   -> {"seconds": s, "token": greedy next id}
     {"cmd": "steps", "token": id, "n": n}  -> {"seconds": s, "token": last greedy id}
 Steps are what kvlab's side times: decode one token (llama_decode of a batch of one), take the argmax of
-its logits, feed it back. Quantized K/V types need flash attention in llama.cpp, so every type runs with it
-on (llama.cpp's default on CPU is "auto", which enables it there too).
+its logits, feed it back. Quantized K/V types need flash attention in llama.cpp; f16 runs without it
+(llama-cpp-python's default; llama.cpp's CPU flash attention is the slower path for f16 K/V here).
 """
 
 import json
+import os
 import sys
 import time
 
@@ -28,8 +29,9 @@ class Worker:
     def load(self, model: str, n_ctx: int, threads: int, kv: str) -> dict:
         kind = KV_TYPES[kv]
         self.llm = llama_cpp.Llama(model_path=model, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                                   n_batch=512, type_k=kind, type_v=kind, flash_attn=True, verbose=False)
-        return {"n_vocab": self.llm.n_vocab(), "system_info": llama_cpp.llama_print_system_info().decode()}
+                                   n_batch=512, type_k=kind, type_v=kind, flash_attn=kv != "f16", verbose=False)
+        return {"n_vocab": self.llm.n_vocab(), "system_info": llama_cpp.llama_print_system_info().decode(),
+                "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
 
     def _greedy(self) -> int:
         logits = np.ctypeslib.as_array(self.llm._ctx.get_logits_ith(-1), shape=(self.llm.n_vocab(),))
