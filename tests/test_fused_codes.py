@@ -29,22 +29,13 @@ from kvlab.errors import NonFiniteError
 from kvlab.model.fused import FusedDecodeStep, decode_step_kind, fused_step_off
 
 from .conftest import tiny_model
-from .kernel_checks import require_kernel
+from .kernel_checks import MARCH, one_thread, require_kernel  # noqa: F401  (one_thread: autouse)
 
 #: every width and option the step serves (each option at least once)
 NAMES = ["tq4", "tq3", "tq5", "tq3.5", "tq-k5v3", "tq3+sink4+recent8", "tq4+recent16+fp-first-last",
          "tq4+center=kv+kscale=lsq+vscale=unbiased+bf16norms", "tq3+rot=haar+kweights=none+center=none+kscale=norm"]
 #: (n_heads, n_kv_heads, head_dim): MHA, GQA, MQA; head dims 64, 128 and 96 (not a power of two: a dense rotation)
 GEOMETRIES = {"MHA-64": (4, 4, 64), "GQA-128": (4, 2, 128), "MQA-96": (3, 1, 96)}
-MARCH = {"avx512": "-march=x86-64-v4", "avx2": "-march=haswell", "plain": "-march=x86-64"}
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -26,19 +26,9 @@ from kvlab.cache.turboquant import RotatedCodes
 from kvlab.errors import ConfigError
 from kvlab.kernels.codebook import CodebookKernel, CodeLayout
 
-from .kernel_checks import require_kernel
+from .kernel_checks import MARCH, one_thread, require_kernel  # noqa: F401  (one_thread: autouse)
 
-MARCH = {"avx512": "-march=x86-64-v4", "avx2": "-march=haswell", "plain": "-march=x86-64"}
 CPU_NEEDS = {"avx512": "avx512f", "avx2": "avx2", "plain": ""}
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Numerics only: one thread keeps these checks quick on a busy machine (the thread-count test sets its own)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _cpu_flags() -> set[str]:
