@@ -409,8 +409,7 @@ class TurboQuantCache(CompressedCache):
         """(B, Hkv, 1, d) float32 w, or None without key weights."""
         if not self.k_weight_codes:
             return None
-        codes = unpack(self.k_weight_codes[layer], WEIGHT_BITS, self.geometry.head_dim).float()
-        return torch.exp2((codes - WEIGHT_ZERO) / WEIGHT_STEPS)[:, :, None]
+        return key_weight(unpack(self.k_weight_codes[layer], WEIGHT_BITS, self.geometry.head_dim))[:, :, None]
 
     def _key_offset(self, layer: int) -> torch.Tensor | float:
         return self.k_offset[layer][:, :, None].float() if self.k_offset else 0.0  # (B, Hkv, 1, d)
@@ -723,6 +722,11 @@ def _scale_factor(mode: str, y: torch.Tensor, y_hat: torch.Tensor) -> torch.Tens
     if mode == "lsq":
         return dot / sq
     return 1.0 / torch.where(dot.abs() > _TINY, dot, torch.ones_like(dot))   # unbiased
+
+
+def key_weight(codes: torch.Tensor) -> torch.Tensor:
+    """The key channel weight w of each 4-bit weight code (any integer tensor), float32."""
+    return torch.exp2((codes.float() - WEIGHT_ZERO) / WEIGHT_STEPS)
 
 
 #: A byte holding two neutral weight codes (w = 1).

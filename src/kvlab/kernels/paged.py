@@ -15,8 +15,10 @@ import torch
 
 from ..cache.packing import packed_nbytes
 from ..errors import ConfigError, KvlabError
+from . import check_buffer
 from .codebook import CodeLayout
 
+WHAT = "paged attention kernel"   # every message starts with it (_check's prefix too)
 POOL_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 NORM_DTYPES = (torch.float16, torch.bfloat16)
 MAX_PARTS, MAX_CODE_DIM = 4, 512      # codebook.h CB_MAX_PARTS; paged.c MAX_DIM
@@ -43,7 +45,7 @@ def _codes_function(library_path: str):
 
 def _check(cond: bool, what: str) -> None:
     if not cond:
-        raise ConfigError(f"paged attention kernel: {what}")
+        raise ConfigError(f"{WHAT}: {what}")
 
 
 def paged_attention(kernel, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
@@ -80,13 +82,6 @@ def _int_function(library_path: str):
                    ptr, i32, i32, i32, ptr, ptr, ctypes.c_float, i32, ptr, i32]
     fn.restype = i32
     return fn
-
-
-def _check_tensor(name: str, t, dtype: torch.dtype, shape: tuple) -> None:
-    _check(isinstance(t, torch.Tensor) and t.dtype == dtype and tuple(t.shape) == tuple(shape) and t.is_contiguous()
-           and t.device.type == "cpu", f"{name} must be a contiguous {str(dtype).removeprefix('torch.')} CPU tensor of shape "
-           f"{tuple(shape)}, got {tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__} "
-           f"{t.dtype if isinstance(t, torch.Tensor) else ''}".rstrip())
 
 
 def _check_layout(block_tables: torch.Tensor, query_start: torch.Tensor, context_len: torch.Tensor, slots: int,
@@ -145,7 +140,7 @@ def paged_codes_attention(kernel, q: torch.Tensor, k_codes: torch.Tensor, k_norm
     for name, t, dtype, shape in (("k_codes", k_codes, torch.uint8, (slots, Hkv, k_layout.row_bytes)),
                                   ("v_codes", v_codes, torch.uint8, (slots, Hkv, v_layout.row_bytes)),
                                   ("k_norm", k_norm, norm, (slots, Hkv)), ("v_norm", v_norm, norm, (slots, Hkv))):
-        _check_tensor(name, t, dtype, shape)
+        check_buffer(WHAT, name, t, dtype, shape)
     _check_code_layout(k_layout, "key", D, k_codes.shape[2])
     _check_code_layout(v_layout, "value", D, v_codes.shape[2])
     _check_layout(block_tables, query_start, context_len, slots, block_size)
@@ -197,12 +192,12 @@ def paged_int_attention(kernel, q: torch.Tensor, bits: int, k_codes: torch.Tenso
                                   ("k_zero", k_zero, torch.float16, (slots // key_group, Hkv, D)),
                                   ("v_scale", v_scale, torch.float16, (slots, Hkv, n_vg)),
                                   ("v_zero", v_zero, torch.float16, (slots, Hkv, n_vg))):
-        _check_tensor(name, t, dtype, shape)
+        check_buffer(WHAT, name, t, dtype, shape)
     _check_layout(block_tables, query_start, context_len, slots, block_size)
     S = context_len.numel()
     _check(isinstance(exact, torch.Tensor) and exact.dim() == 3, "exact keys must be (rows, Hkv, D)")
-    _check_tensor("exact keys", exact, torch.float32, (exact.shape[0], Hkv, D))
-    _check_tensor("exact_start", exact_start, torch.int64, (S + 1,))
+    check_buffer(WHAT, "exact keys", exact, torch.float32, (exact.shape[0], Hkv, D))
+    check_buffer(WHAT, "exact_start", exact_start, torch.int64, (S + 1,))
     out = torch.empty(N, H, D, dtype=torch.float32)
     status = _int_function(str(kernel.path))(
         q.data_ptr(), N, H, Hkv, D, bits, k_codes.data_ptr(), k_scale.data_ptr(), k_zero.data_ptr(), key_group,

@@ -24,7 +24,7 @@ import torch
 
 from ..cache.compressed import CompressedCache
 from ..cache.dense import DenseCache
-from ..cache.turboquant import WEIGHT_STEPS, WEIGHT_ZERO, TurboQuantCache
+from ..cache.turboquant import TurboQuantCache, key_weight
 from ..kernels import check_buffer
 
 KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # decode.c's KV_F32, KV_F16, KV_BF16
@@ -136,7 +136,7 @@ class CacheView:
 
 #: the value of each float8 e4m3 byte, and of each 4-bit key weight code (as TurboQuantCache._key_weights computes it)
 FP8_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()                  # (256,)
-WEIGHT_VALUES = torch.exp2((torch.arange(16, dtype=torch.float32) - WEIGHT_ZERO) / WEIGHT_STEPS)     # (16,)
+WEIGHT_VALUES = key_weight(torch.arange(16))                                                        # (16,)
 
 
 def buffer_addresses(cache) -> tuple[int, ...]:
