@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -36,6 +35,7 @@ from ..cache.dense import DenseCache
 from ..cache.names import is_compressed_name, parse
 from ..cache.turboquant import TurboQuantConfig
 from ..errors import ConfigError
+from ..fileio import write_json
 from .agreement import kl_divergence
 from .corpus import calibration_text, windows
 from .perplexity import WindowProtocol
@@ -206,15 +206,12 @@ def load_recipe(path: Path, digest: str, calibrated: str, config: TurboQuantConf
 
 def save_recipe(path: Path, digest: str, calibrated: str, recipe: tuple[tuple[int, ...], tuple[int, ...]],
                 harms: Harms) -> None:
-    """Atomic JSON write; a read-only cache directory only costs a calibration next time."""
+    """Atomic JSON write (fileio.write_json); a read-only cache directory only costs a calibration next time."""
     record = {"format": _FORMAT, "model_sha256": digest, "cache": calibrated, "keys": list(recipe[0]),
               "values": list(recipe[1]), "protocol": str(CALIBRATION),
               "key_harm": [{str(w): h for w, h in row.items()} for row in harms.keys],
               "value_harm": [{str(w): h for w, h in row.items()} for row in harms.values]}
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(record, indent=1))
-        tmp.replace(path)
+        write_json(path, record, indent=1)
     except OSError:
         pass
