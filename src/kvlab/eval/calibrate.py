@@ -38,7 +38,7 @@ from ..errors import ConfigError
 from ..fileio import write_json
 from .agreement import kl_divergence
 from .corpus import calibration_text, windows
-from .perplexity import WindowProtocol
+from .perplexity import WindowProtocol, chunk_spans
 
 #: The calibration windows: the evaluation's prefill and chunks, shorter windows, two of them.
 CALIBRATION = WindowProtocol(length=256, prefill=64, chunk=32, n_windows=2)
@@ -108,15 +108,10 @@ def _unit_cache(geometry: CacheGeometry, config: TurboQuantConfig, layer: int, k
     return TurboQuantCache(geometry, config=unit)
 
 
-def _chunks(protocol: WindowProtocol, length: int) -> list[tuple[int, int]]:
-    starts = [0, protocol.prefill, *range(protocol.prefill + protocol.chunk, length, protocol.chunk)]
-    return [(a, min(b, length)) for a, b in zip(starts, [*starts[1:], length]) if a < length]
-
-
 def _run_blocks(model, x: torch.Tensor, first: int, stop: int, cache, protocol: WindowProtocol) -> torch.Tensor:
     """Blocks first .. stop-1 over x (1, T, C), the input of block `first`, fed in the protocol's chunks -> (1, T, C)."""
     out = []
-    for a, b in _chunks(protocol, x.shape[1]):
+    for a, b in chunk_spans(x.shape[1], protocol.prefill, protocol.chunk):
         h = x[:, a:b]                                                             # (1, b-a, C)
         cos, sin = model.rope(a, b - a, h.dtype)
         for block in model.blocks[first:stop]:

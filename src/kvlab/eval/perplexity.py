@@ -31,13 +31,17 @@ class WindowProtocol:
         return self.length - self.prefill - 1
 
 
+def chunk_spans(length: int, prefill: int, chunk: int) -> list[tuple[int, int]]:
+    """The protocol's passes over `length` tokens: [0, prefill), then `chunk` tokens at a time -> [(start, stop)]."""
+    starts = [0, prefill, *range(prefill + chunk, length, chunk)]
+    return [(a, min(b, length)) for a, b in zip(starts, [*starts[1:], length]) if a < min(b, length)]
+
+
 @torch.inference_mode()
 def chunked_logits(model, tokens: torch.Tensor, cache: KVCache, prefill: int, chunk: int) -> torch.Tensor:
     """tokens: (1, W) -> float32 logits (W - prefill, V) for positions prefill .. W-1."""
-    W = tokens.shape[1]
-    model(tokens[:, :prefill], cache)
-    out = [model(tokens[:, start:start + chunk], cache)[0].float() for start in range(prefill, W, chunk)]
-    return torch.cat(out, dim=0)                                        # (W - prefill, V)
+    out = [model(tokens[:, a:b], cache)[0].float() for a, b in chunk_spans(tokens.shape[1], prefill, chunk)]
+    return torch.cat(out[1:] if prefill else out, dim=0)               # (W - prefill, V)
 
 
 def window_nll(logits: torch.Tensor, tokens: torch.Tensor, prefill: int) -> torch.Tensor:
