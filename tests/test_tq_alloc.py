@@ -206,9 +206,11 @@ def test_equal_harms_keep_the_base_widths():
 def test_the_calibration_pass_is_deterministic_and_orders_the_widths():
     model = small_model()
     config = parse("tq4+alloc")[1]
-    first = calibrate.measure_harms(model, windows_of(1), config, SMALL)
+    ticks = []
+    first = calibrate.measure_harms(model, windows_of(1), config, SMALL, lambda: ticks.append(1))
     again = calibrate.measure_harms(model, windows_of(1), config, SMALL)
     assert first == again
+    assert len(ticks) == 1 * 2 * model.config.n_layers    # the progress bar: one step per window × keys|values × layer
     for harm in first.keys + first.values:
         assert harm[3] > harm[4] > harm[5] > 0               # a bit fewer hurts more, a bit more hurts less
     keys, values = calibrate.recipe_from(first, config)

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..cache import CacheGeometry, TurboQuantCache
 from ..cache.allocation import allocate, check_geometry, check_recipe, held_widths
@@ -65,8 +67,9 @@ def calibration_windows(tokenizer, protocol: WindowProtocol | None = None) -> li
 
 @torch.inference_mode()
 def measure_harms(model, token_windows: list[torch.Tensor], config: TurboQuantConfig,
-                  protocol: WindowProtocol = CALIBRATION) -> Harms:
-    """The pass described in the module docstring, summed over `token_windows` ((1, length) each)."""
+                  protocol: WindowProtocol = CALIBRATION, advance=None) -> Harms:
+    """The pass described in the module docstring, summed over `token_windows` ((1, length) each); `advance()`
+    is called once per (window, keys|values, layer)."""
     L = model.config.n_layers
     base = {"keys": int(config.key_bits), "values": int(config.value_bits)}
     kl = {kind: [0.0] * L for kind in base}
@@ -84,6 +87,8 @@ def measure_harms(model, token_windows: list[torch.Tensor], config: TurboQuantCo
                 cache = _unit_cache(geometry, config, layer, kind, base[kind])
                 logits = _head(model, _run_blocks(model, hidden[layer], layer, L, cache, protocol), protocol)
                 kl[kind][layer] += kl_divergence(reference, logits).mean().item()
+                if advance:
+                    advance()
     harms = {}
     for kind in base:
         harms[kind] = []
@@ -157,7 +162,12 @@ def resolve(name: str, loaded) -> str:
         path = recipe_dir() / f"{digest[:16]}-{calibrated.replace('=', '_')}.json"
         recipe = load_recipe(path, digest, calibrated, config, loaded.config.n_layers)
         if recipe is None:
-            harms = measure_harms(loaded.model, calibration_windows(loaded.tokenizer, CALIBRATION), config, CALIBRATION)
+            token_windows = calibration_windows(loaded.tokenizer, CALIBRATION)
+            with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                          console=Console(stderr=True), transient=True) as progress:
+                task = progress.add_task(f"calibrating {calibrated} (windows × keys|values × layers)",
+                                         total=len(token_windows) * 2 * loaded.config.n_layers)
+                harms = measure_harms(loaded.model, token_windows, config, CALIBRATION, lambda: progress.advance(task))
             recipe = recipe_from(harms, config)
             save_recipe(path, digest, calibrated, recipe, harms)
         _MEMO[memo] = recipe
