@@ -670,7 +670,6 @@ int kvlab_int_append(Quantized *Q, int heads, int d, int32_t index, const float 
  * zero + code * scale (per value group of the row). */
 static void int_load(const Quantized *Q, int g, int t0, int n, int stored, int d, float *keys, float *values) {
     const int G = Q->group, bits = Q->bits, gv = Q->value_group, n_vg = d / gv, complete = stored / G * G;
-    uint8_t codes[CB_MAX_DIM];
     float s[CB_MAX_DIM], z[CB_MAX_DIM];
     int loaded = -1;                                  /* the key group whose scales are in s, z */
     for (int r = 0; r < n; r++) {
@@ -686,17 +685,13 @@ static void int_load(const Quantized *Q, int g, int t0, int n, int stored, int d
             kv_load(KV_F16, Q->k_scale + meta, d, s);
             kv_load(KV_F16, Q->k_zero + meta, d, z);
         }
-        int_unpack_row(Q->k_codes + ((int64_t)g * Q->slots + t) * Q->k_row_bytes, bits, d, codes);
-        for (int c = 0; c < d; c++) out[c] = z[c] + (float)codes[c] * s[c];
+        int_dequant_row(Q->k_codes + ((int64_t)g * Q->slots + t) * Q->k_row_bytes, bits, d, s, z, 1, out);
     }
-    for (int r = 0; r < n; r++) {
+    for (int r = 0; r < n; r++) {   /* s, z: the row's value groups */
         const int64_t at = (int64_t)g * Q->slots + t0 + r;
-        float *out = values + (int64_t)r * d;
-        int_unpack_row(Q->v_codes + at * Q->v_row_bytes, bits, d, codes);
-        for (int j = 0; j < n_vg; j++) {
-            const float sj = kvlab_fp16_to_fp32(Q->v_scale[at * n_vg + j]), zj = kvlab_fp16_to_fp32(Q->v_zero[at * n_vg + j]);
-            for (int c = j * gv; c < (j + 1) * gv; c++) out[c] = zj + (float)codes[c] * sj;
-        }
+        kv_load(KV_F16, Q->v_scale + at * n_vg, n_vg, s);
+        kv_load(KV_F16, Q->v_zero + at * n_vg, n_vg, z);
+        int_dequant_row(Q->v_codes + at * Q->v_row_bytes, bits, d, s, z, gv, values + (int64_t)r * d);
     }
 }
 
