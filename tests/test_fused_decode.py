@@ -171,7 +171,7 @@ def test_fused_step_leaves_other_cases_to_the_modules():
         assert not step.accepts(torch.tensor([[3], [4]]), make_cache("dense", CacheGeometry.for_model(model.config, batch=2)))
         assert not step.accepts(one, make_cache("concat", geometry))
         assert not step.accepts(one, make_cache("dense", geometry, dtype=torch.bfloat16))
-        assert not step.accepts(one, make_cache("int8", geometry))
+        assert not step.accepts(one, make_cache("int8", geometry, dtype=torch.bfloat16))
     assert not step.accepts(one, dense)                                                       # autograd on
     model.fused = step
     with torch.no_grad():

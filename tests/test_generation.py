@@ -100,8 +100,9 @@ def test_cli_generate_json(smollm2):
 
     expected = ("native", "fused") if block_kernel() is not None else ("dense", "modules")  # no C compiler: modules
     assert (record["weights"], record["decode_step"]) == expected
-    int8 = json.loads(CliRunner().invoke(app, ["generate", "Hi", "--max-new-tokens", "2", "--cache", "int8", "--json"]).output)
-    assert int8["decode_step"] == "modules"   # only the dense cache has the fused step
+    for cache, step in (("int8", expected[1]), ("tq4+qjl", "modules")):   # +qjl: no fused step
+        record = json.loads(CliRunner().invoke(app, ["generate", "Hi", "--max-new-tokens", "2", "--cache", cache, "--json"]).output)
+        assert record["decode_step"] == step, cache
 
 
 def test_cli_info_formula(smollm2):

@@ -36,7 +36,7 @@ from ..errors import ConfigError, KvlabError
 
 HERE = Path(__file__).parent
 SOURCES = tuple(HERE / f for f in ("blockgemv.c", "blockgemm.c", "decode.c", "intcache.c", "paged.c", "codebook.c"))  # one library
-HEADERS = (HERE / "blockgemv.h", HERE / "codebook.h")
+HEADERS = (HERE / "blockgemv.h", HERE / "codebook.h", HERE / "intcodes.h")
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp")
 SANITIZE = os.environ.get("KVLAB_KERNEL_SANITIZE")  # e.g. "address": an instrumented build for kvlab.fuzz
 if SANITIZE:

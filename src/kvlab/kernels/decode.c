@@ -24,6 +24,12 @@
  * keys' scales, `top` shifted by q . mu * scale (the same for every coded key), values summed straight from their
  * codes times their scales; the coded chunks' sum turns back once per head (x = y Mᵀ) when the parts combine.
  * The softmax's exponentials are vectorized (about 2 ulp, AVX-512 / AVX2; expf in plain C).
+ *
+ * Integer layers (kvlab/cache/quantized.py, int1..int8 with any group; LayerKV with `quant` set): the same sink and
+ * recent window around the integer codes. A key chunk of codes is dequantized once (zero + code * scale: per channel
+ * per group of G tokens for keys, the open group's keys read from the fp32 stage; per Gv channels per token for
+ * values) into the thread's fp32 tile and attended by the fp32 arithmetic of the dense path. The new token (or the
+ * row leaving the window) is coded as QuantizedCache._store codes it (see int_store).
  */
 #include <math.h>
 #include <stdint.h>
@@ -35,6 +41,7 @@
 
 #include "blockgemv.h"
 #include "codebook.h"
+#include "intcodes.h"
 
 /* Attention reads the keys in chunks of KEY_CHUNK positions per KV head (flash-decoding): a chunk's K/V
  * (64 KB each at head_dim 64) stay in cache while every query head of the group reads them, the chunks
@@ -471,6 +478,20 @@ typedef struct {                   /* a TurboQuant layer's codes (kvlab/cache/tu
     const float *weight_values;    /* (16,) the weight of each 4-bit code */
 } Coded;
 
+typedef struct {                   /* an integer layer's codes (kvlab/cache/quantized.py QuantizedCache) */
+    int32_t bits;                  /* code width, 1..8 */
+    int32_t group;                 /* G: tokens per key group */
+    int32_t value_group;           /* Gv: channels per value group */
+    int32_t slots;                 /* coded rows per KV head */
+    int64_t k_row_bytes, v_row_bytes;
+    uint8_t *k_codes, *v_codes;    /* (Hkv, slots, row bytes), packed as intcodes.h reads them */
+    uint16_t *k_scale, *k_zero;    /* (Hkv, ceil(slots / G), hd) f16: one per channel per key group */
+    uint16_t *v_scale, *v_zero;    /* (Hkv, slots, hd / Gv) f16: one per value group per token */
+    float *k_stage;                /* (Hkv, G, hd) fp32: the keys of the open (incomplete) group */
+    int32_t overflow_what;         /* written on a range error: 0 the keys, 1 the values ... */
+    float overflow;                /* ... and the magnitude the module path names */
+} Quantized;
+
 typedef struct {
     int32_t type;                  /* KV_F32, KV_F16 or KV_BF16: how `first` stores K/V */
     int32_t capacity;              /* rows per KV head of first */
@@ -478,6 +499,7 @@ typedef struct {
     const Coded *coded;            /* NULL: a dense layer (first only) */
     int32_t window;                /* rows per KV head of recent (0: none) */
     float *win_k, *win_v;          /* recent: (Hkv, window, hd) fp32 */
+    Quantized *quant;              /* an integer layer's codes (then `coded` is NULL), or NULL */
 } LayerKV;
 
 typedef struct {                   /* rows a coded layer's parts hold before the step (every coded layer alike), and */
@@ -527,28 +549,163 @@ static int chunks_of(int rows) { return (rows + KEY_CHUNK - 1) / KEY_CHUNK; }
 
 /* A coded layer's fill is possible: the parts hold what they can and the write has room */
 static int fill_fits(const LayerKV *kv, const Fill *f) {
-    const Coded *C = kv->coded;
-    if (f->first < 0 || f->coded < 0 || f->recent < 0 || f->first > kv->capacity || f->coded > C->slots || f->recent > kv->window)
+    const int slots = kv->coded ? kv->coded->slots : kv->quant->slots;
+    if (f->first < 0 || f->coded < 0 || f->recent < 0 || f->first > kv->capacity || f->coded > slots || f->recent > kv->window)
         return 0;
     switch (f->write) {
         case WRITE_FIRST: return f->first < kv->capacity;
-        case WRITE_CODED: return f->coded < C->slots;
+        case WRITE_CODED: return f->coded < slots;
         case WRITE_RECENT: return f->recent < kv->window;
-        case WRITE_SPILL: return kv->window > 0 && f->recent == kv->window && f->coded < C->slots;
+        case WRITE_SPILL: return kv->window > 0 && f->recent == kv->window && f->coded < slots;
         default: return 0;
+    }
+}
+
+/* ---- integer layers ------------------------------------------------------------------------------------ */
+#define F16_MAX 65504.0f   /* float16's largest value: the scales and zero points cannot follow K/V beyond it */
+
+static int int_layout_ok(const Quantized *Q, int d) {
+    return Q->bits >= 1 && Q->bits <= 8 && Q->group > 0 && Q->value_group > 0 && d % Q->value_group == 0 && Q->slots >= 0
+        && Q->k_row_bytes == int_row_bytes(Q->bits, d) && Q->v_row_bytes == int_row_bytes(Q->bits, d)
+        && Q->k_codes && Q->v_codes && Q->k_scale && Q->k_zero && Q->v_scale && Q->v_zero && Q->k_stage;
+}
+
+/* 0 when `heads` key and value rows (`stride` floats apart) fit float16's range; else 1 with Q->overflow_what and
+ * Q->overflow set as quantized._check_range reports it: the largest |key|, else the largest |min| of a value group,
+ * else the largest |max| of one (the order of its checks). */
+static int int_range_error(Quantized *Q, const float *k, const float *v, int64_t stride, int heads, int d) {
+    float big_k = 0.0f, big_lo = 0.0f, big_hi = 0.0f;
+    const int gv = Q->value_group;
+    for (int h = 0; h < heads; h++)
+        for (int c0 = 0; c0 < d; c0 += gv) {
+            const float *kh = k + h * stride + c0, *vh = v + h * stride + c0;
+            float lo = vh[0], hi = vh[0];
+            for (int c = 0; c < gv; c++) {
+                big_k = fabsf(kh[c]) > big_k ? fabsf(kh[c]) : big_k;
+                lo = vh[c] < lo ? vh[c] : lo;
+                hi = vh[c] > hi ? vh[c] : hi;
+            }
+            big_lo = fabsf(lo) > big_lo ? fabsf(lo) : big_lo;
+            big_hi = fabsf(hi) > big_hi ? fabsf(hi) : big_hi;
+        }
+    Q->overflow_what = big_k > F16_MAX ? 0 : 1;
+    Q->overflow = big_k > F16_MAX ? big_k : big_lo > F16_MAX ? big_lo : big_hi;
+    return big_k > F16_MAX || big_lo > F16_MAX || big_hi > F16_MAX;
+}
+
+/* f16 (scale, zero) of the range [lo, hi] in 2^bits levels, as quantized._affine: zero = f16(lo),
+ * scale = f16((hi - zero) / (2^bits - 1)), both rounded to nearest even */
+static void int_affine(float lo, float hi, int bits, uint16_t *scale, uint16_t *zero) {
+    *zero = f32_to_f16(lo);
+    *scale = f32_to_f16((hi - kvlab_fp16_to_fp32(*zero)) / (float)((1 << bits) - 1));
+}
+
+/* x's code, as quantized._encode: round((x - zero) / scale) (ties to even) clamped to [0, 2^bits); 0 for a scale <= 0 */
+static uint8_t int_encode(float x, float scale, float zero, int bits) {
+    if (!(scale > 0.0f)) return 0;
+    const float top = (float)((1 << bits) - 1), r = nearbyintf((x - zero) / scale);
+    return (uint8_t)(r < 0.0f ? 0.0f : r > top ? top : r);
+}
+
+/* Token `index` of KV head g's coded part, as QuantizedCache._store stores it one token at a time: its values coded
+ * (per value group: min/max -> f16 scale/zero -> codes); its key into the stage, or, when it completes a group, the
+ * group's G keys (the stage's G - 1 rows and this one) coded with one f16 scale/zero per channel from their min/max.
+ * The stage keeps its rows (the module path leaves them too). k, v: (d,) within float16's range (int_range_error). */
+static void int_store(Quantized *Q, int g, int index, const float *k, const float *v, int d) {
+    const int G = Q->group, bits = Q->bits, gv = Q->value_group, n_vg = d / gv;
+    uint8_t codes[CB_MAX_DIM];
+    const int64_t at = (int64_t)g * Q->slots + index;
+    for (int j = 0; j < n_vg; j++) {
+        const float *x = v + j * gv;
+        float lo = x[0], hi = x[0];
+        for (int c = 1; c < gv; c++) {
+            lo = x[c] < lo ? x[c] : lo;
+            hi = x[c] > hi ? x[c] : hi;
+        }
+        uint16_t *scale = Q->v_scale + at * n_vg + j, *zero = Q->v_zero + at * n_vg + j;
+        int_affine(lo, hi, bits, scale, zero);
+        const float s = kvlab_fp16_to_fp32(*scale), z = kvlab_fp16_to_fp32(*zero);
+        for (int c = 0; c < gv; c++) codes[j * gv + c] = int_encode(x[c], s, z, bits);
+    }
+    int_pack_row(codes, bits, d, Q->v_codes + at * Q->v_row_bytes);
+    const int have = index % G;                       /* keys of the open group already staged */
+    float *stage = Q->k_stage + (int64_t)g * G * d;
+    if (have < G - 1) {
+        memcpy(stage + (int64_t)have * d, k, sizeof(float) * (size_t)d);
+        return;
+    }
+    const int64_t meta = ((int64_t)g * ((Q->slots + G - 1) / G) + index / G) * d;
+    float s[CB_MAX_DIM], z[CB_MAX_DIM];
+    for (int c = 0; c < d; c++) {
+        float lo = k[c], hi = k[c];
+        for (int r = 0; r < G - 1; r++) {
+            const float x = stage[(int64_t)r * d + c];
+            lo = x < lo ? x : lo;
+            hi = x > hi ? x : hi;
+        }
+        int_affine(lo, hi, bits, Q->k_scale + meta + c, Q->k_zero + meta + c);
+        s[c] = kvlab_fp16_to_fp32(Q->k_scale[meta + c]);
+        z[c] = kvlab_fp16_to_fp32(Q->k_zero[meta + c]);
+    }
+    for (int r = 0; r < G; r++) {
+        const float *x = r < G - 1 ? stage + (int64_t)r * d : k;
+        for (int c = 0; c < d; c++) codes[c] = int_encode(x[c], s[c], z[c], bits);
+        int_pack_row(codes, bits, d, Q->k_codes + ((int64_t)g * Q->slots + index - have + r) * Q->k_row_bytes);
+    }
+}
+
+/* The integer store on its own, for the tests: token `index` of each of `heads` KV heads (k, v: (heads, d)), checked
+ * and stored as the fused step does. 0; 1 when the K/V exceed float16's range (overflow fields set, nothing
+ * written); -1 for bad arguments. */
+int kvlab_int_append(Quantized *Q, int heads, int d, int32_t index, const float *k, const float *v) {
+    if (heads <= 0 || d <= 0 || d > CB_MAX_DIM || index < 0 || index >= Q->slots || !int_layout_ok(Q, d)) return -1;
+    if (!all_finite(k, heads * d) || !all_finite(v, heads * d)) return -1;
+    if (int_range_error(Q, k, v, d, heads, d)) return 1;
+    for (int g = 0; g < heads; g++) int_store(Q, g, index, k + (int64_t)g * d, v + (int64_t)g * d, d);
+    return 0;
+}
+
+/* keys, values (n, d) fp32 = rows [t0, t0 + n) of KV head g's coded part as attention reads them, `stored` rows in
+ * all: keys of whole groups zero + code * scale (per channel of the group), the open group's from the stage; values
+ * zero + code * scale (per value group of the row). */
+static void int_load(const Quantized *Q, int g, int t0, int n, int stored, int d, float *keys, float *values) {
+    const int G = Q->group, bits = Q->bits, gv = Q->value_group, n_vg = d / gv, complete = stored / G * G;
+    float s[CB_MAX_DIM], z[CB_MAX_DIM];
+    int loaded = -1;                                  /* the key group whose scales are in s, z */
+    for (int r = 0; r < n; r++) {
+        const int t = t0 + r;
+        float *out = keys + (int64_t)r * d;
+        if (t >= complete) {
+            memcpy(out, Q->k_stage + ((int64_t)g * G + t - complete) * d, sizeof(float) * (size_t)d);
+            continue;
+        }
+        if (t / G != loaded) {
+            loaded = t / G;
+            const int64_t meta = ((int64_t)g * ((Q->slots + G - 1) / G) + loaded) * d;
+            kv_load(KV_F16, Q->k_scale + meta, d, s);
+            kv_load(KV_F16, Q->k_zero + meta, d, z);
+        }
+        int_dequant_row(Q->k_codes + ((int64_t)g * Q->slots + t) * Q->k_row_bytes, bits, d, s, z, 1, out);
+    }
+    for (int r = 0; r < n; r++) {   /* s, z: the row's value groups */
+        const int64_t at = (int64_t)g * Q->slots + t0 + r;
+        kv_load(KV_F16, Q->v_scale + at * n_vg, n_vg, s);
+        kv_load(KV_F16, Q->v_zero + at * n_vg, n_vg, z);
+        int_dequant_row(Q->v_codes + at * Q->v_row_bytes, bits, d, s, z, gv, values + (int64_t)r * d);
     }
 }
 
 /* x (d_model,): the token's embedding (not modified). kv: (n_layers,) each layer's K/V (see LayerKV); dense layers
  * hold positions [0, pos) and `pos` is written; coded layers hold and write as `fill` says. cos/sin: (head_dim,) at
  * `pos`. logits: (vocab,). Returns 0; L + 1 when layer L's new K/V hold a NaN/Inf (or round to Inf in f16/bf16);
- * n_layers + L + 1 when a coded layer L's new 16-bit scale overflows (layers < L were written, L and later were
- * not); -1 for bad arguments or no memory. */
+ * n_layers + L + 1 when a coded layer L's new 16-bit scale overflows, or the K/V an integer layer L stores exceed
+ * float16's range (its Quantized says which and how far) (layers < L were written, L and later were not); -1 for
+ * bad arguments or no memory. */
 int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const float *cos_, const float *sin_,
                       const LayerKV *kv, const Fill *fill, float *logits, int n_threads) {
     const int d = m->d_model, hd = m->head_dim, H = m->n_heads, Hkv = m->n_kv_heads, n_layers = m->n_layers;
     if (pos < 0 || Hkv <= 0 || H % Hkv != 0 || hd % 2 != 0 || hd > CB_MAX_DIM || n_threads < 1) return -1;
-    int any_coded = 0, any_16 = 0, max_chunks = 0;
+    int any_coded = 0, any_16 = 0, any_int = 0, max_chunks = 0;
     cb_layout *layouts = calloc(2 * (size_t)n_layers, sizeof(cb_layout));   /* K, V layout of each coded layer */
     if (!layouts) return -1;
     for (int l = 0; l < n_layers; l++) {
@@ -565,6 +722,12 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
             chunks = chunks_of(fill->first + (fill->write == WRITE_FIRST)) + chunks_of(fill->coded + (fill->write == WRITE_CODED || spill))
                    + chunks_of(fill->recent + (fill->write == WRITE_RECENT));
             any_coded = 1;
+        } else if (L->quant) {
+            if (L->type != KV_F32 || !fill || !fill_fits(L, fill) || !int_layout_ok(L->quant, hd)) { free(layouts); return -1; }
+            chunks = chunks_of(fill->first + (fill->write == WRITE_FIRST))
+                   + chunks_of(fill->coded + (fill->write == WRITE_CODED || fill->write == WRITE_SPILL))
+                   + chunks_of(fill->recent + (fill->write == WRITE_RECENT));
+            any_int = 1;
         } else {
             if (pos >= L->capacity) { free(layouts); return -1; }
             const int start = m->window > 0 && pos + 1 > m->window ? pos + 1 - m->window : 0;
@@ -587,7 +750,7 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
     /* 16-bit or coded rows: each thread's fp32 copy of one key chunk's keys and values (+ a row of room for the
      * decoder's padding) and its scales; the new token's rounded K|V */
     const size_t tile = 2 * (size_t)KEY_CHUNK * hd + CB_MAX_DIM + 2 * KEY_CHUNK;
-    float *chunk_kv = any_16 || any_coded ? malloc(sizeof(float) * (size_t)n_threads * tile) : NULL;
+    float *chunk_kv = any_16 || any_coded || any_int ? malloc(sizeof(float) * (size_t)n_threads * tile) : NULL;
     uint16_t *rounded = malloc(sizeof(uint16_t) * 2 * (size_t)kv_dim);
     /* coded layers: the queries as the codes read them, q' = (q w) M * scale, and q . mu * scale per query head;
      * the new token's codes and scales before they are stored */
@@ -596,7 +759,7 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
     uint16_t *new_scales = malloc(sizeof(uint16_t) * 2 * (size_t)Hkv);
     int status = 0;
     if (!x || !h || !y || !qkv || !att || !gu || !xsum || !scores || !parts || !rounded || !q_coded || !new_scales
-        || ((any_16 || any_coded) && !chunk_kv) || (any_coded && !new_codes)) status = -1;
+        || ((any_16 || any_coded || any_int) && !chunk_kv) || (any_coded && !new_codes)) status = -1;
     else memcpy(x, x_in, sizeof(float) * (size_t)d);
 
     #pragma omp parallel num_threads(n_threads) if(status == 0)
@@ -604,11 +767,12 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
         const Layer *W = &m->layers[l];
         const LayerKV *L = &kv[l];
         const Coded *C = L->coded;
+        Quantized *Q = L->quant;
         const cb_layout *K_layout = &layouts[2 * l], *V_layout = &layouts[2 * l + 1];
         const size_t elem = L->type == KV_F32 ? 4 : 2;
         /* rows of each part once this token is in, and their chunks */
         int start = 0, n_first, n_coded = 0, n_recent = 0;
-        if (C) {
+        if (C || Q) {
             n_first = fill->first + (fill->write == WRITE_FIRST);
             n_coded = fill->coded + (fill->write == WRITE_CODED || fill->write == WRITE_SPILL);
             n_recent = fill->recent + (fill->write == WRITE_RECENT);
@@ -634,8 +798,8 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
                 k_new = rounded;
                 v_new = rounded + kv_dim;
             }
-            const int write = C ? fill->write : WRITE_FIRST;
-            const int row_first = C ? fill->first : pos;
+            const int write = C || Q ? fill->write : WRITE_FIRST;
+            const int row_first = C || Q ? fill->first : pos;
             if (ok && C && (write == WRITE_CODED || write == WRITE_SPILL)) {   /* code every head before storing any */
                 for (int g = 0; g < Hkv && status == 0; g++) {
                     const float *src_k = write == WRITE_CODED ? k + g * hd : L->win_k + (int64_t)g * L->window * hd;
@@ -646,6 +810,10 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
                         status = n_layers + l + 1;
                 }
             }
+            if (ok && Q && (write == WRITE_CODED || write == WRITE_SPILL)   /* the rows the integer store takes */
+                && int_range_error(Q, write == WRITE_CODED ? k : L->win_k, write == WRITE_CODED ? v : L->win_v,
+                                   write == WRITE_CODED ? hd : (int64_t)L->window * hd, Hkv, hd))
+                status = n_layers + l + 1;
             if (!ok) status = l + 1;
             if (status == 0) {
                 for (int g = 0; g < Hkv; g++) {
@@ -656,7 +824,9 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
                         continue;
                     }
                     float *wk = L->win_k + (int64_t)g * L->window * hd, *wv = L->win_v + (int64_t)g * L->window * hd;
-                    if (write == WRITE_CODED || write == WRITE_SPILL) {
+                    if (Q && (write == WRITE_CODED || write == WRITE_SPILL))   /* before the window moves */
+                        int_store(Q, g, fill->coded, write == WRITE_CODED ? k + g * hd : wk, write == WRITE_CODED ? v + g * hd : wv, hd);
+                    else if (write == WRITE_CODED || write == WRITE_SPILL) {
                         const uint8_t *codes = new_codes + (size_t)g * 2 * ROW_ROOM;
                         const int64_t slot = (int64_t)g * C->slots + fill->coded;
                         memcpy(C->codes[0] + slot * C->row_bytes[0], codes, (size_t)C->row_bytes[0]);
@@ -714,6 +884,12 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
                     keys = mine;
                     values = mine + (size_t)KEY_CHUNK * hd;
                 }
+            } else if (c < c_first + c_coded && Q) {   /* integer codes: the chunk dequantized once for the group */
+                const int t0 = (c - c_first) * KEY_CHUNK;
+                n = n_coded - t0 < KEY_CHUNK ? n_coded - t0 : KEY_CHUNK;
+                int_load(Q, g, t0, n, n_coded, hd, mine, mine + (size_t)KEY_CHUNK * hd);
+                keys = mine;
+                values = mine + (size_t)KEY_CHUNK * hd;
             } else if (c < c_first + c_coded) {   /* coded rows: decoded a sub-tile at a time, with their scales */
                 const int t0 = (c - c_first) * KEY_CHUNK;
                 n = n_coded - t0 < KEY_CHUNK ? n_coded - t0 : KEY_CHUNK;
@@ -743,7 +919,7 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
             float v_offset[CB_MAX_DIM];
             const int has_offset = C && C->offset[1];
             for (int c = 0; has_offset && c < hd; c++) v_offset[c] = C->fp8_values[C->offset[1][(int64_t)g * hd + c]];
-            combine_parts(parts + (int64_t)i * max_chunks * (hd + 2), n_chunks, hd, c_first, c_first + c_coded,
+            combine_parts(parts + (int64_t)i * max_chunks * (hd + 2), n_chunks, hd, c_first, C ? c_first + c_coded : c_first,
                           C ? C->rotation : NULL, has_offset ? v_offset : NULL, att + i * hd);
         }
         matvec(&W->out, att, xsum, y);

@@ -18,11 +18,7 @@
 #endif
 
 #include "blockgemv.h"
-
-/* code c of a packed row */
-static inline float code_at(const uint8_t *row, int bits, int c) {
-    return bits == 8 ? (float)row[c] : (float)((row[c >> 1] >> ((c & 1) * 4)) & 0x0f);
-}
+#include "intcodes.h"   /* the packed rows: int_code_at, int_row_bytes */
 
 /* w . codes(row) over d channels. For int4, w is given split: w[0:d/2] the even channels (low nibbles),
  * w[d/2:d] the odd ones (high nibbles), matching the byte layout. */
@@ -60,15 +56,13 @@ static float code_dot(const float *w, const uint8_t *row, int bits, int d) {
     return acc[0];
 }
 
-static int packed_row_bytes(int bits, int d) { return bits == 8 ? d : (d + 1) / 2; }
-
 /* scores (heads, nq, n) = q (heads, nq, d) . keys(t) * attn_scale for t < n.
  * codes (heads, slots, row bytes); scale/zero (heads, ceil(slots / G), d) fp16. Returns 0, or -1. */
 int kvlab_int_scores(int bits, const uint8_t *codes, const uint16_t *scale, const uint16_t *zero, int heads,
                      int64_t slots, int64_t n, int d, int group, const float *q, int nq, float attn_scale,
                      float *scores, int n_threads) {
     if ((bits != 4 && bits != 8) || group <= 0 || n > slots || d <= 0 || (bits == 4 && d % 2)) return -1;
-    const int row_bytes = packed_row_bytes(bits, d);
+    const int row_bytes = (int)int_row_bytes(bits, d);
     const int64_t n_groups_slots = (slots + group - 1) / group;
     int status = 0;
     #pragma omp parallel num_threads(n_threads)
@@ -104,7 +98,7 @@ int kvlab_int_scores(int bits, const uint8_t *codes, const uint16_t *scale, cons
 
 /* out (gv,) = sum_t p[t] * (zero[t] + code[t][c0 + c] * scale[t]) for one value group: channels
  * [c0, c0 + gv) of every row, scale/zero read every `meta_stride` fp16 values. */
-static void mix_group(int bits, const uint8_t *rows, int row_bytes, const uint16_t *scale, const uint16_t *zero,
+static void mix_group(int bits, const uint8_t *rows, int row_bytes, int d, const uint16_t *scale, const uint16_t *zero,
                       int meta_stride, int64_t n, int c0, int gv, const float *p, float *out) {
     float shift = 0.0f;
 #if defined(__AVX512F__)
@@ -144,7 +138,7 @@ static void mix_group(int bits, const uint8_t *rows, int row_bytes, const uint16
         const float w = p[t] * kvlab_fp16_to_fp32(scale[t * meta_stride]);
         shift += p[t] * kvlab_fp16_to_fp32(zero[t * meta_stride]);
         const uint8_t *row = rows + t * row_bytes;
-        for (int c = 0; c < gv; c++) out[c] += w * code_at(row, bits, c0 + c);
+        for (int c = 0; c < gv; c++) out[c] += w * (float)int_code_at(row, bits, d, c0 + c);
     }
     for (int c = 0; c < gv; c++) out[c] += shift;
 }
@@ -156,14 +150,14 @@ int kvlab_int_mix(int bits, const uint8_t *codes, const uint16_t *scale, const u
                   int n_threads) {
     if ((bits != 4 && bits != 8) || gv <= 0 || d % gv != 0 || n > slots) return -1;
     if (bits == 4 && gv % 2 != 0) return -1;
-    const int row_bytes = packed_row_bytes(bits, d), n_vg = d / gv;
+    const int row_bytes = (int)int_row_bytes(bits, d), n_vg = d / gv;
     #pragma omp parallel for schedule(static) collapse(2) num_threads(n_threads)
     for (int h = 0; h < heads; h++)
         for (int i = 0; i < nq; i++) {
             const float *pi = p + ((int64_t)h * nq + i) * p_stride;
             float *o = out + ((int64_t)h * nq + i) * d;
             for (int k = 0; k < n_vg; k++)
-                mix_group(bits, codes + (int64_t)h * slots * row_bytes, row_bytes, scale + (int64_t)h * slots * n_vg + k,
+                mix_group(bits, codes + (int64_t)h * slots * row_bytes, row_bytes, d, scale + (int64_t)h * slots * n_vg + k,
                           zero + (int64_t)h * slots * n_vg + k, n_vg, n, k * gv, gv, pi, o + k * gv);
         }
     return 0;

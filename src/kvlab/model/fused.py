@@ -4,8 +4,8 @@ Batch-1 decode on a CPU is a few hundred small operations per token (norms, RoPE
 SwiGLU, a GEMV per matrix); run one by one from Python their overhead is about as long as reading the
 weights. The fused step does the same arithmetic in one call over the model's own buffers (GGUF blocks
 or fp32 rows) and writes K/V into a DenseCache in place (stored fp32, or f16 / bf16 for dense-f16 / dense-bf16,
-read back in fp32 one key chunk at a time), or into a TurboQuantCache, whose tokens it codes and whose
-attention it reads straight from the codes (model/fused_codes.py says which TurboQuant caches it serves).
+read back in fp32 one key chunk at a time), or into a TurboQuantCache or QuantizedCache, whose tokens it codes and
+whose attention it reads straight from the codes (model/fused_codes.py and model/fused_int.py say which it serves).
 The Python modules stay the reference: tests hold the fused step to the module path, and everything it
 does not accept (prefill, batches, other caches, bf16, CUDA, autograd) goes through the modules.
 """
@@ -22,10 +22,11 @@ import torch
 import torch.nn as nn
 
 from ..cache.dense import DenseCache
+from ..cache.quantized import QuantizedCache
 from ..errors import ConfigError, NonFiniteError
 from .blockquant import BlockQuantLinear
 from ..kernels import BLOCK_TYPES, block_kernel, check_buffer
-from . import fused_codes
+from . import fused_codes, fused_int
 from .fused_codes import KV_TYPES, CacheView, Fill, LayerKV
 
 F32 = 0  # GGML type id of plain fp32 rows
@@ -108,7 +109,7 @@ class FusedDecodeStep:
 
     def serves(self, cache) -> bool:
         """Whether this kind of cache takes the fused step at all: a fp32 CPU DenseCache (K/V stored in fp32,
-        f16 or bf16) of one sequence shaped for this model, or a TurboQuantCache fused_codes serves."""
+        f16 or bf16) of one sequence shaped for this model, or a TurboQuantCache / QuantizedCache fused_codes serves."""
         g, cfg = cache.geometry, self.config
         if type(cache) is not DenseCache:
             return fused_codes.serves_codes(cache, cfg)
@@ -159,6 +160,8 @@ class FusedDecodeStep:
         if status > 0:  # layers before the bad one were written, as in the module path
             bad = (status - 1) % n_layers
             fused_codes.record_written(cache, range(bad), where)
+            if status > n_layers and isinstance(cache, QuantizedCache):
+                fused_int.raise_range_error(view.quant[bad])
             if status > n_layers:
                 raise NonFiniteError(f"a key or value norm of layer {bad} overflows the {cache.config.norm_dtype} norms "
                                      "of the TurboQuant cache")

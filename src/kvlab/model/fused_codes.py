@@ -1,5 +1,5 @@
 """The fused decode step's view of a cache (kernels/decode.c `LayerKV`, `Coded`, `Fill`): what each layer holds and
-where the new token goes, for the dense caches and for TurboQuant caches.
+where the new token goes, for the dense caches, TurboQuant caches and integer caches (their codes: model/fused_int.py).
 
 A TurboQuant layer is read in C straight from its codes: the stored rows are decoded one key chunk at a time into
 a per-thread tile of centroid values (rotated domain), scored against q' = Π(q⊙w)·scale and scaled by their 16-bit
@@ -24,8 +24,11 @@ import torch
 
 from ..cache.compressed import CompressedCache
 from ..cache.dense import DenseCache
+from ..cache.quantized import QuantizedCache
 from ..cache.turboquant import TurboQuantCache, key_weight
 from ..kernels import check_buffer
+from . import fused_int
+from .fused_int import Quantized
 
 KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # decode.c's KV_F32, KV_F16, KV_BF16
 WRITE_FIRST, WRITE_CODED, WRITE_RECENT, WRITE_SPILL = range(4)        # decode.c's WRITE_*
@@ -43,7 +46,8 @@ class Coded(ctypes.Structure):
 
 class LayerKV(ctypes.Structure):
     _fields_ = [("type", c_int32), ("capacity", c_int32), ("k", c_void_p), ("v", c_void_p),
-                ("coded", ctypes.POINTER(Coded)), ("window", c_int32), ("win_k", c_void_p), ("win_v", c_void_p)]
+                ("coded", ctypes.POINTER(Coded)), ("window", c_int32), ("win_k", c_void_p), ("win_v", c_void_p),
+                ("quant", ctypes.POINTER(Quantized))]
 
 
 class Fill(ctypes.Structure):
@@ -64,12 +68,15 @@ class CacheView:
             for layer in range(L):
                 self.layers[layer] = self._dense(cache, layer)
             return
-        self.coded = {}
+        self.coded, self.quant = {}, {}
         for layer in range(L):
             if layer in cache.fp_layers:
                 self.layers[layer] = self._dense(cache._dense[layer], 0)
             else:
-                self.coded[layer] = self._coded(cache, layer, hd)
+                if isinstance(cache, QuantizedCache):
+                    self.quant[layer] = fused_int.quantized(cache, layer, hd, self._ptr)
+                else:
+                    self.coded[layer] = self._coded(cache, layer, hd)
                 self.layers[layer] = self._coded_layer(cache, layer, hd)
 
     def _ptr(self, t: torch.Tensor, shape: tuple[int, ...], what: str, dtype: torch.dtype, own: bool = False) -> int:
@@ -91,8 +98,8 @@ class CacheView:
         return LayerKV(KV_TYPES[cache.storage], g.capacity, self._ptr(k, shape, f"layer {layer} keys", cache.storage),
                        self._ptr(v, shape, f"layer {layer} values", cache.storage))
 
-    def _coded_layer(self, cache: TurboQuantCache, layer: int, hd: int) -> LayerKV:
-        """A TurboQuant layer: its sink (fp32 rows), codes and recent window (fp32 rows)."""
+    def _coded_layer(self, cache: TurboQuantCache | QuantizedCache, layer: int, hd: int) -> LayerKV:
+        """A TurboQuant or integer layer: its sink (fp32 rows), codes and recent window (fp32 rows)."""
         H = cache.geometry.n_kv_heads
         at = f"layer {layer}"
         sink_k, sink_v = cache._sink_k[layer][0], cache._sink_v[layer][0]   # (Hkv, sink, D)
@@ -101,9 +108,10 @@ class CacheView:
             KV_TYPES[torch.float32], cache.sink,
             self._ptr(sink_k, (H, cache.sink, hd), f"{at} sink keys", torch.float32),
             self._ptr(sink_v, (H, cache.sink, hd), f"{at} sink values", torch.float32),
-            ctypes.pointer(self.coded[layer]), cache.window,
+            ctypes.pointer(self.coded[layer]) if layer in self.coded else None, cache.window,
             self._ptr(win_k, (H, cache.window, hd), f"{at} window keys", torch.float32),
             self._ptr(win_v, (H, cache.window, hd), f"{at} window values", torch.float32),
+            ctypes.pointer(self.quant[layer]) if layer in self.quant else None,
         )
 
     def _coded(self, cache: TurboQuantCache, layer: int, hd: int) -> Coded:
@@ -144,14 +152,17 @@ def buffer_addresses(cache) -> tuple[int, ...]:
     if isinstance(cache, DenseCache):
         return cache.k.data_ptr(), cache.v.data_ptr()
     held = [cache._dense[l].k for l in sorted(cache._dense)] + [cache._dense[l].v for l in sorted(cache._dense)]
-    for buffers in (cache._sink_k, cache._sink_v, cache._win_k, cache._win_v, cache.k_codes, cache.v_codes, cache.k_norm,
-                    cache.v_norm, cache.k_offset, cache.v_offset, cache.k_weight_codes):
+    coded = fused_int.BUFFERS if isinstance(cache, QuantizedCache) else (
+        "k_codes", "v_codes", "k_norm", "v_norm", "k_offset", "v_offset", "k_weight_codes")
+    for buffers in (cache._sink_k, cache._sink_v, cache._win_k, cache._win_v, *(getattr(cache, name) for name in coded)):
         held += buffers.values()
     return tuple(t.data_ptr() for t in held)
 
 
 def serves_codes(cache, cfg) -> bool:
-    """Whether the fused step reads this TurboQuant cache in C (see the module docstring)."""
+    """Whether the fused step reads this TurboQuant cache (see the module docstring) or integer cache (fused_int) in C."""
+    if isinstance(cache, QuantizedCache):
+        return fused_int.serves_int(cache, cfg)
     g = cache.geometry
     return (
         type(cache) is TurboQuantCache and cache.dtype == torch.float32 and cache.device.type == "cpu"
@@ -163,14 +174,15 @@ def serves_codes(cache, cfg) -> bool:
 
 def fill(cache) -> Fill | None:
     """Where the next token goes in every compressed layer (they are level), or None when only the modules can
-    take it: a layer's first chunk still waits for its queries, or the token would be a layer's first coded one
-    (its calibration)."""
+    take it: a TurboQuant layer's first chunk still waits for its queries, or the token would be a TurboQuant layer's
+    first coded one (its calibration)."""
     if not isinstance(cache, CompressedCache):
         return Fill(cache.length, 0, 0, WRITE_FIRST)
     layers = cache.compressed_layers
     if not layers:
         return Fill(cache.length, 0, 0, WRITE_FIRST)
-    if cache._pending:
+    turbo = isinstance(cache, TurboQuantCache)
+    if turbo and cache._pending:
         return None
     layer = layers[0]
     n_sink, n_coded, held = cache._n_sink(layer), cache._n_comp[layer], cache._held(layer)
@@ -180,7 +192,7 @@ def fill(cache) -> Fill | None:
         write = WRITE_CODED
     else:
         write = WRITE_RECENT if held < cache.window else WRITE_SPILL
-    if write in (WRITE_CODED, WRITE_SPILL) and not cache._calibrated.issuperset(layers):
+    if turbo and write in (WRITE_CODED, WRITE_SPILL) and not cache._calibrated.issuperset(layers):
         return None
     if not all(cache._n_comp[l] == n_coded for l in layers):   # level layers (as accepts checks) with level codes
         return None                                             # hold level sinks and windows too
@@ -198,3 +210,5 @@ def record_written(cache, written: range, where: Fill) -> None:
             cache._dense[layer].record_written([0], 1)
         elif where.write in (WRITE_CODED, WRITE_SPILL):
             cache._n_comp[layer] += 1
+        if isinstance(cache, QuantizedCache):   # its last append's full-precision copy is no longer the last append
+            cache._fresh.pop(layer, None)
