@@ -6,7 +6,9 @@
  * part's centroid table[code]. Fractional widths are two parts (outlier channels at one more bit), QJL sign
  * bits a 1-bit part whose table is {-1, +1}.
  *
- * Every entry point decodes a few rows at a time into a small float tile (L1-resident) and works on that:
+ * The entry points decode a few rows at a time into a small float tile (L1-resident) and work on that, or, under
+ * AVX-512 for parts of 1 to 5 bits over multiples of 64 channels, score and sum the rows straight from their codes in
+ * registers (kvlab_cb_dot_rows, kvlab_cb_mix_rows; see "rows used straight from their codes" below):
  *   dots   out[h, i, t] = q[h, i] . value(row start + t)                    (scores; per row tile, all queries)
  *   mix    out[h, i]    = sum_t w[h, i, t] value(row start + t)             (values; fixed row segments, summed
  *                                                                             in segment order: same result for

@@ -20,9 +20,10 @@
  * rows around the coded rows. The new token (or the row leaving the window) is coded here as
  * TurboQuantCache.code codes it: x' = (x - mu) / w, scale ||x'|| * factor in 16 bits, codes of y = x' M / ||x'||
  * (codebook.c's encoder). A coded chunk is attended in the rotated domain: q' = (q w) M * scale for every query
- * head, keys decoded SUB_ROWS at a time into an L1 tile read by every head of the group, the scores times the
- * keys' scales, `top` shifted by q . mu * scale (the same for every coded key), values summed straight from their
- * codes times their scales; the coded chunks' sum turns back once per head (x = y Mᵀ) when the parts combine.
+ * head, keys scored straight from their codes in registers by every head of the group (AVX-512; elsewhere decoded
+ * SUB_ROWS at a time into an L1 tile the heads read), the scores times the keys' scales, `top` shifted by
+ * q . mu * scale (the same for every coded key), values summed straight from their codes times their scales; the
+ * coded chunks' sum turns back once per head (x = y Mᵀ) when the parts combine.
  * The softmax's exponentials are vectorized (about 2 ulp, AVX-512 / AVX2; expf in plain C).
  */
 #include <math.h>
