@@ -6,7 +6,9 @@
  * part's centroid table[code]. Fractional widths are two parts (outlier channels at one more bit), QJL sign
  * bits a 1-bit part whose table is {-1, +1}.
  *
- * Every entry point decodes a few rows at a time into a small float tile (L1-resident) and works on that:
+ * The entry points decode a few rows at a time into a small float tile (L1-resident) and work on that, or, under
+ * AVX-512 for parts of 1 to 5 bits over multiples of 64 channels, score and sum the rows straight from their codes in
+ * registers (kvlab_cb_dot_rows, kvlab_cb_mix_rows; see "rows used straight from their codes" below):
  *   dots   out[h, i, t] = q[h, i] . value(row start + t)                    (scores; per row tile, all queries)
  *   mix    out[h, i]    = sum_t w[h, i, t] value(row start + t)             (values; fixed row segments, summed
  *                                                                             in segment order: same result for
@@ -29,6 +31,12 @@
 #define CB_TILE 16          /* rows decoded at once */
 #define CB_SEGMENT 256      /* rows per partial sum of the mix */
 #define CB_SERIAL_WORK (1 << 17)   /* below this many multiply-adds one thread does it (a region costs more) */
+#if defined(__GNUC__)
+#define CB_INLINE static inline __attribute__((always_inline))   /* the register kernels: each width and head count its own
+                                                                    copy, its constants folded in */
+#else
+#define CB_INLINE static inline
+#endif
 
 /* Which variant this build is: 512 (AVX-512), 256 (AVX2) or 0 (plain C). */
 int kvlab_codebook_variant(void) {
@@ -289,7 +297,7 @@ static void plane_codes(const uint8_t *plane, int n, int w, int shift, int first
 #if defined(__AVX512F__)
 /* the 16 codes of channels [c, c + 16) of a w-bit plane (c a multiple of 16), in registers: each lane's byte
  * (pshufb), shifted right to its bits, masked */
-static inline __m512i plane16(const uint8_t *plane, int c, const int w) {
+CB_INLINE __m512i plane16(const uint8_t *plane, int c, const int w) {
     const uint8_t *p = plane + c * w / 8;
     if (w == 8) return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
     __m128i bytes, spread;
@@ -316,7 +324,7 @@ static inline __m512i plane16(const uint8_t *plane, int c, const int w) {
 }
 
 /* high | the 1-bit plane's bits of channels [c, c + 16) as the low bit: the two bytes are a lane mask */
-static inline __m512i low_plane16(__m512i high, const uint8_t *plane, int c) {
+CB_INLINE __m512i low_plane16(__m512i high, const uint8_t *plane, int c) {
     uint16_t bits;
     memcpy(&bits, plane + c / 8, 2);
     return _mm512_mask_or_epi32(high, (__mmask16)bits, high, _mm512_set1_epi32(1));
@@ -424,34 +432,90 @@ void kvlab_cb_decode_rows(const cb_layout *L, const uint8_t *rows, int64_t row_b
 }
 
 #if defined(__AVX512F__)
+/* ---- rows used straight from their codes in registers: the mix (values) and the dots (keys) ----------------------
+ * A block is the 16 channels [16b, 16b + 16) of a part. Its values come from broadcast loads, a shift and the table
+ * in a register (the permute reads only the low 4 bits of each index, so bits of other channels above the code need
+ * no mask when the table repeats with the code's period):
+ *   2 bits  the block's 4 bytes in every lane, lane i shifted right by 2i; the table repeated every 4 entries
+ *   3 bits  the 2-bit plane as above (the code's high bits h), looked up in two tables, the centroids 2h and 2h + 1
+ *           (each repeated every 4 entries): the second where the 1-bit plane's two bytes, a lane mask, have the
+ *           low bit set
+ *   4 bits  the block's 8 bytes in every 64-bit lane, lane k shifted right by 4k: 32-bit lane 2k holds channel k
+ *           and lane 2k + 1 channel 8 + k (`block4_order`); the queries and sums are put in that order too
+ *   1, 5    plane16 / low_plane16 (channels in order) */
+typedef struct {
+    __m512 t0, t1;                 /* the table as the block's indices read it; t1: the odd centroids (3 bits) or
+                                      entries 16-31 (5 bits) */
+} block_table;
+
+CB_INLINE block_table prepare_table(const cb_part *P, const int bits) {
+    float t[16], odd[16];
+    for (int i = 0; i < 16; i++) {
+        t[i] = bits == 2 ? P->table[i & 3] : bits == 3 ? P->table[2 * (i & 3)] : P->table[i];
+        odd[i] = bits == 3 ? P->table[2 * (i & 3) + 1] : bits == 5 ? P->table[16 + i] : t[i];
+    }
+    const block_table T = {_mm512_loadu_ps(t), _mm512_loadu_ps(odd)};
+    return T;
+}
+
+/* lane j of a 4-bit block holds channel block4_order[j]; a vector of 16 channels x in order goes to block order as
+ * permutexvar(block4_order, x) and back as permutexvar(block4_back, y) */
+CB_INLINE __m512i block4_order(void) { return _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15); }
+CB_INLINE __m512i block4_back(void) { return _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15); }
+
+CB_INLINE int32_t bytes4(const uint8_t *p) {
+    int32_t x;
+    memcpy(&x, p, 4);
+    return x;
+}
+
+/* the values of block b of one row's part (planes at o0 and o1 of the row), in the block's lane order */
+CB_INLINE __m512 block_values(const uint8_t *row, int64_t o0, int64_t o1, int b, const int bits, block_table T) {
+    if (bits == 4) {
+        int64_t x;
+        memcpy(&x, row + o0 + 8 * b, 8);
+        const __m512i codes = _mm512_srlv_epi64(_mm512_set1_epi64(x), _mm512_setr_epi64(0, 4, 8, 12, 16, 20, 24, 28));
+        return _mm512_permutexvar_ps(codes, T.t0);
+    }
+    if (bits == 2 || bits == 3) {
+        const __m512i high = _mm512_srlv_epi32(_mm512_set1_epi32(bytes4(row + o0 + 4 * b)),
+                                               _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30));
+        if (bits == 2) return _mm512_permutexvar_ps(high, T.t0);
+        uint16_t low;   /* the 1-bit plane's bits of the block: a lane mask */
+        memcpy(&low, row + o1 + 2 * b, 2);
+        return _mm512_mask_permutexvar_ps(_mm512_permutexvar_ps(high, T.t0), (__mmask16)low, high, T.t1);
+    }
+    const int c = 16 * b;
+    if (bits == 1) return _mm512_permutexvar_ps(low_plane16(_mm512_setzero_si512(), row + o0, c), T.t0);
+    return _mm512_permutex2var_ps(T.t0, low_plane16(_mm512_slli_epi32(plane16(row + o0, c, 4), 1), row + o1, c), T.t1);
+}
+
+
+
 /* acc[h][lo + c0 .. + 64) += sum_r w[h][r] value(r) for `gh` heads, one part, 64 channels from c0: the codes are
  * unpacked and looked up in registers, each row's four blocks read by every head (bits and gh constants here) */
-static inline void mix_block(const cb_part *P, const uint8_t *rows, int64_t row_bytes, int64_t count, const float *w,
-                             int64_t w_stride, float *acc, int64_t acc_stride, int c0, const int bits, const int gh) {
-    const __m512 t0 = _mm512_loadu_ps(P->table), t1 = bits == 5 ? _mm512_loadu_ps(P->table + 16) : t0;
+CB_INLINE void mix_block(const cb_part *P, const uint8_t *rows, int64_t row_bytes, int64_t count, const float *w,
+                         int64_t w_stride, float *acc, int64_t acc_stride, int c0, const int bits, const int gh) {
+    const block_table T = prepare_table(P, bits);
     const int64_t o0 = P->offset[0], o1 = P->n_planes > 1 ? P->offset[1] : 0;
     __m512 a[4][4];
     for (int h = 0; h < gh; h++)
-        for (int b = 0; b < 4; b++) a[h][b] = _mm512_loadu_ps(acc + h * acc_stride + P->lo + c0 + 16 * b);
+        for (int b = 0; b < 4; b++) {
+            const __m512 x = _mm512_loadu_ps(acc + h * acc_stride + P->lo + c0 + 16 * b);
+            a[h][b] = bits == 4 ? _mm512_permutexvar_ps(block4_order(), x) : x;
+        }
     for (int64_t r = 0; r < count; r++) {
         const uint8_t *row = rows + r * row_bytes;
         __m512 value[4];
-        for (int b = 0; b < 4; b++) {
-            const int c = c0 + 16 * b;
-            __m512i code;
-            if (bits == 3) code = low_plane16(_mm512_slli_epi32(plane16(row + o0, c, 2), 1), row + o1, c);
-            else if (bits == 5) code = low_plane16(_mm512_slli_epi32(plane16(row + o0, c, 4), 1), row + o1, c);
-            else if (bits == 1) code = low_plane16(_mm512_setzero_si512(), row + o0, c);
-            else code = plane16(row + o0, c, bits);
-            value[b] = bits == 5 ? _mm512_permutex2var_ps(t0, code, t1) : _mm512_permutexvar_ps(code, t0);
-        }
+        for (int b = 0; b < 4; b++) value[b] = block_values(row, o0, o1, c0 / 16 + b, bits, T);
         for (int h = 0; h < gh; h++) {
             const __m512 wr = _mm512_set1_ps(w[h * w_stride + r]);
             for (int b = 0; b < 4; b++) a[h][b] = _mm512_fmadd_ps(wr, value[b], a[h][b]);
         }
     }
     for (int h = 0; h < gh; h++)
-        for (int b = 0; b < 4; b++) _mm512_storeu_ps(acc + h * acc_stride + P->lo + c0 + 16 * b, a[h][b]);
+        for (int b = 0; b < 4; b++)
+            _mm512_storeu_ps(acc + h * acc_stride + P->lo + c0 + 16 * b, bits == 4 ? _mm512_permutexvar_ps(block4_back(), a[h][b]) : a[h][b]);
 }
 
 static void mix_heads(const cb_part *P, const uint8_t *rows, int64_t row_bytes, int64_t count, const float *w,
@@ -470,13 +534,108 @@ static void mix_heads(const cb_part *P, const uint8_t *rows, int64_t row_bytes, 
     }
 #undef MIX_CASE
 }
+
+/* The dots: a row's partial sums per head (16 lanes: its products summed over the part's blocks), sixteen rows'
+ * partials folded into one vector of sixteen dots instead of a horizontal sum per row. A fold of two vectors a, b whose
+ * rows hold 2g partials each (g = 8, 4, 2, 1) gives rows of g: its lane block k (g lanes) is the sum of the blocks k and
+ * k ^ 1 of a (k even) or b (k odd), the first in place (a blend) and the second moved (one permute), so a's and b's rows
+ * interleave. Four levels (16 vectors -> 8 -> 4 -> 2 -> 1) leave the row at position p in lane bitrev(p): the rows go in
+ * at bit-reversed positions to come out in order. Folded as the rows come (quads, then pairs of quads) to keep the
+ * partials in registers. */
+CB_INLINE __m512 fold(__m512 a, __m512 b, const int s) {
+    /* level s (g = 8 >> s): lane j of block k = j / g moved from lane (k & 1) * 16 + (k ^ 1) * g + j % g; the blocks
+     * with k odd are b's in place */
+    static const int32_t other[4][16] = {
+        {8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23}, {4, 5, 6, 7, 16, 17, 18, 19, 12, 13, 14, 15, 24, 25, 26, 27},
+        {2, 3, 16, 17, 6, 7, 20, 21, 10, 11, 24, 25, 14, 15, 28, 29}, {1, 16, 3, 18, 5, 20, 7, 22, 9, 24, 11, 26, 13, 28, 15, 30}};
+    static const __mmask16 from_b[4] = {0xff00, 0xf0f0, 0xcccc, 0xaaaa};
+    return _mm512_add_ps(_mm512_mask_blend_ps(from_b[s], a, b), _mm512_permutex2var_ps(a, _mm512_loadu_si512(other[s]), b));
+}
+
+/* p[h] = the partials of q_h . value(row) over the four blocks from b0; qb: each head's 64 channels in block order,
+ * qs floats apart */
+CB_INLINE void row_partials(const uint8_t *row, int64_t o0, int64_t o1, int b0, const float *qb, int64_t qs,
+                            const int bits, const int gh, block_table T, __m512 *p) {
+    const __m512 v = block_values(row, o0, o1, b0, bits, T);
+    for (int h = 0; h < gh; h++) p[h] = _mm512_mul_ps(_mm512_loadu_ps(qb + h * qs), v);
+    for (int b = 1; b < 4; b++) {
+        const __m512 vb = block_values(row, o0, o1, b0 + b, bits, T);
+        for (int h = 0; h < gh; h++) p[h] = _mm512_fmadd_ps(_mm512_loadu_ps(qb + h * qs + 16 * b), vb, p[h]);
+    }
+}
+
+/* x[h] = the partials of the quad k of the sixteen rows from `rows`, folded twice: positions 4k .. 4k + 3 (the rows
+ * bitrev(4k + j) = 8 (j & 1) + 4 (j >> 1) + 2 (k & 1) + (k >> 1)), four lanes a row */
+CB_INLINE void quad_partials(const uint8_t *rows, int64_t row_bytes, int k, int64_t o0, int64_t o1, int b0, const float *qb,
+                             int64_t qs, const int bits, const int gh, block_table T, __m512 *x) {
+    __m512 p[4][4];   /* [row of the quad][head] */
+    for (int j = 0; j < 4; j++)
+        row_partials(rows + (8 * (j & 1) + 4 * (j >> 1) + 2 * (k & 1) + (k >> 1)) * row_bytes, o0, o1, b0, qb, qs, bits, gh, T, p[j]);
+    for (int h = 0; h < gh; h++) x[h] = fold(fold(p[0][h], p[1][h], 0), fold(p[2][h], p[3][h], 0), 1);
+}
+
+/* out[h * out_stride + r] (+)= q_h . value(row r) over 64 channels of one part from c0, r < count, for `gh` heads
+ * (bits and gh constants here); qb as row_partials reads it */
+CB_INLINE void dot_block(const cb_part *P, const uint8_t *rows, int64_t row_bytes, int64_t count, int c0, const float *qb,
+                         int64_t qs, int add, float *out, int64_t out_stride, const int bits, const int gh) {
+    const block_table T = prepare_table(P, bits);
+    const int64_t o0 = P->offset[0], o1 = P->n_planes > 1 ? P->offset[1] : 0;
+    const int b0 = c0 / 16;
+    int64_t r = 0;
+    for (; r + 16 <= count; r += 16) {
+        const uint8_t *at = rows + r * row_bytes;
+        __m512 x[4], y[4], half[4];
+        quad_partials(at, row_bytes, 0, o0, o1, b0, qb, qs, bits, gh, T, x);
+        quad_partials(at, row_bytes, 1, o0, o1, b0, qb, qs, bits, gh, T, y);
+        for (int h = 0; h < gh; h++) half[h] = fold(x[h], y[h], 2);
+        quad_partials(at, row_bytes, 2, o0, o1, b0, qb, qs, bits, gh, T, x);
+        quad_partials(at, row_bytes, 3, o0, o1, b0, qb, qs, bits, gh, T, y);
+        for (int h = 0; h < gh; h++) {
+            float *o = out + h * out_stride + r;
+            const __m512 dots = fold(half[h], fold(x[h], y[h], 2), 3);
+            _mm512_storeu_ps(o, add ? _mm512_add_ps(_mm512_loadu_ps(o), dots) : dots);
+        }
+    }
+    for (; r < count; r++) {   /* the last rows one at a time */
+        __m512 p[4];
+        row_partials(rows + r * row_bytes, o0, o1, b0, qb, qs, bits, gh, T, p);
+        for (int h = 0; h < gh; h++) {
+            const float dot = _mm512_reduce_add_ps(p[h]);
+            out[h * out_stride + r] = add ? out[h * out_stride + r] + dot : dot;
+        }
+    }
+}
+
+static void dot_heads(const cb_part *P, const uint8_t *rows, int64_t row_bytes, int64_t count, int c0, const float *qb,
+                      int64_t qs, int add, float *out, int64_t out_stride, int bits, int gh) {
+#define DOT_CASE(B) switch (gh) { \
+        case 1: dot_block(P, rows, row_bytes, count, c0, qb, qs, add, out, out_stride, B, 1); break; \
+        case 2: dot_block(P, rows, row_bytes, count, c0, qb, qs, add, out, out_stride, B, 2); break; \
+        case 3: dot_block(P, rows, row_bytes, count, c0, qb, qs, add, out, out_stride, B, 3); break; \
+        default: dot_block(P, rows, row_bytes, count, c0, qb, qs, add, out, out_stride, B, 4); break; }
+    switch (bits) {
+        case 1: DOT_CASE(1) break;
+        case 2: DOT_CASE(2) break;
+        case 3: DOT_CASE(3) break;
+        case 4: DOT_CASE(4) break;
+        default: DOT_CASE(5) break;
+    }
+#undef DOT_CASE
+}
 #endif
+
+/* whether the mix and the dots read a layout in registers (AVX-512): every part 1 to 5 bits over whole groups of four
+ * blocks (64 channels) */
+static int register_layout(const cb_layout *L) {
+    int ok = CB_LANES == 16;
+    for (int p = 0; p < L->n_parts; p++) ok &= L->part[p].bits <= 5 && (L->part[p].hi - L->part[p].lo) % 64 == 0;
+    return ok;
+}
 
 int kvlab_cb_mix_rows(const cb_layout *L, const uint8_t *rows, int64_t row_bytes, int64_t count, const float *w,
                       int64_t w_stride, int heads, float *acc, int64_t acc_stride) {
 #if defined(__AVX512F__)
-    for (int p = 0; p < L->n_parts; p++)
-        if (L->part[p].bits > 5 || (L->part[p].hi - L->part[p].lo) % 64) return -1;
+    if (!register_layout(L)) return -1;
     for (int p = 0; p < L->n_parts; p++)
         for (int c0 = 0; c0 < L->part[p].hi - L->part[p].lo; c0 += 64)
             for (int h0 = 0; h0 < heads; h0 += 4)
@@ -485,6 +644,32 @@ int kvlab_cb_mix_rows(const cb_layout *L, const uint8_t *rows, int64_t row_bytes
     return 0;
 #else
     (void)L, (void)rows, (void)row_bytes, (void)count, (void)w, (void)w_stride, (void)heads, (void)acc, (void)acc_stride;
+    return -1;
+#endif
+}
+
+int kvlab_cb_dot_rows(const cb_layout *L, const uint8_t *rows, int64_t row_bytes, int64_t count, const float *q,
+                      int64_t q_stride, int heads, float *out, int64_t out_stride) {
+#if defined(__AVX512F__)
+    if (!register_layout(L)) return -1;
+    float qb[4 * 64];   /* up to four heads' 64 channels, in block order */
+    for (int h0 = 0; h0 < heads; h0 += 4) {
+        const int gh = heads - h0 < 4 ? heads - h0 : 4;
+        for (int p = 0; p < L->n_parts; p++) {
+            const cb_part *P = &L->part[p];
+            for (int c0 = 0; c0 < P->hi - P->lo; c0 += 64) {
+                for (int h = 0; h < gh; h++)
+                    for (int c = 0; c < 64; c += 16) {
+                        const __m512 x = _mm512_loadu_ps(q + (h0 + h) * q_stride + P->lo + c0 + c);
+                        _mm512_storeu_ps(qb + h * 64 + c, P->bits == 4 ? _mm512_permutexvar_ps(block4_order(), x) : x);
+                    }
+                dot_heads(P, rows, row_bytes, count, c0, qb, 64, p > 0 || c0 > 0, out + h0 * out_stride, out_stride, P->bits, gh);
+            }
+        }
+    }
+    return 0;
+#else
+    (void)L, (void)rows, (void)row_bytes, (void)count, (void)q, (void)q_stride, (void)heads, (void)out, (void)out_stride;
     return -1;
 #endif
 }
@@ -532,7 +717,8 @@ int kvlab_codebook_dots(const uint8_t *codes, int heads, int64_t slots, int64_t 
                         float *out, int n_threads) {
     cb_layout L;
     if (kvlab_cb_layout(&L, d, n_parts, spec, tables, row_bytes) || check(heads, slots, start, n, nq)) return -1;
-    const int64_t tiles = (n + CB_TILE - 1) / CB_TILE;
+    const int in_registers = register_layout(&L);   /* then a work item is a segment, scored in registers */
+    const int64_t span = in_registers ? CB_SEGMENT : CB_TILE, tiles = (n + span - 1) / span;
     const int dpad = L.dpad;
     int failed = 0;
     #pragma omp parallel num_threads(threads_for((int64_t)heads * n * (nq + 1) * d, n_threads))
@@ -546,8 +732,13 @@ int kvlab_codebook_dots(const uint8_t *codes, int heads, int64_t slots, int64_t 
         for (int h = 0; h < heads; h++)
             for (int64_t tile = 0; tile < tiles; tile++) {
                 if (!buf) continue;
+                const int64_t t0 = tile * span, count = n - t0 < span ? n - t0 : span;
+                if (in_registers) {
+                    kvlab_cb_dot_rows(&L, codes + ((int64_t)h * slots + start + t0) * row_bytes, row_bytes, count,
+                                      q + (int64_t)h * nq * d, d, nq, out + (int64_t)h * nq * n + t0, n);
+                    continue;
+                }
                 float *rows = buf, *qpad = buf + (size_t)dpad * CB_TILE;
-                const int64_t t0 = tile * CB_TILE, count = n - t0 < CB_TILE ? n - t0 : CB_TILE;
                 int32_t scratch[CB_MAX_DIM];
                 for (int64_t r = 0; r < count; r++)
                     decode_row(&L, codes + ((int64_t)h * slots + start + t0 + r) * row_bytes, rows + r * dpad, scratch);
@@ -589,6 +780,9 @@ int kvlab_codebook_mix(const uint8_t *codes, int heads, int64_t slots, int64_t r
                 if (!rows) continue;
                 float *acc = partial + ((size_t)h * segments + s) * nq * dpad;
                 const int64_t end = (s + 1) * CB_SEGMENT < n ? (s + 1) * CB_SEGMENT : n;
+                if (kvlab_cb_mix_rows(&L, codes + ((int64_t)h * slots + start + s * CB_SEGMENT) * row_bytes, row_bytes,
+                                      end - s * CB_SEGMENT, w + (int64_t)h * nq * w_stride + s * CB_SEGMENT, w_stride, nq, acc, dpad) == 0)
+                    continue;   /* summed in registers */
                 for (int64_t t0 = s * CB_SEGMENT; t0 < end; t0 += CB_TILE) {
                     const int64_t count = end - t0 < CB_TILE ? end - t0 : CB_TILE;
                     int32_t scratch[CB_MAX_DIM];

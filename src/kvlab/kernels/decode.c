@@ -20,9 +20,10 @@
  * rows around the coded rows. The new token (or the row leaving the window) is coded here as
  * TurboQuantCache.code codes it: x' = (x - mu) / w, scale ||x'|| * factor in 16 bits, codes of y = x' M / ||x'||
  * (codebook.c's encoder). A coded chunk is attended in the rotated domain: q' = (q w) M * scale for every query
- * head, keys decoded SUB_ROWS at a time into an L1 tile read by every head of the group, the scores times the
- * keys' scales, `top` shifted by q . mu * scale (the same for every coded key), values summed straight from their
- * codes times their scales; the coded chunks' sum turns back once per head (x = y Mᵀ) when the parts combine.
+ * head, keys scored straight from their codes in registers by every head of the group (AVX-512; elsewhere decoded
+ * SUB_ROWS at a time into an L1 tile the heads read), the scores times the keys' scales, `top` shifted by
+ * q . mu * scale (the same for every coded key), values summed straight from their codes times their scales; the
+ * coded chunks' sum turns back once per head (x = y Mᵀ) when the parts combine.
  * The softmax's exponentials are vectorized (about 2 ulp, AVX-512 / AVX2; expf in plain C).
  *
  * Integer layers (kvlab/cache/quantized.py, int1..int8 with any group; LayerKV with `quant` set): the same sink and
@@ -387,30 +388,48 @@ static void attend_part(const float *q, const float *keys, const float *values, 
 
 #define SUB_ROWS 16   /* coded rows decoded at once: a tile that stays in L1 while every query head of the group reads it */
 
+/* s[t] *= scale[t] for t < n; returns the largest s[t] (sixteen at a time under AVX-512) */
+static float scale_top(float *s, const float *scale, int n) {
+    float top = -INFINITY;
+    int t = 0;
+#if defined(__AVX512F__)
+    __m512 tops = _mm512_set1_ps(-INFINITY);
+    for (; t + 16 <= n; t += 16) {
+        const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + t), _mm512_loadu_ps(scale + t));
+        _mm512_storeu_ps(s + t, x);
+        tops = _mm512_max_ps(tops, x);
+    }
+    top = _mm512_reduce_max_ps(tops);
+#endif
+    for (; t < n; t++) {
+        s[t] *= scale[t];
+        top = s[t] > top ? s[t] : top;
+    }
+    return top;
+}
+
 /* attend_part for the `group` query heads of one KV head over n coded rows (one key chunk), scores scaled by the
  * rows' key scales (k_scale) and weights by their value scales (v_scale), `top` shifted by the score offset every
- * coded key shares (shifts: q . mu * scale per head), values summed in the rotated domain. The rows are decoded
- * SUB_ROWS at a time into `tile` (SUB_ROWS * d floats + CB_MAX_DIM of room), keys then values, each sub-tile read
- * by every query head while it is in L1. queries (group, d) are q' (already scaled), shifts (group,); head i's
- * scores at scores + i * score_stride, its part at parts + i * part_stride. */
+ * coded key shares (shifts: q . mu * scale per head), values summed in the rotated domain. Keys and values are read
+ * from their codes in registers where codebook.c has that path (kvlab_cb_dot_rows, kvlab_cb_mix_rows); otherwise the
+ * rows are decoded SUB_ROWS at a time into `tile` (SUB_ROWS * d floats + CB_MAX_DIM of room), each sub-tile read by
+ * every query head while it is in L1. queries (group, d) are q' (already scaled), shifts (group,); head i's scores
+ * at scores + i * score_stride, its part at parts + i * part_stride. */
 static void attend_codes(const cb_layout *KL, const cb_layout *VL, const uint8_t *k_rows, const uint8_t *v_rows,
                          int64_t k_bytes, int64_t v_bytes, const float *k_scale, const float *v_scale, int n, int d,
                          const float *queries, const float *shifts, int group, float *tile,
                          float *scores, int64_t score_stride, float *parts, int64_t part_stride) {
-    for (int t0 = 0; t0 < n; t0 += SUB_ROWS) {
-        const int count = n - t0 < SUB_ROWS ? n - t0 : SUB_ROWS;
-        kvlab_cb_decode_rows(KL, k_rows + (int64_t)t0 * k_bytes, k_bytes, count, tile, d);
-        for (int i = 0; i < group; i++) key_scores(queries + (int64_t)i * d, tile, 0, count, d, 1.0f, scores + i * score_stride + t0);
-    }
+    if (kvlab_cb_dot_rows(KL, k_rows, k_bytes, n, queries, d, group, scores, score_stride) != 0)
+        for (int t0 = 0; t0 < n; t0 += SUB_ROWS) {
+            const int count = n - t0 < SUB_ROWS ? n - t0 : SUB_ROWS;
+            kvlab_cb_decode_rows(KL, k_rows + (int64_t)t0 * k_bytes, k_bytes, count, tile, d);
+            for (int i = 0; i < group; i++) key_scores(queries + (int64_t)i * d, tile, 0, count, d, 1.0f, scores + i * score_stride + t0);
+        }
     float tops[CB_MAX_DIM], totals[CB_MAX_DIM];   /* per query head of the group (group <= heads <= CB_MAX_DIM) */
     for (int i = 0; i < group; i++) {
-        float *s = scores + i * score_stride, top = -INFINITY;
-        for (int t = 0; t < n; t++) {
-            s[t] *= k_scale[t];
-            top = s[t] > top ? s[t] : top;
-        }
-        tops[i] = top;
-        totals[i] = exp_shifted(s, n, top);
+        float *s = scores + i * score_stride;
+        tops[i] = scale_top(s, k_scale, n);
+        totals[i] = exp_shifted(s, n, tops[i]);
         for (int t = 0; t < n; t++) s[t] *= v_scale[t];
     }
     for (int i = 0; i < group; i++) memset(parts + i * part_stride, 0, sizeof(float) * (size_t)d);
