@@ -551,8 +551,8 @@ class TurboQuantCache(CompressedCache):
         """Long chunks in blocks over spans of codes (compressed.py), except +prerope, whose keys are read rebuilt."""
         return not self.config.pre_rope
 
-    def _span_attend(self, layer: int, qg: torch.Tensor, lo: int, hi: int,
-                     mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _span_attend(self, layer: int, qg: torch.Tensor, lo: int, hi: int, mask: torch.Tensor | None,
+                     first_query: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of [lo, hi) decoded (in C, a chunk's transient) in the rotated domain with their
         norms, one fused attention there, one inverse rotation of its output; q·μ shifts the log-sum-exp."""
         stored = self._buffers(layer)

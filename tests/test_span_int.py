@@ -1,0 +1,153 @@
+"""Long chunks into the integer caches in bounded blocks over spans of codes (QuantizedCache._span_attend).
+
+A chunk whose logits would exceed one block is read in query blocks × key spans joined by their log-sum-exps
+(compressed.py), each span decoded into a transient (in C with the code kernel, kernels/intcache.c) and read
+by the same per-query rule as the one-pass path (a key group in full precision until complete at the query,
+spilled window tokens exact for the queries before the spill). The block sizes are shrunk here so short
+sequences cross every case: the span path equals the one-pass path, token-by-token decoding, and stays causal.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvlab.cache import CacheGeometry, compressed, make_cache
+from kvlab.cache import quantized
+from kvlab.cache.attention import grouped_attention
+from kvlab.errors import ConfigError
+from kvlab.kernels import BlockKernel
+
+from .compressed_checks import check_attend_is_token_by_token
+from .kernel_checks import one_thread, require_kernel  # noqa: F401  (one_thread: autouse)
+from .test_causal_caches import CHUNKS, SAME, chunked_logits, two_sequences
+from .conftest import tiny_model
+
+ROWS, KEYS = 45, 32           # shrunk blocks: a 70-token chunk is 5 query blocks × 3 key spans
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    monkeypatch.setattr(compressed, "ATTEND_ROWS", ROWS)
+    monkeypatch.setattr(compressed, "ATTEND_KEYS", KEYS)
+
+
+def _pair(name: str, window: int | None, kernel: bool, chunks):
+    """(blocked, one_pass) caches fed the same K/V; yields (blocked, one_pass, q) after each chunk."""
+    g = CacheGeometry(n_layers=1, n_kv_heads=2, head_dim=64, batch=2, capacity=sum(chunks), n_heads=6, window=window)
+    blocked, one_pass = make_cache(name, g), make_cache(name, g)
+    if kernel and blocked.code_kernel is None:
+        require_kernel()
+    if not kernel:
+        blocked.code_kernel = one_pass.code_kernel = None
+    gen = torch.Generator().manual_seed(3)
+    for T in chunks:
+        k, v = torch.randn(2, 2, T, 64, generator=gen), torch.randn(2, 2, T, 64, generator=gen)
+        blocked.append(0, k, v)
+        one_pass.append(0, k, v)
+        yield blocked, one_pass, torch.randn(2, 6, T, 64, generator=gen)
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["C", "torch"])
+@pytest.mark.parametrize("name, window", [("int8", None), ("int4", None), ("int4+g16+sink3", None), ("int4+recent40", None),
+                                          ("int3+g8", None), ("int8+sink2+recent8", 11), ("int4+g64+recent5", None)])
+def test_long_chunks_in_spans_equal_one_pass(name, window, kernel, monkeypatch):
+    """Blocks of at most ROWS rows × spans of at most KEYS tokens == the one-pass read (within fp32 rounding),
+    and == dense attention over the cache's own dequantized K/V for the last chunk's last query."""
+    shapes = []
+    span_attend = quantized.QuantizedCache._span_attend
+
+    def recorded(self, layer, qg, lo, hi, mask, first_query):
+        shapes.append((qg.shape[2], hi - lo))
+        return span_attend(self, layer, qg, lo, hi, mask, first_query)
+
+    for blocked, one_pass, q in _pair(name, window, kernel, (70, 60, 1, 12, 33)):
+        reference = one_pass.attend(0, q)
+        with monkeypatch.context() as patch:
+            patch.setattr(compressed, "ATTEND_ROWS", ROWS)
+            patch.setattr(compressed, "ATTEND_KEYS", KEYS)
+            patch.setattr(quantized.QuantizedCache, "_span_attend", recorded)
+            ours = blocked.attend(0, q)
+        torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
+    keys, values = blocked.dequantized(0)   # after the last chunk (33 tokens) the last query reads everything as stored
+    last = grouped_attention(q[:, :, -1:], keys, values, blocked.scale, window=window)
+    torch.testing.assert_close(ours[:, :, -1:], last, atol=2e-5, rtol=1e-4)
+    assert shapes and max(r for r, _ in shapes) <= ROWS and max(n for _, n in shapes) <= KEYS
+
+
+@pytest.mark.parametrize("name", ["int4", "int8+sink3", "int4+g16+recent40"])
+def test_the_span_path_reads_what_token_by_token_decoding_reads(name, small_blocks):
+    check_attend_is_token_by_token(name, chunks=(40, 1, 32, 23))
+
+
+@pytest.mark.parametrize("name", ["int4", "int4+recent40"])
+def test_later_tokens_never_change_earlier_logits_on_the_span_path(name, monkeypatch):
+    model = tiny_model(seed=3, n_heads=4, n_kv_heads=2, d_model=128, max_seq_len=sum(CHUNKS))
+    monkeypatch.setattr(compressed, "ATTEND_ROWS", 24)
+    monkeypatch.setattr(compressed, "ATTEND_KEYS", 16)
+    spans = []
+    monkeypatch.setattr(quantized.QuantizedCache, "_span_attend",
+                        lambda self, *args, _f=quantized.QuantizedCache._span_attend: spans.append(1) or _f(self, *args))
+    tokens = two_sequences()
+    a = chunked_logits(model, tokens[:1], name, CHUNKS)
+    b = chunked_logits(model, tokens[1:], name, CHUNKS)
+    assert spans
+    assert torch.equal(a[:, :SAME], b[:, :SAME]), (a[:, :SAME] - b[:, :SAME]).abs().max()
+    assert not torch.equal(a[:, SAME:], b[:, SAME:])
+
+
+def test_the_span_path_never_decodes_the_whole_context(monkeypatch, small_blocks):
+    """With the code kernel, a long chunk decodes spans in C, at most KEYS tokens each, and never unpacks in torch
+    nor scores or mixes the whole context."""
+    require_kernel()
+    spans = []
+    original = BlockKernel.int_decode
+
+    def counted(self, bits, codes, scale, zero, start, n, *groups):
+        spans.append(n)
+        return original(self, bits, codes, scale, zero, start, n, *groups)
+
+    monkeypatch.setattr(BlockKernel, "int_decode", counted)
+    monkeypatch.setattr(quantized, "unpack", lambda *_: pytest.fail("torch unpacked the codes"))
+    for blocked, _, q in _pair("int4+sink2+recent8", None, True, (90, 70)):
+        if blocked.layer_length(0) == 160:
+            monkeypatch.setattr(BlockKernel, "int_scores", lambda *_: pytest.fail("scored the whole context"))
+            monkeypatch.setattr(BlockKernel, "int_mix", lambda *_: pytest.fail("mixed the whole context"))
+            assert torch.isfinite(blocked.attend(0, q)).all()
+    assert spans and max(spans) <= KEYS
+
+
+@pytest.mark.parametrize("bits, group, lo, n", [(4, 32, 0, 96), (8, 16, 5, 37), (4, 8, 31, 1), (8, 32, 64, 0)])
+def test_the_c_decode_equals_the_torch_decode(bits, group, lo, n):
+    kernel = require_kernel()
+    g = CacheGeometry(n_layers=1, n_kv_heads=3, head_dim=64, batch=2, capacity=100, n_heads=3)
+    cache = make_cache(f"int{bits}+g{group}", g)
+    gen = torch.Generator().manual_seed(bits + group)
+    cache.append(0, torch.randn(2, 3, 100, 64, generator=gen) * 3, torch.randn(2, 3, 100, 64, generator=gen))
+    cache.code_kernel = None
+    want_k, want_v = cache._coded_keys(0, lo, lo + n), cache._values(0, lo, lo + n)
+    cache.code_kernel = kernel
+    torch.testing.assert_close(cache._coded_keys(0, lo, lo + n), want_k, atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(cache._values(0, lo, lo + n), want_v, atol=1e-5, rtol=1e-6)
+    assert want_k.shape == (2, 3, n, 64)
+
+
+def test_decode_arguments_that_do_not_fit_are_one_line_errors():
+    kernel = require_kernel()
+    codes = torch.zeros(1, 2, 8, 32, dtype=torch.uint8)
+    meta = torch.zeros(1, 2, 2, 64, dtype=torch.float16)
+    assert kernel.int_decode(4, codes, meta, meta, 0, 8, 4, 1).shape == (1, 2, 8, 64)
+    bad = {
+        "past the slots": lambda: kernel.int_decode(4, codes, meta, meta, 4, 5, 4, 1),
+        "past the metadata rows": lambda: kernel.int_decode(4, codes, meta, meta, 0, 8, 2, 1),
+        "int3": lambda: kernel.int_decode(3, codes, meta, meta, 0, 8, 4, 1),
+        "row bytes of int8": lambda: kernel.int_decode(8, codes, meta, meta, 0, 8, 4, 1),
+        "negative start": lambda: kernel.int_decode(4, codes, meta, meta, -1, 2, 4, 1),
+        "fp32 scales": lambda: kernel.int_decode(4, codes, meta.float(), meta, 0, 8, 4, 1),
+        "zero group": lambda: kernel.int_decode(4, codes, meta, meta, 0, 8, 0, 1),
+        "3-D codes": lambda: kernel.int_decode(4, codes[0], meta, meta, 0, 8, 4, 1),
+    }
+    for what, call in bad.items():
+        with pytest.raises(ConfigError) as err:
+            call()
+        assert "\n" not in str(err.value), what
