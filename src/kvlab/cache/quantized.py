@@ -262,6 +262,9 @@ class QuantizedCache(CompressedCache):
         first_count, last_count = int(counts.min()), int(counts.max())
         hi = min(hi, last_count + self.window)                                  # later tokens: seen by no row
         mixed = max(lo, min(hi, first_count // G * G))                          # from here rows read tokens differently
+        if mixed == hi:                                                         # every row: coded keys and values
+            mask = None if mask is None else mask[:, :hi - lo]
+            return attend_with_lse(qg, self._coded_keys(layer, lo, hi), self._values(layer, lo, hi), self.scale, mask)
         seen = torch.zeros(qg.shape[2], hi - lo, device=self.device) if mask is None else mask[:, :hi - lo]  # (R, hi-lo)
 
         def only(rows: torch.Tensor, a: int, b: int) -> torch.Tensor:
