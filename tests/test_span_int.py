@@ -151,3 +151,19 @@ def test_decode_arguments_that_do_not_fit_are_one_line_errors():
         with pytest.raises(ConfigError) as err:
             call()
         assert "\n" not in str(err.value), what
+
+
+def test_without_the_code_kernel_reads_are_spans_too(monkeypatch, small_blocks):
+    """int3 (no C kernel) or the torch reference: decode steps and short chunks score and mix span by span,
+    never decoding more than ATTEND_KEYS tokens at once, and equal dense attention over the stored K/V."""
+    spans = []
+    for method in ("_coded_keys", "_values"):
+        original = getattr(quantized.QuantizedCache, method)
+        monkeypatch.setattr(quantized.QuantizedCache, method,
+                            lambda self, layer, lo, hi, _f=original: spans.append(hi - lo) or _f(self, layer, lo, hi))
+    for blocked, _, q in _pair("int3+g8+sink1", None, False, (90, 1, 1, 5, 1)):
+        spans.clear()
+        out = blocked.attend(0, q)
+        assert spans and max(spans) <= KEYS, spans
+        keys, values = blocked.dequantized(0)
+        torch.testing.assert_close(out[:, :, -1:], grouped_attention(q[:, :, -1:], keys, values, blocked.scale), atol=2e-5, rtol=1e-4)

@@ -48,6 +48,7 @@ from ..errors import ConfigError, NonFiniteError
 from ..kernels import kernel_for
 from .base import CacheGeometry, copy_prefix, tensors_nbytes
 from .attention import attend_with_lse
+from . import compressed
 from .compressed import CompressedCache, FullPrecision, ceil_div
 from .packing import pack, packed_nbytes, unpack
 
@@ -202,7 +203,11 @@ class QuantizedCache(CompressedCache):
             coded = self.code_kernel.int_scores(self.config.bits, self.k_codes[layer], self.k_scale[layer], self.k_zero[layer],
                                                 complete, G, qg, self.scale)       # (B, H, G·T, complete)
         else:
-            coded = (qg @ self._coded_keys(layer, 0, complete).transpose(-1, -2)) * self.scale
+            coded = qg.new_empty(*qg.shape[:3], complete)                           # (B, H, G·T, complete)
+            for a in range(0, complete, compressed.ATTEND_KEYS):                    # a span's keys at a time
+                b = min(complete, a + compressed.ATTEND_KEYS)
+                coded[..., a:b] = qg @ self._coded_keys(layer, a, b).transpose(-1, -2)
+            coded.mul_(self.scale)
         counts = self._stored_counts(n, qg.shape[2])                                # (G·T,)
         lo = max(0, int(counts[0])) // G * G        # the earliest query's open group starts here
         if lo >= n:
@@ -231,7 +236,10 @@ class QuantizedCache(CompressedCache):
             out = self.code_kernel.int_mix(self.config.bits, self.v_codes[layer], self.v_scale[layer], self.v_zero[layer],
                                            n, self.geometry.head_dim_v, p)         # (B, H, G·T, Dv)
         else:
-            out = p @ self._values(layer, 0, n)                                     # (B, H, G·T, Dv)
+            out = 0.0
+            for a in range(0, n, compressed.ATTEND_KEYS):                           # a span's values at a time
+                b = min(n, a + compressed.ATTEND_KEYS)
+                out = out + p[..., a:b] @ self._values(layer, a, b)                 # (B, H, G·T, Dv)
         if late is not None:
             out = out + p_late @ v_late                                             # (B, H, G·T, Dv)
         return out
