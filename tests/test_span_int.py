@@ -5,12 +5,20 @@ A chunk whose logits would exceed one block is read in query blocks × key spans
 by the same per-query rule as the one-pass path (a key group in full precision until complete at the query,
 spilled window tokens exact for the queries before the spill). The block sizes are shrunk here so short
 sequences cross every case: the span path equals the one-pass path, token-by-token decoding, and stays causal.
+intcache.c is also built here per instruction set (AVX-512, AVX2, plain C) and each build checked against torch.
 """
 
 from __future__ import annotations
 
+import ctypes
+import platform
+import shutil
+import subprocess
+
 import pytest
 import torch
+
+from kvlab import kernels
 
 from kvlab.cache import CacheGeometry, compressed, make_cache
 from kvlab.cache import quantized
@@ -19,7 +27,8 @@ from kvlab.errors import ConfigError
 from kvlab.kernels import BlockKernel
 
 from .compressed_checks import check_attend_is_token_by_token
-from .kernel_checks import one_thread, require_kernel  # noqa: F401  (one_thread: autouse)
+from .kernel_checks import MARCH, one_thread, require_kernel  # noqa: F401  (one_thread: autouse)
+from .test_tq_kernels import CPU_NEEDS, _cpu_flags
 from .test_causal_caches import CHUNKS, SAME, chunked_logits, two_sequences
 from .conftest import tiny_model
 
@@ -167,3 +176,53 @@ def test_without_the_code_kernel_reads_are_spans_too(monkeypatch, small_blocks):
         assert spans and max(spans) <= KEYS, spans
         keys, values = blocked.dequantized(0)
         torch.testing.assert_close(out[:, :, -1:], grouped_attention(q[:, :, -1:], keys, values, blocked.scale), atol=2e-5, rtol=1e-4)
+
+
+@pytest.fixture(scope="module", params=list(MARCH))
+def int_variant(request, tmp_path_factory) -> BlockKernel:
+    """intcache.c alone, built for one instruction set (skipped only where that build cannot run here), behind the
+    library's own front end (its int_* methods with the loaded library's argument types)."""
+    name = request.param
+    compiler = shutil.which("cc")
+    if compiler is None:
+        pytest.skip("no C compiler (cc)")
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip(f"the {name} variant is an x86-64 build")
+    if CPU_NEEDS[name] and CPU_NEEDS[name] not in _cpu_flags():
+        pytest.skip(f"this CPU cannot run the {name} build")
+    loaded = require_kernel()
+    target = tmp_path_factory.mktemp("intcache") / f"intcache-{name}.so"
+    flags = [MARCH[name] if f == "-march=native" else f for f in kernels.FLAGS]
+    run = subprocess.run([compiler, *flags, "-o", str(target), str(kernels.HERE / "intcache.c"), *kernels.LIBS],
+                         capture_output=True, text=True)
+    if run.returncode != 0:
+        pytest.fail(f"intcache.c does not build with {MARCH[name]}: {(run.stderr or run.stdout).strip()[:400]}")
+    lib = ctypes.CDLL(str(target))
+    variant = BlockKernel.__new__(BlockKernel)
+    variant._lib = lib
+    for fn in ("kvlab_int_scores", "kvlab_int_mix", "kvlab_int_decode"):
+        getattr(lib, fn).argtypes = getattr(loaded._lib, fn).argtypes
+        getattr(lib, fn).restype = ctypes.c_int
+    return variant
+
+
+@pytest.mark.parametrize("name, dim", [("int4", 64), ("int8+g16", 64), ("int4+g8", 48), ("int8", 96)])
+def test_each_variant_decodes_scores_and_mixes_like_torch(int_variant, name, dim):
+    """Every function of intcache.c in each build (AVX-512 paths at head dim 64 and group 32, plain C elsewhere)
+    against the torch decode and matmuls, on a cache with an open key group (batch 2, GQA)."""
+    g = CacheGeometry(n_layers=1, n_kv_heads=2, head_dim=dim, batch=2, capacity=80, n_heads=6)
+    cache = make_cache(name, g)
+    gen = torch.Generator().manual_seed(dim)
+    cache.append(0, torch.randn(2, 2, 75, dim, generator=gen) * 2, torch.randn(2, 2, 75, dim, generator=gen))
+    cache.code_kernel = None
+    complete = 75 // cache.config.group_size * cache.config.group_size
+    keys, values = cache._coded_keys(0, 0, complete), cache._values(0, 0, 75)
+    cache.code_kernel = int_variant
+    torch.testing.assert_close(cache._coded_keys(0, 3, complete), keys[:, :, 3:], atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(cache._values(0, 5, 75), values[:, :, 5:], atol=1e-5, rtol=1e-6)
+    q, p = torch.randn(2, 2, 9, dim, generator=gen), torch.rand(2, 2, 9, 75, generator=gen)
+    bits, G = cache.config.bits, cache.config.group_size
+    scores = int_variant.int_scores(bits, cache.k_codes[0], cache.k_scale[0], cache.k_zero[0], complete, G, q, 0.5)
+    torch.testing.assert_close(scores, q @ keys.transpose(-1, -2) * 0.5, atol=1e-4, rtol=1e-5)
+    mixed = int_variant.int_mix(bits, cache.v_codes[0], cache.v_scale[0], cache.v_zero[0], 75, dim, p)
+    torch.testing.assert_close(mixed, p @ values, atol=1e-4, rtol=1e-5)
