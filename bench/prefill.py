@@ -15,7 +15,8 @@ On a shared machine the times are noisy: the load average is recorded next to th
 
 Caches: a fresh process per cache (1 thread) loads the model, takes the first `tokens` tokens of the Shakespeare
 evaluation text, prefills them (kvlab.generate.prefill, its default chunking) into a new cache of that name
-made as `kvlab generate --cache` makes it, and reports the prefill's seconds and the process's peak RSS (and
+made as `kvlab generate --cache` makes it, and reports the prefill's seconds (wall clock, and the process's CPU
+time: the steadier of the two on a busy machine, one thread) and the process's peak RSS (and
 the prefill's own peak: the high-water mark over the RSS before it, reset by /proc/self/clear_refs); each cache's
 time and peaks are also given as ratios to the dense cache's.
 `--src` runs another checkout's kvlab (its src folder) for a before/after comparison.
@@ -72,10 +73,11 @@ before = status_mib("VmRSS")
 with open("/proc/self/clear_refs", "w") as f:   # the high-water mark from here on: the prefill's own peak
     f.write("5")
 cache = engine.make_cache(name, len(ids))
-start = time.perf_counter()
+start, cpu_start = time.perf_counter(), time.process_time()
 prefill(loaded.model, torch.tensor([ids]), cache)
-seconds = time.perf_counter() - start
+seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
 print(json.dumps({"cache": getattr(cache, "name", name), "prompt_tokens": len(ids), "seconds": round(seconds, 2),
+                  "cpu_seconds": round(cpu_seconds, 2),
                   "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
                   "load_peak_rss_mib": round(load_peak), "rss_before_prefill_mib": round(before),
                   "prefill_peak_mib": round(status_mib("VmHWM") - before), "cache_mib": round(cache.nbytes / 2**20, 1),
@@ -115,30 +117,34 @@ def cache_prefill(name: str, tokens: int, src: Path) -> dict:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-def compare_caches(names: list[str], tokens: int, src: Path) -> None:
+def compare_caches(names: list[str], tokens: int, src: Path, out: Path = CACHES_OUT) -> None:
     """The --caches table: each cache's prefill time and peak RSS, and their ratios to the dense cache's."""
     load_before = os.getloadavg()[0]
     rows = []
     for name in names:
         rows.append(cache_prefill(name, tokens, src))
-        print(f"  {rows[-1]['cache']:<14} {rows[-1]['seconds']:>8.1f} s {rows[-1]['peak_rss_mib']:>6} MiB peak", flush=True)
+        print(f"  {rows[-1]['cache']:<14} {rows[-1]['seconds']:>8.1f} s ({rows[-1]['cpu_seconds']:.1f} s CPU) "
+              f"{rows[-1]['peak_rss_mib']:>6} MiB peak", flush=True)
     dense = next((r for r in rows if r["cache"] == "dense"), None)
     for row in rows:
         if dense is not None:
             row["time_vs_dense"] = round(row["seconds"] / dense["seconds"], 2)
+            row["cpu_time_vs_dense"] = round(row["cpu_seconds"] / dense["cpu_seconds"], 2)
             row["peak_rss_vs_dense"] = round(row["peak_rss_mib"] / dense["peak_rss_mib"], 2)
             row["prefill_peak_vs_dense"] = round(row["prefill_peak_mib"] / max(dense["prefill_peak_mib"], 1), 2)
     record = {"threads": 1, "src": str(src), "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
               "cpu_count": os.cpu_count(), "caches": rows,
               "note": "one fresh process per cache, one run each (a smoke measurement on a shared machine: times are noisy)"}
-    CACHES_OUT.parent.mkdir(parents=True, exist_ok=True)
-    CACHES_OUT.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"{'cache':<14} {'seconds':>8} {'x dense':>8} {'peak MiB':>9} {'x dense':>8} {'prefill MiB':>12} {'x dense':>8}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"{'cache':<14} {'seconds':>8} {'x dense':>8} {'CPU s':>8} {'x dense':>8} {'peak MiB':>9} {'x dense':>8} "
+          f"{'prefill MiB':>12} {'x dense':>8}")
     for row in rows:
         print(f"{row['cache']:<14} {row['seconds']:>8.1f} {row.get('time_vs_dense', float('nan')):>8.2f} "
+              f"{row['cpu_seconds']:>8.1f} {row.get('cpu_time_vs_dense', float('nan')):>8.2f} "
               f"{row['peak_rss_mib']:>9} {row.get('peak_rss_vs_dense', float('nan')):>8.2f} "
               f"{row['prefill_peak_mib']:>12} {row.get('prefill_peak_vs_dense', float('nan')):>8.2f}")
-    print(f"wrote {CACHES_OUT.relative_to(ROOT)}")
+    print(f"wrote {out}")
 
 
 def main() -> None:
@@ -149,9 +155,10 @@ def main() -> None:
     parser.add_argument("--caches", help="instead: prefill time and peak RSS per cache, e.g. dense,int8,int4,tq4,tq4+prerope")
     parser.add_argument("--tokens", type=int, default=8000, help="with --caches: prompt tokens of Shakespeare (default 8000)")
     parser.add_argument("--src", type=Path, default=ROOT / "src", help="with --caches: the kvlab source folder to run")
+    parser.add_argument("--out", type=Path, default=CACHES_OUT, help="with --caches: the JSON file written")
     args = parser.parse_args()
     if args.caches:
-        compare_caches([name.strip() for name in args.caches.split(",") if name.strip()], args.tokens, args.src.resolve())
+        compare_caches([name.strip() for name in args.caches.split(",") if name.strip()], args.tokens, args.src.resolve(), args.out)
         return
     lengths = [int(n) for n in args.lengths.split(",")]
     torch.set_num_threads(1)

@@ -284,25 +284,24 @@ class QuantizedCache(CompressedCache):
             keys.append(self._coded_keys(layer, lo, mixed))                     # (B, H, mixed-lo, Dk)
             values.append(self._values(layer, lo, mixed))                       # (B, H, mixed-lo, Dv)
             masks.append(seen[:, :mixed - lo])
-        if hi > mixed:
-            token = torch.arange(mixed, hi, device=self.device)[None, :]        # (1, hi-mixed)
-            key_coded = token < (counts // G * G)[:, None]                      # (R, hi-mixed) its group complete there
-            value_coded = token < counts[:, None]                               # stored (not in the window) there
-            coded_values = self._values(layer, mixed, hi)                       # (B, H, hi-mixed, Dv)
-            complete = min(hi, n // G * G)
-            if complete > mixed and bool(key_coded.any()):
-                keys.append(self._coded_keys(layer, mixed, complete))
-                values.append(coded_values[:, :, :complete - mixed])
-                masks.append(only(key_coded[:, :complete - mixed], mixed, complete))
-            exact_keys = self._fresh_keys(layer, mixed, n)[:, :, :hi - mixed]   # (B, H, hi-mixed, Dk)
-            keys.append(exact_keys)
-            values.append(coded_values)
-            masks.append(only(~key_coded & value_coded, mixed, hi))
-            late = max(mixed, first_count)                                      # tokens in some row's window
-            if self.window and late < hi:
-                keys.append(exact_keys[:, :, late - mixed:])
-                values.append(self._fresh_values(layer, late, n)[:, :, :hi - late])
-                masks.append(only(~value_coded[:, late - mixed:], late, hi))
+        token = torch.arange(mixed, hi, device=self.device)[None, :]            # (1, hi-mixed)
+        key_coded = token < (counts // G * G)[:, None]                          # (R, hi-mixed) its group complete there
+        value_coded = token < counts[:, None]                                   # stored (not in the window) there
+        coded_values = self._values(layer, mixed, hi)                           # (B, H, hi-mixed, Dv)
+        complete = min(hi, n // G * G)
+        if complete > mixed and bool(key_coded.any()):
+            keys.append(self._coded_keys(layer, mixed, complete))
+            values.append(coded_values[:, :, :complete - mixed])
+            masks.append(only(key_coded[:, :complete - mixed], mixed, complete))
+        exact_keys = self._fresh_keys(layer, mixed, n)[:, :, :hi - mixed]       # (B, H, hi-mixed, Dk)
+        keys.append(exact_keys)
+        values.append(coded_values)
+        masks.append(only(~key_coded & value_coded, mixed, hi))
+        late = max(mixed, first_count)                                          # tokens in some row's window
+        if self.window and late < hi:
+            keys.append(exact_keys[:, :, late - mixed:])
+            values.append(self._fresh_values(layer, late, n)[:, :, :hi - late])
+            masks.append(only(~value_coded[:, late - mixed:], late, hi))
         return attend_with_lse(qg, torch.cat(keys, dim=2), torch.cat(values, dim=2), self.scale, torch.cat(masks, dim=-1))
 
     def _row_counts(self, layer: int, first_query: int, n_rows: int) -> torch.Tensor:
