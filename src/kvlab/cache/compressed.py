@@ -15,9 +15,10 @@ so a subclass reads its own storage (codes, and any full-precision state it coun
 as the integer caches' incomplete key group) and the base class never sees its K/V.
 
 Long prompts: a subclass that can attend over a span of its compressed tokens (`reads_spans`, hook
-`_span_attend(layer, qg, lo, hi, mask, first_query) -> (out, lse)`; TurboQuant, the integer caches) is read in blocks of ATTEND_ROWS
-query rows against chunks of ATTEND_KEYS keys of one part at a time once a chunk's logits would exceed one
-such block: each chunk gives its normalized output and log-sum-exp per row (attention.attend_with_lse,
+`_span_attend(layer, qg, lo, hi, mask, first_query) -> (out, lse)`; TurboQuant and the integer caches) is
+read in blocks of ATTEND_ROWS query rows against chunks of ATTEND_KEYS keys of one part at a time once a
+chunk's logits would exceed one such block: each chunk gives its normalized output and log-sum-exp per row
+(attention.attend_with_lse,
 torch's fused CPU flash kernel where it exists) and the chunks combine by their log-sum-exps, so a
 prompt of T tokens over S keys holds O(ATTEND_ROWS × ATTEND_KEYS) logits per KV head, never (G·T, S);
 chunks no query of a block may see are skipped.
