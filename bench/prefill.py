@@ -9,6 +9,17 @@ times, and the table shows the median tokens/s. Memory: a fresh Python process p
 prefills a 4,000-token prompt and decodes 64 tokens at 1 thread, then reports its peak RSS (ru_maxrss):
 with the GEMM, with the dequantize path, and with the GEMM and the prompt in one pass (chunk = prompt).
 On a shared machine the times are noisy: the load average is recorded next to them.
+
+    .venv/bin/python bench/prefill.py --caches dense,int8,int4,tq4,tq4+prerope [--tokens 8000] [--src DIR]
+                                                                             # writes bench/results/prefill_caches.json
+
+Caches: a fresh process per cache (1 thread) loads the model, takes the first `tokens` tokens of the Shakespeare
+evaluation text, prefills them (kvlab.generate.prefill, its default chunking) into a new cache of that name
+made as `kvlab generate --cache` makes it, and reports the prefill's seconds (wall clock, and the process's CPU
+time: the steadier of the two on a busy machine, one thread) and the process's peak RSS (and
+the prefill's own peak: the high-water mark over the RSS before it, reset by /proc/self/clear_refs); each cache's
+time and peaks are also given as ratios to the dense cache's.
+`--src` runs another checkout's kvlab (its src folder) for a before/after comparison.
 """
 
 from __future__ import annotations
@@ -43,6 +54,35 @@ result = generate(loaded.model, ids, cache, new, chunk_size=chunk)
 print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, result.new_tokens, loaded.weights)
 """
 MEMORY_CASES = [("block GEMM", "", 0), ("dequantize + F.linear", "1", 0), ("block GEMM, prompt in one pass", "", 4000)]
+CACHES_OUT = ROOT / "bench" / "results" / "prefill_caches.json"
+CACHE_RUN = """
+import json, resource, sys, time, torch
+torch.set_num_threads(1)
+from kvlab.backends import load_engine
+from kvlab.eval.corpus import corpus_text
+from kvlab.generate import prefill
+name, tokens = sys.argv[1], int(sys.argv[2])
+engine = load_engine("kvlab", None)
+loaded = engine.loaded
+ids = loaded.tokenizer.encode(corpus_text(), add_special=False)[:tokens]
+def status_mib(field):
+    line = next(l for l in open("/proc/self/status") if l.startswith(field + ":"))
+    return int(line.split()[1]) / 1024
+load_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+before = status_mib("VmRSS")
+with open("/proc/self/clear_refs", "w") as f:   # the high-water mark from here on: the prefill's own peak
+    f.write("5")
+cache = engine.make_cache(name, len(ids))
+start, cpu_start = time.perf_counter(), time.process_time()
+prefill(loaded.model, torch.tensor([ids]), cache)
+seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+print(json.dumps({"cache": getattr(cache, "name", name), "prompt_tokens": len(ids), "seconds": round(seconds, 2),
+                  "cpu_seconds": round(cpu_seconds, 2),
+                  "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+                  "load_peak_rss_mib": round(load_peak), "rss_before_prefill_mib": round(before),
+                  "prefill_peak_mib": round(status_mib("VmHWM") - before), "cache_mib": round(cache.nbytes / 2**20, 1),
+                  "weights": loaded.weights}))
+"""
 
 
 def prefill_seconds(loaded, n_tokens: int, no_gemm: str) -> float:
@@ -68,12 +108,58 @@ def peak_rss_mib(no_gemm: str, chunk: int) -> tuple[float, int]:
     return int(maxrss_kib) / 1024, int(new_tokens)
 
 
+def cache_prefill(name: str, tokens: int, src: Path) -> dict:
+    """One fresh process (1 thread): `tokens` tokens of Shakespeare prefilled into cache `name`; its seconds and RSS."""
+    env = dict(os.environ, PYTHONPATH=str(src), OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, "-c", CACHE_RUN, name, str(tokens)], env=env, capture_output=True, text=True, timeout=3600)
+    if run.returncode != 0:
+        sys.exit(f"prefill of {name} failed: {(run.stderr or run.stdout).strip().splitlines()[-1]}")
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def compare_caches(names: list[str], tokens: int, src: Path, out: Path = CACHES_OUT) -> None:
+    """The --caches table: each cache's prefill time and peak RSS, and their ratios to the dense cache's."""
+    load_before = os.getloadavg()[0]
+    rows = []
+    for name in names:
+        rows.append(cache_prefill(name, tokens, src))
+        print(f"  {rows[-1]['cache']:<14} {rows[-1]['seconds']:>8.1f} s ({rows[-1]['cpu_seconds']:.1f} s CPU) "
+              f"{rows[-1]['peak_rss_mib']:>6} MiB peak", flush=True)
+    dense = next((r for r in rows if r["cache"] == "dense"), None)
+    for row in rows:
+        if dense is not None:
+            row["time_vs_dense"] = round(row["seconds"] / dense["seconds"], 2)
+            row["cpu_time_vs_dense"] = round(row["cpu_seconds"] / dense["cpu_seconds"], 2)
+            row["peak_rss_vs_dense"] = round(row["peak_rss_mib"] / dense["peak_rss_mib"], 2)
+            row["prefill_peak_vs_dense"] = round(row["prefill_peak_mib"] / max(dense["prefill_peak_mib"], 1), 2)
+    record = {"threads": 1, "src": str(src), "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+              "cpu_count": os.cpu_count(), "caches": rows,
+              "note": "one fresh process per cache, one run each (a smoke measurement on a shared machine: times are noisy)"}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"{'cache':<14} {'seconds':>8} {'x dense':>8} {'CPU s':>8} {'x dense':>8} {'peak MiB':>9} {'x dense':>8} "
+          f"{'prefill MiB':>12} {'x dense':>8}")
+    for row in rows:
+        print(f"{row['cache']:<14} {row['seconds']:>8.1f} {row.get('time_vs_dense', float('nan')):>8.2f} "
+              f"{row['cpu_seconds']:>8.1f} {row.get('cpu_time_vs_dense', float('nan')):>8.2f} "
+              f"{row['peak_rss_mib']:>9} {row.get('peak_rss_vs_dense', float('nan')):>8.2f} "
+              f"{row['prefill_peak_mib']:>12} {row.get('prefill_peak_vs_dense', float('nan')):>8.2f}")
+    print(f"wrote {out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--lengths", default="512,2048,4000")
     parser.add_argument("--skip-memory", action="store_true", help="only the speed table (a quick smoke run)")
+    parser.add_argument("--caches", help="instead: prefill time and peak RSS per cache, e.g. dense,int8,int4,tq4,tq4+prerope")
+    parser.add_argument("--tokens", type=int, default=8000, help="with --caches: prompt tokens of Shakespeare (default 8000)")
+    parser.add_argument("--src", type=Path, default=ROOT / "src", help="with --caches: the kvlab source folder to run")
+    parser.add_argument("--out", type=Path, default=CACHES_OUT, help="with --caches: the JSON file written")
     args = parser.parse_args()
+    if args.caches:
+        compare_caches([name.strip() for name in args.caches.split(",") if name.strip()], args.tokens, args.src.resolve(), args.out)
+        return
     lengths = [int(n) for n in args.lengths.split(",")]
     torch.set_num_threads(1)
     from kvlab.kernels import block_kernel, kernel_status

@@ -7,13 +7,14 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvlab.cache import CacheGeometry, expected_nbytes, make_cache
+from kvlab.cache import CacheGeometry, compressed, expected_nbytes, make_cache
+from kvlab.cache.attention import grouped_attention
 from kvlab.cache.rotation import Rotation, haar_matrix
-from kvlab.cache.turboquant import RotatedCodes
+from kvlab.cache.turboquant import RotatedCodes, TurboQuantCache
 from kvlab.errors import ConfigError
 from kvlab.model.llama import apply_rope
 
-from .compressed_checks import GEOMETRY, check_attend_is_exact_to_storage, check_nbytes
+from .compressed_checks import GEOMETRY, check_attend_is_exact_to_storage, check_nbytes, feed
 from .test_causal_caches import CHUNKS, SAME, chunked_logits, two_sequences
 
 INV_FREQ = tuple((1.0 / 10000 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64)).float().tolist())
@@ -83,6 +84,56 @@ def test_later_tokens_never_change_earlier_logits(model):
     assert torch.equal(a[:, :SAME], b[:, :SAME]) and not torch.equal(a[:, SAME:], b[:, SAME:])
     geometry = CacheGeometry.for_model(model.config, 1, 16)
     assert geometry.rope_inv_freq is not None and len(geometry.rope_inv_freq) == model.config.head_dim // 2
+
+
+@pytest.mark.parametrize("name", ["tq4+prerope", "tq3+prerope+sink2+recent8"])
+def test_prerope_scores_a_key_chunk_at_a_time(name, monkeypatch):
+    """Keys rebuilt, turned by RoPE and scored 16 at a time (one pass: ATTEND_ROWS out of reach) == dense attention
+    over the whole stored K/V; every decoded span stays within the chunk and comes from the C decode where it exists."""
+    monkeypatch.setattr(compressed, "ATTEND_KEYS", 16)
+    monkeypatch.setattr(compressed, "ATTEND_ROWS", 10**9)
+    spans = []
+    decoded = TurboQuantCache._decoded
+    monkeypatch.setattr(TurboQuantCache, "_decoded", lambda self, buffer, codes, lo, hi: spans.append(hi - lo) or decoded(self, buffer, codes, lo, hi))
+    seen = 0
+    for cache, q, _, _ in feed(name, ROPED):
+        for layer in range(ROPED.n_layers):
+            spans.clear()
+            out = cache.attend(layer, q)
+            spans_read = list(spans)
+            k, v = cache.dequantized(layer)
+            torch.testing.assert_close(out, grouped_attention(q, k, v, cache.scale), atol=2e-5, rtol=1e-4)
+            assert max(spans_read, default=0) <= 16, spans_read
+            seen += len(spans_read)
+    assert seen
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["C", "torch"])
+@pytest.mark.parametrize("name, window", [("tq4+prerope", None), ("tq3+prerope+sink3+recent8", 11), ("tq4+prerope+qjl+sink1", None)])
+def test_prerope_long_chunks_in_spans_equal_one_pass(name, window, kernel, monkeypatch):
+    """+prerope reads spans like the other widths: blocks of ≤ 45 rows × spans of ≤ 32 keys == the one-pass read."""
+    g = replace(ROPED, n_layers=1, batch=2, capacity=160, window=window)
+    blocked, one_pass = make_cache(name, g), make_cache(name, g)
+    if not kernel:
+        blocked.code_kernel = one_pass.code_kernel = None
+    assert blocked.reads_spans
+    shapes = []
+    span_attend = TurboQuantCache._span_attend
+    gen = torch.Generator().manual_seed(3)
+    for T in (70, 60, 1, 12):
+        k, v = torch.randn(2, 2, T, 64, generator=gen), torch.randn(2, 2, T, 64, generator=gen)
+        q = torch.randn(2, 6, T, 64, generator=gen)
+        blocked.append(0, k, v)
+        one_pass.append(0, k, v)
+        reference = one_pass.attend(0, q)
+        with monkeypatch.context() as patch:
+            patch.setattr(compressed, "ATTEND_ROWS", 45)
+            patch.setattr(compressed, "ATTEND_KEYS", 32)
+            patch.setattr(TurboQuantCache, "_span_attend",
+                          lambda self, layer, qg, lo, hi, *rest: shapes.append((qg.shape[2], hi - lo)) or span_attend(self, layer, qg, lo, hi, *rest))
+            ours = blocked.attend(0, q)
+        torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
+    assert shapes and max(r for r, _ in shapes) <= 45 and max(n for _, n in shapes) <= 32
 
 
 # -- +rot=haar ------------------------------------------------------------------------------------------

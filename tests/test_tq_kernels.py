@@ -192,9 +192,9 @@ def test_long_chunks_in_bounded_blocks_equal_one_pass(name, window, flash, monke
     shapes = []
     span_attend = type(blocked)._span_attend
 
-    def recorded(self, layer, qg, lo, hi, mask):
+    def recorded(self, layer, qg, lo, hi, mask, first_query):
         shapes.append((qg.shape[2], hi - lo))
-        return span_attend(self, layer, qg, lo, hi, mask)
+        return span_attend(self, layer, qg, lo, hi, mask, first_query)
 
     gen = torch.Generator().manual_seed(3)
     for T in (70, 60, 12):

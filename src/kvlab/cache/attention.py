@@ -134,6 +134,6 @@ def attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
             logits = logits + mask
         lse = torch.logsumexp(logits, dim=-1)                                           # (B, H, R)
         out = torch.softmax(logits, dim=-1).nan_to_num_(0.0) @ v
-    if mask is not None:
-        lse = lse.masked_fill(~torch.isfinite(mask).any(dim=-1), float("-inf"))       # rows that see none of k
+    if mask is not None and mask.shape[-1]:  # rows that see none of k (a float max: one read of the mask, no bool copy)
+        lse = lse.masked_fill(mask.amax(dim=-1) == float("-inf"), float("-inf"))
     return out, lse

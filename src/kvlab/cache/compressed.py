@@ -15,9 +15,10 @@ so a subclass reads its own storage (codes, and any full-precision state it coun
 as the integer caches' incomplete key group) and the base class never sees its K/V.
 
 Long prompts: a subclass that can attend over a span of its compressed tokens (`reads_spans`, hook
-`_span_attend(layer, qg, lo, hi, mask) -> (out, lse)`; TurboQuant) is read in blocks of ATTEND_ROWS
-query rows against chunks of ATTEND_KEYS keys of one part at a time once a chunk's logits would exceed one
-such block: each chunk gives its normalized output and log-sum-exp per row (attention.attend_with_lse,
+`_span_attend(layer, qg, lo, hi, mask, first_query) -> (out, lse)`; TurboQuant and the integer caches) is
+read in blocks of ATTEND_ROWS query rows against chunks of ATTEND_KEYS keys of one part at a time once a
+chunk's logits would exceed one such block: each chunk gives its normalized output and log-sum-exp per row
+(attention.attend_with_lse,
 torch's fused CPU flash kernel where it exists) and the chunks combine by their log-sum-exps, so a
 prompt of T tokens over S keys holds O(ATTEND_ROWS × ATTEND_KEYS) logits per KV head, never (G·T, S);
 chunks no query of a block may see are skipped.
@@ -121,10 +122,12 @@ class CompressedCache(KVCache):
         """Σ_i p_i·v_i over the n compressed tokens; p: (B, Hkv, G·T, n) -> (B, Hkv, G·T, Dv) float32."""
         raise NotImplementedError
 
-    def _span_attend(self, layer: int, qg: torch.Tensor, lo: int, hi: int,
-                     mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _span_attend(self, layer: int, qg: torch.Tensor, lo: int, hi: int, mask: torch.Tensor | None,
+                     first_query: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention of qg (B, Hkv, R, Dk) over compressed tokens [lo, hi) alone, as attend_with_lse returns it:
-        (normalized output (B, Hkv, R, Dv) float32, log-sum-exp (B, Hkv, R)); mask: (R, hi-lo) additive or None."""
+        (normalized output (B, Hkv, R, Dv) float32, log-sum-exp (B, Hkv, R)); mask: (R, hi-lo) additive or None.
+        The R rows are the G query heads of a group, each for the R/G consecutive positions from `first_query`
+        (absolute; for a cache whose reading depends on the query's position, quantized.py)."""
         raise NotImplementedError
 
     def _restore(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,7 +228,7 @@ class CompressedCache(KVCache):
 
         parts = [  # (first key position, keys, attention of a query block over keys [a, b) of the part)
             (0, n_sink, full_precision(self._sink_k[layer], self._sink_v[layer])),
-            (n_sink, n, lambda qb, a, b, mask: self._span_attend(layer, qb, a, b, mask)),
+            (n_sink, n, lambda qb, a, b, mask: self._span_attend(layer, qb, a, b, mask, first)),
             (n_sink + n, held, full_precision(self._win_k[layer], self._win_v[layer])),
         ]
         q_by_position = qg.reshape(B, Hkv, group, T, Dk)                          # (B, Hkv, G, T, Dk)

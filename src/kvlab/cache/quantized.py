@@ -27,6 +27,12 @@ tokens the chunk pushed out of the window: a query before the push read them in 
 never depend on a later token. The append's copy is working memory of one chunk (like the chunk's K/V
 the model already holds), replaced by the layer's next append and not part of `nbytes`.
 
+Long chunks (`reads_spans`, compressed.py's blocks): a block of queries reads spans of at most ATTEND_KEYS
+tokens, each decoded into a transient (in C for int8/int4, `int_decode`; by torch otherwise) and attended
+with its log-sum-exp; the rule above is kept by offering each token of the chunk's open groups in its
+versions (coded, exact key, exact key and value), each visible only to the rows that read it so
+(`_span_attend`). No (rows × context) scores and no whole-context decoded K/V are ever held.
+
 Bytes per compressed layer (B sequences, Hkv heads, `slots` tokens, fp16 metadata):
   keys:   B·Hkv·[slots·⌈Dk·b/8⌉ + ⌈slots/G⌉·Dk·2·2 + G·Dk·elem]
   values: B·Hkv·slots·[⌈Dv·b/8⌉ + (Dv/Gv)·2·2]          with Gv = min(G, Dv)
@@ -41,6 +47,8 @@ import torch
 from ..errors import ConfigError, NonFiniteError
 from ..kernels import kernel_for
 from .base import CacheGeometry, copy_prefix, tensors_nbytes
+from .attention import attend_with_lse
+from . import compressed
 from .compressed import CompressedCache, FullPrecision, ceil_div
 from .packing import pack, packed_nbytes, unpack
 
@@ -135,31 +143,39 @@ class QuantizedCache(CompressedCache):
         self.v_zero[layer][:, :, start:start + T] = zero
 
     # -- reading ------------------------------------------------------------------------------------
-    def _coded_keys(self, layer: int, n: int) -> torch.Tensor:
-        """(B, H, n, Dk) float32 for n = whole groups: zero + code·scale, one (scale, zero) per channel per G tokens."""
+    def _coded_keys(self, layer: int, lo: int, hi: int) -> torch.Tensor:
+        """(B, H, hi-lo, Dk) float32 for tokens of complete groups: zero + code·scale, one (scale, zero) per channel
+        per G tokens; in C (a span's transient) with the code kernel, else by torch (the reference)."""
         b, G = self.config.bits, self.config.group_size
-        codes = unpack(self.k_codes[layer][:, :, :n], b, self.geometry.head_dim).float()  # (B, H, n, Dk)
-        scale = self.k_scale[layer][:, :, :n // G].float().repeat_interleave(G, dim=2)  # (B, H, n, Dk)
-        zero = self.k_zero[layer][:, :, :n // G].float().repeat_interleave(G, dim=2)
+        if self.code_kernel is not None:
+            return self.code_kernel.int_decode(b, self.k_codes[layer], self.k_scale[layer], self.k_zero[layer], lo, hi - lo, G, 1)
+        codes = unpack(self.k_codes[layer][:, :, lo:hi], b, self.geometry.head_dim).float()  # (B, H, hi-lo, Dk)
+        group = torch.arange(lo, hi, device=self.device) // G                      # (hi-lo,) each token's key group
+        scale = self.k_scale[layer][:, :, group].float()                            # (B, H, hi-lo, Dk)
+        zero = self.k_zero[layer][:, :, group].float()
         return zero + codes * scale
 
     def _keys(self, layer: int, n: int) -> torch.Tensor:
         """(B, H, n, Dk) float32 as the next query reads them: codes of the complete groups, then the stage."""
         complete = n // self.config.group_size * self.config.group_size
         stage = self.k_stage[layer][:, :, :n - complete].float()                 # (B, H, n - complete, Dk)
-        return torch.cat([self._coded_keys(layer, complete), stage], dim=2) if complete else stage
+        return torch.cat([self._coded_keys(layer, 0, complete), stage], dim=2) if complete else stage
 
-    def _values(self, layer: int, n: int) -> torch.Tensor:
-        """(B, H, n, Dv) float32: zero + code·scale with one (scale, zero) per G channels of a token."""
-        codes = unpack(self.v_codes[layer][:, :, :n], self.config.bits, self.geometry.head_dim_v).float()
-        B, H = codes.shape[:2]
-        codes = codes.reshape(B, H, n, -1, self.value_group)                      # (B, H, n, nvg, Gv)
-        scale = self.v_scale[layer][:, :, :n].float()[..., None]                  # (B, H, n, nvg, 1)
-        zero = self.v_zero[layer][:, :, :n].float()[..., None]
-        return (zero + codes * scale).reshape(B, H, n, -1)                        # (B, H, n, Dv)
+    def _values(self, layer: int, lo: int, hi: int) -> torch.Tensor:
+        """(B, H, hi-lo, Dv) float32 of tokens [lo, hi): zero + code·scale with one (scale, zero) per G channels of a
+        token; in C (a span's transient) with the code kernel, else by torch (the reference)."""
+        b, Gv = self.config.bits, self.value_group
+        if self.code_kernel is not None:
+            return self.code_kernel.int_decode(b, self.v_codes[layer], self.v_scale[layer], self.v_zero[layer], lo, hi - lo, 1, Gv)
+        codes = unpack(self.v_codes[layer][:, :, lo:hi], b, self.geometry.head_dim_v).float()
+        B, H, n = codes.shape[:3]
+        codes = codes.reshape(B, H, n, self.geometry.head_dim_v // Gv, Gv)       # (B, H, n, nvg, Gv)
+        scale = self.v_scale[layer][:, :, lo:hi].float()[..., None]               # (B, H, n, nvg, 1)
+        zero = self.v_zero[layer][:, :, lo:hi].float()[..., None]
+        return (zero + codes * scale).reshape(B, H, n, self.geometry.head_dim_v)  # (B, H, n, Dv)
 
     def _restore(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._keys(layer, n), self._values(layer, n)
+        return self._keys(layer, n), self._values(layer, 0, n)
 
     def _stored_counts(self, n: int, n_rows: int) -> torch.Tensor:
         """(G·T,) for each grouped query row: how many compressed tokens the store held when that query's
@@ -187,7 +203,11 @@ class QuantizedCache(CompressedCache):
             coded = self.code_kernel.int_scores(self.config.bits, self.k_codes[layer], self.k_scale[layer], self.k_zero[layer],
                                                 complete, G, qg, self.scale)       # (B, H, G·T, complete)
         else:
-            coded = (qg @ self._coded_keys(layer, complete).transpose(-1, -2)) * self.scale
+            coded = qg.new_empty(*qg.shape[:3], complete)                           # (B, H, G·T, complete)
+            for a in range(0, complete, compressed.ATTEND_KEYS):                    # a span's keys at a time
+                b = min(complete, a + compressed.ATTEND_KEYS)
+                coded[..., a:b] = qg @ self._coded_keys(layer, a, b).transpose(-1, -2)
+            coded.mul_(self.scale)
         counts = self._stored_counts(n, qg.shape[2])                                # (G·T,)
         lo = max(0, int(counts[0])) // G * G        # the earliest query's open group starts here
         if lo >= n:
@@ -209,19 +229,87 @@ class QuantizedCache(CompressedCache):
             lo = max(0, int(counts[0]))
             if lo < n:
                 late = torch.arange(lo, n, device=self.device)[None, :] >= counts[:, None]  # (G·T, n - lo)
-                _, _, start, v_fresh = self._fresh.get(layer, (n, None, n, None))
-                if start > lo or v_fresh is None or start + v_fresh.shape[2] != n:
-                    raise ConfigError(f"layer {layer}: attention over more queries than the tokens just appended to the integer cache")
+                v_late = self._fresh_values(layer, lo, n)                          # (B, H, n - lo, Dv)
                 p_late = p[..., lo:] * late                                         # (B, H, G·T, n - lo)
                 p = torch.cat([p[..., :lo], p[..., lo:] * ~late], dim=-1)            # (B, H, G·T, n)
         if self.code_kernel is not None:
             out = self.code_kernel.int_mix(self.config.bits, self.v_codes[layer], self.v_scale[layer], self.v_zero[layer],
                                            n, self.geometry.head_dim_v, p)         # (B, H, G·T, Dv)
         else:
-            out = p @ self._values(layer, n)                                        # (B, H, G·T, Dv)
+            out = 0.0
+            for a in range(0, n, compressed.ATTEND_KEYS):                           # a span's values at a time
+                b = min(n, a + compressed.ATTEND_KEYS)
+                out = out + p[..., a:b] @ self._values(layer, a, b)                 # (B, H, G·T, Dv)
         if late is not None:
-            out = out + p_late @ v_fresh[:, :, lo - start:].float()                # (B, H, G·T, Dv)
+            out = out + p_late @ v_late                                             # (B, H, G·T, Dv)
         return out
+
+    def _fresh_values(self, layer: int, lo: int, n: int) -> torch.Tensor:
+        """(B, H, n - lo, Dv) float32: the full-precision values of compressed tokens [lo, n) (with a recent window)."""
+        _, _, start, v_fresh = self._fresh.get(layer, (n, None, n, None))
+        if start > lo or v_fresh is None or start + v_fresh.shape[2] != n:
+            raise ConfigError(f"layer {layer}: attention over more queries than the tokens just appended to the integer cache")
+        return v_fresh[:, :, lo - start:].float()
+
+    # -- long chunks: spans of codes (compressed.py's blocks) -----------------------------------------
+    reads_spans = True
+
+    def _span_attend(self, layer: int, qg: torch.Tensor, lo: int, hi: int, mask: torch.Tensor | None,
+                     first_query: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention of a query block over compressed tokens [lo, hi), by the same per-query rule as `_scores` and
+        `_mix`: the span is decoded (in C with the code kernel: a transient of at most the span) and each token is
+        offered in up to three versions, each visible only to the rows that read it so:
+          coded key, coded value   tokens whose key group was complete at the row's token,
+          exact key, coded value   tokens of a group still open there (the append's keys or the stage),
+          exact key, exact value   with a recent window, tokens still in the window there (spilled by this chunk),
+        so every row sees each token it may see exactly once, in one softmax (attend_with_lse). Only tokens at or
+        after the block's first open group have more than one version."""
+        G = self.config.group_size
+        n = self._n_comp[layer]
+        counts = self._row_counts(layer, first_query, qg.shape[2])              # (R,) stored at each row's token
+        first_count, last_count = int(counts.min()), int(counts.max())
+        hi = min(hi, last_count + self.window)                                  # later tokens: seen by no row
+        mixed = max(lo, min(hi, first_count // G * G))                          # from here rows read tokens differently
+        if mixed == hi:                                                         # every row: coded keys and values
+            mask = None if mask is None else mask[:, :hi - lo]
+            return attend_with_lse(qg, self._coded_keys(layer, lo, hi), self._values(layer, lo, hi), self.scale, mask)
+        seen = torch.zeros(qg.shape[2], hi - lo, device=self.device) if mask is None else mask[:, :hi - lo]  # (R, hi-lo)
+
+        def only(rows: torch.Tensor, a: int, b: int) -> torch.Tensor:
+            """The mask columns of tokens [a, b) for the rows where `rows` (R, b-a) is True."""
+            return seen[:, a - lo:b - lo].masked_fill(~rows, float("-inf"))
+
+        keys, values, masks = [], [], []
+        if mixed > lo:                                                          # every row: coded key and value
+            keys.append(self._coded_keys(layer, lo, mixed))                     # (B, H, mixed-lo, Dk)
+            values.append(self._values(layer, lo, mixed))                       # (B, H, mixed-lo, Dv)
+            masks.append(seen[:, :mixed - lo])
+        token = torch.arange(mixed, hi, device=self.device)[None, :]            # (1, hi-mixed)
+        key_coded = token < (counts // G * G)[:, None]                          # (R, hi-mixed) its group complete there
+        value_coded = token < counts[:, None]                                   # stored (not in the window) there
+        coded_values = self._values(layer, mixed, hi)                           # (B, H, hi-mixed, Dv)
+        complete = min(hi, n // G * G)
+        if complete > mixed and bool(key_coded.any()):
+            keys.append(self._coded_keys(layer, mixed, complete))
+            values.append(coded_values[:, :, :complete - mixed])
+            masks.append(only(key_coded[:, :complete - mixed], mixed, complete))
+        exact_keys = self._fresh_keys(layer, mixed, n)[:, :, :hi - mixed]       # (B, H, hi-mixed, Dk)
+        keys.append(exact_keys)
+        values.append(coded_values)
+        masks.append(only(~key_coded & value_coded, mixed, hi))
+        late = max(mixed, first_count)                                          # tokens in some row's window
+        if self.window and late < hi:
+            keys.append(exact_keys[:, :, late - mixed:])
+            values.append(self._fresh_values(layer, late, n)[:, :, :hi - late])
+            masks.append(only(~value_coded[:, late - mixed:], late, hi))
+        return attend_with_lse(qg, torch.cat(keys, dim=2), torch.cat(values, dim=2), self.scale, torch.cat(masks, dim=-1))
+
+    def _row_counts(self, layer: int, first_query: int, n_rows: int) -> torch.Tensor:
+        """(R,) for the rows of a query block (G heads × R/G positions from `first_query`): how many compressed tokens
+        the store held right after that row's token was appended (`_stored_counts` for a block of the chunk)."""
+        group = self.geometry.n_heads // self.geometry.n_kv_heads
+        first = first_query + 1 - self._n_sink(layer) - self._held(layer)
+        return torch.arange(first, first + n_rows // group, device=self.device).repeat(group)  # (R,)
 
     def reset(self) -> None:
         super().reset()

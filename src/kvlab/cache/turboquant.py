@@ -31,7 +31,8 @@ gives the paper's recipe):
 
 `+prerope` (KVQuant's pre-RoPE keys): keys are coded before RoPE. The cache undoes RoPE at the
 token's position (sink + slot) before the offset, weights and rotation, and applies it again to the
-rebuilt keys when reading (so scores go through the decoded keys, not the code lookups). Without
+rebuilt keys when reading (so scores go through the decoded keys, not the code lookups: ATTEND_KEYS keys
+at a time, decoded in C, a chunk's transient; long chunks attend span by span like the other widths). Without
 RoPE the common key component is one constant vector that the offset removes whole; after RoPE it
 turns with the position (SmolLM2: the energy left after the offset is 0.22 of ‖k‖² pre-RoPE, 0.50
 post-RoPE, one window). The key weights then use each RoPE pair's mean query energy. Costs the
@@ -507,8 +508,13 @@ class TurboQuantCache(CompressedCache):
         return (signs @ self.qjl_matrix) * self._qjl_coef(stored, lo, hi)[..., None]
 
     def _scores(self, layer: int, qg: torch.Tensor, n: int) -> torch.Tensor:
-        if self.config.pre_rope:  # each key turns by its own position: score the rebuilt keys
-            return (qg @ self._keys(layer, self._buffers(layer), n).transpose(-1, -2)) * self.scale  # (B, H, G·T, n)
+        if self.config.pre_rope:  # each key turns by its own position: score the rebuilt keys, a key chunk at a time
+            stored, step = self._buffers(layer), compressed.ATTEND_KEYS
+            scores = qg.new_empty(*qg.shape[:3], n)                                # (B, H, G·T, n)
+            for lo in range(0, n, step):
+                hi = min(n, lo + step)
+                scores[..., lo:hi] = qg @ self._keys(layer, stored, lo, hi).transpose(-1, -2)  # a chunk's transient
+            return scores.mul_(self.scale)
         return self.scores(layer, qg, self._buffers(layer), n)
 
     def _mix(self, layer: int, p: torch.Tensor, n: int) -> torch.Tensor:
@@ -546,24 +552,26 @@ class TurboQuantCache(CompressedCache):
             out = out + p.sum(dim=-1, keepdim=True) * self.v_offset[layer][:, :, None].float()
         return out
 
-    @property
-    def reads_spans(self) -> bool:
-        """Long chunks in blocks over spans of codes (compressed.py), except +prerope, whose keys are read rebuilt."""
-        return not self.config.pre_rope
+    #: long chunks in blocks over spans of codes (compressed.py)
+    reads_spans = True
 
-    def _span_attend(self, layer: int, qg: torch.Tensor, lo: int, hi: int,
-                     mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _span_attend(self, layer: int, qg: torch.Tensor, lo: int, hi: int, mask: torch.Tensor | None,
+                     first_query: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of [lo, hi) decoded (in C, a chunk's transient) in the rotated domain with their
-        norms, one fused attention there, one inverse rotation of its output; q·μ shifts the log-sum-exp."""
+        norms, one fused attention there, one inverse rotation of its output; q·μ shifts the log-sum-exp.
+        +prerope: the span's keys rebuilt and turned by RoPE (`_keys`), attended with the plain queries."""
         stored = self._buffers(layer)
-        keys = self._decoded(stored["k_codes"], self.layer_key_codes[layer], lo, hi)            # (B, H, n, d) codebook values
-        if self.config.qjl:
-            keys = keys + self._qjl_term(stored, lo, hi)
-        keys = keys * stored["k_norm"][:, :, lo:hi, None].float()
         values = self._decoded(stored["v_codes"], self.layer_value_codes[layer], lo, hi) * stored["v_norm"][:, :, lo:hi, None].float()
-        out, lse = attend_with_lse(self._rotated_queries(layer, qg), keys, values, self.scale, mask)  # (B, H, R, d), (B, H, R)
-        if self.k_offset:
-            lse = lse + (qg @ self.k_offset[layer][..., None].float())[..., 0] * self.scale  # q·μ, the same for every key
+        if self.config.pre_rope:
+            out, lse = attend_with_lse(qg, self._keys(layer, stored, lo, hi), values, self.scale, mask)  # (B, H, R, d), (B, H, R)
+        else:
+            keys = self._decoded(stored["k_codes"], self.layer_key_codes[layer], lo, hi)        # (B, H, n, d) codebook values
+            if self.config.qjl:
+                keys = keys + self._qjl_term(stored, lo, hi)
+            keys = keys * stored["k_norm"][:, :, lo:hi, None].float()
+            out, lse = attend_with_lse(self._rotated_queries(layer, qg), keys, values, self.scale, mask)
+            if self.k_offset:
+                lse = lse + (qg @ self.k_offset[layer][..., None].float())[..., 0] * self.scale  # q·μ, the same for every key
         out = self.rotations[layer].invert(out)
         if self.v_offset:
             out = out + self.v_offset[layer][:, :, None].float()                  # the output is normalized: Σp = 1
@@ -580,18 +588,18 @@ class TurboQuantCache(CompressedCache):
             return codes.decode(buffer[:, :, lo:hi])
         return self.code_kernel.decode(buffer, lo, hi - lo, codes.layout)
 
-    def _keys(self, layer: int, stored: dict[str, torch.Tensor], n: int) -> torch.Tensor:
-        """The first n stored keys as attention reads them (after RoPE with +prerope), (B, H, n, d) float32."""
-        k_rot = self._decoded(stored["k_codes"], self.layer_key_codes[layer], 0, n)
+    def _keys(self, layer: int, stored: dict[str, torch.Tensor], lo: int, hi: int) -> torch.Tensor:
+        """Stored keys [lo, hi) as attention reads them (after RoPE with +prerope), (B, H, hi-lo, d) float32."""
+        k_rot = self._decoded(stored["k_codes"], self.layer_key_codes[layer], lo, hi)
         if self.config.qjl:
-            k_rot = k_rot + self._qjl_term(stored, 0, n)
-        k = self.rotations[layer].invert(k_rot * stored["k_norm"][:, :, :n].float()[..., None])
+            k_rot = k_rot + self._qjl_term(stored, lo, hi)
+        k = self.rotations[layer].invert(k_rot * stored["k_norm"][:, :, lo:hi].float()[..., None])
         weights = self._key_weights(layer)
         if weights is not None:
             k = k * weights
         if self.k_offset:
             k = k + self.k_offset[layer][:, :, None].float()
-        return self._rope(k, 0) if self.config.pre_rope else k
+        return self._rope(k, lo) if self.config.pre_rope else k
 
     def _restore(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         if layer in self._pending:
@@ -606,7 +614,7 @@ class TurboQuantCache(CompressedCache):
         v = self.rotations[layer].invert(v)
         if self.v_offset:
             v = v + self.v_offset[layer][:, :, None].float()
-        return self._keys(layer, stored, n), v
+        return self._keys(layer, stored, 0, n), v
 
     # -- a calibration shared by many sequences (the serving pool) ------------------------------------
     def use_calibration(self, other: "TurboQuantCache") -> None:

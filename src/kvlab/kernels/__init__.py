@@ -191,9 +191,10 @@ class BlockKernel:
         lib.kvlab_block_omp_threads.argtypes = [i32]
         lib.kvlab_int_scores.argtypes = [i32, ptr, ptr, ptr, i32, i64, i64, i32, i32, ptr, i32, ctypes.c_float, ptr, i32]
         lib.kvlab_int_mix.argtypes = [i32, ptr, ptr, ptr, i32, i64, i64, i32, i32, ptr, i64, i32, ptr, i32]
+        lib.kvlab_int_decode.argtypes = [i32, ptr, ptr, ptr, i32, i64, i64, i32, i64, i64, i32, i32, i32, ptr, i32]
         lib.kvlab_block_gemm.argtypes = [i32, ptr, i64, i64, ptr, i64, ptr, i32]
         for fn in (lib.kvlab_block_gemv, lib.kvlab_block_gemm, lib.kvlab_block_dequantize, lib.kvlab_block_omp_threads, lib.kvlab_int_scores,
-                   lib.kvlab_int_mix):
+                   lib.kvlab_int_mix, lib.kvlab_int_decode):
             fn.restype = i32
 
     def gemv(self, type_name: str, blocks: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -295,6 +296,33 @@ class BlockKernel:
         if self._lib.kvlab_int_mix(bits, codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), B * H, slots, n, d, d // n_vg,
                                    p.data_ptr(), p.stride(2), nq, out.data_ptr(), torch.get_num_threads()):
             raise ConfigError(f"integer-cache mix refused int{bits} codes of shape {tuple(codes.shape)}")
+        return out
+
+    def int_decode(self, bits: int, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, start: int, n: int,
+                   token_group: int, channel_group: int) -> torch.Tensor:
+        """Rows [start, start+n) of an integer cache's codes as zero + code·scale (intcache.c), a span's transient.
+        codes (B, H, slots, row bytes) uint8; scale/zero (B, H, meta rows, D / channel_group) fp16, one row per
+        `token_group` tokens (keys: token_group = G, channel_group = 1; values: 1 and Gv) -> (B, H, n, D) fp32."""
+        what = f"int{bits} cache decode"
+        if bits not in (4, 8) or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in (token_group, channel_group)):
+            raise ConfigError(f"{what}: bits must be 4 or 8 and the groups positive, got bits={bits!r} groups={token_group!r}, {channel_group!r}")
+        if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (codes, scale, zero)):
+            raise ConfigError(f"{what}: codes, scales and zeros must be 4-D, got {_describe(codes)}, {_describe(scale)}, {_describe(zero)}")
+        B, H, slots, _ = codes.shape
+        meta_rows, meta_cols = scale.shape[2], scale.shape[3]
+        d = meta_cols * channel_group
+        if d <= 0 or (bits == 4 and d % 2):
+            raise ConfigError(f"{what}: head dim {d} does not fit int{bits} codes")
+        check_buffer(what, "codes", codes, torch.uint8, (B, H, slots, packed_row_bytes(bits, d)))
+        check_buffer(what, "scales", scale, torch.float16, (B, H, meta_rows, meta_cols))
+        check_buffer(what, "zeros", zero, torch.float16, (B, H, meta_rows, meta_cols))
+        start, n = _positive_int(what, "start", start), _positive_int(what, "n", n)
+        if start + n > slots or (n and (start + n - 1) // token_group >= meta_rows):
+            raise ConfigError(f"{what}: rows [{start}, {start + n}) asked of a cache of {slots} slots ({meta_rows} metadata rows)")
+        out = torch.empty(B, H, n, d, dtype=torch.float32)
+        if self._lib.kvlab_int_decode(bits, codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), B * H, slots, meta_rows, meta_cols,
+                                      start, n, d, token_group, channel_group, out.data_ptr(), torch.get_num_threads()):
+            raise ConfigError(f"integer-cache decode refused int{bits} codes of shape {tuple(codes.shape)}")
         return out
 
     def openmp_threads(self, n: int) -> int:

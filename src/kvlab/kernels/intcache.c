@@ -162,3 +162,30 @@ int kvlab_int_mix(int bits, const uint8_t *codes, const uint16_t *scale, const u
         }
     return 0;
 }
+
+/* out (heads, count, d) fp32 = zero + code * scale for rows [lo, lo + count) of codes (heads, slots, row bytes):
+ * a span of the cache decoded into a transient (long prompts attend span by span, quantized.py). The (scale, zero)
+ * of row t, channel c sit at [t / token_div][c / channel_div] of the head's (meta_rows, meta_cols) fp16 block:
+ * keys token_div = G, channel_div = 1 (meta_cols = d); values token_div = 1, channel_div = Gv (meta_cols = d / Gv).
+ * Returns 0, or -1 for arguments that do not describe such buffers. */
+int kvlab_int_decode(int bits, const uint8_t *codes, const uint16_t *scale, const uint16_t *zero, int heads,
+                     int64_t slots, int64_t meta_rows, int meta_cols, int64_t lo, int64_t count, int d, int token_div,
+                     int channel_div, float *out, int n_threads) {
+    if ((bits != 4 && bits != 8) || d <= 0 || (bits == 4 && d % 2) || token_div <= 0 || channel_div <= 0 ||
+        d % channel_div || meta_cols != d / channel_div || lo < 0 || count < 0 || lo + count > slots ||
+        (count > 0 && (lo + count - 1) / token_div >= meta_rows))
+        return -1;
+    const int row_bytes = packed_row_bytes(bits, d);
+    #pragma omp parallel for schedule(static) collapse(2) num_threads(n_threads)
+    for (int h = 0; h < heads; h++)
+        for (int64_t i = 0; i < count; i++) {
+            const int64_t t = lo + i, at = ((int64_t)h * meta_rows + t / token_div) * meta_cols;
+            const uint8_t *row = codes + ((int64_t)h * slots + t) * row_bytes;
+            float *o = out + ((int64_t)h * count + i) * d;
+            for (int c = 0; c < d; c++) {
+                const int m = c / channel_div;
+                o[c] = kvlab_fp16_to_fp32(zero[at + m]) + code_at(row, bits, c) * kvlab_fp16_to_fp32(scale[at + m]);
+            }
+        }
+    return 0;
+}
