@@ -24,7 +24,7 @@
  * signed codes are offset by 128 (the start value -128 s takes it back out) with VNNI, and elsewhere multiplied
  * by sign: |w| x sign(w) * a, which cannot saturate vpmaddubsw's 16-bit pair sums (2 x 128 x 127 < 32768).
  *
- * Threads split the weight rows (pairs) statically; each thread sweeps its rows past 32 rows (two groups) of X at
+ * Threads split the weight rows (pairs) statically; each thread sweeps its rows past 64 rows (four groups) of X at
  * a time (they stay in L1/L2).
  */
 #include <math.h>
@@ -54,6 +54,7 @@
 #define TINY 7.888609052210118e-31f            /* 2^-100: a block with a smaller amax quantizes to zeros */
 #define AHEAD 2                                /* weight row pairs prefetched ahead */
 #define MAX_K ((int64_t)1 << 26)
+#define MAX_PASS 4                             /* packed groups per pass, at most (AVX-512: 4, else 1) */
 
 /* 3: AVX-512 with VNNI, 2: AVX-512BW, 1: AVX2, 0: plain C */
 int kvlab_q8_variant(void) {
@@ -204,14 +205,15 @@ static inline __m512i dot4(const int type, __m512i acc, __m512i w, __m512i a) {
 static inline __attribute__((always_inline)) void micro_kernel(const int type, const int A, const uint8_t *w0,
                                                               const uint8_t *w1, int stride, int64_t nb,
                                                               const uint8_t *xg, int64_t group_bytes,
-                                                              float out[2][2][LANES]) {
-    __m512 acc[2][2];
+                                                              float out[2][MAX_PASS][LANES]) {
+    __m512 acc[2][MAX_PASS];
     for (int r = 0; r < 2; r++)
         for (int a = 0; a < A; a++) acc[r][a] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk[2] = {w0 + b * stride, w1 + b * stride};
-        const uint8_t *chunk[2] = {xg + b * CHUNK, xg + group_bytes + b * CHUNK};
-        __m512i s[2][2];
+        const uint8_t *chunk[MAX_PASS];
+        for (int a = 0; a < A; a++) chunk[a] = xg + a * group_bytes + b * CHUNK;
+        __m512i s[2][MAX_PASS];
         for (int a = 0; a < A; a++) {
             const __m512i start = type == Q4_1 ? _mm512_setzero_si512() : _mm512_load_si512(chunk[a] + AUX_AT);
             s[0][a] = s[1][a] = start;
@@ -239,7 +241,7 @@ static inline __attribute__((always_inline)) void micro_kernel(const int type, c
     for (int r = 0; r < 2; r++)
         for (int a = 0; a < A; a++) _mm512_storeu_ps(out[r][a], acc[r][a]);
 }
-#define GROUPS_PER_PASS 2
+#define GROUPS_PER_PASS 4
 
 #elif defined(Q8_AVX2)
 /* AVX2: the 16 lanes of a group as two 8-lane halves; one group per pass (16 ymm registers) */
@@ -254,7 +256,7 @@ static inline __m256i dot4(const int type, __m256i acc, __m256i w, __m256i a) {
 static inline __attribute__((always_inline)) void micro_kernel(const int type, const int A, const uint8_t *w0,
                                                               const uint8_t *w1, int stride, int64_t nb,
                                                               const uint8_t *xg, int64_t group_bytes,
-                                                              float out[2][2][LANES]) {
+                                                              float out[2][MAX_PASS][LANES]) {
     (void)A;
     (void)group_bytes;
     __m256 acc[2][2];
@@ -301,7 +303,7 @@ static inline int weight_code(const int type, uint32_t word, int c) {
 }
 
 static void micro_kernel(const int type, const int A, const uint8_t *w0, const uint8_t *w1, int stride, int64_t nb,
-                         const uint8_t *xg, int64_t group_bytes, float out[2][2][LANES]) {
+                         const uint8_t *xg, int64_t group_bytes, float out[2][MAX_PASS][LANES]) {
     (void)A;
     (void)group_bytes;
     for (int r = 0; r < 2; r++) {
@@ -336,9 +338,13 @@ static void micro_kernel(const int type, const int A, const uint8_t *w0, const u
 static inline __attribute__((always_inline)) void pass_kernel(const int type, int A, const uint8_t *w0,
                                                              const uint8_t *w1, int stride, int64_t nb,
                                                              const uint8_t *xg, int64_t group_bytes,
-                                                             float out[2][2][LANES]) {
-    if (A == 2) micro_kernel(type, 2, w0, w1, stride, nb, xg, group_bytes, out);
-    else micro_kernel(type, 1, w0, w1, stride, nb, xg, group_bytes, out);
+                                                             float out[2][MAX_PASS][LANES]) {
+    switch (A) {
+    case 4: micro_kernel(type, 4, w0, w1, stride, nb, xg, group_bytes, out); break;
+    case 3: micro_kernel(type, 3, w0, w1, stride, nb, xg, group_bytes, out); break;
+    case 2: micro_kernel(type, 2, w0, w1, stride, nb, xg, group_bytes, out); break;
+    default: micro_kernel(type, 1, w0, w1, stride, nb, xg, group_bytes, out); break;
+    }
 }
 
 /* Every pass of packed groups against weight row pairs [p0, p1): one thread's work */
@@ -348,7 +354,7 @@ static inline __attribute__((always_inline)) void thread_rows(const int type, co
     const int stride = block_bytes(type);
     const int64_t nb = K / QK, row_bytes = nb * stride, group_bytes = nb * CHUNK;
     const int64_t groups = (M + LANES - 1) / LANES;
-    float out[2][2][LANES];
+    float out[2][MAX_PASS][LANES];
     for (int64_t g = 0; g < groups; g += GROUPS_PER_PASS) {
         const int A = groups - g < GROUPS_PER_PASS ? (int)(groups - g) : GROUPS_PER_PASS;
         for (int64_t p = p0; p < p1; p++) {
