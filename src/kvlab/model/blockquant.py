@@ -11,7 +11,7 @@ summation order of the kernels differs from the dense path.
 
 Opt-in (`activations="int8"`, the loader's weights="native-q8"): calls of Q8_MIN_ROWS rows or more (batched decode,
 prompt chunks) quantize the activations to int8 per 32-block and take integer dot products with the weight codes
-(kernels/q8gemm.c, VNNI; reference: kvlab.model.int8act): ~2-3x the fp32 paths' speed, at the price of the
+(kernels/q8gemm.c, VNNI; reference: kvlab.model.int8act): ~2x the fp32 paths' speed, at the price of the
 activation rounding (not equal to the dense path; never the default).
 
 Rows of a BlockMatrix are whole blocks, so fusing q|k|v or gate|up is a concatenation of byte rows and
@@ -135,7 +135,7 @@ class BlockQuantLinear(nn.Module):
         kernel = block_kernel()
         one_row = x.numel() == x.shape[-1]
         rows = math.prod(x.shape[:-1])                                            # no division: a 0-wide x is legal
-        if self.activations == "int8" and rows >= Q8_MIN_ROWS and x.dtype == torch.float32:
+        if self.activations == "int8" and rows >= Q8_MIN_ROWS and x.dtype == torch.float32 and self.in_features:
             q8 = q8_kernel_for(x.device)
             if q8 is not None:
                 return self._finish(q8.gemm(self.block_type, self.blocks, x.reshape(-1, self.in_features).contiguous()), x)
