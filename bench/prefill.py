@@ -1,7 +1,8 @@
 """Prompt prefill on SmolLM2 (native Q4_1 weights, fp32, 1 thread): the block GEMM kernel against the path it
 replaced (dequantize each whole matrix to fp32, then F.linear; KVLAB_NO_GEMM=1), and the peak RSS a user sees.
+A third path is the opt-in int8 activations (weights="native-q8", kernels/q8gemm.c; not exact).
 
-    .venv/bin/python bench/prefill.py [--repeats 3] [--lengths 512,2048,4000]   # writes bench/results/prefill.json
+    .venv/bin/python bench/prefill.py [--repeats 3] [--lengths 512,2048,4000] [--out FILE]   # bench/results/prefill.json
 
 Speed: prompts of 512 / 2,048 / 4,000 random token ids, each prefilled into a fresh dense cache by
 kvlab.generate.prefill (its default chunking, the same for both paths); the two paths alternate, `repeats`
@@ -39,21 +40,23 @@ sys.path.insert(0, str(ROOT / "src"))
 import torch  # noqa: E402
 
 OUT = ROOT / "bench" / "results" / "prefill.json"
-PATHS = {"block GEMM": "", "dequantize + F.linear": "1"}    # value of KVLAB_NO_GEMM
+PATHS = {"block GEMM": "", "dequantize + F.linear": "1", "int8 activations": ""}    # value of KVLAB_NO_GEMM
+INT8 = "int8 activations"                                   # the path run with set_activations(model, "int8")
 MEMORY_RUN = """
 import resource, sys, torch
 torch.set_num_threads(1)
 from kvlab.session import cached_model
 from kvlab.cache import CacheGeometry, make_cache
 from kvlab.generate import generate
-loaded = cached_model(None)
+loaded = cached_model(None, weights=sys.argv[2])
 prompt, new, chunk = 4000, 64, int(sys.argv[1]) or None
 ids = torch.randint(0, loaded.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0))
 cache = make_cache("dense", CacheGeometry.for_model(loaded.config, 1, prompt + new), dtype=torch.float32)
 result = generate(loaded.model, ids, cache, new, chunk_size=chunk)
 print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, result.new_tokens, loaded.weights)
 """
-MEMORY_CASES = [("block GEMM", "", 0), ("dequantize + F.linear", "1", 0), ("block GEMM, prompt in one pass", "", 4000)]
+MEMORY_CASES = [("block GEMM", "", 0), ("dequantize + F.linear", "1", 0), ("block GEMM, prompt in one pass", "", 4000),
+                ("int8 activations (native-q8)", "", 0)]
 CACHES_OUT = ROOT / "bench" / "results" / "prefill_caches.json"
 CACHE_RUN = """
 import json, resource, sys, time, torch
@@ -85,25 +88,29 @@ print(json.dumps({"cache": getattr(cache, "name", name), "prompt_tokens": len(id
 """
 
 
-def prefill_seconds(loaded, n_tokens: int, no_gemm: str) -> float:
+def prefill_seconds(loaded, n_tokens: int, no_gemm: str, activations: str = "fp32") -> float:
     from kvlab.cache import CacheGeometry, make_cache
     from kvlab.generate import prefill
+    from kvlab.model.blockquant import set_activations
 
     os.environ["KVLAB_NO_GEMM"] = no_gemm
+    set_activations(loaded.model, activations)
     ids = torch.randint(0, loaded.config.vocab_size, (1, n_tokens), generator=torch.Generator().manual_seed(n_tokens))
     cache = make_cache("dense", CacheGeometry.for_model(loaded.config, 1, n_tokens), dtype=torch.float32)
     start = time.perf_counter()
     prefill(loaded.model, ids, cache)
-    return time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    set_activations(loaded.model, "fp32")
+    return seconds
 
 
-def peak_rss_mib(no_gemm: str, chunk: int) -> tuple[float, int]:
+def peak_rss_mib(no_gemm: str, chunk: int, weights: str = "native") -> tuple[float, int]:
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), KVLAB_NO_GEMM=no_gemm, OMP_NUM_THREADS="1")
-    run = subprocess.run([sys.executable, "-c", MEMORY_RUN, str(chunk)], env=env, capture_output=True, text=True, timeout=1800)
+    run = subprocess.run([sys.executable, "-c", MEMORY_RUN, str(chunk), weights], env=env, capture_output=True, text=True, timeout=1800)
     if run.returncode != 0:
         sys.exit(f"memory run failed: {(run.stderr or run.stdout).strip().splitlines()[-1]}")
     maxrss_kib, new_tokens, weights = run.stdout.split()
-    if weights != "native":
+    if weights not in ("native", "native-q8"):
         sys.exit(f"memory run used {weights} weights, not native: no block kernel here?")
     return int(maxrss_kib) / 1024, int(new_tokens)
 
@@ -155,11 +162,12 @@ def main() -> None:
     parser.add_argument("--caches", help="instead: prefill time and peak RSS per cache, e.g. dense,int8,int4,tq4,tq4+prerope")
     parser.add_argument("--tokens", type=int, default=8000, help="with --caches: prompt tokens of Shakespeare (default 8000)")
     parser.add_argument("--src", type=Path, default=ROOT / "src", help="with --caches: the kvlab source folder to run")
-    parser.add_argument("--out", type=Path, default=CACHES_OUT, help="with --caches: the JSON file written")
+    parser.add_argument("--out", type=Path, help=f"the JSON file written (default {OUT.name}; with --caches {CACHES_OUT.name})")
     args = parser.parse_args()
     if args.caches:
-        compare_caches([name.strip() for name in args.caches.split(",") if name.strip()], args.tokens, args.src.resolve(), args.out)
+        compare_caches([name.strip() for name in args.caches.split(",") if name.strip()], args.tokens, args.src.resolve(), args.out or CACHES_OUT)
         return
+    out = args.out or OUT
     lengths = [int(n) for n in args.lengths.split(",")]
     torch.set_num_threads(1)
     from kvlab.kernels import block_kernel, kernel_status
@@ -174,33 +182,34 @@ def main() -> None:
         prefill_seconds(loaded, min(n, 64), "")                               # warm-up
         for _ in range(args.repeats):
             for path, no_gemm in PATHS.items():                               # interleaved
-                seconds[(n, path)].append(prefill_seconds(loaded, n, no_gemm))
+                seconds[(n, path)].append(prefill_seconds(loaded, n, no_gemm, "int8" if path == INT8 else "fp32"))
     os.environ.pop("KVLAB_NO_GEMM", None)
     speed = []
     for n in lengths:
         rates = {p: n / statistics.median(seconds[(n, p)]) for p in PATHS}
         speed.append({"prompt_tokens": n, **{f"{p} tokens/s": round(r, 1) for p, r in rates.items()},
                       "speedup": round(rates["block GEMM"] / rates["dequantize + F.linear"], 3),
+                      "int8_speedup": round(rates[INT8] / rates["block GEMM"], 3),
                       "seconds": {p: [round(s, 3) for s in seconds[(n, p)]] for p in PATHS}})
     memory = []
     for name, no_gemm, chunk in [] if args.skip_memory else MEMORY_CASES:
-        mib, new_tokens = peak_rss_mib(no_gemm, chunk)
+        mib, new_tokens = peak_rss_mib(no_gemm, chunk, "native-q8" if name.startswith("int8") else "native")
         memory.append({"case": name, "peak_rss_mib": round(mib), "prompt_tokens": 4000, "new_tokens": new_tokens})
     record = {"model": loaded.path.name, "threads": 1, "repeats": args.repeats, "statistic": "median",
               "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)], "cpu_count": os.cpu_count(),
               "prefill": speed, "memory": memory,
               "note": "shared machine: other processes ran during the measurement; times are noisy"}
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(record, indent=2) + "\n")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"prefill, 1 thread, median of {args.repeats} (load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}; noisy)")
-    print(f"{'prompt':>7} {'GEMM tok/s':>11} {'dequant tok/s':>14} {'speedup':>8}")
+    print(f"{'prompt':>7} {'GEMM tok/s':>11} {'dequant tok/s':>14} {'speedup':>8} {'int8 tok/s':>11} {'int8/GEMM':>10}")
     for row in speed:
         print(f"{row['prompt_tokens']:>7} {row['block GEMM tokens/s']:>11.1f} {row['dequantize + F.linear tokens/s']:>14.1f} "
-              f"{row['speedup']:>7.2f}×")
+              f"{row['speedup']:>7.2f}× {row[INT8 + ' tokens/s']:>11.1f} {row['int8_speedup']:>9.2f}×")
     print("peak RSS of a fresh process: load, 4,000-token prompt, 64 new tokens, 1 thread")
     for row in memory:
         print(f"  {row['case']:<34} {row['peak_rss_mib']:>5} MiB")
-    print(f"wrote {OUT.relative_to(ROOT)}")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -32,7 +32,8 @@ def generate(
     capacity: Optional[int] = typer.Option(None, "--capacity", help="Cache capacity in tokens (default: prompt + new tokens)."),
     chunk_size: Optional[int] = typer.Option(None, "--prefill-chunk", help="Prefill the prompt in chunks of this many tokens."),
     device: str = typer.Option("cpu", "--device", help="cpu | cuda | cuda:N | mps (a device this machine has)."),
-    weights: str = typer.Option("auto", "--weights", help="auto | native (GGUF blocks, fp32 CPU) | dense (dequantized)."),
+    weights: str = typer.Option("auto", "--weights", help="auto | native (GGUF blocks, fp32 CPU) | native-q8 (and int8 activations for multi-row calls: "
+                                "faster prompts, not exact) | dense (dequantized)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
     backend: str = typer.Option("kvlab", "--backend", help="kvlab | transformers (any causal LM it loads from local files, with kvlab's caches inside)."),
 ):
@@ -95,7 +96,7 @@ def bench_decode(
         help="engine:cache pairs; engines: kvlab (--weights), kvlab-unfused (kvlab without the fused decode step), "
         "kvlab-dense-weights (dequantized fp32/bf16 weights), transformers.",
     ),
-    weights: str = typer.Option("auto", "--weights", help="Weights of the kvlab contenders: auto | native | dense."),
+    weights: str = typer.Option("auto", "--weights", help="Weights of the kvlab contenders: auto | native | native-q8 | dense."),
     out: Optional[str] = typer.Option(None, "--out", help="[default: bench/results/decode.json, decode_contexts.json with --contexts]"),
     json_out: bool = typer.Option(False, "--json"),
     contexts: Optional[str] = typer.Option(

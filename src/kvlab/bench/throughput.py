@@ -159,14 +159,14 @@ def run_engine(loaded, name: str, reqs: list[Request], max_batch: int, block_for
 
 def run_throughput_bench(model: str | None, quick: bool, workloads: list[str], batches: list[int], formats: list[str],
                          kv_budget: str, max_step_tokens: int, threads: int, out: str | None, json_out: bool,
-                         console: Console, sequential: bool = True) -> dict:
+                         console: Console, sequential: bool = True, weights: str = "auto") -> dict:
     from ..cache import CacheGeometry
     from ..measure import machine_info, torch_threads, write_json
     from ..serve.formats import block_format as parse_block_format
     from ..session import cached_model
 
     with torch_threads(threads):
-        loaded = cached_model(model, "fp32", "cpu", "auto")
+        loaded = cached_model(model, "fp32", "cpu", weights)
         geometry = CacheGeometry.for_model(loaded.config)
         for block_format in formats:                      # a bad name fails now, not after the first runs
             parse_block_format(block_format, geometry, 16)
@@ -236,6 +236,8 @@ def register(bench_app) -> None:
         max_step_tokens: int = typer.Option(512, "--max-step-tokens", min=1),
         threads: int = typer.Option(0, "--threads", min=0, help="torch intra-op threads (0: torch's default)."),
         no_sequential: bool = typer.Option(False, "--no-sequential", help="Skip the sequential generate baseline."),
+        weights: str = typer.Option("auto", "--weights", help="auto | native | native-q8 (int8 activations for multi-row "
+                                    "calls: faster, not exact) | dense."),
         out: str = typer.Option("bench/results/throughput.json", "--out"),
         json_out: bool = typer.Option(False, "--json"),
     ):
@@ -249,4 +251,4 @@ def register(bench_app) -> None:
         names = [w.strip() for w in workloads.split(",") if w.strip()]
         block_formats = [f.strip() for f in formats.split(",") if f.strip()] or ["dense"]
         run_throughput_bench(model, quick, names, batch_sizes, block_formats, kv_budget, max_step_tokens, threads, out,
-                             json_out, console, sequential=not no_sequential)
+                             json_out, console, sequential=not no_sequential, weights=weights)

@@ -1,4 +1,4 @@
-"""The C kernels (blockgemv.c: GEMV from GGUF blocks; decode.c: a whole decode step; intcache.c: attention
+"""The C kernels (blockgemv.c: GEMV from GGUF blocks; q8gemm.c: int8 activations x blocks, wrapped by q8gemm.py; decode.c: a whole decode step; intcache.c: attention
 on the int8/int4 cache's codes; codebook.c: on TurboQuant's codes of any width, wrapped by codebook.py;
 paged.c: over paged blocks): compiled on first use with the
 system `cc`, cached, loaded with ctypes.
@@ -35,7 +35,7 @@ import torch
 from ..errors import ConfigError, KvlabError
 
 HERE = Path(__file__).parent
-SOURCES = tuple(HERE / f for f in ("blockgemv.c", "blockgemm.c", "decode.c", "intcache.c", "paged.c", "codebook.c"))  # one library
+SOURCES = tuple(HERE / f for f in ("blockgemv.c", "blockgemm.c", "q8gemm.c", "decode.c", "intcache.c", "paged.c", "codebook.c"))  # one library
 HEADERS = (HERE / "blockgemv.h", HERE / "codebook.h", HERE / "intcodes.h")
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp")
 SANITIZE = os.environ.get("KVLAB_KERNEL_SANITIZE")  # e.g. "address": an instrumented build for kvlab.fuzz

@@ -9,6 +9,11 @@ kernel, or KVLAB_NO_GEMM=1 (the reference path the GEMM is tested against): the 
 fp32 and F.linear is used. The weight values are the file's, exactly: only the fp32
 summation order of the kernels differs from the dense path.
 
+Opt-in (`activations="int8"`, the loader's weights="native-q8"): calls of Q8_MIN_ROWS rows or more (batched decode,
+prompt chunks) quantize the activations to int8 per 32-block and take integer dot products with the weight codes
+(kernels/q8gemm.c, VNNI; reference: kvlab.model.int8act): ~2x the fp32 paths' speed, at the price of the
+activation rounding (not equal to the dense path; never the default).
+
 Rows of a BlockMatrix are whole blocks, so fusing q|k|v or gate|up is a concatenation of byte rows and
 llama.cpp's Q/K RoPE row permutation is undone by permuting byte rows, as for fp32 rows.
 """
@@ -25,6 +30,7 @@ import torch.nn.functional as F
 
 from ..errors import ConfigError, ModelFileError
 from ..kernels import BLOCK_TYPES, block_kernel
+from ..kernels.q8gemm import q8_kernel_for
 from .weights import _LAYER_NAMES, GGUF, unpermute_rope_rows
 
 
@@ -96,6 +102,12 @@ def _dequantize_torch(block_type: str, data: torch.Tensor, cols: int) -> torch.T
 GEMM_MAX_ROWS = 48
 
 
+# With int8 activations (opt-in), calls of this many rows or more take the int8 kernel: it computes 16 rows at once,
+# so below ~8 rows most of its lanes idle and the fp32 block GEMM is as fast (bench/block_gemm.py).
+Q8_MIN_ROWS = 8
+ACTIVATIONS = ("fp32", "int8")
+
+
 def gemm_enabled() -> bool:
     """Whether several rows go through the block GEMM kernel; KVLAB_NO_GEMM=1 selects the reference path
     (dequantize the whole matrix, F.linear). Read on every call, like KVLAB_NO_KERNEL."""
@@ -105,8 +117,11 @@ def gemm_enabled() -> bool:
 class BlockQuantLinear(nn.Module):
     """y = x Wᵀ + b with W held as GGUF blocks; fp32 CPU rows go through the block GEMV (one row) or GEMM kernel."""
 
-    def __init__(self, matrix: BlockMatrix, bias: torch.Tensor | None = None):
+    def __init__(self, matrix: BlockMatrix, bias: torch.Tensor | None = None, activations: str = "fp32"):
         super().__init__()
+        if activations not in ACTIVATIONS:
+            raise ConfigError(f"activations {activations!r}: choose {' or '.join(ACTIVATIONS)}")
+        self.activations = activations
         self.block_type = matrix.block_type
         self.in_features, self.out_features = matrix.cols, matrix.rows
         self.register_buffer("blocks", matrix.data.contiguous())                 # (out, row_bytes) uint8
@@ -120,6 +135,10 @@ class BlockQuantLinear(nn.Module):
         kernel = block_kernel()
         one_row = x.numel() == x.shape[-1]
         rows = math.prod(x.shape[:-1])                                            # no division: a 0-wide x is legal
+        if self.activations == "int8" and rows >= Q8_MIN_ROWS and x.dtype == torch.float32 and self.in_features:
+            q8 = q8_kernel_for(x.device)
+            if q8 is not None:
+                return self._finish(q8.gemm(self.block_type, self.blocks, x.reshape(-1, self.in_features).contiguous()), x)
         if (kernel is None or x.device.type != "cpu" or x.dtype != torch.float32 or rows > GEMM_MAX_ROWS
                 or not (one_row or gemm_enabled())):
             return F.linear(x, self.dequantized().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
@@ -127,12 +146,27 @@ class BlockQuantLinear(nn.Module):
             y = kernel.gemv(self.block_type, self.blocks, x.reshape(-1).contiguous())           # (out,)
         else:
             y = kernel.gemm(self.block_type, self.blocks, x.reshape(-1, self.in_features).contiguous())  # (rows, out)
+        return self._finish(y, x)
+
+    def _finish(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """y (rows, out) or (out,) from a kernel -> + bias, shaped (..., out) like x."""
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], -1)                                          # (..., out)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, blocks={self.block_type}"
+        extra = ", activations=int8" if self.activations == "int8" else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, blocks={self.block_type}{extra}"
+
+
+def set_activations(model: nn.Module, activations: str) -> int:
+    """Set every BlockQuantLinear of `model` to fp32 or int8 activations; returns how many there are."""
+    if activations not in ACTIVATIONS:
+        raise ConfigError(f"activations {activations!r}: choose {' or '.join(ACTIVATIONS)}")
+    layers = [m for m in model.modules() if isinstance(m, BlockQuantLinear)]
+    for layer in layers:
+        layer.activations = activations
+    return len(layers)
 
 
 class BlockQuantEmbedding(nn.Module):

@@ -20,7 +20,8 @@ from .llama import Decoder
 from .tokenizer import Tokenizer
 from .weights import GGUF, HF, check_tensors, gguf_permutes_qk, gguf_state_dict, load_or_convert, safetensors_state_dict
 
-WEIGHTS = ("auto", "dense", "native")
+WEIGHTS = ("auto", "dense", "native", "native-q8")
+NATIVE = ("native", "native-q8")  # GGUF blocks kept; "-q8": multi-row calls with int8 activations (blockquant.py)
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}
@@ -53,7 +54,7 @@ class LoadedModel:
     path: Path
     dtype: torch.dtype
     device: torch.device
-    weights: str = "dense"  # "native": GGUF blocks kept for the matrices (kvlab.model.blockquant)
+    weights: str = "dense"  # "native": GGUF blocks kept for the matrices (kvlab.model.blockquant); "native-q8": and int8 activations
 
     @property
     def weight_bytes(self) -> int:
@@ -65,10 +66,10 @@ class LoadedModel:
 def resolve_weights(weights: str, path: Path, dtype: torch.dtype, device: str) -> str:
     """"auto" -> "native" for a GGUF run in fp32 on CPU with the block kernel available, else "dense"."""
     if weights not in WEIGHTS:
-        raise ConfigError(f"unknown weights {weights!r}; choose auto, dense or native")
+        raise ConfigError(f"unknown weights {weights!r}; choose auto, dense, native or native-q8")
     native_ok = path.is_file() and torch.device(device).type == "cpu" and dtype == torch.float32
-    if weights == "native" and not native_ok:
-        raise ConfigError("--weights native needs a GGUF file run in fp32 on CPU; use --weights dense")
+    if weights in NATIVE and not native_ok:
+        raise ConfigError(f"--weights {weights} needs a GGUF file run in fp32 on CPU; use --weights dense")
     if weights == "auto":
         from ..kernels import block_kernel
 
@@ -111,7 +112,8 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype | str = torch.
     """Load a runnable model. `path`: a .gguf file, a folder with config.json + safetensors, or None (SmolLM2).
 
     `weights`: "dense" dequantizes every tensor to `dtype`; "native" keeps a GGUF's Q4_0/Q4_1/Q8_0
-    matrices as blocks (fp32 on CPU; kvlab.model.blockquant); "auto" picks native when it can.
+    matrices as blocks (fp32 on CPU; kvlab.model.blockquant); "auto" picks native when it can;
+    "native-q8" is native with int8 activations for multi-row calls (faster batches and prompts, not exact).
     """
     if isinstance(dtype, str):
         dtype = parse_dtype(dtype)
@@ -130,7 +132,7 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype | str = torch.
         state = safetensors_state_dict(path, cfg)
     else:
         tokenizer = _gguf_tokenizer(gguf_file)
-        if weights == "native":
+        if weights in NATIVE:
             from .blockquant import gguf_block_matrices
 
             blocks = gguf_block_matrices({t.name: t for t in gguf_file.tensors}, cfg, gguf_permutes_qk(cfg))
@@ -145,7 +147,7 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype | str = torch.
         model = Decoder(cfg)
     model = model.to_empty(device=device)
     if blocks:
-        install_blocks(model, blocks)
+        install_blocks(model, blocks, activations="int8" if weights == "native-q8" else "fp32")
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if m != "inv_freq" and not m.endswith(".blocks")]
     if missing or unexpected:
@@ -158,12 +160,13 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype | str = torch.
     return LoadedModel(model, tokenizer, cfg, path, dtype, torch.device(device), weights)
 
 
-def install_blocks(model: Decoder, blocks: dict) -> None:
+def install_blocks(model: Decoder, blocks: dict, activations: str = "fp32") -> None:
     """Swap the Decoder's embedding / linear modules named in `blocks` for block-holding ones.
 
     A tied output head becomes a BlockQuantLinear over the embedding's own blocks (one buffer).
+    `activations`: "int8" sends the linear modules' multi-row calls through the int8-activation kernel.
     """
-    from .blockquant import BlockQuantEmbedding, BlockQuantLinear
+    from .blockquant import BlockQuantEmbedding, BlockQuantLinear, set_activations
 
     for name, matrix in blocks.items():
         if name == "embed":
@@ -174,3 +177,4 @@ def install_blocks(model: Decoder, blocks: dict) -> None:
         old = model.get_submodule(name)
         bias = None if getattr(old, "bias", None) is None else torch.empty_like(old.bias)  # filled by the state dict
         model.set_submodule(name, BlockQuantLinear(matrix, bias))
+    set_activations(model, activations)
