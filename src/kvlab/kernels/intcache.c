@@ -175,7 +175,7 @@ int kvlab_int_decode(int bits, const uint8_t *codes, const uint16_t *scale, cons
         d % channel_div || meta_cols != d / channel_div || lo < 0 || count < 0 || lo + count > slots ||
         (count > 0 && (lo + count - 1) / token_div >= meta_rows))
         return -1;
-    const int row_bytes = packed_row_bytes(bits, d);
+    const int row_bytes = (int)int_row_bytes(bits, d);
     #pragma omp parallel for schedule(static) collapse(2) num_threads(n_threads)
     for (int h = 0; h < heads; h++)
         for (int64_t i = 0; i < count; i++) {
@@ -184,7 +184,7 @@ int kvlab_int_decode(int bits, const uint8_t *codes, const uint16_t *scale, cons
             float *o = out + ((int64_t)h * count + i) * d;
             for (int c = 0; c < d; c++) {
                 const int m = c / channel_div;
-                o[c] = kvlab_fp16_to_fp32(zero[at + m]) + code_at(row, bits, c) * kvlab_fp16_to_fp32(scale[at + m]);
+                o[c] = kvlab_fp16_to_fp32(zero[at + m]) + int_code_at(row, bits, d, c) * kvlab_fp16_to_fp32(scale[at + m]);
             }
         }
     return 0;
