@@ -4,6 +4,10 @@ whose build fails is a failure, never a silent skip."""
 from __future__ import annotations
 
 import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +16,35 @@ from kvlab import kernels
 
 #: the build flags that force each kernel variant in the per-ISA tests (instead of -march=native)
 MARCH = {"avx512": "-march=x86-64-v4", "avx2": "-march=haswell", "plain": "-march=x86-64"}
+#: the /proc/cpuinfo flag each variant needs to run here
+CPU_NEEDS = {"avx512": "avx512f", "avx2": "avx2", "plain": ""}
+
+
+def cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+
+
+def build_variant(source: str, name: str, march: list[str], needs: str, folder: Path) -> Path:
+    """kernels/`source` built alone with `march` instead of -march=native, as folder/<stem>-<name>.so: skipped
+    only where that build cannot run here (no cc, not x86-64, a CPU without `needs`); a failed build fails."""
+    compiler = shutil.which("cc")
+    if compiler is None:
+        pytest.skip("no C compiler (cc)")
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip(f"the {name} variant is an x86-64 build")
+    if needs and needs not in cpu_flags():
+        pytest.skip(f"this CPU cannot run the {name} build")
+    target = folder / f"{Path(source).stem}-{name}.so"
+    flags = [g for f in kernels.FLAGS for g in (march if f == "-march=native" else [f])]
+    run = subprocess.run([compiler, *flags, "-o", str(target), str(kernels.HERE / source), *kernels.LIBS],
+                         capture_output=True, text=True)
+    if run.returncode != 0:
+        pytest.fail(f"{source} does not build with {' '.join(march)}: {(run.stderr or run.stdout).strip()[:400]}")
+    return target
 
 
 @pytest.fixture(autouse=True)

@@ -13,10 +13,6 @@ What is exact and what is not:
 from __future__ import annotations
 
 import ctypes
-import platform
-import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,7 +23,7 @@ from kvlab.kernels.q8gemm import Q8Kernel, q8_kernel_for
 from kvlab.model import blockquant, int8act
 from kvlab.model.blockquant import BlockMatrix, BlockQuantLinear, set_activations
 
-from .kernel_checks import MARCH, one_thread, require_kernel  # noqa: F401  (one_thread: autouse)
+from .kernel_checks import MARCH, build_variant, one_thread, require_kernel  # noqa: F401  (one_thread: autouse)
 from .test_blockquant import TYPES, random_blocks
 
 #: each build variant of q8gemm.c: its -march flags and the CPU flag it needs to run here
@@ -43,32 +39,13 @@ def q8() -> Q8Kernel:
     return q8_kernel_for(torch.device("cpu"))
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    return set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
-
 
 @pytest.fixture(scope="module", params=list(VARIANT_FLAGS))
 def variant(request, tmp_path_factory) -> Q8Kernel:
     """q8gemm.c built alone for one instruction set (skipped only where that build cannot run here)."""
     name = request.param
     march, needs = VARIANT_FLAGS[name]
-    compiler = shutil.which("cc")
-    if compiler is None:
-        pytest.skip("no C compiler (cc)")
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        pytest.skip(f"the {name} variant is an x86-64 build")
-    if needs and needs not in _cpu_flags():
-        pytest.skip(f"this CPU cannot run the {name} build")
-    target = tmp_path_factory.mktemp("q8gemm") / f"q8gemm-{name}.so"
-    flags = [g for f in kernels.FLAGS for g in (march if f == "-march=native" else [f])]
-    run = subprocess.run([compiler, *flags, "-o", str(target), str(kernels.HERE / "q8gemm.c"), *kernels.LIBS],
-                         capture_output=True, text=True)
-    if run.returncode != 0:
-        pytest.fail(f"q8gemm.c does not build with {march}: {(run.stderr or run.stdout).strip()[:400]}")
+    target = build_variant("q8gemm.c", name, march, needs, tmp_path_factory.mktemp("q8gemm"))
     kernel = Q8Kernel(ctypes.CDLL(str(target)), target)
     assert kernel.variant == name
     return kernel

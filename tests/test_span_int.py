@@ -11,9 +11,6 @@ intcache.c is also built here per instruction set (AVX-512, AVX2, plain C) and e
 from __future__ import annotations
 
 import ctypes
-import platform
-import shutil
-import subprocess
 
 import pytest
 import torch
@@ -27,8 +24,7 @@ from kvlab.errors import ConfigError
 from kvlab.kernels import BlockKernel
 
 from .compressed_checks import check_attend_is_token_by_token
-from .kernel_checks import MARCH, one_thread, require_kernel  # noqa: F401  (one_thread: autouse)
-from .test_tq_kernels import CPU_NEEDS, _cpu_flags
+from .kernel_checks import CPU_NEEDS, MARCH, build_variant, one_thread, require_kernel  # noqa: F401  (one_thread: autouse)
 from .test_causal_caches import CHUNKS, SAME, chunked_logits, two_sequences
 from .conftest import tiny_model
 
@@ -183,20 +179,8 @@ def int_variant(request, tmp_path_factory) -> BlockKernel:
     """intcache.c alone, built for one instruction set (skipped only where that build cannot run here), behind the
     library's own front end (its int_* methods with the loaded library's argument types)."""
     name = request.param
-    compiler = shutil.which("cc")
-    if compiler is None:
-        pytest.skip("no C compiler (cc)")
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        pytest.skip(f"the {name} variant is an x86-64 build")
-    if CPU_NEEDS[name] and CPU_NEEDS[name] not in _cpu_flags():
-        pytest.skip(f"this CPU cannot run the {name} build")
     loaded = require_kernel()
-    target = tmp_path_factory.mktemp("intcache") / f"intcache-{name}.so"
-    flags = [MARCH[name] if f == "-march=native" else f for f in kernels.FLAGS]
-    run = subprocess.run([compiler, *flags, "-o", str(target), str(kernels.HERE / "intcache.c"), *kernels.LIBS],
-                         capture_output=True, text=True)
-    if run.returncode != 0:
-        pytest.fail(f"intcache.c does not build with {MARCH[name]}: {(run.stderr or run.stdout).strip()[:400]}")
+    target = build_variant("intcache.c", name, [MARCH[name]], CPU_NEEDS[name], tmp_path_factory.mktemp("intcache"))
     lib = ctypes.CDLL(str(target))
     variant = BlockKernel.__new__(BlockKernel)
     variant._lib = lib

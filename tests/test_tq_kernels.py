@@ -11,10 +11,6 @@ softmax) with the one-pass path.
 from __future__ import annotations
 
 import ctypes
-import platform
-import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,36 +22,15 @@ from kvlab.cache.turboquant import RotatedCodes
 from kvlab.errors import ConfigError
 from kvlab.kernels.codebook import CodebookKernel, CodeLayout
 
-from .kernel_checks import MARCH, one_thread, require_kernel  # noqa: F401  (one_thread: autouse)
+from .kernel_checks import CPU_NEEDS, MARCH, build_variant, one_thread, require_kernel  # noqa: F401  (one_thread: autouse)
 
-CPU_NEEDS = {"avx512": "avx512f", "avx2": "avx2", "plain": ""}
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    return set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
 
 
 @pytest.fixture(scope="module", params=list(MARCH))
 def variant(request, tmp_path_factory) -> CodebookKernel:
     """codebook.c built for one instruction set (skipped only where that build cannot run here)."""
     name = request.param
-    compiler = shutil.which("cc")
-    if compiler is None:
-        pytest.skip("no C compiler (cc)")
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        pytest.skip(f"the {name} variant is an x86-64 build")
-    if CPU_NEEDS[name] and CPU_NEEDS[name] not in _cpu_flags():
-        pytest.skip(f"this CPU cannot run the {name} build")
-    target = tmp_path_factory.mktemp("codebook") / f"codebook-{name}.so"
-    flags = [MARCH[name] if f == "-march=native" else f for f in kernels.FLAGS]
-    run = subprocess.run([compiler, *flags, "-o", str(target), str(kernels.HERE / "codebook.c"), *kernels.LIBS],
-                         capture_output=True, text=True)
-    if run.returncode != 0:
-        pytest.fail(f"codebook.c does not build with {MARCH[name]}: {(run.stderr or run.stdout).strip()[:400]}")
+    target = build_variant("codebook.c", name, [MARCH[name]], CPU_NEEDS[name], tmp_path_factory.mktemp("codebook"))
     kernel = CodebookKernel(ctypes.CDLL(str(target)), target)
     assert kernel.variant == name
     return kernel
