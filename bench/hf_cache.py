@@ -2,13 +2,16 @@
 
     .venv/bin/python bench/hf_cache.py                          # SmolLM2, 512-token context, 64 new tokens
     .venv/bin/python bench/hf_cache.py --context 2048 --caches dense,int8,int4,tq4,tq4+sink1 --repeats 5
+    PYTHONPATH=DIR .venv/bin/python bench/hf_cache.py --caches dense,tq4,hf:quanto-int4+r0,hf:hqq-4+r128   # DIR: quanto, hqq
 
 The model is the embedded SmolLM2-135M GGUF, loaded by transformers itself (dequantized to fp32), so
 every contender runs transformers' modeling code; only the cache object differs. Per round the
 contenders run interleaved (the machine is shared and noisy): prefill the same prompt, then `--new`
 greedy decode steps fed one token at a time; tok/s is the median over rounds of new / decode seconds.
-Bytes: DynamicCache's K/V tensors; a KVLabCache's `nbytes` (every buffer it holds, kvlab's formula),
-preallocated for context + new tokens so it never grows while timed.
+`hf:` names are transformers' own caches (kvlab/hf_baselines.py: quanto, HQQ, fp8; their packages installed).
+Bytes: a KVLabCache's `nbytes` (every buffer it holds, kvlab's formula), preallocated for context + new tokens so
+it never grows while timed; for DynamicCache and the `hf:` caches a walk over every tensor the object holds
+(hf_baselines.held_nbytes), after the last step.
 Writes bench/results/hf_cache.json.
 """
 
@@ -52,16 +55,19 @@ def new_cache(name: str, model, capacity: int):
     from transformers import DynamicCache
 
     from kvlab.hf import KVLabCache
+    from kvlab.hf_baselines import Baseline, is_baseline_name
 
     if name == BASELINE:
         return DynamicCache(config=model.config)
+    if is_baseline_name(name):
+        return Baseline.parse(name).build(model.config)
     return KVLabCache.from_name(name, model.config, initial_capacity=capacity)
 
 
 def cache_bytes(cache) -> int:
-    if hasattr(cache, "nbytes"):
-        return cache.nbytes
-    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if layer.keys is not None)
+    from kvlab.hf_baselines import held_nbytes
+
+    return cache.nbytes if hasattr(cache, "nbytes") else held_nbytes(cache)
 
 
 @torch.no_grad()
@@ -82,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, default=512, help="prompt tokens")
     parser.add_argument("--new", type=int, default=64, help="decode steps timed")
-    parser.add_argument("--caches", default="dense,int8,tq4", help="kvlab cache names, comma-separated")
+    parser.add_argument("--caches", default="dense,int8,tq4", help="kvlab cache names and hf: baselines, comma-separated")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's choice)")
     parser.add_argument("--out", default=str(OUT))

@@ -25,7 +25,7 @@ import torch
 
 from kvlab import kernels
 from kvlab.cache import CacheGeometry, make_cache
-from kvlab.errors import NonFiniteError
+from kvlab.errors import ConfigError, NonFiniteError
 from kvlab.model.fused import FusedDecodeStep, decode_step_kind, fused_step_off
 
 from .conftest import tiny_model
@@ -241,3 +241,34 @@ def test_non_finite_kv_is_the_module_paths_error(native):
         assert all(expect in m and "\n" not in m for m in messages) and "layer 1" in messages[0], messages
         if expect == "NaN or Inf":
             assert messages[0] == messages[1]
+
+
+def _narrow_dense_keys(cache):
+    cache.k = cache.k[:, :, :, :-1]                                  # (L, B, Hkv, capacity - 1, D), same address
+
+
+def _narrow_int_scales(cache):
+    cache.k_scale[0] = cache.k_scale[0][..., :1]                     # (B, Hkv, groups, 1), same address
+
+
+def _narrow_tq_norms(cache):
+    cache.k_norm[0] = cache.k_norm[0][..., :-1]                      # (B, Hkv, slots - 1), same address
+
+
+@pytest.mark.parametrize(("name", "narrow", "what"), [("dense", _narrow_dense_keys, "layer 0 keys"),
+                                                      ("int4+g4", _narrow_int_scales, "layer 0 k_scale"),
+                                                      ("tq4", _narrow_tq_norms, "layer 0 k norms")])
+def test_a_buffer_replaced_in_place_is_checked_again(name, narrow, what, native):
+    """A buffer swapped for a smaller view at the same address (as a freed buffer's address can be reused) is not the
+    buffer the step's C structs were checked against: the next step checks it again and refuses it in one line."""
+    model = model_for("GQA-128", max_seq_len=40)
+    model.fused = FusedDecodeStep(model, native._lib)
+    cache = make_cache(name, CacheGeometry.for_model(model.config, capacity=40))
+    one = torch.tensor([[3]])
+    with torch.no_grad():
+        model(torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(1)), cache)
+        model.fused(one, cache)                                       # the view is built and used
+        narrow(cache)
+        with pytest.raises(ConfigError, match=what) as err:
+            model.fused(one, cache)
+    assert "\n" not in str(err.value)

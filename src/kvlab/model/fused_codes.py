@@ -61,7 +61,7 @@ class CacheView:
 
     def __init__(self, cache, cfg):
         self._keep: list = []
-        self.buffers = buffer_addresses(cache)
+        self.buffers = buffer_layouts(cache)
         L, hd = cfg.n_layers, cfg.head_dim
         self.layers = (LayerKV * L)()
         if isinstance(cache, DenseCache):
@@ -87,8 +87,9 @@ class CacheView:
         return t.data_ptr()
 
     def fits(self, cache) -> bool:
-        """Whether the cache's buffers are still the ones this view points into."""
-        return buffer_addresses(cache) == self.buffers
+        """Whether the cache's buffers are still the ones this view points into, with the dtypes, shapes and strides
+        it checked (a buffer replaced by a smaller one at a reused address is not the one it checked)."""
+        return buffer_layouts(cache) == self.buffers
 
     def _dense(self, cache: DenseCache, layer: int) -> LayerKV:
         """Layer `layer` of a DenseCache (a dense cache's, or a TurboQuant cache's full-precision layer)."""
@@ -147,16 +148,21 @@ FP8_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).floa
 WEIGHT_VALUES = key_weight(torch.arange(16))                                                        # (16,)
 
 
-def buffer_addresses(cache) -> tuple[int, ...]:
-    """Where the buffers a view points into lie (a view is rebuilt if one was replaced)."""
+def buffer_layouts(cache) -> tuple[tuple, ...]:
+    """Where the buffers a view points into lie, and their dtype, shape and strides (a view is rebuilt, and its
+    buffers checked again, if one was replaced or reshaped)."""
     if isinstance(cache, DenseCache):
-        return cache.k.data_ptr(), cache.v.data_ptr()
+        return _layout(cache.k), _layout(cache.v)
     held = [cache._dense[l].k for l in sorted(cache._dense)] + [cache._dense[l].v for l in sorted(cache._dense)]
     coded = fused_int.BUFFERS if isinstance(cache, QuantizedCache) else (
         "k_codes", "v_codes", "k_norm", "v_norm", "k_offset", "v_offset", "k_weight_codes")
     for buffers in (cache._sink_k, cache._sink_v, cache._win_k, cache._win_v, *(getattr(cache, name) for name in coded)):
         held += buffers.values()
-    return tuple(t.data_ptr() for t in held)
+    return tuple(_layout(t) for t in held)
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    return t.data_ptr(), t.dtype, tuple(t.shape), t.stride()
 
 
 def serves_codes(cache, cfg) -> bool:
