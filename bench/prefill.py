@@ -7,9 +7,19 @@ A third path is the opt-in int8 activations (weights="native-q8", kernels/q8gemm
 Speed: prompts of 512 / 2,048 / 4,000 random token ids, each prefilled into a fresh dense cache by
 kvlab.generate.prefill (its default chunking, the same for both paths); the two paths alternate, `repeats`
 times, and the table shows the median tokens/s. Memory: a fresh Python process per row loads the model,
-prefills a 4,000-token prompt and decodes 64 tokens at 1 thread, then reports its peak RSS (ru_maxrss):
-with the GEMM, with the dequantize path, and with the GEMM and the prompt in one pass (chunk = prompt).
-On a shared machine the times are noisy: the load average is recorded next to them.
+prefills a 4,000-token prompt and decodes 64 tokens at 1 thread, then reports its peak RSS and where
+it went, phase by phase (import torch, import kvlab, load, make the cache, prefill, decode: the RSS after each
+and the peak during each): with the GEMM (a dense fp32 cache, and a dense-f16 one: f16 K/V, what llama.cpp
+stores), with the dequantize path, with the GEMM and the prompt in one pass (chunk = prompt), and with int8
+activations. On a shared machine the times are noisy: the load average is recorded next to them.
+
+    .venv/bin/python bench/prefill.py --memory-only [--memory-cases gemm,f16] [--llama-cpp PYTHON] [--src DIR]
+                                                                             # writes bench/results/prefill_memory.json
+
+The memory rows alone (RSS does not depend on timing). `--llama-cpp PYTHON` (an interpreter with
+llama-cpp-python, as for `kvlab bench decode`) adds llama.cpp's row for the same run: the same GGUF and the
+same 4,000 token ids, f16 K/V, n_ctx = 4,064, 64 greedy tokens, 1 thread (through bench's llama_worker), and
+each kvlab row's peak as a multiple of it.
 
     .venv/bin/python bench/prefill.py --caches dense,int8,int4,tq4,tq4+prerope [--tokens 8000] [--src DIR]
                                                                              # writes bench/results/prefill_caches.json
@@ -20,7 +30,7 @@ made as `kvlab generate --cache` makes it, and reports the prefill's seconds (wa
 time: the steadier of the two on a busy machine, one thread) and the process's peak RSS (and
 the prefill's own peak: the high-water mark over the RSS before it, reset by /proc/self/clear_refs); each cache's
 time and peaks are also given as ratios to the dense cache's.
-`--src` runs another checkout's kvlab (its src folder) for a before/after comparison.
+`--src` runs another checkout's kvlab (its src folder) for a before/after comparison (--caches, --memory-only).
 """
 
 from __future__ import annotations
@@ -40,23 +50,74 @@ sys.path.insert(0, str(ROOT / "src"))
 import torch  # noqa: E402
 
 OUT = ROOT / "bench" / "results" / "prefill.json"
+MEMORY_OUT = ROOT / "bench" / "results" / "prefill_memory.json"
+MEMORY_TITLE = "peak RSS of a fresh process: load, 4,000-token prompt, 64 new tokens, 1 thread"
 PATHS = {"block GEMM": "", "dequantize + F.linear": "1", "int8 activations": ""}    # value of KVLAB_NO_GEMM
 INT8 = "int8 activations"                                   # the path run with set_activations(model, "int8")
-MEMORY_RUN = """
-import resource, sys, torch
+# The memory run (a fresh process per row): peak RSS by phase. After each phase: the RSS now and the peak
+# during the phase (VmHWM, whose high-water mark /proc/self/clear_refs resets to the current RSS). The process's
+# peak is the largest phase peak: after a reset ru_maxrss reports only the peak since then, like VmHWM.
+PHASES = """
+import json, sys
+def status_mib(field):
+    line = next(l for l in open("/proc/self/status") if l.startswith(field + ":"))
+    return round(int(line.split()[1]) / 1024, 1)
+phases = []
+def mark(phase):
+    phases.append({"phase": phase, "rss_mib": status_mib("VmRSS"), "peak_mib": status_mib("VmHWM")})
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+mark("python")
+"""
+MEMORY_RUN = PHASES + """
+import torch
+mark("import torch")
 torch.set_num_threads(1)
 from kvlab.session import cached_model
 from kvlab.cache import CacheGeometry, make_cache
-from kvlab.generate import generate
+from kvlab.generate import generate_stream
+mark("import kvlab")
+HEAVY = ("transformers", "matplotlib", "scipy", "sympy", "pandas", "numpy", "rich", "typer", "gguf", "tokenizers", "jinja2")
+heavy = [name for name in HEAVY if name in sys.modules]
 loaded = cached_model(None, weights=sys.argv[2])
-prompt, new, chunk = 4000, 64, int(sys.argv[1]) or None
+mark("load model + tokenizer")
+prompt, new, chunk, cache_name = 4000, 64, int(sys.argv[1]) or None, sys.argv[3]
 ids = torch.randint(0, loaded.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0))
-cache = make_cache("dense", CacheGeometry.for_model(loaded.config, 1, prompt + new), dtype=torch.float32)
-result = generate(loaded.model, ids, cache, new, chunk_size=chunk)
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, result.new_tokens, loaded.weights)
+cache = make_cache(cache_name, CacheGeometry.for_model(loaded.config, 1, prompt + new), dtype=torch.float32)
+mark("make cache")
+steps = generate_stream(loaded.model, ids, cache, new, chunk_size=chunk)
+tokens = [next(steps)]
+mark("prefill 4,000 tokens")
+tokens += list(steps)
+mark(f"decode {new} tokens")
+print(json.dumps({"peak_rss_mib": round(max(p["peak_mib"] for p in phases)), "new_tokens": len(tokens),
+                  "weights": loaded.weights, "cache": cache_name, "cache_mib": round(cache.nbytes / 2**20, 1),
+                  "modules_after_import": heavy, "phases": phases}))
 """
-MEMORY_CASES = [("block GEMM", "", 0), ("dequantize + F.linear", "1", 0), ("block GEMM, prompt in one pass", "", 4000),
-                ("int8 activations (native-q8)", "", 0)]
+# The same run in llama.cpp (llama-cpp-python in another interpreter, through bench's llama_worker.Worker):
+# load with f16 K/V, prefill the same 4,000 ids, 64 greedy tokens, 1 thread. argv[1]: llama_worker.py's folder.
+LLAMA_MEMORY_RUN = PHASES + """
+sys.path.insert(0, sys.argv[1])
+request = json.loads(sys.stdin.read())
+from llama_worker import Worker
+mark("import llama_cpp")
+worker = Worker()
+worker.load(request["model"], request["n_ctx"], 1, "f16")
+mark("load model + tokenizer")
+token = worker.prefill(request["tokens"])["token"]
+mark("prefill 4,000 tokens")
+worker.steps(token, request["new"] - 1)
+mark(f"decode {request['new']} tokens")
+print(json.dumps({"peak_rss_mib": round(max(p["peak_mib"] for p in phases)), "new_tokens": request["new"],
+                  "n_ctx": worker.llm.n_ctx(), "phases": phases}))
+"""
+# key -> (case, KVLAB_NO_GEMM, chunk (0: the default), cache, weights)
+MEMORY_CASES = {"gemm": ("block GEMM", "", 0, "dense", "native"),
+                "f16": ("block GEMM, dense-f16 cache", "", 0, "dense-f16", "native"),
+                "dequant": ("dequantize + F.linear", "1", 0, "dense", "native"),
+                "one-pass": ("block GEMM, prompt in one pass", "", 4000, "dense", "native"),
+                "int8": ("int8 activations (native-q8)", "", 0, "dense", "native-q8")}
+LLAMA_CASE = "llama.cpp (f16 K/V)"
 CACHES_OUT = ROOT / "bench" / "results" / "prefill_caches.json"
 CACHE_RUN = """
 import json, resource, sys, time, torch
@@ -81,7 +142,7 @@ prefill(loaded.model, torch.tensor([ids]), cache)
 seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
 print(json.dumps({"cache": getattr(cache, "name", name), "prompt_tokens": len(ids), "seconds": round(seconds, 2),
                   "cpu_seconds": round(cpu_seconds, 2),
-                  "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+                  "peak_rss_mib": round(max(load_peak, status_mib("VmHWM"))),   # ru_maxrss restarts at the reset too
                   "load_peak_rss_mib": round(load_peak), "rss_before_prefill_mib": round(before),
                   "prefill_peak_mib": round(status_mib("VmHWM") - before), "cache_mib": round(cache.nbytes / 2**20, 1),
                   "weights": loaded.weights}))
@@ -104,15 +165,69 @@ def prefill_seconds(loaded, n_tokens: int, no_gemm: str, activations: str = "fp3
     return seconds
 
 
-def peak_rss_mib(no_gemm: str, chunk: int, weights: str = "native") -> tuple[float, int]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), KVLAB_NO_GEMM=no_gemm, OMP_NUM_THREADS="1")
-    run = subprocess.run([sys.executable, "-c", MEMORY_RUN, str(chunk), weights], env=env, capture_output=True, text=True, timeout=1800)
+def memory_run(no_gemm: str, chunk: int, weights: str = "native", cache: str = "dense", src: Path = ROOT / "src") -> dict:
+    """One fresh process running kvlab from `src`: load, a 4,000-token prompt, 64 new tokens at 1 thread; its peak
+    RSS and phases."""
+    env = dict(os.environ, PYTHONPATH=str(src), KVLAB_NO_GEMM=no_gemm, OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, "-c", MEMORY_RUN, str(chunk), weights, cache], env=env, capture_output=True,
+                         text=True, timeout=1800)
     if run.returncode != 0:
         sys.exit(f"memory run failed: {(run.stderr or run.stdout).strip().splitlines()[-1]}")
-    maxrss_kib, new_tokens, weights = run.stdout.split()
-    if weights not in ("native", "native-q8"):
-        sys.exit(f"memory run used {weights} weights, not native: no block kernel here?")
-    return int(maxrss_kib) / 1024, int(new_tokens)
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    if result["weights"] not in ("native", "native-q8"):
+        sys.exit(f"memory run used {result['weights']} weights, not native: no block kernel here?")
+    return result
+
+
+def llama_memory_run(python: str, new: int = 64) -> dict:
+    """The same run in llama.cpp (f16 K/V, n_ctx = prompt + new tokens, 1 thread), in interpreter `python`."""
+    from kvlab.bench.llama_peer import WORKER, check_python, peer_environment
+    from kvlab.model.loader import default_model_path
+    from kvlab.sources import load_spec
+
+    from kvlab.errors import KvlabError
+
+    try:
+        check_python(python)
+    except KvlabError as exc:
+        sys.exit(str(exc))
+    path = default_model_path()
+    vocab = load_spec(str(path)).vocab_size  # the ids are the kvlab run's (torch.randint, seed 0)
+    ids = torch.randint(0, vocab, (1, 4000), generator=torch.Generator().manual_seed(0))[0].tolist()
+    request = {"model": str(path), "n_ctx": len(ids) + new, "tokens": ids, "new": new}
+    env = dict(peer_environment(), OMP_NUM_THREADS="1")
+    run = subprocess.run([python, "-c", LLAMA_MEMORY_RUN, str(WORKER.parent)], input=json.dumps(request), env=env,
+                         capture_output=True, text=True, timeout=1800)
+    if run.returncode != 0:
+        sys.exit(f"llama.cpp memory run failed: {(run.stderr or run.stdout).strip().splitlines()[-1]}")
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def memory_table(llama_python: str | None, src: Path = ROOT / "src", cases: list[str] | None = None) -> list[dict]:
+    """The memory rows: the MEMORY_CASES named in `cases` (default all) and llama.cpp's when `llama_python` is given,
+    each with its peak by phase; printed as they come."""
+    rows = []
+    for key in MEMORY_CASES if cases is None else cases:
+        name, no_gemm, chunk, cache, weights = MEMORY_CASES[key]
+        result = memory_run(no_gemm, chunk, weights, cache, src)
+        rows.append({"case": name, "prompt_tokens": 4000, **result})
+        print_memory_row(rows[-1])
+    if llama_python:
+        rows.append({"case": LLAMA_CASE, "prompt_tokens": 4000, **llama_memory_run(llama_python)})
+        print_memory_row(rows[-1])
+        for row in rows[:-1]:
+            row["peak_vs_llama_cpp"] = round(row["peak_rss_mib"] / rows[-1]["peak_rss_mib"], 2)
+    return rows
+
+
+def print_memory_row(row: dict) -> None:
+    """One case: its peak, then each phase's RSS after it and peak during it (MiB)."""
+    extra = f" (cache {row['cache_mib']} MiB)" if "cache_mib" in row else f" (n_ctx {row.get('n_ctx')})"
+    print(f"  {row['case']:<34} {row['peak_rss_mib']:>5} MiB peak{extra}", flush=True)
+    for phase in row.get("phases", []):
+        print(f"      {phase['phase']:<26} RSS after {phase['rss_mib']:>7.1f}   peak during {phase['peak_mib']:>7.1f}")
+    if row.get("modules_after_import"):
+        print(f"      modules after import kvlab: {', '.join(row['modules_after_import'])}")
 
 
 def cache_prefill(name: str, tokens: int, src: Path) -> dict:
@@ -154,6 +269,18 @@ def compare_caches(names: list[str], tokens: int, src: Path, out: Path = CACHES_
     print(f"wrote {out}")
 
 
+def memory_only(llama_python: str | None, out: Path, src: Path, cases: list[str] | None) -> None:
+    """--memory-only: the memory rows alone (RSS does not depend on timing: fine on a busy machine)."""
+    print(MEMORY_TITLE)
+    record = {"threads": 1, "prompt_tokens": 4000, "new_tokens": 64, "src": str(src),
+              "memory": memory_table(llama_python, src, cases),
+              "note": "peak RSS of a fresh process per row (the largest phase peak); phases: RSS after, and VmHWM during "
+                      "(reset by clear_refs)"}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
@@ -161,9 +288,20 @@ def main() -> None:
     parser.add_argument("--skip-memory", action="store_true", help="only the speed table (a quick smoke run)")
     parser.add_argument("--caches", help="instead: prefill time and peak RSS per cache, e.g. dense,int8,int4,tq4,tq4+prerope")
     parser.add_argument("--tokens", type=int, default=8000, help="with --caches: prompt tokens of Shakespeare (default 8000)")
-    parser.add_argument("--src", type=Path, default=ROOT / "src", help="with --caches: the kvlab source folder to run")
+    parser.add_argument("--src", type=Path, default=ROOT / "src", help="with --caches or --memory-only: the kvlab source folder to run")
+    parser.add_argument("--memory-only", action="store_true", help=f"only the memory rows (written to {MEMORY_OUT.name})")
+    parser.add_argument("--memory-cases", help=f"with --memory-only: which rows, of {','.join(MEMORY_CASES)} (default all)")
+    parser.add_argument("--llama-cpp", metavar="PYTHON", help="a Python with llama-cpp-python: add llama.cpp's peak (f16 K/V) "
+                        "for the same run as a memory row")
     parser.add_argument("--out", type=Path, help=f"the JSON file written (default {OUT.name}; with --caches {CACHES_OUT.name})")
     args = parser.parse_args()
+    if args.memory_only:
+        cases = None if args.memory_cases is None else [key.strip() for key in args.memory_cases.split(",") if key.strip()]
+        unknown = sorted(set(cases or ()) - set(MEMORY_CASES))
+        if unknown:
+            sys.exit(f"unknown memory case {', '.join(unknown)}; choose from {', '.join(MEMORY_CASES)}")
+        memory_only(args.llama_cpp, args.out or MEMORY_OUT, args.src.resolve(), cases)
+        return
     if args.caches:
         compare_caches([name.strip() for name in args.caches.split(",") if name.strip()], args.tokens, args.src.resolve(), args.out or CACHES_OUT)
         return
@@ -191,10 +329,9 @@ def main() -> None:
                       "speedup": round(rates["block GEMM"] / rates["dequantize + F.linear"], 3),
                       "int8_speedup": round(rates[INT8] / rates["block GEMM"], 3),
                       "seconds": {p: [round(s, 3) for s in seconds[(n, p)]] for p in PATHS}})
-    memory = []
-    for name, no_gemm, chunk in [] if args.skip_memory else MEMORY_CASES:
-        mib, new_tokens = peak_rss_mib(no_gemm, chunk, "native-q8" if name.startswith("int8") else "native")
-        memory.append({"case": name, "peak_rss_mib": round(mib), "prompt_tokens": 4000, "new_tokens": new_tokens})
+    if not args.skip_memory:
+        print(MEMORY_TITLE)
+    memory = [] if args.skip_memory else memory_table(args.llama_cpp)
     record = {"model": loaded.path.name, "threads": 1, "repeats": args.repeats, "statistic": "median",
               "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)], "cpu_count": os.cpu_count(),
               "prefill": speed, "memory": memory,
@@ -206,9 +343,6 @@ def main() -> None:
     for row in speed:
         print(f"{row['prompt_tokens']:>7} {row['block GEMM tokens/s']:>11.1f} {row['dequantize + F.linear tokens/s']:>14.1f} "
               f"{row['speedup']:>7.2f}× {row[INT8 + ' tokens/s']:>11.1f} {row['int8_speedup']:>9.2f}×")
-    print("peak RSS of a fresh process: load, 4,000-token prompt, 64 new tokens, 1 thread")
-    for row in memory:
-        print(f"  {row['case']:<34} {row['peak_rss_mib']:>5} MiB")
     print(f"wrote {out}")
 
 

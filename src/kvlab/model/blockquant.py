@@ -60,9 +60,11 @@ class BlockMatrix:
 
     @staticmethod
     def from_gguf(tensor) -> "BlockMatrix":
-        """A 2-D GGUF tensor of a supported block type -> its bytes, copied out of the mmap."""
+        """A 2-D GGUF tensor of a supported block type -> its bytes, read from the file (kvlab.sources.gguf.GGUFTensor.read:
+        not through the mmap, whose touched pages would stay resident next to the copy)."""
         cols = int(tensor.shape[0])  # GGUF lists the fastest-moving dim (columns) first
-        data = torch.from_numpy(tensor.data.copy()).reshape(-1, tensor.data.shape[-1])
+        raw = tensor.read()                                                       # (rows, row_bytes) uint8
+        data = torch.from_numpy(raw).reshape(-1, raw.shape[-1])
         return BlockMatrix(tensor.tensor_type.name, data, cols)
 
 

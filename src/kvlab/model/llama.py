@@ -27,8 +27,10 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(cfg: DecoderConfig) -> torch.Tensor:
-    """(head_dim/2,) fp32 inverse frequencies, with Llama 3's scaling (config) or frequency factors (GGUF)."""
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
+    """(head_dim/2,) fp32 inverse frequencies, with Llama 3's scaling (config) or frequency factors (GGUF).
+    Computed on the CPU whatever the default device: on the meta device (the loader's) these few ops would
+    import torch's Python decompositions (sympy included, ~70 MiB resident)."""
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64, device="cpu") / cfg.head_dim))
     scaling = cfg.rope_scaling
     if scaling is not None:
         low_wavelen = scaling.original_max_position / scaling.low_freq_factor
@@ -41,7 +43,7 @@ def rope_inv_freq(cfg: DecoderConfig) -> torch.Tensor:
         mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
         inv_freq = torch.where(mid, (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq, scaled)
     if cfg.rope_freq_factors is not None:
-        inv_freq = inv_freq / torch.tensor(cfg.rope_freq_factors, dtype=torch.float64)
+        inv_freq = inv_freq / torch.tensor(cfg.rope_freq_factors, dtype=torch.float64, device="cpu")
     return inv_freq.float()
 
 
@@ -125,14 +127,17 @@ class Block(nn.Module):
 class Decoder(nn.Module):
     """tokens (B, T) + cache -> logits (B, T, vocab). Positions continue from `cache.length`."""
 
-    def __init__(self, cfg: DecoderConfig):
+    def __init__(self, cfg: DecoderConfig, init_embedding: bool = True):
+        """`init_embedding` False leaves the embedding's weight uninitialised, for a loader that fills it (on the
+        meta device its random init would import torch's Python decompositions, ~70 MiB resident)."""
         super().__init__()
         self.config = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        weight = None if init_embedding else torch.empty(cfg.vocab_size, cfg.d_model)    # (vocab, C)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model, _weight=weight)
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.rms_eps)
         self.lm_head = None if cfg.tie_embeddings else Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg).to(torch.get_default_device()), persistent=False)
         self.fused = None  # a FusedDecodeStep (model/fused.py), set by the loader where it can run
 
     def _apply(self, fn, recurse=True):

@@ -144,10 +144,10 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype | str = torch.
     if tokenizer.vocab_size > cfg.vocab_size:  # a token id past the embedding's rows would reach the model
         raise ModelFileError(f"{path}: the tokenizer has {tokenizer.vocab_size:,} tokens, the model's vocabulary {cfg.vocab_size:,}")
     with torch.device("meta"):
-        model = Decoder(cfg)
-    model = model.to_empty(device=device)
-    if blocks:
+        model = Decoder(cfg, init_embedding=False)  # every weight comes from the file
+    if blocks:  # before any storage is made: the fp32 weights the blocks replace are never allocated
         install_blocks(model, blocks, activations="int8" if weights == "native-q8" else "fp32")
+    model = _materialize(model, device)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if m != "inv_freq" and not m.endswith(".blocks")]
     if missing or unexpected:
@@ -158,6 +158,13 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype | str = torch.
 
         model.fused = fused_decode_step(model)
     return LoadedModel(model, tokenizer, cfg, path, dtype, torch.device(device), weights)
+
+
+def _materialize(model: Decoder, device: str) -> Decoder:
+    """Storage (uninitialised, filled by the state dict) on `device` for every tensor of `model` still on the meta
+    device; the block-holding modules' buffers are real already and stay as they are (Module.to_empty would
+    replace them too, and its empty_like of a meta tensor imports torch's Python decompositions: ~70 MiB)."""
+    return model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device) if t.is_meta else t)
 
 
 def install_blocks(model: Decoder, blocks: dict, activations: str = "fp32") -> None:
@@ -175,6 +182,6 @@ def install_blocks(model: Decoder, blocks: dict, activations: str = "fp32") -> N
                 model.lm_head = model.embed.as_linear()
             continue
         old = model.get_submodule(name)
-        bias = None if getattr(old, "bias", None) is None else torch.empty_like(old.bias)  # filled by the state dict
+        bias = None if getattr(old, "bias", None) is None else old.bias.new_empty(old.bias.shape)  # filled by the state dict
         model.set_submodule(name, BlockQuantLinear(matrix, bias))
     set_activations(model, activations)

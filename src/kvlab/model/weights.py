@@ -156,7 +156,7 @@ def dequantize_gguf_tensor(tensor) -> torch.Tensor:
     from gguf import quants
 
     try:
-        values = quants.dequantize(tensor.data, tensor.tensor_type)
+        values = quants.dequantize(tensor.read(), tensor.tensor_type)  # read, not mapped: see GGUFTensor.read
     except (NotImplementedError, ValueError) as exc:
         raise ModelFileError(f"tensor {tensor.name!r}: cannot dequantize {tensor.tensor_type.name} ({exc})") from None
     shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists the fastest-moving dim first

@@ -78,12 +78,31 @@ class GGUFTensor:
         Plain types (F32, F16, I8, ...) come typed; quantized ones as uint8 rows of whole blocks,
         exactly as gguf.GGUFReader exposes them, ready for gguf.quants.dequantize.
         """
+        raw = self._file._memmap[self.data_offset:self.data_offset + self.n_bytes]
+        return self._typed(raw)
+
+    def read(self) -> np.ndarray:
+        """The tensor's bytes read from the file into a new writable array, shaped and typed like `data`.
+
+        Nothing is mapped: once the copy is made the file's pages are not part of this process's memory,
+        where reading through `data` keeps every page it touched resident (counted in its RSS) while the
+        mapping lives, next to the copy.
+        """
+        out = np.empty(self.n_bytes, dtype=np.uint8)
+        with open(self._file.path, "rb") as fh:
+            fh.seek(self.data_offset)
+            got = fh.readinto(memoryview(out))
+        if got != self.n_bytes:
+            raise ModelFileError(f"{self._file.path} is truncated: tensor {self.name!r} has {got:,} of its {self.n_bytes:,} bytes")
+        return self._typed(out)
+
+    def _typed(self, raw: np.ndarray) -> np.ndarray:
+        """The tensor's bytes (uint8) viewed in numpy order: plain types typed, quantized ones as rows of blocks."""
         np_shape = tuple(reversed(self.shape))
         dtype = _PLAIN_TENSOR_DTYPES.get(self.tensor_type)
         if dtype is None:
             np_shape = quant_shape_to_byte_shape(np_shape, self.tensor_type)
             dtype = np.uint8
-        raw = self._file._memmap[self.data_offset:self.data_offset + self.n_bytes]
         return raw.view(dtype).reshape(np_shape)
 
 
