@@ -8,7 +8,9 @@ fused rows are bit-identical for any thread count; bad buffers and layouts are o
 
 from __future__ import annotations
 
+import gc
 import random
+import weakref
 
 import pytest
 import torch
@@ -251,3 +253,12 @@ def test_when_the_fused_step_applies(monkeypatch):
     model.double()                                                            # cast buffers drop model.fused
     with torch.inference_mode():
         assert fused_batch_for(runner, 1) is None
+
+
+def test_a_dropped_model_takes_its_batch_step_with_it():
+    model = fused_model(5)
+    engine, step, args = one_step(model)
+    gone = weakref.ref(step)
+    del engine, step, args, model
+    gc.collect()
+    assert gone() is None

@@ -48,7 +48,7 @@ class FusedBatchStep:
 
     def __init__(self, model, decode_step: FusedDecodeStep, lib: ctypes.CDLL):
         self.config = model.config
-        self.decode_step = decode_step
+        self._decode_step = weakref.ref(decode_step)   # weak: the model's step, not this one, keeps the weights alive
         self._lib = lib
         # a layer's matrices in batchstep.c's order (QKV, OUT, GATE_UP, DOWN): which take int8 activations
         self._matrices = [m for b in model.blocks for m in (b.attn.qkv, b.attn.out, b.ffn.gate_up, b.ffn.down)]
@@ -87,6 +87,9 @@ class FusedBatchStep:
             check_buffer(WHAT, name, t, pool.dtype, (L, slots, cfg.n_kv_heads, D))
         if isinstance(window, bool) or not isinstance(window, (int, type(None))) or (window or 0) < 0:
             raise ConfigError(f"{WHAT}: window must be a non-negative number of tokens or None, got {window!r}")
+        decode_step = self._decode_step()
+        if decode_step is None:
+            raise ConfigError(f"{WHAT}: the fused decode step whose weight structs it reads is gone")
         flags = self.int8_flags()
         check_buffer(WHAT, "int8 flags", flags, torch.uint8, (4 * L,))
         rows = torch.empty(N, C, dtype=torch.float32)
@@ -95,7 +98,7 @@ class FusedBatchStep:
         ragged = _Ragged(S, layout.block_tables.shape[1], layout.block_size, layout.block_tables.data_ptr(),
                          layout.query_start.data_ptr(), layout.context_len.data_ptr())
         status = self._lib.kvlab_batch_step(
-            ctypes.addressof(self.decode_step.weights), rows.data_ptr(), N, cos.data_ptr(), sin.data_ptr(),
+            ctypes.addressof(decode_step.weights), rows.data_ptr(), N, cos.data_ptr(), sin.data_ptr(),
             ctypes.byref(pool_struct), ctypes.byref(ragged), float(scale), int(window or 0), flags.data_ptr(),
             Q8_MIN_ROWS, torch.get_num_threads())
         if status == -2:
@@ -106,7 +109,7 @@ class FusedBatchStep:
         return rows.view(1, N, C)
 
 
-_steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # fused decode step -> its batch step
+_steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # fused decode step -> its batch step, while it lives
 
 
 def _step_of(model) -> FusedBatchStep | None:
