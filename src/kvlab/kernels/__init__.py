@@ -1,6 +1,6 @@
 """The C kernels (blockgemv.c: GEMV from GGUF blocks; q8gemm.c: int8 activations x blocks, wrapped by q8gemm.py; decode.c: a whole decode step; intcache.c: attention
 on the int8/int4 cache's codes; codebook.c: on TurboQuant's codes of any width, wrapped by codebook.py;
-paged.c: over paged blocks): compiled on first use with the
+paged.c: over paged blocks; batchstep.c: a whole engine step, wrapped by serve/fused_batch.py): compiled on first use with the
 system `cc`, cached, loaded with ctypes.
 
 The shared library is built with `-fopenmp` and loaded after torch, so its `libgomp.so.1` resolves to
@@ -35,8 +35,9 @@ import torch
 from ..errors import ConfigError, KvlabError
 
 HERE = Path(__file__).parent
-SOURCES = tuple(HERE / f for f in ("blockgemv.c", "blockgemm.c", "q8gemm.c", "decode.c", "intcache.c", "paged.c", "codebook.c"))  # one library
-HEADERS = (HERE / "blockgemv.h", HERE / "codebook.h", HERE / "intcodes.h")
+SOURCES = tuple(HERE / f for f in ("blockgemv.c", "blockgemm.c", "q8gemm.c", "decode.c", "intcache.c", "paged.c", "codebook.c",
+                                   "batchstep.c"))  # one library
+HEADERS = (HERE / "blockgemv.h", HERE / "codebook.h", HERE / "intcodes.h", HERE / "decode.h", HERE / "paged.h")
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp")
 SANITIZE = os.environ.get("KVLAB_KERNEL_SANITIZE")  # e.g. "address": an instrumented build for kvlab.fuzz
 if SANITIZE:

@@ -1,5 +1,6 @@
 /* What the library's C sources share: the block GEMV's row kernels (blockgemv.c, used by decode.c for a
- * whole decode step per call) and the fp16 -> fp32 conversion (blockgemv.c, intcache.c). */
+ * whole decode step per call), the multi-row products (blockgemm.c, q8gemm.c; used by batchstep.c) and the
+ * fp16 -> fp32 conversion (blockgemv.c, intcache.c). */
 #ifndef KVLAB_BLOCKGEMV_H
 #define KVLAB_BLOCKGEMV_H
 #include <stdint.h>
@@ -19,6 +20,13 @@ void kvlab_block_sums(const float *x, int64_t cols, float *sums);
 float kvlab_block_row_dot(int type, const uint8_t *row, const float *x, const float *xsum, int64_t nblocks);
 /* out (rows, cols) fp32 = the weights the blocks encode, exactly d * q + m; 0, or -1 for a bad type or shape */
 int kvlab_block_dequantize(int type, const uint8_t *blocks, int64_t rows, int64_t cols, float *out, int n_threads);
+
+/* Y (M, N) = X (M, K) W^T for W (N, K) as blocks of `type` (blockgemm.c; q8gemm.c with X quantized to int8 per
+ * 32-block): 0, -1 for a bad type or shape, -2 without scratch memory */
+int kvlab_block_gemm(int type, const uint8_t *blocks, int64_t N, int64_t K, const float *x, int64_t M, float *y,
+                     int n_threads);
+int kvlab_q8_gemm(int type, const uint8_t *blocks, int64_t N, int64_t K, const float *x, int64_t M, float *y,
+                  int n_threads);
 
 /* IEEE half -> float, exact for every bit pattern (subnormals, inf, nan): F16C when the CPU has it */
 static inline float kvlab_fp16_to_fp32(uint16_t h) {

@@ -42,6 +42,7 @@
 
 #include "blockgemv.h"
 #include "codebook.h"
+#include "decode.h"
 #include "intcodes.h"
 
 /* Attention reads the keys in chunks of KEY_CHUNK positions per KV head (flash-decoding): a chunk's K/V
@@ -138,27 +139,7 @@ int kvlab_kv_load(int kv_type, const uint16_t *src, int64_t n, float *dst) {
     return 0;
 }
 
-typedef struct {
-    int32_t type;            /* F32, Q4_0, Q4_1 or Q8_0 */
-    int64_t rows, cols;
-    const uint8_t *data;     /* rows × row bytes: fp32 values or consecutive blocks */
-    const float *bias;       /* (rows,) or NULL */
-} Matrix;
-
-typedef struct {
-    const float *attn_norm, *ffn_norm;   /* (d_model,) */
-    const float *q_norm, *k_norm;        /* (head_dim,) or NULL */
-    Matrix qkv, out, gate_up, down;      /* q|k|v rows fused, gate|up rows fused */
-} Layer;
-
-typedef struct {
-    int32_t n_layers, d_model, n_heads, n_kv_heads, head_dim, d_ff;
-    int32_t window;                      /* sliding window in tokens, 0 for none */
-    float rms_eps, attn_scale;
-    const Layer *layers;
-    const float *final_norm;             /* (d_model,) */
-    Matrix head;                         /* (vocab, d_model) */
-} Model;
+/* Matrix, Layer, Model: the weights' structs (decode.h) */
 
 /* Rotate pairs (i, i + D/2) of one head, as llama.py's apply_rope: x*cos + (-x2 | x1)*sin */
 static void rope(float *x, const float *cos_, const float *sin_, int d) {
@@ -966,3 +947,8 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
     free(q_coded); free(new_codes); free(new_scales); free(layouts);
     return status;
 }
+
+/* The row helpers above for the batched step (batchstep.c, declared in decode.h) */
+float kvlab_dot(const float *a, const float *b, int64_t n) { return dot(a, b, n); }
+void kvlab_rms_norm(const float *x, const float *w, float eps, int n, float *y) { rms_norm(x, w, eps, n, y); }
+void kvlab_rope(float *x, const float *cos_, const float *sin_, int d) { rope(x, cos_, sin_, d); }

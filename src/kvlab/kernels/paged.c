@@ -24,11 +24,11 @@
 
 #include "blockgemv.h"
 #include "codebook.h"
+#include "paged.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
-enum { POOL_F32 = 0, POOL_F16 = 1, POOL_BF16 = 2 };
 #define TILE 64
 #define MAX_DIM 512
 #define MAX_GROUP 64
@@ -69,6 +69,13 @@ static int check_layout(int64_t n_rows, int n_heads, int n_kv_heads, int d, int 
         }
     }
     return 0;
+}
+
+int kvlab_paged_layout_ok(int64_t n_rows, int n_heads, int n_kv_heads, int d, int dv, int dtype, int64_t n_slots,
+                          const int32_t *block_tables, int n_seqs, int max_blocks, int block_size,
+                          const int32_t *query_start, const int32_t *context_len) {
+    return check_layout(n_rows, n_heads, n_kv_heads, d, dv, dtype, n_slots, block_tables, n_seqs, max_blocks, block_size,
+                        query_start, context_len);
 }
 
 /* a . b over d values: sixteen lane sums (one vector register), then a fixed tree over the lanes; a serial

@@ -83,6 +83,11 @@ class FusedDecodeStep:
         lib.kvlab_decode_step.restype = c_int32
         self._views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # cache -> its CacheView, while it lives
 
+    @property
+    def weights(self) -> _Model:
+        """The model's weights as decode.h's Model struct; the engine's batch step reads them too (serve/fused_batch.py)."""
+        return self._model
+
     def __deepcopy__(self, memo) -> None:
         """A copied model has copied buffers: it does not inherit a step that points into the originals."""
         return None

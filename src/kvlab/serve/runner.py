@@ -3,7 +3,8 @@
 The N tokens of a step (decode tokens and prefill chunks of any number of sequences) go through the
 model as one (1, N, C) batch, so every weight matrix is read once per step. The model's own Block
 modules run it: BatchView speaks the cache protocol (append / attend) for the step, writing each token's
-K/V into its pool slot and answering attention per sequence through its block table.
+K/V into its pool slot and answering attention per sequence through its block table. Where it applies (dense
+blocks, at most GEMM_MAX_ROWS rows: fused_batch.fused_batch_for), the same layers run in one C call instead.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention import RaggedLayout
+from .fused_batch import fused_batch_for
 from .sampling import sample_rows
 from .scheduler import Chunk
 
@@ -44,8 +46,9 @@ def output_logits(model, x: torch.Tensor) -> torch.Tensor:
 
 
 class Runner:
-    def __init__(self, model, pool, use_kernel: bool = True):
+    def __init__(self, model, pool, use_kernel: bool = True, fused_batch: bool = True):
         self.model, self.pool, self.use_kernel = model, pool, use_kernel
+        self.fused_batch = fused_batch      # False: every step through the modules (fused_batch.py decides when on)
         cfg = model.config
         self.scale = cfg.head_dim ** -0.5
         self.window = cfg.sliding_window
@@ -56,17 +59,29 @@ class Runner:
         """Forward every chunk; the next token of each chunk that reaches its sequence's end, else None."""
         if not chunks:
             return []
+        return self.sample(chunks, self.hidden(chunks))
+
+    @torch.inference_mode()
+    def hidden(self, chunks: list[Chunk]) -> torch.Tensor:
+        """Every chunk's tokens through every layer -> (1, N, C) rows before the final norm; their K/V into the pool."""
         ids = [t for c in chunks for t in c.seq.token_ids[c.start:c.start + c.n_tokens]]
         positions = torch.tensor([p for c in chunks for p in range(c.start, c.start + c.n_tokens)], device=self.device)
-        slots = torch.tensor([s for c in chunks for s in c.slots], dtype=torch.long, device=self.device)   # (N,)
         layout = RaggedLayout.build([c.seq.block_table for c in chunks], [c.n_tokens for c in chunks],
                                     [c.start + c.n_tokens for c in chunks], self.pool.block_size)
         x = self.model.embed(torch.tensor([ids], device=self.device))              # (1, N, C)
         cos, sin = self.model.rope_at(positions, x.dtype)                         # (N, D)
+        fused = fused_batch_for(self, len(ids))
+        if fused is not None:
+            return fused(x, cos, sin, self.pool, layout, self.scale, self.window)  # (1, N, C): one C call
+        slots = torch.tensor([s for c in chunks for s in c.slots], dtype=torch.long, device=self.device)   # (N,)
         rows = self.pool.rows_for([c.seq for c in chunks])
         view = BatchView(self.pool, slots, layout, self.scale, self.window, self.use_kernel, rows)
         for block in self.model.blocks:
             x = block(x, cos, sin, view)                                            # (1, N, C)
+        return x
+
+    def sample(self, chunks: list[Chunk], x: torch.Tensor) -> list[int | None]:
+        """The next token of each chunk that reaches its sequence's end (its last row of x (1, N, C)), else None."""
         ends = torch.tensor([c.n_tokens for c in chunks]).cumsum(0) - 1             # last row of each chunk
         sampling = [i for i, c in enumerate(chunks) if c.samples]
         tokens: list[int | None] = [None] * len(chunks)

@@ -1,0 +1,177 @@
+/* One step of the serving engine in one call: every layer of the model for a stack of N rows of S sequences
+ * (kvlab/serve/fused_batch.py), over the engine's dense block pool (kvlab/serve/blocks.py BlockPool). It is
+ * Runner.run's module path (kvlab/serve/runner.py: the Decoder's Blocks over a BatchView) with the per-layer
+ * Python and small torch operations taken out, and it is tested against that path.
+ *
+ * Rows: sequence s owns rows [query_start[s], query_start[s+1]), its newest tokens (one decode token, or a
+ * prefill chunk): row j of them sits at position context_len[s] - n_s + j, and its K/V go to the slot its block
+ * table gives for that position. For every layer:
+ *     h = rms_norm(x) ; q|k|v = h W_qkv^T (+ bias) ; [q/k head norms] ; RoPE(q, k) at each row's position ;
+ *     K/V written to each row's slot (rounded to f16 / bf16 as torch's .to() rounds, for such a pool) ;
+ *     a = each row's attention over its sequence's blocks (paged.c) ; x += a W_out^T ;
+ *     h = rms_norm(x) ; g|u = h W_gate_up^T ; x += (silu(g) * u) W_down^T
+ * x (N, d_model) is updated in place; the caller applies the final norm and the output head to the rows it samples.
+ *
+ * Products: GGUF blocks through blockgemm.c, or q8gemm.c for a matrix whose activations are int8 from q8_min_rows
+ * rows on (the choice BlockQuantLinear makes); fp32 rows through one fixed-order dot per (weight row, input row).
+ * Every product and the attention split their work between threads in their own parallel region, the row work
+ * (norms, RoPE, SwiGLU) is split by rows: no result depends on the thread count.
+ *
+ * Before anything is written, every size is checked: the weights' shapes against the model's, the pool's against
+ * the model's, and every block id, length and offset of the layout (paged.c's check), so every slot written or
+ * read lies inside the pool.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "blockgemv.h"
+#include "decode.h"
+#include "paged.h"
+
+typedef struct {
+    int32_t type;              /* POOL_F32, POOL_F16 or POOL_BF16 */
+    int32_t n_layers, n_kv_heads, head_dim;
+    int64_t slots;             /* n_blocks * block_size */
+    void *k, *v;               /* (n_layers, slots, n_kv_heads, head_dim) each */
+} Pool;
+
+typedef struct {
+    int32_t n_seqs, max_blocks, block_size;
+    const int32_t *block_tables;   /* (n_seqs, max_blocks) */
+    const int32_t *query_start;    /* (n_seqs + 1,): sequence s owns rows [query_start[s], query_start[s + 1]) */
+    const int32_t *context_len;    /* (n_seqs,): tokens it attends to, its new rows included */
+} Ragged;
+
+enum { QKV = 0, OUT = 1, GATE_UP = 2, DOWN = 3 };   /* a layer's matrices, in the order of the int8 flags */
+
+static int shape_is(const Matrix *W, int64_t rows, int64_t cols) {
+    if (W->rows != rows || W->cols != cols || W->data == NULL) return 0;
+    return W->type == F32 || (kvlab_block_bytes(W->type) > 0 && cols % QK == 0);
+}
+
+static int sizes_ok(const Model *m, const Pool *P, const Ragged *R, int64_t n_rows) {
+    const int64_t d = m->d_model, hd = m->head_dim, ff = m->d_ff;
+    if (m->n_layers <= 0 || d <= 0 || hd <= 0 || hd % 2 || ff <= 0 || m->n_kv_heads <= 0 || m->n_heads % m->n_kv_heads
+        || n_rows < 0 || m->layers == NULL)
+        return 0;
+    if (P->n_layers != m->n_layers || P->n_kv_heads != m->n_kv_heads || P->head_dim != hd || !P->k || !P->v) return 0;
+    const int64_t q_dim = (int64_t)m->n_heads * hd, kv_dim = (int64_t)m->n_kv_heads * hd;
+    for (int l = 0; l < m->n_layers; l++) {
+        const Layer *W = &m->layers[l];
+        if (!W->attn_norm || !W->ffn_norm || !shape_is(&W->qkv, q_dim + 2 * kv_dim, d) || !shape_is(&W->out, d, q_dim)
+            || !shape_is(&W->gate_up, 2 * ff, d) || !shape_is(&W->down, d, ff))
+            return 0;
+    }
+    return kvlab_paged_layout_ok(n_rows, m->n_heads, m->n_kv_heads, (int)hd, (int)hd, P->type, P->slots,
+                                 R->block_tables, R->n_seqs, R->max_blocks, R->block_size, R->query_start,
+                                 R->context_len) == 0;
+}
+
+/* y (M, W.rows) = x (M, W.cols) W^T (+ bias): 0, or the product kernel's error */
+static int product(const Matrix *W, const float *x, int64_t M, float *y, int int8, int q8_min_rows, int n_threads) {
+    int status = 0;
+    if (W->type == F32) {
+        const float *w = (const float *)W->data;
+        #pragma omp parallel for schedule(static) num_threads(n_threads) if(W->rows * W->cols * M >= 65536)
+        for (int64_t j = 0; j < W->rows; j++)
+            for (int64_t i = 0; i < M; i++) y[i * W->rows + j] = kvlab_dot(w + j * W->cols, x + i * W->cols, W->cols);
+    } else if (int8 && M >= q8_min_rows) {
+        status = kvlab_q8_gemm(W->type, W->data, W->rows, W->cols, x, M, y, n_threads);
+    } else {
+        status = kvlab_block_gemm(W->type, W->data, W->rows, W->cols, x, M, y, n_threads);
+    }
+    if (status == 0 && W->bias)
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t j = 0; j < W->rows; j++) y[i * W->rows + j] += W->bias[j];
+    return status;
+}
+
+/* K or V of one row (kv_dim values) into its slot of a layer's pool */
+static void store_row(int type, const float *src, int64_t kv_dim, void *layer, int64_t slot) {
+    if (type == POOL_F32)
+        memcpy((float *)layer + slot * kv_dim, src, sizeof(float) * (size_t)kv_dim);
+    else
+        kvlab_kv_store(type, src, kv_dim, (uint16_t *)layer + slot * kv_dim);   /* non-finite: stored as is */
+}
+
+/* Every layer for the N rows of x (N, d_model), in place. cos_, sin_ (N, head_dim): each row's RoPE.
+ * int8_matrices: a flag per matrix (n_layers x 4, QKV..DOWN) for int8 activations, or NULL for none.
+ * Returns 0; -1 (nothing written) when a size or index is refused; -2 without scratch memory. */
+int kvlab_batch_step(const Model *m, float *x, int64_t n_rows, const float *cos_, const float *sin_, const Pool *P,
+                     const Ragged *R, float scale, int window, const uint8_t *int8_matrices, int q8_min_rows,
+                     int n_threads) {
+    static const uint8_t fp32_activations[4] = {0, 0, 0, 0};
+    if (!sizes_ok(m, P, R, n_rows) || window < 0) return -1;
+    if (n_rows == 0) return 0;
+    if (n_threads < 1) n_threads = 1;
+    const int H = m->n_heads, Hkv = m->n_kv_heads, hd = m->head_dim;
+    const int64_t N = n_rows, d = m->d_model, ff = m->d_ff, q_dim = (int64_t)H * hd, kv_dim = (int64_t)Hkv * hd;
+    const int64_t qkv_dim = q_dim + 2 * kv_dim, wide = d > ff ? d : ff;
+    const size_t elem = P->type == POOL_F32 ? 4 : 2, layer_bytes = (size_t)P->slots * (size_t)kv_dim * elem;
+    int64_t *slot = malloc(sizeof(int64_t) * (size_t)N);
+    float *h = malloc(sizeof(float) * (size_t)(N * wide));
+    float *qkv = malloc(sizeof(float) * (size_t)(N * qkv_dim));
+    float *q = malloc(sizeof(float) * (size_t)(N * q_dim));
+    float *att = malloc(sizeof(float) * (size_t)(N * q_dim));
+    float *y = malloc(sizeof(float) * (size_t)(N * d));
+    float *gu = malloc(sizeof(float) * (size_t)(N * 2 * ff));
+    int status = !slot || !h || !qkv || !q || !att || !y || !gu ? -2 : 0;
+    /* each row's slot, from its position (inside its table's checked blocks: position < context_len[s]) */
+    for (int s = 0; s < R->n_seqs && status == 0; s++) {
+        const int64_t r0 = R->query_start[s], r1 = R->query_start[s + 1], first = R->context_len[s] - (r1 - r0);
+        const int32_t *table = R->block_tables + (int64_t)s * R->max_blocks;
+        for (int64_t r = r0; r < r1; r++) {
+            const int64_t pos = first + (r - r0);
+            slot[r] = (int64_t)table[pos / R->block_size] * R->block_size + pos % R->block_size;
+        }
+    }
+    for (int l = 0; l < m->n_layers && status == 0; l++) {
+        const Layer *W = &m->layers[l];
+        const uint8_t *flags = int8_matrices ? int8_matrices + 4 * (size_t)l : fp32_activations;
+        void *k_layer = (uint8_t *)P->k + (size_t)l * layer_bytes, *v_layer = (uint8_t *)P->v + (size_t)l * layer_bytes;
+        #pragma omp parallel for schedule(static) num_threads(n_threads)
+        for (int64_t r = 0; r < N; r++) kvlab_rms_norm(x + r * d, W->attn_norm, m->rms_eps, (int)d, h + r * d);
+        if ((status = product(&W->qkv, h, N, qkv, flags[QKV], q8_min_rows, n_threads))) break;
+        #pragma omp parallel for schedule(static) num_threads(n_threads)
+        for (int64_t r = 0; r < N; r++) {
+            float *qr = q + r * q_dim, *k = qkv + r * qkv_dim + q_dim, *v = k + kv_dim;
+            const float *c = cos_ + r * hd, *sn = sin_ + r * hd;
+            memcpy(qr, qkv + r * qkv_dim, sizeof(float) * (size_t)q_dim);
+            for (int i = 0; i < H; i++) {
+                if (W->q_norm) kvlab_rms_norm(qr + i * hd, W->q_norm, m->rms_eps, hd, qr + i * hd);
+                kvlab_rope(qr + i * hd, c, sn, hd);
+            }
+            for (int g = 0; g < Hkv; g++) {
+                if (W->k_norm) kvlab_rms_norm(k + g * hd, W->k_norm, m->rms_eps, hd, k + g * hd);
+                kvlab_rope(k + g * hd, c, sn, hd);
+            }
+            store_row(P->type, k, kv_dim, k_layer, slot[r]);
+            store_row(P->type, v, kv_dim, v_layer, slot[r]);
+        }
+        if ((status = kvlab_paged_attention(q, N, H, Hkv, hd, hd, k_layer, v_layer, P->type, P->slots, R->block_tables,
+                                            R->n_seqs, R->max_blocks, R->block_size, R->query_start, R->context_len,
+                                            scale, window, att, n_threads)))
+            break;
+        if ((status = product(&W->out, att, N, y, flags[OUT], q8_min_rows, n_threads))) break;
+        #pragma omp parallel for schedule(static) num_threads(n_threads)
+        for (int64_t r = 0; r < N; r++) {
+            for (int64_t i = 0; i < d; i++) x[r * d + i] += y[r * d + i];
+            kvlab_rms_norm(x + r * d, W->ffn_norm, m->rms_eps, (int)d, h + r * d);
+        }
+        if ((status = product(&W->gate_up, h, N, gu, flags[GATE_UP], q8_min_rows, n_threads))) break;
+        #pragma omp parallel for schedule(static) num_threads(n_threads)
+        for (int64_t r = 0; r < N; r++)
+            for (int64_t i = 0; i < ff; i++) {
+                const float g = gu[r * 2 * ff + i];
+                h[r * ff + i] = g / (1.0f + expf(-g)) * gu[r * 2 * ff + ff + i];   /* silu(gate) * up */
+            }
+        if ((status = product(&W->down, h, N, y, flags[DOWN], q8_min_rows, n_threads))) break;
+        #pragma omp parallel for schedule(static) num_threads(n_threads)
+        for (int64_t r = 0; r < N; r++)
+            for (int64_t i = 0; i < d; i++) x[r * d + i] += y[r * d + i];
+    }
+    free(slot); free(h); free(qkv); free(q); free(att); free(y); free(gu);
+    return status;
+}

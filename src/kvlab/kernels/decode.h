@@ -1,0 +1,39 @@
+/* What the whole-model steps share: the model's weights as C structs (built by kvlab/model/fused.py) and
+ * decode.c's row helpers. decode.c runs one token through every layer; batchstep.c runs a stack of rows of
+ * many sequences over the serving engine's block pool. */
+#ifndef KVLAB_DECODE_H
+#define KVLAB_DECODE_H
+#include <stdint.h>
+
+typedef struct {
+    int32_t type;            /* F32, Q4_0, Q4_1 or Q8_0 */
+    int64_t rows, cols;
+    const uint8_t *data;     /* rows × row bytes: fp32 values or consecutive blocks */
+    const float *bias;       /* (rows,) or NULL */
+} Matrix;
+
+typedef struct {
+    const float *attn_norm, *ffn_norm;   /* (d_model,) */
+    const float *q_norm, *k_norm;        /* (head_dim,) or NULL */
+    Matrix qkv, out, gate_up, down;      /* q|k|v rows fused, gate|up rows fused */
+} Layer;
+
+typedef struct {
+    int32_t n_layers, d_model, n_heads, n_kv_heads, head_dim, d_ff;
+    int32_t window;                      /* sliding window in tokens, 0 for none */
+    float rms_eps, attn_scale;
+    const Layer *layers;
+    const float *final_norm;             /* (d_model,) */
+    Matrix head;                         /* (vocab, d_model) */
+} Model;
+
+/* a . b over n values, in a fixed order (the same bits on every call) */
+float kvlab_dot(const float *a, const float *b, int64_t n);
+/* y (n,) = rms_norm(x) * w, as torch.nn.functional.rms_norm (y may be x) */
+void kvlab_rms_norm(const float *x, const float *w, float eps, int n, float *y);
+/* RoPE of one head of d values in place, as llama.py's apply_rope: pairs (i, i + d/2) */
+void kvlab_rope(float *x, const float *cos_, const float *sin_, int d);
+/* dst (n,) = src rounded to f16 (kv_type 1) or bf16 (2) as torch's .to() rounds: 0 when all stored values are
+ * finite, 1 otherwise, -1 for another kv_type */
+int kvlab_kv_store(int kv_type, const float *src, int64_t n, uint16_t *dst);
+#endif

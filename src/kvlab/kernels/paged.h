@@ -1,0 +1,21 @@
+/* paged.c's dense entry points for the other C sources (batchstep.c): ragged attention over K/V blocks. */
+#ifndef KVLAB_PAGED_H
+#define KVLAB_PAGED_H
+#include <stdint.h>
+
+enum { POOL_F32 = 0, POOL_F16 = 1, POOL_BF16 = 2 };   /* how a pool stores K/V */
+
+/* 0 when every index a ragged layout gives (block ids, lengths, query offsets) lies inside a pool of n_slots
+ * slots and the sizes are ones kvlab_paged_attention takes; -1 otherwise */
+int kvlab_paged_layout_ok(int64_t n_rows, int n_heads, int n_kv_heads, int d, int dv, int dtype, int64_t n_slots,
+                          const int32_t *block_tables, int n_seqs, int max_blocks, int block_size,
+                          const int32_t *query_start, const int32_t *context_len);
+
+/* out (n_rows, n_heads, dv) = each query row's causal (and window) attention over its sequence's blocks; 0, or -1
+ * (nothing touched) when kvlab_paged_layout_ok refuses the layout */
+int kvlab_paged_attention(const float *q, int64_t n_rows, int n_heads, int n_kv_heads, int d, int dv,
+                          const void *k_pool, const void *v_pool, int dtype, int64_t n_slots,
+                          const int32_t *block_tables, int n_seqs, int max_blocks, int block_size,
+                          const int32_t *query_start, const int32_t *context_len,
+                          float scale, int window, float *out, int n_threads);
+#endif

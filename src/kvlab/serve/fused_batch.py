@@ -1,0 +1,151 @@
+"""FusedBatchStep: every layer of an engine step in one C call (kernels/batchstep.c), over the dense block pool.
+
+The runner's module path (runner.py) runs a step's rows through the Decoder's Blocks: per layer a few dozen small
+torch operations whose Python overhead was ~20% of a 16-row decode step. The fused step does the same arithmetic
+in C: norms, the products (GGUF blocks through blockgemm.c, int8 activations through q8gemm.c where the model asks
+for them, fp32 rows), RoPE at each row's position, K/V into each row's pool slot, paged attention (paged.c) over
+each sequence's block table, SwiGLU, residuals. The final norm, the output head and sampling stay in Python.
+
+It reads the weights through the C structs of the model's fused decode step (model/fused.py), so it runs exactly
+while that step is the model's: moving or casting the model drops `model.fused`, and with it this step.
+`fused_batch_for` is the one place that decides whether a step takes it; the modules stay the reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import weakref
+from contextlib import contextmanager
+from ctypes import c_float, c_int32, c_int64, c_void_p
+
+import torch
+
+from ..errors import ConfigError, KvlabError
+from ..kernels import block_kernel, check_buffer
+from ..kernels.paged import POOL_DTYPES
+from ..model.blockquant import GEMM_MAX_ROWS, Q8_MIN_ROWS, BlockQuantLinear, gemm_enabled
+from ..model.fused import FusedDecodeStep
+from .attention import RaggedLayout
+from .blocks import BlockPool
+
+WHAT = "fused batch step"
+OFF_ENV = "KVLAB_NO_FUSED_BATCH"   # set: every engine step through the modules
+
+
+class _Pool(ctypes.Structure):
+    _fields_ = [("type", c_int32), ("n_layers", c_int32), ("n_kv_heads", c_int32), ("head_dim", c_int32),
+                ("slots", c_int64), ("k", c_void_p), ("v", c_void_p)]
+
+
+class _Ragged(ctypes.Structure):
+    _fields_ = [("n_seqs", c_int32), ("max_blocks", c_int32), ("block_size", c_int32),
+                ("block_tables", c_void_p), ("query_start", c_void_p), ("context_len", c_void_p)]
+
+
+class FusedBatchStep:
+    """Built once per fused decode step (it reads that step's weight structs); called for each engine step."""
+
+    def __init__(self, model, decode_step: FusedDecodeStep, lib: ctypes.CDLL):
+        self.config = model.config
+        self._decode_step = weakref.ref(decode_step)   # weak: the model's step, not this one, keeps the weights alive
+        self._lib = lib
+        # a layer's matrices in batchstep.c's order (QKV, OUT, GATE_UP, DOWN): which take int8 activations
+        self._matrices = [m for b in model.blocks for m in (b.attn.qkv, b.attn.out, b.ffn.gate_up, b.ffn.down)]
+        lib.kvlab_batch_step.argtypes = [c_void_p, c_void_p, c_int64, c_void_p, c_void_p, ctypes.POINTER(_Pool),
+                                         ctypes.POINTER(_Ragged), c_float, c_int32, c_void_p, c_int32, c_int32]
+        lib.kvlab_batch_step.restype = c_int32
+
+    def int8_flags(self) -> torch.Tensor:
+        """(n_layers * 4,) uint8: 1 for each matrix whose activations are int8 (read on every call, as the modules do)."""
+        return torch.tensor([isinstance(m, BlockQuantLinear) and m.activations == "int8" for m in self._matrices],
+                            dtype=torch.uint8)
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: BlockPool, layout: RaggedLayout,
+                 scale: float, window: int | None) -> torch.Tensor:
+        """x (1, N, C) embedded rows, cos/sin (N, D) at their positions -> (1, N, C) after every layer; each row's
+        K/V written to its pool slot (found through the layout's block tables)."""
+        cfg = self.config
+        C, D, L = cfg.d_model, cfg.head_dim, cfg.n_layers
+        if not isinstance(layout, RaggedLayout) or not isinstance(pool, BlockPool):
+            raise ConfigError(f"{WHAT}: needs a RaggedLayout over a dense BlockPool, got {type(layout).__name__} "
+                              f"over {type(pool).__name__}")
+        S = layout.context_len.numel()
+        check_buffer(WHAT, "query_start", layout.query_start, torch.int32, (S + 1,))
+        check_buffer(WHAT, "context_len", layout.context_len, torch.int32, (S,))
+        if layout.block_tables.dim() != 2:
+            raise ConfigError(f"{WHAT}: block_tables must be (sequences, max blocks), got {tuple(layout.block_tables.shape)}")
+        check_buffer(WHAT, "block_tables", layout.block_tables, torch.int32, (S, layout.block_tables.shape[1]))
+        N = int(layout.query_start[-1])
+        check_buffer(WHAT, "rows", x, torch.float32, (1, N, C), contiguous=False)
+        check_buffer(WHAT, "rope cos", cos, torch.float32, (N, D))
+        check_buffer(WHAT, "rope sin", sin, torch.float32, (N, D))
+        if pool.dtype not in POOL_DTYPES or pool.k.dim() != 4:
+            raise ConfigError(f"{WHAT}: pool blocks of {pool.k.dtype} are not fp32, fp16 or bf16")
+        slots = pool.k.shape[1]
+        for name, t in (("pool keys", pool.k), ("pool values", pool.v)):
+            check_buffer(WHAT, name, t, pool.dtype, (L, slots, cfg.n_kv_heads, D))
+        if isinstance(window, bool) or not isinstance(window, (int, type(None))) or (window or 0) < 0:
+            raise ConfigError(f"{WHAT}: window must be a non-negative number of tokens or None, got {window!r}")
+        decode_step = self._decode_step()
+        if decode_step is None:
+            raise ConfigError(f"{WHAT}: the fused decode step whose weight structs it reads is gone")
+        flags = self.int8_flags()
+        check_buffer(WHAT, "int8 flags", flags, torch.uint8, (4 * L,))
+        rows = torch.empty(N, C, dtype=torch.float32)
+        rows.copy_(x[0])                                                          # (N, C): updated in place by C
+        pool_struct = _Pool(POOL_DTYPES[pool.dtype], L, cfg.n_kv_heads, D, slots, pool.k.data_ptr(), pool.v.data_ptr())
+        ragged = _Ragged(S, layout.block_tables.shape[1], layout.block_size, layout.block_tables.data_ptr(),
+                         layout.query_start.data_ptr(), layout.context_len.data_ptr())
+        status = self._lib.kvlab_batch_step(
+            ctypes.addressof(decode_step.weights), rows.data_ptr(), N, cos.data_ptr(), sin.data_ptr(),
+            ctypes.byref(pool_struct), ctypes.byref(ragged), float(scale), int(window or 0), flags.data_ptr(),
+            Q8_MIN_ROWS, torch.get_num_threads())
+        if status == -2:
+            raise KvlabError(f"{WHAT}: no memory for the scratch rows of {N} tokens")
+        if status != 0:
+            raise ConfigError(f"{WHAT} refused {S} sequences over {slots} pool slots (a block id, length or offset out "
+                              f"of range, or a pool not shaped for this model)")
+        return rows.view(1, N, C)
+
+
+_steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # fused decode step -> its batch step, while it lives
+
+
+def _step_of(model) -> FusedBatchStep | None:
+    """The batch step over the model's current fused decode step (built on first use), or None without one."""
+    decode_step = getattr(model, "fused", None)
+    if not isinstance(decode_step, FusedDecodeStep):
+        return None
+    step = _steps.get(decode_step)
+    if step is None:
+        kernel = block_kernel()
+        if kernel is None or not hasattr(kernel._lib, "kvlab_batch_step"):
+            return None
+        step = _steps[decode_step] = FusedBatchStep(model, decode_step, kernel._lib)
+    return step
+
+
+def fused_batch_for(runner, n_rows: int) -> FusedBatchStep | None:
+    """The fused step when it runs this step of `runner` as the modules would, else None (the module path): dense
+    blocks in fp32/f16/bf16 on the CPU, the C attention kernel chosen, the model's fused decode step in place, and
+    at most GEMM_MAX_ROWS rows (more go through torch's GEMM in the modules, faster than the block GEMM)."""
+    pool = runner.pool
+    if not runner.fused_batch or os.environ.get(OFF_ENV) or not runner.use_kernel or type(pool) is not BlockPool:
+        return None
+    if not 0 < n_rows <= GEMM_MAX_ROWS or not gemm_enabled() or torch.is_grad_enabled():
+        return None
+    if pool.device.type != "cpu" or pool.dtype not in POOL_DTYPES:
+        return None
+    return _step_of(runner.model)
+
+
+@contextmanager
+def fused_batch_off(runner, off: bool = True):
+    """Run the engine's steps through the modules (when `off`), then put the fused step back."""
+    before = runner.fused_batch
+    runner.fused_batch = not off and before
+    try:
+        yield
+    finally:
+        runner.fused_batch = before
