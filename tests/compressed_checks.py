@@ -31,12 +31,13 @@ def feed(name: str, geometry: CacheGeometry = GEOMETRY, chunks=CHUNKS, dtype=tor
         yield cache, q.to(dtype), torch.cat(ks, dim=2), torch.cat(vs, dim=2)
 
 
-def check_attend_is_exact_to_storage(name: str, geometry: CacheGeometry = GEOMETRY, attend_first: bool = False) -> None:
-    """attend() == dense grouped attention over the cache's own dequantized K/V, at every step.
+def check_attend_is_exact_to_storage(name: str, geometry: CacheGeometry = GEOMETRY, attend_first: bool = False,
+                                     chunks=CHUNKS) -> None:
+    """attend() == dense grouped attention over the cache's own dequantized K/V, at every step of `chunks`.
 
     attend_first: read through attend() before dequantized() (a cache may code a chunk at its first read).
     """
-    for cache, q, _, _ in feed(name, geometry):
+    for cache, q, _, _ in feed(name, geometry, chunks):
         for layer in range(geometry.n_layers):
             out = cache.attend(layer, q) if attend_first else None
             k, v = cache.dequantized(layer)

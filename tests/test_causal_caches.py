@@ -53,7 +53,8 @@ def two_sequences() -> torch.Tensor:
     return tokens
 
 
-@pytest.mark.parametrize("name", ["dense", "dense-f16", "dense-bf16", *EXAMPLES])
+@pytest.mark.parametrize("name", ["dense", "dense-f16", "dense-bf16", *EXAMPLES, "tq4+outliers2",
+                                  "tq-k4v3.625+prerope+outliers1+sink1"])
 def test_later_tokens_never_change_earlier_logits(model, name):
     tokens = two_sequences()
     # one sequence per run: batch rows could share per-batch statistics

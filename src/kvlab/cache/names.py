@@ -26,6 +26,10 @@
                                         or 2) at the uniform total, calibrated for the model the cache
                                         is made for
              | "alloc" [N] "=k" D+ "v" D+   (tq) that recipe spelled out, one digit per layer (allocation.py)
+             | "outliers" N             (tq) dense-and-sparse keys: the N (1..head dim) largest-magnitude
+                                        entries of every key vector kept exactly, each as its channel
+                                        (uint8) + its value (float16), 3 bytes, the rest coded; pay for
+                                        them with a fractional width (tq-k4v3.625+outliers1 costs tq4's bytes)
     options that change no byte (numerics, for ablations):
              | "kscale=" M | "vscale=" M   how the 16-bit per-vector scale is chosen
                                         (tq; M in norm (the paper), renorm (default), lsq, unbiased)
@@ -103,6 +107,10 @@ def parse(name: str) -> tuple[type, object]:
             settings["pre_rope"] = True
         elif m := re.fullmatch(r"rot=(hadamard|haar)", option):
             settings["rotation"] = m.group(1)
+        elif m := re.fullmatch(r"outliers(\d+)", option):
+            settings["outliers"] = int(m.group(1))
+            if not settings["outliers"]:
+                raise ConfigError(f"+outliers0 in cache {name!r} keeps no key entry; use +outliersN with N ≥ 1, or leave it out")
         elif m := re.fullmatch(r"seed(\d+)", option):
             settings["seed"] = int(m.group(1))
         elif m := re.fullmatch(r"alloc(\d?)(=.*)?", option):
@@ -112,7 +120,7 @@ def parse(name: str) -> tuple[type, object]:
         else:
             raise ConfigError(
                 f"unknown option {option!r} in cache {name!r}; TurboQuant caches take +qjl, +recentN, +fp-first-last, "
-                "+center=C, +kweights=none, +prerope, +rot=R, +alloc[N][=recipe], +kscale=M, +vscale=M, +bf16norms, +seedN"
+                "+center=C, +kweights=none, +prerope, +rot=R, +alloc[N][=recipe], +outliersN, +kscale=M, +vscale=M, +bf16norms, +seedN"
             )
     return TurboQuantCache, TurboQuantConfig(**settings)
 

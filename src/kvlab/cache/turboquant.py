@@ -42,6 +42,15 @@ d/2 float32 RoPE frequencies (the model's, from CacheGeometry.rope_inv_freq), co
 (d² float32 per cache, counted) and s_l each layer's ±1 signs, instead of the randomized Hadamard
 (which misses the paper's worst-case bound for inputs along a basis vector).
 
+`+outliersN` (dense-and-sparse keys, as in KVQuant / SqueezeLLM): each key vector's N entries of largest
+magnitude, as the coder sees the vector (x = (k-μ)/w, pre-RoPE with +prerope, where KVQuant finds stable outlier
+channels), are taken out before the rotation and kept exactly: their channel (uint8) and their value k_c-μ_c
+(float16). The rest, with those channels zeroed, is rotated and coded as usual, so its norm — and the coding error
+that scales with it — no longer carries the largest entries. Reading adds the sparse part back: the rebuilt keys
+get k_c-μ_c at each kept channel (`_keys`, so +prerope, `decode` and the span reads), and scores on the codes add
+q·k_sparse, the N query entries at the kept channels times the kept values (`scores`). Costs N·(1+2) bytes per
+key vector; the fused C step and the serving pool do not read it (the modules do).
+
 `+alloc` (allocation.py): each layer codes its keys and its values at its own whole width, b-N..b+N,
 from a recipe at the uniform total (spelled `+alloc=k…v…`, or calibrated for the model, eval/calibrate.py):
 the per-token bytes are the uniform cache's; the recipe (L·2 uint8) and every held width's codebook count
@@ -56,7 +65,7 @@ sketch sign(S·r) of the residual r = y - ŷ (S: seeded d×d Gaussian, one per c
 bits; ⟨q, r⟩ is estimated without bias by √(π/2)/d·‖r‖·⟨Sq, sign(Sr)⟩ (keys then use c = 1).
 
 Bytes (compressed layer, B sequences, Hkv heads, `slots` tokens), n16 = 2 bytes:
-    keys   B·Hkv·slots·(codes(d, bk) + n16 [+ ⌈d/8⌉ + n16 with qjl])
+    keys   B·Hkv·slots·(codes(d, bk) + n16 [+ ⌈d/8⌉ + n16 with qjl] [+ N·(1 + 2) with +outliersN])
     values B·Hkv·slots·(codes(d, bv) + n16)       codes(d, b) = Σ over channel splits ⌈n·b/8⌉
     fixed  per compressed layer the rotation state (d int8 signs; d² float32 if d is not a power
            of two) and the key offsets (B·Hkv·d float8), per cache the K and V codebooks
@@ -100,6 +109,9 @@ _OFFSET_MAX = 448.0
 _OFFSET_BYTES = 1
 #: The first append to a layer sets its offset and key weights only if it brings at least this many tokens.
 MIN_CALIBRATION_TOKENS = 8
+#: +outliersN: bytes per kept key entry, its channel (uint8) and its value (float16)
+OUTLIER_BYTES = 1 + 2
+_OUTLIER_VALUE = torch.float16
 #: Key channel weights w = 2^((code - WEIGHT_ZERO) / WEIGHT_STEPS) for 4-bit codes: 1/4 .. 3.4 in quarter octaves.
 WEIGHT_BITS, WEIGHT_ZERO, WEIGHT_STEPS = 4, 8, 4
 
@@ -123,6 +135,7 @@ class TurboQuantConfig:
     alloc: int = 0                     # +allocN: per-layer key / value widths within N bits of the base (allocation.py)
     key_alloc: tuple[int, ...] = ()    # the recipe's key widths, layer 0 first (): not spelled out yet
     value_alloc: tuple[int, ...] = ()
+    outliers: int = 0                  # +outliersN: each key vector's N largest entries kept exactly (index + fp16)
 
     def __post_init__(self) -> None:
         for what, bits in (("key", self.key_bits), ("value", self.value_bits)):
@@ -137,6 +150,8 @@ class TurboQuantConfig:
             raise ConfigError(f"TurboQuant centering is none, k, v or kv, got {self.center!r}")
         if self.rotation not in ("hadamard", "haar"):
             raise ConfigError(f"TurboQuant rotations are hadamard or haar, got {self.rotation!r}")
+        if self.outliers < 0:
+            raise ConfigError(f"+outliersN keeps N ≥ 1 key entries per vector, got {self.outliers}")
         if self.norm_dtype not in (torch.float16, torch.bfloat16):
             raise ConfigError(f"TurboQuant norms are 16-bit floats, got {self.norm_dtype}")
         if (self.key_alloc or self.value_alloc) and not self.alloc:
@@ -170,6 +185,7 @@ class TurboQuantConfig:
         if self.center != TurboQuantConfig.center:
             numerics = f"+center={self.center or 'none'}" + numerics
         options = ("+qjl" if self.qjl else "") + ("+prerope" if self.pre_rope else "") + ("+rot=haar" if self.rotation == "haar" else "")
+        options += f"+outliers{self.outliers}" if self.outliers else ""
         if self.alloc:
             options += "+alloc" + (str(self.alloc) if self.alloc > 1 else "")
             options += f"={format_recipe(self.key_alloc, self.value_alloc)}" if self.key_alloc else ""
@@ -188,6 +204,13 @@ class TurboQuantConfig:
         if self.key_alloc:
             return self.key_alloc[layer], self.value_alloc[layer]
         return self.code_bits, self.value_bits
+
+    def check_outliers(self, dim: int) -> None:
+        """+outliersN fits a head dim of `dim`: N ≤ dim, and channel indices that fit a uint8 (one-line ConfigError)."""
+        if self.outliers > dim:
+            raise ConfigError(f"+outliers{self.outliers} keeps more entries than a key vector has (head dim {dim})")
+        if self.outliers and dim > 256:
+            raise ConfigError(f"+outliersN stores channel indices as uint8, so head dims up to 256; got {dim}")
 
     def held_widths(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """The key and value widths whose codebooks a cache holds (all a recipe may use, with +alloc)."""
@@ -281,6 +304,7 @@ class TurboQuantCache(CompressedCache):
         if g.head_dim != g.head_dim_v:
             raise ConfigError(f"TurboQuant needs equal key and value head dims, got {g.head_dim} and {g.head_dim_v}")
         d, dev = g.head_dim, self.device
+        config.check_outliers(d)
         if config.alloc:
             check_geometry(config.key_alloc, g.n_layers, d)
         # the codebooks of every width held (one each without +alloc), and each layer's (RotatedCodes per width)
@@ -315,6 +339,9 @@ class TurboQuantCache(CompressedCache):
         self.k_norm = buffers(0, nd)                                                         # (B, H, S)
         self.v_codes = buffers(packed(self.layer_value_codes), torch.uint8)
         self.v_norm = buffers(0, nd)
+        if config.outliers:  # the kept key entries: channel and exact value k_c - μ_c
+            self.k_out_idx = buffers(config.outliers, torch.uint8)                           # (B, H, S, N)
+            self.k_out_val = buffers(config.outliers, _OUTLIER_VALUE)                        # (B, H, S, N)
         # offsets: the mean of the first tokens each layer stores, subtracted before and added after coding
         def offsets(which: str) -> dict[int, torch.Tensor]:
             return {l: torch.zeros(B, H, d, dtype=_OFFSET, device=dev) for l in self.compressed_layers} if which in config.center else {}
@@ -359,10 +386,7 @@ class TurboQuantCache(CompressedCache):
         """Codes, norms and the calibration (offsets, key weights, which layers have them, a first chunk still
         waiting for its queries); the rotations and the QJL matrix are rebuilt identically from the seed."""
         super()._copy_into(bigger)
-        names = ["k_codes", "k_norm", "v_codes", "v_norm", "k_offset", "v_offset", "k_weight_codes"]
-        if self.config.qjl:
-            names += ["k_signs", "k_rnorm"]
-        for name in names:
+        for name in self.token_buffer_names() + ["k_offset", "v_offset", "k_weight_codes"]:
             copy_prefix(getattr(self, name), getattr(bigger, name))
         bigger._calibrated = set(self._calibrated)
         bigger._pending = dict(self._pending)
@@ -439,19 +463,21 @@ class TurboQuantCache(CompressedCache):
 
     def token_buffer_names(self) -> list[str]:
         """The per-token buffers: what `code` returns and `decode` reads."""
-        return ["k_codes", "k_norm", "v_codes", "v_norm"] + (["k_signs", "k_rnorm"] if self.config.qjl else [])
+        return (["k_codes", "k_norm", "v_codes", "v_norm"] + (["k_signs", "k_rnorm"] if self.config.qjl else [])
+                + (["k_out_idx", "k_out_val"] if self.config.outliers else []))
 
     def code(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
         """What this cache stores for T tokens of `layer`, without storing it: k, v (B, H, T, d) ->
         {buffer name: (B, H, T[, bytes])} for each of `token_buffer_names()` (the serving pool writes them)."""
         rot = self.rotations[layer]
-        k = k.float() - self._key_offset(layer)
+        centered = k.float() - self._key_offset(layer)                           # (B, H, T, d) k - μ
         weights = self._key_weights(layer)
-        if weights is not None:
-            k = k / weights
+        k = centered if weights is None else centered / weights
         if self.v_offset:
             v = v.float() - self.v_offset[layer][:, :, None].float()
         out = {}
+        if self.config.outliers:
+            k, out["k_out_idx"], out["k_out_val"] = self._split_outliers(centered, k)
         y, norm = self._unit(rot, k)                                              # (B, H, T, d), (B, H, T)
         out["k_codes"], y_hat = self.layer_key_codes[layer].encode(y)
         out["k_norm"] = self._to_norm(norm * _scale_factor(self._key_scale, y, y_hat), "key")
@@ -464,6 +490,16 @@ class TurboQuantCache(CompressedCache):
         out["v_codes"], y_hat = self.layer_value_codes[layer].encode(y)
         out["v_norm"] = self._to_norm(norm * _scale_factor(self.config.value_scale, y, y_hat), "value")
         return out
+
+    def _split_outliers(self, centered: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """centered = k-μ and x = (k-μ)/w, the vector the coder sees (B, H, T, d) -> (x without its N largest-magnitude
+        entries, their channels (B, H, T, N) uint8, their exact values k_c-μ_c (B, H, T, N) float16)."""
+        channels = x.abs().topk(self.config.outliers, dim=-1).indices                    # (B, H, T, N)
+        kept = centered.gather(-1, channels)                                            # (B, H, T, N) k_c - μ_c
+        stored = kept.to(_OUTLIER_VALUE)
+        if not torch.isfinite(stored).all():
+            raise NonFiniteError(f"key outlier {kept.abs().max().item():.3g} overflows the float16 outliers of the TurboQuant cache")
+        return x.scatter(-1, channels, 0.0), channels.to(torch.uint8), stored
 
     @staticmethod
     def _unit(rot: Rotation, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -538,6 +574,8 @@ class TurboQuantCache(CompressedCache):
             scores = q_rot @ (y_hat * norms.transpose(-1, -2)).transpose(-1, -2)  # (B, H, G·T, n)
         if self.k_offset:
             scores += (qg @ self.k_offset[layer][..., None].float()) * self.scale  # (B, H, G·T, 1) q·μ
+        if self.config.outliers:
+            scores += self._outlier_dots(qg, stored, 0, n) * self.scale          # q·k_sparse
         return scores
 
     def mix(self, layer: int, p: torch.Tensor, stored: dict[str, torch.Tensor], n: int) -> torch.Tensor:
@@ -552,6 +590,22 @@ class TurboQuantCache(CompressedCache):
             out = out + p.sum(dim=-1, keepdim=True) * self.v_offset[layer][:, :, None].float()
         return out
 
+    @staticmethod
+    def _outlier_dots(qg: torch.Tensor, stored: dict[str, torch.Tensor], lo: int, hi: int) -> torch.Tensor:
+        """q·k_sparse for stored keys [lo, hi): Σ over each key's kept entries of q_c·(k_c-μ_c), (B, H, R, hi-lo)."""
+        channels = stored["k_out_idx"][:, :, lo:hi].long()                         # (B, H, n, N)
+        B, H, n, N = channels.shape
+        R = qg.shape[2]
+        picked = qg.gather(-1, channels.reshape(B, H, 1, n * N).expand(B, H, R, n * N))  # (B, H, R, n·N) q_c
+        return (picked.reshape(B, H, R, n, N) * stored["k_out_val"][:, :, None, lo:hi].float()).sum(dim=-1)
+
+    def _sparse_keys(self, stored: dict[str, torch.Tensor], lo: int, hi: int) -> torch.Tensor:
+        """The kept entries of stored keys [lo, hi) as dense vectors, k_c-μ_c at their channels and 0 elsewhere,
+        (B, H, hi-lo, d) float32."""
+        channels = stored["k_out_idx"][:, :, lo:hi].long()                         # (B, H, n, N)
+        sparse = torch.zeros(*channels.shape[:3], self.geometry.head_dim, device=channels.device)
+        return sparse.scatter_(-1, channels, stored["k_out_val"][:, :, lo:hi].float())
+
     #: long chunks in blocks over spans of codes (compressed.py)
     reads_spans = True
 
@@ -559,10 +613,10 @@ class TurboQuantCache(CompressedCache):
                      first_query: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of [lo, hi) decoded (in C, a chunk's transient) in the rotated domain with their
         norms, one fused attention there, one inverse rotation of its output; q·μ shifts the log-sum-exp.
-        +prerope: the span's keys rebuilt and turned by RoPE (`_keys`), attended with the plain queries."""
+        +prerope, +outliersN: the span's keys rebuilt (and turned by RoPE, `_keys`), attended with the plain queries."""
         stored = self._buffers(layer)
         values = self._decoded(stored["v_codes"], self.layer_value_codes[layer], lo, hi) * stored["v_norm"][:, :, lo:hi, None].float()
-        if self.config.pre_rope:
+        if self.config.pre_rope or self.config.outliers:
             out, lse = attend_with_lse(qg, self._keys(layer, stored, lo, hi), values, self.scale, mask)  # (B, H, R, d), (B, H, R)
         else:
             keys = self._decoded(stored["k_codes"], self.layer_key_codes[layer], lo, hi)        # (B, H, n, d) codebook values
@@ -599,6 +653,8 @@ class TurboQuantCache(CompressedCache):
             k = k * weights
         if self.k_offset:
             k = k + self.k_offset[layer][:, :, None].float()
+        if self.config.outliers:
+            k = k + self._sparse_keys(stored, lo, hi)                             # the kept entries, exact
         return self._rope(k, lo) if self.config.pre_rope else k
 
     def _restore(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -630,9 +686,7 @@ class TurboQuantCache(CompressedCache):
 
     # -- bytes --------------------------------------------------------------------------------------
     def _store_nbytes(self) -> int:
-        per_token = tensors_nbytes(*self.k_codes.values(), *self.k_norm.values(), *self.v_codes.values(), *self.v_norm.values())
-        if self.config.qjl:
-            per_token += tensors_nbytes(*self.k_signs.values(), *self.k_rnorm.values())
+        per_token = tensors_nbytes(*(buf for name in self.token_buffer_names() for buf in getattr(self, name).values()))
         return per_token + self.state_nbytes()
 
     def state_nbytes(self) -> int:
@@ -652,6 +706,7 @@ class TurboQuantCache(CompressedCache):
     def _expected_store_nbytes(cls, config: TurboQuantConfig, geometry: CacheGeometry, dtype: torch.dtype,
                                slots: int, n_layers: int) -> int:
         g, d = geometry, geometry.head_dim
+        config.check_outliers(d)
         per_vector_k, per_vector_v = cls.vector_bytes(config, d)
         per_token = n_layers * g.batch * g.n_kv_heads * slots * (per_vector_k + per_vector_v)
         haar = config.rotation == "haar"
@@ -678,6 +733,7 @@ class TurboQuantCache(CompressedCache):
         k = RotatedCodes.packed_bytes(dim, config.code_bits) + n16
         if config.qjl:
             k += packed_nbytes(dim, 1) + n16
+        k += config.outliers * OUTLIER_BYTES
         return k, RotatedCodes.packed_bytes(dim, config.value_bits) + n16
 
     @classmethod
@@ -687,6 +743,8 @@ class TurboQuantCache(CompressedCache):
         key = f"per key vector: {d}×{config.code_bits:g}-bit codes + 16-bit norm"
         if config.qjl:
             key += f" + {d}×1-bit QJL signs + 16-bit residual norm"
+        if config.outliers:
+            key += f" + {config.outliers} exact outlier entr{'y' if config.outliers == 1 else 'ies'} (uint8 channel + float16 value each)"
         fixed = f"; per layer: {d}-entry rotation sign vector" if is_power_of_two(d) else f"; per layer: {d}×{d} float32 rotation"
         if config.rotation == "haar":
             fixed = f"; per cache: one {d}×{d} float32 Haar matrix; per layer: {d}-entry rotation sign vector"
