@@ -109,9 +109,11 @@ def test_prerope_scores_a_key_chunk_at_a_time(name, monkeypatch):
 
 
 @pytest.mark.parametrize("kernel", [True, False], ids=["C", "torch"])
-@pytest.mark.parametrize("name, window", [("tq4+prerope", None), ("tq3+prerope+sink3+recent8", 11), ("tq4+prerope+qjl+sink1", None)])
+@pytest.mark.parametrize("name, window", [("tq4+prerope", None), ("tq3+prerope+sink3+recent8", 11), ("tq4+prerope+qjl+sink1", None),
+                                          ("tq4+outliers2", None), ("tq3+prerope+sink1+outliers2+recent8", None)])
 def test_prerope_long_chunks_in_spans_equal_one_pass(name, window, kernel, monkeypatch):
-    """+prerope reads spans like the other widths: blocks of ≤ 45 rows × spans of ≤ 32 keys == the one-pass read."""
+    """+prerope (and +outliersN, keys rebuilt with their outliers) reads spans like the other widths: blocks of ≤ 45
+    rows × spans of ≤ 32 keys == the one-pass read."""
     g = replace(ROPED, n_layers=1, batch=2, capacity=160, window=window)
     blocked, one_pass = make_cache(name, g), make_cache(name, g)
     if not kernel:
