@@ -4,6 +4,8 @@ Two fixed, seeded workloads of real text (Shakespeare token windows), every requ
   mixed    requests with prompts of 32-1,024 tokens and 16-256 new tokens (--quick: 8 requests, 16-128 / 8-32)
   shared   every prompt = one 1,000-token system prompt + a 32-128-token question, 16-64 new tokens
            (--quick: 4 requests, a 200-token system prompt)
+  chat     decode-bound: 32 requests with prompts of 16-128 tokens and 128-256 new tokens (--quick: 8 requests,
+           16-64 / 32-64), where batching decode steps is what counts
 Greedy, EOS ignored, so every contender produces exactly the same number of tokens.
 Contenders: `sequential` (kvlab's generate, one request after another, dense cache) and the engine at
 each --batches max batch (dense blocks, prefix caching on), plus the largest batch without prefix
@@ -72,6 +74,11 @@ def corpus_tokens(tokenizer, n: int) -> list[int]:
     return ids
 
 
+#: the independent-request workloads: (requests, prompt tokens range, new tokens range), [full, --quick]
+SIZES = {"mixed": ((64, (32, 1024), (16, 256)), (8, (16, 128), (8, 32))),
+         "chat": ((32, (16, 128), (128, 256)), (8, (16, 64), (32, 64)))}
+
+
 def workload(name: str, tokenizer, quick: bool, seed: int = 0) -> list[Request]:
     rng = random.Random(seed)
     text = corpus_tokens(tokenizer, 200_000 if not quick else 20_000)
@@ -80,14 +87,14 @@ def workload(name: str, tokenizer, quick: bool, seed: int = 0) -> list[Request]:
         start = rng.randrange(0, len(text) - n)
         return text[start:start + n]
 
-    if name == "mixed":
-        count, prompt_range, out_range = (8, (16, 128), (8, 32)) if quick else (64, (32, 1024), (16, 256))
+    if name in SIZES:
+        count, prompt_range, out_range = SIZES[name][quick]
         return [Request(window(rng.randint(*prompt_range)), rng.randint(*out_range)) for _ in range(count)]
     if name == "shared":
         count, system_len, out_range = (4, 200, (8, 16)) if quick else (64, 1000, (16, 64))
         system = window(system_len)
         return [Request(system + window(rng.randint(32, 128)), rng.randint(*out_range)) for _ in range(count)]
-    raise ConfigError(f"unknown workload {name!r}; choose mixed or shared")
+    raise ConfigError(f"unknown workload {name!r}; choose mixed, shared or chat")
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -229,7 +236,7 @@ def register(bench_app) -> None:
     def throughput(
         model: Optional[str] = typer.Option(None, "--model"),
         quick: bool = typer.Option(False, "--quick", help="Small workloads (a smoke run, minutes)."),
-        workloads: str = typer.Option("mixed,shared", "--workloads", help="mixed | shared, comma-separated."),
+        workloads: str = typer.Option("mixed,shared", "--workloads", help="mixed | shared | chat, comma-separated."),
         batches: str = typer.Option("1,4,16,32", "--batches", help="Engine max batch sizes."),
         formats: str = typer.Option("dense,dense-f16", "--formats", help="Block formats (dense, dense-f16, dense-bf16, int8, int4, tq4, tq3, ...); the first one runs every batch."),
         kv_budget: str = typer.Option("1GiB", "--kv-budget", help="The engine's KV pool."),
