@@ -101,19 +101,25 @@ def compare_stored(fused, modules) -> bool:
                 same_codes = (getattr(fused, codes)[layer] == getattr(modules, codes)[layer]).all(dim=-1)
                 steps = (got.view(torch.int16).int() - want.view(torch.int16).int()).abs()
                 assert steps[same_codes].max().item() <= 1, (name, layer)
-    # full-precision rows: the new token's K/V as C and torch compute them (fp32 rounding apart, relative to their scale)
-    held = [(getattr(fused, part)[layer], want) for part in ("_sink_k", "_sink_v", "_win_k", "_win_v")
-            for layer, want in getattr(modules, part).items()]
-    held += [(getattr(fused._dense[layer], name), getattr(dense, name)) for layer, dense in modules._dense.items() for name in "kv"]
-    for got, want in (pair for pair in held if pair[1].numel()):
-        assert (got - want).abs().max().item() <= 1e-5 * max(1.0, want.abs().max().item())
+    assert_held_rows_agree(fused, modules)
     return identical
 
 
+def assert_held_rows_agree(fused, modules, parts=("_sink_k", "_sink_v", "_win_k", "_win_v")) -> None:
+    """Full-precision rows (sinks, windows, dense layers, and any other `parts`): the new token's K/V as C and torch
+    compute them, equal but for fp32 rounding (relative to their scale)."""
+    held = [(getattr(fused, part)[layer], want) for part in parts for layer, want in getattr(modules, part).items()]
+    held += [(getattr(fused._dense[layer], name), getattr(dense, name)) for layer, dense in modules._dense.items() for name in "kv"]
+    for got, want in (pair for pair in held if pair[1].numel()):
+        assert (got - want).abs().max().item() <= 1e-5 * max(1.0, want.abs().max().item())
+
+
 def assert_fused_equals_modules(model, name: str, first: int, steps: int, lib, torch_reference: bool = False,
-                                exact_logits: float = 5e-5):
+                                exact_logits: float = 5e-5, compare=compare_stored):
     """Prefill `first` tokens with the modules, then at each of `steps` positions one fused step and one module step
-    from the same cache (the modules reading the codes in torch when `torch_reference`)."""
+    from the same cache (the modules reading the codes in torch when `torch_reference`). `compare(fused, modules)`
+    checks what both stored and says whether it is identical; the logits are held to `exact_logits` of their scale
+    then, to 5e-3 where a code flipped (the module docstrings say why)."""
     step = FusedDecodeStep(model, lib)
     tokens = torch.randint(0, 97, (1, first + steps), generator=torch.Generator().manual_seed(first))
     cache = make_cache(name, CacheGeometry.for_model(model.config, capacity=first + steps))
@@ -128,7 +134,7 @@ def assert_fused_equals_modules(model, name: str, first: int, steps: int, lib, t
             assert step.accepts(token, fused_cache)                     # the fused step really runs
             fused = step(token, fused_cache)
             modules = model(token, cache)
-            same = compare_stored(fused_cache, cache)
+            same = compare(fused_cache, cache)
             identical += same
             scale = modules.abs().max().item()
             assert (fused - modules).abs().max().item() < (exact_logits if same else 5e-3) * scale, (name, t, same)

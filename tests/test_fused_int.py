@@ -30,7 +30,8 @@ from kvlab.model import fused_int
 from kvlab.model.fused import FusedDecodeStep, decode_step_kind, fused_step_off
 
 from .kernel_checks import MARCH, one_thread  # noqa: F401  (one_thread: autouse)
-from .test_fused_codes import GEOMETRIES, copied, model_for, native, variants  # noqa: F401  (fixtures)
+from . import test_fused_codes as codes_checks
+from .test_fused_codes import GEOMETRIES, assert_held_rows_agree, copied, model_for, native, variants  # noqa: F401  (fixtures)
 
 #: widths, groups and options the step serves (each at least once): groups of 8..64 tokens cross chunk boundaries
 NAMES = ["int8", "int4", "int4+g16", "int3+g8", "int2+g16+sink3", "int4+sink1+recent8", "int8+recent5+fp-first-last",
@@ -114,37 +115,14 @@ def compare_stored(fused, modules) -> bool:
             if not torch.equal(got, want):
                 identical = False
                 assert (got != want).float().mean().item() < 0.01, (name, layer)
-    held = [(getattr(fused, part)[layer], want) for part in ("k_stage", "_sink_k", "_sink_v", "_win_k", "_win_v")
-            for layer, want in getattr(modules, part).items()]
-    held += [(getattr(fused._dense[layer], name), getattr(dense, name)) for layer, dense in modules._dense.items() for name in "kv"]
-    for got, want in (pair for pair in held if pair[1].numel()):
-        assert (got - want).abs().max().item() <= 1e-5 * max(1.0, want.abs().max().item())
+    assert_held_rows_agree(fused, modules, ("k_stage", "_sink_k", "_sink_v", "_win_k", "_win_v"))
     return identical
 
 
 def assert_fused_equals_modules(model, name: str, first: int, steps: int, lib, torch_reference: bool = False,
                                 exact_logits: float = 1e-4):
-    """Prefill `first` tokens with the modules, then at each of `steps` positions one fused step and one module step
-    from the same cache (the modules reading the codes in torch when `torch_reference`)."""
-    step = FusedDecodeStep(model, lib)
-    tokens = torch.randint(0, 97, (1, first + steps), generator=torch.Generator().manual_seed(first))
-    cache = make_cache(name, CacheGeometry.for_model(model.config, capacity=first + steps))
-    if torch_reference:
-        cache.code_kernel = None
-    model.fused = None
-    identical = 0
-    with torch.no_grad():
-        model(tokens[:, :first], cache)
-        for t in range(first, first + steps):
-            token, fused_cache = tokens[:, t:t + 1], copied(cache)
-            assert step.accepts(token, fused_cache)                     # the fused step really runs
-            fused = step(token, fused_cache)
-            modules = model(token, cache)
-            same = compare_stored(fused_cache, cache)
-            identical += same
-            scale = modules.abs().max().item()
-            assert (fused - modules).abs().max().item() < (exact_logits if same else 5e-3) * scale, (name, t, same)
-    assert identical >= steps // 2, f"{name}: only {identical} of {steps} steps stored identical codes"
+    """test_fused_codes' step-by-step check with the integer caches' comparison and logit tolerance."""
+    codes_checks.assert_fused_equals_modules(model, name, first, steps, lib, torch_reference, exact_logits, compare_stored)
 
 
 @pytest.mark.parametrize("name", NAMES)
