@@ -235,3 +235,23 @@ def test_the_engine_calibrates_a_per_head_recipe_and_reads_it_back(loaded, monke
     with pytest.raises(ConfigError) as err:
         calibrate.resolve("tq4+halloc", loaded)
     assert "stored +halloc recipe" in str(err.value) and "\n" not in str(err.value)
+
+
+SMOLLM2_HEADS = "k" + "35" * 45 + "v" + "4" * 90                        # 30 layers × 3 KV heads
+
+
+@pytest.mark.parametrize("name, spelled", [
+    ("tq4+halloc", f"tq4+halloc={SMOLLM2_HEADS}"),                      # the bare name plans a recipe's bytes
+    *[(n, n) for n in ("tq3+prerope+sink1+halloc=k" + "24" * 45 + "v" + "3" * 90, "tq4+alloc=k" + "35" * 15 + "v" + "4" * 30)],
+])
+def test_the_planner_predicts_the_bytes_of_spelled_and_bare_recipes(name, spelled):
+    from kvlab.plan import PlanSettings, get_engine, make_plan
+    from kvlab.plan.report import plan_json
+    from kvlab.sources import load_spec
+
+    from .test_plan_kvlab import SMOLLM2
+
+    plan = plan_json(make_plan(load_spec("smollm2-135m"), get_engine("kvlab"), PlanSettings(context=33, kv_type_k=f"{name}@f32")))
+    geometry = CacheGeometry(batch=1, capacity=33, rope_inv_freq=tuple(10000.0 ** (-i / 32) for i in range(32)), **SMOLLM2)
+    cache = make_cache(spelled, geometry)
+    assert plan["kv_bytes"] == cache.nbytes == expected_nbytes(name, geometry, torch.float32, 33)
