@@ -198,7 +198,9 @@ def test_caches_it_does_not_serve_take_the_modules(native):
     one = torch.tensor([[3]])
     with torch.no_grad():
         model.fused = step
-        for name in ("tq4+qjl", "tq4+prerope", "tq4+outliers1"):
+        units = model.config.n_layers                                   # MQA: one KV head, a width each per layer
+        recipe = "k" + "35" * (units // 2) + "4" * (units % 2) + "v" + "4" * units
+        for name in ("tq4+qjl", "tq4+prerope", "tq4+outliers1", f"tq4+alloc={recipe}", f"tq4+halloc={recipe}"):
             assert not step.serves(make_cache(name, geometry)), name
             assert decode_step_kind(model, make_cache(name, geometry)) == "modules"
         assert decode_step_kind(model, make_cache("tq3.5+sink4+recent8+fp-first-last", geometry)) == "fused"

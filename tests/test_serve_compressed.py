@@ -193,7 +193,8 @@ def test_planner_admission_is_the_engines_and_tq4_holds_3_5x_the_f16_sequences(s
 
 @pytest.mark.parametrize("name,match", [("tq4+sink1", "tq4\\+sink1.*full-precision"), ("int4+recent64", "int4\\+recent64"),
                                         ("int4+g32", "must divide the block size"), ("zip9", "unknown block format 'zip9'"),
-                                        ("tq4+prerope", "without \\+prerope"), ("tq4+alloc", "without \\+alloc")])
+                                        ("tq4+prerope", "without \\+prerope"), ("tq4+alloc", "without \\+alloc"),
+                                        ("tq4+halloc", "without \\+halloc")])
 def test_formats_the_pool_cannot_hold_are_one_line_errors(smollm2, name, match):
     with pytest.raises(ConfigError, match=match) as info:
         Engine(smollm2, cache=name, kv_budget="4MiB")

@@ -160,7 +160,7 @@ def test_names_round_trip(name):
     ("tq4+alloc=k3x5v444", "bad +alloc recipe"),
     ("tq4+alloc=k345v44", "bad +alloc recipe"),
     ("tq4+alloc=k246v444", "outside 3..5"),
-    ("tq4+alloc=k35v44", "2 layers, the cache has 3"),
+    ("tq4+alloc=k35v44", "2 units (layer), the cache has 3"),
     ("tq3.5+alloc", "whole base widths"),
     ("tq4+qjl+alloc", "whole base widths"),
     ("tq4+fp-first-last+alloc", "every layer"),

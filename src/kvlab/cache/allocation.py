@@ -1,4 +1,5 @@
-"""Per-layer bit allocation for TurboQuant (`+alloc`): the recipe, its checks and the allocator.
+"""Per-layer (`+alloc`) and per-(layer, KV head) (`+halloc`) bit allocation for TurboQuant: the recipe, its
+checks and the allocator.
 
 A recipe gives every layer its own key width and value width, integers within N bits of the base name's
 (`+allocN`, N = 1 or 2; `+alloc` is N = 1: tq4+alloc takes 3, 4 or 5 bits, tq4+alloc2 2..6), with the
@@ -16,9 +17,16 @@ A recipe is spelled in the cache name, one digit per layer, layer 0 first:
 `tq4+alloc` alone names the recipe calibrated for the model the cache is made for (eval/calibrate.py
 measures it on text no evaluation window contains; the engine spells it out before building the cache).
 
-The allocator (`allocate`) takes, per layer and for keys and values, the measured harm of each width
+`+halloc` (`+halloc2`) does the same per unit (layer, KV head): every KV head of every layer codes its keys and
+its values at its own width, the widths of all units summing to n_layers·n_kv_heads·(key bits + value bits),
+so the codes again cost the uniform cache's bytes per token (a head's codes cost d·b/8 bytes). Its recipe holds
+one key and one value width per unit, layer-major (layer 0's heads first), and costs n_layers·n_kv_heads·2 bytes:
+    tq4+halloc=k453354…v344…    (n_layers·n_kv_heads digits after k, as many after v)
+
+The allocator (`allocate`) takes, per unit and for keys and values, the measured harm of each width
 and finds the widths of least total harm at the uniform budget exactly (a knapsack over the bit offsets
-by dynamic programming: every unit is one layer's keys or values, every bit costs the same bytes).
+by dynamic programming: every unit is one layer's (or one layer and head's) keys or values, every bit
+costs the same bytes).
 """
 
 from __future__ import annotations
@@ -30,6 +38,8 @@ from ..errors import ConfigError
 #: The spreads a name may ask for: a recipe's widths lie within that many bits of the base width (and 1..8).
 SPREADS = (1, 2)
 _RECIPE = re.compile(r"k([1-8]+)v([1-8]+)")
+#: The two allocation options: what one recipe digit is the width of.
+UNITS = {"+alloc": "layer", "+halloc": "layer and KV head"}
 
 
 def held_widths(base: int, spread: int = 1) -> tuple[int, ...]:
@@ -37,12 +47,12 @@ def held_widths(base: int, spread: int = 1) -> tuple[int, ...]:
     return tuple(b for b in range(base - spread, base + spread + 1) if 1 <= b <= 8)
 
 
-def parse_recipe(text: str, name: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def parse_recipe(text: str, name: str, option: str = "+alloc") -> tuple[tuple[int, ...], tuple[int, ...]]:
     """'k4453v3544' -> ((4, 4, 5, 3), (3, 5, 4, 4)); one-line ConfigError for anything else."""
     match = _RECIPE.fullmatch(text)
     if not match or len(match.group(1)) != len(match.group(2)):
-        raise ConfigError(f"bad +alloc recipe {text[:40]!r} in cache {name[:60]!r}: expected k<one digit 1-8 per layer>"
-                          "v<as many digits>, e.g. +alloc=k4534v4453")
+        raise ConfigError(f"bad {option} recipe {text[:40]!r} in cache {name[:60]!r}: expected k<one digit 1-8 per "
+                          f"{UNITS[option]}>v<as many digits>, e.g. {option}=k4534v4453")
     return tuple(int(c) for c in match.group(1)), tuple(int(c) for c in match.group(2))
 
 
@@ -50,36 +60,39 @@ def format_recipe(keys: tuple[int, ...], values: tuple[int, ...]) -> str:
     return "k" + "".join(map(str, keys)) + "v" + "".join(map(str, values))
 
 
-def check_recipe(keys: tuple[int, ...], values: tuple[int, ...], key_bits: int, value_bits: int, spread: int = 1) -> None:
+def check_recipe(keys: tuple[int, ...], values: tuple[int, ...], key_bits: int, value_bits: int, spread: int = 1,
+                 option: str = "+alloc") -> None:
     """Widths within the spread of their base and summing to the uniform budget (one-line ConfigError)."""
     if len(keys) != len(values) or not keys:
-        raise ConfigError(f"+alloc recipe needs one key and one value width per layer, got {len(keys)} and {len(values)}")
+        raise ConfigError(f"{option} recipe needs one key and one value width per {UNITS[option]}, got {len(keys)} "
+                          f"and {len(values)}")
     for what, widths, base in (("key", keys, key_bits), ("value", values, value_bits)):
         allowed = held_widths(base, spread)
         bad = [w for w in widths if w not in allowed]
         if bad:
-            raise ConfigError(f"+alloc {what} width {bad[0]} is outside {allowed[0]}..{allowed[-1]} (base {base} bits)")
+            raise ConfigError(f"{option} {what} width {bad[0]} is outside {allowed[0]}..{allowed[-1]} (base {base} bits)")
     budget = len(keys) * (key_bits + value_bits)
     if sum(keys) + sum(values) != budget:
-        raise ConfigError(f"+alloc recipe spends {sum(keys) + sum(values)} bits per token and head over its {len(keys)} "
-                          f"layers, not the uniform {budget}")
+        raise ConfigError(f"{option} recipe spends {sum(keys) + sum(values)} bits per token over its {len(keys)} "
+                          f"units ({UNITS[option]}), not the uniform {budget}")
 
 
-def check_geometry(keys: tuple[int, ...], n_layers: int, head_dim: int) -> None:
-    """The recipe fits the cache: one width per layer, codes of whole bytes for every width."""
-    if keys and len(keys) != n_layers:
-        raise ConfigError(f"+alloc recipe has widths for {len(keys)} layers, the cache has {n_layers}")
+def check_geometry(keys: tuple[int, ...], n_units: int, head_dim: int, option: str = "+alloc") -> None:
+    """The recipe fits the cache: one width per unit (layer, or layer and KV head), codes of whole bytes for every width."""
+    if keys and len(keys) != n_units:
+        raise ConfigError(f"{option} recipe has widths for {len(keys)} units ({UNITS[option]}), the cache has {n_units}")
     if head_dim % 8:
-        raise ConfigError(f"+alloc needs a head dim that is a multiple of 8 (codes of whole bytes), got {head_dim}")
+        raise ConfigError(f"{option} needs a head dim that is a multiple of 8 (codes of whole bytes), got {head_dim}")
 
 
 def allocate(key_harm: list[dict[int, float]], value_harm: list[dict[int, float]], key_bits: int,
              value_bits: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The widths of least total harm at the uniform budget.
 
-    key_harm[l][w]: the measured harm of coding layer l's keys at w bits (the widths it may take: the keys
-    of key_harm[l], which hold key_bits); value_harm likewise. Harms are taken as additive over layers. Ties keep the base width, then the
-    narrower one: the result is a function of the harms alone.
+    key_harm[u][w]: the measured harm of coding unit u's keys at w bits (a unit is a layer, or a layer and KV
+    head; the widths it may take: the keys of key_harm[u], which hold key_bits); value_harm likewise. Harms are
+    taken as additive over units. Ties keep the base width, then the narrower one: the result is a function of
+    the harms alone.
     """
     units = [(harm, key_bits) for harm in key_harm] + [(harm, value_bits) for harm in value_harm]
     # best[s]: (total harm, widths off their base, widths so far) over the units seen, the widths summing to base + s

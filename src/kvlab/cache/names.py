@@ -26,6 +26,10 @@
                                         or 2) at the uniform total, calibrated for the model the cache
                                         is made for
              | "alloc" [N] "=k" D+ "v" D+   (tq) that recipe spelled out, one digit per layer (allocation.py)
+             | "halloc" [N]             (tq) a key and a value width per layer and KV head at the uniform
+                                        total, calibrated for the model (one uint8 each, counted)
+             | "halloc" [N] "=k" D+ "v" D+  (tq) that recipe spelled out, n_layers·n_kv_heads digits each,
+                                        layer 0's heads first
              | "outliers" N             (tq) dense-and-sparse keys: the N (1..head dim) largest-magnitude
                                         entries of every key vector kept exactly, each as its channel
                                         (uint8) + its value (float16), 3 bytes, the rest coded; pay for
@@ -113,14 +117,18 @@ def parse(name: str) -> tuple[type, object]:
                 raise ConfigError(f"+outliers0 in cache {name!r} keeps no key entry; use +outliersN with N ≥ 1, or leave it out")
         elif m := re.fullmatch(r"seed(\d+)", option):
             settings["seed"] = int(m.group(1))
-        elif m := re.fullmatch(r"alloc(\d?)(=.*)?", option):
-            settings["alloc"] = int(m.group(1) or 1)
-            if m.group(2):
-                settings["key_alloc"], settings["value_alloc"] = parse_recipe(m.group(2)[1:], name)
+        elif m := re.fullmatch(r"(h?)alloc(\d?)(=.*)?", option):
+            if settings.get("alloc"):
+                raise ConfigError(f"cache {name!r} asks for two bit allocations; use one +alloc or +halloc")
+            heads = bool(m.group(1))
+            settings["alloc"], settings["alloc_heads"] = int(m.group(2) or 1), heads
+            if m.group(3):
+                settings["key_alloc"], settings["value_alloc"] = parse_recipe(m.group(3)[1:], name,
+                                                                              "+halloc" if heads else "+alloc")
         else:
             raise ConfigError(
                 f"unknown option {option!r} in cache {name!r}; TurboQuant caches take +qjl, +recentN, +fp-first-last, "
-                "+center=C, +kweights=none, +prerope, +rot=R, +alloc[N][=recipe], +outliersN, +kscale=M, +vscale=M, +bf16norms, +seedN"
+                "+center=C, +kweights=none, +prerope, +rot=R, +alloc[N][=recipe], +halloc[N][=recipe], +outliersN, +kscale=M, +vscale=M, +bf16norms, +seedN"
             )
     return TurboQuantCache, TurboQuantConfig(**settings)
 

@@ -57,6 +57,12 @@ the per-token bytes are the uniform cache's; the recipe (L·2 uint8) and every h
 (shared by keys and values, without the torch path's byte tables, so tq3+alloc stays within tq3's budget).
 Every read takes the layer's RotatedCodes (`layer_key_codes`, `layer_value_codes`).
 
+`+halloc` (allocation.py): the same per (layer, KV head) unit, spelled `+halloc=k…v…` with n_layers·n_kv_heads
+digits each (layer-major) or calibrated for the model. A layer's codes buffer then holds each head's codes side by
+side in one row, (B, 1, slots, Σ_h bytes_h), read by `HeadCodes` (per head, its own width's RotatedCodes); the
+per-token bytes are again the uniform cache's and the recipe costs L·Hkv·2 uint8. Only the torch path reads it
+(no C code kernel): the fused decode step and the serving pool, whose buffers hold one width per layer, do not.
+
 Fractional widths (tq3.5, tq2.5): after the rotation all d coordinates follow the same law, so no
 channel is an outlier any more; "outlier channels" are simply the first ⌊frac·d⌉ rotated
 coordinates, quantized at ⌊b⌋+1 bits, the rest at ⌊b⌋ bits (both with the d-dimensional codebook).
@@ -136,6 +142,7 @@ class TurboQuantConfig:
     key_alloc: tuple[int, ...] = ()    # the recipe's key widths, layer 0 first (): not spelled out yet
     value_alloc: tuple[int, ...] = ()
     outliers: int = 0                  # +outliersN: each key vector's N largest entries kept exactly (index + fp16)
+    alloc_heads: bool = False          # +hallocN: the recipe has a width per (layer, KV head), layer-major
 
     def __post_init__(self) -> None:
         for what, bits in (("key", self.key_bits), ("value", self.value_bits)):
@@ -154,21 +161,27 @@ class TurboQuantConfig:
             raise ConfigError(f"+outliersN keeps N ≥ 1 key entries per vector, got {self.outliers}")
         if self.norm_dtype not in (torch.float16, torch.bfloat16):
             raise ConfigError(f"TurboQuant norms are 16-bit floats, got {self.norm_dtype}")
-        if (self.key_alloc or self.value_alloc) and not self.alloc:
+        if (self.key_alloc or self.value_alloc or self.alloc_heads) and not self.alloc:
             object.__setattr__(self, "alloc", 1)
         if self.alloc:
             self._check_alloc()
 
+    @property
+    def alloc_option(self) -> str:
+        """"+alloc" (a width per layer) or "+halloc" (per layer and KV head): how the name spells the recipe."""
+        return "+halloc" if self.alloc_heads else "+alloc"
+
     def _check_alloc(self) -> None:
+        option = self.alloc_option
         if self.alloc not in SPREADS:
             spreads = " or ".join(map(str, SPREADS))
-            raise ConfigError(f"+alloc spreads the widths by {spreads} bits (+alloc, +alloc2), got {self.alloc}")
+            raise ConfigError(f"{option} spreads the widths by {spreads} bits ({option}, {option}2), got {self.alloc}")
         if self.key_bits != int(self.key_bits) or self.value_bits != int(self.value_bits) or self.qjl:
-            raise ConfigError("+alloc takes whole base widths without +qjl (tq4, tq-k4v3, ...)")
+            raise ConfigError(f"{option} takes whole base widths without +qjl (tq4, tq-k4v3, ...)")
         if self.full.first_last or self.full.layer_list:
-            raise ConfigError("+alloc spreads the bits over every layer: use it without +fp-first-last / +fp-layers=")
+            raise ConfigError(f"{option} spreads the bits over every layer: use it without +fp-first-last / +fp-layers=")
         if self.key_alloc or self.value_alloc:
-            check_recipe(self.key_alloc, self.value_alloc, int(self.key_bits), int(self.value_bits), self.alloc)
+            check_recipe(self.key_alloc, self.value_alloc, int(self.key_bits), int(self.value_bits), self.alloc, option)
 
     @property
     def name(self) -> str:
@@ -187,7 +200,7 @@ class TurboQuantConfig:
         options = ("+qjl" if self.qjl else "") + ("+prerope" if self.pre_rope else "") + ("+rot=haar" if self.rotation == "haar" else "")
         options += f"+outliers{self.outliers}" if self.outliers else ""
         if self.alloc:
-            options += "+alloc" + (str(self.alloc) if self.alloc > 1 else "")
+            options += self.alloc_option + (str(self.alloc) if self.alloc > 1 else "")
             options += f"={format_recipe(self.key_alloc, self.value_alloc)}" if self.key_alloc else ""
         return base + options + self.full.suffix + numerics
 
@@ -196,14 +209,22 @@ class TurboQuantConfig:
         """Bits of Lloyd-Max codes per key coordinate (one fewer with qjl)."""
         return self.key_bits - 1 if self.qjl else self.key_bits
 
-    def layer_widths(self, layer: int) -> tuple[float, float]:
-        """(key code bits, value bits) of `layer`: the recipe's with +alloc, else the base widths."""
+    def alloc_units(self, n_layers: int, n_kv_heads: int) -> int:
+        """How many widths a recipe of this cache holds for keys (and for values): one per layer, or per layer and head."""
+        return n_layers * n_kv_heads if self.alloc_heads else n_layers
+
+    def head_widths(self, layer: int, n_kv_heads: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """(key code bits, value bits) of each KV head of `layer`: the recipe's with +alloc / +halloc, else the base
+        widths."""
         if self.alloc and not self.key_alloc:
             raise ConfigError(f"cache {self.name!r} has no recipe yet: build it through an engine that calibrates it for "
-                              "its model (kvlab eval / generate), or spell the recipe as +alloc=k<digits>v<digits>")
+                              f"its model (kvlab eval / generate), or spell the recipe as {self.alloc_option}=k<digits>v<digits>")
+        if self.alloc_heads:
+            span = slice(layer * n_kv_heads, (layer + 1) * n_kv_heads)
+            return self.key_alloc[span], self.value_alloc[span]
         if self.key_alloc:
-            return self.key_alloc[layer], self.value_alloc[layer]
-        return self.code_bits, self.value_bits
+            return (self.key_alloc[layer],) * n_kv_heads, (self.value_alloc[layer],) * n_kv_heads
+        return (self.code_bits,) * n_kv_heads, (self.value_bits,) * n_kv_heads
 
     def check_outliers(self, dim: int) -> None:
         """+outliersN fits a head dim of `dim`: N ≤ dim, and channel indices that fit a uint8 (one-line ConfigError)."""
@@ -292,6 +313,28 @@ class RotatedCodes:
         return torch.cat(values, dim=-1) if len(values) > 1 else values[0]
 
 
+class HeadCodes:
+    """One layer's codes when each KV head has its own width (+halloc): the heads' packed codes side by side in one
+    row, (..., 1, T, Σ_h bytes_h), head 0 first; head h reads and writes its bytes with its own width's RotatedCodes."""
+
+    def __init__(self, heads: list[RotatedCodes]):
+        self.heads = heads
+        self.bits = tuple(codes.bits for codes in heads)
+        ends = torch.tensor([RotatedCodes.packed_bytes(c.dim, c.bits) for c in heads]).cumsum(0).tolist()
+        self.spans = list(zip([0] + ends[:-1], ends))                             # each head's bytes in the row
+        self.row_bytes = ends[-1]
+
+    def encode(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """y: (..., H, T, d) float32 -> (packed codes (..., 1, T, row_bytes) uint8, ŷ (..., H, T, d) float32)."""
+        packed, values = zip(*(codes.encode(y[..., h, :, :]) for h, codes in enumerate(self.heads)))
+        return torch.cat(packed, dim=-1).unsqueeze(-3), torch.stack(values, dim=-3)
+
+    def decode(self, packed: torch.Tensor) -> torch.Tensor:
+        """(..., 1, n, row_bytes) uint8 -> ŷ (..., H, n, d) float32: each head's codebook values, rotated domain."""
+        row = packed[..., 0, :, :]                                                # (..., n, row_bytes)
+        return torch.stack([codes.decode(row[..., a:b]) for codes, (a, b) in zip(self.heads, self.spans)], dim=-3)
+
+
 class TurboQuantCache(CompressedCache):
     """Rotated, Lloyd-Max-coded K/V with 16-bit per-vector scales; attention on the codes."""
 
@@ -306,22 +349,30 @@ class TurboQuantCache(CompressedCache):
         d, dev = g.head_dim, self.device
         config.check_outliers(d)
         if config.alloc:
-            check_geometry(config.key_alloc, g.n_layers, d)
+            check_geometry(config.key_alloc, config.alloc_units(g.n_layers, g.n_kv_heads), d, config.alloc_option)
         # the codebooks of every width held (one each without +alloc), and each layer's (RotatedCodes per width)
         key_held, value_held = config.held_widths()
         # +alloc: the held widths' codebooks, shared by keys and values, without byte tables (allocation.py)
         shared = {b: RotatedCodes(d, b, dev, byte_tables=False) for b in config.codebook_widths()} if config.alloc else {}
         self.key_books = {b: shared.get(b) or RotatedCodes(d, b, dev) for b in key_held}
         self.value_books = {b: shared.get(b) or RotatedCodes(d, b, dev) for b in value_held}
-        widths = {l: config.layer_widths(l) for l in range(g.n_layers)}
-        self.layer_key_codes = {l: self.key_books[widths[l][0]] for l in self.compressed_layers}
-        self.layer_value_codes = {l: self.value_books[widths[l][1]] for l in self.compressed_layers}
+        widths = {l: config.head_widths(l, g.n_kv_heads) for l in range(g.n_layers)}    # per layer: (keys, values) per head
+
+        def layer_codes(books: dict, heads: tuple[float, ...]) -> "RotatedCodes | HeadCodes":
+            return HeadCodes([books[b] for b in heads]) if config.alloc_heads else books[heads[0]]
+
+        self.layer_key_codes = {l: layer_codes(self.key_books, widths[l][0]) for l in self.compressed_layers}
+        self.layer_value_codes = {l: layer_codes(self.value_books, widths[l][1]) for l in self.compressed_layers}
         self.key_codes, self.value_codes = self.key_books[config.code_bits], self.value_books[config.value_bits]  # base widths
-        # +alloc: the recipe is state the cache holds, one uint8 key and value width per layer
-        self.recipe = torch.tensor([widths[l] for l in range(g.n_layers)], dtype=torch.uint8, device=dev) \
-            if config.alloc else None                                                       # (L, 2)
-        # attention straight from the codes in C on CPU (kernels/codebook.c); None: torch decodes (the reference)
-        self.code_kernel = codebook_kernel_for(self.device)
+        # +alloc / +halloc: the recipe is state the cache holds, one uint8 key and value width per layer (and KV head)
+        self.recipe = None
+        if config.alloc:
+            recipe = [[list(pair) for pair in zip(*widths[l])] for l in range(g.n_layers)]   # (L, Hkv, 2)
+            self.recipe = torch.tensor(recipe if config.alloc_heads else [row[0] for row in recipe], dtype=torch.uint8,
+                                       device=dev)                                           # (L, Hkv, 2) or (L, 2)
+        # attention straight from the codes in C on CPU (kernels/codebook.c); None: torch decodes (the reference,
+        # and the only reader of per-head widths)
+        self.code_kernel = None if config.alloc_heads else codebook_kernel_for(self.device)
         self.haar_basis = None                                                               # (d, d) Q shared by the layers
         if config.rotation == "haar":
             self.haar_basis = haar_matrix(d, torch.Generator().manual_seed(_layer_seed(config.seed, -2))).to(dev)
@@ -330,11 +381,14 @@ class TurboQuantCache(CompressedCache):
         nd = config.norm_dtype
 
         def buffers(width, dtype: torch.dtype) -> dict[int, torch.Tensor]:
-            """width: bytes per token (0: one value per token), or a function of the layer giving them."""
-            shape = lambda l: (B, H, S, width(l)) if callable(width) else ((B, H, S, width) if width else (B, H, S))
+            """width: bytes per token (0: one value per token), or a function of the layer giving them (codes: with
+            +halloc one row of every head's codes side by side, (B, 1, S, bytes))."""
+            shape = lambda l: ((B, 1 if config.alloc_heads else H, S, width(l)) if callable(width)
+                               else ((B, H, S, width) if width else (B, H, S)))
             return {l: torch.zeros(shape(l), dtype=dtype, device=dev) for l in self.compressed_layers}
 
-        packed = lambda books: lambda l: RotatedCodes.packed_bytes(d, books[l].bits)
+        def packed(books: dict):
+            return lambda l: books[l].row_bytes if config.alloc_heads else RotatedCodes.packed_bytes(d, books[l].bits)
         self.k_codes = buffers(packed(self.layer_key_codes), torch.uint8)                    # (B, H, S, bytes)
         self.k_norm = buffers(0, nd)                                                         # (B, H, S)
         self.v_codes = buffers(packed(self.layer_value_codes), torch.uint8)
@@ -713,8 +767,9 @@ class TurboQuantCache(CompressedCache):
         rotation = d if is_power_of_two(d) or haar else d * d * 4                 # signs, or a matrix per layer
         fixed = n_layers * rotation + sum(RotatedCodes.table_bytes(d, b, not config.alloc) for b in config.codebook_widths())
         if config.alloc:  # the codes cost the uniform widths' bytes (allocation.py); the recipe is one byte per width
-            check_geometry(config.key_alloc, g.n_layers, d)
-            fixed += g.n_layers * 2
+            units = config.alloc_units(g.n_layers, g.n_kv_heads)
+            check_geometry(config.key_alloc, units, d, config.alloc_option)
+            fixed += units * 2
         if config.qjl:
             fixed += d * d * 4
         fixed += len(config.center) * n_layers * g.batch * g.n_kv_heads * d * _OFFSET_BYTES
@@ -756,8 +811,10 @@ class TurboQuantCache(CompressedCache):
             fixed += f"; keys coded before RoPE (per cache: {d // 2} float32 RoPE frequencies)"
         if config.alloc:
             key_held, value_held = config.held_widths()
-            fixed += (f"; +alloc: each layer's key ({key_held[0]}..{key_held[-1]}) and value ({value_held[0]}..{value_held[-1]}) "
-                      "widths from a calibration recipe at the same total (1 B each per layer, every width's codebook held)")
+            unit = "layer and KV head" if config.alloc_heads else "layer"
+            fixed += (f"; {config.alloc_option}: each {unit}'s key ({key_held[0]}..{key_held[-1]}) and value "
+                      f"({value_held[0]}..{value_held[-1]}) widths from a calibration recipe at the same total (1 B each "
+                      f"per {unit}, every width's codebook held)")
         return f"{key} = {k} B; per value vector: {d}×{config.value_bits:g}-bit codes + 16-bit norm = {v} B{fixed}"
 
 

@@ -1,4 +1,4 @@
-"""`+alloc` recipes for a model: a calibration pass on text no evaluation window contains, then the allocator.
+"""`+alloc` / `+halloc` recipes for a model: a calibration pass on text no evaluation window contains, then the allocator.
 
 What the pass measures, for every layer l, for its keys and for its values (a "unit"), on CALIBRATION windows
 of the calibration plays (corpus.CALIBRATION_PLAYS, disjoint from the evaluation and passkey plays):
@@ -12,6 +12,20 @@ squared error is), so one pass through the later layers per unit serves every wi
 window in the evaluation's chunks (prefill, then chunks: the key offsets and weights calibrate as in eval),
 from the dense hidden state entering layer l, so the layers before it are not run again. The rotation seed
 is 0 for every recipe: `tq4+alloc+seed1` reads the same recipe with other rotations.
+
+`+halloc` (a width per layer and KV head) uses the same runs, no more: measuring the KL of every (layer, head,
+keys|values, width) through the later layers would take L·Hkv·2·3 = 540 tail runs per window for SmolLM2. Instead
+  * a_uh(w): the squared error that KV head h alone adds to block l's attention output at width w, taken where the
+    heads are still apart: the attention output of its query heads (coded minus dense, the same dense queries, keys
+    and values from the same dense hidden state) projected by the output matrix alone (its columns for those heads),
+    captured in the width runs above;
+and the harm of head h at width w is KL_u·a_uh(w)/Σ_h' a_uh'(b): the layer's measured KL at the base width shared
+out by each head's share of that layer's attention-output error. Why this is sound: each head's coding only
+perturbs its own query heads' outputs (independent rotations and codes per head), those perturbations add linearly
+through the output matrix and, being independent, their squared errors add; the KL, quadratic in a small
+perturbation, is then split in proportion to them (the same small-error argument +alloc uses across widths). It
+assumes the later layers are about equally sensitive to each head's error direction (what a per-head KL would
+measure and this does not).
 
 Recipes are kept in-process and on disk as JSON (never pickled) under the user cache directory
 ($KVLAB_CACHE_DIR/alloc, ...), keyed by the model file's SHA-256 and the cache's name without +alloc and
@@ -52,7 +66,8 @@ _MEMO: dict[tuple[str, str], tuple[tuple[int, ...], tuple[int, ...]]] = {}
 
 @dataclass
 class Harms:
-    """Per layer, per width: the harm of coding that layer's keys (values) at that width."""
+    """Per unit (layer, or layer and KV head layer-major with +halloc), per width: the harm of coding that unit's
+    keys (values) at that width."""
 
     keys: list[dict[int, float]]
     values: list[dict[int, float]]
@@ -69,21 +84,30 @@ def calibration_windows(tokenizer, protocol: WindowProtocol | None = None) -> li
 def measure_harms(model, token_windows: list[torch.Tensor], config: TurboQuantConfig,
                   protocol: WindowProtocol = CALIBRATION, advance=None) -> Harms:
     """The pass described in the module docstring, summed over `token_windows` ((1, length) each); `advance()`
-    is called once per (window, keys|values, layer)."""
-    L = model.config.n_layers
+    is called once per (window, keys|values, layer). With +halloc the harms are per (layer, KV head), layer-major."""
+    L, Hkv = model.config.n_layers, model.config.n_kv_heads
     base = {"keys": int(config.key_bits), "values": int(config.value_bits)}
     kl = {kind: [0.0] * L for kind in base}
-    err = {kind: [{w: 0.0 for w in held_widths(base[kind], config.alloc)} for _ in range(L)] for kind in base}
+    widths = {kind: held_widths(base[kind], config.alloc) for kind in base}
+    err = {kind: [{w: 0.0 for w in widths[kind]} for _ in range(L)] for kind in base}               # block output
+    head_err = {kind: [[{w: 0.0 for w in widths[kind]} for _ in range(Hkv)] for _ in range(L)] for kind in base}
     for tokens in token_windows:
         hidden = _dense_hidden(model, tokens)                                     # L+1 × (1, T, C)
         geometry = CacheGeometry.for_model(model.config, batch=1, capacity=tokens.shape[1])
         reference = _head(model, _run_blocks(model, hidden[0], 0, L, DenseCache(geometry), protocol), protocol)
+        dense_attention = {}                                                      # layer -> (1, T, H·D)
         for kind in base:
             for layer in range(L):
-                for width in held_widths(base[kind], config.alloc):
+                if config.alloc_heads and layer not in dense_attention:
+                    dense_attention[layer] = _attention_output(model, hidden[layer], layer, DenseCache(geometry), protocol)[1]
+                for width in widths[kind]:
                     cache = _unit_cache(geometry, config, layer, kind, width)
-                    out = _run_blocks(model, hidden[layer], layer, layer + 1, cache, protocol)  # (1, T, C)
+                    out, attention = _attention_output(model, hidden[layer], layer, cache, protocol)  # (1, T, C), (1, T, H·D)
                     err[kind][layer][width] += (out - hidden[layer + 1])[0, protocol.prefill:].square().sum().item()
+                    if config.alloc_heads:
+                        errors = _head_errors(model.blocks[layer].attn, attention - dense_attention[layer], protocol)
+                        for head, e in enumerate(errors):
+                            head_err[kind][layer][head][width] += e
                 cache = _unit_cache(geometry, config, layer, kind, base[kind])
                 logits = _head(model, _run_blocks(model, hidden[layer], layer, L, cache, protocol), protocol)
                 kl[kind][layer] += kl_divergence(reference, logits).mean().item()
@@ -93,9 +117,14 @@ def measure_harms(model, token_windows: list[torch.Tensor], config: TurboQuantCo
     for kind in base:
         harms[kind] = []
         for layer in range(L):
-            at_base = err[kind][layer][base[kind]]
-            ratio = {w: (e / at_base if at_base > 0 else 1.0) for w, e in err[kind][layer].items()}
-            harms[kind].append({w: kl[kind][layer] / len(token_windows) * r for w, r in ratio.items()})
+            layer_kl = kl[kind][layer] / len(token_windows)
+            if config.alloc_heads:  # the layer's KL shared out by each head's attention-output error
+                at_base = sum(head[base[kind]] for head in head_err[kind][layer])
+                for head in head_err[kind][layer]:
+                    harms[kind].append({w: layer_kl * (e / at_base if at_base > 0 else 1.0 / Hkv) for w, e in head.items()})
+            else:
+                at_base = err[kind][layer][base[kind]]
+                harms[kind].append({w: layer_kl * (e / at_base if at_base > 0 else 1.0) for w, e in err[kind][layer].items()})
     return Harms(harms["keys"], harms["values"])
 
 
@@ -108,7 +137,7 @@ def _unit_cache(geometry: CacheGeometry, config: TurboQuantConfig, layer: int, k
     """A cache coding only `layer`, its keys (kind "keys") or values at `width`, the other half at OTHER_BITS."""
     others = tuple(l for l in range(geometry.n_layers) if l != layer)
     key_bits, value_bits = (width, OTHER_BITS) if kind == "keys" else (OTHER_BITS, width)
-    unit = replace(config, key_bits=key_bits, value_bits=value_bits, alloc=0, key_alloc=(), value_alloc=(), seed=0,
+    unit = replace(config, key_bits=key_bits, value_bits=value_bits, alloc=0, alloc_heads=False, key_alloc=(), value_alloc=(), seed=0,
                    full=replace(config.full, first_last=False, layer_list=others))
     return TurboQuantCache(geometry, config=unit)
 
@@ -123,6 +152,32 @@ def _run_blocks(model, x: torch.Tensor, first: int, stop: int, cache, protocol: 
             h = block(h, cos, sin, cache)
         out.append(h)
     return torch.cat(out, dim=1)
+
+
+def _attention_output(model, x: torch.Tensor, layer: int, cache, protocol: WindowProtocol) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block `layer` over x (1, T, C) in the protocol's chunks -> (its output (1, T, C), its attention output before
+    the output projection, every query head side by side (1, T, H·D))."""
+    captured = []
+    hook = model.blocks[layer].attn.out.register_forward_pre_hook(lambda module, args: captured.append(args[0]))
+    try:
+        out = _run_blocks(model, x, layer, layer + 1, cache, protocol)
+    finally:
+        hook.remove()
+    return out, torch.cat(captured, dim=1)
+
+
+def _head_errors(attn, error: torch.Tensor, protocol: WindowProtocol) -> list[float]:
+    """The squared error each KV head's query heads add to the block after the output projection: error (1, T, H·D),
+    the attention output's error, split by KV head (its G = H/Hkv query heads), each part projected alone."""
+    error = error[:, protocol.prefill:]                                           # (1, N, H·D) scored positions
+    n_kv = attn.n_kv_heads
+    per_head = error.reshape(*error.shape[:2], n_kv, -1)                          # (1, N, Hkv, G·D)
+    out = []
+    for head in range(n_kv):
+        alone = torch.zeros_like(per_head)
+        alone[:, :, head] = per_head[:, :, head]
+        out.append(attn.out(alone.reshape(error.shape)).square().sum().item())   # (1, N, C) through W_o only
+    return out
 
 
 def _dense_hidden(model, tokens: torch.Tensor) -> list[torch.Tensor]:
@@ -154,13 +209,14 @@ def resolve(name: str, loaded) -> str:
     cls, config = parse(key)
     if cls is not TurboQuantCache or not config.alloc or config.key_alloc:
         return name
-    check_geometry((), loaded.config.n_layers, loaded.config.head_dim)
+    check_geometry((), config.alloc_units(loaded.config.n_layers, loaded.config.n_kv_heads), loaded.config.head_dim,
+                   config.alloc_option)
     digest = model_digest(Path(loaded.path))
     calibrated = replace(config, seed=0).name                                     # what the recipe is for: tq4+alloc
     memo = (digest, calibrated)
     if memo not in _MEMO:
         path = recipe_dir() / f"{digest[:16]}-{calibrated.replace('=', '_')}.json"
-        recipe = load_recipe(path, digest, calibrated, config, loaded.config.n_layers)
+        recipe = load_recipe(path, digest, calibrated, config, config.alloc_units(loaded.config.n_layers, loaded.config.n_kv_heads))
         if recipe is None:
             token_windows = calibration_windows(loaded.tokenizer, CALIBRATION)
             with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -192,8 +248,9 @@ def model_digest(path: Path) -> str:
 
 
 def load_recipe(path: Path, digest: str, calibrated: str, config: TurboQuantConfig,
-                n_layers: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """The stored recipe, None if there is none; ConfigError (one line) if it does not parse or fit."""
+                n_units: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The stored recipe (n_units widths each for keys and values), None if there is none; ConfigError (one line)
+    if it does not parse or fit."""
     if not path.is_file():
         return None
     try:
@@ -201,11 +258,11 @@ def load_recipe(path: Path, digest: str, calibrated: str, config: TurboQuantConf
         keys, values = tuple(int(w) for w in data["keys"]), tuple(int(w) for w in data["values"])
         if data["format"] != _FORMAT or data["model_sha256"] != digest or data["cache"] != calibrated:
             raise ValueError("for another model, cache or format")
-        check_recipe(keys, values, int(config.key_bits), int(config.value_bits), config.alloc)
-        if len(keys) != n_layers:
-            raise ValueError(f"{len(keys)} layers, the model has {n_layers}")
+        check_recipe(keys, values, int(config.key_bits), int(config.value_bits), config.alloc, config.alloc_option)
+        if len(keys) != n_units:
+            raise ValueError(f"{len(keys)} units, the model has {n_units}")
     except (OSError, ValueError, KeyError, TypeError, ConfigError) as err:
-        raise ConfigError(f"stored +alloc recipe {path} is unusable ({err}); delete it to calibrate again") from None
+        raise ConfigError(f"stored {config.alloc_option} recipe {path} is unusable ({err}); delete it to calibrate again") from None
     return keys, values
 
 

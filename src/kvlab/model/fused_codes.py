@@ -11,7 +11,7 @@ width's layout (kernels/codebook.py `CodeLayout`) with its boundaries.
 
 Served: every width (3/5-bit, fractional, mixed K/V), +sinkN, +recentN, +fp-first-last (dense layers in the same
 step), +center=…, +kweights=none, +rot=haar, every scale mode, f16/bf16 norms. Not served (the modules run them):
-+qjl, +prerope and +outliersN, a sliding-window model, batches, other dtypes and devices, and a step that would calibrate a
++qjl, +prerope, +outliersN, +alloc and +halloc (widths per layer / head), a sliding-window model, batches, other dtypes and devices, and a step that would calibrate a
 layer (its first coded token) or find a layer's first chunk still waiting for its queries.
 """
 
@@ -172,7 +172,8 @@ def serves_codes(cache, cfg) -> bool:
     g = cache.geometry
     return (
         type(cache) is TurboQuantCache and cache.dtype == torch.float32 and cache.device.type == "cpu"
-        and not cache.config.qjl and not cache.config.pre_rope and not cache.config.outliers and g.window is None and cfg.sliding_window is None
+        and not cache.config.qjl and not cache.config.pre_rope and not cache.config.outliers and not cache.config.alloc
+        and g.window is None and cfg.sliding_window is None
         and cfg.head_dim % 2 == 0 and cfg.head_dim <= 1024
         and (g.batch, g.n_layers, g.n_kv_heads, g.head_dim, g.head_dim_v) == (1, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.head_dim)
     )

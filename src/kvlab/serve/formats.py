@@ -18,7 +18,7 @@ of c tokens are c·per_token + rest, so a block is f(2·bs) - f(bs) and the rest
 Names whose single cache keeps full-precision tokens or layers (+sinkN, +recentN, +fp-first-last,
 +fp-layers=) are not block formats: those are per-sequence full-precision state the pool does not hold.
 Nor is +prerope: it codes each key at its position in one sequence's cache, which the pool does not track,
-nor +alloc (a width per layer; the pool's buffers hold one width for all layers), nor +outliersN (the pool's
+nor +alloc / +halloc (a width per layer / per layer and head; the pool's buffers hold one width for all), nor +outliersN (the pool's
 reads, in C, take the codes alone).
 """
 
@@ -75,8 +75,9 @@ def block_format(name: str, geometry: CacheGeometry, block_size: int) -> BlockFo
         raise ConfigError(f"block format {name!r} codes keys before RoPE, at their position in one sequence's cache; "
                           f"the pool codes tokens without positions, so use it without +prerope")
     if getattr(config, "alloc", 0):
-        raise ConfigError(f"block format {name!r} gives each layer its own widths (+alloc); the pool's blocks hold "
-                          f"one width for every layer, so use it without +alloc")
+        option = config.alloc_option
+        raise ConfigError(f"block format {name!r} gives each layer (or head) its own widths ({option}); the pool's blocks "
+                          f"hold one width for every layer and head, so use it without {option}")
     if getattr(config, "outliers", 0):
         raise ConfigError(f"block format {name!r} keeps exact key outliers (+outliersN), which the pool's blocks do not "
                           f"read; use it without +outliersN")

@@ -7,6 +7,7 @@ bf16 means the dense cache in that dtype. Layers with the same geometry share on
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,6 +21,12 @@ from .base import Engine
 
 _DTYPES = {"f32": "float32", "float32": "float32", "f16": "float16", "float16": "float16",
            "bf16": "bfloat16", "bfloat16": "bfloat16"}
+
+
+def _without_recipe(cache: str) -> str:
+    """tq4+halloc=k35…v44… -> tq4+halloc: a spelled +alloc / +halloc recipe fits only the whole model's layers (and
+    heads), and never changes the bytes (cache/allocation.py), so the one-layer cost of a token is the bare name's."""
+    return re.sub(r"\+(h?alloc\d?)=[^+]*", r"+\1", cache)
 
 
 def parse_cache(name: str | None):
@@ -59,7 +66,8 @@ class KvlabEngine(Engine):
             geometry = CacheGeometry(n_layers=len(indices), n_kv_heads=kv_heads, head_dim=dim_k, batch=settings.parallel,
                                      capacity=settings.context, n_heads=heads, head_dim_v=dim_v, window=window)
             nbytes = expected_nbytes(cache, geometry, dtype, settings.context)   # ConfigError for unknown names
-            one_token = expected_nbytes(cache, CacheGeometry(1, kv_heads, dim_k, 1, 1, heads, dim_v, window), dtype, 1)
+            one_token = expected_nbytes(_without_recipe(cache), CacheGeometry(1, kv_heads, dim_k, 1, 1, heads, dim_v, window),
+                                        dtype, 1)
             total += nbytes
             per_token += one_token * len(indices)
             per_layer = nbytes // len(indices)

@@ -1,0 +1,257 @@
+"""TurboQuant `+halloc`: a key and a value width per (layer, KV head) at the uniform total, from a calibration pass.
+
+Each head's codes are exactly what a uniform cache at that head's widths stores for it (bytes, norms, rebuilt
+K/V); attention reads what is stored, chunk or token by token; the bytes are the formula's, the uniform
+cache's per token plus the L·Hkv·2-byte recipe; the calibration shares each layer's KL out over its heads
+deterministically and the allocator meets the budget exactly; a bad recipe is a one-line error; the fused
+decode step and the serving pool refuse it (the modules read it).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+
+from kvlab.backends import KvlabEngine
+from kvlab.cache import CacheGeometry, TurboQuantCache, expected_nbytes, make_cache
+from kvlab.cache.allocation import allocate, held_widths
+from kvlab.cache.names import parse
+from kvlab.cache.turboquant import HeadCodes
+from kvlab.errors import ConfigError
+from kvlab.eval import calibrate
+from kvlab.serve.formats import block_format
+
+from .compressed_checks import GEOMETRY, check_attend_is_exact_to_storage, check_attend_is_token_by_token, check_nbytes, feed
+from .test_causal_caches import CHUNKS, SAME, chunked_logits, two_sequences
+from .test_tq_alloc import SMALL, loaded, small_model, windows_of  # noqa: F401  (loaded: a fixture)
+
+# GEOMETRY: 3 layers × 2 KV heads = 6 units; each recipe sums to 6·(key bits + value bits)
+BASES = {  # recipe name: (the uniform cache, the name without a recipe)
+    "tq4+halloc=k354453v444444": ("tq4", "tq4+halloc"),
+    "tq3+halloc=k243342v333333+sink2": ("tq3+sink2", "tq3+halloc+sink2"),
+    "tq-k4v3+halloc=k555333v234432+recent8": ("tq-k4v3+recent8", "tq-k4v3+halloc+recent8"),
+    "tq4+halloc2=k264444v444444": ("tq4", "tq4+halloc2"),
+}
+NAMES = list(BASES)
+
+
+def unit_widths(config, layer: int, head: int) -> tuple[int, int]:
+    unit = layer * GEOMETRY.n_kv_heads + head
+    return config.key_alloc[unit], config.value_alloc[unit]
+
+
+# -- storing and reading -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", NAMES)
+def test_each_head_stores_what_a_uniform_cache_at_its_widths_stores(name):
+    """The reference: for every (layer, head), a plain cache at that head's key and value widths fed the same
+    K/V and queries holds the same code bytes and norms for that head, and rebuilds the same K/V."""
+    config = parse(name)[1]
+    suffix = name.split("+", 1)[1].split("+", 1)[1] if name.count("+") > 1 else ""
+    references = {}
+    for layer, head in itertools.product(range(GEOMETRY.n_layers), range(GEOMETRY.n_kv_heads)):
+        kb, vb = unit_widths(config, layer, head)
+        references.setdefault((kb, vb), f"tq-k{kb}v{vb}" + (f"+{suffix}" if suffix else ""))
+    fed = {ref: feed(ref) for ref in set(references.values())}
+    for cache, q, _, _ in feed(name):
+        plain = {ref: next(steps)[0] for ref, steps in fed.items()}
+        for layer in range(GEOMETRY.n_layers):
+            cache.attend(layer, q)
+            for ref in plain.values():
+                ref.attend(layer, q)                                   # the same queries set the same key weights
+            codes = cache.layer_key_codes[layer], cache.layer_value_codes[layer]
+            assert all(isinstance(c, HeadCodes) for c in codes)
+            k, v = cache.dequantized(layer)
+            for head in range(GEOMETRY.n_kv_heads):
+                ref = plain[references[unit_widths(config, layer, head)]]
+                for name_, heads in (("k", codes[0]), ("v", codes[1])):
+                    a, b = heads.spans[head]
+                    ours = getattr(cache, f"{name_}_codes")[layer][:, 0, :, a:b]        # (B, S, bytes)
+                    theirs = getattr(ref, f"{name_}_codes")[layer][:, head]
+                    assert torch.equal(ours, theirs), (name, layer, head, name_)
+                    assert torch.equal(getattr(cache, f"{name_}_norm")[layer][:, head], getattr(ref, f"{name_}_norm")[layer][:, head])
+                rk, rv = ref.dequantized(layer)
+                assert torch.equal(k[:, head], rk[:, head]) and torch.equal(v[:, head], rv[:, head]), (name, layer, head)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_attention_reads_exactly_what_each_head_stores(name):
+    check_attend_is_exact_to_storage(name)
+    check_attend_is_exact_to_storage(name, attend_first=True)
+    cache = make_cache(name, GEOMETRY)
+    assert cache.code_kernel is None                                   # the torch path reads per-head widths
+    for layer in range(GEOMETRY.n_layers):
+        keys = tuple(unit_widths(cache.config, layer, h)[0] for h in range(GEOMETRY.n_kv_heads))
+        assert cache.layer_key_codes[layer].bits == keys
+        assert cache.k_codes[layer].shape[1:] == (1, cache.slots, sum(GEOMETRY.head_dim * b // 8 for b in keys))
+
+
+def test_every_chunk_reads_what_token_by_token_decoding_reads():
+    check_attend_is_token_by_token("tq4+halloc=k534453v453354+kweights=none")
+
+
+def test_model_logits_are_causal_and_the_head_widths_matter():
+    from .conftest import tiny_model
+
+    model = tiny_model(seed=3, n_heads=4, n_kv_heads=2, d_model=128, max_seq_len=sum(CHUNKS))
+    tokens = two_sequences()
+    a = chunked_logits(model, tokens[:1], "tq4+prerope+halloc=k3553v4444", CHUNKS)
+    b = chunked_logits(model, tokens[1:], "tq4+prerope+halloc=k3553v4444", CHUNKS)
+    assert torch.equal(a[:, :SAME], b[:, :SAME]) and not torch.equal(a[:, SAME:], b[:, SAME:])
+    per_layer = chunked_logits(model, tokens[:1], "tq4+prerope+alloc=k44v44", CHUNKS)   # the same total, by layer
+    swapped = chunked_logits(model, tokens[:1], "tq4+prerope+halloc=k5335v4444", CHUNKS)
+    assert not torch.equal(a, per_layer) and not torch.equal(a, swapped)   # each head's own widths were read
+
+
+# -- bytes ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", NAMES)
+def test_nbytes_are_the_formula_and_the_codes_cost_the_uniform_bytes_per_token(name):
+    check_nbytes(name)
+    base, bare = BASES[name]
+
+    def per_token(n: str) -> int:
+        return expected_nbytes(n, replace(GEOMETRY, capacity=200), torch.bfloat16, 0) - expected_nbytes(n, GEOMETRY, torch.bfloat16, 0)
+
+    assert per_token(name) == per_token(base)
+    assert expected_nbytes(bare, GEOMETRY, torch.bfloat16, 0) == expected_nbytes(name, GEOMETRY, torch.bfloat16, 0)
+
+
+def test_the_recipe_is_held_one_byte_per_width_per_layer_and_head():
+    cache = make_cache("tq4+halloc=k354453v444444", GEOMETRY)
+    per_layer = make_cache("tq4+alloc=k444v444", GEOMETRY)
+    assert tuple(cache.recipe.shape) == (3, 2, 2) and cache.recipe.dtype == torch.uint8
+    assert cache.recipe[:, :, 0].flatten().tolist() == [3, 5, 4, 4, 5, 3]
+    assert cache.state_nbytes() - per_layer.state_nbytes() == 3 * 2 * 2 - 3 * 2   # the same codebooks held
+
+
+def test_smollm2_halloc_caches_stay_within_the_issue_budgets():
+    """SmolLM2's geometry (30 layers × 3 KV heads) at 511 tokens, bf16: tq4+halloc costs tq4+alloc's bytes plus
+    its bigger recipe (180 more bytes per cache), within 6,227 B/token; tq3+halloc within 4,702."""
+    from kvlab.eval.suite import bytes_per_token
+    from kvlab.model.config import DecoderConfig
+
+    smollm2 = DecoderConfig(vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3, d_ff=1536, max_seq_len=8192)
+    per_token = {name: bytes_per_token(name, smollm2)[0] for name in ("tq4", "tq4+halloc", "tq4+prerope+sink1+halloc", "tq3+halloc")}
+    assert max(per_token["tq4+halloc"], per_token["tq4+prerope+sink1+halloc"]) <= 6227, per_token
+    assert per_token["tq3+halloc"] <= 4702, per_token
+    g = CacheGeometry.for_model(smollm2, capacity=511)
+    recipe = "k" + "35" * 45 + "v" + "4" * 90
+    assert expected_nbytes(f"tq4+halloc={recipe}", g, torch.bfloat16, 511) == expected_nbytes("tq4+halloc", g, torch.bfloat16, 511)
+    assert (expected_nbytes("tq4+halloc", g, torch.bfloat16, 511) - expected_nbytes("tq4+alloc", g, torch.bfloat16, 511)
+            == 30 * 3 * 2 - 30 * 2)
+
+
+# -- names and bad recipes -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", NAMES + ["tq4+halloc", "tq4+halloc2", "tq4+prerope+halloc+sink1+seed2"])
+def test_names_round_trip(name):
+    _, config = parse(name)
+    assert parse(config.name)[1] == config
+    assert config.alloc and config.alloc_heads and "+halloc" in config.name
+
+
+@pytest.mark.parametrize("name, words", [
+    ("tq4+halloc=k345v444", "3 units (layer and KV head), the cache has 6"),     # a per-layer recipe
+    ("tq4+halloc=k354453v44444", "bad +halloc recipe"),
+    ("tq4+halloc=k35x453v444444", "bad +halloc recipe"),
+    ("tq4+halloc=k354454v444444", "not the uniform"),
+    ("tq4+halloc=k264444v444444", "outside 3..5"),
+    ("tq4+halloc", "no recipe yet"),
+    ("tq4+halloc3", "+halloc spreads the widths by 1 or 2"),
+    ("tq3.5+halloc", "+halloc takes whole base widths"),
+    ("tq4+fp-first-last+halloc", "every layer"),
+    ("tq4+alloc+halloc", "two bit allocations"),
+])
+def test_bad_recipes_are_one_line_errors(name, words):
+    with pytest.raises(ConfigError) as err:
+        make_cache(name, GEOMETRY)
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_serving_pool_refuses_per_head_widths():
+    with pytest.raises(ConfigError) as err:
+        block_format("tq4+halloc=k354453v444444", GEOMETRY, 16)
+    assert "without +halloc" in str(err.value) and "\n" not in str(err.value)
+
+
+# -- the allocator over (layer, head) units ------------------------------------------------------------------
+
+def test_the_allocator_meets_the_budget_exactly_over_layer_head_units():
+    rng = random.Random(1)
+    for trial in range(10):
+        units = 4                                                       # e.g. 2 layers × 2 KV heads
+        key_harm = [{w: rng.random() * 4.0 ** (4 - w) for w in held_widths(4)} for _ in range(units)]
+        value_harm = [{w: rng.random() * 4.0 ** (3 - w) for w in held_widths(3)} for _ in range(units)]
+        keys, values = allocate(key_harm, value_harm, 4, 3)
+        assert len(keys) == len(values) == units and sum(keys) + sum(values) == units * 7
+        got = sum(h[w] for h, w in zip(key_harm + value_harm, keys + values))
+        best = min(sum(h[w] for h, w in zip(key_harm + value_harm, choice))
+                   for choice in itertools.product(*[held_widths(4)] * units, *[held_widths(3)] * units)
+                   if sum(choice) == units * 7)
+        assert got == pytest.approx(best, rel=1e-12), trial
+
+
+# -- the calibration pass ------------------------------------------------------------------------------------
+
+def test_the_calibration_shares_each_layers_kl_over_its_heads():
+    from .conftest import tiny_model
+
+    model = tiny_model(seed=3, n_heads=2, n_kv_heads=2, d_model=64, max_seq_len=SMALL.length)    # head dim 32, 2 layers
+    heads, layers = calibrate.measure_harms(model, windows_of(1), parse("tq4+halloc")[1], SMALL), \
+        calibrate.measure_harms(model, windows_of(1), parse("tq4+alloc")[1], SMALL)
+    assert heads == calibrate.measure_harms(model, windows_of(1), parse("tq4+halloc")[1], SMALL)   # deterministic
+    H = model.config.n_kv_heads
+    assert len(heads.keys) == len(heads.values) == model.config.n_layers * H
+    for per_head, per_layer in ((heads.keys, layers.keys), (heads.values, layers.values)):
+        for layer, whole in enumerate(per_layer):
+            shares = per_head[layer * H:(layer + 1) * H]
+            assert sum(h[4] for h in shares) == pytest.approx(whole[4], rel=1e-9)   # the layer's KL, shared out
+            for h in shares:
+                assert h[3] > h[4] > h[5] > 0
+    keys, values = calibrate.recipe_from(heads, parse("tq4+halloc")[1])
+    assert len(keys) == 4 and sum(keys) + sum(values) == 4 * 8
+
+
+def test_the_engine_calibrates_a_per_head_recipe_and_reads_it_back(loaded, monkeypatch):
+    cache = KvlabEngine(loaded).make_cache("tq4+halloc+seed1", 64)
+    units = loaded.config.n_layers * loaded.config.n_kv_heads
+    assert isinstance(cache, TurboQuantCache) and cache.config.alloc_heads and len(cache.config.key_alloc) == units
+    stored = list(calibrate.recipe_dir().glob("*halloc*.json"))
+    assert len(stored) == 1
+    record = json.loads(stored[0].read_text())
+    assert record["cache"] == "tq4+halloc" and len(record["keys"]) == units
+    calibrate._MEMO.clear()
+    monkeypatch.setattr(calibrate, "measure_harms", lambda *a, **k: pytest.fail("calibrated twice"))
+    assert calibrate.resolve("tq4+halloc", loaded) == replace(cache.config, seed=0).name
+    record["keys"] = record["keys"][:-1]                                # a stored recipe that does not fit
+    stored[0].write_text(json.dumps(record))
+    calibrate._MEMO.clear()
+    with pytest.raises(ConfigError) as err:
+        calibrate.resolve("tq4+halloc", loaded)
+    assert "stored +halloc recipe" in str(err.value) and "\n" not in str(err.value)
+
+
+SMOLLM2_HEADS = "k" + "35" * 45 + "v" + "4" * 90                        # 30 layers × 3 KV heads
+
+
+@pytest.mark.parametrize("name, spelled", [
+    ("tq4+halloc", f"tq4+halloc={SMOLLM2_HEADS}"),                      # the bare name plans a recipe's bytes
+    *[(n, n) for n in ("tq3+prerope+sink1+halloc=k" + "24" * 45 + "v" + "3" * 90, "tq4+alloc=k" + "35" * 15 + "v" + "4" * 30)],
+])
+def test_the_planner_predicts_the_bytes_of_spelled_and_bare_recipes(name, spelled):
+    from kvlab.plan import PlanSettings, get_engine, make_plan
+    from kvlab.plan.report import plan_json
+    from kvlab.sources import load_spec
+
+    from .test_plan_kvlab import SMOLLM2
+
+    plan = plan_json(make_plan(load_spec("smollm2-135m"), get_engine("kvlab"), PlanSettings(context=33, kv_type_k=f"{name}@f32")))
+    geometry = CacheGeometry(batch=1, capacity=33, rope_inv_freq=tuple(10000.0 ** (-i / 32) for i in range(32)), **SMOLLM2)
+    cache = make_cache(spelled, geometry)
+    assert plan["kv_bytes"] == cache.nbytes == expected_nbytes(name, geometry, torch.float32, 33)
