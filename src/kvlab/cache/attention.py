@@ -63,8 +63,8 @@ def chunked_attention(
     v: torch.Tensor,
     scale: float | None = None,
     window: int | None = None,
-    key_chunk: int = 512,
-    query_block: int = 512,
+    key_chunk: int = 256,
+    query_block: int = 256,
 ) -> torch.Tensor:
     """grouped_attention (causal, lower-right) over K/V stored in a narrower dtype (f16, bf16).
 
@@ -107,8 +107,9 @@ def chunked_attention(
             weights = scores.sub_(shift).exp_()                                         # in place: e^(s - top)
             rescale = torch.exp(top - shift)
             total = total * rescale + weights.sum(-1, keepdim=True)
-            acc = torch.baddbmm(acc * rescale, weights, vc)                             # (B·Hkv, G·Tq, Dv)
+            acc.mul_(rescale).baddbmm_(weights, vc)                                      # (B·Hkv, G·Tq, Dv) in place
             top = new_top
+            del scores, weights  # before the next chunk's scores exist: one (G·Tq, C) block alive, not two
         out[:, :, a:b] = (acc / total).reshape(B, H, b - a, Dv)
     return out
 

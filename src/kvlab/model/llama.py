@@ -107,8 +107,10 @@ class FeedForward(nn.Module):
         self.down = Linear(cfg.d_ff, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        gate, up = self.gate_up(x).chunk(2, dim=-1)                         # (B, T, F) views of (B, T, 2F)
+        h = F.silu(gate).mul_(up)                                           # (B, T, F)
+        del gate, up  # the (B, T, 2F) projection is freed before down runs (a long prompt's chunk: 6 MB)
+        return self.down(h)
 
 
 class Block(nn.Module):
