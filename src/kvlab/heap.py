@@ -11,7 +11,6 @@ library (musl, macOS, Windows) it does nothing.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 
 
@@ -19,9 +18,8 @@ import functools
 def _malloc_trim():
     """glibc's malloc_trim, or None where the C library has none."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
+        trim = ctypes.CDLL(None).malloc_trim   # the symbols already loaded: glibc's libc on Linux
+    except (OSError, AttributeError, TypeError):
         return None
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     return trim
