@@ -10,6 +10,7 @@ import torch
 
 from .cache.base import KVCache
 from .errors import CacheCapacityError, ConfigError, InputLimitError
+from .heap import release_free_memory
 from .limits import check_float, check_seed
 
 
@@ -123,6 +124,7 @@ def prefill(model, tokens: torch.Tensor, cache: KVCache, chunk_size: int | None 
     logits = None
     for start in range(0, T, step):
         logits = model(tokens[:, start:start + step], cache, last_only=last_only)
+        release_free_memory()  # the chunk's activations are freed: their heap pages too, before the next chunk's
     return logits
 
 
@@ -166,6 +168,7 @@ def generate_stream(
     t0 = time.perf_counter()
     logits = prefill(model, prompt, cache, chunk_size)[:, -1]                 # (B, V)
     _sync(device)
+    release_free_memory()  # the prompt chunks' activations are gone: their heap pages go back for the decode
     stats["prefill_seconds"] = time.perf_counter() - t0
     for step in range(max_new_tokens):
         next_ids = sample_next(logits, sampling, generator)                   # (B,)

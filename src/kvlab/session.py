@@ -5,10 +5,9 @@ from __future__ import annotations
 import functools
 from collections import Counter
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
-from rich.table import Table
 
 from .cache import CacheGeometry, describe_formula, expected_nbytes, make_cache
 from .errors import ConfigError
@@ -17,6 +16,9 @@ from .limits import check_device, check_int
 from .model.loader import LoadedModel, load_model, parse_dtype
 from .model.fused import decode_step_kind
 from .model.tokenizer import StreamDecoder
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 
 @functools.lru_cache(maxsize=4)
@@ -172,6 +174,8 @@ def model_info(model: str | None, caches: tuple[str, ...] = INFO_CACHES) -> tupl
                 "cache": name, "bytes_per_token": per_token, "fixed_bytes": fixed, "vs_bf16": bf16_per_token / per_token,
                 "formula": describe_formula(name, geometry, torch.bfloat16),
             })
+    from rich.table import Table  # here, not at import: generation alone never builds a table (~2 MiB of modules)
+
     table = Table(title=f"{spec.name} ({spec.arch})")
     table.add_column("fact")
     table.add_column("value", justify="right")

@@ -104,6 +104,13 @@ def _dequantize_torch(block_type: str, data: torch.Tensor, cols: int) -> torch.T
 GEMM_MAX_ROWS = 48
 
 
+# Beyond GEMM_MAX_ROWS the matrix is dequantized and multiplied this many weight rows at a time, each product written
+# into its columns of the output: the fp32 copy alive at once is one tile (1.2 MB at 576 columns), not the whole matrix
+# (2.2 MB for SmolLM2's q|k|v, 7 MB for a gate|up that model/tiled_ffn.py does not take), the same size as a prompt
+# chunk's other transients, so the heap reuses their holes; within ~1-5 % of whole matrices' speed (GEMMs of 512 rows).
+DEQUANT_ROW_TILE = 512
+
+
 # With int8 activations (opt-in), calls of this many rows or more take the int8 kernel: it computes 16 rows at once,
 # so below ~8 rows most of its lanes idle and the fp32 block GEMM is as fast (bench/block_gemm.py).
 Q8_MIN_ROWS = 8
@@ -141,6 +148,8 @@ class BlockQuantLinear(nn.Module):
             q8 = q8_kernel_for(x.device)
             if q8 is not None:
                 return self._finish(q8.gemm(self.block_type, self.blocks, x.reshape(-1, self.in_features).contiguous()), x)
+        if x.device.type == "cpu" and x.dtype == torch.float32 and rows > GEMM_MAX_ROWS and gemm_enabled():
+            return self._finish(self._tiled_product(x.reshape(-1, self.in_features)), x)
         if (kernel is None or x.device.type != "cpu" or x.dtype != torch.float32 or rows > GEMM_MAX_ROWS
                 or not (one_row or gemm_enabled())):
             return F.linear(x, self.dequantized().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
@@ -149,6 +158,16 @@ class BlockQuantLinear(nn.Module):
         else:
             y = kernel.gemm(self.block_type, self.blocks, x.reshape(-1, self.in_features).contiguous())  # (rows, out)
         return self._finish(y, x)
+
+    def _tiled_product(self, x: torch.Tensor) -> torch.Tensor:
+        """x (rows, in) fp32 -> x Wᵀ (rows, out): W dequantized DEQUANT_ROW_TILE rows at a time, each tile's product
+        written in place into its columns of the output (the same dot products as F.linear on the whole matrix)."""
+        y = x.new_empty(x.shape[0], self.out_features)                                # (rows, out)
+        for start in range(0, self.out_features, DEQUANT_ROW_TILE):
+            tile = dequantize_blocks(self.block_type, self.blocks[start:start + DEQUANT_ROW_TILE], self.in_features)  # (n, in)
+            torch.mm(x, tile.t(), out=y[:, start:start + tile.shape[0]])              # (rows, n) columns of y
+            del tile                                                                  # before the next one exists
+        return y
 
     def _finish(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """y (rows, out) or (out,) from a kernel -> + bias, shaped (..., out) like x."""

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from ..cache.base import KVCache
 from .config import DecoderConfig
+from .tiled_ffn import tiled_applies, tiled_swiglu
 
 
 class RMSNorm(nn.Module):
@@ -93,6 +94,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache.append(self.layer, k, v)
+        del k, v  # v is a view of the qkv projection: without it the (B, T, q + 2 kv) tensor is freed before attending
         y = cache.attend(self.layer, q)                                   # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
         return self.out(y)
@@ -107,8 +109,12 @@ class FeedForward(nn.Module):
         self.down = Linear(cfg.d_ff, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        if tiled_applies(self.gate_up, self.down, x):  # a prompt chunk on native weights: a tile of F at a time
+            return tiled_swiglu(x, self.gate_up, self.down)                 # (B, T, C)
+        gate, up = self.gate_up(x).chunk(2, dim=-1)                         # (B, T, F) views of (B, T, 2F)
+        h = F.silu(gate).mul_(up)                                           # (B, T, F)
+        del gate, up  # the (B, T, 2F) projection is freed before down runs (a long prompt's chunk: 6 MB)
+        return self.down(h)
 
 
 class Block(nn.Module):

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError, KvlabError, ModelFileError
+from ..heap import release_free_memory
 from ..sources.gguf import GGUFFile
 from ..spec import ModelSpec
 from .config import DecoderConfig, decoder_config, require_runnable
@@ -157,6 +158,8 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype | str = torch.
         from .fused import fused_decode_step
 
         model.fused = fused_decode_step(model)
+    del spec, gguf_file, state, blocks  # the header (its vocabulary as Python strings) and the read buffers: freed now
+    release_free_memory()               # and the heap pages they and the tokenizer's build held go back to the system
     return LoadedModel(model, tokenizer, cfg, path, dtype, torch.device(device), weights)
 
 

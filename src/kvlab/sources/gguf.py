@@ -59,6 +59,18 @@ class _Corrupt(Exception):
     """Internal: the header holds something no valid GGUF holds (open_gguf adds the path)."""
 
 
+class FileBytes:
+    """A GGUF file's bytes, mapped on first use: what its tensors read their data from. The tensors hold this, not
+    the GGUFFile, so no reference cycle keeps the header (a vocabulary of Python strings) alive after its last use."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    @cached_property
+    def memmap(self) -> np.memmap:
+        return np.memmap(self.path, mode="r", dtype=np.uint8)
+
+
 @dataclass(frozen=True)
 class GGUFTensor:
     """One entry of the tensor table (attribute names follow gguf.ReaderTensor)."""
@@ -69,7 +81,7 @@ class GGUFTensor:
     n_elements: int
     n_bytes: int
     data_offset: int                # absolute offset in the file
-    _file: "GGUFFile" = field(repr=False, compare=False)
+    _file: FileBytes = field(repr=False, compare=False)
 
     @property
     def data(self) -> np.ndarray:
@@ -78,7 +90,7 @@ class GGUFTensor:
         Plain types (F32, F16, I8, ...) come typed; quantized ones as uint8 rows of whole blocks,
         exactly as gguf.GGUFReader exposes them, ready for gguf.quants.dequantize.
         """
-        raw = self._file._memmap[self.data_offset:self.data_offset + self.n_bytes]
+        raw = self._file.memmap[self.data_offset:self.data_offset + self.n_bytes]
         return self._typed(raw)
 
     def read(self) -> np.ndarray:
@@ -118,10 +130,6 @@ class GGUFFile:
     data_offset: int               # where tensor data starts
     file_size: int
     header_bytes: int = 0          # bytes parsed: key/values + tensor table
-
-    @cached_property
-    def _memmap(self) -> np.memmap:
-        return np.memmap(self.path, mode="r", dtype=np.uint8)
 
     @property
     def architecture(self) -> str:
@@ -264,6 +272,7 @@ def _parse(path: Path, buffer, size: int) -> GGUFFile:
     data_offset = -(-reader.pos // alignment) * alignment
 
     gguf_file = GGUFFile(path, version, metadata, [], alignment, data_offset, size, header_bytes)
+    data = FileBytes(path)
     for name, tensor_type, shape, n_elements, n_bytes, offset in table:
         end = data_offset + offset + n_bytes
         if offset % alignment:
@@ -272,7 +281,7 @@ def _parse(path: Path, buffer, size: int) -> GGUFFile:
             raise ModelFileError(
                 f"{path} is truncated: tensor {name!r} ends at byte {end:,} but the file has {size:,} bytes"
             )
-        gguf_file.tensors.append(GGUFTensor(name, tensor_type, shape, n_elements, n_bytes, data_offset + offset, gguf_file))
+        gguf_file.tensors.append(GGUFTensor(name, tensor_type, shape, n_elements, n_bytes, data_offset + offset, data))
     return gguf_file
 
 
