@@ -118,7 +118,7 @@ def test_block_weights_equal_the_modules(block_type):
     compare_every_step(engine, rel=1e-5, pool_rel=1e-5)
     set_activations(model, "int8")
     engine = Engine(model, kv_budget="1MiB", block_size=4, max_batch=4, max_step_tokens=11)
-    rows = compare_every_step(engine, rel=2e-3, pool_rel=2e-3)   # int8 activations: a code may flip
+    rows = compare_every_step(engine, rel=5e-3, pool_rel=5e-3)   # int8 activations: an ulp apart, a code may flip
     assert max(rows) >= 8
 
 

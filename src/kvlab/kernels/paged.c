@@ -5,7 +5,8 @@
  * through block_tables[s] (max_blocks ids). Its query row r sits at position ctx[s] - (qs[s+1] - qs[s]) +
  * (r - qs[s]) and sees keys [pos - window + 1 (window > 0), pos]: the lower-right causal mask.
  * One work item = (query row, KV head): the G = H / Hkv query heads sharing that KV head read each key once.
- * Keys are scored in tiles of 64 with a running max (online softmax); everything is computed in fp32.
+ * Keys are scored in tiles of 64 with a running max (online softmax; the exponentials sixteen at a time, decode.c's);
+ * everything is computed in fp32.
  * Every index is checked before the loop: a bad table or length returns -1 and touches nothing.
  *
  * kvlab_paged_codes_attention does the same over TurboQuant blocks (kvlab/serve/coded.py TurboPool): per token
@@ -24,6 +25,7 @@
 
 #include "blockgemv.h"
 #include "codebook.h"
+#include "decode.h"
 #include "paged.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -188,11 +190,7 @@ int kvlab_paged_attention(const float *q, int64_t n_rows, int n_heads, int n_kv_
                 float *og = o + (int64_t)g * dv;
                 if (correction != 1.0f)
                     for (int c = 0; c < dv; c++) og[c] *= correction;
-                l[g] *= correction;
-                for (int j = 0; j < n; j++) {
-                    score[g][j] = expf(score[g][j] - new_max);
-                    l[g] += score[g][j];
-                }
+                l[g] = l[g] * correction + kvlab_exp_shifted(score[g], n, new_max);   /* decode.c's vector exp */
                 m[g] = new_max;
             }
             for (int j = 0; j < n; j++)
