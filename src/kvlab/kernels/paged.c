@@ -5,8 +5,8 @@
  * through block_tables[s] (max_blocks ids). Its query row r sits at position ctx[s] - (qs[s+1] - qs[s]) +
  * (r - qs[s]) and sees keys [pos - window + 1 (window > 0), pos]: the lower-right causal mask.
  * One work item = (query row, KV head): the G = H / Hkv query heads sharing that KV head read each key once.
- * Keys are scored in tiles of 64 with a running max (online softmax; the exponentials sixteen at a time, decode.c's);
- * everything is computed in fp32.
+ * Keys are scored in tiles of 64, sixteen keys at a time, with a running max (online softmax; the exponentials
+ * sixteen at a time, decode.c's); everything is computed in fp32.
  * Every index is checked before the loop: a bad table or length returns -1 and touches nothing.
  *
  * kvlab_paged_codes_attention does the same over TurboQuant blocks (kvlab/serve/coded.py TurboPool): per token
@@ -108,6 +108,33 @@ static inline lanes16 load_lanes(const float *p) {
     return v;
 }
 
+/* one vector of the pairwise sums of a's lanes (lanes 0-7) and of b's (8-15): fold(a, b)[i] = a[2i] + a[2i + 1] */
+static inline lanes16 fold(lanes16 a, lanes16 b) {
+    return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
+         + __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+/* s[j] = scale * (q . k[j]) for j < n. Sixteen keys at a time: each key's 16 lane partial sums, then all sixteen
+ * folded pairwise in four rounds (15 folds) into one vector whose lane i is key i's sum: a fixed tree, far fewer
+ * shuffles than a lane tree per key. The rest (and d not a multiple of 16): dot(), one key at a time. */
+static void key_scores(const float *q, const float *const *k, int n, int d, float scale, float *s) {
+    int j = 0;
+    if (d % 16 == 0)
+        for (; j + 16 <= n; j += 16) {
+            lanes16 acc[16];
+            for (int i = 0; i < 16; i++) acc[i] = (lanes16){0};
+            for (int c = 0; c < d; c += 16) {
+                const lanes16 qc = load_lanes(q + c);
+                for (int i = 0; i < 16; i++) acc[i] += qc * load_lanes(k[j + i] + c);
+            }
+            for (int width = 16; width > 1; width /= 2)
+                for (int i = 0; i < width / 2; i++) acc[i] = fold(acc[2 * i], acc[2 * i + 1]);
+            const lanes16 sums = acc[0] * scale;
+            memcpy(s + j, &sums, sizeof sums);
+        }
+    for (; j < n; j++) s[j] = dot(q, k[j], d) * scale;
+}
+
 /* og (dv,) += sum_j p[j] * v[j] (dv,) for j < n, in order of j for every column: the same sums as a plain loop,
  * but four 16-column blocks at a time held in registers across the keys instead of stored back per key */
 static inline void accumulate_values(float *og, const float *p, const float *const *v, int n, int dv) {
@@ -166,8 +193,8 @@ int kvlab_paged_attention(const float *q, int64_t n_rows, int n_heads, int n_kv_
         const float *qh = q + (row * n_heads + (int64_t)kv_head * group) * d;   /* (G, D): this KV head's queries */
         float m[MAX_GROUP], l[MAX_GROUP];                                          /* running max, sum */
         float *o = out + (row * n_heads + (int64_t)kv_head * group) * dv;       /* (G, Dv): accumulated in place */
-        float score[MAX_GROUP][TILE], buf[MAX_DIM], vbuf[TILE * MAX_DIM];
-        const float *vrow[TILE];
+        float score[MAX_GROUP][TILE], buf[TILE * MAX_DIM];                      /* a tile's keys, then its values */
+        const float *krow[TILE], *vrow[TILE];
         int64_t slot[TILE];
         for (int g = 0; g < group; g++) {
             m[g] = -INFINITY;
@@ -179,9 +206,9 @@ int kvlab_paged_attention(const float *q, int64_t n_rows, int n_heads, int n_kv_
             for (int j = 0; j < n; j++) {
                 const int64_t t = t0 + j;
                 slot[j] = (int64_t)table[t / block_size] * block_size + t % block_size;
-                const float *k = pool_row(k_pool, dtype, slot[j] * n_kv_heads + kv_head, d, buf);
-                for (int g = 0; g < group; g++) score[g][j] = dot(qh + (int64_t)g * d, k, d) * scale;
+                krow[j] = pool_row(k_pool, dtype, slot[j] * n_kv_heads + kv_head, d, buf + (int64_t)j * d);
             }
+            for (int g = 0; g < group; g++) key_scores(qh + (int64_t)g * d, krow, n, d, scale, score[g]);
             for (int g = 0; g < group; g++) {
                 float tile_max = score[g][0];
                 for (int j = 1; j < n; j++) tile_max = score[g][j] > tile_max ? score[g][j] : tile_max;
@@ -194,7 +221,7 @@ int kvlab_paged_attention(const float *q, int64_t n_rows, int n_heads, int n_kv_
                 m[g] = new_max;
             }
             for (int j = 0; j < n; j++)
-                vrow[j] = pool_row(v_pool, dtype, slot[j] * n_kv_heads + kv_head, dv, vbuf + (int64_t)j * dv);
+                vrow[j] = pool_row(v_pool, dtype, slot[j] * n_kv_heads + kv_head, dv, buf + (int64_t)j * dv);
             for (int g = 0; g < group; g++) accumulate_values(o + (int64_t)g * dv, score[g], vrow, n, dv);
         }
         for (int g = 0; g < group; g++) {
