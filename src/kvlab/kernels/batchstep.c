@@ -97,7 +97,7 @@ static int product(const Matrix *W, const float *x, int64_t M, float *y, int int
  * 2 ulp from expf), -gate capped at 88 so that e^-gate stays finite (silu of a gate below -88 is then -0 or a tiny
  * negative, as with expf: gate / inf); a nan gate stays nan */
 static void swiglu_row(const float *gu, int64_t ff, float *h) {
-    for (int64_t i = 0; i < ff; i++) h[i] = fminf(-gu[i], 88.0f);
+    for (int64_t i = 0; i < ff; i++) h[i] = -gu[i] < 88.0f ? -gu[i] : 88.0f;   /* a vector min (fminf: a call each) */
     kvlab_exp_shifted(h, (int)ff, 0.0f);
     for (int64_t i = 0; i < ff; i++) h[i] = gu[i] / (1.0f + h[i]) * gu[ff + i];
 }
