@@ -108,6 +108,22 @@ static inline lanes16 load_lanes(const float *p) {
     return v;
 }
 
+/* the largest of s[0..n), n > 0: sixteen lanes at a time where the CPU has AVX-512, instead of a serial chain of
+ * compares (a nan score may or may not be taken; the exponentials make the row's output nan either way) */
+static inline float largest(const float *s, int n) {
+    float top = s[0];
+    int j = 1;
+#if defined(__AVX512F__)
+    if (n >= 16) {
+        __m512 lanes = _mm512_loadu_ps(s);
+        for (j = 16; j + 16 <= n; j += 16) lanes = _mm512_max_ps(_mm512_loadu_ps(s + j), lanes);   /* a > b ? a : b */
+        top = _mm512_reduce_max_ps(lanes);
+    }
+#endif
+    for (; j < n; j++) top = s[j] > top ? s[j] : top;
+    return top;
+}
+
 /* one vector of the pairwise sums of a's lanes (lanes 0-7) and of b's (8-15): fold(a, b)[i] = a[2i] + a[2i + 1] */
 static inline lanes16 fold(lanes16 a, lanes16 b) {
     return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
@@ -210,8 +226,7 @@ int kvlab_paged_attention(const float *q, int64_t n_rows, int n_heads, int n_kv_
             }
             for (int g = 0; g < group; g++) key_scores(qh + (int64_t)g * d, krow, n, d, scale, score[g]);
             for (int g = 0; g < group; g++) {
-                float tile_max = score[g][0];
-                for (int j = 1; j < n; j++) tile_max = score[g][j] > tile_max ? score[g][j] : tile_max;
+                const float tile_max = largest(score[g], n);
                 const float new_max = tile_max > m[g] ? tile_max : m[g];
                 const float correction = expf(m[g] - new_max);      /* 0 on the first tile (m = -inf) */
                 float *og = o + (int64_t)g * dv;
