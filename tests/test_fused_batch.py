@@ -27,17 +27,9 @@ from kvlab.serve.runner import output_logits
 
 from .conftest import tiny_model
 from .kernel_checks import one_thread, require_kernel  # noqa: F401  (one_thread: autouse)
-from .test_fused_decode import quantize_matrices
+from .test_fused_decode import CONFIGS, quantize_matrices   # the fused decode step's model set-ups, shared
 from .test_serve_engine import alone, ids_of, run_all
 
-CONFIGS = {
-    "GQA": dict(n_heads=4, n_kv_heads=2),
-    "MQA": dict(n_heads=4, n_kv_heads=1),
-    "MHA": dict(n_heads=4, n_kv_heads=4),
-    "qk-norm": dict(n_heads=4, n_kv_heads=2, qk_norm=True),
-    "qkv-bias": dict(n_heads=4, n_kv_heads=2, qkv_bias=True),
-    "window": dict(n_heads=4, n_kv_heads=2, sliding_window=6),
-}
 PROMPT_LENGTHS = (1, 5, 9, 14, 23)          # odd lengths across blocks of 4 tokens
 
 
