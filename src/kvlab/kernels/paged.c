@@ -219,9 +219,13 @@ int kvlab_paged_attention(const float *q, int64_t n_rows, int n_heads, int n_kv_
         }
         for (int64_t t0 = first; t0 <= pos; t0 += TILE) {
             const int n = (int)(pos + 1 - t0 < TILE ? pos + 1 - t0 : TILE);
+            int64_t block = t0 / block_size, offset = t0 % block_size;   /* key t0 + j: no division per key */
             for (int j = 0; j < n; j++) {
-                const int64_t t = t0 + j;
-                slot[j] = (int64_t)table[t / block_size] * block_size + t % block_size;
+                slot[j] = (int64_t)table[block] * block_size + offset;
+                if (++offset == block_size) {
+                    offset = 0;
+                    block++;
+                }
                 krow[j] = pool_row(k_pool, dtype, slot[j] * n_kv_heads + kv_head, d, buf + (int64_t)j * d);
             }
             for (int g = 0; g < group; g++) key_scores(qh + (int64_t)g * d, krow, n, d, scale, score[g]);
