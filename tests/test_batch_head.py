@@ -10,6 +10,8 @@ step off routes the head through the modules again.
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
@@ -138,3 +140,20 @@ def test_engine_tokens_through_the_fused_head_equal_the_modules(monkeypatch):
     by_env = run_engine(model, off=False, counts=counts)
     assert counts[0] > 0 and counts[1:] == [0, 0]
     assert fused == modules == by_env
+
+
+def test_vector_exp_is_close_to_torch_and_keeps_nan(kernel):
+    """decode.c's exponentials, which the batch step's SwiGLU and the paged softmax use (kvlab_exp_shifted): within a
+    few ulp of torch.exp over the softmax's and the gate's range, 0 far below, nan where the input is nan."""
+    fn = kernel._lib.kvlab_exp_shifted
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_float]
+    fn.restype = ctypes.c_float
+    x = torch.cat([torch.linspace(-87.0, 88.0, 4001), torch.tensor([-200.0, -90.0, 0.0, float("nan"), -1e-30])])
+    top = 0.0
+    got = x.clone()
+    total = fn(got.data_ptr(), got.numel(), top)
+    want = torch.exp(x.double() - top)
+    finite = ~x.isnan()
+    assert torch.allclose(got[finite].double(), want[finite], rtol=4e-7, atol=1e-38)
+    assert got[~finite].isnan().all() and got[-5:].isnan().sum() == 1
+    assert total != total                                                     # the nan reaches the sum too
