@@ -22,7 +22,7 @@ from kvlab.errors import ConfigError
 from kvlab.model.blockquant import BlockMatrix, BlockQuantLinear
 from .test_blockquant import TYPES, random_blocks, reference
 
-ROWS = [1, 2, 7, 33, 256]  # rows of X: < 8 take the GEMV's row dots; then odd, a panel plus one, many panels
+ROWS = [1, 2, 7, 12, 33, 256]  # rows of X: < 8 take the GEMV's row dots; then odd, 8 + 4, panels plus one, many
 SHAPES = [(1, 32), (33, 96), (77, 576), (9, 1536)]  # (N odd: weight rows, K: columns, multiple of 32)
 
 
@@ -60,6 +60,20 @@ def test_one_row_equals_the_gemv_bit_for_bit(kernel, block_type):
     data, _ = random_blocks(block_type, 77, 576, seed=8)
     x = torch.randn(1, 576)
     assert torch.equal(kernel.gemm(block_type, data, x)[0], kernel.gemv(block_type, data, x[0].contiguous()))
+
+
+@pytest.mark.parametrize("block_type", TYPES)
+@pytest.mark.parametrize("k", [576, 1536])
+def test_one_w_row_against_two_groups_sums_as_the_pair_kernel(kernel, block_type, k):
+    """More than 8 rows with K <= 640 take one W row against two groups of 8 (row_kernel), otherwise W row pairs
+    against one group: every output is the same sum in the same order, so a row's outputs do not depend on how
+    many rows are multiplied with it (K = 1536: the pair kernel throughout)."""
+    data, _ = random_blocks(block_type, 77, k, seed=k)
+    x = torch.randn(13, k, generator=torch.Generator().manual_seed(2))
+    together = kernel.gemm(block_type, data, x)                                 # (13, 77): 8 + 5 rows
+    apart = torch.cat([kernel.gemm(block_type, data, x[:8]), kernel.gemm(block_type, data, x[8:12]),
+                       kernel.gemm(block_type, data, x[11:])[1:]])              # groups of 8, 4 and 2 rows
+    assert torch.equal(together, apart)
 
 
 @pytest.mark.parametrize("block_type", TYPES)

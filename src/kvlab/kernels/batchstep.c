@@ -10,7 +10,8 @@
  *     K/V written to each row's slot (rounded to f16 / bf16 as torch's .to() rounds, for such a pool) ;
  *     a = each row's attention over its sequence's blocks (paged.c) ; x += a W_out^T ;
  *     h = rms_norm(x) ; g|u = h W_gate_up^T ; x += (silu(g) * u) W_down^T
- * x (N, d_model) is updated in place; the caller applies the final norm and the output head to the rows it samples.
+ * x (N, d_model) is updated in place. kvlab_batch_head then takes the rows the step samples: the final norm, the
+ * output head (the same product as the layers': the model's choice of kernel) and each row's argmax (the greedy token).
  *
  * Products: GGUF blocks through blockgemm.c, or q8gemm.c for a matrix whose activations are int8 from q8_min_rows
  * rows on (the choice BlockQuantLinear makes); fp32 rows through one fixed-order dot per (weight row, input row).
@@ -25,6 +26,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "blockgemv.h"
 #include "decode.h"
@@ -86,6 +91,15 @@ static int product(const Matrix *W, const float *x, int64_t M, float *y, int int
         for (int64_t i = 0; i < M; i++)
             for (int64_t j = 0; j < W->rows; j++) y[i * W->rows + j] += W->bias[j];
     return status;
+}
+
+/* h (ff,) = silu(gate) * up for one row gu = gate | up (2 ff,): e^-gate sixteen at a time (decode.c's exp, about
+ * 2 ulp from expf), -gate capped at 88 so that e^-gate stays finite (silu of a gate below -88 is then -0 or a tiny
+ * negative, as with expf: gate / inf); a nan gate stays nan */
+static void swiglu_row(const float *gu, int64_t ff, float *h) {
+    for (int64_t i = 0; i < ff; i++) h[i] = -gu[i] < 88.0f ? -gu[i] : 88.0f;   /* a vector min (fminf: a call each) */
+    kvlab_exp_shifted(h, (int)ff, 0.0f);
+    for (int64_t i = 0; i < ff; i++) h[i] = gu[i] / (1.0f + h[i]) * gu[ff + i];
 }
 
 /* K or V of one row (kv_dim values) into its slot of a layer's pool */
@@ -162,16 +176,82 @@ int kvlab_batch_step(const Model *m, float *x, int64_t n_rows, const float *cos_
         }
         if ((status = product(&W->gate_up, h, N, gu, flags[GATE_UP], q8_min_rows, n_threads))) break;
         #pragma omp parallel for schedule(static) num_threads(n_threads)
-        for (int64_t r = 0; r < N; r++)
-            for (int64_t i = 0; i < ff; i++) {
-                const float g = gu[r * 2 * ff + i];
-                h[r * ff + i] = g / (1.0f + expf(-g)) * gu[r * 2 * ff + ff + i];   /* silu(gate) * up */
-            }
+        for (int64_t r = 0; r < N; r++) swiglu_row(gu + r * 2 * ff, ff, h + r * ff);
         if ((status = product(&W->down, h, N, y, flags[DOWN], q8_min_rows, n_threads))) break;
         #pragma omp parallel for schedule(static) num_threads(n_threads)
         for (int64_t r = 0; r < N; r++)
             for (int64_t i = 0; i < d; i++) x[r * d + i] += y[r * d + i];
     }
     free(slot); free(h); free(qkv); free(q); free(att); free(y); free(gu);
+    return status;
+}
+
+/* the first i < n with x[i] == top (ordered: never a nan); -1 when there is none */
+static int64_t first_equal(const float *x, int64_t n, float top) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16) {
+        const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), _mm512_set1_ps(top), _CMP_EQ_OQ);
+        if (hit) return i + __builtin_ctz(hit);
+    }
+#endif
+    for (; i < n; i++)
+        if (x[i] == top) return i;
+    return -1;
+}
+
+/* The index of the largest of x[0..n), n > 0, as torch.argmax: the first of equal largest values; the first nan
+ * where there is one. One pass for the largest value (and whether a nan is present), one for its first place. */
+static int64_t argmax_row(const float *x, int64_t n) {
+    float top = -INFINITY;
+    int nan = 0;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    __m512 lanes = _mm512_set1_ps(-INFINITY);
+    __mmask16 unordered = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m512 v = _mm512_loadu_ps(x + i);
+        lanes = _mm512_max_ps(lanes, v);                          /* meaningless where a nan came by: then unused */
+        unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    }
+    top = _mm512_reduce_max_ps(lanes);
+    nan = unordered != 0;
+#endif
+    for (; i < n; i++) {
+        nan |= x[i] != x[i];
+        top = x[i] > top ? x[i] : top;
+    }
+    if (nan)
+        for (i = 0; i < n; i++)
+            if (x[i] != x[i]) return i;
+    i = first_equal(x, n, top);
+    return i < 0 ? 0 : i;                                         /* every value -inf: top is -inf, found at 0 */
+}
+
+/* out (R,) = the argmax of each row of x (R, V), as torch.argmax(x, dim=-1); 0, or -1 for V < 1 or R < 0 */
+int kvlab_rows_argmax(const float *x, int64_t R, int64_t V, int64_t *out, int n_threads) {
+    if (V < 1 || R < 0) return -1;
+    if (n_threads < 1) n_threads = 1;
+    #pragma omp parallel for schedule(static) num_threads(n_threads) if(R * V >= 65536)
+    for (int64_t r = 0; r < R; r++) out[r] = argmax_row(x + r * V, V);
+    return 0;
+}
+
+/* The sampled rows' logits, as Runner.sample's output_logits computes them: logits (R, vocab) = the output head of
+ * rms_norm(x) (final norm) for the R rows of x (R, d_model), through product() (int8: the head takes int8
+ * activations from q8_min_rows rows on, as its BlockQuantLinear does); tokens (R,) = each row's argmax, or NULL.
+ * Returns 0; -1 (nothing written) for a head or norm not shaped for the model; -2 without scratch memory. */
+int kvlab_batch_head(const Model *m, const float *x, int64_t R, int int8, int q8_min_rows, float *logits,
+                     int64_t *tokens, int n_threads) {
+    const int64_t d = m->d_model, vocab = m->head.rows;
+    if (d <= 0 || R < 0 || m->final_norm == NULL || vocab < 1 || !shape_is(&m->head, vocab, d)) return -1;
+    if (R == 0) return 0;
+    if (n_threads < 1) n_threads = 1;
+    float *h = malloc(sizeof(float) * (size_t)(R * d));
+    if (h == NULL) return -2;
+    for (int64_t r = 0; r < R; r++) kvlab_rms_norm(x + r * d, m->final_norm, m->rms_eps, (int)d, h + r * d);
+    int status = product(&m->head, h, R, logits, int8, q8_min_rows, n_threads);
+    free(h);
+    if (status == 0 && tokens != NULL) status = kvlab_rows_argmax(logits, R, vocab, tokens, n_threads);
     return status;
 }

@@ -254,7 +254,7 @@ static void key_scores(const float *q, const float *keys, int start, int end, in
  * one ulp); x below -87 gives 0 or a subnormal, as expf. The sum: lane partials added in a fixed order. */
 #if defined(__AVX512F__)
 static inline __m512 exp_lanes(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.5f));
+    x = _mm512_max_ps(_mm512_set1_ps(-87.5f), x);   /* a nan x stays nan (MAXPS returns its second operand) */
     const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
     r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
@@ -281,7 +281,7 @@ static float exp_shifted(float *s, int n, float top) {
 }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 static inline __m256 exp_lanes(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);   /* a nan x stays nan */
     const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
     r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
@@ -950,5 +950,6 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
 
 /* The row helpers above for the batched step (batchstep.c, declared in decode.h) */
 float kvlab_dot(const float *a, const float *b, int64_t n) { return dot(a, b, n); }
+float kvlab_exp_shifted(float *s, int n, float top) { return exp_shifted(s, n, top); }
 void kvlab_rms_norm(const float *x, const float *w, float eps, int n, float *y) { rms_norm(x, w, eps, n, y); }
 void kvlab_rope(float *x, const float *cos_, const float *sin_, int d) { rope(x, cos_, sin_, d); }

@@ -29,6 +29,8 @@ typedef struct {
 
 /* a . b over n values, in a fixed order (the same bits on every call) */
 float kvlab_dot(const float *a, const float *b, int64_t n);
+/* s[t] = e^(s[t] - top) for t < n (s[t] <= top), sixteen at a time (about 2 ulp; a nan stays nan); returns their sum */
+float kvlab_exp_shifted(float *s, int n, float top);
 /* y (n,) = rms_norm(x) * w, as torch.nn.functional.rms_norm (y may be x) */
 void kvlab_rms_norm(const float *x, const float *w, float eps, int n, float *y);
 /* RoPE of one head of d values in place, as llama.py's apply_rope: pairs (i, i + d/2) */

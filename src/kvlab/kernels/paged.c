@@ -5,7 +5,8 @@
  * through block_tables[s] (max_blocks ids). Its query row r sits at position ctx[s] - (qs[s+1] - qs[s]) +
  * (r - qs[s]) and sees keys [pos - window + 1 (window > 0), pos]: the lower-right causal mask.
  * One work item = (query row, KV head): the G = H / Hkv query heads sharing that KV head read each key once.
- * Keys are scored in tiles of 64 with a running max (online softmax); everything is computed in fp32.
+ * Keys are scored in tiles of 64, sixteen keys at a time, with a running max (online softmax; the exponentials
+ * sixteen at a time, decode.c's); everything is computed in fp32.
  * Every index is checked before the loop: a bad table or length returns -1 and touches nothing.
  *
  * kvlab_paged_codes_attention does the same over TurboQuant blocks (kvlab/serve/coded.py TurboPool): per token
@@ -24,6 +25,7 @@
 
 #include "blockgemv.h"
 #include "codebook.h"
+#include "decode.h"
 #include "paged.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -106,6 +108,49 @@ static inline lanes16 load_lanes(const float *p) {
     return v;
 }
 
+/* the largest of s[0..n), n > 0: sixteen lanes at a time where the CPU has AVX-512, instead of a serial chain of
+ * compares (a nan score may or may not be taken; the exponentials make the row's output nan either way) */
+static inline float largest(const float *s, int n) {
+    float top = s[0];
+    int j = 1;
+#if defined(__AVX512F__)
+    if (n >= 16) {
+        __m512 lanes = _mm512_loadu_ps(s);
+        for (j = 16; j + 16 <= n; j += 16) lanes = _mm512_max_ps(_mm512_loadu_ps(s + j), lanes);   /* a > b ? a : b */
+        top = _mm512_reduce_max_ps(lanes);
+    }
+#endif
+    for (; j < n; j++) top = s[j] > top ? s[j] : top;
+    return top;
+}
+
+/* one vector of the pairwise sums of a's lanes (lanes 0-7) and of b's (8-15): fold(a, b)[i] = a[2i] + a[2i + 1] */
+static inline lanes16 fold(lanes16 a, lanes16 b) {
+    return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
+         + __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+/* s[j] = scale * (q . k[j]) for j < n. Sixteen keys at a time: each key's 16 lane partial sums, then all sixteen
+ * folded pairwise in four rounds (15 folds) into one vector whose lane i is key i's sum: a fixed tree, far fewer
+ * shuffles than a lane tree per key. The rest (and d not a multiple of 16): dot(), one key at a time. */
+static void key_scores(const float *q, const float *const *k, int n, int d, float scale, float *s) {
+    int j = 0;
+    if (d % 16 == 0)
+        for (; j + 16 <= n; j += 16) {
+            lanes16 acc[16];
+            for (int i = 0; i < 16; i++) acc[i] = (lanes16){0};
+            for (int c = 0; c < d; c += 16) {
+                const lanes16 qc = load_lanes(q + c);
+                for (int i = 0; i < 16; i++) acc[i] += qc * load_lanes(k[j + i] + c);
+            }
+            for (int width = 16; width > 1; width /= 2)
+                for (int i = 0; i < width / 2; i++) acc[i] = fold(acc[2 * i], acc[2 * i + 1]);
+            const lanes16 sums = acc[0] * scale;
+            memcpy(s + j, &sums, sizeof sums);
+        }
+    for (; j < n; j++) s[j] = dot(q, k[j], d) * scale;
+}
+
 /* og (dv,) += sum_j p[j] * v[j] (dv,) for j < n, in order of j for every column: the same sums as a plain loop,
  * but four 16-column blocks at a time held in registers across the keys instead of stored back per key */
 static inline void accumulate_values(float *og, const float *p, const float *const *v, int n, int dv) {
@@ -164,8 +209,8 @@ int kvlab_paged_attention(const float *q, int64_t n_rows, int n_heads, int n_kv_
         const float *qh = q + (row * n_heads + (int64_t)kv_head * group) * d;   /* (G, D): this KV head's queries */
         float m[MAX_GROUP], l[MAX_GROUP];                                          /* running max, sum */
         float *o = out + (row * n_heads + (int64_t)kv_head * group) * dv;       /* (G, Dv): accumulated in place */
-        float score[MAX_GROUP][TILE], buf[MAX_DIM], vbuf[TILE * MAX_DIM];
-        const float *vrow[TILE];
+        float score[MAX_GROUP][TILE], buf[TILE * MAX_DIM];                      /* a tile's keys, then its values */
+        const float *krow[TILE], *vrow[TILE];
         int64_t slot[TILE];
         for (int g = 0; g < group; g++) {
             m[g] = -INFINITY;
@@ -174,29 +219,28 @@ int kvlab_paged_attention(const float *q, int64_t n_rows, int n_heads, int n_kv_
         }
         for (int64_t t0 = first; t0 <= pos; t0 += TILE) {
             const int n = (int)(pos + 1 - t0 < TILE ? pos + 1 - t0 : TILE);
+            int64_t block = t0 / block_size, offset = t0 % block_size;   /* key t0 + j: no division per key */
             for (int j = 0; j < n; j++) {
-                const int64_t t = t0 + j;
-                slot[j] = (int64_t)table[t / block_size] * block_size + t % block_size;
-                const float *k = pool_row(k_pool, dtype, slot[j] * n_kv_heads + kv_head, d, buf);
-                for (int g = 0; g < group; g++) score[g][j] = dot(qh + (int64_t)g * d, k, d) * scale;
+                slot[j] = (int64_t)table[block] * block_size + offset;
+                if (++offset == block_size) {
+                    offset = 0;
+                    block++;
+                }
+                krow[j] = pool_row(k_pool, dtype, slot[j] * n_kv_heads + kv_head, d, buf + (int64_t)j * d);
             }
+            for (int g = 0; g < group; g++) key_scores(qh + (int64_t)g * d, krow, n, d, scale, score[g]);
             for (int g = 0; g < group; g++) {
-                float tile_max = score[g][0];
-                for (int j = 1; j < n; j++) tile_max = score[g][j] > tile_max ? score[g][j] : tile_max;
+                const float tile_max = largest(score[g], n);
                 const float new_max = tile_max > m[g] ? tile_max : m[g];
                 const float correction = expf(m[g] - new_max);      /* 0 on the first tile (m = -inf) */
                 float *og = o + (int64_t)g * dv;
                 if (correction != 1.0f)
                     for (int c = 0; c < dv; c++) og[c] *= correction;
-                l[g] *= correction;
-                for (int j = 0; j < n; j++) {
-                    score[g][j] = expf(score[g][j] - new_max);
-                    l[g] += score[g][j];
-                }
+                l[g] = l[g] * correction + kvlab_exp_shifted(score[g], n, new_max);   /* decode.c's vector exp */
                 m[g] = new_max;
             }
             for (int j = 0; j < n; j++)
-                vrow[j] = pool_row(v_pool, dtype, slot[j] * n_kv_heads + kv_head, dv, vbuf + (int64_t)j * dv);
+                vrow[j] = pool_row(v_pool, dtype, slot[j] * n_kv_heads + kv_head, dv, buf + (int64_t)j * dv);
             for (int g = 0; g < group; g++) accumulate_values(o + (int64_t)g * dv, score[g], vrow, n, dv);
         }
         for (int g = 0; g < group; g++) {

@@ -4,7 +4,8 @@ The N tokens of a step (decode tokens and prefill chunks of any number of sequen
 model as one (1, N, C) batch, so every weight matrix is read once per step. The model's own Block
 modules run it: BatchView speaks the cache protocol (append / attend) for the step, writing each token's
 K/V into its pool slot and answering attention per sequence through its block table. Where it applies (dense
-blocks, at most GEMM_MAX_ROWS rows: fused_batch.fused_batch_for), the same layers run in one C call instead.
+blocks, at most GEMM_MAX_ROWS rows: fused_batch.fused_batch_for), the same layers run in one C call instead, and
+the sampled rows' final norm, output head and argmax in one more.
 """
 
 from __future__ import annotations
@@ -86,9 +87,14 @@ class Runner:
         sampling = [i for i, c in enumerate(chunks) if c.samples]
         tokens: list[int | None] = [None] * len(chunks)
         if sampling:
-            logits = output_logits(self.model, x[:, ends[sampling]])[0]            # (R, vocab)
+            rows = x[0, ends[sampling]]                                            # (R, C)
+            fused = fused_batch_for(self, len(sampling))
+            if fused is not None:
+                logits, greedy = fused.head(rows)                                  # (R, vocab), (R,): one C call
+            else:
+                logits, greedy = output_logits(self.model, rows[None])[0], None     # (R, vocab)
             seqs = [chunks[i].seq for i in sampling]
-            drawn = sample_rows(logits, [s.sampling for s in seqs], [s.generator for s in seqs])
+            drawn = sample_rows(logits, [s.sampling for s in seqs], [s.generator for s in seqs], greedy)
             for i, token in zip(sampling, drawn):
                 tokens[i] = token
         return tokens

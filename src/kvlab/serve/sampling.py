@@ -60,9 +60,11 @@ class SamplingParams:
         return None if self.seed is None else torch.Generator(device=device).manual_seed(self.seed)
 
 
-def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
-    """logits (R, V), one row per request -> one token id per row. Greedy rows share one argmax."""
-    tokens = logits.argmax(dim=-1).tolist()                                  # (R,)
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+                greedy: torch.Tensor | None = None) -> list[int]:
+    """logits (R, V), one row per request -> one token id per row. Greedy rows share one argmax: `greedy` (R,) when
+    the caller has it already (the fused head's), else torch's."""
+    tokens = (logits.argmax(dim=-1) if greedy is None else greedy).tolist()  # (R,)
     for row, (p, generator) in enumerate(zip(params, generators)):
         if not p.greedy:
             tokens[row] = int(sample_next(logits[row:row + 1], p.config, generator)[0])
