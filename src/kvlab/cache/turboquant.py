@@ -82,6 +82,7 @@ The Sylvester Hadamard matrix and the codebooks' source are constants of d share
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -320,7 +321,7 @@ class HeadCodes:
     def __init__(self, heads: list[RotatedCodes]):
         self.heads = heads
         self.bits = tuple(codes.bits for codes in heads)
-        ends = torch.tensor([RotatedCodes.packed_bytes(c.dim, c.bits) for c in heads]).cumsum(0).tolist()
+        ends = list(itertools.accumulate(RotatedCodes.packed_bytes(c.dim, c.bits) for c in heads))
         self.spans = list(zip([0] + ends[:-1], ends))                             # each head's bytes in the row
         self.row_bytes = ends[-1]
 
