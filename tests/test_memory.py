@@ -149,7 +149,7 @@ def test_multi_row_product_dequantizes_one_tile_at_a_time(monkeypatch):
         return dequantize(block_type, data, cols)
 
     monkeypatch.setattr(blockquant, "dequantize_blocks", recording)
-    x = torch.randn(2, blockquant.GEMM_MAX_ROWS, 64)               # 96 rows: the multi-row path
+    x = torch.randn(2, blockquant.GEMM_MAX_ROWS, 64, generator=torch.Generator().manual_seed(5))  # 96 rows: multi-row
     with torch.inference_mode():
         y = layer(x)
         monkeypatch.setenv("KVLAB_NO_GEMM", "1")                    # the reference: the whole matrix, F.linear
@@ -164,14 +164,14 @@ def test_tiled_swiglu_equals_the_plain_feed_forward(monkeypatch):
     monkeypatch.setattr(tiled_ffn, "FFN_TILE", 128)
     gate_up = BlockQuantLinear(_random_blocks(2 * hidden, width, seed=1))
     down = BlockQuantLinear(_random_blocks(width, hidden, "Q8_0", seed=2))
-    x = torch.randn(1, 60, width)
+    x = torch.randn(1, 60, width, generator=torch.Generator().manual_seed(4))
     with torch.inference_mode():
         assert tiled_ffn.tiled_applies(gate_up, down, x)
         assert not tiled_ffn.tiled_applies(gate_up, down, x[:, :1])  # a decode step keeps the plain path
         y = tiled_ffn.tiled_swiglu(x, gate_up, down)
     gate, up = F.linear(x, gate_up.dequantized()).chunk(2, dim=-1)
     reference = F.linear(F.silu(gate) * up, down.dequantized())
-    torch.testing.assert_close(y, reference, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y, reference, rtol=1e-4, atol=1e-5 * float(reference.abs().max()))  # fp32 sums split
     torch.testing.assert_close(tiled_ffn.block_cols(down, 128, 256), down.dequantized()[:, 128:256])
 
 
