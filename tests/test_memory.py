@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from kvlab import heap
 from kvlab.cache.attention import chunked_attention, grouped_attention
 from kvlab.errors import ModelFileError
-from kvlab.model import blockquant, tiled_ffn
+from kvlab.model import blockquant
 from kvlab.model.blockquant import BlockMatrix, BlockQuantLinear
 from kvlab.model.loader import default_model_path
 from kvlab.sources.gguf import open_gguf, write_gguf
@@ -157,22 +157,6 @@ def test_multi_row_product_dequantizes_one_tile_at_a_time(monkeypatch):
     assert widest[:4] == [64, 64, 64, 8] and widest[-1] == 200
     torch.testing.assert_close(y, reference, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(y, F.linear(x, layer.dequantized(), layer.bias), rtol=1e-5, atol=1e-5)
-
-
-def test_tiled_swiglu_equals_the_plain_feed_forward(monkeypatch):
-    hidden, width = 320, 64                                          # 320 = tiles of 128, 128 and 64
-    monkeypatch.setattr(tiled_ffn, "FFN_TILE", 128)
-    gate_up = BlockQuantLinear(_random_blocks(2 * hidden, width, seed=1))
-    down = BlockQuantLinear(_random_blocks(width, hidden, "Q8_0", seed=2))
-    x = torch.randn(1, 60, width, generator=torch.Generator().manual_seed(4))
-    with torch.inference_mode():
-        assert tiled_ffn.tiled_applies(gate_up, down, x)
-        assert not tiled_ffn.tiled_applies(gate_up, down, x[:, :1])  # a decode step keeps the plain path
-        y = tiled_ffn.tiled_swiglu(x, gate_up, down)
-    gate, up = F.linear(x, gate_up.dequantized()).chunk(2, dim=-1)
-    reference = F.linear(F.silu(gate) * up, down.dequantized())
-    torch.testing.assert_close(y, reference, rtol=1e-4, atol=1e-5 * float(reference.abs().max()))  # fp32 sums split
-    torch.testing.assert_close(tiled_ffn.block_cols(down, 128, 256), down.dequantized()[:, 128:256])
 
 
 @pytest.mark.parametrize("T,S", [(300, 300), (130, 700), (1, 257)])

@@ -106,7 +106,7 @@ GEMM_MAX_ROWS = 48
 
 # Beyond GEMM_MAX_ROWS the matrix is dequantized and multiplied this many weight rows at a time, each product written
 # into its columns of the output: the fp32 copy alive at once is one tile (1.2 MB at 576 columns), not the whole matrix
-# (2.2 MB for SmolLM2's q|k|v, 7 MB for a gate|up that model/tiled_ffn.py does not take), the same size as a prompt
+# (2.2 MB for SmolLM2's q|k|v, 7 MB for the gate|up), the same size as a prompt
 # chunk's other transients, so the heap reuses their holes; within ~1-5 % of whole matrices' speed (GEMMs of 512 rows).
 DEQUANT_ROW_TILE = 512
 

@@ -14,7 +14,6 @@ import torch.nn.functional as F
 
 from ..cache.base import KVCache
 from .config import DecoderConfig
-from .tiled_ffn import tiled_applies, tiled_swiglu
 
 
 class RMSNorm(nn.Module):
@@ -109,8 +108,6 @@ class FeedForward(nn.Module):
         self.down = Linear(cfg.d_ff, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if tiled_applies(self.gate_up, self.down, x):  # a prompt chunk on native weights: a tile of F at a time
-            return tiled_swiglu(x, self.gate_up, self.down)                 # (B, T, C)
         gate, up = self.gate_up(x).chunk(2, dim=-1)                         # (B, T, F) views of (B, T, 2F)
         h = F.silu(gate).mul_(up)                                           # (B, T, F)
         del gate, up  # the (B, T, 2F) projection is freed before down runs (a long prompt's chunk: 6 MB)
