@@ -109,8 +109,12 @@ def test_model_logits_are_causal_and_the_widths_matter():
 
 @pytest.mark.parametrize("name", NAMES)
 def test_nbytes_are_the_formula_and_the_codes_cost_the_uniform_bytes_per_token(name):
+    check_recipe_bytes(name, *BASES[name])
+
+
+def check_recipe_bytes(name: str, base: str, bare: str) -> None:
+    """A recipe cache's bytes are its formula; per token it costs the uniform `base`; `bare` (no recipe) the same."""
     check_nbytes(name)
-    base, bare = BASES[name]
 
     def per_token(n: str) -> int:
         return expected_nbytes(n, replace(GEOMETRY, capacity=200), torch.bfloat16, 0) - expected_nbytes(n, GEOMETRY, torch.bfloat16, 0)

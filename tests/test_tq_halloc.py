@@ -26,9 +26,9 @@ from kvlab.errors import ConfigError
 from kvlab.eval import calibrate
 from kvlab.serve.formats import block_format
 
-from .compressed_checks import GEOMETRY, check_attend_is_exact_to_storage, check_attend_is_token_by_token, check_nbytes, feed
+from .compressed_checks import GEOMETRY, check_attend_is_exact_to_storage, check_attend_is_token_by_token, feed
 from .test_causal_caches import CHUNKS, SAME, chunked_logits, two_sequences
-from .test_tq_alloc import SMALL, loaded, small_model, windows_of  # noqa: F401  (loaded: a fixture)
+from .test_tq_alloc import SMALL, check_recipe_bytes, loaded, small_model, windows_of  # noqa: F401  (loaded: a fixture)
 
 # GEOMETRY: 3 layers × 2 KV heads = 6 units; each recipe sums to 6·(key bits + value bits)
 BASES = {  # recipe name: (the uniform cache, the name without a recipe)
@@ -112,14 +112,7 @@ def test_model_logits_are_causal_and_the_head_widths_matter():
 
 @pytest.mark.parametrize("name", NAMES)
 def test_nbytes_are_the_formula_and_the_codes_cost_the_uniform_bytes_per_token(name):
-    check_nbytes(name)
-    base, bare = BASES[name]
-
-    def per_token(n: str) -> int:
-        return expected_nbytes(n, replace(GEOMETRY, capacity=200), torch.bfloat16, 0) - expected_nbytes(n, GEOMETRY, torch.bfloat16, 0)
-
-    assert per_token(name) == per_token(base)
-    assert expected_nbytes(bare, GEOMETRY, torch.bfloat16, 0) == expected_nbytes(name, GEOMETRY, torch.bfloat16, 0)
+    check_recipe_bytes(name, *BASES[name])
 
 
 def test_the_recipe_is_held_one_byte_per_width_per_layer_and_head():
