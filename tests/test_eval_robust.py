@@ -180,3 +180,32 @@ def test_calibration_text_never_overlaps_the_evaluation_or_passkey_text(gguf_tok
     calibration = [w[0].tolist() for w in calibration_windows(gguf_tokenizer, protocol)]
     assert not shared_spans(evaluation, calibration)
     assert shared_spans(evaluation[:2], [evaluation[1][100:300]])           # the check does find a shared span
+
+
+# -- long runs: saved as they go, progress without a terminal ------------------------------------------
+
+def test_run_eval_checkpoints_each_stage_and_prints_plain_progress_without_a_terminal(gguf_tokenizer, monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    import kvlab.backends as backends
+    from kvlab.eval import run as eval_run
+
+    model = tiny_model(vocab_size=gguf_tokenizer.vocab_size, max_seq_len=256, head_dim=0)
+    loaded = SimpleNamespace(model=model, config=model.config, dtype=torch.float32, device="cpu", tokenizer=gguf_tokenizer)
+    monkeypatch.setattr(backends, "load_engine", lambda *a, **k: backends.KvlabEngine(loaded))
+    stderr = io.StringIO()
+    monkeypatch.setattr(eval_run.sys, "stderr", stderr)
+    settings = EvalSettings(("int8",), WindowProtocol(length=40, prefill=8, chunk=8, n_windows=2),
+                            PasskeyProtocol.covering((40,)), seeds=(0,))
+    saved = []
+    console = Console(file=io.StringIO(), force_terminal=False)                  # a log file, not a terminal
+    records = eval_run.run_eval(settings, console, checkpoint=lambda rs: saved.append([r.to_json() for r in rs]))
+    assert len(saved) == 1 + len(records) == 3                                 # perplexity, then each cache's passkey
+    assert [r["passkey_total"] for r in saved[0]] == [None, None]              # perplexity pass saved before passkeys
+    assert [r["passkey_total"] for r in saved[1]] == [settings.passkey.trials, None]
+    assert saved[-1] == [r.to_json() for r in records]
+    lines = stderr.getvalue().splitlines()
+    assert "perplexity (windows × cache runs): 4/4" in " ".join(lines)         # the completed tasks are always printed
+    assert any(line.startswith(f"passkey (trials × caches): {2 * settings.passkey.trials}/") for line in lines)

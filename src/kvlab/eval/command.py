@@ -28,7 +28,7 @@ def register(app: typer.Typer) -> None:
         backend: str = typer.Option("kvlab", "--backend", help="kvlab | transformers (any causal LM it loads from local files; adds hf:dynamic, hf:quanto-int4+r128, ... caches)."),
         threads: Optional[int] = typer.Option(None, "--threads", min=1, help="torch CPU threads."),
         json_out: bool = typer.Option(False, "--json", help="Print one JSON record per cache (a JSON list) instead of the table."),
-        out: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON records to this file."),
+        out: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON records to this file (rewritten as results arrive)."),
         plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG of quality against bits per value."),
         seeds: Optional[str] = typer.Option(None, "--seeds", help="Rotation seeds each TurboQuant cache runs with (default 0,1,2; --quick: 0)."),
     ):
@@ -41,10 +41,11 @@ def register(app: typer.Typer) -> None:
             check_writable(out, "--out")  # before the run: a typo must not cost the whole evaluation
         if plot:
             check_writable(plot, "--plot", PLOT_SUFFIXES)
-        records = run_eval(settings, console=None if json_out else console)
+        def save(records):  # rewritten as results arrive: an interrupted run keeps what it measured
+            write_json(out, [r.to_json() for r in records], indent=1)
+
+        records = run_eval(settings, console=None if json_out else console, checkpoint=save if out else None)
         payload = [r.to_json() for r in records]
-        if out:
-            write_json(out, payload, indent=1)
         if plot:
             from .plot import plot_quality
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import statistics
+import sys
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from rich.console import Console
@@ -72,7 +75,31 @@ def parse_seeds(text: str) -> tuple[int, ...]:
     return seeds
 
 
-def run_eval(settings: EvalSettings, console: Console | None = None) -> list[CacheQuality]:
+class PlainProgress:
+    """Progress as plain lines on stderr when it is not a terminal (a log file, CI, `nohup`): rich draws nothing there.
+
+    One line per task at most every `every_s` seconds, and one when the task completes.
+    """
+
+    def __init__(self, stream=None, every_s: float = 60.0):
+        self.stream = stream if stream is not None else sys.stderr
+        self.every_s = every_s
+        self.started = time.perf_counter()
+        self.last_line = -math.inf
+
+    def advance(self, description: str, done: int, total: int) -> None:
+        now = time.perf_counter()
+        if done < total and now - self.last_line < self.every_s:
+            return
+        self.last_line = now
+        elapsed = int(now - self.started)
+        print(f"{description}: {done}/{total} ({elapsed // 60}m{elapsed % 60:02d}s)", file=self.stream, flush=True)
+
+
+def run_eval(settings: EvalSettings, console: Console | None = None,
+             checkpoint: Callable[[list[CacheQuality]], None] | None = None) -> list[CacheQuality]:
+    """The evaluation; `checkpoint(records)` is called whenever the records gained results (after the
+    perplexity pass, after each cache's passkey trials), so a long run can be saved as it goes."""
     from ..backends import load_engine
 
     if settings.threads:
@@ -85,24 +112,48 @@ def run_eval(settings: EvalSettings, console: Console | None = None) -> list[Cac
     if settings.passkey:  # and on a passkey prompt the model cannot hold
         check_passkey_fits(loaded, settings.passkey)
     n_runs = 1 + sum(len(seed_variants(n, settings.seeds)) for n in settings.caches if n != engine.reference)
+    bar_console = console or Console(stderr=True)
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        console=console or Console(stderr=True), transient=console is None)
+                        console=bar_console, transient=console is None)
+    plain = None if bar_console.is_terminal else PlainProgress()
     started = time.perf_counter()
+
+    def advancer(description: str, total: int):
+        task = progress.add_task(description, total=total)
+        done = 0
+
+        def advance():
+            nonlocal done
+            done += 1
+            progress.advance(task)
+            if plain:
+                plain.advance(description, done, total)
+        return advance
+
     with progress:
-        task = progress.add_task("perplexity (windows × cache runs)", total=settings.protocol.n_windows * n_runs)
-        records = perplexity_suite(loaded, list(settings.caches), settings.protocol, lambda: progress.advance(task),
+        records = perplexity_suite(loaded, list(settings.caches), settings.protocol,
+                                   advancer("perplexity (windows × cache runs)", settings.protocol.n_windows * n_runs),
                                    token_windows, settings.seeds, engine)
+        finish_records(records, settings, started, checkpoint)
         if settings.passkey:
             p = settings.passkey
-            task = progress.add_task("passkey (trials × caches)", total=p.trials * len(records))
+            advance = advancer("passkey (trials × caches)", p.trials * len(records))
             for record in records:
-                trials = passkey_trials(loaded, record.cache, p, lambda: progress.advance(task),
+                trials = passkey_trials(loaded, record.cache, p, advance,
                                         seed_variants(record.cache, settings.seeds), engine)
                 record.passkey_found = sum(t["found"] for t in trials)
                 record.passkey_total = len(trials)
                 record.passkey_accuracy = record.passkey_found / len(trials)
                 record.extra["passkey_trials"] = trials
                 record.extra["decode_tokens_per_s"] = statistics.median(t["decode_tokens_per_s"] for t in trials)
+                finish_records(records, settings, started, checkpoint)
+    if console is not None:
+        console.print(quality_table(records))
+    return records
+
+
+def finish_records(records: list[CacheQuality], settings: EvalSettings, started: float, checkpoint=None) -> None:
+    """Stamp the run's protocol and time on every record, then hand them to `checkpoint` (if any)."""
     for record in records:
         record.extra["seconds_total"] = round(time.perf_counter() - started, 1)
         record.extra["protocol"] = (f"{settings.protocol.n_windows} windows × {settings.protocol.length} tokens, "
@@ -110,9 +161,8 @@ def run_eval(settings: EvalSettings, console: Console | None = None) -> list[Cac
                                     f"TurboQuant seeds {','.join(map(str, settings.seeds))}, "
                                     f"{100 * COVERAGE:.0f}% bootstrap interval over windows")
         record.extra["backend"] = settings.backend
-    if console is not None:
-        console.print(quality_table(records))
-    return records
+    if checkpoint:
+        checkpoint(records)
 
 
 def quality_table(records: list[CacheQuality]) -> Table:
