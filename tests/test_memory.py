@@ -140,7 +140,7 @@ def _random_blocks(rows: int, cols: int, block_type: str = "Q4_1", seed: int = 0
 
 def test_multi_row_product_dequantizes_one_tile_at_a_time(monkeypatch):
     layer = BlockQuantLinear(_random_blocks(200, 64), bias=torch.randn(200))
-    monkeypatch.setattr(blockquant, "DEQUANT_ROW_TILE", 64)        # 200 rows: tiles of 64, 64, 64 and 8
+    monkeypatch.setattr(blockquant, "DEQUANT_TILE_BYTES", 64 * 64 * 4)  # 200 rows of 64 columns: tiles of 64, 64, 64, 8
     widest = []
     dequantize = blockquant.dequantize_blocks
 
@@ -183,3 +183,36 @@ def test_last_only_logits_equal_the_last_row_of_all_logits():
         logits[last_only] = prefill(loaded.model, ids, cache, chunk_size=64, last_only=last_only)
     assert logits[True].shape == (1, 1, loaded.config.vocab_size)
     torch.testing.assert_close(logits[True][:, -1], logits[False][:, -1], rtol=1e-5, atol=1e-4)
+
+
+def test_dequantized_tiles_are_bounded_in_bytes_and_whole_steps_of_rows():
+    assert blockquant.dequant_tile_rows(576) == 512                         # SmolLM2's q|k|v, gate|up, o
+    assert blockquant.dequant_tile_rows(1536) == 192                        # its down projection: 1.2 MB, not 3 MB
+    assert blockquant.dequant_tile_rows(10 ** 6) == blockquant.DEQUANT_ROW_STEP   # never fewer rows than one step
+    for cols in (64, 576, 1536, 8192):
+        rows = blockquant.dequant_tile_rows(cols)
+        assert rows % blockquant.DEQUANT_ROW_STEP == 0
+        assert rows * cols * 4 <= blockquant.DEQUANT_TILE_BYTES or rows == blockquant.DEQUANT_ROW_STEP
+
+
+def test_a_dense_run_never_imports_the_compressed_formats():
+    """The compressed caches' modules load on first use (cache/__init__.py): a dense model run does not page them in."""
+    script = """
+import sys, torch
+from kvlab.cache import CacheGeometry, make_cache
+from kvlab.generate import generate
+from kvlab.model.fused import fused_decode_step
+from tests.conftest import tiny_model
+model = tiny_model(head_dim=0)
+cache = make_cache("dense", CacheGeometry.for_model(model.config, 1, 16))
+generate(model, torch.tensor([[1, 2, 3]]), cache, 4)
+fused_decode_step(model)
+print(sorted(m for m in sys.modules if m in ("kvlab.cache.quantized", "kvlab.cache.turboquant", "kvlab.cache.compressed")))
+import kvlab.cache
+assert kvlab.cache.TurboQuantCache.__name__ == "TurboQuantCache"   # still importable from the package, on demand
+"""
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(root / "src") + os.pathsep + str(root)})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "[]"

@@ -52,10 +52,6 @@ from dataclasses import replace
 import torch
 
 from ..errors import ConfigError
-from .allocation import parse_recipe
-from .compressed import FullPrecision
-from .quantized import QuantizedCache, QuantizedConfig
-from .turboquant import TurboQuantCache, TurboQuantConfig
 
 EXAMPLES = ["int8", "int4", "int4+g64", "int4+recent128", "tq4", "tq-k5v3", "tq3.5", "tq3", "tq2.5", "tq2", "tq-k4v3",
             "tq4+qjl", "tq3+recent64", "tq3+fp-first-last"]
@@ -75,6 +71,10 @@ def is_compressed_name(name: str) -> bool:
 
 def parse(name: str) -> tuple[type, object]:
     """'tq3+recent64' -> (TurboQuantCache, TurboQuantConfig(...)); ConfigError for anything else."""
+    from .allocation import parse_recipe                  # the formats load here, on the first compressed name
+    from .quantized import QuantizedCache, QuantizedConfig
+    from .turboquant import TurboQuantCache, TurboQuantConfig
+
     key = name.strip().lower()
     head, *options = key.split("+")
     for pattern, kind in _BASES:
@@ -135,6 +135,8 @@ def parse(name: str) -> tuple[type, object]:
 
 def _full_precision(name: str, options: list[str]) -> tuple[FullPrecision, list[str]]:
     """Take the +recentN / +sinkN / +fp-first-last / +fp-layers options out of `options`."""
+    from .compressed import FullPrecision
+
     recent, sink, first_last, listed, rest = 0, 0, False, (), []
     for option in options:
         if m := re.fullmatch(r"recent(\d+)", option):

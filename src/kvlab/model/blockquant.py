@@ -104,11 +104,19 @@ def _dequantize_torch(block_type: str, data: torch.Tensor, cols: int) -> torch.T
 GEMM_MAX_ROWS = 48
 
 
-# Beyond GEMM_MAX_ROWS the matrix is dequantized and multiplied this many weight rows at a time, each product written
-# into its columns of the output: the fp32 copy alive at once is one tile (1.2 MB at 576 columns), not the whole matrix
-# (2.2 MB for SmolLM2's q|k|v, 7 MB for the gate|up), the same size as a prompt
-# chunk's other transients, so the heap reuses their holes; within ~1-5 % of whole matrices' speed (GEMMs of 512 rows).
-DEQUANT_ROW_TILE = 512
+# Beyond GEMM_MAX_ROWS the matrix is dequantized and multiplied a tile of weight rows at a time, each product written
+# into its columns of the output: the fp32 copy alive at once is one tile of at most DEQUANT_TILE_BYTES (512 rows at
+# SmolLM2's 576 columns, 192 rows of its 1,536-wide down projection), not the whole matrix (2.2 MB for the q|k|v,
+# 7 MB for the gate|up), the size of a prompt chunk's other transients, so the heap reuses their holes; within
+# ~1-5 % of whole matrices' speed (GEMMs of 512 rows). Tiles are whole multiples of DEQUANT_ROW_STEP rows.
+DEQUANT_TILE_BYTES = 512 * 576 * 4
+DEQUANT_ROW_STEP = 64
+
+
+def dequant_tile_rows(in_features: int) -> int:
+    """Weight rows per dequantized tile for a matrix of `in_features` columns (at least DEQUANT_ROW_STEP)."""
+    fitting = DEQUANT_TILE_BYTES // (4 * max(1, in_features))
+    return max(DEQUANT_ROW_STEP, fitting // DEQUANT_ROW_STEP * DEQUANT_ROW_STEP)
 
 
 # With int8 activations (opt-in), calls of this many rows or more take the int8 kernel: it computes 16 rows at once,
@@ -160,11 +168,13 @@ class BlockQuantLinear(nn.Module):
         return self._finish(y, x)
 
     def _tiled_product(self, x: torch.Tensor) -> torch.Tensor:
-        """x (rows, in) fp32 -> x Wᵀ (rows, out): W dequantized DEQUANT_ROW_TILE rows at a time, each tile's product
-        written in place into its columns of the output (the same dot products as F.linear on the whole matrix)."""
+        """x (rows, in) fp32 -> x Wᵀ (rows, out): W dequantized a tile of rows at a time (dequant_tile_rows), each
+        tile's product written in place into its columns of the output (the same dot products as F.linear on the whole
+        matrix)."""
         y = x.new_empty(x.shape[0], self.out_features)                                # (rows, out)
-        for start in range(0, self.out_features, DEQUANT_ROW_TILE):
-            tile = dequantize_blocks(self.block_type, self.blocks[start:start + DEQUANT_ROW_TILE], self.in_features)  # (n, in)
+        step = dequant_tile_rows(self.in_features)
+        for start in range(0, self.out_features, step):
+            tile = dequantize_blocks(self.block_type, self.blocks[start:start + step], self.in_features)  # (n, in)
             torch.mm(x, tile.t(), out=y[:, start:start + tile.shape[0]])              # (rows, n) columns of y
             del tile                                                                  # before the next one exists
         return y

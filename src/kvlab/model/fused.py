@@ -22,7 +22,6 @@ import torch
 import torch.nn as nn
 
 from ..cache.dense import DenseCache
-from ..cache.quantized import QuantizedCache
 from ..errors import ConfigError, NonFiniteError
 from .blockquant import BlockQuantLinear
 from ..kernels import BLOCK_TYPES, block_kernel, check_buffer
@@ -163,6 +162,8 @@ class FusedDecodeStep:
             raise ConfigError(f"fused decode step refused position {pos} of a cache of {cache.geometry.capacity} tokens")
         n_layers = cfg.n_layers
         if status > 0:  # layers before the bad one were written, as in the module path
+            from ..cache.quantized import QuantizedCache   # only a compressed cache's error needs the format
+
             bad = (status - 1) % n_layers
             fused_codes.record_written(cache, range(bad), where)
             if status > n_layers and isinstance(cache, QuantizedCache):

@@ -13,6 +13,9 @@ Served: every width (3/5-bit, fractional, mixed K/V), +sinkN, +recentN, +fp-firs
 step), +center=…, +kweights=none, +rot=haar, every scale mode, f16/bf16 norms. Not served (the modules run them):
 +qjl, +prerope, +outliersN, +alloc and +halloc (widths per layer / head), a sliding-window model, batches, other dtypes and devices, and a step that would calibrate a
 layer (its first coded token) or find a layer's first chunk still waiting for its queries.
+
+The compressed formats' modules are imported where a compressed cache is met, never for a dense cache: a dense
+run does not load them (cache/__init__.py).
 """
 
 from __future__ import annotations
@@ -22,10 +25,7 @@ from ctypes import c_float, c_int32, c_int64, c_void_p
 
 import torch
 
-from ..cache.compressed import CompressedCache
 from ..cache.dense import DenseCache
-from ..cache.quantized import QuantizedCache
-from ..cache.turboquant import TurboQuantCache, key_weight
 from ..kernels import check_buffer
 from . import fused_int
 from .fused_int import Quantized
@@ -68,6 +68,8 @@ class CacheView:
             for layer in range(L):
                 self.layers[layer] = self._dense(cache, layer)
             return
+        from ..cache.quantized import QuantizedCache
+
         self.coded, self.quant = {}, {}
         for layer in range(L):
             if layer in cache.fp_layers:
@@ -99,7 +101,7 @@ class CacheView:
         return LayerKV(KV_TYPES[cache.storage], g.capacity, self._ptr(k, shape, f"layer {layer} keys", cache.storage),
                        self._ptr(v, shape, f"layer {layer} values", cache.storage))
 
-    def _coded_layer(self, cache: TurboQuantCache | QuantizedCache, layer: int, hd: int) -> LayerKV:
+    def _coded_layer(self, cache, layer: int, hd: int) -> LayerKV:
         """A TurboQuant or integer layer: its sink (fp32 rows), codes and recent window (fp32 rows)."""
         H = cache.geometry.n_kv_heads
         at = f"layer {layer}"
@@ -115,7 +117,7 @@ class CacheView:
             ctypes.pointer(self.quant[layer]) if layer in self.quant else None,
         )
 
-    def _coded(self, cache: TurboQuantCache, layer: int, hd: int) -> Coded:
+    def _coded(self, cache, layer: int, hd: int) -> Coded:
         H, S = cache.geometry.n_kv_heads, cache.slots
         at = f"layer {layer}"
         c = Coded()
@@ -138,14 +140,22 @@ class CacheView:
         c.rotation = self._ptr(rotation, (hd, hd), f"{at} rotation", torch.float32, own=True)
         if cache.k_weight_codes:
             c.weight_codes = self._ptr(cache.k_weight_codes[layer][0], (H, hd // 2), f"{at} key weights", torch.uint8)
-        c.fp8_values = self._ptr(FP8_VALUES, (256,), "float8 values", torch.float32, own=True)
-        c.weight_values = self._ptr(WEIGHT_VALUES, (16,), "key weight values", torch.float32, own=True)
+        c.fp8_values = self._ptr(fp8_values(), (256,), "float8 values", torch.float32, own=True)
+        c.weight_values = self._ptr(weight_values(), (16,), "key weight values", torch.float32, own=True)
         return c
 
 
-#: the value of each float8 e4m3 byte, and of each 4-bit key weight code (as TurboQuantCache._key_weights computes it)
-FP8_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()                  # (256,)
-WEIGHT_VALUES = key_weight(torch.arange(16))                                                        # (16,)
+def fp8_values() -> torch.Tensor:
+    """The value of each float8 e4m3 byte, (256,) float32 (made per view: the first float8 conversion touches
+    ~3 MiB of torch's code, which a dense run need not page in)."""
+    return torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+
+
+def weight_values() -> torch.Tensor:
+    """The value of each 4-bit key weight code, (16,) float32, as TurboQuantCache._key_weights computes it."""
+    from ..cache.turboquant import key_weight
+
+    return key_weight(torch.arange(16))
 
 
 def buffer_layouts(cache) -> tuple[tuple, ...]:
@@ -153,6 +163,8 @@ def buffer_layouts(cache) -> tuple[tuple, ...]:
     buffers checked again, if one was replaced or reshaped)."""
     if isinstance(cache, DenseCache):
         return _layout(cache.k), _layout(cache.v)
+    from ..cache.quantized import QuantizedCache
+
     held = [cache._dense[l].k for l in sorted(cache._dense)] + [cache._dense[l].v for l in sorted(cache._dense)]
     coded = fused_int.BUFFERS if isinstance(cache, QuantizedCache) else (
         "k_codes", "v_codes", "k_norm", "v_norm", "k_offset", "v_offset", "k_weight_codes")
@@ -167,6 +179,9 @@ def _layout(t: torch.Tensor) -> tuple:
 
 def serves_codes(cache, cfg) -> bool:
     """Whether the fused step reads this TurboQuant cache (see the module docstring) or integer cache (fused_int) in C."""
+    from ..cache.quantized import QuantizedCache
+    from ..cache.turboquant import TurboQuantCache
+
     if isinstance(cache, QuantizedCache):
         return fused_int.serves_int(cache, cfg)
     g = cache.geometry
@@ -183,6 +198,11 @@ def fill(cache) -> Fill | None:
     """Where the next token goes in every compressed layer (they are level), or None when only the modules can
     take it: a TurboQuant layer's first chunk still waits for its queries, or the token would be a TurboQuant layer's
     first coded one (its calibration)."""
+    if isinstance(cache, DenseCache):
+        return Fill(cache.length, 0, 0, WRITE_FIRST)
+    from ..cache.compressed import CompressedCache
+    from ..cache.turboquant import TurboQuantCache
+
     if not isinstance(cache, CompressedCache):
         return Fill(cache.length, 0, 0, WRITE_FIRST)
     layers = cache.compressed_layers
@@ -211,6 +231,8 @@ def record_written(cache, written: range, where: Fill) -> None:
     if isinstance(cache, DenseCache):
         cache.record_written(written, 1)
         return
+    from ..cache.quantized import QuantizedCache
+
     for layer in written:
         cache._lengths[layer] += 1
         if layer in cache.fp_layers:

@@ -23,7 +23,6 @@ from ctypes import c_float, c_int32, c_int64, c_void_p
 import torch
 
 from ..cache.packing import packed_nbytes
-from ..cache.quantized import QuantizedCache, _check_range
 from ..errors import NonFiniteError
 
 #: the buffers of a QuantizedCache the step reads and writes, per compressed layer
@@ -39,6 +38,8 @@ class Quantized(ctypes.Structure):
 
 def serves_int(cache, cfg) -> bool:
     """Whether the fused step reads this integer cache in C (see the module docstring)."""
+    from ..cache.quantized import QuantizedCache   # here, not at import: a dense run never loads the format
+
     g = cache.geometry
     return (
         type(cache) is QuantizedCache and cache.dtype == torch.float32 and cache.device.type == "cpu"
@@ -47,7 +48,7 @@ def serves_int(cache, cfg) -> bool:
     )
 
 
-def quantized(cache: QuantizedCache, layer: int, hd: int, ptr) -> Quantized:
+def quantized(cache, layer: int, hd: int, ptr) -> Quantized:
     """Layer `layer`'s codes as the C struct; ptr(tensor, shape, what, dtype): a checked address (CacheView._ptr)."""
     H, S, G, b = cache.geometry.n_kv_heads, cache.slots, cache.config.group_size, cache.config.bits
     Gv, row = cache.value_group, packed_nbytes(hd, b)
@@ -65,6 +66,8 @@ def quantized(cache: QuantizedCache, layer: int, hd: int, ptr) -> Quantized:
 
 def raise_range_error(q: Quantized) -> None:
     """The module path's one-line error for the K/V the C step found beyond float16's range (_check_range)."""
+    from ..cache.quantized import _check_range
+
     what = "key" if q.overflow_what == 0 else "value"
     _check_range(torch.tensor([q.overflow]), what)
     raise NonFiniteError(f"{what} of the integer cache refused by the fused decode step")   # not reached
