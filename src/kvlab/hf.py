@@ -90,6 +90,12 @@ class CacheFormat:
             raise ConfigError("cache 'none' keeps nothing between forward passes; a transformers cache must (use dense, int8, tq4, ...)")
         if is_compressed_name(key):
             cache_cls, config = parse_compressed(key)
+            if getattr(config, "pre_rope", False):
+                raise ConfigError(f"cache {name!r}: +prerope codes keys before RoPE, but transformers hands a cache keys "
+                                  "after RoPE; use it in kvlab's own engine, or drop +prerope")
+            if getattr(config, "alloc", 0) and not config.key_alloc:
+                raise ConfigError(f"cache {name!r} has no recipe: kvlab's engine calibrates +alloc/+halloc for its model; "
+                                  "in transformers spell the recipe out (+alloc=k<digits>v<digits>, as `kvlab eval` prints it)")
             return cls(key, cache_cls, config)
         raise ConfigError(f"unknown cache {name!r}; choose one of: {', '.join(n for n in cache_names() if n != 'none')}")
 
