@@ -159,21 +159,26 @@ def test_every_isa_variant_codes_and_attends_like_torch(variant, geometry, varia
         assert_fused_equals_modules(model, name, 262, 3, variants[variant], torch_reference=True, exact_logits=1e-5)
 
 
-def test_fused_step_is_the_same_for_any_thread_count(native):
-    """Threads share (KV head, key chunk) items; the chunks' sums are combined in a fixed order: 1 and 2 threads
-    give bit-identical logits over three chunks of codes."""
+def assert_same_logits_for_any_thread_count(native, cache_name: str) -> None:
+    """Ten fused steps after a 550-token prefill (three key chunks of codes) give bit-identical logits at 1 and 2
+    threads."""
     model = model_for("GQA-128", max_seq_len=600)
     step = FusedDecodeStep(model, native._lib)
     tokens = torch.randint(0, 97, (1, 560), generator=torch.Generator().manual_seed(3))
     runs = []
     for threads in (1, 2):
-        cache = make_cache("tq3.5+recent8", CacheGeometry.for_model(model.config, capacity=560))
+        cache = make_cache(cache_name, CacheGeometry.for_model(model.config, capacity=560))
         model.fused = None
         with torch.no_grad():
             model(tokens[:, :550], cache)
             torch.set_num_threads(threads)
             runs.append(torch.cat([step(tokens[:, t:t + 1], cache) for t in range(550, 560)], dim=1))
     assert torch.equal(runs[0], runs[1])
+
+
+def test_fused_step_is_the_same_for_any_thread_count(native):
+    """Threads share (KV head, key chunk) items; the chunks' sums are combined in a fixed order."""
+    assert_same_logits_for_any_thread_count(native, "tq3.5+recent8")
 
 
 def test_smollm2_greedy_text_is_the_modules(smollm2):

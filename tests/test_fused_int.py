@@ -145,18 +145,7 @@ def test_every_isa_variant_stores_and_attends_like_torch(variant, geometry, vari
 
 def test_fused_step_is_the_same_for_any_thread_count(native):
     """1 and 2 threads give bit-identical logits over three key chunks of codes."""
-    model = model_for("GQA-128", max_seq_len=600)
-    step = FusedDecodeStep(model, native._lib)
-    tokens = torch.randint(0, 97, (1, 560), generator=torch.Generator().manual_seed(3))
-    runs = []
-    for threads in (1, 2):
-        cache = make_cache("int4+g16+recent8", CacheGeometry.for_model(model.config, capacity=560))
-        model.fused = None
-        with torch.no_grad():
-            model(tokens[:, :550], cache)
-            torch.set_num_threads(threads)
-            runs.append(torch.cat([step(tokens[:, t:t + 1], cache) for t in range(550, 560)], dim=1))
-    assert torch.equal(runs[0], runs[1])
+    codes_checks.assert_same_logits_for_any_thread_count(native, "int4+g16+recent8")
 
 
 @pytest.mark.parametrize("name", ["int8", "int4"])
