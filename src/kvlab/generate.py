@@ -18,7 +18,7 @@ GREEDY_BELOW = 1e-5  # temperatures this small would overflow the logits; they m
 # a long prompt is prefilled in chunks of this many tokens unless told otherwise: the activations (and the
 # attention's (T, S) mask) of one chunk, not of the whole prompt, are alive at once; the result is the same.
 # 256, not 512: a 4,000-token prompt's peak RSS falls ~10 MiB (its chunk's feed-forward transients and the heap
-# holes they leave halve) for ~5% more prefill CPU (each chunk dequantizes the weights once); 128 saves ~2 more.
+# holes they leave halve) for ~4% more prefill CPU (each chunk dequantizes the weights once); 128 saves ~2 more.
 PREFILL_CHUNK = 256
 
 

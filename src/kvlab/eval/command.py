@@ -45,10 +45,9 @@ def register(app: typer.Typer) -> None:
             write_json(out, [r.to_json() for r in records], indent=1)
 
         records = run_eval(settings, console=None if json_out else console, checkpoint=save if out else None)
-        payload = [r.to_json() for r in records]
         if plot:
             from .plot import plot_quality
 
             plot_quality(records, plot)
         if json_out:
-            print(json.dumps(payload))
+            print(json.dumps([r.to_json() for r in records]))

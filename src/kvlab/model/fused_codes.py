@@ -198,16 +198,11 @@ def fill(cache) -> Fill | None:
     """Where the next token goes in every compressed layer (they are level), or None when only the modules can
     take it: a TurboQuant layer's first chunk still waits for its queries, or the token would be a TurboQuant layer's
     first coded one (its calibration)."""
-    if isinstance(cache, DenseCache):
-        return Fill(cache.length, 0, 0, WRITE_FIRST)
-    from ..cache.compressed import CompressedCache
-    from ..cache.turboquant import TurboQuantCache
-
-    if not isinstance(cache, CompressedCache):
-        return Fill(cache.length, 0, 0, WRITE_FIRST)
-    layers = cache.compressed_layers
+    layers = getattr(cache, "compressed_layers", ())   # only a CompressedCache has them; a dense cache writes first
     if not layers:
         return Fill(cache.length, 0, 0, WRITE_FIRST)
+    from ..cache.turboquant import TurboQuantCache   # here: a dense run never loads the format
+
     turbo = isinstance(cache, TurboQuantCache)
     if turbo and cache._pending:
         return None
