@@ -26,7 +26,8 @@ from kvlab.errors import ConfigError
 from kvlab.eval import calibrate
 from kvlab.serve.formats import block_format
 
-from .compressed_checks import GEOMETRY, check_attend_is_exact_to_storage, check_attend_is_token_by_token, feed
+from .compressed_checks import (GEOMETRY, check_attend_is_exact_to_storage, check_attend_is_token_by_token, check_nbytes,
+                                feed)
 from .test_causal_caches import CHUNKS, SAME, chunked_logits, two_sequences
 from .test_tq_alloc import SMALL, check_recipe_bytes, loaded, small_model, windows_of  # noqa: F401  (loaded: a fixture)
 
@@ -38,6 +39,10 @@ BASES = {  # recipe name: (the uniform cache, the name without a recipe)
     "tq4+halloc2=k264444v444444": ("tq4", "tq4+halloc2"),
 }
 NAMES = list(BASES)
+# a fractional base spends the budget rounded down, floor(6·(key bits + value bits)) bits per token, around the
+# nearest whole widths: recipe name -> (those bits, the name without a recipe)
+FRACTIONAL = {"tq-k3v2.95+halloc=k333333v333332+sink1": (35, "tq-k3v2.95+halloc+sink1"),
+              "tq-k4v3.5+halloc=k454443v343434": (45, "tq-k4v3.5+halloc")}
 
 
 def unit_widths(config, layer: int, head: int) -> tuple[int, int]:
@@ -115,6 +120,22 @@ def test_nbytes_are_the_formula_and_the_codes_cost_the_uniform_bytes_per_token(n
     check_recipe_bytes(name, *BASES[name])
 
 
+@pytest.mark.parametrize("name", FRACTIONAL)
+def test_a_fractional_base_spends_the_rounded_down_budget_and_reads_what_it_stores(name):
+    """Its codes cost the budget's bits·d/8 bytes per token (+ the two 16-bit norms of every head), its bytes are
+    the formula's with or without the recipe spelled, and attention reads exactly what each head stores."""
+    check_nbytes(name)
+    bits, bare = FRACTIONAL[name]
+
+    def per_token(n: str) -> int:
+        return expected_nbytes(n, replace(GEOMETRY, capacity=200), torch.bfloat16, 0) - expected_nbytes(n, GEOMETRY, torch.bfloat16, 0)
+
+    units = GEOMETRY.n_layers * GEOMETRY.n_kv_heads
+    assert per_token(name) == 104 * (bits * GEOMETRY.head_dim // 8 + units * 2 * 2)
+    assert expected_nbytes(bare, GEOMETRY, torch.bfloat16, 0) == expected_nbytes(name, GEOMETRY, torch.bfloat16, 0)
+    check_attend_is_exact_to_storage(name)
+
+
 def test_the_recipe_is_held_one_byte_per_width_per_layer_and_head():
     cache = make_cache("tq4+halloc=k354453v444444", GEOMETRY)
     per_layer = make_cache("tq4+alloc=k444v444", GEOMETRY)
@@ -142,7 +163,8 @@ def test_smollm2_halloc_caches_stay_within_the_issue_budgets():
 
 # -- names and bad recipes -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", NAMES + ["tq4+halloc", "tq4+halloc2", "tq4+prerope+halloc+sink1+seed2"])
+@pytest.mark.parametrize("name", NAMES + ["tq4+halloc", "tq4+halloc2", "tq4+prerope+halloc+sink1+seed2",
+                                          "tq-k3v2.95+prerope+sink1+halloc", *FRACTIONAL])
 def test_names_round_trip(name):
     _, config = parse(name)
     assert parse(config.name)[1] == config
@@ -157,7 +179,9 @@ def test_names_round_trip(name):
     ("tq4+halloc=k264444v444444", "outside 3..5"),
     ("tq4+halloc", "no recipe yet"),
     ("tq4+halloc3", "+halloc spreads the widths by 1 or 2"),
-    ("tq3.5+halloc", "+halloc takes whole base widths"),
+    ("tq4+qjl+halloc", "without +qjl"),
+    ("tq-k3v2.95+halloc=k333333v333333", "not the rounded-down 35"),
+    ("tq-k3v2.95+halloc=k333333v333311", "outside 2..4"),
     ("tq4+fp-first-last+halloc", "every layer"),
     ("tq4+alloc+halloc", "two bit allocations"),
 ])
@@ -187,6 +211,22 @@ def test_the_allocator_meets_the_budget_exactly_over_layer_head_units():
         best = min(sum(h[w] for h, w in zip(key_harm + value_harm, choice))
                    for choice in itertools.product(*[held_widths(4)] * units, *[held_widths(3)] * units)
                    if sum(choice) == units * 7)
+        assert got == pytest.approx(best, rel=1e-12), trial
+
+
+def test_the_allocator_meets_a_fractional_budget_exactly():
+    """tq-k4v2.6 over 5 units: widths around 4 and 3, summing to floor(5·6.6) = 33 bits, the least harm of all."""
+    rng = random.Random(2)
+    for trial in range(10):
+        units = 5
+        key_harm = [{w: rng.random() * 4.0 ** (4 - w) for w in held_widths(4)} for _ in range(units)]
+        value_harm = [{w: rng.random() * 4.0 ** (3 - w) for w in held_widths(3)} for _ in range(units)]
+        keys, values = allocate(key_harm, value_harm, 4, 2.6)
+        assert sum(keys) + sum(values) == 33
+        got = sum(h[w] for h, w in zip(key_harm + value_harm, keys + values))
+        best = min(sum(h[w] for h, w in zip(key_harm + value_harm, choice))
+                   for choice in itertools.product(*[held_widths(4)] * units, *[held_widths(3)] * units)
+                   if sum(choice) == 33)
         assert got == pytest.approx(best, rel=1e-12), trial
 
 

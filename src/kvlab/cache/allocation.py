@@ -12,6 +12,12 @@ keys and one for values) and the codebooks of every width a recipe may use (b-N 
 recipe uses, so the bytes do not depend on it (one codebook per width for keys and values, centroids and
 boundaries only: the torch path then unpacks codes instead of looking up whole bytes, the same values).
 
+A fractional base (`tq-k3v2.95+halloc`) spends fewer bits: the widths sum to the budget rounded down,
+floor(units·(key bits + value bits)), around the nearest whole widths (3 and 3 here, each within N bits), so a
+recipe can pay for something else at the same bytes (the +sink1 of `tq-k3v2.95+prerope+sink1+halloc` costs 5
+unit-bits of tq3's 540 per SmolLM2 token). The codes then cost budget·d/8 bytes per token (every unit's d codes
+at its width), which is the uniform cache's bytes for whole bases.
+
 A recipe is spelled in the cache name, one digit per layer, layer 0 first:
     tq4+alloc=k4453…v3444…      (n_layers digits after k, n_layers after v)
 `tq4+alloc` alone names the recipe calibrated for the model the cache is made for (eval/calibrate.py
@@ -42,6 +48,17 @@ _RECIPE = re.compile(r"k([1-8]+)v([1-8]+)")
 UNITS = {"+alloc": "layer", "+halloc": "layer and KV head"}
 
 
+def centre(bits: float) -> int:
+    """The whole width a recipe's widths spread around: the base itself, or the nearest one to a fractional base."""
+    return int(bits + 0.5)
+
+
+def budget(n_units: int, key_bits: float, value_bits: float) -> int:
+    """Bits per token a recipe spends over its units (each unit's key width + value width): the uniform total,
+    rounded down for a fractional base."""
+    return int(n_units * (key_bits + value_bits) + 1e-9)
+
+
 def held_widths(base: int, spread: int = 1) -> tuple[int, ...]:
     """The widths a recipe around `base` may use (their codebooks are held): base-spread .. base+spread within 1..8."""
     return tuple(b for b in range(base - spread, base + spread + 1) if 1 <= b <= 8)
@@ -60,21 +77,22 @@ def format_recipe(keys: tuple[int, ...], values: tuple[int, ...]) -> str:
     return "k" + "".join(map(str, keys)) + "v" + "".join(map(str, values))
 
 
-def check_recipe(keys: tuple[int, ...], values: tuple[int, ...], key_bits: int, value_bits: int, spread: int = 1,
+def check_recipe(keys: tuple[int, ...], values: tuple[int, ...], key_bits: float, value_bits: float, spread: int = 1,
                  option: str = "+alloc") -> None:
-    """Widths within the spread of their base and summing to the uniform budget (one-line ConfigError)."""
+    """Widths within the spread of their base's centre and summing to the budget (one-line ConfigError)."""
     if len(keys) != len(values) or not keys:
         raise ConfigError(f"{option} recipe needs one key and one value width per {UNITS[option]}, got {len(keys)} "
                           f"and {len(values)}")
     for what, widths, base in (("key", keys, key_bits), ("value", values, value_bits)):
-        allowed = held_widths(base, spread)
+        allowed = held_widths(centre(base), spread)
         bad = [w for w in widths if w not in allowed]
         if bad:
-            raise ConfigError(f"{option} {what} width {bad[0]} is outside {allowed[0]}..{allowed[-1]} (base {base} bits)")
-    budget = len(keys) * (key_bits + value_bits)
-    if sum(keys) + sum(values) != budget:
+            raise ConfigError(f"{option} {what} width {bad[0]} is outside {allowed[0]}..{allowed[-1]} (base {base:g} bits)")
+    total = budget(len(keys), key_bits, value_bits)
+    if sum(keys) + sum(values) != total:
+        kind = "uniform" if total == len(keys) * (key_bits + value_bits) else "rounded-down"
         raise ConfigError(f"{option} recipe spends {sum(keys) + sum(values)} bits per token over its {len(keys)} "
-                          f"units ({UNITS[option]}), not the uniform {budget}")
+                          f"units ({UNITS[option]}), not the {kind} {total}")
 
 
 def check_geometry(keys: tuple[int, ...], n_units: int, head_dim: int, option: str = "+alloc") -> None:
@@ -85,17 +103,19 @@ def check_geometry(keys: tuple[int, ...], n_units: int, head_dim: int, option: s
         raise ConfigError(f"{option} needs a head dim that is a multiple of 8 (codes of whole bytes), got {head_dim}")
 
 
-def allocate(key_harm: list[dict[int, float]], value_harm: list[dict[int, float]], key_bits: int,
-             value_bits: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The widths of least total harm at the uniform budget.
+def allocate(key_harm: list[dict[int, float]], value_harm: list[dict[int, float]], key_bits: float,
+             value_bits: float) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The widths of least total harm at the budget (the uniform total, rounded down for a fractional base).
 
     key_harm[u][w]: the measured harm of coding unit u's keys at w bits (a unit is a layer, or a layer and KV
-    head; the widths it may take: the keys of key_harm[u], which hold key_bits); value_harm likewise. Harms are
-    taken as additive over units. Ties keep the base width, then the narrower one: the result is a function of
-    the harms alone.
+    head; the widths it may take: the keys of key_harm[u], which hold centre(key_bits)); value_harm likewise.
+    Harms are taken as additive over units. Ties keep the centre width, then the narrower one: the result is a
+    function of the harms alone.
     """
-    units = [(harm, key_bits) for harm in key_harm] + [(harm, value_bits) for harm in value_harm]
-    # best[s]: (total harm, widths off their base, widths so far) over the units seen, the widths summing to base + s
+    key_centre, value_centre = centre(key_bits), centre(value_bits)
+    units = [(harm, key_centre) for harm in key_harm] + [(harm, value_centre) for harm in value_harm]
+    target = budget(len(key_harm), key_bits, value_bits) - len(key_harm) * (key_centre + value_centre)
+    # best[s]: (total harm, widths off their centre, widths so far) over the units seen, the widths summing to centres + s
     best: dict[int, tuple[float, int, tuple[int, ...]]] = {0: (0.0, 0, ())}
     for harm, base in units:
         options = sorted(harm, key=lambda w: (w != base, w))                      # base first, then narrower
@@ -108,6 +128,9 @@ def allocate(key_harm: list[dict[int, float]], value_harm: list[dict[int, float]
                 if key not in step or candidate[:2] < step[key][:2]:
                     step[key] = candidate
         best = step
-    widths = best[0][2]
+    if target not in best:
+        raise ConfigError(f"no widths within the measured ones spend the budget of {key_bits:g}+{value_bits:g} bits "
+                          f"over {len(key_harm)} units")
+    widths = best[target][2]
     n = len(key_harm)
     return widths[:n], widths[n:]

@@ -27,7 +27,9 @@
                                         is made for
              | "alloc" [N] "=k" D+ "v" D+   (tq) that recipe spelled out, one digit per layer (allocation.py)
              | "halloc" [N]             (tq) a key and a value width per layer and KV head at the uniform
-                                        total, calibrated for the model (one uint8 each, counted)
+                                        total, calibrated for the model (one uint8 each, counted); with a
+                                        fractional base (tq-k3v2.95) the widths spread around the nearest
+                                        whole ones and sum to the total rounded down (so does +alloc)
              | "halloc" [N] "=k" D+ "v" D+  (tq) that recipe spelled out, n_layers·n_kv_heads digits each,
                                         layer 0's heads first
              | "outliers" N             (tq) dense-and-sparse keys: the N (1..head dim) largest-magnitude

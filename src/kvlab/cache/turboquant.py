@@ -91,7 +91,7 @@ import torch.nn.functional as F
 
 from ..errors import ConfigError, NonFiniteError
 from ..kernels.codebook import CodeLayout, codebook_kernel_for
-from .allocation import SPREADS, check_geometry, check_recipe, format_recipe, held_widths
+from .allocation import SPREADS, budget, centre, check_geometry, check_recipe, format_recipe, held_widths
 from .base import CacheGeometry, copy_prefix, tensors_nbytes
 from .codebook import lloyd_max
 from . import compressed
@@ -118,6 +118,8 @@ _OFFSET_BYTES = 1
 MIN_CALIBRATION_TOKENS = 8
 #: +outliersN: bytes per kept key entry, its channel (uint8) and its value (float16)
 OUTLIER_BYTES = 1 + 2
+#: Each vector's 16-bit scale (float16 or bfloat16).
+_NORM_BYTES = 2
 _OUTLIER_VALUE = torch.float16
 #: Key channel weights w = 2^((code - WEIGHT_ZERO) / WEIGHT_STEPS) for 4-bit codes: 1/4 .. 3.4 in quarter octaves.
 WEIGHT_BITS, WEIGHT_ZERO, WEIGHT_STEPS = 4, 8, 4
@@ -177,12 +179,12 @@ class TurboQuantConfig:
         if self.alloc not in SPREADS:
             spreads = " or ".join(map(str, SPREADS))
             raise ConfigError(f"{option} spreads the widths by {spreads} bits ({option}, {option}2), got {self.alloc}")
-        if self.key_bits != int(self.key_bits) or self.value_bits != int(self.value_bits) or self.qjl:
-            raise ConfigError(f"{option} takes whole base widths without +qjl (tq4, tq-k4v3, ...)")
+        if self.qjl:
+            raise ConfigError(f"{option} takes Lloyd-Max codes only: use it without +qjl (tq4, tq-k4v3, tq-k3v2.95, ...)")
         if self.full.first_last or self.full.layer_list:
             raise ConfigError(f"{option} spreads the bits over every layer: use it without +fp-first-last / +fp-layers=")
         if self.key_alloc or self.value_alloc:
-            check_recipe(self.key_alloc, self.value_alloc, int(self.key_bits), int(self.value_bits), self.alloc, option)
+            check_recipe(self.key_alloc, self.value_alloc, self.key_bits, self.value_bits, self.alloc, option)
 
     @property
     def name(self) -> str:
@@ -237,7 +239,7 @@ class TurboQuantConfig:
     def held_widths(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """The key and value widths whose codebooks a cache holds (all a recipe may use, with +alloc)."""
         if self.alloc:
-            return held_widths(int(self.key_bits), self.alloc), held_widths(int(self.value_bits), self.alloc)
+            return held_widths(centre(self.key_bits), self.alloc), held_widths(centre(self.value_bits), self.alloc)
         return (self.code_bits,), (self.value_bits,)
 
     def codebook_widths(self) -> list[float]:
@@ -364,7 +366,8 @@ class TurboQuantCache(CompressedCache):
 
         self.layer_key_codes = {l: layer_codes(self.key_books, widths[l][0]) for l in self.compressed_layers}
         self.layer_value_codes = {l: layer_codes(self.value_books, widths[l][1]) for l in self.compressed_layers}
-        self.key_codes, self.value_codes = self.key_books[config.code_bits], self.value_books[config.value_bits]  # base widths
+        base = (centre(config.code_bits), centre(config.value_bits)) if config.alloc else (config.code_bits, config.value_bits)
+        self.key_codes, self.value_codes = self.key_books[base[0]], self.value_books[base[1]]  # the base widths
         # +alloc / +halloc: the recipe is state the cache holds, one uint8 key and value width per layer (and KV head)
         self.recipe = None
         if config.alloc:
@@ -764,11 +767,15 @@ class TurboQuantCache(CompressedCache):
         config.check_outliers(d)
         per_vector_k, per_vector_v = cls.vector_bytes(config, d)
         per_token = n_layers * g.batch * g.n_kv_heads * slots * (per_vector_k + per_vector_v)
+        if config.alloc:  # the recipe's widths sum to the budget: budget·d/8 code bytes per token (allocation.py)
+            units = config.alloc_units(g.n_layers, g.n_kv_heads)
+            heads_per_unit = 1 if config.alloc_heads else g.n_kv_heads
+            vectors = n_layers * g.n_kv_heads * (2 * _NORM_BYTES + config.outliers * OUTLIER_BYTES)  # norms, outliers
+            per_token = g.batch * slots * (budget(units, config.key_bits, config.value_bits) * heads_per_unit * d // 8 + vectors)
         haar = config.rotation == "haar"
         rotation = d if is_power_of_two(d) or haar else d * d * 4                 # signs, or a matrix per layer
         fixed = n_layers * rotation + sum(RotatedCodes.table_bytes(d, b, not config.alloc) for b in config.codebook_widths())
-        if config.alloc:  # the codes cost the uniform widths' bytes (allocation.py); the recipe is one byte per width
-            units = config.alloc_units(g.n_layers, g.n_kv_heads)
+        if config.alloc:  # the recipe is one byte per width
             check_geometry(config.key_alloc, units, d, config.alloc_option)
             fixed += units * 2
         if config.qjl:
@@ -784,8 +791,8 @@ class TurboQuantCache(CompressedCache):
 
     @staticmethod
     def vector_bytes(config: TurboQuantConfig, dim: int) -> tuple[int, int]:
-        """Bytes stored per key vector and per value vector."""
-        n16 = 2
+        """Bytes stored per key vector and per value vector (at the base widths: +alloc spends its budget instead)."""
+        n16 = _NORM_BYTES
         k = RotatedCodes.packed_bytes(dim, config.code_bits) + n16
         if config.qjl:
             k += packed_nbytes(dim, 1) + n16

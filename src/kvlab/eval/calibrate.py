@@ -45,7 +45,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..cache import CacheGeometry, TurboQuantCache
-from ..cache.allocation import allocate, check_geometry, check_recipe, held_widths
+from ..cache.allocation import allocate, centre, check_geometry, check_recipe, held_widths
 from ..cache.codebook import cache_dir
 from ..cache.dense import DenseCache
 from ..cache.names import is_compressed_name, parse
@@ -86,7 +86,7 @@ def measure_harms(model, token_windows: list[torch.Tensor], config: TurboQuantCo
     """The pass described in the module docstring, summed over `token_windows` ((1, length) each); `advance()`
     is called once per (window, keys|values, layer). With +halloc the harms are per (layer, KV head), layer-major."""
     L, Hkv = model.config.n_layers, model.config.n_kv_heads
-    base = {"keys": int(config.key_bits), "values": int(config.value_bits)}
+    base = {"keys": centre(config.key_bits), "values": centre(config.value_bits)}
     kl = {kind: [0.0] * L for kind in base}
     widths = {kind: held_widths(base[kind], config.alloc) for kind in base}
     err = {kind: [{w: 0.0 for w in widths[kind]} for _ in range(L)] for kind in base}               # block output
@@ -129,8 +129,8 @@ def measure_harms(model, token_windows: list[torch.Tensor], config: TurboQuantCo
 
 
 def recipe_from(harms: Harms, config: TurboQuantConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The widths of least total harm at the uniform budget (allocation.allocate)."""
-    return allocate(harms.keys, harms.values, int(config.key_bits), int(config.value_bits))
+    """The widths of least total harm at the budget (allocation.allocate)."""
+    return allocate(harms.keys, harms.values, config.key_bits, config.value_bits)
 
 
 def _unit_cache(geometry: CacheGeometry, config: TurboQuantConfig, layer: int, kind: str, width: int) -> TurboQuantCache:
@@ -258,7 +258,7 @@ def load_recipe(path: Path, digest: str, calibrated: str, config: TurboQuantConf
         keys, values = tuple(int(w) for w in data["keys"]), tuple(int(w) for w in data["values"])
         if data["format"] != _FORMAT or data["model_sha256"] != digest or data["cache"] != calibrated:
             raise ValueError("for another model, cache or format")
-        check_recipe(keys, values, int(config.key_bits), int(config.value_bits), config.alloc, config.alloc_option)
+        check_recipe(keys, values, config.key_bits, config.value_bits, config.alloc, config.alloc_option)
         if len(keys) != n_units:
             raise ValueError(f"{len(keys)} units, the model has {n_units}")
     except (OSError, ValueError, KeyError, TypeError, ConfigError) as err:
