@@ -8,7 +8,7 @@ Each part updates its own section of bench/results/compression.json, so parts ca
   passkey  passkey retrieval at 1k/3k/6k filler tokens × depths 25/50/75% for PASSKEY_CACHES
   layers   where the error comes from: one window, only layer l's keys (or values) compressed at 3 bits,
            every other layer and the other half of that layer exact (tq-k3v8 / tq-k8v3 with fp-layers);
-           mean KL against dense per layer
+           mean KL against dense per layer (--layer-options +prerope+sink1: of that recipe, its own section)
   speed    decode tokens/s and bandwidth at 512, 2k, 4k and 8k tokens of context (kvlab bench decode --contexts)
 """
 
@@ -66,7 +66,8 @@ def part_passkey(loaded) -> dict:
     return out
 
 
-def part_layers(loaded) -> dict:
+def part_layers(loaded, options: str = "") -> dict:
+    """`options` (e.g. "+prerope+sink1") go on both names: where the loss of that recipe sits."""
     model, config = loaded.model, loaded.config
     protocol = WindowProtocol(n_windows=1)
     tokens = corpus_windows(loaded.tokenizer, WindowProtocol(n_windows=16))[5]
@@ -77,13 +78,13 @@ def part_layers(loaded) -> dict:
         exact = ".".join(str(l) for l in range(config.n_layers) if l != layer)
         row = {"layer": layer}
         for part, base in (("keys", "tq-k3v8"), ("values", "tq-k8v3")):
-            name = f"{base}+fp-layers={exact}"
+            name = f"{base}{options}+fp-layers={exact}"
             logits, _ = run_window(model, tokens, lambda: make_cache(name, geometry), protocol)
             row[f"kl_{part}"] = kl_divergence(reference, logits).mean().item()
         rows.append(row)
         print(row, flush=True)
-    return {"what": "mean KL vs dense on one window when only this layer's keys (tq-k3v8) or values (tq-k8v3) are compressed",
-            "rows": rows}
+    return {"what": f"mean KL vs dense on one window when only this layer's keys (tq-k3v8{options}) or values "
+                    f"(tq-k8v3{options}) are compressed", "rows": rows}
 
 
 def part_speed(loaded) -> dict:
@@ -105,17 +106,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default=",".join(PARTS))
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--layer-options", default="", help='options of both names in --parts layers, e.g. "+prerope+sink1"')
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     loaded = cached_model(None, "fp32", "cpu")
     for part in args.parts.split(","):
         started = time.perf_counter()
-        section = PARTS[part](loaded)
+        extra = {"options": args.layer_options} if part == "layers" else {}
+        section = PARTS[part](loaded, **extra)
         section["seconds"] = round(time.perf_counter() - started, 1)
         section["threads"] = torch.get_num_threads()
         data = json.loads(OUT.read_text()) if OUT.exists() else {}
-        data[part] = section
+        data[part + extra.get("options", "")] = section
         write_json(OUT, data, indent=1)
         print(f"{part}: {section['seconds']} s -> {OUT}", flush=True)
 

@@ -52,6 +52,20 @@ def alone(smollm2, engine: Engine, prompt: list[int], max_tokens: int) -> list[i
     return generate(smollm2.model, torch.tensor([prompt]), cache, max_tokens, eos_ids=smollm2.tokenizer.eos_ids).token_ids[0]
 
 
+def assert_same_greedy_tokens(smollm2, engine: Engine, prompt: list[int], got: list[int], want: list[int]) -> None:
+    """`got` (batched) equals `want` (alone), or they part where the alone run's top two logits are a near-tie: within
+    5e-3 of the logits' scale, what one flipped code moves them by (C and torch code a coordinate that close to a
+    bucket boundary apart, see test_fused_codes), and every token before it is equal."""
+    if got == want:
+        return
+    at = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+    geometry = CacheGeometry.for_model(smollm2.config, capacity=len(prompt) + at + 1)
+    with torch.no_grad():
+        logits = smollm2.model(torch.tensor([prompt + want[:at]]), single_cache(engine, geometry))[0, -1]   # (V,)
+    gap = (logits[want[at]] - logits[got[at]]).item()
+    assert abs(gap) <= 5e-3 * logits.abs().max().item(), (got, want, at, gap)
+
+
 @pytest.mark.parametrize("name", FORMATS)
 def test_batched_tokens_equal_each_sequence_alone_with_that_format(smollm2, name, monkeypatch):
     """Through the pool's C kernels where they build (TurboQuant: one ragged call per layer and step, kernels/paged.c)."""
@@ -79,7 +93,7 @@ def test_batched_tokens_equal_each_sequence_alone_with_that_format(smollm2, name
             engine.abort(doomed)                          # in its first decodes: its row and blocks go back
     assert reasons[doomed] == "abort" and cached[rids[2]] == 32
     for rid, (prompt, n) in zip(rids, cases):
-        assert tokens[rid] == alone(smollm2, engine, prompt, n), rid
+        assert_same_greedy_tokens(smollm2, engine, prompt, tokens[rid], alone(smollm2, engine, prompt, n))
     stats = engine.stats()
     assert stats.blocks_used == 0 and stats.running == 0 and not getattr(engine.pool, "rows", {})
     assert bool(calls) == (block_kernel() is not None and name.startswith("tq"))

@@ -53,8 +53,9 @@ key vector; the fused C step and the serving pool do not read it (the modules do
 
 `+alloc` (allocation.py): each layer codes its keys and its values at its own whole width, b-N..b+N,
 from a recipe at the uniform total (spelled `+alloc=k…v…`, or calibrated for the model, eval/calibrate.py):
-the per-token bytes are the uniform cache's; the recipe (L·2 uint8) and every held width's codebook count
-(shared by keys and values, without the torch path's byte tables, so tq3+alloc stays within tq3's budget).
+the per-token bytes are the uniform cache's (a fractional base b spends the total rounded down, around the
+nearest whole widths: budget·d/8 bytes of codes per token); the recipe (L·2 uint8) and every held width's
+codebook count (shared by keys and values, without the torch path's byte tables, so tq3+alloc stays within tq3's budget).
 Every read takes the layer's RotatedCodes (`layer_key_codes`, `layer_value_codes`).
 
 `+halloc` (allocation.py): the same per (layer, KV head) unit, spelled `+halloc=k…v…` with n_layers·n_kv_heads
