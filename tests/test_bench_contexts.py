@@ -47,6 +47,25 @@ def test_smoke_run_records_every_cache_at_every_context(smollm2, tmp_path, monke
     assert json.loads(result.output.strip().splitlines()[-1]) == record
 
 
+def test_a_name_that_needs_a_recipe_runs_with_the_recipe_calibrated_for_the_model(smollm2, tmp_path, monkeypatch):
+    """`tq4+alloc` is built as the model's recipe spelled out (eval/calibrate.resolve, stubbed here with a uniform
+    recipe instead of a minutes-long calibration) and reported under the name asked for."""
+    from kvlab.eval import calibrate
+
+    monkeypatch.setattr(bench_contexts, "model_context", lambda model: 40)
+    spelled = "tq4+alloc=k" + "4" * 30 + "v" + "4" * 30
+    asked = []
+    monkeypatch.setattr(calibrate, "resolve", lambda name, loaded: asked.append(name) or (spelled if "alloc" in name else name))
+    out = tmp_path / "contexts.json"
+    result = CliRunner().invoke(app, ["bench", "decode", "--contexts", "16", "--caches", "dense,tq4+alloc", "--repeats", "1",
+                                      "--steps", "2", "--warmup", "1", "--threads", "1", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "tq4+alloc" in asked
+    rows = {r["cache"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == {"dense", "tq4+alloc"} and rows["tq4+alloc"]["tokens_per_s"] > 0
+    assert rows["tq4+alloc"]["step"] == "modules"                     # +alloc: the modules read it
+
+
 def test_bad_cache_is_one_line_error():
     line = cli_error(["bench", "decode", "--contexts", "16", "--caches", "dense,nope", "--out", ""])
     assert "nope" in line

@@ -104,11 +104,15 @@ def run_context_bench(model_name, contexts: list[int], caches: list[str], repeat
             check_python(llama_python)
         limit = model_context(loaded.model) or max(contexts) + warmup + repeats * steps
         geometry = CacheGeometry.for_model(loaded.config, capacity=1)
+        from ..eval.calibrate import resolve   # the compressed formats load for compressed names only
+
+        # the cache each name builds: tq4+halloc spelled out with the recipe calibrated for this model
+        built = {name: name if is_peer(name) else resolve(name, loaded) for name in caches}
         for name in caches:   # every name (and its bytes) checked before anything runs
             if not is_peer(name):
-                make_cache(name, geometry)
-                cache_cost(name, geometry, torch.float32)
-        record = _run(loaded, contexts, caches, repeats, steps, warmup, limit, console, llama_python)
+                make_cache(built[name], geometry)
+                cache_cost(built[name], geometry, torch.float32)
+        record = _run(loaded, contexts, caches, built, repeats, steps, warmup, limit, console, llama_python)
     record["model"] = loaded.path.name
     if out:
         write_json(out, record, indent=2)
@@ -119,7 +123,7 @@ def run_context_bench(model_name, contexts: list[int], caches: list[str], repeat
     return record
 
 
-def _run(loaded, contexts, caches, repeats, steps, warmup, limit, console, llama_python=None) -> dict:
+def _run(loaded, contexts, caches, built, repeats, steps, warmup, limit, console, llama_python=None) -> dict:
     model, config = loaded.model, loaded.config
     extra = warmup + repeats * steps                       # tokens each cache takes after the prompt
     if limit <= extra:
@@ -143,7 +147,7 @@ def _run(loaded, contexts, caches, repeats, steps, warmup, limit, console, llama
                         prefill_s[name], token = held[name].prefill(prompt)
                         tokens[name] = held[name].steps(token, warmup)[1] if warmup else token
                     else:
-                        held[name] = make_cache(name, geometry)
+                        held[name] = make_cache(built[name], geometry)
                         start = time.perf_counter()
                         logits = prefill(model, prompt, held[name])
                         prefill_s[name] = time.perf_counter() - start
@@ -169,7 +173,7 @@ def _run(loaded, contexts, caches, repeats, steps, warmup, limit, console, llama
                 if is_peer(name):
                     per_token, fixed, step = kv_bytes_per_token(config, peer_kv(name)), 0, "llama.cpp"
                 else:
-                    (per_token, fixed), step = cache_cost(name, geometry, torch.float32), decode_step_kind(model, held[name])
+                    (per_token, fixed), step = cache_cost(built[name], geometry, torch.float32), decode_step_kind(model, held[name])
                 kv_read = int(per_token * mid + fixed)
                 rate = statistics.median(samples[name])
                 results.append(ContextResult(
