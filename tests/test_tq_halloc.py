@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kvlab.backends import KvlabEngine
-from kvlab.cache import CacheGeometry, TurboQuantCache, expected_nbytes, make_cache
+from kvlab.cache import CacheGeometry, TurboQuantCache, describe_formula, expected_nbytes, make_cache
 from kvlab.cache.allocation import allocate, held_widths
 from kvlab.cache.names import parse
 from kvlab.cache.turboquant import HeadCodes
@@ -133,6 +133,7 @@ def test_a_fractional_base_spends_the_rounded_down_budget_and_reads_what_it_stor
     units = GEOMETRY.n_layers * GEOMETRY.n_kv_heads
     assert per_token(name) == 104 * (bits * GEOMETRY.head_dim // 8 + units * 2 * 2)
     assert expected_nbytes(bare, GEOMETRY, torch.bfloat16, 0) == expected_nbytes(name, GEOMETRY, torch.bfloat16, 0)
+    assert f"{bits * GEOMETRY.head_dim // 8} B of codes" in describe_formula(bare, GEOMETRY, torch.bfloat16)   # kvlab info
     check_attend_is_exact_to_storage(name)
 
 

@@ -818,13 +818,22 @@ class TurboQuantCache(CompressedCache):
             fixed += f", 4-bit key channel weights per KV head ({packed_nbytes(d, WEIGHT_BITS)} B each)"
         if config.pre_rope:
             fixed += f"; keys coded before RoPE (per cache: {d // 2} float32 RoPE frequencies)"
+        vectors = f"{key} = {k} B; per value vector: {d}×{config.value_bits:g}-bit codes + 16-bit norm = {v} B"
         if config.alloc:
             key_held, value_held = config.held_widths()
             unit = "layer and KV head" if config.alloc_heads else "layer"
+            units = config.alloc_units(geometry.n_layers, geometry.n_kv_heads)
+            total = budget(units, config.key_bits, config.value_bits)
+            heads = 1 if config.alloc_heads else geometry.n_kv_heads
+            vectors = (f"per token: {total * d // 8 * heads} B of codes (the recipe's key and value widths sum to {total} "
+                       f"bits over its {units} units ({unit}), each width coding {d} coordinates"
+                       f"{'' if config.alloc_heads else ' of every KV head'}) + a 16-bit norm per key and per value vector")
+            if config.outliers:
+                vectors += f" + {config.outliers} exact key outlier entr{'y' if config.outliers == 1 else 'ies'} (3 B each)"
             fixed += (f"; {config.alloc_option}: each {unit}'s key ({key_held[0]}..{key_held[-1]}) and value "
-                      f"({value_held[0]}..{value_held[-1]}) widths from a calibration recipe at the same total (1 B each "
-                      f"per {unit}, every width's codebook held)")
-        return f"{key} = {k} B; per value vector: {d}×{config.value_bits:g}-bit codes + 16-bit norm = {v} B{fixed}"
+                      f"({value_held[0]}..{value_held[-1]}) widths from a calibration recipe (1 B each per {unit}, every "
+                      f"width's codebook held)")
+        return vectors + fixed
 
 
 #: Many query rows against a chunk of keys: decode the chunk in C into a transient and multiply (a GEMM beats
