@@ -252,6 +252,17 @@ def test_the_calibration_shares_each_layers_kl_over_its_heads():
     assert len(keys) == 4 and sum(keys) + sum(values) == 4 * 8
 
 
+def test_a_fractional_base_allocates_from_its_whole_bases_stored_pass(loaded, monkeypatch):
+    """tq-k4v3.5+halloc measures what tq4+halloc measured (the centre widths 4 and 4): no second pass, its own budget."""
+    whole = calibrate.resolve("tq4+halloc", loaded)
+    monkeypatch.setattr(calibrate, "measure_harms", lambda *a, **k: pytest.fail("calibrated twice"))
+    config = parse(calibrate.resolve("tq-k4v3.5+halloc", loaded))[1]
+    units = loaded.config.n_layers * loaded.config.n_kv_heads
+    assert sum(config.key_alloc) + sum(config.value_alloc) == int(units * 7.5) < units * 8
+    assert sum(parse(whole)[1].key_alloc) + sum(parse(whole)[1].value_alloc) == units * 8
+    assert len(list(calibrate.recipe_dir().glob("*halloc*.json"))) == 2          # its own recipe stored too
+
+
 def test_the_engine_calibrates_a_per_head_recipe_and_reads_it_back(loaded, monkeypatch):
     cache = KvlabEngine(loaded).make_cache("tq4+halloc+seed1", 64)
     units = loaded.config.n_layers * loaded.config.n_kv_heads

@@ -30,6 +30,8 @@ measure and this does not).
 Recipes are kept in-process and on disk as JSON (never pickled) under the user cache directory
 ($KVLAB_CACHE_DIR/alloc, ...), keyed by the model file's SHA-256 and the cache's name without +alloc and
 +seedN (tq4+alloc+sink1, tq4+alloc2); a stored recipe that does not parse or does not fit is a one-line ConfigError naming the file.
+A fractional base (tq-k3v2.95+halloc) measures what its whole base (tq3+halloc) measures, so it allocates its own
+budget from that file's harms when the whole base was calibrated before.
 """
 
 from __future__ import annotations
@@ -215,15 +217,20 @@ def resolve(name: str, loaded) -> str:
     calibrated = replace(config, seed=0).name                                     # what the recipe is for: tq4+alloc
     memo = (digest, calibrated)
     if memo not in _MEMO:
-        path = recipe_dir() / f"{digest[:16]}-{calibrated.replace('=', '_')}.json"
-        recipe = load_recipe(path, digest, calibrated, config, config.alloc_units(loaded.config.n_layers, loaded.config.n_kv_heads))
-        if recipe is None:
+        path = recipe_path(digest, calibrated)
+        units = config.alloc_units(loaded.config.n_layers, loaded.config.n_kv_heads)
+        recipe = load_recipe(path, digest, calibrated, config, units)
+        harms = None
+        if recipe is None and (whole := whole_base(config).name) != calibrated:   # tq-k3v2.95+halloc: tq3+halloc's pass
+            harms = load_harms(recipe_path(digest, whole), digest, whole, units)
+        if recipe is None and harms is None:
             token_windows = calibration_windows(loaded.tokenizer, CALIBRATION)
             with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                           console=Console(stderr=True), transient=True) as progress:
                 task = progress.add_task(f"calibrating {calibrated} (windows × keys|values × layers)",
                                          total=len(token_windows) * 2 * loaded.config.n_layers)
                 harms = measure_harms(loaded.model, token_windows, config, CALIBRATION, lambda: progress.advance(task))
+        if recipe is None:
             recipe = recipe_from(harms, config)
             save_recipe(path, digest, calibrated, recipe, harms)
         _MEMO[memo] = recipe
@@ -233,6 +240,33 @@ def resolve(name: str, loaded) -> str:
 
 def recipe_dir() -> Path:
     return cache_dir().parent / "alloc"
+
+
+def recipe_path(digest: str, calibrated: str) -> Path:
+    return recipe_dir() / f"{digest[:16]}-{calibrated.replace('=', '_')}.json"
+
+
+def whole_base(config: TurboQuantConfig) -> TurboQuantConfig:
+    """The cache whose calibration pass a fractional base shares: the same options at the centre widths (the pass
+    measures the centre widths and their neighbours only, so tq-k3v2.95+halloc and tq3+halloc measure the same)."""
+    return replace(config, key_bits=centre(config.key_bits), value_bits=centre(config.value_bits), seed=0)
+
+
+def load_harms(path: Path, digest: str, calibrated: str, n_units: int) -> Harms | None:
+    """The harms a stored recipe was allocated from (None if there is no such file); ConfigError (one line) if they
+    do not parse or fit."""
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        if data["format"] != _FORMAT or data["model_sha256"] != digest or data["cache"] != calibrated:
+            raise ValueError("for another model, cache or format")
+        harms = Harms(*([{int(w): float(h) for w, h in row.items()} for row in data[kind]] for kind in ("key_harm", "value_harm")))
+        if len(harms.keys) != n_units or len(harms.values) != n_units:
+            raise ValueError(f"harms for {len(harms.keys)} units, the model has {n_units}")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise ConfigError(f"stored calibration {path} is unusable ({err}); delete it to calibrate again") from None
+    return harms
 
 
 def model_digest(path: Path) -> str:
