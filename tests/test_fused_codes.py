@@ -33,7 +33,8 @@ from .kernel_checks import MARCH, one_thread, require_kernel  # noqa: F401  (one
 
 #: every width and option the step serves (each option at least once)
 NAMES = ["tq4", "tq3", "tq5", "tq3.5", "tq-k5v3", "tq3+sink4+recent8", "tq4+recent16+fp-first-last",
-         "tq4+center=kv+kscale=lsq+vscale=unbiased+bf16norms", "tq3+rot=haar+kweights=none+center=none+kscale=norm"]
+         "tq4+center=kv+kscale=lsq+vscale=unbiased+bf16norms", "tq3+rot=haar+kweights=none+center=none+kscale=norm",
+         "tq4+prerope+sink1", "tq3+prerope+recent8", "tq4+prerope+rot=haar+center=none+kweights=none"]
 #: (n_heads, n_kv_heads, head_dim): MHA, GQA, MQA; head dims 64, 128 and 96 (not a power of two: a dense rotation)
 GEOMETRIES = {"MHA-64": (4, 4, 64), "GQA-128": (4, 2, 128), "MQA-96": (3, 1, 96)}
 
@@ -157,6 +158,8 @@ def test_every_isa_variant_codes_and_attends_like_torch(variant, geometry, varia
     model = model_for(geometry)
     for name in ("tq4", "tq3.5+sink3+recent5"):
         assert_fused_equals_modules(model, name, 262, 3, variants[variant], torch_reference=True, exact_logits=1e-5)
+    # pre-RoPE keys are rebuilt through the rotation and RoPE in another order than torch's: the module-wide 5e-5
+    assert_fused_equals_modules(model, "tq4+prerope+sink1", 262, 3, variants[variant], torch_reference=True)
 
 
 def assert_same_logits_for_any_thread_count(native, cache_name: str) -> None:
@@ -179,6 +182,7 @@ def assert_same_logits_for_any_thread_count(native, cache_name: str) -> None:
 def test_fused_step_is_the_same_for_any_thread_count(native):
     """Threads share (KV head, key chunk) items; the chunks' sums are combined in a fixed order."""
     assert_same_logits_for_any_thread_count(native, "tq3.5+recent8")
+    assert_same_logits_for_any_thread_count(native, "tq4+prerope+sink1")
 
 
 def test_smollm2_greedy_text_is_the_modules(smollm2):
@@ -205,10 +209,11 @@ def test_caches_it_does_not_serve_take_the_modules(native):
         model.fused = step
         units = model.config.n_layers                                   # MQA: one KV head, a width each per layer
         recipe = "k" + "35" * (units // 2) + "4" * (units % 2) + "v" + "4" * units
-        for name in ("tq4+qjl", "tq4+prerope", "tq4+outliers1", f"tq4+alloc={recipe}", f"tq4+halloc={recipe}"):
+        for name in ("tq4+qjl", "tq4+outliers1", f"tq4+alloc={recipe}", f"tq4+halloc={recipe}"):
             assert not step.serves(make_cache(name, geometry)), name
             assert decode_step_kind(model, make_cache(name, geometry)) == "modules"
         assert decode_step_kind(model, make_cache("tq3.5+sink4+recent8+fp-first-last", geometry)) == "fused"
+        assert decode_step_kind(model, make_cache("tq4+prerope+sink1", geometry)) == "fused"
         assert not step.serves(make_cache("tq4", CacheGeometry.for_model(model.config, batch=2, capacity=40)))
         cache = make_cache("tq4", geometry)
         assert step.serves(cache)

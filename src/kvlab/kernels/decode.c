@@ -396,11 +396,70 @@ static float scale_top(float *s, const float *scale, int n) {
  * rows are decoded SUB_ROWS at a time into `tile` (SUB_ROWS * d floats + CB_MAX_DIM of room), each sub-tile read by
  * every query head while it is in L1. queries (group, d) are q' (already scaled), shifts (group,); head i's scores
  * at scores + i * score_stride, its part at parts + i * part_stride. */
+typedef struct {                   /* +prerope: how a chunk's coded keys are rebuilt, then turned to their positions */
+    const float *unrotation;       /* (d, d) Mᵀ: the key before its scale is x = y Mᵀ = Σ_j y_j Mᵀ[j] */
+    const float *weights;          /* (d,) the key channel weights, or NULL */
+    const float *offset;           /* (d,) the key offset, or NULL */
+    const float *cos_, *sin_;      /* (n, d) of the chunk's rows, as rope() takes them */
+} PreRope;
+
+/* x (d,) = y Mᵀ = Σ_j y_j Mᵀ[j]: rows of Mᵀ (`unrotation`) added in order, 64 lanes at a time in eight independent
+ * FMA chains (even and odd j apart) under AVX-512 when d is a multiple of 64, else a loop the compiler vectorizes */
+static void unrotate(const float *y, const float *unrotation, int d, float *x) {
+#if defined(__AVX512F__)
+    if (d % 64 == 0) {
+        for (int c = 0; c < d; c += 64) {
+            __m512 acc[8] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                             _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+            for (int j = 0; j < d; j += 2)
+                for (int h = 0; h < 2; h++) {
+                    const __m512 yj = _mm512_set1_ps(y[j + h]);
+                    const float *row = unrotation + (int64_t)(j + h) * d + c;
+                    for (int b = 0; b < 4; b++) acc[4 * h + b] = _mm512_fmadd_ps(yj, _mm512_loadu_ps(row + 16 * b), acc[4 * h + b]);
+                }
+            for (int b = 0; b < 4; b++) _mm512_storeu_ps(x + c + 16 * b, _mm512_add_ps(acc[b], acc[4 + b]));
+        }
+        return;
+    }
+#endif
+    for (int c = 0; c < d; c++) x[c] = 0.0f;
+    for (int j = 0; j < d; j++) {
+        const float yj = y[j], *row = unrotation + (int64_t)j * d;
+        for (int c = 0; c < d; c++) x[c] += yj * row[c];
+    }
+}
+
+/* Scores of the `group` queries (already scaled, original domain) against n pre-RoPE coded keys, rebuilt a sub-tile at a
+ * time as TurboQuantCache._keys rebuilds them: k = (ŷ Mᵀ · scale) ⊙ w + μ, then RoPE at the row's position; each
+ * rebuilt key replaces its decoded row in `tile`, and every query head then scores the sub-tile (key_scores). */
+static void prerope_scores(const cb_layout *KL, const uint8_t *k_rows, int64_t k_bytes, const float *k_scale, int n,
+                           int d, const PreRope *pre, const float *queries, int group, float *tile, float *scores,
+                           int64_t score_stride) {
+    float key[CB_MAX_DIM];
+    for (int t0 = 0; t0 < n; t0 += SUB_ROWS) {
+        const int count = n - t0 < SUB_ROWS ? n - t0 : SUB_ROWS;
+        kvlab_cb_decode_rows(KL, k_rows + (int64_t)t0 * k_bytes, k_bytes, count, tile, d);
+        for (int r = 0; r < count; r++) {
+            const int t = t0 + r;
+            float *row = tile + (int64_t)r * d;
+            unrotate(row, pre->unrotation, d, key);
+            for (int c = 0; c < d; c++) {
+                const float x = key[c] * k_scale[t] * (pre->weights ? pre->weights[c] : 1.0f);
+                row[c] = pre->offset ? x + pre->offset[c] : x;
+            }
+            rope(row, pre->cos_ + (int64_t)t * d, pre->sin_ + (int64_t)t * d, d);
+        }
+        for (int i = 0; i < group; i++) key_scores(queries + (int64_t)i * d, tile, 0, count, d, 1.0f, scores + i * score_stride + t0);
+    }
+}
+
 static void attend_codes(const cb_layout *KL, const cb_layout *VL, const uint8_t *k_rows, const uint8_t *v_rows,
                          int64_t k_bytes, int64_t v_bytes, const float *k_scale, const float *v_scale, int n, int d,
-                         const float *queries, const float *shifts, int group, float *tile,
+                         const float *queries, const float *shifts, int group, const PreRope *pre, float *tile,
                          float *scores, int64_t score_stride, float *parts, int64_t part_stride) {
-    if (kvlab_cb_dot_rows(KL, k_rows, k_bytes, n, queries, d, group, scores, score_stride) != 0)
+    if (pre)
+        prerope_scores(KL, k_rows, k_bytes, k_scale, n, d, pre, queries, group, tile, scores, score_stride);
+    else if (kvlab_cb_dot_rows(KL, k_rows, k_bytes, n, queries, d, group, scores, score_stride) != 0)
         for (int t0 = 0; t0 < n; t0 += SUB_ROWS) {
             const int count = n - t0 < SUB_ROWS ? n - t0 : SUB_ROWS;
             kvlab_cb_decode_rows(KL, k_rows + (int64_t)t0 * k_bytes, k_bytes, count, tile, d);
@@ -409,7 +468,12 @@ static void attend_codes(const cb_layout *KL, const cb_layout *VL, const uint8_t
     float tops[CB_MAX_DIM], totals[CB_MAX_DIM];   /* per query head of the group (group <= heads <= CB_MAX_DIM) */
     for (int i = 0; i < group; i++) {
         float *s = scores + i * score_stride;
-        tops[i] = scale_top(s, k_scale, n);
+        if (pre) {                                      /* the scales are in the rebuilt keys already */
+            tops[i] = -INFINITY;
+            for (int t = 0; t < n; t++) tops[i] = s[t] > tops[i] ? s[t] : tops[i];
+        } else {
+            tops[i] = scale_top(s, k_scale, n);
+        }
         totals[i] = exp_shifted(s, n, tops[i]);
         for (int t = 0; t < n; t++) s[t] *= v_scale[t];
     }
@@ -476,6 +540,9 @@ typedef struct {                   /* a TurboQuant layer's codes (kvlab/cache/tu
     const uint8_t *weight_codes;   /* (Hkv, hd / 2) 4-bit codes of the key channel weights, low nibble first, or NULL */
     const float *fp8_values;       /* (256,) the value of each float8 e4m3 byte */
     const float *weight_values;    /* (16,) the weight of each 4-bit code */
+    const float *rope_cos, *rope_sin;  /* +prerope: (slots, hd) cos / sin of each coded slot's position, as rope()
+                                          takes them (keys are coded before RoPE, turned when read); NULL otherwise */
+    const float *unrotation;       /* +prerope: (hd, hd) Mᵀ, row-major (a rotated key turns back as x = y Mᵀ) */
 } Coded;
 
 typedef struct {                   /* an integer layer's codes (kvlab/cache/quantized.py QuantizedCache) */
@@ -542,6 +609,15 @@ static int code_vector(const Coded *C, const cb_layout *L, int which, int g, con
     }
     const float scale = norm * factor;
     return !kv_store(C->norm_type, &scale, 1, scale_out);
+}
+
+/* x (d,) = y with RoPE turned back at one position (cos_/sin_ as rope() takes them), as llama.py's apply_rope with -sin */
+static void unrope(const float *y, const float *cos_, const float *sin_, int d, float *x) {
+    const int half = d / 2;
+    for (int i = 0; i < half; i++) {
+        x[i] = y[i] * cos_[i] + y[i + half] * sin_[i];
+        x[i + half] = y[i + half] * cos_[i + half] - y[i] * sin_[i + half];
+    }
 }
 
 static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
@@ -804,6 +880,11 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
                 for (int g = 0; g < Hkv && status == 0; g++) {
                     const float *src_k = write == WRITE_CODED ? k + g * hd : L->win_k + (int64_t)g * L->window * hd;
                     const float *src_v = write == WRITE_CODED ? v + g * hd : L->win_v + (int64_t)g * L->window * hd;
+                    float pre_rope_k[CB_MAX_DIM];
+                    if (C->rope_cos) {   /* +prerope: the key is coded as it was before RoPE at its slot's position */
+                        unrope(src_k, C->rope_cos + (int64_t)fill->coded * hd, C->rope_sin + (int64_t)fill->coded * hd, hd, pre_rope_k);
+                        src_k = pre_rope_k;
+                    }
                     if (code_vector(C, K_layout, 0, g, src_k, hd, new_codes + (size_t)g * 2 * ROW_ROOM, &new_scales[2 * g])
                         || code_vector(C, V_layout, 1, g, src_v, hd, new_codes + (size_t)g * 2 * ROW_ROOM + ROW_ROOM,
                                        &new_scales[2 * g + 1]))
@@ -844,7 +925,12 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
                         memcpy(wv + (int64_t)row * hd, v + g * hd, sizeof(float) * (size_t)hd);
                     }
                 }
-                if (C && n_coded > 0)   /* the queries as the codes read them */
+                if (C && n_coded > 0 && C->rope_cos)   /* +prerope: the rebuilt keys are read by q itself */
+                    for (int i = 0; i < H; i++) {
+                        for (int c = 0; c < hd; c++) q_coded[(int64_t)i * hd + c] = q[i * hd + c] * m->attn_scale;
+                        q_coded[q_dim + i] = 0.0f;
+                    }
+                else if (C && n_coded > 0)   /* the queries as the codes read them */
                     for (int i = 0; i < H; i++) {
                         const int g = i / group;
                         float qw[CB_MAX_DIM];
@@ -897,9 +983,17 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
                 float *scales = mine + tile - 2 * KEY_CHUNK;
                 kv_load(C->norm_type, C->norms[0] + slot, n, scales);
                 kv_load(C->norm_type, C->norms[1] + slot, n, scales + KEY_CHUNK);
+                float weights[CB_MAX_DIM], offset[CB_MAX_DIM];
+                PreRope pre = {C->unrotation, NULL, NULL, C->rope_cos + (int64_t)t0 * hd, C->rope_sin + (int64_t)t0 * hd};
+                if (C->rope_cos) {
+                    for (int i = 0; i < hd && C->weight_codes; i++) weights[i] = key_weight(C, g, hd, i);
+                    for (int i = 0; i < hd && C->offset[0]; i++) offset[i] = C->fp8_values[C->offset[0][(int64_t)g * hd + i]];
+                    pre.weights = C->weight_codes ? weights : NULL;
+                    pre.offset = C->offset[0] ? offset : NULL;
+                }
                 attend_codes(K_layout, V_layout, C->codes[0] + slot * C->row_bytes[0], C->codes[1] + slot * C->row_bytes[1],
                              C->row_bytes[0], C->row_bytes[1], scales, scales + KEY_CHUNK, n, hd, q_coded + (int64_t)g * group * hd,
-                             q_coded + q_dim + g * group, group, mine,
+                             q_coded + q_dim + g * group, group, C->rope_cos ? &pre : NULL, mine,
                              scores + ((int64_t)g * group * max_chunks + c) * KEY_CHUNK, (int64_t)max_chunks * KEY_CHUNK,
                              parts + ((int64_t)g * group * max_chunks + c) * (hd + 2), (int64_t)max_chunks * (hd + 2));
                 continue;

@@ -9,10 +9,15 @@ The C code gets Π as a (d, d) matrix (`Rotation.apply` of the identity: Hadamar
 the cache's own offset and key-weight buffers (float8 and 4-bit codes, read through two small tables), and each
 width's layout (kernels/codebook.py `CodeLayout`) with its boundaries.
 
++prerope (keys coded before RoPE): the new key is turned back at its slot's position before it is coded, and a chunk's
+keys are rebuilt a sub-tile at a time (ŷ Mᵀ · scale ⊙ w + μ), turned to their positions and scored against q itself,
+as TurboQuantCache._keys does; the view holds each coded slot's cos and sin, (slots, d) each, made once.
+
 Served: every width (3/5-bit, fractional, mixed K/V), +sinkN, +recentN, +fp-first-last (dense layers in the same
-step), +center=…, +kweights=none, +rot=haar, every scale mode, f16/bf16 norms. Not served (the modules run them):
-+qjl, +prerope, +outliersN, +alloc and +halloc (widths per layer / head), a sliding-window model, batches, other dtypes and devices, and a step that would calibrate a
-layer (its first coded token) or find a layer's first chunk still waiting for its queries.
+step), +center=…, +kweights=none, +rot=haar, +prerope, every scale mode, f16/bf16 norms. Not served (the modules run
+them): +qjl, +outliersN, +alloc and +halloc (widths per layer / head), a sliding-window model, batches, other dtypes and
+devices, and a step that would calibrate a layer (its first coded token) or find a layer's first chunk still waiting
+for its queries.
 
 The compressed formats' modules are imported where a compressed cache is met, never for a dense cache: a dense
 run does not load them (cache/__init__.py).
@@ -41,7 +46,8 @@ class Coded(ctypes.Structure):
     _fields_ = [("slots", c_int32), ("norm_type", c_int32), ("codes", c_void_p * 2), ("norms", c_void_p * 2),
                 ("row_bytes", c_int64 * 2), ("n_parts", c_int32 * 2), ("spec", c_void_p * 2), ("tables", c_void_p * 2),
                 ("bounds", c_void_p * 2), ("scale_mode", c_int32 * 2), ("rotation", c_void_p), ("offset", c_void_p * 2),
-                ("weight_codes", c_void_p), ("fp8_values", c_void_p), ("weight_values", c_void_p)]
+                ("weight_codes", c_void_p), ("fp8_values", c_void_p), ("weight_values", c_void_p),
+                ("rope_cos", c_void_p), ("rope_sin", c_void_p), ("unrotation", c_void_p)]
 
 
 class LayerKV(ctypes.Structure):
@@ -142,7 +148,22 @@ class CacheView:
             c.weight_codes = self._ptr(cache.k_weight_codes[layer][0], (H, hd // 2), f"{at} key weights", torch.uint8)
         c.fp8_values = self._ptr(fp8_values(), (256,), "float8 values", torch.float32, own=True)
         c.weight_values = self._ptr(weight_values(), (16,), "key weight values", torch.float32, own=True)
+        if cache.config.pre_rope:  # each coded slot's RoPE, as TurboQuantCache._rope computes it (positions sink + slot)
+            cos, sin = self._slot_rope(cache, hd)
+            c.rope_cos = self._ptr(cos, (S, hd), "slot RoPE cos", torch.float32)
+            c.rope_sin = self._ptr(sin, (S, hd), "slot RoPE sin", torch.float32)
+            c.unrotation = self._ptr(rotation.T.contiguous(), (hd, hd), f"{at} inverse rotation", torch.float32, own=True)
         return c
+
+    def _slot_rope(self, cache, hd: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slots, hd) cos and sin of every coded slot's position, made once per view and shared by its layers."""
+        if not hasattr(self, "_rope_tables"):
+            positions = torch.arange(cache.sink, cache.sink + cache.slots, dtype=torch.float32)
+            angles = torch.outer(positions, cache.rope_inv_freq.cpu())                 # (slots, hd/2)
+            angles = torch.cat((angles, angles), dim=-1)                              # (slots, hd)
+            self._rope_tables = (angles.cos().contiguous(), angles.sin().contiguous())
+            self._keep.extend(self._rope_tables)
+        return self._rope_tables
 
 
 def fp8_values() -> torch.Tensor:
@@ -187,7 +208,7 @@ def serves_codes(cache, cfg) -> bool:
     g = cache.geometry
     return (
         type(cache) is TurboQuantCache and cache.dtype == torch.float32 and cache.device.type == "cpu"
-        and not cache.config.qjl and not cache.config.pre_rope and not cache.config.outliers and not cache.config.alloc
+        and not cache.config.qjl and not cache.config.outliers and not cache.config.alloc
         and g.window is None and cfg.sliding_window is None
         and cfg.head_dim % 2 == 0 and cfg.head_dim <= 1024
         and (g.batch, g.n_layers, g.n_kv_heads, g.head_dim, g.head_dim_v) == (1, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.head_dim)
