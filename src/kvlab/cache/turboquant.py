@@ -581,14 +581,21 @@ class TurboQuantCache(CompressedCache):
     def _buffers(self, layer: int) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name)[layer] for name in self.token_buffer_names()}
 
+    def slot_rope(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (n, d) of compressed slots [start, start+n) (+prerope): positions sink + slot, as the model's rope()
+        computes them (the fused step reads the same table, model/fused_codes.py)."""
+        positions = torch.arange(self.sink + start, self.sink + start + n, device=self.rope_inv_freq.device,
+                                 dtype=torch.float32)
+        angles = torch.outer(positions, self.rope_inv_freq)                       # (n, d/2)
+        angles = torch.cat((angles, angles), dim=-1)                              # (n, d)
+        return angles.cos(), angles.sin()
+
     def _rope(self, k: torch.Tensor, start: int, inverse: bool = False) -> torch.Tensor:
-        """RoPE (or its inverse) for compressed slots [start, start+T): positions sink + slot. k: (B, H, T, d)."""
+        """RoPE (or its inverse) for compressed slots [start, start+T). k: (B, H, T, d)."""
         from ..model.llama import apply_rope
 
-        positions = torch.arange(self.sink + start, self.sink + start + k.shape[2], device=k.device, dtype=torch.float32)
-        angles = torch.outer(positions, self.rope_inv_freq)                       # (T, d/2), as the model's rope()
-        angles = torch.cat((angles, angles), dim=-1)                              # (T, d)
-        return apply_rope(k.float(), angles.cos(), -angles.sin() if inverse else angles.sin())
+        cos, sin = self.slot_rope(start, k.shape[2])
+        return apply_rope(k.float(), cos, -sin if inverse else sin)
 
     def _qjl_coef(self, stored: dict[str, torch.Tensor], lo: int, hi: int) -> torch.Tensor:
         """√(π/2)/m·‖r‖ per key, (B, H, hi-lo)."""
@@ -766,13 +773,14 @@ class TurboQuantCache(CompressedCache):
                                slots: int, n_layers: int) -> int:
         g, d = geometry, geometry.head_dim
         config.check_outliers(d)
-        per_vector_k, per_vector_v = cls.vector_bytes(config, d)
-        per_token = n_layers * g.batch * g.n_kv_heads * slots * (per_vector_k + per_vector_v)
         if config.alloc:  # the recipe's widths sum to the budget: budget·d/8 code bytes per token (allocation.py)
             units = config.alloc_units(g.n_layers, g.n_kv_heads)
             heads_per_unit = 1 if config.alloc_heads else g.n_kv_heads
             vectors = n_layers * g.n_kv_heads * (2 * _NORM_BYTES + config.outliers * OUTLIER_BYTES)  # norms, outliers
             per_token = g.batch * slots * (budget(units, config.key_bits, config.value_bits) * heads_per_unit * d // 8 + vectors)
+        else:
+            per_vector_k, per_vector_v = cls.vector_bytes(config, d)
+            per_token = n_layers * g.batch * g.n_kv_heads * slots * (per_vector_k + per_vector_v)
         haar = config.rotation == "haar"
         rotation = d if is_power_of_two(d) or haar else d * d * 4                 # signs, or a matrix per layer
         fixed = n_layers * rotation + sum(RotatedCodes.table_bytes(d, b, not config.alloc) for b in config.codebook_widths())
@@ -818,21 +826,21 @@ class TurboQuantCache(CompressedCache):
             fixed += f", 4-bit key channel weights per KV head ({packed_nbytes(d, WEIGHT_BITS)} B each)"
         if config.pre_rope:
             fixed += f"; keys coded before RoPE (per cache: {d // 2} float32 RoPE frequencies)"
-        vectors = f"{key} = {k} B; per value vector: {d}×{config.value_bits:g}-bit codes + 16-bit norm = {v} B"
-        if config.alloc:
-            key_held, value_held = config.held_widths()
-            unit = "layer and KV head" if config.alloc_heads else "layer"
-            units = config.alloc_units(geometry.n_layers, geometry.n_kv_heads)
-            total = budget(units, config.key_bits, config.value_bits)
-            heads = 1 if config.alloc_heads else geometry.n_kv_heads
-            vectors = (f"per token: {total * d // 8 * heads} B of codes (the recipe's key and value widths sum to {total} "
-                       f"bits over its {units} units ({unit}), each width coding {d} coordinates"
-                       f"{'' if config.alloc_heads else ' of every KV head'}) + a 16-bit norm per key and per value vector")
-            if config.outliers:
-                vectors += f" + {config.outliers} exact key outlier entr{'y' if config.outliers == 1 else 'ies'} (3 B each)"
-            fixed += (f"; {config.alloc_option}: each {unit}'s key ({key_held[0]}..{key_held[-1]}) and value "
-                      f"({value_held[0]}..{value_held[-1]}) widths from a calibration recipe (1 B each per {unit}, every "
-                      f"width's codebook held)")
+        if not config.alloc:
+            return f"{key} = {k} B; per value vector: {d}×{config.value_bits:g}-bit codes + 16-bit norm = {v} B{fixed}"
+        key_held, value_held = config.held_widths()
+        unit = "layer and KV head" if config.alloc_heads else "layer"
+        units = config.alloc_units(geometry.n_layers, geometry.n_kv_heads)
+        total = budget(units, config.key_bits, config.value_bits)
+        heads = 1 if config.alloc_heads else geometry.n_kv_heads
+        vectors = (f"per token: {total * d // 8 * heads} B of codes (the recipe's key and value widths sum to {total} "
+                   f"bits over its {units} units ({unit}), each width coding {d} coordinates"
+                   f"{'' if config.alloc_heads else ' of every KV head'}) + a 16-bit norm per key and per value vector")
+        if config.outliers:
+            vectors += f" + {config.outliers} exact key outlier entr{'y' if config.outliers == 1 else 'ies'} (3 B each)"
+        fixed += (f"; {config.alloc_option}: each {unit}'s key ({key_held[0]}..{key_held[-1]}) and value "
+                  f"({value_held[0]}..{value_held[-1]}) widths from a calibration recipe (1 B each per {unit}, every "
+                  f"width's codebook held)")
         return vectors + fixed
 
 

@@ -220,17 +220,16 @@ def resolve(name: str, loaded) -> str:
         path = recipe_path(digest, calibrated)
         units = config.alloc_units(loaded.config.n_layers, loaded.config.n_kv_heads)
         recipe = load_recipe(path, digest, calibrated, config, units)
-        harms = None
-        if recipe is None and (whole := whole_base(config).name) != calibrated:   # tq-k3v2.95+halloc: tq3+halloc's pass
-            harms = load_harms(recipe_path(digest, whole), digest, whole, units)
-        if recipe is None and harms is None:
-            token_windows = calibration_windows(loaded.tokenizer, CALIBRATION)
-            with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                          console=Console(stderr=True), transient=True) as progress:
-                task = progress.add_task(f"calibrating {calibrated} (windows × keys|values × layers)",
-                                         total=len(token_windows) * 2 * loaded.config.n_layers)
-                harms = measure_harms(loaded.model, token_windows, config, CALIBRATION, lambda: progress.advance(task))
         if recipe is None:
+            whole = whole_base(config).name                                       # tq-k3v2.95+halloc: tq3+halloc's pass
+            harms = load_harms(recipe_path(digest, whole), digest, whole, units) if whole != calibrated else None
+            if harms is None:
+                token_windows = calibration_windows(loaded.tokenizer, CALIBRATION)
+                with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                              console=Console(stderr=True), transient=True) as progress:
+                    task = progress.add_task(f"calibrating {calibrated} (windows × keys|values × layers)",
+                                             total=len(token_windows) * 2 * loaded.config.n_layers)
+                    harms = measure_harms(loaded.model, token_windows, config, CALIBRATION, lambda: progress.advance(task))
             recipe = recipe_from(harms, config)
             save_recipe(path, digest, calibrated, recipe, harms)
         _MEMO[memo] = recipe
@@ -258,9 +257,7 @@ def load_harms(path: Path, digest: str, calibrated: str, n_units: int) -> Harms 
     if not path.is_file():
         return None
     try:
-        data = json.loads(path.read_text())
-        if data["format"] != _FORMAT or data["model_sha256"] != digest or data["cache"] != calibrated:
-            raise ValueError("for another model, cache or format")
+        data = _stored_record(path, digest, calibrated)
         harms = Harms(*([{int(w): float(h) for w, h in row.items()} for row in data[kind]] for kind in ("key_harm", "value_harm")))
         if len(harms.keys) != n_units or len(harms.values) != n_units:
             raise ValueError(f"harms for {len(harms.keys)} units, the model has {n_units}")
@@ -281,6 +278,15 @@ def model_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _stored_record(path: Path, digest: str, calibrated: str) -> dict:
+    """A stored calibration's JSON, checked to be of this format, for this model file and this cache (ValueError,
+    KeyError, TypeError or OSError otherwise: the callers name the file)."""
+    data = json.loads(path.read_text())
+    if data["format"] != _FORMAT or data["model_sha256"] != digest or data["cache"] != calibrated:
+        raise ValueError("for another model, cache or format")
+    return data
+
+
 def load_recipe(path: Path, digest: str, calibrated: str, config: TurboQuantConfig,
                 n_units: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """The stored recipe (n_units widths each for keys and values), None if there is none; ConfigError (one line)
@@ -288,10 +294,8 @@ def load_recipe(path: Path, digest: str, calibrated: str, config: TurboQuantConf
     if not path.is_file():
         return None
     try:
-        data = json.loads(path.read_text())
+        data = _stored_record(path, digest, calibrated)
         keys, values = tuple(int(w) for w in data["keys"]), tuple(int(w) for w in data["values"])
-        if data["format"] != _FORMAT or data["model_sha256"] != digest or data["cache"] != calibrated:
-            raise ValueError("for another model, cache or format")
         check_recipe(keys, values, config.key_bits, config.value_bits, config.alloc, config.alloc_option)
         if len(keys) != n_units:
             raise ValueError(f"{len(keys)} units, the model has {n_units}")

@@ -389,13 +389,6 @@ static float scale_top(float *s, const float *scale, int n) {
     return top;
 }
 
-/* attend_part for the `group` query heads of one KV head over n coded rows (one key chunk), scores scaled by the
- * rows' key scales (k_scale) and weights by their value scales (v_scale), `top` shifted by the score offset every
- * coded key shares (shifts: q . mu * scale per head), values summed in the rotated domain. Keys and values are read
- * from their codes in registers where codebook.c has that path (kvlab_cb_dot_rows, kvlab_cb_mix_rows); otherwise the
- * rows are decoded SUB_ROWS at a time into `tile` (SUB_ROWS * d floats + CB_MAX_DIM of room), each sub-tile read by
- * every query head while it is in L1. queries (group, d) are q' (already scaled), shifts (group,); head i's scores
- * at scores + i * score_stride, its part at parts + i * part_stride. */
 typedef struct {                   /* +prerope: how a chunk's coded keys are rebuilt, then turned to their positions */
     const float *unrotation;       /* (d, d) Mᵀ: the key before its scale is x = y Mᵀ = Σ_j y_j Mᵀ[j] */
     const float *weights;          /* (d,) the key channel weights, or NULL */
@@ -453,6 +446,14 @@ static void prerope_scores(const cb_layout *KL, const uint8_t *k_rows, int64_t k
     }
 }
 
+/* attend_part for the `group` query heads of one KV head over n coded rows (one key chunk), scores scaled by the
+ * rows' key scales (k_scale) and weights by their value scales (v_scale), `top` shifted by the score offset every
+ * coded key shares (shifts: q . mu * scale per head), values summed in the rotated domain. Keys and values are read
+ * from their codes in registers where codebook.c has that path (kvlab_cb_dot_rows, kvlab_cb_mix_rows); otherwise the
+ * rows are decoded SUB_ROWS at a time into `tile` (SUB_ROWS * d floats + CB_MAX_DIM of room), each sub-tile read by
+ * every query head while it is in L1. queries (group, d) are q' (already scaled), shifts (group,); head i's scores
+ * at scores + i * score_stride, its part at parts + i * part_stride. With `pre` (+prerope) the keys are rebuilt
+ * and scored by prerope_scores, their scales inside them. */
 static void attend_codes(const cb_layout *KL, const cb_layout *VL, const uint8_t *k_rows, const uint8_t *v_rows,
                          int64_t k_bytes, int64_t v_bytes, const float *k_scale, const float *v_scale, int n, int d,
                          const float *queries, const float *shifts, int group, const PreRope *pre, float *tile,
@@ -984,16 +985,17 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
                 kv_load(C->norm_type, C->norms[0] + slot, n, scales);
                 kv_load(C->norm_type, C->norms[1] + slot, n, scales + KEY_CHUNK);
                 float weights[CB_MAX_DIM], offset[CB_MAX_DIM];
-                PreRope pre = {C->unrotation, NULL, NULL, C->rope_cos + (int64_t)t0 * hd, C->rope_sin + (int64_t)t0 * hd};
-                if (C->rope_cos) {
+                PreRope pre, *use_pre = NULL;
+                if (C->rope_cos) {   /* +prerope: this KV head's weights and offset, the chunk's rows' RoPE */
                     for (int i = 0; i < hd && C->weight_codes; i++) weights[i] = key_weight(C, g, hd, i);
                     for (int i = 0; i < hd && C->offset[0]; i++) offset[i] = C->fp8_values[C->offset[0][(int64_t)g * hd + i]];
-                    pre.weights = C->weight_codes ? weights : NULL;
-                    pre.offset = C->offset[0] ? offset : NULL;
+                    pre = (PreRope){C->unrotation, C->weight_codes ? weights : NULL, C->offset[0] ? offset : NULL,
+                                    C->rope_cos + (int64_t)t0 * hd, C->rope_sin + (int64_t)t0 * hd};
+                    use_pre = &pre;
                 }
                 attend_codes(K_layout, V_layout, C->codes[0] + slot * C->row_bytes[0], C->codes[1] + slot * C->row_bytes[1],
                              C->row_bytes[0], C->row_bytes[1], scales, scales + KEY_CHUNK, n, hd, q_coded + (int64_t)g * group * hd,
-                             q_coded + q_dim + g * group, group, C->rope_cos ? &pre : NULL, mine,
+                             q_coded + q_dim + g * group, group, use_pre, mine,
                              scores + ((int64_t)g * group * max_chunks + c) * KEY_CHUNK, (int64_t)max_chunks * KEY_CHUNK,
                              parts + ((int64_t)g * group * max_chunks + c) * (hd + 2), (int64_t)max_chunks * (hd + 2));
                 continue;

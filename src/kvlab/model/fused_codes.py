@@ -67,6 +67,7 @@ class CacheView:
 
     def __init__(self, cache, cfg):
         self._keep: list = []
+        self._slot_rope: tuple[torch.Tensor, torch.Tensor] | None = None   # +prerope: made at the first coded layer
         self.buffers = buffer_layouts(cache)
         L, hd = cfg.n_layers, cfg.head_dim
         self.layers = (LayerKV * L)()
@@ -148,22 +149,15 @@ class CacheView:
             c.weight_codes = self._ptr(cache.k_weight_codes[layer][0], (H, hd // 2), f"{at} key weights", torch.uint8)
         c.fp8_values = self._ptr(fp8_values(), (256,), "float8 values", torch.float32, own=True)
         c.weight_values = self._ptr(weight_values(), (16,), "key weight values", torch.float32, own=True)
-        if cache.config.pre_rope:  # each coded slot's RoPE, as TurboQuantCache._rope computes it (positions sink + slot)
-            cos, sin = self._slot_rope(cache, hd)
-            c.rope_cos = self._ptr(cos, (S, hd), "slot RoPE cos", torch.float32)
-            c.rope_sin = self._ptr(sin, (S, hd), "slot RoPE sin", torch.float32)
+        if cache.config.pre_rope:  # each coded slot's RoPE, one table for every layer
+            if self._slot_rope is None:
+                self._slot_rope = tuple(t.contiguous() for t in cache.slot_rope(0, S))     # (S, hd) cos, sin
+                self._keep.extend(self._slot_rope)
+            c.rope_cos = self._ptr(self._slot_rope[0], (S, hd), "slot RoPE cos", torch.float32)
+            c.rope_sin = self._ptr(self._slot_rope[1], (S, hd), "slot RoPE sin", torch.float32)
             c.unrotation = self._ptr(rotation.T.contiguous(), (hd, hd), f"{at} inverse rotation", torch.float32, own=True)
         return c
 
-    def _slot_rope(self, cache, hd: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(slots, hd) cos and sin of every coded slot's position, made once per view and shared by its layers."""
-        if not hasattr(self, "_rope_tables"):
-            positions = torch.arange(cache.sink, cache.sink + cache.slots, dtype=torch.float32)
-            angles = torch.outer(positions, cache.rope_inv_freq.cpu())                 # (slots, hd/2)
-            angles = torch.cat((angles, angles), dim=-1)                              # (slots, hd)
-            self._rope_tables = (angles.cos().contiguous(), angles.sin().contiguous())
-            self._keep.extend(self._rope_tables)
-        return self._rope_tables
 
 
 def fp8_values() -> torch.Tensor:
