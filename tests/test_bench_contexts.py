@@ -63,7 +63,7 @@ def test_a_name_that_needs_a_recipe_runs_with_the_recipe_calibrated_for_the_mode
     assert "tq4+alloc" in asked
     rows = {r["cache"]: r for r in json.loads(out.read_text())["results"]}
     assert set(rows) == {"dense", "tq4+alloc"} and rows["tq4+alloc"]["tokens_per_s"] > 0
-    assert rows["tq4+alloc"]["step"] == "modules"                     # +alloc: the modules read it
+    assert rows["tq4+alloc"]["step"] == "fused"                       # +alloc: the fused step reads it
 
 
 def test_bad_cache_is_one_line_error():

@@ -5,8 +5,8 @@ the modules, and bad K/V are the module path's one-line errors.
 
 Tolerances. The fused step and the modules compute the same thing in another order (the rotation as a matrix
 product instead of Hadamard / Haar products, the norms applied after the dot products, the chunks' softmax sums
-combined in C): on these models the logits agree within ~1e-5 of their scale when both stored the same codes
-(held to 5e-5). The new token's codes come from two computations of y = Π(x-μ)/‖x-μ‖ that differ by fp32
+combined in C): on these models the logits agree within ~2e-5 of their scale when both stored the same codes, one
+step in 216 at 7e-5 (a Haar-rotated tq3 on a Zen 5 CPU; held to 1e-4, fifty times under a flipped code's effect). The new token's codes come from two computations of y = Π(x-μ)/‖x-μ‖ that differ by fp32
 rounding (~1e-7): a coordinate lying that close to a bucket boundary takes the neighbouring code, and a scale
 that close to a 16-bit rounding edge rounds to the neighbouring value. Such a step is held to 5e-3 of the scale
 (one code of one vector moves the logits by up to a few 1e-3), stored codes must agree but for a tiny fraction,
@@ -34,7 +34,9 @@ from .kernel_checks import MARCH, one_thread, require_kernel  # noqa: F401  (one
 #: every width and option the step serves (each option at least once)
 NAMES = ["tq4", "tq3", "tq5", "tq3.5", "tq-k5v3", "tq3+sink4+recent8", "tq4+recent16+fp-first-last",
          "tq4+center=kv+kscale=lsq+vscale=unbiased+bf16norms", "tq3+rot=haar+kweights=none+center=none+kscale=norm",
-         "tq4+prerope+sink1", "tq3+prerope+recent8", "tq4+prerope+rot=haar+center=none+kweights=none"]
+         "tq4+prerope+sink1", "tq3+prerope+recent8", "tq4+prerope+rot=haar+center=none+kweights=none",
+         # a width per layer, per (layer, KV head): 2 layers × 2 KV heads, each head its own packing
+         "tq4+alloc=k35v44+recent4", "tq3+prerope+sink1+halloc=k2433v3342", "tq4+prerope+sink1+halloc=k3553v4444+kscale=lsq"]
 #: (n_heads, n_kv_heads, head_dim): MHA, GQA, MQA; head dims 64, 128 and 96 (not a power of two: a dense rotation)
 GEOMETRIES = {"MHA-64": (4, 4, 64), "GQA-128": (4, 2, 128), "MQA-96": (3, 1, 96)}
 
@@ -108,15 +110,15 @@ def compare_stored(fused, modules) -> bool:
 
 def assert_held_rows_agree(fused, modules, parts=("_sink_k", "_sink_v", "_win_k", "_win_v")) -> None:
     """Full-precision rows (sinks, windows, dense layers, and any other `parts`): the new token's K/V as C and torch
-    compute them, equal but for fp32 rounding (relative to their scale)."""
+    compute them, equal but for fp32 rounding (relative to their scale: up to 1.01e-5 seen on a Zen 5 CPU, held to 3e-5)."""
     held = [(getattr(fused, part)[layer], want) for part in parts for layer, want in getattr(modules, part).items()]
     held += [(getattr(fused._dense[layer], name), getattr(dense, name)) for layer, dense in modules._dense.items() for name in "kv"]
     for got, want in (pair for pair in held if pair[1].numel()):
-        assert (got - want).abs().max().item() <= 1e-5 * max(1.0, want.abs().max().item())
+        assert (got - want).abs().max().item() <= 3e-5 * max(1.0, want.abs().max().item())
 
 
 def assert_fused_equals_modules(model, name: str, first: int, steps: int, lib, torch_reference: bool = False,
-                                exact_logits: float = 5e-5, compare=compare_stored):
+                                exact_logits: float = 1e-4, compare=compare_stored):
     """Prefill `first` tokens with the modules, then at each of `steps` positions one fused step and one module step
     from the same cache (the modules reading the codes in torch when `torch_reference`). `compare(fused, modules)`
     checks what both stored and says whether it is identical; the logits are held to `exact_logits` of their scale
@@ -157,8 +159,8 @@ def test_every_isa_variant_codes_and_attends_like_torch(variant, geometry, varia
         pytest.skip(f"no {variant} build on this CPU")
     model = model_for(geometry)
     for name in ("tq4", "tq3.5+sink3+recent5"):
-        assert_fused_equals_modules(model, name, 262, 3, variants[variant], torch_reference=True, exact_logits=1e-5)
-    # pre-RoPE keys are rebuilt through the rotation and RoPE in another order than torch's: the module-wide 5e-5
+        assert_fused_equals_modules(model, name, 262, 3, variants[variant], torch_reference=True, exact_logits=5e-5)
+    # pre-RoPE keys are rebuilt through the rotation and RoPE in another order than torch's: the module-wide 1e-4
     assert_fused_equals_modules(model, "tq4+prerope+sink1", 262, 3, variants[variant], torch_reference=True)
 
 
@@ -207,9 +209,7 @@ def test_caches_it_does_not_serve_take_the_modules(native):
     one = torch.tensor([[3]])
     with torch.no_grad():
         model.fused = step
-        units = model.config.n_layers                                   # MQA: one KV head, a width each per layer
-        recipe = "k" + "35" * (units // 2) + "4" * (units % 2) + "v" + "4" * units
-        for name in ("tq4+qjl", "tq4+outliers1", f"tq4+alloc={recipe}", f"tq4+halloc={recipe}"):
+        for name in ("tq4+qjl", "tq4+outliers1"):
             assert not step.serves(make_cache(name, geometry)), name
             assert decode_step_kind(model, make_cache(name, geometry)) == "modules"
         assert decode_step_kind(model, make_cache("tq3.5+sink4+recent8+fp-first-last", geometry)) == "fused"

@@ -140,7 +140,7 @@ def test_every_isa_variant_stores_and_attends_like_torch(variant, geometry, vari
         pytest.skip(f"no {variant} build on this CPU")
     model = model_for(geometry)
     for name in ("int4+g8", "int3+g16+sink3+recent5"):
-        assert_fused_equals_modules(model, name, 259, 6, variants[variant], torch_reference=True, exact_logits=1e-5)
+        assert_fused_equals_modules(model, name, 259, 6, variants[variant], torch_reference=True, exact_logits=5e-5)
 
 
 def test_fused_step_is_the_same_for_any_thread_count(native):

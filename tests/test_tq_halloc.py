@@ -3,8 +3,8 @@
 Each head's codes are exactly what a uniform cache at that head's widths stores for it (bytes, norms, rebuilt
 K/V); attention reads what is stored, chunk or token by token; the bytes are the formula's, the uniform
 cache's per token plus the L·Hkv·2-byte recipe; the calibration shares each layer's KL out over its heads
-deterministically and the allocator meets the budget exactly; a bad recipe is a one-line error; the fused
-decode step and the serving pool refuse it (the modules read it).
+deterministically and the allocator meets the budget exactly; a bad recipe is a one-line error; the serving pool
+refuses it (the fused decode step reads it: tests/test_fused_codes.py).
 """
 
 from __future__ import annotations

@@ -390,7 +390,8 @@ static float scale_top(float *s, const float *scale, int n) {
 }
 
 typedef struct {                   /* +prerope: how a chunk's coded keys are rebuilt, then turned to their positions */
-    const float *unrotation;       /* (d, d) Mᵀ: the key before its scale is x = y Mᵀ = Σ_j y_j Mᵀ[j] */
+    const float *unrotation;       /* (d, d) Mᵀ: the key before its scale is x = y Mᵀ = Σ_j y_j Mᵀ[j] ... */
+    const float *signs;            /* ... or, for a randomized Hadamard M = H diag(s)/√d, (d,) s/√d: x = (H y) ⊙ s/√d */
     const float *weights;          /* (d,) the key channel weights, or NULL */
     const float *offset;           /* (d,) the key offset, or NULL */
     const float *cos_, *sin_;      /* (n, d) of the chunk's rows, as rope() takes them */
@@ -422,25 +423,122 @@ static void unrotate(const float *y, const float *unrotation, int d, float *x) {
     }
 }
 
+/* x (d,) = H y in place for each of `rows` rows of d floats, H the Sylvester Hadamard matrix of order d (a power of
+ * two): log2 d butterfly stages, (a, b) -> (a + b, a - b) for each pair h apart. The plain reference of
+ * rebuild_hadamard_rows. */
+static void hadamard_rows(float *rows_, int rows, int d) {
+    for (int r = 0; r < rows; r++) {
+        float *x = rows_ + (int64_t)r * d;
+        for (int h = 1; h < d; h *= 2)
+            for (int i = 0; i < d; i += 2 * h)
+                for (int j = i; j < i + h; j++) {
+                    const float a = x[j], b = x[j + h];
+                    x[j] = a + b;
+                    x[j + h] = a - b;
+                }
+    }
+}
+
+/* RoPE of one rebuilt key, pairs (i, i + d/2) as rope(), reading only the first half of the cos / sin rows (the
+ * second repeats it) */
+static void rope_half_table(float *x, const float *cos_, const float *sin_, int d) {
+    const int half = d / 2;
+    for (int i = 0; i < half; i++) {
+        const float x1 = x[i], x2 = x[i + half];
+        x[i] = x1 * cos_[i] - x2 * sin_[i];
+        x[i + half] = x2 * cos_[i] + x1 * sin_[i];
+    }
+}
+
+#if defined(__AVX512F__)
+#define REBUILD_INLINE static inline __attribute__((always_inline))
+/* rows (rows, d) of decoded ŷ -> rebuilt keys in place, each as the plain path makes it (hadamard_rows, then
+ * x · factor · scale + offset, then rope_half_table), the whole row in registers: the Hadamard stages h = 1, 2, 4, 8
+ * inside each 16-lane block as one shuffle and one FMA (x ± partner: lanes whose bit h is set take partner - x), the
+ * wider ones between blocks, the four blocks' chains interleaved. d a multiple of 32 (RoPE halves of whole blocks);
+ * inlined with d = 64 so that case keeps every block in a register. */
+REBUILD_INLINE void rebuild_hadamard_core(float *rows, int count, int d, const float *factor, const float *scale,
+                                          const float *offset, const float *cos_, const float *sin_) {
+    static const __mmask16 upper[4] = {0xaaaa, 0xcccc, 0xf0f0, 0xff00};   /* lanes whose bit h is set */
+    __m512 sign[4];   /* +1 below, -1 on the lanes whose bit h is set */
+    for (int step = 0; step < 4; step++) sign[step] = _mm512_mask_blend_ps(upper[step], _mm512_set1_ps(1.0f), _mm512_set1_ps(-1.0f));
+    const int blocks = d / 16, half = blocks / 2;
+    for (int r = 0; r < count; r++) {
+        float *x = rows + (int64_t)r * d;
+        __m512 v[CB_MAX_DIM / 16];
+        for (int b = 0; b < blocks; b++) v[b] = _mm512_loadu_ps(x + 16 * b);
+        /* partner j ^ h: h = 1, 2 inside 128-bit lanes, h = 4, 8 whole 128-bit lanes (cheaper than a full permute) */
+        for (int b = 0; b < blocks; b++) v[b] = _mm512_fmadd_ps(v[b], sign[0], _mm512_permute_ps(v[b], 0xb1));
+        for (int b = 0; b < blocks; b++) v[b] = _mm512_fmadd_ps(v[b], sign[1], _mm512_permute_ps(v[b], 0x4e));
+        for (int b = 0; b < blocks; b++) v[b] = _mm512_fmadd_ps(v[b], sign[2], _mm512_shuffle_f32x4(v[b], v[b], 0xb1));
+        for (int b = 0; b < blocks; b++) v[b] = _mm512_fmadd_ps(v[b], sign[3], _mm512_shuffle_f32x4(v[b], v[b], 0x4e));
+        for (int h = 1; h < blocks; h *= 2)            /* pairs of blocks h apart */
+            for (int i = 0; i < blocks; i += 2 * h)
+                for (int j = i; j < i + h; j++) {
+                    const __m512 a = v[j], c = v[j + h];
+                    v[j] = _mm512_add_ps(a, c);
+                    v[j + h] = _mm512_sub_ps(a, c);
+                }
+        const __m512 s = _mm512_set1_ps(scale[r]);
+        for (int b = 0; b < blocks; b++) {
+            const __m512 f = _mm512_mul_ps(_mm512_loadu_ps(factor + 16 * b), s);
+            v[b] = offset ? _mm512_fmadd_ps(v[b], f, _mm512_loadu_ps(offset + 16 * b)) : _mm512_mul_ps(v[b], f);
+        }
+        const float *c_row = cos_ + (int64_t)r * d, *s_row = sin_ + (int64_t)r * d;
+        for (int b = 0; b < half; b++) {
+            const __m512 x1 = v[b], x2 = v[b + half];
+            const __m512 c = _mm512_loadu_ps(c_row + 16 * b), sn = _mm512_loadu_ps(s_row + 16 * b);
+            _mm512_storeu_ps(x + 16 * b, _mm512_fnmadd_ps(x2, sn, _mm512_mul_ps(x1, c)));
+            _mm512_storeu_ps(x + 16 * (b + half), _mm512_fmadd_ps(x1, sn, _mm512_mul_ps(x2, c)));
+        }
+    }
+}
+
+static void rebuild_hadamard_rows(float *rows, int count, int d, const float *factor, const float *scale,
+                                  const float *offset, const float *cos_, const float *sin_) {
+    if (d == 64)
+        rebuild_hadamard_core(rows, count, 64, factor, scale, offset, cos_, sin_);
+    else
+        rebuild_hadamard_core(rows, count, d, factor, scale, offset, cos_, sin_);
+}
+#endif
+
 /* Scores of the `group` queries (already scaled, original domain) against n pre-RoPE coded keys, rebuilt a sub-tile at a
  * time as TurboQuantCache._keys rebuilds them: k = (ŷ Mᵀ · scale) ⊙ w + μ, then RoPE at the row's position; each
- * rebuilt key replaces its decoded row in `tile`, and every query head then scores the sub-tile (key_scores). */
+ * rebuilt key replaces its decoded row in `tile`, and every query head then scores the sub-tile (key_scores).
+ * ŷ Mᵀ is a Hadamard transform and a sign per channel where M is a randomized Hadamard (pre->signs), the d x d
+ * product otherwise; the signs, weights and scale are one factor per channel. */
 static void prerope_scores(const cb_layout *KL, const uint8_t *k_rows, int64_t k_bytes, const float *k_scale, int n,
                            int d, const PreRope *pre, const float *queries, int group, float *tile, float *scores,
                            int64_t score_stride) {
-    float key[CB_MAX_DIM];
+    float key[CB_MAX_DIM], factor[CB_MAX_DIM];   /* factor: s/√d (Hadamard) times w, per channel */
+    for (int c = 0; c < d; c++) factor[c] = (pre->signs ? pre->signs[c] : 1.0f) * (pre->weights ? pre->weights[c] : 1.0f);
     for (int t0 = 0; t0 < n; t0 += SUB_ROWS) {
         const int count = n - t0 < SUB_ROWS ? n - t0 : SUB_ROWS;
         kvlab_cb_decode_rows(KL, k_rows + (int64_t)t0 * k_bytes, k_bytes, count, tile, d);
+#if defined(__AVX512F__)
+        if (pre->signs && d % 32 == 0) {
+            rebuild_hadamard_rows(tile, count, d, factor, k_scale + t0, pre->offset, pre->cos_ + (int64_t)t0 * d,
+                                  pre->sin_ + (int64_t)t0 * d);
+            for (int i = 0; i < group; i++) key_scores(queries + (int64_t)i * d, tile, 0, count, d, 1.0f, scores + i * score_stride + t0);
+            continue;
+        }
+#endif
+        if (pre->signs) hadamard_rows(tile, count, d);
         for (int r = 0; r < count; r++) {
             const int t = t0 + r;
             float *row = tile + (int64_t)r * d;
-            unrotate(row, pre->unrotation, d, key);
-            for (int c = 0; c < d; c++) {
-                const float x = key[c] * k_scale[t] * (pre->weights ? pre->weights[c] : 1.0f);
-                row[c] = pre->offset ? x + pre->offset[c] : x;
+            const float *x = row;
+            if (!pre->signs) {
+                unrotate(row, pre->unrotation, d, key);
+                x = key;
             }
-            rope(row, pre->cos_ + (int64_t)t * d, pre->sin_ + (int64_t)t * d, d);
+            const float scale = k_scale[t];
+            if (pre->offset)
+                for (int c = 0; c < d; c++) row[c] = x[c] * (factor[c] * scale) + pre->offset[c];
+            else
+                for (int c = 0; c < d; c++) row[c] = x[c] * (factor[c] * scale);
+            rope_half_table(row, pre->cos_ + (int64_t)t * d, pre->sin_ + (int64_t)t * d, d);
         }
         for (int i = 0; i < group; i++) key_scores(queries + (int64_t)i * d, tile, 0, count, d, 1.0f, scores + i * score_stride + t0);
     }
@@ -525,16 +623,22 @@ enum { WRITE_FIRST = 0, WRITE_CODED = 1, WRITE_RECENT = 2, WRITE_SPILL = 3 };  /
                                                                                   coded, the new one joins the window */
 enum { SCALE_NORM = 0, SCALE_RENORM = 1, SCALE_LSQ = 2, SCALE_UNBIASED = 3 };  /* turboquant.py SCALE_MODES */
 
+typedef struct {                   /* one KV head's key or value codes in a TurboQuant layer: its width's packing */
+    int64_t at;                    /* byte offset of the head's slot 0 in `codes` */
+    int64_t row_bytes;             /* bytes of one of its rows */
+    int32_t n_parts;
+    const int32_t *spec;           /* n_parts x (lo, hi, bits) */
+    const float *tables;           /* each part's centroids, padded (codebook.c) */
+    const float *bounds;           /* each part's 2^bits - 1 boundaries in turn */
+} HeadCodes;
+
 typedef struct {                   /* a TurboQuant layer's codes (kvlab/cache/turboquant.py); [0] keys, [1] values */
     int32_t slots;                 /* coded rows per KV head */
     int32_t norm_type;             /* KV_F16 or KV_BF16 */
-    uint8_t *codes[2];             /* (Hkv, slots, row_bytes) */
+    uint8_t *codes[2];             /* (Hkv, slots, row_bytes), or (slots, Σ heads' row bytes) with +halloc */
     uint16_t *norms[2];            /* (Hkv, slots): the stored scales */
-    int64_t row_bytes[2];
-    int32_t n_parts[2];
-    const int32_t *spec[2];        /* n_parts x (lo, hi, bits) */
-    const float *tables[2];        /* each part's centroids, padded (codebook.c) */
-    const float *bounds[2];        /* each part's 2^bits - 1 boundaries in turn */
+    int64_t slot_bytes[2];         /* bytes from one slot of a head to its next */
+    const HeadCodes *heads[2];     /* (Hkv,): each head's packing (one width for all but with +halloc) */
     int32_t scale_mode[2];
     const float *rotation;         /* (hd, hd) M: the rotated vector is y = x M */
     const uint8_t *offset[2];      /* (Hkv, hd) float8 e4m3 offsets, or NULL */
@@ -544,6 +648,7 @@ typedef struct {                   /* a TurboQuant layer's codes (kvlab/cache/tu
     const float *rope_cos, *rope_sin;  /* +prerope: (slots, hd) cos / sin of each coded slot's position, as rope()
                                           takes them (keys are coded before RoPE, turned when read); NULL otherwise */
     const float *unrotation;       /* +prerope: (hd, hd) Mᵀ, row-major (a rotated key turns back as x = y Mᵀ) */
+    const float *unrotation_signs; /* +prerope with a randomized Hadamard M = H diag(s)/√d: (hd,) s/√d, else NULL */
 } Coded;
 
 typedef struct {                   /* an integer layer's codes (kvlab/cache/quantized.py QuantizedCache) */
@@ -575,6 +680,11 @@ typedef struct {                   /* rows a coded layer's parts hold before the
     int32_t write;
 } Fill;
 
+/* KV head g's coded row of slot t: keys (i = 0) or values (1) */
+static uint8_t *coded_row(const Coded *C, int i, int g, int64_t t) {
+    return C->codes[i] + C->heads[i][g].at + t * C->slot_bytes[i];
+}
+
 /* y (d,) = x M, M (d, d) row-major */
 static void rotate(const float *x, const float *M, int d, float *y) {
     for (int j = 0; j < d; j++) y[j] = 0.0f;
@@ -591,6 +701,7 @@ static float key_weight(const Coded *C, int g, int d, int c) {
  * scale ||x'|| * factor rounded to 16 bits, the codes of y = x' M / ||x'||. 0, or 1 when the scale is not finite. */
 static int code_vector(const Coded *C, const cb_layout *L, int which, int g, const float *x_in, int d,
                        uint8_t *row, uint16_t *scale_out) {
+    const float *bounds = C->heads[which][g].bounds;
     float x[CB_MAX_DIM], y[CB_MAX_DIM], y_hat[CB_MAX_DIM];
     const uint8_t *offset = C->offset[which] ? C->offset[which] + (int64_t)g * d : NULL;
     for (int c = 0; c < d; c++) {
@@ -600,7 +711,7 @@ static int code_vector(const Coded *C, const cb_layout *L, int which, int g, con
     const float norm = sqrtf(dot(x, x, d)), inv = norm > 1e-30f ? norm : 1e-30f;
     rotate(x, C->rotation, d, y);
     for (int c = 0; c < d; c++) y[c] /= inv;
-    kvlab_cb_encode_row(L, C->bounds[which], y, row, y_hat);
+    kvlab_cb_encode_row(L, bounds, y, row, y_hat);
     float factor = 1.0f;
     if (C->scale_mode[which] != SCALE_NORM) {
         const float sq_raw = dot(y_hat, y_hat, d), sq = sq_raw > 1e-30f ? sq_raw : 1e-30f, yy = dot(y, y_hat, d);
@@ -783,7 +894,7 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
     const int d = m->d_model, hd = m->head_dim, H = m->n_heads, Hkv = m->n_kv_heads, n_layers = m->n_layers;
     if (pos < 0 || Hkv <= 0 || H % Hkv != 0 || hd % 2 != 0 || hd > CB_MAX_DIM || n_threads < 1) return -1;
     int any_coded = 0, any_16 = 0, any_int = 0, max_chunks = 0;
-    cb_layout *layouts = calloc(2 * (size_t)n_layers, sizeof(cb_layout));   /* K, V layout of each coded layer */
+    cb_layout *layouts = calloc(2 * (size_t)n_layers * (size_t)Hkv, sizeof(cb_layout));   /* K, V layout of each coded layer's heads */
     if (!layouts) return -1;
     for (int l = 0; l < n_layers; l++) {
         const LayerKV *L = &kv[l];
@@ -792,9 +903,14 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
         if (L->coded) {
             const Coded *C = L->coded;
             if (L->type != KV_F32 || !fill || !fill_fits(L, fill) || (C->norm_type != KV_F16 && C->norm_type != KV_BF16)) { free(layouts); return -1; }
-            for (int i = 0; i < 2; i++)
-                if (kvlab_cb_layout(&layouts[2 * l + i], hd, C->n_parts[i], C->spec[i], C->tables[i], C->row_bytes[i])
-                    || C->scale_mode[i] < SCALE_NORM || C->scale_mode[i] > SCALE_UNBIASED) { free(layouts); return -1; }
+            for (int i = 0; i < 2; i++) {
+                if (C->scale_mode[i] < SCALE_NORM || C->scale_mode[i] > SCALE_UNBIASED || !C->heads[i]) { free(layouts); return -1; }
+                for (int g = 0; g < Hkv; g++) {
+                    const HeadCodes *h = &C->heads[i][g];
+                    if (kvlab_cb_layout(&layouts[(2 * (int64_t)l * Hkv + 2 * g) + i], hd, h->n_parts, h->spec, h->tables, h->row_bytes)
+                        || h->row_bytes > ROW_ROOM || h->at < 0 || h->row_bytes > C->slot_bytes[i]) { free(layouts); return -1; }
+                }
+            }
             const int spill = fill->write == WRITE_SPILL;
             chunks = chunks_of(fill->first + (fill->write == WRITE_FIRST)) + chunks_of(fill->coded + (fill->write == WRITE_CODED || spill))
                    + chunks_of(fill->recent + (fill->write == WRITE_RECENT));
@@ -845,7 +961,7 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
         const LayerKV *L = &kv[l];
         const Coded *C = L->coded;
         Quantized *Q = L->quant;
-        const cb_layout *K_layout = &layouts[2 * l], *V_layout = &layouts[2 * l + 1];
+        const cb_layout *head_layouts = &layouts[2 * (int64_t)l * Hkv];   /* head g's keys at [2g], values at [2g + 1] */
         const size_t elem = L->type == KV_F32 ? 4 : 2;
         /* rows of each part once this token is in, and their chunks */
         int start = 0, n_first, n_coded = 0, n_recent = 0;
@@ -886,8 +1002,8 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
                         unrope(src_k, C->rope_cos + (int64_t)fill->coded * hd, C->rope_sin + (int64_t)fill->coded * hd, hd, pre_rope_k);
                         src_k = pre_rope_k;
                     }
-                    if (code_vector(C, K_layout, 0, g, src_k, hd, new_codes + (size_t)g * 2 * ROW_ROOM, &new_scales[2 * g])
-                        || code_vector(C, V_layout, 1, g, src_v, hd, new_codes + (size_t)g * 2 * ROW_ROOM + ROW_ROOM,
+                    if (code_vector(C, &head_layouts[2 * g], 0, g, src_k, hd, new_codes + (size_t)g * 2 * ROW_ROOM, &new_scales[2 * g])
+                        || code_vector(C, &head_layouts[2 * g + 1], 1, g, src_v, hd, new_codes + (size_t)g * 2 * ROW_ROOM + ROW_ROOM,
                                        &new_scales[2 * g + 1]))
                         status = n_layers + l + 1;
                 }
@@ -911,8 +1027,8 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
                     else if (write == WRITE_CODED || write == WRITE_SPILL) {
                         const uint8_t *codes = new_codes + (size_t)g * 2 * ROW_ROOM;
                         const int64_t slot = (int64_t)g * C->slots + fill->coded;
-                        memcpy(C->codes[0] + slot * C->row_bytes[0], codes, (size_t)C->row_bytes[0]);
-                        memcpy(C->codes[1] + slot * C->row_bytes[1], codes + ROW_ROOM, (size_t)C->row_bytes[1]);
+                        memcpy(coded_row(C, 0, g, fill->coded), codes, (size_t)C->heads[0][g].row_bytes);
+                        memcpy(coded_row(C, 1, g, fill->coded), codes + ROW_ROOM, (size_t)C->heads[1][g].row_bytes);
                         C->norms[0][slot] = new_scales[2 * g];
                         C->norms[1][slot] = new_scales[2 * g + 1];
                     }
@@ -989,12 +1105,12 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
                 if (C->rope_cos) {   /* +prerope: this KV head's weights and offset, the chunk's rows' RoPE */
                     for (int i = 0; i < hd && C->weight_codes; i++) weights[i] = key_weight(C, g, hd, i);
                     for (int i = 0; i < hd && C->offset[0]; i++) offset[i] = C->fp8_values[C->offset[0][(int64_t)g * hd + i]];
-                    pre = (PreRope){C->unrotation, C->weight_codes ? weights : NULL, C->offset[0] ? offset : NULL,
+                    pre = (PreRope){C->unrotation, C->unrotation_signs, C->weight_codes ? weights : NULL, C->offset[0] ? offset : NULL,
                                     C->rope_cos + (int64_t)t0 * hd, C->rope_sin + (int64_t)t0 * hd};
                     use_pre = &pre;
                 }
-                attend_codes(K_layout, V_layout, C->codes[0] + slot * C->row_bytes[0], C->codes[1] + slot * C->row_bytes[1],
-                             C->row_bytes[0], C->row_bytes[1], scales, scales + KEY_CHUNK, n, hd, q_coded + (int64_t)g * group * hd,
+                attend_codes(&head_layouts[2 * g], &head_layouts[2 * g + 1], coded_row(C, 0, g, t0), coded_row(C, 1, g, t0),
+                             C->slot_bytes[0], C->slot_bytes[1], scales, scales + KEY_CHUNK, n, hd, q_coded + (int64_t)g * group * hd,
                              q_coded + q_dim + g * group, group, use_pre, mine,
                              scores + ((int64_t)g * group * max_chunks + c) * KEY_CHUNK, (int64_t)max_chunks * KEY_CHUNK,
                              parts + ((int64_t)g * group * max_chunks + c) * (hd + 2), (int64_t)max_chunks * (hd + 2));

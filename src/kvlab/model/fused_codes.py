@@ -11,13 +11,16 @@ width's layout (kernels/codebook.py `CodeLayout`) with its boundaries.
 
 +prerope (keys coded before RoPE): the new key is turned back at its slot's position before it is coded, and a chunk's
 keys are rebuilt a sub-tile at a time (ŷ Mᵀ · scale ⊙ w + μ), turned to their positions and scored against q itself,
-as TurboQuantCache._keys does; the view holds each coded slot's cos and sin, (slots, d) each, made once.
+as TurboQuantCache._keys does; the view holds each coded slot's cos and sin, (slots, d) each, made once. With the
+randomized Hadamard rotation (every power-of-two head dim unless +rot=haar) ŷ Mᵀ is a fast Walsh-Hadamard transform
+and a sign per channel (d log d additions), the view passing s/√d; otherwise the C code multiplies by Mᵀ (d²).
 
-Served: every width (3/5-bit, fractional, mixed K/V), +sinkN, +recentN, +fp-first-last (dense layers in the same
-step), +center=…, +kweights=none, +rot=haar, +prerope, every scale mode, f16/bf16 norms. Not served (the modules run
-them): +qjl, +outliersN, +alloc and +halloc (widths per layer / head), a sliding-window model, batches, other dtypes and
-devices, and a step that would calibrate a layer (its first coded token) or find a layer's first chunk still waiting
-for its queries.
+Served: every width (3/5-bit, fractional, mixed K/V), +alloc / +halloc (a width per layer / per KV head: each head
+gets its own packing, `HeadCodes`, and with +halloc its bytes' place in the layer's shared row), +sinkN, +recentN,
++fp-first-last (dense layers in the same step), +center=…, +kweights=none, +rot=haar, +prerope, every scale mode,
+f16/bf16 norms. Not served (the modules run them): +qjl, +outliersN, a sliding-window model, batches, other dtypes
+and devices, and a step that would calibrate a layer (its first coded token) or find a layer's first chunk still
+waiting for its queries.
 
 The compressed formats' modules are imported where a compressed cache is met, never for a dense cache: a dense
 run does not load them (cache/__init__.py).
@@ -42,12 +45,16 @@ SCALE_MODES = {"norm": 0, "renorm": 1, "lsq": 2, "unbiased": 3}       # decode.c
 WHAT = "fused decode"
 
 
+class HeadCodes(ctypes.Structure):
+    _fields_ = [("at", c_int64), ("row_bytes", c_int64), ("n_parts", c_int32), ("spec", c_void_p), ("tables", c_void_p),
+                ("bounds", c_void_p)]
+
+
 class Coded(ctypes.Structure):
     _fields_ = [("slots", c_int32), ("norm_type", c_int32), ("codes", c_void_p * 2), ("norms", c_void_p * 2),
-                ("row_bytes", c_int64 * 2), ("n_parts", c_int32 * 2), ("spec", c_void_p * 2), ("tables", c_void_p * 2),
-                ("bounds", c_void_p * 2), ("scale_mode", c_int32 * 2), ("rotation", c_void_p), ("offset", c_void_p * 2),
+                ("slot_bytes", c_int64 * 2), ("heads", ctypes.POINTER(HeadCodes) * 2), ("scale_mode", c_int32 * 2), ("rotation", c_void_p), ("offset", c_void_p * 2),
                 ("weight_codes", c_void_p), ("fp8_values", c_void_p), ("weight_values", c_void_p),
-                ("rope_cos", c_void_p), ("rope_sin", c_void_p), ("unrotation", c_void_p)]
+                ("rope_cos", c_void_p), ("rope_sin", c_void_p), ("unrotation", c_void_p), ("unrotation_signs", c_void_p)]
 
 
 class LayerKV(ctypes.Structure):
@@ -68,6 +75,7 @@ class CacheView:
     def __init__(self, cache, cfg):
         self._keep: list = []
         self._slot_rope: tuple[torch.Tensor, torch.Tensor] | None = None   # +prerope: made at the first coded layer
+        self._bounds: dict[int, torch.Tensor] = {}                          # each width's boundaries, by codebook
         self.buffers = buffer_layouts(cache)
         L, hd = cfg.n_layers, cfg.head_dim
         self.layers = (LayerKV * L)()
@@ -129,16 +137,21 @@ class CacheView:
         at = f"layer {layer}"
         c = Coded()
         c.slots, c.norm_type = S, KV_TYPES[cache.config.norm_dtype]
-        for i, (name, codes, mode) in enumerate((("k", cache.key_codes, cache._key_scale),
-                                                 ("v", cache.value_codes, cache.config.value_scale))):
-            layout = codes.layout
-            c.codes[i] = self._ptr(getattr(cache, f"{name}_codes")[layer][0], (H, S, layout.row_bytes), f"{at} {name} codes", torch.uint8)
+        for i, (name, layer_codes, mode) in enumerate((("k", cache.layer_key_codes[layer], cache._key_scale),
+                                                       ("v", cache.layer_value_codes[layer], cache.config.value_scale))):
+            if cache.config.alloc_heads:   # +halloc: one row of every head's codes side by side, (1, S, Σ bytes)
+                books, starts, row = layer_codes.heads, [a for a, _ in layer_codes.spans], layer_codes.row_bytes
+                shape, c.slot_bytes[i] = (1, S, row), row
+            else:                          # one width for the layer's heads, (H, S, bytes)
+                books, row = [layer_codes] * H, layer_codes.layout.row_bytes
+                starts, shape, c.slot_bytes[i] = [h * S * row for h in range(H)], (H, S, row), row
+            c.codes[i] = self._ptr(getattr(cache, f"{name}_codes")[layer][0], shape, f"{at} {name} codes", torch.uint8)
             c.norms[i] = self._ptr(getattr(cache, f"{name}_norm")[layer][0], (H, S), f"{at} {name} norms", cache.config.norm_dtype)
-            c.row_bytes[i], c.n_parts[i] = layout.row_bytes, layout.spec.shape[0]
-            c.spec[i] = self._ptr(layout.spec, tuple(layout.spec.shape), f"{name} layout", torch.int32)
-            c.tables[i] = self._ptr(layout.tables, tuple(layout.tables.shape), f"{name} centroids", torch.float32)
-            bounds = torch.cat(codes.boundaries).float().cpu().contiguous()   # each part's 2^bits - 1 in turn
-            c.bounds[i] = self._ptr(bounds, tuple(bounds.shape), f"{name} boundaries", torch.float32, own=True)
+            heads = (HeadCodes * H)()
+            for h, (book, start) in enumerate(zip(books, starts)):
+                heads[h] = self._head_codes(book, start, name)
+            self._keep.append(heads)
+            c.heads[i] = ctypes.cast(heads, ctypes.POINTER(HeadCodes))
             c.scale_mode[i] = SCALE_MODES[mode]
             offsets = getattr(cache, f"{name}_offset")
             if offsets:  # float8 bytes, read through fp8_values
@@ -156,8 +169,24 @@ class CacheView:
             c.rope_cos = self._ptr(self._slot_rope[0], (S, hd), "slot RoPE cos", torch.float32)
             c.rope_sin = self._ptr(self._slot_rope[1], (S, hd), "slot RoPE sin", torch.float32)
             c.unrotation = self._ptr(rotation.T.contiguous(), (hd, hd), f"{at} inverse rotation", torch.float32, own=True)
+            if cache.rotations[layer].hadamard:   # Mᵀy = s ⊙ (H y)/√d: a Hadamard transform in C, not the d x d product
+                signs = cache.rotations[layer].signs.float() * hd ** -0.5                    # (D,) s/√d
+                c.unrotation_signs = self._ptr(signs, (hd,), f"{at} rotation signs", torch.float32, own=True)
         return c
 
+
+
+    def _head_codes(self, book, start: int, name: str) -> HeadCodes:
+        """One KV head's packing: its width's layout and boundaries (made once per width), its bytes from `start`."""
+        layout = book.layout
+        bounds = self._bounds.get(id(book))
+        if bounds is None:   # each part's 2^bits - 1 boundaries in turn
+            bounds = self._bounds[id(book)] = torch.cat(book.boundaries).float().cpu().contiguous()
+            self._keep.append(bounds)
+        return HeadCodes(start, layout.row_bytes, layout.spec.shape[0],
+                         self._ptr(layout.spec, tuple(layout.spec.shape), f"{name} layout", torch.int32),
+                         self._ptr(layout.tables, tuple(layout.tables.shape), f"{name} centroids", torch.float32),
+                         self._ptr(bounds, tuple(bounds.shape), f"{name} boundaries", torch.float32))
 
 
 def fp8_values() -> torch.Tensor:
@@ -202,7 +231,7 @@ def serves_codes(cache, cfg) -> bool:
     g = cache.geometry
     return (
         type(cache) is TurboQuantCache and cache.dtype == torch.float32 and cache.device.type == "cpu"
-        and not cache.config.qjl and not cache.config.outliers and not cache.config.alloc
+        and not cache.config.qjl and not cache.config.outliers
         and g.window is None and cfg.sliding_window is None
         and cfg.head_dim % 2 == 0 and cfg.head_dim <= 1024
         and (g.batch, g.n_layers, g.n_kv_heads, g.head_dim, g.head_dim_v) == (1, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.head_dim)
