@@ -61,8 +61,9 @@ Every read takes the layer's RotatedCodes (`layer_key_codes`, `layer_value_codes
 `+halloc` (allocation.py): the same per (layer, KV head) unit, spelled `+halloc=k…v…` with n_layers·n_kv_heads
 digits each (layer-major) or calibrated for the model. A layer's codes buffer then holds each head's codes side by
 side in one row, (B, 1, slots, Σ_h bytes_h), read by `HeadCodes` (per head, its own width's RotatedCodes); the
-per-token bytes are again the uniform cache's and the recipe costs L·Hkv·2 uint8. Only the torch path reads it
-(no C code kernel): the fused decode step and the serving pool, whose buffers hold one width per layer, do not.
+per-token bytes are again the uniform cache's and the recipe costs L·Hkv·2 uint8. The module path reads it in torch
+(no C code kernel), the fused decode step in C (each head its own packing, model/fused_codes.py); the serving pool,
+whose buffers hold one width for every head, does not.
 
 Fractional widths (tq3.5, tq2.5): after the rotation all d coordinates follow the same law, so no
 channel is an outlier any more; "outlier channels" are simply the first ⌊frac·d⌉ rotated
