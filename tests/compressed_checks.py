@@ -47,6 +47,12 @@ def check_attend_is_exact_to_storage(name: str, geometry: CacheGeometry = GEOMET
             torch.testing.assert_close(out.float(), ref, atol=2e-5, rtol=1e-4)
 
 
+def check_attend_is_exact_chunked_and_token_by_token(name: str, geometry: CacheGeometry = GEOMETRY) -> None:
+    """check_attend_is_exact_to_storage for a prefill, decode steps and chunks (CHUNKS), and for 12 single tokens."""
+    for chunks in (CHUNKS, (1,) * 12):
+        check_attend_is_exact_to_storage(name, geometry, chunks=chunks)
+
+
 def check_attend_is_token_by_token(name: str, geometry: CacheGeometry = GEOMETRY, chunks=CHUNKS) -> None:
     """attend() over each chunk of `chunks`, row by row == dense grouped attention over the K/V that the same
     cache fed one token at a time holds (dequantized) right after that row's token: a chunk reads, for
@@ -110,3 +116,20 @@ def check_code_kernel_equals_the_torch_path(name: str, seed: int) -> None:
             reference.append(layer, k, v)
             assert (direct.attend(layer, q) - reference.attend(layer, q)).abs().max().item() < 1e-5
     assert direct.nbytes == reference.nbytes
+
+
+def check_only_the_modules_read_it(name: str, option: str) -> None:
+    """A TurboQuant option the C reads do not decode: the fused step does not serve it (the plain width it does) and
+    the serving pool refuses it with a one-line error naming the option."""
+    from kvlab.errors import ConfigError
+    from kvlab.model.fused_codes import serves_codes
+    from kvlab.serve.formats import block_format
+    from .conftest import tiny_model
+
+    model = tiny_model(n_heads=4, n_kv_heads=2, d_model=256)
+    geometry = CacheGeometry.for_model(model.config, capacity=16)
+    assert serves_codes(make_cache(name.split("+")[0], geometry), model.config)
+    assert not serves_codes(make_cache(name, geometry), model.config)
+    with pytest.raises(ConfigError, match=f"\\({option}".replace("+", "\\+")) as err:
+        block_format(name, GEOMETRY, 16)
+    assert "\n" not in str(err.value)

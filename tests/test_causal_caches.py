@@ -55,7 +55,8 @@ def two_sequences() -> torch.Tensor:
 
 @pytest.mark.parametrize("name", ["dense", "dense-f16", "dense-bf16", *EXAMPLES, "tq4+outliers2",
                                   "tq-k4v3.625+prerope+outliers1+sink1",
-                                  "tq4+halloc=k3553v4444", "tq3+prerope+sink1+halloc=k2433v3342"])  # 2 layers × 2 KV heads
+                                  "tq4+halloc=k3553v4444", "tq3+prerope+sink1+halloc=k2433v3342",  # 2 layers × 2 KV heads
+                                  "tq3+vq+norms8", "tq3+prerope+sink1+halloc=k2433v3342+vq+norms8"])
 def test_later_tokens_never_change_earlier_logits(model, name):
     tokens = two_sequences()
     # one sequence per run: batch rows could share per-batch statistics

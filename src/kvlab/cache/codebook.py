@@ -91,9 +91,12 @@ def _load(path: Path, dim: int, bits: int) -> Codebook | None:
 
 
 def _save(path: Path, book: Codebook) -> None:
+    save_json(path, {"format": _FORMAT, "dim": book.dim, "bits": book.bits, "centroids": list(book.centroids),
+                     "boundaries": list(book.boundaries), "coord_mse": book.coord_mse})
+
+
+def save_json(path: Path, record: dict) -> None:
     """Atomic write (tmp + rename); a read-only cache directory only costs a recomputation next time."""
-    record = {"format": _FORMAT, "dim": book.dim, "bits": book.bits, "centroids": list(book.centroids),
-              "boundaries": list(book.boundaries), "coord_mse": book.coord_mse}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")

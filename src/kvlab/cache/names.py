@@ -32,6 +32,12 @@
                                         whole ones and sum to the total rounded down (so does +alloc)
              | "halloc" [N] "=k" D+ "v" D+  (tq) that recipe spelled out, n_layers·n_kv_heads digits each,
                                         layer 0's heads first
+             | "vq"                     (tq) 2- and 3-bit codes in blocks of 4 coordinates: 4 signs and an
+                                        index into sign-symmetric magnitude points (vector_codebook.py), the
+                                        scalar codes' bytes (+ the points, 4 KiB at 3 bits, counted)
+             | "norms8"                 (tq) each vector's scale as an 8-bit log code (16 steps per octave, at
+                                        most 2.2% off, ±8 octaves around a float16 centre per layer, KV
+                                        head and K/V set by the first coded chunk): 1 byte per vector, not 2
              | "outliers" N             (tq) dense-and-sparse keys: the N (1..head dim) largest-magnitude
                                         entries of every key vector kept exactly, each as its channel
                                         (uint8) + its value (float16), 3 bytes, the rest coded; pay for
@@ -111,6 +117,10 @@ def parse(name: str) -> tuple[type, object]:
             settings["key_weights"] = False
         elif option == "prerope":
             settings["pre_rope"] = True
+        elif option == "vq":
+            settings["vector"] = True
+        elif option == "norms8":
+            settings["log_norms"] = True
         elif m := re.fullmatch(r"rot=(hadamard|haar)", option):
             settings["rotation"] = m.group(1)
         elif m := re.fullmatch(r"outliers(\d+)", option):
@@ -130,7 +140,8 @@ def parse(name: str) -> tuple[type, object]:
         else:
             raise ConfigError(
                 f"unknown option {option!r} in cache {name!r}; TurboQuant caches take +qjl, +recentN, +fp-first-last, "
-                "+center=C, +kweights=none, +prerope, +rot=R, +alloc[N][=recipe], +halloc[N][=recipe], +outliersN, +kscale=M, +vscale=M, +bf16norms, +seedN"
+                "+center=C, +kweights=none, +prerope, +rot=R, +vq, +norms8, +alloc[N][=recipe], +halloc[N][=recipe], +outliersN, +kscale=M, "
+                "+vscale=M, +bf16norms, +seedN"
             )
     return TurboQuantCache, TurboQuantConfig(**settings)
 

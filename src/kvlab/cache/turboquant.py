@@ -65,6 +65,12 @@ per-token bytes are again the uniform cache's and the recipe costs L·Hkv·2 uin
 (no C code kernel), the fused decode step in C (each head its own packing, model/fused_codes.py); the serving pool,
 whose buffers hold one width for every head, does not.
 
+`+vq` (vector_codebook.py): 2- and 3-bit parts are coded in blocks of 4 rotated coordinates, 4·b bits per block in
+the scalar codes' bytes (4 signs + an index into sign-symmetric magnitude points): a quarter less error at 3 bits.
+`+norms8`: each vector's scale is an 8-bit log code (16 steps per octave, ±8 octaves) around a float16 centre per
+layer, KV head and K/V that the layer's first coded chunk sets (`_encode`); reads decode them in `_buffers`. Both are
+read by the modules only (no C code kernel, no fused step, no serving pool).
+
 Fractional widths (tq3.5, tq2.5): after the rotation all d coordinates follow the same law, so no
 channel is an outlier any more; "outlier channels" are simply the first ⌊frac·d⌉ rotated
 coordinates, quantized at ⌊b⌋+1 bits, the rest at ⌊b⌋ bits (both with the d-dimensional codebook).
@@ -72,7 +78,8 @@ coordinates, quantized at ⌊b⌋+1 bits, the rest at ⌊b⌋ bits (both with th
 sketch sign(S·r) of the residual r = y - ŷ (S: seeded d×d Gaussian, one per cache) and ‖r‖ in 16
 bits; ⟨q, r⟩ is estimated without bias by √(π/2)/d·‖r‖·⟨Sq, sign(Sr)⟩ (keys then use c = 1).
 
-Bytes (compressed layer, B sequences, Hkv heads, `slots` tokens), n16 = 2 bytes:
+Bytes (compressed layer, B sequences, Hkv heads, `slots` tokens), n16 = 2 bytes (1 with +norms8, plus 2·B·Hkv
+float16 centres per layer):
     keys   B·Hkv·slots·(codes(d, bk) + n16 [+ ⌈d/8⌉ + n16 with qjl] [+ N·(1 + 2) with +outliersN])
     values B·Hkv·slots·(codes(d, bv) + n16)       codes(d, b) = Σ over channel splits ⌈n·b/8⌉
     fixed  per compressed layer the rotation state (d int8 signs; d² float32 if d is not a power
@@ -96,6 +103,7 @@ from ..kernels.codebook import CodeLayout, codebook_kernel_for
 from .allocation import SPREADS, budget, centre, check_geometry, check_recipe, format_recipe, held_widths
 from .base import CacheGeometry, copy_prefix, tensors_nbytes
 from .codebook import lloyd_max
+from .vector_codebook import BLOCK, VECTOR_BITS, magnitude_codebook, magnitude_points, nearest_point
 from . import compressed
 from .attention import attend_with_lse
 from .compressed import CompressedCache, FullPrecision
@@ -120,8 +128,11 @@ _OFFSET_BYTES = 1
 MIN_CALIBRATION_TOKENS = 8
 #: +outliersN: bytes per kept key entry, its channel (uint8) and its value (float16)
 OUTLIER_BYTES = 1 + 2
-#: Each vector's 16-bit scale (float16 or bfloat16).
+#: Each vector's 16-bit scale (float16 or bfloat16), or with +norms8 its 8-bit log code: code c > 0 is the scale
+#: 2^(centre + (c - 128)/LOG_NORM_STEPS), 16 steps per octave (at most ±2.2% off), ±8 octaves around a centre per layer,
+#: KV head and K/V (the median log2 scale of the layer's first coded chunk, float16, counted); code 0 is a zero scale.
 _NORM_BYTES = 2
+LOG_NORM_STEPS, _LOG_NORM_ZERO = 16, 128
 _OUTLIER_VALUE = torch.float16
 #: Key channel weights w = 2^((code - WEIGHT_ZERO) / WEIGHT_STEPS) for 4-bit codes: 1/4 .. 3.4 in quarter octaves.
 WEIGHT_BITS, WEIGHT_ZERO, WEIGHT_STEPS = 4, 8, 4
@@ -148,6 +159,8 @@ class TurboQuantConfig:
     value_alloc: tuple[int, ...] = ()
     outliers: int = 0                  # +outliersN: each key vector's N largest entries kept exactly (index + fp16)
     alloc_heads: bool = False          # +hallocN: the recipe has a width per (layer, KV head), layer-major
+    vector: bool = False               # +vq: 2- and 3-bit codes in blocks of 4 coordinates (vector_codebook.py)
+    log_norms: bool = False            # +norms8: 8-bit log-coded scales around a per-layer, per-head centre
 
     def __post_init__(self) -> None:
         for what, bits in (("key", self.key_bits), ("value", self.value_bits)):
@@ -162,6 +175,10 @@ class TurboQuantConfig:
             raise ConfigError(f"TurboQuant centering is none, k, v or kv, got {self.center!r}")
         if self.rotation not in ("hadamard", "haar"):
             raise ConfigError(f"TurboQuant rotations are hadamard or haar, got {self.rotation!r}")
+        if self.log_norms and (self.qjl or self.norm_dtype != torch.float16):
+            raise ConfigError("+norms8 codes the scales in 8 bits; use it without +qjl and +bf16norms")
+        if self.vector and self.qjl:
+            raise ConfigError("+vq codes the Lloyd-Max part in blocks; use it without +qjl")
         if self.outliers < 0:
             raise ConfigError(f"+outliersN keeps N ≥ 1 key entries per vector, got {self.outliers}")
         if self.norm_dtype not in (torch.float16, torch.bfloat16):
@@ -203,6 +220,7 @@ class TurboQuantConfig:
         if self.center != TurboQuantConfig.center:
             numerics = f"+center={self.center or 'none'}" + numerics
         options = ("+qjl" if self.qjl else "") + ("+prerope" if self.pre_rope else "") + ("+rot=haar" if self.rotation == "haar" else "")
+        options += ("+vq" if self.vector else "") + ("+norms8" if self.log_norms else "")
         options += f"+outliers{self.outliers}" if self.outliers else ""
         if self.alloc:
             options += self.alloc_option + (str(self.alloc) if self.alloc > 1 else "")
@@ -252,29 +270,67 @@ class TurboQuantConfig:
         return [self.code_bits, self.value_bits]
 
 
+def norm_bytes(config: TurboQuantConfig) -> int:
+    """Bytes of each vector's stored scale: 2 (float16 / bfloat16), 1 with +norms8."""
+    return 1 if config.log_norms else _NORM_BYTES
+
+
+def _log_centre(scales: torch.Tensor) -> torch.Tensor:
+    """(B, H, T) float32 scales -> (B, H) the median log2 of the positive ones in 1/16 octaves (0 where none is)."""
+    logs = scales.clamp_min(_TINY).log2().where(scales > _TINY, torch.nan)
+    centre = (logs.nanmedian(dim=-1).values * LOG_NORM_STEPS).round() / LOG_NORM_STEPS
+    return centre.nan_to_num(0.0).clamp(-1000, 1000).to(torch.float16)
+
+
+def _log_norm_codes(scales: torch.Tensor, centre: torch.Tensor) -> torch.Tensor:
+    """(B, H, T) float32 scales -> uint8 codes against the (B, H) centres: round((log2 s - c)·16) + 128 in 1..255
+    (clamped past ±8 octaves), 0 for a zero scale."""
+    steps = ((scales.clamp_min(_TINY).log2() - centre.float()[..., None]) * LOG_NORM_STEPS).round() + _LOG_NORM_ZERO
+    return torch.where(scales > _TINY, steps.clamp(1, 255), 0).to(torch.uint8)
+
+
+def _log_norm_values(codes: torch.Tensor, centre: torch.Tensor) -> torch.Tensor:
+    """The scales uint8 `codes` (B, H, ...) stand for against the (B, H) centres, float32."""
+    centre = centre.float().reshape(*centre.shape, *(1,) * (codes.dim() - 2))
+    values = torch.exp2(centre + (codes.float() - _LOG_NORM_ZERO) / LOG_NORM_STEPS)
+    return torch.where(codes > 0, values, 0.0)
+
+
 class RotatedCodes:
     """Coordinate-wise Lloyd-Max codes of rotated unit vectors at a possibly fractional width.
 
     Width b = ⌊b⌋ + f: the first round(f·d) coordinates get ⌊b⌋+1 bits, the others ⌊b⌋ bits.
     byte_tables: also hold, for 1, 2, 4 and 8 bits, the codebook values of every byte (the torch path's
     lookup; without them it unpacks the codes, same values).
+    vector (+vq): 2- and 3-bit parts whose channels split into blocks of 4 code each block with 4·b bits, 4 signs and
+    an index into the sign-symmetric magnitude points (vector_codebook.py), in the scalar code's bytes; such a part
+    holds its points instead of the scalar centroids and boundaries, and no C kernel reads it (`layout` is None).
     """
 
-    def __init__(self, dim: int, bits: float, device: torch.device | str = "cpu", byte_tables: bool = True):
+    def __init__(self, dim: int, bits: float, device: torch.device | str = "cpu", byte_tables: bool = True,
+                 vector: bool = False):
         low = math.floor(bits)
         n_high = round((bits - low) * dim)
         if not math.isclose(n_high, (bits - low) * dim, abs_tol=1e-9):
             raise ConfigError(f"{bits:g} bits does not split a head dim of {dim} into whole channels")
         self.dim, self.bits = dim, bits
         self.parts: list[tuple[int, int, int]] = [(lo, hi, b) for lo, hi, b in ((0, n_high, low + 1), (n_high, dim, low)) if hi > lo]
-        self.centroids, self.boundaries, self.byte_tables = [], [], []
-        for _, _, b in self.parts:
+        # per part: scalar centroids (2^b,), boundaries (2^b-1,) and byte table, or the block code's points (K, 4)
+        self.centroids, self.boundaries, self.byte_tables, self.points = [], [], [], []
+        for lo, hi, b in self.parts:
+            if vector and is_vector_part(hi - lo, b):
+                self.points.append(magnitude_codebook(dim, b).to(device))
+                self.centroids.append(None), self.boundaries.append(None), self.byte_tables.append(None)
+                continue
             book = lloyd_max(dim, b)
             cent = torch.tensor(book.centroids, dtype=torch.float32, device=device)                # (2^b,)
             self.centroids.append(cent)
             self.boundaries.append(torch.tensor(book.boundaries, dtype=torch.float32, device=device))  # (2^b-1,)
             self.byte_tables.append(_byte_table(cent, b) if byte_tables and 8 % b == 0 else None)  # (256, 8/b)
-        self.layout = CodeLayout.of(self.parts, self.centroids, self.packed_bytes(dim, bits))  # what the C kernels read
+            self.points.append(None)
+        self.vector = any(p is not None for p in self.points)
+        # what the C kernels read (scalar codes only)
+        self.layout = None if self.vector else CodeLayout.of(self.parts, self.centroids, self.packed_bytes(dim, bits))
 
     @staticmethod
     def packed_bytes(dim: int, bits: float) -> int:
@@ -283,22 +339,32 @@ class RotatedCodes:
         return (packed_nbytes(n_high, low + 1) if n_high else 0) + packed_nbytes(dim - n_high, low)
 
     @staticmethod
-    def table_bytes(dim: int, bits: float, byte_tables: bool = True) -> int:
-        """Bytes of the float32 centroids + boundaries (+ byte tables for 1, 2, 4, 8 bits) held for this width."""
+    def table_bytes(dim: int, bits: float, byte_tables: bool = True, vector: bool = False) -> int:
+        """Bytes of the float32 centroids + boundaries (+ byte tables for 1, 2, 4, 8 bits) held for this width, or of
+        a block-coded part's points (K·4 float32)."""
         low = math.floor(bits)
         n_high = round((bits - low) * dim)
-        widths = ([low + 1] if n_high else []) + ([low] if dim > n_high else [])
-        return sum(4 * ((1 << b) + (1 << b) - 1 + (256 * (8 // b) if byte_tables and 8 % b == 0 else 0)) for b in widths)
+        parts = ([(n_high, low + 1)] if n_high else []) + ([(dim - n_high, low)] if dim > n_high else [])
+        return sum(4 * magnitude_points(b) * BLOCK if vector and is_vector_part(n, b)
+                   else 4 * ((1 << b) + (1 << b) - 1 + (256 * (8 // b) if byte_tables and 8 % b == 0 else 0))
+                   for n, b in parts)
 
     @property
     def nbytes(self) -> int:
-        return tensors_nbytes(*self.centroids, *self.boundaries, *(t for t in self.byte_tables if t is not None))
+        held = [t for t in (*self.centroids, *self.boundaries, *self.byte_tables, *self.points) if t is not None]
+        return tensors_nbytes(*held)
 
     def encode(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """y: (..., d) float32 -> (packed codes (..., bytes) uint8, ŷ (..., d) float32 codebook values)."""
         packed, values = [], []
-        for (lo, hi, b), cent, bound in zip(self.parts, self.centroids, self.boundaries):
-            codes = torch.bucketize(y[..., lo:hi].contiguous(), bound)           # (..., hi-lo) nearest level
+        for (lo, hi, b), cent, bound, points in zip(self.parts, self.centroids, self.boundaries, self.points):
+            part = y[..., lo:hi].contiguous()                                      # (..., n)
+            if points is not None:
+                codes, value = _block_encode(part, points, b)
+                packed.append(codes)
+                values.append(value)
+                continue
+            codes = torch.bucketize(part, bound)                                   # (..., n) nearest level
             packed.append(pack(codes, b))
             values.append(cent[codes])
         return torch.cat(packed, dim=-1), torch.cat(values, dim=-1)
@@ -306,16 +372,52 @@ class RotatedCodes:
     def decode(self, packed: torch.Tensor) -> torch.Tensor:
         """(..., bytes) uint8 -> ŷ (..., d) float32: codebook values in the rotated domain."""
         values, offset = [], 0
-        for (lo, hi, b), cent, table in zip(self.parts, self.centroids, self.byte_tables):
+        for (lo, hi, b), cent, table, points in zip(self.parts, self.centroids, self.byte_tables, self.points):
             width = packed_nbytes(hi - lo, b)
             part = packed[..., offset:offset + width]                              # (..., width) uint8
-            if table is not None:  # one lookup per byte gives its 8/b codebook values
+            if points is not None:
+                values.append(_block_decode(part, points, b, hi - lo))
+            elif table is not None:  # one lookup per byte gives its 8/b codebook values
                 looked = F.embedding(part.int(), table)                            # (..., width, 8/b)
                 values.append(looked.reshape(*part.shape[:-1], -1)[..., : hi - lo])
             else:
                 values.append(cent[unpack(part, b, hi - lo)])                      # (..., hi-lo)
             offset += width
         return torch.cat(values, dim=-1) if len(values) > 1 else values[0]
+
+
+def is_vector_part(channels: int, bits: int) -> bool:
+    """Whether +vq codes a part of `channels` coordinates at `bits` in blocks (2 or 3 bits, whole blocks of 4)."""
+    return bits in VECTOR_BITS and channels % BLOCK == 0
+
+
+#: the sign bit of each coordinate of a block, low bits of its index: (4,)
+_SIGN_BITS = torch.tensor([1, 2, 4, 8])
+
+
+def _block_encode(part: torch.Tensor, points: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(..., n) coordinates -> (codes (..., packed_nbytes(n, bits)) uint8, values (..., n)): each block of 4 as the index
+    (nearest magnitude point << 4 | its sign bits), 4·bits bits; 12-bit indices are stored as two 6-bit codes."""
+    blocks = part.reshape(*part.shape[:-1], -1, BLOCK)                             # (..., n/4, 4)
+    negative = blocks < 0
+    nearest = nearest_point(blocks.abs(), points)                                  # (..., n/4)
+    index = (nearest << BLOCK) | (negative.long() * _SIGN_BITS.to(part.device)).sum(-1)
+    value = points[nearest] * torch.where(negative, -1.0, 1.0)                     # (..., n/4, 4)
+    if bits == 3:
+        halves = torch.stack([index >> 6, index & 63], dim=-1).reshape(*index.shape[:-1], -1)  # (..., n/2)
+        return pack(halves, 6), value.reshape(part.shape)
+    return pack(index, BLOCK * bits), value.reshape(part.shape)
+
+
+def _block_decode(codes: torch.Tensor, points: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """The inverse of _block_encode's codes: (..., bytes) uint8 -> (..., n) values."""
+    if bits == 3:
+        halves = unpack(codes, 6, n // 2).reshape(*codes.shape[:-1], -1, 2)
+        index = (halves[..., 0] << 6) | halves[..., 1]                             # (..., n/4)
+    else:
+        index = unpack(codes, BLOCK * bits, n // BLOCK)
+    signs = torch.where((index[..., None] & _SIGN_BITS.to(codes.device)) != 0, -1.0, 1.0)   # (..., n/4, 4)
+    return (points[index >> BLOCK] * signs).reshape(*codes.shape[:-1], n)
 
 
 class HeadCodes:
@@ -358,9 +460,10 @@ class TurboQuantCache(CompressedCache):
         # the codebooks of every width held (one each without +alloc), and each layer's (RotatedCodes per width)
         key_held, value_held = config.held_widths()
         # +alloc: the held widths' codebooks, shared by keys and values, without byte tables (allocation.py)
-        shared = {b: RotatedCodes(d, b, dev, byte_tables=False) for b in config.codebook_widths()} if config.alloc else {}
-        self.key_books = {b: shared.get(b) or RotatedCodes(d, b, dev) for b in key_held}
-        self.value_books = {b: shared.get(b) or RotatedCodes(d, b, dev) for b in value_held}
+        vq = config.vector
+        shared = {b: RotatedCodes(d, b, dev, byte_tables=False, vector=vq) for b in config.codebook_widths()} if config.alloc else {}
+        self.key_books = {b: shared.get(b) or RotatedCodes(d, b, dev, vector=vq) for b in key_held}
+        self.value_books = {b: shared.get(b) or RotatedCodes(d, b, dev, vector=vq) for b in value_held}
         widths = {l: config.head_widths(l, g.n_kv_heads) for l in range(g.n_layers)}    # per layer: (keys, values) per head
 
         def layer_codes(books: dict, heads: tuple[float, ...]) -> "RotatedCodes | HeadCodes":
@@ -378,13 +481,13 @@ class TurboQuantCache(CompressedCache):
                                        device=dev)                                           # (L, Hkv, 2) or (L, 2)
         # attention straight from the codes in C on CPU (kernels/codebook.c); None: torch decodes (the reference,
         # and the only reader of per-head widths)
-        self.code_kernel = None if config.alloc_heads else codebook_kernel_for(self.device)
+        self.code_kernel = None if config.alloc_heads or config.vector else codebook_kernel_for(self.device)
         self.haar_basis = None                                                               # (d, d) Q shared by the layers
         if config.rotation == "haar":
             self.haar_basis = haar_matrix(d, torch.Generator().manual_seed(_layer_seed(config.seed, -2))).to(dev)
         self.rotations = {l: Rotation(d, _layer_seed(config.seed, l), dev, self.haar_basis) for l in self.compressed_layers}
         B, H, S = g.batch, g.n_kv_heads, self.slots
-        nd = config.norm_dtype
+        nd = torch.uint8 if config.log_norms else config.norm_dtype
 
         def buffers(width, dtype: torch.dtype) -> dict[int, torch.Tensor]:
             """width: bytes per token (0: one value per token), or a function of the layer giving them (codes: with
@@ -412,6 +515,10 @@ class TurboQuantCache(CompressedCache):
             l: torch.full((B, H, packed_nbytes(d, WEIGHT_BITS)), _NEUTRAL_WEIGHT_BYTE, dtype=torch.uint8, device=dev)
             for l in self.compressed_layers
         } if config.key_weights else {}                                                      # (B, H, d/2) uint8
+        # +norms8: each layer's log2 centre per KV head for its key and value scales, set by its first coded chunk
+        self.norm_centres = {name: {l: torch.zeros(B, H, dtype=torch.float16, device=dev) for l in self.compressed_layers}
+                             for name in ("k_norm", "v_norm")} if config.log_norms else {}   # (B, H) float16
+        self._centred: set[int] = set()
         self._calibrated: set[int] = set()
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}               # first chunk, until attended
         self.qjl_matrix = None
@@ -436,6 +543,7 @@ class TurboQuantCache(CompressedCache):
     def reset(self) -> None:
         super().reset()
         self._calibrated.clear()
+        self._centred.clear()
         self._pending.clear()
         for state in (*self.k_offset.values(), *self.v_offset.values()):
             state.zero_()
@@ -448,6 +556,9 @@ class TurboQuantCache(CompressedCache):
         super()._copy_into(bigger)
         for name in self.token_buffer_names() + ["k_offset", "v_offset", "k_weight_codes"]:
             copy_prefix(getattr(self, name), getattr(bigger, name))
+        for name, centres in self.norm_centres.items():
+            copy_prefix(centres, bigger.norm_centres[name])
+        bigger._centred = set(self._centred)
         bigger._calibrated = set(self._calibrated)
         bigger._pending = dict(self._pending)
 
@@ -518,8 +629,16 @@ class TurboQuantCache(CompressedCache):
 
     def _encode(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         end = start + k.shape[2]
-        for name, coded in self.code(layer, k, v).items():
-            getattr(self, name)[layer][:, :, start:end] = coded
+        coded = self.code(layer, k, v)
+        if self.config.log_norms:
+            if layer not in self._centred:   # the first coded chunk sets the layer's centres
+                self._centred.add(layer)
+                for name, centres in self.norm_centres.items():
+                    centres[layer][:] = _log_centre(coded[name])
+            for name, centres in self.norm_centres.items():
+                coded[name] = _log_norm_codes(coded[name], centres[layer])
+        for name, value in coded.items():
+            getattr(self, name)[layer][:, :, start:end] = value
 
     def token_buffer_names(self) -> list[str]:
         """The per-token buffers: what `code` returns and `decode` reads."""
@@ -528,7 +647,8 @@ class TurboQuantCache(CompressedCache):
 
     def code(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
         """What this cache stores for T tokens of `layer`, without storing it: k, v (B, H, T, d) ->
-        {buffer name: (B, H, T[, bytes])} for each of `token_buffer_names()` (the serving pool writes them)."""
+        {buffer name: (B, H, T[, bytes])} for each of `token_buffer_names()` (the serving pool writes them); with
+        +norms8 the scales stay float32 here (`_encode` codes them against the layer's centres)."""
         rot = self.rotations[layer]
         centered = k.float() - self._key_offset(layer)                           # (B, H, T, d) k - μ
         weights = self._key_weights(layer)
@@ -569,7 +689,7 @@ class TurboQuantCache(CompressedCache):
         return rot.apply(x) / norm.clamp_min(_TINY)[..., None], norm
 
     def _to_norm(self, value: torch.Tensor, what: str) -> torch.Tensor:
-        stored = value.to(self.config.norm_dtype)
+        stored = value.to(torch.float32 if self.config.log_norms else self.config.norm_dtype)
         if not torch.isfinite(stored).all():
             raise NonFiniteError(
                 f"{what} norm {value.max().item():.3g} overflows the {self.config.norm_dtype} norms of the TurboQuant cache"
@@ -580,7 +700,11 @@ class TurboQuantCache(CompressedCache):
     # Every read takes `stored`: {buffer name: (B, H, slots[, bytes])}, this cache's own buffers or the codes a
     # serving pool gathered for one sequence (serve/coded.py), and reads its rows [lo, hi) or its first n.
     def _buffers(self, layer: int) -> dict[str, torch.Tensor]:
-        return {name: getattr(self, name)[layer] for name in self.token_buffer_names()}
+        """The layer's buffers as the reads take them (+norms8: its scales decoded to float32)."""
+        stored = {name: getattr(self, name)[layer] for name in self.token_buffer_names()}
+        for name, centres in self.norm_centres.items():
+            stored[name] = _log_norm_values(stored[name], centres[layer])
+        return stored
 
     def slot_rope(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (n, d) of compressed slots [start, start+n) (+prerope): positions sink + slot, as the model's rope()
@@ -763,6 +887,7 @@ class TurboQuantCache(CompressedCache):
         fixed += sum(book.nbytes for book in books.values())
         fixed += tensors_nbytes(self.recipe)
         fixed += tensors_nbytes(self.qjl_matrix, *self.k_offset.values(), *self.v_offset.values(), *self.k_weight_codes.values())
+        fixed += tensors_nbytes(*(c for centres in self.norm_centres.values() for c in centres.values()))
         if self.rope_inv_freq is not None:
             fixed += tensors_nbytes(self.rope_inv_freq)
         if self.haar_basis is not None:
@@ -777,14 +902,14 @@ class TurboQuantCache(CompressedCache):
         if config.alloc:  # the recipe's widths sum to the budget: budget·d/8 code bytes per token (allocation.py)
             units = config.alloc_units(g.n_layers, g.n_kv_heads)
             heads_per_unit = 1 if config.alloc_heads else g.n_kv_heads
-            vectors = n_layers * g.n_kv_heads * (2 * _NORM_BYTES + config.outliers * OUTLIER_BYTES)  # norms, outliers
+            vectors = n_layers * g.n_kv_heads * (2 * norm_bytes(config) + config.outliers * OUTLIER_BYTES)  # norms, outliers
             per_token = g.batch * slots * (budget(units, config.key_bits, config.value_bits) * heads_per_unit * d // 8 + vectors)
         else:
             per_vector_k, per_vector_v = cls.vector_bytes(config, d)
             per_token = n_layers * g.batch * g.n_kv_heads * slots * (per_vector_k + per_vector_v)
         haar = config.rotation == "haar"
         rotation = d if is_power_of_two(d) or haar else d * d * 4                 # signs, or a matrix per layer
-        fixed = n_layers * rotation + sum(RotatedCodes.table_bytes(d, b, not config.alloc) for b in config.codebook_widths())
+        fixed = n_layers * rotation + sum(RotatedCodes.table_bytes(d, b, not config.alloc, config.vector) for b in config.codebook_widths())
         if config.alloc:  # the recipe is one byte per width
             check_geometry(config.key_alloc, units, d, config.alloc_option)
             fixed += units * 2
@@ -795,6 +920,8 @@ class TurboQuantCache(CompressedCache):
             fixed += n_layers * g.batch * g.n_kv_heads * packed_nbytes(d, WEIGHT_BITS)
         if config.pre_rope:
             fixed += d // 2 * 4                                                   # float32 RoPE frequencies
+        if config.log_norms:
+            fixed += 2 * n_layers * g.batch * g.n_kv_heads * 2                    # float16 K and V centres per head
         if haar:
             fixed += d * d * 4                                                    # the shared Haar matrix
         return per_token + fixed
@@ -802,7 +929,7 @@ class TurboQuantCache(CompressedCache):
     @staticmethod
     def vector_bytes(config: TurboQuantConfig, dim: int) -> tuple[int, int]:
         """Bytes stored per key vector and per value vector (at the base widths: +alloc spends its budget instead)."""
-        n16 = _NORM_BYTES
+        n16 = norm_bytes(config)
         k = RotatedCodes.packed_bytes(dim, config.code_bits) + n16
         if config.qjl:
             k += packed_nbytes(dim, 1) + n16
@@ -813,7 +940,8 @@ class TurboQuantCache(CompressedCache):
     def describe(cls, config: TurboQuantConfig, geometry: CacheGeometry, dtype: torch.dtype) -> str:
         d = geometry.head_dim
         k, v = cls.vector_bytes(config, d)
-        key = f"per key vector: {d}×{config.code_bits:g}-bit codes + 16-bit norm"
+        scale = "8-bit log scale" if config.log_norms else "16-bit norm"
+        key = f"per key vector: {d}×{config.code_bits:g}-bit codes{' in blocks of 4' if config.vector else ''} + {scale}"
         if config.qjl:
             key += f" + {d}×1-bit QJL signs + 16-bit residual norm"
         if config.outliers:
@@ -827,8 +955,12 @@ class TurboQuantCache(CompressedCache):
             fixed += f", 4-bit key channel weights per KV head ({packed_nbytes(d, WEIGHT_BITS)} B each)"
         if config.pre_rope:
             fixed += f"; keys coded before RoPE (per cache: {d // 2} float32 RoPE frequencies)"
+        if config.log_norms:
+            fixed += "; a float16 log2 centre of the key and of the value scales per layer and KV head"
+        if config.vector:
+            fixed += "; 2- and 3-bit codes in blocks of 4 coordinates (per cache: their float32 magnitude points)"
         if not config.alloc:
-            return f"{key} = {k} B; per value vector: {d}×{config.value_bits:g}-bit codes + 16-bit norm = {v} B{fixed}"
+            return f"{key} = {k} B; per value vector: {d}×{config.value_bits:g}-bit codes + {scale} = {v} B{fixed}"
         key_held, value_held = config.held_widths()
         unit = "layer and KV head" if config.alloc_heads else "layer"
         units = config.alloc_units(geometry.n_layers, geometry.n_kv_heads)
@@ -836,7 +968,7 @@ class TurboQuantCache(CompressedCache):
         heads = 1 if config.alloc_heads else geometry.n_kv_heads
         vectors = (f"per token: {total * d // 8 * heads} B of codes (the recipe's key and value widths sum to {total} "
                    f"bits over its {units} units ({unit}), each width coding {d} coordinates"
-                   f"{'' if config.alloc_heads else ' of every KV head'}) + a 16-bit norm per key and per value vector")
+                   f"{'' if config.alloc_heads else ' of every KV head'}) + a {scale} per key and per value vector")
         if config.outliers:
             vectors += f" + {config.outliers} exact key outlier entr{'y' if config.outliers == 1 else 'ies'} (3 B each)"
         fixed += (f"; {config.alloc_option}: each {unit}'s key ({key_held[0]}..{key_held[-1]}) and value "

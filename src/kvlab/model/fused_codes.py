@@ -18,7 +18,7 @@ and a sign per channel (d log d additions), the view passing s/√d; otherwise t
 Served: every width (3/5-bit, fractional, mixed K/V), +alloc / +halloc (a width per layer / per KV head: each head
 gets its own packing, `HeadCodes`, and with +halloc its bytes' place in the layer's shared row), +sinkN, +recentN,
 +fp-first-last (dense layers in the same step), +center=…, +kweights=none, +rot=haar, +prerope, every scale mode,
-f16/bf16 norms. Not served (the modules run them): +qjl, +outliersN, a sliding-window model, batches, other dtypes
+f16/bf16 norms. Not served (the modules run them): +qjl, +outliersN, +vq, +norms8, a sliding-window model, batches, other dtypes
 and devices, and a step that would calibrate a layer (its first coded token) or find a layer's first chunk still
 waiting for its queries.
 
@@ -231,7 +231,7 @@ def serves_codes(cache, cfg) -> bool:
     g = cache.geometry
     return (
         type(cache) is TurboQuantCache and cache.dtype == torch.float32 and cache.device.type == "cpu"
-        and not cache.config.qjl and not cache.config.outliers
+        and not cache.config.qjl and not cache.config.outliers and not cache.config.vector and not cache.config.log_norms
         and g.window is None and cfg.sliding_window is None
         and cfg.head_dim % 2 == 0 and cfg.head_dim <= 1024
         and (g.batch, g.n_layers, g.n_kv_heads, g.head_dim, g.head_dim_v) == (1, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.head_dim)

@@ -1,0 +1,75 @@
+"""TurboQuant +norms8: each vector's scale as an 8-bit log code around a per-layer, per-head centre.
+
+The codes read back within half a step (2^(1/32), 2.2%) of the float32 scale the coder chose, a zero scale stays zero,
+scales past ±8 octaves clamp; the centre is the first coded chunk's median log2 scale; attention is exact to what the
+cache stores and causal; a grown copy keeps the centres; the bytes are the planner's formula (1 byte per vector, the
+float16 centres counted); bad combinations, the fused step and the serving pool refuse it."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from kvlab.cache import expected_nbytes, make_cache
+from kvlab.cache.turboquant import LOG_NORM_STEPS, _log_centre, _log_norm_codes, _log_norm_values
+from kvlab.errors import ConfigError
+
+from .compressed_checks import GEOMETRY, check_attend_is_exact_chunked_and_token_by_token, check_nbytes, check_only_the_modules_read_it, feed
+from .test_key_levers import ROPED
+
+NAMES = ["tq3+norms8", "tq4+norms8+prerope+sink1", "tq3+vq+norms8+halloc=k233344v333332+recent8"]   # 3 layers × 2 heads
+
+
+def test_codes_read_back_within_half_a_step_and_zero_stays_zero():
+    scales = torch.exp2(torch.empty(2, 3, 500).uniform_(-7.0, 7.0, generator=torch.Generator().manual_seed(0)) + 3.0)
+    scales[0, 0, :5] = 0.0
+    centre = _log_centre(scales)                                                   # (2, 3)
+    assert torch.equal(centre * LOG_NORM_STEPS, (centre * LOG_NORM_STEPS).round())
+    back = _log_norm_values(_log_norm_codes(scales, centre), centre)
+    live = scales > 0
+    ratio = back[live] / scales[live]
+    assert ratio.max() <= 2 ** (0.5 / LOG_NORM_STEPS) * (1 + 1e-6) and ratio.min() >= 2 ** (-0.5 / LOG_NORM_STEPS) * (1 - 1e-6)
+    assert (back[~live] == 0).all()
+
+
+def test_scales_past_eight_octaves_clamp_to_the_last_code():
+    centre = torch.zeros(1, 1, dtype=torch.float16)
+    codes = _log_norm_codes(torch.tensor([[[2.0 ** 20, 2.0 ** -20, 1.0]]]), centre)
+    assert codes.tolist() == [[[255, 1, 128]]]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_attention_is_exact_to_what_is_stored_in_the_formulas_bytes(name):
+    """One byte per scale, the float16 centres counted."""
+    check_attend_is_exact_chunked_and_token_by_token(name, ROPED)
+    check_nbytes(name, ROPED)
+    config = make_cache(name, ROPED).config
+    g = replace(ROPED, capacity=64)
+    with16 = expected_nbytes(replace(config, log_norms=False).name, g, torch.bfloat16, 1)
+    vectors = g.n_layers * g.n_kv_heads * 2                                        # K and V per layer and head
+    assert with16 - expected_nbytes(name, g, torch.bfloat16, 1) == vectors * config.full.split(g.capacity)[2] - vectors * 2
+
+
+def test_the_centre_is_the_first_coded_chunks_median_and_a_grown_copy_keeps_it():
+    *_, (cache, _, _, _) = feed("tq3+norms8", ROPED, chunks=(20, 5))
+    stored = cache._buffers(0)                                                     # scales decoded, float32
+    centre = cache.norm_centres["k_norm"][0].float()                              # (B, H)
+    first = stored["k_norm"][:, :, :20]
+    assert (centre - first.log2().median(dim=-1).values).abs().max() <= 0.5 / LOG_NORM_STEPS + 1e-3
+    bigger = cache.grown(cache.geometry.capacity + 8)
+    assert torch.equal(bigger.norm_centres["v_norm"][1], cache.norm_centres["v_norm"][1])
+    assert torch.equal(bigger.dequantized(0)[1], cache.dequantized(0)[1])
+
+
+@pytest.mark.parametrize("name, match", [("tq4+norms8+qjl", r"\+norms8 .* without \+qjl"),
+                                         ("tq4+norms8+bf16norms", r"\+norms8 .* \+bf16norms")])
+def test_bad_combinations_are_one_line_errors(name, match):
+    with pytest.raises(ConfigError, match=match) as err:
+        make_cache(name, GEOMETRY)
+    assert "\n" not in str(err.value)
+
+
+def test_the_fused_step_and_the_serving_pool_refuse_it():
+    check_only_the_modules_read_it("tq3+norms8", "+norms8")
