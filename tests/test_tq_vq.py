@@ -1,4 +1,4 @@
-"""TurboQuant +vq: 2-, 3- and 4-bit codes in blocks of 4, 4 and 2 rotated coordinates (sign-symmetric magnitude points).
+"""TurboQuant +vq: 2- and 3-bit codes in blocks of 4 rotated coordinates (sign-symmetric magnitude points).
 
 The block codes cost the scalar codes' bytes, read back exactly what the coder chose, and have less error than the
 scalar Lloyd-Max codes on the law they code (unit vectors after the rotation); the magnitude points are found once,
@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from kvlab.cache import expected_nbytes, make_cache
+from kvlab.cache import vector_codebook
 from kvlab.cache.turboquant import RotatedCodes
 from kvlab.cache.vector_codebook import magnitude_codebook, magnitude_points
 from kvlab.errors import ConfigError
@@ -31,7 +32,7 @@ def unit_vectors(n: int, dim: int, seed: int = 0) -> torch.Tensor:
     return x / x.norm(dim=1, keepdim=True)                                       # (n, d)
 
 
-@pytest.mark.parametrize("bits, most", [(3, 0.85), (2, 0.95), (2.5, 0.95), (4, 0.9)])
+@pytest.mark.parametrize("bits, most", [(3, 0.85), (2, 0.95), (2.5, 0.95)])
 def test_block_codes_cost_the_scalar_bytes_read_back_exactly_and_err_less(bits, most):
     y = unit_vectors(4000, 64)
     vector, scalar = RotatedCodes(64, bits, vector=True), RotatedCodes(64, bits)
@@ -55,15 +56,11 @@ def test_each_block_reads_back_as_its_signs_times_the_nearest_magnitude_point():
     assert torch.equal(values < 0, (blocks < 0) & (values != 0))
 
 
-def test_other_widths_and_parts_that_are_not_whole_blocks_stay_scalar():
-    assert not RotatedCodes(64, 5, vector=True).vector                           # 5 bits: scalar codes, C layout kept
-    assert RotatedCodes(64, 5, vector=True).layout is not None
-    mixed = RotatedCodes(64, 4.5, vector=True)                                   # 32 channels at 5 bits, 32 at 4
+def test_4_bit_and_odd_parts_stay_scalar():
+    assert not RotatedCodes(64, 4, vector=True).vector                           # 4 bits: scalar codes, C layout kept
+    assert RotatedCodes(64, 4, vector=True).layout is not None
+    mixed = RotatedCodes(64, 3.5, vector=True)                                   # 32 channels at 4 bits, 32 at 3
     assert [p is None for p in mixed.points] == [True, False]
-    odd = RotatedCodes(66, 3 + 2 / 66, vector=True)                              # 2 channels at 4 bits (a pair), 64 at 3
-    assert [p.shape[-1] for p in odd.points] == [2, 4]
-    assert [p is None for p in RotatedCodes(66, 2 + 2 / 66, vector=True).points] == [True, False]   # 2 at 3 bits
-    assert [p is None for p in RotatedCodes(66, 3 + 1 / 66, vector=True).points] == [True, True]   # 1 and 65 channels
 
 
 def test_the_points_are_deterministic_kept_as_json_and_retrained_when_damaged(tmp_path, monkeypatch):
@@ -111,3 +108,4 @@ def test_bad_names_are_one_line_errors(name, match):
 
 def test_the_fused_step_and_the_serving_pool_refuse_it():
     check_only_the_modules_read_it("tq3+vq", "+vq")
+    assert vector_codebook.VECTOR_BITS == (2, 3)

@@ -32,9 +32,9 @@
                                         whole ones and sum to the total rounded down (so does +alloc)
              | "halloc" [N] "=k" D+ "v" D+  (tq) that recipe spelled out, n_layers·n_kv_heads digits each,
                                         layer 0's heads first
-             | "vq"                     (tq) 2-, 3- and 4-bit codes in blocks of 4, 4 and 2 coordinates: a sign
-                                        each and an index into sign-symmetric magnitude points
-                                        (vector_codebook.py), the scalar codes' bytes (+ the points, counted)
+             | "vq"                     (tq) 2- and 3-bit codes in blocks of 4 coordinates: 4 signs and an
+                                        index into sign-symmetric magnitude points (vector_codebook.py), the
+                                        scalar codes' bytes (+ the points, 4 KiB at 3 bits, counted)
              | "norms8"                 (tq) each vector's scale as an 8-bit log code (16 steps per octave, at
                                         most 2.2% off, ±8 octaves around a float16 centre per layer, KV
                                         head and K/V set by the first coded chunk): 1 byte per vector, not 2

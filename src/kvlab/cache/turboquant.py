@@ -65,8 +65,8 @@ per-token bytes are again the uniform cache's and the recipe costs L·Hkv·2 uin
 (no C code kernel), the fused decode step in C (each head its own packing, model/fused_codes.py); the serving pool,
 whose buffers hold one width for every head, does not.
 
-`+vq` (vector_codebook.py): 2-, 3- and 4-bit parts are coded in blocks of 4, 4 and 2 rotated coordinates, m·b bits per
-block in the scalar codes' bytes (m signs + an index into sign-symmetric magnitude points): a quarter less error at 3 bits.
+`+vq` (vector_codebook.py): 2- and 3-bit parts are coded in blocks of 4 rotated coordinates, 4·b bits per block in
+the scalar codes' bytes (4 signs + an index into sign-symmetric magnitude points): a quarter less error at 3 bits.
 `+norms8`: each vector's scale is an 8-bit log code (16 steps per octave, ±8 octaves) around a float16 centre per
 layer, KV head and K/V that the layer's first coded chunk sets (`_encode`); reads decode them in `_buffers`. Both are
 read by the modules only (no C code kernel, no fused step, no serving pool).
@@ -103,7 +103,7 @@ from ..kernels.codebook import CodeLayout, codebook_kernel_for
 from .allocation import SPREADS, budget, centre, check_geometry, check_recipe, format_recipe, held_widths
 from .base import CacheGeometry, copy_prefix, tensors_nbytes
 from .codebook import lloyd_max
-from .vector_codebook import BLOCK_OF, magnitude_codebook, magnitude_points, nearest_point
+from .vector_codebook import BLOCK, VECTOR_BITS, magnitude_codebook, magnitude_points, nearest_point
 from . import compressed
 from .attention import attend_with_lse
 from .compressed import CompressedCache, FullPrecision
@@ -159,7 +159,7 @@ class TurboQuantConfig:
     value_alloc: tuple[int, ...] = ()
     outliers: int = 0                  # +outliersN: each key vector's N largest entries kept exactly (index + fp16)
     alloc_heads: bool = False          # +hallocN: the recipe has a width per (layer, KV head), layer-major
-    vector: bool = False               # +vq: 2-4-bit codes in blocks of coordinates (vector_codebook.py)
+    vector: bool = False               # +vq: 2- and 3-bit codes in blocks of 4 coordinates (vector_codebook.py)
     log_norms: bool = False            # +norms8: 8-bit log-coded scales around a per-layer, per-head centre
 
     def __post_init__(self) -> None:
@@ -302,8 +302,8 @@ class RotatedCodes:
     Width b = ⌊b⌋ + f: the first round(f·d) coordinates get ⌊b⌋+1 bits, the others ⌊b⌋ bits.
     byte_tables: also hold, for 1, 2, 4 and 8 bits, the codebook values of every byte (the torch path's
     lookup; without them it unpacks the codes, same values).
-    vector (+vq): 2-, 3- and 4-bit parts whose channels split into blocks (of 4, 4, 2) code each block of m with m·b
-    bits, m signs and an index into the sign-symmetric magnitude points (vector_codebook.py), in the scalar code's bytes; such a part
+    vector (+vq): 2- and 3-bit parts whose channels split into blocks of 4 code each block with 4·b bits, 4 signs and
+    an index into the sign-symmetric magnitude points (vector_codebook.py), in the scalar code's bytes; such a part
     holds its points instead of the scalar centroids and boundaries, and no C kernel reads it (`layout` is None).
     """
 
@@ -345,7 +345,7 @@ class RotatedCodes:
         low = math.floor(bits)
         n_high = round((bits - low) * dim)
         parts = ([(n_high, low + 1)] if n_high else []) + ([(dim - n_high, low)] if dim > n_high else [])
-        return sum(4 * magnitude_points(b) * BLOCK_OF[b] if vector and is_vector_part(n, b)
+        return sum(4 * magnitude_points(b) * BLOCK if vector and is_vector_part(n, b)
                    else 4 * ((1 << b) + (1 << b) - 1 + (256 * (8 // b) if byte_tables and 8 % b == 0 else 0))
                    for n, b in parts)
 
@@ -387,39 +387,37 @@ class RotatedCodes:
 
 
 def is_vector_part(channels: int, bits: int) -> bool:
-    """Whether +vq codes a part of `channels` coordinates at `bits` in blocks (2, 3 or 4 bits, whole blocks)."""
-    return bits in BLOCK_OF and channels % BLOCK_OF[bits] == 0
+    """Whether +vq codes a part of `channels` coordinates at `bits` in blocks (2 or 3 bits, whole blocks of 4)."""
+    return bits in VECTOR_BITS and channels % BLOCK == 0
 
 
-#: the sign bit of each coordinate of a block, the low bits of its index
+#: the sign bit of each coordinate of a block, low bits of its index: (4,)
 _SIGN_BITS = torch.tensor([1, 2, 4, 8])
 
 
 def _block_encode(part: torch.Tensor, points: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(..., n) coordinates -> (codes (..., packed_nbytes(n, bits)) uint8, values (..., n)): each block of m as the
-    index (nearest magnitude point << m | its sign bits), m·bits bits; 12-bit indices are stored as two 6-bit codes."""
-    m = points.shape[-1]
-    blocks = part.reshape(*part.shape[:-1], -1, m)                                 # (..., n/m, m)
+    """(..., n) coordinates -> (codes (..., packed_nbytes(n, bits)) uint8, values (..., n)): each block of 4 as the index
+    (nearest magnitude point << 4 | its sign bits), 4·bits bits; 12-bit indices are stored as two 6-bit codes."""
+    blocks = part.reshape(*part.shape[:-1], -1, BLOCK)                             # (..., n/4, 4)
     negative = blocks < 0
-    nearest = nearest_point(blocks.abs(), points)                                  # (..., n/m)
-    index = (nearest << m) | (negative.long() * _SIGN_BITS[:m].to(part.device)).sum(-1)
-    value = points[nearest] * torch.where(negative, -1.0, 1.0)                     # (..., n/m, m)
-    if m * bits == 12:
+    nearest = nearest_point(blocks.abs(), points)                                  # (..., n/4)
+    index = (nearest << BLOCK) | (negative.long() * _SIGN_BITS.to(part.device)).sum(-1)
+    value = points[nearest] * torch.where(negative, -1.0, 1.0)                     # (..., n/4, 4)
+    if bits == 3:
         halves = torch.stack([index >> 6, index & 63], dim=-1).reshape(*index.shape[:-1], -1)  # (..., n/2)
         return pack(halves, 6), value.reshape(part.shape)
-    return pack(index, m * bits), value.reshape(part.shape)
+    return pack(index, BLOCK * bits), value.reshape(part.shape)
 
 
 def _block_decode(codes: torch.Tensor, points: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """The inverse of _block_encode's codes: (..., bytes) uint8 -> (..., n) values."""
-    m = points.shape[-1]
-    if m * bits == 12:
+    if bits == 3:
         halves = unpack(codes, 6, n // 2).reshape(*codes.shape[:-1], -1, 2)
-        index = (halves[..., 0] << 6) | halves[..., 1]                             # (..., n/m)
+        index = (halves[..., 0] << 6) | halves[..., 1]                             # (..., n/4)
     else:
-        index = unpack(codes, m * bits, n // m)
-    signs = torch.where((index[..., None] & _SIGN_BITS[:m].to(codes.device)) != 0, -1.0, 1.0)   # (..., n/m, m)
-    return (points[index >> m] * signs).reshape(*codes.shape[:-1], n)
+        index = unpack(codes, BLOCK * bits, n // BLOCK)
+    signs = torch.where((index[..., None] & _SIGN_BITS.to(codes.device)) != 0, -1.0, 1.0)   # (..., n/4, 4)
+    return (points[index >> BLOCK] * signs).reshape(*codes.shape[:-1], n)
 
 
 class HeadCodes:
@@ -960,7 +958,7 @@ class TurboQuantCache(CompressedCache):
         if config.log_norms:
             fixed += "; a float16 log2 centre of the key and of the value scales per layer and KV head"
         if config.vector:
-            fixed += "; 2-4-bit codes in blocks of 4, 4, 2 coordinates (per cache: their float32 magnitude points)"
+            fixed += "; 2- and 3-bit codes in blocks of 4 coordinates (per cache: their float32 magnitude points)"
         if not config.alloc:
             return f"{key} = {k} B; per value vector: {d}×{config.value_bits:g}-bit codes + {scale} = {v} B{fixed}"
         key_held, value_held = config.held_widths()

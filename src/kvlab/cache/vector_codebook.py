@@ -1,15 +1,15 @@
-"""Sign-symmetric vector codebooks for blocks of a rotated unit vector's coordinates (TurboQuant `+vq`).
+"""Sign-symmetric 4-D vector codebooks for blocks of a rotated unit vector's coordinates (TurboQuant `+vq`).
 
-A b-bit scalar code spends b bits on each coordinate alone; coding m coordinates together with m·b bits can place
-its 2^(mb) points where the m-D law puts its mass (a packing and shape gain no scalar code has). The law of a block is
-symmetric under a sign flip of each coordinate, so the codebook is too: m bits of signs and an m(b-1)-bit index into
-K = 2^(m(b-1)) magnitude points of the positive orthant (k-means on |block|): a block x codes as s = sign(x) and the
-magnitude point m nearest |x|, and reads back as s ⊙ m. That keeps the codebook small (K·m float32) and the search a
-K-way argmax. Blocks of 4 at 2 and 3 bits (256 bytes, 4 KiB of points), of 2 at 4 bits (512 bytes; blocks of 4 would
-need 4,096 points, 64 KiB: more bytes than they save at these lengths).
+A b-bit scalar code spends b bits on each coordinate alone; coding four coordinates together with 4b bits can place
+its 2^(4b) points where the 4-D law puts its mass (a packing and shape gain no scalar code has). The law of a block is
+symmetric under a sign flip of each coordinate, so the codebook is too: 4 bits of signs and a (4b-4)-bit index into
+K = 2^(4b-4) magnitude points of the positive orthant (k-means on |block|): a block x codes as s = sign(x) and the
+magnitude point m nearest |x|, and reads back as s ⊙ m. That keeps the codebook small (K·4 float32: 4 KiB at 3 bits,
+256 bytes at 2) and the search a K-way argmax.
 
-Measured on blocks of unit vectors in 64 dimensions (mean squared error per vector): 3 bits 0.0258 against the
-scalar Lloyd-Max codes' 0.0333 (-23%), 2 bits 0.1015 against 0.115 (-12%), 4 bits (pairs) against 0.0091 (tests/test_tq_vq.py).
+Measured on blocks of unit vectors in 64 dimensions (mean squared error per vector, ×d): 3 bits 0.0256 against the
+scalar Lloyd-Max codes' 0.0333 (-23%), 2 bits 0.101 against 0.115 (-12%). Used for 2- and 3-bit parts (4 bits would
+need 4,096 magnitude points, 64 KiB: more bytes than a 4-bit cache saves at these lengths).
 
 The magnitude points are found once per (d, b) by Lloyd's k-means in float64 on samples of the exact law (blocks of
 seeded random unit vectors in d dimensions), started from seeded samples, and kept as JSON beside the scalar
@@ -26,21 +26,22 @@ import torch
 
 from .codebook import cache_dir, save_json
 
-BLOCK_OF = {2: 4, 3: 4, 4: 2}  # coordinates coded together, by part width (other widths stay scalar)
-_FORMAT = 2                    # bump when the training changes: old files are then ignored
+BLOCK = 4                      # coordinates coded together
+VECTOR_BITS = (2, 3)           # part widths coded in blocks (others stay scalar)
+_FORMAT = 1                    # bump when the training changes: old files are then ignored
 _SAMPLE_VECTORS = 40_000       # unit vectors drawn per codebook (d/4 blocks each)
 _ITERS = 40
 _CHUNK = 1 << 16
 
 
 def magnitude_points(bits: int) -> int:
-    """K: the magnitude points of a b-bit block code of m coordinates (m·b bits = m sign bits + log2 K)."""
-    return 1 << (BLOCK_OF[bits] * (bits - 1))
+    """K: the magnitude points of a b-bit block code (4b bits = 4 sign bits + log2 K)."""
+    return 1 << (BLOCK * bits - BLOCK)
 
 
 @lru_cache(maxsize=None)
 def magnitude_codebook(dim: int, bits: int) -> torch.Tensor:
-    """(K, m) float32 magnitude points for blocks of a unit vector in `dim` dimensions coded at `bits` per coordinate."""
+    """(K, 4) float32 magnitude points for blocks of a unit vector in `dim` dimensions coded at `bits` per coordinate."""
     path = cache_dir() / f"vector_v{_FORMAT}_d{dim}_b{bits}.json"
     points = _load(path, bits)
     if points is None:
@@ -55,7 +56,7 @@ def _load(path: Path, bits: int) -> torch.Tensor | None:
         points = torch.tensor(data["points"], dtype=torch.float32)
     except (OSError, ValueError, KeyError, TypeError, RuntimeError):
         return None
-    if data.get("format") != _FORMAT or tuple(points.shape) != (magnitude_points(bits), BLOCK_OF[bits]) or not torch.isfinite(points).all():
+    if data.get("format") != _FORMAT or tuple(points.shape) != (magnitude_points(bits), BLOCK) or not torch.isfinite(points).all():
         return None
     return points
 
@@ -63,9 +64,9 @@ def _load(path: Path, bits: int) -> torch.Tensor | None:
 def _train(dim: int, bits: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(1000 * dim + bits)
     x = torch.randn(_SAMPLE_VECTORS, dim, generator=gen, dtype=torch.float64)
-    x = (x / x.norm(dim=1, keepdim=True)).reshape(-1, BLOCK_OF[bits]).abs()       # (N, m) |blocks| of unit vectors
+    x = (x / x.norm(dim=1, keepdim=True)).reshape(-1, BLOCK).abs()                # (N, 4) |blocks| of unit vectors
     k = magnitude_points(bits)
-    points = x[torch.randperm(len(x), generator=gen)[:k]].clone()                  # (K, m)
+    points = x[torch.randperm(len(x), generator=gen)[:k]].clone()                  # (K, 4)
     for _ in range(_ITERS):
         nearest = torch.cat([nearest_point(x[i:i + _CHUNK], points) for i in range(0, len(x), _CHUNK)])
         sums = torch.zeros_like(points).index_add_(0, nearest, x)
@@ -77,6 +78,6 @@ def _train(dim: int, bits: int) -> torch.Tensor:
 
 
 def nearest_point(magnitudes: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
-    """(..., m) |blocks| -> (...,) index of the nearest of the (K, m) points (argmax of 2⟨x, p⟩ - ‖p‖²)."""
+    """(..., 4) |blocks| -> (...,) index of the nearest of the (K, 4) points (argmax of 2⟨m, p⟩ - ‖p‖²)."""
     score = 2 * magnitudes @ points.T - (points * points).sum(-1)                    # (..., K)
     return score.argmax(-1)
