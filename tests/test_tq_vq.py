@@ -109,3 +109,14 @@ def test_bad_names_are_one_line_errors(name, match):
 def test_the_fused_step_and_the_serving_pool_refuse_it():
     check_only_the_modules_read_it("tq3+vq", "+vq")
     assert vector_codebook.VECTOR_BITS == (2, 3)
+
+
+def test_a_vq_recipe_is_stored_under_its_codebooks_format():
+    """A +vq recipe calibrated with other block codes (an older codebook format) is not found, so it is calibrated
+    again; other recipes' paths do not change."""
+    from kvlab.cache.vector_codebook import CODEBOOK_FORMAT
+    from kvlab.eval.calibrate import recipe_path
+
+    vq = recipe_path("ab" * 32, "tq3+vq+halloc")
+    assert vq.name.endswith(f"-tq3+vq+halloc-vq{CODEBOOK_FORMAT}.json")
+    assert recipe_path("ab" * 32, "tq3+halloc").name.endswith("-tq3+halloc.json")

@@ -28,7 +28,7 @@ from .codebook import cache_dir, save_json
 
 BLOCK = 4                      # coordinates coded together
 VECTOR_BITS = (2, 3)           # part widths coded in blocks (others stay scalar)
-_FORMAT = 1                    # bump when the training changes: old files are then ignored
+CODEBOOK_FORMAT = 1            # bump when the training changes: old files (and +vq recipes, eval/calibrate.py) are then ignored
 _SAMPLE_VECTORS = 40_000       # unit vectors drawn per codebook (d/4 blocks each)
 _ITERS = 40
 _CHUNK = 1 << 16
@@ -42,11 +42,11 @@ def magnitude_points(bits: int) -> int:
 @lru_cache(maxsize=None)
 def magnitude_codebook(dim: int, bits: int) -> torch.Tensor:
     """(K, 4) float32 magnitude points for blocks of a unit vector in `dim` dimensions coded at `bits` per coordinate."""
-    path = cache_dir() / f"vector_v{_FORMAT}_d{dim}_b{bits}.json"
+    path = cache_dir() / f"vector_v{CODEBOOK_FORMAT}_d{dim}_b{bits}.json"
     points = _load(path, bits)
     if points is None:
         points = _train(dim, bits)
-        save_json(path, {"format": _FORMAT, "dim": dim, "bits": bits, "points": points.tolist()})
+        save_json(path, {"format": CODEBOOK_FORMAT, "dim": dim, "bits": bits, "points": points.tolist()})
     return points
 
 
@@ -56,7 +56,7 @@ def _load(path: Path, bits: int) -> torch.Tensor | None:
         points = torch.tensor(data["points"], dtype=torch.float32)
     except (OSError, ValueError, KeyError, TypeError, RuntimeError):
         return None
-    if data.get("format") != _FORMAT or tuple(points.shape) != (magnitude_points(bits), BLOCK) or not torch.isfinite(points).all():
+    if data.get("format") != CODEBOOK_FORMAT or tuple(points.shape) != (magnitude_points(bits), BLOCK) or not torch.isfinite(points).all():
         return None
     return points
 

@@ -52,6 +52,7 @@ from ..cache.codebook import cache_dir
 from ..cache.dense import DenseCache
 from ..cache.names import is_compressed_name, parse
 from ..cache.turboquant import TurboQuantConfig
+from ..cache.vector_codebook import CODEBOOK_FORMAT
 from ..errors import ConfigError
 from ..fileio import write_json
 from .agreement import kl_divergence
@@ -242,7 +243,10 @@ def recipe_dir() -> Path:
 
 
 def recipe_path(digest: str, calibrated: str) -> Path:
-    return recipe_dir() / f"{digest[:16]}-{calibrated.replace('=', '_')}.json"
+    """Where the recipe of cache `calibrated` for the model with this digest is kept; a +vq recipe's name carries the
+    block codebooks' format, so a recipe measured with other codes is not found (and is calibrated again)."""
+    codes = f"-vq{CODEBOOK_FORMAT}" if parse(calibrated)[1].vector else ""
+    return recipe_dir() / f"{digest[:16]}-{calibrated.replace('=', '_')}{codes}.json"
 
 
 def whole_base(config: TurboQuantConfig) -> TurboQuantConfig:
