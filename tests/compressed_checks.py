@@ -35,14 +35,19 @@ def check_attend_is_exact_to_storage(name: str, geometry: CacheGeometry = GEOMET
                                      chunks=CHUNKS) -> None:
     """attend() == dense grouped attention over the cache's own dequantized K/V, at every step of `chunks`.
 
-    attend_first: read through attend() before dequantized() (a cache may code a chunk at its first read).
+    attend_first: read through attend() before dequantized() (a cache may code a chunk at its first read); a first
+    chunk that waits for its queries (TurboQuant's key weights) is read exactly by them, so that read is held to the
+    attention over every K/V appended so far (nothing is coded before that chunk).
     """
-    for cache, q, _, _ in feed(name, geometry, chunks):
+    for cache, q, k_all, v_all in feed(name, geometry, chunks):
         for layer in range(geometry.n_layers):
+            first_read = attend_first and getattr(cache, "awaits_queries", lambda _: False)(layer)
             out = cache.attend(layer, q) if attend_first else None
             k, v = cache.dequantized(layer)
             assert k.shape[2] == cache.layer_length(layer)
             out = cache.attend(layer, q) if out is None else out
+            if first_read:
+                k, v = k_all, v_all
             ref = grouped_attention(q.float(), k, v, cache.scale, window=geometry.window)
             torch.testing.assert_close(out.float(), ref, atol=2e-5, rtol=1e-4)
 

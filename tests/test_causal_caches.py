@@ -97,12 +97,8 @@ def test_the_integer_caches_are_not_dense():
         assert (dense - chunked_logits(model, tokens, name, (72,))).abs().max().item() > 1e-4
 
 
-@pytest.mark.parametrize("name", [
-    "int4", "tq4+center=none+kweights=none",
-    pytest.param("tq4", marks=pytest.mark.xfail(strict=True, reason=(
-        "known gap: TurboQuant sets its key offset and key channel weights from the whole first chunk "
-        "(keys and queries), so the prefill's early queries read codes shaped by its later tokens"))),
-])
+@pytest.mark.parametrize("name", ["int4", "tq4+center=none+kweights=none", "tq4", "tq4+prerope+sink1+recent8",
+                                  "tq3+prerope+sink1+halloc=k2433v3342+vq+norms8"])
 def test_the_first_chunk_is_causal_too(model, name):
     """Tokens 30..39 of a 40-token prefill replaced: positions 0..29 must not move."""
     a = two_sequences()[:1, :104]

@@ -26,8 +26,10 @@ gives the paper's recipe):
     error the expected (q·e)² is ∝ (Σ_c w_c² E[q_c²])·(Σ_c E[(k_c-μ_c)²]/w_c²), smallest for
     w_c = (E[(k_c-μ_c)²] / E[q_c²])^¼. Each layer and KV head measures both on its first chunk
     (the prefill: its keys, and the queries that first read it — so that chunk is coded when it is
-    first attended) and keeps w as 4-bit codes of log2 w in quarter octaves (32 bytes per layer and
-    head, counted). Like μ, any stored w is exact: coding and reading use the same value.
+    first attended; those queries read it exactly, uncoded, so no query of the prefill reads codes
+    whose μ and w came from later tokens: the cache stays causal) and keeps w as 4-bit codes of log2 w
+    in quarter octaves (32 bytes per layer and head, counted). Like μ, any stored w is exact: coding
+    and reading use the same value.
 
 `+prerope` (KVQuant's pre-RoPE keys): keys are coded before RoPE. The cache undoes RoPE at the
 token's position (sink + slot) before the offset, weights and rotation, and applies it again to the
@@ -521,6 +523,7 @@ class TurboQuantCache(CompressedCache):
         self._centred: set[int] = set()
         self._calibrated: set[int] = set()
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}               # first chunk, until attended
+        self._reading_first: int | None = None       # the layer whose first chunk `attend` reads exactly (uncoded)
         self.qjl_matrix = None
         if config.qjl:
             gen = torch.Generator().manual_seed(_layer_seed(config.seed, -1))
@@ -563,12 +566,24 @@ class TurboQuantCache(CompressedCache):
         bigger._pending = dict(self._pending)
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        self.calibrate(layer, q)
-        return super().attend(layer, q)
+        """With `layer`'s first chunk still waiting for its queries, these queries read that chunk as it was appended
+        (exact K/V: each of them sees only the keys before it, never codes shaped by a calibration over later tokens),
+        and the chunk is coded after, with the key weights these queries call for."""
+        self._check_attend(layer, q)
+        if layer not in self._pending:
+            return super().attend(layer, q)
+        self._reading_first = layer
+        try:
+            out = super().attend(layer, q)
+        finally:
+            self._reading_first = None
+        self._calibrate_and_store(layer, q)
+        return out
 
     def calibrate(self, layer: int, q: torch.Tensor) -> None:
         """Code `layer`'s first chunk, if it still waits for its queries, with the key weights the queries
-        q (B, H, T, d) call for: what `attend` does first (kvlab.hf calls it where transformers attends)."""
+        q (B, H, T, d) call for: what `attend` does after its exact first read (kvlab.hf calls it where transformers
+        attends, before transformers reads the chunk, so there the prefill reads codes calibrated on all of it)."""
         self._check_attend(layer, q)       # before the calibration reads q
         if layer in self._pending:
             self._calibrate_and_store(layer, q)
@@ -734,7 +749,16 @@ class TurboQuantCache(CompressedCache):
             signs = self.code_kernel.decode(stored["k_signs"], lo, hi - lo, self.sign_layout)
         return (signs @ self.qjl_matrix) * self._qjl_coef(stored, lo, hi)[..., None]
 
+    def _first_chunk(self, layer: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (as attention reads them: after RoPE) and values of slots [lo, hi) of `layer`'s pending first chunk,
+        exactly as appended, (B, H, hi-lo, d) float32."""
+        k, v, start = self._pending[layer]
+        k = self._rope(k, start) if self.config.pre_rope else k                   # _store turned it back
+        return k[:, :, lo:hi].float(), v[:, :, lo:hi].float()
+
     def _scores(self, layer: int, qg: torch.Tensor, n: int) -> torch.Tensor:
+        if layer == self._reading_first:
+            return (qg @ self._first_chunk(layer, 0, n)[0].transpose(-1, -2)) * self.scale   # (B, H, G·T, n)
         if self.config.pre_rope:  # each key turns by its own position: score the rebuilt keys, a key chunk at a time
             stored, step = self._buffers(layer), compressed.ATTEND_KEYS
             scores = qg.new_empty(*qg.shape[:3], n)                                # (B, H, G·T, n)
@@ -745,6 +769,8 @@ class TurboQuantCache(CompressedCache):
         return self.scores(layer, qg, self._buffers(layer), n)
 
     def _mix(self, layer: int, p: torch.Tensor, n: int) -> torch.Tensor:
+        if layer == self._reading_first:
+            return p @ self._first_chunk(layer, 0, n)[1]                           # (B, H, G·T, d)
         return self.mix(layer, p, self._buffers(layer), n)
 
     def scores(self, layer: int, qg: torch.Tensor, stored: dict[str, torch.Tensor], n: int) -> torch.Tensor:
@@ -804,7 +830,10 @@ class TurboQuantCache(CompressedCache):
                      first_query: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of [lo, hi) decoded (in C, a chunk's transient) in the rotated domain with their
         norms, one fused attention there, one inverse rotation of its output; q·μ shifts the log-sum-exp.
-        +prerope, +outliersN: the span's keys rebuilt (and turned by RoPE, `_keys`), attended with the plain queries."""
+        +prerope, +outliersN: the span's keys rebuilt (and turned by RoPE, `_keys`), attended with the plain queries.
+        The pending first chunk, read by the queries that first attend it: its exact K/V."""
+        if layer == self._reading_first:
+            return attend_with_lse(qg, *self._first_chunk(layer, lo, hi), self.scale, mask)
         stored = self._buffers(layer)
         values = self._decoded(stored["v_codes"], self.layer_value_codes[layer], lo, hi) * stored["v_norm"][:, :, lo:hi, None].float()
         if self.config.pre_rope or self.config.outliers:
