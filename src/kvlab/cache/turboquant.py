@@ -520,10 +520,8 @@ class TurboQuantCache(CompressedCache):
         # +norms8: each layer's log2 centre per KV head for its key and value scales, set by its first coded chunk
         self.norm_centres = {name: {l: torch.zeros(B, H, dtype=torch.float16, device=dev) for l in self.compressed_layers}
                              for name in ("k_norm", "v_norm")} if config.log_norms else {}   # (B, H) float16
-        self._centred: set[int] = set()
         self._calibrated: set[int] = set()
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}               # first chunk, until attended
-        self._reading_first: int | None = None       # the layer whose first chunk `attend` reads exactly (uncoded)
         self.qjl_matrix = None
         if config.qjl:
             gen = torch.Generator().manual_seed(_layer_seed(config.seed, -1))
@@ -546,7 +544,6 @@ class TurboQuantCache(CompressedCache):
     def reset(self) -> None:
         super().reset()
         self._calibrated.clear()
-        self._centred.clear()
         self._pending.clear()
         for state in (*self.k_offset.values(), *self.v_offset.values()):
             state.zero_()
@@ -561,23 +558,15 @@ class TurboQuantCache(CompressedCache):
             copy_prefix(getattr(self, name), getattr(bigger, name))
         for name, centres in self.norm_centres.items():
             copy_prefix(centres, bigger.norm_centres[name])
-        bigger._centred = set(self._centred)
         bigger._calibrated = set(self._calibrated)
         bigger._pending = dict(self._pending)
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """With `layer`'s first chunk still waiting for its queries, these queries read that chunk as it was appended
-        (exact K/V: each of them sees only the keys before it, never codes shaped by a calibration over later tokens),
-        and the chunk is coded after, with the key weights these queries call for."""
-        self._check_attend(layer, q)
-        if layer not in self._pending:
-            return super().attend(layer, q)
-        self._reading_first = layer
-        try:
-            out = super().attend(layer, q)
-        finally:
-            self._reading_first = None
-        self._calibrate_and_store(layer, q)
+        (exact K/V, `_first_keys` / `_first_values`: each sees only the keys before it, never codes shaped by a
+        calibration over later tokens), and the chunk is coded after, with the key weights these queries call for."""
+        out = super().attend(layer, q)
+        self.calibrate(layer, q)
         return out
 
     def calibrate(self, layer: int, q: torch.Tensor) -> None:
@@ -646,8 +635,7 @@ class TurboQuantCache(CompressedCache):
         end = start + k.shape[2]
         coded = self.code(layer, k, v)
         if self.config.log_norms:
-            if layer not in self._centred:   # the first coded chunk sets the layer's centres
-                self._centred.add(layer)
+            if start == 0:   # the layer's first coded chunk sets its centres
                 for name, centres in self.norm_centres.items():
                     centres[layer][:] = _log_centre(coded[name])
             for name, centres in self.norm_centres.items():
@@ -749,16 +737,20 @@ class TurboQuantCache(CompressedCache):
             signs = self.code_kernel.decode(stored["k_signs"], lo, hi - lo, self.sign_layout)
         return (signs @ self.qjl_matrix) * self._qjl_coef(stored, lo, hi)[..., None]
 
-    def _first_chunk(self, layer: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys (as attention reads them: after RoPE) and values of slots [lo, hi) of `layer`'s pending first chunk,
-        exactly as appended, (B, H, hi-lo, d) float32."""
-        k, v, start = self._pending[layer]
-        k = self._rope(k, start) if self.config.pre_rope else k                   # _store turned it back
-        return k[:, :, lo:hi].float(), v[:, :, lo:hi].float()
+    # A layer's first chunk waits uncoded (`_pending`) until the queries of its first `attend` arrive; the reads below
+    # give those queries the chunk as it was appended, and `attend` codes it after them.
+    def _first_keys(self, layer: int, lo: int, hi: int) -> torch.Tensor:
+        """Keys of slots [lo, hi) of `layer`'s pending first chunk as attention reads them (after RoPE), (B, H, hi-lo, d)."""
+        k, _, start = self._pending[layer]
+        k = k[:, :, lo:hi].float()
+        return self._rope(k, start + lo) if self.config.pre_rope else k          # _store turned it back
+
+    def _first_values(self, layer: int, lo: int, hi: int) -> torch.Tensor:
+        return self._pending[layer][1][:, :, lo:hi].float()                       # (B, H, hi-lo, d)
 
     def _scores(self, layer: int, qg: torch.Tensor, n: int) -> torch.Tensor:
-        if layer == self._reading_first:
-            return (qg @ self._first_chunk(layer, 0, n)[0].transpose(-1, -2)) * self.scale   # (B, H, G·T, n)
+        if layer in self._pending:
+            return (qg @ self._first_keys(layer, 0, n).transpose(-1, -2)) * self.scale   # (B, H, G·T, n)
         if self.config.pre_rope:  # each key turns by its own position: score the rebuilt keys, a key chunk at a time
             stored, step = self._buffers(layer), compressed.ATTEND_KEYS
             scores = qg.new_empty(*qg.shape[:3], n)                                # (B, H, G·T, n)
@@ -769,8 +761,8 @@ class TurboQuantCache(CompressedCache):
         return self.scores(layer, qg, self._buffers(layer), n)
 
     def _mix(self, layer: int, p: torch.Tensor, n: int) -> torch.Tensor:
-        if layer == self._reading_first:
-            return p @ self._first_chunk(layer, 0, n)[1]                           # (B, H, G·T, d)
+        if layer in self._pending:
+            return p @ self._first_values(layer, 0, n)                             # (B, H, G·T, d)
         return self.mix(layer, p, self._buffers(layer), n)
 
     def scores(self, layer: int, qg: torch.Tensor, stored: dict[str, torch.Tensor], n: int) -> torch.Tensor:
@@ -832,8 +824,8 @@ class TurboQuantCache(CompressedCache):
         norms, one fused attention there, one inverse rotation of its output; q·μ shifts the log-sum-exp.
         +prerope, +outliersN: the span's keys rebuilt (and turned by RoPE, `_keys`), attended with the plain queries.
         The pending first chunk, read by the queries that first attend it: its exact K/V."""
-        if layer == self._reading_first:
-            return attend_with_lse(qg, *self._first_chunk(layer, lo, hi), self.scale, mask)
+        if layer in self._pending:
+            return attend_with_lse(qg, self._first_keys(layer, lo, hi), self._first_values(layer, lo, hi), self.scale, mask)
         stored = self._buffers(layer)
         values = self._decoded(stored["v_codes"], self.layer_value_codes[layer], lo, hi) * stored["v_norm"][:, :, lo:hi, None].float()
         if self.config.pre_rope or self.config.outliers:

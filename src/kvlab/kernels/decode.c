@@ -647,7 +647,7 @@ typedef struct {                   /* a TurboQuant layer's codes (kvlab/cache/tu
     const float *weight_values;    /* (16,) the weight of each 4-bit code */
     const float *rope_cos, *rope_sin;  /* +prerope: (slots, hd) cos / sin of each coded slot's position, as rope()
                                           takes them (keys are coded before RoPE, turned when read); NULL otherwise */
-    const float *unrotation;       /* +prerope: (hd, hd) Mᵀ, row-major (a rotated key turns back as x = y Mᵀ) */
+    const float *unrotation;       /* +prerope, M not a randomized Hadamard: (hd, hd) Mᵀ, row-major (x = y Mᵀ), else NULL */
     const float *unrotation_signs; /* +prerope with a randomized Hadamard M = H diag(s)/√d: (hd,) s/√d, else NULL */
 } Coded;
 

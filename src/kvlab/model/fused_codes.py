@@ -168,13 +168,12 @@ class CacheView:
                 self._keep.extend(self._slot_rope)
             c.rope_cos = self._ptr(self._slot_rope[0], (S, hd), "slot RoPE cos", torch.float32)
             c.rope_sin = self._ptr(self._slot_rope[1], (S, hd), "slot RoPE sin", torch.float32)
-            c.unrotation = self._ptr(rotation.T.contiguous(), (hd, hd), f"{at} inverse rotation", torch.float32, own=True)
             if cache.rotations[layer].hadamard:   # Mᵀy = s ⊙ (H y)/√d: a Hadamard transform in C, not the d x d product
                 signs = cache.rotations[layer].signs.float() * hd ** -0.5                    # (D,) s/√d
                 c.unrotation_signs = self._ptr(signs, (hd,), f"{at} rotation signs", torch.float32, own=True)
+            else:
+                c.unrotation = self._ptr(rotation.T.contiguous(), (hd, hd), f"{at} inverse rotation", torch.float32, own=True)
         return c
-
-
 
     def _head_codes(self, book, start: int, name: str) -> HeadCodes:
         """One KV head's packing: its width's layout and boundaries (made once per width), its bytes from `start`."""

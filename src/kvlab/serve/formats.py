@@ -78,10 +78,10 @@ def block_format(name: str, geometry: CacheGeometry, block_size: int) -> BlockFo
         option = config.alloc_option
         raise ConfigError(f"block format {name!r} gives each layer (or head) its own widths ({option}); the pool's blocks "
                           f"hold one width for every layer and head, so use it without {option}")
-    for option, held in (("+vq", "vector"), ("+norms8", "log_norms")):
+    for option, held, what in (("+vq", "vector", "blocks of 4 coordinates"), ("+norms8", "log_norms", "8-bit log scales")):
         if getattr(config, held, False):
-            raise ConfigError(f"block format {name!r} stores what the pool's C reads do not decode ({option}: blocks of 4 "
-                              f"coordinates, 8-bit log scales); use it without {option}")
+            raise ConfigError(f"block format {name!r} stores what the pool's C reads do not decode ({option}: {what}); "
+                              f"use it without {option}")
     if getattr(config, "outliers", 0):
         raise ConfigError(f"block format {name!r} keeps exact key outliers (+outliersN), which the pool's blocks do not "
                           f"read; use it without +outliersN")
