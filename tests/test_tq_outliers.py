@@ -12,21 +12,20 @@ from kvlab.cache.turboquant import OUTLIER_BYTES, TurboQuantCache
 from kvlab.errors import ConfigError
 from kvlab.serve.formats import block_format
 
-from .compressed_checks import GEOMETRY, check_attend_is_exact_to_storage, check_code_kernel_equals_the_torch_path, check_nbytes
+from .compressed_checks import (GEOMETRY, check_attend_is_exact_chunked_and_token_by_token, check_attend_is_exact_to_storage,
+                               check_code_kernel_equals_the_torch_path, check_nbytes)
 from .test_key_levers import ROPED, rope_at
 from .test_turboquant import SMOLLM2
 
 NAMES = ["tq4+outliers2", "tq-k4v3.625+outliers1+sink2", "tq3+outliers3+center=none+kweights=none+recent8",
          "tq4+prerope+outliers1", "tq3+prerope+sink1+outliers2+recent8", "tq4+qjl+outliers1", "tq4+rot=haar+outliers1"]
-TOKEN_BY_TOKEN = (1,) * 12
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_attention_is_exact_to_the_stored_keys_with_their_outliers(name):
     """Chunked and token-by-token appends: attend() == softmax attention over dequantized() keys, i.e. the codes
     decoded plus the kept entries added back (the scores on the codes add q·k_sparse)."""
-    for chunks in ((5, 1, 1, 32, 3, 17), TOKEN_BY_TOKEN):
-        check_attend_is_exact_to_storage(name, ROPED, chunks=chunks)
+    check_attend_is_exact_chunked_and_token_by_token(name, ROPED)
     check_attend_is_exact_to_storage(name, ROPED, attend_first=True)
 
 
