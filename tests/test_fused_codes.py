@@ -36,7 +36,9 @@ NAMES = ["tq4", "tq3", "tq5", "tq3.5", "tq-k5v3", "tq3+sink4+recent8", "tq4+rece
          "tq4+center=kv+kscale=lsq+vscale=unbiased+bf16norms", "tq3+rot=haar+kweights=none+center=none+kscale=norm",
          "tq4+prerope+sink1", "tq3+prerope+recent8", "tq4+prerope+rot=haar+center=none+kweights=none",
          # a width per layer, per (layer, KV head): 2 layers × 2 KV heads, each head its own packing
-         "tq4+alloc=k35v44+recent4", "tq3+prerope+sink1+halloc=k2433v3342", "tq4+prerope+sink1+halloc=k3553v4444+kscale=lsq"]
+         "tq4+alloc=k35v44+recent4", "tq3+prerope+sink1+halloc=k2433v3342", "tq4+prerope+sink1+halloc=k3553v4444+kscale=lsq",
+         # 8-bit log scales around each head's centre
+         "tq3.5+norms8+recent8", "tq4+prerope+sink1+halloc=k3553v4444+kscale=lsq+norms8"]
 #: (n_heads, n_kv_heads, head_dim): MHA, GQA, MQA; head dims 64, 128 and 96 (not a power of two: a dense rotation)
 GEOMETRIES = {"MHA-64": (4, 4, 64), "GQA-128": (4, 2, 128), "MQA-96": (3, 1, 96)}
 

@@ -20,7 +20,7 @@ from kvlab.cache.turboquant import RotatedCodes
 from kvlab.cache.vector_codebook import magnitude_codebook, magnitude_points
 from kvlab.errors import ConfigError
 
-from .compressed_checks import GEOMETRY, check_attend_is_exact_chunked_and_token_by_token, check_nbytes, check_only_the_modules_read_it
+from .compressed_checks import GEOMETRY, check_attend_is_exact_chunked_and_token_by_token, check_nbytes, check_pool_refuses
 from .test_key_levers import ROPED
 from .test_turboquant import SMOLLM2
 
@@ -107,7 +107,7 @@ def test_bad_names_are_one_line_errors(name, match):
 
 
 def test_the_fused_step_and_the_serving_pool_refuse_it():
-    check_only_the_modules_read_it("tq3+vq", "+vq")
+    check_pool_refuses("tq3+vq", "+vq")
     assert vector_codebook.VECTOR_BITS == (2, 3)
 
 

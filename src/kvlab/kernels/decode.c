@@ -52,6 +52,9 @@
 #define KEY_CHUNK 256
 
 enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };   /* how the cache stores K/V */
+enum { NORM_LOG8 = 3 };                         /* a coded layer's scales as 8-bit log codes (+norms8) */
+#define LOG_NORM_STEPS 16                       /* turboquant.py's LOG_NORM_STEPS and _LOG_NORM_ZERO */
+#define LOG_NORM_ZERO 128
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__F16C__))
 #include <immintrin.h>
@@ -634,9 +637,10 @@ typedef struct {                   /* one KV head's key or value codes in a Turb
 
 typedef struct {                   /* a TurboQuant layer's codes (kvlab/cache/turboquant.py); [0] keys, [1] values */
     int32_t slots;                 /* coded rows per KV head */
-    int32_t norm_type;             /* KV_F16 or KV_BF16 */
+    int32_t norm_type;             /* KV_F16, KV_BF16 or NORM_LOG8 */
     uint8_t *codes[2];             /* (Hkv, slots, row_bytes), or (slots, Σ heads' row bytes) with +halloc */
-    uint16_t *norms[2];            /* (Hkv, slots): the stored scales */
+    void *norms[2];                /* (Hkv, slots): the stored scales, 16-bit, or uint8 log codes with NORM_LOG8 */
+    const uint16_t *norm_centres[2];  /* NORM_LOG8: (Hkv,) f16 log2 centre of each head's codes, else NULL */
     int64_t slot_bytes[2];         /* bytes from one slot of a head to its next */
     const HeadCodes *heads[2];     /* (Hkv,): each head's packing (one width for all but with +halloc) */
     int32_t scale_mode[2];
@@ -697,8 +701,41 @@ static float key_weight(const Coded *C, int g, int d, int c) {
     return C->weight_values[c % 2 ? byte >> 4 : byte & 15];
 }
 
+static float log_centre(const Coded *C, int which, int g) { return kvlab_fp16_to_fp32(C->norm_centres[which][g]); }
+
+/* *out = KV head g's key (which = 0) or value (1) scale as stored: f16 / bf16, or with NORM_LOG8 its code
+ * round((log2 s - centre)·16) + 128 clamped to 1..255, 0 for a zero scale (turboquant.py _log_norm_codes);
+ * returns 1 when the scale is finite (and, 16-bit, stays finite) */
+static int store_scale(const Coded *C, int which, int g, float scale, uint16_t *out) {
+    if (C->norm_type != NORM_LOG8) return kv_store(C->norm_type, &scale, 1, out);
+    if (!isfinite(scale)) return 0;
+    float step = nearbyintf((log2f(scale > 1e-30f ? scale : 1e-30f) - log_centre(C, which, g)) * LOG_NORM_STEPS) + LOG_NORM_ZERO;
+    step = step < 1.0f ? 1.0f : step > 255.0f ? 255.0f : step;
+    *out = scale > 1e-30f ? (uint16_t)step : 0;
+    return 1;
+}
+
+/* slot `slot` (of Hkv x slots) of the key (i = 0) or value (1) scales = a value store_scale made */
+static void put_scale(const Coded *C, int i, int64_t slot, uint16_t value) {
+    if (C->norm_type == NORM_LOG8) ((uint8_t *)C->norms[i])[slot] = (uint8_t)value;
+    else ((uint16_t *)C->norms[i])[slot] = value;
+}
+
+/* dst (n,) fp32 = KV head g's key (i = 0) or value (1) scales of slots [t0, t0 + n) */
+static void load_scales(const Coded *C, int i, int g, int64_t t0, int n, float *dst) {
+    const int64_t slot = (int64_t)g * C->slots + t0;
+    if (C->norm_type != NORM_LOG8) {
+        kv_load(C->norm_type, (const uint16_t *)C->norms[i] + slot, n, dst);
+        return;
+    }
+    const uint8_t *codes = (const uint8_t *)C->norms[i] + slot;
+    const float centre = log_centre(C, i, g);
+    for (int t = 0; t < n; t++)
+        dst[t] = codes[t] ? exp2f(centre + (float)(codes[t] - LOG_NORM_ZERO) / LOG_NORM_STEPS) : 0.0f;
+}
+
 /* Code x (d,), KV head g's key (which = 0) or value (1), as TurboQuantCache.code: x' = (x - mu) [/ w], the stored
- * scale ||x'|| * factor rounded to 16 bits, the codes of y = x' M / ||x'||. 0, or 1 when the scale is not finite. */
+ * scale ||x'|| * factor (store_scale), the codes of y = x' M / ||x'||. 0, or 1 when the scale is not finite. */
 static int code_vector(const Coded *C, const cb_layout *L, int which, int g, const float *x_in, int d,
                        uint8_t *row, uint16_t *scale_out) {
     const float *bounds = C->heads[which][g].bounds;
@@ -719,8 +756,7 @@ static int code_vector(const Coded *C, const cb_layout *L, int which, int g, con
                : C->scale_mode[which] == SCALE_LSQ ? yy / sq
                : 1.0f / (fabsf(yy) > 1e-30f ? yy : 1.0f);
     }
-    const float scale = norm * factor;
-    return !kv_store(C->norm_type, &scale, 1, scale_out);
+    return !store_scale(C, which, g, norm * factor, scale_out);
 }
 
 /* x (d,) = y with RoPE turned back at one position (cos_/sin_ as rope() takes them), as llama.py's apply_rope with -sin */
@@ -902,7 +938,8 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
         if (L->type != KV_F32 && L->type != KV_F16 && L->type != KV_BF16) { free(layouts); return -1; }
         if (L->coded) {
             const Coded *C = L->coded;
-            if (L->type != KV_F32 || !fill || !fill_fits(L, fill) || (C->norm_type != KV_F16 && C->norm_type != KV_BF16)) { free(layouts); return -1; }
+            if (L->type != KV_F32 || !fill || !fill_fits(L, fill) || (C->norm_type != KV_F16 && C->norm_type != KV_BF16 && C->norm_type != NORM_LOG8)
+                || (C->norm_type == NORM_LOG8 && (!C->norm_centres[0] || !C->norm_centres[1]))) { free(layouts); return -1; }
             for (int i = 0; i < 2; i++) {
                 if (C->scale_mode[i] < SCALE_NORM || C->scale_mode[i] > SCALE_UNBIASED || !C->heads[i]) { free(layouts); return -1; }
                 for (int g = 0; g < Hkv; g++) {
@@ -1029,8 +1066,8 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
                         const int64_t slot = (int64_t)g * C->slots + fill->coded;
                         memcpy(coded_row(C, 0, g, fill->coded), codes, (size_t)C->heads[0][g].row_bytes);
                         memcpy(coded_row(C, 1, g, fill->coded), codes + ROW_ROOM, (size_t)C->heads[1][g].row_bytes);
-                        C->norms[0][slot] = new_scales[2 * g];
-                        C->norms[1][slot] = new_scales[2 * g + 1];
+                        put_scale(C, 0, slot, new_scales[2 * g]);
+                        put_scale(C, 1, slot, new_scales[2 * g + 1]);
                     }
                     if (write == WRITE_SPILL) {   /* the window moves up one row */
                         memmove(wk, wk + hd, sizeof(float) * (size_t)(L->window - 1) * hd);
@@ -1096,10 +1133,9 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
             } else if (c < c_first + c_coded) {   /* coded rows: decoded a sub-tile at a time, with their scales */
                 const int t0 = (c - c_first) * KEY_CHUNK;
                 n = n_coded - t0 < KEY_CHUNK ? n_coded - t0 : KEY_CHUNK;
-                const int64_t slot = (int64_t)g * C->slots + t0;
                 float *scales = mine + tile - 2 * KEY_CHUNK;
-                kv_load(C->norm_type, C->norms[0] + slot, n, scales);
-                kv_load(C->norm_type, C->norms[1] + slot, n, scales + KEY_CHUNK);
+                load_scales(C, 0, g, t0, n, scales);
+                load_scales(C, 1, g, t0, n, scales + KEY_CHUNK);
                 float weights[CB_MAX_DIM], offset[CB_MAX_DIM];
                 PreRope pre, *use_pre = NULL;
                 if (C->rope_cos) {   /* +prerope: this KV head's weights and offset, the chunk's rows' RoPE */

@@ -18,7 +18,8 @@ and a sign per channel (d log d additions), the view passing s/√d; otherwise t
 Served: every width (3/5-bit, fractional, mixed K/V), +alloc / +halloc (a width per layer / per KV head: each head
 gets its own packing, `HeadCodes`, and with +halloc its bytes' place in the layer's shared row), +sinkN, +recentN,
 +fp-first-last (dense layers in the same step), +center=…, +kweights=none, +rot=haar, +prerope, every scale mode,
-f16/bf16 norms. Not served (the modules run them): +qjl, +outliersN, +vq, +norms8, a sliding-window model, batches, other dtypes
+f16/bf16 norms, +norms8 (8-bit log scales: decode.c NORM_LOG8, each head's centre read in place). Not served (the
+modules run them): +qjl, +outliersN, +vq, a sliding-window model, batches, other dtypes
 and devices, and a step that would calibrate a layer (its first coded token) or find a layer's first chunk still
 waiting for its queries.
 
@@ -41,6 +42,7 @@ from .fused_int import Quantized
 KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # decode.c's KV_F32, KV_F16, KV_BF16
 WRITE_FIRST, WRITE_CODED, WRITE_RECENT, WRITE_SPILL = range(4)        # decode.c's WRITE_*
 SCALE_MODES = {"norm": 0, "renorm": 1, "lsq": 2, "unbiased": 3}       # decode.c's SCALE_*
+NORM_LOG8 = 3                                                          # decode.c's NORM_LOG8: +norms8 scales
 
 WHAT = "fused decode"
 
@@ -52,7 +54,7 @@ class HeadCodes(ctypes.Structure):
 
 class Coded(ctypes.Structure):
     _fields_ = [("slots", c_int32), ("norm_type", c_int32), ("codes", c_void_p * 2), ("norms", c_void_p * 2),
-                ("slot_bytes", c_int64 * 2), ("heads", ctypes.POINTER(HeadCodes) * 2), ("scale_mode", c_int32 * 2), ("rotation", c_void_p), ("offset", c_void_p * 2),
+                ("norm_centres", c_void_p * 2), ("slot_bytes", c_int64 * 2), ("heads", ctypes.POINTER(HeadCodes) * 2), ("scale_mode", c_int32 * 2), ("rotation", c_void_p), ("offset", c_void_p * 2),
                 ("weight_codes", c_void_p), ("fp8_values", c_void_p), ("weight_values", c_void_p),
                 ("rope_cos", c_void_p), ("rope_sin", c_void_p), ("unrotation", c_void_p), ("unrotation_signs", c_void_p)]
 
@@ -136,7 +138,9 @@ class CacheView:
         H, S = cache.geometry.n_kv_heads, cache.slots
         at = f"layer {layer}"
         c = Coded()
-        c.slots, c.norm_type = S, KV_TYPES[cache.config.norm_dtype]
+        log_norms = cache.config.log_norms
+        c.slots, c.norm_type = S, NORM_LOG8 if log_norms else KV_TYPES[cache.config.norm_dtype]
+        norm_dtype = torch.uint8 if log_norms else cache.config.norm_dtype
         for i, (name, layer_codes, mode) in enumerate((("k", cache.layer_key_codes[layer], cache._key_scale),
                                                        ("v", cache.layer_value_codes[layer], cache.config.value_scale))):
             if cache.config.alloc_heads:   # +halloc: one row of every head's codes side by side, (1, S, Σ bytes)
@@ -146,7 +150,10 @@ class CacheView:
                 books, row = [layer_codes] * H, layer_codes.layout.row_bytes
                 starts, shape, c.slot_bytes[i] = [h * S * row for h in range(H)], (H, S, row), row
             c.codes[i] = self._ptr(getattr(cache, f"{name}_codes")[layer][0], shape, f"{at} {name} codes", torch.uint8)
-            c.norms[i] = self._ptr(getattr(cache, f"{name}_norm")[layer][0], (H, S), f"{at} {name} norms", cache.config.norm_dtype)
+            c.norms[i] = self._ptr(getattr(cache, f"{name}_norm")[layer][0], (H, S), f"{at} {name} norms", norm_dtype)
+            if log_norms:   # +norms8: each head's log2 centre, set in place by the layer's first coded chunk
+                centres = cache.norm_centres[f"{name}_norm"][layer][0]
+                c.norm_centres[i] = self._ptr(centres, (H,), f"{at} {name} norm centres", torch.float16)
             heads = (HeadCodes * H)()
             for h, (book, start) in enumerate(zip(books, starts)):
                 heads[h] = self._head_codes(book, start, name)
@@ -211,7 +218,9 @@ def buffer_layouts(cache) -> tuple[tuple, ...]:
     held = [cache._dense[l].k for l in sorted(cache._dense)] + [cache._dense[l].v for l in sorted(cache._dense)]
     coded = fused_int.BUFFERS if isinstance(cache, QuantizedCache) else (
         "k_codes", "v_codes", "k_norm", "v_norm", "k_offset", "v_offset", "k_weight_codes")
-    for buffers in (cache._sink_k, cache._sink_v, cache._win_k, cache._win_v, *(getattr(cache, name) for name in coded)):
+    centres = getattr(cache, "norm_centres", {})   # +norms8
+    for buffers in (cache._sink_k, cache._sink_v, cache._win_k, cache._win_v, *(getattr(cache, name) for name in coded),
+                    *centres.values()):
         held += buffers.values()
     return tuple(_layout(t) for t in held)
 
@@ -230,7 +239,7 @@ def serves_codes(cache, cfg) -> bool:
     g = cache.geometry
     return (
         type(cache) is TurboQuantCache and cache.dtype == torch.float32 and cache.device.type == "cpu"
-        and not cache.config.qjl and not cache.config.outliers and not cache.config.vector and not cache.config.log_norms
+        and not cache.config.qjl and not cache.config.outliers and not cache.config.vector
         and g.window is None and cfg.sliding_window is None
         and cfg.head_dim % 2 == 0 and cfg.head_dim <= 1024
         and (g.batch, g.n_layers, g.n_kv_heads, g.head_dim, g.head_dim_v) == (1, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.head_dim)
