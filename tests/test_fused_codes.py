@@ -164,6 +164,8 @@ def test_every_isa_variant_codes_and_attends_like_torch(variant, geometry, varia
         assert_fused_equals_modules(model, name, 262, 3, variants[variant], torch_reference=True, exact_logits=5e-5)
     # pre-RoPE keys are rebuilt through the rotation and RoPE in another order than torch's: the module-wide 1e-4
     assert_fused_equals_modules(model, "tq4+prerope+sink1", 262, 3, variants[variant], torch_reference=True)
+    if geometry == "MHA-64":   # block codes and 8-bit log scales (the points of one head dim, trained once)
+        assert_fused_equals_modules(model, "tq3+vq+norms8", 262, 3, variants[variant], torch_reference=True, exact_logits=5e-5)
 
 
 def assert_same_logits_for_any_thread_count(native, cache_name: str) -> None:
@@ -181,6 +183,13 @@ def assert_same_logits_for_any_thread_count(native, cache_name: str) -> None:
             torch.set_num_threads(threads)
             runs.append(torch.cat([step(tokens[:, t:t + 1], cache) for t in range(550, 560)], dim=1))
     assert torch.equal(runs[0], runs[1])
+
+
+@pytest.mark.parametrize("name", ["tq3+vq", "tq-k3v2.5+vq+norms8+prerope+sink1+recent4"])
+def test_fused_step_codes_and_reads_block_codes(name, native):
+    """+vq block parts (3 and 2 bits) at head dim 64: the new token's block index chosen in C (nearest magnitude point,
+    signs) and the blocks decoded in C, as the modules do (a head dim of 64: the points trained once, ~1 min each)."""
+    assert_fused_equals_modules(model_for("MHA-64"), name, 270, 6, native._lib)
 
 
 def test_fused_step_is_the_same_for_any_thread_count(native):

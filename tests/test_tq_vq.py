@@ -3,8 +3,9 @@
 The block codes cost the scalar codes' bytes, read back exactly what the coder chose, and have less error than the
 scalar Lloyd-Max codes on the law they code (unit vectors after the rotation); the magnitude points are found once,
 deterministically, kept as JSON and retrained when the file is damaged; a cache's attention is exact to what it stores
-(chunked and token by token) and causal; its bytes are the planner's formula with the points counted; the fused step
-and the serving pool refuse it (one line)."""
+(chunked and token by token) and causal; its bytes are the planner's formula with the points counted; the C code
+kernel decodes block codes exactly as torch does (the fused step codes and reads them too: tests/test_fused_codes.py);
+the serving pool refuses them (one line)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ from kvlab.cache import vector_codebook
 from kvlab.cache.turboquant import RotatedCodes
 from kvlab.cache.vector_codebook import magnitude_codebook, magnitude_points
 from kvlab.errors import ConfigError
+from kvlab.kernels.codebook import codebook_kernel_for
 
 from .compressed_checks import GEOMETRY, check_attend_is_exact_chunked_and_token_by_token, check_nbytes, check_pool_refuses
+from .kernel_checks import require_kernel
 from .test_key_levers import ROPED
 from .test_turboquant import SMOLLM2
 
@@ -42,7 +45,10 @@ def test_block_codes_cost_the_scalar_bytes_read_back_exactly_and_err_less(bits, 
     mse = ((y - values) ** 2).sum(1).mean()
     scalar_mse = ((y - scalar.encode(y)[1]) ** 2).sum(1).mean()
     assert mse < most * scalar_mse, (mse, scalar_mse)
-    assert vector.layout is None and vector.nbytes == RotatedCodes.table_bytes(64, bits, True, True)
+    assert vector.nbytes == RotatedCodes.table_bytes(64, bits, True, True)
+    kernel = require_kernel()   # C reads the block parts from the layout: the same values, bit for bit
+    decoded = codebook_kernel_for(torch.device("cpu")).decode(codes[None, None], 0, 4000, vector.layout)   # (1, 1, n, d)
+    assert kernel is not None and torch.equal(decoded[0, 0], values)
 
 
 def test_each_block_reads_back_as_its_signs_times_the_nearest_magnitude_point():
@@ -106,8 +112,8 @@ def test_bad_names_are_one_line_errors(name, match):
     assert "\n" not in str(err.value)
 
 
-def test_the_fused_step_and_the_serving_pool_refuse_it():
-    check_pool_refuses("tq3+vq", "+vq")
+def test_the_serving_pool_refuses_it_and_the_fused_step_serves_it():
+    check_pool_refuses("tq3+vq", "+vq", fused=True)
     assert vector_codebook.VECTOR_BITS == (2, 3)
 
 

@@ -70,8 +70,9 @@ whose buffers hold one width for every head, does not.
 `+vq` (vector_codebook.py): 2- and 3-bit parts are coded in blocks of 4 rotated coordinates, 4·b bits per block in
 the scalar codes' bytes (4 signs + an index into sign-symmetric magnitude points): a quarter less error at 3 bits.
 `+norms8`: each vector's scale is an 8-bit log code (16 steps per octave, ±8 octaves) around a float16 centre per
-layer, KV head and K/V that the layer's first coded chunk sets (`_encode`); reads decode them in `_buffers`. Both are
-read by the modules only (no C code kernel, no fused step, no serving pool).
+layer, KV head and K/V that the layer's first coded chunk sets (`_encode`); reads decode them in `_buffers`. The C code
+kernel (block parts, kernels/codebook.c) and the fused decode step (model/fused_codes.py) read both; the serving pool
+reads neither.
 
 Fractional widths (tq3.5, tq2.5): after the rotation all d coordinates follow the same law, so no
 channel is an outlier any more; "outlier channels" are simply the first ⌊frac·d⌉ rotated
@@ -306,7 +307,7 @@ class RotatedCodes:
     lookup; without them it unpacks the codes, same values).
     vector (+vq): 2- and 3-bit parts whose channels split into blocks of 4 code each block with 4·b bits, 4 signs and
     an index into the sign-symmetric magnitude points (vector_codebook.py), in the scalar code's bytes; such a part
-    holds its points instead of the scalar centroids and boundaries, and no C kernel reads it (`layout` is None).
+    holds its points instead of the scalar centroids and boundaries (C reads them too: kernels/codebook.c block parts).
     """
 
     def __init__(self, dim: int, bits: float, device: torch.device | str = "cpu", byte_tables: bool = True,
@@ -331,8 +332,8 @@ class RotatedCodes:
             self.byte_tables.append(_byte_table(cent, b) if byte_tables and 8 % b == 0 else None)  # (256, 8/b)
             self.points.append(None)
         self.vector = any(p is not None for p in self.points)
-        # what the C kernels read (scalar codes only)
-        self.layout = None if self.vector else CodeLayout.of(self.parts, self.centroids, self.packed_bytes(dim, bits))
+        # what the C kernels read (a block part's points as its table)
+        self.layout = CodeLayout.of(self.parts, self.centroids, self.packed_bytes(dim, bits), self.points)
 
     @staticmethod
     def packed_bytes(dim: int, bits: float) -> int:
@@ -483,7 +484,7 @@ class TurboQuantCache(CompressedCache):
                                        device=dev)                                           # (L, Hkv, 2) or (L, 2)
         # attention straight from the codes in C on CPU (kernels/codebook.c); None: torch decodes (the reference,
         # and the only reader of per-head widths)
-        self.code_kernel = None if config.alloc_heads or config.vector else codebook_kernel_for(self.device)
+        self.code_kernel = None if config.alloc_heads else codebook_kernel_for(self.device)
         self.haar_basis = None                                                               # (d, d) Q shared by the layers
         if config.rotation == "haar":
             self.haar_basis = haar_matrix(d, torch.Generator().manual_seed(_layer_seed(config.seed, -2))).to(dev)

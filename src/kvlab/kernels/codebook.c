@@ -19,6 +19,7 @@
  * registers, a gather otherwise. The plain-C build does the same one channel at a time. Norms, offsets and the
  * rotation stay in torch.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -49,7 +50,8 @@ int kvlab_codebook_variant(void) {
 #endif
 }
 
-static int table_size(int bits) { return bits < 4 ? 16 : 1 << bits; }
+/* floats of a part's table: padded centroids, or a block part's points */
+static int table_size(int bits, int block) { return block ? (1 << (CB_BLOCK * bits - CB_BLOCK)) * CB_BLOCK : bits < 4 ? 16 : 1 << bits; }
 
 int kvlab_cb_layout(cb_layout *L, int d, int n_parts, const int32_t *spec, const float *tables, int64_t row_bytes) {
     if (d <= 0 || d > CB_MAX_DIM || n_parts <= 0 || n_parts > CB_MAX_PARTS) return -1;
@@ -60,22 +62,27 @@ int kvlab_cb_layout(cb_layout *L, int d, int n_parts, const int32_t *spec, const
     int expect_lo = 0;
     for (int p = 0; p < n_parts; p++) {
         cb_part *P = &L->part[p];
-        P->lo = spec[3 * p];
-        P->hi = spec[3 * p + 1];
-        P->bits = spec[3 * p + 2];
-        if (P->lo != expect_lo || P->hi <= P->lo || P->bits < 1 || P->bits > 8) return -1;
+        P->lo = spec[4 * p];
+        P->hi = spec[4 * p + 1];
+        P->bits = spec[4 * p + 2];
+        P->block = spec[4 * p + 3];
+        if (P->lo != expect_lo || P->hi <= P->lo || P->bits < 1 || P->bits > 8 || (P->block != 0 && P->block != 1)) return -1;
+        if (P->block && ((P->bits != 2 && P->bits != 3) || (P->hi - P->lo) % CB_BLOCK)) return -1;
         expect_lo = P->hi;
         P->table = tables;
-        tables += table_size(P->bits);
+        tables += table_size(P->bits, P->block);
+        /* the codes the planes hold: a block part's 8-bit indices (2 bits) or their 6-bit halves (3 bits) */
+        P->code_bits = !P->block ? P->bits : P->bits == 2 ? 8 : 6;
+        P->n_codes = !P->block ? P->hi - P->lo : (P->hi - P->lo) / CB_BLOCK * (P->bits == 2 ? 1 : 2);
         P->n_planes = 0;
-        int shift = P->bits;
+        int shift = P->code_bits;
         for (int w = 8; w >= 1; w /= 2)
-            if (P->bits & w) {
+            if (P->code_bits & w) {
                 shift -= w;
                 P->width[P->n_planes] = w;
                 P->shift[P->n_planes] = shift;
                 P->offset[P->n_planes] = offset;
-                offset += ((int64_t)(P->hi - P->lo) * w + 7) / 8;
+                offset += ((int64_t)P->n_codes * w + 7) / 8;
                 P->n_planes++;
             }
     }
@@ -365,10 +372,24 @@ static inline int fast_part(const cb_part *P, const uint8_t *row, float *out) {
 #endif
 
 /* out[0 .. dpad) = the row's values, zero past d; codes: dpad ints of scratch */
+/* out (n,) = a block part's values: each block's point, its signs applied (turboquant.py _block_decode) */
+static void decode_blocks(const cb_part *P, const uint8_t *row, float *out, int32_t *codes) {
+    for (int k = 0; k < P->n_planes; k++) plane_codes(row + P->offset[k], P->n_codes, P->width[k], P->shift[k], k == 0, codes);
+    for (int b = 0; b < (P->hi - P->lo) / CB_BLOCK; b++) {
+        const int index = P->bits == 2 ? codes[b] : codes[2 * b] << 6 | codes[2 * b + 1];
+        const float *point = P->table + (index >> CB_BLOCK) * CB_BLOCK;
+        for (int j = 0; j < CB_BLOCK; j++) out[b * CB_BLOCK + j] = index >> j & 1 ? -point[j] : point[j];
+    }
+}
+
 static void decode_row(const cb_layout *L, const uint8_t *row, float *out, int32_t *codes) {
     for (int p = 0; p < L->n_parts; p++) {
         const cb_part *P = &L->part[p];
         const int n = P->hi - P->lo;
+        if (P->block) {
+            decode_blocks(P, row, out + P->lo, codes + P->lo);
+            continue;
+        }
         int c = fast_part(P, row, out + P->lo);
         if (c == 0) {
             for (int k = 0; k < P->n_planes; k++) plane_codes(row + P->offset[k], n, P->width[k], P->shift[k], k == 0, codes + P->lo);
@@ -412,7 +433,7 @@ static inline void part_rows(const cb_part *P, const uint8_t *rows, int64_t row_
 void kvlab_cb_decode_rows(const cb_layout *L, const uint8_t *rows, int64_t row_bytes, int64_t count, float *out, int64_t stride) {
 #if defined(__AVX512F__)
     int fast = L->d == L->dpad;   /* every part 1..5 bits over whole blocks of 16 channels: part by part, tight loops */
-    for (int p = 0; p < L->n_parts; p++) fast &= L->part[p].bits <= 5 && (L->part[p].hi - L->part[p].lo) % 16 == 0;
+    for (int p = 0; p < L->n_parts; p++) fast &= !L->part[p].block && L->part[p].bits <= 5 && (L->part[p].hi - L->part[p].lo) % 16 == 0;
     if (fast) {
         for (int p = 0; p < L->n_parts; p++) {
             const cb_part *P = &L->part[p];
@@ -628,7 +649,7 @@ static void dot_heads(const cb_part *P, const uint8_t *rows, int64_t row_bytes, 
  * blocks (64 channels) */
 static int register_layout(const cb_layout *L) {
     int ok = CB_LANES == 16;
-    for (int p = 0; p < L->n_parts; p++) ok &= L->part[p].bits <= 5 && (L->part[p].hi - L->part[p].lo) % 64 == 0;
+    for (int p = 0; p < L->n_parts; p++) ok &= !L->part[p].block && L->part[p].bits <= 5 && (L->part[p].hi - L->part[p].lo) % 64 == 0;
     return ok;
 }
 
@@ -685,18 +706,55 @@ static int bucket(const float *bounds, int n, float y) {
     return lo;
 }
 
+/* code number c of a part into its planes: plane k holds bits [shift, shift + width) at c*width of its bytes */
+static void put_code(const cb_part *P, uint8_t *row, int c, int code) {
+    for (int k = 0; k < P->n_planes; k++) {
+        const int w = P->width[k], bits = (code >> P->shift[k]) & ((1 << w) - 1);
+        row[P->offset[k] + (int64_t)c * w / 8] |= (uint8_t)(bits << (c * w % 8));
+    }
+}
+
+/* the index of block y (CB_BLOCK,) in a block part: its nearest magnitude point << 4 | its sign bits; y_hat its value */
+static int block_index(const cb_part *P, const float *y, float *y_hat) {
+    const int n_points = 1 << (CB_BLOCK * P->bits - CB_BLOCK);
+    int best = 0, signs = 0;
+    float best_score = -INFINITY;
+    for (int i = 0; i < n_points; i++) {   /* argmax of 2<|y|, p> - |p|^2 (vector_codebook.nearest_point) */
+        const float *point = P->table + i * CB_BLOCK;
+        float cross = 0.0f, norm = 0.0f;
+        for (int j = 0; j < CB_BLOCK; j++) {
+            cross += fabsf(y[j]) * point[j];
+            norm += point[j] * point[j];
+        }
+        const float score = 2.0f * cross - norm;
+        if (score > best_score) best_score = score, best = i;
+    }
+    for (int j = 0; j < CB_BLOCK; j++) {
+        const float value = P->table[best * CB_BLOCK + j];
+        signs |= (y[j] < 0.0f) << j;
+        y_hat[j] = y[j] < 0.0f ? -value : value;
+    }
+    return best << CB_BLOCK | signs;
+}
+
 void kvlab_cb_encode_row(const cb_layout *L, const float *bounds, const float *y, uint8_t *row, float *y_hat) {
     for (int p = 0; p < L->n_parts; p++) {
         const cb_part *P = &L->part[p];
-        const int n_bounds = (1 << P->bits) - 1, n = P->hi - P->lo;
-        for (int k = 0; k < P->n_planes; k++) memset(row + P->offset[k], 0, (size_t)(((int64_t)n * P->width[k] + 7) / 8));
+        const int n = P->hi - P->lo;
+        for (int k = 0; k < P->n_planes; k++) memset(row + P->offset[k], 0, (size_t)(((int64_t)P->n_codes * P->width[k] + 7) / 8));
+        if (P->block) {
+            for (int b = 0; b < n / CB_BLOCK; b++) {
+                const int index = block_index(P, y + P->lo + b * CB_BLOCK, y_hat + P->lo + b * CB_BLOCK);
+                if (P->bits == 2) put_code(P, row, b, index);
+                else put_code(P, row, 2 * b, index >> 6), put_code(P, row, 2 * b + 1, index & 63);
+            }
+            continue;
+        }
+        const int n_bounds = (1 << P->bits) - 1;
         for (int c = 0; c < n; c++) {
             const int code = bucket(bounds, n_bounds, y[P->lo + c]);
             y_hat[P->lo + c] = P->table[code];
-            for (int k = 0; k < P->n_planes; k++) {   /* plane k holds bits [shift, shift + width) at c*width of its bytes */
-                const int w = P->width[k], bits = (code >> P->shift[k]) & ((1 << w) - 1);
-                row[P->offset[k] + (int64_t)c * w / 8] |= (uint8_t)(bits << (c * w % 8));
-            }
+            put_code(P, row, c, code);
         }
         bounds += n_bounds;
     }

@@ -9,11 +9,17 @@
 #define CB_MAX_DIM 1024
 #define CB_TILE 16          /* rows decoded at once */
 
+#define CB_BLOCK 4          /* +vq: coordinates coded together in a block part */
+
 typedef struct {
     int lo, hi, bits, n_planes;
+    int block;              /* 1: a block part (+vq, 2 or 3 bits): each block of CB_BLOCK channels is one 4·bits-bit
+                               index, (magnitude point << 4) | sign bits (bit j: channel j negative), packed as
+                               n/4 8-bit codes (2 bits) or n/2 6-bit halves, high half first (3 bits) */
+    int n_codes, code_bits; /* the packed codes of the planes: n channels at `bits` (scalar), as above (block) */
     int width[4], shift[4];
     int64_t offset[4];      /* byte offset of each plane in a row */
-    const float *table;     /* centroids, padded to max(16, 2^bits) entries */
+    const float *table;     /* scalar: centroids, padded to max(16, 2^bits) entries; block: 2^(4·bits-4) points x 4 */
 } cb_part;
 
 typedef struct {
@@ -21,8 +27,8 @@ typedef struct {
     cb_part part[CB_MAX_PARTS];
 } cb_layout;
 
-/* spec: n_parts x (lo, hi, bits), parts in channel order covering [0, d); tables: each part's padded table in
- * turn. 0 when the layout is valid and its rows are exactly row_bytes long, else -1. */
+/* spec: n_parts x (lo, hi, bits, block), parts in channel order covering [0, d); tables: each part's table
+ * (padded centroids, or a block part's points) in turn. 0 when the layout is valid and its rows are exactly row_bytes long, else -1. */
 int kvlab_cb_layout(cb_layout *L, int d, int n_parts, const int32_t *spec, const float *tables, int64_t row_bytes);
 
 /* out + r * stride (stride >= d) = the values of row r of `rows` (count rows, row_bytes apart), r < count.
@@ -41,8 +47,9 @@ int kvlab_cb_dot_rows(const cb_layout *L, const uint8_t *rows, int64_t row_bytes
                       int64_t q_stride, int heads, float *out, int64_t out_stride);
 
 /* Code one vector y (d,): each channel's code is the number of its part's boundaries below y (torch.bucketize,
- * right=False; `bounds`: each part's 2^bits - 1 increasing boundaries in turn), packed into `row` as
- * kvlab/cache/packing.py packs it; y_hat (d,) = the codes' centroids. */
+ * right=False; `bounds`: each scalar part's 2^bits - 1 increasing boundaries in turn, none for a block part), a
+ * block's the nearest magnitude point (argmax of 2<|y|, p> - |p|^2, the first on ties) and the signs of y,
+ * packed into `row` as kvlab/cache/packing.py packs it; y_hat (d,) = the codes' values. */
 void kvlab_cb_encode_row(const cb_layout *L, const float *bounds, const float *y, uint8_t *row, float *y_hat);
 
 /* out[0 .. dpad) = one row's codebook values, zero past d; codes: dpad ints of scratch */

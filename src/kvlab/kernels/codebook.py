@@ -24,23 +24,34 @@ VARIANTS = {512: "avx512", 256: "avx2", 0: "plain"}
 
 @dataclass(frozen=True)
 class CodeLayout:
-    """One row's packing: parts (lo, hi, bits) in channel order and their centroid tables, each padded
-    to max(16, 2^bits) entries (what a one- or two-register permute reads)."""
+    """One row's packing: parts (lo, hi, bits) in channel order and their tables: scalar centroids, each padded to
+    max(16, 2^bits) entries (what a one- or two-register permute reads), or a +vq block part's (K, 4) magnitude
+    points (codebook.h: the part's 4th spec column is 1)."""
 
     dim: int
     row_bytes: int
-    spec: torch.Tensor       # (parts, 3) int32: lo, hi, bits
-    tables: torch.Tensor     # (Σ padded table sizes,) float32
+    spec: torch.Tensor       # (parts, 4) int32: lo, hi, bits, block
+    tables: torch.Tensor     # (Σ table_floats,) float32
 
     @classmethod
-    def of(cls, parts: list[tuple[int, int, int]], centroids: list[torch.Tensor], row_bytes: int) -> "CodeLayout":
+    def of(cls, parts: list[tuple[int, int, int]], centroids: list[torch.Tensor | None], row_bytes: int,
+           points: list[torch.Tensor | None] | None = None) -> "CodeLayout":
+        """`points[p]`: part p's (K, 4) block points (+vq), None for a scalar part (then `centroids[p]` its centroids)."""
+        points = points or [None] * len(parts)
         tables = []
-        for (_, _, bits), cent in zip(parts, centroids):
-            padded = torch.zeros(max(16, 1 << bits), dtype=torch.float32)
-            padded[: cent.numel()] = cent.detach().float().cpu()
+        for (_, _, bits), cent, block in zip(parts, centroids, points):
+            padded = torch.zeros(table_floats(bits, block is not None), dtype=torch.float32)
+            held = cent if block is None else block
+            padded[: held.numel()] = held.detach().float().cpu().reshape(-1)
             tables.append(padded)
-        spec = torch.tensor([list(p) for p in parts], dtype=torch.int32)
+        spec = torch.tensor([[*p, int(block is not None)] for p, block in zip(parts, points)], dtype=torch.int32)
         return cls(parts[-1][1], row_bytes, spec, torch.cat(tables))
+
+
+def table_floats(bits: int, block: bool) -> int:
+    """Floats of a part's table as C steps through them (codebook.c table_size): a block part's 2^(4b-4) points of 4
+    coordinates, or the scalar centroids padded to max(16, 2^bits)."""
+    return (1 << (4 * bits - 4)) * 4 if block else max(16, 1 << bits)
 
 
 class CodebookKernel:

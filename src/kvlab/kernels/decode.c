@@ -630,9 +630,9 @@ typedef struct {                   /* one KV head's key or value codes in a Turb
     int64_t at;                    /* byte offset of the head's slot 0 in `codes` */
     int64_t row_bytes;             /* bytes of one of its rows */
     int32_t n_parts;
-    const int32_t *spec;           /* n_parts x (lo, hi, bits) */
-    const float *tables;           /* each part's centroids, padded (codebook.c) */
-    const float *bounds;           /* each part's 2^bits - 1 boundaries in turn */
+    const int32_t *spec;           /* n_parts x (lo, hi, bits, block) (codebook.h) */
+    const float *tables;           /* each part's centroids, padded, or its block points (codebook.c) */
+    const float *bounds;           /* each scalar part's 2^bits - 1 boundaries in turn */
 } HeadCodes;
 
 typedef struct {                   /* a TurboQuant layer's codes (kvlab/cache/turboquant.py); [0] keys, [1] values */

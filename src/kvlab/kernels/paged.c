@@ -557,7 +557,7 @@ int kvlab_paged_int_attention(const float *q, int64_t n_rows, int n_heads, int n
     }
     float values[256];
     for (int c = 0; c < 256; c++) values[c] = (float)c;
-    const int32_t spec[3] = {0, d, bits};
+    const int32_t spec[4] = {0, d, bits, 0};
     code_pool P = {.kind = CODES_INT, .n_heads = n_heads, .n_kv_heads = n_kv_heads, .group = n_heads / n_kv_heads, .d = d,
                    .window = window, .block_size = block_size, .max_blocks = max_blocks, .block_tables = block_tables,
                    .query_start = query_start, .context_len = context_len, .scale = scale, .k_codes = k_codes,

@@ -16,7 +16,7 @@ import torch
 from ..cache.packing import packed_nbytes
 from ..errors import ConfigError, KvlabError
 from . import check_buffer
-from .codebook import CodeLayout
+from .codebook import CodeLayout, table_floats
 
 WHAT = "paged attention kernel"   # every message starts with it (_check's prefix too)
 POOL_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -100,15 +100,16 @@ def _check_layout(block_tables: torch.Tensor, query_start: torch.Tensor, context
 
 
 def _check_code_layout(layout: CodeLayout, what: str, d: int, row_bytes: int) -> None:
-    """A CodeLayout C can read: (parts, 3) int32 spec of widths 1..8 over d channels, tables of exactly the padded
-    sizes C steps through, rows of row_bytes (C re-checks the parts against the row length)."""
+    """A CodeLayout C can read: (parts, 4) int32 spec of widths 1..8 over d channels (block parts: 2 or 3 bits),
+    tables of exactly the sizes C steps through, rows of row_bytes (C re-checks the parts against the row length)."""
     spec, tables = layout.spec, layout.tables
-    _check(isinstance(spec, torch.Tensor) and spec.dtype == torch.int32 and spec.dim() == 2 and spec.shape[1] == 3
+    _check(isinstance(spec, torch.Tensor) and spec.dtype == torch.int32 and spec.dim() == 2 and spec.shape[1] == 4
            and 0 < spec.shape[0] <= MAX_PARTS and spec.is_contiguous() and spec.device.type == "cpu",
-           f"{what} code layout: spec must be contiguous int32 (parts <= {MAX_PARTS}, 3) on the CPU")
-    bits = spec[:, 2].tolist()
-    _check(all(1 <= b <= 8 for b in bits), f"{what} code layout: widths {bits} are not 1..8 bits")
-    size = sum(max(16, 1 << b) for b in bits)
+           f"{what} code layout: spec must be contiguous int32 (parts <= {MAX_PARTS}, 4) on the CPU")
+    bits, blocks = spec[:, 2].tolist(), spec[:, 3].tolist()
+    _check(all(1 <= b <= 8 for b in bits) and all(k in (0, 1) and (not k or b in (2, 3)) for b, k in zip(bits, blocks)),
+           f"{what} code layout: widths {bits} (block parts {blocks}) are not 1..8 bits, blocks 2 or 3")
+    size = sum(table_floats(b, bool(k)) for b, k in zip(bits, blocks))
     _check(isinstance(tables, torch.Tensor) and tables.dtype == torch.float32 and tables.shape == (size,)
            and tables.is_contiguous() and tables.device.type == "cpu",
            f"{what} code layout: tables must be contiguous fp32 ({size},) on the CPU")

@@ -18,8 +18,8 @@ and a sign per channel (d log d additions), the view passing s/√d; otherwise t
 Served: every width (3/5-bit, fractional, mixed K/V), +alloc / +halloc (a width per layer / per KV head: each head
 gets its own packing, `HeadCodes`, and with +halloc its bytes' place in the layer's shared row), +sinkN, +recentN,
 +fp-first-last (dense layers in the same step), +center=…, +kweights=none, +rot=haar, +prerope, every scale mode,
-f16/bf16 norms, +norms8 (8-bit log scales: decode.c NORM_LOG8, each head's centre read in place). Not served (the
-modules run them): +qjl, +outliersN, +vq, a sliding-window model, batches, other dtypes
+f16/bf16 norms, +norms8 (8-bit log scales: decode.c NORM_LOG8, each head's centre read in place), +vq (block parts:
+kernels/codebook.c). Not served (the modules run them): +qjl, +outliersN, a sliding-window model, batches, other dtypes
 and devices, and a step that would calibrate a layer (its first coded token) or find a layer's first chunk still
 waiting for its queries.
 
@@ -187,7 +187,8 @@ class CacheView:
         layout = book.layout
         bounds = self._bounds.get(id(book))
         if bounds is None:   # each part's 2^bits - 1 boundaries in turn
-            bounds = self._bounds[id(book)] = torch.cat(book.boundaries).float().cpu().contiguous()
+            held = [b.float().cpu() for b in book.boundaries if b is not None]   # none for a +vq block part
+            bounds = self._bounds[id(book)] = (torch.cat(held) if held else torch.zeros(1)).contiguous()
             self._keep.append(bounds)
         return HeadCodes(start, layout.row_bytes, layout.spec.shape[0],
                          self._ptr(layout.spec, tuple(layout.spec.shape), f"{name} layout", torch.int32),
@@ -239,7 +240,7 @@ def serves_codes(cache, cfg) -> bool:
     g = cache.geometry
     return (
         type(cache) is TurboQuantCache and cache.dtype == torch.float32 and cache.device.type == "cpu"
-        and not cache.config.qjl and not cache.config.outliers and not cache.config.vector
+        and not cache.config.qjl and not cache.config.outliers
         and g.window is None and cfg.sliding_window is None
         and cfg.head_dim % 2 == 0 and cfg.head_dim <= 1024
         and (g.batch, g.n_layers, g.n_kv_heads, g.head_dim, g.head_dim_v) == (1, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.head_dim)
