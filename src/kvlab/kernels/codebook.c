@@ -372,10 +372,46 @@ static inline int fast_part(const cb_part *P, const uint8_t *row, float *out) {
 #endif
 
 /* out[0 .. dpad) = the row's values, zero past d; codes: dpad ints of scratch */
+#if defined(__AVX512F__)
+/* blocks [0, 16k) of a block part from its unpacked codes: sixteen indices in a register (3 bits: the even and odd
+ * halves joined), then four blocks per gather, lane 4i + j reading coordinate j of its block's point and taking the
+ * sign bit j of the block's index; returns the blocks done */
+static inline int fast_blocks(const cb_part *P, const int32_t *codes, float *out) {
+    const int n_blocks = (P->hi - P->lo) / CB_BLOCK;
+    const __m512i lane_block = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    const __m512i lane_coord = _mm512_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
+    const __m512i evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odds = _mm512_add_epi32(evens, _mm512_set1_epi32(1));
+    int b = 0;
+    for (; b + 16 <= n_blocks; b += 16) {
+        __m512i index;
+        if (P->bits == 2) index = _mm512_loadu_si512(codes + b);
+        else {   /* the 6-bit halves of blocks b .. b + 15, high half first */
+            const __m512i first = _mm512_loadu_si512(codes + 2 * b), second = _mm512_loadu_si512(codes + 2 * b + 16);
+            index = _mm512_or_si512(_mm512_slli_epi32(_mm512_permutex2var_epi32(first, evens, second), 6),
+                                    _mm512_permutex2var_epi32(first, odds, second));
+        }
+        for (int q = 0; q < 4; q++) {
+            const __m512i mine = _mm512_permutexvar_epi32(_mm512_add_epi32(lane_block, _mm512_set1_epi32(4 * q)), index);
+            const __m512i at = _mm512_add_epi32(_mm512_slli_epi32(_mm512_srli_epi32(mine, CB_BLOCK), 2), lane_coord);
+            const __m512i sign = _mm512_slli_epi32(_mm512_srlv_epi32(mine, lane_coord), 31);
+            const __m512 value = _mm512_i32gather_ps(at, P->table, 4);
+            _mm512_storeu_ps(out + (b + 4 * q) * CB_BLOCK, _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(value), sign)));
+        }
+    }
+    return b;
+}
+#else
+static inline int fast_blocks(const cb_part *P, const int32_t *codes, float *out) {
+    (void)P, (void)codes, (void)out;
+    return 0;
+}
+#endif
+
 /* out (n,) = a block part's values: each block's point, its signs applied (turboquant.py _block_decode) */
 static void decode_blocks(const cb_part *P, const uint8_t *row, float *out, int32_t *codes) {
     for (int k = 0; k < P->n_planes; k++) plane_codes(row + P->offset[k], P->n_codes, P->width[k], P->shift[k], k == 0, codes);
-    for (int b = 0; b < (P->hi - P->lo) / CB_BLOCK; b++) {
+    for (int b = fast_blocks(P, codes, out); b < (P->hi - P->lo) / CB_BLOCK; b++) {
         const int index = P->bits == 2 ? codes[b] : codes[2 * b] << 6 | codes[2 * b + 1];
         const float *point = P->table + (index >> CB_BLOCK) * CB_BLOCK;
         for (int j = 0; j < CB_BLOCK; j++) out[b * CB_BLOCK + j] = index >> j & 1 ? -point[j] : point[j];
