@@ -117,6 +117,7 @@ CASES = [  # format, block size, query heads, KV heads, sliding window, C path (
     ("int4", 8, 4, 1, 7, True), ("tq4", 16, 9, 3, None, False), ("tq4", 16, 9, 3, None, True),
     ("tq4", 8, 4, 1, 9, True), ("tq3.5", 8, 2, 2, None, False), ("tq3.5", 8, 2, 2, None, True),
     ("tq-k4v3+qjl", 16, 9, 3, None, False), ("tq-k4v3+qjl", 16, 4, 1, None, True),
+    ("tq3+vq", 16, 4, 2, None, False), ("tq2.5+vq", 8, 4, 1, 9, True),      # block codes (C decodes block parts)
 ]
 
 

@@ -4,8 +4,8 @@ The block codes cost the scalar codes' bytes, read back exactly what the coder c
 scalar Lloyd-Max codes on the law they code (unit vectors after the rotation); the magnitude points are found once,
 deterministically, kept as JSON and retrained when the file is damaged; a cache's attention is exact to what it stores
 (chunked and token by token) and causal; its bytes are the planner's formula with the points counted; the C code
-kernel decodes block codes exactly as torch does (the fused step codes and reads them too: tests/test_fused_codes.py);
-the serving pool refuses them (one line)."""
+kernel decodes block codes exactly as torch does (the fused step codes and reads them too: tests/test_fused_codes.py),
+and the serving pool holds them in the scalar codes' bytes."""
 
 from __future__ import annotations
 
@@ -15,14 +15,14 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvlab.cache import expected_nbytes, make_cache
+from kvlab.cache import CacheGeometry, expected_nbytes, make_cache
 from kvlab.cache import vector_codebook
 from kvlab.cache.turboquant import RotatedCodes
 from kvlab.cache.vector_codebook import magnitude_codebook, magnitude_points
 from kvlab.errors import ConfigError
 from kvlab.kernels.codebook import codebook_kernel_for
 
-from .compressed_checks import GEOMETRY, check_attend_is_exact_chunked_and_token_by_token, check_nbytes, check_pool_refuses
+from .compressed_checks import GEOMETRY, check_attend_is_exact_chunked_and_token_by_token, check_nbytes
 from .kernel_checks import require_kernel
 from .test_key_levers import ROPED
 from .test_turboquant import SMOLLM2
@@ -112,8 +112,15 @@ def test_bad_names_are_one_line_errors(name, match):
     assert "\n" not in str(err.value)
 
 
-def test_the_serving_pool_refuses_it_and_the_fused_step_serves_it():
-    check_pool_refuses("tq3+vq", "+vq", fused=True)
+def test_the_fused_step_and_the_serving_pool_hold_it_in_the_scalar_codes_bytes():
+    """The pool's blocks hold +vq codes in tq3's bytes (its attention against the single cache: test_serve_compressed)."""
+    from kvlab.model.fused_codes import serves_codes
+    from kvlab.serve.formats import block_format
+    from .conftest import tiny_model
+
+    model = tiny_model(n_heads=4, n_kv_heads=2, d_model=256)
+    assert serves_codes(make_cache("tq3+vq", CacheGeometry.for_model(model.config, capacity=16)), model.config)
+    assert block_format("tq3+vq", GEOMETRY, 16).block_bytes == block_format("tq3", GEOMETRY, 16).block_bytes
     assert vector_codebook.VECTOR_BITS == (2, 3)
 
 
