@@ -121,20 +121,3 @@ def check_code_kernel_equals_the_torch_path(name: str, seed: int) -> None:
             reference.append(layer, k, v)
             assert (direct.attend(layer, q) - reference.attend(layer, q)).abs().max().item() < 1e-5
     assert direct.nbytes == reference.nbytes
-
-
-def check_pool_refuses(name: str, option: str, fused: bool = False) -> None:
-    """A TurboQuant option the pool's C reads do not decode: the serving pool refuses it with a one-line error naming
-    the option; the fused step serves it only if `fused` (the plain width it serves either way)."""
-    from kvlab.errors import ConfigError
-    from kvlab.model.fused_codes import serves_codes
-    from kvlab.serve.formats import block_format
-    from .conftest import tiny_model
-
-    model = tiny_model(n_heads=4, n_kv_heads=2, d_model=256)
-    geometry = CacheGeometry.for_model(model.config, capacity=16)
-    assert serves_codes(make_cache(name.split("+")[0], geometry), model.config)
-    assert serves_codes(make_cache(name, geometry), model.config) == fused
-    with pytest.raises(ConfigError, match=f"\\({option}".replace("+", "\\+")) as err:
-        block_format(name, GEOMETRY, 16)
-    assert "\n" not in str(err.value)

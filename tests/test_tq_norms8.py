@@ -3,7 +3,7 @@
 The codes read back within half a step (2^(1/32), 2.2%) of the float32 scale the coder chose, a zero scale stays zero,
 scales past ±8 octaves clamp; the centre is the first coded chunk's median log2 scale; attention is exact to what the
 cache stores and causal; a grown copy keeps the centres; the bytes are the planner's formula (1 byte per vector, the
-float16 centres counted); bad combinations and the serving pool refuse it."""
+float16 centres counted); bad combinations are one-line errors; the fused step and the serving pool hold it."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from kvlab.cache import expected_nbytes, make_cache
 from kvlab.cache.turboquant import LOG_NORM_STEPS, _log_centre, _log_norm_codes, _log_norm_values
 from kvlab.errors import ConfigError
 
-from .compressed_checks import GEOMETRY, check_attend_is_exact_chunked_and_token_by_token, check_nbytes, check_pool_refuses, feed
+from .compressed_checks import GEOMETRY, check_attend_is_exact_chunked_and_token_by_token, check_nbytes, feed
 from .test_key_levers import ROPED
 
 NAMES = ["tq3+norms8", "tq4+norms8+prerope+sink1", "tq3+vq+norms8+halloc=k233344v333332+recent8"]   # 3 layers × 2 heads
@@ -71,6 +71,18 @@ def test_bad_combinations_are_one_line_errors(name, match):
     assert "\n" not in str(err.value)
 
 
-def test_the_serving_pool_refuses_it_and_the_fused_step_serves_it():
-    """The fused step reads the log codes in C (tests/test_fused_codes.py holds it to the modules); the pool does not."""
-    check_pool_refuses("tq3+norms8", "+norms8", fused=True)
+def test_the_fused_step_and_the_serving_pool_hold_it_a_byte_per_scale():
+    """The fused step reads the log codes in C (tests/test_fused_codes.py holds it to the modules); the pool's blocks
+    hold a byte per scale, the centres in the shared state (its attention against the single cache:
+    tests/test_serve_compressed.py)."""
+    from kvlab.cache import CacheGeometry
+    from kvlab.model.fused_codes import serves_codes
+    from kvlab.serve.formats import block_format
+    from .conftest import tiny_model
+
+    model = tiny_model(n_heads=4, n_kv_heads=2, d_model=256)
+    assert serves_codes(make_cache("tq3+norms8", CacheGeometry.for_model(model.config, capacity=16)), model.config)
+    g = GEOMETRY
+    vectors = g.n_layers * g.n_kv_heads * 2 * 16                                   # K and V of 16 tokens
+    assert block_format("tq3", g, 16).block_bytes - block_format("tq3+norms8", g, 16).block_bytes == vectors
+    assert block_format("tq3+norms8", g, 16).shared_bytes - block_format("tq3", g, 16).shared_bytes == g.n_layers * g.n_kv_heads * 2 * 2

@@ -519,8 +519,10 @@ class TurboQuantCache(CompressedCache):
             for l in self.compressed_layers
         } if config.key_weights else {}                                                      # (B, H, d/2) uint8
         # +norms8: each layer's log2 centre per KV head for its key and value scales, set by its first coded chunk
+        # (or given by use_calibration: then `_given_centres` and no chunk moves them)
         self.norm_centres = {name: {l: torch.zeros(B, H, dtype=torch.float16, device=dev) for l in self.compressed_layers}
                              for name in ("k_norm", "v_norm")} if config.log_norms else {}   # (B, H) float16
+        self._given_centres = False
         self._calibrated: set[int] = set()
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}               # first chunk, until attended
         self.qjl_matrix = None
@@ -546,7 +548,8 @@ class TurboQuantCache(CompressedCache):
         super().reset()
         self._calibrated.clear()
         self._pending.clear()
-        for state in (*self.k_offset.values(), *self.v_offset.values()):
+        self._given_centres = False
+        for state in (*self.k_offset.values(), *self.v_offset.values(), *(c for cs in self.norm_centres.values() for c in cs.values())):
             state.zero_()
         for codes in self.k_weight_codes.values():
             codes.fill_(_NEUTRAL_WEIGHT_BYTE)
@@ -561,6 +564,7 @@ class TurboQuantCache(CompressedCache):
             copy_prefix(centres, bigger.norm_centres[name])
         bigger._calibrated = set(self._calibrated)
         bigger._pending = dict(self._pending)
+        bigger._given_centres = self._given_centres
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """With `layer`'s first chunk still waiting for its queries, these queries read that chunk as it was appended
@@ -635,13 +639,10 @@ class TurboQuantCache(CompressedCache):
     def _encode(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         end = start + k.shape[2]
         coded = self.code(layer, k, v)
-        if self.config.log_norms:
-            if start == 0:   # the layer's first coded chunk sets its centres
-                for name, centres in self.norm_centres.items():
-                    centres[layer][:] = _log_centre(coded[name])
+        if start == 0 and not self._given_centres:   # +norms8: the layer's first coded chunk sets its centres
             for name, centres in self.norm_centres.items():
-                coded[name] = _log_norm_codes(coded[name], centres[layer])
-        for name, value in coded.items():
+                centres[layer][:] = _log_centre(coded[name])
+        for name, value in self.stored_scales(layer, coded).items():
             getattr(self, name)[layer][:, :, start:end] = value
 
     def token_buffer_names(self) -> list[str]:
@@ -703,12 +704,18 @@ class TurboQuantCache(CompressedCache):
     # -- reading ------------------------------------------------------------------------------------
     # Every read takes `stored`: {buffer name: (B, H, slots[, bytes])}, this cache's own buffers or the codes a
     # serving pool gathered for one sequence (serve/coded.py), and reads its rows [lo, hi) or its first n.
+    def stored_scales(self, layer: int, coded: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`code`'s output as the buffers hold it: with +norms8 its float32 scales as uint8 log codes against the
+        layer's centres (the serving pool stores it too)."""
+        return {**coded, **{name: _log_norm_codes(coded[name], centres[layer]) for name, centres in self.norm_centres.items()}}
+
+    def read_scales(self, layer: int, stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Buffers (B, H, n[, bytes]) as the reads take them: with +norms8 the log codes decoded to float32 scales."""
+        return {**stored, **{name: _log_norm_values(stored[name], centres[layer]) for name, centres in self.norm_centres.items()}}
+
     def _buffers(self, layer: int) -> dict[str, torch.Tensor]:
         """The layer's buffers as the reads take them (+norms8: its scales decoded to float32)."""
-        stored = {name: getattr(self, name)[layer] for name in self.token_buffer_names()}
-        for name, centres in self.norm_centres.items():
-            stored[name] = _log_norm_values(stored[name], centres[layer])
-        return stored
+        return self.read_scales(layer, {name: getattr(self, name)[layer] for name in self.token_buffer_names()})
 
     def slot_rope(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (n, d) of compressed slots [start, start+n) (+prerope): positions sink + slot, as the model's rope()
@@ -887,13 +894,15 @@ class TurboQuantCache(CompressedCache):
 
     # -- a calibration shared by many sequences (the serving pool) ------------------------------------
     def use_calibration(self, other: "TurboQuantCache") -> None:
-        """Code every token from now on with `other`'s per-layer offsets and key weights (its first batch row),
-        instead of calibrating on this cache's first chunk; `reset` forgets them."""
+        """Code every token from now on with `other`'s per-layer offsets, key weights and +norms8 centres (its first
+        batch row), instead of calibrating on this cache's first chunk; `reset` forgets them."""
         for layer in self.compressed_layers:
             for mine, theirs in ((self.k_offset, other.k_offset), (self.v_offset, other.v_offset),
-                                 (self.k_weight_codes, other.k_weight_codes)):
+                                 (self.k_weight_codes, other.k_weight_codes),
+                                 *((self.norm_centres[name], other.norm_centres[name]) for name in self.norm_centres)):
                 if mine:
                     mine[layer][:] = theirs[layer][0]
+        self._given_centres = bool(self.norm_centres)
         self._pending.clear()
         self._calibrated = set(self.compressed_layers)
 

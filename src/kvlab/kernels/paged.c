@@ -271,8 +271,9 @@ typedef struct {
     int64_t k_row_bytes, v_row_bytes;
     cb_layout keys, values;               /* TQ: the codebooks; INT: tables of the code values 0, 1, 2, ... */
     /* TQ */
-    const uint16_t *k_norm, *v_norm;      /* (slots, Hkv) fp16 or bf16 */
+    const void *k_norm, *v_norm;          /* (slots, Hkv) fp16 or bf16, or uint8 log codes (POOL_LOG8) */
     int norm_dtype;
+    const uint16_t *centres;              /* POOL_LOG8: (2, Hkv) fp16 log2 centres, keys' then values' */
     /* INT */
     const uint16_t *k_scale, *k_zero;     /* (slots / key_group, Hkv, d) fp16 */
     const uint16_t *v_scale, *v_zero;     /* (slots, Hkv, d / value_group) fp16 */
@@ -281,8 +282,17 @@ typedef struct {
     const int64_t *exact_start;           /* (n_seqs + 1,) its rows: the last ones of its context */
 } code_pool;
 
-static inline float norm_value(uint16_t h, int dtype) {
-    return dtype == POOL_F16 ? kvlab_fp16_to_fp32(h) : bf16_to_fp32(h);
+/* the scale stored at `index` of keys' (which = 0) or values' (1) norms, KV head h: a 16-bit float, or with POOL_LOG8
+ * code c > 0 the scale 2^(centre + (c - 128)/16), 0 for code 0 (turboquant.py _log_norm_values) */
+static inline float norm_value(const code_pool *P, int which, int64_t index, int h) {
+    const void *norms = which ? P->v_norm : P->k_norm;
+    if (P->norm_dtype == POOL_LOG8) {
+        const int code = ((const uint8_t *)norms)[index];
+        const float centre = kvlab_fp16_to_fp32(P->centres[which * P->n_kv_heads + h]);
+        return code ? exp2f(centre + (float)(code - 128) / 16.0f) : 0.0f;
+    }
+    const uint16_t h16 = ((const uint16_t *)norms)[index];
+    return P->norm_dtype == POOL_F16 ? kvlab_fp16_to_fp32(h16) : bf16_to_fp32(h16);
 }
 
 /* out[0 .. n) = the fp16 values in[0 .. n), sixteen at a time where AVX-512 is there */
@@ -342,8 +352,8 @@ static void load_tile(const code_pool *P, const code_item *it, int64_t t0, int n
         kvlab_cb_decode_row(&P->values, P->v_codes + index * P->v_row_bytes, v, codes);
         if (P->kind == CODES_TQ) {
             kvlab_cb_decode_row(&P->keys, P->k_codes + index * P->k_row_bytes, k, codes);
-            key_scale[j] = norm_value(P->k_norm[index], P->norm_dtype) * P->scale;
-            value_scale[j] = norm_value(P->v_norm[index], P->norm_dtype);
+            key_scale[j] = norm_value(P, 0, index, it->h) * P->scale;
+            value_scale[j] = norm_value(P, 1, index, it->h);
             continue;
         }
         if (t < complete) {   /* zero + code x scale, per channel of the key group */
@@ -511,16 +521,17 @@ static int code_attention(const code_pool *P, const float *q, int n_seqs, float 
 }
 
 /* TurboQuant blocks: q (n_rows, H, d) rotated and weighted as the codes are read; out (n_rows, H, d) in the rotated
- * domain. 0, -1 (a layout, length or code layout out of range: nothing read), or -2 (no memory). */
+ * domain; norms 16-bit floats (norm_dtype POOL_F16 / POOL_BF16) or uint8 log codes (POOL_LOG8, `centres` (2, Hkv)
+ * fp16: each KV head's key and value centre). 0, -1 (a layout, length or code layout out of range: nothing read), or -2 (no memory). */
 int kvlab_paged_codes_attention(const float *q, int64_t n_rows, int n_heads, int n_kv_heads, int d,
-                                const uint8_t *k_codes, const uint16_t *k_norm, const uint8_t *v_codes,
-                                const uint16_t *v_norm, int norm_dtype, int64_t n_slots,
+                                const uint8_t *k_codes, const void *k_norm, const uint8_t *v_codes,
+                                const void *v_norm, int norm_dtype, const uint16_t *centres, int64_t n_slots,
                                 int k_parts, const int32_t *k_spec, const float *k_tables, int64_t k_row_bytes,
                                 int v_parts, const int32_t *v_spec, const float *v_tables, int64_t v_row_bytes,
                                 const int32_t *block_tables, int n_seqs, int max_blocks, int block_size,
                                 const int32_t *query_start, const int32_t *context_len,
                                 float scale, int window, float *out, int n_threads) {
-    if (norm_dtype != POOL_F16 && norm_dtype != POOL_BF16) return -1;
+    if (norm_dtype != POOL_F16 && norm_dtype != POOL_BF16 && (norm_dtype != POOL_LOG8 || !centres)) return -1;
     if (check_layout(n_rows, n_heads, n_kv_heads, d, d, POOL_F32, n_slots, block_tables, n_seqs, max_blocks, block_size,
                      query_start, context_len))
         return -1;
@@ -528,7 +539,7 @@ int kvlab_paged_codes_attention(const float *q, int64_t n_rows, int n_heads, int
                    .window = window, .block_size = block_size, .max_blocks = max_blocks, .block_tables = block_tables,
                    .query_start = query_start, .context_len = context_len, .scale = scale, .k_codes = k_codes,
                    .v_codes = v_codes, .k_row_bytes = k_row_bytes, .v_row_bytes = v_row_bytes, .k_norm = k_norm,
-                   .v_norm = v_norm, .norm_dtype = norm_dtype};
+                   .v_norm = v_norm, .norm_dtype = norm_dtype, .centres = centres};
     if (kvlab_cb_layout(&P.keys, d, k_parts, k_spec, k_tables, k_row_bytes) ||
         kvlab_cb_layout(&P.values, d, v_parts, v_spec, v_tables, v_row_bytes))
         return -1;

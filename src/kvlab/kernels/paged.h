@@ -4,6 +4,7 @@
 #include <stdint.h>
 
 enum { POOL_F32 = 0, POOL_F16 = 1, POOL_BF16 = 2 };   /* how a pool stores K/V */
+enum { POOL_LOG8 = 3 };   /* TurboQuant scales as uint8 log codes around a centre per KV head (+norms8) */
 
 /* 0 when every index a ragged layout gives (block ids, lengths, query offsets) lies inside a pool of n_slots
  * slots and the sizes are ones kvlab_paged_attention takes; -1 otherwise */

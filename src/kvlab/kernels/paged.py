@@ -21,6 +21,7 @@ from .codebook import CodeLayout, table_floats
 WHAT = "paged attention kernel"   # every message starts with it (_check's prefix too)
 POOL_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 NORM_DTYPES = (torch.float16, torch.bfloat16)
+POOL_LOG8 = 3                         # paged.h: TurboQuant scales as uint8 log codes (+norms8)
 MAX_PARTS, MAX_CODE_DIM = 4, 512      # codebook.h CB_MAX_PARTS; paged.c MAX_DIM
 
 
@@ -37,7 +38,7 @@ def _function(library_path: str):
 def _codes_function(library_path: str):
     fn = ctypes.CDLL(library_path).kvlab_paged_codes_attention
     i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, i32, i32, i32, ptr, ptr, ptr, ptr, i32, i64, i32, ptr, ptr, i64, i32, ptr, ptr, i64,
+    fn.argtypes = [ptr, i64, i32, i32, i32, ptr, ptr, ptr, ptr, i32, ptr, i64, i32, ptr, ptr, i64, i32, ptr, ptr, i64,
                    ptr, i32, i32, i32, ptr, ptr, ctypes.c_float, i32, ptr, i32]
     fn.restype = i32
     return fn
@@ -121,11 +122,12 @@ def _check_code_layout(layout: CodeLayout, what: str, d: int, row_bytes: int) ->
 def paged_codes_attention(kernel, q: torch.Tensor, k_codes: torch.Tensor, k_norm: torch.Tensor, v_codes: torch.Tensor,
                           v_norm: torch.Tensor, k_layout: CodeLayout, v_layout: CodeLayout, block_tables: torch.Tensor,
                           query_start: torch.Tensor, context_len: torch.Tensor, block_size: int, scale: float,
-                          window: int = 0) -> torch.Tensor:
+                          window: int = 0, centres: torch.Tensor | None = None) -> torch.Tensor:
     """Ragged attention straight from TurboQuant codes in blocks (paged.c kvlab_paged_codes_attention).
 
     q (N, H, D) fp32: the queries as the codes are read (rotated, key weights applied); k_codes (slots, Hkv, kbytes),
-    v_codes (slots, Hkv, vbytes) uint8 with their layouts; k_norm, v_norm (slots, Hkv) fp16 or bf16; the ragged
+    v_codes (slots, Hkv, vbytes) uint8 with their layouts; k_norm, v_norm (slots, Hkv) fp16 or bf16, or uint8 log
+    codes (+norms8) read against `centres` (2, Hkv) fp16, each KV head's key and value log2 centre; the ragged
     layout as `paged_attention` -> (N, H, D) fp32 = Σ_t p_t·v_norm_t·v̂_t, p = softmax_t(scale·k_norm_t·(q·k̂_t)) over
     each row's causal (and window) keys, k̂/v̂ the codebook values: the output in the rotated domain (the caller
     inverts the rotation)."""
@@ -137,7 +139,10 @@ def paged_codes_attention(kernel, q: torch.Tensor, k_codes: torch.Tensor, k_norm
     _check(Hkv > 0 and H % Hkv == 0, f"{H} query heads are not a multiple of {Hkv} KV heads")
     _check(0 < D <= MAX_CODE_DIM, f"head dim {D} is not 1..{MAX_CODE_DIM}")
     _check(isinstance(v_codes, torch.Tensor) and v_codes.dim() == 3, "v_codes must be (slots, Hkv, row bytes)")
-    norm = k_norm.dtype if isinstance(k_norm, torch.Tensor) and k_norm.dtype in NORM_DTYPES else torch.float16
+    norm = torch.uint8 if centres is not None else (
+        k_norm.dtype if isinstance(k_norm, torch.Tensor) and k_norm.dtype in NORM_DTYPES else torch.float16)
+    if centres is not None:
+        check_buffer(WHAT, "norm centres", centres, torch.float16, (2, Hkv))
     for name, t, dtype, shape in (("k_codes", k_codes, torch.uint8, (slots, Hkv, k_layout.row_bytes)),
                                   ("v_codes", v_codes, torch.uint8, (slots, Hkv, v_layout.row_bytes)),
                                   ("k_norm", k_norm, norm, (slots, Hkv)), ("v_norm", v_norm, norm, (slots, Hkv))):
@@ -149,7 +154,7 @@ def paged_codes_attention(kernel, q: torch.Tensor, k_codes: torch.Tensor, k_norm
     out = torch.empty(N, H, D, dtype=torch.float32)
     status = _codes_function(str(kernel.path))(
         q.data_ptr(), N, H, Hkv, D, k_codes.data_ptr(), k_norm.data_ptr(), v_codes.data_ptr(), v_norm.data_ptr(),
-        POOL_DTYPES[k_norm.dtype], slots,
+        POOL_LOG8 if centres is not None else POOL_DTYPES[norm], None if centres is None else centres.data_ptr(), slots,
         k_layout.spec.shape[0], k_layout.spec.data_ptr(), k_layout.tables.data_ptr(), k_layout.row_bytes,
         v_layout.spec.shape[0], v_layout.spec.data_ptr(), v_layout.tables.data_ptr(), v_layout.row_bytes,
         block_tables.data_ptr(), S, block_tables.shape[1], block_size, query_start.data_ptr(), context_len.data_ptr(),

@@ -4,7 +4,8 @@ Every buffer is token-major like the dense pool, so token slot = block · block_
     int   k_codes (L, slots, Hkv, ⌈Dk·b/8⌉)   k_scale, k_zero (L, slots/G, Hkv, Dk) fp16: group = slot // G
           v_codes (L, slots, Hkv, ⌈Dv·b/8⌉)   v_scale, v_zero (L, slots, Hkv, Dv/Gv) fp16
           stage   (L, max_batch, G, Hkv, Dk) fp32: each running sequence's open key group (its row)
-    tq    k_codes, v_codes (L, slots, Hkv, bytes), k_norm, v_norm (L, slots, Hkv) 16-bit [+ qjl signs, ‖r‖]
+    tq    k_codes, v_codes (L, slots, Hkv, bytes), k_norm, v_norm (L, slots, Hkv) 16-bit, or uint8 log codes
+          (+norms8, read against the codec's centres) [+ qjl signs, ‖r‖]
           + one TurboQuantCache `codec` holding the per-layer state all sequences share
 and a block copy (copy-on-write) copies every buffer's rows of that block.
 
@@ -24,8 +25,8 @@ the single cache's own kernels (intcache.c, int8/int4: bitwise the single cache'
 `ragged` (off by default, see IntPool), the whole step is one C call per layer (kernels/paged.c
 kvlab_paged_int_attention) that reads the codes in place and the `_fresh` keys exact.
 
-TurboQuant's per-layer state: rotations and codebooks are data-independent; the key offset and the key
-channel weights are calibrated once, at pool construction, by running the model on CALIBRATION_IDS with a
+TurboQuant's per-layer state: rotations and codebooks are data-independent; the key offset, the key
+channel weights and the +norms8 scale centres are calibrated once, at pool construction, by running the model on CALIBRATION_IDS with a
 single TurboQuantCache (which calibrates on its first chunk as it always does), and then shared by every
 sequence: the pool's `codec`. A single TurboQuantCache given the same state (`use_calibration(codec)`)
 stores and reads every token exactly as the pool does, whatever the chunking: that is the single-sequence
@@ -307,7 +308,7 @@ class TurboPool(CodedPool):
 
     def append(self, layer: int, view, k: torch.Tensor, v: torch.Tensor) -> None:
         coded = self.codec.code(layer, k.transpose(0, 1)[None], v.transpose(0, 1)[None])   # (1, Hkv, N, ...)
-        for name, t in coded.items():
+        for name, t in self.codec.stored_scales(layer, coded).items():
             self.token_buffers[name][layer][view.slots] = t[0].transpose(0, 1)              # (N, Hkv, ...)
 
     def attend(self, layer: int, view, q: torch.Tensor) -> torch.Tensor:
@@ -321,8 +322,8 @@ class TurboPool(CodedPool):
         out = q.new_empty(q.shape[0], q.shape[1], self.geometry.head_dim)            # (N, H, D)
         for s, lo, hi, start, ctx in self.sequences(view):
             slots = view.layout.slots(s).to(self._device)                            # (ctx,)
-            stored = {name: buf[layer][slots].transpose(0, 1)[None].contiguous()     # (1, Hkv, ctx[, bytes])
-                      for name, buf in self.token_buffers.items()}
+            stored = self.codec.read_scales(layer, {name: buf[layer][slots].transpose(0, 1)[None].contiguous()
+                                                    for name, buf in self.token_buffers.items()})   # (1, Hkv, ctx[, bytes])
             qs = q[lo:hi].transpose(0, 1)[None]                                      # (1, H, T, D)
             if on_codes:
                 o = self._attend_codes(layer, qs, stored, ctx, view.window)
@@ -343,10 +344,12 @@ class TurboPool(CodedPool):
         q_rot = self.codec._rotated_queries(layer, qg)                                    # (1, Hkv, N·G, D)
         q_rot = q_rot.reshape(Hkv, N, H // Hkv, D).transpose(0, 1).reshape(N, H, D).contiguous()
         buf, codec, layout = self.token_buffers, self.codec, view.layout
+        centres = torch.stack([codec.norm_centres[name][layer][0] for name in ("k_norm", "v_norm")]) if codec.norm_centres else None
         rotated = paged_codes_attention(kernel, q_rot, buf["k_codes"][layer], buf["k_norm"][layer],
                                         buf["v_codes"][layer], buf["v_norm"][layer], codec.key_codes.layout,
                                         codec.value_codes.layout, layout.block_tables, layout.query_start,
-                                        layout.context_len, layout.block_size, view.scale, view.window or 0)  # (N, H, D)
+                                        layout.context_len, layout.block_size, view.scale, view.window or 0,
+                                        centres)                                                           # (N, H, D)
         out = codec.rotations[layer].invert(rotated)                                      # (N, H, D)
         if codec.v_offset:
             offset = codec.v_offset[layer][0].float()                                     # (Hkv, D)
@@ -367,10 +370,10 @@ class TurboPool(CodedPool):
 
 
 def calibrated_codec(model, geometry: CacheGeometry, config, device) -> TurboQuantCache:
-    """A one-token TurboQuantCache whose offsets and key weights come from the model on CALIBRATION_IDS."""
+    """A one-token TurboQuantCache whose offsets, key weights and +norms8 centres come from the model on CALIBRATION_IDS."""
     one = replace(geometry, batch=1)
     codec = TurboQuantCache(replace(one, capacity=1), config=config, device=device)
-    if config.center or config.key_weights:
+    if config.center or config.key_weights or config.log_norms:
         if model is None:
             raise ConfigError("TurboQuant blocks are calibrated on the model: give the pool the model")
         probe = TurboQuantCache(replace(one, capacity=CALIBRATION_TOKENS), config=config, device=device)

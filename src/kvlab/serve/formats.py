@@ -18,8 +18,8 @@ of c tokens are c·per_token + rest, so a block is f(2·bs) - f(bs) and the rest
 Names whose single cache keeps full-precision tokens or layers (+sinkN, +recentN, +fp-first-last,
 +fp-layers=) are not block formats: those are per-sequence full-precision state the pool does not hold.
 Nor is +prerope: it codes each key at its position in one sequence's cache, which the pool does not track,
-nor +alloc / +halloc (a width per layer / per layer and head; the pool's buffers hold one width for all), nor +outliersN
-or +norms8 (the pool's reads, in C, take 16-bit scales alone). +vq blocks are held (C decodes block parts, codebook.c).
+nor +alloc / +halloc (a width per layer / per layer and head; the pool's buffers hold one width for all), nor +outliersN.
++vq and +norms8 blocks are held (C decodes block parts and 8-bit log scales; the scales' centres are shared state).
 """
 
 from __future__ import annotations
@@ -78,10 +78,6 @@ def block_format(name: str, geometry: CacheGeometry, block_size: int) -> BlockFo
         option = config.alloc_option
         raise ConfigError(f"block format {name!r} gives each layer (or head) its own widths ({option}); the pool's blocks "
                           f"hold one width for every layer and head, so use it without {option}")
-    for option, held, what in (("+norms8", "log_norms", "8-bit log scales"),):
-        if getattr(config, held, False):
-            raise ConfigError(f"block format {name!r} stores what the pool's C reads do not decode ({option}: {what}); "
-                              f"use it without {option}")
     if getattr(config, "outliers", 0):
         raise ConfigError(f"block format {name!r} keeps exact key outliers (+outliersN), which the pool's blocks do not "
                           f"read; use it without +outliersN")
