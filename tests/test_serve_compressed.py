@@ -37,7 +37,7 @@ from .test_serve_engine import ids_of
 #: (random chunks below), not by greedy text: C's and torch's reads differ by ~1e-5 (fp32 order), which flips a block
 #: index or an 8-bit scale (4.4% a step) now and then, and a flipped scale of the first token's key moves the logits by
 #: more than any near-tie allowance (seen on SmolLM2: the first token of a 41-token prompt parts, gap 1.4 of 29)
-FORMATS = ["int8", "int4", "tq4", "tq3"]
+FORMATS = ["int8", "int4", "tq4", "tq3", "tq4+prerope"]
 
 
 def single_cache(engine: Engine, geometry: CacheGeometry):
@@ -123,14 +123,20 @@ CASES = [  # format, block size, query heads, KV heads, sliding window, C path (
     ("tq-k4v3+qjl", 16, 9, 3, None, False), ("tq-k4v3+qjl", 16, 4, 1, None, True),
     ("tq3+vq", 16, 4, 2, None, False), ("tq2.5+vq", 8, 4, 1, 9, True),      # block codes (C decodes block parts)
     ("tq4+norms8", 16, 4, 2, None, False), ("tq3+vq+norms8", 8, 9, 3, None, True),   # 8-bit log scales
+    # keys coded before RoPE, rebuilt at their positions (Hadamard, Haar: the d x d inverse; key weights off)
+    ("tq4+prerope", 16, 9, 3, None, False), ("tq4+prerope", 16, 9, 3, None, True), ("tq3+prerope", 8, 4, 1, 7, True),
+    ("tq4+prerope+rot=haar+kweights=none+norms8", 8, 4, 2, None, True), ("tq-k4v3+qjl+prerope", 16, 4, 2, None, True),
 ]
+#: RoPE frequencies of a head dim of 16 (+prerope needs the model's)
+INV_FREQ = tuple(10000.0 ** (-i / 8) for i in range(8))
 
 
 @pytest.mark.parametrize("seed,case", list(enumerate(CASES)))
 def test_pool_attention_equals_the_single_cache_on_random_chunks(seed, case):
     name, block_size, heads, kv_heads, window, use_kernel = case
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
-    geometry = CacheGeometry(n_layers=1, n_kv_heads=kv_heads, head_dim=16, n_heads=heads, capacity=64, window=window)
+    geometry = CacheGeometry(n_layers=1, n_kv_heads=kv_heads, head_dim=16, n_heads=heads, capacity=64, window=window,
+                             rope_inv_freq=INV_FREQ)
     plan = CapacityPlan.build(geometry, name, 10**9, block_size, max_batch=4)
     plan = replace(plan, n_blocks=24)
     fmt = block_format(name, geometry, block_size)
@@ -213,7 +219,7 @@ def test_planner_admission_is_the_engines_and_tq4_holds_3_5x_the_f16_sequences(s
 
 @pytest.mark.parametrize("name,match", [("tq4+sink1", "tq4\\+sink1.*full-precision"), ("int4+recent64", "int4\\+recent64"),
                                         ("int4+g32", "must divide the block size"), ("zip9", "unknown block format 'zip9'"),
-                                        ("tq4+prerope", "without \\+prerope"), ("tq4+alloc", "without \\+alloc"),
+                                        ("tq4+alloc", "without \\+alloc"),
                                         ("tq4+halloc", "without \\+halloc")])
 def test_formats_the_pool_cannot_hold_are_one_line_errors(smollm2, name, match):
     with pytest.raises(ConfigError, match=match) as info:

@@ -392,14 +392,6 @@ static float scale_top(float *s, const float *scale, int n) {
     return top;
 }
 
-typedef struct {                   /* +prerope: how a chunk's coded keys are rebuilt, then turned to their positions */
-    const float *unrotation;       /* (d, d) Mᵀ: the key before its scale is x = y Mᵀ = Σ_j y_j Mᵀ[j] ... */
-    const float *signs;            /* ... or, for a randomized Hadamard M = H diag(s)/√d, (d,) s/√d: x = (H y) ⊙ s/√d */
-    const float *weights;          /* (d,) the key channel weights, or NULL */
-    const float *offset;           /* (d,) the key offset, or NULL */
-    const float *cos_, *sin_;      /* (n, d) of the chunk's rows, as rope() takes them */
-} PreRope;
-
 /* x (d,) = y Mᵀ = Σ_j y_j Mᵀ[j]: rows of Mᵀ (`unrotation`) added in order, 64 lanes at a time in eight independent
  * FMA chains (even and odd j apart) under AVX-512 when d is a multiple of 64, else a loop the compiler vectorizes */
 static void unrotate(const float *y, const float *unrotation, int d, float *x) {
@@ -506,43 +498,47 @@ static void rebuild_hadamard_rows(float *rows, int count, int d, const float *fa
 }
 #endif
 
+/* rows (count, d) of decoded ŷ -> the keys as TurboQuantCache._keys rebuilds them, in place: k = (ŷ Mᵀ · scale) ⊙ w
+ * + μ, then RoPE at the row's position (row r: pre->cos_/sin_ + r * d, its scale scale[r]). ŷ Mᵀ is a Hadamard
+ * transform and a sign per channel where M is a randomized Hadamard (pre->signs), the d x d product otherwise; the
+ * signs and weights are one factor per channel. Also paged.c's, for pre-RoPE blocks of the serving pool. */
+void kvlab_prerope_rebuild(float *rows, int count, int d, const PreRope *pre, const float *scale) {
+    float key[CB_MAX_DIM], factor[CB_MAX_DIM];   /* factor: s/√d (Hadamard) times w, per channel */
+    for (int c = 0; c < d; c++) factor[c] = (pre->signs ? pre->signs[c] : 1.0f) * (pre->weights ? pre->weights[c] : 1.0f);
+#if defined(__AVX512F__)
+    if (pre->signs && d % 32 == 0) {
+        rebuild_hadamard_rows(rows, count, d, factor, scale, pre->offset, pre->cos_, pre->sin_);
+        return;
+    }
+#endif
+    if (pre->signs) hadamard_rows(rows, count, d);
+    for (int r = 0; r < count; r++) {
+        float *row = rows + (int64_t)r * d;
+        const float *x = row;
+        if (!pre->signs) {
+            unrotate(row, pre->unrotation, d, key);
+            x = key;
+        }
+        if (pre->offset)
+            for (int c = 0; c < d; c++) row[c] = x[c] * (factor[c] * scale[r]) + pre->offset[c];
+        else
+            for (int c = 0; c < d; c++) row[c] = x[c] * (factor[c] * scale[r]);
+        rope_half_table(row, pre->cos_ + (int64_t)r * d, pre->sin_ + (int64_t)r * d, d);
+    }
+}
+
 /* Scores of the `group` queries (already scaled, original domain) against n pre-RoPE coded keys, rebuilt a sub-tile at a
- * time as TurboQuantCache._keys rebuilds them: k = (ŷ Mᵀ · scale) ⊙ w + μ, then RoPE at the row's position; each
- * rebuilt key replaces its decoded row in `tile`, and every query head then scores the sub-tile (key_scores).
- * ŷ Mᵀ is a Hadamard transform and a sign per channel where M is a randomized Hadamard (pre->signs), the d x d
- * product otherwise; the signs, weights and scale are one factor per channel. */
+ * time (kvlab_prerope_rebuild, pre->cos_/sin_ rows from the chunk's first); each rebuilt key replaces its decoded row
+ * in `tile`, and every query head then scores the sub-tile (key_scores). */
 static void prerope_scores(const cb_layout *KL, const uint8_t *k_rows, int64_t k_bytes, const float *k_scale, int n,
                            int d, const PreRope *pre, const float *queries, int group, float *tile, float *scores,
                            int64_t score_stride) {
-    float key[CB_MAX_DIM], factor[CB_MAX_DIM];   /* factor: s/√d (Hadamard) times w, per channel */
-    for (int c = 0; c < d; c++) factor[c] = (pre->signs ? pre->signs[c] : 1.0f) * (pre->weights ? pre->weights[c] : 1.0f);
     for (int t0 = 0; t0 < n; t0 += SUB_ROWS) {
         const int count = n - t0 < SUB_ROWS ? n - t0 : SUB_ROWS;
         kvlab_cb_decode_rows(KL, k_rows + (int64_t)t0 * k_bytes, k_bytes, count, tile, d);
-#if defined(__AVX512F__)
-        if (pre->signs && d % 32 == 0) {
-            rebuild_hadamard_rows(tile, count, d, factor, k_scale + t0, pre->offset, pre->cos_ + (int64_t)t0 * d,
-                                  pre->sin_ + (int64_t)t0 * d);
-            for (int i = 0; i < group; i++) key_scores(queries + (int64_t)i * d, tile, 0, count, d, 1.0f, scores + i * score_stride + t0);
-            continue;
-        }
-#endif
-        if (pre->signs) hadamard_rows(tile, count, d);
-        for (int r = 0; r < count; r++) {
-            const int t = t0 + r;
-            float *row = tile + (int64_t)r * d;
-            const float *x = row;
-            if (!pre->signs) {
-                unrotate(row, pre->unrotation, d, key);
-                x = key;
-            }
-            const float scale = k_scale[t];
-            if (pre->offset)
-                for (int c = 0; c < d; c++) row[c] = x[c] * (factor[c] * scale) + pre->offset[c];
-            else
-                for (int c = 0; c < d; c++) row[c] = x[c] * (factor[c] * scale);
-            rope_half_table(row, pre->cos_ + (int64_t)t * d, pre->sin_ + (int64_t)t * d, d);
-        }
+        PreRope sub = *pre;
+        sub.cos_ += (int64_t)t0 * d, sub.sin_ += (int64_t)t0 * d;
+        kvlab_prerope_rebuild(tile, count, d, &sub, k_scale + t0);
         for (int i = 0; i < group; i++) key_scores(queries + (int64_t)i * d, tile, 0, count, d, 1.0f, scores + i * score_stride + t0);
     }
 }

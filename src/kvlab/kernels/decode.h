@@ -35,6 +35,17 @@ float kvlab_exp_shifted(float *s, int n, float top);
 void kvlab_rms_norm(const float *x, const float *w, float eps, int n, float *y);
 /* RoPE of one head of d values in place, as llama.py's apply_rope: pairs (i, i + d/2) */
 void kvlab_rope(float *x, const float *cos_, const float *sin_, int d);
+typedef struct {                   /* +prerope: how coded keys are rebuilt, then turned to their positions */
+    const float *unrotation;       /* (d, d) Mᵀ: the key before its scale is x = y Mᵀ = Σ_j y_j Mᵀ[j] ... */
+    const float *signs;            /* ... or, for a randomized Hadamard M = H diag(s)/√d, (d,) s/√d: x = (H y) ⊙ s/√d */
+    const float *weights;          /* (d,) the key channel weights, or NULL */
+    const float *offset;           /* (d,) the key offset, or NULL */
+    const float *cos_, *sin_;      /* (rows, d) of the rows' positions, as rope() takes them */
+} PreRope;
+
+/* rows (count, d) of decoded codebook values ŷ -> pre-RoPE coded keys rebuilt and turned to their positions, in place:
+ * (ŷ Mᵀ · scale[r]) ⊙ w + μ, then RoPE with row r's cos/sin (TurboQuantCache._keys) */
+void kvlab_prerope_rebuild(float *rows, int count, int d, const PreRope *pre, const float *scale);
 /* dst (n,) = src rounded to f16 (kv_type 1) or bf16 (2) as torch's .to() rounds: 0 when all stored values are
  * finite, 1 otherwise, -1 for another kv_type */
 int kvlab_kv_store(int kv_type, const float *src, int64_t n, uint16_t *dst);

@@ -274,6 +274,8 @@ typedef struct {
     const void *k_norm, *v_norm;          /* (slots, Hkv) fp16 or bf16, or uint8 log codes (POOL_LOG8) */
     int norm_dtype;
     const uint16_t *centres;              /* POOL_LOG8: (2, Hkv) fp16 log2 centres, keys' then values' */
+    const PreRope *pre;                   /* +prerope: weights, offset (Hkv, d) each or NULL; cos/sin (positions, d);
+                                             keys rebuilt and turned (decode.c), scored against the plain queries */
     /* INT */
     const uint16_t *k_scale, *k_zero;     /* (slots / key_group, Hkv, d) fp16 */
     const uint16_t *v_scale, *v_zero;     /* (slots, Hkv, d / value_group) fp16 */
@@ -352,7 +354,7 @@ static void load_tile(const code_pool *P, const code_item *it, int64_t t0, int n
         kvlab_cb_decode_row(&P->values, P->v_codes + index * P->v_row_bytes, v, codes);
         if (P->kind == CODES_TQ) {
             kvlab_cb_decode_row(&P->keys, P->k_codes + index * P->k_row_bytes, k, codes);
-            key_scale[j] = norm_value(P, 0, index, it->h) * P->scale;
+            key_scale[j] = norm_value(P, 0, index, it->h) * (P->pre ? 1.0f : P->scale);
             value_scale[j] = norm_value(P, 1, index, it->h);
             continue;
         }
@@ -377,6 +379,14 @@ static void load_tile(const code_pool *P, const code_item *it, int64_t t0, int n
         }
         key_scale[j] = P->scale;
         value_scale[j] = 1.0f;
+    }
+    if (P->pre) {   /* +prerope (every row of the tile a coded key, dpad == d): rebuilt at positions t0 .. t0 + n */
+        PreRope tile = *P->pre;
+        tile.weights = tile.weights ? tile.weights + (int64_t)it->h * d : NULL;
+        tile.offset = tile.offset ? tile.offset + (int64_t)it->h * d : NULL;
+        tile.cos_ += t0 * d, tile.sin_ += t0 * d;
+        kvlab_prerope_rebuild(keys, n, d, &tile, key_scale);
+        for (int j = 0; j < n; j++) key_scale[j] = P->scale;
     }
 }
 
@@ -520,18 +530,25 @@ static int code_attention(const code_pool *P, const float *q, int n_seqs, float 
     return failed ? -2 : 0;
 }
 
-/* TurboQuant blocks: q (n_rows, H, d) rotated and weighted as the codes are read; out (n_rows, H, d) in the rotated
+/* TurboQuant blocks: q (n_rows, H, d) rotated and weighted as the codes are read (with `pre`, +prerope: q itself,
+ * the keys rebuilt at their positions < rope_rows, decode.c kvlab_prerope_rebuild); out (n_rows, H, d) in the rotated
  * domain; norms 16-bit floats (norm_dtype POOL_F16 / POOL_BF16) or uint8 log codes (POOL_LOG8, `centres` (2, Hkv)
  * fp16: each KV head's key and value centre). 0, -1 (a layout, length or code layout out of range: nothing read), or -2 (no memory). */
 int kvlab_paged_codes_attention(const float *q, int64_t n_rows, int n_heads, int n_kv_heads, int d,
                                 const uint8_t *k_codes, const void *k_norm, const uint8_t *v_codes,
-                                const void *v_norm, int norm_dtype, const uint16_t *centres, int64_t n_slots,
+                                const void *v_norm, int norm_dtype, const uint16_t *centres, const PreRope *pre,
+                                int64_t rope_rows, int64_t n_slots,
                                 int k_parts, const int32_t *k_spec, const float *k_tables, int64_t k_row_bytes,
                                 int v_parts, const int32_t *v_spec, const float *v_tables, int64_t v_row_bytes,
                                 const int32_t *block_tables, int n_seqs, int max_blocks, int block_size,
                                 const int32_t *query_start, const int32_t *context_len,
                                 float scale, int window, float *out, int n_threads) {
     if (norm_dtype != POOL_F16 && norm_dtype != POOL_BF16 && (norm_dtype != POOL_LOG8 || !centres)) return -1;
+    if (pre) {   /* the tiles hold whole rows of d (d a multiple of 16) and every position has its RoPE row */
+        if (d % 16 || !pre->cos_ || !pre->sin_ || (!pre->signs && !pre->unrotation)) return -1;
+        for (int s = 0; s < n_seqs; s++)
+            if (context_len[s] > rope_rows) return -1;
+    }
     if (check_layout(n_rows, n_heads, n_kv_heads, d, d, POOL_F32, n_slots, block_tables, n_seqs, max_blocks, block_size,
                      query_start, context_len))
         return -1;
@@ -539,7 +556,7 @@ int kvlab_paged_codes_attention(const float *q, int64_t n_rows, int n_heads, int
                    .window = window, .block_size = block_size, .max_blocks = max_blocks, .block_tables = block_tables,
                    .query_start = query_start, .context_len = context_len, .scale = scale, .k_codes = k_codes,
                    .v_codes = v_codes, .k_row_bytes = k_row_bytes, .v_row_bytes = v_row_bytes, .k_norm = k_norm,
-                   .v_norm = v_norm, .norm_dtype = norm_dtype, .centres = centres};
+                   .v_norm = v_norm, .norm_dtype = norm_dtype, .centres = centres, .pre = pre};
     if (kvlab_cb_layout(&P.keys, d, k_parts, k_spec, k_tables, k_row_bytes) ||
         kvlab_cb_layout(&P.values, d, v_parts, v_spec, v_tables, v_row_bytes))
         return -1;

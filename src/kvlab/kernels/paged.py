@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -34,11 +35,42 @@ def _function(library_path: str):
     return fn
 
 
+class _PreRope(ctypes.Structure):   # decode.h PreRope
+    _fields_ = [("unrotation", ctypes.c_void_p), ("signs", ctypes.c_void_p), ("weights", ctypes.c_void_p),
+                ("offset", ctypes.c_void_p), ("cos_", ctypes.c_void_p), ("sin_", ctypes.c_void_p)]
+
+
+@dataclass(frozen=True)
+class PreRopeKeys:
+    """How pre-RoPE coded keys are rebuilt (TurboQuantCache._keys): (ŷ Mᵀ · scale) ⊙ w + μ, then RoPE at the key's
+    position; `signs` (d,) s/√d where M is a randomized Hadamard, else `unrotation` (d, d) Mᵀ; weights, offset (Hkv, d)
+    or None; cos, sin (positions, d) as rope() takes them, one row per position from 0."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    signs: torch.Tensor | None = None
+    unrotation: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
+    offset: torch.Tensor | None = None
+
+    def struct(self, Hkv: int, d: int) -> "_PreRope":
+        """The C struct after checking every tensor's dtype, shape and contiguity."""
+        _check((self.signs is None) != (self.unrotation is None), "pre-RoPE keys need the rotation's signs or its inverse")
+        rows = self.cos.shape[0] if isinstance(self.cos, torch.Tensor) and self.cos.dim() == 2 else 0
+        held = [("cos", self.cos, (rows, d)), ("sin", self.sin, (rows, d)), ("signs", self.signs, (d,)),
+                ("unrotation", self.unrotation, (d, d)), ("weights", self.weights, (Hkv, d)), ("offset", self.offset, (Hkv, d))]
+        for name, t, shape in held:
+            if t is not None:
+                check_buffer(WHAT, f"pre-RoPE {name}", t, torch.float32, shape)
+        return _PreRope(*(None if t is None else t.data_ptr() for t in (self.unrotation, self.signs, self.weights,
+                                                                         self.offset, self.cos, self.sin)))
+
+
 @functools.lru_cache(maxsize=4)
 def _codes_function(library_path: str):
     fn = ctypes.CDLL(library_path).kvlab_paged_codes_attention
     i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, i32, i32, i32, ptr, ptr, ptr, ptr, i32, ptr, i64, i32, ptr, ptr, i64, i32, ptr, ptr, i64,
+    fn.argtypes = [ptr, i64, i32, i32, i32, ptr, ptr, ptr, ptr, i32, ptr, ptr, i64, i64, i32, ptr, ptr, i64, i32, ptr, ptr, i64,
                    ptr, i32, i32, i32, ptr, ptr, ctypes.c_float, i32, ptr, i32]
     fn.restype = i32
     return fn
@@ -122,12 +154,14 @@ def _check_code_layout(layout: CodeLayout, what: str, d: int, row_bytes: int) ->
 def paged_codes_attention(kernel, q: torch.Tensor, k_codes: torch.Tensor, k_norm: torch.Tensor, v_codes: torch.Tensor,
                           v_norm: torch.Tensor, k_layout: CodeLayout, v_layout: CodeLayout, block_tables: torch.Tensor,
                           query_start: torch.Tensor, context_len: torch.Tensor, block_size: int, scale: float,
-                          window: int = 0, centres: torch.Tensor | None = None) -> torch.Tensor:
+                          window: int = 0, centres: torch.Tensor | None = None,
+                          pre_rope: PreRopeKeys | None = None) -> torch.Tensor:
     """Ragged attention straight from TurboQuant codes in blocks (paged.c kvlab_paged_codes_attention).
 
     q (N, H, D) fp32: the queries as the codes are read (rotated, key weights applied); k_codes (slots, Hkv, kbytes),
     v_codes (slots, Hkv, vbytes) uint8 with their layouts; k_norm, v_norm (slots, Hkv) fp16 or bf16, or uint8 log
-    codes (+norms8) read against `centres` (2, Hkv) fp16, each KV head's key and value log2 centre; the ragged
+    codes (+norms8) read against `centres` (2, Hkv) fp16, each KV head's key and value log2 centre; with `pre_rope`
+    the keys were coded before RoPE: q is the plain query and each key is rebuilt and turned to its position; the ragged
     layout as `paged_attention` -> (N, H, D) fp32 = Σ_t p_t·v_norm_t·v̂_t, p = softmax_t(scale·k_norm_t·(q·k̂_t)) over
     each row's causal (and window) keys, k̂/v̂ the codebook values: the output in the rotated domain (the caller
     inverts the rotation)."""
@@ -151,10 +185,15 @@ def paged_codes_attention(kernel, q: torch.Tensor, k_codes: torch.Tensor, k_norm
     _check_code_layout(v_layout, "value", D, v_codes.shape[2])
     _check_layout(block_tables, query_start, context_len, slots, block_size)
     S = context_len.numel()
+    pre = None if pre_rope is None else pre_rope.struct(Hkv, D)
+    if pre_rope is not None:
+        _check(D % 16 == 0, f"pre-RoPE keys need a head dim that is a multiple of 16, got {D}")
+        _check(not S or int(context_len.max()) <= pre_rope.cos.shape[0], "pre-RoPE keys need a RoPE row for every position")
     out = torch.empty(N, H, D, dtype=torch.float32)
     status = _codes_function(str(kernel.path))(
         q.data_ptr(), N, H, Hkv, D, k_codes.data_ptr(), k_norm.data_ptr(), v_codes.data_ptr(), v_norm.data_ptr(),
-        POOL_LOG8 if centres is not None else POOL_DTYPES[norm], None if centres is None else centres.data_ptr(), slots,
+        POOL_LOG8 if centres is not None else POOL_DTYPES[norm], None if centres is None else centres.data_ptr(),
+        None if pre is None else ctypes.byref(pre), 0 if pre_rope is None else pre_rope.cos.shape[0], slots,
         k_layout.spec.shape[0], k_layout.spec.data_ptr(), k_layout.tables.data_ptr(), k_layout.row_bytes,
         v_layout.spec.shape[0], v_layout.spec.data_ptr(), v_layout.tables.data_ptr(), v_layout.row_bytes,
         block_tables.data_ptr(), S, block_tables.shape[1], block_size, query_start.data_ptr(), context_len.data_ptr(),

@@ -47,7 +47,8 @@ from ..cache.quantized import _affine, _encode
 from ..cache.turboquant import TurboQuantCache
 from ..errors import ConfigError
 from ..kernels import kernel_for
-from ..kernels.paged import paged_codes_attention, paged_int_attention
+from ..kernels.paged import PreRopeKeys, paged_codes_attention, paged_int_attention
+from ..model.llama import apply_rope
 from .formats import BlockFormat
 
 #: the calibration prompt of the TurboQuant pools: fixed ids spread over the vocabulary (no data involved)
@@ -302,11 +303,30 @@ class TurboPool(CodedPool):
         for name in self.codec.token_buffer_names():           # the codec's (1, Hkv, 1[, bytes]) buffers give the shapes
             like = getattr(self.codec, name)[0]                  # layer 0: (1, Hkv, 1[, bytes])
             self._tokens(name, like.shape[1], *like.shape[3:], dtype=like.dtype)
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None    # +prerope: cos, sin (positions, D) from 0
+        self._rebuild: dict[int, PreRopeKeys] = {}                      # +prerope: each layer's key rebuild for C
+
+    def _rope_rows(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (≥ n, D) of positions 0, 1, ... (+prerope; the pool holds no sink, so a slot's position is its
+        token's place in its sequence), grown by doubling."""
+        if self._rope is None or self._rope[0].shape[0] < n:
+            size = max(n, 2 * self._rope[0].shape[0] if self._rope else self.block_size)
+            self._rope = tuple(t.contiguous() for t in self.codec.slot_rope(0, size))
+            self._rebuild.clear()
+        return self._rope
+
+    def _positions(self, view) -> torch.Tensor:
+        """(N,) the position of each of the step's tokens in its sequence."""
+        return torch.cat([torch.arange(start, ctx) for _, _, _, start, ctx in self.sequences(view)]).to(self._device)
 
     def _state_nbytes(self) -> int:
         return self.codec.state_nbytes()
 
     def append(self, layer: int, view, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self.codec.config.pre_rope:   # +prerope: each key turned back from its position before it is coded
+            positions = self._positions(view)                                             # (N,)
+            cos, sin = self._rope_rows(int(positions.max()) + 1 if len(positions) else 1)
+            k = apply_rope(k.float(), cos[positions][:, None], -sin[positions][:, None])     # (N, Hkv, D)
         coded = self.codec.code(layer, k.transpose(0, 1)[None], v.transpose(0, 1)[None])   # (1, Hkv, N, ...)
         for name, t in self.codec.stored_scales(layer, coded).items():
             self.token_buffers[name][layer][view.slots] = t[0].transpose(0, 1)              # (N, Hkv, ...)
@@ -315,7 +335,8 @@ class TurboPool(CodedPool):
         """q (N, H, D) fp32 -> (N, H, D). With view.use_kernel where the codec reads codes in C (CPU): the whole batch
         in one ragged call on the pool's codes (kernels/paged.c), or, for +qjl codes, per sequence with the codec's
         own scores and mix; else the torch reference (gather, dequantize, grouped_attention per sequence)."""
-        on_codes = view.use_kernel and self.codec.code_kernel is not None
+        config = self.codec.config   # +qjl reads through the codec's scores, which do not turn +prerope keys
+        on_codes = view.use_kernel and self.codec.code_kernel is not None and not (config.qjl and config.pre_rope)
         kernel = kernel_for(self._device) if on_codes and not self.codec.config.qjl else None
         if kernel is not None:
             return self._attend_ragged(kernel, layer, view, q)
@@ -340,21 +361,39 @@ class TurboPool(CodedPool):
         offset's q·μ is the same for every key of a query, so the softmax does not see it."""
         N, H, D = q.shape
         Hkv = self.geometry.n_kv_heads
-        qg = q.reshape(N, Hkv, H // Hkv, D).transpose(0, 1).reshape(1, Hkv, -1, D)       # (1, Hkv, N·G, D)
-        q_rot = self.codec._rotated_queries(layer, qg)                                    # (1, Hkv, N·G, D)
-        q_rot = q_rot.reshape(Hkv, N, H // Hkv, D).transpose(0, 1).reshape(N, H, D).contiguous()
         buf, codec, layout = self.token_buffers, self.codec, view.layout
+        pre_rope = None
+        if codec.config.pre_rope:   # the keys are rebuilt at their positions in C: the plain queries read them
+            pre_rope, q_rot = self._key_rebuild(layer, int(layout.context_len.max())), q.contiguous()
+        else:
+            qg = q.reshape(N, Hkv, H // Hkv, D).transpose(0, 1).reshape(1, Hkv, -1, D)   # (1, Hkv, N·G, D)
+            q_rot = self.codec._rotated_queries(layer, qg)                                # (1, Hkv, N·G, D)
+            q_rot = q_rot.reshape(Hkv, N, H // Hkv, D).transpose(0, 1).reshape(N, H, D).contiguous()
         centres = torch.stack([codec.norm_centres[name][layer][0] for name in ("k_norm", "v_norm")]) if codec.norm_centres else None
         rotated = paged_codes_attention(kernel, q_rot, buf["k_codes"][layer], buf["k_norm"][layer],
                                         buf["v_codes"][layer], buf["v_norm"][layer], codec.key_codes.layout,
                                         codec.value_codes.layout, layout.block_tables, layout.query_start,
                                         layout.context_len, layout.block_size, view.scale, view.window or 0,
-                                        centres)                                                           # (N, H, D)
+                                        centres, pre_rope)                                                 # (N, H, D)
         out = codec.rotations[layer].invert(rotated)                                      # (N, H, D)
         if codec.v_offset:
             offset = codec.v_offset[layer][0].float()                                     # (Hkv, D)
             out = (out.reshape(N, Hkv, H // Hkv, D) + offset[:, None]).reshape(N, H, D)
         return out
+
+    def _key_rebuild(self, layer: int, n: int) -> PreRopeKeys:
+        """+prerope: how C rebuilds `layer`'s keys (TurboQuantCache._keys) for contexts of up to n tokens."""
+        cos, sin = self._rope_rows(n)
+        if layer not in self._rebuild:
+            codec, d = self.codec, self.geometry.head_dim
+            rotation = codec.rotations[layer]
+            weights = codec._key_weights(layer)                                           # (1, Hkv, 1, D) or None
+            unrotation = None if rotation.hadamard else rotation.apply(torch.eye(d, device=self._device)).T.contiguous()
+            self._rebuild[layer] = PreRopeKeys(
+                cos, sin, signs=(rotation.signs.float() * d ** -0.5).contiguous() if rotation.hadamard else None,
+                unrotation=unrotation, weights=None if weights is None else weights[0, :, 0].float().contiguous(),
+                offset=codec.k_offset[layer][0].float().contiguous() if codec.k_offset else None)
+        return self._rebuild[layer]
 
     def _attend_codes(self, layer: int, q: torch.Tensor, stored: dict, n: int, window: int | None) -> torch.Tensor:
         """q (1, H, T, D) against n coded tokens -> (1, H, T, D): the softmax of CompressedCache.attend, no sink or window."""

@@ -17,8 +17,9 @@ All three come from `expected_nbytes` of the single-sequence cache at batch 1: i
 of c tokens are c·per_token + rest, so a block is f(2·bs) - f(bs) and the rest is f(bs) - block.
 Names whose single cache keeps full-precision tokens or layers (+sinkN, +recentN, +fp-first-last,
 +fp-layers=) are not block formats: those are per-sequence full-precision state the pool does not hold.
-Nor is +prerope: it codes each key at its position in one sequence's cache, which the pool does not track,
-nor +alloc / +halloc (a width per layer / per layer and head; the pool's buffers hold one width for all), nor +outliersN.
++prerope is held: a slot's position is its token's place in its sequence (the same for every sequence that shares the
+block through the prefix cache), so keys are turned back from it when coded and rebuilt at it when read. Not held:
++alloc / +halloc (a width per layer / per layer and head; the pool's buffers hold one width for all) and +outliersN.
 +vq and +norms8 blocks are held (C decodes block parts and 8-bit log scales; the scales' centres are shared state).
 """
 
@@ -71,9 +72,6 @@ def block_format(name: str, geometry: CacheGeometry, block_size: int) -> BlockFo
     if config.full != FullPrecision():
         raise ConfigError(f"block format {name!r} keeps full-precision tokens or layers ({config.full.suffix.lstrip('+')}), "
                           f"which blocks do not hold; use a plain name like {key.split('+')[0]}")
-    if getattr(config, "pre_rope", False):
-        raise ConfigError(f"block format {name!r} codes keys before RoPE, at their position in one sequence's cache; "
-                          f"the pool codes tokens without positions, so use it without +prerope")
     if getattr(config, "alloc", 0):
         option = config.alloc_option
         raise ConfigError(f"block format {name!r} gives each layer (or head) its own widths ({option}); the pool's blocks "
