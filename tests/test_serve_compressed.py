@@ -30,6 +30,7 @@ from kvlab.serve.blocks import CapacityPlan
 from kvlab.serve.coded import IntPool, TurboPool
 from kvlab.serve.formats import block_format
 from kvlab.serve.runner import BatchView
+from kvlab.serve.sequence import Sequence
 
 from .test_serve_engine import ids_of
 
@@ -37,7 +38,7 @@ from .test_serve_engine import ids_of
 #: (random chunks below), not by greedy text: C's and torch's reads differ by ~1e-5 (fp32 order), which flips a block
 #: index or an 8-bit scale (4.4% a step) now and then, and a flipped scale of the first token's key moves the logits by
 #: more than any near-tie allowance (seen on SmolLM2: the first token of a 41-token prompt parts, gap 1.4 of 29)
-FORMATS = ["int8", "int4", "tq4", "tq3", "tq4+prerope"]
+FORMATS = ["int8", "int4", "tq4", "tq3", "tq4+prerope", "tq4+prerope+sink1"]
 
 
 def single_cache(engine: Engine, geometry: CacheGeometry):
@@ -126,6 +127,9 @@ CASES = [  # format, block size, query heads, KV heads, sliding window, C path (
     # keys coded before RoPE, rebuilt at their positions (Hadamard, Haar: the d x d inverse; key weights off)
     ("tq4+prerope", 16, 9, 3, None, False), ("tq4+prerope", 16, 9, 3, None, True), ("tq3+prerope", 8, 4, 1, 7, True),
     ("tq4+prerope+rot=haar+kweights=none+norms8", 8, 4, 2, None, True), ("tq-k4v3+qjl+prerope", 16, 4, 2, None, True),
+    # the first tokens exact beside the blocks (sinks.py), merged with the coded keys' softmax
+    ("tq4+sink1", 16, 9, 3, None, False), ("tq4+sink1", 16, 9, 3, None, True), ("tq4+prerope+sink2", 8, 4, 1, 7, True),
+    ("tq3+prerope+sink1+norms8", 16, 4, 2, None, True), ("tq-k4v3+qjl+sink3", 8, 4, 2, None, True),
 ]
 #: RoPE frequencies of a head dim of 16 (+prerope needs the model's)
 INV_FREQ = tuple(10000.0 ** (-i / 8) for i in range(8))
@@ -158,7 +162,7 @@ def test_pool_attention_equals_the_single_cache_on_random_chunks(seed, case):
             cache = make_cache(fmt.cache_name, geometry)
         singles.append(cache)
     done = [0] * len(lengths)
-    seqs = [object() for _ in lengths]
+    seqs = [Sequence(str(i), [100 + i]) for i in range(len(lengths))]   # first tokens apart: a sink entry each
     while any(d < n for d, n in zip(done, lengths)):
         active = [s for s in range(len(lengths)) if done[s] < lengths[s]]
         chunk = {s: min(lengths[s] - done[s], rng.choice([1, 1, rng.randint(1, 2 * block_size)])) for s in active}
@@ -217,7 +221,9 @@ def test_planner_admission_is_the_engines_and_tq4_holds_3_5x_the_f16_sequences(s
     assert admitted["tq4"] >= 3.5 * admitted["dense-f16"] > 0
 
 
-@pytest.mark.parametrize("name,match", [("tq4+sink1", "tq4\\+sink1.*full-precision"), ("int4+recent64", "int4\\+recent64"),
+@pytest.mark.parametrize("name,match", [("tq4+recent8", "tq4\\+recent8.*full-precision.*hold \\+sinkN"),
+                                        ("int4+sink1", "int4\\+sink1.*full-precision"), ("tq4+sink17", "sink of 17 tokens"),
+                                        ("int4+recent64", "int4\\+recent64"),
                                         ("int4+g32", "must divide the block size"), ("zip9", "unknown block format 'zip9'"),
                                         ("tq4+alloc", "without \\+alloc"),
                                         ("tq4+halloc", "without \\+halloc")])

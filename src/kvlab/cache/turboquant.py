@@ -720,8 +720,11 @@ class TurboQuantCache(CompressedCache):
     def slot_rope(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (n, d) of compressed slots [start, start+n) (+prerope): positions sink + slot, as the model's rope()
         computes them (the fused step reads the same table, model/fused_codes.py)."""
-        positions = torch.arange(self.sink + start, self.sink + start + n, device=self.rope_inv_freq.device,
-                                 dtype=torch.float32)
+        return self.position_rope(self.sink + start, n)
+
+    def position_rope(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (n, d) of positions [start, start+n) (+prerope; the serving pool's slots are positions)."""
+        positions = torch.arange(start, start + n, device=self.rope_inv_freq.device, dtype=torch.float32)
         angles = torch.outer(positions, self.rope_inv_freq)                       # (n, d/2)
         angles = torch.cat((angles, angles), dim=-1)                              # (n, d)
         return angles.cos(), angles.sin()

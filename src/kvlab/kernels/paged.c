@@ -274,6 +274,7 @@ typedef struct {
     const void *k_norm, *v_norm;          /* (slots, Hkv) fp16 or bf16, or uint8 log codes (POOL_LOG8) */
     int norm_dtype;
     const uint16_t *centres;              /* POOL_LOG8: (2, Hkv) fp16 log2 centres, keys' then values' */
+    int first_key;                        /* TQ: keys at positions below it are not read (+sinkN: held exact apart) */
     const PreRope *pre;                   /* +prerope: weights, offset (Hkv, d) each or NULL; cos/sin (positions, d);
                                              keys rebuilt and turned (decode.c), scored against the plain queries */
     /* INT */
@@ -317,7 +318,8 @@ static int64_t code_items(const code_pool *P, int n_seqs, int64_t rows_per_tile,
         for (int64_t r0 = q0; r0 < q1; r0 += rows_per_tile) {
             const int64_t r1 = r0 + rows_per_tile < q1 ? r0 + rows_per_tile : q1;
             const int64_t p0 = first_pos + (r0 - q0), p1 = first_pos + (r1 - 1 - q0);
-            const int64_t lo = P->window > 0 && p0 - P->window + 1 > 0 ? p0 - P->window + 1 : 0, hi = p1 + 1;
+            const int64_t from = P->window > 0 && p0 - P->window + 1 > 0 ? p0 - P->window + 1 : 0, hi = p1 + 1;
+            const int64_t lo = from > P->first_key ? from : P->first_key;
             for (int h = 0; h < P->n_kv_heads; h++) {
                 if (group_first) group_first[groups] = n;
                 groups++;
@@ -420,7 +422,7 @@ static void code_item_attend(const code_pool *P, const float *q, const code_item
         load_tile(P, it, t0, n, keys, values, key_scale, value_scale, codes);   /* once for every query */
         for (int64_t i = 0; i < nq; i++) {
             const int64_t pos = first_pos + (it->r0 + i / G - q0);
-            const int64_t lo = P->window > 0 ? pos - P->window + 1 : 0;
+            const int64_t from = P->window > 0 ? pos - P->window + 1 : 0, lo = from > P->first_key ? from : P->first_key;
             const int j0 = lo > t0 ? (int)(lo - t0) : 0, j1 = pos + 1 - t0 < n ? (int)(pos + 1 - t0) : n;
             if (j1 <= j0) continue;                                   /* no key of this tile is seen by query i */
             /* keys from tile index `coded` on are read exact (INT only) */
@@ -470,9 +472,10 @@ static void code_item_attend(const code_pool *P, const float *q, const code_item
     for (int64_t i = 0; i < nq; i++) memcpy(o + i * d, acc + i * dpad, sizeof(float) * d);
 }
 
-/* Every item, then each query's chunks merged in chunk order: out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c.
+/* Every item, then each query's chunks merged in chunk order: out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c,
+ * and (lse not NULL) lse = M + log sum_c e^(m_c - M) l_c, the log of the softmax's sum (-inf, out 0: no key read).
  * 0, or -2 (no memory). */
-static int code_attention(const code_pool *P, const float *q, int n_seqs, float *out, int n_threads) {
+static int code_attention(const code_pool *P, const float *q, int n_seqs, float *out, float *lse, int n_threads) {
     const int G = P->group, d = P->d;
     const int64_t rows_per_tile = CODE_QUERIES / G > 1 ? CODE_QUERIES / G : 1;
     const int64_t max_queries = rows_per_tile * G, dpad = P->keys.dpad, partial_floats = max_queries * (d + 2);
@@ -520,6 +523,7 @@ static int code_attention(const code_pool *P, const float *q, int n_seqs, float 
                     }
                     const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
                     for (int k = 0; k < d; k++) o[k] *= inv;
+                    if (lse) lse[(first->r0 + i / G) * P->n_heads + (int64_t)first->h * G + i % G] = sum > 0.0f ? top + logf(sum) : -INFINITY;
                 }
             }
         }
@@ -531,8 +535,8 @@ static int code_attention(const code_pool *P, const float *q, int n_seqs, float 
 }
 
 /* TurboQuant blocks: q (n_rows, H, d) rotated and weighted as the codes are read (with `pre`, +prerope: q itself,
- * the keys rebuilt at their positions < rope_rows, decode.c kvlab_prerope_rebuild); out (n_rows, H, d) in the rotated
- * domain; norms 16-bit floats (norm_dtype POOL_F16 / POOL_BF16) or uint8 log codes (POOL_LOG8, `centres` (2, Hkv)
+ * the keys rebuilt at their positions < rope_rows, decode.c kvlab_prerope_rebuild), keys at positions from first_key on;
+ * out (n_rows, H, d) in the rotated domain and, lse not NULL, (n_rows, H) the log of each softmax's sum; norms 16-bit floats (norm_dtype POOL_F16 / POOL_BF16) or uint8 log codes (POOL_LOG8, `centres` (2, Hkv)
  * fp16: each KV head's key and value centre). 0, -1 (a layout, length or code layout out of range: nothing read), or -2 (no memory). */
 int kvlab_paged_codes_attention(const float *q, int64_t n_rows, int n_heads, int n_kv_heads, int d,
                                 const uint8_t *k_codes, const void *k_norm, const uint8_t *v_codes,
@@ -542,8 +546,9 @@ int kvlab_paged_codes_attention(const float *q, int64_t n_rows, int n_heads, int
                                 int v_parts, const int32_t *v_spec, const float *v_tables, int64_t v_row_bytes,
                                 const int32_t *block_tables, int n_seqs, int max_blocks, int block_size,
                                 const int32_t *query_start, const int32_t *context_len,
-                                float scale, int window, float *out, int n_threads) {
+                                float scale, int window, int first_key, float *out, float *lse, int n_threads) {
     if (norm_dtype != POOL_F16 && norm_dtype != POOL_BF16 && (norm_dtype != POOL_LOG8 || !centres)) return -1;
+    if (first_key < 0) return -1;
     if (pre) {   /* the tiles hold whole rows of d (d a multiple of 16) and every position has its RoPE row */
         if (d % 16 || !pre->cos_ || !pre->sin_ || (!pre->signs && !pre->unrotation)) return -1;
         for (int s = 0; s < n_seqs; s++)
@@ -556,11 +561,11 @@ int kvlab_paged_codes_attention(const float *q, int64_t n_rows, int n_heads, int
                    .window = window, .block_size = block_size, .max_blocks = max_blocks, .block_tables = block_tables,
                    .query_start = query_start, .context_len = context_len, .scale = scale, .k_codes = k_codes,
                    .v_codes = v_codes, .k_row_bytes = k_row_bytes, .v_row_bytes = v_row_bytes, .k_norm = k_norm,
-                   .v_norm = v_norm, .norm_dtype = norm_dtype, .centres = centres, .pre = pre};
+                   .v_norm = v_norm, .norm_dtype = norm_dtype, .centres = centres, .first_key = first_key, .pre = pre};
     if (kvlab_cb_layout(&P.keys, d, k_parts, k_spec, k_tables, k_row_bytes) ||
         kvlab_cb_layout(&P.values, d, v_parts, v_spec, v_tables, v_row_bytes))
         return -1;
-    return code_attention(&P, q, n_seqs, out, n_threads);
+    return code_attention(&P, q, n_seqs, out, lse, n_threads);
 }
 
 /* Integer blocks (kvlab/serve/coded.py IntPool; codes packed as kvlab/cache/packing.py, the codebook layout with
@@ -597,5 +602,5 @@ int kvlab_paged_int_attention(const float *q, int64_t n_rows, int n_heads, int n
         if (bits & w) bytes += ((int64_t)d * w + 7) / 8;
     P.k_row_bytes = P.v_row_bytes = bytes;
     if (kvlab_cb_layout(&P.keys, d, 1, spec, values, bytes) || kvlab_cb_layout(&P.values, d, 1, spec, values, bytes)) return -1;
-    return code_attention(&P, q, n_seqs, out, n_threads);
+    return code_attention(&P, q, n_seqs, out, NULL, n_threads);
 }

@@ -71,7 +71,7 @@ def _codes_function(library_path: str):
     fn = ctypes.CDLL(library_path).kvlab_paged_codes_attention
     i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, i64, i32, i32, i32, ptr, ptr, ptr, ptr, i32, ptr, ptr, i64, i64, i32, ptr, ptr, i64, i32, ptr, ptr, i64,
-                   ptr, i32, i32, i32, ptr, ptr, ctypes.c_float, i32, ptr, i32]
+                   ptr, i32, i32, i32, ptr, ptr, ctypes.c_float, i32, i32, ptr, ptr, i32]
     fn.restype = i32
     return fn
 
@@ -155,13 +155,16 @@ def paged_codes_attention(kernel, q: torch.Tensor, k_codes: torch.Tensor, k_norm
                           v_norm: torch.Tensor, k_layout: CodeLayout, v_layout: CodeLayout, block_tables: torch.Tensor,
                           query_start: torch.Tensor, context_len: torch.Tensor, block_size: int, scale: float,
                           window: int = 0, centres: torch.Tensor | None = None,
-                          pre_rope: PreRopeKeys | None = None) -> torch.Tensor:
+                          pre_rope: PreRopeKeys | None = None, first_key: int = 0,
+                          with_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Ragged attention straight from TurboQuant codes in blocks (paged.c kvlab_paged_codes_attention).
 
     q (N, H, D) fp32: the queries as the codes are read (rotated, key weights applied); k_codes (slots, Hkv, kbytes),
     v_codes (slots, Hkv, vbytes) uint8 with their layouts; k_norm, v_norm (slots, Hkv) fp16 or bf16, or uint8 log
     codes (+norms8) read against `centres` (2, Hkv) fp16, each KV head's key and value log2 centre; with `pre_rope`
-    the keys were coded before RoPE: q is the plain query and each key is rebuilt and turned to its position; the ragged
+    the keys were coded before RoPE: q is the plain query and each key is rebuilt and turned to its position; keys at
+    positions below `first_key` are not read (+sinkN: the pool holds them exact apart); with_lse: also (N, H) the log
+    of each row's softmax sum (-inf where the row read no key: its output is 0), to merge with other keys; the ragged
     layout as `paged_attention` -> (N, H, D) fp32 = Σ_t p_t·v_norm_t·v̂_t, p = softmax_t(scale·k_norm_t·(q·k̂_t)) over
     each row's causal (and window) keys, k̂/v̂ the codebook values: the output in the rotated domain (the caller
     inverts the rotation)."""
@@ -190,6 +193,8 @@ def paged_codes_attention(kernel, q: torch.Tensor, k_codes: torch.Tensor, k_norm
         _check(D % 16 == 0, f"pre-RoPE keys need a head dim that is a multiple of 16, got {D}")
         _check(not S or int(context_len.max()) <= pre_rope.cos.shape[0], "pre-RoPE keys need a RoPE row for every position")
     out = torch.empty(N, H, D, dtype=torch.float32)
+    lse = torch.empty(N, H, dtype=torch.float32) if with_lse else None
+    _check(first_key >= 0, f"first_key must be >= 0, got {first_key}")
     status = _codes_function(str(kernel.path))(
         q.data_ptr(), N, H, Hkv, D, k_codes.data_ptr(), k_norm.data_ptr(), v_codes.data_ptr(), v_norm.data_ptr(),
         POOL_LOG8 if centres is not None else POOL_DTYPES[norm], None if centres is None else centres.data_ptr(),
@@ -197,12 +202,13 @@ def paged_codes_attention(kernel, q: torch.Tensor, k_codes: torch.Tensor, k_norm
         k_layout.spec.shape[0], k_layout.spec.data_ptr(), k_layout.tables.data_ptr(), k_layout.row_bytes,
         v_layout.spec.shape[0], v_layout.spec.data_ptr(), v_layout.tables.data_ptr(), v_layout.row_bytes,
         block_tables.data_ptr(), S, block_tables.shape[1], block_size, query_start.data_ptr(), context_len.data_ptr(),
-        scale, int(window or 0), out.data_ptr(), torch.get_num_threads())
+        scale, int(window or 0), int(first_key), out.data_ptr(), None if lse is None else lse.data_ptr(),
+        torch.get_num_threads())
     if status == -2:
         raise KvlabError("paged codes attention: no memory for the kernel's work items")
     _check(status == 0, f"refused the layout of {S} sequences over {slots} slots (a block id, length, offset or code "
                         f"layout out of range)")
-    return out
+    return (out, lse) if with_lse else out
 
 
 def paged_int_attention(kernel, q: torch.Tensor, bits: int, k_codes: torch.Tensor, k_scale: torch.Tensor,

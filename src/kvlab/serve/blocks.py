@@ -170,7 +170,7 @@ class BlockManager:
     """Block tables, reference counts, the prefix index and the LRU of free blocks."""
 
     def __init__(self, n_blocks: int, block_size: int, prefix_caching: bool = True, on_copy=None, on_free=None,
-                 on_fork=None):
+                 on_fork=None, prefix_state=None):
         self.block_size = block_size
         self.prefix_caching = prefix_caching
         self.blocks = [Block(i) for i in range(n_blocks)]
@@ -179,6 +179,8 @@ class BlockManager:
         self.on_copy = on_copy                  # on_copy(src, dst): copy the data of a block (the pool's copy_block)
         self.on_free = on_free                  # on_free(seq): the sequence holds no blocks any more (the pool's release)
         self.on_fork = on_fork                  # on_fork(parent, child): per-sequence pool state too (the pool's fork)
+        self.prefix_state = prefix_state        # prefix_state(seq): whether the pool holds what cached blocks do not
+                                                # (its holds_prefix_state: +sinkN rows); None: blocks are all
 
     # -- counts -----------------------------------------------------------------------------------------
     @property
@@ -203,7 +205,7 @@ class BlockManager:
         """Give a sequence with no blocks the longest cached run of full blocks of its tokens (never the
         last token: its logits are needed). Returns the number of tokens it now has computed."""
         assert not seq.block_table and seq.num_computed == 0
-        if not self.prefix_caching:
+        if not self.prefix_caching or (self.prefix_state is not None and not self.prefix_state(seq)):
             return 0
         bs, key, parent = self.block_size, None, None
         for i in range((len(seq.token_ids) - 1) // bs):

@@ -50,6 +50,7 @@ from ..kernels import kernel_for
 from ..kernels.paged import PreRopeKeys, paged_codes_attention, paged_int_attention
 from ..model.llama import apply_rope
 from .formats import BlockFormat
+from .sinks import SinkRows
 
 #: the calibration prompt of the TurboQuant pools: fixed ids spread over the vocabulary (no data involved)
 CALIBRATION_TOKENS = 64
@@ -305,13 +306,34 @@ class TurboPool(CodedPool):
             self._tokens(name, like.shape[1], *like.shape[3:], dtype=like.dtype)
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None    # +prerope: cos, sin (positions, D) from 0
         self._rebuild: dict[int, PreRopeKeys] = {}                      # +prerope: each layer's key rebuild for C
+        sink = fmt.config.full.sink                                     # +sinkN: the first N tokens exact, apart
+        self.sinks = SinkRows(geometry, plan.max_batch, sink, fmt.dtype, self._device) if sink else None
+
+    # -- +sinkN: per-sequence state -------------------------------------------------------------------------
+    def rows_for(self, seqs) -> list[int]:
+        """With +sinkN each sequence's sink entry (sinks.py), else a row as every coded pool gives."""
+        return [self.sinks.entry_for(seq) for seq in seqs] if self.sinks else super().rows_for(seqs)
+
+    def release(self, seq) -> None:
+        super().release(seq)
+        if self.sinks:
+            self.sinks.release(seq)
+
+    def fork(self, parent, child) -> None:
+        if self.sinks:
+            self.sinks.fork(parent, child)
+
+    def holds_prefix_state(self, seq) -> bool:
+        """Whether cached prefix blocks are all the sequence needs of its first tokens (+sinkN: its sink rows are
+        here too; BlockManager asks before it hands out cached blocks)."""
+        return self.sinks is None or self.sinks.holds(seq)
 
     def _rope_rows(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (≥ n, D) of positions 0, 1, ... (+prerope; the pool holds no sink, so a slot's position is its
-        token's place in its sequence), grown by doubling."""
+        """cos, sin (≥ n, D) of positions 0, 1, ... (+prerope; a slot's position is its token's place in its
+        sequence), grown by doubling."""
         if self._rope is None or self._rope[0].shape[0] < n:
             size = max(n, 2 * self._rope[0].shape[0] if self._rope else self.block_size)
-            self._rope = tuple(t.contiguous() for t in self.codec.slot_rope(0, size))
+            self._rope = tuple(t.contiguous() for t in self.codec.position_rope(0, size))
             self._rebuild.clear()
         return self._rope
 
@@ -320,36 +342,54 @@ class TurboPool(CodedPool):
         return torch.cat([torch.arange(start, ctx) for _, _, _, start, ctx in self.sequences(view)]).to(self._device)
 
     def _state_nbytes(self) -> int:
-        return self.codec.state_nbytes()
+        return self.codec.state_nbytes() + (self.sinks.nbytes if self.sinks else 0)
 
     def append(self, layer: int, view, k: torch.Tensor, v: torch.Tensor) -> None:
-        if self.codec.config.pre_rope:   # +prerope: each key turned back from its position before it is coded
-            positions = self._positions(view)                                             # (N,)
-            cos, sin = self._rope_rows(int(positions.max()) + 1 if len(positions) else 1)
+        """k (N, Hkv, D), v (N, Hkv, D) of the step's tokens: coded into their slots; with +sinkN the tokens at
+        positions below N go to their sequence's sink rows instead."""
+        pre_rope, slots = self.codec.config.pre_rope, view.slots
+        positions = self._positions(view) if self.sinks or pre_rope else None             # (N,)
+        if self.sinks:
+            for s, lo, hi, start, ctx in self.sequences(view):
+                exact = min(ctx, self.sinks.sink) - start                                 # this chunk's sink tokens
+                if exact > 0:
+                    self.sinks.write(layer, view.rows[s], start, k[lo:lo + exact], v[lo:lo + exact])
+            coded = positions >= self.sinks.sink
+            k, v, positions, slots = k[coded], v[coded], positions[coded], slots[coded.to(slots.device)]
+            if not len(positions):
+                return
+        if pre_rope:   # +prerope: each key turned back from its position before it is coded
+            cos, sin = self._rope_rows(int(positions.max()) + 1)
             k = apply_rope(k.float(), cos[positions][:, None], -sin[positions][:, None])     # (N, Hkv, D)
         coded = self.codec.code(layer, k.transpose(0, 1)[None], v.transpose(0, 1)[None])   # (1, Hkv, N, ...)
         for name, t in self.codec.stored_scales(layer, coded).items():
-            self.token_buffers[name][layer][view.slots] = t[0].transpose(0, 1)              # (N, Hkv, ...)
+            self.token_buffers[name][layer][slots] = t[0].transpose(0, 1)                   # (N, Hkv, ...)
 
     def attend(self, layer: int, view, q: torch.Tensor) -> torch.Tensor:
         """q (N, H, D) fp32 -> (N, H, D). With view.use_kernel where the codec reads codes in C (CPU): the whole batch
         in one ragged call on the pool's codes (kernels/paged.c), or, for +qjl codes, per sequence with the codec's
         own scores and mix; else the torch reference (gather, dequantize, grouped_attention per sequence)."""
-        config = self.codec.config   # +qjl reads through the codec's scores, which do not turn +prerope keys
-        on_codes = view.use_kernel and self.codec.code_kernel is not None and not (config.qjl and config.pre_rope)
+        config = self.codec.config   # +qjl reads through the codec's scores: no +prerope keys, no sink rows
+        on_codes = (view.use_kernel and self.codec.code_kernel is not None
+                    and not (config.qjl and (config.pre_rope or self.sinks)))
         kernel = kernel_for(self._device) if on_codes and not self.codec.config.qjl else None
         if kernel is not None:
             return self._attend_ragged(kernel, layer, view, q)
+        sink = self.sinks.sink if self.sinks else 0
         out = q.new_empty(q.shape[0], q.shape[1], self.geometry.head_dim)            # (N, H, D)
         for s, lo, hi, start, ctx in self.sequences(view):
-            slots = view.layout.slots(s).to(self._device)                            # (ctx,)
+            slots = view.layout.slots(s)[sink:].to(self._device)                     # (ctx - sink,) the coded ones
             stored = self.codec.read_scales(layer, {name: buf[layer][slots].transpose(0, 1)[None].contiguous()
-                                                    for name, buf in self.token_buffers.items()})   # (1, Hkv, ctx[, bytes])
+                                                    for name, buf in self.token_buffers.items()})   # (1, Hkv, n[, bytes])
             qs = q[lo:hi].transpose(0, 1)[None]                                      # (1, H, T, D)
             if on_codes:
                 o = self._attend_codes(layer, qs, stored, ctx, view.window)
             else:
-                k, v = self.codec.decode(layer, stored)                              # (1, Hkv, ctx, D)
+                k, v = self.codec.decode(layer, stored)                              # (1, Hkv, n, D)
+                if sink:   # the sink rows first, exact: (1, Hkv, ctx, D)
+                    held = min(ctx, sink)
+                    k = torch.cat([self.sinks.k[layer, view.rows[s], :held].transpose(0, 1)[None].float(), k], dim=2)
+                    v = torch.cat([self.sinks.v[layer, view.rows[s], :held].transpose(0, 1)[None].float(), v], dim=2)
                 o = grouped_attention(qs, k, v, view.scale, window=view.window)
             out[lo:hi] = o[0].transpose(0, 1)
         return out
@@ -358,7 +398,9 @@ class TurboPool(CodedPool):
         """q (N, H, D) -> (N, H, D): every sequence of the step in one C call on the pool's codes through the block
         tables. The queries go in as the codes are read (Π(q⊙w), TurboQuantCache._rotated_queries); the kernel's
         output is in the rotated domain: one inverse rotation and the value offset for the whole batch. The key
-        offset's q·μ is the same for every key of a query, so the softmax does not see it."""
+        offset's q·μ is the same for every key of a query, so the softmax does not see it. +sinkN: the kernel reads
+        the coded keys from position N on and gives each row's log-sum-exp (plus q·μ: now it counts), which merges
+        its output with the sink rows' (`_merge_sinks`)."""
         N, H, D = q.shape
         Hkv = self.geometry.n_kv_heads
         buf, codec, layout = self.token_buffers, self.codec, view.layout
@@ -370,15 +412,45 @@ class TurboPool(CodedPool):
             q_rot = self.codec._rotated_queries(layer, qg)                                # (1, Hkv, N·G, D)
             q_rot = q_rot.reshape(Hkv, N, H // Hkv, D).transpose(0, 1).reshape(N, H, D).contiguous()
         centres = torch.stack([codec.norm_centres[name][layer][0] for name in ("k_norm", "v_norm")]) if codec.norm_centres else None
+        sink = self.sinks.sink if self.sinks else 0
         rotated = paged_codes_attention(kernel, q_rot, buf["k_codes"][layer], buf["k_norm"][layer],
                                         buf["v_codes"][layer], buf["v_norm"][layer], codec.key_codes.layout,
                                         codec.value_codes.layout, layout.block_tables, layout.query_start,
                                         layout.context_len, layout.block_size, view.scale, view.window or 0,
-                                        centres, pre_rope)                                                 # (N, H, D)
+                                        centres, pre_rope, first_key=sink, with_lse=bool(sink))           # (N, H, D)
+        if sink:
+            rotated, lse = rotated                                                        # (N, H, D), (N, H)
         out = codec.rotations[layer].invert(rotated)                                      # (N, H, D)
         if codec.v_offset:
             offset = codec.v_offset[layer][0].float()                                     # (Hkv, D)
             out = (out.reshape(N, Hkv, H // Hkv, D) + offset[:, None]).reshape(N, H, D)
+        if sink:
+            if codec.k_offset and not codec.config.pre_rope:   # q·μ·scale: the coded keys' common score
+                mu = codec.k_offset[layer][0].float().repeat_interleave(H // Hkv, dim=0)    # (H, D)
+                lse = lse + (q * mu).sum(-1) * view.scale
+            out = self._merge_sinks(layer, view, q, out, lse)
+        return out
+
+    def _merge_sinks(self, layer: int, view, q: torch.Tensor, coded: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        """One softmax over each row's sink rows and its coded keys: q (N, H, D), coded (N, H, D) the coded keys'
+        normalized output and lse (N, H) their log-sum-exp (-inf: none read) -> (N, H, D)."""
+        H, G = q.shape[1], q.shape[1] // self.geometry.n_kv_heads
+        out = coded.clone()
+        for s, lo, hi, start, ctx in self.sequences(view):
+            held = min(ctx, self.sinks.sink)
+            keys = self.sinks.k[layer, view.rows[s], :held].float().repeat_interleave(G, dim=1)    # (held, H, D)
+            values = self.sinks.v[layer, view.rows[s], :held].float().repeat_interleave(G, dim=1)  # (held, H, Dv)
+            scores = torch.einsum("thd,jhd->thj", q[lo:hi], keys) * view.scale            # (T, H, held)
+            position = torch.arange(start, ctx, device=q.device)[:, None]                 # (T, 1)
+            sink = torch.arange(held, device=q.device)[None]                              # (1, held)
+            seen = (sink <= position) & ((sink > position - view.window) if view.window else True)
+            scores = scores.masked_fill(~seen[:, None], float("-inf"))
+            top = torch.maximum(lse[lo:hi], scores.amax(dim=-1))                          # (T, H)
+            w_coded = torch.exp(lse[lo:hi] - top)                                         # (T, H): 0 where none read
+            w_sink = torch.exp(scores - top[..., None])                                   # (T, H, held)
+            total = w_coded + w_sink.sum(dim=-1)
+            mixed = w_coded[..., None] * coded[lo:hi] + torch.einsum("thj,jhd->thd", w_sink, values)
+            out[lo:hi] = mixed / total[..., None]
         return out
 
     def _key_rebuild(self, layer: int, n: int) -> PreRopeKeys:

@@ -87,7 +87,8 @@ class Engine:
         self.capacity = CapacityPlan.build(geometry, cache, kv_budget, block_size, max_batch)
         self.pool = make_pool(geometry, self.capacity, device, model)
         self.blocks = BlockManager(self.capacity.n_blocks, block_size, prefix_caching, on_copy=self.pool.copy_block,
-                                   on_free=self.pool.release, on_fork=self.pool.fork)
+                                   on_free=self.pool.release, on_fork=self.pool.fork,
+                                   prefix_state=getattr(self.pool, "holds_prefix_state", None))
         self.scheduler = Scheduler(self.blocks, max_batch, max_step_tokens)
         self.runner = Runner(model, self.pool, use_kernel)
         self.eos_ids = tuple(tokenizer.eos_ids) if tokenizer is not None else ()

@@ -12,11 +12,13 @@ Compressed blocks hold codes, norms and scales only. Two more kinds of bytes com
   shared        once per pool: TurboQuant's per-layer rotations, codebooks, key offsets and key channel
                 weights (one calibration for every sequence, see serve/coded.py)
   per sequence  int formats: the open key group of each running sequence (< G tokens of fp32 keys,
-                the single cache's "stage"), one row per batch slot (max_batch rows)
-All three come from `expected_nbytes` of the single-sequence cache at batch 1: its bytes at a capacity
-of c tokens are c·per_token + rest, so a block is f(2·bs) - f(bs) and the rest is f(bs) - block.
-Names whose single cache keeps full-precision tokens or layers (+sinkN, +recentN, +fp-first-last,
-+fp-layers=) are not block formats: those are per-sequence full-precision state the pool does not hold.
+                the single cache's "stage"); TurboQuant +sinkN: the first N tokens' K/V in fp32 (serve/sinks.py);
+                one row per batch slot (max_batch rows)
+Blocks and shared bytes come from `expected_nbytes` of the single-sequence cache (its codes only) at batch 1: its
+bytes at a capacity of c tokens are c·per_token + rest, so a block is f(2·bs) - f(bs) and the rest is f(bs) - block.
+With +sinkN a sequence's first N slots stay unwritten (their tokens are in its sink rows), so its blocks hold N
+slots more than the single cache's codes. Names whose single cache keeps other full-precision tokens or layers
+(+recentN, +fp-first-last, +fp-layers=, and +sinkN of the int formats) are not block formats.
 +prerope is held: a slot's position is its token's place in its sequence (the same for every sequence that shares the
 block through the prefix cache), so keys are turned back from it when coded and rebuilt at it when read. Not held:
 +alloc / +halloc (a width per layer / per layer and head; the pool's buffers hold one width for all) and +outliersN.
@@ -35,6 +37,7 @@ from ..cache.compressed import FullPrecision
 from ..cache.names import is_compressed_name, parse
 from ..cache.quantized import QuantizedCache
 from ..errors import ConfigError
+from .sinks import SinkRows
 
 #: dense block format -> storage dtype
 DENSE_FORMATS = {"dense": torch.float32, "dense-f16": torch.float16, "dense-bf16": torch.bfloat16}
@@ -69,9 +72,13 @@ def block_format(name: str, geometry: CacheGeometry, block_size: int) -> BlockFo
     if not is_compressed_name(key):
         raise ConfigError(f"unknown block format {name!r}; choose one of: {', '.join(EXAMPLES)}")
     cls, config = parse(key)
-    if config.full != FullPrecision():
+    sink = config.full.sink if cls is not QuantizedCache else 0   # TurboQuant's +sinkN: rows beside the blocks
+    if replace(config.full, sink=config.full.sink - sink) != FullPrecision():
         raise ConfigError(f"block format {name!r} keeps full-precision tokens or layers ({config.full.suffix.lstrip('+')}), "
-                          f"which blocks do not hold; use a plain name like {key.split('+')[0]}")
+                          f"which blocks do not hold; use a plain name like {key.split('+')[0]}"
+                          + (" (TurboQuant blocks hold +sinkN)" if cls is not QuantizedCache else ""))
+    if sink > block_size:
+        raise ConfigError(f"block format {name!r}: a sink of {sink} tokens is more than a block of {block_size}")
     if getattr(config, "alloc", 0):
         option = config.alloc_option
         raise ConfigError(f"block format {name!r} gives each layer (or head) its own widths ({option}); the pool's blocks "
@@ -90,9 +97,12 @@ def block_format(name: str, geometry: CacheGeometry, block_size: int) -> BlockFo
         kind = "int"
     else:
         kind = "tq"
-    one_block = cls.expected_nbytes(config, one, CODED_DTYPE)
-    two_blocks = cls.expected_nbytes(config, replace(one, capacity=2 * block_size), CODED_DTYPE)
+    coded = replace(config, full=FullPrecision())                 # the blocks' codes (+sinkN rows apart)
+    one_block = cls.expected_nbytes(coded, one, CODED_DTYPE)
+    two_blocks = cls.expected_nbytes(coded, replace(one, capacity=2 * block_size), CODED_DTYPE)
     block_bytes = two_blocks - one_block
     rest = one_block - block_bytes
-    return BlockFormat(config.name, kind, CODED_DTYPE, config, block_bytes,
-                       shared_bytes=rest if kind == "tq" else 0, sequence_bytes=rest if kind == "int" else 0)
+    if kind == "int":
+        return BlockFormat(config.name, kind, CODED_DTYPE, config, block_bytes, sequence_bytes=rest)
+    return BlockFormat(config.name, kind, CODED_DTYPE, config, block_bytes, shared_bytes=rest,
+                       sequence_bytes=SinkRows.bytes_per_entry(geometry, sink, CODED_DTYPE) if sink else 0)
