@@ -246,3 +246,11 @@ def test_four_bit_code_lookups_equal_the_torch_path(name):
     """4-bit codes scored and mixed in C (kernels/codebook.c) against torch's decode-then-matmul (tq-k4v3: 4-bit keys,
     3-bit values; every other width: tests/test_tq_kernels.py)."""
     check_code_kernel_equals_the_torch_path(name, seed=12)
+
+
+def test_a_width_that_does_not_split_the_head_dim_is_one_line_error_for_the_formula_too():
+    """tq4.12 on a head dim of 64 (7.68 channels at 5 bits): the cache and its bytes formula both refuse it."""
+    for build in (lambda: make_cache("tq-k4.12v4", SMOLLM2), lambda: expected_nbytes("tq-k4.12v4", SMOLLM2, torch.bfloat16, 8)):
+        with pytest.raises(ConfigError, match="4.12 bits does not split a head dim of 64") as err:
+            build()
+        assert "\n" not in str(err.value)

@@ -312,10 +312,7 @@ class RotatedCodes:
 
     def __init__(self, dim: int, bits: float, device: torch.device | str = "cpu", byte_tables: bool = True,
                  vector: bool = False):
-        low = math.floor(bits)
-        n_high = round((bits - low) * dim)
-        if not math.isclose(n_high, (bits - low) * dim, abs_tol=1e-9):
-            raise ConfigError(f"{bits:g} bits does not split a head dim of {dim} into whole channels")
+        low, n_high = self.split(dim, bits)
         self.dim, self.bits = dim, bits
         self.parts: list[tuple[int, int, int]] = [(lo, hi, b) for lo, hi, b in ((0, n_high, low + 1), (n_high, dim, low)) if hi > lo]
         # per part: scalar centroids (2^b,), boundaries (2^b-1,) and byte table, or the block code's points (K, 4)
@@ -336,17 +333,24 @@ class RotatedCodes:
         self.layout = CodeLayout.of(self.parts, self.centroids, self.packed_bytes(dim, bits), self.points)
 
     @staticmethod
-    def packed_bytes(dim: int, bits: float) -> int:
+    def split(dim: int, bits: float) -> tuple[int, int]:
+        """(⌊b⌋, the channels at ⌊b⌋+1 bits); a ConfigError (one line) when b does not split d into whole channels."""
         low = math.floor(bits)
         n_high = round((bits - low) * dim)
+        if not math.isclose(n_high, (bits - low) * dim, abs_tol=1e-9):
+            raise ConfigError(f"{bits:g} bits does not split a head dim of {dim} into whole channels")
+        return low, n_high
+
+    @staticmethod
+    def packed_bytes(dim: int, bits: float) -> int:
+        low, n_high = RotatedCodes.split(dim, bits)
         return (packed_nbytes(n_high, low + 1) if n_high else 0) + packed_nbytes(dim - n_high, low)
 
     @staticmethod
     def table_bytes(dim: int, bits: float, byte_tables: bool = True, vector: bool = False) -> int:
         """Bytes of the float32 centroids + boundaries (+ byte tables for 1, 2, 4, 8 bits) held for this width, or of
         a block-coded part's points (K·4 float32)."""
-        low = math.floor(bits)
-        n_high = round((bits - low) * dim)
+        low, n_high = RotatedCodes.split(dim, bits)
         parts = ([(n_high, low + 1)] if n_high else []) + ([(dim - n_high, low)] if dim > n_high else [])
         return sum(4 * magnitude_points(b) * BLOCK if vector and is_vector_part(n, b)
                    else 4 * ((1 << b) + (1 << b) - 1 + (256 * (8 // b) if byte_tables and 8 % b == 0 else 0))
@@ -973,7 +977,6 @@ class TurboQuantCache(CompressedCache):
     @classmethod
     def describe(cls, config: TurboQuantConfig, geometry: CacheGeometry, dtype: torch.dtype) -> str:
         d = geometry.head_dim
-        k, v = cls.vector_bytes(config, d)
         scale = "8-bit log scale" if config.log_norms else "16-bit norm"
         key = f"per key vector: {d}×{config.code_bits:g}-bit codes{' in blocks of 4' if config.vector else ''} + {scale}"
         if config.qjl:
@@ -993,7 +996,8 @@ class TurboQuantCache(CompressedCache):
             fixed += "; a float16 log2 centre of the key and of the value scales per layer and KV head"
         if config.vector:
             fixed += "; 2- and 3-bit codes in blocks of 4 coordinates (per cache: their float32 magnitude points)"
-        if not config.alloc:
+        if not config.alloc:   # (a fractional base of +alloc need not split d: its budget is spent instead)
+            k, v = cls.vector_bytes(config, d)
             return f"{key} = {k} B; per value vector: {d}×{config.value_bits:g}-bit codes + {scale} = {v} B{fixed}"
         key_held, value_held = config.held_widths()
         unit = "layer and KV head" if config.alloc_heads else "layer"

@@ -371,7 +371,6 @@ static inline int fast_part(const cb_part *P, const uint8_t *row, float *out) {
 }
 #endif
 
-/* out[0 .. dpad) = the row's values, zero past d; codes: dpad ints of scratch */
 #if defined(__AVX512F__)
 /* blocks [0, 16k) of a block part from its unpacked codes: sixteen indices in a register (3 bits: the even and odd
  * halves joined), then four blocks per gather, lane 4i + j reading coordinate j of its block's point and taking the
@@ -418,6 +417,7 @@ static void decode_blocks(const cb_part *P, const uint8_t *row, float *out, int3
     }
 }
 
+/* out[0 .. dpad) = the row's values, zero past d; codes: dpad ints of scratch */
 static void decode_row(const cb_layout *L, const uint8_t *row, float *out, int32_t *codes) {
     for (int p = 0; p < L->n_parts; p++) {
         const cb_part *P = &L->part[p];
