@@ -111,7 +111,7 @@ def calibrated(geometry: CacheGeometry, config, rng: torch.Generator) -> TurboQu
     k = torch.randn(1, geometry.n_kv_heads, 32, geometry.head_dim, generator=rng) + 2.0
     probe.append(0, k, torch.randn(k.shape, generator=rng))
     probe.attend(0, torch.randn(1, geometry.n_heads, 32, geometry.head_dim, generator=rng))
-    codec = TurboQuantCache(replace(geometry, capacity=1), config=config)
+    codec = TurboQuantCache(replace(geometry, capacity=config.full.sink + 1), config=config)   # as calibrated_codec
     codec.use_calibration(probe)
     return codec
 
@@ -129,6 +129,7 @@ CASES = [  # format, block size, query heads, KV heads, sliding window, C path (
     ("tq4+prerope+rot=haar+kweights=none+norms8", 8, 4, 2, None, True), ("tq-k4v3+qjl+prerope", 16, 4, 2, None, True),
     # the first tokens exact beside the blocks (sinks.py), merged with the coded keys' softmax
     ("tq4+sink1", 16, 9, 3, None, False), ("tq4+sink1", 16, 9, 3, None, True), ("tq4+prerope+sink2", 8, 4, 1, 7, True),
+    ("tq4+prerope+sink2", 8, 4, 1, 7, False),
     ("tq3+prerope+sink1+norms8", 16, 4, 2, None, True), ("tq-k4v3+qjl+sink3", 8, 4, 2, None, True),
 ]
 #: RoPE frequencies of a head dim of 16 (+prerope needs the model's)

@@ -86,3 +86,40 @@ def test_cached_prefix_blocks_are_used_only_while_their_sink_rows_are_held(smoll
     recomputed, cached = run(system + ids_of(smollm2, 4, 9))
     assert cached == 0 and recomputed == first
     assert engine.stats().blocks_used == 0 and not engine.pool.sinks.holders
+
+
+def test_a_prompt_shorter_than_the_sink_keeps_an_entry_of_its_own():
+    """Two one-token prompts under +sink2: their second sink rows come from their own sampled tokens, so they do not
+    share (nor does a prefix lookup find them)."""
+    rows = SinkRows(GEOMETRY, entries=2, sink=2, dtype=torch.float32, device="cpu")
+    a, b = Sequence("a", [5]), Sequence("b", [5])
+    assert rows.entry_for(a) != rows.entry_for(b)
+    assert not rows.holds(Sequence("c", [5]))
+
+
+def test_rows_that_read_no_coded_key_take_the_sink_rows_alone():
+    """A sink longer than a key chunk of the C kernel (300 > 256): a 200-token prompt is all sink, the coded part reads
+    no key, and attention is the exact attention over the sink rows (C path and torch path)."""
+    from dataclasses import replace as with_
+
+    from kvlab.cache.attention import grouped_attention
+    from kvlab.serve.attention import RaggedLayout
+    from kvlab.serve.blocks import CapacityPlan
+    from kvlab.serve.coded import TurboPool
+    from kvlab.serve.formats import block_format
+    from kvlab.serve.runner import BatchView
+
+    from .test_serve_compressed import calibrated
+
+    g = CacheGeometry(n_layers=1, n_kv_heads=2, head_dim=16, n_heads=4, capacity=512)
+    gen = torch.Generator().manual_seed(0)
+    fmt = block_format("tq4+sink300", g, 512)
+    plan = with_(CapacityPlan.build(g, "tq4+sink300", 10**9, 512, max_batch=1), n_blocks=2)
+    k, v, q = (torch.randn(200, h, 16, generator=gen) for h in (2, 2, 4))      # (T, Hkv|H, D)
+    want = grouped_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], 0.25)[0].transpose(0, 1)
+    for use_kernel in (True, False):
+        pool = TurboPool(g, plan, fmt, calibrated(g, fmt.config, gen))
+        layout = RaggedLayout.build([[1]], [200], [200], 512)
+        view = BatchView(pool, layout.slots(0), layout, 0.25, None, use_kernel, pool.rows_for([Sequence("s", [7] * 200)]))
+        pool.append(0, view, k, v)
+        torch.testing.assert_close(pool.attend(0, view, q), want, atol=1e-5, rtol=1e-4)

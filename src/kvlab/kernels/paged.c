@@ -323,6 +323,11 @@ static int64_t code_items(const code_pool *P, int n_seqs, int64_t rows_per_tile,
             for (int h = 0; h < P->n_kv_heads; h++) {
                 if (group_first) group_first[groups] = n;
                 groups++;
+                if (lo >= hi) {   /* no key read (every row below first_key): one empty item, the rows' output 0 */
+                    if (items) items[n] = (code_item){.s = s, .h = h, .r0 = r0, .r1 = r1, .k0 = hi, .k1 = hi};
+                    n++;
+                    continue;
+                }
                 for (int64_t c = lo / CODE_CHUNK * CODE_CHUNK; c < hi; c += CODE_CHUNK) {
                     if (items) {
                         code_item *it = &items[n];
@@ -550,7 +555,7 @@ int kvlab_paged_codes_attention(const float *q, int64_t n_rows, int n_heads, int
     if (norm_dtype != POOL_F16 && norm_dtype != POOL_BF16 && (norm_dtype != POOL_LOG8 || !centres)) return -1;
     if (first_key < 0) return -1;
     if (pre) {   /* the tiles hold whole rows of d (d a multiple of 16) and every position has its RoPE row */
-        if (d % 16 || !pre->cos_ || !pre->sin_ || (!pre->signs && !pre->unrotation)) return -1;
+        if (d % 16 || !pre->cos_ || !pre->sin_ || (!pre->signs && !pre->unrotation) || (pre->signs && (d & (d - 1)))) return -1;
         for (int s = 0; s < n_seqs; s++)
             if (context_len[s] > rope_rows) return -1;
     }

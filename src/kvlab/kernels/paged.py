@@ -56,6 +56,7 @@ class PreRopeKeys:
     def struct(self, Hkv: int, d: int) -> "_PreRope":
         """The C struct after checking every tensor's dtype, shape and contiguity."""
         _check((self.signs is None) != (self.unrotation is None), "pre-RoPE keys need the rotation's signs or its inverse")
+        _check(self.signs is None or d & (d - 1) == 0, f"a Hadamard rotation's signs need a power-of-two head dim, got {d}")
         rows = self.cos.shape[0] if isinstance(self.cos, torch.Tensor) and self.cos.dim() == 2 else 0
         held = [("cos", self.cos, (rows, d)), ("sin", self.sin, (rows, d)), ("signs", self.signs, (d,)),
                 ("unrotation", self.unrotation, (d, d)), ("weights", self.weights, (Hkv, d)), ("offset", self.offset, (Hkv, d))]

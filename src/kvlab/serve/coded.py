@@ -304,9 +304,9 @@ class TurboPool(CodedPool):
         for name in self.codec.token_buffer_names():           # the codec's (1, Hkv, 1[, bytes]) buffers give the shapes
             like = getattr(self.codec, name)[0]                  # layer 0: (1, Hkv, 1[, bytes])
             self._tokens(name, like.shape[1], *like.shape[3:], dtype=like.dtype)
-        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None    # +prerope: cos, sin (positions, D) from 0
-        self._rebuild: dict[int, PreRopeKeys] = {}                      # +prerope: each layer's key rebuild for C
         sink = fmt.config.full.sink                                     # +sinkN: the first N tokens exact, apart
+        if codec.sink != sink:   # the codec's reads place coded slot i at position sink + i (+prerope)
+            raise ConfigError(f"TurboQuant pool: its codec keeps {codec.sink} sink tokens, the format {sink}")
         self.sinks = SinkRows(geometry, plan.max_batch, sink, fmt.dtype, self._device) if sink else None
 
     # -- +sinkN: per-sequence state -------------------------------------------------------------------------
@@ -328,14 +328,13 @@ class TurboPool(CodedPool):
         here too; BlockManager asks before it hands out cached blocks)."""
         return self.sinks is None or self.sinks.holds(seq)
 
-    def _rope_rows(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (≥ n, D) of positions 0, 1, ... (+prerope; a slot's position is its token's place in its
-        sequence), grown by doubling."""
-        if self._rope is None or self._rope[0].shape[0] < n:
-            size = max(n, 2 * self._rope[0].shape[0] if self._rope else self.block_size)
-            self._rope = tuple(t.contiguous() for t in self.codec.position_rope(0, size))
-            self._rebuild.clear()
-        return self._rope
+    def _rope_rows(self, view) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (ctx, D) of positions 0 .. the step's longest context (+prerope; a slot's position is its token's
+        place in its sequence): made at the step's first layer and kept on its view, a step's transient, not the pool's."""
+        if getattr(view, "rope", None) is None:
+            n = int(view.layout.context_len.max())
+            view.rope = tuple(t.contiguous() for t in self.codec.position_rope(0, n))
+        return view.rope
 
     def _positions(self, view) -> torch.Tensor:
         """(N,) the position of each of the step's tokens in its sequence."""
@@ -359,7 +358,7 @@ class TurboPool(CodedPool):
             if not len(positions):
                 return
         if pre_rope:   # +prerope: each key turned back from its position before it is coded
-            cos, sin = self._rope_rows(int(positions.max()) + 1)
+            cos, sin = self._rope_rows(view)
             k = apply_rope(k.float(), cos[positions][:, None], -sin[positions][:, None])     # (N, Hkv, D)
         coded = self.codec.code(layer, k.transpose(0, 1)[None], v.transpose(0, 1)[None])   # (1, Hkv, N, ...)
         for name, t in self.codec.stored_scales(layer, coded).items():
@@ -406,7 +405,7 @@ class TurboPool(CodedPool):
         buf, codec, layout = self.token_buffers, self.codec, view.layout
         pre_rope = None
         if codec.config.pre_rope:   # the keys are rebuilt at their positions in C: the plain queries read them
-            pre_rope, q_rot = self._key_rebuild(layer, int(layout.context_len.max())), q.contiguous()
+            pre_rope, q_rot = self._key_rebuild(layer, view), q.contiguous()
         else:
             qg = q.reshape(N, Hkv, H // Hkv, D).transpose(0, 1).reshape(1, Hkv, -1, D)   # (1, Hkv, N·G, D)
             q_rot = self.codec._rotated_queries(layer, qg)                                # (1, Hkv, N·G, D)
@@ -453,19 +452,17 @@ class TurboPool(CodedPool):
             out[lo:hi] = mixed / total[..., None]
         return out
 
-    def _key_rebuild(self, layer: int, n: int) -> PreRopeKeys:
-        """+prerope: how C rebuilds `layer`'s keys (TurboQuantCache._keys) for contexts of up to n tokens."""
-        cos, sin = self._rope_rows(n)
-        if layer not in self._rebuild:
-            codec, d = self.codec, self.geometry.head_dim
-            rotation = codec.rotations[layer]
-            weights = codec._key_weights(layer)                                           # (1, Hkv, 1, D) or None
-            unrotation = None if rotation.hadamard else rotation.apply(torch.eye(d, device=self._device)).T.contiguous()
-            self._rebuild[layer] = PreRopeKeys(
-                cos, sin, signs=(rotation.signs.float() * d ** -0.5).contiguous() if rotation.hadamard else None,
-                unrotation=unrotation, weights=None if weights is None else weights[0, :, 0].float().contiguous(),
-                offset=codec.k_offset[layer][0].float().contiguous() if codec.k_offset else None)
-        return self._rebuild[layer]
+    def _key_rebuild(self, layer: int, view) -> PreRopeKeys:
+        """+prerope: how C rebuilds `layer`'s keys (TurboQuantCache._keys) for the step of `view` (made per call from
+        the codec's state: the pool keeps nothing more)."""
+        cos, sin = self._rope_rows(view)
+        codec, d = self.codec, self.geometry.head_dim
+        rotation = codec.rotations[layer]
+        weights = codec._key_weights(layer)                                               # (1, Hkv, 1, D) or None
+        unrotation = None if rotation.hadamard else rotation.apply(torch.eye(d, device=self._device)).T.contiguous()
+        return PreRopeKeys(cos, sin, signs=(rotation.signs.float() * d ** -0.5).contiguous() if rotation.hadamard else None,
+                           unrotation=unrotation, weights=None if weights is None else weights[0, :, 0].float().contiguous(),
+                           offset=codec.k_offset[layer][0].float().contiguous() if codec.k_offset else None)
 
     def _attend_codes(self, layer: int, q: torch.Tensor, stored: dict, n: int, window: int | None) -> torch.Tensor:
         """q (1, H, T, D) against n coded tokens -> (1, H, T, D): the softmax of CompressedCache.attend, no sink or window."""
@@ -482,8 +479,8 @@ class TurboPool(CodedPool):
 
 def calibrated_codec(model, geometry: CacheGeometry, config, device) -> TurboQuantCache:
     """A one-token TurboQuantCache whose offsets, key weights and +norms8 centres come from the model on CALIBRATION_IDS."""
-    one = replace(geometry, batch=1)
-    codec = TurboQuantCache(replace(one, capacity=1), config=config, device=device)
+    one = replace(geometry, batch=1)   # room for the sink: the codec's reads place coded slot i at position sink + i
+    codec = TurboQuantCache(replace(one, capacity=config.full.sink + 1), config=config, device=device)
     if config.center or config.key_weights or config.log_norms:
         if model is None:
             raise ConfigError("TurboQuant blocks are calibrated on the model: give the pool the model")

@@ -29,6 +29,7 @@ class BatchView:
         self.pool, self.slots, self.layout = pool, slots, layout
         self.scale, self.window, self.use_kernel = scale, window, use_kernel
         self.rows = rows                    # each sequence's row of per-sequence pool state (coded pools)
+        self.rope = None                    # +prerope pools: the step's RoPE table, made by its first layer
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k (1, Hkv, N, D), v (1, Hkv, N, Dv): the N new tokens, written to their slots."""

@@ -42,8 +42,11 @@ class SinkRows:
         g = geometry
         return g.n_layers * sink * g.n_kv_heads * (g.head_dim + g.head_dim_v) * torch.empty(0, dtype=dtype).element_size()
 
-    def _key(self, seq) -> tuple[int, ...]:
-        return tuple(seq.token_ids[:self.sink])
+    def _key(self, seq) -> tuple:
+        """Its first N token ids; a sequence with fewer tokens (a short prompt) gets a key of its own: the rows it
+        writes past its prompt come from its own sampled tokens, which another sequence need not share."""
+        ids = tuple(seq.token_ids[:self.sink])
+        return ids if len(ids) == self.sink else (*ids, object())
 
     def _find(self, key: tuple[int, ...]) -> int | None:
         return next((e for e, ids in enumerate(self.ids) if ids == key), None)
@@ -82,8 +85,8 @@ class SinkRows:
             self.idle[entry] = None                                   # most recently used: reused last
 
     def fork(self, parent, child) -> None:
-        """The child starts with the parent's tokens: the same entry."""
-        if parent in self.holders:
+        """The child starts with the parent's tokens: the same entry, once they hold all N (else its own later)."""
+        if parent in self.holders and len(parent.token_ids) >= self.sink:
             self.holders[child] = self.holders[parent]
 
     def write(self, layer: int, entry: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
