@@ -232,3 +232,17 @@ def test_formats_the_pool_cannot_hold_are_one_line_errors(smollm2, name, match):
     with pytest.raises(ConfigError, match=match) as info:
         Engine(smollm2, cache=name, kv_budget="4MiB")
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["tq4", "tq4+prerope", "tq-k4.125v4.125+prerope+sink1+norms8+kscale=lsq+vscale=lsq"])
+def test_pools_calibrate_on_text_in_the_chat_template_and_answer_like_dense(smollm2, name):
+    """The shared calibration runs on prose as a chat message (coded.CALIBRATION_TEXT), so it opens as served chats
+    open; on fixed ids spread over the vocabulary a tq4+prerope pool answered this question with noise."""
+    tok = smollm2.tokenizer
+    ids = coded.calibration_ids(smollm2.config.vocab_size, tok)
+    opening = tok.encode(tok.apply_chat_template([{"role": "user", "content": "x"}]), add_special=False)[:5]
+    assert len(ids) == coded.CALIBRATION_TOKENS and ids[:5] == opening
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]), add_special=False)
+    engine = Engine(smollm2, cache=name, kv_budget="16MiB", max_batch=2)
+    outputs = engine.generate([prompt], SamplingParams(max_tokens=8), progress=False)
+    assert "Paris" in outputs[0].text

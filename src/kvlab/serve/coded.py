@@ -56,7 +56,28 @@ from .sinks import SinkRows
 CALIBRATION_TOKENS = 64
 
 
-def calibration_ids(vocab_size: int) -> list[int]:
+#: what the pools calibrate on when the model's tokenizer is at hand: plain prose (not the evaluation's plays) as a user
+#: message in the model's chat template, so the key offsets and channel weights see text opening as served requests
+#: open (the first tokens' keys weigh heavily in the offset); fixed ids spread over the vocabulary, or the prose without
+#: the template's opening, gave SmolLM2 offsets under which a `tq4+prerope` pool answered "What is the capital of
+#: France?" with noise (tests/test_serve_sinks.py)
+CALIBRATION_TEXT = (
+    "The library opens at nine in the morning and closes at six in the evening. Visitors can borrow up to five books "
+    "at a time, and most of them return within two weeks. On rainy days the reading room is full: students work on "
+    "their essays, an old man reads the newspaper, and a child asks the librarian where the books about the sea are. "
+    "She smiles, walks to the third shelf and hands him a large book with a blue whale on the cover.")
+
+
+def calibration_ids(vocab_size: int, tokenizer=None) -> list[int]:
+    """CALIBRATION_TOKENS ids: CALIBRATION_TEXT's first ones through the tokenizer, or fixed ids without one."""
+    if tokenizer is not None:
+        try:
+            text, special = tokenizer.apply_chat_template([{"role": "user", "content": CALIBRATION_TEXT}]), False
+        except Exception:   # no chat template: the prose after the tokenizer's own opening (BOS)
+            text, special = CALIBRATION_TEXT, True
+        ids = [i for i in tokenizer.encode(text, add_special=special) if 0 <= i < vocab_size]
+        if len(ids) >= CALIBRATION_TOKENS:
+            return ids[:CALIBRATION_TOKENS]
     return [(1 + 7919 * i) % vocab_size for i in range(CALIBRATION_TOKENS)]
 
 
@@ -477,22 +498,23 @@ class TurboPool(CodedPool):
         return self.codec.mix(layer, p, stored, n).reshape(1, H, T, D)
 
 
-def calibrated_codec(model, geometry: CacheGeometry, config, device) -> TurboQuantCache:
-    """A one-token TurboQuantCache whose offsets, key weights and +norms8 centres come from the model on CALIBRATION_IDS."""
+def calibrated_codec(model, geometry: CacheGeometry, config, device, tokenizer=None) -> TurboQuantCache:
+    """A TurboQuantCache (no token buffers to speak of) whose offsets, key weights and +norms8 centres come from the
+    model on `calibration_ids` (the calibration text, with the tokenizer)."""
     one = replace(geometry, batch=1)   # room for the sink: the codec's reads place coded slot i at position sink + i
     codec = TurboQuantCache(replace(one, capacity=config.full.sink + 1), config=config, device=device)
     if config.center or config.key_weights or config.log_norms:
         if model is None:
             raise ConfigError("TurboQuant blocks are calibrated on the model: give the pool the model")
         probe = TurboQuantCache(replace(one, capacity=CALIBRATION_TOKENS), config=config, device=device)
-        ids = torch.tensor([calibration_ids(model.config.vocab_size)], device=device)
+        ids = torch.tensor([calibration_ids(model.config.vocab_size, tokenizer)], device=device)
         with torch.inference_mode():
             model(ids, probe, last_only=True)
         codec.use_calibration(probe)
     return codec
 
 
-def make_pool(geometry: CacheGeometry, plan, device="cpu", model=None):
+def make_pool(geometry: CacheGeometry, plan, device="cpu", model=None, tokenizer=None):
     """The pool for the plan's block format: dense (blocks.BlockPool), int or TurboQuant codes."""
     from .blocks import BlockPool
     from .formats import block_format
@@ -502,4 +524,4 @@ def make_pool(geometry: CacheGeometry, plan, device="cpu", model=None):
         return BlockPool(geometry, plan, device)
     if fmt.kind == "int":
         return IntPool(geometry, plan, fmt, device)
-    return TurboPool(geometry, plan, fmt, calibrated_codec(model, geometry, fmt.config, device), device)
+    return TurboPool(geometry, plan, fmt, calibrated_codec(model, geometry, fmt.config, device, tokenizer), device)

@@ -85,7 +85,7 @@ class Engine:
         device = next(model.parameters()).device
         geometry = CacheGeometry.for_model(self.config)
         self.capacity = CapacityPlan.build(geometry, cache, kv_budget, block_size, max_batch)
-        self.pool = make_pool(geometry, self.capacity, device, model)
+        self.pool = make_pool(geometry, self.capacity, device, model, tokenizer)
         self.blocks = BlockManager(self.capacity.n_blocks, block_size, prefix_caching, on_copy=self.pool.copy_block,
                                    on_free=self.pool.release, on_fork=self.pool.fork,
                                    prefix_state=getattr(self.pool, "holds_prefix_state", None))
