@@ -71,8 +71,8 @@ whose buffers hold one width for every head, does not.
 the scalar codes' bytes (4 signs + an index into sign-symmetric magnitude points): a quarter less error at 3 bits.
 `+norms8`: each vector's scale is an 8-bit log code (16 steps per octave, ±8 octaves) around a float16 centre per
 layer, KV head and K/V that the layer's first coded chunk sets (`_encode`); reads decode them in `_buffers`. The C code
-kernel (block parts, kernels/codebook.c) and the fused decode step (model/fused_codes.py) read both; the serving pool
-reads neither.
+kernel (block parts, kernels/codebook.c), the fused decode step (model/fused_codes.py) and the serving pool
+(serve/coded.py, kernels/paged.c) read both.
 
 Fractional widths (tq3.5, tq2.5): after the rotation all d coordinates follow the same law, so no
 channel is an outlier any more; "outlier channels" are simply the first ⌊frac·d⌉ rotated

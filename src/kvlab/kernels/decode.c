@@ -52,9 +52,7 @@
 #define KEY_CHUNK 256
 
 enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };   /* how the cache stores K/V */
-enum { NORM_LOG8 = 3 };                         /* a coded layer's scales as 8-bit log codes (+norms8) */
-#define LOG_NORM_STEPS 16                       /* turboquant.py's LOG_NORM_STEPS and _LOG_NORM_ZERO */
-#define LOG_NORM_ZERO 128
+enum { NORM_LOG8 = 3 };                         /* a coded layer's scales as 8-bit log codes (+norms8, decode.h) */
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__F16C__))
 #include <immintrin.h>
@@ -726,8 +724,7 @@ static void load_scales(const Coded *C, int i, int g, int64_t t0, int n, float *
     }
     const uint8_t *codes = (const uint8_t *)C->norms[i] + slot;
     const float centre = log_centre(C, i, g);
-    for (int t = 0; t < n; t++)
-        dst[t] = codes[t] ? exp2f(centre + (float)(codes[t] - LOG_NORM_ZERO) / LOG_NORM_STEPS) : 0.0f;
+    for (int t = 0; t < n; t++) dst[t] = kvlab_log_scale(codes[t], centre);
 }
 
 /* Code x (d,), KV head g's key (which = 0) or value (1), as TurboQuantCache.code: x' = (x - mu) [/ w], the stored

@@ -3,6 +3,7 @@
  * many sequences over the serving engine's block pool. */
 #ifndef KVLAB_DECODE_H
 #define KVLAB_DECODE_H
+#include <math.h>
 #include <stdint.h>
 
 typedef struct {
@@ -35,6 +36,14 @@ float kvlab_exp_shifted(float *s, int n, float top);
 void kvlab_rms_norm(const float *x, const float *w, float eps, int n, float *y);
 /* RoPE of one head of d values in place, as llama.py's apply_rope: pairs (i, i + d/2) */
 void kvlab_rope(float *x, const float *cos_, const float *sin_, int d);
+/* +norms8 (turboquant.py LOG_NORM_STEPS, _LOG_NORM_ZERO): a scale's uint8 code c > 0 stands for
+ * 2^(centre + (c - 128)/16), code 0 for a zero scale (_log_norm_values); decode.c and paged.c read them so */
+#define LOG_NORM_STEPS 16
+#define LOG_NORM_ZERO 128
+static inline float kvlab_log_scale(int code, float centre) {
+    return code ? exp2f(centre + (float)(code - LOG_NORM_ZERO) / LOG_NORM_STEPS) : 0.0f;
+}
+
 typedef struct {                   /* +prerope: how coded keys are rebuilt, then turned to their positions */
     const float *unrotation;       /* (d, d) Mᵀ: the key before its scale is x = y Mᵀ = Σ_j y_j Mᵀ[j] ... */
     const float *signs;            /* ... or, for a randomized Hadamard M = H diag(s)/√d, (d,) s/√d: x = (H y) ⊙ s/√d */

@@ -286,13 +286,11 @@ typedef struct {
 } code_pool;
 
 /* the scale stored at `index` of keys' (which = 0) or values' (1) norms, KV head h: a 16-bit float, or with POOL_LOG8
- * code c > 0 the scale 2^(centre + (c - 128)/16), 0 for code 0 (turboquant.py _log_norm_values) */
+ * a log code against the head's centre (decode.h kvlab_log_scale) */
 static inline float norm_value(const code_pool *P, int which, int64_t index, int h) {
     const void *norms = which ? P->v_norm : P->k_norm;
     if (P->norm_dtype == POOL_LOG8) {
-        const int code = ((const uint8_t *)norms)[index];
-        const float centre = kvlab_fp16_to_fp32(P->centres[which * P->n_kv_heads + h]);
-        return code ? exp2f(centre + (float)(code - 128) / 16.0f) : 0.0f;
+        return kvlab_log_scale(((const uint8_t *)norms)[index], kvlab_fp16_to_fp32(P->centres[which * P->n_kv_heads + h]));
     }
     const uint16_t h16 = ((const uint16_t *)norms)[index];
     return P->norm_dtype == POOL_F16 ? kvlab_fp16_to_fp32(h16) : bf16_to_fp32(h16);

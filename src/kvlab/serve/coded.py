@@ -26,7 +26,8 @@ the single cache's own kernels (intcache.c, int8/int4: bitwise the single cache'
 kvlab_paged_int_attention) that reads the codes in place and the `_fresh` keys exact.
 
 TurboQuant's per-layer state: rotations and codebooks are data-independent; the key offset, the key
-channel weights and the +norms8 scale centres are calibrated once, at pool construction, by running the model on CALIBRATION_IDS with a
+channel weights and the +norms8 scale centres are calibrated once, at pool construction, by running the model on
+`calibration_ids` (CALIBRATION_TEXT in the chat template, or fixed ids without a tokenizer) with a
 single TurboQuantCache (which calibrates on its first chunk as it always does), and then shared by every
 sequence: the pool's `codec`. A single TurboQuantCache given the same state (`use_calibration(codec)`)
 stores and reads every token exactly as the pool does, whatever the chunking: that is the single-sequence
@@ -52,7 +53,7 @@ from ..model.llama import apply_rope
 from .formats import BlockFormat
 from .sinks import SinkRows
 
-#: the calibration prompt of the TurboQuant pools: fixed ids spread over the vocabulary (no data involved)
+#: tokens of the TurboQuant pools' calibration prompt (`calibration_ids`)
 CALIBRATION_TOKENS = 64
 
 
@@ -60,7 +61,7 @@ CALIBRATION_TOKENS = 64
 #: message in the model's chat template, so the key offsets and channel weights see text opening as served requests
 #: open (the first tokens' keys weigh heavily in the offset); fixed ids spread over the vocabulary, or the prose without
 #: the template's opening, gave SmolLM2 offsets under which a `tq4+prerope` pool answered "What is the capital of
-#: France?" with noise (tests/test_serve_sinks.py)
+#: France?" with noise (tests/test_serve_compressed.py)
 CALIBRATION_TEXT = (
     "The library opens at nine in the morning and closes at six in the evening. Visitors can borrow up to five books "
     "at a time, and most of them return within two weeks. On rainy days the reading room is full: students work on "
@@ -71,9 +72,9 @@ CALIBRATION_TEXT = (
 def calibration_ids(vocab_size: int, tokenizer=None) -> list[int]:
     """CALIBRATION_TOKENS ids: CALIBRATION_TEXT's first ones through the tokenizer, or fixed ids without one."""
     if tokenizer is not None:
-        try:
+        if getattr(tokenizer, "chat_template", None):
             text, special = tokenizer.apply_chat_template([{"role": "user", "content": CALIBRATION_TEXT}]), False
-        except Exception:   # no chat template: the prose after the tokenizer's own opening (BOS)
+        else:   # no chat template: the prose after the tokenizer's own opening (BOS)
             text, special = CALIBRATION_TEXT, True
         ids = [i for i in tokenizer.encode(text, add_special=special) if 0 <= i < vocab_size]
         if len(ids) >= CALIBRATION_TOKENS:
@@ -325,10 +326,10 @@ class TurboPool(CodedPool):
         for name in self.codec.token_buffer_names():           # the codec's (1, Hkv, 1[, bytes]) buffers give the shapes
             like = getattr(self.codec, name)[0]                  # layer 0: (1, Hkv, 1[, bytes])
             self._tokens(name, like.shape[1], *like.shape[3:], dtype=like.dtype)
-        sink = fmt.config.full.sink                                     # +sinkN: the first N tokens exact, apart
-        if codec.sink != sink:   # the codec's reads place coded slot i at position sink + i (+prerope)
-            raise ConfigError(f"TurboQuant pool: its codec keeps {codec.sink} sink tokens, the format {sink}")
-        self.sinks = SinkRows(geometry, plan.max_batch, sink, fmt.dtype, self._device) if sink else None
+        self.sink = fmt.config.full.sink                                # +sinkN: the first N tokens exact, apart
+        if codec.sink != self.sink:   # the codec's reads place coded slot i at position sink + i (+prerope)
+            raise ConfigError(f"TurboQuant pool: its codec keeps {codec.sink} sink tokens, the format {self.sink}")
+        self.sinks = SinkRows(geometry, plan.max_batch, self.sink, fmt.dtype, self._device) if self.sink else None
 
     # -- +sinkN: per-sequence state -------------------------------------------------------------------------
     def rows_for(self, seqs) -> list[int]:
@@ -371,10 +372,10 @@ class TurboPool(CodedPool):
         positions = self._positions(view) if self.sinks or pre_rope else None             # (N,)
         if self.sinks:
             for s, lo, hi, start, ctx in self.sequences(view):
-                exact = min(ctx, self.sinks.sink) - start                                 # this chunk's sink tokens
+                exact = min(ctx, self.sink) - start                                       # this chunk's sink tokens
                 if exact > 0:
                     self.sinks.write(layer, view.rows[s], start, k[lo:lo + exact], v[lo:lo + exact])
-            coded = positions >= self.sinks.sink
+            coded = positions >= self.sink
             k, v, positions, slots = k[coded], v[coded], positions[coded], slots[coded.to(slots.device)]
             if not len(positions):
                 return
@@ -392,13 +393,12 @@ class TurboPool(CodedPool):
         config = self.codec.config   # +qjl reads through the codec's scores: no +prerope keys, no sink rows
         on_codes = (view.use_kernel and self.codec.code_kernel is not None
                     and not (config.qjl and (config.pre_rope or self.sinks)))
-        kernel = kernel_for(self._device) if on_codes and not self.codec.config.qjl else None
+        kernel = kernel_for(self._device) if on_codes and not config.qjl else None
         if kernel is not None:
             return self._attend_ragged(kernel, layer, view, q)
-        sink = self.sinks.sink if self.sinks else 0
         out = q.new_empty(q.shape[0], q.shape[1], self.geometry.head_dim)            # (N, H, D)
         for s, lo, hi, start, ctx in self.sequences(view):
-            slots = view.layout.slots(s)[sink:].to(self._device)                     # (ctx - sink,) the coded ones
+            slots = view.layout.slots(s)[self.sink:].to(self._device)                # (ctx - sink,) the coded ones
             stored = self.codec.read_scales(layer, {name: buf[layer][slots].transpose(0, 1)[None].contiguous()
                                                     for name, buf in self.token_buffers.items()})   # (1, Hkv, n[, bytes])
             qs = q[lo:hi].transpose(0, 1)[None]                                      # (1, H, T, D)
@@ -406,10 +406,10 @@ class TurboPool(CodedPool):
                 o = self._attend_codes(layer, qs, stored, ctx, view.window)
             else:
                 k, v = self.codec.decode(layer, stored)                              # (1, Hkv, n, D)
-                if sink:   # the sink rows first, exact: (1, Hkv, ctx, D)
-                    held = min(ctx, sink)
-                    k = torch.cat([self.sinks.k[layer, view.rows[s], :held].transpose(0, 1)[None].float(), k], dim=2)
-                    v = torch.cat([self.sinks.v[layer, view.rows[s], :held].transpose(0, 1)[None].float(), v], dim=2)
+                if self.sinks:   # the sink rows first, exact: (1, Hkv, ctx, D)
+                    sink_k, sink_v = self.sinks.held(layer, view.rows[s], min(ctx, self.sink))     # (held, Hkv, D)
+                    k = torch.cat([sink_k.transpose(0, 1)[None], k], dim=2)
+                    v = torch.cat([sink_v.transpose(0, 1)[None], v], dim=2)
                 o = grouped_attention(qs, k, v, view.scale, window=view.window)
             out[lo:hi] = o[0].transpose(0, 1)
         return out
@@ -432,19 +432,18 @@ class TurboPool(CodedPool):
             q_rot = self.codec._rotated_queries(layer, qg)                                # (1, Hkv, N·G, D)
             q_rot = q_rot.reshape(Hkv, N, H // Hkv, D).transpose(0, 1).reshape(N, H, D).contiguous()
         centres = torch.stack([codec.norm_centres[name][layer][0] for name in ("k_norm", "v_norm")]) if codec.norm_centres else None
-        sink = self.sinks.sink if self.sinks else 0
         rotated = paged_codes_attention(kernel, q_rot, buf["k_codes"][layer], buf["k_norm"][layer],
                                         buf["v_codes"][layer], buf["v_norm"][layer], codec.key_codes.layout,
                                         codec.value_codes.layout, layout.block_tables, layout.query_start,
                                         layout.context_len, layout.block_size, view.scale, view.window or 0,
-                                        centres, pre_rope, first_key=sink, with_lse=bool(sink))           # (N, H, D)
-        if sink:
+                                        centres, pre_rope, first_key=self.sink, with_lse=bool(self.sinks))  # (N, H, D)
+        if self.sinks:
             rotated, lse = rotated                                                        # (N, H, D), (N, H)
         out = codec.rotations[layer].invert(rotated)                                      # (N, H, D)
         if codec.v_offset:
             offset = codec.v_offset[layer][0].float()                                     # (Hkv, D)
             out = (out.reshape(N, Hkv, H // Hkv, D) + offset[:, None]).reshape(N, H, D)
-        if sink:
+        if self.sinks:
             if codec.k_offset and not codec.config.pre_rope:   # q·μ·scale: the coded keys' common score
                 mu = codec.k_offset[layer][0].float().repeat_interleave(H // Hkv, dim=0)    # (H, D)
                 lse = lse + (q * mu).sum(-1) * view.scale
@@ -457,9 +456,8 @@ class TurboPool(CodedPool):
         H, G = q.shape[1], q.shape[1] // self.geometry.n_kv_heads
         out = coded.clone()
         for s, lo, hi, start, ctx in self.sequences(view):
-            held = min(ctx, self.sinks.sink)
-            keys = self.sinks.k[layer, view.rows[s], :held].float().repeat_interleave(G, dim=1)    # (held, H, D)
-            values = self.sinks.v[layer, view.rows[s], :held].float().repeat_interleave(G, dim=1)  # (held, H, Dv)
+            held = min(ctx, self.sink)
+            keys, values = (t.repeat_interleave(G, dim=1) for t in self.sinks.held(layer, view.rows[s], held))  # (held, H, D)
             scores = torch.einsum("thd,jhd->thj", q[lo:hi], keys) * view.scale            # (T, H, held)
             position = torch.arange(start, ctx, device=q.device)[:, None]                 # (T, 1)
             sink = torch.arange(held, device=q.device)[None]                              # (1, held)

@@ -73,7 +73,7 @@ def block_format(name: str, geometry: CacheGeometry, block_size: int) -> BlockFo
         raise ConfigError(f"unknown block format {name!r}; choose one of: {', '.join(EXAMPLES)}")
     cls, config = parse(key)
     sink = config.full.sink if cls is not QuantizedCache else 0   # TurboQuant's +sinkN: rows beside the blocks
-    if replace(config.full, sink=config.full.sink - sink) != FullPrecision():
+    if replace(config.full, sink=0) != FullPrecision() or config.full.sink != sink:
         raise ConfigError(f"block format {name!r} keeps full-precision tokens or layers ({config.full.suffix.lstrip('+')}), "
                           f"which blocks do not hold; use a plain name like {key.split('+')[0]}"
                           + (" (TurboQuant blocks hold +sinkN)" if cls is not QuantizedCache else ""))

@@ -40,7 +40,7 @@ class SinkRows:
     @staticmethod
     def bytes_per_entry(geometry: CacheGeometry, sink: int, dtype: torch.dtype) -> int:
         g = geometry
-        return g.n_layers * sink * g.n_kv_heads * (g.head_dim + g.head_dim_v) * torch.empty(0, dtype=dtype).element_size()
+        return g.n_layers * sink * g.n_kv_heads * (g.head_dim + g.head_dim_v) * dtype.itemsize
 
     def _key(self, seq) -> tuple:
         """Its first N token ids; a sequence with fewer tokens (a short prompt) gets a key of its own: the rows it
@@ -88,6 +88,10 @@ class SinkRows:
         """The child starts with the parent's tokens: the same entry, once they hold all N (else its own later)."""
         if parent in self.holders and len(parent.token_ids) >= self.sink:
             self.holders[child] = self.holders[parent]
+
+    def held(self, layer: int, entry: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The entry's first n rows of `layer` as attention reads them: k (n, Hkv, D), v (n, Hkv, Dv) float32."""
+        return self.k[layer, entry, :n].float(), self.v[layer, entry, :n].float()
 
     def write(self, layer: int, entry: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k (T, Hkv, D), v (T, Hkv, Dv) of positions start .. start+T (< N) into the entry's rows."""
