@@ -1,13 +1,15 @@
 """Quality of TurboQuant caches calibrated as the serving pool calibrates them (serve/coded.py calibrated_codec: once,
 on CALIBRATION_TEXT in the chat template) against each cache calibrating on its own first chunk (the default), on
-`kvlab eval`'s protocol (16 windows, seeds 0/1/2). Writes bench/results/pool_calibration.json.
+`kvlab eval`'s protocol (16 windows, seeds 0/1/2). Writes bench/results/pool_calibration.json, or OUT.
 
-    .venv/bin/python bench/pool_calibration.py            # ~8 min on 2 cores
+    .venv/bin/python bench/pool_calibration.py                       # ~8 min on 2 cores
+    .venv/bin/python bench/pool_calibration.py NAME,... [OUT.json]   # other caches (tq4+halloc: calibrated first)
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -22,7 +24,7 @@ from kvlab.eval.suite import perplexity_suite
 from kvlab.serve.coded import calibrated_codec
 from kvlab.session import cached_model
 
-NAMES = ["tq4", "tq4+prerope+sink1", "tq-k4.125v4.125+prerope+sink1+norms8+kscale=lsq+vscale=lsq"]
+NAMES = ["tq-k4v4", "tq-k4v4+prerope+sink1", "tq4"]   # tq4: the preset (cache/names.py), tq-k4v4: the bare method
 POOL = "pool:"   # a name's prefix: the cache given the pool's calibration
 
 
@@ -58,11 +60,13 @@ def main() -> None:
     torch.set_num_threads(2)
     suite.seed_variants = pool_seed_variants
     loaded = cached_model(None, "fp32", "cpu", "auto")
-    names = [n for name in NAMES for n in (name, POOL + name)]
+    chosen = sys.argv[1].split(",") if len(sys.argv) > 1 else NAMES
+    out = Path(sys.argv[2] if len(sys.argv) > 2 else "bench/results/pool_calibration.json")
+    names = [n for name in chosen for n in (name, POOL + name)]
     records = perplexity_suite(loaded, names, WindowProtocol(), seeds=(0, 1, 2), engine=PoolCalibrated(loaded))
     rows = [asdict(r) for r in records]
-    Path("bench/results").mkdir(parents=True, exist_ok=True)
-    Path("bench/results/pool_calibration.json").write_text(json.dumps(rows, indent=1))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(rows, indent=1))
     print(f"{'cache':75s} {'ΔPPL':>8s} {'sd':>5s} {'KL':>7s} {'top-1':>6s}")
     for r in rows:
         print(f"{r['cache']:75s} {r['ppl_delta_pct']:+7.2f}% {r['ppl_delta_sd'] or 0:5.2f} {r['kl']:7.4f} {r['top1_agreement']:6.1%}")

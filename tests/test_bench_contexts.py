@@ -26,18 +26,18 @@ def test_smoke_run_records_every_cache_at_every_context(smollm2, tmp_path, monke
     """Two tiny contexts (the second past a 40-token model context: lowered to fit the steps), three caches."""
     monkeypatch.setattr(bench_contexts, "model_context", lambda model: 40)
     out = tmp_path / "contexts.json"
-    result = CliRunner().invoke(app, ["bench", "decode", "--contexts", "16,64", "--caches", "dense,dense-f16,tq4+qjl",
+    result = CliRunner().invoke(app, ["bench", "decode", "--contexts", "16,64", "--caches", "dense,dense-f16,tq-k4v4+qjl",
                                       "--repeats", "2", "--steps", "2", "--warmup", "1", "--threads", "1",
                                       "--out", str(out), "--json"])
     assert result.exit_code == 0, result.output
     record = json.loads(out.read_text())
     assert record["benchmark"] == "decode_contexts" and record["baseline"] == "dense-f16" and record["threads"] == 1
     rows = {(r["asked"], r["cache"]): r for r in record["results"]}
-    assert set(rows) == {(a, c) for a in (16, 64) for c in ("dense", "dense-f16", "tq4+qjl")}
+    assert set(rows) == {(a, c) for a in (16, 64) for c in ("dense", "dense-f16", "tq-k4v4+qjl")}
     assert rows[16, "dense"]["context"] == 16 and rows[64, "dense"]["context"] == 40 - 1 - 2 * 2
     for (asked, cache), r in rows.items():
         assert len(r["samples"]) == 2 and r["tokens_per_s"] > 0 and r["bandwidth_gb_s"] > 0
-        assert r["step"] == ("modules" if cache == "tq4+qjl" else "fused")   # +qjl: no fused step
+        assert r["step"] == ("modules" if cache == "tq-k4v4+qjl" else "fused")   # +qjl: no fused step
         # bytes read per step: the cache's per-token bytes × tokens at mid-run (dense: 30 × 3 × 128 × 4 B per token)
         mid = r["context"] + 1 + 2
         if cache.startswith("dense"):
@@ -53,17 +53,17 @@ def test_a_name_that_needs_a_recipe_runs_with_the_recipe_calibrated_for_the_mode
     from kvlab.eval import calibrate
 
     monkeypatch.setattr(bench_contexts, "model_context", lambda model: 40)
-    spelled = "tq4+alloc=k" + "4" * 30 + "v" + "4" * 30
+    spelled = "tq-k4v4+alloc=k" + "4" * 30 + "v" + "4" * 30
     asked = []
     monkeypatch.setattr(calibrate, "resolve", lambda name, loaded: asked.append(name) or (spelled if "alloc" in name else name))
     out = tmp_path / "contexts.json"
-    result = CliRunner().invoke(app, ["bench", "decode", "--contexts", "16", "--caches", "dense,tq4+alloc", "--repeats", "1",
+    result = CliRunner().invoke(app, ["bench", "decode", "--contexts", "16", "--caches", "dense,tq-k4v4+alloc", "--repeats", "1",
                                       "--steps", "2", "--warmup", "1", "--threads", "1", "--out", str(out)])
     assert result.exit_code == 0, result.output
-    assert "tq4+alloc" in asked
+    assert "tq-k4v4+alloc" in asked
     rows = {r["cache"]: r for r in json.loads(out.read_text())["results"]}
-    assert set(rows) == {"dense", "tq4+alloc"} and rows["tq4+alloc"]["tokens_per_s"] > 0
-    assert rows["tq4+alloc"]["step"] == "fused"                       # +alloc: the fused step reads it
+    assert set(rows) == {"dense", "tq-k4v4+alloc"} and rows["tq-k4v4+alloc"]["tokens_per_s"] > 0
+    assert rows["tq-k4v4+alloc"]["step"] == "fused"                       # +alloc: the fused step reads it
 
 
 def test_bad_cache_is_one_line_error():

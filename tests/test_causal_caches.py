@@ -53,9 +53,9 @@ def two_sequences() -> torch.Tensor:
     return tokens
 
 
-@pytest.mark.parametrize("name", ["dense", "dense-f16", "dense-bf16", *EXAMPLES, "tq4+outliers2",
+@pytest.mark.parametrize("name", ["dense", "dense-f16", "dense-bf16", *EXAMPLES, "tq-k4v4+outliers2",
                                   "tq-k4v3.625+prerope+outliers1+sink1",
-                                  "tq4+halloc=k3553v4444", "tq3+prerope+sink1+halloc=k2433v3342",  # 2 layers × 2 KV heads
+                                  "tq-k4v4+halloc=k3553v4444", "tq3+prerope+sink1+halloc=k2433v3342",  # 2 layers × 2 KV heads
                                   "tq3+vq+norms8", "tq3+prerope+sink1+halloc=k2433v3342+vq+norms8"])
 def test_later_tokens_never_change_earlier_logits(model, name):
     tokens = two_sequences()
@@ -97,7 +97,7 @@ def test_the_integer_caches_are_not_dense():
         assert (dense - chunked_logits(model, tokens, name, (72,))).abs().max().item() > 1e-4
 
 
-@pytest.mark.parametrize("name", ["int4", "tq4+center=none+kweights=none", "tq4", "tq4+prerope+sink1+recent8",
+@pytest.mark.parametrize("name", ["int4", "tq-k4v4+center=none+kweights=none", "tq-k4v4", "tq-k4v4+prerope+sink1+recent8",
                                   "tq3+prerope+sink1+halloc=k2433v3342+vq+norms8"])
 def test_the_first_chunk_is_causal_too(model, name):
     """Tokens 30..39 of a 40-token prefill replaced: positions 0..29 must not move."""

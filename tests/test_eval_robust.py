@@ -76,12 +76,12 @@ def test_the_interval_is_reproducible_and_widens_with_disagreeing_windows():
 # -- seeds in the suite --------------------------------------------------------------------------------
 
 def test_seed_variants_only_multiply_turboquant_caches_without_their_own_seed():
-    assert seed_variants("tq4", (0, 1, 2)) == [(0, "tq4+seed0"), (1, "tq4+seed1"), (2, "tq4+seed2")]
+    assert seed_variants("tq-k4v4", (0, 1, 2)) == [(0, "tq-k4v4+seed0"), (1, "tq-k4v4+seed1"), (2, "tq-k4v4+seed2")]
     assert seed_variants("tq3+sink1", (4,)) == [(4, "tq3+sink1+seed4")]
-    assert seed_variants("tq4+seed7", (0, 1)) == [(None, "tq4+seed7")]
+    assert seed_variants("tq-k4v4+seed7", (0, 1)) == [(None, "tq-k4v4+seed7")]
     for name in ("dense", "int4", "int8+g8"):
         assert seed_variants(name, (0, 1, 2)) == [(None, name)]
-    assert seed_variants("tq4", ()) == [(None, "tq4")]
+    assert seed_variants("tq-k4v4", ()) == [(None, "tq-k4v4")]
 
 
 def test_suite_reports_each_seed_and_their_mean_on_a_tiny_model():
@@ -118,7 +118,7 @@ def test_suite_reports_each_seed_and_their_mean_on_a_tiny_model():
 def test_table_and_plot_show_spread_interval_and_passkey_count(tmp_path):
     dense = CacheQuality("dense", 23040, 16, 30.0, 0.0, 0.0, 1.0, 1.0, 100, ppl_delta_ci=(0.0, 0.0), kl_ci=(0.0, 0.0),
                     passkey_found=9, passkey_total=9)
-    tq4 = CacheQuality("tq4", 6160, 4.3, 30.9, 3.1, 0.02, 0.93, 7 / 9, 100, seeds=[0, 1, 2], ppl_delta_sd=0.6,
+    tq4 = CacheQuality("tq-k4v4", 6160, 4.3, 30.9, 3.1, 0.02, 0.93, 7 / 9, 100, seeds=[0, 1, 2], ppl_delta_sd=0.6,
                   ppl_delta_ci=(2.2, 4.0), kl_ci=(0.015, 0.025), passkey_found=7, passkey_total=9)
     table = quality_table([dense, tq4])
     cells = {column.header: list(column.cells) for column in table.columns}
@@ -130,20 +130,20 @@ def test_table_and_plot_show_spread_interval_and_passkey_count(tmp_path):
 def test_the_plot_groups_transformers_caches_apart_from_kvlabs():
     from kvlab.eval.plot import _family
 
-    assert [_family(n) for n in ("dense", "hf:dynamic", "int4", "tq4+sink1", "hf:hqq-4+r128", "hf:quanto-int4+r0")] == [
+    assert [_family(n) for n in ("dense", "hf:dynamic", "int4", "tq-k4v4+sink1", "hf:hqq-4+r128", "hf:quanto-int4+r0")] == [
         "dense", "dense", "int (KIVI-style)", "TurboQuant", "transformers' caches", "transformers' caches"]
 
 
 # -- settings and the CLI ------------------------------------------------------------------------------
 
 def test_default_and_quick_settings_run_at_least_nine_passkey_trials_and_three_seeds():
-    full = EvalSettings.build("tq4", quick=False, windows=None, passkey=True, passkey_lengths="1000,3000,6000")
-    quick = EvalSettings.build("tq4", quick=True, windows=None, passkey=True, passkey_lengths="1000,3000,6000")
+    full = EvalSettings.build("tq-k4v4", quick=False, windows=None, passkey=True, passkey_lengths="1000,3000,6000")
+    quick = EvalSettings.build("tq-k4v4", quick=True, windows=None, passkey=True, passkey_lengths="1000,3000,6000")
     assert full.seeds == (0, 1, 2) and quick.seeds == (0,)
     assert full.passkey.trials >= MIN_TRIALS and quick.passkey.trials >= MIN_TRIALS
     assert quick.passkey.lengths == (1000,) and len(quick.passkey.depths) == 3
     assert PasskeyProtocol.covering((500, 700)).trials >= MIN_TRIALS
-    chosen = EvalSettings.build("tq4", False, None, False, "1000", seeds="3, 5,3")
+    chosen = EvalSettings.build("tq-k4v4", False, None, False, "1000", seeds="3, 5,3")
     assert chosen.seeds == (3, 5) and chosen.passkey is None
 
 
@@ -151,7 +151,7 @@ def test_default_and_quick_settings_run_at_least_nine_passkey_trials_and_three_s
                                             ("-1", "--seeds")])
 def test_bad_seeds_are_one_line_errors(seeds, message):
     with pytest.raises(KvlabError, match=message):
-        EvalSettings.build("tq4", False, None, False, "1000", seeds=seeds)
+        EvalSettings.build("tq-k4v4", False, None, False, "1000", seeds=seeds)
     assert message in cli_error(["eval", "--seeds", seeds])
 
 
@@ -161,9 +161,9 @@ def test_passkey_trials_are_counted_over_positions_keys_and_seeds(gguf_tokenizer
     model = tiny_model(vocab_size=gguf_tokenizer.vocab_size, max_seq_len=256, head_dim=0)
     loaded = SimpleNamespace(model=model, config=model.config, dtype=torch.float32, device="cpu", tokenizer=gguf_tokenizer)
     protocol = PasskeyProtocol.covering((40,))
-    variants = seed_variants("tq4", (0, 1, 2))
+    variants = seed_variants("tq-k4v4", (0, 1, 2))
     ticks = []
-    trials = passkey_trials(loaded, "tq4", protocol, lambda: ticks.append(1), variants)
+    trials = passkey_trials(loaded, "tq-k4v4", protocol, lambda: ticks.append(1), variants)
     assert len(trials) == len(ticks) == protocol.trials >= MIN_TRIALS
     assert [t["seed"] for t in trials] == [0, 1, 2] * (len(trials) // 3)
     assert sorted({t["depth"] for t in trials}) == [0.25, 0.5, 0.75]

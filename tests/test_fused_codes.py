@@ -32,13 +32,13 @@ from .conftest import tiny_model
 from .kernel_checks import MARCH, one_thread, require_kernel  # noqa: F401  (one_thread: autouse)
 
 #: every width and option the step serves (each option at least once)
-NAMES = ["tq4", "tq3", "tq5", "tq3.5", "tq-k5v3", "tq3+sink4+recent8", "tq4+recent16+fp-first-last",
-         "tq4+center=kv+kscale=lsq+vscale=unbiased+bf16norms", "tq3+rot=haar+kweights=none+center=none+kscale=norm",
-         "tq4+prerope+sink1", "tq3+prerope+recent8", "tq4+prerope+rot=haar+center=none+kweights=none",
+NAMES = ["tq-k4v4", "tq3", "tq5", "tq3.5", "tq-k5v3", "tq3+sink4+recent8", "tq-k4v4+recent16+fp-first-last",
+         "tq-k4v4+center=kv+kscale=lsq+vscale=unbiased+bf16norms", "tq3+rot=haar+kweights=none+center=none+kscale=norm",
+         "tq-k4v4+prerope+sink1", "tq3+prerope+recent8", "tq-k4v4+prerope+rot=haar+center=none+kweights=none",
          # a width per layer, per (layer, KV head): 2 layers × 2 KV heads, each head its own packing
-         "tq4+alloc=k35v44+recent4", "tq3+prerope+sink1+halloc=k2433v3342", "tq4+prerope+sink1+halloc=k3553v4444+kscale=lsq",
+         "tq-k4v4+alloc=k35v44+recent4", "tq3+prerope+sink1+halloc=k2433v3342", "tq-k4v4+prerope+sink1+halloc=k3553v4444+kscale=lsq",
          # 8-bit log scales around each head's centre
-         "tq3.5+norms8+recent8", "tq4+prerope+sink1+halloc=k3553v4444+kscale=lsq+norms8"]
+         "tq3.5+norms8+recent8", "tq-k4v4+prerope+sink1+halloc=k3553v4444+kscale=lsq+norms8"]
 #: (n_heads, n_kv_heads, head_dim): MHA, GQA, MQA; head dims 64, 128 and 96 (not a power of two: a dense rotation)
 GEOMETRIES = {"MHA-64": (4, 4, 64), "GQA-128": (4, 2, 128), "MQA-96": (3, 1, 96)}
 
@@ -160,10 +160,10 @@ def test_every_isa_variant_codes_and_attends_like_torch(variant, geometry, varia
     if variant not in variants:
         pytest.skip(f"no {variant} build on this CPU")
     model = model_for(geometry)
-    for name in ("tq4", "tq3.5+sink3+recent5"):
+    for name in ("tq-k4v4", "tq3.5+sink3+recent5"):
         assert_fused_equals_modules(model, name, 262, 3, variants[variant], torch_reference=True, exact_logits=5e-5)
     # pre-RoPE keys are rebuilt through the rotation and RoPE in another order than torch's: the module-wide 1e-4
-    assert_fused_equals_modules(model, "tq4+prerope+sink1", 262, 3, variants[variant], torch_reference=True)
+    assert_fused_equals_modules(model, "tq-k4v4+prerope+sink1", 262, 3, variants[variant], torch_reference=True)
     if geometry == "MHA-64":   # block codes and 8-bit log scales (the points of one head dim, trained once)
         assert_fused_equals_modules(model, "tq3+vq+norms8", 262, 3, variants[variant], torch_reference=True, exact_logits=5e-5)
 
@@ -195,7 +195,7 @@ def test_fused_step_codes_and_reads_block_codes(name, native):
 def test_fused_step_is_the_same_for_any_thread_count(native):
     """Threads share (KV head, key chunk) items; the chunks' sums are combined in a fixed order."""
     assert_same_logits_for_any_thread_count(native, "tq3.5+recent8")
-    assert_same_logits_for_any_thread_count(native, "tq4+prerope+sink1")
+    assert_same_logits_for_any_thread_count(native, "tq-k4v4+prerope+sink1")
 
 
 def test_smollm2_greedy_text_is_the_modules(smollm2):
@@ -207,7 +207,7 @@ def test_smollm2_greedy_text_is_the_modules(smollm2):
     results = []
     for off in (False, True):
         with fused_step_off(model, off):
-            cache = make_cache("tq4", CacheGeometry.for_model(smollm2.config, capacity=ids.shape[1] + 16))
+            cache = make_cache("tq-k4v4", CacheGeometry.for_model(smollm2.config, capacity=ids.shape[1] + 16))
             assert decode_step_kind(model, cache) == ("modules" if off else "fused")
             results.append(generate(model, ids, cache, 16).token_ids[0])
     assert results[0] == results[1]
@@ -220,19 +220,19 @@ def test_caches_it_does_not_serve_take_the_modules(native):
     one = torch.tensor([[3]])
     with torch.no_grad():
         model.fused = step
-        for name in ("tq4+qjl", "tq4+outliers1"):
+        for name in ("tq-k4v4+qjl", "tq-k4v4+outliers1"):
             assert not step.serves(make_cache(name, geometry)), name
             assert decode_step_kind(model, make_cache(name, geometry)) == "modules"
         assert decode_step_kind(model, make_cache("tq3.5+sink4+recent8+fp-first-last", geometry)) == "fused"
-        assert decode_step_kind(model, make_cache("tq4+prerope+sink1", geometry)) == "fused"
-        assert not step.serves(make_cache("tq4", CacheGeometry.for_model(model.config, batch=2, capacity=40)))
-        cache = make_cache("tq4", geometry)
+        assert decode_step_kind(model, make_cache("tq-k4v4+prerope+sink1", geometry)) == "fused"
+        assert not step.serves(make_cache("tq-k4v4", CacheGeometry.for_model(model.config, batch=2, capacity=40)))
+        cache = make_cache("tq-k4v4", geometry)
         assert step.serves(cache)
         cache.append(0, torch.randn(1, 1, 9, 96), torch.randn(1, 1, 9, 96))   # a first chunk, never attended
         assert cache.awaits_queries(0) and not step.accepts(one, cache)
         # a short prompt: tokens fill the sink and the window in C; the first coded token (a calibration) takes
         # the modules, every later one the fused step
-        cache = make_cache("tq4+sink2+recent3", geometry)
+        cache = make_cache("tq-k4v4+sink2+recent3", geometry)
         model(torch.tensor([[1, 2]]), cache)
         taken = []
         for t in range(8):
@@ -253,7 +253,7 @@ def test_non_finite_kv_is_the_module_paths_error(native):
         messages = []
         for fused in (True, False):
             model.fused = FusedDecodeStep(model, native._lib) if fused else None
-            cache = make_cache("tq4", CacheGeometry.for_model(cfg, capacity=16))
+            cache = make_cache("tq-k4v4", CacheGeometry.for_model(cfg, capacity=16))
             weight = model.blocks[1].attn.qkv.weight
             with torch.no_grad():
                 model(tokens[:, :11], cache)
@@ -286,7 +286,7 @@ def _narrow_tq_norms(cache):
 
 @pytest.mark.parametrize(("name", "narrow", "what"), [("dense", _narrow_dense_keys, "layer 0 keys"),
                                                       ("int4+g4", _narrow_int_scales, "layer 0 k_scale"),
-                                                      ("tq4", _narrow_tq_norms, "layer 0 k norms")])
+                                                      ("tq-k4v4", _narrow_tq_norms, "layer 0 k norms")])
 def test_a_buffer_replaced_in_place_is_checked_again(name, narrow, what, native):
     """A buffer swapped for a smaller view at the same address (as a freed buffer's address can be reused) is not the
     buffer the step's C structs were checked against: the next step checks it again and refuses it in one line."""

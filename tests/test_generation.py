@@ -100,7 +100,7 @@ def test_cli_generate_json(smollm2):
 
     expected = ("native", "fused") if block_kernel() is not None else ("dense", "modules")  # no C compiler: modules
     assert (record["weights"], record["decode_step"]) == expected
-    for cache, step in (("int8", expected[1]), ("tq4+qjl", "modules")):   # +qjl: no fused step
+    for cache, step in (("int8", expected[1]), ("tq-k4v4+qjl", "modules")):   # +qjl: no fused step
         record = json.loads(CliRunner().invoke(app, ["generate", "Hi", "--max-new-tokens", "2", "--cache", cache, "--json"]).output)
         assert record["decode_step"] == step, cache
 
@@ -131,7 +131,10 @@ def test_cli_info_lists_compressed_cache_costs(smollm2):
     record = json.loads(CliRunner().invoke(app, ["info", "--json"]).output)
     costs = {row["cache"]: row for row in record["caches"]}
     assert costs["dense"]["bytes_per_token"] == 23040  # bf16 reference
-    assert costs["tq4"]["bytes_per_token"] == 30 * 3 * 2 * (64 * 4 // 8 + 2)  # codes + 16-bit norm per K and V vector
+    assert costs["tq-k4v4"]["bytes_per_token"] == 30 * 3 * 2 * (64 * 4 // 8 + 2)  # codes + 16-bit norm per K and V vector
+    # the tq4 preset: 4.125-bit codes + an 8-bit log scale, the same bytes per token; the recipe named in its formula
+    assert costs["tq4"]["bytes_per_token"] == 30 * 3 * 2 * (64 * 4.125 / 8 + 1)
+    assert costs["tq4"]["formula"].startswith("tq4.125+prerope+norms8+sink1+kscale=lsq+vscale=lsq: per key vector")
     assert costs["tq3"]["bytes_per_token"] == 30 * 3 * 2 * (64 * 3 // 8 + 2)
 
 
@@ -182,5 +185,6 @@ def test_demo_tour_caches_are_valid_names():
     from kvlab.cache import CacheGeometry, make_cache
     from kvlab.demo import TOUR_CACHES
 
-    geometry = CacheGeometry(n_layers=2, n_kv_heads=2, head_dim=64, capacity=8, n_heads=4)
+    geometry = CacheGeometry(n_layers=2, n_kv_heads=2, head_dim=64, capacity=8, n_heads=4,
+                             rope_inv_freq=tuple(10000.0 ** (-i / 32) for i in range(32)))   # the tq4 preset's +prerope
     assert [make_cache(name, geometry).geometry for name in TOUR_CACHES] == [geometry] * len(TOUR_CACHES)

@@ -33,7 +33,7 @@ from .conftest import cli_error  # noqa: E402
 
 # -- KVCache.grown ------------------------------------------------------------------------------------------
 
-GROWN = ["dense", "dense-f16", "concat", "int8", "int4+g8", "int4+recent8", "tq4", "tq4+sink1", "tq3+fp-first-last", "tq-k4v3+qjl",
+GROWN = ["dense", "dense-f16", "concat", "int8", "int4+g8", "int4+recent8", "tq-k4v4", "tq-k4v4+sink1", "tq3+fp-first-last", "tq-k4v3+qjl",
          "tq3+recent16+sink2"]
 G = CacheGeometry(n_layers=3, n_kv_heads=2, head_dim=32, n_heads=4, capacity=40)
 
@@ -88,7 +88,7 @@ def test_baseline_bytes_are_every_tensor_held_and_kvlab_rows_are_the_formula():
     assert per_token == values * 2 and bits == 16                    # bf16 K/V, nothing else
     per_token, bits = engine.bytes_per_token("hf:fp8", tokens, torch.bfloat16, 8, 4)
     assert per_token * tokens == LAYERS * 2 * (tokens * KV_HEADS * HEAD_DIM + 4)   # fp8 codes + one fp32 scale each
-    for name in ("dense", "int4", "tq4+sink1"):                      # kvlab's caches: kvlab's formula at that capacity
+    for name in ("dense", "int4", "tq-k4v4+sink1"):                      # kvlab's caches: kvlab's formula at that capacity
         per_token, _ = engine.bytes_per_token(name, tokens, torch.bfloat16, 8, 4)
         geometry = CacheGeometry(LAYERS, KV_HEADS, HEAD_DIM, capacity=tokens)
         assert per_token * tokens == expected_nbytes(name, geometry, torch.bfloat16, tokens)
@@ -119,7 +119,7 @@ def test_baseline_names_spell_their_residual_and_fail_in_one_line():
 
 
 def test_one_option_one_validation():
-    assert check_backend(" Transformers ", ["tq4+sink1", "hf:dynamic", "dense"]) == "transformers"
+    assert check_backend(" Transformers ", ["tq-k4v4+sink1", "hf:dynamic", "dense"]) == "transformers"
     assert check_backend("kvlab", ["none", "int4+g64"]) == "kvlab"
     for backend, caches, words in (("vllm", [], "unknown backend 'vllm'"),
                                    ("kvlab", ["hf:dynamic"], "--backend transformers"),
@@ -156,17 +156,17 @@ def test_read_queries_calibrates_the_first_chunk_on_its_queries_as_kvlab_does(mo
         with torch.no_grad():
             return model(prompt, cache=cache).logits
 
-    keys_only = KVLabCache.from_name("tq4", model.config)             # the sdpa model: weights from the keys alone
+    keys_only = KVLabCache.from_name("tq-k4v4", model.config)             # the sdpa model: weights from the keys alone
     run(keys_only)
     read_queries(model)
     assert model.config._attn_implementation == ATTENTION
     monkeypatch.setattr(TurboQuantCache, "calibrate", spy)
-    cache = KVLabCache.from_name("tq4", model.config)
+    cache = KVLabCache.from_name("tq-k4v4", model.config)
     logits = run(cache)
     geometry = CacheGeometry(LAYERS, KV_HEADS, HEAD_DIM, capacity=12, n_heads=4)
     for layer in range(LAYERS):
         k, v, q = kept[layer]
-        reference = make_cache("tq4", geometry)                       # kvlab's engine: append, then attend with q
+        reference = make_cache("tq-k4v4", geometry)                       # kvlab's engine: append, then attend with q
         reference.append(layer, k, v)
         reference.attend(layer, q)
         ours = cache.store.cache
@@ -236,7 +236,7 @@ def test_suite_and_generation_through_transformers(engines):
     assert reference.ppl_delta_pct == 0 and abs(dense.ppl_delta_pct) < 1e-3 and dense.kl < 1e-9
     assert dense.bytes_per_token == reference.bytes_per_token == 2 * 30 * 3 * 64 * 2     # bf16 K/V of SmolLM2
     assert fp8.bytes_per_token < dense.bytes_per_token / 1.99 and fp8.kl > 0
-    trial = passkey_trials(theirs.loaded, "tq4", PasskeyProtocol(lengths=(60,), depths=(0.5,), max_new_tokens=8),
+    trial = passkey_trials(theirs.loaded, "tq-k4v4", PasskeyProtocol(lengths=(60,), depths=(0.5,), max_new_tokens=8),
                            engine=theirs)[0]
     assert trial["prompt_tokens"] > 60 and isinstance(trial["found"], bool)
     prompt = torch.tensor([ours.loaded.tokenizer.encode("Once upon a time,")])

@@ -98,7 +98,7 @@ def test_kvlab_caches_in_transformers_generate(arch):
     assert (got - want).abs().max().item() < 0.01 * (want.max() - want.min()).item()   # int8 ~1e-3, int4 ~2e-2
 
     # tq4: generation runs; attention over the returned K/V is kvlab's attention on its codes
-    tq4 = KVLabCache.from_name("tq4", config, initial_capacity=4)
+    tq4 = KVLabCache.from_name("tq-k4v4", config, initial_capacity=4)
     returned = record_returns(tq4)
     tokens = greedy(model, prompt, tq4)
     assert tokens.shape == reference.shape
@@ -150,7 +150,7 @@ def chunks(seed: int = 0):
         yield k, torch.randn(BATCH, KV_HEADS, n, HEAD_DIM, generator=gen)
 
 
-NAMES = ["dense", "concat", "int8", "int4+g8", "int4+recent8", "tq4", "tq4+sink1", "tq3+fp-first-last", "tq3.5",
+NAMES = ["dense", "concat", "int8", "int4+g8", "int4+recent8", "tq4", "tq-k4v4", "tq-k4v4+sink1", "tq3+fp-first-last", "tq3.5",
          "tq-k4v3+qjl", "tq3+recent16+sink2"]
 
 
@@ -158,7 +158,8 @@ NAMES = ["dense", "concat", "int8", "int4+g8", "int4+recent8", "tq4", "tq4+sink1
 def test_growing_never_changes_a_stored_value_and_bytes_are_the_formula(name):
     cache = KVLabCache.from_name(name, llama_config(), initial_capacity=4)
     total = sum(CHUNKS)
-    fixed = make_cache(name, CacheGeometry(LAYERS, KV_HEADS, HEAD_DIM, BATCH, capacity=total))  # never grows
+    stored = cache.format.config.name if cache.format.config else name     # tq4: the preset without +prerope
+    fixed = make_cache(stored, CacheGeometry(LAYERS, KV_HEADS, HEAD_DIM, BATCH, capacity=total))  # never grows
     capacities = set()
     for k, v in chunks():
         for layer in range(LAYERS):
@@ -172,13 +173,13 @@ def test_growing_never_changes_a_stored_value_and_bytes_are_the_formula(name):
                 want_k, want_v = fixed.dequantized(layer)
                 assert torch.equal(keys, want_k) and torch.equal(values, want_v)
         geometry = CacheGeometry(LAYERS, KV_HEADS, HEAD_DIM, BATCH, capacity=cache.capacity)
-        assert cache.nbytes == expected_nbytes(name, geometry, torch.float32, cache.get_seq_length())
+        assert cache.nbytes == expected_nbytes(stored, geometry, torch.float32, cache.get_seq_length())
     assert len(capacities) >= 3                                              # it grew, more than once
     assert total <= cache.capacity < 2 * total                              # geometrically, no capacity guess
     assert cache.get_seq_length() == total and cache.get_mask_sizes(1, 0) == (total + 1, 0)
 
 
-@pytest.mark.parametrize("name", ["dense", "int4", "tq4+sink1"])
+@pytest.mark.parametrize("name", ["dense", "int4", "tq-k4v4+sink1"])
 def test_sliding_layers_keep_and_return_what_transformers_does(name):
     window = 10
     config = transformers.Gemma3TextConfig(**{**COMMON, "num_hidden_layers": 2, "num_key_value_heads": KV_HEADS,
@@ -223,10 +224,12 @@ def test_sliding_layers_keep_and_return_what_transformers_does(name):
 def test_bad_names_and_refused_operations_fail_with_one_line():
     config = llama_config()
     for name, words in (("tq9", "width"), ("int4+bogus", "unknown option"), ("fp16", "unknown cache"), ("none", "keeps nothing"),
-                        ("tq4+prerope", "keys after RoPE"), ("tq4+alloc", "no recipe"), ("tq4+halloc", "spell the recipe")):
+                        ("tq-k4v4+prerope", "keys after RoPE"), ("tq4+prerope", "keys after RoPE"), ("tq-k4v4+alloc", "no recipe"), ("tq-k4v4+halloc", "spell the recipe")):
         with pytest.raises(ConfigError, match=words) as error:
             KVLabCache.from_name(name, config)
         assert "\n" not in str(error.value)
+    preset = KVLabCache.from_name("tq4", config).format.config          # the preset as transformers can hold it
+    assert preset.name == "tq4.125+norms8+sink1+kscale=lsq+vscale=lsq"
     cache = KVLabCache.from_name("int8", config)
     cache.update(torch.randn(1, KV_HEADS, 3, HEAD_DIM), torch.randn(1, KV_HEADS, 3, HEAD_DIM), 0)
     with pytest.raises(ConfigError, match="beam search"):

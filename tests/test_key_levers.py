@@ -28,22 +28,22 @@ def rope_at(x: torch.Tensor, start: int) -> torch.Tensor:
     return apply_rope(x, angles.cos(), angles.sin())
 
 
-@pytest.mark.parametrize("name", ["tq4+prerope", "tq3+prerope+sink2", "tq4+prerope+recent8"])
+@pytest.mark.parametrize("name", ["tq-k4v4+prerope", "tq3+prerope+sink2", "tq-k4v4+prerope+recent8"])
 def test_attention_is_exact_to_the_stored_keys(name):
     check_attend_is_exact_to_storage(name, ROPED)
     check_attend_is_exact_to_storage(name, ROPED, attend_first=True)
 
 
 def test_bytes_are_the_formula_and_the_frequencies_are_counted():
-    check_nbytes("tq4+prerope", ROPED)
-    plain = expected_nbytes("tq4", ROPED, torch.bfloat16, 10)
-    assert expected_nbytes("tq4+prerope", GEOMETRY, torch.bfloat16, 10) == plain + 32 * 4   # d/2 float32
-    assert make_cache("tq4+prerope", ROPED).config.name == "tq4+prerope"
+    check_nbytes("tq-k4v4+prerope", ROPED)
+    plain = expected_nbytes("tq-k4v4", ROPED, torch.bfloat16, 10)
+    assert expected_nbytes("tq-k4v4+prerope", GEOMETRY, torch.bfloat16, 10) == plain + 32 * 4   # d/2 float32
+    assert make_cache("tq-k4v4+prerope", ROPED).config.name == "tq-k4v4+prerope"
 
 
 def test_without_the_models_rope_frequencies_it_is_a_one_line_error():
     with pytest.raises(ConfigError, match="prerope needs the model's RoPE frequencies"):
-        make_cache("tq4+prerope", GEOMETRY)
+        make_cache("tq-k4v4+prerope", GEOMETRY)
 
 
 def test_a_common_key_direction_turned_by_rope_is_coded_far_better_before_rope():
@@ -52,7 +52,7 @@ def test_a_common_key_direction_turned_by_rope_is_coded_far_better_before_rope()
     gen = torch.Generator().manual_seed(4)
     common = 3 * torch.randn(1, 2, 1, 64, generator=gen)
     errors = {}
-    for name in ("tq4", "tq4+prerope"):
+    for name in ("tq-k4v4", "tq-k4v4+prerope"):
         cache = make_cache(name, ROPED)
         keys, start = [], 0
         for T in (40, 1, 1, 20):
@@ -66,7 +66,7 @@ def test_a_common_key_direction_turned_by_rope_is_coded_far_better_before_rope()
         errors[name] = ((cache.dequantized(0)[0] - k_all).norm() / k_all.norm()).item()
         gen = torch.Generator().manual_seed(4)
         common = 3 * torch.randn(1, 2, 1, 64, generator=gen)
-    assert errors["tq4+prerope"] < errors["tq4"] / 2, errors
+    assert errors["tq-k4v4+prerope"] < errors["tq-k4v4"] / 2, errors
 
 
 @pytest.fixture(scope="module")
@@ -79,14 +79,14 @@ def model():
 
 def test_later_tokens_never_change_earlier_logits(model):
     tokens = two_sequences()
-    a = chunked_logits(model, tokens[:1], "tq4+prerope", CHUNKS)
-    b = chunked_logits(model, tokens[1:], "tq4+prerope", CHUNKS)
+    a = chunked_logits(model, tokens[:1], "tq-k4v4+prerope", CHUNKS)
+    b = chunked_logits(model, tokens[1:], "tq-k4v4+prerope", CHUNKS)
     assert torch.equal(a[:, :SAME], b[:, :SAME]) and not torch.equal(a[:, SAME:], b[:, SAME:])
     geometry = CacheGeometry.for_model(model.config, 1, 16)
     assert geometry.rope_inv_freq is not None and len(geometry.rope_inv_freq) == model.config.head_dim // 2
 
 
-@pytest.mark.parametrize("name", ["tq4+prerope", "tq3+prerope+sink2+recent8"])
+@pytest.mark.parametrize("name", ["tq-k4v4+prerope", "tq3+prerope+sink2+recent8"])
 def test_prerope_scores_a_key_chunk_at_a_time(name, monkeypatch):
     """Keys rebuilt, turned by RoPE and scored 16 at a time (one pass: ATTEND_ROWS out of reach) == dense attention
     over the whole stored K/V; every decoded span stays within the chunk and comes from the C decode where it exists."""
@@ -110,8 +110,8 @@ def test_prerope_scores_a_key_chunk_at_a_time(name, monkeypatch):
 
 
 @pytest.mark.parametrize("kernel", [True, False], ids=["C", "torch"])
-@pytest.mark.parametrize("name, window", [("tq4+prerope", None), ("tq3+prerope+sink3+recent8", 11), ("tq4+prerope+qjl+sink1", None),
-                                          ("tq4+outliers2", None), ("tq3+prerope+sink1+outliers2+recent8", None)])
+@pytest.mark.parametrize("name, window", [("tq-k4v4+prerope", None), ("tq3+prerope+sink3+recent8", 11), ("tq-k4v4+prerope+qjl+sink1", None),
+                                          ("tq-k4v4+outliers2", None), ("tq3+prerope+sink1+outliers2+recent8", None)])
 def test_prerope_long_chunks_in_spans_equal_one_pass(name, window, kernel, monkeypatch):
     """+prerope (and +outliersN, keys rebuilt with their outliers) reads spans like the other widths: blocks of ≤ 45
     rows × spans of ≤ 32 keys == the one-pass read."""
@@ -169,7 +169,7 @@ def test_haar_codes_two_basis_vectors_at_the_papers_distortion_where_hadamard_do
     assert abs(errors["hadamard"] - 0.009) > abs(errors["haar"] - 0.009), errors
 
 
-@pytest.mark.parametrize("name", ["tq4+rot=haar", "tq3+prerope+rot=haar+sink1"])
+@pytest.mark.parametrize("name", ["tq-k4v4+rot=haar", "tq3+prerope+rot=haar+sink1"])
 def test_haar_caches_read_exactly_what_they_store_and_count_the_basis(name):
     check_attend_is_exact_to_storage(name, ROPED)
     check_nbytes(name, ROPED)
@@ -179,8 +179,8 @@ def test_haar_caches_read_exactly_what_they_store_and_count_the_basis(name):
 
 
 def test_the_haar_basis_follows_the_seed():
-    one, two = make_cache("tq4+rot=haar", GEOMETRY), make_cache("tq4+rot=haar+seed1", GEOMETRY)
+    one, two = make_cache("tq-k4v4+rot=haar", GEOMETRY), make_cache("tq-k4v4+rot=haar+seed1", GEOMETRY)
     assert not torch.equal(one.haar_basis, two.haar_basis)
-    assert torch.equal(one.haar_basis, make_cache("tq4+rot=haar", GEOMETRY).haar_basis)
+    assert torch.equal(one.haar_basis, make_cache("tq-k4v4+rot=haar", GEOMETRY).haar_basis)
     with pytest.raises(ConfigError, match="unknown option 'rot=qr'"):
-        make_cache("tq4+rot=qr", GEOMETRY)
+        make_cache("tq-k4v4+rot=qr", GEOMETRY)

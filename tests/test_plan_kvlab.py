@@ -16,7 +16,8 @@ CACHES = [name for name in cache_names() if name != "none"]  # NoCache keeps not
 
 
 def real_nbytes(name: str, dtype: torch.dtype, context: int, batch: int) -> int:
-    geometry = CacheGeometry(batch=batch, capacity=context, **SMOLLM2)
+    geometry = CacheGeometry(batch=batch, capacity=context, rope_inv_freq=tuple(10000.0 ** (-i / 32) for i in range(32)),
+                             **SMOLLM2)                                    # RoPE frequencies: the tq4 preset's +prerope
     cache = make_cache(name, geometry, dtype=dtype)
     gen = torch.Generator().manual_seed(0)
     for start in range(0, context, 64):  # a prefill chunk, then more

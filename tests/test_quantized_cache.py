@@ -6,7 +6,7 @@ from .compressed_checks import (GEOMETRY, check_attend_is_token_by_token, check_
                               check_non_finite_is_a_one_line_error, feed, relative_error)
 
 from kvlab.cache import CacheGeometry, DenseCache, cache_names, describe_formula, expected_nbytes, make_cache
-from kvlab.cache.names import parse
+from kvlab.cache.names import PRESETS, parse
 from kvlab.errors import CacheCapacityError, ConfigError, NonFiniteError
 
 SMOLLM2 = CacheGeometry(n_layers=30, n_kv_heads=3, head_dim=64, capacity=512, n_heads=9)
@@ -99,9 +99,9 @@ def test_names_round_trip_and_errors():
         if name in ("dense", "dense-f16", "dense-bf16", "concat", "none"):
             continue
         _, config = parse(name)
-        assert config.name == name
-    for bad, match in [("int9", "1..8"), ("int4+qjl", "unknown option"), ("tq4+g32", "unknown option"),
-                       ("tq9", "1..8"), ("tq4+", "empty option"), ("int4+g48", "multiple")]:
+        assert config.name == PRESETS.get(name, name)          # a preset prints as its recipe
+    for bad, match in [("int9", "1..8"), ("int4+qjl", "unknown option"), ("tq-k4v4+g32", "unknown option"),
+                       ("tq9", "1..8"), ("tq-k4v4+", "empty option"), ("int4+g48", "multiple")]:
         with pytest.raises(ConfigError, match=match):
             make_cache(bad, GEOMETRY)
 

@@ -69,14 +69,16 @@ def random_step(rng: random.Random, block_size: int, n_blocks: int) -> tuple[lis
 
 
 CASES = [  # format, block size, query heads, KV heads, head dim, sliding window
-    ("tq4", 16, 9, 3, 64, None),        # SmolLM2's GQA
-    ("tq4", 6, 8, 1, 128, None),        # MQA, a block size that is not a power of two
-    ("tq4+bf16norms", 16, 4, 2, 64, 37),
+    ("tq-k4v4", 16, 9, 3, 64, None),        # SmolLM2's GQA
+    ("tq-k4v4", 6, 8, 1, 128, None),        # MQA, a block size that is not a power of two
+    ("tq-k4v4+bf16norms", 16, 4, 2, 64, 37),
     ("tq3", 16, 4, 1, 128, None),
     ("tq3", 6, 9, 3, 64, 20),           # a window shorter than the prefill chunks
     ("tq3.5", 16, 6, 2, 128, None),
     ("tq3.5", 6, 4, 4, 64, None),       # MHA
     ("tq-k4v3", 16, 9, 3, 64, 300),
+    ("tq-k4v4+halloc=k354v444", 16, 9, 3, 64, None),            # a width per KV head: each head's own layout
+    ("tq3+halloc=k2434v3332+norms8", 6, 8, 4, 64, 20),
 ]
 
 
@@ -105,7 +107,7 @@ def test_the_ragged_code_kernel_equals_the_torch_reference(seed, case, monkeypat
 
 def test_the_ragged_code_kernel_checks_every_buffer():
     kernel = require_kernel()
-    pool = random_turbo_pool("tq4", 16, 4, 2, 64, None, 0)
+    pool = random_turbo_pool("tq-k4v4", 16, 4, 2, 64, None, 0)
     layout = RaggedLayout.build([[3, 5], [7]], [2, 1], [20, 9], 16)
     buf, codec = pool.token_buffers, pool.codec
     q = torch.randn(3, 4, 64)
@@ -125,6 +127,9 @@ def test_the_ragged_code_kernel_checks_every_buffer():
         dict(context_len=torch.tensor([40, 9], dtype=torch.int32)),                 # longer than its table
         dict(query_start=torch.tensor([0, 2, 4], dtype=torch.int32)),               # rows that are not q's
         dict(block_size=7),                                                         # slots are not whole blocks
+        dict(k_layout=[codec.key_codes.layout]),                                    # one layout for 2 KV heads
+        dict(k_layout=[codec.key_codes.layout, codec.value_codes.layout.__class__(
+            64, 24, torch.tensor([[0, 64, 3, 0]], dtype=torch.int32), torch.zeros(16))]),   # heads wider than the rows
     ]
     for change in bad:
         with pytest.raises(ConfigError) as info:

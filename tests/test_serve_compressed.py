@@ -38,7 +38,9 @@ from .test_serve_engine import ids_of
 #: (random chunks below), not by greedy text: C's and torch's reads differ by ~1e-5 (fp32 order), which flips a block
 #: index or an 8-bit scale (4.4% a step) now and then, and a flipped scale of the first token's key moves the logits by
 #: more than any near-tie allowance (seen on SmolLM2: the first token of a 41-token prompt parts, gap 1.4 of 29)
-FORMATS = ["int8", "int4", "tq4", "tq3", "tq4+prerope", "tq4+prerope+sink1"]
+#: a +halloc recipe for SmolLM2's 30 layers x 3 KV heads (90 units): keys alternate 3 and 5 bits, values 4
+HALLOC = "tq-k4v4+prerope+halloc=k" + "35" * 45 + "v" + "4" * 90 + "+sink1"
+FORMATS = ["int8", "int4", "tq-k4v4", "tq3", "tq-k4v4+prerope", "tq-k4v4+prerope+sink1", HALLOC]
 
 
 def single_cache(engine: Engine, geometry: CacheGeometry):
@@ -119,18 +121,22 @@ def calibrated(geometry: CacheGeometry, config, rng: torch.Generator) -> TurboQu
 CASES = [  # format, block size, query heads, KV heads, sliding window, C path (reads the codes)
     ("int4", 16, 9, 3, None, False), ("int4", 16, 9, 3, None, True), ("int8+g4", 8, 4, 1, None, False),
     ("int8+g4", 8, 4, 1, None, True), ("int3+g8", 16, 2, 2, None, False), ("int4", 8, 4, 1, 7, False),
-    ("int4", 8, 4, 1, 7, True), ("tq4", 16, 9, 3, None, False), ("tq4", 16, 9, 3, None, True),
-    ("tq4", 8, 4, 1, 9, True), ("tq3.5", 8, 2, 2, None, False), ("tq3.5", 8, 2, 2, None, True),
+    ("int4", 8, 4, 1, 7, True), ("tq-k4v4", 16, 9, 3, None, False), ("tq-k4v4", 16, 9, 3, None, True),
+    ("tq-k4v4", 8, 4, 1, 9, True), ("tq3.5", 8, 2, 2, None, False), ("tq3.5", 8, 2, 2, None, True),
     ("tq-k4v3+qjl", 16, 9, 3, None, False), ("tq-k4v3+qjl", 16, 4, 1, None, True),
     ("tq3+vq", 16, 4, 2, None, False), ("tq2.5+vq", 8, 4, 1, 9, True),      # block codes (C decodes block parts)
-    ("tq4+norms8", 16, 4, 2, None, False), ("tq3+vq+norms8", 8, 9, 3, None, True),   # 8-bit log scales
+    ("tq-k4v4+norms8", 16, 4, 2, None, False), ("tq3+vq+norms8", 8, 9, 3, None, True),   # 8-bit log scales
     # keys coded before RoPE, rebuilt at their positions (Hadamard, Haar: the d x d inverse; key weights off)
-    ("tq4+prerope", 16, 9, 3, None, False), ("tq4+prerope", 16, 9, 3, None, True), ("tq3+prerope", 8, 4, 1, 7, True),
-    ("tq4+prerope+rot=haar+kweights=none+norms8", 8, 4, 2, None, True), ("tq-k4v3+qjl+prerope", 16, 4, 2, None, True),
+    ("tq-k4v4+prerope", 16, 9, 3, None, False), ("tq-k4v4+prerope", 16, 9, 3, None, True), ("tq3+prerope", 8, 4, 1, 7, True),
+    ("tq-k4v4+prerope+rot=haar+kweights=none+norms8", 8, 4, 2, None, True), ("tq-k4v3+qjl+prerope", 16, 4, 2, None, True),
     # the first tokens exact beside the blocks (sinks.py), merged with the coded keys' softmax
-    ("tq4+sink1", 16, 9, 3, None, False), ("tq4+sink1", 16, 9, 3, None, True), ("tq4+prerope+sink2", 8, 4, 1, 7, True),
-    ("tq4+prerope+sink2", 8, 4, 1, 7, False),
+    ("tq-k4v4+sink1", 16, 9, 3, None, False), ("tq-k4v4+sink1", 16, 9, 3, None, True), ("tq-k4v4+prerope+sink2", 8, 4, 1, 7, True),
+    ("tq-k4v4+prerope+sink2", 8, 4, 1, 7, False),
     ("tq3+prerope+sink1+norms8", 16, 4, 2, None, True), ("tq-k4v3+qjl+sink3", 8, 4, 2, None, True),
+    # a width per KV head (+halloc): the heads' codes side by side in a token's row, each read with its own layout
+    ("tq-k4v4+halloc=k354v444", 16, 9, 3, None, False), ("tq-k4v4+halloc=k354v444", 16, 9, 3, None, True),
+    ("tq3+prerope+sink1+halloc=k24v33+vq+norms8", 8, 4, 2, 7, True), ("tq-k3v2.95+halloc=k3v2", 8, 2, 1, None, True),
+    ("tq-k4v4+alloc=k5v3", 16, 4, 2, None, True),                             # a width per layer
 ]
 #: RoPE frequencies of a head dim of 16 (+prerope needs the model's)
 INV_FREQ = tuple(10000.0 ** (-i / 8) for i in range(8))
@@ -191,9 +197,10 @@ def test_pool_attention_equals_the_single_cache_on_random_chunks(seed, case):
     ("int8", 64 + 64 * 4 / 16 + 64 + 4 * 4),            # codes, fp16 scale+zero per channel per 16 tokens; values per 16 channels
     ("int4", 32 + 64 * 4 / 16 + 32 + 4 * 4),
     ("int4+g8", 32 + 64 * 4 / 8 + 32 + 8 * 4),
-    ("tq4", 32 + 2 + 32 + 2),                           # codes + a 16-bit norm per vector
+    ("tq-k4v4", 32 + 2 + 32 + 2),                           # codes + a 16-bit norm per vector
     ("tq3", 24 + 2 + 24 + 2),
     ("tq-k4v3", 32 + 2 + 24 + 2),
+    ("tq-k4v4+halloc=k" + "35" * 45 + "v" + "4" * 90, 32 + 2 + 32 + 2),   # SmolLM2's 90 units: any recipe, the same bytes
 ])
 def test_pool_bytes_are_blocks_times_the_formula(smollm2, name, per_head_token):
     engine = Engine(smollm2, cache=name, kv_budget="6MiB", max_batch=3)
@@ -207,9 +214,26 @@ def test_pool_bytes_are_blocks_times_the_formula(smollm2, name, per_head_token):
     assert (cap.shared_bytes == 0) == name.startswith("int") and (cap.sequence_bytes == 0) == name.startswith("tq")
 
 
+def test_an_engine_given_the_loaded_model_spells_out_its_recipe(smollm2, monkeypatch):
+    """`tq4+halloc` names the recipe calibrated for the model: the engine asks eval/calibrate.resolve for it (stubbed
+    here: the pass takes a minute) before it sizes the pool, whose codec then codes each head at its width."""
+    from kvlab.eval import calibrate
+
+    asked = []
+    monkeypatch.setattr(calibrate, "resolve", lambda name, loaded: asked.append((name, loaded)) or HALLOC)
+    engine = Engine(smollm2, cache="tq-k4v4+prerope+sink1+halloc", kv_budget="6MiB", max_batch=2)
+    assert asked == [("tq-k4v4+prerope+sink1+halloc", smollm2)] and engine.capacity.format == HALLOC
+    assert engine.pool.codec.recipe[0].tolist() == [[3, 4], [5, 4], [3, 4]]                    # layer 0: (key, value) per head
+    assert [tuple(t.shape) for t in engine.pool.token_buffers["k_codes"][:2]] == [(engine.pool.slots, 1, 24 + 40 + 24),
+                                                                                  (engine.pool.slots, 1, 40 + 24 + 40)]
+    with pytest.raises(ConfigError, match="no recipe yet") as err:                             # a bare model: nothing to calibrate
+        Engine(smollm2.model, smollm2.tokenizer, cache="tq-k4v4+halloc", kv_budget="6MiB", max_batch=2)
+    assert "\n" not in str(err.value)
+
+
 def test_planner_admission_is_the_engines_and_tq4_holds_3_5x_the_f16_sequences(smollm2):
     admitted = {}
-    for name in ("dense-f16", "tq4"):
+    for name in ("dense-f16", "tq-k4v4"):
         plan = build_plan(str(default_model_path()), ctx=4096, kv_type=name, engine="kvlab")
         planned = engine_admission(plan.spec, plan.settings, "256MiB")
         engine = Engine(smollm2, cache=name, kv_budget="256MiB", max_batch=16, max_step_tokens=16 * 4096)
@@ -219,22 +243,21 @@ def test_planner_admission_is_the_engines_and_tq4_holds_3_5x_the_f16_sequences(s
         engine.scheduler.schedule()                      # admission only: the blocks are reserved, nothing runs
         assert len(engine.scheduler.running) == planned["max_concurrent"] and len(engine.scheduler.waiting) == 1
         admitted[name] = len(engine.scheduler.running)
-    assert admitted["tq4"] >= 3.5 * admitted["dense-f16"] > 0
+    assert admitted["tq-k4v4"] >= 3.5 * admitted["dense-f16"] > 0
 
 
-@pytest.mark.parametrize("name,match", [("tq4+recent8", "tq4\\+recent8.*full-precision.*hold \\+sinkN"),
-                                        ("int4+sink1", "int4\\+sink1.*full-precision"), ("tq4+sink17", "sink of 17 tokens"),
+@pytest.mark.parametrize("name,match", [("tq-k4v4+recent8", "tq-k4v4\\+recent8.*full-precision.*hold \\+sinkN"),
+                                        ("int4+sink1", "int4\\+sink1.*full-precision"), ("tq-k4v4+sink17", "sink of 17 tokens"),
                                         ("int4+recent64", "int4\\+recent64"),
                                         ("int4+g32", "must divide the block size"), ("zip9", "unknown block format 'zip9'"),
-                                        ("tq4+alloc", "without \\+alloc"),
-                                        ("tq4+halloc", "without \\+halloc")])
+                                        ("tq-k4v4+outliers1", "without \\+outliersN")])
 def test_formats_the_pool_cannot_hold_are_one_line_errors(smollm2, name, match):
     with pytest.raises(ConfigError, match=match) as info:
         Engine(smollm2, cache=name, kv_budget="4MiB")
     assert "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("name", ["tq4", "tq4+prerope", "tq-k4.125v4.125+prerope+sink1+norms8+kscale=lsq+vscale=lsq"])
+@pytest.mark.parametrize("name", ["tq-k4v4", "tq-k4v4+prerope", "tq4"])
 def test_pools_calibrate_on_text_in_the_chat_template_and_answer_like_dense(smollm2, name):
     """The shared calibration runs on prose as a chat message (coded.CALIBRATION_TEXT), so it opens as served chats
     open; on fixed ids spread over the vocabulary a tq4+prerope pool answered this question with noise."""

@@ -56,17 +56,17 @@ def test_a_forked_child_holds_its_parents_entry():
 
 
 def test_pool_bytes_are_blocks_shared_state_and_a_sink_entry_per_batch_slot(smollm2):
-    engine = Engine(smollm2, cache="tq4+prerope+sink1", kv_budget="6MiB", max_batch=3)
+    engine = Engine(smollm2, cache="tq-k4v4+prerope+sink1", kv_budget="6MiB", max_batch=3)
     cap, cfg = engine.capacity, smollm2.config
     entry = cfg.n_layers * 1 * cfg.n_kv_heads * 2 * cfg.head_dim * 4          # one fp32 token, K and V, every layer
-    assert cap.sequence_bytes == entry and cap.block_bytes == Engine(smollm2, cache="tq4", kv_budget="6MiB").capacity.block_bytes
+    assert cap.sequence_bytes == entry and cap.block_bytes == Engine(smollm2, cache="tq-k4v4", kv_budget="6MiB").capacity.block_bytes
     assert engine.pool.nbytes == cap.n_blocks * cap.block_bytes + cap.shared_bytes + 3 * entry == cap.pool_bytes
 
 
 def test_cached_prefix_blocks_are_used_only_while_their_sink_rows_are_held(smollm2):
     """A one-entry pool: the second prompt with the first's opening takes its cached blocks; once a third prompt with
     another opening took the entry, the same prompt computes from the start (and gives the same tokens)."""
-    engine = Engine(smollm2, cache="tq4+sink1", kv_budget="8MiB", max_batch=1)
+    engine = Engine(smollm2, cache="tq-k4v4+sink1", kv_budget="8MiB", max_batch=1)
     system = ids_of(smollm2, 37)
 
     def run(prompt):
@@ -113,8 +113,8 @@ def test_rows_that_read_no_coded_key_take_the_sink_rows_alone():
 
     g = CacheGeometry(n_layers=1, n_kv_heads=2, head_dim=16, n_heads=4, capacity=512)
     gen = torch.Generator().manual_seed(0)
-    fmt = block_format("tq4+sink300", g, 512)
-    plan = with_(CapacityPlan.build(g, "tq4+sink300", 10**9, 512, max_batch=1), n_blocks=2)
+    fmt = block_format("tq-k4v4+sink300", g, 512)
+    plan = with_(CapacityPlan.build(g, "tq-k4v4+sink300", 10**9, 512, max_batch=1), n_blocks=2)
     k, v, q = (torch.randn(200, h, 16, generator=gen) for h in (2, 2, 4))      # (T, Hkv|H, D)
     want = grouped_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], 0.25)[0].transpose(0, 1)
     for use_kernel in (True, False):

@@ -36,11 +36,11 @@ from .test_causal_caches import CHUNKS, SAME, chunked_logits, two_sequences
 
 # GEOMETRY has 3 layers: each recipe sums to 3·(key bits + value bits)
 BASES = {  # recipe name: (the uniform cache, the name without a recipe)
-    "tq4+alloc=k345v444": ("tq4", "tq4+alloc"),
+    "tq-k4v4+alloc=k345v444": ("tq-k4v4", "tq-k4v4+alloc"),
     "tq3+alloc=k234v333+sink2": ("tq3+sink2", "tq3+alloc+sink2"),
     "tq-k4v3+alloc=k553v233+recent8": ("tq-k4v3+recent8", "tq-k4v3+alloc+recent8"),
-    "tq4+rot=haar+alloc=k543v354": ("tq4+rot=haar", "tq4+rot=haar+alloc"),
-    "tq4+alloc2=k264v444": ("tq4", "tq4+alloc2"),
+    "tq-k4v4+rot=haar+alloc=k543v354": ("tq-k4v4+rot=haar", "tq-k4v4+rot=haar+alloc"),
+    "tq-k4v4+alloc2=k264v444": ("tq-k4v4", "tq-k4v4+alloc2"),
 }
 NAMES = list(BASES)
 SMALL = WindowProtocol(length=96, prefill=32, chunk=32, n_windows=1)
@@ -70,17 +70,17 @@ def test_attention_reads_exactly_what_each_layer_stores_at_its_own_width(name):
 
 
 def test_every_chunk_reads_what_token_by_token_decoding_reads():
-    check_attend_is_token_by_token("tq4+alloc=k543v354+kweights=none")
+    check_attend_is_token_by_token("tq-k4v4+alloc=k543v354+kweights=none")
 
 
-@pytest.mark.parametrize("name", ["tq4+alloc=k35v44", "tq3+alloc=k24v33+sink1"])
+@pytest.mark.parametrize("name", ["tq-k4v4+alloc=k35v44", "tq3+alloc=k24v33+sink1"])
 def test_the_c_kernel_equals_the_torch_path(name):
     check_code_kernel_equals_the_torch_path(name, seed=1)
 
 
 def test_long_chunks_in_blocks_read_every_layer_at_its_width(monkeypatch):
     g = replace(GEOMETRY, capacity=160)
-    blocked, one_pass = make_cache("tq4+alloc=k534v453", g), make_cache("tq4+alloc=k534v453", g)
+    blocked, one_pass = make_cache("tq-k4v4+alloc=k534v453", g), make_cache("tq-k4v4+alloc=k534v453", g)
     gen = torch.Generator().manual_seed(2)
     for T in (70, 60):
         k, v, q = torch.randn(1, 2, T, 64, generator=gen), torch.randn(1, 2, T, 64, generator=gen), torch.randn(1, 6, T, 64, generator=gen)
@@ -101,10 +101,10 @@ def test_long_chunks_in_blocks_read_every_layer_at_its_width(monkeypatch):
 def test_model_logits_are_causal_and_the_widths_matter():
     model = tiny_model(seed=3, n_heads=4, n_kv_heads=2, d_model=128, max_seq_len=sum(CHUNKS))
     tokens = two_sequences()
-    a = chunked_logits(model, tokens[:1], "tq4+alloc=k35v44", CHUNKS)
-    b = chunked_logits(model, tokens[1:], "tq4+alloc=k35v44", CHUNKS)
+    a = chunked_logits(model, tokens[:1], "tq-k4v4+alloc=k35v44", CHUNKS)
+    b = chunked_logits(model, tokens[1:], "tq-k4v4+alloc=k35v44", CHUNKS)
     assert torch.equal(a[:, :SAME], b[:, :SAME]) and not torch.equal(a[:, SAME:], b[:, SAME:])
-    uniform = chunked_logits(model, tokens[:1], "tq4", CHUNKS)
+    uniform = chunked_logits(model, tokens[:1], "tq-k4v4", CHUNKS)
     assert not torch.equal(a, uniform)                    # the recipe's widths, not the base ones, were read
 
 
@@ -126,8 +126,8 @@ def check_recipe_bytes(name: str, base: str, bare: str) -> None:
 
 
 def test_fixed_state_counts_the_recipe_and_every_held_codebook():
-    cache = make_cache("tq4+alloc=k345v444", GEOMETRY)
-    plain = make_cache("tq4", GEOMETRY)
+    cache = make_cache("tq-k4v4+alloc=k345v444", GEOMETRY)
+    plain = make_cache("tq-k4v4", GEOMETRY)
     assert tuple(cache.recipe.shape) == (3, 2) and cache.recipe.dtype == torch.uint8
     assert cache.recipe.tolist() == [[3, 4], [4, 4], [5, 4]]
     assert sorted(cache.key_books) == sorted(cache.value_books) == [3, 4, 5]
@@ -143,17 +143,17 @@ def test_smollm2_alloc_caches_stay_within_the_issue_budgets():
     from kvlab.model.config import DecoderConfig
 
     smollm2 = DecoderConfig(vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3, d_ff=1536, max_seq_len=8192)
-    per_token = {name: bytes_per_token(name, smollm2)[0] for name in ("tq4", "tq4+alloc", "tq4+alloc2", "tq3+alloc", "tq3+alloc2")}
-    assert max(per_token["tq4+alloc"], per_token["tq4+alloc2"]) <= per_token["tq4"] <= 6227, per_token
+    per_token = {name: bytes_per_token(name, smollm2)[0] for name in ("tq-k4v4", "tq-k4v4+alloc", "tq-k4v4+alloc2", "tq3+alloc", "tq3+alloc2")}
+    assert max(per_token["tq-k4v4+alloc"], per_token["tq-k4v4+alloc2"]) <= per_token["tq-k4v4"] <= 6227, per_token
     assert max(per_token["tq3+alloc"], per_token["tq3+alloc2"]) <= 4702, per_token
     recipe = "k" + "35" * 15 + "v" + "4" * 30
     g = CacheGeometry.for_model(smollm2, capacity=511)
-    assert expected_nbytes(f"tq4+alloc={recipe}", g, torch.bfloat16, 511) == expected_nbytes("tq4+alloc", g, torch.bfloat16, 511)
+    assert expected_nbytes(f"tq-k4v4+alloc={recipe}", g, torch.bfloat16, 511) == expected_nbytes("tq-k4v4+alloc", g, torch.bfloat16, 511)
 
 
 # -- names and bad recipes -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", NAMES + ["tq4+alloc", "tq4+alloc2", "tq4+prerope+alloc+sink1+seed2"])
+@pytest.mark.parametrize("name", NAMES + ["tq-k4v4+alloc", "tq-k4v4+alloc2", "tq-k4v4+prerope+alloc+sink1+seed2"])
 def test_names_round_trip(name):
     _, config = parse(name)
     assert parse(config.name)[1] == config
@@ -161,17 +161,17 @@ def test_names_round_trip(name):
 
 
 @pytest.mark.parametrize("name, words", [
-    ("tq4+alloc=k34v44", "not the uniform"),
-    ("tq4+alloc=k3x5v444", "bad +alloc recipe"),
-    ("tq4+alloc=k345v44", "bad +alloc recipe"),
-    ("tq4+alloc=k246v444", "outside 3..5"),
-    ("tq4+alloc=k35v44", "2 units (layer), the cache has 3"),
-    ("tq4+qjl+alloc", "without +qjl"),
+    ("tq-k4v4+alloc=k34v44", "not the uniform"),
+    ("tq-k4v4+alloc=k3x5v444", "bad +alloc recipe"),
+    ("tq-k4v4+alloc=k345v44", "bad +alloc recipe"),
+    ("tq-k4v4+alloc=k246v444", "outside 3..5"),
+    ("tq-k4v4+alloc=k35v44", "2 units (layer), the cache has 3"),
+    ("tq-k4v4+qjl+alloc", "without +qjl"),
     ("tq-k4v3.5+alloc=k444v333", "not the rounded-down 22"),
-    ("tq4+fp-first-last+alloc", "every layer"),
-    ("tq4+alloc", "no recipe yet"),
-    ("tq4+alloc3", "spreads the widths by 1 or 2"),
-    ("tq4+alloc=k264v444", "outside 3..5"),
+    ("tq-k4v4+fp-first-last+alloc", "every layer"),
+    ("tq-k4v4+alloc", "no recipe yet"),
+    ("tq-k4v4+alloc3", "spreads the widths by 1 or 2"),
+    ("tq-k4v4+alloc=k264v444", "outside 3..5"),
 ])
 def test_bad_recipes_are_one_line_errors(name, words):
     with pytest.raises(ConfigError) as err:
@@ -181,7 +181,7 @@ def test_bad_recipes_are_one_line_errors(name, words):
 
 def test_a_head_dim_that_is_not_whole_bytes_is_refused():
     with pytest.raises(ConfigError, match="multiple of 8"):
-        make_cache("tq4+alloc=k35v44", CacheGeometry(n_layers=2, n_kv_heads=1, head_dim=36, capacity=8))
+        make_cache("tq-k4v4+alloc=k35v44", CacheGeometry(n_layers=2, n_kv_heads=1, head_dim=36, capacity=8))
 
 
 # -- the allocator -------------------------------------------------------------------------------------------
@@ -210,7 +210,7 @@ def test_equal_harms_keep_the_base_widths():
 
 def test_the_calibration_pass_is_deterministic_and_orders_the_widths():
     model = small_model()
-    config = parse("tq4+alloc")[1]
+    config = parse("tq-k4v4+alloc")[1]
     ticks = []
     first = calibrate.measure_harms(model, windows_of(1), config, SMALL, lambda: ticks.append(1))
     again = calibrate.measure_harms(model, windows_of(1), config, SMALL)
@@ -249,30 +249,30 @@ def loaded(tmp_path, monkeypatch):
 
 
 def test_the_engine_calibrates_once_stores_the_recipe_and_reads_it_back(loaded, monkeypatch):
-    cache = KvlabEngine(loaded).make_cache("tq4+alloc+seed1", 64)
+    cache = KvlabEngine(loaded).make_cache("tq-k4v4+alloc+seed1", 64)
     assert isinstance(cache, TurboQuantCache) and len(cache.config.key_alloc) == 2 and cache.config.seed == 1
     stored = list((calibrate.recipe_dir()).glob("*.json"))
     assert len(stored) == 1
     record = json.loads(stored[0].read_text())
-    assert record["cache"] == "tq4+alloc" and record["model_sha256"] == calibrate.model_digest(loaded.path)
+    assert record["cache"] == "tq-k4v4+alloc" and record["model_sha256"] == calibrate.model_digest(loaded.path)
     assert (tuple(record["keys"]), tuple(record["values"])) == (cache.config.key_alloc, cache.config.value_alloc)
     calibrate._MEMO.clear()                                # from disk now, not calibrated again
     monkeypatch.setattr(calibrate, "measure_harms", lambda *a, **k: pytest.fail("calibrated twice"))
-    assert calibrate.resolve("tq4+alloc", loaded) == replace(cache.config, seed=0).name
-    assert calibrate.resolve("tq4", loaded) == "tq4"
+    assert calibrate.resolve("tq-k4v4+alloc", loaded) == replace(cache.config, seed=0).name
+    assert calibrate.resolve("tq-k4v4", loaded) == "tq-k4v4"
 
 
 @pytest.mark.parametrize("damage", ["not json", "other model", "bad widths"])
 def test_a_stored_recipe_that_does_not_fit_is_a_one_line_error(loaded, damage):
     digest = calibrate.model_digest(loaded.path)
-    path = calibrate.recipe_dir() / f"{digest[:16]}-tq4+alloc.json"
+    path = calibrate.recipe_dir() / f"{digest[:16]}-tq-k4v4+alloc.json"
     path.parent.mkdir(parents=True)
-    record = {"format": 1, "model_sha256": digest, "cache": "tq4+alloc", "keys": [5, 4], "values": [4, 3]}
+    record = {"format": 1, "model_sha256": digest, "cache": "tq-k4v4+alloc", "keys": [5, 4], "values": [4, 3]}
     if damage == "other model":
         record["model_sha256"] = "0" * 64
     if damage == "bad widths":
         record["keys"] = [5, 5]
     path.write_text("{oops" if damage == "not json" else json.dumps(record))
     with pytest.raises(ConfigError) as err:
-        calibrate.resolve("tq4+alloc", loaded)
+        calibrate.resolve("tq-k4v4+alloc", loaded)
     assert "delete it" in str(err.value) and "\n" not in str(err.value)

@@ -33,10 +33,10 @@ from .test_tq_alloc import SMALL, check_recipe_bytes, loaded, small_model, windo
 
 # GEOMETRY: 3 layers × 2 KV heads = 6 units; each recipe sums to 6·(key bits + value bits)
 BASES = {  # recipe name: (the uniform cache, the name without a recipe)
-    "tq4+halloc=k354453v444444": ("tq4", "tq4+halloc"),
+    "tq-k4v4+halloc=k354453v444444": ("tq-k4v4", "tq-k4v4+halloc"),
     "tq3+halloc=k243342v333333+sink2": ("tq3+sink2", "tq3+halloc+sink2"),
     "tq-k4v3+halloc=k555333v234432+recent8": ("tq-k4v3+recent8", "tq-k4v3+halloc+recent8"),
-    "tq4+halloc2=k264444v444444": ("tq4", "tq4+halloc2"),
+    "tq-k4v4+halloc2=k264444v444444": ("tq-k4v4", "tq-k4v4+halloc2"),
 }
 NAMES = list(BASES)
 # a fractional base spends the budget rounded down, floor(6·(key bits + value bits)) bits per token, around the
@@ -97,7 +97,7 @@ def test_attention_reads_exactly_what_each_head_stores(name):
 
 
 def test_every_chunk_reads_what_token_by_token_decoding_reads():
-    check_attend_is_token_by_token("tq4+halloc=k534453v453354+kweights=none")
+    check_attend_is_token_by_token("tq-k4v4+halloc=k534453v453354+kweights=none")
 
 
 def test_model_logits_are_causal_and_the_head_widths_matter():
@@ -105,11 +105,11 @@ def test_model_logits_are_causal_and_the_head_widths_matter():
 
     model = tiny_model(seed=3, n_heads=4, n_kv_heads=2, d_model=128, max_seq_len=sum(CHUNKS))
     tokens = two_sequences()
-    a = chunked_logits(model, tokens[:1], "tq4+prerope+halloc=k3553v4444", CHUNKS)
-    b = chunked_logits(model, tokens[1:], "tq4+prerope+halloc=k3553v4444", CHUNKS)
+    a = chunked_logits(model, tokens[:1], "tq-k4v4+prerope+halloc=k3553v4444", CHUNKS)
+    b = chunked_logits(model, tokens[1:], "tq-k4v4+prerope+halloc=k3553v4444", CHUNKS)
     assert torch.equal(a[:, :SAME], b[:, :SAME]) and not torch.equal(a[:, SAME:], b[:, SAME:])
-    per_layer = chunked_logits(model, tokens[:1], "tq4+prerope+alloc=k44v44", CHUNKS)   # the same total, by layer
-    swapped = chunked_logits(model, tokens[:1], "tq4+prerope+halloc=k5335v4444", CHUNKS)
+    per_layer = chunked_logits(model, tokens[:1], "tq-k4v4+prerope+alloc=k44v44", CHUNKS)   # the same total, by layer
+    swapped = chunked_logits(model, tokens[:1], "tq-k4v4+prerope+halloc=k5335v4444", CHUNKS)
     assert not torch.equal(a, per_layer) and not torch.equal(a, swapped)   # each head's own widths were read
 
 
@@ -138,8 +138,8 @@ def test_a_fractional_base_spends_the_rounded_down_budget_and_reads_what_it_stor
 
 
 def test_the_recipe_is_held_one_byte_per_width_per_layer_and_head():
-    cache = make_cache("tq4+halloc=k354453v444444", GEOMETRY)
-    per_layer = make_cache("tq4+alloc=k444v444", GEOMETRY)
+    cache = make_cache("tq-k4v4+halloc=k354453v444444", GEOMETRY)
+    per_layer = make_cache("tq-k4v4+alloc=k444v444", GEOMETRY)
     assert tuple(cache.recipe.shape) == (3, 2, 2) and cache.recipe.dtype == torch.uint8
     assert cache.recipe[:, :, 0].flatten().tolist() == [3, 5, 4, 4, 5, 3]
     assert cache.state_nbytes() - per_layer.state_nbytes() == 3 * 2 * 2 - 3 * 2   # the same codebooks held
@@ -152,19 +152,19 @@ def test_smollm2_halloc_caches_stay_within_the_issue_budgets():
     from kvlab.model.config import DecoderConfig
 
     smollm2 = DecoderConfig(vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3, d_ff=1536, max_seq_len=8192)
-    per_token = {name: bytes_per_token(name, smollm2)[0] for name in ("tq4", "tq4+halloc", "tq4+prerope+sink1+halloc", "tq3+halloc")}
-    assert max(per_token["tq4+halloc"], per_token["tq4+prerope+sink1+halloc"]) <= 6227, per_token
+    per_token = {name: bytes_per_token(name, smollm2)[0] for name in ("tq-k4v4", "tq-k4v4+halloc", "tq-k4v4+prerope+sink1+halloc", "tq3+halloc")}
+    assert max(per_token["tq-k4v4+halloc"], per_token["tq-k4v4+prerope+sink1+halloc"]) <= 6227, per_token
     assert per_token["tq3+halloc"] <= 4702, per_token
     g = CacheGeometry.for_model(smollm2, capacity=511)
     recipe = "k" + "35" * 45 + "v" + "4" * 90
-    assert expected_nbytes(f"tq4+halloc={recipe}", g, torch.bfloat16, 511) == expected_nbytes("tq4+halloc", g, torch.bfloat16, 511)
-    assert (expected_nbytes("tq4+halloc", g, torch.bfloat16, 511) - expected_nbytes("tq4+alloc", g, torch.bfloat16, 511)
+    assert expected_nbytes(f"tq-k4v4+halloc={recipe}", g, torch.bfloat16, 511) == expected_nbytes("tq-k4v4+halloc", g, torch.bfloat16, 511)
+    assert (expected_nbytes("tq-k4v4+halloc", g, torch.bfloat16, 511) - expected_nbytes("tq-k4v4+alloc", g, torch.bfloat16, 511)
             == 30 * 3 * 2 - 30 * 2)
 
 
 # -- names and bad recipes -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", NAMES + ["tq4+halloc", "tq4+halloc2", "tq4+prerope+halloc+sink1+seed2",
+@pytest.mark.parametrize("name", NAMES + ["tq-k4v4+halloc", "tq-k4v4+halloc2", "tq-k4v4+prerope+halloc+sink1+seed2",
                                           "tq-k3v2.95+prerope+sink1+halloc", *FRACTIONAL])
 def test_names_round_trip(name):
     _, config = parse(name)
@@ -173,18 +173,18 @@ def test_names_round_trip(name):
 
 
 @pytest.mark.parametrize("name, words", [
-    ("tq4+halloc=k345v444", "3 units (layer and KV head), the cache has 6"),     # a per-layer recipe
-    ("tq4+halloc=k354453v44444", "bad +halloc recipe"),
-    ("tq4+halloc=k35x453v444444", "bad +halloc recipe"),
-    ("tq4+halloc=k354454v444444", "not the uniform"),
-    ("tq4+halloc=k264444v444444", "outside 3..5"),
-    ("tq4+halloc", "no recipe yet"),
-    ("tq4+halloc3", "+halloc spreads the widths by 1 or 2"),
-    ("tq4+qjl+halloc", "without +qjl"),
+    ("tq-k4v4+halloc=k345v444", "3 units (layer and KV head), the cache has 6"),     # a per-layer recipe
+    ("tq-k4v4+halloc=k354453v44444", "bad +halloc recipe"),
+    ("tq-k4v4+halloc=k35x453v444444", "bad +halloc recipe"),
+    ("tq-k4v4+halloc=k354454v444444", "not the uniform"),
+    ("tq-k4v4+halloc=k264444v444444", "outside 3..5"),
+    ("tq-k4v4+halloc", "no recipe yet"),
+    ("tq-k4v4+halloc3", "+halloc spreads the widths by 1 or 2"),
+    ("tq-k4v4+qjl+halloc", "without +qjl"),
     ("tq-k3v2.95+halloc=k333333v333333", "not the rounded-down 35"),
     ("tq-k3v2.95+halloc=k333333v333311", "outside 2..4"),
-    ("tq4+fp-first-last+halloc", "every layer"),
-    ("tq4+alloc+halloc", "two bit allocations"),
+    ("tq-k4v4+fp-first-last+halloc", "every layer"),
+    ("tq-k4v4+alloc+halloc", "two bit allocations"),
 ])
 def test_bad_recipes_are_one_line_errors(name, words):
     with pytest.raises(ConfigError) as err:
@@ -192,10 +192,12 @@ def test_bad_recipes_are_one_line_errors(name, words):
     assert words in str(err.value) and "\n" not in str(err.value)
 
 
-def test_the_serving_pool_refuses_per_head_widths():
-    with pytest.raises(ConfigError) as err:
-        block_format("tq4+halloc=k354453v444444", GEOMETRY, 16)
-    assert "without +halloc" in str(err.value) and "\n" not in str(err.value)
+def test_the_serving_pool_holds_per_head_widths_at_the_uniform_bytes():
+    """Blocks of any recipe cost what the uniform cache's do (the budget's codes); the recipe is shared state (its
+    attention in the pool: tests/test_serve_compressed.py, tests/test_serve_codes_kernel.py)."""
+    held = block_format("tq-k4v4+halloc=k354453v444444", GEOMETRY, 16)
+    uniform = block_format("tq-k4v4", GEOMETRY, 16)
+    assert held.block_bytes == uniform.block_bytes == 16 * 3 * 2 * 2 * (32 + 2)   # 16 tokens, 3 layers, 2 heads, K and V
 
 
 # -- the allocator over (layer, head) units ------------------------------------------------------------------
@@ -237,9 +239,9 @@ def test_the_calibration_shares_each_layers_kl_over_its_heads():
     from .conftest import tiny_model
 
     model = tiny_model(seed=3, n_heads=2, n_kv_heads=2, d_model=64, max_seq_len=SMALL.length)    # head dim 32, 2 layers
-    heads, layers = calibrate.measure_harms(model, windows_of(1), parse("tq4+halloc")[1], SMALL), \
-        calibrate.measure_harms(model, windows_of(1), parse("tq4+alloc")[1], SMALL)
-    assert heads == calibrate.measure_harms(model, windows_of(1), parse("tq4+halloc")[1], SMALL)   # deterministic
+    heads, layers = calibrate.measure_harms(model, windows_of(1), parse("tq-k4v4+halloc")[1], SMALL), \
+        calibrate.measure_harms(model, windows_of(1), parse("tq-k4v4+alloc")[1], SMALL)
+    assert heads == calibrate.measure_harms(model, windows_of(1), parse("tq-k4v4+halloc")[1], SMALL)   # deterministic
     H = model.config.n_kv_heads
     assert len(heads.keys) == len(heads.values) == model.config.n_layers * H
     for per_head, per_layer in ((heads.keys, layers.keys), (heads.values, layers.values)):
@@ -248,13 +250,13 @@ def test_the_calibration_shares_each_layers_kl_over_its_heads():
             assert sum(h[4] for h in shares) == pytest.approx(whole[4], rel=1e-9)   # the layer's KL, shared out
             for h in shares:
                 assert h[3] > h[4] > h[5] > 0
-    keys, values = calibrate.recipe_from(heads, parse("tq4+halloc")[1])
+    keys, values = calibrate.recipe_from(heads, parse("tq-k4v4+halloc")[1])
     assert len(keys) == 4 and sum(keys) + sum(values) == 4 * 8
 
 
 def test_a_fractional_base_allocates_from_its_whole_bases_stored_pass(loaded, monkeypatch):
     """tq-k4v3.5+halloc measures what tq4+halloc measured (the centre widths 4 and 4): no second pass, its own budget."""
-    whole = calibrate.resolve("tq4+halloc", loaded)
+    whole = calibrate.resolve("tq-k4v4+halloc", loaded)
     monkeypatch.setattr(calibrate, "measure_harms", lambda *a, **k: pytest.fail("calibrated twice"))
     config = parse(calibrate.resolve("tq-k4v3.5+halloc", loaded))[1]
     units = loaded.config.n_layers * loaded.config.n_kv_heads
@@ -264,21 +266,21 @@ def test_a_fractional_base_allocates_from_its_whole_bases_stored_pass(loaded, mo
 
 
 def test_the_engine_calibrates_a_per_head_recipe_and_reads_it_back(loaded, monkeypatch):
-    cache = KvlabEngine(loaded).make_cache("tq4+halloc+seed1", 64)
+    cache = KvlabEngine(loaded).make_cache("tq-k4v4+halloc+seed1", 64)
     units = loaded.config.n_layers * loaded.config.n_kv_heads
     assert isinstance(cache, TurboQuantCache) and cache.config.alloc_heads and len(cache.config.key_alloc) == units
     stored = list(calibrate.recipe_dir().glob("*halloc*.json"))
     assert len(stored) == 1
     record = json.loads(stored[0].read_text())
-    assert record["cache"] == "tq4+halloc" and len(record["keys"]) == units
+    assert record["cache"] == "tq-k4v4+halloc" and len(record["keys"]) == units
     calibrate._MEMO.clear()
     monkeypatch.setattr(calibrate, "measure_harms", lambda *a, **k: pytest.fail("calibrated twice"))
-    assert calibrate.resolve("tq4+halloc", loaded) == replace(cache.config, seed=0).name
+    assert calibrate.resolve("tq-k4v4+halloc", loaded) == replace(cache.config, seed=0).name
     record["keys"] = record["keys"][:-1]                                # a stored recipe that does not fit
     stored[0].write_text(json.dumps(record))
     calibrate._MEMO.clear()
     with pytest.raises(ConfigError) as err:
-        calibrate.resolve("tq4+halloc", loaded)
+        calibrate.resolve("tq-k4v4+halloc", loaded)
     assert "stored +halloc recipe" in str(err.value) and "\n" not in str(err.value)
 
 
@@ -286,8 +288,8 @@ SMOLLM2_HEADS = "k" + "35" * 45 + "v" + "4" * 90                        # 30 lay
 
 
 @pytest.mark.parametrize("name, spelled", [
-    ("tq4+halloc", f"tq4+halloc={SMOLLM2_HEADS}"),                      # the bare name plans a recipe's bytes
-    *[(n, n) for n in ("tq3+prerope+sink1+halloc=k" + "24" * 45 + "v" + "3" * 90, "tq4+alloc=k" + "35" * 15 + "v" + "4" * 30)],
+    ("tq-k4v4+halloc", f"tq-k4v4+halloc={SMOLLM2_HEADS}"),                      # the bare name plans a recipe's bytes
+    *[(n, n) for n in ("tq3+prerope+sink1+halloc=k" + "24" * 45 + "v" + "3" * 90, "tq-k4v4+alloc=k" + "35" * 15 + "v" + "4" * 30)],
 ])
 def test_the_planner_predicts_the_bytes_of_spelled_and_bare_recipes(name, spelled):
     from kvlab.plan import PlanSettings, get_engine, make_plan

@@ -19,7 +19,20 @@ from kvlab.errors import ConfigError
 from .compressed_checks import GEOMETRY, check_attend_is_exact_chunked_and_token_by_token, check_nbytes, feed
 from .test_key_levers import ROPED
 
-NAMES = ["tq3+norms8", "tq4+norms8+prerope+sink1", "tq3+vq+norms8+halloc=k233344v333332+recent8"]   # 3 layers × 2 heads
+NAMES = ["tq3+norms8", "tq-k4v4+norms8+prerope+sink1", "tq3+vq+norms8+halloc=k233344v333332+recent8"]   # 3 layers × 2 heads
+
+
+def test_a_code_reads_back_as_one_float_exactly_whatever_the_vector_length():
+    """2^(centre + (c-128)/16) as a float32 step times a power of two: the float64 value rounded once, and the same for
+    a slice of any length (exp2's SIMD and scalar paths differ by an ulp; a grown hf cache read back other floats)."""
+    centre = torch.tensor([[2.1875, -3.0625], [0.0, 17.5]], dtype=torch.float16)      # (B, H) multiples of 1/16
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).expand(2, 2, 256)     # (B, H, 256) every code
+    full = _log_norm_values(codes, centre)
+    exact = torch.tensor([[[2.0 ** (c.item() + (k - 128) / 16) if k else 0.0 for k in range(256)] for c in row] for row in centre],
+                         dtype=torch.float64).float()
+    assert torch.equal(full, exact)
+    for n in (1, 7, 15, 16, 17, 33):
+        assert torch.equal(_log_norm_values(codes[..., :n], centre), full[..., :n])
 
 
 def test_codes_read_back_within_half_a_step_and_zero_stays_zero():
@@ -63,8 +76,8 @@ def test_the_centre_is_the_first_coded_chunks_median_and_a_grown_copy_keeps_it()
     assert torch.equal(bigger.dequantized(0)[1], cache.dequantized(0)[1])
 
 
-@pytest.mark.parametrize("name, match", [("tq4+norms8+qjl", r"\+norms8 .* without \+qjl"),
-                                         ("tq4+norms8+bf16norms", r"\+norms8 .* \+bf16norms")])
+@pytest.mark.parametrize("name, match", [("tq-k4v4+norms8+qjl", r"\+norms8 .* without \+qjl"),
+                                         ("tq-k4v4+norms8+bf16norms", r"\+norms8 .* \+bf16norms")])
 def test_bad_combinations_are_one_line_errors(name, match):
     with pytest.raises(ConfigError, match=match) as err:
         make_cache(name, GEOMETRY)

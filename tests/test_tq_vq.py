@@ -27,7 +27,7 @@ from .kernel_checks import require_kernel
 from .test_key_levers import ROPED
 from .test_turboquant import SMOLLM2
 
-NAMES = ["tq3+vq", "tq-k3v2+vq+sink1", "tq2.5+vq+prerope+recent8", "tq4+vq+halloc=k355344v444444"]   # ROPED: 3 layers × 2 KV heads
+NAMES = ["tq3+vq", "tq-k3v2+vq+sink1", "tq2.5+vq+prerope+recent8", "tq-k4v4+vq+halloc=k355344v444444"]   # ROPED: 3 layers × 2 KV heads
 
 
 def unit_vectors(n: int, dim: int, seed: int = 0) -> torch.Tensor:
@@ -105,7 +105,7 @@ def test_the_tq3_class_recipe_with_block_codes_fits_the_issue_budget_on_smollm2(
     assert 4690 < expected_nbytes(name + "+vq", g, torch.bfloat16, 511) / 511 <= 4702
 
 
-@pytest.mark.parametrize("name, match", [("tq4+vq+qjl", r"\+vq .* without \+qjl"), ("tq4+vqq", "unknown option 'vqq'")])
+@pytest.mark.parametrize("name, match", [("tq-k4v4+vq+qjl", r"\+vq .* without \+qjl"), ("tq-k4v4+vqq", "unknown option 'vqq'")])
 def test_bad_names_are_one_line_errors(name, match):
     with pytest.raises(ConfigError, match=match) as err:
         make_cache(name, GEOMETRY)

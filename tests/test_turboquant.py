@@ -58,9 +58,9 @@ def test_rotation_is_orthogonal_seeded_and_per_layer():
         torch.testing.assert_close(Rotation(dim, seed=7).apply(x), rot.apply(x))
         assert not torch.allclose(Rotation(dim, seed=8).apply(x), rot.apply(x))
     assert Rotation(64, 0).nbytes == 64 and Rotation(80, 0).nbytes == 80 * 80 * 4
-    cache = make_cache("tq4", GEOMETRY)
+    cache = make_cache("tq-k4v4", GEOMETRY)
     assert not torch.equal(cache.rotations[0].signs, cache.rotations[1].signs)
-    assert torch.equal(make_cache("tq4", GEOMETRY).rotations[2].signs, cache.rotations[2].signs)
+    assert torch.equal(make_cache("tq-k4v4", GEOMETRY).rotations[2].signs, cache.rotations[2].signs)
 
 
 def test_qjl_inner_products_are_unbiased():
@@ -85,8 +85,8 @@ def test_qjl_inner_products_are_unbiased():
     assert mse.mean().item() / truth == pytest.approx(2 / math.pi, abs=0.05)
 
 
-@pytest.mark.parametrize("name", ["tq4", "tq3", "tq2.5", "tq-k4v3", "tq3+qjl", "tq3+recent8", "tq2+fp-first-last+recent40",
-                                  "tq4+kscale=lsq+vscale=renorm", "tq3+kscale=unbiased+bf16norms", "tq3+center=kv+recent8", "tq3+center=k", "tq3+center=none+kscale=norm",
+@pytest.mark.parametrize("name", ["tq-k4v4", "tq3", "tq2.5", "tq-k4v3", "tq3+qjl", "tq3+recent8", "tq2+fp-first-last+recent40",
+                                  "tq-k4v4+kscale=lsq+vscale=renorm", "tq3+kscale=unbiased+bf16norms", "tq3+center=kv+recent8", "tq3+center=k", "tq3+center=none+kscale=norm",
                                   "tq3+sink7", "tq3+sink2+recent8", "tq3+sink200"])
 def test_attend_equals_dense_attention_over_dequantized(name):
     check_attend_is_exact_to_storage(name)
@@ -98,13 +98,13 @@ def test_non_power_of_two_head_dim():
 
 
 def test_reconstruction_error_matches_the_codebook():
-    k_err, v_err = relative_error("tq4")
+    k_err, v_err = relative_error("tq-k4v4")
     assert k_err == pytest.approx(math.sqrt(0.0091), rel=0.1) and v_err == pytest.approx(math.sqrt(0.0091), rel=0.1)
-    assert relative_error("tq4", scale=1e3)[0] == pytest.approx(k_err, rel=1e-2)  # scale-free
+    assert relative_error("tq-k4v4", scale=1e3)[0] == pytest.approx(k_err, rel=1e-2)  # scale-free
 
 
-@pytest.mark.parametrize("name", ["tq4", "tq3", "tq3.5", "tq2.5", "tq-k4v3", "tq4+qjl", "tq3+recent64", "tq3+fp-first-last",
-                                  "tq4+sink1", "tq3+sink4+recent8", "tq3+sink600"])
+@pytest.mark.parametrize("name", ["tq-k4v4", "tq3", "tq3.5", "tq2.5", "tq-k4v3", "tq-k4v4+qjl", "tq3+recent64", "tq3+fp-first-last",
+                                  "tq-k4v4+sink1", "tq3+sink4+recent8", "tq3+sink600"])
 def test_nbytes_equals_formula(name):
     check_nbytes(name)
     check_nbytes(name, SMOLLM2)
@@ -116,8 +116,8 @@ def test_smollm2_bytes_per_token_meet_the_targets():
     # sign vectors per layer, K and V codebooks + byte tables (4 bits), fp8 key offsets and 4-bit key
     # channel weights per layer and head
     fixed = 30 * 64 + 4 * (16 + 15 + 256 * 2) * 2 + 30 * 3 * 64 + 30 * 3 * 32
-    assert expected_nbytes("tq4", SMOLLM2, torch.bfloat16, 511) == 30 * 3 * 2 * (32 + 2) * 511 + fixed
-    assert expected_nbytes("tq4", SMOLLM2, torch.bfloat16, 511) / 511 <= 6227
+    assert expected_nbytes("tq-k4v4", SMOLLM2, torch.bfloat16, 511) == 30 * 3 * 2 * (32 + 2) * 511 + fixed
+    assert expected_nbytes("tq-k4v4", SMOLLM2, torch.bfloat16, 511) / 511 <= 6227
     assert expected_nbytes("tq3", SMOLLM2, torch.bfloat16, 511) / 511 <= 4702
 
 
@@ -143,19 +143,19 @@ def test_zero_constant_and_large_vectors():
 
 @pytest.mark.parametrize("bad", [float("nan"), float("-inf")])
 def test_non_finite_is_a_one_line_error(bad):
-    check_non_finite_is_a_one_line_error("tq4", bad, "v")
+    check_non_finite_is_a_one_line_error("tq-k4v4", bad, "v")
 
 
 def test_key_offset_comes_from_the_first_append_and_costs_fp8_bytes():
-    cache = make_cache("tq4", GEOMETRY)
+    cache = make_cache("tq-k4v4", GEOMETRY)
     k = torch.randn(1, 2, 16, 64) + 5.0
     cache.append(0, k, torch.randn(1, 2, 16, 64))
     assert cache.k_offset[0].dtype == torch.float8_e4m3fn
     torch.testing.assert_close(cache.k_offset[0].float(), k.mean(dim=2), atol=0.4, rtol=0.07)
     assert not cache.v_offset
-    plain = make_cache("tq4+center=none", GEOMETRY)
+    plain = make_cache("tq-k4v4+center=none", GEOMETRY)
     assert cache.nbytes - plain.nbytes == GEOMETRY.n_layers * GEOMETRY.n_kv_heads * 64
-    short = make_cache("tq4", GEOMETRY)
+    short = make_cache("tq-k4v4", GEOMETRY)
     short.append(0, k[:, :, :1], k[:, :, :1])  # one token: too few to estimate an offset
     assert short.k_offset[0].float().abs().sum() == 0
 
@@ -166,7 +166,7 @@ def test_bad_configurations():
     with pytest.raises(ConfigError, match="at least 2"):
         make_cache("tq1+qjl", GEOMETRY)
     with pytest.raises(ConfigError, match="scale mode"):
-        make_cache("tq4+kscale=magic", GEOMETRY)
+        make_cache("tq-k4v4+kscale=magic", GEOMETRY)
 
 
 def test_decode_steps_match_one_prefill():
@@ -212,9 +212,9 @@ def test_key_weights_follow_the_queries_and_cut_the_score_error():
 
 
 def test_key_weights_cost_four_bits_per_channel_and_head():
-    with_weights, without = make_cache("tq4", GEOMETRY), make_cache("tq4+kweights=none", GEOMETRY)
+    with_weights, without = make_cache("tq-k4v4", GEOMETRY), make_cache("tq-k4v4+kweights=none", GEOMETRY)
     assert with_weights.nbytes - without.nbytes == GEOMETRY.n_layers * GEOMETRY.n_kv_heads * 64 // 2
-    assert make_cache("tq4+kweights=none", GEOMETRY).config.name == "tq4+kweights=none"
+    assert make_cache("tq-k4v4+kweights=none", GEOMETRY).config.name == "tq-k4v4+kweights=none"
 
 
 @pytest.mark.parametrize("name", ["tq3+sink7", "int4+sink7+recent8"])
@@ -241,7 +241,7 @@ def test_two_appends_before_any_read_stay_exact():
     assert ((k - torch.cat([k1, k2], dim=2)).norm() / k.norm()) < 0.25
 
 
-@pytest.mark.parametrize("name", ["tq4", "tq4+sink1", "tq-k4v3", "tq4+kweights=none", "tq4+center=kv"])
+@pytest.mark.parametrize("name", ["tq-k4v4", "tq-k4v4+sink1", "tq-k4v3", "tq-k4v4+kweights=none", "tq-k4v4+center=kv"])
 def test_four_bit_code_lookups_equal_the_torch_path(name):
     """4-bit codes scored and mixed in C (kernels/codebook.c) against torch's decode-then-matmul (tq-k4v3: 4-bit keys,
     3-bit values; every other width: tests/test_tq_kernels.py)."""
@@ -254,3 +254,32 @@ def test_a_width_that_does_not_split_the_head_dim_is_one_line_error_for_the_form
         with pytest.raises(ConfigError, match="4.12 bits does not split a head dim of 64") as err:
             build()
         assert "\n" not in str(err.value)
+
+
+def test_tq4_is_the_preset_recipe_and_the_bare_method_is_tq_k4v4():
+    """`tq4` stands for the recommended recipe (cache/names.py PRESETS); options after it apply to the recipe; the bare
+    4-bit method prints as tq-k4v4, so every printed name reads back as the cache it names."""
+    from kvlab.cache.names import PRESETS, parse
+
+    recipe = PRESETS["tq4"]
+    _, config = parse("tq4")
+    assert config.name == recipe == "tq4.125+prerope+norms8+sink1+kscale=lsq+vscale=lsq"
+    assert config.pre_rope and config.log_norms and config.full.sink == 1 and config.key_bits == config.value_bits == 4.125
+    assert parse("TQ4+seed1")[1] == parse(recipe + "+seed1")[1]
+    assert parse("tq4+kscale=renorm")[1].key_scale == "renorm"                  # a later option overrides the recipe's
+    bare = parse("tq-k4v4")[1]
+    assert bare.name == "tq-k4v4" and not bare.pre_rope and not bare.log_norms and not bare.full.sink
+    assert parse(bare.name)[1] == bare and parse(config.name)[1] == config
+    with pytest.raises(ConfigError, match="norms8") as err:                     # the recipe's 8-bit scales refuse +qjl
+        parse("tq4+qjl")
+    assert "\n" not in str(err.value)
+
+
+def test_the_tq4_preset_meets_the_4_bit_budget_on_smollm2():
+    """Issue 13's tq4 class: at most 6,227 B/token (511 tokens, bf16): the sink token and the RoPE frequencies are paid
+    for by the byte each 8-bit scale frees."""
+    roped = CacheGeometry(n_layers=30, n_kv_heads=3, head_dim=64, capacity=511, n_heads=9,
+                          rope_inv_freq=tuple(100000.0 ** (-i / 32) for i in range(32)))
+    preset = expected_nbytes("tq4", roped, torch.bfloat16, 511)
+    assert preset == make_cache("tq4", roped, dtype=torch.bfloat16).nbytes
+    assert expected_nbytes("tq-k4v4", roped, torch.bfloat16, 511) < preset <= 6227 * 511

@@ -82,7 +82,7 @@ class KvlabEngine:
         from .eval.calibrate import resolve
 
         geometry = CacheGeometry.for_model(self.loaded.config, batch=1, capacity=capacity)
-        name = resolve(name, self.loaded)  # tq4+alloc: the recipe calibrated for this model, spelled out
+        name = resolve(name, self.loaded)  # tq-k4v4+alloc: the recipe calibrated for this model, spelled out
         return make_cache(name, geometry, self.loaded.dtype, self.loaded.device)
 
     def bytes_per_token(self, name: str, tokens: int, dtype: torch.dtype, first: int | None = None,

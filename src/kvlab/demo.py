@@ -8,7 +8,7 @@ from rich.table import Table
 from .session import run_generation
 
 PROMPT = "Explain in two sentences why a KV cache makes text generation faster."
-TOUR_CACHES = ("dense", "none", "concat", "int8", "int4", "tq4+sink1", "tq3")
+TOUR_CACHES = ("dense", "none", "concat", "int8", "int4", "tq4", "tq3")
 
 
 def run_demo(model: str | None, max_new_tokens: int, console: Console) -> None:

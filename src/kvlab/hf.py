@@ -1,7 +1,7 @@
 """kvlab's caches inside transformers: a `transformers.Cache` whose layers store K/V in kvlab's formats.
 
     from kvlab.hf import KVLabCache
-    cache = KVLabCache.from_name("tq4+sink1", model.config)
+    cache = KVLabCache.from_name("tq4", model.config)
     out = model.generate(**inputs, cache=cache, max_new_tokens=64)   # past_key_values=cache before transformers 5
     print(cache.nbytes)                                              # every buffer the cache holds
 
@@ -31,8 +31,12 @@ does not hand to a cache. `read_queries(model)` switches the model to an attenti
 a hand-off) that gives each full-attention layer's first chunk its queries before it is coded, exactly as
 kvlab's engine calibrates; caches built from `model.config` after it use it (`kvlab eval/generate --backend
 transformers` do). Without it, and in sliding-window segments, the weights are calibrated from the keys alone
-(measured on SmolLM2, one 512-token window: tq4 ΔPPL +5.5% from the keys alone, +3.4% with the queries;
+(measured on SmolLM2, one 512-token window: tq-k4v4 (then `tq4`) ΔPPL +5.5% from the keys alone, +3.4% with the queries;
 kvlab's engine +2.6%, the rest being coding noise: tests/test_hf_backend.py).
+
+The preset `tq4` (cache/names.py) codes keys before RoPE in kvlab's engine; transformers hands a cache keys after
+RoPE, so here `tq4` is the preset without `+prerope` (tq4.125+norms8+sink1+kscale=lsq+vscale=lsq), and a name that
+asks for `+prerope` itself is refused.
 
 Known differences from kvlab's engine: a compressed layer dequantizes all its tokens at every step (as
 QuantizedCache does) instead of attending on the codes. Beam search, `crop` and row
@@ -52,7 +56,7 @@ from .cache import CacheGeometry, ConcatCache, DenseCache, KVCache, cache_names
 from .cache.base import copy_prefix
 from .cache.compressed import CompressedCache
 from .cache.turboquant import TurboQuantCache
-from .cache.names import is_compressed_name, parse as parse_compressed
+from .cache.names import PRESETS, is_compressed_name, parse as parse_compressed
 from .errors import ConfigError, UnsupportedArchitectureError
 
 try:
@@ -90,6 +94,9 @@ class CacheFormat:
             raise ConfigError("cache 'none' keeps nothing between forward passes; a transformers cache must (use dense, int8, tq4, ...)")
         if is_compressed_name(key):
             cache_cls, config = parse_compressed(key)
+            head, *options = key.split("+")
+            if head in PRESETS and "prerope" not in options:   # the preset as transformers can hold it (see above)
+                config = replace(config, pre_rope=False)
             if getattr(config, "pre_rope", False):
                 raise ConfigError(f"cache {name!r}: +prerope codes keys before RoPE, but transformers hands a cache keys "
                                   "after RoPE; use it in kvlab's own engine, or drop +prerope")
@@ -361,7 +368,7 @@ class SlidingLayer(_KVLabLayer):
 
 
 class KVLabCache(Cache):
-    """A transformers Cache storing K/V in the kvlab cache called `name` (dense, int8, int4, tq4, tq4+sink1, ...).
+    """A transformers Cache storing K/V in the kvlab cache called `name` (dense, int8, int4, tq4, tq-k4v4+sink1, ...).
 
     `config` is the model's config (`model.config`): it tells the layers and which of them use a sliding
     window. Batch, KV heads, head dims, dtype and device are read off the first `update`.

@@ -106,7 +106,7 @@ def run_context_bench(model_name, contexts: list[int], caches: list[str], repeat
         geometry = CacheGeometry.for_model(loaded.config, capacity=1)
         from ..eval.calibrate import resolve   # the compressed formats load for compressed names only
 
-        # the cache each name builds: tq4+halloc spelled out with the recipe calibrated for this model
+        # the cache each name builds: tq-k4v4+halloc spelled out with the recipe calibrated for this model
         built = {name: name if is_peer(name) else resolve(name, loaded) for name in caches}
         for name in caches:   # every name (and its bytes) checked before anything runs
             if not is_peer(name):

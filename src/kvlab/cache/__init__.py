@@ -92,6 +92,8 @@ def describe_formula(name: str, geometry: CacheGeometry, dtype: torch.dtype) -> 
         text += f"; the newest {config.full.recent} tokens of every layer in {dtype_name}"
     if config.full.first_last:
         text += f"; layers 0 and {geometry.n_layers - 1} whole in {dtype_name}"
+    if config.name != key:   # a preset (tq4): the recipe it stands for first
+        text = f"{config.name}: {text}"
     return text
 
 

@@ -2,7 +2,7 @@
 checks and the allocator.
 
 A recipe gives every layer its own key width and value width, integers within N bits of the base name's
-(`+allocN`, N = 1 or 2; `+alloc` is N = 1: tq4+alloc takes 3, 4 or 5 bits, tq4+alloc2 2..6), with the
+(`+allocN`, N = 1 or 2; `+alloc` is N = 1: tq-k4v4+alloc takes 3, 4 or 5 bits, tq-k4v4+alloc2 2..6), with the
 same total as the uniform cache: the widths of all layers, keys and values together, sum to
 n_layers·(key bits + value bits). Keys and values have the same head dim in TurboQuant, and with a head
 dim that is a multiple of 8 a vector's codes cost exactly d·b/8 bytes, so the codes of every token cost
@@ -19,15 +19,15 @@ unit-bits of tq3's 540 per SmolLM2 token). The codes then cost budget·d/8 bytes
 at its width), which is the uniform cache's bytes for whole bases.
 
 A recipe is spelled in the cache name, one digit per layer, layer 0 first:
-    tq4+alloc=k4453…v3444…      (n_layers digits after k, n_layers after v)
-`tq4+alloc` alone names the recipe calibrated for the model the cache is made for (eval/calibrate.py
+    tq-k4v4+alloc=k4453…v3444…      (n_layers digits after k, n_layers after v)
+`tq-k4v4+alloc` alone names the recipe calibrated for the model the cache is made for (eval/calibrate.py
 measures it on text no evaluation window contains; the engine spells it out before building the cache).
 
 `+halloc` (`+halloc2`) does the same per unit (layer, KV head): every KV head of every layer codes its keys and
 its values at its own width, the widths of all units summing to n_layers·n_kv_heads·(key bits + value bits),
 so the codes again cost the uniform cache's bytes per token (a head's codes cost d·b/8 bytes). Its recipe holds
 one key and one value width per unit, layer-major (layer 0's heads first), and costs n_layers·n_kv_heads·2 bytes:
-    tq4+halloc=k453354…v344…    (n_layers·n_kv_heads digits after k, as many after v)
+    tq-k4v4+halloc=k453354…v344…    (n_layers·n_kv_heads digits after k, as many after v)
 
 The allocator (`allocate`) takes, per unit and for keys and values, the measured harm of each width
 and finds the widths of least total harm at the uniform budget exactly (a knapsack over the bit offsets

@@ -41,15 +41,24 @@
              | "outliers" N             (tq) dense-and-sparse keys: the N (1..head dim) largest-magnitude
                                         entries of every key vector kept exactly, each as its channel
                                         (uint8) + its value (float16), 3 bytes, the rest coded; pay for
-                                        them with a fractional width (tq-k4v3.625+outliers1 costs tq4's bytes)
+                                        them with a fractional width (tq-k4v3.625+outliers1 costs tq-k4v4's bytes)
     options that change no byte (numerics, for ablations):
              | "kscale=" M | "vscale=" M   how the 16-bit per-vector scale is chosen
                                         (tq; M in norm (the paper), renorm (default), lsq, unbiased)
              | "bf16norms"              (tq) store the 16-bit scales as bfloat16 instead of float16
              | "seed" N                 (tq) rotation / QJL seed (default 0)
 
-A plain name (int4, tq3) keeps nothing in full precision. Examples: int8, int4+g64, int4+recent128,
-tq4, tq3.5, tq2.5, tq-k4v3, tq4+qjl, tq3+recent64, tq3+fp-first-last.
+A plain name (int4, tq3, tq-k4v4) keeps nothing in full precision. Examples: int8, int4+g64, int4+recent128,
+tq4, tq3.5, tq2.5, tq-k4v3, tq-k4v4+qjl, tq3+recent64, tq3+fp-first-last.
+
+Presets. `tq4` is kvlab's recommended 4-bit recipe, not the bare method: the name stands for PRESETS["tq4"],
+    tq4.125+prerope+norms8+sink1+kscale=lsq+vscale=lsq
+keys coded before RoPE, the first token kept in the cache dtype, 8-bit log scales whose freed byte per vector buys
+1/8 bit more codes, least-squares scales: no calibration pass, and the serving pool holds it (6,184 B/token on
+SmolLM2 at 511 tokens where the bare method is 6,149; the measurements are in docs/benchmarks.md, issue 13). Options
+after it apply to the expansion (`tq4+seed1`, `tq4+kscale=renorm`), and every report spells the expansion out (a
+config's `name`). The bare method at 4 bits is `tq-k4v4` (what `tq4` meant before session 14), and that is how its
+name prints.
 """
 
 from __future__ import annotations
@@ -62,7 +71,10 @@ import torch
 from ..errors import ConfigError
 
 EXAMPLES = ["int8", "int4", "int4+g64", "int4+recent128", "tq4", "tq-k5v3", "tq3.5", "tq3", "tq2.5", "tq2", "tq-k4v3",
-            "tq4+qjl", "tq3+recent64", "tq3+fp-first-last"]
+            "tq-k4v4+qjl", "tq3+recent64", "tq3+fp-first-last"]
+
+#: names that stand for a recipe (see the module docstring): the head of a name, expanded before it is read
+PRESETS = {"tq4": "tq4.125+prerope+norms8+sink1+kscale=lsq+vscale=lsq"}
 
 _WIDTH = r"(\d+(?:\.\d+)?)"
 _BASES = [
@@ -77,13 +89,19 @@ def is_compressed_name(name: str) -> bool:
     return any(pattern.fullmatch(head) for pattern, _ in _BASES)
 
 
+def expand(name: str) -> str:
+    """'tq4+seed1' -> the preset's recipe + '+seed1'; a name whose head is no preset comes back lower-cased."""
+    head, sep, rest = name.strip().lower().partition("+")
+    return PRESETS[head] + sep + rest if head in PRESETS else head + sep + rest
+
+
 def parse(name: str) -> tuple[type, object]:
     """'tq3+recent64' -> (TurboQuantCache, TurboQuantConfig(...)); ConfigError for anything else."""
     from .allocation import parse_recipe                  # the formats load here, on the first compressed name
     from .quantized import QuantizedCache, QuantizedConfig
     from .turboquant import TurboQuantCache, TurboQuantConfig
 
-    key = name.strip().lower()
+    key = expand(name)
     head, *options = key.split("+")
     for pattern, kind in _BASES:
         match = pattern.fullmatch(head)

@@ -105,6 +105,7 @@ from ..errors import ConfigError, NonFiniteError
 from ..kernels.codebook import CodeLayout, codebook_kernel_for
 from .allocation import SPREADS, budget, centre, check_geometry, check_recipe, format_recipe, held_widths
 from .base import CacheGeometry, copy_prefix, tensors_nbytes
+from .names import PRESETS
 from .codebook import lloyd_max
 from .vector_codebook import BLOCK, VECTOR_BITS, magnitude_codebook, magnitude_points, nearest_point
 from . import compressed
@@ -136,6 +137,10 @@ OUTLIER_BYTES = 1 + 2
 #: KV head and K/V (the median log2 scale of the layer's first coded chunk, float16, counted); code 0 is a zero scale.
 _NORM_BYTES = 2
 LOG_NORM_STEPS, _LOG_NORM_ZERO = 16, 128
+#: 2^(j/16) for j < 16 in float32 (decode.h KVLAB_LOG_STEP_POWERS, the same literals): the steps of an octave
+LOG_STEP_POWERS = torch.tensor([float.fromhex(h) for h in (
+    "0x1p+0", "0x1.0b5586p+0", "0x1.172b84p+0", "0x1.2387a6p+0", "0x1.306fep+0", "0x1.3dea64p+0", "0x1.4bfdaep+0", "0x1.5ab07ep+0",
+    "0x1.6a09e6p+0", "0x1.7a1148p+0", "0x1.8ace54p+0", "0x1.9c4918p+0", "0x1.ae89fap+0", "0x1.c199bep+0", "0x1.d5818ep+0", "0x1.ea4afap+0")], dtype=torch.float32)
 _OUTLIER_VALUE = torch.float16
 #: Key channel weights w = 2^((code - WEIGHT_ZERO) / WEIGHT_STEPS) for 4-bit codes: 1/4 .. 3.4 in quarter octaves.
 WEIGHT_BITS, WEIGHT_ZERO, WEIGHT_STEPS = 4, 8, 4
@@ -211,7 +216,7 @@ class TurboQuantConfig:
     @property
     def name(self) -> str:
         kb, vb = f"{self.key_bits:g}", f"{self.value_bits:g}"
-        base = f"tq{kb}" if kb == vb else f"tq-k{kb}v{vb}"
+        base = f"tq{kb}" if kb == vb and f"tq{kb}" not in PRESETS else f"tq-k{kb}v{vb}"   # tq4 names a preset
         numerics = "".join([
             f"+kscale={self.key_scale}" if self.key_scale != TurboQuantConfig.key_scale else "",
             f"+vscale={self.value_scale}" if self.value_scale != TurboQuantConfig.value_scale else "",
@@ -293,10 +298,16 @@ def _log_norm_codes(scales: torch.Tensor, centre: torch.Tensor) -> torch.Tensor:
 
 
 def _log_norm_values(codes: torch.Tensor, centre: torch.Tensor) -> torch.Tensor:
-    """The scales uint8 `codes` (B, H, ...) stand for against the (B, H) centres, float32."""
-    centre = centre.float().reshape(*centre.shape, *(1,) * (codes.dim() - 2))
-    values = torch.exp2(centre + (codes.float() - _LOG_NORM_ZERO) / LOG_NORM_STEPS)
-    return torch.where(codes > 0, values, 0.0)
+    """The scales uint8 `codes` (B, H, ...) stand for against the (B, H) centres (multiples of 1/16), float32: with
+    e = 16·centre + code - 128, LOG_STEP_POWERS[e mod 16] · 2^floor(e/16), exact (decode.h kvlab_log_scale: the same
+    floats in C, and for any vector length, where exp2 differs by an ulp between its SIMD and scalar paths); octaves
+    past float32's normal range (scales beyond 2^±126) are clamped to it."""
+    centre = (centre.float() * LOG_NORM_STEPS).round().int().reshape(*centre.shape, *(1,) * (codes.dim() - 2))
+    e = centre + codes.int() - _LOG_NORM_ZERO
+    octave = torch.div(e, LOG_NORM_STEPS, rounding_mode="floor")
+    step = LOG_STEP_POWERS.to(codes.device)[e - octave * LOG_NORM_STEPS]
+    power = ((octave.clamp(-126, 127) + 127) << 23).view(torch.float32)    # 2^octave, its bits built (a normal float)
+    return torch.where(codes > 0, step * power, 0.0)
 
 
 class RotatedCodes:

@@ -11,7 +11,7 @@ The harm of width w is KL_u·e_u(w)/e_u(b) (small errors: the KL is quadratic in
 squared error is), so one pass through the later layers per unit serves every width. Every run feeds the
 window in the evaluation's chunks (prefill, then chunks: the key offsets and weights calibrate as in eval),
 from the dense hidden state entering layer l, so the layers before it are not run again. The rotation seed
-is 0 for every recipe: `tq4+alloc+seed1` reads the same recipe with other rotations.
+is 0 for every recipe: `tq-k4v4+alloc+seed1` reads the same recipe with other rotations.
 
 `+halloc` (a width per layer and KV head) uses the same runs, no more: measuring the KL of every (layer, head,
 keys|values, width) through the later layers would take L·Hkv·2·3 = 540 tail runs per window for SmolLM2. Instead
@@ -29,7 +29,7 @@ measure and this does not).
 
 Recipes are kept in-process and on disk as JSON (never pickled) under the user cache directory
 ($KVLAB_CACHE_DIR/alloc, ...), keyed by the model file's SHA-256 and the cache's name without +alloc and
-+seedN (tq4+alloc+sink1, tq4+alloc2); a stored recipe that does not parse or does not fit is a one-line ConfigError naming the file.
++seedN (tq-k4v4+alloc+sink1, tq-k4v4+alloc2); a stored recipe that does not parse or does not fit is a one-line ConfigError naming the file.
 A fractional base (tq-k3v2.95+halloc) measures what its whole base (tq3+halloc) measures, so it allocates its own
 budget from that file's harms when the whole base was calibrated before.
 """
@@ -204,7 +204,7 @@ def _head(model, x: torch.Tensor, protocol: WindowProtocol) -> torch.Tensor:
 # -- recipes for a model, by name ----------------------------------------------------------------------------
 
 def resolve(name: str, loaded) -> str:
-    """`name` with its recipe spelled out when it asks for one (`tq4+alloc`): from memory, from disk, or
+    """`name` with its recipe spelled out when it asks for one (`tq-k4v4+alloc`): from memory, from disk, or
     calibrated now for `loaded` (a LoadedModel); any other name is returned as it is."""
     key = name.strip().lower()
     if not is_compressed_name(key):
@@ -215,7 +215,7 @@ def resolve(name: str, loaded) -> str:
     check_geometry((), config.alloc_units(loaded.config.n_layers, loaded.config.n_kv_heads), loaded.config.head_dim,
                    config.alloc_option)
     digest = model_digest(Path(loaded.path))
-    calibrated = replace(config, seed=0).name                                     # what the recipe is for: tq4+alloc
+    calibrated = replace(config, seed=0).name                                     # what the recipe is for: tq-k4v4+alloc
     memo = (digest, calibrated)
     if memo not in _MEMO:
         path = recipe_path(digest, calibrated)

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-DEFAULT_CACHES = "int8,int4,int4+g64,tq5,tq4,tq4+sink1,tq-k5v3,tq3.5,tq3,tq2.5,tq4+qjl"
+DEFAULT_CACHES = "int8,int4,int4+g64,tq5,tq4,tq-k4v4,tq-k4v4+sink1,tq-k5v3,tq3.5,tq3,tq2.5,tq-k4v4+qjl"
 QUICK_WINDOWS = 4
 
 

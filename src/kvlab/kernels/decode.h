@@ -5,6 +5,7 @@
 #define KVLAB_DECODE_H
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 typedef struct {
     int32_t type;            /* F32, Q4_0, Q4_1 or Q8_0 */
@@ -37,11 +38,25 @@ void kvlab_rms_norm(const float *x, const float *w, float eps, int n, float *y);
 /* RoPE of one head of d values in place, as llama.py's apply_rope: pairs (i, i + d/2) */
 void kvlab_rope(float *x, const float *cos_, const float *sin_, int d);
 /* +norms8 (turboquant.py LOG_NORM_STEPS, _LOG_NORM_ZERO): a scale's uint8 code c > 0 stands for
- * 2^(centre + (c - 128)/16), code 0 for a zero scale (_log_norm_values); decode.c and paged.c read them so */
+ * 2^(centre + (c - 128)/16), code 0 for a zero scale (_log_norm_values); decode.c and paged.c read them so.
+ * A centre is a multiple of 1/16, so with e = 16·centre + c - 128 the scale is 2^(e mod 16 / 16) · 2^floor(e/16):
+ * one of 16 float32 steps (turboquant.py LOG_STEP_POWERS, the same values) times a power of two, exact, so torch
+ * and C decode a code to the same float whatever the vector length (exp2 differs by an ulp between SIMD and scalar) */
 #define LOG_NORM_STEPS 16
 #define LOG_NORM_ZERO 128
+static const float KVLAB_LOG_STEP_POWERS[LOG_NORM_STEPS] = {
+    0x1p+0f, 0x1.0b5586p+0f, 0x1.172b84p+0f, 0x1.2387a6p+0f, 0x1.306fep+0f, 0x1.3dea64p+0f, 0x1.4bfdaep+0f, 0x1.5ab07ep+0f,
+    0x1.6a09e6p+0f, 0x1.7a1148p+0f, 0x1.8ace54p+0f, 0x1.9c4918p+0f, 0x1.ae89fap+0f, 0x1.c199bep+0f, 0x1.d5818ep+0f, 0x1.ea4afap+0f};
 static inline float kvlab_log_scale(int code, float centre) {
-    return code ? exp2f(centre + (float)(code - LOG_NORM_ZERO) / LOG_NORM_STEPS) : 0.0f;
+    if (!code) return 0.0f;
+    const int e = (int)lrintf(centre * LOG_NORM_STEPS) + code - LOG_NORM_ZERO;
+    int octave = e >= 0 ? e / LOG_NORM_STEPS : -((LOG_NORM_STEPS - 1 - e) / LOG_NORM_STEPS);   /* floor(e / 16) */
+    const float step = KVLAB_LOG_STEP_POWERS[e - octave * LOG_NORM_STEPS];
+    octave = octave < -126 ? -126 : octave > 127 ? 127 : octave;   /* 2^octave a normal float, its bits built */
+    const uint32_t bits = (uint32_t)(octave + 127) << 23;
+    float power;
+    memcpy(&power, &bits, sizeof power);
+    return step * power;
 }
 
 typedef struct {                   /* +prerope: how coded keys are rebuilt, then turned to their positions */

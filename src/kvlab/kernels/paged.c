@@ -10,7 +10,8 @@
  * Every index is checked before the loop: a bad table or length returns -1 and touches nothing.
  *
  * kvlab_paged_codes_attention does the same over TurboQuant blocks (kvlab/serve/coded.py TurboPool): per token
- * and KV head, b-bit codebook codes (codebook.h's row layout) and a 16-bit norm, for K and for V. The queries
+ * and KV head, b-bit codebook codes (codebook.h's row layout; each head its own layout and width with +halloc, the
+ * heads' codes side by side in the token's row) and a 16-bit norm, for K and for V. The queries
  * come rotated (and weighted) as the codes are read; the output stays in the rotated domain (torch applies the
  * inverse rotation and the value offset to the whole batch). A work item is (sequence, query tile, KV head, key
  * chunk): it decodes each tile of CB_TILE keys and values once for all its queries (rows x the G heads of the
@@ -263,13 +264,20 @@ typedef struct {
     int64_t k0, k1;         /* key positions [k0, k1) of the sequence */
 } code_item;
 
+/* Where KV head h's codes of a token lie and how they read: a token's row holds every head's codes, head 0 first;
+ * each head has its own layout (+halloc: its own width), or all share one (heads[h] the same). */
 typedef struct {
-    int kind, n_heads, n_kv_heads, group, d, window, block_size, max_blocks;
+    const uint8_t *codes;                 /* (slots, token_bytes) */
+    int64_t token_bytes;
+    cb_layout *heads;                     /* (Hkv,) TQ: the codebooks; INT: tables of the code values 0, 1, 2, ... */
+    int64_t *head_at;                     /* (Hkv,) byte offset of each head's codes in a token's row */
+} code_rows;
+
+typedef struct {
+    int kind, n_heads, n_kv_heads, group, d, dpad, window, block_size, max_blocks;
     const int32_t *block_tables, *query_start, *context_len;
     float scale;
-    const uint8_t *k_codes, *v_codes;     /* (slots, Hkv, row bytes) */
-    int64_t k_row_bytes, v_row_bytes;
-    cb_layout keys, values;               /* TQ: the codebooks; INT: tables of the code values 0, 1, 2, ... */
+    code_rows keys, values;
     /* TQ */
     const void *k_norm, *v_norm;          /* (slots, Hkv) fp16 or bf16, or uint8 log codes (POOL_LOG8) */
     int norm_dtype;
@@ -348,7 +356,9 @@ static int64_t code_items(const code_pool *P, int n_seqs, int64_t rows_per_tile,
  * key group have no codes yet: their rows are zero (their queries read them exact). */
 static void load_tile(const code_pool *P, const code_item *it, int64_t t0, int n, float *keys, float *values,
                       float *key_scale, float *value_scale, int32_t *codes) {
-    const int d = P->d, dpad = P->keys.dpad, bs = P->block_size, Hkv = P->n_kv_heads;
+    const int d = P->d, dpad = P->dpad, bs = P->block_size, Hkv = P->n_kv_heads, h = it->h;
+    const cb_layout *key_layout = &P->keys.heads[h], *value_layout = &P->values.heads[h];
+    const uint8_t *key_codes = P->keys.codes + P->keys.head_at[h], *value_codes = P->values.codes + P->values.head_at[h];
     const int32_t *table = P->block_tables + (int64_t)it->s * P->max_blocks;
     const int64_t complete = P->kind == CODES_INT ? P->context_len[it->s] / P->key_group * P->key_group : 0;
     float zero[MAX_DIM], scale[MAX_DIM];   /* INT: the current key group's (one group spans many keys of a tile) */
@@ -356,15 +366,15 @@ static void load_tile(const code_pool *P, const code_item *it, int64_t t0, int n
     for (int j = 0; j < n; j++) {
         const int64_t t = t0 + j, slot = (int64_t)table[t / bs] * bs + t % bs, index = slot * Hkv + it->h;
         float *k = keys + (int64_t)j * dpad, *v = values + (int64_t)j * dpad;
-        kvlab_cb_decode_row(&P->values, P->v_codes + index * P->v_row_bytes, v, codes);
+        kvlab_cb_decode_row(value_layout, value_codes + slot * P->values.token_bytes, v, codes);
         if (P->kind == CODES_TQ) {
-            kvlab_cb_decode_row(&P->keys, P->k_codes + index * P->k_row_bytes, k, codes);
+            kvlab_cb_decode_row(key_layout, key_codes + slot * P->keys.token_bytes, k, codes);
             key_scale[j] = norm_value(P, 0, index, it->h) * (P->pre ? 1.0f : P->scale);
             value_scale[j] = norm_value(P, 1, index, it->h);
             continue;
         }
         if (t < complete) {   /* zero + code x scale, per channel of the key group */
-            kvlab_cb_decode_row(&P->keys, P->k_codes + index * P->k_row_bytes, k, codes);
+            kvlab_cb_decode_row(key_layout, key_codes + slot * P->keys.token_bytes, k, codes);
             const int64_t meta = ((slot / P->key_group) * Hkv + it->h) * d;
             if (meta != meta_at) {
                 fp16_row(P->k_zero + meta, zero, d);
@@ -402,7 +412,7 @@ static void load_tile(const code_pool *P, const code_item *it, int64_t t0, int n
  * the rest exact (QuantizedCache's rule). */
 static void code_item_attend(const code_pool *P, const float *q, const code_item *it, float *scratch, float *partial,
                              int64_t max_queries) {
-    const int d = P->d, dpad = P->keys.dpad, G = P->group;
+    const int d = P->d, dpad = P->dpad, G = P->group;
     const int32_t q0 = P->query_start[it->s];
     const int64_t first_pos = P->context_len[it->s] - (P->query_start[it->s + 1] - q0);   /* of row q0 */
     const int64_t nq = (it->r1 - it->r0) * G;
@@ -481,7 +491,7 @@ static void code_item_attend(const code_pool *P, const float *q, const code_item
 static int code_attention(const code_pool *P, const float *q, int n_seqs, float *out, float *lse, int n_threads) {
     const int G = P->group, d = P->d;
     const int64_t rows_per_tile = CODE_QUERIES / G > 1 ? CODE_QUERIES / G : 1;
-    const int64_t max_queries = rows_per_tile * G, dpad = P->keys.dpad, partial_floats = max_queries * (d + 2);
+    const int64_t max_queries = rows_per_tile * G, dpad = P->dpad, partial_floats = max_queries * (d + 2);
     int64_t n_groups;
     const int64_t n_items = code_items(P, n_seqs, rows_per_tile, NULL, NULL, &n_groups);
     code_item *items = malloc(sizeof(code_item) * (size_t)(n_items + 1));
@@ -537,6 +547,33 @@ static int code_attention(const code_pool *P, const float *q, int n_seqs, float 
     return failed ? -2 : 0;
 }
 
+/* Each KV head's layout from its slice of the concatenated specs (parts[h] rows of 4) and tables (from table_at[h]),
+ * its codes head_bytes[h] long, the heads side by side in a token's row: 0, or -1 (a layout out of range, or heads
+ * whose decoded rows are not equally long). The caller frees R->heads and R->head_at (NULL-safe on failure). */
+static int head_rows(code_rows *R, const uint8_t *codes, int n_kv_heads, int d, const int32_t *parts, const int32_t *spec,
+                     const float *tables, const int64_t *table_at, const int64_t *head_bytes) {
+    R->codes = codes;
+    R->heads = malloc(sizeof(cb_layout) * (size_t)n_kv_heads);
+    R->head_at = malloc(sizeof(int64_t) * (size_t)n_kv_heads);
+    if (!R->heads || !R->head_at) return -2;
+    int64_t at = 0;
+    for (int h = 0; h < n_kv_heads; h++) {
+        if (parts[h] <= 0 || parts[h] > CB_MAX_PARTS || table_at[h] < 0 || head_bytes[h] <= 0) return -1;
+        if (kvlab_cb_layout(&R->heads[h], d, parts[h], spec, tables + table_at[h], head_bytes[h])) return -1;
+        if (R->heads[h].dpad != R->heads[0].dpad) return -1;
+        spec += 4 * parts[h];
+        R->head_at[h] = at;
+        at += head_bytes[h];
+    }
+    R->token_bytes = at;
+    return 0;
+}
+
+static void free_rows(code_rows *R) {
+    free(R->heads);
+    free(R->head_at);
+}
+
 /* TurboQuant blocks: q (n_rows, H, d) rotated and weighted as the codes are read (with `pre`, +prerope: q itself,
  * the keys rebuilt at their positions < rope_rows, decode.c kvlab_prerope_rebuild), keys at positions from first_key on;
  * out (n_rows, H, d) in the rotated domain and, lse not NULL, (n_rows, H) the log of each softmax's sum; norms 16-bit floats (norm_dtype POOL_F16 / POOL_BF16) or uint8 log codes (POOL_LOG8, `centres` (2, Hkv)
@@ -545,8 +582,10 @@ int kvlab_paged_codes_attention(const float *q, int64_t n_rows, int n_heads, int
                                 const uint8_t *k_codes, const void *k_norm, const uint8_t *v_codes,
                                 const void *v_norm, int norm_dtype, const uint16_t *centres, const PreRope *pre,
                                 int64_t rope_rows, int64_t n_slots,
-                                int k_parts, const int32_t *k_spec, const float *k_tables, int64_t k_row_bytes,
-                                int v_parts, const int32_t *v_spec, const float *v_tables, int64_t v_row_bytes,
+                                const int32_t *k_parts, const int32_t *k_spec, const float *k_tables,
+                                const int64_t *k_table_at, const int64_t *k_head_bytes,
+                                const int32_t *v_parts, const int32_t *v_spec, const float *v_tables,
+                                const int64_t *v_table_at, const int64_t *v_head_bytes,
                                 const int32_t *block_tables, int n_seqs, int max_blocks, int block_size,
                                 const int32_t *query_start, const int32_t *context_len,
                                 float scale, int window, int first_key, float *out, float *lse, int n_threads) {
@@ -562,13 +601,18 @@ int kvlab_paged_codes_attention(const float *q, int64_t n_rows, int n_heads, int
         return -1;
     code_pool P = {.kind = CODES_TQ, .n_heads = n_heads, .n_kv_heads = n_kv_heads, .group = n_heads / n_kv_heads, .d = d,
                    .window = window, .block_size = block_size, .max_blocks = max_blocks, .block_tables = block_tables,
-                   .query_start = query_start, .context_len = context_len, .scale = scale, .k_codes = k_codes,
-                   .v_codes = v_codes, .k_row_bytes = k_row_bytes, .v_row_bytes = v_row_bytes, .k_norm = k_norm,
+                   .query_start = query_start, .context_len = context_len, .scale = scale, .k_norm = k_norm,
                    .v_norm = v_norm, .norm_dtype = norm_dtype, .centres = centres, .first_key = first_key, .pre = pre};
-    if (kvlab_cb_layout(&P.keys, d, k_parts, k_spec, k_tables, k_row_bytes) ||
-        kvlab_cb_layout(&P.values, d, v_parts, v_spec, v_tables, v_row_bytes))
-        return -1;
-    return code_attention(&P, q, n_seqs, out, lse, n_threads);
+    int status = head_rows(&P.keys, k_codes, n_kv_heads, d, k_parts, k_spec, k_tables, k_table_at, k_head_bytes);
+    if (!status) status = head_rows(&P.values, v_codes, n_kv_heads, d, v_parts, v_spec, v_tables, v_table_at, v_head_bytes);
+    if (!status && P.keys.heads[0].dpad != P.values.heads[0].dpad) status = -1;
+    if (!status) {
+        P.dpad = P.keys.heads[0].dpad;
+        status = code_attention(&P, q, n_seqs, out, lse, n_threads);
+    }
+    free_rows(&P.keys);
+    free_rows(&P.values);
+    return status;
 }
 
 /* Integer blocks (kvlab/serve/coded.py IntPool; codes packed as kvlab/cache/packing.py, the codebook layout with
@@ -596,14 +640,29 @@ int kvlab_paged_int_attention(const float *q, int64_t n_rows, int n_heads, int n
     const int32_t spec[4] = {0, d, bits, 0};
     code_pool P = {.kind = CODES_INT, .n_heads = n_heads, .n_kv_heads = n_kv_heads, .group = n_heads / n_kv_heads, .d = d,
                    .window = window, .block_size = block_size, .max_blocks = max_blocks, .block_tables = block_tables,
-                   .query_start = query_start, .context_len = context_len, .scale = scale, .k_codes = k_codes,
-                   .v_codes = v_codes, .k_scale = k_scale, .k_zero = k_zero, .v_scale = v_scale, .v_zero = v_zero,
-                   .key_group = key_group, .value_group = value_group, .exact = exact, .exact_start = exact_start};
-    /* rows are exactly as long as the codebook layout of one part at `bits` bits says (packing.py's planes) */
+                   .query_start = query_start, .context_len = context_len, .scale = scale, .k_scale = k_scale,
+                   .k_zero = k_zero, .v_scale = v_scale, .v_zero = v_zero, .key_group = key_group,
+                   .value_group = value_group, .exact = exact, .exact_start = exact_start};
+    /* rows are exactly as long as the codebook layout of one part at `bits` bits says (packing.py's planes); every head
+     * reads the same layout */
     int64_t bytes = 0;
     for (int w = 8; w >= 1; w /= 2)
         if (bits & w) bytes += ((int64_t)d * w + 7) / 8;
-    P.k_row_bytes = P.v_row_bytes = bytes;
-    if (kvlab_cb_layout(&P.keys, d, 1, spec, values, bytes) || kvlab_cb_layout(&P.values, d, 1, spec, values, bytes)) return -1;
-    return code_attention(&P, q, n_seqs, out, NULL, n_threads);
+    int32_t *parts = malloc(sizeof(int32_t) * (size_t)n_kv_heads), *specs = malloc(sizeof(spec) * (size_t)n_kv_heads);
+    int64_t *table_at = calloc((size_t)n_kv_heads, sizeof(int64_t)), *head_bytes = malloc(sizeof(int64_t) * (size_t)n_kv_heads);
+    int status = parts && specs && table_at && head_bytes ? 0 : -2;
+    for (int h = 0; !status && h < n_kv_heads; h++) {
+        parts[h] = 1, head_bytes[h] = bytes;
+        memcpy(specs + 4 * h, spec, sizeof(spec));
+    }
+    if (!status) status = head_rows(&P.keys, k_codes, n_kv_heads, d, parts, specs, values, table_at, head_bytes);
+    if (!status) status = head_rows(&P.values, v_codes, n_kv_heads, d, parts, specs, values, table_at, head_bytes);
+    if (!status) {
+        P.dpad = P.keys.heads[0].dpad;
+        status = code_attention(&P, q, n_seqs, out, NULL, n_threads);
+    }
+    free_rows(&P.keys);
+    free_rows(&P.values);
+    free(parts), free(specs), free(table_at), free(head_bytes);
+    return status;
 }

@@ -71,8 +71,8 @@ class PreRopeKeys:
 def _codes_function(library_path: str):
     fn = ctypes.CDLL(library_path).kvlab_paged_codes_attention
     i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, i32, i32, i32, ptr, ptr, ptr, ptr, i32, ptr, ptr, i64, i64, i32, ptr, ptr, i64, i32, ptr, ptr, i64,
-                   ptr, i32, i32, i32, ptr, ptr, ctypes.c_float, i32, i32, ptr, ptr, i32]
+    fn.argtypes = [ptr, i64, i32, i32, i32, ptr, ptr, ptr, ptr, i32, ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr,
+                   ptr, ptr, ptr, i32, i32, i32, ptr, ptr, ctypes.c_float, i32, i32, ptr, ptr, i32]
     fn.restype = i32
     return fn
 
@@ -133,9 +133,9 @@ def _check_layout(block_tables: torch.Tensor, query_start: torch.Tensor, context
            f"block_tables must be ({S}, max_blocks), got {tuple(block_tables.shape)}")
 
 
-def _check_code_layout(layout: CodeLayout, what: str, d: int, row_bytes: int) -> None:
+def _check_code_layout(layout: CodeLayout, what: str, d: int) -> None:
     """A CodeLayout C can read: (parts, 4) int32 spec of widths 1..8 over d channels (block parts: 2 or 3 bits),
-    tables of exactly the sizes C steps through, rows of row_bytes (C re-checks the parts against the row length)."""
+    tables of exactly the sizes C steps through (C re-checks the parts against the layout's row length)."""
     spec, tables = layout.spec, layout.tables
     _check(isinstance(spec, torch.Tensor) and spec.dtype == torch.int32 and spec.dim() == 2 and spec.shape[1] == 4
            and 0 < spec.shape[0] <= MAX_PARTS and spec.is_contiguous() and spec.device.type == "cpu",
@@ -147,13 +147,56 @@ def _check_code_layout(layout: CodeLayout, what: str, d: int, row_bytes: int) ->
     _check(isinstance(tables, torch.Tensor) and tables.dtype == torch.float32 and tables.shape == (size,)
            and tables.is_contiguous() and tables.device.type == "cpu",
            f"{what} code layout: tables must be contiguous fp32 ({size},) on the CPU")
-    _check(layout.dim == d and layout.row_bytes == row_bytes,
-           f"{what} code layout of {layout.dim} channels in {layout.row_bytes} bytes does not read rows of {d} channels "
-           f"in {row_bytes} bytes")
+    _check(layout.dim == d and layout.row_bytes > 0, f"{what} code layout of {layout.dim} channels does not read rows of "
+                                                     f"{d} channels")
+
+
+@dataclass(frozen=True)
+class HeadRows:
+    """How C reads each KV head's codes in a token's row (paged.c head_rows): its layout's spec rows and tables,
+    concatenated head after head, and its bytes; the heads' codes lie side by side, head 0 first."""
+
+    parts: torch.Tensor         # (Hkv,) int32: spec rows of each head
+    spec: torch.Tensor          # (Σ parts, 4) int32
+    tables: torch.Tensor        # (Σ table floats,) float32
+    table_at: torch.Tensor      # (Hkv,) int64: where each head's tables start
+    head_bytes: torch.Tensor    # (Hkv,) int64
+
+    @property
+    def token_bytes(self) -> int:
+        return int(self.head_bytes.sum())
+
+    def pointers(self) -> tuple[int, ...]:
+        return tuple(t.data_ptr() for t in (self.parts, self.spec, self.tables, self.table_at, self.head_bytes))
+
+
+_HEAD_ROWS: dict[tuple[int, ...], tuple[tuple[CodeLayout, ...], HeadRows]] = {}
+
+
+def head_rows(layouts: "CodeLayout | list[CodeLayout]", n_kv_heads: int, d: int, what: str) -> HeadRows:
+    """The HeadRows of one layout shared by every KV head, or of one layout per head (+halloc), each checked; kept per
+    set of layouts (the layouts are held with them, so their ids stay theirs)."""
+    heads = tuple(layouts) if isinstance(layouts, (list, tuple)) else (layouts,) * n_kv_heads
+    _check(len(heads) == n_kv_heads, f"{what} codes: {len(heads)} layouts for {n_kv_heads} KV heads")
+    key = tuple(id(layout) for layout in heads)
+    if key not in _HEAD_ROWS:
+        for layout in heads:
+            _check_code_layout(layout, what, d)
+        sizes = [layout.tables.numel() for layout in heads]
+        rows = HeadRows(torch.tensor([layout.spec.shape[0] for layout in heads], dtype=torch.int32),
+                        torch.cat([layout.spec for layout in heads]).contiguous(),
+                        torch.cat([layout.tables for layout in heads]).contiguous(),
+                        torch.tensor([sum(sizes[:h]) for h in range(len(heads))], dtype=torch.int64),
+                        torch.tensor([layout.row_bytes for layout in heads], dtype=torch.int64))
+        if len(_HEAD_ROWS) > 256:
+            _HEAD_ROWS.clear()
+        _HEAD_ROWS[key] = (heads, rows)
+    return _HEAD_ROWS[key][1]
 
 
 def paged_codes_attention(kernel, q: torch.Tensor, k_codes: torch.Tensor, k_norm: torch.Tensor, v_codes: torch.Tensor,
-                          v_norm: torch.Tensor, k_layout: CodeLayout, v_layout: CodeLayout, block_tables: torch.Tensor,
+                          v_norm: torch.Tensor, k_layout: "CodeLayout | list[CodeLayout]",
+                          v_layout: "CodeLayout | list[CodeLayout]", block_tables: torch.Tensor,
                           query_start: torch.Tensor, context_len: torch.Tensor, block_size: int, scale: float,
                           window: int = 0, centres: torch.Tensor | None = None,
                           pre_rope: PreRopeKeys | None = None, first_key: int = 0,
@@ -161,7 +204,8 @@ def paged_codes_attention(kernel, q: torch.Tensor, k_codes: torch.Tensor, k_norm
     """Ragged attention straight from TurboQuant codes in blocks (paged.c kvlab_paged_codes_attention).
 
     q (N, H, D) fp32: the queries as the codes are read (rotated, key weights applied); k_codes (slots, Hkv, kbytes),
-    v_codes (slots, Hkv, vbytes) uint8 with their layouts; k_norm, v_norm (slots, Hkv) fp16 or bf16, or uint8 log
+    v_codes (slots, Hkv, vbytes) uint8 with their layouts, or with a layout per KV head (+halloc: its own width) codes
+    (slots, 1, Σ_h bytes_h), the heads' codes side by side; k_norm, v_norm (slots, Hkv) fp16 or bf16, or uint8 log
     codes (+norms8) read against `centres` (2, Hkv) fp16, each KV head's key and value log2 centre; with `pre_rope`
     the keys were coded before RoPE: q is the plain query and each key is rebuilt and turned to its position; keys at
     positions below `first_key` are not read (+sinkN: the pool holds them exact apart); with_lse: also (N, H) the log
@@ -173,7 +217,8 @@ def paged_codes_attention(kernel, q: torch.Tensor, k_codes: torch.Tensor, k_norm
            and q.device.type == "cpu", "q must be a contiguous fp32 (N, H, D) CPU tensor")
     N, H, D = q.shape
     _check(isinstance(k_codes, torch.Tensor) and k_codes.dim() == 3, "k_codes must be (slots, Hkv, row bytes)")
-    slots, Hkv = k_codes.shape[:2]
+    _check(isinstance(k_norm, torch.Tensor) and k_norm.dim() == 2, "k_norm must be (slots, Hkv)")
+    slots, Hkv = k_norm.shape
     _check(Hkv > 0 and H % Hkv == 0, f"{H} query heads are not a multiple of {Hkv} KV heads")
     _check(0 < D <= MAX_CODE_DIM, f"head dim {D} is not 1..{MAX_CODE_DIM}")
     _check(isinstance(v_codes, torch.Tensor) and v_codes.dim() == 3, "v_codes must be (slots, Hkv, row bytes)")
@@ -181,12 +226,14 @@ def paged_codes_attention(kernel, q: torch.Tensor, k_codes: torch.Tensor, k_norm
         k_norm.dtype if isinstance(k_norm, torch.Tensor) and k_norm.dtype in NORM_DTYPES else torch.float16)
     if centres is not None:
         check_buffer(WHAT, "norm centres", centres, torch.float16, (2, Hkv))
-    for name, t, dtype, shape in (("k_codes", k_codes, torch.uint8, (slots, Hkv, k_layout.row_bytes)),
-                                  ("v_codes", v_codes, torch.uint8, (slots, Hkv, v_layout.row_bytes)),
-                                  ("k_norm", k_norm, norm, (slots, Hkv)), ("v_norm", v_norm, norm, (slots, Hkv))):
-        check_buffer(WHAT, name, t, dtype, shape)
-    _check_code_layout(k_layout, "key", D, k_codes.shape[2])
-    _check_code_layout(v_layout, "value", D, v_codes.shape[2])
+    k_rows, v_rows = head_rows(k_layout, Hkv, D, "key"), head_rows(v_layout, Hkv, D, "value")
+    for name, t, rows in (("k_codes", k_codes, k_rows), ("v_codes", v_codes, v_rows)):   # one head's row, or all side by side
+        shape = (slots, 1, rows.token_bytes) if isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[1] == 1 else (
+            slots, Hkv, rows.token_bytes // Hkv)
+        _check(shape[1] == 1 or rows.token_bytes % Hkv == 0, f"{name}: heads of different widths need (slots, 1, row bytes)")
+        check_buffer(WHAT, name, t, torch.uint8, shape)
+    for name, t in (("k_norm", k_norm), ("v_norm", v_norm)):
+        check_buffer(WHAT, name, t, norm, (slots, Hkv))
     _check_layout(block_tables, query_start, context_len, slots, block_size)
     S = context_len.numel()
     pre = None if pre_rope is None else pre_rope.struct(Hkv, D)
@@ -200,8 +247,7 @@ def paged_codes_attention(kernel, q: torch.Tensor, k_codes: torch.Tensor, k_norm
         q.data_ptr(), N, H, Hkv, D, k_codes.data_ptr(), k_norm.data_ptr(), v_codes.data_ptr(), v_norm.data_ptr(),
         POOL_LOG8 if centres is not None else POOL_DTYPES[norm], None if centres is None else centres.data_ptr(),
         None if pre is None else ctypes.byref(pre), 0 if pre_rope is None else pre_rope.cos.shape[0], slots,
-        k_layout.spec.shape[0], k_layout.spec.data_ptr(), k_layout.tables.data_ptr(), k_layout.row_bytes,
-        v_layout.spec.shape[0], v_layout.spec.data_ptr(), v_layout.tables.data_ptr(), v_layout.row_bytes,
+        *k_rows.pointers(), *v_rows.pointers(),
         block_tables.data_ptr(), S, block_tables.shape[1], block_size, query_start.data_ptr(), context_len.data_ptr(),
         scale, int(window or 0), int(first_key), out.data_ptr(), None if lse is None else lse.data_ptr(),
         torch.get_num_threads())

@@ -5,7 +5,9 @@ Every buffer is token-major like the dense pool, so token slot = block · block_
           v_codes (L, slots, Hkv, ⌈Dv·b/8⌉)   v_scale, v_zero (L, slots, Hkv, Dv/Gv) fp16
           stage   (L, max_batch, G, Hkv, Dk) fp32: each running sequence's open key group (its row)
     tq    k_codes, v_codes (L, slots, Hkv, bytes), k_norm, v_norm (L, slots, Hkv) 16-bit, or uint8 log codes
-          (+norms8, read against the codec's centres) [+ qjl signs, ‖r‖]
+          (+norms8, read against the codec's centres) [+ qjl signs, ‖r‖]; +alloc: each layer's codes at its
+          width, +halloc: one row per token, (slots, 1, Σ_h bytes_h), its heads' codes side by side at their widths
+          (a tensor per layer where the layers' rows differ in length)
           + one TurboQuantCache `codec` holding the per-layer state all sequences share
 and a block copy (copy-on-write) copies every buffer's rows of that block.
 
@@ -31,7 +33,7 @@ channel weights and the +norms8 scale centres are calibrated once, at pool const
 single TurboQuantCache (which calibrates on its first chunk as it always does), and then shared by every
 sequence: the pool's `codec`. A single TurboQuantCache given the same state (`use_calibration(codec)`)
 stores and reads every token exactly as the pool does, whatever the chunking: that is the single-sequence
-reference for the tq formats (a plain `tq4` cache calibrates on each sequence's own prompt instead).
+reference for the tq formats (a plain `tq-k4v4` cache calibrates on each sequence's own prompt instead).
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ from ..cache.attention import causal_mask, grouped_attention
 from ..cache.base import tensors_nbytes
 from ..cache.packing import pack, packed_nbytes, unpack
 from ..cache.quantized import _affine, _encode
-from ..cache.turboquant import TurboQuantCache
+from ..cache.turboquant import HeadCodes, RotatedCodes, TurboQuantCache
+from ..kernels.codebook import CodeLayout
 from ..errors import ConfigError
 from ..kernels import kernel_for
 from ..kernels.paged import PreRopeKeys, paged_codes_attention, paged_int_attention
@@ -60,7 +63,7 @@ CALIBRATION_TOKENS = 64
 #: what the pools calibrate on when the model's tokenizer is at hand: plain prose (not the evaluation's plays) as a user
 #: message in the model's chat template, so the key offsets and channel weights see text opening as served requests
 #: open (the first tokens' keys weigh heavily in the offset); fixed ids spread over the vocabulary, or the prose without
-#: the template's opening, gave SmolLM2 offsets under which a `tq4+prerope` pool answered "What is the capital of
+#: the template's opening, gave SmolLM2 offsets under which a `tq-k4v4+prerope` pool answered "What is the capital of
 #: France?" with noise (tests/test_serve_compressed.py)
 CALIBRATION_TEXT = (
     "The library opens at nine in the morning and closes at six in the evening. Visitors can borrow up to five books "
@@ -100,6 +103,11 @@ class CodedPool:
         g = self.geometry
         self.token_buffers[name] = torch.zeros(g.n_layers, self.slots, *shape, dtype=dtype, device=self._device)
 
+    def _tokens_per_layer(self, name: str, shapes: list[tuple[int, ...]], dtype: torch.dtype) -> None:
+        """A buffer whose rows differ in length from layer to layer (+halloc codes): one (slots, ...) tensor per layer,
+        indexed by layer like the (L, slots, ...) buffers."""
+        self.token_buffers[name] = [torch.zeros(self.slots, *shape, dtype=dtype, device=self._device) for shape in shapes]
+
     @property
     def device(self) -> torch.device:
         return self._device
@@ -128,14 +136,16 @@ class CodedPool:
         """Every layer's codes of block `src` into block `dst` (copy-on-write)."""
         bs = self.block_size
         for buf in self.token_buffers.values():
-            buf[:, dst * bs:(dst + 1) * bs] = buf[:, src * bs:(src + 1) * bs]
+            for layer in buf:                                     # (slots, ...) per layer, views of (L, slots, ...) ones
+                layer[dst * bs:(dst + 1) * bs] = layer[src * bs:(src + 1) * bs]
         per = bs // self.group
         for buf in self.group_buffers.values():
             buf[:, dst * per:(dst + 1) * per] = buf[:, src * per:(src + 1) * per]
 
     @property
     def nbytes(self) -> int:
-        return tensors_nbytes(*self.token_buffers.values(), *self.group_buffers.values()) + self._state_nbytes()
+        tokens = [t for buf in self.token_buffers.values() for t in (buf if isinstance(buf, list) else [buf])]
+        return tensors_nbytes(*tokens, *self.group_buffers.values()) + self._state_nbytes()
 
     def _state_nbytes(self) -> int:
         raise NotImplementedError
@@ -324,8 +334,11 @@ class TurboPool(CodedPool):
         super().__init__(geometry, plan, fmt, device)
         self.codec = codec                                     # calibrated_codec(...): the shared per-layer state
         for name in self.codec.token_buffer_names():           # the codec's (1, Hkv, 1[, bytes]) buffers give the shapes
-            like = getattr(self.codec, name)[0]                  # layer 0: (1, Hkv, 1[, bytes])
-            self._tokens(name, like.shape[1], *like.shape[3:], dtype=like.dtype)
+            shapes = [(like.shape[1], *like.shape[3:]) for like in getattr(self.codec, name).values()]  # +halloc: (1, Σ bytes)
+            if len(set(shapes)) == 1:
+                self._tokens(name, *shapes[0], dtype=getattr(self.codec, name)[0].dtype)
+            else:                                              # +halloc codes: each layer's heads' widths sum differently
+                self._tokens_per_layer(name, shapes, dtype=getattr(self.codec, name)[0].dtype)
         self.sink = fmt.config.full.sink                                # +sinkN: the first N tokens exact, apart
         if codec.sink != self.sink:   # the codec's reads place coded slot i at position sink + i (+prerope)
             raise ConfigError(f"TurboQuant pool: its codec keeps {codec.sink} sink tokens, the format {self.sink}")
@@ -391,11 +404,10 @@ class TurboPool(CodedPool):
         in one ragged call on the pool's codes (kernels/paged.c), or, for +qjl codes, per sequence with the codec's
         own scores and mix; else the torch reference (gather, dequantize, grouped_attention per sequence)."""
         config = self.codec.config   # +qjl reads through the codec's scores: no +prerope keys, no sink rows
-        on_codes = (view.use_kernel and self.codec.code_kernel is not None
-                    and not (config.qjl and (config.pre_rope or self.sinks)))
-        kernel = kernel_for(self._device) if on_codes and not config.qjl else None
-        if kernel is not None:
+        kernel = kernel_for(self._device) if view.use_kernel and not config.qjl else None
+        if kernel is not None:       # (every width of +halloc too: paged.c reads a layout per head)
             return self._attend_ragged(kernel, layer, view, q)
+        on_codes = view.use_kernel and self.codec.code_kernel is not None and not (config.pre_rope or self.sinks)
         out = q.new_empty(q.shape[0], q.shape[1], self.geometry.head_dim)            # (N, H, D)
         for s, lo, hi, start, ctx in self.sequences(view):
             slots = view.layout.slots(s)[self.sink:].to(self._device)                # (ctx - sink,) the coded ones
@@ -433,8 +445,8 @@ class TurboPool(CodedPool):
             q_rot = q_rot.reshape(Hkv, N, H // Hkv, D).transpose(0, 1).reshape(N, H, D).contiguous()
         centres = torch.stack([codec.norm_centres[name][layer][0] for name in ("k_norm", "v_norm")]) if codec.norm_centres else None
         rotated = paged_codes_attention(kernel, q_rot, buf["k_codes"][layer], buf["k_norm"][layer],
-                                        buf["v_codes"][layer], buf["v_norm"][layer], codec.key_codes.layout,
-                                        codec.value_codes.layout, layout.block_tables, layout.query_start,
+                                        buf["v_codes"][layer], buf["v_norm"][layer], _layouts(codec.layer_key_codes[layer]),
+                                        _layouts(codec.layer_value_codes[layer]), layout.block_tables, layout.query_start,
                                         layout.context_len, layout.block_size, view.scale, view.window or 0,
                                         centres, pre_rope, first_key=self.sink, with_lse=bool(self.sinks))  # (N, H, D)
         if self.sinks:
@@ -494,6 +506,11 @@ class TurboPool(CodedPool):
             scores = scores.masked_fill(~mask, float("-inf"))
         p = torch.softmax(scores, dim=-1)
         return self.codec.mix(layer, p, stored, n).reshape(1, H, T, D)
+
+
+def _layouts(codes: "RotatedCodes | HeadCodes") -> "CodeLayout | list[CodeLayout]":
+    """What paged.c reads a layer's codes with: one layout for every KV head, or each head's (+halloc)."""
+    return [head.layout for head in codes.heads] if isinstance(codes, HeadCodes) else codes.layout
 
 
 def calibrated_codec(model, geometry: CacheGeometry, config, device, tokenizer=None) -> TurboQuantCache:

@@ -67,12 +67,25 @@ class GenerationOutput:
     cached_prompt_tokens: int = 0
 
 
+def _with_recipe(cache: str, loaded) -> str:
+    """`tq4+halloc`: the recipe calibrated for the loaded model spelled out (eval/calibrate.resolve, from disk after the
+    first time); any other name as it is."""
+    from ..cache.names import is_compressed_name
+
+    if not is_compressed_name(str(cache)):
+        return cache
+    from ..eval.calibrate import resolve                  # the calibration (and the corpus) load for compressed names only
+
+    return resolve(str(cache), loaded)
+
+
 class Engine:
     def __init__(self, model, tokenizer=None, *, cache: str = "dense", kv_budget: int | str = "512MiB",
                  max_batch: int = 16, block_size: int = 16, max_step_tokens: int = 512, prefix_caching: bool = True,
                  use_kernel: bool = True):
         if hasattr(model, "tokenizer") and hasattr(model, "model"):     # a LoadedModel
             tokenizer = tokenizer if tokenizer is not None else model.tokenizer
+            cache = _with_recipe(cache, model)
             model = model.model
         for name, value in (("max_batch", max_batch), ("max_step_tokens", max_step_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

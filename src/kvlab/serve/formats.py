@@ -20,8 +20,11 @@ With +sinkN a sequence's first N slots stay unwritten (their tokens are in its s
 slots more than the single cache's codes. Names whose single cache keeps other full-precision tokens or layers
 (+recentN, +fp-first-last, +fp-layers=, and +sinkN of the int formats) are not block formats.
 +prerope is held: a slot's position is its token's place in its sequence (the same for every sequence that shares the
-block through the prefix cache), so keys are turned back from it when coded and rebuilt at it when read. Not held:
-+alloc / +halloc (a width per layer / per layer and head; the pool's buffers hold one width for all) and +outliersN.
+block through the prefix cache), so keys are turned back from it when coded and rebuilt at it when read. +alloc /
++halloc are held: a layer's codes are one row per token of its heads' codes side by side (each head at its width; a
+buffer per layer where the layers' rows differ in length), their bytes the budget's, the same for any recipe; the
+recipe is the model's, spelled out by the engine before the pool is built (eval/calibrate.py resolve). Not held:
++outliersN.
 +vq and +norms8 blocks are held (C decodes block parts and 8-bit log scales; the scales' centres are shared state).
 """
 
@@ -43,7 +46,7 @@ from .sinks import SinkRows
 DENSE_FORMATS = {"dense": torch.float32, "dense-f16": torch.float16, "dense-bf16": torch.bfloat16}
 #: the dtype of whatever a compressed format keeps in full precision (the int formats' open key group)
 CODED_DTYPE = torch.float32
-EXAMPLES = [*DENSE_FORMATS, "int8", "int4", "tq4", "tq3", "tq3.5", "tq-k4v3", "tq4+qjl"]
+EXAMPLES = [*DENSE_FORMATS, "int8", "int4", "tq4", "tq-k4v4", "tq3", "tq3.5", "tq-k4v3", "tq-k4v4+qjl"]
 
 
 @dataclass(frozen=True)
@@ -79,10 +82,6 @@ def block_format(name: str, geometry: CacheGeometry, block_size: int) -> BlockFo
                           + (" (TurboQuant blocks hold +sinkN)" if cls is not QuantizedCache else ""))
     if sink > block_size:
         raise ConfigError(f"block format {name!r}: a sink of {sink} tokens is more than a block of {block_size}")
-    if getattr(config, "alloc", 0):
-        option = config.alloc_option
-        raise ConfigError(f"block format {name!r} gives each layer (or head) its own widths ({option}); the pool's blocks "
-                          f"hold one width for every layer and head, so use it without {option}")
     if getattr(config, "outliers", 0):
         raise ConfigError(f"block format {name!r} keeps exact key outliers (+outliersN), which the pool's blocks do not "
                           f"read; use it without +outliersN")

@@ -24,7 +24,7 @@ _DTYPES = {"f32": "float32", "float32": "float32", "f16": "float16", "float16": 
 
 
 def _without_recipe(cache: str) -> str:
-    """tq4+halloc=k35…v44… -> tq4+halloc: a spelled +alloc / +halloc recipe fits only the whole model's layers (and
+    """tq-k4v4+halloc=k35…v44… -> tq-k4v4+halloc: a spelled +alloc / +halloc recipe fits only the whole model's layers (and
     heads), and never changes the bytes (cache/allocation.py), so the one-layer cost of a token is the bare name's."""
     return re.sub(r"\+(h?alloc\d?)=[^+]*", r"+\1", cache)
 
