@@ -417,6 +417,16 @@ static void decode_blocks(const cb_part *P, const uint8_t *row, float *out, int3
     }
 }
 
+/* the code of channel c of a scalar part, read from its planes one channel at a time */
+static inline int scalar_code(const cb_part *P, const uint8_t *row, int c) {
+    int code = 0;
+    for (int k = 0; k < P->n_planes; k++) {
+        const int w = P->width[k];
+        code |= ((row[P->offset[k] + c * w / 8] >> (c * w % 8)) & ((1 << w) - 1)) << P->shift[k];
+    }
+    return code;
+}
+
 /* out[0 .. dpad) = the row's values, zero past d; codes: dpad ints of scratch */
 static void decode_row(const cb_layout *L, const uint8_t *row, float *out, int32_t *codes) {
     for (int p = 0; p < L->n_parts; p++) {
@@ -431,21 +441,15 @@ static void decode_row(const cb_layout *L, const uint8_t *row, float *out, int32
             for (int k = 0; k < P->n_planes; k++) plane_codes(row + P->offset[k], n, P->width[k], P->shift[k], k == 0, codes + P->lo);
             for (c = lookup_blocks(P->table, P->bits, codes + P->lo, n, out + P->lo); c < n; c++) out[P->lo + c] = P->table[codes[P->lo + c]];
         }
-        for (; c < n; c++) {   /* the channels after the last whole block */
-            int code = 0;
-            for (int k = 0; k < P->n_planes; k++) {
-                const int w = P->width[k];
-                code |= ((row[P->offset[k] + c * w / 8] >> (c * w % 8)) & ((1 << w) - 1)) << P->shift[k];
-            }
-            out[P->lo + c] = P->table[code];
-        }
+        for (; c < n; c++) out[P->lo + c] = P->table[scalar_code(P, row, c)];   /* the channels after the last whole block */
     }
     for (int c = L->d; c < L->dpad; c++) out[c] = 0.0f;
 }
 
 #if defined(__AVX512F__)
-/* rows of one part whose width (1 to 5 bits, a constant where this is inlined) and channel count (a multiple of 16)
- * fast_part reads: the planes and table are set up once for all the rows */
+/* rows of one part whose width (1 to 5 bits, a constant where this is inlined) fast_part reads: the planes and table
+ * are set up once for all the rows; the channels past the last whole block of 16 (a fractional width's 8 channels
+ * at d = 64) one at a time */
 static inline void part_rows(const cb_part *P, const uint8_t *rows, int64_t row_bytes, int64_t count, float *out,
                              int64_t stride, const int bits) {
     const int n = P->hi - P->lo;
@@ -454,7 +458,8 @@ static inline void part_rows(const cb_part *P, const uint8_t *rows, int64_t row_
     for (int64_t r = 0; r < count; r++) {
         const uint8_t *row = rows + r * row_bytes;
         float *o = out + r * stride + P->lo;
-        for (int c = 0; c < n; c += 16) {
+        int c = 0;
+        for (; c + 16 <= n; c += 16) {
             __m512i code;
             if (bits == 3) code = low_plane16(_mm512_slli_epi32(plane16(row + o0, c, 2), 1), row + o1, c);
             else if (bits == 5) code = low_plane16(_mm512_slli_epi32(plane16(row + o0, c, 4), 1), row + o1, c);
@@ -462,14 +467,15 @@ static inline void part_rows(const cb_part *P, const uint8_t *rows, int64_t row_
             else code = plane16(row + o0, c, bits);
             _mm512_storeu_ps(o + c, bits == 5 ? _mm512_permutex2var_ps(t0, code, t1) : _mm512_permutexvar_ps(code, t0));
         }
+        for (; c < n; c++) o[c] = P->table[scalar_code(P, row, c)];
     }
 }
 #endif
 
 void kvlab_cb_decode_rows(const cb_layout *L, const uint8_t *rows, int64_t row_bytes, int64_t count, float *out, int64_t stride) {
 #if defined(__AVX512F__)
-    int fast = L->d == L->dpad;   /* every part 1..5 bits over whole blocks of 16 channels: part by part, tight loops */
-    for (int p = 0; p < L->n_parts; p++) fast &= !L->part[p].block && L->part[p].bits <= 5 && (L->part[p].hi - L->part[p].lo) % 16 == 0;
+    int fast = L->d == L->dpad;   /* every part 1..5 bits (a scalar part): part by part, tight loops */
+    for (int p = 0; p < L->n_parts; p++) fast &= !L->part[p].block && L->part[p].bits <= 5;
     if (fast) {
         for (int p = 0; p < L->n_parts; p++) {
             const cb_part *P = &L->part[p];
