@@ -39,8 +39,8 @@ NAMES = ["tq-k4v4", "tq3", "tq5", "tq3.5", "tq-k5v3", "tq3+sink4+recent8", "tq-k
          "tq-k4v4+alloc=k35v44+recent4", "tq3+prerope+sink1+halloc=k2433v3342", "tq-k4v4+prerope+sink1+halloc=k3553v4444+kscale=lsq",
          # 8-bit log scales around each head's centre
          "tq3.5+norms8+recent8", "tq-k4v4+prerope+sink1+halloc=k3553v4444+kscale=lsq+norms8",
-         # the tq4 preset: 4.125 bits, a part of d/8 channels at 5 bits (8 at d = 64: a block of 16 is not whole)
-         "tq4"]
+         # the tq4 preset: 4.125 bits, a part of d/8 channels at 5 bits (8 at d = 64: no whole block of 16); 4.25-bit keys
+         "tq4", "tq-k4.25v4+prerope+norms8"]
 #: (n_heads, n_kv_heads, head_dim): MHA, GQA, MQA; head dims 64, 128 and 96 (not a power of two: a dense rotation)
 GEOMETRIES = {"MHA-64": (4, 4, 64), "GQA-128": (4, 2, 128), "MQA-96": (3, 1, 96)}
 

@@ -94,7 +94,7 @@ GEOMETRIES = {  # (n_heads, n_kv_heads, head_dim)
 #: every name once per build variant, the geometries taking turns (each sees every geometry over the list)
 CASES = [("tq-k4v4", "GQA-64"), ("tq3", "MHA-96"), ("tq5", "MQA-128"), ("tq3.5", "GQA-64"), ("tq-k5v3", "MHA-96"),
          ("tq-k4v4+qjl", "MQA-128"), ("tq3+sink3+recent8", "GQA-64"), ("tq-k5v3+sink1", "MQA-128"), ("tq2.5+recent16", "MHA-96"),
-         ("tq-k4.125v4.125", "GQA-64")]     # the tq4 preset's widths: 56 channels at 4 bits, 8 at 5 (no whole block of 16)
+         ("tq-k4.125v4.125", "GQA-64")]     # 56 channels at 4 bits, 8 at 5: no whole block of 16
 CHUNKS = (21, 1, 5, 37, 1)
 
 

@@ -53,12 +53,12 @@ tq4, tq3.5, tq2.5, tq-k4v3, tq-k4v4+qjl, tq3+recent64, tq3+fp-first-last.
 
 Presets. `tq4` is kvlab's recommended 4-bit recipe, not the bare method: the name stands for PRESETS["tq4"],
     tq4.125+prerope+norms8+sink1+kscale=lsq+vscale=lsq
-keys coded before RoPE, the first token kept in the cache dtype, 8-bit log scales whose freed byte per vector buys
-1/8 bit more codes, least-squares scales: no calibration pass, and the serving pool holds it (6,184 B/token on
-SmolLM2 at 511 tokens where the bare method is 6,149; the measurements are in docs/benchmarks.md, issue 13). Options
-after it apply to the expansion (`tq4+seed1`, `tq4+kscale=renorm`), and every report spells the expansion out (a
-config's `name`). The bare method at 4 bits is `tq-k4v4` (what `tq4` meant before session 14), and that is how its
-name prints.
+keys coded before RoPE, the first token kept in the cache dtype, 8-bit log scales whose freed byte per vector buys 1/8
+bit more codes (an eighth of the channels at 5 bits), least-squares scales: no calibration pass, and the serving pool
+holds it (6,184 B/token on SmolLM2 at 511 tokens where the bare method is 6,149; +1.11% perplexity over six rotation
+seeds, +1.50% served; docs/benchmarks.md, issue 13). Options after it apply to the expansion (`tq4+seed1`,
+`tq4+halloc`, `tq4+kscale=renorm`), and every report spells the expansion out (a config's `name`). The bare method at
+4 bits is `tq-k4v4` (what `tq4` meant before session 14), and that is how its name prints.
 """
 
 from __future__ import annotations
