@@ -270,6 +270,9 @@ def test_tq4_is_the_preset_recipe_and_the_bare_method_is_tq_k4v4():
     bare = parse("tq-k4v4")[1]
     assert bare.name == "tq-k4v4" and not bare.pre_rope and not bare.log_norms and not bare.full.sink
     assert parse(bare.name)[1] == bare and parse(config.name)[1] == config
+    from kvlab.cache import describe_formula                                    # a report names the recipe a preset stands for,
+    assert describe_formula("tq4", SMOLLM2, torch.bfloat16).startswith(recipe + ": ")   # not a plain name spelled otherwise
+    assert describe_formula("tq-k3v3", SMOLLM2, torch.bfloat16).startswith("per key vector")
     with pytest.raises(ConfigError, match="norms8") as err:                     # the recipe's 8-bit scales refuse +qjl
         parse("tq4+qjl")
     assert "\n" not in str(err.value)

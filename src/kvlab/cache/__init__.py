@@ -14,7 +14,7 @@ from .concat import ConcatCache, NoCache
 from .dense import STORAGE as _DENSE_STORAGE
 from .dense import DenseCache
 from .names import EXAMPLES as _COMPRESSED_EXAMPLES
-from .names import is_compressed_name, parse as _parse_compressed
+from .names import expand, is_compressed_name, parse as _parse_compressed
 
 #: the compressed caches' classes, importable from here as before (loaded when first asked for)
 _LAZY = {"QuantizedCache": "quantized", "QuantizedConfig": "quantized",
@@ -92,7 +92,7 @@ def describe_formula(name: str, geometry: CacheGeometry, dtype: torch.dtype) -> 
         text += f"; the newest {config.full.recent} tokens of every layer in {dtype_name}"
     if config.full.first_last:
         text += f"; layers 0 and {geometry.n_layers - 1} whole in {dtype_name}"
-    if config.name != key:   # a preset (tq4): the recipe it stands for first
+    if expand(key) != key:   # a preset (tq4): the recipe it stands for first
         text = f"{config.name}: {text}"
     return text
 

@@ -550,12 +550,17 @@ static int code_attention(const code_pool *P, const float *q, int n_seqs, float 
 /* Each KV head's layout from its slice of the concatenated specs (parts[h] rows of 4) and tables (from table_at[h]),
  * its codes head_bytes[h] long, the heads side by side in a token's row: 0, or -1 (a layout out of range, or heads
  * whose decoded rows are not equally long). The caller frees R->heads and R->head_at (NULL-safe on failure). */
-static int head_rows(code_rows *R, const uint8_t *codes, int n_kv_heads, int d, const int32_t *parts, const int32_t *spec,
-                     const float *tables, const int64_t *table_at, const int64_t *head_bytes) {
+static int alloc_rows(code_rows *R, const uint8_t *codes, int n_kv_heads) {
     R->codes = codes;
     R->heads = malloc(sizeof(cb_layout) * (size_t)n_kv_heads);
     R->head_at = malloc(sizeof(int64_t) * (size_t)n_kv_heads);
-    if (!R->heads || !R->head_at) return -2;
+    return R->heads && R->head_at ? 0 : -2;
+}
+
+static int head_rows(code_rows *R, const uint8_t *codes, int n_kv_heads, int d, const int32_t *parts, const int32_t *spec,
+                     const float *tables, const int64_t *table_at, const int64_t *head_bytes) {
+    const int status = alloc_rows(R, codes, n_kv_heads);
+    if (status) return status;
     int64_t at = 0;
     for (int h = 0; h < n_kv_heads; h++) {
         if (parts[h] <= 0 || parts[h] > CB_MAX_PARTS || table_at[h] < 0 || head_bytes[h] <= 0) return -1;
@@ -566,6 +571,15 @@ static int head_rows(code_rows *R, const uint8_t *codes, int n_kv_heads, int d, 
         at += head_bytes[h];
     }
     R->token_bytes = at;
+    return 0;
+}
+
+/* every KV head reading one layout L, its codes row_bytes long: 0, or -2 (no memory) */
+static int shared_rows(code_rows *R, const uint8_t *codes, int n_kv_heads, const cb_layout *L, int64_t row_bytes) {
+    const int status = alloc_rows(R, codes, n_kv_heads);
+    if (status) return status;
+    for (int h = 0; h < n_kv_heads; h++) R->heads[h] = *L, R->head_at[h] = h * row_bytes;
+    R->token_bytes = n_kv_heads * row_bytes;
     return 0;
 }
 
@@ -648,21 +662,15 @@ int kvlab_paged_int_attention(const float *q, int64_t n_rows, int n_heads, int n
     int64_t bytes = 0;
     for (int w = 8; w >= 1; w /= 2)
         if (bits & w) bytes += ((int64_t)d * w + 7) / 8;
-    int32_t *parts = malloc(sizeof(int32_t) * (size_t)n_kv_heads), *specs = malloc(sizeof(spec) * (size_t)n_kv_heads);
-    int64_t *table_at = calloc((size_t)n_kv_heads, sizeof(int64_t)), *head_bytes = malloc(sizeof(int64_t) * (size_t)n_kv_heads);
-    int status = parts && specs && table_at && head_bytes ? 0 : -2;
-    for (int h = 0; !status && h < n_kv_heads; h++) {
-        parts[h] = 1, head_bytes[h] = bytes;
-        memcpy(specs + 4 * h, spec, sizeof(spec));
-    }
-    if (!status) status = head_rows(&P.keys, k_codes, n_kv_heads, d, parts, specs, values, table_at, head_bytes);
-    if (!status) status = head_rows(&P.values, v_codes, n_kv_heads, d, parts, specs, values, table_at, head_bytes);
+    cb_layout layout;
+    if (kvlab_cb_layout(&layout, d, 1, spec, values, bytes)) return -1;
+    int status = shared_rows(&P.keys, k_codes, n_kv_heads, &layout, bytes);
+    if (!status) status = shared_rows(&P.values, v_codes, n_kv_heads, &layout, bytes);
     if (!status) {
-        P.dpad = P.keys.heads[0].dpad;
+        P.dpad = layout.dpad;
         status = code_attention(&P, q, n_seqs, out, NULL, n_threads);
     }
     free_rows(&P.keys);
     free_rows(&P.values);
-    free(parts), free(specs), free(table_at), free(head_bytes);
     return status;
 }

@@ -1,13 +1,13 @@
 """Compressed block pools: int and TurboQuant codes in the blocks, read back the way the single caches read.
 
-Every buffer is token-major like the dense pool, so token slot = block · block_size + offset indexes all:
+Every buffer is token-major like the dense pool, so token slot = block · block_size + offset indexes all (a token
+buffer is one (slots, ...) tensor per layer, written (L, slots, ...) below; group buffers are one (L, ...) tensor):
     int   k_codes (L, slots, Hkv, ⌈Dk·b/8⌉)   k_scale, k_zero (L, slots/G, Hkv, Dk) fp16: group = slot // G
           v_codes (L, slots, Hkv, ⌈Dv·b/8⌉)   v_scale, v_zero (L, slots, Hkv, Dv/Gv) fp16
           stage   (L, max_batch, G, Hkv, Dk) fp32: each running sequence's open key group (its row)
     tq    k_codes, v_codes (L, slots, Hkv, bytes), k_norm, v_norm (L, slots, Hkv) 16-bit, or uint8 log codes
           (+norms8, read against the codec's centres) [+ qjl signs, ‖r‖]; +alloc: each layer's codes at its
           width, +halloc: one row per token, (slots, 1, Σ_h bytes_h), its heads' codes side by side at their widths
-          (a tensor per layer where the layers' rows differ in length)
           + one TurboQuantCache `codec` holding the per-layer state all sequences share
 and a block copy (copy-on-write) copies every buffer's rows of that block.
 
@@ -93,19 +93,17 @@ class CodedPool:
         self.block_size = plan.block_size
         self.slots = plan.n_blocks * plan.block_size
         self._device = torch.device(device)
-        self.token_buffers: dict[str, torch.Tensor] = {}     # (L, slots, ...)
+        self.token_buffers: dict[str, list[torch.Tensor]] = {}   # per layer (slots, ...)
         self.group_buffers: dict[str, torch.Tensor] = {}     # (L, slots // G, ...)
         self.group = self.block_size                          # tokens per group buffer row
         self.rows: dict[object, int] = {}                     # running sequence -> its row
         self.free_rows = list(range(plan.max_batch))
 
     def _tokens(self, name: str, *shape: int, dtype: torch.dtype) -> None:
-        g = self.geometry
-        self.token_buffers[name] = torch.zeros(g.n_layers, self.slots, *shape, dtype=dtype, device=self._device)
+        self._layer_tokens(name, [shape] * self.geometry.n_layers, dtype)
 
-    def _tokens_per_layer(self, name: str, shapes: list[tuple[int, ...]], dtype: torch.dtype) -> None:
-        """A buffer whose rows differ in length from layer to layer (+halloc codes): one (slots, ...) tensor per layer,
-        indexed by layer like the (L, slots, ...) buffers."""
+    def _layer_tokens(self, name: str, shapes: list[tuple[int, ...]], dtype: torch.dtype) -> None:
+        """One (slots, *shapes[l]) buffer per layer l: the layers' rows may differ in length (+alloc / +halloc codes)."""
         self.token_buffers[name] = [torch.zeros(self.slots, *shape, dtype=dtype, device=self._device) for shape in shapes]
 
     @property
@@ -136,7 +134,7 @@ class CodedPool:
         """Every layer's codes of block `src` into block `dst` (copy-on-write)."""
         bs = self.block_size
         for buf in self.token_buffers.values():
-            for layer in buf:                                     # (slots, ...) per layer, views of (L, slots, ...) ones
+            for layer in buf:                                     # (slots, ...) per layer
                 layer[dst * bs:(dst + 1) * bs] = layer[src * bs:(src + 1) * bs]
         per = bs // self.group
         for buf in self.group_buffers.values():
@@ -144,7 +142,7 @@ class CodedPool:
 
     @property
     def nbytes(self) -> int:
-        tokens = [t for buf in self.token_buffers.values() for t in (buf if isinstance(buf, list) else [buf])]
+        tokens = [layer for buf in self.token_buffers.values() for layer in buf]
         return tensors_nbytes(*tokens, *self.group_buffers.values()) + self._state_nbytes()
 
     def _state_nbytes(self) -> int:
@@ -334,11 +332,8 @@ class TurboPool(CodedPool):
         super().__init__(geometry, plan, fmt, device)
         self.codec = codec                                     # calibrated_codec(...): the shared per-layer state
         for name in self.codec.token_buffer_names():           # the codec's (1, Hkv, 1[, bytes]) buffers give the shapes
-            shapes = [(like.shape[1], *like.shape[3:]) for like in getattr(self.codec, name).values()]  # +halloc: (1, Σ bytes)
-            if len(set(shapes)) == 1:
-                self._tokens(name, *shapes[0], dtype=getattr(self.codec, name)[0].dtype)
-            else:                                              # +halloc codes: each layer's heads' widths sum differently
-                self._tokens_per_layer(name, shapes, dtype=getattr(self.codec, name)[0].dtype)
+            layers = getattr(self.codec, name)                   # per layer: (1, Hkv, 1[, bytes]), +halloc (1, 1, 1, Σ bytes)
+            self._layer_tokens(name, [(like.shape[1], *like.shape[3:]) for like in layers.values()], layers[0].dtype)
         self.sink = fmt.config.full.sink                                # +sinkN: the first N tokens exact, apart
         if codec.sink != self.sink:   # the codec's reads place coded slot i at position sink + i (+prerope)
             raise ConfigError(f"TurboQuant pool: its codec keeps {codec.sink} sink tokens, the format {self.sink}")
