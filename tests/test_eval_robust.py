@@ -12,7 +12,7 @@ from kvlab.cache import CacheGeometry, make_cache
 from kvlab.errors import KvlabError
 from kvlab.eval.agreement import kl_divergence
 from kvlab.eval.corpus import CALIBRATION_PLAYS, FILLER_PLAY, PLAYS, shared_spans
-from kvlab.eval.needle import MIN_TRIALS, PasskeyProtocol, passkey_trials
+from kvlab.eval.needle import MIN_TRIALS, PRIME, PasskeyProtocol, key_margin, passkey_prompt, passkey_trials
 from kvlab.eval.perplexity import WindowProtocol, run_window, window_nll
 from kvlab.eval.plot import plot_quality
 from kvlab.eval.run import EvalSettings, quality_table
@@ -119,11 +119,13 @@ def test_table_and_plot_show_spread_interval_and_passkey_count(tmp_path):
     dense = CacheQuality("dense", 23040, 16, 30.0, 0.0, 0.0, 1.0, 1.0, 100, ppl_delta_ci=(0.0, 0.0), kl_ci=(0.0, 0.0),
                     passkey_found=9, passkey_total=9)
     tq4 = CacheQuality("tq-k4v4", 6160, 4.3, 30.9, 3.1, 0.02, 0.93, 7 / 9, 100, seeds=[0, 1, 2], ppl_delta_sd=0.6,
-                  ppl_delta_ci=(2.2, 4.0), kl_ci=(0.015, 0.025), passkey_found=7, passkey_total=9)
+                  ppl_delta_ci=(2.2, 4.0), kl_ci=(0.015, 0.025), passkey_found=7, passkey_total=9,
+                  passkey_margin=(2.5, -0.4))
     table = quality_table([dense, tq4])
     cells = {column.header: list(column.cells) for column in table.columns}
     assert cells["ΔPPL"][1] == "+3.10% ± 0.60" and cells["ΔPPL interval"][1] == "[+2.20, +4.00]"
     assert cells["passkey"] == ["9/9", "7/9"] and cells["seeds"] == ["1", "3"]
+    assert cells["key margin"] == ["—", "2.50 / -0.40"]
     assert plot_quality([dense, tq4], tmp_path / "q.png").stat().st_size > 1000
 
 
@@ -145,6 +147,11 @@ def test_default_and_quick_settings_run_at_least_nine_passkey_trials_and_three_s
     assert PasskeyProtocol.covering((500, 700)).trials >= MIN_TRIALS
     chosen = EvalSettings.build("tq-k4v4", False, None, False, "1000", seeds="3, 5,3")
     assert chosen.seeds == (3, 5) and chosen.passkey is None
+    wide = EvalSettings.build("tq-k4v4", False, None, True, "1000,3000,6000", passkey_repeats=3)
+    assert wide.passkey.trials == 27 and wide.passkey.prime and full.passkey.prime
+    unprimed = EvalSettings.build("tq-k4v4", False, None, True, "1000", passkey_prime=False)
+    assert not unprimed.passkey.prime and unprimed.passkey.trials == MIN_TRIALS
+    assert "--passkey-repeats" in cli_error(["eval", "--passkey-repeats", "0"])
 
 
 @pytest.mark.parametrize("seeds, message", [("a,b", "comma-separated integers"), (",", "at least one seed"),
@@ -168,7 +175,35 @@ def test_passkey_trials_are_counted_over_positions_keys_and_seeds(gguf_tokenizer
     assert [t["seed"] for t in trials] == [0, 1, 2] * (len(trials) // 3)
     assert sorted({t["depth"] for t in trials}) == [0.25, 0.5, 0.75]
     assert len({t["key"] for t in trials}) == len(trials)                    # a new key every trial
-    assert all(t["found"] == (str(t["key"]) in t["answer"]) for t in trials)
+    assert all(t["found"] == (str(t["key"]) in t["answer"]) and t["answer"].startswith(PRIME) for t in trials)
+    assert all(isinstance(t["key_margin"], float) and (t["key_margin"] < 0 or t["found"]) for t in trials)
+    plain = passkey_trials(loaded, "tq-k4v4", PasskeyProtocol(lengths=(40,), depths=(0.5,), prime=False))
+    assert plain[0]["key_margin"] is None and not plain[0]["answer"].startswith(PRIME)
+
+
+def test_a_primed_passkey_prompt_asks_for_the_number_and_knows_its_tokens(gguf_tokenizer):
+    primed = passkey_prompt(gguf_tokenizer, 60, 0.5, 65125)
+    plain = passkey_prompt(gguf_tokenizer, 60, 0.5, 65125, prime=False)
+    assert plain.key_ids is None and primed.ids[:len(plain.ids)] == plain.ids      # the same turn, opened with PRIME
+    assert gguf_tokenizer.decode(primed.ids[len(plain.ids):]).strip() == PRIME
+    assert gguf_tokenizer.decode(primed.key_ids) == " 65125"
+    assert gguf_tokenizer.decode(primed.ids).count("65125") == 2                   # the needle's two mentions only
+
+
+def test_the_key_margin_is_the_smallest_lead_while_the_answer_follows_the_key():
+    def logits(scores: dict) -> torch.Tensor:
+        row = torch.zeros(8)
+        for token, score in scores.items():
+            row[token] = score
+        return row
+
+    key = [5, 6, 7]
+    steps = [logits({5: 3.0, 1: 1.0}), logits({6: 2.0, 2: 1.5}), logits({7: 4.0})]
+    assert key_margin(steps, [5, 6, 7], key) == pytest.approx(0.5)                 # 2.0 - 1.5 at the second token
+    left = [logits({5: 3.0, 1: 1.0}), logits({6: 1.0, 2: 2.5}), logits({7: -9.0})]
+    assert key_margin(left, [5, 2, 3], key) == pytest.approx(-1.5)                 # left the key there; the rest is not read
+    assert key_margin(steps[:1], [5], key) == pytest.approx(2.0)                   # an answer cut short (EOS): what it read
+    assert key_margin(steps, [5, 6, 7], None) is None and key_margin([], [], key) is None
 
 
 # -- calibration text ----------------------------------------------------------------------------------

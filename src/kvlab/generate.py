@@ -145,12 +145,14 @@ def generate_stream(
     eos_ids: tuple[int, ...] = (),
     chunk_size: int | None = None,
     stats: dict | None = None,
+    on_logits: Callable[[torch.Tensor], None] | None = None,
 ) -> Iterator[torch.Tensor]:
     """Yield the next token ids (B,) one step at a time. prompt: (B, T) equal-length prompts.
 
     With a persistent cache the prompt is prefilled once and each step feeds one token; with the
     no-cache baseline (cache.persistent is False) each step feeds the whole sequence again.
-    `stats`, when given, receives prefill_seconds, decode_seconds and stop_reason.
+    `stats`, when given, receives prefill_seconds, decode_seconds and stop_reason. `on_logits`, when
+    given, sees each step's logits (B, V) before the next ids are chosen from them.
     """
     if prompt.dim() != 2 or prompt.shape[1] == 0:
         raise ConfigError(f"prompt must be a non-empty (batch, tokens) tensor, got shape {tuple(prompt.shape)}")
@@ -173,6 +175,8 @@ def generate_stream(
     release_free_memory()  # the prompt chunks' activations are gone: their heap pages go back for the decode
     stats["prefill_seconds"] = time.perf_counter() - t0
     for step in range(max_new_tokens):
+        if on_logits is not None:
+            on_logits(logits)
         next_ids = sample_next(logits, sampling, generator)                   # (B,)
         if eos is not None:
             finished |= torch.isin(next_ids, eos)
@@ -211,11 +215,13 @@ def generate(
     eos_ids: tuple[int, ...] = (),
     chunk_size: int | None = None,
     on_token: Callable[[torch.Tensor], None] | None = None,
+    on_logits: Callable[[torch.Tensor], None] | None = None,
 ) -> GenerationResult:
     """Generate up to `max_new_tokens` for each prompt row; stops when every row has hit EOS."""
     stats: dict = {}
     new: list[torch.Tensor] = []
-    for next_ids in generate_stream(model, prompt, cache, max_new_tokens, sampling, eos_ids, chunk_size, stats):
+    for next_ids in generate_stream(model, prompt, cache, max_new_tokens, sampling, eos_ids, chunk_size, stats,
+                                    on_logits):
         new.append(next_ids)
         if on_token is not None:
             on_token(next_ids)

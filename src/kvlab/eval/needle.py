@@ -3,8 +3,16 @@
 Filler: King Lear (not among the perplexity plays), from its first full line on. The needle
 "The pass key is NNNNN. Remember it. NNNNN is the pass key." is inserted at a line boundary at the
 given depth (fraction of the filler tokens); the user message is filler + question, rendered with
-the model's chat template. The prompt is prefilled in chunks into the cache under test, then up to
-12 tokens are decoded greedily; a trial passes when the answer contains the number.
+the model's chat template, and the assistant's turn opens with "The pass key is" (PRIME, as the original
+passkey test's prompt ends: Mohtashami & Jaggi 2023), so a trial asks for the number, not for a phrasing
+(`prime=False`: the turn opens empty, the protocol before session 15). The prompt is prefilled in chunks
+into the cache under test, then up to 12 tokens are decoded greedily; a trial passes when the answer
+contains the number.
+
+Beside pass/fail, a primed trial measures how sure the retrieval was: its key margin, the smallest
+logit lead of the key's next token over the best other token, over the key's tokens while the answer
+follows the key (negative at the token where it leaves it). A cache that finds every key with margins
+shrunk from dense's is closer to losing one than the count says; a miss by a near-tie is not a lost key.
 
 A cache is judged on a count of trials, never on one: lengths × depths × repeats (at least
 MIN_TRIALS by default, `--quick` included), each repeat with a new random key; a cache with rotation
@@ -23,6 +31,7 @@ from ..generate import generate
 from .corpus import FILLER_PLAY, play_text
 
 QUESTION = "What is the pass key? Answer with the number only."
+PRIME = "The pass key is"
 #: The fewest trials a default passkey protocol runs per cache.
 MIN_TRIALS = 9
 
@@ -35,16 +44,25 @@ class PasskeyProtocol:
     max_new_tokens: int = 12
     seed: int = 0                                    # of the random keys
     repeats: int = 1                                 # trials per (length, depth), each with its own key
+    prime: bool = True                               # the answer opens with PRIME
 
     @property
     def trials(self) -> int:
         return len(self.lengths) * len(self.depths) * self.repeats
 
     @classmethod
-    def covering(cls, lengths: tuple[int, ...], depths: tuple[float, ...] = (0.25, 0.5, 0.75)) -> "PasskeyProtocol":
-        """These lengths and depths, repeated until there are at least MIN_TRIALS trials."""
+    def covering(cls, lengths: tuple[int, ...], depths: tuple[float, ...] = (0.25, 0.5, 0.75), repeats: int = 1,
+                 prime: bool = True) -> "PasskeyProtocol":
+        """These lengths and depths, each `repeats` times or more, until there are at least MIN_TRIALS trials."""
         positions = len(lengths) * len(depths)
-        return cls(lengths=lengths, depths=depths, repeats=-(-MIN_TRIALS // positions))
+        return cls(lengths=lengths, depths=depths, repeats=max(repeats, -(-MIN_TRIALS // positions)), prime=prime)
+
+
+@dataclass(frozen=True)
+class PasskeyPrompt:
+    ids: list[int]                   # the prompt's tokens
+    key_ids: list[int] | None        # the tokens that continue it with the key (None: unprimed, or the tokenizer
+                                     # would merge the key into the prompt's last token)
 
 
 def _filler_lines(tokenizer, n_tokens: int) -> list[str]:
@@ -59,14 +77,33 @@ def _filler_lines(tokenizer, n_tokens: int) -> list[str]:
     return out
 
 
-def passkey_prompt(tokenizer, n_tokens: int, depth: float, key: int) -> list[int]:
+def passkey_prompt(tokenizer, n_tokens: int, depth: float, key: int, prime: bool = True) -> PasskeyPrompt:
     lines = _filler_lines(tokenizer, n_tokens)
     at = round(depth * len(lines))
     needle = f"The pass key is {key}. Remember it. {key} is the pass key."
     text = "\n".join(lines[:at] + [needle] + lines[at:])
     message = f"{text}\n\n{QUESTION}"
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": message}])
-    return tokenizer.encode(rendered, add_special=False)
+    if not prime:
+        return PasskeyPrompt(tokenizer.encode(rendered, add_special=False), None)
+    ids = tokenizer.encode(rendered + PRIME, add_special=False)
+    answered = tokenizer.encode(f"{rendered}{PRIME} {key}", add_special=False)
+    return PasskeyPrompt(ids, answered[len(ids):] if answered[:len(ids)] == ids else None)
+
+
+def key_margin(step_logits: list[torch.Tensor], answer: list[int], key_ids: list[int] | None) -> float | None:
+    """The smallest lead of the key's token over the best other token, step by step while the answer follows the
+    key; the step where it leaves the key counts (a negative lead) and ends it. step_logits: (V,) per step."""
+    if not key_ids:
+        return None
+    leads = []
+    for logits, got, want in zip(step_logits, answer, key_ids):
+        rival = logits.clone()
+        rival[want] = -torch.inf
+        leads.append(float(logits[want] - rival.max()))
+        if got != want:
+            break
+    return min(leads) if leads else None
 
 
 def check_passkey_fits(loaded, protocol: PasskeyProtocol) -> None:
@@ -75,7 +112,7 @@ def check_passkey_fits(loaded, protocol: PasskeyProtocol) -> None:
     if context is None:  # the model states no context
         return
     longest = max(protocol.lengths)
-    needed = len(passkey_prompt(loaded.tokenizer, longest, 0.5, 10000)) + protocol.max_new_tokens - 1
+    needed = len(passkey_prompt(loaded.tokenizer, longest, 0.5, 10000, protocol.prime).ids) + protocol.max_new_tokens - 1
     if needed > context:
         raise InputLimitError(f"--passkey-lengths {longest:,}: the passkey prompt and answer need {needed:,} tokens, "
                               f"more than the model's context of {context:,}")
@@ -83,7 +120,7 @@ def check_passkey_fits(loaded, protocol: PasskeyProtocol) -> None:
 
 def passkey_trials(loaded, name: str, protocol: PasskeyProtocol, advance=None,
                    variants: list[tuple[int | None, str]] | None = None, engine=None) -> list[dict]:
-    """One record per (length, depth, repeat): the key, the answer, whether it was found.
+    """One record per (length, depth, repeat): the key, the answer, whether it was found, its key margin.
 
     `variants`: [(seed, cache name)] to cycle through over the trials (suite.seed_variants); default
     [(None, name)]. `engine`: the backend running `loaded` (kvlab.backends; default kvlab's own).
@@ -99,14 +136,24 @@ def passkey_trials(loaded, name: str, protocol: PasskeyProtocol, advance=None,
             for _ in range(protocol.repeats):
                 key = rng.randrange(10000, 100000)
                 seed, built = variants[len(records) % len(variants)]
-                ids = passkey_prompt(loaded.tokenizer, length, depth, key)
-                cache = engine.make_cache(built, len(ids) + protocol.max_new_tokens)
-                prompt = torch.tensor([ids], device=loaded.device)
+                asked = passkey_prompt(loaded.tokenizer, length, depth, key, protocol.prime)
+                cache = engine.make_cache(built, len(asked.ids) + protocol.max_new_tokens)
+                prompt = torch.tensor([asked.ids], device=loaded.device)
+                step_logits: list[torch.Tensor] = []   # the steps the key margin reads
+                keep = len(asked.key_ids or ())
+
+                def observe(logits):                    # (1, V)
+                    if len(step_logits) < keep:
+                        step_logits.append(logits[0].float().clone())
+
                 result = generate(loaded.model, prompt, cache, protocol.max_new_tokens,
-                                  eos_ids=loaded.tokenizer.eos_ids, chunk_size=protocol.chunk)
+                                  eos_ids=loaded.tokenizer.eos_ids, chunk_size=protocol.chunk, on_logits=observe)
                 answer = loaded.tokenizer.decode(result.token_ids[0], skip_special=True)
-                records.append({"length": length, "prompt_tokens": len(ids), "depth": depth, "key": key, "seed": seed,
-                                "answer": answer.strip(), "found": str(key) in answer,
+                margin = key_margin(step_logits, result.token_ids[0], asked.key_ids)
+                records.append({"length": length, "prompt_tokens": len(asked.ids), "depth": depth, "key": key,
+                                "seed": seed, "answer": (PRIME if protocol.prime else "") + answer.rstrip(),
+                                "found": str(key) in answer,
+                                "key_margin": None if margin is None else round(margin, 4),
                                 "decode_tokens_per_s": round(result.decode_tokens_per_s, 2)})
                 if advance:
                     advance()

@@ -39,7 +39,7 @@ class EvalSettings:
     @classmethod
     def build(cls, caches: str, quick: bool, windows: int | None, passkey: bool, passkey_lengths: str,
               model: str | None = None, threads: int | None = None, seeds: str | None = None,
-              backend: str = "kvlab") -> "EvalSettings":
+              backend: str = "kvlab", passkey_repeats: int = 1, passkey_prime: bool = True) -> "EvalSettings":
         from ..backends import cache_name, check_backend
 
         backend = check_backend(backend)
@@ -55,9 +55,11 @@ class EvalSettings:
             raise ConfigError(f"--passkey-lengths must be comma-separated integers, got {passkey_lengths!r}") from None
         for length in lengths:
             check_int(length, "--passkey-lengths", 1)
+        check_int(passkey_repeats, "--passkey-repeats", 1)
         keys = None
         if passkey:
-            keys = PasskeyProtocol.covering(lengths[:1] if quick else lengths)
+            keys = PasskeyProtocol.covering(lengths[:1] if quick else lengths, repeats=passkey_repeats,
+                                            prime=passkey_prime)
         run_seeds = parse_seeds(seeds) if seeds is not None else (QUICK_SEEDS if quick else DEFAULT_SEEDS)
         return cls(names, WindowProtocol(n_windows=n_windows), keys, model, threads, run_seeds, backend)
 
@@ -144,6 +146,9 @@ def run_eval(settings: EvalSettings, console: Console | None = None,
                 record.passkey_found = sum(t["found"] for t in trials)
                 record.passkey_total = len(trials)
                 record.passkey_accuracy = record.passkey_found / len(trials)
+                margins = [t["key_margin"] for t in trials if t["key_margin"] is not None]
+                if margins:
+                    record.passkey_margin = (round(statistics.mean(margins), 4), round(min(margins), 4))
                 record.extra["passkey_trials"] = trials
                 record.extra["decode_tokens_per_s"] = statistics.median(t["decode_tokens_per_s"] for t in trials)
                 finish_records(records, settings, started, checkpoint)
@@ -170,10 +175,11 @@ def quality_table(records: list[CacheQuality]) -> Table:
     title = "KV cache quality"
     if dense:
         title += f" ({dense.cache} perplexity {dense.ppl:.2f}, {dense.scored_tokens:,} scored tokens"
-        title += f"; ± sd over seeds, [{100 * COVERAGE:.0f}% bootstrap interval over windows])"
+        title += f"; ± sd over seeds, [{100 * COVERAGE:.0f}% bootstrap interval over windows]"
+        title += "; key margin: the passkey's logit lead, mean / smallest trial)"
     table = Table(title=title)
     for column in ("cache", "bytes/token", "× smaller", "bits/value", "seeds", "PPL", "ΔPPL", "ΔPPL interval",
-                   "mean KL", "top-1", "passkey"):
+                   "mean KL", "top-1", "passkey", "key margin"):
         table.add_column(column, justify="left" if column == "cache" else "right")
     for r in records:
         ratio = records[0].bytes_per_token / r.bytes_per_token if r.bytes_per_token else float("inf")
@@ -182,6 +188,7 @@ def quality_table(records: list[CacheQuality]) -> Table:
         table.add_row(
             r.cache, f"{r.bytes_per_token:,.0f}", f"{ratio:.2f}×", f"{r.bits_per_value:.2f}", str(max(1, len(r.seeds))),
             f"{r.ppl:.2f}", delta, interval, f"{r.kl:.4f}", f"{100 * r.top1_agreement:.1f}%", passkey_cell(r),
+            "—" if r.passkey_margin is None else f"{r.passkey_margin[0]:.2f} / {r.passkey_margin[1]:+.2f}",
         )
     return table
 

@@ -43,6 +43,7 @@ class CacheQuality:
     per_seed: list[dict] = field(default_factory=list)          # {"seed", "ppl", "ppl_delta_pct", "kl", "top1"}
     passkey_found: int | None = None                            # passkey trials passed, of passkey_total
     passkey_total: int | None = None
+    passkey_margin: tuple[float, float] | None = None           # key margins over the trials: (mean, smallest)
 
     def to_json(self) -> dict:
         record = asdict(self)

@@ -7,8 +7,9 @@
  * bits a 1-bit part whose table is {-1, +1}.
  *
  * The entry points decode a few rows at a time into a small float tile (L1-resident) and work on that, or, under
- * AVX-512 for parts of 1 to 5 bits over multiples of 64 channels, score and sum the rows straight from their codes in
- * registers (kvlab_cb_dot_rows, kvlab_cb_mix_rows; see "rows used straight from their codes" below):
+ * AVX-512 for scalar parts of 1 to 5 bits (any channel count: a part that ends inside a 16-channel block, as a
+ * fractional width's 8 channels do, reads that block's bytes alone), score and sum the rows straight from their codes
+ * in registers (kvlab_cb_dot_rows, kvlab_cb_mix_rows; see "rows used straight from their codes" below):
  *   dots   out[h, i, t] = q[h, i] . value(row start + t)                    (scores; per row tile, all queries)
  *   mix    out[h, i]    = sum_t w[h, i, t] value(row start + t)             (values; fixed row segments, summed
  *                                                                             in segment order: same result for
@@ -447,27 +448,107 @@ static void decode_row(const cb_layout *L, const uint8_t *row, float *out, int32
 }
 
 #if defined(__AVX512F__)
-/* rows of one part whose width (1 to 5 bits, a constant where this is inlined) fast_part reads: the planes and table
- * are set up once for all the rows; the channels past the last whole block of 16 (a fractional width's 8 channels
- * at d = 64) one at a time */
+/* ---- rows used straight from their codes in registers: the mix (values) and the dots (keys) ----------------------
+ * A block is the 16 channels [16b, 16b + 16) of a part (the last may hold fewer). Its values come from broadcast loads, a shift and the table
+ * in a register (the permute reads only the low 4 bits of each index, so bits of other channels above the code need
+ * no mask when the table repeats with the code's period):
+ *   2 bits  the block's 4 bytes in every lane, lane i shifted right by 2i; the table repeated every 4 entries
+ *   3 bits  the 2-bit plane as above (the code's high bits h), looked up in two tables, the centroids 2h and 2h + 1
+ *           (each repeated every 4 entries): the second where the 1-bit plane's two bytes, a lane mask, have the
+ *           low bit set
+ *   4 bits  the block's 8 bytes in every 64-bit lane, lane k shifted right by 4k: 32-bit lane 2k holds channel k
+ *           and lane 2k + 1 channel 8 + k (`block4_order`); the queries and sums are put in that order too
+ *   1 bit   the block's 2 bytes as a lane mask
+ *   5 bits  the 4-bit plane's 8 bytes spread to the lanes (as plane16 does), the 1-bit plane's 2 bytes a lane mask
+ *           (channels in order) */
+typedef struct {
+    __m512 t0, t1;                 /* the table as the block's indices read it; t1: the odd centroids (3 bits) or
+                                      entries 16-31 (5 bits) */
+} block_table;
+
+CB_INLINE block_table prepare_table(const cb_part *P, const int bits) {
+    float t[16], odd[16];
+    for (int i = 0; i < 16; i++) {
+        t[i] = bits == 2 ? P->table[i & 3] : bits == 3 ? P->table[2 * (i & 3)] : P->table[i];
+        odd[i] = bits == 3 ? P->table[2 * (i & 3) + 1] : bits == 5 ? P->table[16 + i] : t[i];
+    }
+    const block_table T = {_mm512_loadu_ps(t), _mm512_loadu_ps(odd)};
+    return T;
+}
+
+/* lane j of a 4-bit block holds channel block4_order[j]; a vector of 16 channels x in order goes to block order as
+ * permutexvar(block4_order, x) and back as permutexvar(block4_back, y) */
+CB_INLINE __m512i block4_order(void) { return _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15); }
+CB_INLINE __m512i block4_back(void) { return _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15); }
+
+/* the first n (1 to 8) bytes at p as the low bytes of a 64-bit word, zeros above (x86: little-endian); n is a
+ * constant for whole blocks, so their loads are single loads */
+CB_INLINE uint64_t load_bytes(const uint8_t *p, const int n) {
+    uint64_t x = 0;
+    switch (n) {
+        case 8: memcpy(&x, p, 8); break;
+        case 4: memcpy(&x, p, 4); break;
+        case 2: memcpy(&x, p, 2); break;
+        default: for (int i = 0; i < n; i++) x |= (uint64_t)p[i] << 8 * i; break;
+    }
+    return x;
+}
+
+/* the widest plane's width for a part of `bits` (1 to 5): 5 = 4 + 1, 3 = 2 + 1 */
+CB_INLINE int first_width(const int bits) { return bits >= 4 ? 4 : bits >= 2 ? 2 : 1; }
+
+/* the values of one block from its planes' bytes, in the block's lane order: x0 the widest plane's 2w bytes, x1 the
+ * 1-bit plane's two bytes (3 and 5 bits) */
+CB_INLINE __m512 values_of(uint64_t x0, uint32_t x1, const int bits, block_table T) {
+    if (bits == 4) {
+        const __m512i codes = _mm512_srlv_epi64(_mm512_set1_epi64((int64_t)x0), _mm512_setr_epi64(0, 4, 8, 12, 16, 20, 24, 28));
+        return _mm512_permutexvar_ps(codes, T.t0);
+    }
+    if (bits == 2 || bits == 3) {
+        const __m512i high = _mm512_srlv_epi32(_mm512_set1_epi32((int32_t)x0),
+                                               _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30));
+        if (bits == 2) return _mm512_permutexvar_ps(high, T.t0);
+        /* the 1-bit plane's bits of the block: a lane mask */
+        return _mm512_mask_permutexvar_ps(_mm512_permutexvar_ps(high, T.t0), (__mmask16)x1, high, T.t1);
+    }
+    const __m512i one = _mm512_set1_epi32(1);
+    if (bits == 1) return _mm512_permutexvar_ps(_mm512_maskz_mov_epi32((__mmask16)x0, one), T.t0);
+    const __m128i spread = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);   /* 5 bits: the 4-bit plane */
+    const __m512i nibbles = _mm512_and_si512(
+        _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_shuffle_epi8(_mm_cvtsi64_si128((int64_t)x0), spread)),
+                          _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4)), _mm512_set1_epi32(15));
+    const __m512i high = _mm512_slli_epi32(nibbles, 1);
+    return _mm512_permutex2var_ps(T.t0, _mm512_mask_or_epi32(high, (__mmask16)x1, high, one), T.t1);
+}
+
+/* the values of block b of one row's part (planes at o0 and o1 of the row), in the block's lane order; `tail` < 16:
+ * the part ends inside the block after `tail` channels, whose bytes alone are read (the lanes past it read code 0) */
+CB_INLINE __m512 block_values(const uint8_t *row, int64_t o0, int64_t o1, int b, const int bits, block_table T, int tail) {
+    const int w = first_width(bits), low = bits == 3 || bits == 5;
+    const uint8_t *p0 = row + o0 + 2 * w * b, *p1 = row + o1 + 2 * b;
+    if (tail < 16) return values_of(load_bytes(p0, (tail * w + 7) / 8), low ? (uint32_t)load_bytes(p1, (tail + 7) / 8) : 0, bits, T);
+    return values_of(load_bytes(p0, 2 * w), low ? (uint32_t)load_bytes(p1, 2) : 0, bits, T);
+}
+
+/* lanes [0, tail) */
+CB_INLINE __mmask16 lanes(int tail) { return (__mmask16)((1u << tail) - 1); }
+
+/* rows of one part whose width (1 to 5 bits, a constant where this is inlined) the register blocks read: the table is
+ * set up once for all the rows; a part that ends inside a block (a fractional width's 8 channels at d = 64) has that
+ * block's bytes read alone and its channels stored under a lane mask */
 static inline void part_rows(const cb_part *P, const uint8_t *rows, int64_t row_bytes, int64_t count, float *out,
                              int64_t stride, const int bits) {
     const int n = P->hi - P->lo;
-    const __m512 t0 = _mm512_loadu_ps(P->table), t1 = bits == 5 ? _mm512_loadu_ps(P->table + 16) : t0;
+    const block_table T = prepare_table(P, bits);
     const int64_t o0 = P->offset[0], o1 = P->n_planes > 1 ? P->offset[1] : 0;
     for (int64_t r = 0; r < count; r++) {
         const uint8_t *row = rows + r * row_bytes;
         float *o = out + r * stride + P->lo;
-        int c = 0;
-        for (; c + 16 <= n; c += 16) {
-            __m512i code;
-            if (bits == 3) code = low_plane16(_mm512_slli_epi32(plane16(row + o0, c, 2), 1), row + o1, c);
-            else if (bits == 5) code = low_plane16(_mm512_slli_epi32(plane16(row + o0, c, 4), 1), row + o1, c);
-            else if (bits == 1) code = low_plane16(_mm512_setzero_si512(), row + o0, c);
-            else code = plane16(row + o0, c, bits);
-            _mm512_storeu_ps(o + c, bits == 5 ? _mm512_permutex2var_ps(t0, code, t1) : _mm512_permutexvar_ps(code, t0));
+        for (int c = 0; c < n; c += 16) {
+            const int tail = n - c < 16 ? n - c : 16;
+            const __m512 v = block_values(row, o0, o1, c / 16, bits, T, tail);
+            _mm512_mask_storeu_ps(o + c, lanes(tail), bits == 4 ? _mm512_permutexvar_ps(block4_back(), v) : v);
         }
-        for (; c < n; c++) o[c] = P->table[scalar_code(P, row, c)];
     }
 }
 #endif
@@ -495,99 +576,45 @@ void kvlab_cb_decode_rows(const cb_layout *L, const uint8_t *rows, int64_t row_b
 }
 
 #if defined(__AVX512F__)
-/* ---- rows used straight from their codes in registers: the mix (values) and the dots (keys) ----------------------
- * A block is the 16 channels [16b, 16b + 16) of a part. Its values come from broadcast loads, a shift and the table
- * in a register (the permute reads only the low 4 bits of each index, so bits of other channels above the code need
- * no mask when the table repeats with the code's period):
- *   2 bits  the block's 4 bytes in every lane, lane i shifted right by 2i; the table repeated every 4 entries
- *   3 bits  the 2-bit plane as above (the code's high bits h), looked up in two tables, the centroids 2h and 2h + 1
- *           (each repeated every 4 entries): the second where the 1-bit plane's two bytes, a lane mask, have the
- *           low bit set
- *   4 bits  the block's 8 bytes in every 64-bit lane, lane k shifted right by 4k: 32-bit lane 2k holds channel k
- *           and lane 2k + 1 channel 8 + k (`block4_order`); the queries and sums are put in that order too
- *   1, 5    plane16 / low_plane16 (channels in order) */
-typedef struct {
-    __m512 t0, t1;                 /* the table as the block's indices read it; t1: the odd centroids (3 bits) or
-                                      entries 16-31 (5 bits) */
-} block_table;
-
-CB_INLINE block_table prepare_table(const cb_part *P, const int bits) {
-    float t[16], odd[16];
-    for (int i = 0; i < 16; i++) {
-        t[i] = bits == 2 ? P->table[i & 3] : bits == 3 ? P->table[2 * (i & 3)] : P->table[i];
-        odd[i] = bits == 3 ? P->table[2 * (i & 3) + 1] : bits == 5 ? P->table[16 + i] : t[i];
-    }
-    const block_table T = {_mm512_loadu_ps(t), _mm512_loadu_ps(odd)};
-    return T;
-}
-
-/* lane j of a 4-bit block holds channel block4_order[j]; a vector of 16 channels x in order goes to block order as
- * permutexvar(block4_order, x) and back as permutexvar(block4_back, y) */
-CB_INLINE __m512i block4_order(void) { return _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15); }
-CB_INLINE __m512i block4_back(void) { return _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15); }
-
-CB_INLINE int32_t bytes4(const uint8_t *p) {
-    int32_t x;
-    memcpy(&x, p, 4);
-    return x;
-}
-
-/* the values of block b of one row's part (planes at o0 and o1 of the row), in the block's lane order */
-CB_INLINE __m512 block_values(const uint8_t *row, int64_t o0, int64_t o1, int b, const int bits, block_table T) {
-    if (bits == 4) {
-        int64_t x;
-        memcpy(&x, row + o0 + 8 * b, 8);
-        const __m512i codes = _mm512_srlv_epi64(_mm512_set1_epi64(x), _mm512_setr_epi64(0, 4, 8, 12, 16, 20, 24, 28));
-        return _mm512_permutexvar_ps(codes, T.t0);
-    }
-    if (bits == 2 || bits == 3) {
-        const __m512i high = _mm512_srlv_epi32(_mm512_set1_epi32(bytes4(row + o0 + 4 * b)),
-                                               _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30));
-        if (bits == 2) return _mm512_permutexvar_ps(high, T.t0);
-        uint16_t low;   /* the 1-bit plane's bits of the block: a lane mask */
-        memcpy(&low, row + o1 + 2 * b, 2);
-        return _mm512_mask_permutexvar_ps(_mm512_permutexvar_ps(high, T.t0), (__mmask16)low, high, T.t1);
-    }
-    const int c = 16 * b;
-    if (bits == 1) return _mm512_permutexvar_ps(low_plane16(_mm512_setzero_si512(), row + o0, c), T.t0);
-    return _mm512_permutex2var_ps(T.t0, low_plane16(_mm512_slli_epi32(plane16(row + o0, c, 4), 1), row + o1, c), T.t1);
-}
-
-
-
-/* acc[h][lo + c0 .. + 64) += sum_r w[h][r] value(r) for `gh` heads, one part, 64 channels from c0: the codes are
- * unpacked and looked up in registers, each row's four blocks read by every head (bits and gh constants here) */
+/* acc[h][lo + 16 b0 ..) += sum_r w[h][r] value(r) for `gh` heads, one part, its blocks b0 .. b0 + nb - 1 (nb <= 4; the
+ * last holds `tail` channels): the codes are unpacked and looked up in registers, each row's blocks read by every
+ * head (bits and gh constants here; the loops over four blocks unroll, the blocks past nb skipped) */
 CB_INLINE void mix_block(const cb_part *P, const uint8_t *rows, int64_t row_bytes, int64_t count, const float *w,
-                         int64_t w_stride, float *acc, int64_t acc_stride, int c0, const int bits, const int gh) {
+                         int64_t w_stride, float *acc, int64_t acc_stride, int b0, int nb, int tail, const int bits, const int gh) {
     const block_table T = prepare_table(P, bits);
     const int64_t o0 = P->offset[0], o1 = P->n_planes > 1 ? P->offset[1] : 0;
     __m512 a[4][4];
     for (int h = 0; h < gh; h++)
-        for (int b = 0; b < 4; b++) {
-            const __m512 x = _mm512_loadu_ps(acc + h * acc_stride + P->lo + c0 + 16 * b);
-            a[h][b] = bits == 4 ? _mm512_permutexvar_ps(block4_order(), x) : x;
-        }
+        for (int b = 0; b < 4; b++)
+            if (b < nb) {
+                const __m512 x = _mm512_maskz_loadu_ps(lanes(b == nb - 1 ? tail : 16), acc + h * acc_stride + P->lo + 16 * (b0 + b));
+                a[h][b] = bits == 4 ? _mm512_permutexvar_ps(block4_order(), x) : x;
+            }
     for (int64_t r = 0; r < count; r++) {
         const uint8_t *row = rows + r * row_bytes;
         __m512 value[4];
-        for (int b = 0; b < 4; b++) value[b] = block_values(row, o0, o1, c0 / 16 + b, bits, T);
+        for (int b = 0; b < 4; b++)
+            if (b < nb) value[b] = block_values(row, o0, o1, b0 + b, bits, T, b == nb - 1 ? tail : 16);
         for (int h = 0; h < gh; h++) {
             const __m512 wr = _mm512_set1_ps(w[h * w_stride + r]);
-            for (int b = 0; b < 4; b++) a[h][b] = _mm512_fmadd_ps(wr, value[b], a[h][b]);
+            for (int b = 0; b < 4; b++)
+                if (b < nb) a[h][b] = _mm512_fmadd_ps(wr, value[b], a[h][b]);
         }
     }
     for (int h = 0; h < gh; h++)
         for (int b = 0; b < 4; b++)
-            _mm512_storeu_ps(acc + h * acc_stride + P->lo + c0 + 16 * b, bits == 4 ? _mm512_permutexvar_ps(block4_back(), a[h][b]) : a[h][b]);
+            if (b < nb)
+                _mm512_mask_storeu_ps(acc + h * acc_stride + P->lo + 16 * (b0 + b), lanes(b == nb - 1 ? tail : 16),
+                                      bits == 4 ? _mm512_permutexvar_ps(block4_back(), a[h][b]) : a[h][b]);
 }
 
 static void mix_heads(const cb_part *P, const uint8_t *rows, int64_t row_bytes, int64_t count, const float *w,
-                      int64_t w_stride, float *acc, int64_t acc_stride, int c0, int bits, int gh) {
+                      int64_t w_stride, float *acc, int64_t acc_stride, int b0, int nb, int tail, int bits, int gh) {
 #define MIX_CASE(B) switch (gh) { \
-        case 1: mix_block(P, rows, row_bytes, count, w, w_stride, acc, acc_stride, c0, B, 1); break; \
-        case 2: mix_block(P, rows, row_bytes, count, w, w_stride, acc, acc_stride, c0, B, 2); break; \
-        case 3: mix_block(P, rows, row_bytes, count, w, w_stride, acc, acc_stride, c0, B, 3); break; \
-        default: mix_block(P, rows, row_bytes, count, w, w_stride, acc, acc_stride, c0, B, 4); break; }
+        case 1: mix_block(P, rows, row_bytes, count, w, w_stride, acc, acc_stride, b0, nb, tail, B, 1); break; \
+        case 2: mix_block(P, rows, row_bytes, count, w, w_stride, acc, acc_stride, b0, nb, tail, B, 2); break; \
+        case 3: mix_block(P, rows, row_bytes, count, w, w_stride, acc, acc_stride, b0, nb, tail, B, 3); break; \
+        default: mix_block(P, rows, row_bytes, count, w, w_stride, acc, acc_stride, b0, nb, tail, B, 4); break; }
     switch (bits) {
         case 1: MIX_CASE(1) break;
         case 2: MIX_CASE(2) break;
@@ -615,44 +642,45 @@ CB_INLINE __m512 fold(__m512 a, __m512 b, const int s) {
     return _mm512_add_ps(_mm512_mask_blend_ps(from_b[s], a, b), _mm512_permutex2var_ps(a, _mm512_loadu_si512(other[s]), b));
 }
 
-/* p[h] = the partials of q_h . value(row) over the four blocks from b0; qb: each head's 64 channels in block order,
- * qs floats apart */
-CB_INLINE void row_partials(const uint8_t *row, int64_t o0, int64_t o1, int b0, const float *qb, int64_t qs,
-                            const int bits, const int gh, block_table T, __m512 *p) {
-    const __m512 v = block_values(row, o0, o1, b0, bits, T);
+/* p[h] = the partials of q_h . value(row) over the nb blocks from b0 (the last holding `tail` channels); qb: each
+ * head's 64 channels in block order, zero past the part, qs floats apart */
+CB_INLINE void row_partials(const uint8_t *row, int64_t o0, int64_t o1, int b0, int nb, int tail, const float *qb,
+                            int64_t qs, const int bits, const int gh, block_table T, __m512 *p) {
+    const __m512 v = block_values(row, o0, o1, b0, bits, T, nb == 1 ? tail : 16);
     for (int h = 0; h < gh; h++) p[h] = _mm512_mul_ps(_mm512_loadu_ps(qb + h * qs), v);
-    for (int b = 1; b < 4; b++) {
-        const __m512 vb = block_values(row, o0, o1, b0 + b, bits, T);
-        for (int h = 0; h < gh; h++) p[h] = _mm512_fmadd_ps(_mm512_loadu_ps(qb + h * qs + 16 * b), vb, p[h]);
-    }
+    for (int b = 1; b < 4; b++)
+        if (b < nb) {
+            const __m512 vb = block_values(row, o0, o1, b0 + b, bits, T, b == nb - 1 ? tail : 16);
+            for (int h = 0; h < gh; h++) p[h] = _mm512_fmadd_ps(_mm512_loadu_ps(qb + h * qs + 16 * b), vb, p[h]);
+        }
 }
 
 /* x[h] = the partials of the quad k of the sixteen rows from `rows`, folded twice: positions 4k .. 4k + 3 (the rows
  * bitrev(4k + j) = 8 (j & 1) + 4 (j >> 1) + 2 (k & 1) + (k >> 1)), four lanes a row */
-CB_INLINE void quad_partials(const uint8_t *rows, int64_t row_bytes, int k, int64_t o0, int64_t o1, int b0, const float *qb,
-                             int64_t qs, const int bits, const int gh, block_table T, __m512 *x) {
+CB_INLINE void quad_partials(const uint8_t *rows, int64_t row_bytes, int k, int64_t o0, int64_t o1, int b0, int nb, int tail,
+                             const float *qb, int64_t qs, const int bits, const int gh, block_table T, __m512 *x) {
     __m512 p[4][4];   /* [row of the quad][head] */
     for (int j = 0; j < 4; j++)
-        row_partials(rows + (8 * (j & 1) + 4 * (j >> 1) + 2 * (k & 1) + (k >> 1)) * row_bytes, o0, o1, b0, qb, qs, bits, gh, T, p[j]);
+        row_partials(rows + (8 * (j & 1) + 4 * (j >> 1) + 2 * (k & 1) + (k >> 1)) * row_bytes, o0, o1, b0, nb, tail, qb, qs,
+                     bits, gh, T, p[j]);
     for (int h = 0; h < gh; h++) x[h] = fold(fold(p[0][h], p[1][h], 0), fold(p[2][h], p[3][h], 0), 1);
 }
 
-/* out[h * out_stride + r] (+)= q_h . value(row r) over 64 channels of one part from c0, r < count, for `gh` heads
- * (bits and gh constants here); qb as row_partials reads it */
-CB_INLINE void dot_block(const cb_part *P, const uint8_t *rows, int64_t row_bytes, int64_t count, int c0, const float *qb,
-                         int64_t qs, int add, float *out, int64_t out_stride, const int bits, const int gh) {
+/* out[h * out_stride + r] (+)= q_h . value(row r) over the blocks b0 .. b0 + nb - 1 of one part (nb <= 4, the last
+ * holding `tail` channels), r < count, for `gh` heads (bits and gh constants here); qb as row_partials reads it */
+CB_INLINE void dot_block(const cb_part *P, const uint8_t *rows, int64_t row_bytes, int64_t count, int b0, int nb, int tail,
+                         const float *qb, int64_t qs, int add, float *out, int64_t out_stride, const int bits, const int gh) {
     const block_table T = prepare_table(P, bits);
     const int64_t o0 = P->offset[0], o1 = P->n_planes > 1 ? P->offset[1] : 0;
-    const int b0 = c0 / 16;
     int64_t r = 0;
     for (; r + 16 <= count; r += 16) {
         const uint8_t *at = rows + r * row_bytes;
         __m512 x[4], y[4], half[4];
-        quad_partials(at, row_bytes, 0, o0, o1, b0, qb, qs, bits, gh, T, x);
-        quad_partials(at, row_bytes, 1, o0, o1, b0, qb, qs, bits, gh, T, y);
+        quad_partials(at, row_bytes, 0, o0, o1, b0, nb, tail, qb, qs, bits, gh, T, x);
+        quad_partials(at, row_bytes, 1, o0, o1, b0, nb, tail, qb, qs, bits, gh, T, y);
         for (int h = 0; h < gh; h++) half[h] = fold(x[h], y[h], 2);
-        quad_partials(at, row_bytes, 2, o0, o1, b0, qb, qs, bits, gh, T, x);
-        quad_partials(at, row_bytes, 3, o0, o1, b0, qb, qs, bits, gh, T, y);
+        quad_partials(at, row_bytes, 2, o0, o1, b0, nb, tail, qb, qs, bits, gh, T, x);
+        quad_partials(at, row_bytes, 3, o0, o1, b0, nb, tail, qb, qs, bits, gh, T, y);
         for (int h = 0; h < gh; h++) {
             float *o = out + h * out_stride + r;
             const __m512 dots = fold(half[h], fold(x[h], y[h], 2), 3);
@@ -661,7 +689,7 @@ CB_INLINE void dot_block(const cb_part *P, const uint8_t *rows, int64_t row_byte
     }
     for (; r < count; r++) {   /* the last rows one at a time */
         __m512 p[4];
-        row_partials(rows + r * row_bytes, o0, o1, b0, qb, qs, bits, gh, T, p);
+        row_partials(rows + r * row_bytes, o0, o1, b0, nb, tail, qb, qs, bits, gh, T, p);
         for (int h = 0; h < gh; h++) {
             const float dot = _mm512_reduce_add_ps(p[h]);
             out[h * out_stride + r] = add ? out[h * out_stride + r] + dot : dot;
@@ -669,13 +697,13 @@ CB_INLINE void dot_block(const cb_part *P, const uint8_t *rows, int64_t row_byte
     }
 }
 
-static void dot_heads(const cb_part *P, const uint8_t *rows, int64_t row_bytes, int64_t count, int c0, const float *qb,
-                      int64_t qs, int add, float *out, int64_t out_stride, int bits, int gh) {
+static void dot_heads(const cb_part *P, const uint8_t *rows, int64_t row_bytes, int64_t count, int b0, int nb, int tail,
+                      const float *qb, int64_t qs, int add, float *out, int64_t out_stride, int bits, int gh) {
 #define DOT_CASE(B) switch (gh) { \
-        case 1: dot_block(P, rows, row_bytes, count, c0, qb, qs, add, out, out_stride, B, 1); break; \
-        case 2: dot_block(P, rows, row_bytes, count, c0, qb, qs, add, out, out_stride, B, 2); break; \
-        case 3: dot_block(P, rows, row_bytes, count, c0, qb, qs, add, out, out_stride, B, 3); break; \
-        default: dot_block(P, rows, row_bytes, count, c0, qb, qs, add, out, out_stride, B, 4); break; }
+        case 1: dot_block(P, rows, row_bytes, count, b0, nb, tail, qb, qs, add, out, out_stride, B, 1); break; \
+        case 2: dot_block(P, rows, row_bytes, count, b0, nb, tail, qb, qs, add, out, out_stride, B, 2); break; \
+        case 3: dot_block(P, rows, row_bytes, count, b0, nb, tail, qb, qs, add, out, out_stride, B, 3); break; \
+        default: dot_block(P, rows, row_bytes, count, b0, nb, tail, qb, qs, add, out, out_stride, B, 4); break; }
     switch (bits) {
         case 1: DOT_CASE(1) break;
         case 2: DOT_CASE(2) break;
@@ -687,23 +715,36 @@ static void dot_heads(const cb_part *P, const uint8_t *rows, int64_t row_bytes, 
 }
 #endif
 
-/* whether the mix and the dots read a layout in registers (AVX-512): every part 1 to 5 bits over whole groups of four
- * blocks (64 channels) */
+/* whether the mix and the dots read a layout in registers (AVX-512): every part scalar, 1 to 5 bits (a part is read in
+ * groups of up to four 16-channel blocks; one that ends inside a block, a fractional width's 8 channels, reads that
+ * block's bytes alone) */
 static int register_layout(const cb_layout *L) {
     int ok = CB_LANES == 16;
-    for (int p = 0; p < L->n_parts; p++) ok &= !L->part[p].block && L->part[p].bits <= 5 && (L->part[p].hi - L->part[p].lo) % 64 == 0;
+    for (int p = 0; p < L->n_parts; p++) ok &= !L->part[p].block && L->part[p].bits <= 5;
     return ok;
 }
+
+#if defined(__AVX512F__)
+/* a part's channels from c0 as a group of blocks: how many (up to four) and the channels in the last */
+static void group_of(const cb_part *P, int c0, int *nb, int *tail) {
+    const int left = P->hi - P->lo - c0;
+    *nb = left >= 64 ? 4 : (left + 15) / 16;
+    *tail = left >= 64 ? 16 : left - 16 * (*nb - 1);
+}
+#endif
 
 int kvlab_cb_mix_rows(const cb_layout *L, const uint8_t *rows, int64_t row_bytes, int64_t count, const float *w,
                       int64_t w_stride, int heads, float *acc, int64_t acc_stride) {
 #if defined(__AVX512F__)
     if (!register_layout(L)) return -1;
     for (int p = 0; p < L->n_parts; p++)
-        for (int c0 = 0; c0 < L->part[p].hi - L->part[p].lo; c0 += 64)
+        for (int c0 = 0; c0 < L->part[p].hi - L->part[p].lo; c0 += 64) {
+            int nb, tail;
+            group_of(&L->part[p], c0, &nb, &tail);
             for (int h0 = 0; h0 < heads; h0 += 4)
                 mix_heads(&L->part[p], rows, row_bytes, count, w + h0 * w_stride, w_stride, acc + h0 * acc_stride, acc_stride,
-                          c0, L->part[p].bits, heads - h0 < 4 ? heads - h0 : 4);
+                          c0 / 16, nb, tail, L->part[p].bits, heads - h0 < 4 ? heads - h0 : 4);
+        }
     return 0;
 #else
     (void)L, (void)rows, (void)row_bytes, (void)count, (void)w, (void)w_stride, (void)heads, (void)acc, (void)acc_stride;
@@ -721,12 +762,15 @@ int kvlab_cb_dot_rows(const cb_layout *L, const uint8_t *rows, int64_t row_bytes
         for (int p = 0; p < L->n_parts; p++) {
             const cb_part *P = &L->part[p];
             for (int c0 = 0; c0 < P->hi - P->lo; c0 += 64) {
+                int nb, tail;
+                group_of(P, c0, &nb, &tail);
                 for (int h = 0; h < gh; h++)
-                    for (int c = 0; c < 64; c += 16) {
-                        const __m512 x = _mm512_loadu_ps(q + (h0 + h) * q_stride + P->lo + c0 + c);
-                        _mm512_storeu_ps(qb + h * 64 + c, P->bits == 4 ? _mm512_permutexvar_ps(block4_order(), x) : x);
+                    for (int b = 0; b < nb; b++) {   /* zero past the part (a masked load reads nothing there) */
+                        const __m512 x = _mm512_maskz_loadu_ps(lanes(b == nb - 1 ? tail : 16), q + (h0 + h) * q_stride + P->lo + c0 + 16 * b);
+                        _mm512_storeu_ps(qb + h * 64 + 16 * b, P->bits == 4 ? _mm512_permutexvar_ps(block4_order(), x) : x);
                     }
-                dot_heads(P, rows, row_bytes, count, c0, qb, 64, p > 0 || c0 > 0, out + h0 * out_stride, out_stride, P->bits, gh);
+                dot_heads(P, rows, row_bytes, count, c0 / 16, nb, tail, qb, 64, p > 0 || c0 > 0, out + h0 * out_stride,
+                          out_stride, P->bits, gh);
             }
         }
     }

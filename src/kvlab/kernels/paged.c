@@ -363,16 +363,26 @@ static void load_tile(const code_pool *P, const code_item *it, int64_t t0, int n
     const int64_t complete = P->kind == CODES_INT ? P->context_len[it->s] / P->key_group * P->key_group : 0;
     float zero[MAX_DIM], scale[MAX_DIM];   /* INT: the current key group's (one group spans many keys of a tile) */
     int64_t meta_at = -1;
-    for (int j = 0; j < n; j++) {
+    if (P->kind == CODES_TQ) {   /* the tile's keys of one block at a time: consecutive slots, decoded as rows */
+        for (int j = 0; j < n;) {
+            const int64_t t = t0 + j, slot = (int64_t)table[t / bs] * bs + t % bs;
+            const int run = (int)(bs - t % bs < n - j ? bs - t % bs : n - j);
+            kvlab_cb_decode_rows(value_layout, value_codes + slot * P->values.token_bytes, P->values.token_bytes, run,
+                                 values + (int64_t)j * dpad, dpad);
+            kvlab_cb_decode_rows(key_layout, key_codes + slot * P->keys.token_bytes, P->keys.token_bytes, run,
+                                 keys + (int64_t)j * dpad, dpad);
+            for (int i = 0; i < run; i++) {
+                const int64_t index = (slot + i) * Hkv + it->h;
+                key_scale[j + i] = norm_value(P, 0, index, it->h) * (P->pre ? 1.0f : P->scale);
+                value_scale[j + i] = norm_value(P, 1, index, it->h);
+            }
+            j += run;
+        }
+    }
+    for (int j = 0; j < n && P->kind == CODES_INT; j++) {
         const int64_t t = t0 + j, slot = (int64_t)table[t / bs] * bs + t % bs, index = slot * Hkv + it->h;
         float *k = keys + (int64_t)j * dpad, *v = values + (int64_t)j * dpad;
         kvlab_cb_decode_row(value_layout, value_codes + slot * P->values.token_bytes, v, codes);
-        if (P->kind == CODES_TQ) {
-            kvlab_cb_decode_row(key_layout, key_codes + slot * P->keys.token_bytes, k, codes);
-            key_scale[j] = norm_value(P, 0, index, it->h) * (P->pre ? 1.0f : P->scale);
-            value_scale[j] = norm_value(P, 1, index, it->h);
-            continue;
-        }
         if (t < complete) {   /* zero + code x scale, per channel of the key group */
             kvlab_cb_decode_row(key_layout, key_codes + slot * P->keys.token_bytes, k, codes);
             const int64_t meta = ((slot / P->key_group) * Hkv + it->h) * d;

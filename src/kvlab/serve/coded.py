@@ -459,24 +459,32 @@ class TurboPool(CodedPool):
 
     def _merge_sinks(self, layer: int, view, q: torch.Tensor, coded: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
         """One softmax over each row's sink rows and its coded keys: q (N, H, D), coded (N, H, D) the coded keys'
-        normalized output and lse (N, H) their log-sum-exp (-inf: none read) -> (N, H, D)."""
-        H, G = q.shape[1], q.shape[1] // self.geometry.n_kv_heads
-        out = coded.clone()
-        for s, lo, hi, start, ctx in self.sequences(view):
-            held = min(ctx, self.sink)
-            keys, values = (t.repeat_interleave(G, dim=1) for t in self.sinks.held(layer, view.rows[s], held))  # (held, H, D)
-            scores = torch.einsum("thd,jhd->thj", q[lo:hi], keys) * view.scale            # (T, H, held)
-            position = torch.arange(start, ctx, device=q.device)[:, None]                 # (T, 1)
-            sink = torch.arange(held, device=q.device)[None]                              # (1, held)
-            seen = (sink <= position) & ((sink > position - view.window) if view.window else True)
-            scores = scores.masked_fill(~seen[:, None], float("-inf"))
-            top = torch.maximum(lse[lo:hi], scores.amax(dim=-1))                          # (T, H)
-            w_coded = torch.exp(lse[lo:hi] - top)                                         # (T, H): 0 where none read
-            w_sink = torch.exp(scores - top[..., None])                                   # (T, H, held)
-            total = w_coded + w_sink.sum(dim=-1)
-            mixed = w_coded[..., None] * coded[lo:hi] + torch.einsum("thj,jhd->thd", w_sink, values)
-            out[lo:hi] = mixed / total[..., None]
-        return out
+        normalized output and lse (N, H) their log-sum-exp (-inf: none read) -> (N, H, D). Every row of the batch at
+        once: its sequence's entry of sink rows, masked to the positions it sees (rows past a short sequence's
+        context hold zeros or an earlier sequence's finite rows, weighted 0)."""
+        N, H, D = q.shape
+        Hkv = self.geometry.n_kv_heads
+        layout = view.layout
+        counts = (layout.query_start[1:] - layout.query_start[:-1]).long()                # (S,) query rows per sequence
+        seq = torch.repeat_interleave(torch.arange(counts.numel(), device=q.device), counts)  # (N,) each row's sequence
+        entry = torch.tensor(view.rows, device=q.device)[seq]                           # (N,)
+        first = (layout.context_len.long() - counts)[seq]                                # (N,) position of its first row
+        position = first + torch.arange(N, device=q.device) - layout.query_start[:-1].long()[seq]   # (N,)
+        keys = self.sinks.k[layer, entry].float()                                        # (N, sink, Hkv, D)
+        values = self.sinks.v[layer, entry].float()                                      # (N, sink, Hkv, Dv)
+        qg = q.reshape(N, Hkv, H // Hkv, D)
+        scores = torch.einsum("nkgd,nskd->nkgs", qg, keys).reshape(N, H, -1) * view.scale   # (N, H, sink)
+        sink = torch.arange(keys.shape[1], device=q.device)[None]                        # (1, sink)
+        seen = sink <= position[:, None]                                                 # (N, sink)
+        if view.window:
+            seen &= sink > position[:, None] - view.window
+        scores = scores.masked_fill(~seen[:, None], float("-inf"))
+        top = torch.maximum(lse, scores.amax(dim=-1))                                    # (N, H)
+        w_coded = torch.exp(lse - top)                                                   # (N, H): 0 where none read
+        w_sink = torch.exp(scores - top[..., None])                                      # (N, H, sink)
+        total = w_coded + w_sink.sum(dim=-1)
+        held = torch.einsum("nkgs,nskd->nkgd", w_sink.reshape(N, Hkv, H // Hkv, -1), values).reshape(N, H, -1)
+        return (w_coded[..., None] * coded + held) / total[..., None]
 
     def _key_rebuild(self, layer: int, view) -> PreRopeKeys:
         """+prerope: how C rebuilds `layer`'s keys (TurboQuantCache._keys) for the step of `view` (made per call from
