@@ -240,6 +240,7 @@ def test_run_eval_checkpoints_each_stage_and_prints_plain_progress_without_a_ter
     assert len(saved) == 1 + len(records) == 3                                 # perplexity, then each cache's passkey
     assert [r["passkey_total"] for r in saved[0]] == [None, None]              # perplexity pass saved before passkeys
     assert [r["passkey_total"] for r in saved[1]] == [settings.passkey.trials, None]
+    assert saved[1][0]["passkey_protocol"] == "filler 40 × depths 0.25,0.5,0.75 × 3 keys, answer primed, 12 new tokens"
     assert saved[-1] == [r.to_json() for r in records]
     lines = stderr.getvalue().splitlines()
     assert "perplexity (windows × cache runs): 4/4" in " ".join(lines)         # the completed tasks are always printed
