@@ -12,24 +12,17 @@ bench/results/passkey_tie_s15.json (docs/benchmarks.md, session 15).
 from __future__ import annotations
 
 import json
-import random
 import sys
 from pathlib import Path
 
 import torch
 
 from kvlab.backends import KvlabEngine
-from kvlab.eval.needle import PasskeyProtocol, passkey_prompt
+from kvlab.eval.needle import PasskeyProtocol, lead, passkey_prompt
 from kvlab.generate import prefill
 from kvlab.session import cached_model
 
 LENGTH, DEPTH = 1000, 0.5
-
-
-def trial_key() -> int:
-    """The key `kvlab eval` draws for (LENGTH, DEPTH): its second trial of the default protocol."""
-    rng = random.Random(PasskeyProtocol().seed)
-    return [rng.randrange(10000, 100000) for _ in range(2)][1]
 
 
 @torch.inference_mode()
@@ -38,9 +31,7 @@ def leads(loaded, name: str, ids: list[int], answer: list[int]) -> list[float]:
     logits = prefill(loaded.model, torch.tensor([ids]), cache, PasskeyProtocol().chunk)[0, -1]     # (V,)
     out = []
     for token in answer:
-        rival = logits.clone()
-        rival[token] = -torch.inf
-        out.append(round(float(logits[token] - rival.max()), 3))
+        out.append(round(lead(logits, token), 3))
         logits = loaded.model(torch.tensor([[token]]), cache, last_only=True)[0, -1]
     return out
 
@@ -49,7 +40,7 @@ def main() -> None:
     torch.set_num_threads(2)
     loaded = cached_model(None, "fp32", "cpu", "auto")
     tok = loaded.tokenizer
-    key = trial_key()
+    key = PasskeyProtocol().keys()[1]   # the default protocol's second trial: (LENGTH, DEPTH)
     ids = passkey_prompt(tok, LENGTH, DEPTH, key, prime=False).ids
     answer = tok.encode(f"The pass key is {key}.", add_special=False)
     result = {"trial": {"filler": LENGTH, "depth": DEPTH, "key": key, "prompt_tokens": len(ids)},

@@ -50,6 +50,15 @@ class PasskeyProtocol:
     def trials(self) -> int:
         return len(self.lengths) * len(self.depths) * self.repeats
 
+    def keys(self) -> list[int]:
+        """The trials' keys in trial order (lengths, then depths, then repeats)."""
+        rng = random.Random(self.seed)
+        return [rng.randrange(10000, 100000) for _ in range(self.trials)]
+
+    def describe(self) -> str:
+        return (f"filler {','.join(map(str, self.lengths))} × depths {','.join(map(str, self.depths))} × "
+                f"{self.repeats} keys, {'answer primed' if self.prime else 'unprimed'}, {self.max_new_tokens} new tokens")
+
     @classmethod
     def covering(cls, lengths: tuple[int, ...], depths: tuple[float, ...] = (0.25, 0.5, 0.75), repeats: int = 1,
                  prime: bool = True) -> "PasskeyProtocol":
@@ -91,6 +100,13 @@ def passkey_prompt(tokenizer, n_tokens: int, depth: float, key: int, prime: bool
     return PasskeyPrompt(ids, answered[len(ids):] if answered[:len(ids)] == ids else None)
 
 
+def lead(logits: torch.Tensor, token: int) -> float:
+    """How far `token`'s logit is above the best other token's (negative: another token is preferred); logits (V,)."""
+    rival = logits.clone()
+    rival[token] = -torch.inf
+    return float(logits[token] - rival.max())
+
+
 def key_margin(step_logits: list[torch.Tensor], answer: list[int], key_ids: list[int] | None) -> float | None:
     """The smallest lead of the key's token over the best other token, step by step while the answer follows the
     key; the step where it leaves the key counts (a negative lead) and ends it. step_logits: (V,) per step."""
@@ -98,9 +114,7 @@ def key_margin(step_logits: list[torch.Tensor], answer: list[int], key_ids: list
         return None
     leads = []
     for logits, got, want in zip(step_logits, answer, key_ids):
-        rival = logits.clone()
-        rival[want] = -torch.inf
-        leads.append(float(logits[want] - rival.max()))
+        leads.append(lead(logits, want))
         if got != want:
             break
     return min(leads) if leads else None
@@ -129,12 +143,12 @@ def passkey_trials(loaded, name: str, protocol: PasskeyProtocol, advance=None,
 
     engine = engine or KvlabEngine(loaded)
     variants = variants or [(None, name)]
-    rng = random.Random(protocol.seed)
+    keys = iter(protocol.keys())
     records = []
     for length in protocol.lengths:
         for depth in protocol.depths:
             for _ in range(protocol.repeats):
-                key = rng.randrange(10000, 100000)
+                key = next(keys)
                 seed, built = variants[len(records) % len(variants)]
                 asked = passkey_prompt(loaded.tokenizer, length, depth, key, protocol.prime)
                 cache = engine.make_cache(built, len(asked.ids) + protocol.max_new_tokens)
@@ -151,7 +165,7 @@ def passkey_trials(loaded, name: str, protocol: PasskeyProtocol, advance=None,
                 answer = loaded.tokenizer.decode(result.token_ids[0], skip_special=True)
                 margin = key_margin(step_logits, result.token_ids[0], asked.key_ids)
                 records.append({"length": length, "prompt_tokens": len(asked.ids), "depth": depth, "key": key,
-                                "seed": seed, "answer": (PRIME if protocol.prime else "") + answer.rstrip(),
+                                "seed": seed, "answer": PRIME + answer.rstrip() if protocol.prime else answer.strip(),
                                 "found": str(key) in answer,
                                 "key_margin": None if margin is None else round(margin, 4),
                                 "decode_tokens_per_s": round(result.decode_tokens_per_s, 2)})

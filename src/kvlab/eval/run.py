@@ -167,10 +167,7 @@ def finish_records(records: list[CacheQuality], settings: EvalSettings, started:
                                     f"{100 * COVERAGE:.0f}% bootstrap interval over windows")
         record.extra["backend"] = settings.backend
         if settings.passkey:
-            p = settings.passkey
-            record.extra["passkey_protocol"] = (f"filler {','.join(map(str, p.lengths))} × depths "
-                                                f"{','.join(map(str, p.depths))} × {p.repeats} keys, "
-                                                f"{'answer primed' if p.prime else 'unprimed'}, {p.max_new_tokens} new tokens")
+            record.extra["passkey_protocol"] = settings.passkey.describe()
     if checkpoint:
         checkpoint(records)
 

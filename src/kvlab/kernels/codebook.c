@@ -303,151 +303,6 @@ static void plane_codes(const uint8_t *plane, int n, int w, int shift, int first
 }
 
 #if defined(__AVX512F__)
-/* the 16 codes of channels [c, c + 16) of a w-bit plane (c a multiple of 16), in registers: each lane's byte
- * (pshufb), shifted right to its bits, masked */
-CB_INLINE __m512i plane16(const uint8_t *plane, int c, const int w) {
-    const uint8_t *p = plane + c * w / 8;
-    if (w == 8) return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-    __m128i bytes, spread;
-    __m512i bit;
-    if (w == 4) {
-        bytes = _mm_loadl_epi64((const __m128i *)p);
-        spread = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-        bit = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
-    } else if (w == 2) {
-        int32_t x;
-        memcpy(&x, p, 4);
-        bytes = _mm_cvtsi32_si128(x);
-        spread = _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-        bit = _mm512_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6);
-    } else {
-        uint16_t x;
-        memcpy(&x, p, 2);
-        bytes = _mm_cvtsi32_si128(x);
-        spread = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-        bit = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7);
-    }
-    const __m512i v = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(bytes, spread));
-    return _mm512_and_si512(_mm512_srlv_epi32(v, bit), _mm512_set1_epi32((1 << w) - 1));
-}
-
-/* high | the 1-bit plane's bits of channels [c, c + 16) as the low bit: the two bytes are a lane mask */
-CB_INLINE __m512i low_plane16(__m512i high, const uint8_t *plane, int c) {
-    uint16_t bits;
-    memcpy(&bits, plane + c / 8, 2);
-    return _mm512_mask_or_epi32(high, (__mmask16)bits, high, _mm512_set1_epi32(1));
-}
-
-/* out[c] = the part's values for whole blocks of 16 channels, planes combined and looked up in registers, for the
- * widths of one or two planes with a one- or two-register table (1 to 5 bits); returns the channels done (0: none) */
-static inline int fast_part(const cb_part *P, const uint8_t *row, float *out) {
-    const int n = P->hi - P->lo;
-    const uint8_t *p0 = row + P->offset[0], *p1 = P->n_planes > 1 ? row + P->offset[1] : NULL;
-    const __m512 t0 = _mm512_loadu_ps(P->table), t1 = P->bits == 5 ? _mm512_loadu_ps(P->table + 16) : t0;
-    int c = 0;
-    switch (P->bits) {   /* constant plane widths in each loop */
-        case 1: for (; c + 16 <= n; c += 16) _mm512_storeu_ps(out + c, _mm512_permutexvar_ps(low_plane16(_mm512_setzero_si512(), p0, c), t0)); break;
-        case 2: for (; c + 16 <= n; c += 16) _mm512_storeu_ps(out + c, _mm512_permutexvar_ps(plane16(p0, c, 2), t0)); break;
-        case 4: for (; c + 16 <= n; c += 16) _mm512_storeu_ps(out + c, _mm512_permutexvar_ps(plane16(p0, c, 4), t0)); break;
-        case 3:
-            for (; c + 16 <= n; c += 16) {
-                const __m512i code = low_plane16(_mm512_slli_epi32(plane16(p0, c, 2), 1), p1, c);
-                _mm512_storeu_ps(out + c, _mm512_permutexvar_ps(code, t0));
-            }
-            break;
-        case 5:
-            for (; c + 16 <= n; c += 16) {
-                const __m512i code = low_plane16(_mm512_slli_epi32(plane16(p0, c, 4), 1), p1, c);
-                _mm512_storeu_ps(out + c, _mm512_permutex2var_ps(t0, code, t1));
-            }
-            break;
-        default: break;
-    }
-    return c;
-}
-#else
-static inline int fast_part(const cb_part *P, const uint8_t *row, float *out) {
-    (void)P, (void)row, (void)out;
-    return 0;
-}
-#endif
-
-#if defined(__AVX512F__)
-/* blocks [0, 16k) of a block part from its unpacked codes: sixteen indices in a register (3 bits: the even and odd
- * halves joined), then four blocks per gather, lane 4i + j reading coordinate j of its block's point and taking the
- * sign bit j of the block's index; returns the blocks done */
-static inline int fast_blocks(const cb_part *P, const int32_t *codes, float *out) {
-    const int n_blocks = (P->hi - P->lo) / CB_BLOCK;
-    const __m512i lane_block = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-    const __m512i lane_coord = _mm512_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
-    const __m512i evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    const __m512i odds = _mm512_add_epi32(evens, _mm512_set1_epi32(1));
-    int b = 0;
-    for (; b + 16 <= n_blocks; b += 16) {
-        __m512i index;
-        if (P->bits == 2) index = _mm512_loadu_si512(codes + b);
-        else {   /* the 6-bit halves of blocks b .. b + 15, high half first */
-            const __m512i first = _mm512_loadu_si512(codes + 2 * b), second = _mm512_loadu_si512(codes + 2 * b + 16);
-            index = _mm512_or_si512(_mm512_slli_epi32(_mm512_permutex2var_epi32(first, evens, second), 6),
-                                    _mm512_permutex2var_epi32(first, odds, second));
-        }
-        for (int q = 0; q < 4; q++) {
-            const __m512i mine = _mm512_permutexvar_epi32(_mm512_add_epi32(lane_block, _mm512_set1_epi32(4 * q)), index);
-            const __m512i at = _mm512_add_epi32(_mm512_slli_epi32(_mm512_srli_epi32(mine, CB_BLOCK), 2), lane_coord);
-            const __m512i sign = _mm512_slli_epi32(_mm512_srlv_epi32(mine, lane_coord), 31);
-            const __m512 value = _mm512_i32gather_ps(at, P->table, 4);
-            _mm512_storeu_ps(out + (b + 4 * q) * CB_BLOCK, _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(value), sign)));
-        }
-    }
-    return b;
-}
-#else
-static inline int fast_blocks(const cb_part *P, const int32_t *codes, float *out) {
-    (void)P, (void)codes, (void)out;
-    return 0;
-}
-#endif
-
-/* out (n,) = a block part's values: each block's point, its signs applied (turboquant.py _block_decode) */
-static void decode_blocks(const cb_part *P, const uint8_t *row, float *out, int32_t *codes) {
-    for (int k = 0; k < P->n_planes; k++) plane_codes(row + P->offset[k], P->n_codes, P->width[k], P->shift[k], k == 0, codes);
-    for (int b = fast_blocks(P, codes, out); b < (P->hi - P->lo) / CB_BLOCK; b++) {
-        const int index = P->bits == 2 ? codes[b] : codes[2 * b] << 6 | codes[2 * b + 1];
-        const float *point = P->table + (index >> CB_BLOCK) * CB_BLOCK;
-        for (int j = 0; j < CB_BLOCK; j++) out[b * CB_BLOCK + j] = index >> j & 1 ? -point[j] : point[j];
-    }
-}
-
-/* the code of channel c of a scalar part, read from its planes one channel at a time */
-static inline int scalar_code(const cb_part *P, const uint8_t *row, int c) {
-    int code = 0;
-    for (int k = 0; k < P->n_planes; k++) {
-        const int w = P->width[k];
-        code |= ((row[P->offset[k] + c * w / 8] >> (c * w % 8)) & ((1 << w) - 1)) << P->shift[k];
-    }
-    return code;
-}
-
-/* out[0 .. dpad) = the row's values, zero past d; codes: dpad ints of scratch */
-static void decode_row(const cb_layout *L, const uint8_t *row, float *out, int32_t *codes) {
-    for (int p = 0; p < L->n_parts; p++) {
-        const cb_part *P = &L->part[p];
-        const int n = P->hi - P->lo;
-        if (P->block) {
-            decode_blocks(P, row, out + P->lo, codes + P->lo);
-            continue;
-        }
-        int c = fast_part(P, row, out + P->lo);
-        if (c == 0) {
-            for (int k = 0; k < P->n_planes; k++) plane_codes(row + P->offset[k], n, P->width[k], P->shift[k], k == 0, codes + P->lo);
-            for (c = lookup_blocks(P->table, P->bits, codes + P->lo, n, out + P->lo); c < n; c++) out[P->lo + c] = P->table[codes[P->lo + c]];
-        }
-        for (; c < n; c++) out[P->lo + c] = P->table[scalar_code(P, row, c)];   /* the channels after the last whole block */
-    }
-    for (int c = L->d; c < L->dpad; c++) out[c] = 0.0f;
-}
-
-#if defined(__AVX512F__)
 /* ---- rows used straight from their codes in registers: the mix (values) and the dots (keys) ----------------------
  * A block is the 16 channels [16b, 16b + 16) of a part (the last may hold fewer). Its values come from broadcast loads, a shift and the table
  * in a register (the permute reads only the low 4 bits of each index, so bits of other channels above the code need
@@ -459,7 +314,7 @@ static void decode_row(const cb_layout *L, const uint8_t *row, float *out, int32
  *   4 bits  the block's 8 bytes in every 64-bit lane, lane k shifted right by 4k: 32-bit lane 2k holds channel k
  *           and lane 2k + 1 channel 8 + k (`block4_order`); the queries and sums are put in that order too
  *   1 bit   the block's 2 bytes as a lane mask
- *   5 bits  the 4-bit plane's 8 bytes spread to the lanes (as plane16 does), the 1-bit plane's 2 bytes a lane mask
+ *   5 bits  the 4-bit plane's 8 bytes spread to the lanes (a byte shuffle), the 1-bit plane's 2 bytes a lane mask
  *           (channels in order) */
 typedef struct {
     __m512 t0, t1;                 /* the table as the block's indices read it; t1: the odd centroids (3 bits) or
@@ -467,12 +322,18 @@ typedef struct {
 } block_table;
 
 CB_INLINE block_table prepare_table(const cb_part *P, const int bits) {
-    float t[16], odd[16];
-    for (int i = 0; i < 16; i++) {
-        t[i] = bits == 2 ? P->table[i & 3] : bits == 3 ? P->table[2 * (i & 3)] : P->table[i];
-        odd[i] = bits == 3 ? P->table[2 * (i & 3) + 1] : bits == 5 ? P->table[16 + i] : t[i];
+    const __m512 t = _mm512_loadu_ps(P->table);   /* the first 16 entries (every table holds at least 16) */
+    if (bits == 2) {
+        const __m512 r = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3), t);
+        const block_table T = {r, r};
+        return T;
     }
-    const block_table T = {_mm512_loadu_ps(t), _mm512_loadu_ps(odd)};
+    if (bits == 3) {
+        const block_table T = {_mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6), t),
+                               _mm512_permutexvar_ps(_mm512_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7, 1, 3, 5, 7, 1, 3, 5, 7), t)};
+        return T;
+    }
+    const block_table T = {t, bits == 5 ? _mm512_loadu_ps(P->table + 16) : t};
     return T;
 }
 
@@ -551,26 +412,96 @@ static inline void part_rows(const cb_part *P, const uint8_t *rows, int64_t row_
         }
     }
 }
+
+/* rows of one scalar part of 1 to 5 bits through part_rows, its width a constant in each case; 0 where the part is
+ * another kind (a block part, 6 to 8 bits), which the caller decodes otherwise */
+static int scalar_part_rows(const cb_part *P, const uint8_t *rows, int64_t row_bytes, int64_t count, float *out, int64_t stride) {
+    if (P->block) return 0;
+    switch (P->bits) {
+        case 1: part_rows(P, rows, row_bytes, count, out, stride, 1); return 1;
+        case 2: part_rows(P, rows, row_bytes, count, out, stride, 2); return 1;
+        case 3: part_rows(P, rows, row_bytes, count, out, stride, 3); return 1;
+        case 4: part_rows(P, rows, row_bytes, count, out, stride, 4); return 1;
+        case 5: part_rows(P, rows, row_bytes, count, out, stride, 5); return 1;
+        default: return 0;
+    }
+}
+#else
+static int scalar_part_rows(const cb_part *P, const uint8_t *rows, int64_t row_bytes, int64_t count, float *out, int64_t stride) {
+    (void)P, (void)rows, (void)row_bytes, (void)count, (void)out, (void)stride;
+    return 0;
+}
 #endif
 
-void kvlab_cb_decode_rows(const cb_layout *L, const uint8_t *rows, int64_t row_bytes, int64_t count, float *out, int64_t stride) {
 #if defined(__AVX512F__)
-    int fast = L->d == L->dpad;   /* every part 1..5 bits (a scalar part): part by part, tight loops */
+/* blocks [0, 16k) of a block part from its unpacked codes: sixteen indices in a register (3 bits: the even and odd
+ * halves joined), then four blocks per gather, lane 4i + j reading coordinate j of its block's point and taking the
+ * sign bit j of the block's index; returns the blocks done */
+static inline int fast_blocks(const cb_part *P, const int32_t *codes, float *out) {
+    const int n_blocks = (P->hi - P->lo) / CB_BLOCK;
+    const __m512i lane_block = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    const __m512i lane_coord = _mm512_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
+    const __m512i evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odds = _mm512_add_epi32(evens, _mm512_set1_epi32(1));
+    int b = 0;
+    for (; b + 16 <= n_blocks; b += 16) {
+        __m512i index;
+        if (P->bits == 2) index = _mm512_loadu_si512(codes + b);
+        else {   /* the 6-bit halves of blocks b .. b + 15, high half first */
+            const __m512i first = _mm512_loadu_si512(codes + 2 * b), second = _mm512_loadu_si512(codes + 2 * b + 16);
+            index = _mm512_or_si512(_mm512_slli_epi32(_mm512_permutex2var_epi32(first, evens, second), 6),
+                                    _mm512_permutex2var_epi32(first, odds, second));
+        }
+        for (int q = 0; q < 4; q++) {
+            const __m512i mine = _mm512_permutexvar_epi32(_mm512_add_epi32(lane_block, _mm512_set1_epi32(4 * q)), index);
+            const __m512i at = _mm512_add_epi32(_mm512_slli_epi32(_mm512_srli_epi32(mine, CB_BLOCK), 2), lane_coord);
+            const __m512i sign = _mm512_slli_epi32(_mm512_srlv_epi32(mine, lane_coord), 31);
+            const __m512 value = _mm512_i32gather_ps(at, P->table, 4);
+            _mm512_storeu_ps(out + (b + 4 * q) * CB_BLOCK, _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(value), sign)));
+        }
+    }
+    return b;
+}
+#else
+static inline int fast_blocks(const cb_part *P, const int32_t *codes, float *out) {
+    (void)P, (void)codes, (void)out;
+    return 0;
+}
+#endif
+
+/* out (n,) = a block part's values: each block's point, its signs applied (turboquant.py _block_decode) */
+static void decode_blocks(const cb_part *P, const uint8_t *row, float *out, int32_t *codes) {
+    for (int k = 0; k < P->n_planes; k++) plane_codes(row + P->offset[k], P->n_codes, P->width[k], P->shift[k], k == 0, codes);
+    for (int b = fast_blocks(P, codes, out); b < (P->hi - P->lo) / CB_BLOCK; b++) {
+        const int index = P->bits == 2 ? codes[b] : codes[2 * b] << 6 | codes[2 * b + 1];
+        const float *point = P->table + (index >> CB_BLOCK) * CB_BLOCK;
+        for (int j = 0; j < CB_BLOCK; j++) out[b * CB_BLOCK + j] = index >> j & 1 ? -point[j] : point[j];
+    }
+}
+
+/* out[0 .. dpad) = the row's values, zero past d; codes: dpad ints of scratch */
+static void decode_row(const cb_layout *L, const uint8_t *row, float *out, int32_t *codes) {
+    for (int p = 0; p < L->n_parts; p++) {
+        const cb_part *P = &L->part[p];
+        const int n = P->hi - P->lo;
+        if (P->block) {
+            decode_blocks(P, row, out + P->lo, codes + P->lo);
+            continue;
+        }
+        if (scalar_part_rows(P, row, 0, 1, out, 0)) continue;   /* 1 to 5 bits, in registers */
+        for (int k = 0; k < P->n_planes; k++) plane_codes(row + P->offset[k], n, P->width[k], P->shift[k], k == 0, codes + P->lo);
+        for (int c = lookup_blocks(P->table, P->bits, codes + P->lo, n, out + P->lo); c < n; c++) out[P->lo + c] = P->table[codes[P->lo + c]];
+    }
+    for (int c = L->d; c < L->dpad; c++) out[c] = 0.0f;
+}
+
+void kvlab_cb_decode_rows(const cb_layout *L, const uint8_t *rows, int64_t row_bytes, int64_t count, float *out, int64_t stride) {
+    int fast = L->d == L->dpad && CB_LANES == 16;   /* AVX-512, every part 1..5 bits (scalar): part by part */
     for (int p = 0; p < L->n_parts; p++) fast &= !L->part[p].block && L->part[p].bits <= 5;
     if (fast) {
-        for (int p = 0; p < L->n_parts; p++) {
-            const cb_part *P = &L->part[p];
-            switch (P->bits) {
-                case 1: part_rows(P, rows, row_bytes, count, out, stride, 1); break;
-                case 2: part_rows(P, rows, row_bytes, count, out, stride, 2); break;
-                case 3: part_rows(P, rows, row_bytes, count, out, stride, 3); break;
-                case 4: part_rows(P, rows, row_bytes, count, out, stride, 4); break;
-                default: part_rows(P, rows, row_bytes, count, out, stride, 5); break;
-            }
-        }
+        for (int p = 0; p < L->n_parts; p++) scalar_part_rows(&L->part[p], rows, row_bytes, count, out, stride);
         return;
     }
-#endif
     int32_t scratch[CB_MAX_DIM];
     for (int64_t r = 0; r < count; r++) decode_row(L, rows + r * row_bytes, out + r * stride, scratch);
 }

@@ -378,32 +378,33 @@ static void load_tile(const code_pool *P, const code_item *it, int64_t t0, int n
             }
             j += run;
         }
-    }
-    for (int j = 0; j < n && P->kind == CODES_INT; j++) {
-        const int64_t t = t0 + j, slot = (int64_t)table[t / bs] * bs + t % bs, index = slot * Hkv + it->h;
-        float *k = keys + (int64_t)j * dpad, *v = values + (int64_t)j * dpad;
-        kvlab_cb_decode_row(value_layout, value_codes + slot * P->values.token_bytes, v, codes);
-        if (t < complete) {   /* zero + code x scale, per channel of the key group */
-            kvlab_cb_decode_row(key_layout, key_codes + slot * P->keys.token_bytes, k, codes);
-            const int64_t meta = ((slot / P->key_group) * Hkv + it->h) * d;
-            if (meta != meta_at) {
-                fp16_row(P->k_zero + meta, zero, d);
-                fp16_row(P->k_scale + meta, scale, d);
-                meta_at = meta;
+    } else {   /* INT: a key group's zero and scale per channel */
+        for (int j = 0; j < n; j++) {
+            const int64_t t = t0 + j, slot = (int64_t)table[t / bs] * bs + t % bs, index = slot * Hkv + it->h;
+            float *k = keys + (int64_t)j * dpad, *v = values + (int64_t)j * dpad;
+            kvlab_cb_decode_row(value_layout, value_codes + slot * P->values.token_bytes, v, codes);
+            if (t < complete) {   /* zero + code x scale, per channel of the key group */
+                kvlab_cb_decode_row(key_layout, key_codes + slot * P->keys.token_bytes, k, codes);
+                const int64_t meta = ((slot / P->key_group) * Hkv + it->h) * d;
+                if (meta != meta_at) {
+                    fp16_row(P->k_zero + meta, zero, d);
+                    fp16_row(P->k_scale + meta, scale, d);
+                    meta_at = meta;
+                }
+                for (int c = 0; c < d; c++) k[c] = zero[c] + k[c] * scale[c];
+            } else {
+                memset(k, 0, sizeof(float) * dpad);
             }
-            for (int c = 0; c < d; c++) k[c] = zero[c] + k[c] * scale[c];
-        } else {
-            memset(k, 0, sizeof(float) * dpad);
+            const int n_vg = d / P->value_group, gv = P->value_group;
+            const uint16_t *vs = P->v_scale + index * n_vg, *vz = P->v_zero + index * n_vg;
+            for (int group = 0; group < n_vg; group++) {
+                const float z = kvlab_fp16_to_fp32(vz[group]), sc = kvlab_fp16_to_fp32(vs[group]);
+                float *vg = v + group * gv;
+                for (int c = 0; c < gv; c++) vg[c] = z + vg[c] * sc;
+            }
+            key_scale[j] = P->scale;
+            value_scale[j] = 1.0f;
         }
-        const int n_vg = d / P->value_group, gv = P->value_group;
-        const uint16_t *vs = P->v_scale + index * n_vg, *vz = P->v_zero + index * n_vg;
-        for (int group = 0; group < n_vg; group++) {
-            const float z = kvlab_fp16_to_fp32(vz[group]), sc = kvlab_fp16_to_fp32(vs[group]);
-            float *vg = v + group * gv;
-            for (int c = 0; c < gv; c++) vg[c] = z + vg[c] * sc;
-        }
-        key_scale[j] = P->scale;
-        value_scale[j] = 1.0f;
     }
     if (P->pre) {   /* +prerope (every row of the tile a coded key, dpad == d): rebuilt at positions t0 .. t0 + n */
         PreRope tile = *P->pre;

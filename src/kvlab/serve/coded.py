@@ -366,9 +366,20 @@ class TurboPool(CodedPool):
             view.rope = tuple(t.contiguous() for t in self.codec.position_rope(0, n))
         return view.rope
 
-    def _positions(self, view) -> torch.Tensor:
-        """(N,) the position of each of the step's tokens in its sequence."""
-        return torch.cat([torch.arange(start, ctx) for _, _, _, start, ctx in self.sequences(view)]).to(self._device)
+    def _row_sequences(self, view) -> torch.Tensor:
+        """(N,) the sequence (its index in the step) each of the step's tokens belongs to."""
+        layout = view.layout
+        counts = (layout.query_start[1:] - layout.query_start[:-1]).long()                # (S,) tokens per sequence
+        return torch.repeat_interleave(torch.arange(counts.numel()), counts).to(self._device)
+
+    def _positions(self, view, sequence: torch.Tensor | None = None) -> torch.Tensor:
+        """(N,) the position of each of the step's tokens in its sequence (`sequence`: _row_sequences, if made)."""
+        layout = view.layout
+        seq = self._row_sequences(view) if sequence is None else sequence
+        rows = torch.arange(seq.numel(), device=self._device)
+        ends = layout.context_len.long().to(self._device)[seq]                             # (N,) its sequence's context
+        last_rows = layout.query_start[1:].long().to(self._device)[seq]                    # (N,) one past its last row
+        return ends - (last_rows - rows)
 
     def _state_nbytes(self) -> int:
         return self.codec.state_nbytes() + (self.sinks.nbytes if self.sinks else 0)
@@ -464,14 +475,10 @@ class TurboPool(CodedPool):
         context hold zeros or an earlier sequence's finite rows, weighted 0)."""
         N, H, D = q.shape
         Hkv = self.geometry.n_kv_heads
-        layout = view.layout
-        counts = (layout.query_start[1:] - layout.query_start[:-1]).long()                # (S,) query rows per sequence
-        seq = torch.repeat_interleave(torch.arange(counts.numel(), device=q.device), counts)  # (N,) each row's sequence
-        entry = torch.tensor(view.rows, device=q.device)[seq]                           # (N,)
-        first = (layout.context_len.long() - counts)[seq]                                # (N,) position of its first row
-        position = first + torch.arange(N, device=q.device) - layout.query_start[:-1].long()[seq]   # (N,)
-        keys = self.sinks.k[layer, entry].float()                                        # (N, sink, Hkv, D)
-        values = self.sinks.v[layer, entry].float()                                      # (N, sink, Hkv, Dv)
+        seq = self._row_sequences(view)                                                  # (N,)
+        position = self._positions(view, seq)                                            # (N,)
+        entry = torch.tensor(view.rows, device=q.device)[seq]                           # (N,) its sequence's sink rows
+        keys, values = self.sinks.held(layer, entry, self.sink)                          # (N, sink, Hkv, D), (N, sink, Hkv, Dv)
         qg = q.reshape(N, Hkv, H // Hkv, D)
         scores = torch.einsum("nkgd,nskd->nkgs", qg, keys).reshape(N, H, -1) * view.scale   # (N, H, sink)
         sink = torch.arange(keys.shape[1], device=q.device)[None]                        # (1, sink)

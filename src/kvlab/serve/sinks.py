@@ -89,8 +89,9 @@ class SinkRows:
         if parent in self.holders and len(parent.token_ids) >= self.sink:
             self.holders[child] = self.holders[parent]
 
-    def held(self, layer: int, entry: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The entry's first n rows of `layer` as attention reads them: k (n, Hkv, D), v (n, Hkv, Dv) float32."""
+    def held(self, layer: int, entry: int | torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The entry's first n rows of `layer` as attention reads them: k (n, Hkv, D), v (n, Hkv, Dv) float32; for a
+        tensor of entries (N,), each one's: (N, n, Hkv, D), (N, n, Hkv, Dv)."""
         return self.k[layer, entry, :n].float(), self.v[layer, entry, :n].float()
 
     def write(self, layer: int, entry: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
