@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test bench fuzz clean
+.PHONY: install demo test bench results fuzz clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -26,6 +26,10 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/kvlab bench decode
+
+# docs/benchmarks.md from bench/results/*.json (no model run; after adding or replacing a results file)
+results:
+	python3 bench/results_page.py
 
 # mutated GGUF files and HF folders through info/plan/generate/API, kernels built with AddressSanitizer;
 # a descriptor per distinct failure lands in $(FUZZ_OUT)/corpus (copy the ones worth keeping to tests/fuzz_corpus)

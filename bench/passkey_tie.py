@@ -1,10 +1,10 @@
 """Why one unprimed passkey trial was lost: the logit lead of each token of dense's answer, read back through each cache.
 
 The trial (1,000 filler tokens, depth 0.5, the protocol's second key; rotation seed 1 in `kvlab eval`'s cycle) is the
-one every tq4-class recipe missed in sessions 12-14 under the unprimed protocol (`--no-passkey-prime`). Each cache
+one tq4-class recipes miss under the unprimed protocol (`--no-passkey-prime`). Each cache
 prefills the prompt, then is fed dense's answer "The pass key is NNNNN." token by token; for each token the lead of
 its logit over the best other token is printed (negative: greedy decoding leaves the answer there). Written to
-bench/results/passkey_tie_s15.json (docs/benchmarks.md, session 15).
+bench/results/passkey_tie.json (docs/benchmarks.md).
 
     .venv/bin/python bench/passkey_tie.py "dense,tq4+seed0,tq4+seed1,tq4+seed2,tq-k4v4+seed1"     # ~30 s
 """
@@ -48,7 +48,7 @@ def main() -> None:
     for name in sys.argv[1].split(","):
         result["leads"][name] = leads(loaded, name, ids, answer)
         print(f"{name:16s}", " ".join(f"{t!r}:{lead:+.2f}" for t, lead in zip(result["answer_tokens"], result["leads"][name])))
-    out = Path("bench/results/passkey_tie_s15.json")
+    out = Path("bench/results/passkey_tie.json")
     out.write_text(json.dumps(result, indent=1) + "\n")
     print("wrote", out)
 

@@ -1,5 +1,5 @@
 """What a served default answers: five chat questions through the serving engine (greedy, 10 tokens) for each block
-format given, printed and written to bench/results/served_answers.json (docs/benchmarks.md, session 14).
+format given, printed and written to bench/results/served_answers.json (docs/benchmarks.md).
 
     .venv/bin/python bench/served_answers.py "dense,tq4,tq4+halloc,tq-k4v4"     # ~1 min (+ a +halloc calibration)
 """

@@ -5,7 +5,7 @@
 For each head dim and width: the mean squared error per vector ‖y - ŷ‖² of seeded random unit vectors coded by
 TurboQuant's RotatedCodes, scalar and with vector=True (blocks of 4 coordinates, sign-symmetric magnitude points,
 the same bytes), and the bytes of codebook each holds. This is what `+vq` changes inside a cache before any model
-sees it; the perplexity it buys is `kvlab eval` (docs/benchmarks.md, issue 13, session 12).
+sees it; the perplexity it buys is `kvlab eval` (docs/benchmarks.md).
 """
 
 from __future__ import annotations

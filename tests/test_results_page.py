@@ -1,0 +1,63 @@
+"""docs/benchmarks.md is generated from bench/results/*.json: the committed page is what the generator writes, and every
+results file is on it, as a table or as raw data."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def load_generator():
+    spec = importlib.util.spec_from_file_location("results_page", ROOT / "bench" / "results_page.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module        # dataclasses look their module up while the class is made
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_committed_page_is_what_the_results_say():
+    page = load_generator().page()
+    assert (ROOT / "docs" / "benchmarks.md").read_text() == page, "run: python bench/results_page.py"
+
+
+def test_every_results_file_is_on_the_page_or_listed_as_raw_data():
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    files = sorted(p.name for p in (ROOT / "bench" / "results").glob("*.json"))
+    assert files
+    for name in files:
+        assert f"`bench/results/{name}`" in text or f"- `{name}`:" in text, name
+
+
+def test_every_table_has_a_command():
+    gen = load_generator()
+    for section in gen.SECTIONS:
+        for t in section.tables:
+            assert gen.command_of(json.loads((gen.RESULTS / t.file).read_text()), t), t.file
+    for name, (cmd, _) in gen.RAW.items():
+        assert gen.command_of(json.loads((gen.RESULTS / name).read_text()), gen.Table(name, None, cmd)), name
+
+
+def test_a_results_file_the_generator_does_not_know_is_refused(tmp_path, monkeypatch):
+    gen = load_generator()
+    results = tmp_path / "results"
+    results.mkdir()
+    for p in gen.RESULTS.glob("*.json"):
+        (results / p.name).write_bytes(p.read_bytes())
+    (results / "stray.json").write_text("{}")
+    monkeypatch.setattr(gen, "RESULTS", results)
+    with pytest.raises(SystemExit, match="not on the page: stray.json"):
+        gen.page()
+
+
+def test_old_names_print_as_today():
+    gen = load_generator()
+    assert gen.current_name("tq4+sink1", bare_tq4=True) == "tq-k4v4+sink1"
+    assert gen.current_name("pool:tq4", bare_tq4=True) == "pool:tq-k4v4"
+    assert gen.current_name("tq4.5", bare_tq4=True) == "tq4.5"
+    assert gen.current_name("tq4+halloc", bare_tq4=False) == "tq4+halloc"
