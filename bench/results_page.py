@@ -59,6 +59,9 @@ def code(name: str) -> str:
 # --------------------------------------------------------------------------------------------------- renderers
 # Each takes the loaded JSON and the section's options and returns markdown.
 
+REFERENCES = ("dense", "hf:dynamic")     # the rows every other row of an eval file is measured against
+
+
 def eval_quality(data, opt) -> str:
     """`kvlab eval` rows: bytes, ΔPPL over rotation seeds with its bootstrap interval, KL, top-1."""
     rows = []
@@ -66,14 +69,14 @@ def eval_quality(data, opt) -> str:
         if (opt.rows and r["cache"] not in opt.rows) or (r["cache"] == "dense" and not opt.dense_row):
             continue
         seeds = [s for s in r.get("per_seed", []) if s.get("seed") is not None]
-        lo, hi = r.get("ppl_delta_ci") or (None, None)
+        ci = r.get("ppl_delta_ci")
         rows.append([
             code(current_name(r["cache"], opt.bare_tq4)),
             num(r["bytes_per_token"], 0),
             f"{BF16_BYTES / r['bytes_per_token']:.2f}×",
             f"{r['ppl']:.2f}",
             pct(r["ppl_delta_pct"]) + (f" ± {r['ppl_delta_sd']:.2f}" if len(seeds) > 1 else ""),
-            "—" if r["cache"] == "dense" else f"{lo:+.2f} … {hi:+.2f}",
+            "—" if r["cache"] in REFERENCES or not ci else f"{ci[0]:+.2f} … {ci[1]:+.2f}",
             " / ".join(f"{s['ppl_delta_pct']:+.2f}" for s in seeds) if len(seeds) > 1 else "—",
             f"{r['kl']:.4f}",
             f"{100 * r['top1_agreement']:.1f}%",
@@ -197,7 +200,7 @@ def serve(data, opt) -> str:
 
 def plan_speed(data, opt) -> str:
     c = data["catalog"]
-    rows = [[r["file"], f"{r['size_bytes'] / 2**30:.2f} GiB", f"{r['allocated_bytes'] / 2**20:.1f} MiB",
+    rows = [[r["file"], f"{r['allocated_bytes'] / 2**20:.1f} MiB",
              f"{r['kvlab_plan_ms']:.0f} ms", num(r["gguf_reader_open_ms"], 0) + " ms",
              f"{r['speedup_vs_gguf_reader']:.0f}×"] for r in data["gguf_header"]]
     return (f"Planning a catalog model (spec + plan with a GPU: fit, longest context, most sequences), "
@@ -205,17 +208,25 @@ def plan_speed(data, opt) -> str:
             f"({c['slowest']}).\n\nPlanning from a GGUF header does not depend on the file's size (the sparse files "
             "carry SmolLM2's real header and a padding tensor); the baseline is `gguf.GGUFReader` opening the same "
             "file:\n\n"
-            + table(["file", "size", "on disk", "kvlab header + plan", "GGUFReader open", "ratio"], rows,
-                    right={1, 2, 3, 4, 5}))
+            + table(["file", "on disk", "kvlab header + plan", "GGUFReader open", "ratio"], rows,
+                    right={1, 2, 3, 4}))
+
+
+def cache_name(x) -> str:
+    """Column format for a cache name; rows_table prints it under its current name."""
+    return code(x)
 
 
 def rows_table(columns: list[tuple[str, str, Callable]], key: str = "rows") -> Callable:
     """A renderer for a list of flat records: (header, field, format) per column."""
+    def cell(r, f, fmt, opt):
+        return code(current_name(r[f], opt.bare_tq4)) if fmt is cache_name else fmt(r.get(f))
+
     def render(data, opt) -> str:
         records = data[key] if isinstance(data, dict) else data
         return table([h for h, _, _ in columns],
-                     [[fmt(r.get(f)) for _, f, fmt in columns] for r in records],
-                     right={i for i, (_, _, fmt) in enumerate(columns) if fmt is not str})
+                     [[cell(r, f, fmt, opt) for _, f, fmt in columns] for r in records],
+                     right={i for i, (_, _, fmt) in enumerate(columns) if fmt not in (str, cache_name)})
     return render
 
 
@@ -269,6 +280,10 @@ def pct_change(x):
     return "—" if x is None else f"{x:+.1f}%"
 
 
+def ratio(x):
+    return "—" if x is None else f"{x:.2f}×"
+
+
 def share(x):
     return "—" if x is None else f"{100 * x:.0f}%"
 
@@ -288,6 +303,7 @@ class Table:
     rows: tuple[str, ...] = ()   # eval files: only these caches (the others are superseded by another table)
     bare_tq4: bool = False       # measured when `tq4` named the bare method
     dense_row: bool = False      # eval files: show the dense reference row
+    part: str = ""               # 'a.b': render data["a"]["b"] (one part of a file with several)
 
 
 @dataclass(frozen=True)
@@ -354,6 +370,11 @@ SECTIONS = [
               'kvlab eval --caches "tq-k4.15v4.15+prerope+sink1+halloc+kscale=lsq+vscale=lsq+norms8,'
               'tq-k4.15v4.15+prerope+sink1+halloc+kscale=lsq+norms8" --seeds 3,4,5 --no-passkey --threads 2 '
               "--out bench/results/quality_norms8_recipes_seeds345.json"),
+        Table("compression.json", eval_quality, "python bench/compression.py --parts quality --threads 1",
+              "The integer caches in one run (no rotation seed); `+g64`: key groups of 64 tokens, `+recent128`: the "
+              "newest 128 tokens kept exact. The same file holds the suite's other parts (`--parts passkey`, `layers`, "
+              "`speed`: module-path numbers) and its plot is docs/benchmarks/compression.png.",
+              rows=("int8", "int4", "int4+g64", "int4+recent128"), part="quality.records"),
         Table("quality_seeds.json", eval_quality,
               "kvlab eval --caches int4,tq5,tq3 --seeds 0,1,2 --no-passkey --threads 1 --out bench/results/quality_seeds.json",
               "KIVI-style `int4` and the bare TurboQuant method at 5 and 3 bits. The TurboQuant rows come from a run in "
@@ -503,8 +524,30 @@ SECTIONS = [
         Table("serve_tq_k4v4.json", serve,
               "kvlab bench serve --cache tq-k4v4 --concurrency 1,4,16,32 --requests 32 --max-tokens 64 --no-direct "
               "--out bench/results/serve_tq_k4v4.json --plot bench/results/serve_tq_k4v4.png",
-              "Measured before the pool read coded blocks in one C call per layer: the throughput tables above are "
-              "the current speed of compressed blocks.", bare_tq4=True),
+              "This run's pool read coded blocks with a Python loop over sequences; the paged C kernel replaced "
+              "it, so the throughput tables above give the speed of compressed blocks today. Its peak KV column "
+              "still shows the bytes: 7.5× fewer than dense blocks for the same tokens.", bare_tq4=True),
+    ]),
+    Section("Through transformers: `kvlab.hf` and `--backend transformers`",
+            "SmolLM2 loaded by transformers from the same GGUF (fp32); every row is a cache object handed to the "
+            "model, kvlab's as `KVLabCache`. Inside transformers a kvlab cache hands attention dequantized K/V, so "
+            "there it saves memory, not time. transformers' quantized caches need optimum-quanto 0.2.7 and hqq 0.2.8 "
+            "(see bench/README.md); `+rN` is their full-precision residual of N tokens.", [
+        Table("hf_backend_table.json", eval_quality,
+              "kvlab eval --backend transformers --windows 8 --seeds 0,1,2 --no-passkey --threads 1 --caches "
+              "dense,int8,int4,tq5,tq-k4v4,tq-k4v4+sink1,tq3,hf:quanto-int4+r0,hf:quanto-int4+r128,hf:hqq-4+r0,"
+              "hf:hqq-4+r128,hf:hqq-3+r0,hf:hqq-3+r128 --out bench/results/hf_backend_table.json",
+              "8 windows (the first 8 of the 16), so the dense perplexity differs from the native tables'. Bytes are a "
+              "walk over every tensor each cache object holds at 511 tokens. `tq4` in transformers is the preset "
+              "without `+prerope` (not in this table).", bare_tq4=True),
+        Table("hf_cache.json", rows_table([
+            ("cache", "cache", cache_name), ("decode tok/s", "decode_tok_s", f2), ("× DynamicCache", "speed_vs_dynamic", ratio),
+            ("bytes/token", "bytes_per_token", integer)]),
+              "python bench/hf_cache.py --context 512 --new 64 --repeats 3 --threads 1 --caches dense,int8,int4,tq5,"
+              "tq-k4v4,tq-k4v4+sink1,tq3,hf:quanto-int4+r0,hf:quanto-int4+r128,hf:hqq-4+r0,hf:hqq-4+r128,hf:hqq-3+r0,"
+              "hf:hqq-3+r128",
+              "512-token context, 64 greedy tokens, contenders interleaved, median of 3. Bytes per token: every tensor "
+              "each cache holds in this fp32 run (DynamicCache and `dense` keep fp32 K/V).", bare_tq4=True),
     ]),
     Section("Prefill into each cache", "", [
         Table("prefill_caches.json", prefill_caches,
@@ -518,10 +561,6 @@ SECTIONS = [
 
 # Results kept as data but not shown as tables: what each holds and the command that made it.
 RAW = {
-    "compression.json": ("python bench/compression.py --parts quality|passkey|layers|speed --threads 1",
-                         "the single-seed suite over every base width (int8 … tq2), the per-layer key/value KL "
-                         "(`layers`, `layers+prerope+sink1`) and module-path decode speed; plot: "
-                         "docs/benchmarks/compression.png"),
     "quality_alloc.json": ("kvlab eval --caches tq-k4v4+alloc,tq-k4v4+prerope+sink1+alloc,tq3+alloc --seeds 0,1,2 "
                            "--no-passkey --threads 1", "per-layer widths (`+alloc`)"),
     "quality_halloc.json": ("kvlab eval --caches tq-k4v4+prerope+sink1+halloc,tq3+halloc --seeds 0,1,2 --no-passkey "
@@ -551,11 +590,6 @@ RAW = {
     "quality_outliers.json": ("kvlab eval --caches tq-k4v4+prerope+sink1,tq-k3.875v3.75+prerope+outliers1+sink1,"
                               "tq-k4v3.625+prerope+outliers1+sink1,tq-k4v4+prerope+outliers1+sink1 --seeds 0,1,2 "
                               "--no-passkey --threads 1", "exact key outliers (`+outliersN`)"),
-    "hf_backend_table.json": ("kvlab eval --backend transformers --windows 8 --seeds 0,1,2 --no-passkey --threads 1 "
-                              "--caches dense,int8,int4,tq5,tq-k4v4,tq-k4v4+sink1,tq3,hf:quanto-int4+r0,"
-                              "hf:quanto-int4+r128,hf:hqq-4+r0,hf:hqq-4+r128,hf:hqq-3+r0,hf:hqq-3+r128",
-                              "kvlab's caches and transformers' own quantized caches, all through transformers "
-                              "(quanto/hqq need optimum-quanto 0.2.7 and hqq 0.2.8)"),
     "hf_passkey.json": ("kvlab eval --backend transformers --windows 1 --seeds 0,1,2 --threads 1 --no-passkey-prime "
                         "--passkey-lengths 1000,2000,3000 --caches dense,int8,int4,tq5,tq-k4v4,tq-k4v4+sink1,tq3,"
                         "hf:quanto-int4+r0,hf:quanto-int4+r128,hf:hqq-4+r128,hf:hqq-3+r128",
@@ -563,10 +597,6 @@ RAW = {
     "hf_passkey_r0.json": ("kvlab eval --backend transformers --windows 1 --seeds 0,1,2 --threads 1 --no-passkey-prime "
                            "--passkey-lengths 1000,2000,3000 --caches hf:hqq-4+r0,hf:hqq-3+r0",
                            "the same for HQQ without a residual"),
-    "hf_cache.json": ("python bench/hf_cache.py --context 512 --new 64 --repeats 3 --threads 1 --caches dense,int8,int4,"
-                      "tq5,tq-k4v4,tq-k4v4+sink1,tq3,hf:quanto-int4+r0,hf:quanto-int4+r128,hf:hqq-4+r0,hf:hqq-4+r128,"
-                      "hf:hqq-3+r0,hf:hqq-3+r128",
-                      "decode tokens/s and bytes of each cache inside transformers against DynamicCache"),
     "key_error.json": ("python bench/key_error.py", "key-only attention KL of TurboQuant/int4 key coders on real "
                                                     "queries and keys (`tq4` there is `tq-k4v4`)"),
     "vector_codes.json": ("python bench/vector_codes.py", "per-vector error of scalar Lloyd-Max codes against `+vq` "
@@ -604,6 +634,8 @@ def render_table(t: Table) -> str:
     else:
         where = machine_of(data)
         parts.append(f"```\n{cmd}\n```\n→ `bench/results/{t.file}`" + (f" ({where})" if where else ""))
+    for k in filter(None, t.part.split(".")):
+        data = data[k]
     parts.append(t.render(data, t))
     if t.note:
         parts.append(t.note)
