@@ -12,11 +12,12 @@ from dataclasses import replace
 
 from rich.console import Console
 
+from ..terminal import console as default_console, err_console
+
 from ..errors import ConfigError, KvlabError
 from .budget import make_plan
 from .engines import get_engine
 from .gpus import custom_gpu, find_gpu
-from .plot import plot_plan
 from .report import plan_json, print_plan
 from .settings import PlanSettings
 
@@ -88,11 +89,13 @@ def plan_command(model: str, ctx: str = "4096", kv_type: str | None = None, kv_t
 
     Errors go to `err_console` (default: the same console) as one line, `error: <message>`.
     """
-    console = console or Console()
+    console = console or default_console
     try:
         plan = build_plan(model, ctx, kv_type, kv_type_k, kv_type_v, engine, flash_attn, parallel, ubatch, tp,
                           weights_quant, gpu, vram, kv_unified, swa_full)
         if plot:
+            from .plot import plot_plan  # matplotlib only when a plot is asked for
+
             plot_plan(plan, plot)
         admission = _engine_admission(plan, kv_budget) if kv_budget else None
     except KvlabError as exc:
@@ -151,5 +154,5 @@ def register(app) -> None:
         """How much memory a model needs: weights, KV cache, recurrent state, overheads; does it fit?"""
         code = plan_command(model, ctx, kv_type, kv_type_k, kv_type_v, engine, flash_attn, parallel, ubatch, tp,
                             weights_quant, gpu, vram, layers, json_out, plot, kv_unified, swa_full,
-                            err_console=Console(stderr=True), kv_budget=kv_budget)
+                            err_console=err_console, kv_budget=kv_budget)
         raise typer.Exit(code)
