@@ -46,7 +46,7 @@ def test_no_heavy_import(args):
 
 
 def test_version_and_lazy_listing():
-    probe, out = run_cli("--version")
+    _, out = run_cli("--version")
     assert out.strip().startswith("kvlab ")
     _, listing = run_cli("--help")
     for name in ("plan", "eval", "lab", "serve", "bench", "generate"):

@@ -189,7 +189,7 @@ def bench_decode(
                      no_cache_repeats=min(no_cache_repeats, repeats), threads=threads, weights=weights)
 
 
-from .plan.command import register as register_plan  # noqa: E402  (light: no torch, no numpy)
+from .plan.command import register as register_plan  # light: no torch, no numpy
 
 register_plan(app)
 

@@ -33,6 +33,11 @@ class Plan:
     max_context: int | None = None
     max_sequences: int | None = None
     alias_of: str | None = None   # the name asked for, when the catalog planned another model under it
+    model_ref: str | None = None  # the model as the user named it (for the launch line)
+    weights_quant: str | None = None   # --weights-quant as asked (None: as the source stores them)
+    gguf_repo: str | None = None  # a Hub GGUF repo the plan stands for (llama-server -hf REPO:QUANT)
+    offload: object | None = None  # llama.cpp's split between GPU and host (offload.Offload), None: all on the GPU
+    mmproj: object | None = None   # a vision projector (weights.Projector), None: text only
 
     @property
     def alias_note(self) -> str | None:

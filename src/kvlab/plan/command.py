@@ -12,9 +12,9 @@ from dataclasses import replace
 
 from rich.console import Console
 
-from ..terminal import console as default_console, err_console
-
 from ..errors import ConfigError, KvlabError
+from ..terminal import console as default_console
+from ..terminal import err_console
 from .budget import make_plan
 from .engines import get_engine
 from .gpus import custom_gpu, find_gpu
@@ -39,12 +39,15 @@ def _parse_ctx(ctx: str | int) -> int | None:
     return value
 
 
-def build_plan(model: str, ctx: str | int = "4096", kv_type: str | None = None, kv_type_k: str | None = None,
+def build_plan(model: str | None = None, ctx: str | int = "4096", kv_type: str | None = None, kv_type_k: str | None = None,
                kv_type_v: str | None = None, engine: str = "llama.cpp", flash_attn: bool = True, parallel: int = 1,
                ubatch: int | None = None, tp: int = 1, weights_quant: str | None = None, gpu: str | None = None,
                vram: float | None = None, kv_unified: bool = False, swa_full: bool = False):
-    """Everything `kvlab plan` computes, as a Plan (raises KvlabError on bad input)."""
-    from ..sources import load_spec
+    """Everything `kvlab plan` computes, as a Plan (raises KvlabError on bad input). No model: the embedded SmolLM2."""
+    from ..sources import default_model_path, load_spec
+
+    embedded = model is None
+    model = str(default_model_path()) if embedded else model
 
     if kv_type and (kv_type_k or kv_type_v):
         raise ConfigError("give either --kv-type or --kv-type-k/--kv-type-v, not both")
@@ -60,7 +63,19 @@ def build_plan(model: str, ctx: str | int = "4096", kv_type: str | None = None, 
         if not plan.max_context:
             raise ConfigError(f"{spec.name} does not fit on {card.name} even at 1 token of context")
         plan = make_plan(spec, eng, replace(settings, context=plan.max_context), weights_quant, card)
-    return replace(plan, alias_of=_alias_asked(model))
+    return replace(plan, alias_of=_alias_asked(model), model_ref=None if embedded else _model_ref(model), weights_quant=weights_quant)
+
+
+def _model_ref(model: str) -> str:
+    """How a launch line names the model: the path given, or the catalog entry's Hugging Face repo."""
+    from pathlib import Path
+
+    from ..sources import find_entry
+
+    if Path(model).expanduser().exists():
+        return model
+    entry = find_entry(model)
+    return entry.repo if entry is not None else model
 
 
 def _alias_asked(model: str) -> str | None:
@@ -79,7 +94,7 @@ def _alias_asked(model: str) -> str | None:
     return None if key in own_names else model
 
 
-def plan_command(model: str, ctx: str = "4096", kv_type: str | None = None, kv_type_k: str | None = None,
+def plan_command(model: str | None = None, ctx: str = "4096", kv_type: str | None = None, kv_type_k: str | None = None,
                  kv_type_v: str | None = None, engine: str = "llama.cpp", flash_attn: bool = True, parallel: int = 1,
                  ubatch: int | None = None, tp: int = 1, weights_quant: str | None = None, gpu: str | None = None,
                  vram: float | None = None, layers: bool = False, json_out: bool = False, plot: str | None = None,
@@ -131,7 +146,8 @@ def register(app) -> None:
 
     @app.command("plan")
     def plan(
-        model: str = typer.Argument(..., help="GGUF file, HF folder or config.json, catalog name, or HF repo id"),
+        model: str = typer.Argument(None, help="GGUF file, HF folder or config.json, catalog name, or HF repo id "
+                                    "(default: the embedded SmolLM2-135M)"),
         ctx: str = typer.Option("4096", "--ctx", help="context tokens per sequence, or 'max'"),
         kv_type: str = typer.Option(None, "--kv-type", help="KV type for K and V: f16 bf16 f32 fp8 q8_0 q4_0 q4_1 q5_0 q5_1 iq4_nl, or a kvlab cache"),
         kv_type_k: str = typer.Option(None, "--kv-type-k", help="K type (with --kv-type-v)"),

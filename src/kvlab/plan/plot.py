@@ -14,7 +14,9 @@ PLOT_TYPES = {"llama.cpp": ("f16", "q8_0", "q4_0"), "vllm": ("bf16", "fp8"), "kv
 
 
 def plot_plan(plan: Plan, path: str | Path, points: int = 48) -> Path:
-    from ..measure import pyplot  # matplotlib (and measure's torch) only when a plot is asked for
+    from ..measure import (
+        pyplot,  # matplotlib (and measure's torch) only when a plot is asked for
+    )
 
     plt = pyplot()
     path = check_writable(path, "--plot", PLOT_SUFFIXES)

@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .budget import Plan
+from .launch import launch_line
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -60,6 +61,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "max_context": plan.max_context,
         "max_sequences": plan.max_sequences,
         "notes": list(layout.notes),
+        "launch": launch_line(plan),
     }
 
 
@@ -98,9 +100,7 @@ def verdict(plan: Plan) -> str:
     s = plan.settings
     lines = [f"KV per token: {plan.layout.bytes_per_token:,} B  ·  KV {human(plan.layout.kv_bytes)}"
              + (f"  ·  recurrent {human(plan.layout.recurrent_bytes)}" if plan.layout.recurrent_bytes else "")]
-    label = plan.engine.kv_label(s)
-    if label:
-        lines.append(f"{plan.engine.name} settings: {label}")
+    lines.append(f"launch: {launch_line(plan)}")
     if plan.budget_bytes is None:
         lines.append(f"total {human(plan.total_bytes)} (give --gpu or --vram for a verdict)")
         return "\n".join(lines)
@@ -123,4 +123,4 @@ def print_plan(plan: Plan, console: Console, layers: bool = False) -> None:
     console.print(components_table(plan))
     if layers:
         console.print(layers_table(plan))
-    console.print(verdict(plan))
+    console.print(verdict(plan), soft_wrap=True)   # the launch line stays one line, whatever the width

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..errors import ModelFileError
 from ..spec import ModelSpec
-from .bundled import catalog, catalog_entry, find_entry
+from .bundled import catalog, catalog_entry, default_model_path, find_entry
 from .hf import spec_from_config, spec_from_folder, spec_from_hub
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -54,4 +54,4 @@ def __getattr__(name: str):
 
 
 __all__ = ["load_spec", "open_gguf", "gguf_metadata", "GGUFFile", "spec_from_gguf", "spec_from_config",
-           "spec_from_folder", "spec_from_hub", "catalog", "catalog_entry", "find_entry"]
+           "spec_from_folder", "spec_from_hub", "catalog", "catalog_entry", "default_model_path", "find_entry"]

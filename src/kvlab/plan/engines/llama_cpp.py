@@ -120,8 +120,3 @@ class LlamaCppEngine(Engine):
             Component("output buffer", f"{n_vocab} vocab × {settings.parallel} seq × 4 B", output, exact=False),
             Component("CUDA runtime", "CUDA context + cuBLAS workspace (typical)", GPU_RUNTIME_BYTES, exact=False),
         ]
-
-    def kv_label(self, settings: PlanSettings) -> str:
-        n_ctx, cells, streams, _ = self.contexts(settings)
-        flags = f"-c {n_ctx} -np {settings.parallel}"
-        return flags + (" -kvu" if settings.kv_unified else "")

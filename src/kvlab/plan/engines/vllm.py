@@ -90,6 +90,3 @@ class VllmEngine(Engine):
 
     def budget_bytes(self, vram_bytes: int, usable_bytes: int, settings: PlanSettings) -> int:
         return min(usable_bytes, int(vram_bytes * settings.gpu_memory_utilization))
-
-    def kv_label(self, settings: PlanSettings) -> str:
-        return f"--max-model-len {settings.context} --gpu-memory-utilization {settings.gpu_memory_utilization}"
