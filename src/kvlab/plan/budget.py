@@ -15,6 +15,7 @@ from .engines import Engine
 from .gpus import GPU
 from .layout import KVLayout
 from .settings import PlanSettings
+from .vision import Projector
 from .weights import WeightsEstimate
 
 MAX_SEARCH_CONTEXT = 1 << 24
@@ -37,7 +38,20 @@ class Plan:
     weights_quant: str | None = None   # --weights-quant as asked (None: as the source stores them)
     gguf_repo: str | None = None  # a Hub GGUF repo the plan stands for (llama-server -hf REPO:QUANT)
     offload: object | None = None  # llama.cpp's split between GPU and host (offload.Offload), None: all on the GPU
-    mmproj: object | None = None   # a vision projector (weights.Projector), None: text only
+    mmproj: Projector | None = None  # a vision projector (--mmproj), None: text only
+    extras: tuple[Component, ...] = ()   # fixed lines beside the model (the projector and its image buffer)
+    headroom_bytes: int = 0       # kept free by the solvers (--ctx max, the longest context, most sequences)
+    hints: tuple[str, ...] = ()   # what to change when it does not fit (a quant that would)
+
+    @property
+    def context_cap(self) -> int:
+        """The longest context the solver may answer: the model's own maximum (or the search bound)."""
+        return self.spec.context_length or MAX_SEARCH_CONTEXT
+
+    @property
+    def context_limited_by_model(self) -> bool:
+        """The longest context stopped at the model's maximum, not at the memory."""
+        return bool(self.max_context) and self.max_context >= self.context_cap and bool(self.spec.context_length)
 
     @property
     def alias_note(self) -> str | None:
@@ -86,8 +100,9 @@ def _cache_formulas(spec: ModelSpec, layout: KVLayout, part: str) -> str:
     return " + ".join(terms) or "0"
 
 
-def plan_components(spec: ModelSpec, engine: Engine, settings: PlanSettings,
-                    weights: WeightsEstimate) -> tuple[KVLayout, tuple[Component, ...]]:
+def plan_components(spec: ModelSpec, engine: Engine, settings: PlanSettings, weights: WeightsEstimate,
+                    extras: tuple[Component, ...] = ()) -> tuple[KVLayout, tuple[Component, ...]]:
+    """The budget's lines; `extras` are fixed lines beside the model (a vision projector and its image buffer)."""
     layout = engine.layout(spec, settings)
     tp = settings.tp
     kv_split = 1 if engine.name == "vllm" else tp   # vLLM's layout is already per GPU
@@ -100,6 +115,7 @@ def plan_components(spec: ModelSpec, engine: Engine, settings: PlanSettings,
     if layout.recurrent_bytes:
         parts.append(Component("recurrent state", _cache_formulas(spec, layout, "r") + (tail if kv_split > 1 else ""),
                                _split(layout.recurrent_bytes, kv_split)))
+    parts.extend(extras)
     parts.extend(engine.overheads(spec, settings, layout))
     return layout, tuple(parts)
 
@@ -117,20 +133,26 @@ def _largest(fits: Callable[[int], bool], lo: int, hi: int) -> int:
 
 
 def make_plan(spec: ModelSpec, engine: Engine, settings: PlanSettings, weights_quant: str | None = None,
-              gpu: GPU | None = None, solve: bool = True) -> Plan:
-    """Plan one configuration; with a GPU also solve for the longest context and most sequences."""
-    weights = engine.weights(spec, weights_quant)
-    layout, components = plan_components(spec, engine, settings, weights)
+              gpu: GPU | None = None, solve: bool = True, weights: WeightsEstimate | None = None,
+              extras: tuple[Component, ...] = (), headroom: int = 0) -> Plan:
+    """Plan one configuration; with a GPU also solve for the longest context and most sequences, keeping
+    `headroom` bytes free (the verdict at the asked settings compares against the whole budget).
+
+    `weights`: a stated size (--weights-bytes / --weights-file) instead of the engine's own estimate."""
+    weights = weights or engine.weights(spec, weights_quant)
+    layout, components = plan_components(spec, engine, settings, weights, extras)
     budget = engine.budget_bytes(gpu.vram_bytes, gpu.usable_bytes, settings) if gpu else None
     max_context = max_sequences = None
     if budget is not None and solve:
         def total(ctx: int, seqs: int) -> int:
             return sum(c.bytes for c in plan_components(spec, engine, replace(settings, context=ctx, parallel=seqs,
-                                                                              n_ctx_total=None), weights)[1])
+                                                                              n_ctx_total=None), weights, extras)[1])
         cap = spec.context_length or MAX_SEARCH_CONTEXT
-        max_context = max(0, _largest(lambda c: total(c, settings.parallel) <= budget, 1, cap))
-        max_sequences = max(0, _largest(lambda p: total(settings.context, p) <= budget, 1, engine.max_parallel))
-    return Plan(spec, engine, settings, layout, weights, components, gpu, budget, max_context, max_sequences)
+        room = budget - headroom
+        max_context = max(0, _largest(lambda c: total(c, settings.parallel) <= room, 1, cap))
+        max_sequences = max(0, _largest(lambda p: total(settings.context, p) <= room, 1, engine.max_parallel))
+    return Plan(spec, engine, settings, layout, weights, components, gpu, budget, max_context, max_sequences,
+                extras=extras, headroom_bytes=headroom)
 
 
 def kv_bytes_at(spec: ModelSpec, engine: Engine, settings: PlanSettings, contexts: list[int]) -> list[int]:

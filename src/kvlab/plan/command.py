@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 from rich.console import Console
 
@@ -16,10 +17,13 @@ from ..errors import ConfigError, KvlabError
 from ..terminal import console as default_console
 from ..terminal import err_console
 from .budget import make_plan
+from .components import Component
 from .engines import get_engine
 from .gpus import custom_gpu, find_gpu
-from .report import plan_json, print_plan
+from .report import human, plan_json, print_plan
 from .settings import PlanSettings
+from .vision import Projector, projector, tower_from_catalog
+from .weights import WeightsEstimate, check_quant, file_weights, parse_size
 
 
 def _parse_ctx(ctx: str | int) -> int | None:
@@ -39,31 +43,138 @@ def _parse_ctx(ctx: str | int) -> int | None:
     return value
 
 
+#: the quants tried, best first, when the weights the model defaults to leave no room (hint)
+HINT_QUANTS = {"llama.cpp": ("Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "IQ4_XS", "Q3_K_M", "IQ3_XXS", "Q2_K"),
+               "vllm": ("fp8", "awq"), "kvlab": ("bf16",)}
+
+
 def build_plan(model: str | None = None, ctx: str | int = "4096", kv_type: str | None = None, kv_type_k: str | None = None,
                kv_type_v: str | None = None, engine: str = "llama.cpp", flash_attn: bool = True, parallel: int = 1,
                ubatch: int | None = None, tp: int = 1, weights_quant: str | None = None, gpu: str | None = None,
-               vram: float | None = None, kv_unified: bool = False, swa_full: bool = False):
+               vram: float | None = None, kv_unified: bool = False, swa_full: bool = False,
+               weights_bytes: str | int | None = None, weights_file: str | None = None, mmproj: str | None = None,
+               headroom: str | int | None = None, params: str | int | None = None):
     """Everything `kvlab plan` computes, as a Plan (raises KvlabError on bad input). No model: the embedded SmolLM2."""
-    from ..sources import default_model_path, load_spec
+    from ..sources import default_model_path, find_entry, is_gguf_repo, load_spec
 
     embedded = model is None
     model = str(default_model_path()) if embedded else model
-
     if kv_type and (kv_type_k or kv_type_v):
         raise ConfigError("give either --kv-type or --kv-type-k/--kv-type-v, not both")
+    if weights_bytes is not None and weights_file is not None:
+        raise ConfigError("give either --weights-bytes or --weights-file, not both")
     context = _parse_ctx(ctx)
     card = custom_gpu(vram) if vram is not None else find_gpu(gpu) if gpu else None
-    spec = load_spec(model)
     eng = get_engine(engine)
+    if weights_quant is not None:
+        check_quant(weights_quant)   # an unknown name is an error listing the known ones, whatever the model
+    spec = _with_tensors(load_spec(model), model)
+    if params is not None:
+        spec = replace(spec, n_params=parse_count(params, "--params"),
+                       extra={**spec.extra, "n_params_source": "--params"})
+    entry = None if Path(model).expanduser().exists() else find_entry(model)
+    stated = _stated_weights(weights_bytes, weights_file)
+    projector = _projector(mmproj, entry, eng)
+    extras = _projector_components(projector)
+    room = eng.default_headroom if headroom is None else parse_size(headroom, "--headroom") if str(headroom) != "0" else 0
     settings = PlanSettings(context=context or spec.context_length or 4096, kv_type_k=kv_type or kv_type_k,
                             kv_type_v=kv_type or kv_type_v, flash_attn=flash_attn, parallel=parallel, ubatch=ubatch,
                             tp=tp, kv_unified=kv_unified, swa_full=swa_full)
-    plan = make_plan(spec, eng, settings, weights_quant, card)
+    plan = make_plan(spec, eng, settings, weights_quant, card, weights=stated, extras=extras, headroom=room)
+    hints = ()
+    stuck = not plan.max_context if context is None else plan.fits is False or (plan.max_context or 0) < settings.context
+    if card is not None and stuck and stated is None:
+        hints = _quant_hints(spec, eng, settings, weights_quant, card, extras, room, context is None, plan.weights.bytes)
     if context is None and card is not None:  # --ctx max: re-plan at the longest context that fits
         if not plan.max_context:
+            if hints:
+                raise ConfigError(f"{spec.name} does not fit on {card.name} even at 1 token of context; {hints[0]}")
             raise ConfigError(f"{spec.name} does not fit on {card.name} even at 1 token of context")
-        plan = make_plan(spec, eng, replace(settings, context=plan.max_context), weights_quant, card)
-    return replace(plan, alias_of=_alias_asked(model), model_ref=None if embedded else _model_ref(model), weights_quant=weights_quant)
+        plan = make_plan(spec, eng, replace(settings, context=plan.max_context), weights_quant, card, weights=stated,
+                         extras=extras, headroom=room)
+    gguf_repo = model if not embedded and is_gguf_repo(model) else None
+    return replace(plan, alias_of=_alias_asked(model), model_ref=None if embedded else _model_ref(model),
+                   weights_quant=weights_quant, gguf_repo=gguf_repo, mmproj=projector, hints=hints)
+
+
+def parse_count(value: str | int, option: str) -> int:
+    """9B, 8.03e9, 135M, 7_000_000 -> a positive integer."""
+    text = str(value).strip().lower().replace("_", "").replace(",", "")
+    scale = {"k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}.get(text[-1:], 1)
+    try:
+        number = int(float(text[:-1] if scale > 1 else text) * scale)
+    except ValueError:
+        raise ConfigError(f"{option} must be a count like 9B, 135M or 8.03e9, got {value!r}") from None
+    if number <= 0:
+        raise ConfigError(f"{option} must be positive, got {value!r}")
+    return number
+
+
+def _with_tensors(spec, model: str):
+    """The architecture's tensor list in spec.extra (for GGUF quant schemes), where kvlab can list it."""
+    from ..sources import find_entry
+    from ..sources.hf import _text_config, read_config
+    from ..sources.params import weight_tensors
+
+    path = Path(model).expanduser()
+    config = None
+    if path.is_dir() and (path / "config.json").is_file():
+        config = read_config(path / "config.json")
+    elif path.is_file() and path.suffix.lower() == ".json":
+        config = read_config(path)
+    elif not path.exists():
+        entry = find_entry(model)
+        config = entry.config if entry is not None else None
+    if config is None:
+        return spec
+    tensors = weight_tensors(_text_config(config), list(spec.layers))
+    return replace(spec, extra={**spec.extra, "weight_tensors": tensors}) if tensors else spec
+
+
+def _stated_weights(weights_bytes, weights_file) -> WeightsEstimate | None:
+    if weights_bytes is not None:
+        return WeightsEstimate(parse_size(weights_bytes, "--weights-bytes"), f"--weights-bytes {weights_bytes}", True)
+    if weights_file is None:
+        return None
+    path = Path(weights_file).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"--weights-file {weights_file}: no such file")
+    return WeightsEstimate(file_weights(path), f"tensor table of {path.name}", True)
+
+
+def _projector(mmproj: str | None, entry, eng) -> Projector | None:
+    if mmproj is None:
+        return None
+    if eng.name != "llama.cpp":
+        raise ConfigError("--mmproj is llama.cpp's vision projector file; use it with --engine llama.cpp")
+    tower = tower_from_catalog(entry.vision) if entry is not None and entry.vision else None
+    return projector(mmproj, tower)
+
+
+def _projector_components(p: Projector | None) -> tuple[Component, ...]:
+    if p is None:
+        return ()
+    return (Component("vision projector", p.formula, p.bytes, p.exact),
+            Component("image buffer", p.buffer_formula, p.image_buffer, exact=False))
+
+
+def _quant_hints(spec, eng, settings, weights_quant, card, extras, room, ctx_max: bool, weights: int) -> tuple[str, ...]:
+    """When the weights leave no room: the best quant that fits the asked settings (with --ctx max: that leaves
+    room for at least 4,096 tokens)."""
+    for quant in HINT_QUANTS.get(eng.name, ()):
+        try:
+            trial = make_plan(spec, eng, settings, quant, card, extras=extras, headroom=room)
+        except KvlabError:
+            continue
+        if trial.weights.bytes >= weights:
+            continue   # only lighter weights than the ones planned
+        needed = min(4096, trial.context_cap) if ctx_max else settings.context
+        if (trial.max_context or 0) >= needed:
+            default = "" if weights_quant else f" ({spec.extra.get('dtype', 'bf16')} weights are the default for a config or catalog model)"
+            at = "" if ctx_max else f" at {settings.context:,} tokens ({human(trial.total_bytes)} of {human(trial.budget_bytes)})"
+            hint = f"hint: with --weights-quant {quant.lower()} it fits{at}{default}; longest context then {trial.max_context:,} tokens"
+            return (hint,)
+    return ()
 
 
 def _model_ref(model: str) -> str:
@@ -99,15 +210,16 @@ def plan_command(model: str | None = None, ctx: str = "4096", kv_type: str | Non
                  ubatch: int | None = None, tp: int = 1, weights_quant: str | None = None, gpu: str | None = None,
                  vram: float | None = None, layers: bool = False, json_out: bool = False, plot: str | None = None,
                  kv_unified: bool = False, swa_full: bool = False, console: Console | None = None,
-                 err_console: Console | None = None, kv_budget: str | None = None) -> int:
+                 err_console: Console | None = None, kv_budget: str | None = None, **options) -> int:
     """Print the plan (rich table + verdict, or JSON); return 0 fits / 1 does not fit / 2 bad input.
 
-    Errors go to `err_console` (default: the same console) as one line, `error: <message>`.
+    Errors go to `err_console` (default: the same console) as one line, `error: <message>`. `options`: the
+    rest of build_plan's keywords (weights_bytes, weights_file, mmproj, headroom, params).
     """
     console = console or default_console
     try:
         plan = build_plan(model, ctx, kv_type, kv_type_k, kv_type_v, engine, flash_attn, parallel, ubatch, tp,
-                          weights_quant, gpu, vram, kv_unified, swa_full)
+                          weights_quant, gpu, vram, kv_unified, swa_full, **options)
         if plot:
             from .plot import plot_plan  # matplotlib only when a plot is asked for
 
@@ -157,7 +269,8 @@ def register(app) -> None:
         parallel: int = typer.Option(1, "--parallel", help="concurrent sequences"),
         ubatch: int = typer.Option(None, "--ubatch", help="micro-batch (llama.cpp, default 512) / max batched tokens (vLLM, default 8192)"),
         tp: int = typer.Option(1, "--tp", help="tensor-parallel GPUs (figures per GPU)"),
-        weights_quant: str = typer.Option(None, "--weights-quant", help="weights format for catalog models: bf16 q8_0 q4_k_m ..."),
+        weights_quant: str = typer.Option(None, "--weights-quant", help="weights of a catalog/config model: a GGUF scheme "
+                                          "(Q4_K_M, UD-Q4_K_XL, IQ4_XS, Q8_0 ...) or bf16 fp8 int4 awq ..."),
         gpu: str = typer.Option(None, "--gpu", help="GPU name, e.g. 'RTX 3060'"),
         vram: float = typer.Option(None, "--vram", help="usable VRAM in GiB (instead of --gpu)"),
         kv_unified: bool = typer.Option(False, "--kv-unified", help="llama.cpp: one KV buffer shared by all sequences"),
@@ -166,9 +279,15 @@ def register(app) -> None:
         json_out: bool = typer.Option(False, "--json", help="machine-readable output"),
         plot: str = typer.Option(None, "--plot", help="write memory vs context to FILE.png"),
         kv_budget: str = typer.Option(None, "--kv-budget", help="kvlab engine: KV bytes (512MiB) -> concurrent sequences at --ctx"),
+        weights_bytes: str = typer.Option(None, "--weights-bytes", help="the weights' real size (5.97GB, 5.56GiB, bytes), e.g. the GGUF file's"),
+        weights_file: str = typer.Option(None, "--weights-file", help="the weights file (GGUF / safetensors): its tensor bytes"),
+        mmproj: str = typer.Option(None, "--mmproj", help="llama.cpp vision projector: FILE, a size (0.92GB), or 'auto' (the catalog's tower)"),
+        headroom: str = typer.Option(None, "--headroom", help="kept free by --ctx max / --parallel max (default: llama.cpp 1GiB like its --fit, vLLM 0)"),
+        params: str = typer.Option(None, "--params", help="parameter count (9B, 135M) where kvlab cannot count the architecture"),
     ) -> None:
         """How much memory a model needs: weights, KV cache, recurrent state, overheads; does it fit?"""
         code = plan_command(model, ctx, kv_type, kv_type_k, kv_type_v, engine, flash_attn, parallel, ubatch, tp,
                             weights_quant, gpu, vram, layers, json_out, plot, kv_unified, swa_full,
-                            err_console=err_console, kv_budget=kv_budget)
+                            err_console=err_console, kv_budget=kv_budget, weights_bytes=weights_bytes,
+                            weights_file=weights_file, mmproj=mmproj, headroom=headroom, params=params)
         raise typer.Exit(code)

@@ -46,7 +46,8 @@ def _llama_model(plan: Plan) -> list[str]:
         return ["-hf", f"{repo}:{quant}"]
     if repo:
         return ["-hf", repo]
-    return ["-m", f"{plan.spec.name}-{quant or 'MODEL'}.gguf"]
+    stored = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}.get(str(plan.spec.extra.get("dtype")), "BF16")
+    return ["-m", f"{plan.spec.name}-{quant or stored}.gguf"]
 
 
 def _llama_server(plan: Plan) -> list[str]:

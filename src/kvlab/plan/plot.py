@@ -27,7 +27,7 @@ def plot_plan(plan: Plan, path: str | Path, points: int = 48) -> Path:
     for kind in kinds:
         settings = replace(plan.settings, kv_type_k=kind, kv_type_v=kind)
         try:
-            totals = [sum(c.bytes for c in plan_components(plan.spec, plan.engine, replace(settings, context=ctx), plan.weights)[1])
+            totals = [sum(c.bytes for c in plan_components(plan.spec, plan.engine, replace(settings, context=ctx), plan.weights, plan.extras)[1])
                       for ctx in contexts]
         except KvlabError:
             continue  # a type this engine or model cannot store

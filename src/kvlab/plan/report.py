@@ -44,12 +44,16 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "layers": {kind: sum(1 for layer in plan.spec.layers if layer.kind == kind)
                    for kind in dict.fromkeys(layer.kind for layer in plan.spec.layers)},
         "kv_bytes_per_token": layout.bytes_per_token,
+        "kv_bytes_per_token_by_kind": layout.per_token_by_kind(),
+        "sliding_kv_bytes_per_token": layout.sliding_bytes_per_token,
+        "sliding_kv_bytes": layout.sliding_kv_bytes,
         "kv_bytes": c["K cache"].bytes + c["V cache"].bytes,
         "k_bytes": c["K cache"].bytes,
         "v_bytes": c["V cache"].bytes,
         "recurrent_bytes": c["recurrent state"].bytes if "recurrent state" in c else 0,
         "weights_bytes": c["weights"].bytes,
         "weights_exact": plan.weights.exact,
+        "weights_by_type": plan.weights.scheme.by_type if plan.weights.scheme else None,
         "overhead_bytes": sum(comp.bytes for comp in plan.components
                               if comp.name not in ("weights", "K cache", "V cache", "recurrent state")),
         "total_bytes": plan.total_bytes,
@@ -60,6 +64,9 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "fits": plan.fits,
         "max_context": plan.max_context,
         "max_sequences": plan.max_sequences,
+        "max_context_limited_by": None if not plan.max_context else "model" if plan.context_limited_by_model else "memory",
+        "headroom_bytes": plan.headroom_bytes,
+        "hints": list(plan.hints),
         "notes": list(layout.notes),
         "launch": launch_line(plan),
     }
@@ -96,24 +103,55 @@ def layers_table(plan: Plan) -> Table:
     return table
 
 
+def per_token_line(plan: Plan) -> str:
+    """KV per token split by layer kind: what grows with the context, and the sliding layers' constant."""
+    layout = plan.layout
+    counts: dict[str, int] = {}
+    for row in layout.layers:
+        counts[row.kind] = counts.get(row.kind, 0) + 1
+    split = layout.per_token_by_kind()
+    growing = [f"{counts[k]} {k}" for k in ("full", "mla") if split.get(k)]
+    text = f"KV per token: {layout.bytes_per_token:,} B" + (f" ({' + '.join(growing)} layers, grows with the context)" if growing else "")
+    if layout.sliding_bytes_per_token:
+        windows = sorted({plan.spec.layers[r.index].window for r in layout.layers if r.kind == "sliding"})
+        text += (f" + {layout.sliding_bytes_per_token:,} B in {counts['sliding']} sliding layers only while a token is in "
+                 f"their window ({', '.join(f'{w:,}' for w in windows)} tokens): a constant {human(layout.sliding_kv_bytes)}")
+    return text + f"  ·  KV {human(layout.kv_bytes)}" + (f"  ·  recurrent {human(layout.recurrent_bytes)}" if layout.recurrent_bytes else "")
+
+
+def context_line(plan: Plan) -> str:
+    s = plan.settings
+    if not plan.max_context:
+        return "nothing fits, even at 1 token of context"
+    kept = f", keeping {human(plan.headroom_bytes)} free" if plan.headroom_bytes else ""
+    if plan.context_limited_by_model:
+        why = f"the model's own maximum ({plan.context_cap:,}); memory would allow more"
+    else:
+        why = f"limited by memory{kept}"
+    return f"longest context that fits ({s.parallel} seq): {plan.max_context:,} tokens ({why})"
+
+
 def verdict(plan: Plan) -> str:
     s = plan.settings
-    lines = [f"KV per token: {plan.layout.bytes_per_token:,} B  ·  KV {human(plan.layout.kv_bytes)}"
-             + (f"  ·  recurrent {human(plan.layout.recurrent_bytes)}" if plan.layout.recurrent_bytes else "")]
-    lines.append(f"launch: {launch_line(plan)}")
+    lines = [per_token_line(plan), f"launch: {launch_line(plan)}"]
     if plan.budget_bytes is None:
         lines.append(f"total {human(plan.total_bytes)} (give --gpu or --vram for a verdict)")
         return "\n".join(lines)
     where = f"{human(plan.budget_bytes)} usable on {plan.gpu.name}" + (" (per GPU)" if plan.per_gpu else "")
+    free = plan.budget_bytes - plan.total_bytes
     if plan.fits:
-        lines.append(f"[green]fits[/green]: {human(plan.total_bytes)} of {where}, {human(plan.budget_bytes - plan.total_bytes)} free")
+        margin = plan.engine.default_headroom
+        tight = (f" (less than the {human(margin)} headroom {plan.engine.name} users keep: "
+                 f"{plan.engine.headroom_reason})") if free < margin else ""
+        lines.append(f"[green]fits[/green]: {human(plan.total_bytes)} of {where}, {human(free)} free{tight}")
     else:
-        lines.append(f"[red]does not fit[/red]: {human(plan.total_bytes)} > {where}, short by {human(plan.total_bytes - plan.budget_bytes)}")
+        lines.append(f"[red]does not fit[/red]: {human(plan.total_bytes)} > {where}, short by {human(-free)}")
     if plan.max_context is not None:
-        lines.append(f"longest context that fits ({s.parallel} seq): {plan.max_context:,} tokens" if plan.max_context
-                     else "nothing fits, even at 1 token of context")
+        lines.append(context_line(plan))
     if plan.max_sequences is not None:
         lines.append(f"most sequences at {s.context:,} tokens: {plan.max_sequences}")
+    for hint in plan.hints:
+        lines.append(f"[yellow]{hint}[/yellow]")
     for note in plan.layout.notes:
         lines.append(f"[dim]{note}[/dim]")
     return "\n".join(lines)

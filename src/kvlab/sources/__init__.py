@@ -12,7 +12,14 @@ from pathlib import Path
 
 from ..errors import ModelFileError
 from ..spec import ModelSpec
-from .bundled import catalog, catalog_entry, default_model_path, find_entry
+from .bundled import (
+    catalog,
+    catalog_entry,
+    default_model_path,
+    find_entry,
+    is_gguf_repo,
+    suggestions,
+)
 from .hf import spec_from_config, spec_from_folder, spec_from_hub
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -38,7 +45,10 @@ def load_spec(model: str) -> ModelSpec:
         raise ModelFileError(f"{model}: no such file")
     if _REPO_ID.match(model):
         return spec_from_hub(model)
-    raise ModelFileError(f"{model!r} is not a file, a folder, a catalog name or a Hugging Face repo id")
+    close = suggestions(model)
+    hint = f"; did you mean {' or '.join(close)}? (kvlab plan --list shows the catalog)" if close else \
+        " (kvlab plan --list shows the catalog)"
+    raise ModelFileError(f"{model!r} is not a file, a folder, a catalog name or a Hugging Face repo id{hint}")
 
 
 _GGUF_NAMES = ("GGUFFile", "gguf_metadata", "open_gguf", "spec_from_gguf")
@@ -54,4 +64,4 @@ def __getattr__(name: str):
 
 
 __all__ = ["load_spec", "open_gguf", "gguf_metadata", "GGUFFile", "spec_from_gguf", "spec_from_config",
-           "spec_from_folder", "spec_from_hub", "catalog", "catalog_entry", "default_model_path", "find_entry"]
+           "spec_from_folder", "spec_from_hub", "catalog", "catalog_entry", "default_model_path", "find_entry", "is_gguf_repo", "suggestions"]
