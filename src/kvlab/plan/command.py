@@ -244,6 +244,42 @@ def plan_command(model: str | None = None, ctx: str = "4096", kv_type: str | Non
     return 1 if plan.fits is False else 0
 
 
+def list_command(text: str | None = None, json_out: bool = False, console: Console | None = None) -> int:
+    """`kvlab plan --list [FILTER]`: the catalog (0), or nothing matching (1)."""
+    from .listing import catalog_rows, catalog_table
+
+    console = console or default_console
+    rows = catalog_rows(text)
+    if json_out:
+        console.print_json(json.dumps(rows))
+    elif rows:
+        console.print(catalog_table(rows, text))
+    else:
+        console.print(f"no catalog model matches {text!r}; kvlab plan --list shows them all", markup=False, highlight=False)
+    return 0 if rows else 1
+
+
+def compare_command(models: list[str], json_out: bool = False, console: Console | None = None,
+                    err_console: Console | None = None, **options) -> int:
+    """Plan each model with the same options and print them ranked; 0 when any fits (or no GPU), 1 none, 2 bad input."""
+    from .compare import compare_rows, compare_table
+
+    console = console or default_console
+    plans = []
+    for model in models:
+        try:
+            plans.append(build_plan(model, **options))
+        except KvlabError as exc:
+            (err_console or globals()["err_console"]).print(f"error: {model}: {exc}", markup=False, highlight=False, soft_wrap=True)
+            return 2
+    if json_out:
+        console.print_json(json.dumps(compare_rows(plans)))
+    else:
+        console.print(compare_table(plans))
+    verdicts = [plan.fits for plan in plans]
+    return 0 if any(v is not False for v in verdicts) else 1
+
+
 def _engine_admission(plan, kv_budget: str) -> dict:
     from .engines.kvlab import engine_admission
 
@@ -258,8 +294,10 @@ def register(app) -> None:
 
     @app.command("plan")
     def plan(
-        model: str = typer.Argument(None, help="GGUF file, HF folder or config.json, catalog name, or HF repo id "
-                                    "(default: the embedded SmolLM2-135M)"),
+        models: list[str] = typer.Argument(None, help="GGUF file, HF folder or config.json, catalog name, or HF repo id "
+                                           "(default: the embedded SmolLM2-135M); several: compared side by side",
+                                           metavar="[MODEL]..."),
+        list_catalog: bool = typer.Option(False, "--list", help="list the catalog (MODEL filters: 'qwen', 'moe' ...)"),
         ctx: str = typer.Option("4096", "--ctx", help="context tokens per sequence, or 'max'"),
         kv_type: str = typer.Option(None, "--kv-type", help="KV type for K and V: f16 bf16 f32 fp8 q8_0 q4_0 q4_1 q5_0 q5_1 iq4_nl, or a kvlab cache"),
         kv_type_k: str = typer.Option(None, "--kv-type-k", help="K type (with --kv-type-v)"),
@@ -286,6 +324,14 @@ def register(app) -> None:
         params: str = typer.Option(None, "--params", help="parameter count (9B, 135M) where kvlab cannot count the architecture"),
     ) -> None:
         """How much memory a model needs: weights, KV cache, recurrent state, overheads; does it fit?"""
+        if list_catalog:
+            raise typer.Exit(list_command(models[0] if models else None, json_out))
+        if models and len(models) > 1:
+            raise typer.Exit(compare_command(models, json_out=json_out, ctx=ctx, kv_type=kv_type, kv_type_k=kv_type_k,
+                                             kv_type_v=kv_type_v, engine=engine, flash_attn=flash_attn, parallel=parallel,
+                                             ubatch=ubatch, tp=tp, weights_quant=weights_quant, gpu=gpu, vram=vram,
+                                             kv_unified=kv_unified, swa_full=swa_full, headroom=headroom))
+        model = models[0] if models else None
         code = plan_command(model, ctx, kv_type, kv_type_k, kv_type_v, engine, flash_attn, parallel, ubatch, tp,
                             weights_quant, gpu, vram, layers, json_out, plot, kv_unified, swa_full,
                             err_console=err_console, kv_budget=kv_budget, weights_bytes=weights_bytes,
