@@ -141,7 +141,7 @@ def make_plan(spec: ModelSpec, engine: Engine, settings: PlanSettings, weights_q
     `weights`: a stated size (--weights-bytes / --weights-file) instead of the engine's own estimate."""
     weights = weights or engine.weights(spec, weights_quant)
     layout, components = plan_components(spec, engine, settings, weights, extras)
-    budget = engine.budget_bytes(gpu.vram_bytes, gpu.usable_bytes, settings) if gpu else None
+    budget = engine.budget_bytes(gpu.vram_bytes, gpu.usable_bytes, settings) if gpu and weights.known else None
     max_context = max_sequences = None
     if budget is not None and solve:
         def total(ctx: int, seqs: int) -> int:

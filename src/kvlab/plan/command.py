@@ -83,9 +83,9 @@ def build_plan(model: str | None = None, ctx: str | int = "4096", kv_type: str |
     plan = make_plan(spec, eng, settings, weights_quant, card, weights=stated, extras=extras, headroom=room)
     hints = ()
     stuck = not plan.max_context if context is None else plan.fits is False or (plan.max_context or 0) < settings.context
-    if card is not None and stuck and stated is None:
+    if card is not None and stuck and stated is None and plan.weights.known:
         hints = _quant_hints(spec, eng, settings, weights_quant, card, extras, room, context is None, plan.weights.bytes)
-    if context is None and card is not None:  # --ctx max: re-plan at the longest context that fits
+    if context is None and card is not None and plan.weights.known:  # --ctx max: re-plan at the longest context that fits
         if not plan.max_context:
             if hints:
                 raise ConfigError(f"{spec.name} does not fit on {card.name} even at 1 token of context; {hints[0]}")

@@ -53,6 +53,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "recurrent_bytes": c["recurrent state"].bytes if "recurrent state" in c else 0,
         "weights_bytes": c["weights"].bytes,
         "weights_exact": plan.weights.exact,
+        "weights_known": plan.weights.known,
         "weights_by_type": plan.weights.scheme.by_type if plan.weights.scheme else None,
         "overhead_bytes": sum(comp.bytes for comp in plan.components
                               if comp.name not in ("weights", "K cache", "V cache", "recurrent state")),
@@ -134,6 +135,10 @@ def context_line(plan: Plan) -> str:
 def verdict(plan: Plan) -> str:
     s = plan.settings
     lines = [per_token_line(plan), f"launch: {launch_line(plan)}"]
+    if not plan.weights.known:
+        lines.append(f"[yellow]total without the weights {human(plan.total_bytes)}; the weights are unknown for "
+                     f"{plan.spec.arch!r}: give --params N or --weights-bytes SIZE for a verdict[/yellow]")
+        return "\n".join(lines)
     if plan.budget_bytes is None:
         lines.append(f"total {human(plan.total_bytes)} (give --gpu or --vram for a verdict)")
         return "\n".join(lines)

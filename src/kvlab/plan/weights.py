@@ -61,6 +61,7 @@ class WeightsEstimate:
     formula: str
     exact: bool
     scheme: SchemeBytes | None = None   # the tensor-by-tensor split, when a GGUF scheme was applied
+    known: bool = True                  # False: the architecture's parameters are unknown (bytes 0, no verdict)
 
 
 def _key(quant: str) -> str:
@@ -95,9 +96,9 @@ def weights_bytes(spec: ModelSpec, quant: str | None = None) -> WeightsEstimate:
         types = " + ".join(f"{b / 1e9:.2f} GB {t}" for t, b in split.by_type.items() if b >= 1e7) or "tensors"
         ud = ", unsloth dynamic: estimated recipe" if name in UD_BASES else ""
         return WeightsEstimate(split.bytes, f"{name} tensor by tensor ({types}{ud})", False, split)
-    if not spec.n_params:
-        raise ConfigError(f"{spec.name}: parameter count unknown for architecture {spec.arch!r}, so weights cannot be "
-                          "estimated; give --params N, --weights-bytes SIZE or --weights-file FILE")
+    if not spec.n_params:   # the KV and state still plan; the weights (and so the verdict) wait for a count
+        return WeightsEstimate(0, f"unknown: kvlab cannot count the parameters of architecture {spec.arch!r}; give "
+                               "--params N, --weights-bytes SIZE or --weights-file FILE", False, known=False)
     bits = BITS_PER_WEIGHT[UD_BASES.get(name, name).lower()]
     counted = " (counted from the architecture)" if spec.extra.get("n_params_source") == "architecture" else ""
     return WeightsEstimate(int(spec.n_params * bits / 8),

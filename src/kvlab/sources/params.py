@@ -27,20 +27,29 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "gpt_oss": {"attention_bias": True},
     "deepseek_v2": {"n_shared_experts": 2, "first_k_dense_replace": 0, "moe_intermediate_size": 1407},
     "deepseek_v3": {"n_shared_experts": 1, "first_k_dense_replace": 3, "moe_intermediate_size": 2048},
+    "kimi_k2": {"n_shared_experts": 1, "first_k_dense_replace": 1, "moe_intermediate_size": 2048},
+    "glm4_moe": {"n_shared_experts": 1, "first_k_dense_replace": 1, "moe_intermediate_size": 1408, "n_routed_experts": 128},
+    "qwen3_5_moe": {"moe_intermediate_size": 512, "shared_expert_intermediate_size": 512},
+    "qwen3_5_moe_text": {"moe_intermediate_size": 512, "shared_expert_intermediate_size": 512},
     "qwen3_moe": {"moe_intermediate_size": 768},
     "qwen3_next": {"moe_intermediate_size": 512, "shared_expert_intermediate_size": 512},
     "qwen2_moe": {"moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632},
 }
 _QKV_BIAS = {"qwen2", "qwen2_moe"}                    # biases on q, k, v (not o), with no config key
-_QK_NORM = {"qwen3", "qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_vl", "qwen3_vl_text", "gemma3",
-            "gemma3_text"}                            # an RMSNorm of head_dim over each head's q and k
+_QK_NORM = {"qwen3", "qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_vl",
+            "qwen3_vl_text", "gemma3", "gemma3_text"}  # an RMSNorm of head_dim over each head's q and k
 _SANDWICH_NORMS = {"gemma2", "gemma3", "gemma3_text"}  # pre/post norms around attention and around the MLP
-_GATED_ATTENTION = {"qwen3_next", "qwen3_5", "qwen3_5_text"}  # q_proj also emits a per-head output gate
+_GATED_ATTENTION = {"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"}  # q_proj also emits a gate
+_QKV_BIAS_KEYED = {"glm4_moe"}                        # attention_bias puts biases on q, k, v only (o has none)
+_ROUTER_BIAS = {"deepseek_v3", "kimi_k2", "glm4_moe"}  # the router's saved score-correction bias
+_LEADING_DENSE = {"deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe"}  # the first k layers keep a dense MLP
+_QWEN_SHARED = {"qwen2_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"}  # one shared expert with a sigmoid gate
 _SINKS = {"gpt_oss"}                                  # one learned attention sink logit per head
 _BIASED_EXPERTS = {"gpt_oss"}                         # router and expert projections carry biases
 _DENSE = {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3", "gemma3_text", "smollm3",
           "qwen3_vl", "qwen3_vl_text", "qwen3_5", "qwen3_5_text", "granite", "olmo"}
-_MOE = {"mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next", "gpt_oss", "deepseek_v2", "deepseek_v3"}
+_MOE = {"mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text", "gpt_oss", "deepseek_v2",
+        "deepseek_v3", "kimi_k2", "glm4_moe"}
 
 
 def _get(cfg: dict[str, Any], key: str, default: Any = None) -> Any:
@@ -130,11 +139,13 @@ def _attention(cfg: dict[str, Any], layer: LayerSpec, hidden: int) -> Shapes:
     k_out, v_out = layer.n_kv_heads * layer.head_dim_k, layer.n_kv_heads * layer.head_dim_v
     shapes: Shapes = [("attn_q", (q_out * (2 if model_type in _GATED_ATTENTION else 1), hidden)),
                       ("attn_k", (k_out, hidden)), ("attn_v", (v_out, hidden)), ("attn_output", (hidden, q_out))]
-    if _get(cfg, "attention_bias", False):
+    if _get(cfg, "attention_bias", False) and model_type in _QKV_BIAS_KEYED:
+        shapes += [("attn_q.bias", (q_out,)), ("attn_k.bias", (k_out,)), ("attn_v.bias", (v_out,))]
+    elif _get(cfg, "attention_bias", False):
         shapes += [("attn_q.bias", (q_out,)), ("attn_k.bias", (k_out,)), ("attn_v.bias", (v_out,)), ("attn_output.bias", (hidden,))]
     elif model_type in _QKV_BIAS:
         shapes += [("attn_q.bias", (q_out,)), ("attn_k.bias", (k_out,)), ("attn_v.bias", (v_out,))]
-    if model_type in _QK_NORM:
+    if model_type in _QK_NORM or (model_type == "glm4_moe" and _get(cfg, "use_qk_norm", False)):
         shapes += [("attn_q_norm", (layer.head_dim_k,)), ("attn_k_norm", (layer.head_dim_k,))]
     if model_type in _SINKS:
         shapes.append(("attn_sinks", (layer.n_heads,)))
@@ -175,9 +186,9 @@ def _is_moe_layer(cfg: dict[str, Any], index: int) -> bool:
     model_type = str(cfg.get("model_type"))
     if model_type not in _MOE or not _n_experts(cfg):
         return False
-    if model_type in ("deepseek_v2", "deepseek_v3"):   # the first k layers stay dense
+    if model_type in _LEADING_DENSE:   # the first k layers stay dense
         return index >= _int(cfg, "first_k_dense_replace") and index % (_int(cfg, "moe_layer_freq", 1) or 1) == 0
-    if model_type in ("qwen2_moe", "qwen3_moe", "qwen3_next"):
+    if model_type in ("qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"):
         step = _int(cfg, "decoder_sparse_step", 1) or 1
         dense_layers = cfg.get("mlp_only_layers") or []
         if not isinstance(dense_layers, list):
@@ -202,7 +213,7 @@ def _mlp(cfg: dict[str, Any], index: int, hidden: int) -> Shapes:
     if model_type in _BIASED_EXPERTS:
         shapes += [("ffn_gate_inp.bias", (experts,)), ("ffn_gate_exps.bias", (experts, expert_ff)),
                    ("ffn_up_exps.bias", (experts, expert_ff)), ("ffn_down_exps.bias", (experts, hidden))]
-    if model_type == "deepseek_v3":
+    if model_type in _ROUTER_BIAS:
         shapes.append(("exp_probs_b", (experts,)))                    # the router's score-correction bias
     shared = _int(cfg, "n_shared_experts")
     if shared:                                                        # DeepSeek: always-on experts
@@ -210,7 +221,7 @@ def _mlp(cfg: dict[str, Any], index: int, hidden: int) -> Shapes:
         shapes += [("ffn_gate_shexp", (shared_ff, hidden)), ("ffn_up_shexp", (shared_ff, hidden)),
                    ("ffn_down_shexp", (hidden, shared_ff))]
     shared_ff = _int(cfg, "shared_expert_intermediate_size")
-    if shared_ff and model_type in ("qwen2_moe", "qwen3_next"):      # one shared expert and its sigmoid gate
+    if shared_ff and model_type in _QWEN_SHARED:                      # one shared expert and its sigmoid gate
         shapes += [("ffn_gate_shexp", (shared_ff, hidden)), ("ffn_up_shexp", (shared_ff, hidden)),
                    ("ffn_down_shexp", (hidden, shared_ff)), ("ffn_gate_inp_shexp", (hidden,))]
     return shapes
