@@ -16,10 +16,12 @@ from rich.console import Console
 from ..errors import ConfigError, KvlabError
 from ..terminal import console as default_console
 from ..terminal import err_console
-from .budget import make_plan
+from .budget import Placement, make_plan
 from .components import Component
 from .engines import get_engine
 from .gpus import custom_gpu, find_gpu
+from .launch import ALL_LAYERS
+from .offload import Offload, check_offload, weight_split
 from .report import human, plan_json, print_plan
 from .settings import PlanSettings
 from .vision import Projector, projector, tower_from_catalog
@@ -53,7 +55,8 @@ def build_plan(model: str | None = None, ctx: str | int = "4096", kv_type: str |
                ubatch: int | None = None, tp: int = 1, weights_quant: str | None = None, gpu: str | None = None,
                vram: float | None = None, kv_unified: bool = False, swa_full: bool = False,
                weights_bytes: str | int | None = None, weights_file: str | None = None, mmproj: str | None = None,
-               headroom: str | int | None = None, params: str | int | None = None):
+               headroom: str | int | None = None, params: str | int | None = None, gpu_layers: str | int | None = None,
+               cpu_moe: bool = False, n_cpu_moe: int | None = None, ram: float | None = None):
     """Everything `kvlab plan` computes, as a Plan (raises KvlabError on bad input). No model: the embedded SmolLM2."""
     from ..sources import default_model_path, find_entry, is_gguf_repo, load_spec
 
@@ -80,21 +83,108 @@ def build_plan(model: str | None = None, ctx: str | int = "4096", kv_type: str |
     settings = PlanSettings(context=context or spec.context_length or 4096, kv_type_k=kv_type or kv_type_k,
                             kv_type_v=kv_type or kv_type_v, flash_attn=flash_attn, parallel=parallel, ubatch=ubatch,
                             tp=tp, kv_unified=kv_unified, swa_full=swa_full)
-    plan = make_plan(spec, eng, settings, weights_quant, card, weights=stated, extras=extras, headroom=room)
+    offload = _offload(gpu_layers, cpu_moe, n_cpu_moe, ram, eng, spec)
+    placement = None
+    if offload is not None:
+        weights_planned = stated or eng.weights(spec, weights_quant)
+        split = weight_split(spec, weights_planned)
+        check_offload(offload, spec, split)
+        placement = Placement(offload, split)
+        if str(gpu_layers).strip().lower() == "auto":
+            placement = _auto_layers(spec, eng, settings, weights_quant, card, stated, extras, room, placement, context is None)
+    plan = make_plan(spec, eng, settings, weights_quant, card, weights=stated, extras=extras, headroom=room, placement=placement)
     hints = ()
     stuck = not plan.max_context if context is None else plan.fits is False or (plan.max_context or 0) < settings.context
     if card is not None and stuck and stated is None and plan.weights.known:
         hints = _quant_hints(spec, eng, settings, weights_quant, card, extras, room, context is None, plan.weights.bytes)
+    if card is not None and stuck and placement is None and plan.weights.known and eng.name == "llama.cpp":
+        hints += _offload_hints(spec, eng, settings, weights_quant, card, stated, extras, room, context is None)
     if context is None and card is not None and plan.weights.known:  # --ctx max: re-plan at the longest context that fits
         if not plan.max_context:
+            ram = offload.ram_bytes if offload else None
+            if ram is not None and plan.host_bytes > ram:
+                raise ConfigError(f"{spec.name} does not fit: its host side needs {human(plan.host_bytes)}, more than the "
+                                  f"{human(ram)} of --ram ({offload.describe(spec.n_layers)})")
             if hints:
                 raise ConfigError(f"{spec.name} does not fit on {card.name} even at 1 token of context; {hints[0]}")
             raise ConfigError(f"{spec.name} does not fit on {card.name} even at 1 token of context")
         plan = make_plan(spec, eng, replace(settings, context=plan.max_context), weights_quant, card, weights=stated,
-                         extras=extras, headroom=room)
+                         extras=extras, headroom=room, placement=placement)
     gguf_repo = model if not embedded and is_gguf_repo(model) else None
     return replace(plan, alias_of=_alias_asked(model), model_ref=None if embedded else _model_ref(model),
                    weights_quant=weights_quant, gguf_repo=gguf_repo, mmproj=projector, hints=hints)
+
+
+def _offload(gpu_layers, cpu_moe: bool, n_cpu_moe: int | None, ram: float | None, eng, spec) -> Offload | None:
+    """The placement the flags ask for (None: all on the GPU, as without them)."""
+    if gpu_layers is None and not cpu_moe and n_cpu_moe is None and ram is None:
+        return None
+    if eng.name != "llama.cpp":
+        raise ConfigError("--gpu-layers, --cpu-moe, --n-cpu-moe and --ram plan llama.cpp's offload; use --engine llama.cpp")
+    if cpu_moe and n_cpu_moe is not None:
+        raise ConfigError("give either --cpu-moe or --n-cpu-moe N, not both")
+    layers = None
+    text = None if gpu_layers is None else str(gpu_layers).strip().lower()
+    if text not in (None, "auto", "all"):
+        try:
+            layers = int(text)
+        except ValueError:
+            raise ConfigError(f"--gpu-layers must be a number of layers, 'all' or 'auto', got {gpu_layers!r}") from None
+    ram_bytes = None
+    if ram is not None:
+        from ..limits import check_float
+
+        check_float(ram, "--ram (GiB)", 0.0, low_open=True)
+        ram_bytes = int(ram * (1 << 30))
+    moe = spec.n_layers if cpu_moe else (n_cpu_moe or 0)
+    return Offload(gpu_layers=layers, cpu_moe_layers=min(moe, spec.n_layers) if moe >= 0 else moe, ram_bytes=ram_bytes)
+
+
+def _auto_layers(spec, eng, settings, weights_quant, card, stated, extras, room, placement, ctx_max: bool):
+    """--gpu-layers auto: the most layers on the GPU with which the asked context fits (--ctx max: 4,096 tokens)."""
+    if card is None:
+        raise ConfigError("--gpu-layers auto needs --gpu or --vram")
+    n = spec.n_layers
+
+    def placed(layers: int) -> Placement:
+        return Placement(replace(placement.offload, gpu_layers=layers), placement.split)
+
+    def fits(layers: int) -> bool:
+        trial = make_plan(spec, eng, settings, weights_quant, card, weights=stated, extras=extras, headroom=room,
+                          placement=placed(layers))
+        return (trial.max_context or 0) >= (min(4096, trial.context_cap) if ctx_max else settings.context)
+
+    lo, hi = 0, n + 1
+    if fits(hi):
+        return placed(ALL_LAYERS if n < ALL_LAYERS else n + 1)
+    if not fits(lo):
+        return placed(0)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return placed(lo)
+
+
+def _offload_hints(spec, eng, settings, weights_quant, card, stated, extras, room, ctx_max: bool) -> tuple[str, ...]:
+    """Nothing fits on the GPU alone: what MoE experts on the host (--cpu-moe) or fewer GPU layers would give."""
+    weights = stated or eng.weights(spec, weights_quant)
+    split = weight_split(spec, weights)
+    needed = min(4096, spec.context_length or 4096) if ctx_max else settings.context
+    if any(split.experts):
+        placement = Placement(Offload(cpu_moe_layers=spec.n_layers), split)
+        trial = make_plan(spec, eng, settings, weights_quant, card, weights=stated, extras=extras, headroom=room,
+                          placement=placement)
+        if (trial.max_context or 0) >= needed:
+            return (f"hint: with --cpu-moe (experts in host RAM: {human(trial.host_bytes)}) it fits; longest context then "
+                    f"{trial.max_context:,} tokens",)
+    auto = _auto_layers(spec, eng, settings, weights_quant, card, stated, extras, room, Placement(Offload(), split), ctx_max)
+    layers = auto.offload.gpu_layers
+    if layers:
+        trial = make_plan(spec, eng, settings, weights_quant, card, weights=stated, extras=extras, headroom=room, placement=auto)
+        if (trial.max_context or 0) >= needed:
+            return (f"hint: with --gpu-layers {layers} ({min(layers, spec.n_layers)} of {spec.n_layers} layers on the GPU, "
+                    f"{human(trial.host_bytes)} in host RAM) it fits; longest context then {trial.max_context:,} tokens",)
+    return ()
 
 
 def parse_count(value: str | int, option: str) -> int:
@@ -322,6 +412,10 @@ def register(app) -> None:
         mmproj: str = typer.Option(None, "--mmproj", help="llama.cpp vision projector: FILE, a size (0.92GB), or 'auto' (the catalog's tower)"),
         headroom: str = typer.Option(None, "--headroom", help="kept free by --ctx max / --parallel max (default: llama.cpp 1GiB like its --fit, vLLM 0)"),
         params: str = typer.Option(None, "--params", help="parameter count (9B, 135M) where kvlab cannot count the architecture"),
+        gpu_layers: str = typer.Option(None, "--gpu-layers", help="llama.cpp -ngl: layers on the GPU, 'all', or 'auto' (the most that fit)"),
+        cpu_moe: bool = typer.Option(False, "--cpu-moe", help="llama.cpp: every MoE expert in host RAM"),
+        n_cpu_moe: int = typer.Option(None, "--n-cpu-moe", help="llama.cpp: the experts of the first N layers in host RAM"),
+        ram: float = typer.Option(None, "--ram", help="host RAM in GiB for what is offloaded (checked with --gpu-layers / --cpu-moe)"),
     ) -> None:
         """How much memory a model needs: weights, KV cache, recurrent state, overheads; does it fit?"""
         if list_catalog:
@@ -330,10 +424,12 @@ def register(app) -> None:
             raise typer.Exit(compare_command(models, json_out=json_out, ctx=ctx, kv_type=kv_type, kv_type_k=kv_type_k,
                                              kv_type_v=kv_type_v, engine=engine, flash_attn=flash_attn, parallel=parallel,
                                              ubatch=ubatch, tp=tp, weights_quant=weights_quant, gpu=gpu, vram=vram,
-                                             kv_unified=kv_unified, swa_full=swa_full, headroom=headroom))
+                                             kv_unified=kv_unified, swa_full=swa_full, headroom=headroom,
+                                             gpu_layers=gpu_layers, cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe, ram=ram))
         model = models[0] if models else None
         code = plan_command(model, ctx, kv_type, kv_type_k, kv_type_v, engine, flash_attn, parallel, ubatch, tp,
                             weights_quant, gpu, vram, layers, json_out, plot, kv_unified, swa_full,
                             err_console=err_console, kv_budget=kv_budget, weights_bytes=weights_bytes,
-                            weights_file=weights_file, mmproj=mmproj, headroom=headroom, params=params)
+                            weights_file=weights_file, mmproj=mmproj, headroom=headroom, params=params,
+                            gpu_layers=gpu_layers, cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe, ram=ram)
         raise typer.Exit(code)

@@ -63,7 +63,9 @@ def _llama_server(plan: Plan) -> list[str]:
     if gpu_layers is None or gpu_layers > plan.spec.n_layers:    # every layer, and the output layer
         gpu_layers = ALL_LAYERS if plan.spec.n_layers < ALL_LAYERS else plan.spec.n_layers + 1
     words += ["-ngl", gpu_layers]
-    if plan.offload and plan.offload.cpu_moe_layers:
+    if plan.offload and plan.offload.cpu_moe_layers >= plan.spec.n_layers:
+        words.append("--cpu-moe")
+    elif plan.offload and plan.offload.cpu_moe_layers:
         words += ["--n-cpu-moe", plan.offload.cpu_moe_layers]
     if s.ubatch and s.ubatch != DEFAULT_N_UBATCH:
         words += ["-ub", s.ubatch]

@@ -181,9 +181,10 @@ class SchemeBytes:
     scheme: str
     bytes: int
     by_type: dict[str, int]            # ggml type -> bytes
-    expert_bytes: int                  # of which MoE experts (what --cpu-moe moves to the host)
     layer_bytes: tuple[int, ...]       # bytes of each block (what -ngl moves)
-    other_bytes: int                   # token embedding, output, final norm
+    layer_expert_bytes: tuple[int, ...]  # of which its routed experts (what --n-cpu-moe moves to the host)
+    embedding_bytes: int               # token_embd
+    output_bytes: int                  # output + output_norm
 
 
 def scheme_bytes(scheme: str, tensors: list[WeightTensor], n_layer: int, n_expert: int = 0, n_gqa: int = 1) -> SchemeBytes:
@@ -191,19 +192,21 @@ def scheme_bytes(scheme: str, tensors: list[WeightTensor], n_layer: int, n_exper
     counters = _Counters(n_attention_wv=sum(1 for t in tensors if t.role in ("attn_v", "attn_qkv", "attn_kv_b")),
                          tied=not any(t.role == "output" for t in tensors))
     by_type: dict[str, int] = {}
-    layers = [0] * n_layer
-    experts = other = 0
+    layers, experts = [0] * n_layer, [0] * n_layer
+    embedding = output = 0
     for t in tensors:
         kind = tensor_type(scheme, t, n_layer, n_expert, n_gqa, counters)
         nbytes = row_bytes(kind, t.shape[-1]) * (t.numel // t.shape[-1])
         by_type[kind] = by_type.get(kind, 0) + nbytes
-        if t.layer is None:
-            other += nbytes
-        else:
+        if t.layer is not None:
             layers[t.layer] += nbytes
-            experts += nbytes if t.is_expert else 0
-    return SchemeBytes(scheme, sum(by_type.values()), dict(sorted(by_type.items(), key=lambda kv: -kv[1])), experts,
-                       tuple(layers), other)
+            experts[t.layer] += nbytes if t.is_expert else 0
+        elif t.role == "token_embd":
+            embedding += nbytes
+        else:
+            output += nbytes
+    return SchemeBytes(scheme, sum(by_type.values()), dict(sorted(by_type.items(), key=lambda kv: -kv[1])),
+                       tuple(layers), tuple(experts), embedding, output)
 
 
 def unknown_scheme(name: str) -> ConfigError:

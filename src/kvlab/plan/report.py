@@ -58,6 +58,12 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "overhead_bytes": sum(comp.bytes for comp in plan.components
                               if comp.name not in ("weights", "K cache", "V cache", "recurrent state")),
         "total_bytes": plan.total_bytes,
+        "offload": None if plan.offload is None else {
+            "gpu_layers": plan.offload.gpu_layers, "cpu_moe_layers": plan.offload.cpu_moe_layers,
+            "ram_bytes": plan.offload.ram_bytes, "where": plan.offload.describe(plan.spec.n_layers)},
+        "host_bytes": plan.host_bytes,
+        "host_components": [{"name": comp.name, "formula": comp.formula, "bytes": comp.bytes, "exact": comp.exact}
+                            for comp in plan.host],
         "components": [{"name": comp.name, "formula": comp.formula, "bytes": comp.bytes, "exact": comp.exact}
                        for comp in plan.components],
         "gpu": plan.gpu.name if plan.gpu else None,
@@ -132,9 +138,23 @@ def context_line(plan: Plan) -> str:
     return f"longest context that fits ({s.parallel} seq): {plan.max_context:,} tokens ({why})"
 
 
+def where_line(plan: Plan) -> str:
+    """What runs where, for an offloaded llama.cpp plan: the GPU's share and the host's, against --ram."""
+    parts = " + ".join(f"{c.name.removesuffix(' (host)')} {human(c.bytes)}" for c in plan.host)
+    ram = plan.offload.ram_bytes
+    against = ""
+    if ram is not None:
+        against = (f", within the {human(ram)} of --ram" if plan.host_bytes <= ram
+                   else f", [red]more than the {human(ram)} of --ram[/red] (short by {human(plan.host_bytes - ram)})")
+    return (f"where: {plan.offload.describe(plan.spec.n_layers)}; GPU {human(plan.total_bytes)}; "
+            f"host RAM {human(plan.host_bytes)} ({parts or 'nothing'}){against}")
+
+
 def verdict(plan: Plan) -> str:
     s = plan.settings
     lines = [per_token_line(plan), f"launch: {launch_line(plan)}"]
+    if plan.offload is not None:
+        lines.append(where_line(plan))
     if not plan.weights.known:
         lines.append(f"[yellow]total without the weights {human(plan.total_bytes)}; the weights are unknown for "
                      f"{plan.spec.arch!r}: give --params N or --weights-bytes SIZE for a verdict[/yellow]")
@@ -154,7 +174,8 @@ def verdict(plan: Plan) -> str:
     if plan.max_context is not None:
         lines.append(context_line(plan))
     if plan.max_sequences is not None:
-        lines.append(f"most sequences at {s.context:,} tokens: {plan.max_sequences}")
+        lines.append(f"most sequences at {s.context:,} tokens: {plan.max_sequences}"
+                     + (f" (keeping {human(plan.headroom_bytes)} free)" if plan.headroom_bytes else ""))
     for hint in plan.hints:
         lines.append(f"[yellow]{hint}[/yellow]")
     for note in plan.layout.notes:
