@@ -14,8 +14,8 @@ from .components import Component
 from .engines import Engine
 from .gpus import GPU
 from .layout import KVLayout
-from .settings import PlanSettings
 from .offload import Offload, WeightSplit
+from .settings import PlanSettings
 from .vision import Projector
 from .weights import WeightsEstimate
 

@@ -175,15 +175,17 @@ def _offload_hints(spec, eng, settings, weights_quant, card, stated, extras, roo
         trial = make_plan(spec, eng, settings, weights_quant, card, weights=stated, extras=extras, headroom=room,
                           placement=placement)
         if (trial.max_context or 0) >= needed:
-            return (f"hint: with --cpu-moe (experts in host RAM: {human(trial.host_bytes)}) it fits; longest context then "
-                    f"{trial.max_context:,} tokens",)
+            hint = (f"hint: with --cpu-moe (experts in host RAM: {human(trial.host_bytes)}) it fits; longest context then "
+                    f"{trial.max_context:,} tokens")
+            return (hint,)
     auto = _auto_layers(spec, eng, settings, weights_quant, card, stated, extras, room, Placement(Offload(), split), ctx_max)
     layers = auto.offload.gpu_layers
     if layers:
         trial = make_plan(spec, eng, settings, weights_quant, card, weights=stated, extras=extras, headroom=room, placement=auto)
         if (trial.max_context or 0) >= needed:
-            return (f"hint: with --gpu-layers {layers} ({min(layers, spec.n_layers)} of {spec.n_layers} layers on the GPU, "
-                    f"{human(trial.host_bytes)} in host RAM) it fits; longest context then {trial.max_context:,} tokens",)
+            hint = (f"hint: with --gpu-layers {layers} ({min(layers, spec.n_layers)} of {spec.n_layers} layers on the GPU, "
+                    f"{human(trial.host_bytes)} in host RAM) it fits; longest context then {trial.max_context:,} tokens")
+            return (hint,)
     return ()
 
 
