@@ -107,7 +107,8 @@ def test_seed_scenario_text_only():
     assert plan.settings.context == plan.max_context == 245_504
     assert doc["max_context_limited_by"] == "memory"
     assert_solved(plan)
-    assert "-hf unsloth/Qwen3.5-9B-GGUF:UD-Q4_K_XL -c 245504 -np 1 -ctk q8_0 -ctv q8_0 -fa on -ngl 99" in doc["launch"]
+    assert doc["launch"].endswith("-hf unsloth/Qwen3.5-9B-GGUF:UD-Q4_K_XL -c 245504 -np 1 -ctk q8_0 -ctv q8_0 -fa on -ngl 99 "
+                                  "--no-mmproj")   # -hf would fetch the repo's projector by itself
 
 
 def test_seed_scenario_with_the_vision_projector():
@@ -119,7 +120,7 @@ def test_seed_scenario_with_the_vision_projector():
     assert not parts["image buffer"].exact
     assert plan.max_context == 123_136 < text.max_context
     assert_solved(plan)
-    assert "--mmproj" in plan_json(plan)["launch"]
+    assert "mmproj" not in plan_json(plan)["launch"]   # -hf loads the repo's projector by default
     stated = seed_plan(mmproj="0.92GB")
     assert stated.components[[c.name for c in stated.components].index("vision projector")].bytes == 920_000_000
 

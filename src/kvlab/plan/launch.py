@@ -8,7 +8,8 @@ llama.cpp (`llama-server`, flags of common/arg.cpp):
   -ctk T -ctv T              the K and V cache types (f16 unless given: the default llama.cpp would pick)
   -fa on|off                 flash attention (a quantized V cache needs it)
   -ngl N                     layers on the GPU (99 = all); --n-cpu-moe N: the experts of the first N layers on the CPU
-  -ub N                      the micro-batch, when not the default 512; --swa-full; --mmproj FILE
+  -ub N                      the micro-batch, when not the default 512; --swa-full
+  --mmproj FILE | --no-mmproj the vision projector (-hf fetches the repo's own unless told --no-mmproj)
 vLLM (`vllm serve`): --max-model-len, --gpu-memory-utilization, --kv-cache-dtype, --tensor-parallel-size,
   --max-num-seqs, --max-num-batched-tokens, --block-size, and --quantization fp8 for fp8 weights of a 16-bit checkpoint.
 kvlab (`kvlab serve`): --cache, --ctx with --max-seqs (the pool sized for them), --dtype, --block-size.
@@ -71,8 +72,11 @@ def _llama_server(plan: Plan) -> list[str]:
         words += ["-ub", s.ubatch]
     if s.swa_full:
         words.append("--swa-full")
-    if plan.mmproj:
+    from_hub = words[1] == "-hf"
+    if plan.mmproj and (plan.mmproj.file or not from_hub):
         words += ["--mmproj", plan.mmproj.file or "mmproj.gguf"]
+    elif from_hub and not plan.mmproj:
+        words.append("--no-mmproj")   # -hf fetches the repo's projector by default: a text-only plan says no
     return words
 
 
