@@ -91,3 +91,13 @@ def test_tables_keep_every_column_when_piped():
     doc = json.loads(subprocess.run([sys.executable, "-m", "kvlab.cli", "plan", "gemma-3-12b", "--json"], capture_output=True,
                                     text=True, env=env, timeout=120, check=False).stdout)
     assert doc["model"] == "gemma-3-12b"
+
+
+def test_parallel_max_replans_with_the_most_sequences():
+    plan = build_plan("llama-3.1-8b", ctx="32768", parallel="max", weights_quant="q4_k_m", gpu="RTX 4090")
+    assert plan.settings.parallel == plan.max_sequences == 4 and plan.fits
+    more = build_plan("llama-3.1-8b", ctx="32768", parallel=5, weights_quant="q4_k_m", gpu="RTX 4090")
+    assert more.budget_bytes - more.total_bytes < more.headroom_bytes      # a fifth sequence eats the headroom
+    assert " -np 4 " in plan_json(plan)["launch"]
+    moe = build_plan("qwen3-30b-a3b", ctx="16384", parallel="max", weights_quant="q4_k_m", gpu="RTX 3060", cpu_moe=True)
+    assert moe.settings.parallel > 1 and "--cpu-moe" in plan_json(moe)["launch"]

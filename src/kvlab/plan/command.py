@@ -51,7 +51,7 @@ HINT_QUANTS = {"llama.cpp": ("Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "IQ4_XS", "Q3_K
 
 
 def build_plan(model: str | None = None, ctx: str | int = "4096", kv_type: str | None = None, kv_type_k: str | None = None,
-               kv_type_v: str | None = None, engine: str = "llama.cpp", flash_attn: bool = True, parallel: int = 1,
+               kv_type_v: str | None = None, engine: str = "llama.cpp", flash_attn: bool = True, parallel: int | str = 1,
                ubatch: int | None = None, tp: int = 1, weights_quant: str | None = None, gpu: str | None = None,
                vram: float | None = None, kv_unified: bool = False, swa_full: bool = False,
                weights_bytes: str | int | None = None, weights_file: str | None = None, mmproj: str | None = None,
@@ -80,9 +80,12 @@ def build_plan(model: str | None = None, ctx: str | int = "4096", kv_type: str |
     projector = _projector(mmproj, entry, eng)
     extras = _projector_components(projector)
     room = eng.default_headroom if headroom is None else parse_size(headroom, "--headroom") if str(headroom) != "0" else 0
+    most = str(parallel).strip().lower() == "max"
+    if most and context is None:
+        raise ConfigError("give --ctx max or --parallel max, not both: one is solved for the other")
     settings = PlanSettings(context=context or spec.context_length or 4096, kv_type_k=kv_type or kv_type_k,
-                            kv_type_v=kv_type or kv_type_v, flash_attn=flash_attn, parallel=parallel, ubatch=ubatch,
-                            tp=tp, kv_unified=kv_unified, swa_full=swa_full)
+                            kv_type_v=kv_type or kv_type_v, flash_attn=flash_attn, parallel=1 if most else _parallel(parallel),
+                            ubatch=ubatch, tp=tp, kv_unified=kv_unified, swa_full=swa_full)
     offload = _offload(gpu_layers, cpu_moe, n_cpu_moe, ram, eng, spec)
     placement = None
     if offload is not None:
@@ -110,6 +113,14 @@ def build_plan(model: str | None = None, ctx: str | int = "4096", kv_type: str |
             raise ConfigError(f"{spec.name} does not fit on {card.name} even at 1 token of context")
         plan = make_plan(spec, eng, replace(settings, context=plan.max_context), weights_quant, card, weights=stated,
                          extras=extras, headroom=room, placement=placement)
+    if most and card is not None and plan.weights.known:  # --parallel max: re-plan with the most sequences that fit
+        if not plan.max_sequences:
+            raise ConfigError(f"{spec.name} does not fit on {card.name} even with 1 sequence of {settings.context:,} tokens"
+                              + (f"; {hints[0]}" if hints else ""))
+        plan = make_plan(spec, eng, replace(settings, parallel=plan.max_sequences), weights_quant, card, weights=stated,
+                         extras=extras, headroom=room, placement=placement)
+    elif most:
+        raise ConfigError("--parallel max needs --gpu or --vram (and weights kvlab can size)")
     gguf_repo = model if not embedded and is_gguf_repo(model) else None
     return replace(plan, alias_of=_alias_asked(model), model_ref=None if embedded else _model_ref(model),
                    weights_quant=weights_quant, gguf_repo=gguf_repo, mmproj=projector, hints=hints)
@@ -187,6 +198,13 @@ def _offload_hints(spec, eng, settings, weights_quant, card, stated, extras, roo
                     f"{human(trial.host_bytes)} in host RAM) it fits; longest context then {trial.max_context:,} tokens")
             return (hint,)
     return ()
+
+
+def _parallel(value: str | int) -> int:
+    try:
+        return int(str(value).strip())
+    except ValueError:
+        raise ConfigError(f"--parallel must be a number of sequences or 'max', got {value!r}") from None
 
 
 def parse_count(value: str | int, option: str) -> int:
@@ -396,7 +414,7 @@ def register(app) -> None:
         kv_type_v: str = typer.Option(None, "--kv-type-v", help="V type (with --kv-type-k)"),
         engine: str = typer.Option("llama.cpp", "--engine", help="llama.cpp | vllm | kvlab"),
         flash_attn: bool = typer.Option(True, "--flash-attn/--no-flash-attn", help="flash attention (llama.cpp)"),
-        parallel: int = typer.Option(1, "--parallel", help="concurrent sequences"),
+        parallel: str = typer.Option("1", "--parallel", help="concurrent sequences, or 'max' (the most that fit at --ctx)"),
         ubatch: int = typer.Option(None, "--ubatch", help="micro-batch (llama.cpp, default 512) / max batched tokens (vLLM, default 8192)"),
         tp: int = typer.Option(1, "--tp", help="tensor-parallel GPUs (figures per GPU)"),
         weights_quant: str = typer.Option(None, "--weights-quant", help="weights of a catalog/config model: a GGUF scheme "
