@@ -408,6 +408,8 @@ def register(app) -> None:
                                            "(default: the embedded SmolLM2-135M); several: compared side by side",
                                            metavar="[MODEL]..."),
         list_catalog: bool = typer.Option(False, "--list", help="list the catalog (MODEL filters: 'qwen', 'moe' ...)"),
+        web: bool = typer.Option(False, "--web", help="serve the planner as a local page on 127.0.0.1 (--port)"),
+        port: int = typer.Option(8731, "--port", min=0, max=65535, help="port of the --web page (0: a free one)"),
         ctx: str = typer.Option("4096", "--ctx", help="context tokens per sequence, or 'max'"),
         kv_type: str = typer.Option(None, "--kv-type", help="KV type for K and V: f16 bf16 f32 fp8 q8_0 q4_0 q4_1 q5_0 q5_1 iq4_nl, or a kvlab cache"),
         kv_type_k: str = typer.Option(None, "--kv-type-k", help="K type (with --kv-type-v)"),
@@ -440,6 +442,11 @@ def register(app) -> None:
         """How much memory a model needs: weights, KV cache, recurrent state, overheads; does it fit?"""
         if list_catalog:
             raise typer.Exit(list_command(models[0] if models else None, json_out))
+        if web:
+            from .page import serve_page
+
+            serve_page(port, default_console)
+            raise typer.Exit(0)
         if models and len(models) > 1:
             raise typer.Exit(compare_command(models, json_out=json_out, ctx=ctx, kv_type=kv_type, kv_type_k=kv_type_k,
                                              kv_type_v=kv_type_v, engine=engine, flash_attn=flash_attn, parallel=parallel,
