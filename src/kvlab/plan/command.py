@@ -406,7 +406,7 @@ def register(app) -> None:
     def plan(
         models: list[str] = typer.Argument(None, help="GGUF file, HF folder or config.json, catalog name, or HF repo id "
                                            "(default: the embedded SmolLM2-135M); several: compared side by side",
-                                           metavar="[MODEL]..."),
+                                           metavar="MODEL"),
         list_catalog: bool = typer.Option(False, "--list", help="list the catalog (MODEL filters: 'qwen', 'moe' ...)"),
         web: bool = typer.Option(False, "--web", help="serve the planner as a local page on 127.0.0.1 (--port)"),
         port: int = typer.Option(8731, "--port", min=0, max=65535, help="port of the --web page (0: a free one)"),
