@@ -9,6 +9,7 @@ from rich.table import Table
 
 from .budget import Plan
 from .launch import launch_line
+from .offload import weight_split
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -178,9 +179,20 @@ def verdict(plan: Plan) -> str:
                      + (f" (keeping {human(plan.headroom_bytes)} free)" if plan.headroom_bytes else ""))
     for hint in plan.hints:
         lines.append(f"[yellow]{hint}[/yellow]")
-    for note in plan.layout.notes:
+    for note in (*plan.layout.notes, *_placement_notes(plan)):
         lines.append(f"[dim]{note}[/dim]")
     return "\n".join(lines)
+
+
+def _placement_notes(plan: Plan) -> tuple[str, ...]:
+    """A llama.cpp plan without offload counts every weight on the GPU; llama.cpp keeps the token embedding on the host."""
+    if plan.engine.name != "llama.cpp" or plan.offload is not None or not plan.weights.known:
+        return ()
+    embedding = weight_split(plan.spec, plan.weights).embedding
+    if embedding < (64 << 20):
+        return ()
+    return (f"weights counted on the GPU in full: llama.cpp keeps token_embd ({human(embedding)}) in host memory, so the "
+            "card has that much more room (--gpu-layers all plans the exact placement)",)
 
 
 def print_plan(plan: Plan, console: Console, layers: bool = False) -> None:
