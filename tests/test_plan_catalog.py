@@ -50,3 +50,11 @@ def test_compare_ranks_what_fits_by_room_left():
 def test_compare_names_the_model_in_errors():
     code, text = invoke("llama-3.1-8b", "nonsense-model", "--gpu", "RTX 3060")
     assert code == 2 and "nonsense-model" in text and len(text.strip().splitlines()) == 1
+
+
+def test_compare_at_ctx_max_ranks_by_the_longest_context_and_keeps_what_fits_nowhere():
+    code, text = invoke("llama-3.1-8b", "qwen3.5-9b", "qwen3-30b-a3b", "--gpu", "RTX 3060", "--ctx", "max",
+                        "--weights-quant", "q4_k_m", "--kv-type", "q8_0", "--json")
+    rows = json.loads(text)
+    assert code == 0 and [r["model"] for r in rows] == ["qwen3.5-9b", "llama-3.1-8b", "qwen3-30b-a3b"]
+    assert rows[0]["max_context"] > rows[1]["max_context"] > 0 and rows[2]["max_context"] == 0 and not rows[2]["fits"]

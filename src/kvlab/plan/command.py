@@ -56,8 +56,10 @@ def build_plan(model: str | None = None, ctx: str | int = "4096", kv_type: str |
                vram: float | None = None, kv_unified: bool = False, swa_full: bool = False,
                weights_bytes: str | int | None = None, weights_file: str | None = None, mmproj: str | None = None,
                headroom: str | int | None = None, params: str | int | None = None, gpu_layers: str | int | None = None,
-               cpu_moe: bool = False, n_cpu_moe: int | None = None, ram: float | None = None):
-    """Everything `kvlab plan` computes, as a Plan (raises KvlabError on bad input). No model: the embedded SmolLM2."""
+               cpu_moe: bool = False, n_cpu_moe: int | None = None, ram: float | None = None, strict: bool = True):
+    """Everything `kvlab plan` computes, as a Plan (raises KvlabError on bad input). No model: the embedded SmolLM2.
+
+    strict=False (comparisons): a model that fits at no context comes back unsolved (max_context 0) instead of raising."""
     from ..sources import default_model_path, find_entry, is_gguf_repo, load_spec
 
     embedded = model is None
@@ -102,7 +104,8 @@ def build_plan(model: str | None = None, ctx: str | int = "4096", kv_type: str |
         hints = _quant_hints(spec, eng, settings, weights_quant, card, extras, room, context is None, plan.weights.bytes)
     if card is not None and stuck and placement is None and plan.weights.known and eng.name == "llama.cpp":
         hints += _offload_hints(spec, eng, settings, weights_quant, card, stated, extras, room, context is None)
-    if context is None and card is not None and plan.weights.known:  # --ctx max: re-plan at the longest context that fits
+    if context is None and card is not None and plan.weights.known and (plan.max_context or strict):
+        # --ctx max: re-plan at the longest context that fits
         if not plan.max_context:
             ram = offload.ram_bytes if offload else None
             if ram is not None and plan.host_bytes > ram:
@@ -113,13 +116,14 @@ def build_plan(model: str | None = None, ctx: str | int = "4096", kv_type: str |
             raise ConfigError(f"{spec.name} does not fit on {card.name} even at 1 token of context")
         plan = make_plan(spec, eng, replace(settings, context=plan.max_context), weights_quant, card, weights=stated,
                          extras=extras, headroom=room, placement=placement)
-    if most and card is not None and plan.weights.known:  # --parallel max: re-plan with the most sequences that fit
+    if most and card is not None and plan.weights.known and (plan.max_sequences or strict):
+        # --parallel max: re-plan with the most sequences that fit
         if not plan.max_sequences:
             raise ConfigError(f"{spec.name} does not fit on {card.name} even with 1 sequence of {settings.context:,} tokens"
                               + (f"; {hints[0]}" if hints else ""))
         plan = make_plan(spec, eng, replace(settings, parallel=plan.max_sequences), weights_quant, card, weights=stated,
                          extras=extras, headroom=room, placement=placement)
-    elif most:
+    elif most and (card is None or not plan.weights.known):
         raise ConfigError("--parallel max needs --gpu or --vram (and weights kvlab can size)")
     gguf_repo = model if not embedded and is_gguf_repo(model) else None
     return replace(plan, alias_of=_alias_asked(model), model_ref=None if embedded else _model_ref(model),
@@ -372,20 +376,20 @@ def list_command(text: str | None = None, json_out: bool = False, console: Conso
 def compare_command(models: list[str], json_out: bool = False, console: Console | None = None,
                     err_console: Console | None = None, **options) -> int:
     """Plan each model with the same options and print them ranked; 0 when any fits (or no GPU), 1 none, 2 bad input."""
-    from .compare import compare_rows, compare_table
+    from .compare import compare_rows, compare_table, rank_by
 
     console = console or default_console
     plans = []
     for model in models:
         try:
-            plans.append(build_plan(model, **options))
+            plans.append(build_plan(model, strict=False, **options))
         except KvlabError as exc:
             (err_console or globals()["err_console"]).print(f"error: {model}: {exc}", markup=False, highlight=False, soft_wrap=True)
             return 2
     if json_out:
-        console.print_json(json.dumps(compare_rows(plans)))
+        console.print_json(json.dumps(compare_rows(plans, rank_by(options.get("ctx"), options.get("parallel")))))
     else:
-        console.print(compare_table(plans))
+        console.print(compare_table(plans, options.get("ctx"), options.get("parallel")))
     verdicts = [plan.fits for plan in plans]
     return 0 if any(v is not False for v in verdicts) else 1
 
