@@ -100,7 +100,7 @@ def catalog_document() -> dict:
 class PlanHandler(BaseHTTPRequestHandler):
     server_version = "kvlab-plan"
 
-    def log_message(self, format, *args):   # noqa: A002 - the page's requests are not the user's business
+    def log_message(self, format, *args):   # the page's requests are not the user's business
         return
 
     def _send(self, status: int, body: bytes, content_type: str) -> None:
@@ -114,7 +114,7 @@ class PlanHandler(BaseHTTPRequestHandler):
     def _json(self, status: int, document: dict) -> None:
         self._send(status, json.dumps(document).encode(), "application/json")
 
-    def do_GET(self):  # noqa: N802 - http.server's name
+    def do_GET(self):  # http.server's name
         url = urlparse(self.path)
         if url.path in _STATIC:
             name, kind = _STATIC[url.path]
@@ -126,7 +126,7 @@ class PlanHandler(BaseHTTPRequestHandler):
         else:
             self._json(404, {"error": f"no such page: {url.path}"})
 
-    def do_POST(self):  # noqa: N802
+    def do_POST(self):
         url = urlparse(self.path)
         if url.path != "/api/plan":
             self._json(404, {"error": f"no such page: {url.path}"})

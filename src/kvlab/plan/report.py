@@ -191,8 +191,9 @@ def _placement_notes(plan: Plan) -> tuple[str, ...]:
     embedding = weight_split(plan.spec, plan.weights).embedding
     if embedding < (64 << 20):
         return ()
-    return (f"weights counted on the GPU in full: llama.cpp keeps token_embd ({human(embedding)}) in host memory, so the "
-            "card has that much more room (--gpu-layers all plans the exact placement)",)
+    note = (f"weights counted on the GPU in full: llama.cpp keeps token_embd ({human(embedding)}) in host memory, so the "
+            "card has that much more room (--gpu-layers all plans the exact placement)")
+    return (note,)
 
 
 def print_plan(plan: Plan, console: Console, layers: bool = False) -> None:
