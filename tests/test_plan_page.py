@@ -116,3 +116,18 @@ def test_the_page_in_a_real_browser(server, tmp_path):
         assert page.text_content("#error").startswith("error: unknown --weights-quant 'q4_x'")
         assert errors == []
         browser.close()
+
+
+def test_a_dropped_gguf_head_plans(server):
+    """The page sends a GGUF's first bytes and its size: the header plans, as the file on disk does."""
+    from kvlab.sources import default_model_path
+
+    path = default_model_path()
+    head = path.read_bytes()[: 8 << 20]
+    request = urllib.request.Request(f"{server}/api/plan?gpu=RTX+3060", data=head, method="POST",
+                                     headers={"X-File-Size": str(path.stat().st_size), "X-File-Name": path.name})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        doc = json.loads(response.read())
+    expected = plan_json(build_plan(str(path), gpu="RTX 3060"))
+    assert doc["plan"]["weights_bytes"] == expected["weights_bytes"] == 96_576_768
+    assert doc["plan"]["kv_bytes"] == expected["kv_bytes"] and doc["plan"]["max_context"] == expected["max_context"]

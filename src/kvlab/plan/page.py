@@ -31,7 +31,7 @@ _STATIC = {"/": ("index.html", "text/html; charset=utf-8"), "/app.js": ("app.js"
 MAX_UPLOAD = 32 << 20   # a config.json, or the head of a GGUF (its metadata and tensor table)
 
 
-def plan_document(query: dict[str, str], upload: bytes | None = None, upload_name: str = "") -> dict:
+def plan_document(query: dict[str, str], upload: bytes | None = None, upload_name: str = "", upload_size: int = 0) -> dict:
     """What the page draws for one set of inputs: {plan, layers, verdict} (raises KvlabError on bad input)."""
     from ..errors import ConfigError
     from .command import build_plan
@@ -53,20 +53,28 @@ def plan_document(query: dict[str, str], upload: bytes | None = None, upload_nam
     with tempfile.TemporaryDirectory(prefix="kvlab-page-") as folder:
         model = query.get("model") or None
         if upload is not None:
-            model = _saved_upload(Path(folder), upload, upload_name)
+            model = _saved_upload(Path(folder), upload, upload_size)
         plan = build_plan(model, **options)
         document = {"plan": plan_json(plan), "layers": _layer_rows(plan), "verdict": _plain(verdict(plan)),
                     "model_name": plan.spec.name}
     return document
 
 
-def _saved_upload(folder: Path, upload: bytes, name: str) -> str:
-    """A dropped file, written where the planner reads models: config.json, or a GGUF's first bytes."""
-    if upload[:4] == b"GGUF":
-        path = folder / "dropped.gguf"
-    else:
+MAX_FILE = 1 << 41   # the size a dropped GGUF may claim (2 TiB)
+
+
+def _saved_upload(folder: Path, upload: bytes, size: int = 0) -> str:
+    """A dropped file, written where the planner reads models: config.json, or a GGUF's first bytes extended
+    (sparse, never written) to the file's real size, so its tensor table checks out; tensor data is never read."""
+    if upload[:4] != b"GGUF":
         path = folder / "config.json"
-    path.write_bytes(upload)
+        path.write_bytes(upload)
+        return str(path)
+    path = folder / "dropped.gguf"
+    with open(path, "wb") as fh:
+        fh.write(upload)
+        if len(upload) < size <= MAX_FILE:
+            fh.truncate(size)
     return str(path)
 
 
@@ -136,12 +144,16 @@ class PlanHandler(BaseHTTPRequestHandler):
             self._json(413, {"error": f"a dropped file may hold at most {MAX_UPLOAD >> 20} MiB (a GGUF's head is enough)"})
             return
         body = self.rfile.read(length)
-        self._plan({k: v[-1] for k, v in parse_qs(url.query, keep_blank_values=True).items()}, body,
-                   self.headers.get("X-File-Name", ""))
-
-    def _plan(self, query: dict[str, str], upload: bytes | None = None, name: str = "") -> None:
         try:
-            self._json(200, plan_document(query, upload, name))
+            size = int(self.headers.get("X-File-Size") or 0)
+        except ValueError:
+            size = 0
+        self._plan({k: v[-1] for k, v in parse_qs(url.query, keep_blank_values=True).items()}, body,
+                   self.headers.get("X-File-Name", ""), size)
+
+    def _plan(self, query: dict[str, str], upload: bytes | None = None, name: str = "", size: int = 0) -> None:
+        try:
+            self._json(200, plan_document(query, upload, name, size))
         except KvlabError as exc:
             self._json(400, {"error": str(exc)})
         except OSError as exc:

@@ -99,7 +99,8 @@ async function update() {
   pending = new AbortController();
   document.body.dataset.state = "loading";
   try {
-    const init = dropped ? { method: "POST", body: dropped.bytes, headers: { "X-File-Name": dropped.name } } : {};
+    const init = dropped ? { method: "POST", body: dropped.bytes,
+                             headers: { "X-File-Name": dropped.name, "X-File-Size": String(dropped.size) } } : {};
     const response = await fetch("/api/plan?" + params.toString(), { ...init, signal: pending.signal });
     const doc = await response.json();
     if (!response.ok) fail(doc.error); else draw(doc);
@@ -110,7 +111,7 @@ async function update() {
 
 async function load(file) {
   const head = await file.slice(0, 32 * 1024 * 1024).arrayBuffer();
-  dropped = { name: file.name, bytes: head };
+  dropped = { name: file.name, bytes: head, size: file.size };
   document.getElementById("model").value = "";
   update();
 }
