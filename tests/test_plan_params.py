@@ -119,13 +119,48 @@ def test_bare_config_counts_what_safetensors_holds(family, tmp_path):
     assert doc["kv_bytes"] > 0 and doc["fits"] is True
 
 
-def test_an_unknown_architecture_still_says_so_in_one_line(tmp_path):
+def test_an_unknown_architecture_still_plans_its_cache(tmp_path):
+    """Never a refusal of the whole plan: the KV plans from the layers, the weights wait for --params / --weights-bytes."""
     config = dict(model_type="brand_new", num_hidden_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=128)
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert load_spec(str(tmp_path / "config.json")).n_params == 0  # never a guess
-    result = CliRunner().invoke(app, ["plan", str(tmp_path / "config.json")])
-    assert result.exit_code == 2 and "Traceback" not in result.output
-    assert "parameter count unknown for architecture 'brand_new'" in result.output
+    result = CliRunner().invoke(app, ["plan", str(tmp_path / "config.json"), "--gpu", "RTX 3060"])
+    assert result.exit_code == 0 and "Traceback" not in result.output
+    assert "weights are unknown for 'brand_new'" in " ".join(result.output.split())
+    doc = json.loads(CliRunner().invoke(app, ["plan", str(tmp_path / "config.json"), "--json", "--gpu", "RTX 3060"]).output)
+    assert doc["kv_bytes"] == 2 * 2 * 64 * 2 * 4096 and doc["weights_known"] is False and doc["fits"] is None
+    given = json.loads(CliRunner().invoke(app, ["plan", str(tmp_path / "config.json"), "--json", "--gpu", "RTX 3060",
+                                                "--params", "1.5M", "--weights-quant", "bf16"]).output)
+    assert given["weights_bytes"] == 3_000_000 and given["fits"] is True
+
+
+#: current families beyond the catalog: counted exactly like transformers' models (kimi_k2 is DeepSeek-V3's code)
+NEW_FAMILIES = {
+    "glm4_moe": dict(model_type="glm4_moe", hidden_size=64, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=4,
+                     num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+                     num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128,
+                     attention_bias=True, partial_rotary_factor=0.5),
+    "glm4_moe_qk_norm": dict(model_type="glm4_moe", hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                             n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=2, first_k_dense_replace=2, n_group=1,
+                             topk_group=1, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                             vocab_size=128, use_qk_norm=True),
+    "qwen3_5_moe": {"model_type": "qwen3_5_moe", "text_config": dict(
+        model_type="qwen3_5_moe_text", hidden_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=4,
+        num_experts_per_tok=2, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        full_attention_interval=2, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=8, vocab_size=128)},
+}
+
+
+@pytest.mark.parametrize("family", sorted(NEW_FAMILIES))
+def test_new_families_count_like_transformers(family):
+    config = NEW_FAMILIES[family]
+    assert spec_from_config(config).n_params == transformers_count(config)
+
+
+def test_kimi_k2_counts_as_deepseek_v3():
+    config = dict(TINY["deepseek_v3"])
+    assert spec_from_config(dict(config, model_type="kimi_k2")).n_params == transformers_count(config)
 
 
 @pytest.mark.parametrize("key, value", [("moe_intermediate_size", "big"), ("n_shared_experts", -1),

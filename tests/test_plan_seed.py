@@ -71,3 +71,62 @@ def test_seed_budget_on_rtx_3060():
                      "q4_k_m", find_gpu("RTX 3060 12GB"))
     assert plan.fits
     assert plan.max_context >= 32_768
+
+
+# -- the seed's scenario end to end: unsloth/Qwen3.5-9B-GGUF UD-Q4_K_XL, q8_0 KV, RTX 3060 12 GB, with and without the mmproj
+
+
+def seed_plan(**options):
+    from kvlab.plan.command import build_plan
+
+    return build_plan("unsloth/Qwen3.5-9B-GGUF", ctx="max", kv_type="q8_0", weights_quant="UD-Q4_K_XL", gpu="RTX 3060",
+                      **options)
+
+
+def assert_solved(plan):
+    """The solved context is the largest whose total stays inside the budget less the headroom."""
+    from kvlab.plan.budget import make_plan
+
+    room = plan.budget_bytes - plan.headroom_bytes
+    assert plan.total_bytes <= room
+    more = make_plan(plan.spec, plan.engine, replace(plan.settings, context=plan.max_context + 1), plan.weights_quant,
+                     solve=False, weights=plan.weights, extras=plan.extras)
+    assert more.total_bytes > room
+
+
+def test_seed_scenario_text_only():
+    plan = seed_plan()
+    doc = plan_json(plan)
+    assert plan.spec.name == "qwen3.5-9b" and plan.alias_of == "unsloth/Qwen3.5-9B-GGUF"
+    assert abs(doc["weights_bytes"] / 5.97e9 - 1) < 0.01            # the UD-Q4_K_XL file is 5.97 GB
+    assert plan.weights.scheme is not None and not plan.weights.exact
+    assert doc["kv_bytes_per_token"] == 16 * 1024 * 17 // 16 == 17_408    # 16 KiB of values × 8.5/8 bits (q8_0)
+    assert doc["recurrent_bytes"] == 24 * 548_864 * 4                    # 50.2 MiB of DeltaNet state
+    assert f"{doc['recurrent_bytes'] / MiB:.1f}" == "50.2"
+    assert doc["headroom_bytes"] == GiB                                  # llama.cpp's --fit margin
+    assert plan.settings.context == plan.max_context == 245_504
+    assert doc["max_context_limited_by"] == "memory"
+    assert_solved(plan)
+    assert doc["launch"].endswith("-hf unsloth/Qwen3.5-9B-GGUF:UD-Q4_K_XL -c 245504 -np 1 -ctk q8_0 -ctv q8_0 -fa on -ngl 99 "
+                                  "--no-mmproj")   # -hf would fetch the repo's projector by itself
+
+
+def test_seed_scenario_with_the_vision_projector():
+    text = seed_plan()
+    plan = seed_plan(mmproj="auto")
+    parts = {c.name: c for c in plan.components}
+    assert abs(parts["vision projector"].bytes / 0.92e9 - 1) < 0.02      # mmproj-BF16.gguf: 0.92 GB
+    assert 0.9e9 < parts["image buffer"].bytes < 1.3e9                   # the ~1 GB image-encoding spike
+    assert not parts["image buffer"].exact
+    assert plan.max_context == 123_136 < text.max_context
+    assert_solved(plan)
+    assert "mmproj" not in plan_json(plan)["launch"]   # -hf loads the repo's projector by default
+    stated = seed_plan(mmproj="0.92GB")
+    assert stated.components[[c.name for c in stated.components].index("vision projector")].bytes == 920_000_000
+
+
+def test_seed_scenario_with_the_real_file_size():
+    plan = seed_plan(weights_bytes="5.97GB")
+    assert plan.weights.bytes == 5_970_000_000 and plan.weights.exact
+    assert abs(plan.max_context - seed_plan().max_context) < 4096       # the scheme is within 0.5% of the file
+    assert_solved(plan)

@@ -1,19 +1,79 @@
-"""`kvlab plan | generate | info | bench | eval | lab | demo`. Errors print one line and exit 2."""
+"""`kvlab plan | generate | info | bench | eval | lab | serve | demo`. Errors print one line and exit 2.
+
+Command modules load when their command runs: `kvlab --help`, `kvlab --version` and `kvlab plan` import
+neither torch nor numpy (plan, the pure-arithmetic planner, registers here directly; eval, lab, serve and
+the bench group are placeholders in the listing until resolved).
+"""
 
 from __future__ import annotations
 
 import json
 import sys
+from importlib import import_module
 from typing import Optional
 
 import typer
+from typer.core import TyperCommand, TyperGroup
 
+from . import __version__
 from .limits import MAX_REPEATS
 from .terminal import OneLineUsageErrors, console, one_line_errors
 
-app = typer.Typer(cls=OneLineUsageErrors, add_completion=False, no_args_is_help=True, help="Plan, run, compress and measure the KV cache of LLMs.")
-bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print tables and write bench/results/*.json.")
-app.add_typer(bench_app, name="bench")
+#: commands whose module loads only when the command is resolved: name -> (one-line help, loader name)
+LAZY_COMMANDS: dict[str, str] = {
+    "eval": "Quality of a KV cache: perplexity, agreement with the dense cache, passkey retrieval.",
+    "lab": "The textbook experiments, run for real on kvlab's engine and caches.",
+    "serve": "Serve many sequences from one pool of KV blocks (OpenAI-style HTTP API).",
+    "bench": "Benchmarks that print tables and write bench/results/*.json.",
+}
+
+
+def _load_command(name: str) -> TyperCommand | TyperGroup:
+    """Import the module behind a lazy command and return its click command."""
+    scratch, scratch_bench = typer.Typer(), typer.Typer()
+    if name == "bench":
+        import_module(".bench.throughput", __package__).register(bench_app)
+        import_module(".serve.command", __package__).register(scratch, bench_app)
+        group = typer.main.get_group(bench_app)
+        group.name = "bench"
+        return group
+    if name == "serve":
+        import_module(".serve.command", __package__).register(scratch, scratch_bench)
+    else:
+        import_module(f".{name}.command", __package__).register(scratch)
+    return typer.main.get_group(scratch).commands[name]
+
+
+class LazyCommands(OneLineUsageErrors):
+    """The app's group: lazy commands are listed by their help line and imported when resolved."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.placeholders = {name: TyperCommand(name, help=text, short_help=text) for name, text in LAZY_COMMANDS.items()}
+        for name, placeholder in self.placeholders.items():
+            self.commands.setdefault(name, placeholder)
+
+    def resolve_command(self, ctx, args):
+        if args and args[0] in self.placeholders and self.commands.get(args[0]) is self.placeholders[args[0]]:
+            self.commands[args[0]] = _load_command(args[0])
+        return super().resolve_command(ctx, args)
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"kvlab {__version__}")
+        raise typer.Exit()
+
+
+app = typer.Typer(cls=LazyCommands, add_completion=False, no_args_is_help=True, help="Plan, run, compress and measure the KV cache of LLMs.")
+bench_app = typer.Typer(no_args_is_help=True, help=LAZY_COMMANDS["bench"])
+
+
+@app.callback()
+def _main_options(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print kvlab's version and exit."),
+) -> None:
+    """Plan, run, compress and measure the KV cache of LLMs."""
 
 
 @app.command()
@@ -129,18 +189,14 @@ def bench_decode(
                      no_cache_repeats=min(no_cache_repeats, repeats), threads=threads, weights=weights)
 
 
-from .eval.command import register as register_eval  # noqa: E402  (each sub-package adds its own commands)
-from .lab.command import register as register_lab  # noqa: E402
-from .plan.command import register as register_plan  # noqa: E402
-from .serve.command import register as register_serve  # noqa: E402
+from .plan.command import register as register_plan  # light: no torch, no numpy
 
 register_plan(app)
-register_eval(app)
-register_lab(app)
-register_serve(app, bench_app)
-from .bench.throughput import register as register_bench_throughput  # noqa: E402  (kvlab bench throughput)
-register_bench_throughput(bench_app)
 
 
 def main() -> None:  # pragma: no cover
     app()
+
+
+if __name__ == "__main__":  # pragma: no cover  (python -m kvlab.cli)
+    main()

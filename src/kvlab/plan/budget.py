@@ -14,10 +14,20 @@ from .components import Component
 from .engines import Engine
 from .gpus import GPU
 from .layout import KVLayout
+from .offload import Offload, WeightSplit
 from .settings import PlanSettings
+from .vision import Projector
 from .weights import WeightsEstimate
 
 MAX_SEARCH_CONTEXT = 1 << 24
+
+
+@dataclass(frozen=True)
+class Placement:
+    """An offload and the weight split it acts on."""
+
+    offload: Offload
+    split: WeightSplit
 
 
 @dataclass(frozen=True)
@@ -33,6 +43,25 @@ class Plan:
     max_context: int | None = None
     max_sequences: int | None = None
     alias_of: str | None = None   # the name asked for, when the catalog planned another model under it
+    model_ref: str | None = None  # the model as the user named it (for the launch line)
+    weights_quant: str | None = None   # --weights-quant as asked (None: as the source stores them)
+    gguf_repo: str | None = None  # a Hub GGUF repo the plan stands for (llama-server -hf REPO:QUANT)
+    offload: Offload | None = None  # llama.cpp's split between GPU and host, None: all on the GPU
+    host: tuple[Component, ...] = ()   # what an offloaded plan keeps in host RAM
+    mmproj: Projector | None = None  # a vision projector (--mmproj), None: text only
+    extras: tuple[Component, ...] = ()   # fixed lines beside the model (the projector and its image buffer)
+    headroom_bytes: int = 0       # kept free by the solvers (--ctx max, the longest context, most sequences)
+    hints: tuple[str, ...] = ()   # what to change when it does not fit (a quant that would)
+
+    @property
+    def context_cap(self) -> int:
+        """The longest context the solver may answer: the model's own maximum (or the search bound)."""
+        return self.spec.context_length or MAX_SEARCH_CONTEXT
+
+    @property
+    def context_limited_by_model(self) -> bool:
+        """The longest context stopped at the model's maximum, not at the memory."""
+        return bool(self.max_context) and self.max_context >= self.context_cap and bool(self.spec.context_length)
 
     @property
     def alias_note(self) -> str | None:
@@ -51,8 +80,15 @@ class Plan:
         return sum(c.bytes for c in self.components)
 
     @property
+    def host_bytes(self) -> int:
+        return sum(c.bytes for c in self.host)
+
+    @property
     def fits(self) -> bool | None:
-        return None if self.budget_bytes is None else self.total_bytes <= self.budget_bytes
+        if self.budget_bytes is None:
+            return None
+        ram = self.offload.ram_bytes if self.offload else None
+        return self.total_bytes <= self.budget_bytes and (ram is None or self.host_bytes <= ram)
 
     def component(self, name: str) -> Component | None:
         return next((c for c in self.components if c.name == name), None)
@@ -81,9 +117,14 @@ def _cache_formulas(spec: ModelSpec, layout: KVLayout, part: str) -> str:
     return " + ".join(terms) or "0"
 
 
-def plan_components(spec: ModelSpec, engine: Engine, settings: PlanSettings,
-                    weights: WeightsEstimate) -> tuple[KVLayout, tuple[Component, ...]]:
+def plan_components(spec: ModelSpec, engine: Engine, settings: PlanSettings, weights: WeightsEstimate,
+                    extras: tuple[Component, ...] = (), offload: Placement | None = None
+                    ) -> tuple[KVLayout, tuple[Component, ...]]:
+    """The GPU's budget lines; `extras` are fixed lines beside the model (a vision projector and its image buffer);
+    `offload`: llama.cpp's placement, whose host side host_components() lists."""
     layout = engine.layout(spec, settings)
+    if offload is not None:
+        return layout, _offloaded(spec, engine, settings, weights, layout, extras, offload)[0]
     tp = settings.tp
     kv_split = 1 if engine.name == "vllm" else tp   # vLLM's layout is already per GPU
     tail = f" / {tp} GPUs" if tp > 1 else ""
@@ -95,8 +136,47 @@ def plan_components(spec: ModelSpec, engine: Engine, settings: PlanSettings,
     if layout.recurrent_bytes:
         parts.append(Component("recurrent state", _cache_formulas(spec, layout, "r") + (tail if kv_split > 1 else ""),
                                _split(layout.recurrent_bytes, kv_split)))
+    parts.extend(extras)
     parts.extend(engine.overheads(spec, settings, layout))
     return layout, tuple(parts)
+
+
+def host_components(spec: ModelSpec, engine: Engine, settings: PlanSettings, weights: WeightsEstimate,
+                    offload: Placement) -> tuple[Component, ...]:
+    """What an offloaded llama.cpp plan keeps in host RAM."""
+    return _offloaded(spec, engine, settings, weights, engine.layout(spec, settings), (), offload)[1]
+
+
+def _offloaded(spec, engine, settings, weights, layout, extras, placement: Placement):
+    """(GPU lines, host lines) of llama.cpp's placement: layers by -ngl, experts by --n-cpu-moe, the embedding on the host."""
+    offload, split = placement.offload, placement.split
+    n = spec.n_layers
+    on_gpu = [offload.layer_on_gpu(i, n) for i in range(n)]
+    moved = [split.experts[i] if i < offload.cpu_moe_layers else 0 for i in range(n)]
+    gpu_weights = sum(split.layers[i] - moved[i] for i in range(n) if on_gpu[i]) + (split.output if offload.output_on_gpu(n) else 0)
+    scale = weights.bytes / split.total if split.total else 1.0   # a stated size spreads like the estimate
+    gpu_weights = int(gpu_weights * scale)
+    host_weights = weights.bytes - gpu_weights
+    where = offload.describe(n)
+
+    def part(attr: str, gpu: bool) -> int:
+        return sum(getattr(row, attr) for row in layout.layers if on_gpu[row.index] == gpu)
+
+    gpu = [Component("weights", f"{where} (token_embd stays on the host): {weights.formula}", gpu_weights, weights.exact),
+           Component("K cache", f"K of the layers on the GPU ({sum(on_gpu)} of {n})", part("k_bytes", True)),
+           Component("V cache", f"V of the layers on the GPU ({sum(on_gpu)} of {n})", part("v_bytes", True))]
+    if layout.recurrent_bytes:
+        gpu.append(Component("recurrent state", f"state of the layers on the GPU ({sum(on_gpu)} of {n})", part("state_bytes", True)))
+    gpu += [*extras, *engine.overheads(spec, settings, layout)]
+    host = [Component("weights (host)", f"token_embd + what is not on the GPU ({where})", host_weights, weights.exact and split.exact)]
+    kv_host = part("k_bytes", False) + part("v_bytes", False) + part("state_bytes", False)
+    if kv_host:
+        host.append(Component("KV + state (host)", f"caches of the {n - sum(on_gpu)} layers on the host", kv_host))
+    if not all(on_gpu) or offload.cpu_moe_layers:
+        compute = next(c for c in gpu if c.name == "compute buffer")
+        host.append(Component("compute buffer (host)", "the CPU's share of the graph (estimated like the GPU's)", compute.bytes,
+                              exact=False))
+    return tuple(gpu), tuple(host)
 
 
 def _largest(fits: Callable[[int], bool], lo: int, hi: int) -> int:
@@ -112,20 +192,31 @@ def _largest(fits: Callable[[int], bool], lo: int, hi: int) -> int:
 
 
 def make_plan(spec: ModelSpec, engine: Engine, settings: PlanSettings, weights_quant: str | None = None,
-              gpu: GPU | None = None, solve: bool = True) -> Plan:
-    """Plan one configuration; with a GPU also solve for the longest context and most sequences."""
-    weights = engine.weights(spec, weights_quant)
-    layout, components = plan_components(spec, engine, settings, weights)
-    budget = engine.budget_bytes(gpu.vram_bytes, gpu.usable_bytes, settings) if gpu else None
+              gpu: GPU | None = None, solve: bool = True, weights: WeightsEstimate | None = None,
+              extras: tuple[Component, ...] = (), headroom: int = 0, placement: Placement | None = None) -> Plan:
+    """Plan one configuration; with a GPU also solve for the longest context and most sequences, keeping
+    `headroom` bytes free (the verdict at the asked settings compares against the whole budget).
+
+    `weights`: a stated size (--weights-bytes / --weights-file) instead of the engine's own estimate."""
+    weights = weights or engine.weights(spec, weights_quant)
+    layout, components = plan_components(spec, engine, settings, weights, extras, placement)
+    host = host_components(spec, engine, settings, weights, placement) if placement else ()
+    ram = placement.offload.ram_bytes if placement else None
+    budget = engine.budget_bytes(gpu.vram_bytes, gpu.usable_bytes, settings) if gpu and weights.known else None
     max_context = max_sequences = None
     if budget is not None and solve:
-        def total(ctx: int, seqs: int) -> int:
-            return sum(c.bytes for c in plan_components(spec, engine, replace(settings, context=ctx, parallel=seqs,
-                                                                              n_ctx_total=None), weights)[1])
+        def fits(ctx: int, seqs: int) -> bool:
+            trial = replace(settings, context=ctx, parallel=seqs, n_ctx_total=None)
+            on_gpu = sum(c.bytes for c in plan_components(spec, engine, trial, weights, extras, placement)[1])
+            if on_gpu > room:
+                return False
+            return ram is None or sum(c.bytes for c in host_components(spec, engine, trial, weights, placement)) <= ram
         cap = spec.context_length or MAX_SEARCH_CONTEXT
-        max_context = max(0, _largest(lambda c: total(c, settings.parallel) <= budget, 1, cap))
-        max_sequences = max(0, _largest(lambda p: total(settings.context, p) <= budget, 1, engine.max_parallel))
-    return Plan(spec, engine, settings, layout, weights, components, gpu, budget, max_context, max_sequences)
+        room = budget - headroom
+        max_context = max(0, _largest(lambda c: fits(c, settings.parallel), 1, cap))
+        max_sequences = max(0, _largest(lambda p: fits(settings.context, p), 1, engine.max_parallel))
+    return Plan(spec, engine, settings, layout, weights, components, gpu, budget, max_context, max_sequences,
+                extras=extras, headroom_bytes=headroom, offload=placement.offload if placement else None, host=host)
 
 
 def kv_bytes_at(spec: ModelSpec, engine: Engine, settings: PlanSettings, contexts: list[int]) -> list[int]:

@@ -38,10 +38,24 @@ class KVLayout:
 
     engine: str
     layers: tuple[LayerBytes, ...]
-    bytes_per_token: int            # K+V bytes one token adds per sequence, over all attention layers
+    bytes_per_token: int            # K+V bytes one token adds per sequence for good: full and MLA layers
     kv_type_k: str
     kv_type_v: str
     notes: tuple[str, ...] = ()
+    sliding_bytes_per_token: int = 0   # what a token costs in the sliding-window layers while it is in their window
+
+    @property
+    def sliding_kv_bytes(self) -> int:
+        """K+V of the sliding-window layers: a constant once the context passes their window."""
+        return sum(layer.k_bytes + layer.v_bytes for layer in self.layers if layer.kind == "sliding")
+
+    def per_token_by_kind(self) -> dict[str, int]:
+        """K+V bytes per token of each layer kind (full, sliding, mla), where the engine has per-token rows."""
+        split: dict[str, int] = {}
+        for layer in self.layers:
+            if layer.k_row or layer.v_row:
+                split[layer.kind] = split.get(layer.kind, 0) + layer.k_row + layer.v_row
+        return split
 
     @property
     def k_bytes(self) -> int:

@@ -7,7 +7,6 @@ from pathlib import Path
 
 from ..errors import KvlabError
 from ..fileio import PLOT_SUFFIXES, check_writable, save_figure
-from ..measure import pyplot
 from .budget import Plan, plan_components
 
 GiB = 1 << 30
@@ -15,6 +14,10 @@ PLOT_TYPES = {"llama.cpp": ("f16", "q8_0", "q4_0"), "vllm": ("bf16", "fp8"), "kv
 
 
 def plot_plan(plan: Plan, path: str | Path, points: int = 48) -> Path:
+    from ..measure import (
+        pyplot,  # matplotlib (and measure's torch) only when a plot is asked for
+    )
+
     plt = pyplot()
     path = check_writable(path, "--plot", PLOT_SUFFIXES)
     top = max(plan.settings.context, plan.max_context or 0, plan.spec.context_length or 0, 1024)
@@ -24,7 +27,7 @@ def plot_plan(plan: Plan, path: str | Path, points: int = 48) -> Path:
     for kind in kinds:
         settings = replace(plan.settings, kv_type_k=kind, kv_type_v=kind)
         try:
-            totals = [sum(c.bytes for c in plan_components(plan.spec, plan.engine, replace(settings, context=ctx), plan.weights)[1])
+            totals = [sum(c.bytes for c in plan_components(plan.spec, plan.engine, replace(settings, context=ctx), plan.weights, plan.extras)[1])
                       for ctx in contexts]
         except KvlabError:
             continue  # a type this engine or model cannot store

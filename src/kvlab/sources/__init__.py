@@ -1,6 +1,8 @@
 """Where model facts come from: GGUF headers, HF config.json (+ safetensors headers), the Hub, the catalog.
 
 `load_spec(model)` accepts any of them and returns a ModelSpec; it never reads tensor data.
+The GGUF reader (numpy, the gguf package) loads only when a GGUF is read: a catalog name or a config.json
+plans without it.
 """
 
 from __future__ import annotations
@@ -10,8 +12,14 @@ from pathlib import Path
 
 from ..errors import ModelFileError
 from ..spec import ModelSpec
-from .bundled import catalog, catalog_entry, find_entry
-from .gguf import GGUFFile, gguf_metadata, open_gguf, spec_from_gguf
+from .bundled import (
+    catalog,
+    catalog_entry,
+    default_model_path,
+    find_entry,
+    is_gguf_repo,
+    suggestions,
+)
 from .hf import spec_from_config, spec_from_folder, spec_from_hub
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -27,6 +35,8 @@ def load_spec(model: str) -> ModelSpec:
             return spec_from_folder(path)
         if path.suffix.lower() == ".json":
             return spec_from_folder(path)
+        from .gguf import open_gguf, spec_from_gguf
+
         return spec_from_gguf(open_gguf(path))  # any other file must be GGUF; open_gguf says if not
     entry = find_entry(model)
     if entry is not None:
@@ -35,8 +45,23 @@ def load_spec(model: str) -> ModelSpec:
         raise ModelFileError(f"{model}: no such file")
     if _REPO_ID.match(model):
         return spec_from_hub(model)
-    raise ModelFileError(f"{model!r} is not a file, a folder, a catalog name or a Hugging Face repo id")
+    close = suggestions(model)
+    hint = f"; did you mean {' or '.join(close)}? (kvlab plan --list shows the catalog)" if close else \
+        " (kvlab plan --list shows the catalog)"
+    raise ModelFileError(f"{model!r} is not a file, a folder, a catalog name or a Hugging Face repo id{hint}")
+
+
+_GGUF_NAMES = ("GGUFFile", "gguf_metadata", "open_gguf", "spec_from_gguf")
+
+
+def __getattr__(name: str):
+    """The GGUF reader's names, imported on first use (`from kvlab.sources import open_gguf`)."""
+    if name in _GGUF_NAMES:
+        from . import gguf
+
+        return getattr(gguf, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["load_spec", "open_gguf", "gguf_metadata", "GGUFFile", "spec_from_gguf", "spec_from_config",
-           "spec_from_folder", "spec_from_hub", "catalog", "catalog_entry", "find_entry"]
+           "spec_from_folder", "spec_from_hub", "catalog", "catalog_entry", "default_model_path", "find_entry", "is_gguf_repo", "suggestions"]

@@ -29,6 +29,8 @@ class Engine(ABC):
     name: str = ""
     version: str = ""          # the engine version whose source these rules follow
     max_parallel: int = 4096   # upper bound when solving for sequences
+    default_headroom: int = 0  # bytes the solvers keep free unless --headroom says otherwise
+    headroom_reason: str = "none kept: the budget is the card's usable memory"
 
     @abstractmethod
     def layout(self, spec: ModelSpec, settings: PlanSettings) -> KVLayout:
@@ -45,6 +47,3 @@ class Engine(ABC):
     def budget_bytes(self, vram_bytes: int, usable_bytes: int, settings: PlanSettings) -> int:
         """Bytes this engine may use on a GPU of `vram_bytes` of which `usable_bytes` are free."""
         return usable_bytes
-
-    def kv_label(self, settings: PlanSettings) -> str:
-        return ""

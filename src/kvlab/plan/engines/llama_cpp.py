@@ -31,6 +31,10 @@ CELL_PAD = 256          # n_ctx and SWA cells are padded to 256
 DEFAULT_N_BATCH = 2048
 DEFAULT_N_UBATCH = 512
 RECURRENT_BYTES = 4     # R and S tensors are f32
+#: architectures (HF model types and GGUF names) whose llama.cpp loader reads no sliding window: their sliding layers
+#: (Mistral 7B v0.1's 4,096 window, Qwen2's use_sliding_window) get full caches, as kvlab's GGUF reader plans them
+NO_SWA_ARCHS = {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "qwen3moe", "mistral3",
+                "deepseek2", "deepseek_v2", "deepseek_v3", "phi3"}
 GPU_RUNTIME_BYTES = 400 * MiB   # CUDA context + cuBLAS workspace: typical, driver-dependent (estimate)
 
 
@@ -38,6 +42,8 @@ class LlamaCppEngine(Engine):
     name = "llama.cpp"
     version = "llama.cpp 0c1e57098 (llama-cpp-python 0.3.36)"
     max_parallel = 256   # LLAMA_MAX_SEQ
+    default_headroom = 1024 * MiB   # llama.cpp's --fit keeps --fit-target 1024 MiB free per device
+    headroom_reason = "1 GiB, the margin llama.cpp's --fit keeps free per device (--fit-target 1024)"
 
     # -- sizes -------------------------------------------------------------------------------------
     def types(self, settings: PlanSettings) -> tuple[KVType, KVType]:
@@ -79,24 +85,31 @@ class LlamaCppEngine(Engine):
         widest_v = max((layer.v_elements_per_token for layer in attention), default=0)
         variable_v = len({layer.v_elements_per_token for layer in attention}) > 1
         rows = []
-        per_token = 0
+        per_token = sliding_per_token = 0
+        ignores_window = spec.arch in NO_SWA_ARCHS
         for i, layer in enumerate(spec.layers):
-            if layer.kind in ("full", "sliding", "mla"):
+            kind = "full" if layer.kind == "sliding" and ignores_window else layer.kind
+            if kind in ("full", "sliding", "mla"):
                 k_row = type_k.row_bytes(layer.k_elements_per_token)
-                v_elems = widest_v if (variable_v and not settings.flash_attn and layer.kind != "mla") else layer.v_elements_per_token
+                v_elems = widest_v if (variable_v and not settings.flash_attn and kind != "mla") else layer.v_elements_per_token
                 v_row = type_v.row_bytes(v_elems) if v_elems else 0
-                layer_cells = self.swa_cells(layer.window, cells, settings, n_ubatch) if layer.kind == "sliding" else cells
-                rows.append(LayerBytes(i, layer.kind, layer_cells * streams, k_row, v_row))
-                per_token += k_row + v_row
+                layer_cells = self.swa_cells(layer.window, cells, settings, n_ubatch) if kind == "sliding" else cells
+                rows.append(LayerBytes(i, kind, layer_cells * streams, k_row, v_row))
+                if kind == "sliding":
+                    sliding_per_token += k_row + v_row
+                else:
+                    per_token += k_row + v_row
             elif layer.kind == "recurrent":
                 state = layer.state_elements * RECURRENT_BYTES * max(1, settings.parallel)
                 rows.append(LayerBytes(i, layer.kind, state_bytes=state))
             else:
                 rows.append(LayerBytes(i, layer.kind))
         notes = []
-        if any(layer.kind == "sliding" for layer in spec.layers) and not settings.swa_full:
+        if ignores_window and any(layer.kind == "sliding" for layer in spec.layers):
+            notes.append(f"llama.cpp reads no sliding window for {spec.arch}: its sliding layers get full caches")
+        elif any(layer.kind == "sliding" for layer in spec.layers) and not settings.swa_full:
             notes.append("sliding-window layers keep pad(window + ubatch, 256) cells")
-        return KVLayout(self.name, tuple(rows), per_token, type_k.name, type_v.name, tuple(notes))
+        return KVLayout(self.name, tuple(rows), per_token, type_k.name, type_v.name, tuple(notes), sliding_per_token)
 
     # -- the rest of the budget ---------------------------------------------------------------------
     def overheads(self, spec: ModelSpec, settings: PlanSettings, layout: KVLayout) -> list[Component]:
@@ -120,8 +133,3 @@ class LlamaCppEngine(Engine):
             Component("output buffer", f"{n_vocab} vocab × {settings.parallel} seq × 4 B", output, exact=False),
             Component("CUDA runtime", "CUDA context + cuBLAS workspace (typical)", GPU_RUNTIME_BYTES, exact=False),
         ]
-
-    def kv_label(self, settings: PlanSettings) -> str:
-        n_ctx, cells, streams, _ = self.contexts(settings)
-        flags = f"-c {n_ctx} -np {settings.parallel}"
-        return flags + (" -kvu" if settings.kv_unified else "")

@@ -5,7 +5,8 @@
   MLA:                       block_size × (kv_lora_rank + rope_dim) × dtype bytes  (K only)
 - A request of C tokens needs per layer cdiv(C, block) blocks (full, MLA) or
   cdiv(min(window - 1 + max_num_batched_tokens, C), block) + 1 blocks (sliding window);
-  a Mamba / linear-attention layer needs one state page per request (conv + SSM state, model dtype).
+  a Mamba / linear-attention layer needs one state page per request (conv + SSM state in the model's dtype,
+  whatever --kv-cache-dtype says: mamba_ssm_cache_dtype defaults to the model's).
 - Tensor parallelism splits KV heads: max(1, kv_heads / tp) per GPU (replicated when tp > kv_heads);
   the MLA latent is replicated on every GPU; recurrent state is split.
 - vLLM takes gpu_memory_utilization × total VRAM; what weights, activations and the CUDA runtime
@@ -36,6 +37,7 @@ def _model_dtype(spec: ModelSpec) -> str:
 class VllmEngine(Engine):
     name = "vllm"
     version = "vLLM v1 @ 001cabc1 (kv_cache_interface.py)"
+    headroom_reason = "none beyond --gpu-memory-utilization 0.9, which already leaves 10% of the card to others"
 
     def kv_dtype(self, spec: ModelSpec, settings: PlanSettings) -> KVType:
         # vLLM has one kv_cache_dtype: a type given for K alone or V alone is that dtype, for both
@@ -54,8 +56,9 @@ class VllmEngine(Engine):
     def layout(self, spec: ModelSpec, settings: PlanSettings) -> KVLayout:
         t = self.kv_dtype(spec, settings)
         size, block, tp, n_seq = t.block_bytes, settings.block_size, settings.tp, settings.parallel
+        state_size = kv_type(_model_dtype(spec)).block_bytes
         blocks_full = cdiv(settings.context, block)
-        rows, per_token = [], 0
+        rows, per_token, sliding_per_token = [], 0, 0
         for i, layer in enumerate(spec.layers):
             if layer.kind in ("full", "sliding"):
                 heads = max(1, cdiv(layer.n_kv_heads, tp))
@@ -64,17 +67,20 @@ class VllmEngine(Engine):
                     blocks = cdiv(min(layer.window - 1 + self.max_batched(settings), settings.context), block) + 1
                 k_row, v_row = heads * layer.head_dim_k * size, heads * layer.head_dim_v * size
                 rows.append(LayerBytes(i, layer.kind, blocks * block * n_seq, k_row, v_row))
-                per_token += k_row + v_row
+                if layer.kind == "sliding":
+                    sliding_per_token += k_row + v_row
+                else:
+                    per_token += k_row + v_row
             elif layer.kind == "mla":
                 k_row = (layer.kv_lora_rank + layer.rope_dim) * size
                 rows.append(LayerBytes(i, layer.kind, blocks_full * block * n_seq, k_row, 0))
                 per_token += k_row
-            elif layer.kind == "recurrent":
-                rows.append(LayerBytes(i, layer.kind, state_bytes=cdiv(layer.state_elements, tp) * size * n_seq))
+            elif layer.kind == "recurrent":   # conv + SSM state in the model's dtype (mamba_ssm_cache_dtype auto), not the KV's
+                rows.append(LayerBytes(i, layer.kind, state_bytes=cdiv(layer.state_elements, tp) * state_size * n_seq))
             else:
                 rows.append(LayerBytes(i, layer.kind))
         notes = [f"blocks of {block} tokens; per GPU with --tp {tp}"] if tp > 1 else [f"blocks of {block} tokens"]
-        return KVLayout(self.name, tuple(rows), per_token, t.name, t.name, tuple(notes))
+        return KVLayout(self.name, tuple(rows), per_token, t.name, t.name, tuple(notes), sliding_per_token)
 
     def overheads(self, spec: ModelSpec, settings: PlanSettings, layout: KVLayout) -> list[Component]:
         tokens = self.max_batched(settings)
@@ -90,6 +96,3 @@ class VllmEngine(Engine):
 
     def budget_bytes(self, vram_bytes: int, usable_bytes: int, settings: PlanSettings) -> int:
         return min(usable_bytes, int(vram_bytes * settings.gpu_memory_utilization))
-
-    def kv_label(self, settings: PlanSettings) -> str:
-        return f"--max-model-len {settings.context} --gpu-memory-utilization {settings.gpu_memory_utilization}"
