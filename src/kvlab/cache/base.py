@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..errors import CacheCapacityError, ConfigError, NonFiniteError
+from ..rope import rope_inv_freq
 
 
 @dataclass(frozen=True)
@@ -61,8 +62,6 @@ def _rope_frequencies(config) -> tuple[float, ...] | None:
     """The decoder's RoPE inverse frequencies as a tuple (None for a config without RoPE settings)."""
     if not hasattr(config, "rope_theta"):
         return None
-    from ..model.llama import rope_inv_freq
-
     return tuple(rope_inv_freq(config).tolist())
 
 

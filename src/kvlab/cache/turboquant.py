@@ -54,7 +54,7 @@ q·k_sparse, the N query entries at the kept channels times the kept values (`sc
 key vector; the fused C step and the serving pool do not read it (the modules do).
 
 `+alloc` (allocation.py): each layer codes its keys and its values at its own whole width, b-N..b+N,
-from a recipe at the uniform total (spelled `+alloc=k…v…`, or calibrated for the model, eval/calibrate.py):
+from a recipe at the uniform total (spelled `+alloc=k…v…`, or calibrated for the model, quality/calibrate.py):
 the per-token bytes are the uniform cache's (a fractional base b spends the total rounded down, around the
 nearest whole widths: budget·d/8 bytes of codes per token); the recipe (L·2 uint8) and every held width's
 codebook count (shared by keys and values, without the torch path's byte tables, so tq3+alloc stays within tq3's budget).
@@ -103,6 +103,7 @@ import torch.nn.functional as F
 
 from ..errors import ConfigError, NonFiniteError
 from ..kernels.codebook import CodeLayout, codebook_kernel_for
+from ..rope import apply_rope
 from .allocation import SPREADS, budget, centre, check_geometry, check_recipe, format_recipe, held_widths
 from .base import CacheGeometry, copy_prefix, tensors_nbytes
 from .names import PRESETS
@@ -746,8 +747,6 @@ class TurboQuantCache(CompressedCache):
 
     def _rope(self, k: torch.Tensor, start: int, inverse: bool = False) -> torch.Tensor:
         """RoPE (or its inverse) for compressed slots [start, start+T). k: (B, H, T, d)."""
-        from ..model.llama import apply_rope
-
         cos, sin = self.slot_rope(start, k.shape[2])
         return apply_rope(k.float(), cos, -sin if inverse else sin)
 

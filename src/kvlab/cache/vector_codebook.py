@@ -29,7 +29,7 @@ from .codebook import cache_dir, save_json
 
 BLOCK = 4                      # coordinates coded together
 VECTOR_BITS = (2, 3)           # part widths coded in blocks (others stay scalar)
-CODEBOOK_FORMAT = 1            # bump when the training changes: old files (and +vq recipes, eval/calibrate.py) are then ignored
+CODEBOOK_FORMAT = 1            # bump when the training changes: old files (and +vq recipes, quality/calibrate.py) are then ignored
 _SAMPLE_VECTORS = 40_000       # unit vectors drawn per codebook (d/4 blocks each)
 _ITERS = 40
 _CHUNK = 1 << 16

@@ -28,7 +28,7 @@ import torch
 
 from ..errors import InputLimitError
 from ..generate import generate
-from .corpus import FILLER_PLAY, play_text
+from ..quality.corpus import FILLER_PLAY, play_text
 
 QUESTION = "What is the pass key? Answer with the number only."
 PRIME = "The pass key is"
@@ -139,9 +139,9 @@ def passkey_trials(loaded, name: str, protocol: PasskeyProtocol, advance=None,
     `variants`: [(seed, cache name)] to cycle through over the trials (suite.seed_variants); default
     [(None, name)]. `engine`: the backend running `loaded` (kvlab.backends; default kvlab's own).
     """
-    from ..backends import KvlabEngine
+    from ..backends import KvlabRuntime
 
-    engine = engine or KvlabEngine(loaded)
+    engine = engine or KvlabRuntime(loaded)
     variants = variants or [(None, name)]
     keys = iter(protocol.keys())
     records = []

@@ -17,7 +17,7 @@ from rich.table import Table
 from ..errors import ConfigError
 from ..limits import check_int, check_threads
 from .needle import PasskeyProtocol, check_passkey_fits, passkey_trials
-from .perplexity import WindowProtocol
+from ..quality.perplexity import WindowProtocol
 from .stats import COVERAGE
 from .suite import CacheQuality, corpus_windows, perplexity_suite, seed_variants
 
@@ -102,11 +102,11 @@ def run_eval(settings: EvalSettings, console: Console | None = None,
              checkpoint: Callable[[list[CacheQuality]], None] | None = None) -> list[CacheQuality]:
     """The evaluation; `checkpoint(records)` is called whenever the records gained results (after the
     perplexity pass, after each cache's passkey trials), so a long run can be saved as it goes."""
-    from ..backends import load_engine
+    from ..backends import load_runtime
 
     if settings.threads:
         torch.set_num_threads(settings.threads)
-    engine = load_engine(settings.backend, settings.model, "fp32", "cpu")
+    engine = load_runtime(settings.backend, settings.model, "fp32", "cpu")
     loaded = engine.loaded
     for name in settings.caches:  # fail on a cache this model cannot hold before any long work
         engine.make_cache(name, 16)
