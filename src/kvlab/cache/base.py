@@ -71,6 +71,15 @@ class KVCache(ABC):
     #: False for the no-cache baseline: generation must then feed the whole sequence every step.
     persistent: bool = True
 
+    #: the layout a C kernel reads this cache in ("dense", "int", "tq"), or None: only the modules read it. A
+    #: subclass is read like its parent only where it says so (it may change what attention reads).
+    kernel_format: str | None = None
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "kernel_format" not in cls.__dict__:
+            cls.kernel_format = None
+
     def __init__(self, geometry: CacheGeometry, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
         self.geometry = geometry
         self.dtype = dtype
@@ -103,6 +112,11 @@ class KVCache(ABC):
 
     def layer_length(self, layer: int) -> int:
         return self._lengths[layer]
+
+    @property
+    def is_level(self) -> bool:
+        """Every layer holds the same number of tokens (what a one-token step over all layers needs)."""
+        return all(n == self._lengths[0] for n in self._lengths)
 
     # -- growth ---------------------------------------------------------------------------------------
     def grown(self, capacity: int) -> "KVCache":

@@ -464,6 +464,8 @@ class HeadCodes:
 class TurboQuantCache(CompressedCache):
     """Rotated, Lloyd-Max-coded K/V with 16-bit per-vector scales; attention on the codes."""
 
+    kernel_format = "tq"   # the fused C steps read and write it in place
+
     def __init__(self, geometry: CacheGeometry, dtype: torch.dtype = torch.float32, device="cpu",
                  config: TurboQuantConfig | None = None):
         config = config or TurboQuantConfig()
@@ -556,7 +558,7 @@ class TurboQuantCache(CompressedCache):
             self.rope_inv_freq = torch.tensor(g.rope_inv_freq, dtype=torch.float32, device=dev)  # (d/2,)
 
     @property
-    def _key_scale(self) -> str:
+    def key_scale_mode(self) -> str:
         """With QJL the key scale is the plain norm: the residual correction is unbiased only then."""
         return "norm" if self.config.qjl else self.config.key_scale
 
@@ -681,7 +683,7 @@ class TurboQuantCache(CompressedCache):
             k, out["k_out_idx"], out["k_out_val"] = self._split_outliers(centered, k)
         y, norm = self._unit(rot, k)                                              # (B, H, T, d), (B, H, T)
         out["k_codes"], y_hat = self.layer_key_codes[layer].encode(y)
-        out["k_norm"] = self._to_norm(norm * _scale_factor(self._key_scale, y, y_hat), "key")
+        out["k_norm"] = self._to_norm(norm * _scale_factor(self.key_scale_mode, y, y_hat), "key")
         if self.config.qjl:
             r = y - y_hat                                                         # (B, H, T, d) residual
             sketch = r @ self.qjl_matrix.T                                        # (B, H, T, m) S·r
@@ -927,6 +929,17 @@ class TurboQuantCache(CompressedCache):
     def _store_nbytes(self) -> int:
         per_token = tensors_nbytes(*(buf for name in self.token_buffer_names() for buf in getattr(self, name).values()))
         return per_token + self.state_nbytes()
+
+    def _store_buffers(self) -> list[torch.Tensor]:
+        names = [*self.token_buffer_names(), "k_offset", "v_offset", "k_weight_codes"]
+        return [t for name in names for t in getattr(self, name).values()] + [
+            t for centres in self.norm_centres.values() for t in centres.values()]
+
+    def _writes_in_place(self, goes: str) -> bool:
+        """Not while a layer's first chunk waits for its queries, nor a layer's first coded token (its calibration)."""
+        if self._pending:
+            return False
+        return goes not in ("coded", "spill") or self._calibrated.issuperset(self.compressed_layers)
 
     def state_nbytes(self) -> int:
         """Bytes of the state every token shares: rotations, codebooks, offsets, key weights, the QJL matrix."""
