@@ -25,7 +25,7 @@ def register(app: typer.Typer) -> None:
         passkey: bool = typer.Option(True, "--passkey/--no-passkey", help="Run the passkey retrieval test."),
         passkey_lengths: str = typer.Option("1000,3000,6000", "--passkey-lengths", help="Filler tokens per passkey prompt."),
         passkey_repeats: int = typer.Option(1, "--passkey-repeats", min=1, help="Trials per (length, depth), each with its own key (the seeds cycle over them)."),
-        passkey_prime: bool = typer.Option(True, "--passkey-prime/--no-passkey-prime", help="Open the answer with 'The pass key is' (the original test's prompt), or let the model phrase it (before session 15)."),
+        passkey_prime: bool = typer.Option(True, "--passkey-prime/--no-passkey-prime", help="Open the answer with 'The pass key is' (the original test's prompt), or let the model phrase it."),
         model: Optional[str] = typer.Option(None, "--model", help="GGUF file or Hugging Face folder (default: embedded SmolLM2)."),
         backend: str = typer.Option("kvlab", "--backend", help="kvlab | transformers (any causal LM it loads from local files; adds hf:dynamic, hf:quanto-int4+r128, ... caches)."),
         threads: Optional[int] = typer.Option(None, "--threads", min=1, help="torch CPU threads."),
