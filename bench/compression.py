@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 
 from kvlab.cache import CacheGeometry, make_cache
-from kvlab.eval.agreement import kl_divergence
+from kvlab.quality.agreement import kl_divergence
 from kvlab.eval.needle import PasskeyProtocol, passkey_trials
-from kvlab.eval.perplexity import WindowProtocol, run_window
+from kvlab.quality.perplexity import WindowProtocol, run_window
 from kvlab.eval.plot import plot_quality
 from kvlab.eval.suite import corpus_windows, perplexity_suite
 from kvlab.fileio import write_json

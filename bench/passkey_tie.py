@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from kvlab.backends import KvlabEngine
+from kvlab.backends import KvlabRuntime
 from kvlab.eval.needle import PasskeyProtocol, lead, passkey_prompt
 from kvlab.generate import prefill
 from kvlab.session import cached_model
@@ -27,7 +27,7 @@ LENGTH, DEPTH = 1000, 0.5
 
 @torch.inference_mode()
 def leads(loaded, name: str, ids: list[int], answer: list[int]) -> list[float]:
-    cache = KvlabEngine(loaded).make_cache(name, len(ids) + len(answer))
+    cache = KvlabRuntime(loaded).make_cache(name, len(ids) + len(answer))
     logits = prefill(loaded.model, torch.tensor([ids]), cache, PasskeyProtocol().chunk)[0, -1]     # (V,)
     out = []
     for token in answer:

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from kvlab.backends import KvlabEngine
+from kvlab.backends import KvlabRuntime
 from kvlab.cache import CacheGeometry
 from kvlab.cache.turboquant import TurboQuantCache
-from kvlab.eval.perplexity import WindowProtocol
+from kvlab.quality.perplexity import WindowProtocol
 from kvlab.eval import suite
 from kvlab.eval.suite import perplexity_suite
 from kvlab.serve.coded import calibrated_codec
@@ -28,7 +28,7 @@ NAMES = ["tq-k4v4", "tq-k4v4+prerope+sink1", "tq4"]   # tq4: the preset (cache/n
 POOL = "pool:"   # a name's prefix: the cache given the pool's calibration
 
 
-class PoolCalibrated(KvlabEngine):
+class PoolCalibrated(KvlabRuntime):
     """kvlab's engine, where "pool:NAME" is NAME given the pool's shared calibration (use_calibration)."""
 
     codecs: dict = {}

@@ -122,11 +122,11 @@ CACHES_OUT = ROOT / "bench" / "results" / "prefill_caches.json"
 CACHE_RUN = """
 import json, resource, sys, time, torch
 torch.set_num_threads(1)
-from kvlab.backends import load_engine
-from kvlab.eval.corpus import corpus_text
+from kvlab.backends import load_runtime
+from kvlab.quality.corpus import corpus_text
 from kvlab.generate import prefill
 name, tokens = sys.argv[1], int(sys.argv[2])
-engine = load_engine("kvlab", None)
+engine = load_runtime("kvlab", None)
 loaded = engine.loaded
 ids = loaded.tokenizer.encode(corpus_text(), add_special=False)[:tokens]
 def status_mib(field):

@@ -50,7 +50,7 @@ def test_smoke_run_records_every_cache_at_every_context(smollm2, tmp_path, monke
 def test_a_name_that_needs_a_recipe_runs_with_the_recipe_calibrated_for_the_model(smollm2, tmp_path, monkeypatch):
     """`tq4+alloc` is built as the model's recipe spelled out (eval/calibrate.resolve, stubbed here with a uniform
     recipe instead of a minutes-long calibration) and reported under the name asked for."""
-    from kvlab.eval import calibrate
+    from kvlab.quality import calibrate
 
     monkeypatch.setattr(bench_contexts, "model_context", lambda model: 40)
     spelled = "tq-k4v4+alloc=k" + "4" * 30 + "v" + "4" * 30

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from kvlab.cache import CacheGeometry, make_cache
-from kvlab.eval.agreement import kl_divergence, top1_matches
-from kvlab.eval.corpus import windows
-from kvlab.eval.perplexity import WindowProtocol, chunked_logits, run_window, window_nll
+from kvlab.quality.agreement import kl_divergence, top1_matches
+from kvlab.quality.corpus import windows
+from kvlab.quality.perplexity import WindowProtocol, chunked_logits, run_window, window_nll
 from kvlab.eval.plot import plot_quality
 from kvlab.eval.run import quality_table
 from kvlab.eval.suite import CacheQuality

@@ -10,10 +10,10 @@ import torch
 
 from kvlab.cache import CacheGeometry, make_cache
 from kvlab.errors import KvlabError
-from kvlab.eval.agreement import kl_divergence
-from kvlab.eval.corpus import CALIBRATION_PLAYS, FILLER_PLAY, PLAYS, shared_spans
+from kvlab.quality.agreement import kl_divergence
+from kvlab.quality.corpus import CALIBRATION_PLAYS, FILLER_PLAY, PLAYS, shared_spans
 from kvlab.eval.needle import MIN_TRIALS, PRIME, PasskeyProtocol, key_margin, passkey_prompt, passkey_trials
-from kvlab.eval.perplexity import WindowProtocol, run_window, window_nll
+from kvlab.quality.perplexity import WindowProtocol, run_window, window_nll
 from kvlab.eval.plot import plot_quality
 from kvlab.eval.run import EvalSettings, quality_table
 from kvlab.eval.stats import WindowSums, summarize
@@ -229,7 +229,7 @@ def test_run_eval_checkpoints_each_stage_and_prints_plain_progress_without_a_ter
 
     model = tiny_model(vocab_size=gguf_tokenizer.vocab_size, max_seq_len=256, head_dim=0)
     loaded = SimpleNamespace(model=model, config=model.config, dtype=torch.float32, device="cpu", tokenizer=gguf_tokenizer)
-    monkeypatch.setattr(backends, "load_engine", lambda *a, **k: backends.KvlabEngine(loaded))
+    monkeypatch.setattr(backends, "load_runtime", lambda *a, **k: backends.KvlabRuntime(loaded))
     stderr = io.StringIO()
     monkeypatch.setattr(eval_run.sys, "stderr", stderr)
     settings = EvalSettings(("int8",), WindowProtocol(length=40, prefill=8, chunk=8, n_windows=2),

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from kvlab.cache import CacheGeometry, make_cache
+from kvlab.cache.quantized import QuantizedCache
 from kvlab.errors import NonFiniteError
 from kvlab.kernels import check_buffer
 from kvlab.model import fused_int
@@ -82,7 +83,7 @@ def test_store_is_the_module_paths_bit_for_bit(name, native):
         k, v = awkward_rows(t, heads, d)
         modules.append(0, k[None, :, None], v[None, :, None])
         assert append(ctypes.byref(q), heads, d, t, k.data_ptr(), v.data_ptr()) == 0
-        for buffer in fused_int.BUFFERS:
+        for buffer in QuantizedCache.BUFFERS:
             assert torch.equal(getattr(fused, buffer)[0], getattr(modules, buffer)[0]), (name, t, buffer)
 
 
@@ -101,7 +102,7 @@ def test_store_refuses_kv_beyond_float16_like_the_module_path(what, at, native):
     with pytest.raises(NonFiniteError) as got:
         fused_int.raise_range_error(q)
     assert str(got.value) == str(want.value) and str(want.value).startswith(f"{what} magnitude 7e+04")
-    assert all(not getattr(fused, buffer)[0].any() for buffer in fused_int.BUFFERS)
+    assert all(not getattr(fused, buffer)[0].any() for buffer in QuantizedCache.BUFFERS)
 
 
 def compare_stored(fused, modules) -> bool:

@@ -20,12 +20,12 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from kvlab.backends import (KvlabEngine, TransformersEngine, TransformersLM, TransformersLoaded,  # noqa: E402
+from kvlab.backends import (KvlabRuntime, TransformersRuntime, TransformersLM, TransformersLoaded,  # noqa: E402
                             cache_name, check_backend)
 from kvlab.cache import CacheGeometry, expected_nbytes, make_cache  # noqa: E402
 from kvlab.cache.turboquant import TurboQuantCache  # noqa: E402
 from kvlab.errors import ConfigError  # noqa: E402
-from kvlab.eval.perplexity import WindowProtocol, run_window, window_nll  # noqa: E402
+from kvlab.quality.perplexity import WindowProtocol, run_window, window_nll  # noqa: E402
 from kvlab.hf import ATTENTION, KVLabCache, read_queries  # noqa: E402
 from kvlab.hf_baselines import Baseline, held_nbytes  # noqa: E402
 
@@ -72,13 +72,13 @@ def test_grown_holds_and_reads_what_a_bigger_cache_does(name):
 LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 16
 
 
-def tiny_engine(seed: int = 0) -> TransformersEngine:
+def tiny_engine(seed: int = 0) -> TransformersRuntime:
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
                                       num_attention_heads=4, num_key_value_heads=KV_HEADS, max_position_embeddings=256)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     adapter = TransformersLM(model)
-    return TransformersEngine(TransformersLoaded(adapter, None, adapter.config, None, torch.float32, torch.device("cpu")))
+    return TransformersRuntime(TransformersLoaded(adapter, None, adapter.config, None, torch.float32, torch.device("cpu")))
 
 
 def test_baseline_bytes_are_every_tensor_held_and_kvlab_rows_are_the_formula():
@@ -201,7 +201,7 @@ def engines(smollm2, hf_smollm2):
     read_queries(hf_smollm2)
     adapter = TransformersLM(hf_smollm2)
     loaded = TransformersLoaded(adapter, smollm2.tokenizer, adapter.config, smollm2.path, torch.float32, torch.device("cpu"))
-    yield KvlabEngine(smollm2), TransformersEngine(loaded)
+    yield KvlabRuntime(smollm2), TransformersRuntime(loaded)
     hf_smollm2.set_attn_implementation(previous)
 
 

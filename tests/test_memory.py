@@ -85,7 +85,7 @@ def test_tensor_read_of_a_file_cut_short_is_one_line(tmp_path):
         tensor.read()
 
 
-# -- session 9: what a long prompt's prefill and the loader hold (bench/prefill.py --memory-only) ----------------
+# -- what a long prompt's prefill and the loader hold (bench/prefill.py --memory-only) ----------------
 
 
 def test_generate_path_imports_no_rich():

@@ -191,7 +191,7 @@ def _logits(loaded, ids: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture
 def int8_smollm2(smollm2, q8):
-    """The session's SmolLM2 with int8 activations for this test only."""
+    """The shared SmolLM2 fixture with int8 activations for this test only."""
     set_activations(smollm2.model, "int8")
     yield smollm2
     set_activations(smollm2.model, "fp32")

@@ -217,7 +217,7 @@ def test_pool_bytes_are_blocks_times_the_formula(smollm2, name, per_head_token):
 def test_an_engine_given_the_loaded_model_spells_out_its_recipe(smollm2, monkeypatch):
     """`tq4+halloc` names the recipe calibrated for the model: the engine asks eval/calibrate.resolve for it (stubbed
     here: the pass takes a minute) before it sizes the pool, whose codec then codes each head at its width."""
-    from kvlab.eval import calibrate
+    from kvlab.quality import calibrate
 
     asked = []
     monkeypatch.setattr(calibrate, "resolve", lambda name, loaded: asked.append((name, loaded)) or HALLOC)

@@ -17,16 +17,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvlab.backends import KvlabEngine
+from kvlab.backends import KvlabRuntime
 from kvlab.cache import CacheGeometry, TurboQuantCache, expected_nbytes, make_cache
 from kvlab.cache import compressed
 from kvlab.cache.allocation import allocate, held_widths
 from kvlab.cache.attention import grouped_attention
 from kvlab.cache.names import parse
 from kvlab.errors import ConfigError
-from kvlab.eval import calibrate
-from kvlab.eval.corpus import shared_spans
-from kvlab.eval.perplexity import WindowProtocol
+from kvlab.quality import calibrate
+from kvlab.quality.corpus import shared_spans
+from kvlab.quality.perplexity import WindowProtocol
 from kvlab.eval.suite import corpus_windows
 
 from .compressed_checks import (GEOMETRY, check_attend_is_exact_to_storage, check_attend_is_token_by_token,
@@ -249,7 +249,7 @@ def loaded(tmp_path, monkeypatch):
 
 
 def test_the_engine_calibrates_once_stores_the_recipe_and_reads_it_back(loaded, monkeypatch):
-    cache = KvlabEngine(loaded).make_cache("tq-k4v4+alloc+seed1", 64)
+    cache = KvlabRuntime(loaded).make_cache("tq-k4v4+alloc+seed1", 64)
     assert isinstance(cache, TurboQuantCache) and len(cache.config.key_alloc) == 2 and cache.config.seed == 1
     stored = list((calibrate.recipe_dir()).glob("*.json"))
     assert len(stored) == 1

@@ -17,13 +17,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvlab.backends import KvlabEngine
+from kvlab.backends import KvlabRuntime
 from kvlab.cache import CacheGeometry, TurboQuantCache, describe_formula, expected_nbytes, make_cache
 from kvlab.cache.allocation import allocate, held_widths
 from kvlab.cache.names import parse
 from kvlab.cache.turboquant import HeadCodes
 from kvlab.errors import ConfigError
-from kvlab.eval import calibrate
+from kvlab.quality import calibrate
 from kvlab.serve.formats import block_format
 
 from .compressed_checks import (GEOMETRY, check_attend_is_exact_to_storage, check_attend_is_token_by_token, check_nbytes,
@@ -266,7 +266,7 @@ def test_a_fractional_base_allocates_from_its_whole_bases_stored_pass(loaded, mo
 
 
 def test_the_engine_calibrates_a_per_head_recipe_and_reads_it_back(loaded, monkeypatch):
-    cache = KvlabEngine(loaded).make_cache("tq-k4v4+halloc+seed1", 64)
+    cache = KvlabRuntime(loaded).make_cache("tq-k4v4+halloc+seed1", 64)
     units = loaded.config.n_layers * loaded.config.n_kv_heads
     assert isinstance(cache, TurboQuantCache) and cache.config.alloc_heads and len(cache.config.key_alloc) == units
     stored = list(calibrate.recipe_dir().glob("*halloc*.json"))

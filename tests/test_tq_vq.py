@@ -128,7 +128,7 @@ def test_a_vq_recipe_is_stored_under_its_codebooks_format():
     """A +vq recipe calibrated with other block codes (an older codebook format) is not found, so it is calibrated
     again; other recipes' paths do not change."""
     from kvlab.cache.vector_codebook import CODEBOOK_FORMAT
-    from kvlab.eval.calibrate import recipe_path
+    from kvlab.quality.calibrate import recipe_path
 
     vq = recipe_path("ab" * 32, "tq3+vq+halloc")
     assert vq.name.endswith(f"-tq3+vq+halloc-vq{CODEBOOK_FORMAT}.json")

@@ -1,4 +1,5 @@
-"""Which engine runs the model behind `kvlab eval` and `kvlab generate`: `--backend kvlab | transformers`.
+"""Which runtime runs the model behind `kvlab eval` and `kvlab generate`: `--backend kvlab | transformers`.
+("Engine" is the serving engine, kvlab.serve.Engine; these are the two runtimes of a single sequence.)
 
 kvlab      kvlab's Decoder (the families it implements; GGUF blocks kept native), kvlab's caches.
 transformers  any causal LM transformers loads from local files (a model folder, a Hub id already in the
@@ -7,10 +8,10 @@ transformers  any causal LM transformers loads from local files (a model folder,
            (kvlab.hf.KVLabCache) beside transformers' own caches by name (`hf:dynamic`, `hf:quanto-int4+r128`,
            ...; kvlab.hf_baselines). Its reference row is `hf:dynamic`.
 
-Both engines answer the same calls, so the evaluation and generation loops are the same code:
-    engine.loaded.model(tokens (B, T), cache, last_only=False) -> logits (B, T, V)
-    engine.make_cache(name, capacity)                          -> a cache with .nbytes, .length, .persistent
-    engine.bytes_per_token(name, tokens, dtype)                -> (bytes per token, bits per cached value)
+Both runtimes answer the same calls, so the evaluation and generation loops are the same code:
+    runtime.loaded.model(tokens (B, T), cache, last_only=False) -> logits (B, T, V)
+    runtime.make_cache(name, capacity)                         -> a cache with .nbytes, .length, .persistent
+    runtime.bytes_per_token(name, tokens, dtype)               -> (bytes per token, bits per cached value)
 `check_backend` is the one validation of the option and of the caches it is asked to hold.
 """
 
@@ -67,10 +68,10 @@ def cache_name(backend: str, name: str) -> str:
     return key
 
 
-# -- kvlab's engine -----------------------------------------------------------------------------------------
+# -- kvlab's runtime ----------------------------------------------------------------------------------------
 
 @dataclass
-class KvlabEngine:
+class KvlabRuntime:
     loaded: object                      # kvlab.model.loader.LoadedModel
     name: str = "kvlab"
 
@@ -79,7 +80,7 @@ class KvlabEngine:
         return REFERENCE[self.name]
 
     def make_cache(self, name: str, capacity: int):
-        from .eval.calibrate import resolve
+        from .quality.calibrate import resolve
 
         geometry = CacheGeometry.for_model(self.loaded.config, batch=1, capacity=capacity)
         name = resolve(name, self.loaded)  # tq-k4v4+alloc: the recipe calibrated for this model, spelled out
@@ -171,7 +172,7 @@ class TransformersLoaded:
 
 
 @dataclass
-class TransformersEngine:
+class TransformersRuntime:
     loaded: TransformersLoaded
     name: str = "transformers"
 
@@ -267,21 +268,20 @@ def load_transformers(model: str | None, dtype: torch.dtype = torch.float32, dev
         else:
             os.environ["TQDM_DISABLE"] = previous
     hf_model = hf_model.to(device).eval()
-    read_queries(hf_model)              # TurboQuant's key weights from the queries, as kvlab's engine
+    read_queries(hf_model)              # TurboQuant's key weights from the queries, as kvlab's runtime
     adapter = TransformersLM(hf_model)
     return TransformersLoaded(adapter, tokenizer, adapter.config, path, dtype, torch.device(device))
 
 
-def load_engine(backend: str, model: str | None, dtype: str = "fp32", device: str = "cpu", weights: str = "auto"):
-    """The engine for `backend` (already checked) with its model loaded (once per process for kvlab)."""
-    from .model.loader import parse_dtype
-    from .session import cached_model
+def load_runtime(backend: str, model: str | None, dtype: str = "fp32", device: str = "cpu", weights: str = "auto"):
+    """The runtime for `backend` (already checked) with its model loaded (once per process for kvlab)."""
+    from .model.loader import cached_model, parse_dtype
 
     if backend == "kvlab":
-        return KvlabEngine(cached_model(model, dtype, device, weights))
+        return KvlabRuntime(cached_model(model, dtype, device, weights))
     if weights not in ("auto", "dense"):
         raise ConfigError(f"--weights {weights} is kvlab's; transformers dequantizes the weights (use auto or dense)")
     from .limits import check_device
 
     check_device(device)
-    return TransformersEngine(load_transformers(model, parse_dtype(dtype), device))
+    return TransformersRuntime(load_transformers(model, parse_dtype(dtype), device))

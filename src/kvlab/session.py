@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections import Counter
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable
@@ -12,20 +11,13 @@ import torch
 from .cache import CacheGeometry, describe_formula, expected_nbytes, make_cache
 from .errors import ConfigError
 from .generate import GenerationResult, SamplingConfig, check_fits, generate, model_context
-from .limits import check_device, check_int
-from .model.loader import LoadedModel, load_model, parse_dtype
+from .limits import check_int
+from .model.loader import LoadedModel, cached_model  # noqa: F401  (cached_model: importable from here)
 from .model.fused import decode_step_kind
 from .model.tokenizer import StreamDecoder
 
 if TYPE_CHECKING:
     from rich.table import Table
-
-
-@functools.lru_cache(maxsize=4)
-def cached_model(path: str | None, dtype: str = "fp32", device: str = "cpu", weights: str = "auto") -> LoadedModel:
-    """One load per (model, dtype, device, weights) in a process: the demo and benchmarks reuse it."""
-    check_device(device)  # one line naming --device, before any loading
-    return load_model(path, parse_dtype(dtype), device, weights)
 
 
 def encode_prompt(loaded: LoadedModel, prompt: str, chat: bool) -> list[int]:
@@ -87,11 +79,11 @@ def run_generation(
     weights: str = "auto",
     backend: str = "kvlab",
 ) -> GenerationRun:
-    from .backends import check_backend, load_engine
+    from .backends import check_backend, load_runtime
 
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     backend = check_backend(backend, [cache])   # before any loading
-    engine = load_engine(backend, model, dtype, device, weights)
+    engine = load_runtime(backend, model, dtype, device, weights)
     loaded = engine.loaded
     context = model_context(loaded.model)
     if capacity is not None:

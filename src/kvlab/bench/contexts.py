@@ -61,12 +61,12 @@ class ContextResult:
 
 def parse_contexts(text: str) -> list[int]:
     """'512,2k,4k,8k' -> [512, 2048, 4096, 8192] (k = 1024, as `kvlab plan --ctx`)."""
-    from ..plan.command import _parse_ctx
+    from ..plan.build import parse_ctx
 
     values = []
     for item in (part.strip() for part in text.split(",")):
         try:
-            value = _parse_ctx(item) if item else None
+            value = parse_ctx(item) if item else None
         except ConfigError:
             value = None
         if value is None:
@@ -104,7 +104,7 @@ def run_context_bench(model_name, contexts: list[int], caches: list[str], repeat
             check_python(llama_python)
         limit = model_context(loaded.model) or max(contexts) + warmup + repeats * steps
         geometry = CacheGeometry.for_model(loaded.config, capacity=1)
-        from ..eval.calibrate import resolve   # the compressed formats load for compressed names only
+        from ..quality.calibrate import resolve   # the compressed formats load for compressed names only
 
         # the cache each name builds: tq-k4v4+halloc spelled out with the recipe calibrated for this model
         built = {name: name if is_peer(name) else resolve(name, loaded) for name in caches}

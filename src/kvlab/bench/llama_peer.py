@@ -1,7 +1,7 @@
 """llama.cpp as a contender of `kvlab bench decode --contexts … --llama-cpp PYTHON --caches …,llama.cpp:f16`.
 
 kvlab never imports llama_cpp: PYTHON is another interpreter (a venv with llama-cpp-python, built apart
-and never in CI; see docs/benchmarks.md) that runs llama_worker.py. One worker process per contender
+and never in CI; bench/README.md says how to build it) that runs llama_worker.py. One worker process per contender
 holds its llama.cpp context for one context length, so its K/V grow across the repeats exactly as a
 kvlab cache does, and the bench interleaves it with kvlab's caches (A B C A B C …).
 

@@ -66,7 +66,7 @@ class RunResult:
 
 def corpus_tokens(tokenizer, n: int) -> list[int]:
     """At least n token ids of Shakespeare (the eval corpus), repeated if it is short."""
-    from ..eval.corpus import corpus_text
+    from ..quality.corpus import corpus_text
 
     ids = tokenizer.encode(corpus_text()[: n * 8], add_special=False)
     while len(ids) < n:

@@ -20,7 +20,7 @@ at its width), which is the uniform cache's bytes for whole bases.
 
 A recipe is spelled in the cache name, one digit per layer, layer 0 first:
     tq-k4v4+alloc=k4453…v3444…      (n_layers digits after k, n_layers after v)
-`tq-k4v4+alloc` alone names the recipe calibrated for the model the cache is made for (eval/calibrate.py
+`tq-k4v4+alloc` alone names the recipe calibrated for the model the cache is made for (quality/calibrate.py
 measures it on text no evaluation window contains; the engine spells it out before building the cache).
 
 `+halloc` (`+halloc2`) does the same per unit (layer, KV head): every KV head of every layer codes its keys and

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..errors import CacheCapacityError, ConfigError, NonFiniteError
+from ..rope import rope_inv_freq
 
 
 @dataclass(frozen=True)
@@ -61,8 +62,6 @@ def _rope_frequencies(config) -> tuple[float, ...] | None:
     """The decoder's RoPE inverse frequencies as a tuple (None for a config without RoPE settings)."""
     if not hasattr(config, "rope_theta"):
         return None
-    from ..model.llama import rope_inv_freq
-
     return tuple(rope_inv_freq(config).tolist())
 
 
@@ -71,6 +70,15 @@ class KVCache(ABC):
 
     #: False for the no-cache baseline: generation must then feed the whole sequence every step.
     persistent: bool = True
+
+    #: the layout a C kernel reads this cache in ("dense", "int", "tq"), or None: only the modules read it. A
+    #: subclass is read like its parent only where it says so (it may change what attention reads).
+    kernel_format: str | None = None
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "kernel_format" not in cls.__dict__:
+            cls.kernel_format = None
 
     def __init__(self, geometry: CacheGeometry, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
         self.geometry = geometry
@@ -104,6 +112,11 @@ class KVCache(ABC):
 
     def layer_length(self, layer: int) -> int:
         return self._lengths[layer]
+
+    @property
+    def is_level(self) -> bool:
+        """Every layer holds the same number of tokens (what a one-token step over all layers needs)."""
+        return all(n == self._lengths[0] for n in self._lengths)
 
     # -- growth ---------------------------------------------------------------------------------------
     def grown(self, capacity: int) -> "KVCache":

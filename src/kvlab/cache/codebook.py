@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import paths
 from ..errors import ConfigError
 
 _FORMAT = 1             # bump when the algorithm changes: old files are then ignored
@@ -71,12 +72,7 @@ def _cached(dim: int, bits: int) -> Codebook:
 
 def cache_dir() -> Path:
     """Where computed codebooks are kept between runs."""
-    root = os.environ.get("KVLAB_CACHE_DIR")
-    if root:
-        return Path(root) / "codebooks"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg) if xdg else Path.home() / ".cache"
-    return base / "kvlab" / "codebooks"
+    return paths.cache_dir() / "codebooks"
 
 
 def _load(path: Path, dim: int, bits: int) -> Codebook | None:

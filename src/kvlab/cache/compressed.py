@@ -74,6 +74,17 @@ class FullPrecision:
         return sink, window, capacity - sink - window
 
 
+@dataclass(frozen=True)
+class NextSlot:
+    """Where the next token of every compressed layer goes, for a kernel that writes it in place (the layers are
+    level: each holds `sink` tokens in its sink rows, `coded` in its store and `recent` in its recent window)."""
+
+    sink: int
+    coded: int
+    recent: int
+    goes: str     # "sink" | "coded" | "recent" | "spill" (the window's oldest token is coded, the new one takes its row)
+
+
 #: A long chunk is attended in blocks of this many query rows (G·T axis) ...
 ATTEND_ROWS = 512
 #: ... against chunks of this many keys, once its logits exceed one such block per KV head (see the docstring).
@@ -109,7 +120,62 @@ class CompressedCache(KVCache):
     def compressed_layers(self) -> list[int]:
         return [layer for layer in range(self.geometry.n_layers) if layer not in self.fp_layers]
 
+    # -- what a kernel reads and writes in place (the fused decode step) -------------------------------
+    def full_layer(self, layer: int) -> DenseCache:
+        """The one-layer dense cache of a layer kept whole in full precision (`layer in fp_layers`)."""
+        return self._dense[layer]
+
+    def full_precision_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A compressed layer's sink keys and values (B, Hkv, sink, D) and recent-window keys and values (B, Hkv, window, D)."""
+        return self._sink_k[layer], self._sink_v[layer], self._win_k[layer], self._win_v[layer]
+
+    def kernel_buffers(self) -> list[torch.Tensor]:
+        """Every buffer a kernel may point into: the full-precision layers, sinks and windows, and the store's."""
+        held = [self._dense[l].k for l in sorted(self._dense)] + [self._dense[l].v for l in sorted(self._dense)]
+        for buffers in (self._sink_k, self._sink_v, self._win_k, self._win_v):
+            held += buffers.values()
+        return held + self._store_buffers()
+
+    def _goes(self, layer: int) -> str:
+        """Where `layer`'s next token goes (NextSlot.goes)."""
+        if self._n_sink(layer) < self.sink:
+            return "sink"
+        if self.window == 0:
+            return "coded"
+        return "recent" if self._held(layer) < self.window else "spill"
+
+    def next_slot(self) -> NextSlot | None:
+        """Where the next token goes in every compressed layer, or None when a kernel cannot write it: the layers'
+        parts are not level, or the subclass must take that token itself (`_writes_in_place`)."""
+        layers = self.compressed_layers
+        first = layers[0]
+        if not all(self._n_comp[l] == self._n_comp[first] and self._lengths[l] == self._lengths[first] for l in layers):
+            return None
+        goes = self._goes(first)
+        if not self._writes_in_place(goes):
+            return None
+        return NextSlot(self._n_sink(first), self._n_comp[first], self._held(first), goes)
+
+    def record_written(self, layers, n_new: int = 1) -> None:
+        """Count the one token a kernel wrote in place into `layers`, where `next_slot` said it goes."""
+        if n_new != 1:
+            raise ValueError(f"a compressed cache counts one token written in place at a time, not {n_new}")
+        for layer in layers:
+            if layer in self.fp_layers:
+                self._dense[layer].record_written([0], 1)
+            elif self._goes(layer) in ("coded", "spill"):
+                self._n_comp[layer] += 1
+            self._lengths[layer] += 1
+
     # -- subclass hooks -----------------------------------------------------------------------------
+    def _writes_in_place(self, goes: str) -> bool:
+        """Whether a kernel may write the next token (going to `goes`) as the subclass's own `_store` would."""
+        return True
+
+    def _store_buffers(self) -> list[torch.Tensor]:
+        """The store's buffers a kernel points into."""
+        raise NotImplementedError
+
     def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         """Compress tokens [start, start+T) of `layer`. k: (B, Hkv, T, Dk), v: (B, Hkv, T, Dv)."""
         raise NotImplementedError

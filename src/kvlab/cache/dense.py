@@ -21,6 +21,8 @@ class DenseCache(KVCache):
     """Two buffers of (layers, B, Hkv, capacity, D); token t of layer l lives at [l, :, :, t].
     `storage`: the dtype of those buffers (default: `dtype`, the compute dtype)."""
 
+    kernel_format = "dense"   # the fused C steps read and write it in place
+
     def __init__(self, geometry: CacheGeometry, dtype: torch.dtype = torch.float32, device="cpu",
                  storage: torch.dtype | None = None):
         super().__init__(geometry, dtype, device)

@@ -85,6 +85,8 @@ class QuantizedConfig:
 class QuantizedCache(CompressedCache):
     """Integer codes with per-group scale and zero point; attention dequantizes on the fly."""
 
+    kernel_format = "int"   # the fused C steps read and write it in place
+
     def __init__(self, geometry: CacheGeometry, dtype: torch.dtype = torch.float32, device="cpu",
                  config: QuantizedConfig | None = None):
         config = config or QuantizedConfig()
@@ -111,7 +113,7 @@ class QuantizedCache(CompressedCache):
     def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         b, G = self.config.bits, self.config.group_size
         B, H, T, Dk = k.shape
-        _check_range(k, "key")
+        check_range(k, "key")
         # keys: re-open the incomplete group (if any) from the stage, so groups start aligned
         have = start % G
         first = start - have                                                    # first token of the open group
@@ -322,10 +324,19 @@ class QuantizedCache(CompressedCache):
         bigger._fresh = dict(self._fresh)   # the last append's full-precision K/V, read by the same chunk
 
     # -- bytes --------------------------------------------------------------------------------------
+    #: the store's buffers, per compressed layer
+    BUFFERS = ("k_codes", "k_scale", "k_zero", "k_stage", "v_codes", "v_scale", "v_zero")
+
     def _store_nbytes(self) -> int:
-        return tensors_nbytes(*self.k_codes.values(), *self.k_scale.values(), *self.k_zero.values(),
-                              *self.k_stage.values(), *self.v_codes.values(), *self.v_scale.values(),
-                              *self.v_zero.values())
+        return tensors_nbytes(*self._store_buffers())
+
+    def _store_buffers(self) -> list[torch.Tensor]:
+        return [t for name in self.BUFFERS for t in getattr(self, name).values()]
+
+    def record_written(self, layers, n_new: int = 1) -> None:
+        super().record_written(layers, n_new)
+        for layer in layers:   # its last append's full-precision copy is no longer the last append
+            self._fresh.pop(layer, None)
 
     @classmethod
     def _expected_store_nbytes(cls, config: QuantizedConfig, geometry: CacheGeometry, dtype: torch.dtype,
@@ -348,7 +359,7 @@ class QuantizedCache(CompressedCache):
                 f"plus a stage of {G} full-precision keys per layer and head")
 
 
-def _check_range(x: torch.Tensor, what: str) -> None:
+def check_range(x: torch.Tensor, what: str) -> None:
     """A one-line error for entries beyond float16, where the scales and zero points cannot follow."""
     biggest = x.abs().max().item() if x.numel() else 0.0
     if biggest > _META_MAX:
@@ -357,8 +368,8 @@ def _check_range(x: torch.Tensor, what: str) -> None:
 
 def _affine(lo: torch.Tensor, hi: torch.Tensor, bits: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:
     """float16 (scale, zero) for the range [lo, hi] with 2^bits levels."""
-    _check_range(lo, what)
-    _check_range(hi, what)
+    check_range(lo, what)
+    check_range(hi, what)
     zero = lo.to(_META)
     scale = ((hi - zero.float()) / ((1 << bits) - 1)).to(_META)
     return scale, zero

@@ -54,7 +54,7 @@ q·k_sparse, the N query entries at the kept channels times the kept values (`sc
 key vector; the fused C step and the serving pool do not read it (the modules do).
 
 `+alloc` (allocation.py): each layer codes its keys and its values at its own whole width, b-N..b+N,
-from a recipe at the uniform total (spelled `+alloc=k…v…`, or calibrated for the model, eval/calibrate.py):
+from a recipe at the uniform total (spelled `+alloc=k…v…`, or calibrated for the model, quality/calibrate.py):
 the per-token bytes are the uniform cache's (a fractional base b spends the total rounded down, around the
 nearest whole widths: budget·d/8 bytes of codes per token); the recipe (L·2 uint8) and every held width's
 codebook count (shared by keys and values, without the torch path's byte tables, so tq3+alloc stays within tq3's budget).
@@ -103,6 +103,7 @@ import torch.nn.functional as F
 
 from ..errors import ConfigError, NonFiniteError
 from ..kernels.codebook import CodeLayout, codebook_kernel_for
+from ..rope import apply_rope
 from .allocation import SPREADS, budget, centre, check_geometry, check_recipe, format_recipe, held_widths
 from .base import CacheGeometry, copy_prefix, tensors_nbytes
 from .names import PRESETS
@@ -463,6 +464,8 @@ class HeadCodes:
 class TurboQuantCache(CompressedCache):
     """Rotated, Lloyd-Max-coded K/V with 16-bit per-vector scales; attention on the codes."""
 
+    kernel_format = "tq"   # the fused C steps read and write it in place
+
     def __init__(self, geometry: CacheGeometry, dtype: torch.dtype = torch.float32, device="cpu",
                  config: TurboQuantConfig | None = None):
         config = config or TurboQuantConfig()
@@ -555,7 +558,7 @@ class TurboQuantCache(CompressedCache):
             self.rope_inv_freq = torch.tensor(g.rope_inv_freq, dtype=torch.float32, device=dev)  # (d/2,)
 
     @property
-    def _key_scale(self) -> str:
+    def key_scale_mode(self) -> str:
         """With QJL the key scale is the plain norm: the residual correction is unbiased only then."""
         return "norm" if self.config.qjl else self.config.key_scale
 
@@ -680,7 +683,7 @@ class TurboQuantCache(CompressedCache):
             k, out["k_out_idx"], out["k_out_val"] = self._split_outliers(centered, k)
         y, norm = self._unit(rot, k)                                              # (B, H, T, d), (B, H, T)
         out["k_codes"], y_hat = self.layer_key_codes[layer].encode(y)
-        out["k_norm"] = self._to_norm(norm * _scale_factor(self._key_scale, y, y_hat), "key")
+        out["k_norm"] = self._to_norm(norm * _scale_factor(self.key_scale_mode, y, y_hat), "key")
         if self.config.qjl:
             r = y - y_hat                                                         # (B, H, T, d) residual
             sketch = r @ self.qjl_matrix.T                                        # (B, H, T, m) S·r
@@ -746,8 +749,6 @@ class TurboQuantCache(CompressedCache):
 
     def _rope(self, k: torch.Tensor, start: int, inverse: bool = False) -> torch.Tensor:
         """RoPE (or its inverse) for compressed slots [start, start+T). k: (B, H, T, d)."""
-        from ..model.llama import apply_rope
-
         cos, sin = self.slot_rope(start, k.shape[2])
         return apply_rope(k.float(), cos, -sin if inverse else sin)
 
@@ -928,6 +929,17 @@ class TurboQuantCache(CompressedCache):
     def _store_nbytes(self) -> int:
         per_token = tensors_nbytes(*(buf for name in self.token_buffer_names() for buf in getattr(self, name).values()))
         return per_token + self.state_nbytes()
+
+    def _store_buffers(self) -> list[torch.Tensor]:
+        names = [*self.token_buffer_names(), "k_offset", "v_offset", "k_weight_codes"]
+        return [t for name in names for t in getattr(self, name).values()] + [
+            t for centres in self.norm_centres.values() for t in centres.values()]
+
+    def _writes_in_place(self, goes: str) -> bool:
+        """Not while a layer's first chunk waits for its queries, nor a layer's first coded token (its calibration)."""
+        if self._pending:
+            return False
+        return goes not in ("coded", "spill") or self._calibrated.issuperset(self.compressed_layers)
 
     def state_nbytes(self) -> int:
         """Bytes of the state every token shares: rotations, codebooks, offsets, key weights, the QJL matrix."""

@@ -10,7 +10,7 @@ magnitude point m nearest |x|, and reads back as s ⊙ m. That keeps the codeboo
 Measured on blocks of unit vectors in 64 dimensions (mean squared error per vector, ×d): 3 bits 0.0256 against the
 scalar Lloyd-Max codes' 0.0333 (-23%), 2 bits 0.101 against 0.115 (-12%). Used for 2- and 3-bit parts: blocks of 4 at
 4 bits would need 4,096 magnitude points (64 KiB, more bytes than they save at these lengths), and pairs at 4 bits
-(-15% error) made SmolLM2's perplexity worse, not better (docs/benchmarks.md, session 12).
+(-15% error) made SmolLM2's perplexity worse, not better (bench/vector_codes.py).
 
 The magnitude points are found once per (d, b) by Lloyd's k-means in float64 on samples of the exact law (blocks of
 seeded random unit vectors in d dimensions), started from seeded samples, and kept as JSON beside the scalar
@@ -29,7 +29,7 @@ from .codebook import cache_dir, save_json
 
 BLOCK = 4                      # coordinates coded together
 VECTOR_BITS = (2, 3)           # part widths coded in blocks (others stay scalar)
-CODEBOOK_FORMAT = 1            # bump when the training changes: old files (and +vq recipes, eval/calibrate.py) are then ignored
+CODEBOOK_FORMAT = 1            # bump when the training changes: old files (and +vq recipes, quality/calibrate.py) are then ignored
 _SAMPLE_VECTORS = 40_000       # unit vectors drawn per codebook (d/4 blocks each)
 _ITERS = 40
 _CHUNK = 1 << 16

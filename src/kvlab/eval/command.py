@@ -23,9 +23,10 @@ def register(app: typer.Typer) -> None:
         quick: bool = typer.Option(False, "--quick", help=f"{QUICK_WINDOWS} windows, one rotation seed, passkey trials at the first length only."),
         windows: Optional[int] = typer.Option(None, "--windows", min=1, help="Windows of 512 tokens (default 16)."),
         passkey: bool = typer.Option(True, "--passkey/--no-passkey", help="Run the passkey retrieval test."),
+        text: bool = typer.Option(True, "--text/--no-text", help="Greedy continuations of 54 fixed prompts (--quick: 8, 16 tokens) against dense's: first difference, chat answers, repetition."),
         passkey_lengths: str = typer.Option("1000,3000,6000", "--passkey-lengths", help="Filler tokens per passkey prompt."),
         passkey_repeats: int = typer.Option(1, "--passkey-repeats", min=1, help="Trials per (length, depth), each with its own key (the seeds cycle over them)."),
-        passkey_prime: bool = typer.Option(True, "--passkey-prime/--no-passkey-prime", help="Open the answer with 'The pass key is' (the original test's prompt), or let the model phrase it (before session 15)."),
+        passkey_prime: bool = typer.Option(True, "--passkey-prime/--no-passkey-prime", help="Open the answer with 'The pass key is' (the original test's prompt), or let the model phrase it."),
         model: Optional[str] = typer.Option(None, "--model", help="GGUF file or Hugging Face folder (default: embedded SmolLM2)."),
         backend: str = typer.Option("kvlab", "--backend", help="kvlab | transformers (any causal LM it loads from local files; adds hf:dynamic, hf:quanto-int4+r128, ... caches)."),
         threads: Optional[int] = typer.Option(None, "--threads", min=1, help="torch CPU threads."),
@@ -38,7 +39,8 @@ def register(app: typer.Typer) -> None:
         from .run import EvalSettings, run_eval
 
         settings = EvalSettings.build(caches, quick, windows, passkey, passkey_lengths, model, threads, seeds=seeds,
-                                      backend=backend, passkey_repeats=passkey_repeats, passkey_prime=passkey_prime)
+                                      backend=backend, passkey_repeats=passkey_repeats, passkey_prime=passkey_prime,
+                                      text=text)
         if out:
             check_writable(out, "--out")  # before the run: a typo must not cost the whole evaluation
         if plot:

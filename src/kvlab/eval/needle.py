@@ -5,7 +5,7 @@ Filler: King Lear (not among the perplexity plays), from its first full line on.
 given depth (fraction of the filler tokens); the user message is filler + question, rendered with
 the model's chat template, and the assistant's turn opens with "The pass key is" (PRIME, as the original
 passkey test's prompt ends: Mohtashami & Jaggi 2023), so a trial asks for the number, not for a phrasing
-(`prime=False`: the turn opens empty, the protocol before session 15). The prompt is prefilled in chunks
+(`prime=False`: the turn opens empty and the model phrases its answer). The prompt is prefilled in chunks
 into the cache under test, then up to 12 tokens are decoded greedily; a trial passes when the answer
 contains the number.
 
@@ -28,7 +28,7 @@ import torch
 
 from ..errors import InputLimitError
 from ..generate import generate
-from .corpus import FILLER_PLAY, play_text
+from ..quality.corpus import FILLER_PLAY, play_text
 
 QUESTION = "What is the pass key? Answer with the number only."
 PRIME = "The pass key is"
@@ -139,9 +139,9 @@ def passkey_trials(loaded, name: str, protocol: PasskeyProtocol, advance=None,
     `variants`: [(seed, cache name)] to cycle through over the trials (suite.seed_variants); default
     [(None, name)]. `engine`: the backend running `loaded` (kvlab.backends; default kvlab's own).
     """
-    from ..backends import KvlabEngine
+    from ..backends import KvlabRuntime
 
-    engine = engine or KvlabEngine(loaded)
+    engine = engine or KvlabRuntime(loaded)
     variants = variants or [(None, name)]
     keys = iter(protocol.keys())
     records = []

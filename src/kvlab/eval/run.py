@@ -1,4 +1,5 @@
-"""One evaluation run: settings, progress bars, the perplexity suite, the passkey trials, the table."""
+"""One evaluation run: settings, progress bars, the perplexity suite, the text continuations, the passkey trials,
+the table."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ from rich.table import Table
 
 from ..errors import ConfigError
 from ..limits import check_int, check_threads
+from .continuations import TextProtocol, compare, continuations
 from .needle import PasskeyProtocol, check_passkey_fits, passkey_trials
-from .perplexity import WindowProtocol
+from ..quality.perplexity import WindowProtocol
 from .stats import COVERAGE
 from .suite import CacheQuality, corpus_windows, perplexity_suite, seed_variants
 
@@ -35,11 +37,13 @@ class EvalSettings:
     threads: int | None = None
     seeds: tuple[int, ...] = DEFAULT_SEEDS      # rotation seeds of every TurboQuant cache
     backend: str = "kvlab"                      # kvlab.backends: kvlab | transformers
+    text: TextProtocol | None = None            # greedy continuations against dense's (eval/continuations.py)
 
     @classmethod
     def build(cls, caches: str, quick: bool, windows: int | None, passkey: bool, passkey_lengths: str,
               model: str | None = None, threads: int | None = None, seeds: str | None = None,
-              backend: str = "kvlab", passkey_repeats: int = 1, passkey_prime: bool = True) -> "EvalSettings":
+              backend: str = "kvlab", passkey_repeats: int = 1, passkey_prime: bool = True,
+              text: bool = True) -> "EvalSettings":
         from ..backends import cache_name, check_backend
 
         backend = check_backend(backend)
@@ -61,7 +65,8 @@ class EvalSettings:
             keys = PasskeyProtocol.covering(lengths[:1] if quick else lengths, repeats=passkey_repeats,
                                             prime=passkey_prime)
         run_seeds = parse_seeds(seeds) if seeds is not None else (QUICK_SEEDS if quick else DEFAULT_SEEDS)
-        return cls(names, WindowProtocol(n_windows=n_windows), keys, model, threads, run_seeds, backend)
+        text_protocol = (TextProtocol.quick() if quick else TextProtocol()) if text else None
+        return cls(names, WindowProtocol(n_windows=n_windows), keys, model, threads, run_seeds, backend, text_protocol)
 
 
 def parse_seeds(text: str) -> tuple[int, ...]:
@@ -102,11 +107,11 @@ def run_eval(settings: EvalSettings, console: Console | None = None,
              checkpoint: Callable[[list[CacheQuality]], None] | None = None) -> list[CacheQuality]:
     """The evaluation; `checkpoint(records)` is called whenever the records gained results (after the
     perplexity pass, after each cache's passkey trials), so a long run can be saved as it goes."""
-    from ..backends import load_engine
+    from ..backends import load_runtime
 
     if settings.threads:
         torch.set_num_threads(settings.threads)
-    engine = load_engine(settings.backend, settings.model, "fp32", "cpu")
+    engine = load_runtime(settings.backend, settings.model, "fp32", "cpu")
     loaded = engine.loaded
     for name in settings.caches:  # fail on a cache this model cannot hold before any long work
         engine.make_cache(name, 16)
@@ -137,6 +142,15 @@ def run_eval(settings: EvalSettings, console: Console | None = None,
                                    advancer("perplexity (windows × cache runs)", settings.protocol.n_windows * n_runs),
                                    token_windows, settings.seeds, engine)
         finish_records(records, settings, started, checkpoint)
+        if settings.text:
+            advance = advancer("text (prompts × caches)", settings.text.n_prompts * len(records))
+            reference = None
+            for record in records:   # records[0] is the reference (dense): every cache is compared with its text
+                built = seed_variants(record.cache, settings.seeds)[0][1]
+                runs = continuations(loaded, engine, built, settings.text, advance)
+                reference = reference or runs
+                record.extra["text"] = compare(runs, reference)
+            finish_records(records, settings, started, checkpoint)
         if settings.passkey:
             p = settings.passkey
             advance = advancer("passkey (trials × caches)", p.trials * len(records))
@@ -168,6 +182,8 @@ def finish_records(records: list[CacheQuality], settings: EvalSettings, started:
         record.extra["backend"] = settings.backend
         if settings.passkey:
             record.extra["passkey_protocol"] = settings.passkey.describe()
+        if settings.text:
+            record.extra["text_protocol"] = settings.text.describe()
     if checkpoint:
         checkpoint(records)
 
@@ -178,10 +194,14 @@ def quality_table(records: list[CacheQuality]) -> Table:
     if dense:
         title += f" ({dense.cache} perplexity {dense.ppl:.2f}, {dense.scored_tokens:,} scored tokens"
         title += f"; ± sd over seeds, [{100 * COVERAGE:.0f}% bootstrap interval over windows]"
-        title += "; key margin: the passkey's logit lead, mean / smallest trial)"
+        title += "; key margin: the passkey's logit lead, mean / smallest trial"
+        if "text" in dense.extra:
+            title += ("; text: the median first token that differs from dense's greedy text (prompts whose text is dense's), "
+                      "chat answers right (as dense's), the longest repeated n-gram run / distinct 4-grams")
+        title += ")"
     table = Table(title=title)
     for column in ("cache", "bytes/token", "× smaller", "bits/value", "seeds", "PPL", "ΔPPL", "ΔPPL interval",
-                   "mean KL", "top-1", "passkey", "key margin"):
+                   "mean KL", "top-1", "passkey", "key margin", "text: 1st diff", "answers", "loop / distinct-4"):
         table.add_column(column, justify="left" if column == "cache" else "right")
     for r in records:
         ratio = records[0].bytes_per_token / r.bytes_per_token if r.bytes_per_token else float("inf")
@@ -191,8 +211,18 @@ def quality_table(records: list[CacheQuality]) -> Table:
             r.cache, f"{r.bytes_per_token:,.0f}", f"{ratio:.2f}×", f"{r.bits_per_value:.2f}", str(max(1, len(r.seeds))),
             f"{r.ppl:.2f}", delta, interval, f"{r.kl:.4f}", f"{100 * r.top1_agreement:.1f}%", passkey_cell(r),
             "—" if r.passkey_margin is None else f"{r.passkey_margin[0]:.2f} / {r.passkey_margin[1]:+.2f}",
+            *text_cells(r.extra.get("text")),
         )
     return table
+
+
+def text_cells(text: dict | None) -> tuple[str, str, str]:
+    """The text part's three cells: first difference (same texts), answers (as dense's), loop run / distinct 4-grams."""
+    if not text:
+        return "—", "—", "—"
+    first = f"{text['first_difference_median']:g} ({text['same_text']}/{text['prompts']})"
+    answers = f"{text['answers_right']}/{text['questions']} ({text['answers_as_dense']} as dense)" if text["questions"] else "—"
+    return first, answers, f"{text['repeat_run_mean']:.1f} / {text['distinct4_mean']:.2f}"
 
 
 def passkey_cell(r: CacheQuality) -> str:

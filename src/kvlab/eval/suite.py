@@ -8,12 +8,12 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ..backends import KvlabEngine, formula_bytes_per_token
+from ..backends import KvlabRuntime, formula_bytes_per_token
 from ..cache import TurboQuantCache
 from ..cache.names import is_compressed_name, parse as parse_cache_name
-from .agreement import kl_divergence, top1_matches
-from .corpus import calibration_text, corpus_text, windows
-from .perplexity import WindowProtocol, run_window, window_nll
+from ..quality.agreement import kl_divergence, top1_matches
+from ..quality.corpus import calibration_text, corpus_text, windows
+from ..quality.perplexity import WindowProtocol, run_window, window_nll
 from .stats import WindowSums, summarize
 
 #: bytes per token are reported the ANCHORS.md way: everything the cache holds at 511 tokens, bf16 run.
@@ -88,7 +88,7 @@ def perplexity_suite(loaded, names: list[str], protocol: WindowProtocol, advance
     each TurboQuant cache runs with (default: its own, one run); see stats.py for the statistics.
     `engine`: the backend running `loaded` (kvlab.backends; default kvlab's own).
     """
-    engine = engine or KvlabEngine(loaded)
+    engine = engine or KvlabRuntime(loaded)
     model, reference_name = loaded.model, engine.reference
     names = [reference_name] + [n for n in names if n != reference_name]
     runs = [(name, seed, built) for name in names for seed, built in seed_variants(name, seeds)]

@@ -91,7 +91,7 @@ def asan_preload() -> str:
 
 def worker_env(cfg: FuzzConfig) -> dict[str, str]:
     import kvlab
-    from ..model.weights import cache_dir
+    from ..paths import cache_dir
 
     env = dict(os.environ)
     src = str(Path(kvlab.__file__).resolve().parents[1])

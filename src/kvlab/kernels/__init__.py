@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError, KvlabError
+from ..paths import cache_dir
 
 HERE = Path(__file__).parent
 SOURCES = tuple(HERE / f for f in ("blockgemv.c", "blockgemm.c", "q8gemm.c", "decode.c", "intcache.c", "paged.c", "codebook.c",
@@ -83,8 +84,6 @@ def library_name(compiler: str) -> str:
 
 def library_path(compiler: str) -> Path:
     """Where the build for this source, compiler, flags and CPU lives (kvlab's cache folder)."""
-    from ..model.weights import cache_dir
-
     return cache_dir() / "kernels" / library_name(compiler)
 
 

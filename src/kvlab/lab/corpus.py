@@ -20,7 +20,7 @@ VAL_FRACTION = 0.05
 
 @functools.lru_cache(maxsize=1)
 def corpus_bytes() -> bytes:
-    from ..eval.corpus import texts_dir
+    from ..quality.corpus import texts_dir
 
     files = sorted(texts_dir().glob("*_gut.txt"))
     if not files:

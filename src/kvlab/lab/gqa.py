@@ -140,7 +140,7 @@ def train(cfg: DecoderConfig, s: TrainSettings, train_data: torch.Tensor, ticker
 # -- saved weights ------------------------------------------------------------------------------------
 
 def default_weights_dir() -> Path:
-    from ..model.weights import cache_dir
+    from ..paths import cache_dir
 
     return cache_dir() / "lab"
 

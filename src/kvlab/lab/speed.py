@@ -4,16 +4,18 @@ For n generated tokens after a 16-token prompt, generation is n forward passes: 
 then n-1 steps whose pass reads a sequence of L = 16 + k tokens (k = 1..n-1). With the dense cache
 a step runs one new token against L stored keys; without a cache (`none`) it runs all L tokens again.
 
-Without a cache, 2048 tokens means 2047 passes over up to 2063 tokens: over an hour for SmolLM2 on a
-laptop CPU. So the time of n tokens is built from measured passes:
+tokens/s is the tutorial's: n / the wall time of a real generate() of n tokens, after one short warm-up run,
+the median of up to `repeats` runs. A run the budget cannot afford (without a cache, 2048 tokens are 2047
+passes over up to 2063 tokens: over an hour for SmolLM2 on a laptop CPU) is estimated instead, and every table
+labels it so. The estimate is built from measured passes:
 
     seconds(n) = prompt pass + Σ_{k=1}^{n-1} step(16 + k)
 
 where step(L) is the wall time of exactly the pass generate() runs at that length (no cache: median
 of single passes; cache: median of the means of blocks of consecutive steps), measured at a grid of
-lengths and interpolated linearly in between (step time is smooth in L: a + bL + cL²).
-Real generate() runs at small n (`check_ns`) are timed too and printed beside the estimate, so the
-method is checked on the same machine in the same run.
+lengths and interpolated linearly in between (step time is smooth in L: a + bL + cL²). Every real run is
+also set beside its estimate (`checks`), and an estimate more than CHECK_TOLERANCE off a real run is
+printed with the table, so the estimated cells say how far to trust them.
 
 The prediction: `counts.forward_macs` gives the multiply-adds of every pass. One rate per model,
 the MAC/s the no-cache pass reaches at the longest length (large matrix products, close to the
@@ -44,6 +46,10 @@ LENGTHS = (64, 256, 512, 1024, 2048)
 QUICK_LENGTHS = (8, 16)
 PROMPT_TOKENS = 16
 MODELS = ("lab", "smollm2")
+#: an estimate this far (relative) from the real run of the same cell is printed beside the table
+CHECK_TOLERANCE = 0.10
+#: seconds of real generate() runs one (model, n, cache) cell may take by default; above it the cell is estimated
+RUN_BUDGET_S = 150.0
 SMOLLM2_PROMPT = "Now is the winter of our discontent made glorious summer by this sun of York; and all the clouds"
 
 
@@ -234,7 +240,13 @@ class SpeedRecord:
     step_ms_last: float           # time of the last step (context 16 + n - 1)
     macs: int                     # multiply-adds of all n passes
     predicted_tokens_per_s: float
-    method: str = "sampled steps"
+    method: str = "measured"      # "measured": real generate() runs (median of `runs`); "estimated": sampled steps
+    runs: int = 0                 # real generate() runs behind `seconds` (0: estimated)
+    estimated_seconds: float = 0.0  # the sampled-step estimate of the same run
+
+    @property
+    def estimated(self) -> bool:
+        return self.method == "estimated"
 
     def record(self) -> dict:
         return {"experiment": "speed", **asdict(self)}
@@ -245,12 +257,15 @@ class SpeedCheck:
     model: str
     new_tokens: int
     cache: str
-    measured_seconds: float       # a real generate() run
+    measured_seconds: float       # real generate() runs (median)
     estimated_seconds: float      # from the step profile
 
+    @property
+    def relative_error(self) -> float:
+        return self.estimated_seconds / self.measured_seconds - 1 if self.measured_seconds else 0.0
+
     def record(self) -> dict:
-        err = self.estimated_seconds / self.measured_seconds - 1 if self.measured_seconds else 0.0
-        return {"experiment": "speed_check", **asdict(self), "relative_error": round(err, 4)}
+        return {"experiment": "speed_check", **asdict(self), "relative_error": round(self.relative_error, 4)}
 
 
 @dataclass
@@ -260,7 +275,7 @@ class SpeedSummary:
     weights: str
     params: int
     new_tokens: int               # the longest n
-    measured_speedup: float       # seconds without cache / seconds with it, at n
+    measured_speedup: float       # seconds without cache / seconds with it, at n (see speedup_method)
     predicted_speedup: float      # MACs without cache / MACs with it, at n
     efficiency: float             # measured / predicted
     gmacs_per_s_no_cache: float   # achieved over the n passes
@@ -278,6 +293,7 @@ class SpeedSummary:
     predicted_speedup_with_fixed_cost: float  # every pass = MACs / rate + fixed_step_ms
     profiles: dict = field(default_factory=dict)          # the measured step times, per mode
     predicted_step_ms: dict = field(default_factory=dict) # MACs / calibration rate at a range of lengths
+    speedup_method: str = "measured"  # "estimated" where either side of measured_speedup is an estimate
 
     def record(self) -> dict:
         return {"experiment": "speed_summary", **asdict(self)}
@@ -294,29 +310,39 @@ class SpeedResult:
     def json_records(self) -> list[dict]:
         return [r.record() for r in self.records] + [c.record() for c in self.checks] + [s.record() for s in self.summaries]
 
+    def disagreements(self) -> list[SpeedCheck]:
+        """The real runs whose estimate is more than CHECK_TOLERANCE off."""
+        return [c for c in self.checks if abs(c.relative_error) > CHECK_TOLERANCE]
 
-def _check_runs(m: ModelUnderTest, n: int, profiles: dict[str, StepProfile]) -> list[SpeedCheck]:
-    out = []
-    for mode in ("dense", "none"):
-        geometry = CacheGeometry.for_model(m.config, batch=1, capacity=m.prompt.shape[1] + n)
+
+def runs_affordable(estimate_s: float, repeats: int, budget_s: float) -> int:
+    """How many real runs of about `estimate_s` seconds fit `budget_s` (at most `repeats`; 0: estimate the cell)."""
+    if estimate_s <= 0:
+        return repeats
+    return min(repeats, int(budget_s // estimate_s))
+
+
+@torch.inference_mode()
+def timed_generate(m: ModelUnderTest, n: int, mode: str, runs: int) -> float:
+    """Median wall seconds of `runs` real generate() calls of n tokens with cache `mode` (each on a fresh cache)."""
+    geometry = CacheGeometry.for_model(m.config, batch=1, capacity=m.prompt.shape[1] + n)
+    times = []
+    for _ in range(runs):
+        cache = make_cache(mode, geometry)
         t0 = time.perf_counter()
-        generate(m.model, m.prompt, make_cache(mode, geometry), n)
-        out.append(SpeedCheck(m.name, n, mode, time.perf_counter() - t0, profiles[mode].total(n)))
-    return out
+        generate(m.model, m.prompt, cache, n)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def run_speed(models: tuple[str, ...] = MODELS, lengths: tuple[int, ...] = LENGTHS, repeats: int = 3,
-              check_ns: tuple[int, ...] = (64,), quick: bool = False, weights_dir=None,
-              ticker: Ticker | None = None, check_budget_s: float = 30.0) -> SpeedResult:
-    """Profile each model's steps in both modes and tabulate tokens/s for every n in `lengths`.
-
-    A real generate() check at n runs only when the profile says its no-cache run takes at most
-    `check_budget_s` seconds."""
+              quick: bool = False, weights_dir=None, ticker: Ticker | None = None,
+              run_budget_s: float = RUN_BUDGET_S) -> SpeedResult:
+    """Profile each model's steps in both modes, then run generate() for real in every (n, cache) cell whose runs
+    fit `run_budget_s` seconds (median of up to `repeats`); the other cells are estimated from the profile."""
     if not lengths or min(lengths) < 2:
         raise ConfigError(f"--lengths must be token counts of at least 2, got {list(lengths)}")
-    for n in check_ns:
-        check_int(n, "--check", 1)
-    check_float(check_budget_s, "--check-budget", 0.0)
+    check_float(run_budget_s, "--run-budget", 0.0)
     ticker = ticker or Ticker()
     mut = load_models(tuple(models), quick, weights_dir)
     top = max(lengths)
@@ -325,8 +351,7 @@ def run_speed(models: tuple[str, ...] = MODELS, lengths: tuple[int, ...] = LENGT
         check_int(top, "--lengths", 2, context - m.prompt.shape[1] + 1,
                   f"{m.key} holds {context:,} tokens, {m.prompt.shape[1]} of them the prompt")
     ks = step_grid(top)
-    check_ns = tuple(n for n in check_ns if n <= top)
-    ticker.reset(len(mut) * ((1 + len(ks) * repeats) + (1 + len(ks)) + len(check_ns)), "speed")
+    ticker.reset(len(mut) * ((1 + len(ks) * repeats) + (1 + len(ks)) + 2 * len(lengths)), "speed")
     records, checks, summaries = [], [], []
     bandwidth = read_bandwidth_gb_s() * 1e9
     for m in mut:
@@ -335,19 +360,26 @@ def run_speed(models: tuple[str, ...] = MODELS, lengths: tuple[int, ...] = LENGT
         ticker.describe(f"speed: {m.key}, dense cache")
         dense = profile_cache(m, ks, repeats, ticker)
         profiles = {"none": none, "dense": dense}
-        for n in check_ns:
-            if none.total(n) <= check_budget_s:
-                ticker.describe(f"speed: {m.key}, generate() check n={n}")
-                checks.extend(_check_runs(m, n, profiles))
-            ticker.advance()
-        recs, summary = _tabulate(m, profiles, lengths, bandwidth)
+        measured: dict[tuple[str, int], tuple[float, int]] = {}
+        for mode, prof in (("dense", dense), ("none", none)):
+            timed_generate(m, 4, mode, 1)   # warm-up: the first run pays one-time costs (the tutorial drops it)
+            for n in lengths:
+                runs = runs_affordable(prof.total(n), repeats, run_budget_s)
+                if runs:
+                    ticker.describe(f"speed: {m.key}, generate() {n} tokens, {'no cache' if mode == 'none' else 'dense cache'}")
+                    seconds = timed_generate(m, n, mode, runs)
+                    measured[mode, n] = seconds, runs
+                    checks.append(SpeedCheck(m.name, n, mode, seconds, prof.total(n)))
+                ticker.advance()
+        recs, summary = _tabulate(m, profiles, measured, lengths, bandwidth)
         records.extend(recs)
         summaries.append(summary)
     return SpeedResult(records, checks, summaries, tuple(lengths), repeats)
 
 
-def _tabulate(m: ModelUnderTest, profiles: dict[str, StepProfile], lengths,
-              bandwidth: float) -> tuple[list[SpeedRecord], SpeedSummary]:
+def _tabulate(m: ModelUnderTest, profiles: dict[str, StepProfile], measured: dict[tuple[str, int], tuple[float, int]],
+              lengths, bandwidth: float) -> tuple[list[SpeedRecord], SpeedSummary]:
+    """One record per (n, cache): real runs where there were any, else the estimate; and the model's summary."""
     cfg, P = m.config, m.prompt.shape[1]
     none, dense = profiles["none"], profiles["dense"]
     L_top = none.contexts[-1]
@@ -358,14 +390,17 @@ def _tabulate(m: ModelUnderTest, profiles: dict[str, StepProfile], lengths,
         for n in lengths:
             macs = _generation_macs(cfg, P, n, cached=mode == "dense")
             macs_at[mode, n] = macs
-            secs = prof.total(n, P)
+            estimate = prof.total(n, P)
+            secs, runs = measured.get((mode, n), (estimate, 0))
             records.append(SpeedRecord(
                 model=m.name, new_tokens=n, cache=mode, tokens_per_s=round(n / secs, 2), seconds=round(secs, 4),
                 step_ms_last=round(float(prof.step(P + n - 1)) * 1000, 3), macs=macs,
                 predicted_tokens_per_s=round(n / (macs / rate), 2),
+                method="measured" if runs else "estimated", runs=runs, estimated_seconds=round(estimate, 4),
             ))
     n = max(lengths)
-    t_none, t_dense = none.total(n, P), dense.total(n, P)
+    t_none, t_dense = (measured.get((mode, n), (profiles[mode].total(n, P), 0))[0] for mode in ("none", "dense"))
+    both_measured = ("none", n) in measured and ("dense", n) in measured
     measured, predicted = t_none / t_dense, macs_at["none", n] / macs_at["dense", n]
     elem = next(m.model.parameters()).element_size()
     weight_bytes = m.params * elem
@@ -388,6 +423,7 @@ def _tabulate(m: ModelUnderTest, profiles: dict[str, StepProfile], lengths,
         predicted_speedup_with_fixed_cost=round(with_fixed["none"] / with_fixed["dense"], 2),
         profiles={mode: asdict(p) for mode, p in profiles.items()},
         predicted_step_ms=_predicted_steps(cfg, rate, fixed, P + 1, L_top),
+        speedup_method="measured" if both_measured else "estimated",
     )
     return records, summary
 
@@ -406,16 +442,41 @@ def _generation_macs(cfg, prompt: int, n: int, cached: bool) -> int:
 
 # -- presentation -----------------------------------------------------------------------------------------
 
+ESTIMATE_MARK = "≈"
+ESTIMATE_NOTE = (f"{ESTIMATE_MARK}: estimated from sampled steps (its real run would exceed the run budget); "
+                 "every other number is real generate() runs")
+
+
+def _tokens_per_s(record: SpeedRecord, digits: int) -> str:
+    return f"{ESTIMATE_MARK if record.estimated else ''}{record.tokens_per_s:,.{digits}f}"
+
+
+def _speedup(dense: SpeedRecord, none: SpeedRecord) -> str:
+    mark = ESTIMATE_MARK if dense.estimated or none.estimated else ""
+    return f"{mark}{dense.tokens_per_s / none.tokens_per_s:,.1f}×"
+
+
+def disagreement_lines(result: SpeedResult) -> list[str]:
+    """One line per real run whose sampled-step estimate is more than CHECK_TOLERANCE off."""
+    return [f"estimate off by {c.relative_error * 100:+.0f}% for {c.model}, {c.new_tokens} tokens, "
+            f"{'no cache' if c.cache == 'none' else 'dense cache'} (real {c.measured_seconds:.3f} s, "
+            f"estimated {c.estimated_seconds:.3f} s)" for c in result.disagreements()]
+
+
 def speed_table(result: SpeedResult):
     from rich.table import Table
 
-    table = Table(title=f"tokens/s after a {PROMPT_TOKENS}-token prompt (prompt pass included; median of {result.repeats})")
+    caption = [ESTIMATE_NOTE] if any(r.estimated for r in result.records) else []
+    caption += disagreement_lines(result)
+    table = Table(title=f"tokens/s of real generate() runs after a {PROMPT_TOKENS}-token prompt "
+                        f"(prompt pass included; median of up to {result.repeats})",
+                  caption="\n".join(caption) or None, caption_justify="left")
     table.add_column("model")
     for col in ("new tokens", "cache tokens/s", "no cache tokens/s", "speed-up", "predicted by MACs"):
         table.add_column(col, justify="right")
     for model, n, dense, none in _pairs(result):
-        table.add_row(model, str(n), f"{dense.tokens_per_s:,.1f}", f"{none.tokens_per_s:,.2f}",
-                      f"{dense.tokens_per_s / none.tokens_per_s:,.1f}×", f"{none.macs / dense.macs:,.1f}×")
+        table.add_row(model, str(n), _tokens_per_s(dense, 1), _tokens_per_s(none, 2), _speedup(dense, none),
+                      f"{none.macs / dense.macs:,.1f}×")
     return table
 
 
@@ -430,18 +491,20 @@ def speed_markdown(result: SpeedResult) -> str:
     lines = ["| model | new tokens | cache: tokens/s | no cache: tokens/s | speed-up | predicted by MACs | cache: last step ms | no cache: last step ms |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for model, n, dense, none in _pairs(result):
-        lines.append(f"| {model} | {n:,} | {dense.tokens_per_s:,.1f} | {none.tokens_per_s:,.2f} "
-                     f"| {dense.tokens_per_s / none.tokens_per_s:,.1f}× | {none.macs / dense.macs:,.1f}× "
+        lines.append(f"| {model} | {n:,} | {_tokens_per_s(dense, 1)} | {_tokens_per_s(none, 2)} "
+                     f"| {_speedup(dense, none)} | {none.macs / dense.macs:,.1f}× "
                      f"| {dense.step_ms_last:,.2f} | {none.step_ms_last:,.1f} |")
-    return "\n".join(lines)
+    notes = ([ESTIMATE_NOTE] if any(r.estimated for r in result.records) else []) + disagreement_lines(result)
+    return "\n".join(lines + ([""] + [f"- {note}" for note in notes] if notes else []))
 
 
 def checks_markdown(result: SpeedResult) -> str:
-    lines = ["| model | new tokens | cache | generate() seconds | from sampled steps | difference |", "|---|---:|---|---:|---:|---:|"]
+    lines = ["| model | new tokens | cache | real runs | generate() seconds | from sampled steps | difference |",
+             "|---|---:|---|---:|---:|---:|---:|"]
+    runs = {(r.model, r.new_tokens, r.cache): r.runs for r in result.records}
     for c in result.checks:
-        rec = c.record()
-        lines.append(f"| {c.model} | {c.new_tokens} | {c.cache} | {c.measured_seconds:.3f} | {c.estimated_seconds:.3f} "
-                     f"| {rec['relative_error'] * 100:+.0f}% |")
+        lines.append(f"| {c.model} | {c.new_tokens} | {c.cache} | {runs.get((c.model, c.new_tokens, c.cache), 0)} "
+                     f"| {c.measured_seconds:.3f} | {c.estimated_seconds:.3f} | {c.relative_error * 100:+.0f}% |")
     return "\n".join(lines)
 
 
@@ -479,14 +542,14 @@ def plot_speed(result: SpeedResult, path) -> None:
         for mode, color, label in (("dense", "C0", "dense cache"), ("none", "C3", "no cache")):
             recs = sorted(by[s.model, mode], key=lambda r: r.new_tokens)
             ns = [r.new_tokens for r in recs]
-            ax1.loglog(ns, [r.tokens_per_s for r in recs], "o-", color=color, label=f"{label}, measured")
+            real = [r for r in recs if not r.estimated]
+            ax1.loglog(ns, [r.estimated_seconds and r.new_tokens / r.estimated_seconds for r in recs], ":", color=color,
+                       alpha=0.6, label=f"{label}, estimated from sampled steps")
+            ax1.loglog([r.new_tokens for r in real], [r.tokens_per_s for r in real], "o-", color=color,
+                       label=f"{label}, real generate() runs")
             ax1.loglog(ns, [r.predicted_tokens_per_s for r in recs], "--", color=color, alpha=0.7, label=f"{label}, MAC prediction")
             prof = s.profiles[mode]
             ax2.semilogy(prof["contexts"], [x * 1000 for x in prof["seconds"]], "o-", color=color, label=f"{label}, measured")
-        checks = [c for c in result.checks if c.model == s.model]
-        if checks:
-            ax1.loglog([c.new_tokens for c in checks], [c.new_tokens / c.measured_seconds for c in checks], "kx",
-                       markersize=9, label="real generate() run")
         pred = s.predicted_step_ms
         ax2.semilogy(pred["contexts"], pred["dense"], "--", color="C0", alpha=0.7, label="dense cache, MAC prediction")
         ax2.semilogy(pred["contexts"], pred["dense_fixed"], ":", color="C0", label="dense cache, MACs + fixed cost per pass")

@@ -21,7 +21,6 @@ from ctypes import POINTER, c_float, c_int32, c_int64, c_void_p
 import torch
 import torch.nn as nn
 
-from ..cache.dense import DenseCache
 from ..errors import ConfigError, NonFiniteError
 from .blockquant import BlockQuantLinear
 from ..kernels import BLOCK_TYPES, block_kernel, check_buffer
@@ -115,7 +114,7 @@ class FusedDecodeStep:
         """Whether this kind of cache takes the fused step at all: a fp32 CPU DenseCache (K/V stored in fp32,
         f16 or bf16) of one sequence shaped for this model, or a TurboQuantCache / QuantizedCache fused_codes serves."""
         g, cfg = cache.geometry, self.config
-        if type(cache) is not DenseCache:
+        if cache.kernel_format != "dense":
             return fused_codes.serves_codes(cache, cfg)
         return (
             cache.dtype == torch.float32 and cache.storage in KV_TYPES and cache.device.type == "cpu"
@@ -129,7 +128,7 @@ class FusedDecodeStep:
         return (
             tokens.shape == (1, 1) and not torch.is_grad_enabled() and self.serves(cache)
             and cache.length < cache.geometry.capacity
-            and all(n == cache.length for n in cache._lengths)
+            and cache.is_level
             and fused_codes.fill(cache) is not None
         )
 
@@ -162,17 +161,15 @@ class FusedDecodeStep:
             raise ConfigError(f"fused decode step refused position {pos} of a cache of {cache.geometry.capacity} tokens")
         n_layers = cfg.n_layers
         if status > 0:  # layers before the bad one were written, as in the module path
-            from ..cache.quantized import QuantizedCache   # only a compressed cache's error needs the format
-
             bad = (status - 1) % n_layers
-            fused_codes.record_written(cache, range(bad), where)
-            if status > n_layers and isinstance(cache, QuantizedCache):
+            cache.record_written(range(bad), 1)
+            if status > n_layers and cache.kernel_format == "int":
                 fused_int.raise_range_error(view.quant[bad])
             if status > n_layers:
                 raise NonFiniteError(f"a key or value norm of layer {bad} overflows the {cache.config.norm_dtype} norms "
                                      "of the TurboQuant cache")
             raise NonFiniteError(f"NaN or Inf in the keys/values appended to layer {bad}")
-        fused_codes.record_written(cache, range(n_layers), where)
+        cache.record_written(range(n_layers), 1)  # as `append` would have counted it
         return logits.view(1, 1, -1)
 
 

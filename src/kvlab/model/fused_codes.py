@@ -30,11 +30,10 @@ run does not load them (cache/__init__.py).
 from __future__ import annotations
 
 import ctypes
-from ctypes import c_float, c_int32, c_int64, c_void_p
+from ctypes import c_int32, c_int64, c_void_p
 
 import torch
 
-from ..cache.dense import DenseCache
 from ..kernels import check_buffer
 from . import fused_int
 from .fused_int import Quantized
@@ -81,18 +80,16 @@ class CacheView:
         self.buffers = buffer_layouts(cache)
         L, hd = cfg.n_layers, cfg.head_dim
         self.layers = (LayerKV * L)()
-        if isinstance(cache, DenseCache):
+        if cache.kernel_format == "dense":
             for layer in range(L):
                 self.layers[layer] = self._dense(cache, layer)
             return
-        from ..cache.quantized import QuantizedCache
-
         self.coded, self.quant = {}, {}
         for layer in range(L):
             if layer in cache.fp_layers:
-                self.layers[layer] = self._dense(cache._dense[layer], 0)
+                self.layers[layer] = self._dense(cache.full_layer(layer), 0)
             else:
-                if isinstance(cache, QuantizedCache):
+                if cache.kernel_format == "int":
                     self.quant[layer] = fused_int.quantized(cache, layer, hd, self._ptr)
                 else:
                     self.coded[layer] = self._coded(cache, layer, hd)
@@ -110,7 +107,7 @@ class CacheView:
         it checked (a buffer replaced by a smaller one at a reused address is not the one it checked)."""
         return buffer_layouts(cache) == self.buffers
 
-    def _dense(self, cache: DenseCache, layer: int) -> LayerKV:
+    def _dense(self, cache, layer: int) -> LayerKV:
         """Layer `layer` of a DenseCache (a dense cache's, or a TurboQuant cache's full-precision layer)."""
         g = cache.geometry
         shape = (g.n_kv_heads, g.capacity, g.head_dim)
@@ -122,8 +119,7 @@ class CacheView:
         """A TurboQuant or integer layer: its sink (fp32 rows), codes and recent window (fp32 rows)."""
         H = cache.geometry.n_kv_heads
         at = f"layer {layer}"
-        sink_k, sink_v = cache._sink_k[layer][0], cache._sink_v[layer][0]   # (Hkv, sink, D)
-        win_k, win_v = cache._win_k[layer][0], cache._win_v[layer][0]       # (Hkv, window, D)
+        sink_k, sink_v, win_k, win_v = (rows[0] for rows in cache.full_precision_rows(layer))   # (Hkv, sink|window, D)
         return LayerKV(
             KV_TYPES[torch.float32], cache.sink,
             self._ptr(sink_k, (H, cache.sink, hd), f"{at} sink keys", torch.float32),
@@ -141,7 +137,7 @@ class CacheView:
         log_norms = cache.config.log_norms
         c.slots, c.norm_type = S, NORM_LOG8 if log_norms else KV_TYPES[cache.config.norm_dtype]
         norm_dtype = torch.uint8 if log_norms else cache.config.norm_dtype
-        for i, (name, layer_codes, mode) in enumerate((("k", cache.layer_key_codes[layer], cache._key_scale),
+        for i, (name, layer_codes, mode) in enumerate((("k", cache.layer_key_codes[layer], cache.key_scale_mode),
                                                        ("v", cache.layer_value_codes[layer], cache.config.value_scale))):
             if cache.config.alloc_heads:   # +halloc: one row of every head's codes side by side, (1, S, Σ bytes)
                 books, starts, row = layer_codes.heads, [a for a, _ in layer_codes.spans], layer_codes.row_bytes
@@ -212,17 +208,7 @@ def weight_values() -> torch.Tensor:
 def buffer_layouts(cache) -> tuple[tuple, ...]:
     """Where the buffers a view points into lie, and their dtype, shape and strides (a view is rebuilt, and its
     buffers checked again, if one was replaced or reshaped)."""
-    if isinstance(cache, DenseCache):
-        return _layout(cache.k), _layout(cache.v)
-    from ..cache.quantized import QuantizedCache
-
-    held = [cache._dense[l].k for l in sorted(cache._dense)] + [cache._dense[l].v for l in sorted(cache._dense)]
-    coded = fused_int.BUFFERS if isinstance(cache, QuantizedCache) else (
-        "k_codes", "v_codes", "k_norm", "v_norm", "k_offset", "v_offset", "k_weight_codes")
-    centres = getattr(cache, "norm_centres", {})   # +norms8
-    for buffers in (cache._sink_k, cache._sink_v, cache._win_k, cache._win_v, *(getattr(cache, name) for name in coded),
-                    *centres.values()):
-        held += buffers.values()
+    held = [cache.k, cache.v] if cache.kernel_format == "dense" else cache.kernel_buffers()
     return tuple(_layout(t) for t in held)
 
 
@@ -232,14 +218,11 @@ def _layout(t: torch.Tensor) -> tuple:
 
 def serves_codes(cache, cfg) -> bool:
     """Whether the fused step reads this TurboQuant cache (see the module docstring) or integer cache (fused_int) in C."""
-    from ..cache.quantized import QuantizedCache
-    from ..cache.turboquant import TurboQuantCache
-
-    if isinstance(cache, QuantizedCache):
+    if cache.kernel_format == "int":
         return fused_int.serves_int(cache, cfg)
     g = cache.geometry
     return (
-        type(cache) is TurboQuantCache and cache.dtype == torch.float32 and cache.device.type == "cpu"
+        cache.kernel_format == "tq" and cache.dtype == torch.float32 and cache.device.type == "cpu"
         and not cache.config.qjl and not cache.config.outliers
         and g.window is None and cfg.sliding_window is None
         and cfg.head_dim % 2 == 0 and cfg.head_dim <= 1024
@@ -247,45 +230,15 @@ def serves_codes(cache, cfg) -> bool:
     )
 
 
+#: decode.c's WRITE_* for each place a cache's next token goes (cache/compressed.py NextSlot.goes)
+WRITES = {"sink": WRITE_FIRST, "coded": WRITE_CODED, "recent": WRITE_RECENT, "spill": WRITE_SPILL}
+
+
 def fill(cache) -> Fill | None:
     """Where the next token goes in every compressed layer (they are level), or None when only the modules can
-    take it: a TurboQuant layer's first chunk still waits for its queries, or the token would be a TurboQuant layer's
-    first coded one (its calibration)."""
-    layers = getattr(cache, "compressed_layers", ())   # only a CompressedCache has them; a dense cache writes first
-    if not layers:
+    take it (the cache's `next_slot` says why: its layers' parts differ, or a TurboQuant layer's first chunk still
+    waits for its queries, or the token would be a TurboQuant layer's first coded one, its calibration)."""
+    if not getattr(cache, "compressed_layers", ()):   # a dense cache (or no compressed layer) writes at its length
         return Fill(cache.length, 0, 0, WRITE_FIRST)
-    from ..cache.turboquant import TurboQuantCache   # here: a dense run never loads the format
-
-    turbo = isinstance(cache, TurboQuantCache)
-    if turbo and cache._pending:
-        return None
-    layer = layers[0]
-    n_sink, n_coded, held = cache._n_sink(layer), cache._n_comp[layer], cache._held(layer)
-    if n_sink < cache.sink:
-        write = WRITE_FIRST
-    elif cache.window == 0:
-        write = WRITE_CODED
-    else:
-        write = WRITE_RECENT if held < cache.window else WRITE_SPILL
-    if turbo and write in (WRITE_CODED, WRITE_SPILL) and not cache._calibrated.issuperset(layers):
-        return None
-    if not all(cache._n_comp[l] == n_coded for l in layers):   # level layers (as accepts checks) with level codes
-        return None                                             # hold level sinks and windows too
-    return Fill(n_sink, n_coded, held, write)
-
-
-def record_written(cache, written: range, where: Fill) -> None:
-    """Count the token the C step wrote into `written` layers (as `append` would have)."""
-    if isinstance(cache, DenseCache):
-        cache.record_written(written, 1)
-        return
-    from ..cache.quantized import QuantizedCache
-
-    for layer in written:
-        cache._lengths[layer] += 1
-        if layer in cache.fp_layers:
-            cache._dense[layer].record_written([0], 1)
-        elif where.write in (WRITE_CODED, WRITE_SPILL):
-            cache._n_comp[layer] += 1
-        if isinstance(cache, QuantizedCache):   # its last append's full-precision copy is no longer the last append
-            cache._fresh.pop(layer, None)
+    slot = cache.next_slot()
+    return None if slot is None else Fill(slot.sink, slot.coded, slot.recent, WRITES[slot.goes])

@@ -25,8 +25,6 @@ import torch
 from ..cache.packing import packed_nbytes
 from ..errors import NonFiniteError
 
-#: the buffers of a QuantizedCache the step reads and writes, per compressed layer
-BUFFERS = ("k_codes", "k_scale", "k_zero", "k_stage", "v_codes", "v_scale", "v_zero")
 
 
 class Quantized(ctypes.Structure):
@@ -38,11 +36,9 @@ class Quantized(ctypes.Structure):
 
 def serves_int(cache, cfg) -> bool:
     """Whether the fused step reads this integer cache in C (see the module docstring)."""
-    from ..cache.quantized import QuantizedCache   # here, not at import: a dense run never loads the format
-
     g = cache.geometry
     return (
-        type(cache) is QuantizedCache and cache.dtype == torch.float32 and cache.device.type == "cpu"
+        cache.kernel_format == "int" and cache.dtype == torch.float32 and cache.device.type == "cpu"
         and g.window is None and cfg.sliding_window is None and cfg.head_dim <= 1024
         and (g.batch, g.n_layers, g.n_kv_heads, g.head_dim, g.head_dim_v) == (1, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.head_dim)
     )
@@ -58,16 +54,16 @@ def quantized(cache, layer: int, hd: int, ptr) -> Quantized:
               "k_zero": ((H, -(-S // G), hd), torch.float16), "k_stage": ((H, G, hd), torch.float32),
               "v_codes": ((H, S, row), torch.uint8), "v_scale": ((H, S, hd // Gv), torch.float16),
               "v_zero": ((H, S, hd // Gv), torch.float16)}
-    for name in BUFFERS:
+    for name in cache.BUFFERS:
         shape, dtype = shapes[name]
         setattr(q, name, ptr(getattr(cache, name)[layer][0], shape, f"{at} {name}", dtype))
     return q
 
 
 def raise_range_error(q: Quantized) -> None:
-    """The module path's one-line error for the K/V the C step found beyond float16's range (_check_range)."""
-    from ..cache.quantized import _check_range
+    """The module path's one-line error for the K/V the C step found beyond float16's range (check_range)."""
+    from ..cache.quantized import check_range
 
     what = "key" if q.overflow_what == 0 else "value"
-    _check_range(torch.tensor([q.overflow]), what)
+    check_range(torch.tensor([q.overflow]), what)
     raise NonFiniteError(f"{what} of the integer cache refused by the fused decode step")   # not reached

@@ -6,13 +6,12 @@ for the attention output; the cache decides how K/V are stored and read.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from ..cache.base import KVCache
+from ..rope import apply_rope, rope_inv_freq  # noqa: F401  (the decoder's RoPE, kept importable from here)
 from .config import DecoderConfig
 
 
@@ -24,35 +23,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-
-
-def rope_inv_freq(cfg: DecoderConfig) -> torch.Tensor:
-    """(head_dim/2,) fp32 inverse frequencies, with Llama 3's scaling (config) or frequency factors (GGUF).
-    Computed on the CPU whatever the default device: on the meta device (the loader's) these few ops would
-    import torch's Python decompositions (sympy included, ~70 MiB resident)."""
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64, device="cpu") / cfg.head_dim))
-    scaling = cfg.rope_scaling
-    if scaling is not None:
-        low_wavelen = scaling.original_max_position / scaling.low_freq_factor
-        high_wavelen = scaling.original_max_position / scaling.high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        smooth = (scaling.original_max_position / wavelen - scaling.low_freq_factor) / (
-            scaling.high_freq_factor - scaling.low_freq_factor
-        )
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
-        mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
-        inv_freq = torch.where(mid, (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq, scaled)
-    if cfg.rope_freq_factors is not None:
-        inv_freq = inv_freq / torch.tensor(cfg.rope_freq_factors, dtype=torch.float64, device="cpu")
-    return inv_freq.float()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (i, i + D/2) of each head: x (B, H, T, D), cos/sin (T, D)."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return x * cos + rotated * sin
 
 
 class Linear(nn.Linear):

@@ -6,6 +6,7 @@ The default model is SmolLM2-135M-Instruct, shipped as a GGUF inside the PyPI pa
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import torch
 
 from ..errors import ConfigError, KvlabError, ModelFileError
 from ..heap import release_free_memory
+from ..limits import check_device
 from ..sources.bundled import default_model_path  # the embedded SmolLM2 (re-exported)
 from ..sources.gguf import GGUFFile
 from ..spec import ModelSpec
@@ -157,6 +159,13 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype | str = torch.
     del spec, gguf_file, state, blocks  # the header (its vocabulary as Python strings) and the read buffers: freed now
     release_free_memory()               # and the heap pages they and the tokenizer's build held go back to the system
     return LoadedModel(model, tokenizer, cfg, path, dtype, torch.device(device), weights)
+
+
+@functools.lru_cache(maxsize=4)
+def cached_model(path: str | None, dtype: str = "fp32", device: str = "cpu", weights: str = "auto") -> LoadedModel:
+    """One load per (model, dtype, device, weights) in a process: the demo and benchmarks reuse it."""
+    check_device(device)  # one line naming --device, before any loading
+    return load_model(path, parse_dtype(dtype), device, weights)
 
 
 def _materialize(model: Decoder, device: str) -> Decoder:

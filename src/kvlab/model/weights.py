@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ..errors import ModelFileError
+from ..paths import cache_dir
 
 WEIGHTS_FORMAT = 1  # bump when the canonical layout changes, to invalidate cached conversions
 
@@ -201,13 +202,6 @@ def safetensors_state_dict(folder: Path, cfg) -> dict[str, torch.Tensor]:
 
 
 # -- the dequantized-weights cache --------------------------------------------------------------
-def cache_dir() -> Path:
-    base = os.environ.get("KVLAB_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvlab"
-    )
-    return Path(base)
-
-
 def converted_weights_path(model_file: Path) -> Path:
     """Where the dequantized copy of `model_file` lives: keyed by path, size and mtime."""
     stat = model_file.stat()

@@ -34,7 +34,7 @@ MAX_UPLOAD = 32 << 20   # a config.json, or the head of a GGUF (its metadata and
 def plan_document(query: dict[str, str], upload: bytes | None = None, upload_name: str = "", upload_size: int = 0) -> dict:
     """What the page draws for one set of inputs: {plan, layers, verdict} (raises KvlabError on bad input)."""
     from ..errors import ConfigError
-    from .command import build_plan
+    from .build import build_plan
 
     options: dict = {}
     for key, value in query.items():

@@ -52,7 +52,7 @@ from ..kernels.codebook import CodeLayout
 from ..errors import ConfigError
 from ..kernels import kernel_for
 from ..kernels.paged import PreRopeKeys, paged_codes_attention, paged_int_attention
-from ..model.llama import apply_rope
+from ..rope import apply_rope
 from .formats import BlockFormat
 from .sinks import SinkRows
 

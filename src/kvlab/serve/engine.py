@@ -74,7 +74,7 @@ def _with_recipe(cache: str, loaded) -> str:
 
     if not is_compressed_name(str(cache)):
         return cache
-    from ..eval.calibrate import resolve                  # the calibration (and the corpus) load for compressed names only
+    from ..quality.calibrate import resolve                  # the calibration (and the corpus) load for compressed names only
 
     return resolve(str(cache), loaded)
 

@@ -48,7 +48,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ..cache import CacheGeometry, TurboQuantCache
 from ..cache.allocation import allocate, centre, check_geometry, check_recipe, held_widths
-from ..cache.codebook import cache_dir
+from ..paths import cache_dir
 from ..cache.dense import DenseCache
 from ..cache.names import is_compressed_name, parse
 from ..cache.turboquant import TurboQuantConfig
@@ -239,7 +239,7 @@ def resolve(name: str, loaded) -> str:
 
 
 def recipe_dir() -> Path:
-    return cache_dir().parent / "alloc"
+    return cache_dir() / "alloc"
 
 
 def recipe_path(digest: str, calibrated: str) -> Path:
