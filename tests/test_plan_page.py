@@ -93,7 +93,9 @@ def test_the_page_in_a_real_browser(server, tmp_path):
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=executable, args=["--no-sandbox"])
+        browser = p.chromium.launch(executable_path=executable, args=[   # no background traffic: the network is closed
+            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync"])
         page = browser.new_page()
         errors = []
         page.on("pageerror", lambda exc: errors.append(str(exc)))
