@@ -52,11 +52,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .cache import CacheGeometry, ConcatCache, DenseCache, KVCache, cache_names
+from .cache import CacheGeometry, CacheSpec, ConcatCache, DenseCache, KVCache
 from .cache.base import copy_prefix
 from .cache.compressed import CompressedCache
 from .cache.turboquant import TurboQuantCache
-from .cache.names import PRESETS, is_compressed_name, parse as parse_compressed
+from .cache.names import compressed
 from .errors import ConfigError, UnsupportedArchitectureError
 
 try:
@@ -85,26 +85,13 @@ class CacheFormat:
 
     @classmethod
     def parse(cls, name: str) -> "CacheFormat":
-        key = name.strip().lower()
-        if key == "dense":
-            return cls(key, DenseCache)
-        if key == "concat":
-            return cls(key, ConcatCache)
-        if key == "none":
-            raise ConfigError("cache 'none' keeps nothing between forward passes; a transformers cache must (use dense, int8, tq4, ...)")
-        if is_compressed_name(key):
-            cache_cls, config = parse_compressed(key)
-            head, *options = key.split("+")
-            if head in PRESETS and "prerope" not in options:   # the preset as transformers can hold it (see above)
-                config = replace(config, pre_rope=False)
-            if getattr(config, "pre_rope", False):
-                raise ConfigError(f"cache {name!r}: +prerope codes keys before RoPE, but transformers hands a cache keys "
-                                  "after RoPE; use it in kvlab's own engine, or drop +prerope")
-            if getattr(config, "alloc", 0) and not config.key_alloc:
-                raise ConfigError(f"cache {name!r} has no recipe: kvlab's engine calibrates +alloc/+halloc for its model; "
-                                  "in transformers spell the recipe out (+alloc=k<digits>v<digits>, as `kvlab eval` prints it)")
-            return cls(key, cache_cls, config)
-        raise ConfigError(f"unknown cache {name!r}; choose one of: {', '.join(n for n in cache_names() if n != 'none')}")
+        """A name transformers can hold (CacheSpec.supports("transformers"); a preset without +prerope, see above)."""
+        spec = CacheSpec.parse(name, "transformers").check("transformers")
+        if spec.base == "dense":
+            return cls(spec.label, DenseCache)
+        if spec.base == "concat":
+            return cls(spec.label, ConcatCache)
+        return cls(spec.label, *compressed(spec))
 
     @property
     def fixed_tokens(self) -> int:

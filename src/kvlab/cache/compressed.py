@@ -38,40 +38,14 @@ as tokens arrive and equals the formula `expected_nbytes(config, geometry, dtype
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
 from .attention import attend_with_lse, block_mask, causal_mask
 from .base import CacheGeometry, KVCache, copy_prefix, tensors_nbytes
 from .dense import DenseCache
-
-
-@dataclass(frozen=True)
-class FullPrecision:
-    """What a compressed cache keeps uncompressed, in the cache dtype. Both are part of the name."""
-
-    recent: int = 0             # newest tokens of every compressed layer kept in full precision
-    sink: int = 0               # first tokens of every compressed layer kept in full precision
-    first_last: bool = False    # layers 0 and L-1 kept whole in full precision
-    layer_list: tuple[int, ...] = ()  # more layers kept whole (for per-layer studies)
-
-    def layers(self, n_layers: int) -> frozenset[int]:
-        chosen = set(self.layer_list) | ({0, n_layers - 1} if self.first_last else set())
-        return frozenset(layer for layer in chosen if 0 <= layer < n_layers)
-
-    @property
-    def suffix(self) -> str:
-        """The name options, e.g. "+recent64+fp-first-last" (empty for a plain name)."""
-        listed = "+fp-layers=" + ".".join(str(l) for l in sorted(self.layer_list)) if self.layer_list else ""
-        return ((f"+sink{self.sink}" if self.sink else "") + (f"+recent{self.recent}" if self.recent else "")
-                + ("+fp-first-last" if self.first_last else "") + listed)
-
-    def split(self, capacity: int) -> tuple[int, int, int]:
-        """(sink, window, compressed slots) per compressed layer for a cache of `capacity` tokens."""
-        sink = min(self.sink, capacity)
-        window = min(self.recent, capacity - sink)
-        return sink, window, capacity - sink - window
+from .format import CacheSpec, FullPrecision
 
 
 #: A long chunk is attended in blocks of this many query rows (G·T axis) ...
@@ -136,11 +110,6 @@ class CompressedCache(KVCache):
 
     def _store_nbytes(self) -> int:
         """Bytes of the subclass's buffers and fixed state."""
-        raise NotImplementedError
-
-    @classmethod
-    def _expected_store_nbytes(cls, config, geometry: CacheGeometry, dtype: torch.dtype, slots: int, n_layers: int) -> int:
-        """The formula for `_store_nbytes` with `n_layers` compressed layers of `slots` tokens each."""
         raise NotImplementedError
 
     # -- the protocol -------------------------------------------------------------------------------
@@ -295,16 +264,8 @@ class CompressedCache(KVCache):
     # -- formula and debugging ------------------------------------------------------------------------
     @classmethod
     def expected_nbytes(cls, config, geometry: CacheGeometry, dtype: torch.dtype) -> int:
-        """What `nbytes` is for a cache built with (config, geometry, dtype): no tensors are made."""
-        g = geometry
-        elem = torch.empty(0, dtype=dtype).element_size()
-        n_fp = len(config.full.layers(g.n_layers))
-        sink, window, slots = config.full.split(g.capacity)
-        per_token_dense = g.n_kv_heads * (g.head_dim + g.head_dim_v) * elem * g.batch
-        fp = n_fp * per_token_dense * g.capacity
-        n_comp_layers = g.n_layers - n_fp
-        held = n_comp_layers * per_token_dense * (sink + window)
-        return fp + held + cls._expected_store_nbytes(config, g, dtype, slots, n_comp_layers)
+        """What `nbytes` is for a cache built with (config, geometry, dtype): the format's formula (format.py)."""
+        return CacheSpec.from_config(config).bytes(geometry, geometry.capacity, dtype)
 
     def dequantized(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """All stored K/V of `layer` as attention reads them, (B, Hkv, S, D) float32 — for tests and debugging."""

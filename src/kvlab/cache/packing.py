@@ -12,23 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import ConfigError
-
-
-def planes(bits: int) -> list[tuple[int, int]]:
-    """(width, shift) of each plane of a `bits`-bit code, widest first: 7 -> [(4, 3), (2, 1), (1, 0)]."""
-    _check_bits(bits)
-    out, shift = [], bits
-    for width in (8, 4, 2, 1):
-        if bits & width:
-            shift -= width
-            out.append((width, shift))
-    return out
-
-
-def packed_nbytes(n_codes: int, bits: int) -> int:
-    """Bytes that hold `n_codes` codes of `bits` bits (Σ over planes of ⌈n·p/8⌉)."""
-    return sum((n_codes * width + 7) // 8 for width, _ in planes(bits))
+from .sizes import packed_nbytes, planes  # noqa: F401  (packed_nbytes: importable from here as before)
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -70,8 +54,3 @@ def _unpack_plane(packed: torch.Tensor, width: int, n_codes: int) -> torch.Tenso
     shifts = torch.arange(0, 8, width, dtype=torch.uint8, device=packed.device)
     codes = (packed[..., None] >> shifts) & ((1 << width) - 1)                    # (..., bytes, 8/w)
     return codes.reshape(*packed.shape[:-1], -1)[..., :n_codes]
-
-
-def _check_bits(bits: int) -> None:
-    if not isinstance(bits, int) or not 1 <= bits <= 8:
-        raise ConfigError(f"code width must be an integer number of bits in 1..8, got {bits!r}")
