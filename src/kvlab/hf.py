@@ -34,9 +34,9 @@ transformers` do). Without it, and in sliding-window segments, the weights are c
 (measured on SmolLM2, one 512-token window: tq-k4v4 (then `tq4`) ΔPPL +5.5% from the keys alone, +3.4% with the queries;
 kvlab's engine +2.6%, the rest being coding noise: tests/test_hf_backend.py).
 
-The preset `tq4` (cache/names.py) codes keys before RoPE in kvlab's engine; transformers hands a cache keys after
-RoPE, so here `tq4` is the preset without `+prerope` (tq4.125+norms8+sink1+kscale=lsq+vscale=lsq), and a name that
-asks for `+prerope` itself is refused.
+The preset `tq4` (cache/format.py) codes keys before RoPE in kvlab's engine; transformers hands a cache keys after
+RoPE, so here `tq4` is the preset without `+prerope` (TRANSFORMERS_PRESETS) (tq4.125+norms8+sink1+kscale=lsq+vscale=lsq), and a name that
+asks for `+prerope` itself is refused (CacheSpec.supports("transformers") names every refusal).
 
 Known differences from kvlab's engine: a compressed layer dequantizes all its tokens at every step (as
 QuantizedCache does) instead of attending on the codes. Beam search, `crop` and row

@@ -364,10 +364,9 @@ class CacheSpec:
         checks that depend on its block size are made when `block_size` is given."""
         if path not in PATHS:
             raise ConfigError(f"unknown path {path!r}; choose one of {', '.join(PATHS)}")
-        facts = self._facts(block_size)
         for where, refused, message in REFUSALS:
             if where == path and refused(self, block_size):
-                return False, message.format(**facts)
+                return False, message.format(**self._facts(block_size))
         return True, ""
 
     def check(self, path: str, block_size: int | None = None) -> "CacheSpec":

@@ -14,11 +14,13 @@ Compressed blocks hold codes, norms and scales only. Two more kinds of bytes com
   per sequence  int formats: the open key group of each running sequence (< G tokens of fp32 keys,
                 the single cache's "stage"); TurboQuant +sinkN: the first N tokens' K/V in fp32 (serve/sinks.py);
                 one row per batch slot (max_batch rows)
-Blocks and shared bytes come from `expected_nbytes` of the single-sequence cache (its codes only) at batch 1: its
-bytes at a capacity of c tokens are c·per_token + rest, so a block is f(2·bs) - f(bs) and the rest is f(bs) - block.
+Blocks and shared bytes come from the format's formula (CacheSpec.pool_bytes: the single-sequence cache's codes only)
+at batch 1: its bytes at a capacity of c tokens are c·per_token + rest, so a block is f(2·bs) - f(bs) and the rest is
+f(bs) - block.
 With +sinkN a sequence's first N slots stay unwritten (their tokens are in its sink rows), so its blocks hold N
 slots more than the single cache's codes. Names whose single cache keeps other full-precision tokens or layers
-(+recentN, +fp-first-last, +fp-layers=, and +sinkN of the int formats) are not block formats.
+(+recentN, +fp-first-last, +fp-layers=, and +sinkN of the int formats) are not block formats: every refusal is a
+row of cache/format.py REFUSALS (CacheSpec.supports("pool")).
 +prerope is held: a slot's position is its token's place in its sequence (the same for every sequence that shares the
 block through the prefix cache), so keys are turned back from it when coded and rebuilt at it when read. +alloc /
 +halloc are held: a layer's codes are one row per token of its heads' codes side by side (each head at its width; a
