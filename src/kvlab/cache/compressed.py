@@ -28,12 +28,7 @@ are causal by construction; the integer caches' key groups are read per query as
 decoding reads them (quantized.py).
 
 Bytes: every buffer is preallocated to the capacity (like DenseCache), so `nbytes` does not change
-as tokens arrive and equals the formula `expected_nbytes(config, geometry, dtype)`:
-  fp layers:        2·B·Hkv·capacity·D·elem           (a DenseCache of one layer)
-  other layers:     sink + window: B·Hkv·(S + W)·(Dk+Dv)·elem, S = min(sink, capacity),
-                    W = min(recent, capacity - S)
-                    + the subclass's store for slots = capacity - S - W tokens
-  once per cache:   the subclass's fixed state (rotations, codebooks, ...).
+as tokens arrive and equals the format's formula (format.py CacheSpec.bytes, which spells it out).
 """
 
 from __future__ import annotations

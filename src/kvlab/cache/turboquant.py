@@ -81,14 +81,7 @@ coordinates, quantized at ⌊b⌋+1 bits, the rest at ⌊b⌋ bits (both with th
 sketch sign(S·r) of the residual r = y - ŷ (S: seeded d×d Gaussian, one per cache) and ‖r‖ in 16
 bits; ⟨q, r⟩ is estimated without bias by √(π/2)/d·‖r‖·⟨Sq, sign(Sr)⟩ (keys then use c = 1).
 
-Bytes (compressed layer, B sequences, Hkv heads, `slots` tokens), n16 = 2 bytes (1 with +norms8, plus 2·B·Hkv
-float16 centres per layer):
-    keys   B·Hkv·slots·(codes(d, bk) + n16 [+ ⌈d/8⌉ + n16 with qjl] [+ N·(1 + 2) with +outliersN])
-    values B·Hkv·slots·(codes(d, bv) + n16)       codes(d, b) = Σ over channel splits ⌈n·b/8⌉
-    fixed  per compressed layer the rotation state (d int8 signs; d² float32 if d is not a power
-           of two) and the key offsets (B·Hkv·d float8), per cache the K and V codebooks
-           (centroids + boundaries, float32) and, with qjl, S (d² float32); the key channel weights
-           (B·Hkv·d/2 bytes of 4-bit codes per compressed layer).
+Bytes: every buffer above is counted in `nbytes`, which equals the format's formula (format.py CacheSpec.bytes).
 The Sylvester Hadamard matrix and the codebooks' source are constants of d shared by all caches.
 """
 
