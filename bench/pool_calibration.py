@@ -24,7 +24,7 @@ from kvlab.eval.suite import perplexity_suite
 from kvlab.serve.coded import calibrated_codec
 from kvlab.session import cached_model
 
-NAMES = ["tq-k4v4", "tq-k4v4+prerope+sink1", "tq4"]   # tq4: the preset (cache/names.py), tq-k4v4: the bare method
+NAMES = ["tq-k4v4", "tq-k4v4+prerope+sink1", "tq4"]   # tq4: the preset (cache/format.py), tq-k4v4: the bare method
 POOL = "pool:"   # a name's prefix: the cache given the pool's calibration
 
 

@@ -257,7 +257,7 @@ def test_a_width_that_does_not_split_the_head_dim_is_one_line_error_for_the_form
 
 
 def test_tq4_is_the_preset_recipe_and_the_bare_method_is_tq_k4v4():
-    """`tq4` stands for the recommended recipe (cache/names.py PRESETS); options after it apply to the recipe; the bare
+    """`tq4` stands for the recommended recipe (cache/format.py PRESETS); options after it apply to the recipe; the bare
     4-bit method prints as tq-k4v4, so every printed name reads back as the cache it names."""
     from kvlab.cache.names import PRESETS, parse
 

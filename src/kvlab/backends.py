@@ -24,8 +24,7 @@ from typing import Iterable
 
 import torch
 
-from .cache import CacheGeometry, cache_names, expected_nbytes, make_cache
-from .cache.names import is_compressed_name, parse as parse_compressed
+from .cache import CacheGeometry, CacheSpec, expected_nbytes, make_cache
 from .errors import ConfigError, ModelFileError
 from .hf_baselines import Baseline, is_baseline_name
 
@@ -56,16 +55,11 @@ def cache_name(backend: str, name: str) -> str:
         baseline = Baseline.parse(name)
         baseline.check_installed()
         return baseline.name
-    key = name.strip().lower()
     if backend == "transformers":
         from .hf import CacheFormat
 
-        return CacheFormat.parse(key).name  # also refuses 'none' (it keeps nothing between forward passes)
-    if key not in ("dense", "concat", "none"):
-        if not is_compressed_name(key):
-            raise ConfigError(f"unknown cache {name!r}; choose one of: {', '.join(cache_names())}")
-        parse_compressed(key)  # the grammar's options, one line each
-    return key
+        return CacheFormat.parse(name).name  # also refuses 'none' (it keeps nothing between forward passes)
+    return CacheSpec.parse(name).check("torch").label  # the grammar's options, one line each
 
 
 # -- kvlab's runtime ----------------------------------------------------------------------------------------

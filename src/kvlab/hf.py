@@ -34,9 +34,9 @@ transformers` do). Without it, and in sliding-window segments, the weights are c
 (measured on SmolLM2, one 512-token window: tq-k4v4 (then `tq4`) ΔPPL +5.5% from the keys alone, +3.4% with the queries;
 kvlab's engine +2.6%, the rest being coding noise: tests/test_hf_backend.py).
 
-The preset `tq4` (cache/names.py) codes keys before RoPE in kvlab's engine; transformers hands a cache keys after
-RoPE, so here `tq4` is the preset without `+prerope` (tq4.125+norms8+sink1+kscale=lsq+vscale=lsq), and a name that
-asks for `+prerope` itself is refused.
+The preset `tq4` (cache/format.py) codes keys before RoPE in kvlab's engine; transformers hands a cache keys after
+RoPE, so here `tq4` is the preset without `+prerope` (TRANSFORMERS_PRESETS) (tq4.125+norms8+sink1+kscale=lsq+vscale=lsq), and a name that
+asks for `+prerope` itself is refused (CacheSpec.supports("transformers") names every refusal).
 
 Known differences from kvlab's engine: a compressed layer dequantizes all its tokens at every step (as
 QuantizedCache does) instead of attending on the codes. Beam search, `crop` and row
@@ -52,11 +52,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .cache import CacheGeometry, ConcatCache, DenseCache, KVCache, cache_names
+from .cache import CacheGeometry, CacheSpec, ConcatCache, DenseCache, KVCache
 from .cache.base import copy_prefix
 from .cache.compressed import CompressedCache
 from .cache.turboquant import TurboQuantCache
-from .cache.names import PRESETS, is_compressed_name, parse as parse_compressed
+from .cache.names import compressed
 from .errors import ConfigError, UnsupportedArchitectureError
 
 try:
@@ -85,26 +85,13 @@ class CacheFormat:
 
     @classmethod
     def parse(cls, name: str) -> "CacheFormat":
-        key = name.strip().lower()
-        if key == "dense":
-            return cls(key, DenseCache)
-        if key == "concat":
-            return cls(key, ConcatCache)
-        if key == "none":
-            raise ConfigError("cache 'none' keeps nothing between forward passes; a transformers cache must (use dense, int8, tq4, ...)")
-        if is_compressed_name(key):
-            cache_cls, config = parse_compressed(key)
-            head, *options = key.split("+")
-            if head in PRESETS and "prerope" not in options:   # the preset as transformers can hold it (see above)
-                config = replace(config, pre_rope=False)
-            if getattr(config, "pre_rope", False):
-                raise ConfigError(f"cache {name!r}: +prerope codes keys before RoPE, but transformers hands a cache keys "
-                                  "after RoPE; use it in kvlab's own engine, or drop +prerope")
-            if getattr(config, "alloc", 0) and not config.key_alloc:
-                raise ConfigError(f"cache {name!r} has no recipe: kvlab's engine calibrates +alloc/+halloc for its model; "
-                                  "in transformers spell the recipe out (+alloc=k<digits>v<digits>, as `kvlab eval` prints it)")
-            return cls(key, cache_cls, config)
-        raise ConfigError(f"unknown cache {name!r}; choose one of: {', '.join(n for n in cache_names() if n != 'none')}")
+        """A name transformers can hold (CacheSpec.supports("transformers"); a preset without +prerope, see above)."""
+        spec = CacheSpec.parse(name, "transformers").check("transformers")
+        if spec.base == "dense":
+            return cls(spec.label, DenseCache)
+        if spec.base == "concat":
+            return cls(spec.label, ConcatCache)
+        return cls(spec.label, *compressed(spec))
 
     @property
     def fixed_tokens(self) -> int:

@@ -28,12 +28,7 @@ are causal by construction; the integer caches' key groups are read per query as
 decoding reads them (quantized.py).
 
 Bytes: every buffer is preallocated to the capacity (like DenseCache), so `nbytes` does not change
-as tokens arrive and equals the formula `expected_nbytes(config, geometry, dtype)`:
-  fp layers:        2·B·Hkv·capacity·D·elem           (a DenseCache of one layer)
-  other layers:     sink + window: B·Hkv·(S + W)·(Dk+Dv)·elem, S = min(sink, capacity),
-                    W = min(recent, capacity - S)
-                    + the subclass's store for slots = capacity - S - W tokens
-  once per cache:   the subclass's fixed state (rotations, codebooks, ...).
+as tokens arrive and equals the format's formula (format.py CacheSpec.bytes, which spells it out).
 """
 
 from __future__ import annotations
@@ -45,33 +40,7 @@ import torch
 from .attention import attend_with_lse, block_mask, causal_mask
 from .base import CacheGeometry, KVCache, copy_prefix, tensors_nbytes
 from .dense import DenseCache
-
-
-@dataclass(frozen=True)
-class FullPrecision:
-    """What a compressed cache keeps uncompressed, in the cache dtype. Both are part of the name."""
-
-    recent: int = 0             # newest tokens of every compressed layer kept in full precision
-    sink: int = 0               # first tokens of every compressed layer kept in full precision
-    first_last: bool = False    # layers 0 and L-1 kept whole in full precision
-    layer_list: tuple[int, ...] = ()  # more layers kept whole (for per-layer studies)
-
-    def layers(self, n_layers: int) -> frozenset[int]:
-        chosen = set(self.layer_list) | ({0, n_layers - 1} if self.first_last else set())
-        return frozenset(layer for layer in chosen if 0 <= layer < n_layers)
-
-    @property
-    def suffix(self) -> str:
-        """The name options, e.g. "+recent64+fp-first-last" (empty for a plain name)."""
-        listed = "+fp-layers=" + ".".join(str(l) for l in sorted(self.layer_list)) if self.layer_list else ""
-        return ((f"+sink{self.sink}" if self.sink else "") + (f"+recent{self.recent}" if self.recent else "")
-                + ("+fp-first-last" if self.first_last else "") + listed)
-
-    def split(self, capacity: int) -> tuple[int, int, int]:
-        """(sink, window, compressed slots) per compressed layer for a cache of `capacity` tokens."""
-        sink = min(self.sink, capacity)
-        window = min(self.recent, capacity - sink)
-        return sink, window, capacity - sink - window
+from .format import CacheSpec, FullPrecision
 
 
 @dataclass(frozen=True)
@@ -202,11 +171,6 @@ class CompressedCache(KVCache):
 
     def _store_nbytes(self) -> int:
         """Bytes of the subclass's buffers and fixed state."""
-        raise NotImplementedError
-
-    @classmethod
-    def _expected_store_nbytes(cls, config, geometry: CacheGeometry, dtype: torch.dtype, slots: int, n_layers: int) -> int:
-        """The formula for `_store_nbytes` with `n_layers` compressed layers of `slots` tokens each."""
         raise NotImplementedError
 
     # -- the protocol -------------------------------------------------------------------------------
@@ -361,16 +325,8 @@ class CompressedCache(KVCache):
     # -- formula and debugging ------------------------------------------------------------------------
     @classmethod
     def expected_nbytes(cls, config, geometry: CacheGeometry, dtype: torch.dtype) -> int:
-        """What `nbytes` is for a cache built with (config, geometry, dtype): no tensors are made."""
-        g = geometry
-        elem = torch.empty(0, dtype=dtype).element_size()
-        n_fp = len(config.full.layers(g.n_layers))
-        sink, window, slots = config.full.split(g.capacity)
-        per_token_dense = g.n_kv_heads * (g.head_dim + g.head_dim_v) * elem * g.batch
-        fp = n_fp * per_token_dense * g.capacity
-        n_comp_layers = g.n_layers - n_fp
-        held = n_comp_layers * per_token_dense * (sink + window)
-        return fp + held + cls._expected_store_nbytes(config, g, dtype, slots, n_comp_layers)
+        """What `nbytes` is for a cache built with (config, geometry, dtype): the format's formula (format.py)."""
+        return CacheSpec.from_config(config).bytes(geometry, geometry.capacity, dtype)
 
     def dequantized(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """All stored K/V of `layer` as attention reads them, (B, Hkv, S, D) float32 — for tests and debugging."""

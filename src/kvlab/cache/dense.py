@@ -13,10 +13,6 @@ from ..errors import NonFiniteError
 from .attention import chunked_attention, grouped_attention
 from .base import CacheGeometry, KVCache, copy_prefix, tensors_nbytes
 
-#: cache name -> the dtype its K/V are stored in (None: the run's dtype)
-STORAGE = {"dense": None, "dense-f16": torch.float16, "dense-bf16": torch.bfloat16}
-
-
 class DenseCache(KVCache):
     """Two buffers of (layers, B, Hkv, capacity, D); token t of layer l lives at [l, :, :, t].
     `storage`: the dtype of those buffers (default: `dtype`, the compute dtype)."""

@@ -41,6 +41,7 @@ Bytes per compressed layer (B sequences, Hkv heads, `slots` tokens, fp16 metadat
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -49,7 +50,8 @@ from ..kernels import kernel_for
 from .base import CacheGeometry, copy_prefix, tensors_nbytes
 from .attention import attend_with_lse
 from . import compressed
-from .compressed import CompressedCache, FullPrecision, ceil_div
+from .compressed import CompressedCache, ceil_div
+from .format import CacheSpec, FullPrecision
 from .packing import pack, packed_nbytes, unpack
 
 _META = torch.float16           # scales and zero points
@@ -65,21 +67,19 @@ class QuantizedConfig:
     full: FullPrecision = field(default_factory=FullPrecision)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.bits, int) or not 1 <= self.bits <= 8:
-            raise ConfigError(f"integer cache width must be 1..8 bits, got {self.bits!r}")
-        if self.group_size <= 0:
-            raise ConfigError(f"group size must be positive, got {self.group_size}")
+        self.spec  # the format's checks (format.py), one line each
+
+    @cached_property
+    def spec(self) -> CacheSpec:
+        """This config as its format: the name and the bytes formula live there."""
+        return CacheSpec.from_config(self)
 
     @property
     def name(self) -> str:
-        group = f"+g{self.group_size}" if self.group_size != QuantizedConfig.group_size else ""
-        return f"int{self.bits}{group}{self.full.suffix}"
+        return self.spec.name
 
     def value_group(self, head_dim_v: int) -> int:
-        group = min(self.group_size, head_dim_v)
-        if head_dim_v % group:
-            raise ConfigError(f"value head dim {head_dim_v} is not a multiple of the group size {group}")
-        return group
+        return self.spec.value_group(head_dim_v)
 
 
 class QuantizedCache(CompressedCache):
@@ -337,16 +337,6 @@ class QuantizedCache(CompressedCache):
         super().record_written(layers, n_new)
         for layer in layers:   # its last append's full-precision copy is no longer the last append
             self._fresh.pop(layer, None)
-
-    @classmethod
-    def _expected_store_nbytes(cls, config: QuantizedConfig, geometry: CacheGeometry, dtype: torch.dtype,
-                               slots: int, n_layers: int) -> int:
-        g, b, G = geometry, config.bits, config.group_size
-        elem = torch.empty(0, dtype=dtype).element_size()
-        meta = torch.empty(0, dtype=_META).element_size()
-        keys = slots * packed_nbytes(g.head_dim, b) + ceil_div(slots, G) * g.head_dim * 2 * meta + G * g.head_dim * elem
-        values = slots * (packed_nbytes(g.head_dim_v, b) + g.head_dim_v // config.value_group(g.head_dim_v) * 2 * meta)
-        return n_layers * g.batch * g.n_kv_heads * (keys + values)
 
     @staticmethod
     def describe(config: QuantizedConfig, geometry: CacheGeometry, dtype: torch.dtype) -> str:

@@ -19,9 +19,7 @@ from functools import lru_cache
 
 import torch
 
-
-def is_power_of_two(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
+from .sizes import is_power_of_two
 
 
 class Rotation:

@@ -81,22 +81,17 @@ coordinates, quantized at ⌊b⌋+1 bits, the rest at ⌊b⌋ bits (both with th
 sketch sign(S·r) of the residual r = y - ŷ (S: seeded d×d Gaussian, one per cache) and ‖r‖ in 16
 bits; ⟨q, r⟩ is estimated without bias by √(π/2)/d·‖r‖·⟨Sq, sign(Sr)⟩ (keys then use c = 1).
 
-Bytes (compressed layer, B sequences, Hkv heads, `slots` tokens), n16 = 2 bytes (1 with +norms8, plus 2·B·Hkv
-float16 centres per layer):
-    keys   B·Hkv·slots·(codes(d, bk) + n16 [+ ⌈d/8⌉ + n16 with qjl] [+ N·(1 + 2) with +outliersN])
-    values B·Hkv·slots·(codes(d, bv) + n16)       codes(d, b) = Σ over channel splits ⌈n·b/8⌉
-    fixed  per compressed layer the rotation state (d int8 signs; d² float32 if d is not a power
-           of two) and the key offsets (B·Hkv·d float8), per cache the K and V codebooks
-           (centroids + boundaries, float32) and, with qjl, S (d² float32); the key channel weights
-           (B·Hkv·d/2 bytes of 4-bit codes per compressed layer).
+Bytes: every buffer above is counted in `nbytes`, which equals the format's formula (format.py CacheSpec.bytes).
 The Sylvester Hadamard matrix and the codebooks' source are constants of d shared by all caches.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -104,16 +99,17 @@ import torch.nn.functional as F
 from ..errors import ConfigError, NonFiniteError
 from ..kernels.codebook import CodeLayout, codebook_kernel_for
 from ..rope import apply_rope
-from .allocation import SPREADS, budget, centre, check_geometry, check_recipe, format_recipe, held_widths
+from .allocation import budget, centre, check_geometry
 from .base import CacheGeometry, copy_prefix, tensors_nbytes
-from .names import PRESETS
 from .codebook import lloyd_max
-from .vector_codebook import BLOCK, VECTOR_BITS, magnitude_codebook, magnitude_points, nearest_point
+from .format import OUTLIER_BYTES, WEIGHT_BITS, CacheSpec, FullPrecision  # noqa: F401  (OUTLIER_BYTES: importable from here)
+from .sizes import BLOCK, codes_nbytes, is_power_of_two, is_vector_part, packed_nbytes, table_nbytes, width_split
+from .vector_codebook import magnitude_codebook, nearest_point
 from . import compressed
 from .attention import attend_with_lse
-from .compressed import CompressedCache, FullPrecision
-from .packing import pack, packed_nbytes, unpack
-from .rotation import Rotation, haar_matrix, is_power_of_two
+from .compressed import CompressedCache
+from .packing import pack, unpack
+from .rotation import Rotation, haar_matrix
 
 #: How the stored 16-bit scale of a vector x (y = Πx/‖x‖, ŷ its codes) is chosen; the reconstruction
 #: is scale·Πᵀŷ. All cost the same bytes.
@@ -128,15 +124,11 @@ _TINY = 1e-30
 #: before coding and added back when reading — so it only needs to be near the mean.
 _OFFSET = torch.float8_e4m3fn
 _OFFSET_MAX = 448.0
-_OFFSET_BYTES = 1
 #: The first append to a layer sets its offset and key weights only if it brings at least this many tokens.
 MIN_CALIBRATION_TOKENS = 8
-#: +outliersN: bytes per kept key entry, its channel (uint8) and its value (float16)
-OUTLIER_BYTES = 1 + 2
 #: Each vector's 16-bit scale (float16 or bfloat16), or with +norms8 its 8-bit log code: code c > 0 is the scale
 #: 2^(centre + (c - 128)/LOG_NORM_STEPS), 16 steps per octave (at most ±2.2% off), ±8 octaves around a centre per layer,
 #: KV head and K/V (the median log2 scale of the layer's first coded chunk, float16, counted); code 0 is a zero scale.
-_NORM_BYTES = 2
 LOG_NORM_STEPS, _LOG_NORM_ZERO = 16, 128
 #: 2^(j/16) for j < 16 in float32 (decode.h KVLAB_LOG_STEP_POWERS, the same literals): the steps of an octave
 LOG_STEP_POWERS = torch.tensor([float.fromhex(h) for h in (
@@ -144,7 +136,7 @@ LOG_STEP_POWERS = torch.tensor([float.fromhex(h) for h in (
     "0x1.6a09e6p+0", "0x1.7a1148p+0", "0x1.8ace54p+0", "0x1.9c4918p+0", "0x1.ae89fap+0", "0x1.c199bep+0", "0x1.d5818ep+0", "0x1.ea4afap+0")], dtype=torch.float32)
 _OUTLIER_VALUE = torch.float16
 #: Key channel weights w = 2^((code - WEIGHT_ZERO) / WEIGHT_STEPS) for 4-bit codes: 1/4 .. 3.4 in quarter octaves.
-WEIGHT_BITS, WEIGHT_ZERO, WEIGHT_STEPS = 4, 8, 4
+WEIGHT_ZERO, WEIGHT_STEPS = 8, 4   # (WEIGHT_BITS = 4: format.py)
 
 
 @dataclass(frozen=True)
@@ -172,78 +164,32 @@ class TurboQuantConfig:
     log_norms: bool = False            # +norms8: 8-bit log-coded scales around a per-layer, per-head centre
 
     def __post_init__(self) -> None:
-        for what, bits in (("key", self.key_bits), ("value", self.value_bits)):
-            if not 1 <= bits <= 8:
-                raise ConfigError(f"TurboQuant {what} width must be 1..8 bits, got {bits:g}")
-        if self.qjl and self.key_bits < 2:
-            raise ConfigError(f"+qjl needs at least 2 key bits (1 of them is the QJL sign), got {self.key_bits:g}")
-        for mode in (self.key_scale, self.value_scale):
-            if mode not in SCALE_MODES:
-                raise ConfigError(f"unknown TurboQuant scale mode {mode!r}; choose one of {', '.join(SCALE_MODES)}")
-        if self.center not in ("", "k", "v", "kv"):
-            raise ConfigError(f"TurboQuant centering is none, k, v or kv, got {self.center!r}")
-        if self.rotation not in ("hadamard", "haar"):
-            raise ConfigError(f"TurboQuant rotations are hadamard or haar, got {self.rotation!r}")
-        if self.log_norms and (self.qjl or self.norm_dtype != torch.float16):
-            raise ConfigError("+norms8 codes the scales in 8 bits; use it without +qjl and +bf16norms")
-        if self.vector and self.qjl:
-            raise ConfigError("+vq codes the Lloyd-Max part in blocks; use it without +qjl")
-        if self.outliers < 0:
-            raise ConfigError(f"+outliersN keeps N ≥ 1 key entries per vector, got {self.outliers}")
-        if self.norm_dtype not in (torch.float16, torch.bfloat16):
-            raise ConfigError(f"TurboQuant norms are 16-bit floats, got {self.norm_dtype}")
         if (self.key_alloc or self.value_alloc or self.alloc_heads) and not self.alloc:
             object.__setattr__(self, "alloc", 1)
-        if self.alloc:
-            self._check_alloc()
+        self.spec  # the format's checks (format.py), one line each
+
+    @cached_property
+    def spec(self) -> CacheSpec:
+        """This config as its format: the name, the bytes formula and the width arithmetic live there."""
+        return CacheSpec.from_config(self)
 
     @property
     def alloc_option(self) -> str:
         """"+alloc" (a width per layer) or "+halloc" (per layer and KV head): how the name spells the recipe."""
-        return "+halloc" if self.alloc_heads else "+alloc"
-
-    def _check_alloc(self) -> None:
-        option = self.alloc_option
-        if self.alloc not in SPREADS:
-            spreads = " or ".join(map(str, SPREADS))
-            raise ConfigError(f"{option} spreads the widths by {spreads} bits ({option}, {option}2), got {self.alloc}")
-        if self.qjl:
-            raise ConfigError(f"{option} takes Lloyd-Max codes only: use it without +qjl (tq4, tq-k4v3, tq-k3v2.95, ...)")
-        if self.full.first_last or self.full.layer_list:
-            raise ConfigError(f"{option} spreads the bits over every layer: use it without +fp-first-last / +fp-layers=")
-        if self.key_alloc or self.value_alloc:
-            check_recipe(self.key_alloc, self.value_alloc, self.key_bits, self.value_bits, self.alloc, option)
+        return self.spec.alloc_option
 
     @property
     def name(self) -> str:
-        kb, vb = f"{self.key_bits:g}", f"{self.value_bits:g}"
-        base = f"tq{kb}" if kb == vb and f"tq{kb}" not in PRESETS else f"tq-k{kb}v{vb}"   # tq4 names a preset
-        numerics = "".join([
-            f"+kscale={self.key_scale}" if self.key_scale != TurboQuantConfig.key_scale else "",
-            f"+vscale={self.value_scale}" if self.value_scale != TurboQuantConfig.value_scale else "",
-            "+bf16norms" if self.norm_dtype == torch.bfloat16 else "",
-            f"+seed{self.seed}" if self.seed else "",
-        ])
-        if not self.key_weights:
-            numerics = "+kweights=none" + numerics
-        if self.center != TurboQuantConfig.center:
-            numerics = f"+center={self.center or 'none'}" + numerics
-        options = ("+qjl" if self.qjl else "") + ("+prerope" if self.pre_rope else "") + ("+rot=haar" if self.rotation == "haar" else "")
-        options += ("+vq" if self.vector else "") + ("+norms8" if self.log_norms else "")
-        options += f"+outliers{self.outliers}" if self.outliers else ""
-        if self.alloc:
-            options += self.alloc_option + (str(self.alloc) if self.alloc > 1 else "")
-            options += f"={format_recipe(self.key_alloc, self.value_alloc)}" if self.key_alloc else ""
-        return base + options + self.full.suffix + numerics
+        return self.spec.name
 
     @property
     def code_bits(self) -> float:
         """Bits of Lloyd-Max codes per key coordinate (one fewer with qjl)."""
-        return self.key_bits - 1 if self.qjl else self.key_bits
+        return self.spec.code_bits
 
     def alloc_units(self, n_layers: int, n_kv_heads: int) -> int:
         """How many widths a recipe of this cache holds for keys (and for values): one per layer, or per layer and head."""
-        return n_layers * n_kv_heads if self.alloc_heads else n_layers
+        return self.spec.alloc_units(n_layers, n_kv_heads)
 
     def head_widths(self, layer: int, n_kv_heads: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """(key code bits, value bits) of each KV head of `layer`: the recipe's with +alloc / +halloc, else the base
@@ -260,28 +206,27 @@ class TurboQuantConfig:
 
     def check_outliers(self, dim: int) -> None:
         """+outliersN fits a head dim of `dim`: N ≤ dim, and channel indices that fit a uint8 (one-line ConfigError)."""
-        if self.outliers > dim:
-            raise ConfigError(f"+outliers{self.outliers} keeps more entries than a key vector has (head dim {dim})")
-        if self.outliers and dim > 256:
-            raise ConfigError(f"+outliersN stores channel indices as uint8, so head dims up to 256; got {dim}")
+        self.spec.check_outliers(dim)
 
     def held_widths(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """The key and value widths whose codebooks a cache holds (all a recipe may use, with +alloc)."""
-        if self.alloc:
-            return held_widths(centre(self.key_bits), self.alloc), held_widths(centre(self.value_bits), self.alloc)
-        return (self.code_bits,), (self.value_bits,)
+        return self.spec.held_widths()
 
     def codebook_widths(self) -> list[float]:
-        """One entry per codebook the cache holds: the key and the value width, or with +alloc every held
-        width once (keys and values share them)."""
-        if self.alloc:
-            return sorted(set(self.held_widths()[0]) | set(self.held_widths()[1]))
-        return [self.code_bits, self.value_bits]
+        """One entry per codebook the cache holds (format.py CacheSpec.codebook_widths)."""
+        return self.spec.codebook_widths()
+
+
+def config_fields(spec: CacheSpec) -> dict:
+    """A TurboQuant spec's options as TurboQuantConfig's keyword arguments (the same names; torch's norm dtype)."""
+    settings = {f.name: getattr(spec, f.name) for f in dataclasses.fields(TurboQuantConfig)}
+    settings["norm_dtype"] = getattr(torch, spec.norm_dtype)
+    return settings
 
 
 def norm_bytes(config: TurboQuantConfig) -> int:
     """Bytes of each vector's stored scale: 2 (float16 / bfloat16), 1 with +norms8."""
-    return 1 if config.log_norms else _NORM_BYTES
+    return config.spec.norm_bytes
 
 
 def _log_centre(scales: torch.Tensor) -> torch.Tensor:
@@ -347,26 +292,16 @@ class RotatedCodes:
     @staticmethod
     def split(dim: int, bits: float) -> tuple[int, int]:
         """(⌊b⌋, the channels at ⌊b⌋+1 bits); a ConfigError (one line) when b does not split d into whole channels."""
-        low = math.floor(bits)
-        n_high = round((bits - low) * dim)
-        if not math.isclose(n_high, (bits - low) * dim, abs_tol=1e-9):
-            raise ConfigError(f"{bits:g} bits does not split a head dim of {dim} into whole channels")
-        return low, n_high
+        return width_split(dim, bits)
 
     @staticmethod
     def packed_bytes(dim: int, bits: float) -> int:
-        low, n_high = RotatedCodes.split(dim, bits)
-        return (packed_nbytes(n_high, low + 1) if n_high else 0) + packed_nbytes(dim - n_high, low)
+        return codes_nbytes(dim, bits)
 
     @staticmethod
     def table_bytes(dim: int, bits: float, byte_tables: bool = True, vector: bool = False) -> int:
-        """Bytes of the float32 centroids + boundaries (+ byte tables for 1, 2, 4, 8 bits) held for this width, or of
-        a block-coded part's points (K·4 float32)."""
-        low, n_high = RotatedCodes.split(dim, bits)
-        parts = ([(n_high, low + 1)] if n_high else []) + ([(dim - n_high, low)] if dim > n_high else [])
-        return sum(4 * magnitude_points(b) * BLOCK if vector and is_vector_part(n, b)
-                   else 4 * ((1 << b) + (1 << b) - 1 + (256 * (8 // b) if byte_tables and 8 % b == 0 else 0))
-                   for n, b in parts)
+        """Bytes of the float32 codebook held for this width (sizes.py table_nbytes)."""
+        return table_nbytes(dim, bits, byte_tables, vector)
 
     @property
     def nbytes(self) -> int:
@@ -403,11 +338,6 @@ class RotatedCodes:
                 values.append(cent[unpack(part, b, hi - lo)])                      # (..., hi-lo)
             offset += width
         return torch.cat(values, dim=-1) if len(values) > 1 else values[0]
-
-
-def is_vector_part(channels: int, bits: int) -> bool:
-    """Whether +vq codes a part of `channels` coordinates at `bits` in blocks (2 or 3 bits, whole blocks of 4)."""
-    return bits in VECTOR_BITS and channels % BLOCK == 0
 
 
 #: the sign bit of each coordinate of a block, low bits of its index: (4,)
@@ -956,48 +886,6 @@ class TurboQuantCache(CompressedCache):
         return fixed
 
     @classmethod
-    def _expected_store_nbytes(cls, config: TurboQuantConfig, geometry: CacheGeometry, dtype: torch.dtype,
-                               slots: int, n_layers: int) -> int:
-        g, d = geometry, geometry.head_dim
-        config.check_outliers(d)
-        if config.alloc:  # the recipe's widths sum to the budget: budget·d/8 code bytes per token (allocation.py)
-            units = config.alloc_units(g.n_layers, g.n_kv_heads)
-            heads_per_unit = 1 if config.alloc_heads else g.n_kv_heads
-            vectors = n_layers * g.n_kv_heads * (2 * norm_bytes(config) + config.outliers * OUTLIER_BYTES)  # norms, outliers
-            per_token = g.batch * slots * (budget(units, config.key_bits, config.value_bits) * heads_per_unit * d // 8 + vectors)
-        else:
-            per_vector_k, per_vector_v = cls.vector_bytes(config, d)
-            per_token = n_layers * g.batch * g.n_kv_heads * slots * (per_vector_k + per_vector_v)
-        haar = config.rotation == "haar"
-        rotation = d if is_power_of_two(d) or haar else d * d * 4                 # signs, or a matrix per layer
-        fixed = n_layers * rotation + sum(RotatedCodes.table_bytes(d, b, not config.alloc, config.vector) for b in config.codebook_widths())
-        if config.alloc:  # the recipe is one byte per width
-            check_geometry(config.key_alloc, units, d, config.alloc_option)
-            fixed += units * 2
-        if config.qjl:
-            fixed += d * d * 4
-        fixed += len(config.center) * n_layers * g.batch * g.n_kv_heads * d * _OFFSET_BYTES
-        if config.key_weights:
-            fixed += n_layers * g.batch * g.n_kv_heads * packed_nbytes(d, WEIGHT_BITS)
-        if config.pre_rope:
-            fixed += d // 2 * 4                                                   # float32 RoPE frequencies
-        if config.log_norms:
-            fixed += 2 * n_layers * g.batch * g.n_kv_heads * 2                    # float16 K and V centres per head
-        if haar:
-            fixed += d * d * 4                                                    # the shared Haar matrix
-        return per_token + fixed
-
-    @staticmethod
-    def vector_bytes(config: TurboQuantConfig, dim: int) -> tuple[int, int]:
-        """Bytes stored per key vector and per value vector (at the base widths: +alloc spends its budget instead)."""
-        n16 = norm_bytes(config)
-        k = RotatedCodes.packed_bytes(dim, config.code_bits) + n16
-        if config.qjl:
-            k += packed_nbytes(dim, 1) + n16
-        k += config.outliers * OUTLIER_BYTES
-        return k, RotatedCodes.packed_bytes(dim, config.value_bits) + n16
-
-    @classmethod
     def describe(cls, config: TurboQuantConfig, geometry: CacheGeometry, dtype: torch.dtype) -> str:
         d = geometry.head_dim
         scale = "8-bit log scale" if config.log_norms else "16-bit norm"
@@ -1020,7 +908,7 @@ class TurboQuantCache(CompressedCache):
         if config.vector:
             fixed += "; 2- and 3-bit codes in blocks of 4 coordinates (per cache: their float32 magnitude points)"
         if not config.alloc:   # (a fractional base of +alloc need not split d: its budget is spent instead)
-            k, v = cls.vector_bytes(config, d)
+            k, v = config.spec.vector_bytes(d)
             return f"{key} = {k} B; per value vector: {d}×{config.value_bits:g}-bit codes + {scale} = {v} B{fixed}"
         key_held, value_held = config.held_widths()
         unit = "layer and KV head" if config.alloc_heads else "layer"

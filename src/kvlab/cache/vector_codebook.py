@@ -26,18 +26,12 @@ from pathlib import Path
 import torch
 
 from .codebook import cache_dir, save_json
+from .sizes import BLOCK, VECTOR_BITS, magnitude_points  # noqa: F401  (VECTOR_BITS: importable from here)
 
-BLOCK = 4                      # coordinates coded together
-VECTOR_BITS = (2, 3)           # part widths coded in blocks (others stay scalar)
 CODEBOOK_FORMAT = 1            # bump when the training changes: old files (and +vq recipes, quality/calibrate.py) are then ignored
 _SAMPLE_VECTORS = 40_000       # unit vectors drawn per codebook (d/4 blocks each)
 _ITERS = 40
 _CHUNK = 1 << 16
-
-
-def magnitude_points(bits: int) -> int:
-    """K: the magnitude points of a b-bit block code (4b bits = 4 sign bits + log2 K)."""
-    return 1 << (BLOCK * bits - BLOCK)
 
 
 @lru_cache(maxsize=None)

@@ -4,18 +4,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..cache import CacheSpec
 from ..fileio import save_figure
+from ..hf_baselines import is_baseline_name
 from .suite import CacheQuality
 
 
 def _family(name: str) -> str:
-    if name in ("dense", "hf:dynamic"):
+    if name == "hf:dynamic":
         return "dense"
-    if name.startswith("hf:"):
+    if is_baseline_name(name):
         return "transformers' caches"
-    if name.startswith("int"):
-        return "int (KIVI-style)"
-    return "TurboQuant"
+    return {"dense": "dense", "int": "int (KIVI-style)"}.get(CacheSpec.parse(name).base, "TurboQuant")
 
 
 def plot_quality(records: list[CacheQuality], path: Path) -> Path:

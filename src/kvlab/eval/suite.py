@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import asdict, dataclass, field
 
 import torch
 
 from ..backends import KvlabRuntime, formula_bytes_per_token
-from ..cache import TurboQuantCache
-from ..cache.names import is_compressed_name, parse as parse_cache_name
+from ..cache import CacheSpec
 from ..quality.agreement import kl_divergence, top1_matches
 from ..quality.corpus import calibration_text, corpus_text, windows
 from ..quality.perplexity import WindowProtocol, run_window, window_nll
@@ -69,11 +67,10 @@ def calibration_windows(tokenizer, protocol: WindowProtocol) -> list[torch.Tenso
 
 def seed_variants(name: str, seeds: tuple[int, ...]) -> list[tuple[int | None, str]]:
     """[(seed, cache name to build)]: one per seed for a TurboQuant cache without its own `+seedN`, else [(None, name)]."""
-    key = name.strip().lower()
-    if not seeds or not is_compressed_name(key) or re.search(r"\+seed\d+", key):
+    if not seeds:
         return [(None, name)]
-    cls, _ = parse_cache_name(key)
-    if cls is not TurboQuantCache:
+    spec = CacheSpec.parse(name)
+    if spec.base != "tq" or spec.seed:
         return [(None, name)]
     return [(seed, f"{name}+seed{seed}") for seed in seeds]
 

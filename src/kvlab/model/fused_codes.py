@@ -223,7 +223,7 @@ def serves_codes(cache, cfg) -> bool:
     g = cache.geometry
     return (
         cache.kernel_format == "tq" and cache.dtype == torch.float32 and cache.device.type == "cpu"
-        and not cache.config.qjl and not cache.config.outliers
+        and cache.config.spec.supports("fused")[0]            # the format's refusals (cache/format.py REFUSALS)
         and g.window is None and cfg.sliding_window is None
         and cfg.head_dim % 2 == 0 and cfg.head_dim <= 1024
         and (g.batch, g.n_layers, g.n_kv_heads, g.head_dim, g.head_dim_v) == (1, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.head_dim)

@@ -50,7 +50,8 @@ from ..cache import CacheGeometry, TurboQuantCache
 from ..cache.allocation import allocate, centre, check_geometry, check_recipe, held_widths
 from ..paths import cache_dir
 from ..cache.dense import DenseCache
-from ..cache.names import is_compressed_name, parse
+from ..cache import CacheSpec
+from ..cache.names import compressed
 from ..cache.turboquant import TurboQuantConfig
 from ..cache.vector_codebook import CODEBOOK_FORMAT
 from ..errors import ConfigError
@@ -206,12 +207,10 @@ def _head(model, x: torch.Tensor, protocol: WindowProtocol) -> torch.Tensor:
 def resolve(name: str, loaded) -> str:
     """`name` with its recipe spelled out when it asks for one (`tq-k4v4+alloc`): from memory, from disk, or
     calibrated now for `loaded` (a LoadedModel); any other name is returned as it is."""
-    key = name.strip().lower()
-    if not is_compressed_name(key):
+    spec = CacheSpec.parse(name)
+    if spec.base != "tq" or not spec.alloc or spec.key_alloc:
         return name
-    cls, config = parse(key)
-    if cls is not TurboQuantCache or not config.alloc or config.key_alloc:
-        return name
+    config = compressed(spec)[1]
     check_geometry((), config.alloc_units(loaded.config.n_layers, loaded.config.n_kv_heads), loaded.config.head_dim,
                    config.alloc_option)
     digest = model_digest(Path(loaded.path))
@@ -245,7 +244,7 @@ def recipe_dir() -> Path:
 def recipe_path(digest: str, calibrated: str) -> Path:
     """Where the recipe of cache `calibrated` for the model with this digest is kept; a +vq recipe's name carries the
     block codebooks' format, so a recipe measured with other codes is not found (and is calibrated again)."""
-    codes = f"-vq{CODEBOOK_FORMAT}" if parse(calibrated)[1].vector else ""
+    codes = f"-vq{CODEBOOK_FORMAT}" if CacheSpec.parse(calibrated).vector else ""
     return recipe_dir() / f"{digest[:16]}-{calibrated.replace('=', '_')}{codes}.json"
 
 

@@ -18,35 +18,17 @@ memory is needed; a block shared by several sequences is copied before one of th
 from __future__ import annotations
 
 import math
-import re
 from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 from ..cache import CacheGeometry
+from ..cache.capacity import CapacityPlan, parse_bytes  # noqa: F401  (the engine's admission, importable from here)
 from ..cache.base import tensors_nbytes
 from ..errors import ConfigError
-from . import formats
 from .attention import ragged_attention
 from .formats import DENSE_FORMATS
-
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-
-
-def parse_bytes(value: int | str) -> int:
-    """512MiB, 2GiB, 1e9, 4096 -> bytes (> 0)."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        number = value
-    else:
-        match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?(?:e[0-9]+)?)\s*([a-z]*)\s*", str(value).lower())
-        if not match or match.group(2) not in _UNITS:
-            raise ConfigError(f"kv_budget must be a size like 512MiB or 2GiB, got {value!r}")
-        number = int(float(match.group(1)) * _UNITS[match.group(2)])
-    if number <= 0:
-        raise ConfigError(f"kv_budget must be positive, got {value!r}")
-    return number
 
 
 def storage_dtype(block_format: str) -> torch.dtype:
@@ -54,57 +36,6 @@ def storage_dtype(block_format: str) -> torch.dtype:
     if key not in DENSE_FORMATS:
         raise ConfigError(f"unknown dense block format {block_format!r}; choose one of: {', '.join(DENSE_FORMATS)}")
     return DENSE_FORMATS[key]
-
-
-@dataclass(frozen=True)
-class CapacityPlan:
-    """What a byte budget buys in one block format: the engine's admission and the planner share it.
-
-    budget >= pool_bytes = n_blocks·block_bytes + shared_bytes + max_batch·sequence_bytes (formats.py)."""
-
-    format: str
-    budget: int          # bytes asked for
-    block_size: int      # tokens per block
-    block_bytes: int     # one block in every layer, K and V
-    n_blocks: int
-    shared_bytes: int = 0     # once per pool (TurboQuant's rotations, codebooks, calibration)
-    sequence_bytes: int = 0   # per batch slot (the int formats' open key group)
-    max_batch: int = 16
-
-    @classmethod
-    def build(cls, geometry: CacheGeometry, block_format: str, kv_budget: int | str, block_size: int = 16,
-              max_batch: int = 16) -> "CapacityPlan":
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ConfigError(f"block_size must be a positive integer, got {block_size!r}")
-        fmt = formats.block_format(block_format, geometry, block_size)   # the caches' (and planner's) formula
-        budget = parse_bytes(kv_budget)
-        fixed = fmt.shared_bytes + max_batch * fmt.sequence_bytes
-        n_blocks = max(0, budget - fixed) // fmt.block_bytes
-        if n_blocks < 1:
-            raise ConfigError(f"kv_budget of {budget:,} bytes holds no block: one {fmt.name} block of "
-                              f"{block_size} tokens needs {fmt.block_bytes:,} bytes"
-                              + (f" after {fixed:,} bytes of shared and per-sequence state" if fixed else ""))
-        return cls(fmt.name, budget, block_size, fmt.block_bytes, n_blocks, fmt.shared_bytes, fmt.sequence_bytes, max_batch)
-
-    @property
-    def fixed_bytes(self) -> int:
-        """What the pool holds besides its blocks: shared state and one row of per-sequence state per batch slot."""
-        return self.shared_bytes + self.max_batch * self.sequence_bytes
-
-    @property
-    def pool_bytes(self) -> int:
-        return self.n_blocks * self.block_bytes + self.fixed_bytes
-
-    @property
-    def tokens(self) -> int:
-        return self.n_blocks * self.block_size
-
-    def blocks_for(self, tokens: int) -> int:
-        return math.ceil(tokens / self.block_size)
-
-    def max_concurrent(self, ctx_tokens: int) -> int:
-        """Sequences of `ctx_tokens` tokens each that fit in the pool at once."""
-        return self.n_blocks // self.blocks_for(max(1, ctx_tokens))
 
 
 class BlockPool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from ..cache import CacheGeometry
+from ..cache import CacheGeometry, CacheSpec
 from ..errors import ConfigError, KvlabError, RequestTooLargeError
 from .blocks import BlockManager, CapacityPlan
 from .coded import make_pool
@@ -70,9 +70,7 @@ class GenerationOutput:
 def _with_recipe(cache: str, loaded) -> str:
     """`tq4+halloc`: the recipe calibrated for the loaded model spelled out (eval/calibrate.resolve, from disk after the
     first time); any other name as it is."""
-    from ..cache.names import is_compressed_name
-
-    if not is_compressed_name(str(cache)):
+    if not CacheSpec.parse(str(cache), "pool").compressed:
         return cache
     from ..quality.calibrate import resolve                  # the calibration (and the corpus) load for compressed names only
 

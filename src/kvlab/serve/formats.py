@@ -14,11 +14,13 @@ Compressed blocks hold codes, norms and scales only. Two more kinds of bytes com
   per sequence  int formats: the open key group of each running sequence (< G tokens of fp32 keys,
                 the single cache's "stage"); TurboQuant +sinkN: the first N tokens' K/V in fp32 (serve/sinks.py);
                 one row per batch slot (max_batch rows)
-Blocks and shared bytes come from `expected_nbytes` of the single-sequence cache (its codes only) at batch 1: its
-bytes at a capacity of c tokens are c·per_token + rest, so a block is f(2·bs) - f(bs) and the rest is f(bs) - block.
+Blocks and shared bytes come from the format's formula (CacheSpec.pool_bytes: the single-sequence cache's codes only)
+at batch 1: its bytes at a capacity of c tokens are c·per_token + rest, so a block is f(2·bs) - f(bs) and the rest is
+f(bs) - block.
 With +sinkN a sequence's first N slots stay unwritten (their tokens are in its sink rows), so its blocks hold N
 slots more than the single cache's codes. Names whose single cache keeps other full-precision tokens or layers
-(+recentN, +fp-first-last, +fp-layers=, and +sinkN of the int formats) are not block formats.
+(+recentN, +fp-first-last, +fp-layers=, and +sinkN of the int formats) are not block formats: every refusal is a
+row of cache/format.py REFUSALS (CacheSpec.supports("pool")).
 +prerope is held: a slot's position is its token's place in its sequence (the same for every sequence that shares the
 block through the prefix cache), so keys are turned back from it when coded and rebuilt at it when read. +alloc /
 +halloc are held: a layer's codes are one row per token of its heads' codes side by side (each head at its width; a
@@ -30,23 +32,19 @@ recipe is the model's, spelled out by the engine before the pool is built (quali
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
-from ..cache import CacheGeometry, expected_nbytes
-from ..cache.compressed import FullPrecision
-from ..cache.names import is_compressed_name, parse
-from ..cache.quantized import QuantizedCache
-from ..errors import ConfigError
-from .sinks import SinkRows
+from ..cache import CacheGeometry, CacheSpec
+from ..cache.format import POOL_DTYPE, POOL_EXAMPLES
+from ..cache.names import compressed
 
 #: dense block format -> storage dtype
 DENSE_FORMATS = {"dense": torch.float32, "dense-f16": torch.float16, "dense-bf16": torch.bfloat16}
 #: the dtype of whatever a compressed format keeps in full precision (the int formats' open key group)
-CODED_DTYPE = torch.float32
-EXAMPLES = [*DENSE_FORMATS, "int8", "int4", "tq4", "tq-k4v4", "tq3", "tq3.5", "tq-k4v3", "tq-k4v4+qjl"]
+CODED_DTYPE = getattr(torch, POOL_DTYPE)
+EXAMPLES = POOL_EXAMPLES
 
 
 @dataclass(frozen=True)
@@ -66,42 +64,10 @@ class BlockFormat:
 
 
 def block_format(name: str, geometry: CacheGeometry, block_size: int) -> BlockFormat:
-    """Parse a block format name; ConfigError (one line) for anything the pool cannot hold."""
-    key = str(name).strip().lower()
-    one = replace(geometry, batch=1, capacity=block_size)
-    if key in DENSE_FORMATS:
-        return BlockFormat(key, "dense", DENSE_FORMATS[key], None,
-                           expected_nbytes("dense", one, DENSE_FORMATS[key], block_size))
-    if not is_compressed_name(key):
-        raise ConfigError(f"unknown block format {name!r}; choose one of: {', '.join(EXAMPLES)}")
-    cls, config = parse(key)
-    sink = config.full.sink if cls is not QuantizedCache else 0   # TurboQuant's +sinkN: rows beside the blocks
-    if replace(config.full, sink=0) != FullPrecision() or config.full.sink != sink:
-        raise ConfigError(f"block format {name!r} keeps full-precision tokens or layers ({config.full.suffix.lstrip('+')}), "
-                          f"which blocks do not hold; use a plain name like {key.split('+')[0]}"
-                          + (" (TurboQuant blocks hold +sinkN)" if cls is not QuantizedCache else ""))
-    if sink > block_size:
-        raise ConfigError(f"block format {name!r}: a sink of {sink} tokens is more than a block of {block_size}")
-    if getattr(config, "outliers", 0):
-        raise ConfigError(f"block format {name!r} keeps exact key outliers (+outliersN), which the pool's blocks do not "
-                          f"read; use it without +outliersN")
-    if cls is QuantizedCache:
-        explicit = any(re.fullmatch(r"g\d+", option) for option in key.split("+")[1:])
-        if not explicit:
-            config = replace(config, group_size=block_size)
-        if block_size % config.group_size:
-            raise ConfigError(f"block format {name!r}: the key group of {config.group_size} tokens must divide the block "
-                              f"size of {block_size} (use +g{block_size} or a block size that is a multiple)")
-        config.value_group(geometry.head_dim_v)      # the value groups must tile the head dim
-        kind = "int"
-    else:
-        kind = "tq"
-    coded = replace(config, full=FullPrecision())                 # the blocks' codes (+sinkN rows apart)
-    one_block = cls.expected_nbytes(coded, one, CODED_DTYPE)
-    two_blocks = cls.expected_nbytes(coded, replace(one, capacity=2 * block_size), CODED_DTYPE)
-    block_bytes = two_blocks - one_block
-    rest = one_block - block_bytes
-    if kind == "int":
-        return BlockFormat(config.name, kind, CODED_DTYPE, config, block_bytes, sequence_bytes=rest)
-    return BlockFormat(config.name, kind, CODED_DTYPE, config, block_bytes, shared_bytes=rest,
-                       sequence_bytes=SinkRows.bytes_per_entry(geometry, sink, CODED_DTYPE) if sink else 0)
+    """Parse a block format name; ConfigError (one line) for anything the pool cannot hold (CacheSpec.supports)."""
+    spec = CacheSpec.parse(name, "pool")
+    held = spec.pool_bytes(geometry, block_size)                  # the refusals, and the bytes by the caches' formula
+    if spec.base == "dense":
+        return BlockFormat(held.name, "dense", DENSE_FORMATS[held.name], None, held.block)
+    config = compressed(spec.pool_spec(block_size))[1]
+    return BlockFormat(held.name, spec.base, CODED_DTYPE, config, held.block, held.shared, held.sequence)

@@ -1,16 +1,18 @@
-"""kvlab's own caches: exactly the bytes `kvlab.cache.expected_nbytes` says they hold.
+"""kvlab's own caches: exactly the bytes their format's formula (CacheSpec.bytes) says they hold.
 
---kv-type names a cache of the kvlab registry (dense, concat, and the compressed caches as they
-land: int8, int4, tq4, ...), optionally with its element dtype: `dense@f16`. A bare f32 / f16 /
-bf16 means the dense cache in that dtype. Layers with the same geometry share one formula call.
+--kv-type names a cache of the kvlab registry (dense, concat, and the compressed caches: int8, int4, tq4, ...),
+optionally with its element dtype: `dense@f16`. A bare f32 / f16 / bf16 means the dense cache in that dtype
+(CacheSpec.parse_with_dtype). Layers with the same geometry share one formula call. No torch is imported here.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import replace
 from pathlib import Path
 
+from ...cache import CacheGeometry, CacheSpec
+from ...cache.capacity import CapacityPlan
+from ...cache.format import DTYPES
 from ...errors import ConfigError
 from ...spec import ModelSpec
 from ..components import Component
@@ -19,40 +21,16 @@ from ..settings import PlanSettings
 from ..weights import WeightsEstimate
 from .base import Engine
 
-_DTYPES = {"f32": "float32", "float32": "float32", "f16": "float16", "float16": "float16",
-           "bf16": "bfloat16", "bfloat16": "bfloat16"}
-
-
-def _without_recipe(cache: str) -> str:
-    """tq-k4v4+halloc=k35…v44… -> tq-k4v4+halloc: a spelled +alloc / +halloc recipe fits only the whole model's layers (and
-    heads), and never changes the bytes (cache/allocation.py), so the one-layer cost of a token is the bare name's."""
-    return re.sub(r"\+(h?alloc\d?)=[^+]*", r"+\1", cache)
-
-
-def parse_cache(name: str | None):
-    """'dense' -> (dense, torch.float32); 'f16' -> (dense, float16); 'int8@bf16' -> (int8, bfloat16);
-    'dense-f16' -> (dense-f16, float32): the dense cache storing f16 in a fp32 run (the same bytes as dense@f16)."""
-    import torch  # only the kvlab engine needs torch; planning for llama.cpp / vLLM stays light
-
-    text = (name or "dense").strip().lower()
-    cache, _, dtype = text.partition("@")   # dense-f16 / dense-bf16: f16 / bf16 storage in a (default f32) run
-    if cache in _DTYPES and not dtype:
-        return "dense", getattr(torch, _DTYPES[cache])
-    if dtype and dtype not in _DTYPES:
-        raise ConfigError(f"unknown dtype {dtype!r} in --kv-type {name!r}; use f32, f16 or bf16")
-    return cache, getattr(torch, _DTYPES[dtype or "f32"])
-
 
 class KvlabEngine(Engine):
     name = "kvlab"
     version = "kvlab (this package)"
 
     def layout(self, spec: ModelSpec, settings: PlanSettings) -> KVLayout:
-        from ...cache import CacheGeometry, expected_nbytes
-
         if settings.kv_type_k and settings.kv_type_v and settings.kv_type_v != settings.kv_type_k:
             raise ConfigError("kvlab caches hold K and V in one cache: give --kv-type, not separate K and V types")
-        cache, dtype = parse_cache(settings.kv_type_k or settings.kv_type_v)  # one given alone names the cache
+        cache, dtype = CacheSpec.parse_with_dtype(settings.kv_type_k or settings.kv_type_v)  # one alone names the cache
+        cache.check("torch")
         groups: dict[tuple, list[int]] = {}
         for i, layer in enumerate(spec.layers):
             if layer.kind in ("mla", "recurrent"):
@@ -65,19 +43,18 @@ class KvlabEngine(Engine):
         for (kv_heads, dim_k, dim_v, window, heads), indices in groups.items():
             geometry = CacheGeometry(n_layers=len(indices), n_kv_heads=kv_heads, head_dim=dim_k, batch=settings.parallel,
                                      capacity=settings.context, n_heads=heads, head_dim_v=dim_v, window=window)
-            nbytes = expected_nbytes(cache, geometry, dtype, settings.context)   # ConfigError for unknown names
-            one_token = expected_nbytes(_without_recipe(cache), CacheGeometry(1, kv_heads, dim_k, 1, 1, heads, dim_v, window),
-                                        dtype, 1)
+            nbytes = cache.bytes(geometry, settings.context, dtype)
             total += nbytes
-            per_token += one_token * len(indices)
+            per_token += cache.token_bytes(geometry, dtype)          # what one more token of one sequence adds
             per_layer = nbytes // len(indices)
             k_share = per_layer * dim_k // (dim_k + dim_v)
             for i in indices:
                 rows[i] = LayerBytes(i, spec.layers[i].kind, settings.context * settings.parallel,
                                      k_total=k_share, v_total=per_layer - k_share)
+        per_token = round(per_token)
         layers = tuple(rows.get(i, LayerBytes(i, layer.kind)) for i, layer in enumerate(spec.layers))
-        label = f"{cache}@{str(dtype).removeprefix('torch.')}"
-        notes = ("K/V split by head dims (kvlab caches report them together)",) if not cache.startswith("dense") else ()
+        label = cache.with_dtype(dtype)
+        notes = ("K/V split by head dims (kvlab caches report them together)",) if cache.base != "dense" else ()
         layout = KVLayout(self.name, layers, per_token, label, label, notes)
         remainder = total - layout.kv_bytes   # integer division across layers: give the rest to the first layer
         if remainder and rows:
@@ -103,11 +80,11 @@ class KvlabEngine(Engine):
             held = native_weight_bytes(tensors, spec.n_layers)
             return WeightsEstimate(held, "GGUF blocks of the Q4_0/Q4_1/Q8_0 matrices + fp32 for the rest (native weights)", True)
         key = (quant or "f32").strip().lower()
-        if key not in _DTYPES:
+        if key not in DTYPES:
             raise ConfigError(f"--engine kvlab holds weights in f32, bf16 or f16, not {quant!r}")
         if not spec.n_params:
             raise ConfigError(f"{spec.name}: parameter count unknown, so kvlab's weight bytes cannot be computed")
-        size = 4 if _DTYPES[key] == "float32" else 2
+        size = 4 if DTYPES[key] == "float32" else 2
         return WeightsEstimate(spec.n_params * size, f"{spec.n_params:,} params × {size} B ({key}, dequantized)", True)
 
     def overheads(self, spec: ModelSpec, settings: PlanSettings, layout: KVLayout) -> list[Component]:
@@ -118,22 +95,15 @@ class KvlabEngine(Engine):
 
 def engine_admission(spec: ModelSpec, settings: PlanSettings, kv_budget: str) -> dict:
     """How many sequences of `settings.context` tokens the serving engine (kvlab.serve) admits in a KV budget:
-    the engine's own CapacityPlan (blocks sized by the caches' formula), so the planner and the engine agree.
-    Dense and compressed block formats (int4, tq4, ...); per-sequence state is sized for the engine's default
-    max_batch (16)."""
-    import torch
-
-    from ...cache import CacheGeometry
-    from ...serve.blocks import CapacityPlan
-
-    cache, dtype = parse_cache(settings.kv_type_k)
-    formats = {torch.float32: "dense", torch.float16: "dense-f16", torch.bfloat16: "dense-bf16"}
-    if cache in ("dense-f16", "dense-bf16"):   # the block format of that name: its storage dtype whatever the run's
-        cache, dtype = "dense", {"dense-f16": torch.float16, "dense-bf16": torch.bfloat16}[cache]
-    if cache == "dense":
-        block_format = formats[dtype]
-    elif dtype == torch.float32:                          # a compressed block format: int4, tq4, ... (serve/formats.py)
-        block_format = cache
+    the engine's own CapacityPlan (cache/capacity.py: blocks sized by the format's formula), so the planner and the
+    engine agree. Dense and compressed block formats (int4, tq4, ...); per-sequence state is sized for the engine's
+    default max_batch (16)."""
+    cache, dtype = CacheSpec.parse_with_dtype(settings.kv_type_k)
+    if cache.base == "dense":   # dense-f16 / dense-bf16 keep their storage dtype whatever the run's; dense@f16 is dense-f16
+        block_format = cache.name if cache.storage else {"float32": "dense", "float16": "dense-f16",
+                                                         "bfloat16": "dense-bf16"}[dtype]
+    elif dtype == "float32":                          # a compressed block format: int4, tq4, ... (serve/formats.py)
+        block_format = cache.label
     else:
         raise ConfigError(f"--kv-budget: compressed blocks keep their full-precision state in f32, not {settings.kv_type_k!r}")
     layers = [layer for layer in spec.layers if layer.kind in ("full", "sliding")]
