@@ -292,3 +292,10 @@ def test_native_weights_on_a_quantized_tiny_gguf(tmp_path, smollm2, kernel, monk
             outs.append((loaded.model(ids, cache), loaded.model(ids[:, -1:], cache)))
     for got, want in zip(outs[0], outs[1]):                    # the prompt (block GEMM rows), then one decode row (GEMV)
         assert (got - want).abs().max().item() < 1e-5 * want.abs().max().item() + 1e-6
+
+
+def test_the_native_rule_names_the_kernels_block_types():
+    from kvlab.kernels import BLOCK_TYPES
+    from kvlab.sources.native import BLOCK_TYPE_NAMES
+
+    assert set(BLOCK_TYPE_NAMES) == set(BLOCK_TYPES)

@@ -14,7 +14,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 #: lowest first; a module may import its own layer's modules and any layer below, never one above.
 #: A name is a top-level module or package of kvlab.
 LAYERS: list[tuple[str, set[str]]] = [
-    ("ground", {"errors", "limits", "fileio", "spec", "rope", "paths", "terminal", "heap", "measure", "kernels"}),
+    ("ground", {"errors", "limits", "fileio", "spec", "rope", "paths", "bitplanes", "terminal", "heap", "measure", "kernels"}),
     ("formats and readers", {"cache", "sources"}),
     ("planner", {"plan"}),
     ("model", {"model"}),

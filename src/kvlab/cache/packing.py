@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.planes import packed_nbytes, planes  # noqa: F401  (packed_nbytes: the row bytes, importable from here)
+from ..bitplanes import packed_nbytes, planes  # noqa: F401  (packed_nbytes: the row bytes, importable from here)
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:

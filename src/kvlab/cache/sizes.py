@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 from ..errors import ConfigError
-from ..kernels.planes import packed_nbytes, planes  # noqa: F401  (the bit-plane layout C reads)
+from ..bitplanes import packed_nbytes, planes  # noqa: F401  (the bit-plane layout C reads)
 
 #: +vq: coordinates coded together, and the part widths coded in blocks (others stay scalar)
 BLOCK = 4

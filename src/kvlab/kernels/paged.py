@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .planes import packed_nbytes
+from ..bitplanes import packed_nbytes
 from ..errors import ConfigError, KvlabError
 from . import check_buffer
 from .codebook import CodeLayout, table_floats

@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from ..errors import ConfigError, ModelFileError
 from ..kernels import BLOCK_TYPES, block_kernel
 from ..kernels.q8gemm import q8_kernel_for
-from .weights import _LAYER_NAMES, GGUF, unpermute_rope_rows
+from ..sources.native import native_parts, native_weight_bytes, supported  # noqa: F401  (the rule, importable from here)
+from .weights import unpermute_rope_rows
 
 
 @dataclass
@@ -66,11 +67,6 @@ class BlockMatrix:
         raw = tensor.read()                                                       # (rows, row_bytes) uint8
         data = torch.from_numpy(raw).reshape(-1, raw.shape[-1])
         return BlockMatrix(tensor.tensor_type.name, data, cols)
-
-
-def supported(tensor) -> bool:
-    """Whether the kernel reads this GGUF tensor's blocks: a 2-D matrix of Q4_0, Q4_1 or Q8_0."""
-    return len(tensor.shape) == 2 and tensor.tensor_type.name in BLOCK_TYPES
 
 
 def dequantize_blocks(block_type: str, data: torch.Tensor, cols: int) -> torch.Tensor:
@@ -223,28 +219,6 @@ class BlockQuantEmbedding(nn.Module):
 
 
 # -- which of a GGUF's matrices the Decoder keeps as blocks -----------------------------------------
-FUSED = {"attn.qkv": ("q", "k", "v"), "attn.out": ("o",), "ffn.gate_up": ("gate", "up"), "ffn.down": ("down",)}
-
-
-def native_parts(tensors: dict, n_layers: int) -> dict[str, list]:
-    """Decoder module name -> the GGUF tensors that become its blocks, for every module that can be native.
-
-    A fused module is native only when all its parts are supported matrices of one block type; the
-    others (and 1-D tensors: norms, biases) stay fp32.
-    """
-    parts: dict[str, list] = {}
-    if "token_embd.weight" in tensors and supported(tensors["token_embd.weight"]):
-        parts["embed"] = [tensors["token_embd.weight"]]
-    if "output.weight" in tensors and supported(tensors["output.weight"]):
-        parts["lm_head"] = [tensors["output.weight"]]
-    for i in range(n_layers):
-        for module, keys in FUSED.items():
-            found = [tensors.get(_LAYER_NAMES[key][GGUF].format(i=i)) for key in keys]
-            if all(t is not None and supported(t) for t in found) and len({t.tensor_type for t in found}) == 1:
-                parts[f"blocks.{i}.{module}"] = found
-    return parts
-
-
 def gguf_block_matrices(tensors: dict, cfg, permute_qk: bool) -> dict[str, BlockMatrix]:
     """The native modules' BlockMatrix, fused and with Q/K rows un-permuted like the fp32 path."""
     matrices = {}
@@ -256,14 +230,3 @@ def gguf_block_matrices(tensors: dict, cfg, permute_qk: bool) -> dict[str, Block
         data = torch.cat([p.data for p in pieces], dim=0) if len(pieces) > 1 else pieces[0].data
         matrices[module] = BlockMatrix(pieces[0].block_type, data.contiguous(), pieces[0].cols)
     return matrices
-
-
-def native_weight_bytes(tensors: dict, n_layers: int) -> int:
-    """Bytes a native-weights Decoder holds: block bytes of the native modules, fp32 for every other tensor."""
-    native = {t.name for found in native_parts(tensors, n_layers).values() for t in found}
-    total = 0
-    for name, t in tensors.items():
-        if name == "rope_freqs.weight":
-            continue  # folded into the RoPE frequencies, not held as a weight
-        total += t.n_bytes if name in native else t.n_elements * 4
-    return total

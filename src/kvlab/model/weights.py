@@ -18,32 +18,12 @@ import torch
 
 from ..errors import ModelFileError
 from ..paths import cache_dir
+from ..sources.tensor_names import GGUF, HF  # noqa: F401  (the name schemes, importable from here)
+from ..sources.tensor_names import GLOBAL_NAMES as _GLOBAL_NAMES
+from ..sources.tensor_names import LAYER_NAMES as _LAYER_NAMES
 
 WEIGHTS_FORMAT = 1  # bump when the canonical layout changes, to invalidate cached conversions
 
-# canonical part -> (GGUF name, Hugging Face name); {i} is the layer index
-_LAYER_NAMES = {
-    "attn_norm": ("blk.{i}.attn_norm.weight", "model.layers.{i}.input_layernorm.weight"),
-    "q": ("blk.{i}.attn_q.weight", "model.layers.{i}.self_attn.q_proj.weight"),
-    "k": ("blk.{i}.attn_k.weight", "model.layers.{i}.self_attn.k_proj.weight"),
-    "v": ("blk.{i}.attn_v.weight", "model.layers.{i}.self_attn.v_proj.weight"),
-    "q_bias": ("blk.{i}.attn_q.bias", "model.layers.{i}.self_attn.q_proj.bias"),
-    "k_bias": ("blk.{i}.attn_k.bias", "model.layers.{i}.self_attn.k_proj.bias"),
-    "v_bias": ("blk.{i}.attn_v.bias", "model.layers.{i}.self_attn.v_proj.bias"),
-    "o": ("blk.{i}.attn_output.weight", "model.layers.{i}.self_attn.o_proj.weight"),
-    "q_norm": ("blk.{i}.attn_q_norm.weight", "model.layers.{i}.self_attn.q_norm.weight"),
-    "k_norm": ("blk.{i}.attn_k_norm.weight", "model.layers.{i}.self_attn.k_norm.weight"),
-    "ffn_norm": ("blk.{i}.ffn_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
-    "gate": ("blk.{i}.ffn_gate.weight", "model.layers.{i}.mlp.gate_proj.weight"),
-    "up": ("blk.{i}.ffn_up.weight", "model.layers.{i}.mlp.up_proj.weight"),
-    "down": ("blk.{i}.ffn_down.weight", "model.layers.{i}.mlp.down_proj.weight"),
-}
-_GLOBAL_NAMES = {
-    "embed": ("token_embd.weight", "model.embed_tokens.weight"),
-    "norm": ("output_norm.weight", "model.norm.weight"),
-    "lm_head": ("output.weight", "lm_head.weight"),
-}
-GGUF, HF = 0, 1
 
 #: safetensors dtypes the engine reads (converted to fp32); GGUF integer types are never weights
 SAFETENSORS_FLOATS = ("F32", "F16", "BF16", "F64")

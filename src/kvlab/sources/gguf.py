@@ -24,6 +24,7 @@ from gguf.quants import quant_shape_to_byte_shape
 
 from ..errors import ConfigError, ModelFileError
 from ..spec import EngineFacts, ModelSpec, TensorInfo
+from .native import native_weight_bytes
 from .layers import (LayerFacts, as_float, as_int, build_layers, check_number_keys, interval_kinds, layer_count, pattern_kinds, per_layer,
                      per_layer_flags, short, ssm_state_elements)
 
@@ -537,7 +538,9 @@ def _spec_from_gguf(gguf_file: GGUFFile) -> ModelSpec:
         weights_bytes=gguf_file.tensor_bytes,
         source=source,
         extra={"n_ff": max(n_ff), "n_expert": int(key("expert_count", 0)), "n_expert_used": int(key("expert_used_count", 0)),
-               "file_size": gguf_file.file_size, "dtype": "gguf"},
+               "file_size": gguf_file.file_size, "dtype": "gguf",
+               # what kvlab's native weights hold of this file (sources/native.py), for the planner
+               "native_weight_bytes": native_weight_bytes({t.name: t for t in gguf_file.tensors}, len(layers))},
         engine=_engine_facts(gguf_file, arch, vocab, n_ff),
     )
 

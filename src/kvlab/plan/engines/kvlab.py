@@ -8,7 +8,6 @@ optionally with its element dtype: `dense@f16`. A bare f32 / f16 / bf16 means th
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 
 from ...cache import CacheGeometry, CacheSpec
 from ...cache.capacity import CapacityPlan
@@ -72,12 +71,8 @@ class KvlabEngine(Engine):
         into the compute dtype: parameters × 4 (fp32) or × 2."""
         from ...kernels import kernel_expected
 
-        if quant is None and spec.extra.get("dtype") == "gguf" and Path(spec.source).is_file() and kernel_expected():
-            from ...model.blockquant import native_weight_bytes
-            from ...sources.gguf import open_gguf
-
-            tensors = {t.name: t for t in open_gguf(spec.source).tensors}
-            held = native_weight_bytes(tensors, spec.n_layers)
+        held = spec.extra.get("native_weight_bytes")   # read with the file's tensor table (sources/native.py)
+        if quant is None and spec.extra.get("dtype") == "gguf" and held is not None and kernel_expected():
             return WeightsEstimate(held, "GGUF blocks of the Q4_0/Q4_1/Q8_0 matrices + fp32 for the rest (native weights)", True)
         key = (quant or "f32").strip().lower()
         if key not in DTYPES:

@@ -1,4 +1,4 @@
-"""The bit planes of a packed code row: the layout the C readers and cache/packing.py share.
+"""The bit planes of a packed code row: the layout the C readers (kernels/) and cache/packing.py share (no torch).
 
 A width that divides 8 (1, 2, 4, 8) is one plane; other widths are bit-sliced into power-of-two planes, high
 bits first (3 = 2 + 1, 5 = 4 + 1, 6 = 4 + 2, 7 = 4 + 2 + 1). Pure arithmetic, no tensors.
@@ -6,7 +6,7 @@ bits first (3 = 2 + 1, 5 = 4 + 1, 6 = 4 + 2, 7 = 4 + 2 + 1). Pure arithmetic, no
 
 from __future__ import annotations
 
-from ..errors import ConfigError
+from .errors import ConfigError
 
 
 def planes(bits: int) -> list[tuple[int, int]]:
