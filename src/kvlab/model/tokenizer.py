@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tokenizers import Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
-from ..errors import ModelFileError
+from ..errors import ConfigError, ModelFileError
 
 # Pre-tokenizer split patterns by GGUF `tokenizer.ggml.pre` (the regexes the original tokenizer.json used).
 _LLAMA3_SPLIT = (
@@ -140,6 +140,7 @@ class Tokenizer:
         return self.backend.get_vocab_size()
 
     def encode(self, text: str, add_special: bool = True) -> list[int]:
+        check_unicode(text, "text")
         ids = self.backend.encode(text, add_special_tokens=add_special).ids
         if add_special and self.add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
             ids = [self.bos_id] + ids
@@ -148,10 +149,12 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render the model's own Jinja chat template, bounded in time, memory and size (kvlab.model.chat_template)."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, deadline: float | None = None) -> str:
+        """Render the model's own Jinja chat template, bounded in time, memory and size (kvlab.model.chat_template);
+        `tools` reach the template as its `tools` variable, `deadline` (time.monotonic()) ends the render early."""
         if not self.chat_template:
-            raise ModelFileError("this model has no chat template; drop --chat")
+            raise ModelFileError("this model has no chat template (use plain completion: drop --chat, or /v1/completions)")
         from .chat_template import render_chat_template
 
         id_to_token = self.backend.id_to_token
@@ -161,7 +164,21 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt,
             bos_token=(id_to_token(self.bos_id) or "") if self.bos_id is not None else "",
             eos_token=(id_to_token(self.eos_ids[0]) or "") if self.eos_ids else "",
+            tools=tools,
+            deadline=deadline,
         )
+
+
+def check_unicode(text: str, what: str) -> None:
+    """A str that UTF-8 cannot hold (a lone surrogate such as "\\ud800", which JSON's escapes can carry) is a one-line
+    ConfigError naming `what` and the position, not a TypeError from the tokenizer."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ConfigError(f"{what} is not valid Unicode: a lone surrogate U+{ord(text[exc.start]):04X} at character "
+                          f"{exc.start}") from None
 
 
 class StreamDecoder:

@@ -156,6 +156,11 @@ class Engine:
         seq.status, seq.finish_reason = Status.FINISHED, "abort"
         self._aborted.append(self._output(seq, [], seq.text.flush() if seq.text else ""))
 
+    @property
+    def max_request_tokens(self) -> int:
+        """The most prompt + new tokens one request may ask for: the model's context or the whole pool, the less."""
+        return min(self.config.max_seq_len, self.capacity.tokens)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self._aborted)
 

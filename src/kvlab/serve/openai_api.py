@@ -12,7 +12,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
+from ..errors import KvlabError
+from ..model.tokenizer import check_unicode
+
 MAX_STOP_STRINGS = 16
+# finish reasons OpenAI's clients know; the engine's own "abort" (a request the server cut, at shutdown) is
+# reported as "length": the answer ended before the model ended it
+FINISH_REASONS = {"stop": "stop", "length": "length", "tool_calls": "tool_calls", "abort": "length"}
 # Fields that take one of several shapes: a wrong value is described by what the field takes.
 UNION_FIELDS = {
     "stop": "a string or a list of strings",
@@ -39,9 +45,10 @@ class ApiError(Exception):
     """An error answered with OpenAI's body: {"error": {"message", "type", "param", "code"}}."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, " ".join(message.split()), type, param, code
+        self.headers = headers or {}
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -89,6 +96,8 @@ class _Sampling(BaseModel):
                 raise ApiError(400, f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}", param="stop")
         if any(s == "" for s in self.stop_strings()):
             raise ApiError(400, "stop strings must not be empty", param="stop")
+        for s in self.stop_strings():
+            _check_text(s, "stop", "stop")
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -126,9 +135,25 @@ class ChatMessage(BaseModel):
         return "".join(pieces)
 
 
+def _check_text(text: str | None, where: str, param: str) -> None:
+    """A lone surrogate ("\\ud800" is valid JSON) is a 400 naming where it is, not a tokenizer crash."""
+    if text is None:
+        return
+    try:
+        check_unicode(text, where)
+    except KvlabError as exc:
+        raise ApiError(400, str(exc), param=param) from None
+
+
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)  # the newer name of max_tokens
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        for i, m in enumerate(self.messages):
+            _check_text(m.text(i), f"messages[{i}].content", "messages")
+            _check_text(m.name, f"messages[{i}].name", "messages")
 
     def template_messages(self) -> list[dict]:
         """Messages as the chat template wants them: role + plain text content."""
@@ -144,6 +169,12 @@ class CompletionRequest(_Sampling):
     best_of: Any = None
     echo: Any = None
     suffix: Any = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        for text in [self.prompt] if isinstance(self.prompt, str) else self.prompt:
+            if isinstance(text, str):
+                _check_text(text, "prompt", "prompt")
 
     @property
     def requested_max_tokens(self) -> int | None:
