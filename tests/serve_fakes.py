@@ -25,6 +25,12 @@ class FakeOutput:
     prompt_tokens: int
     cached_prompt_tokens: int
     completion_tokens: int
+    index: int = 0
+    logprobs: None = None
+
+    @property
+    def all_finished(self) -> bool:
+        return self.finished
 
 
 @dataclass

@@ -126,10 +126,18 @@ BAD_REQUESTS = [
     ({"messages": CHAT, "stream": "yes"}, "stream", "valid boolean"),
     ({"messages": CHAT, "stop": [1]}, "stop", "a string or a list of strings"),
     ({"messages": CHAT, "stop": ""}, "stop", "must not be empty"),
-    ({"messages": CHAT, "n": 2}, "n", "n must be 1"),
-    ({"messages": CHAT, "logprobs": True}, "logprobs", "not supported"),
-    ({"messages": CHAT, "presence_penalty": 0.5}, "presence_penalty", "not supported"),
-    ({"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format", "not supported"),
+    ({"messages": CHAT, "n": 99}, "n", "less than or equal to 16"),
+    ({"messages": CHAT, "n": 0}, "n", "greater than or equal to 1"),
+    ({"messages": CHAT, "top_logprobs": 3}, "top_logprobs", "needs logprobs"),
+    ({"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
+    ({"messages": CHAT, "presence_penalty": 3}, "presence_penalty", "less than or equal to 2"),
+    ({"messages": CHAT, "repetition_penalty": 0}, "repetition_penalty", "greater than 0"),
+    ({"messages": CHAT, "logit_bias": {"x": 1}}, "logit_bias", "token ids"),
+    ({"messages": CHAT, "logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
+    ({"messages": CHAT, "min_p": 2}, "min_p", "less than or equal to 1"),
+    ({"messages": CHAT, "tools": [{"type": "function"}]}, "tools", "not supported"),
+    ({"messages": CHAT, "response_format": {"type": "xml"}}, "response_format", "Input should be"),
+    ({"messages": CHAT, "response_format": {"type": "json_schema"}}, "response_format", "needs a json_schema"),
 ]
 
 

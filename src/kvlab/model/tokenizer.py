@@ -19,6 +19,23 @@ _QWEN2_SPLIT = (
 _GGUF_CONTROL = 3  # llama.cpp token type for special/control tokens
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> the byte it stands for (printable bytes as themselves, the
+    others shifted past 255)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), 256)]
+    chars, shift = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + shift)] = b
+            shift += 1
+    return chars
+
+
+_BYTE_OF = _byte_level_alphabet()
+
+
 def _byte_level_pre_tokenizer(pre: str):
     if pre in ("smollm", "starcoder", "refact", "gpt2", "default", ""):
         digits = [pre_tokenizers.Digits(individual_digits=True)] if pre in ("smollm", "starcoder", "refact") else []
@@ -148,6 +165,14 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a byte-level token may hold half a UTF-8 character, which decode()
+        would turn into U+FFFD)."""
+        piece = self.backend.id_to_token(int(token_id)) or ""
+        if isinstance(self.backend.decoder, decoders.ByteLevel) and all(c in _BYTE_OF for c in piece):
+            return bytes(_BYTE_OF[c] for c in piece)
+        return self.decode([token_id]).encode("utf-8")
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None, deadline: float | None = None) -> str:

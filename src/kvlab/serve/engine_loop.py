@@ -201,7 +201,7 @@ class EngineLoop:
                 if self.metrics is not None:
                     self.metrics.ttft.observe(now - sub.arrived)
             sub.deliver(out)
-            if out.finished:
+            if out.all_finished:
                 self._finish(sub, out.finish_reason or "stop", out.completion_tokens, out.prompt_tokens, now, delivered=True)
         if self.metrics is not None and generated:
             self.metrics.generation_tokens.inc(generated)
@@ -235,7 +235,7 @@ def _tell(sub: Submission, event) -> None:
 
 @dataclass
 class AbortedOutput:
-    """What an aborted request's caller receives (mirrors RequestOutput's fields)."""
+    """What an aborted request's caller receives (mirrors RequestOutput's fields): every choice has ended."""
 
     request_id: str
     new_token_ids: list[int] = field(default_factory=list)
@@ -245,4 +245,7 @@ class AbortedOutput:
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
     completion_tokens: int = 0
+    index: int | None = None       # None: all of them
+    all_finished: bool = True
+    logprobs: None = None
 

@@ -4,7 +4,8 @@
     parse + validate -> Submission --commands queue--> add_request / abort, step() while busy
     per-request asyncio.Queue     <-call_soon_threadsafe-- ACCEPTED, RequestOutputs, or an error
 
-Routes: POST /v1/chat/completions and /v1/completions (JSON, or server-sent events with `stream: true`),
+Routes: POST /v1/chat/completions and /v1/completions (JSON, or server-sent events with `stream: true`;
+n choices, logprobs, penalties, logit_bias, min_p), POST /tokenize and /detokenize (vLLM's shapes),
 GET /v1/models, /health, /metrics. A client that disconnects has its request aborted at once (its KV
 blocks return to the pool). At most `max_running + max_waiting` requests are in flight; more get 429
 with Retry-After. On SIGINT/SIGTERM uvicorn stops accepting; running requests get `shutdown_grace_s` to
@@ -51,9 +52,15 @@ from .openai_api import (
     ApiError,
     ChatRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    chat_choice,
     chat_chunk,
+    chat_logprobs,
     chat_response,
+    completion_choice,
     completion_chunk,
+    completion_logprobs,
     completion_response,
     usage,
     validation_error,
@@ -95,6 +102,7 @@ class ServerState:
         # the most prompt + new tokens a request can have: the context, or the whole KV pool if that is smaller
         self.token_room = min(config.context_length, getattr(engine, "max_request_tokens", config.context_length))
         self.model_names = {config.model_name, *config.model_aliases}
+        self.grammar_tokenizer = getattr(engine, "grammar_tokenizer", None)   # built off the loop on first use
         self.prompt_pool = ThreadPoolExecutor(PROMPT_WORKERS, thread_name_prefix="kvlab-prompt")
         self.in_flight = 0            # requests admitted and not yet done (the event loop's thread only)
         self.draining = False         # set when shutdown begins: new requests get 503
@@ -168,6 +176,25 @@ def create_app(engine, tokenizer, config: ServerConfig) -> FastAPI:
         prompt_ids = await state.off_loop(_chat_prompt, tokenizer, body.template_messages(), deadline)
         return await _serve(state, request, body, prompt_ids, chat=True)
 
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        body.check()
+        state.check_model(body.model)
+        if body.messages is not None:
+            deadline = time.monotonic() + chat_template.RENDER_SECONDS
+            messages = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(body.messages)]
+            ids = await state.off_loop(_chat_prompt, tokenizer, messages, deadline, body.add_generation_prompt)
+        else:
+            ids = await state.off_loop(_encode, tokenizer, body.prompt, body.add_special_tokens)
+        return {"count": len(ids), "max_model_len": state.token_room, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        state.check_model(body.model)
+        if any(not 0 <= t < tokenizer.vocab_size for t in body.tokens):
+            raise ApiError(400, f"tokens: token ids must be in [0, {tokenizer.vocab_size})", param="tokens")
+        return {"prompt": await state.off_loop(tokenizer.decode, body.tokens)}
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         body.check_supported()
@@ -191,10 +218,10 @@ def create_app(engine, tokenizer, config: ServerConfig) -> FastAPI:
     return app
 
 
-def _chat_prompt(tokenizer, messages: list[dict], deadline: float) -> list[int]:
+def _chat_prompt(tokenizer, messages: list[dict], deadline: float, add_generation_prompt: bool = True) -> list[int]:
     """The chat template's text as token ids (on a prompt thread)."""
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, deadline=deadline)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, deadline=deadline)
     except KvlabError as exc:       # the template refused these messages (its message names the template)
         raise ApiError(400, str(exc), param="messages") from None
     except TemplateError as exc:
@@ -303,7 +330,7 @@ def _replay(first: dict, receive):
 
 
 # -- one request ----------------------------------------------------------------------------------------
-def _sampling(body, prompt_len: int, room: int, config: ServerConfig) -> SamplingParams:
+def _sampling(body, prompt_len: int, room: int, config: ServerConfig, vocab: int) -> SamplingParams:
     max_tokens = body.requested_max_tokens
     if max_tokens is None:  # what fits beside the prompt in the context and the pool, as vLLM and llama.cpp clip it
         max_tokens = max(1, min(config.default_max_tokens, room - prompt_len))
@@ -316,6 +343,14 @@ def _sampling(body, prompt_len: int, room: int, config: ServerConfig) -> Samplin
             seed=body.seed,
             stop=body.stop_strings(),
             ignore_eos=body.ignore_eos,
+            presence_penalty=float(body.presence_penalty or 0.0),
+            frequency_penalty=float(body.frequency_penalty or 0.0),
+            repetition_penalty=float(1.0 if body.repetition_penalty is None else body.repetition_penalty),
+            logit_bias=body.logit_bias_pairs(vocab),
+            min_p=float(body.min_p or 0.0),
+            logprobs=body.top_logprobs_asked,
+            n=body.n or 1,
+            grammar=body.response_format.grammar() if body.response_format is not None else None,
         )
     except KvlabError as exc:
         raise ApiError(400, str(exc)) from None
@@ -337,7 +372,12 @@ async def _serve(state: ServerState, request: Request, body, prompt_ids: list[in
         raise ApiError(503, "the server is shutting down", type="server_error", code="shutting_down")
     if state.in_flight >= state.config.max_running + state.config.max_waiting:
         raise _busy(state)
-    sampling = _sampling(body, len(prompt_ids), state.token_room, state.config)
+    sampling = _sampling(body, len(prompt_ids), state.token_room, state.config, state.tokenizer.vocab_size)
+    if sampling.grammar is not None and state.grammar_tokenizer is not None:
+        try:   # the grammar library's view of the vocabulary takes ~2 s to build once: not on the engine thread
+            await state.off_loop(state.grammar_tokenizer.get)
+        except KvlabError as exc:
+            raise ApiError(400, str(exc), param="response_format") from None
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
@@ -373,13 +413,14 @@ async def _serve(state: ServerState, request: Request, body, prompt_ids: list[in
 
 
 class _RequestStream:
-    """The events of one accepted request, and the bookkeeping to end it exactly once."""
+    """The events of one accepted request (its n choices), and the bookkeeping to end it exactly once."""
 
     def __init__(self, state: ServerState, request_id: str, events: asyncio.Queue):
         self.state, self.request_id, self.events = state, request_id, events
         self.created = int(time.time())
         self.finished = False
-        self.prompt_tokens = self.cached_tokens = self.completion_tokens = 0
+        self.prompt_tokens = self.cached_tokens = 0
+        self.completion_tokens: dict[int, int] = {}    # per choice
 
     async def next_event(self):
         """The next event from the engine thread; EngineFailure (returned) if the thread has gone meanwhile."""
@@ -391,7 +432,7 @@ class _RequestStream:
                     return EngineFailure("the engine thread stopped")
 
     async def outputs(self):
-        """Yield RequestOutputs until the finished one; an engine failure raises EngineFailure."""
+        """Yield RequestOutputs until the request's last; an engine failure raises EngineFailure."""
         while not self.finished:
             out = await self.next_event()
             if isinstance(out, Exception):
@@ -399,12 +440,12 @@ class _RequestStream:
                 raise out
             if not isinstance(out, AbortedOutput):  # an abort we reported ourselves carries no counts
                 self.prompt_tokens, self.cached_tokens = out.prompt_tokens, out.cached_prompt_tokens
-                self.completion_tokens = out.completion_tokens
-            self.finished = out.finished
+                self.completion_tokens[out.index] = out.completion_tokens
+            self.finished = out.all_finished
             yield out
 
     def usage(self) -> dict:
-        return usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+        return usage(self.prompt_tokens, sum(self.completion_tokens.values()), self.cached_tokens)
 
     def close(self) -> None:
         """Abort the request if it has not finished (the client left) -- its blocks are freed at once."""
@@ -417,22 +458,56 @@ def _finish_reason(reason: str | None) -> str | None:
     return None if reason is None else FINISH_REASONS.get(reason, "stop")
 
 
+class _Choices:
+    """What each of a request's n choices has so far: text, finish reason, logprob entries."""
+
+    def __init__(self, n: int, tokenizer, chat: bool):
+        self.n, self.tokenizer, self.chat = n, tokenizer, chat
+        self.text = [""] * n
+        self.finish: list[str | None] = [None] * n
+        self.entries: list[list] = [[] for _ in range(n)]
+
+    def add(self, out) -> tuple[list[int], list]:
+        """Record one output; (the choices it touches, the logprob entries it brought)."""
+        indices = range(self.n) if out.index is None else [out.index]   # an abort we reported ends them all
+        new = [self._entry(d) for d in out.logprobs or ()]
+        for i in indices:
+            self.text[i] += out.text_delta
+            self.entries[i] += new
+            if out.finished and self.finish[i] is None:
+                self.finish[i] = _finish_reason(out.finish_reason)
+        return [i for i in indices], new
+
+    def _entry(self, draw) -> tuple:
+        return (*self._token(draw.token), draw.logprob, [(*self._token(t), lp) for t, lp in draw.top])
+
+    def _token(self, token_id: int) -> tuple[str, bytes]:
+        raw = self.tokenizer.token_bytes(token_id) if hasattr(self.tokenizer, "token_bytes") else \
+            self.tokenizer.decode([token_id]).encode("utf-8")
+        return raw.decode("utf-8", errors="replace"), raw
+
+    def logprobs(self, entries: list, offset: int) -> dict:
+        return chat_logprobs(entries) if self.chat else completion_logprobs(entries, offset)
+
+
 async def _collect(stream: _RequestStream, request: Request, body, chat: bool) -> JSONResponse:
     """A non-streamed answer; a client that disconnects while waiting aborts the request."""
     watcher = asyncio.create_task(_abort_on_disconnect(request, stream))
+    choices = _Choices(body.n or 1, stream.state.tokenizer, chat)
     try:
-        pieces, finish_reason = [], None
         async for out in stream.outputs():
-            pieces.append(out.text_delta)
-            finish_reason = out.finish_reason
+            choices.add(out)
     except EngineFailure as exc:
         raise _engine_down(exc) from None
     finally:
         watcher.cancel()
         stream.close()
-    make = chat_response if chat else completion_response
-    return JSONResponse(make(stream.request_id, stream.state.config.model_name, "".join(pieces),
-                             _finish_reason(finish_reason), stream.usage()))
+    asked = body.top_logprobs_asked is not None
+    make_choice, make = (chat_choice, chat_response) if chat else (completion_choice, completion_response)
+    return JSONResponse(make(stream.request_id, stream.state.config.model_name,
+                             [make_choice(i, choices.text[i], choices.finish[i] or "length",
+                                          choices.logprobs(choices.entries[i], 0) if asked else None)
+                              for i in range(choices.n)], stream.usage()))
 
 
 async def _abort_on_disconnect(request: Request, stream: _RequestStream) -> None:
@@ -447,20 +522,29 @@ def _sse(data: dict | str) -> str:
 
 
 async def _sse_events(stream: _RequestStream, body, chat: bool):
-    """OpenAI's stream: a role chunk (chat), content chunks, a finish chunk, an optional usage chunk, [DONE]."""
+    """OpenAI's stream: a role chunk per choice (chat), content chunks (with their tokens' logprobs when asked),
+    a finish chunk per choice, an optional usage chunk, [DONE]."""
     model = stream.state.config.model_name
     rid, created = stream.request_id, stream.created
+    choices = _Choices(body.n or 1, stream.state.tokenizer, chat)
+    asked = body.top_logprobs_asked is not None
     if chat:
-        yield _sse(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
+        for i in range(choices.n):
+            yield _sse(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, index=i))
     try:
         async for out in stream.outputs():
-            if out.text_delta:
-                yield _sse(chat_chunk(rid, model, created, {"content": out.text_delta}) if chat
-                           else completion_chunk(rid, model, created, out.text_delta))
-            if out.finished:
-                reason = _finish_reason(out.finish_reason)
-                yield _sse(chat_chunk(rid, model, created, {}, reason) if chat
-                           else completion_chunk(rid, model, created, "", reason))
+            offsets = [len(t) for t in choices.text]
+            done_before = list(choices.finish)
+            indices, entries = choices.add(out)
+            for i in indices:
+                logprobs = choices.logprobs(entries, offsets[i]) if asked and entries else None
+                if out.text_delta or logprobs:
+                    yield _sse(chat_chunk(rid, model, created, {"content": out.text_delta}, index=i, logprobs=logprobs)
+                               if chat else completion_chunk(rid, model, created, out.text_delta, index=i,
+                                                             logprobs=logprobs))
+                if choices.finish[i] is not None and done_before[i] is None:
+                    yield _sse(chat_chunk(rid, model, created, {}, choices.finish[i], index=i) if chat
+                               else completion_chunk(rid, model, created, "", choices.finish[i], index=i))
     except EngineFailure as exc:
         yield _sse(_engine_down(exc).body())
     if body.include_usage:

@@ -1,7 +1,7 @@
 """The OpenAI wire format: request bodies (validated strictly), error bodies, responses and stream chunks.
 
-Only what kvlab can honour is accepted: n=1, no logprobs, no penalties, no tools, text content only.
-A field kvlab does not support, sent with a non-default value, is a 400 naming it -- never silently ignored.
+Only what kvlab can honour is accepted: no tools, text content only. A field kvlab
+does not support, sent with a non-default value, is a 400 naming it -- never silently ignored.
 Unknown fields are ignored (clients send many), but known fields of the wrong type are refused (strict).
 """
 
@@ -14,8 +14,10 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 from ..errors import KvlabError
 from ..model.tokenizer import check_unicode
+from .grammar import Grammar
 
 MAX_STOP_STRINGS = 16
+MAX_CHOICES = 16   # n at most (each choice is a sequence decoded beside the others)
 # finish reasons OpenAI's clients know; the engine's own "abort" (a request the server cut, at shutdown) is
 # reported as "length": the answer ended before the model ended it
 FINISH_REASONS = {"stop": "stop", "length": "length", "tool_calls": "tool_calls", "abort": "length"}
@@ -27,14 +29,8 @@ UNION_FIELDS = {
 }
 # Values of fields kvlab does not implement that still mean "off" (what clients send by default).
 UNSUPPORTED_DEFAULTS: dict[str, tuple] = {
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "logit_bias": (None, {}),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "tools": (None, []),
     "functions": (None, []),
-    "response_format": (None, {"type": "text"}),
     "best_of": (None, 1),
     "echo": (None, False),
     "suffix": (None, ""),
@@ -59,6 +55,32 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: StrictStr = "response"
+    schema_: dict = Field(..., alias="schema")
+    strict: StrictBool | None = None
+    description: StrictStr | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text (no constraint), json_object (any JSON object), json_schema (that schema)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def grammar(self) -> Grammar | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return Grammar.json_object()
+        if self.json_schema is None:
+            raise ApiError(400, "response_format: type json_schema needs a json_schema object with a schema",
+                           param="response_format")
+        return Grammar.json_schema(self.json_schema.schema_)
+
+
 class _Sampling(BaseModel):
     """Fields both endpoints share."""
 
@@ -71,22 +93,20 @@ class _Sampling(BaseModel):
     ignore_eos: StrictBool = False                    # not OpenAI's (vLLM's): exactly max_tokens tokens, for benchmarks
     seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = None
-    n: StrictInt | None = None
+    n: StrictInt | None = Field(None, ge=1, le=MAX_CHOICES)
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    logit_bias: Any = None
-    logprobs: Any = None
-    top_logprobs: Any = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=100)   # not OpenAI's; vLLM and llama.cpp accept it
+    min_p: float | None = Field(None, ge=0, le=1)                  # likewise
+    logit_bias: dict[StrictStr, float] | None = None               # token id (as a string) -> bias in [-100, 100]
     tools: Any = None
     functions: Any = None
-    response_format: Any = None
+    response_format: ResponseFormat | None = None
 
     def check_supported(self) -> None:
-        if self.n not in (None, 1):
-            raise ApiError(400, f"n must be 1 (kvlab returns one choice per request), got {self.n}", param="n")
         for name, defaults in UNSUPPORTED_DEFAULTS.items():
             value = getattr(self, name, None)
             if not any(type(value) is type(d) and value == d for d in defaults):
@@ -98,6 +118,17 @@ class _Sampling(BaseModel):
             raise ApiError(400, "stop strings must not be empty", param="stop")
         for s in self.stop_strings():
             _check_text(s, "stop", "stop")
+
+    def logit_bias_pairs(self, vocab: int) -> tuple[tuple[int, float], ...]:
+        pairs = []
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.isdigit() or int(key) >= vocab:
+                raise ApiError(400, f"logit_bias: keys must be token ids in [0, {vocab}), got {key!r}", param="logit_bias")
+            if not -100 <= bias <= 100:
+                raise ApiError(400, f"logit_bias: biases must be in [-100, 100], got {bias:g} for token {key}",
+                               param="logit_bias")
+            pairs.append((int(key), float(bias)))
+        return tuple(pairs)
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -148,9 +179,18 @@ def _check_text(text: str | None, where: str, param: str) -> None:
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)  # the newer name of max_tokens
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        """None: no logprobs; k: the chosen token's and the k most likely."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def check_supported(self) -> None:
         super().check_supported()
+        if self.top_logprobs and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         for i, m in enumerate(self.messages):
             _check_text(m.text(i), f"messages[{i}].content", "messages")
             _check_text(m.name, f"messages[{i}].name", "messages")
@@ -166,6 +206,7 @@ class ChatRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: StrictStr | list[StrictInt] | list[StrictStr] = Field(...)
+    logprobs: StrictInt | None = Field(None, ge=0, le=20)   # the legacy form: how many top logprobs (0: the chosen's)
     best_of: Any = None
     echo: Any = None
     suffix: Any = None
@@ -179,6 +220,34 @@ class CompletionRequest(_Sampling):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        return self.logprobs
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages rendered through the chat template."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ApiError(400, "tokenize takes either prompt or messages", param="prompt")
+        texts = [self.prompt] if self.messages is None else [m.text(i) for i, m in enumerate(self.messages)]
+        for text in texts:
+            _check_text(text, "prompt" if self.messages is None else "messages", "prompt")
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: StrictStr | None = None
+    tokens: list[StrictInt]
 
 
 # -- responses ----------------------------------------------------------------------------------------
@@ -195,27 +264,28 @@ def _envelope(request_id: str, obj: str, model: str, created: int | None) -> dic
     return {"id": request_id, "object": obj, "created": created or int(time.time()), "model": model}
 
 
-def chat_response(request_id: str, model: str, text: str, finish_reason: str | None, usage_: dict) -> dict:
-    return {
-        **_envelope(request_id, "chat.completion", model, None),
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                     "finish_reason": finish_reason}],
-        "usage": usage_,
-    }
+def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+            "finish_reason": finish_reason}
 
 
-def completion_response(request_id: str, model: str, text: str, finish_reason: str | None, usage_: dict) -> dict:
-    return {
-        **_envelope(request_id, "text_completion", model, None),
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-        "usage": usage_,
-    }
+def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_response(request_id: str, model: str, choices: list[dict], usage_: dict) -> dict:
+    return {**_envelope(request_id, "chat.completion", model, None), "choices": choices, "usage": usage_}
+
+
+def completion_response(request_id: str, model: str, choices: list[dict], usage_: dict) -> dict:
+    return {**_envelope(request_id, "text_completion", model, None), "choices": choices, "usage": usage_}
 
 
 def chat_chunk(request_id: str, model: str, created: int, delta: dict | None, finish_reason: str | None = None,
-               usage_: dict | None = None) -> dict:
+               usage_: dict | None = None, index: int = 0, logprobs: dict | None = None) -> dict:
     """A `chat.completion.chunk`; delta None makes the usage-only chunk (empty choices)."""
-    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+    choices = [] if delta is None else [{"index": index, "delta": delta, "logprobs": logprobs,
+                                         "finish_reason": finish_reason}]
     chunk = {**_envelope(request_id, "chat.completion.chunk", model, created), "choices": choices}
     if usage_ is not None:
         chunk["usage"] = usage_
@@ -223,13 +293,33 @@ def chat_chunk(request_id: str, model: str, created: int, delta: dict | None, fi
 
 
 def completion_chunk(request_id: str, model: str, created: int, text: str | None, finish_reason: str | None = None,
-                     usage_: dict | None = None) -> dict:
+                     usage_: dict | None = None, index: int = 0, logprobs: dict | None = None) -> dict:
     """A streamed `text_completion`; text None makes the usage-only chunk (empty choices)."""
-    choices = [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
+    choices = [] if text is None else [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]
     chunk = {**_envelope(request_id, "text_completion", model, created), "choices": choices}
     if usage_ is not None:
         chunk["usage"] = usage_
     return chunk
+
+
+def chat_logprobs(entries: list[tuple[str, bytes, float, list[tuple[str, bytes, float]]]]) -> dict:
+    """Chat's logprobs object from (token, its bytes, logprob, top [(token, bytes, logprob)]) per token."""
+    def one(token: str, raw: bytes, logprob: float) -> dict:
+        return {"token": token, "logprob": logprob, "bytes": list(raw)}
+
+    return {"content": [{**one(t, b, lp), "top_logprobs": [one(*x) for x in top]} for t, b, lp, top in entries],
+            "refusal": None}
+
+
+def completion_logprobs(entries: list[tuple[str, bytes, float, list[tuple[str, bytes, float]]]], offset: int) -> dict:
+    """The legacy completions logprobs object (tokens, token_logprobs, top_logprobs, text_offset) from the same
+    entries; `offset` is the text length before the first of them."""
+    offsets = []
+    for token, _, _, _ in entries:
+        offsets.append(offset)
+        offset += len(token)
+    return {"tokens": [e[0] for e in entries], "token_logprobs": [e[2] for e in entries],
+            "top_logprobs": [{t: lp for t, _, lp in e[3]} for e in entries], "text_offset": offsets}
 
 
 def validation_error(errors: list[dict]) -> ApiError:
