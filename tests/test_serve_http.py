@@ -135,7 +135,8 @@ BAD_REQUESTS = [
     ({"messages": CHAT, "logit_bias": {"x": 1}}, "logit_bias", "token ids"),
     ({"messages": CHAT, "logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
     ({"messages": CHAT, "min_p": 2}, "min_p", "less than or equal to 1"),
-    ({"messages": CHAT, "tools": [{"type": "function"}]}, "tools", "not supported"),
+    ({"messages": CHAT, "tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"messages": CHAT, "functions": [{"name": "f"}]}, "functions", "not supported"),
     ({"messages": CHAT, "response_format": {"type": "xml"}}, "response_format", "Input should be"),
     ({"messages": CHAT, "response_format": {"type": "json_schema"}}, "response_format", "needs a json_schema"),
 ]

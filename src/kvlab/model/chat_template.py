@@ -106,7 +106,7 @@ def render_chat_template(template: str, messages: list[dict], add_generation_pro
     if tools is not None:
         variables["tools"] = tools
     try:
-        variables_json = json.dumps(variables, sort_keys=True)
+        variables_json = json.dumps(variables)   # key order kept: templates iterate dicts in it
     except (TypeError, ValueError):
         raise ModelFileError("chat messages must be JSON-like (lists, dicts, strings, numbers)") from None
     key = (template, variables_json)

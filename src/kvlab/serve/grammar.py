@@ -31,7 +31,10 @@ class Grammar:
 
     @classmethod
     def json_schema(cls, schema: dict) -> "Grammar":
-        return cls("json_schema", json.dumps(schema, sort_keys=True))
+        # key order kept: properties are generated in it; whitespace as json.dumps writes it (a model left free to
+        # add blank lines may add them until max_tokens)
+        options = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+        return cls("json_schema", json.dumps({**schema, "x-guidance": options}))
 
     @classmethod
     def json_object(cls) -> "Grammar":

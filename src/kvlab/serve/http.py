@@ -66,6 +66,7 @@ from .openai_api import (
     validation_error,
 )
 from .sampling import SamplingParams
+from .tools import call_grammar, parse_reply, stream_deltas, template_messages, tool_format
 
 ENGINE_WATCH_S = 1.0     # how often a waiting request checks that the engine thread still lives
 PROMPT_WORKERS = 4       # threads that render chat templates and tokenize, off the event loop
@@ -103,6 +104,7 @@ class ServerState:
         self.token_room = min(config.context_length, getattr(engine, "max_request_tokens", config.context_length))
         self.model_names = {config.model_name, *config.model_aliases}
         self.grammar_tokenizer = getattr(engine, "grammar_tokenizer", None)   # built off the loop on first use
+        self.tool_format = tool_format(getattr(tokenizer, "chat_template", None))
         self.prompt_pool = ThreadPoolExecutor(PROMPT_WORKERS, thread_name_prefix="kvlab-prompt")
         self.in_flight = 0            # requests admitted and not yet done (the event loop's thread only)
         self.draining = False         # set when shutdown begins: new requests get 503
@@ -173,8 +175,12 @@ def create_app(engine, tokenizer, config: ServerConfig) -> FastAPI:
         body.check_supported()
         state.check_model(body.model)
         deadline = time.monotonic() + chat_template.RENDER_SECONDS   # the render limit counts from the arrival
-        prompt_ids = await state.off_loop(_chat_prompt, tokenizer, body.template_messages(), deadline)
-        return await _serve(state, request, body, prompt_ids, chat=True)
+        tools = _ToolPlan.of(body, state.tool_format)
+        messages = template_messages(body.template_messages(), tools.offered if tools else None,
+                                     tools.format if tools else state.tool_format)
+        prompt_ids = await state.off_loop(_chat_prompt, tokenizer, messages, deadline, True,
+                                          tools.offered if tools and tools.format != "generic" else None)
+        return await _serve(state, request, body, prompt_ids, chat=True, tools=tools)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
@@ -218,10 +224,12 @@ def create_app(engine, tokenizer, config: ServerConfig) -> FastAPI:
     return app
 
 
-def _chat_prompt(tokenizer, messages: list[dict], deadline: float, add_generation_prompt: bool = True) -> list[int]:
+def _chat_prompt(tokenizer, messages: list[dict], deadline: float, add_generation_prompt: bool = True,
+                 tools: list[dict] | None = None) -> list[int]:
     """The chat template's text as token ids (on a prompt thread)."""
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, deadline=deadline)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                             deadline=deadline)
     except KvlabError as exc:       # the template refused these messages (its message names the template)
         raise ApiError(400, str(exc), param="messages") from None
     except TemplateError as exc:
@@ -330,7 +338,26 @@ def _replay(first: dict, receive):
 
 
 # -- one request ----------------------------------------------------------------------------------------
-def _sampling(body, prompt_len: int, room: int, config: ServerConfig, vocab: int) -> SamplingParams:
+@dataclass(frozen=True)
+class _ToolPlan:
+    """The tools a chat request offers, in the format the model's template speaks (kvlab.serve.tools)."""
+
+    offered: list
+    mode: str            # "auto" | "required" | a function's name
+    parallel: bool
+    format: str          # hermes | llama3 | mistral | generic
+
+    @classmethod
+    def of(cls, body, fmt: str) -> "_ToolPlan | None":
+        mode = getattr(body, "tool_mode", None)
+        return None if mode is None else cls(body.tool_dicts(), mode, body.parallel_tool_calls, fmt)
+
+    def grammar(self):
+        return call_grammar(self.offered, self.mode, self.parallel, self.format)
+
+
+def _sampling(body, prompt_len: int, room: int, config: ServerConfig, vocab: int,
+              tools: _ToolPlan | None = None) -> SamplingParams:
     max_tokens = body.requested_max_tokens
     if max_tokens is None:  # what fits beside the prompt in the context and the pool, as vLLM and llama.cpp clip it
         max_tokens = max(1, min(config.default_max_tokens, room - prompt_len))
@@ -350,7 +377,8 @@ def _sampling(body, prompt_len: int, room: int, config: ServerConfig, vocab: int
             min_p=float(body.min_p or 0.0),
             logprobs=body.top_logprobs_asked,
             n=body.n or 1,
-            grammar=body.response_format.grammar() if body.response_format is not None else None,
+            grammar=tools.grammar() if tools is not None else
+            body.response_format.grammar() if body.response_format is not None else None,
         )
     except KvlabError as exc:
         raise ApiError(400, str(exc)) from None
@@ -367,12 +395,13 @@ def _engine_down(exc: Exception) -> ApiError:
     return ApiError(503, str(exc), type="server_error", code="engine_unavailable")
 
 
-async def _serve(state: ServerState, request: Request, body, prompt_ids: list[int], chat: bool):
+async def _serve(state: ServerState, request: Request, body, prompt_ids: list[int], chat: bool,
+                 tools: _ToolPlan | None = None):
     if state.draining:
         raise ApiError(503, "the server is shutting down", type="server_error", code="shutting_down")
     if state.in_flight >= state.config.max_running + state.config.max_waiting:
         raise _busy(state)
-    sampling = _sampling(body, len(prompt_ids), state.token_room, state.config, state.tokenizer.vocab_size)
+    sampling = _sampling(body, len(prompt_ids), state.token_room, state.config, state.tokenizer.vocab_size, tools)
     if sampling.grammar is not None and state.grammar_tokenizer is not None:
         try:   # the grammar library's view of the vocabulary takes ~2 s to build once: not on the engine thread
             await state.off_loop(state.grammar_tokenizer.get)
@@ -402,8 +431,8 @@ async def _serve(state: ServerState, request: Request, body, prompt_ids: list[in
             raise _engine_down(first)
         if body.stream:
             handed_over = True
-            return _SseResponse(_sse_events(stream, body, chat), stream)
-        return await _collect(stream, request, body, chat)
+            return _SseResponse(_sse_events(stream, body, chat, tools), stream, tools)
+        return await _collect(stream, request, body, chat, tools)
     except asyncio.CancelledError:
         state.engine_loop.abort(request_id)
         raise
@@ -490,7 +519,8 @@ class _Choices:
         return chat_logprobs(entries) if self.chat else completion_logprobs(entries, offset)
 
 
-async def _collect(stream: _RequestStream, request: Request, body, chat: bool) -> JSONResponse:
+async def _collect(stream: _RequestStream, request: Request, body, chat: bool,
+                   tools: _ToolPlan | None = None) -> JSONResponse:
     """A non-streamed answer; a client that disconnects while waiting aborts the request."""
     watcher = asyncio.create_task(_abort_on_disconnect(request, stream))
     choices = _Choices(body.n or 1, stream.state.tokenizer, chat)
@@ -503,6 +533,15 @@ async def _collect(stream: _RequestStream, request: Request, body, chat: bool) -
         watcher.cancel()
         stream.close()
     asked = body.top_logprobs_asked is not None
+    if tools is not None:
+        made = []
+        for i in range(choices.n):
+            content, calls = parse_reply(choices.text[i], tools.format)
+            reason = "tool_calls" if calls else choices.finish[i] or "length"
+            made.append(chat_choice(i, content, reason, choices.logprobs(choices.entries[i], 0) if asked else None,
+                                    [c.wire() for c in calls]))
+        return JSONResponse({**chat_response(stream.request_id, stream.state.config.model_name, made, stream.usage()),
+                             "tool_format": tools.format}, headers={"X-Kvlab-Tool-Format": tools.format})
     make_choice, make = (chat_choice, chat_response) if chat else (completion_choice, completion_response)
     return JSONResponse(make(stream.request_id, stream.state.config.model_name,
                              [make_choice(i, choices.text[i], choices.finish[i] or "length",
@@ -521,9 +560,11 @@ def _sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n"
 
 
-async def _sse_events(stream: _RequestStream, body, chat: bool):
+async def _sse_events(stream: _RequestStream, body, chat: bool, tools: _ToolPlan | None = None):
     """OpenAI's stream: a role chunk per choice (chat), content chunks (with their tokens' logprobs when asked),
-    a finish chunk per choice, an optional usage chunk, [DONE]."""
+    a finish chunk per choice, an optional usage chunk, [DONE]. With tools, a choice's text is held until it ends
+    (a call is only known whole): then its content, or its `delta.tool_calls` (name first, then the arguments
+    in fragments) and finish_reason "tool_calls"."""
     model = stream.state.config.model_name
     rid, created = stream.request_id, stream.created
     choices = _Choices(body.n or 1, stream.state.tokenizer, chat)
@@ -538,6 +579,11 @@ async def _sse_events(stream: _RequestStream, body, chat: bool):
             indices, entries = choices.add(out)
             for i in indices:
                 logprobs = choices.logprobs(entries, offsets[i]) if asked and entries else None
+                if tools is not None:
+                    if choices.finish[i] is not None and done_before[i] is None:
+                        for chunk in _tool_chunks(rid, model, created, i, choices, tools):
+                            yield _sse(chunk)
+                    continue
                 if out.text_delta or logprobs:
                     yield _sse(chat_chunk(rid, model, created, {"content": out.text_delta}, index=i, logprobs=logprobs)
                                if chat else completion_chunk(rid, model, created, out.text_delta, index=i,
@@ -553,12 +599,25 @@ async def _sse_events(stream: _RequestStream, body, chat: bool):
     yield _sse("[DONE]")
 
 
+def _tool_chunks(rid: str, model: str, created: int, index: int, choices: "_Choices", tools: _ToolPlan):
+    content, calls = parse_reply(choices.text[index], tools.format)
+    if calls:
+        for delta in stream_deltas(calls):
+            yield chat_chunk(rid, model, created, {"tool_calls": [delta]}, index=index)
+        yield chat_chunk(rid, model, created, {}, "tool_calls", index=index)
+        return
+    if content:
+        yield chat_chunk(rid, model, created, {"content": content}, index=index)
+    yield chat_chunk(rid, model, created, {}, choices.finish[index], index=index)
+
+
 class _SseResponse(StreamingResponse):
     """Server-sent events that always end their request: finished, or aborted when the client disconnects
     (Starlette cancels the body when it sees http.disconnect) or the stream never started."""
 
-    def __init__(self, content, stream: _RequestStream):
-        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    def __init__(self, content, stream: _RequestStream, tools: _ToolPlan | None = None):
+        headers = {"Cache-Control": "no-cache", **({"X-Kvlab-Tool-Format": tools.format} if tools else {})}
+        super().__init__(content, media_type="text/event-stream", headers=headers)
         self.request_stream = stream
 
     async def __call__(self, scope, receive, send) -> None:

@@ -1,6 +1,6 @@
 """The OpenAI wire format: request bodies (validated strictly), error bodies, responses and stream chunks.
 
-Only what kvlab can honour is accepted: no tools, text content only. A field kvlab
+Only what kvlab can honour is accepted: text content only, no legacy `functions`. A field kvlab
 does not support, sent with a non-default value, is a 400 naming it -- never silently ignored.
 Unknown fields are ignored (clients send many), but known fields of the wrong type are refused (strict).
 """
@@ -29,7 +29,6 @@ UNION_FIELDS = {
 }
 # Values of fields kvlab does not implement that still mean "off" (what clients send by default).
 UNSUPPORTED_DEFAULTS: dict[str, tuple] = {
-    "tools": (None, []),
     "functions": (None, []),
     "best_of": (None, 1),
     "echo": (None, False),
@@ -102,7 +101,6 @@ class _Sampling(BaseModel):
     repetition_penalty: float | None = Field(None, gt=0, le=100)   # not OpenAI's; vLLM and llama.cpp accept it
     min_p: float | None = Field(None, ge=0, le=1)                  # likewise
     logit_bias: dict[StrictStr, float] | None = None               # token id (as a string) -> bias in [-100, 100]
-    tools: Any = None
     functions: Any = None
     response_format: ResponseFormat | None = None
 
@@ -146,11 +144,52 @@ class TextPart(BaseModel):
     text: StrictStr | None = None
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: StrictStr
+    arguments: StrictStr
+
+
+class ToolCallIn(BaseModel):
+    """A tool call of an earlier assistant turn, as the client sends it back."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: StrictStr = Field(..., pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: StrictStr | None = None
+    parameters: dict | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: StrictStr
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextPart] | None = None
     name: StrictStr | None = None
+    tool_calls: list[ToolCallIn] | None = None    # assistant turns that called tools
+    tool_call_id: StrictStr | None = None         # a tool message answers this call
 
     def text(self, index: int) -> str:
         if self.content is None:
@@ -181,6 +220,21 @@ class ChatRequest(_Sampling):
     max_completion_tokens: StrictInt | None = Field(None, ge=1)  # the newer name of max_tokens
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool = True
+
+    @property
+    def tool_mode(self) -> str | None:
+        """None (no tools offered, or tool_choice "none"), "auto", "required", or the name of the forced function."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return self.tool_choice or "auto"
+
+    def tool_dicts(self) -> list[dict]:
+        return [t.model_dump(exclude_none=True) for t in self.tools or ()]
 
     @property
     def top_logprobs_asked(self) -> int | None:
@@ -191,13 +245,33 @@ class ChatRequest(_Sampling):
         super().check_supported()
         if self.top_logprobs and not self.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in \
+                {t.function.name for t in self.tools or ()}:
+            raise ApiError(400, f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools",
+                           param="tool_choice")
+        if self.tool_choice in ("required",) and not self.tools:
+            raise ApiError(400, "tool_choice \"required\" needs tools", param="tool_choice")
+        if self.tool_mode is not None and self.response_format is not None and self.response_format.type != "text":
+            raise ApiError(400, "response_format cannot be combined with tools (the reply's grammar is the tools')",
+                           param="response_format")
         for i, m in enumerate(self.messages):
             _check_text(m.text(i), f"messages[{i}].content", "messages")
             _check_text(m.name, f"messages[{i}].name", "messages")
 
     def template_messages(self) -> list[dict]:
-        """Messages as the chat template wants them: role + plain text content."""
-        return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
+        """Messages as the chat template wants them: role + plain text content, and the tool calls and tool
+        results of earlier turns (never dropped: kvlab.serve.tools renders them for the model)."""
+        out = []
+        for i, m in enumerate(self.messages):
+            message = {"role": m.role, "content": m.text(i)}
+            if m.tool_calls:
+                message["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            if m.name is not None:
+                message["name"] = m.name
+            out.append(message)
+        return out
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -264,9 +338,12 @@ def _envelope(request_id: str, obj: str, model: str, created: int | None) -> dic
     return {"id": request_id, "object": obj, "created": created or int(time.time()), "model": model}
 
 
-def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-            "finish_reason": finish_reason}
+def chat_choice(index: int, text: str | None, finish_reason: str | None, logprobs: dict | None,
+                tool_calls: list[dict] | None = None) -> dict:
+    message = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
