@@ -6,6 +6,9 @@ document's token is allowed, consume it -- timing the mask computation of every 
 p90 in microseconds, and writes bench/results/grammar_mask.json.
 
     PYTHONPATH=src python bench/grammar_mask.py [--repeats 5]
+
+It also runs the engine at 16 concurrent requests with none or one of them held to a JSON schema (interleaved
+repeats), the batch's output tokens/s in each case: what one constrained request costs the others.
 """
 
 from __future__ import annotations
@@ -90,6 +93,30 @@ def _allowed(bitmask_row: torch.Tensor, token: int) -> bool:
     return bool((int(bitmask_row[token // 32]) >> (token % 32)) & 1)
 
 
+def batched_throughput(repeats: int, concurrent: int = 16, tokens: int = 32) -> dict:
+    """Output tokens/s of `concurrent` requests of `tokens` tokens each, none or one constrained (llguidance)."""
+    from kvlab.serve import Engine, SamplingParams
+    from kvlab.serve.grammar import Grammar
+
+    engine = Engine.from_model_path(None, kv_budget="64MiB", max_batch=concurrent)
+    tokenizer = engine.tokenizer
+    prompts = [tokenizer.encode(f"Write about the number {i}:") for i in range(concurrent)]
+    free = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    constrained = SamplingParams(max_tokens=tokens, ignore_eos=True, grammar=Grammar.json_schema(
+        {"type": "array", "items": {"type": "integer"}, "minItems": 64}))   # longer than `tokens`: never done early
+    engine.generate(prompts[:2], [free, constrained], progress=False)           # warm up (and build the vocabulary)
+    rates: dict[str, list[float]] = {"none_constrained": [], "one_constrained": []}
+    for _ in range(repeats):
+        for name, params in (("none_constrained", [free] * concurrent),
+                             ("one_constrained", [constrained] + [free] * (concurrent - 1))):
+            started = time.perf_counter()
+            outputs = engine.generate(prompts, params, progress=False)
+            rates[name].append(sum(len(o.token_ids) for o in outputs) / (time.perf_counter() - started))
+    medians = {name: round(statistics.median(r), 1) for name, r in rates.items()}
+    return {"concurrent": concurrent, "tokens_each": tokens, "output_tokens_per_s_median": medians,
+            "ratio_one_constrained": round(medians["one_constrained"] / medians["none_constrained"], 3)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=5)
@@ -111,6 +138,8 @@ def main() -> None:
                                      "p90_us": round(percentile(times_us, 90), 1),
                                      "max_us": round(max(times_us), 1)}
         print(name, record["libraries"][name])
+    record["batched_16"] = batched_throughput(args.repeats)
+    print("batched_16", record["batched_16"])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
 

@@ -4,12 +4,12 @@ token by token, with llguidance.
 A Grammar is the request's immutable description (it lives in SamplingParams); a GrammarState is one sequence's
 matcher over it. Each step, `allowed_mask` fills one packed bitmask row per constrained sequence and the sampler
 applies them to the batch's logits in one tensor operation (sampling.py), so a constrained request does not slow
-the others by more than its own mask (~25 us median on SmolLM2's 49,152 tokens: bench/results/grammar_mask.json).
+the others by more than its own mask (~28 us median on SmolLM2's 49,152 tokens: bench/results/grammar_mask.json).
 
 llguidance over xgrammar (both measured on this CPU by bench/grammar_mask.py): xgrammar's median mask is faster
-(~5 us against ~25 us, both under 0.1% of a decode step), but llguidance compiles a schema ~3x faster (an agent
-sends new tool schemas with every request) and installs with no dependencies, where xgrammar's wheel requires
-torch, transformers and triton.
+(~5 us against ~28 us, both under 0.1% of a decode step), but llguidance compiles a schema faster (1.6-50 ms
+against 35-150 ms: an agent sends new tool schemas with every request) and installs with no dependencies, where
+xgrammar's wheel requires torch, transformers and triton.
 """
 
 from __future__ import annotations
