@@ -25,6 +25,12 @@ class FakeOutput:
     prompt_tokens: int
     cached_prompt_tokens: int
     completion_tokens: int
+    index: int = 0
+    logprobs: None = None
+
+    @property
+    def all_finished(self) -> bool:
+        return self.finished
 
 
 @dataclass
@@ -51,7 +57,7 @@ class FakeTokenizer:
     vocab_size = 256
     eos_ids = ()
 
-    def apply_chat_template(self, messages, add_generation_prompt=True):
+    def apply_chat_template(self, messages, add_generation_prompt=True, tools=None, deadline=None):
         return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + ("assistant:" if add_generation_prompt else "")
 
     def encode(self, text, add_special=True):
@@ -68,10 +74,12 @@ def fake_text(prompt_ids: list[int], n: int) -> str:
 
 class FakeEngine:
     def __init__(self, blocks_total: int = 1024, block_size: int = 4, max_batch: int = 4, context: int = 4096,
-                 step_delay_s: float = 0.0, fail_steps: int = 0):
+                 step_delay_s: float = 0.0, fail_steps: int = 0, fail_adds: int = 0, fail_aborts: int = 0):
         self.blocks_total, self.block_size, self.max_batch, self.context = blocks_total, block_size, max_batch, context
         self.step_delay_s = step_delay_s
         self.fail_steps = fail_steps        # the next this many steps raise (a bug in the engine)
+        self.fail_adds = fail_adds          # the next this many add_request calls raise a non-kvlab error
+        self.fail_aborts = fail_aborts      # the next this many abort calls raise
         self.waiting: list[dict] = []
         self.running: list[dict] = []
         self.blocks_used = 0
@@ -84,6 +92,9 @@ class FakeEngine:
 
     def add_request(self, prompt_ids, sampling=None, request_id=None) -> str:
         self.thread_ids.add(threading.get_ident())
+        if self.fail_adds:
+            self.fail_adds -= 1
+            raise ValueError("injected add failure")
         if not prompt_ids:
             raise ConfigError("prompt is empty")
         req = {"id": request_id, "prompt": list(prompt_ids), "sampling": sampling, "n": 0, "text": ""}
@@ -95,6 +106,9 @@ class FakeEngine:
 
     def abort(self, request_id) -> None:
         self.thread_ids.add(threading.get_ident())
+        if self.fail_aborts:
+            self.fail_aborts -= 1
+            raise KeyError("injected abort failure")
         for group in (self.waiting, self.running):
             for req in list(group):
                 if req["id"] == request_id:
@@ -102,6 +116,10 @@ class FakeEngine:
                     self.aborted.append(request_id)
                     if group is self.running:
                         self.blocks_used -= self._blocks(req)
+
+    @property
+    def max_request_tokens(self) -> int:
+        return min(self.context, self.blocks_total * self.block_size)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

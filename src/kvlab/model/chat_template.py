@@ -12,20 +12,25 @@ be stopped from outside, so the template is rendered in a child Python process (
 The child reads the template and its variables as JSON on stdin and answers one JSON object on stdout,
 so nothing is ever unpickled. A render costs one process start (~0.1-0.2 s); results are cached per
 (template, messages), so a prompt rendered again (the passkey trials of every cache) costs nothing.
+A caller may pass a `deadline` (time.monotonic()) earlier than now + RENDER_SECONDS: a server that queued the
+render counts its limit from the request's arrival, so the limit holds for the client, not only for the child.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import subprocess
 import sys
+import threading
+import time
+from collections import OrderedDict
 
 from ..errors import ModelFileError
 
 RENDER_SECONDS = 10.0             # a real template renders in milliseconds
 MAX_OUTPUT_CHARS = 8_000_000      # more characters than any model's context holds tokens
 CHILD_MEMORY_BYTES = 1 << 30      # on top of the child's own start-up address space
+CACHED_RENDERS = 256              # finished renders remembered (least recently used dropped first)
 
 _CHILD = r'''
 import json, sys
@@ -91,32 +96,54 @@ except Exception as exc:
 
 
 def render_chat_template(template: str, messages: list[dict], add_generation_prompt: bool = True,
-                         bos_token: str = "", eos_token: str = "") -> str:
+                         bos_token: str = "", eos_token: str = "", tools: list[dict] | None = None,
+                         deadline: float | None = None) -> str:
     """The rendered prompt, or ModelFileError with one line: a syntax error, the template's own
-    raise_exception(), a render past RENDER_SECONDS, MAX_OUTPUT_CHARS or the memory cap."""
+    raise_exception(), a render past RENDER_SECONDS (or `deadline`), MAX_OUTPUT_CHARS or the memory cap.
+    `tools` (OpenAI function definitions) reach the template as the `tools` variable, as transformers passes them."""
+    variables = {"messages": messages, "add_generation_prompt": bool(add_generation_prompt),
+                 "bos_token": bos_token, "eos_token": eos_token}
+    if tools is not None:
+        variables["tools"] = tools
     try:
-        messages_json = json.dumps(messages)
+        variables_json = json.dumps(variables)   # key order kept: templates iterate dicts in it
     except (TypeError, ValueError):
         raise ModelFileError("chat messages must be JSON-like (lists, dicts, strings, numbers)") from None
-    return _render(template, messages_json, bool(add_generation_prompt), bos_token, eos_token)
+    key = (template, variables_json)
+    with _cache_lock:
+        if key in _cache:
+            _cache.move_to_end(key)
+            return _cache[key]
+    text = _render(template, variables_json, deadline)
+    with _cache_lock:
+        _cache[key] = text
+        while len(_cache) > CACHED_RENDERS:
+            _cache.popitem(last=False)
+    return text
 
 
-@functools.lru_cache(maxsize=256)
-def _render(template: str, messages_json: str, add_generation_prompt: bool, bos_token: str, eos_token: str) -> str:
+_cache: OrderedDict[tuple[str, str], str] = OrderedDict()
+_cache_lock = threading.Lock()
+
+
+def _render(template: str, variables_json: str, deadline: float | None) -> str:
+    limit = RENDER_SECONDS if deadline is None else min(RENDER_SECONDS, deadline - time.monotonic())
+    late = ModelFileError(f"chat template: did not finish within {RENDER_SECONDS:g} s (an endless loop?); "
+                          "fix the model's chat template")
+    if limit <= 0:
+        raise late
     request = {
         "template": template,
-        "variables": {"messages": json.loads(messages_json), "add_generation_prompt": add_generation_prompt,
-                      "bos_token": bos_token, "eos_token": eos_token},
+        "variables": json.loads(variables_json),
         "max_chars": MAX_OUTPUT_CHARS,
         "memory": CHILD_MEMORY_BYTES,
-        "seconds": RENDER_SECONDS,
+        "seconds": limit,
     }
     try:
         done = subprocess.run([sys.executable, "-I", "-c", _CHILD], input=json.dumps(request), capture_output=True,
-                              text=True, timeout=RENDER_SECONDS)
+                              text=True, timeout=limit)
     except subprocess.TimeoutExpired:
-        raise ModelFileError(f"chat template: did not finish within {RENDER_SECONDS:g} s (an endless loop?); "
-                             "fix the template or drop --chat") from None
+        raise late from None
     except OSError as exc:
         raise ModelFileError(f"chat template: cannot start a Python process to render it ({exc.strerror or exc})") from None
     try:

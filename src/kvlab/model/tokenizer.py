@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tokenizers import Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
-from ..errors import ModelFileError
+from ..errors import ConfigError, ModelFileError
 
 # Pre-tokenizer split patterns by GGUF `tokenizer.ggml.pre` (the regexes the original tokenizer.json used).
 _LLAMA3_SPLIT = (
@@ -17,6 +17,23 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _GGUF_CONTROL = 3  # llama.cpp token type for special/control tokens
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> the byte it stands for (printable bytes as themselves, the
+    others shifted past 255)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), 256)]
+    chars, shift = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + shift)] = b
+            shift += 1
+    return chars
+
+
+_BYTE_OF = _byte_level_alphabet()
 
 
 def _byte_level_pre_tokenizer(pre: str):
@@ -140,6 +157,7 @@ class Tokenizer:
         return self.backend.get_vocab_size()
 
     def encode(self, text: str, add_special: bool = True) -> list[int]:
+        check_unicode(text, "text")
         ids = self.backend.encode(text, add_special_tokens=add_special).ids
         if add_special and self.add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
             ids = [self.bos_id] + ids
@@ -148,10 +166,20 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render the model's own Jinja chat template, bounded in time, memory and size (kvlab.model.chat_template)."""
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a byte-level token may hold half a UTF-8 character, which decode()
+        would turn into U+FFFD)."""
+        piece = self.backend.id_to_token(int(token_id)) or ""
+        if isinstance(self.backend.decoder, decoders.ByteLevel) and all(c in _BYTE_OF for c in piece):
+            return bytes(_BYTE_OF[c] for c in piece)
+        return self.decode([token_id]).encode("utf-8")
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, deadline: float | None = None) -> str:
+        """Render the model's own Jinja chat template, bounded in time, memory and size (kvlab.model.chat_template);
+        `tools` reach the template as its `tools` variable, `deadline` (time.monotonic()) ends the render early."""
         if not self.chat_template:
-            raise ModelFileError("this model has no chat template; drop --chat")
+            raise ModelFileError("this model has no chat template (use plain completion: drop --chat, or /v1/completions)")
         from .chat_template import render_chat_template
 
         id_to_token = self.backend.id_to_token
@@ -161,7 +189,21 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt,
             bos_token=(id_to_token(self.bos_id) or "") if self.bos_id is not None else "",
             eos_token=(id_to_token(self.eos_ids[0]) or "") if self.eos_ids else "",
+            tools=tools,
+            deadline=deadline,
         )
+
+
+def check_unicode(text: str, what: str) -> None:
+    """A str that UTF-8 cannot hold (a lone surrogate such as "\\ud800", which JSON's escapes can carry) is a one-line
+    ConfigError naming `what` and the position, not a TypeError from the tokenizer."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ConfigError(f"{what} is not valid Unicode: a lone surrogate U+{ord(text[exc.start]):04X} at character "
+                          f"{exc.start}") from None
 
 
 class StreamDecoder:

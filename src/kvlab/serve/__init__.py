@@ -6,8 +6,12 @@
     attention.py  attention over a ragged batch through block tables (torch reference + kernels/paged.c)
     runner.py     one batched forward per step: weights read once, attention per block table
     fused_batch.py  the same step in one C call (kernels/batchstep.c) where it applies: dense blocks, <= 48 rows
-    sampling.py   SamplingParams, per-request draws, stop strings
-    engine.py     add_request · step · abort · generate
+    sampling.py   SamplingParams, the batched draw (penalties, logit_bias, min_p, grammar masks, logprobs), stop strings
+    grammar.py    constrained decoding (llguidance): JSON schemas and Lark grammars, one mask row per sequence
+    engine.py     add_request · step · abort · generate; n choices forked from one prefill
+  and the HTTP server on top (kvlab serve, docs/serve.md):
+    engine_loop.py  the thread that owns the engine; openai_api.py the wire format; tools.py tool calls;
+    http.py       FastAPI + uvicorn, with the bounds a misbehaving client meets; command.py the CLI
 """
 
 from .blocks import CapacityPlan

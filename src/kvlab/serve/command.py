@@ -1,7 +1,8 @@
 """`kvlab serve` and `kvlab bench serve`: the CLI front of the HTTP server and its load generator.
 
 Register both with `register(app, bench_app)`. Nothing here imports FastAPI until a command runs, so
-kvlab works without the `serve` extra; `kvlab serve` without it says which extra to install.
+kvlab works without the `serve` extra; `kvlab serve` without it says which extra to install. This module
+imports serve.http (when `kvlab serve` runs), never the other way round.
 """
 
 from __future__ import annotations
@@ -53,6 +54,48 @@ def memory_plan_table(capacity, model_name: str, context_length: int, max_batch:
     return table
 
 
+def _size(option: str, value: str) -> int:
+    from .blocks import parse_bytes
+
+    try:
+        return parse_bytes(value)
+    except ConfigError:
+        raise ConfigError(f"{option} must be a size like 4MiB or 512KiB, got {value!r}") from None
+
+
+def run_server(*, model: str | None, cache: str, kv_budget: str | None, ctx: int | None, max_seqs: int | None,
+               host: str, port: int, api_key: str | None, max_batch: int, max_waiting: int, block_size: int,
+               default_max_tokens: int, grace: float, dtype: str, max_body_bytes: int, console) -> None:
+    """`kvlab serve`: load the model, size the KV pool, print the memory plan, serve until SIGINT/SIGTERM."""
+    from ..cache import CacheGeometry
+    from ..session import cached_model
+    from .blocks import CapacityPlan
+    from .engine import Engine
+    from .http import LOOPBACK_HOSTS, Server, ServerConfig, create_app, is_loopback
+
+    loaded = cached_model(model, dtype, "cpu")
+    context_length = loaded.config.max_seq_len
+    budget: int | str = kv_budget or "512MiB"
+    if ctx is not None:
+        if ctx > context_length:
+            raise ConfigError(f"--ctx {ctx} exceeds the model's context of {context_length} tokens")
+        one = CapacityPlan.build(CacheGeometry.for_model(loaded.config), cache, 2**40, block_size, max_batch)  # sizes only
+        budget = budget_for(ctx, max_seqs, one.block_bytes, block_size) + one.fixed_bytes
+    engine = Engine(loaded, cache=cache, kv_budget=budget, max_batch=max_batch, block_size=block_size,
+                    max_step_tokens=max(512, max_batch))
+    name = loaded.path.stem if loaded.path.is_file() else loaded.path.name
+    console.print(memory_plan_table(engine.capacity, name, context_length, max_batch, ctx))
+    local = is_loopback(host)
+    if not local and api_key is None:
+        console.print(f"[bold yellow]warning:[/] serving on {host} without --api-key: anyone who can reach it may use it")
+    config = ServerConfig(model_name=name, context_length=context_length, api_key=api_key, max_running=max_batch,
+                          max_waiting=max_waiting, default_max_tokens=default_max_tokens, shutdown_grace_s=grace,
+                          model_aliases=tuple(a for a in (model, str(loaded.path)) if a),
+                          allowed_hosts=(*LOOPBACK_HOSTS, host) if local else None, max_body_bytes=max_body_bytes)
+    console.print(f"serving {name} on http://{host}:{port}/v1 (Ctrl+C stops)", highlight=False)
+    Server(create_app(engine, loaded.tokenizer, config), host=host, port=port).run()
+
+
 def register(app: typer.Typer, bench_app: typer.Typer) -> None:
     from ..terminal import console, one_line_errors
 
@@ -74,6 +117,7 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
         default_max_tokens: int = typer.Option(256, "--default-max-tokens", min=1, help="max_tokens of requests that name none."),
         grace: float = typer.Option(5.0, "--shutdown-grace", min=0.0, help="Seconds running requests may finish on SIGINT/SIGTERM."),
         dtype: str = typer.Option("fp32", "--dtype", help="fp32 | bf16."),
+        max_body: str = typer.Option("4MiB", "--max-body", help="Largest request body accepted (413 beyond)."),
     ):
         """An OpenAI-compatible HTTP server (chat/completions, streaming, /metrics) on the batched engine."""
         check_serve_extra()
@@ -81,11 +125,10 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
             raise ConfigError("--ctx and --max-seqs go together (the pool is sized for --max-seqs sequences of --ctx tokens)")
         if kv_budget is not None and ctx is not None:
             raise ConfigError("give either --kv-budget or --ctx with --max-seqs, not both")
-        from .http import run_server
-
         run_server(model=model, cache=cache, kv_budget=kv_budget, ctx=ctx, max_seqs=max_seqs, host=host, port=port,
                    api_key=api_key, max_batch=max_batch, max_waiting=max_waiting, block_size=block_size,
-                   default_max_tokens=default_max_tokens, grace=grace, dtype=dtype, console=console)
+                   default_max_tokens=default_max_tokens, grace=grace, dtype=dtype,
+                   max_body_bytes=_size("--max-body", max_body), console=console)
 
     @bench_app.command("serve")
     @one_line_errors

@@ -2,7 +2,10 @@
 
 Each step is three lines: the scheduler picks tokens (decodes of every running sequence, prefill chunks
 under the token budget), the runner runs them as one batch, the scheduler records the results. The
-engine adds what a caller sees: request ids, stop conditions, text deltas and stats.
+engine adds what a caller sees: request ids, stop conditions, text deltas, logprobs and stats.
+A request with n > 1 choices is one sequence until its prompt is prefilled; its first sample draws n
+tokens from that row and n - 1 forks of it (the block manager's fork: the prompt's blocks shared,
+copied on write) go on as sequences of their own, so the prompt is prefilled once.
 The Engine is not thread-safe: one thread owns it and calls step().
 """
 
@@ -11,12 +14,15 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+import torch
+
 from ..cache import CacheGeometry, CacheSpec
 from ..errors import ConfigError, KvlabError, RequestTooLargeError
 from .blocks import BlockManager, CapacityPlan
 from .coded import make_pool
+from .grammar import GrammarState, GrammarTokenizer
 from .runner import Runner
-from .sampling import SamplingParams, TextStream
+from .sampling import Draw, SamplingParams, TextStream, TokenCounts
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
 
@@ -28,11 +34,14 @@ class RequestOutput:
     request_id: str
     new_token_ids: list[int]       # tokens produced this step (usually 1; 0 when just finished by abort)
     text_delta: str                # newly decoded text (UTF-8 safe, stop strings removed)
-    finished: bool
+    finished: bool                 # this choice has ended
     finish_reason: str | None      # "stop" (EOS / stop id / stop string) | "length" | "abort" | None
     prompt_tokens: int
     cached_prompt_tokens: int      # prompt tokens served from the prefix cache
-    completion_tokens: int         # tokens generated so far
+    completion_tokens: int         # tokens this choice generated so far
+    index: int = 0                 # which choice (0 .. n - 1)
+    all_finished: bool = False     # every choice of the request has ended: nothing more will come
+    logprobs: list[Draw] | None = None   # with sampling.logprobs set: one Draw per new token
 
 
 @dataclass
@@ -103,7 +112,8 @@ class Engine:
         self.scheduler = Scheduler(self.blocks, max_batch, max_step_tokens)
         self.runner = Runner(model, self.pool, use_kernel)
         self.eos_ids = tuple(tokenizer.eos_ids) if tokenizer is not None else ()
-        self.requests: dict[str, Sequence] = {}
+        self.grammar_tokenizer = GrammarTokenizer(tokenizer) if tokenizer is not None else None   # built on first use
+        self.requests: dict[str, list[Sequence]] = {}    # request id -> its live choices
         self._aborted: list[RequestOutput] = []
         self._ids = itertools.count()
         self._counts = dict(prompt_tokens=0, generated_tokens=0, steps=0, computed_tokens=0, kv_bytes_peak=0)
@@ -127,6 +137,8 @@ class Engine:
             raise ConfigError("prompt must hold at least one token id")
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
             raise ConfigError(f"prompt token ids must be integers in [0, {vocab})")
+        if sampling.n > self.scheduler.max_batch:
+            raise ConfigError(f"n={sampling.n} choices exceed the {self.scheduler.max_batch} sequences decoded together")
         total = len(ids) + sampling.max_tokens
         if total > self.config.max_seq_len:
             raise RequestTooLargeError(f"request of {len(ids)} prompt + {sampling.max_tokens} new tokens exceeds the "
@@ -138,21 +150,36 @@ class Engine:
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ConfigError(f"request id {request_id!r} is already in use")
+        grammar = None
+        if sampling.grammar is not None:
+            if self.grammar_tokenizer is None:
+                raise ConfigError("a grammar needs the engine's tokenizer")
+            grammar = GrammarState(sampling.grammar, self.grammar_tokenizer)
         seq = Sequence(request_id, ids, sampling, generator=sampling.generator(self.runner.device),
-                       text=TextStream(self.tokenizer, sampling.stop) if self.tokenizer is not None else None)
-        self.requests[request_id] = seq
+                       text=self._text_stream(sampling), pending_forks=sampling.n - 1,
+                       counts=TokenCounts(vocab, ids, self.runner.device) if sampling.counts_tokens else None,
+                       grammar=grammar)
+        self.requests[request_id] = [seq]
         self.scheduler.add(seq)
         self._counts["prompt_tokens"] += len(ids)
         return request_id
 
+    def _text_stream(self, sampling: SamplingParams) -> TextStream | None:
+        return TextStream(self.tokenizer, sampling.stop) if self.tokenizer is not None else None
+
     def abort(self, request_id: str) -> None:
-        """Free the request's blocks now; the next step() reports it finished with reason "abort"."""
-        seq = self.requests.pop(str(request_id), None)
-        if seq is None:
-            return
-        self.scheduler.remove(seq)
-        seq.status, seq.finish_reason = Status.FINISHED, "abort"
-        self._aborted.append(self._output(seq, [], seq.text.flush() if seq.text else ""))
+        """Free the request's blocks now; the next step() reports each choice finished with reason "abort"."""
+        choices = self.requests.pop(str(request_id), None)
+        for i, seq in enumerate(choices or ()):
+            self.scheduler.remove(seq)
+            seq.status, seq.finish_reason = Status.FINISHED, "abort"
+            self._aborted.append(self._output(seq, [], seq.text.flush() if seq.text else "",
+                                              all_finished=i == len(choices) - 1))
+
+    @property
+    def max_request_tokens(self) -> int:
+        """The most prompt + new tokens one request may ask for: the model's context or the whole pool, the less."""
+        return min(self.config.max_seq_len, self.capacity.tokens)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self._aborted)
@@ -160,37 +187,78 @@ class Engine:
     # -- the loop -----------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
-        tokens = self.runner.run(batch)
-        self.scheduler.update(batch, tokens)
-        return self._after_step(batch, tokens)
+        draws = self.runner.run(batch)
+        self.scheduler.update(batch, [None if d is None else d[0].token for d in draws])
+        sampled = [(chunk.seq, d[0]) for chunk, d in zip(batch, draws) if d is not None]
+        for chunk, d in zip(batch, draws):
+            if d is not None and len(d) > 1:
+                sampled += self._fork(chunk.seq, d[1:])
+        return self._after_step(batch, sampled)
 
-    def _after_step(self, batch, tokens) -> list[RequestOutput]:
+    def _fork(self, parent: Sequence, draws: list[Draw]) -> list[tuple[Sequence, Draw]]:
+        """The parent's other choices, forked now that its prompt is in the pool: each shares the parent's blocks
+        (copied on write) and takes its own first token from the same logits."""
+        children = []
+        for k, draw in enumerate(draws, start=1):
+            sampling = parent.sampling
+            seed = None if sampling.seed is None else sampling.seed + k
+            child = Sequence(parent.request_id, [], sampling, n_prompt=parent.n_prompt, index=parent.index + k,
+                             generator=None if seed is None else torch.Generator(self.runner.device).manual_seed(seed),
+                             text=self._text_stream(sampling), status=Status.RUNNING, admissions=1,
+                             cached_prompt_tokens=parent.cached_prompt_tokens,
+                             counts=parent.counts.copy() if parent.counts is not None else None,   # before its token
+                             grammar=parent.grammar.copy() if parent.grammar is not None else None)
+            self.blocks.fork(parent, child)                  # its token ids, block table, computed count
+            child.token_ids[-1] = draw.token                 # its own first token, not the parent's
+            self.scheduler.running.append(child)
+            self.requests[parent.request_id].append(child)
+            children.append((child, draw))
+        parent.pending_forks = 0
+        return children
+
+    def _after_step(self, batch, sampled: list[tuple[Sequence, Draw]]) -> list[RequestOutput]:
         """Stop conditions and outputs of the sequences that got a token; counters."""
         outputs, self._aborted = self._aborted, []
         self._counts["steps"] += 1
         self._counts["computed_tokens"] += sum(c.n_tokens for c in batch)
         self._counts["kv_bytes_peak"] = max(self._counts["kv_bytes_peak"], self.blocks.n_used * self.capacity.block_bytes)
-        for chunk, token in zip(batch, tokens):
-            if token is None:
-                continue
-            seq = chunk.seq
+        for seq, draw in sampled:
+            token = draw.token
             self._counts["generated_tokens"] += 1
+            if seq.counts is not None:
+                seq.counts.add(token)
+            if seq.grammar is not None:
+                seq.grammar.consume(token)
             delta, hit_stop = seq.text.push(token) if seq.text is not None else ("", False)
-            if hit_stop or (token in self.eos_ids and not seq.sampling.ignore_eos) or token in seq.sampling.stop_token_ids:
+            if hit_stop or (token in self.eos_ids and not seq.sampling.ignore_eos) or token in seq.sampling.stop_token_ids \
+                    or (seq.grammar is not None and seq.grammar.done):   # the grammar's output is complete
                 seq.finish_reason = "stop"
             elif len(seq.output_ids) >= seq.sampling.max_tokens:
                 seq.finish_reason = "length"
+            last = False
             if seq.finish_reason is not None:
                 delta += seq.text.flush() if seq.text is not None and not hit_stop else ""
                 seq.status = Status.FINISHED
                 self.scheduler.remove(seq)
-                self.requests.pop(seq.request_id, None)
-            outputs.append(self._output(seq, [token], delta))
+                last = self._forget(seq)
+            logprobs = [draw] if seq.sampling.logprobs is not None else None
+            outputs.append(self._output(seq, [token], delta, all_finished=last, logprobs=logprobs))
         return outputs
 
-    def _output(self, seq: Sequence, new: list[int], delta: str) -> RequestOutput:
+    def _forget(self, seq: Sequence) -> bool:
+        """Drop a finished choice; True if it was its request's last one."""
+        choices = self.requests.get(seq.request_id, [])
+        if seq in choices:
+            choices.remove(seq)
+        if choices or seq.pending_forks:
+            return False
+        self.requests.pop(seq.request_id, None)
+        return True
+
+    def _output(self, seq: Sequence, new: list[int], delta: str, all_finished: bool = False,
+                logprobs: list[Draw] | None = None) -> RequestOutput:
         return RequestOutput(seq.request_id, new, delta, seq.finished, seq.finish_reason, seq.n_prompt,
-                             seq.cached_prompt_tokens, len(seq.output_ids))
+                             seq.cached_prompt_tokens, len(seq.output_ids), seq.index, all_finished, logprobs)
 
     def stats(self) -> EngineStats:
         s, b, c = self.scheduler, self.blocks, self._counts
@@ -208,6 +276,8 @@ class Engine:
         params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         if len(params) != len(prompts):
             raise ConfigError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        if any(p is not None and p.n > 1 for p in params):
+            raise ConfigError("generate() returns one text per prompt: give n > 1 choices to add_request")
         ids: list[str] = []
         try:
             for prompt, p in zip(prompts, params):

@@ -7,8 +7,12 @@ each request's events to the callback it was submitted with:
   ACCEPTED        the engine took the request (add_request returned)
   RequestOutput   one per step in which the request changed; the last one has finished=True
   KvlabError      add_request refused it (too large, bad sampling) -- nothing else follows
-  EngineFailure   step() raised: the request was aborted -- nothing else follows
+  EngineFailure   the engine raised (in step, add or abort): the request was aborted -- nothing else follows
 
+Any exception in the thread fails the requests it touched with EngineFailure and the loop goes on; after
+MAX_FAILURES failures in a row (an engine that is broken, not unlucky) the thread stops, `alive` turns
+False, and every request still waiting or submitted later gets EngineFailure at once: no caller is left
+waiting on a thread that is gone.
 The callbacks run on this thread; the HTTP side passes one that forwards into an asyncio queue with
 loop.call_soon_threadsafe.
 """
@@ -28,6 +32,7 @@ log = logging.getLogger("kvlab.serve")
 
 ACCEPTED = "accepted"
 IDLE_POLL_S = 0.5  # how long the idle thread waits for a command before looking again
+MAX_FAILURES = 3   # engine failures in a row after which the thread stops
 
 
 class EngineFailure(Exception):
@@ -53,6 +58,8 @@ class EngineLoop:
         self.latest_stats = engine.stats()
         self.thread = threading.Thread(target=self._run, name="kvlab-engine", daemon=True)
         self._stop = threading.Event()
+        self._dead = threading.Event()         # set once the thread has stopped for good
+        self.failures = 0                      # engine failures in a row (the engine thread only)
 
     # -- called from any thread ---------------------------------------------------------------------
     def start(self) -> None:
@@ -60,6 +67,8 @@ class EngineLoop:
 
     def submit(self, submission: Submission) -> None:
         self.commands.put(("add", submission))
+        if self._dead.is_set():                # the thread is gone: nobody would apply the command
+            self._drain(EngineFailure("the engine is not running"))
 
     def abort(self, request_id: str) -> None:
         self.commands.put(("abort", request_id))
@@ -76,18 +85,63 @@ class EngineLoop:
 
     @property
     def alive(self) -> bool:
-        return self.thread.is_alive()
+        return self.thread.is_alive() and not self._dead.is_set()
 
     # -- the engine thread ---------------------------------------------------------------------------
     def _run(self) -> None:
-        while True:
+        try:
+            while not self._cycle():
+                pass
+        finally:
+            self._dead.set()
+            self._drain(EngineFailure("the server is shutting down" if self._stop.is_set()
+                                      else "the engine stopped after repeated failures"))
+
+    def _cycle(self) -> bool:
+        """Apply commands, step once if busy; True when the thread should end. Nothing escapes but the end."""
+        try:
             busy = self.engine.has_unfinished()
             self._apply_commands(wait=not busy and not self._stop.is_set())
             if self._stop.is_set() and not self.engine.has_unfinished():
-                self._apply_commands(wait=False)  # an add that raced with stop is refused, not left hanging
-                break
+                return True
             if self.engine.has_unfinished():
                 self._step()
+                self.failures = 0
+        except Exception as exc:  # noqa: BLE001  (a bug in the engine or a callback: fail, then go on or stop)
+            return self._failed(exc)
+        return False
+
+    def _failed(self, exc: Exception) -> bool:
+        """Fail every request in flight with EngineFailure; True if the thread must stop (MAX_FAILURES in a row)."""
+        self.failures += 1
+        log.error("engine failed (%d in a row); aborting %d request(s)", self.failures, len(self.active),
+                  exc_info=exc)
+        failure = EngineFailure(f"engine failed: {type(exc).__name__}: {exc}")
+        for request_id, sub in list(self.active.items()):
+            del self.active[request_id]
+            try:
+                self.engine.abort(request_id)
+            except Exception:  # noqa: BLE001  (the engine is already broken; the request is gone anyway)
+                pass
+            _tell(sub, failure)
+        try:
+            self.latest_stats = self.engine.stats()
+        except Exception:  # noqa: BLE001
+            pass
+        return self.failures >= MAX_FAILURES
+
+    def _drain(self, failure: EngineFailure) -> None:
+        """Answer every command still queued (and every request still active) with `failure`."""
+        for sub in list(self.active.values()):
+            _tell(sub, failure)
+        self.active.clear()
+        while True:
+            try:
+                kind, arg = self.commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                _tell(arg, failure)
 
     def _apply_commands(self, wait: bool) -> None:
         try:
@@ -119,31 +173,22 @@ class EngineLoop:
         except KvlabError as exc:
             sub.deliver(exc)
             return
+        except Exception as exc:  # noqa: BLE001  (this request only: the engine refused it by raising a bug)
+            log.error("engine refused request %s with an error", sub.request_id, exc_info=exc)
+            sub.deliver(EngineFailure(f"engine failed: {type(exc).__name__}: {exc}"))
+            return
         self.active[sub.request_id] = sub
         sub.deliver(ACCEPTED)
 
     def _abort(self, request_id: str) -> None:
         sub = self.active.get(request_id)
-        self.engine.abort(request_id)
         if sub is not None:  # the engine may or may not report the abort in a later step; the caller learns now
             self._finish(sub, finish_reason="abort", completion_tokens=None)
-            self.latest_stats = self.engine.stats()
+        self.engine.abort(request_id)
+        self.latest_stats = self.engine.stats()
 
     def _step(self) -> None:
-        try:
-            outputs = self.engine.step()
-        except Exception as exc:  # a bug in the engine: fail the requests in flight, keep serving
-            log.exception("engine step failed; aborting %d request(s)", len(self.active))
-            failure = EngineFailure(f"engine step failed: {type(exc).__name__}: {exc}")
-            for request_id, sub in list(self.active.items()):
-                try:
-                    self.engine.abort(request_id)
-                except Exception:  # noqa: BLE001  (the engine is already broken; the request is gone anyway)
-                    pass
-                del self.active[request_id]
-                sub.deliver(failure)
-            self.latest_stats = self.engine.stats()
-            return
+        outputs = self.engine.step()
         now = time.monotonic()
         generated = 0
         for out in outputs:
@@ -156,7 +201,7 @@ class EngineLoop:
                 if self.metrics is not None:
                     self.metrics.ttft.observe(now - sub.arrived)
             sub.deliver(out)
-            if out.finished:
+            if out.all_finished:
                 self._finish(sub, out.finish_reason or "stop", out.completion_tokens, out.prompt_tokens, now, delivered=True)
         if self.metrics is not None and generated:
             self.metrics.generation_tokens.inc(generated)
@@ -180,9 +225,17 @@ class EngineLoop:
                 self.metrics.tpot.observe((now - sub.first_token_at) / (completion_tokens - 1))
 
 
+def _tell(sub: Submission, event) -> None:
+    """Deliver an event without letting a failing callback take the thread down."""
+    try:
+        sub.deliver(event)
+    except Exception:  # noqa: BLE001
+        log.exception("delivering to request %s failed", sub.request_id)
+
+
 @dataclass
 class AbortedOutput:
-    """What an aborted request's caller receives (mirrors RequestOutput's fields)."""
+    """What an aborted request's caller receives (mirrors RequestOutput's fields): every choice has ended."""
 
     request_id: str
     new_token_ids: list[int] = field(default_factory=list)
@@ -192,4 +245,7 @@ class AbortedOutput:
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
     completion_tokens: int = 0
+    index: int | None = None       # None: all of them
+    all_finished: bool = True
+    logprobs: None = None
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from .attention import RaggedLayout
 from .fused_batch import fused_batch_for
-from .sampling import sample_rows
+from .sampling import Draw, sample_rows
 from .scheduler import Chunk
 
 
@@ -57,8 +57,9 @@ class Runner:
         self.device = pool.device
 
     @torch.inference_mode()
-    def run(self, chunks: list[Chunk]) -> list[int | None]:
-        """Forward every chunk; the next token of each chunk that reaches its sequence's end, else None."""
+    def run(self, chunks: list[Chunk]) -> list[list[Draw] | None]:
+        """Forward every chunk; the draws of each chunk that reaches its sequence's end (one, or one per choice
+        of a prompt that forks into n), else None."""
         if not chunks:
             return []
         return self.sample(chunks, self.hidden(chunks))
@@ -82,11 +83,11 @@ class Runner:
             x = block(x, cos, sin, view)                                            # (1, N, C)
         return x
 
-    def sample(self, chunks: list[Chunk], x: torch.Tensor) -> list[int | None]:
-        """The next token of each chunk that reaches its sequence's end (its last row of x (1, N, C)), else None."""
+    def sample(self, chunks: list[Chunk], x: torch.Tensor) -> list[list[Draw] | None]:
+        """The draws of each chunk that reaches its sequence's end (its last row of x (1, N, C)), else None."""
         ends = torch.tensor([c.n_tokens for c in chunks]).cumsum(0) - 1             # last row of each chunk
         sampling = [i for i, c in enumerate(chunks) if c.samples]
-        tokens: list[int | None] = [None] * len(chunks)
+        tokens: list[list[Draw] | None] = [None] * len(chunks)
         if sampling:
             rows = x[0, ends[sampling]]                                            # (R, C)
             fused = fused_batch_for(self, len(sampling))
@@ -95,7 +96,8 @@ class Runner:
             else:
                 logits, greedy = output_logits(self.model, rows[None])[0], None     # (R, vocab)
             seqs = [chunks[i].seq for i in sampling]
-            drawn = sample_rows(logits, [s.sampling for s in seqs], [s.generator for s in seqs], greedy)
+            drawn = sample_rows(logits, [s.sampling for s in seqs], [s.generator for s in seqs], greedy,
+                                [s.counts for s in seqs], [1 + s.pending_forks for s in seqs], [s.grammar for s in seqs])
             for i, token in zip(sampling, drawn):
                 tokens[i] = token
         return tokens

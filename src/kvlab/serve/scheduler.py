@@ -71,8 +71,8 @@ class Scheduler:
                 chunks.append(Chunk(seq, seq.num_computed, n, self.blocks.reserve(seq, n)))
                 scheduled.add(id(seq))
                 budget -= n
-        while self.waiting and len(self.running) < self.max_batch and budget > 0:
-            seq = self.waiting[0]
+        while self.waiting and len(self.running) + self.waiting[0].pending_forks < self.max_batch and budget > 0:
+            seq = self.waiting[0]                   # (room for the choices it will fork into, too)
             n = self._admit(seq, budget)
             if not n:
                 break

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .sampling import SamplingParams, TextStream
+from .grammar import GrammarState
+from .sampling import SamplingParams, TextStream, TokenCounts
 
 
 class Status(enum.Enum):
@@ -33,6 +34,10 @@ class Sequence:
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     text: TextStream | None = None
+    counts: TokenCounts | None = None   # for the penalties (sampling.counts_tokens)
+    grammar: GrammarState | None = None   # where its output is in sampling.grammar
+    index: int = 0                 # which of the request's n choices this is
+    pending_forks: int = 0         # choices still to fork from this sequence when its prompt is done
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.token_ids)
