@@ -30,17 +30,14 @@ LAZY_COMMANDS: dict[str, str] = {
 
 def _load_command(name: str) -> TyperCommand | TyperGroup:
     """Import the module behind a lazy command and return its click command."""
-    scratch, scratch_bench = typer.Typer(), typer.Typer()
+    scratch = typer.Typer()
     if name == "bench":
         import_module(".bench.throughput", __package__).register(bench_app)
-        import_module(".serve.command", __package__).register(scratch, bench_app)
+        import_module(".bench.serve", __package__).register(bench_app)
         group = typer.main.get_group(bench_app)
         group.name = "bench"
         return group
-    if name == "serve":
-        import_module(".serve.command", __package__).register(scratch, scratch_bench)
-    else:
-        import_module(f".{name}.command", __package__).register(scratch)
+    import_module(f".{name}.command", __package__).register(scratch)
     return typer.main.get_group(scratch).commands[name]
 
 

@@ -24,6 +24,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Optional
 from urllib.parse import urlsplit
 
 from rich.console import Console
@@ -414,3 +415,41 @@ def plot_levels(levels: list[LevelResult], path: str) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def register(bench_app) -> None:
+    """Add `kvlab bench serve` to the bench typer app."""
+    import typer
+
+    from ..errors import ConfigError
+    from ..terminal import console, one_line_errors
+
+    @bench_app.command("serve")
+    @one_line_errors
+    def bench_serve(
+        url: Optional[str] = typer.Option(None, "--url", help="An OpenAI-compatible server on this machine "
+                                          "(default: start `kvlab serve` on a free port)."),
+        concurrency: str = typer.Option("1,4,16,32", "--concurrency", help="Comma-separated numbers of clients."),
+        requests: int = typer.Option(32, "--requests", min=1, help="Requests per level (at least its concurrency)."),
+        max_tokens: int = typer.Option(64, "--max-tokens", min=1),
+        ignore_eos: bool = typer.Option(True, "--ignore-eos/--stop-at-eos",
+                                        help="Send ignore_eos so every request makes max_tokens tokens."),
+        model: Optional[str] = typer.Option(None, "--model", help="For the server it starts; with --url, the model name to send."),
+        cache: str = typer.Option("dense", "--cache", help="Cache of the server it starts."),
+        kv_budget: str = typer.Option("512MiB", "--kv-budget", help="KV pool of the server it starts."),
+        api_key: Optional[str] = typer.Option(None, "--api-key", envvar="KVLAB_API_KEY"),
+        direct: bool = typer.Option(True, "--direct/--no-direct",
+                                    help="Also run concurrency 1 on the engine directly: the HTTP overhead (own server only)."),
+        out: str = typer.Option("bench/results/serve.json", "--out"),
+        plot: Optional[str] = typer.Option("bench/results/serve.png", "--plot", help="PNG of throughput and latency."),
+        json_out: bool = typer.Option(False, "--json"),
+    ):
+        """Load an OpenAI-compatible server: requests/s, output tokens/s, TTFT/TPOT p50/p99, errors per concurrency."""
+        try:
+            levels = tuple(int(c) for c in concurrency.split(","))
+        except ValueError:
+            raise ConfigError(f"--concurrency must be comma-separated integers, got {concurrency!r}") from None
+        settings = ServeBenchSettings(url=url, concurrency=levels, requests=requests, max_tokens=max_tokens,
+                                      ignore_eos=ignore_eos, model=model, cache=cache, kv_budget=kv_budget,
+                                      api_key=api_key, direct=direct)
+        run_serve_bench(settings, out, plot, json_out, console)

@@ -1,6 +1,6 @@
-"""`kvlab serve` and `kvlab bench serve`: the CLI front of the HTTP server and its load generator.
+"""`kvlab serve`: the CLI front of the HTTP server (its load generator, `kvlab bench serve`, is bench/serve.py's).
 
-Register both with `register(app, bench_app)`. Nothing here imports FastAPI until a command runs, so
+Register it with `register(app)`. Nothing here imports FastAPI until a command runs, so
 kvlab works without the `serve` extra; `kvlab serve` without it says which extra to install. This module
 imports serve.http (when `kvlab serve` runs), never the other way round.
 """
@@ -96,7 +96,7 @@ def run_server(*, model: str | None, cache: str, kv_budget: str | None, ctx: int
     Server(create_app(engine, loaded.tokenizer, config), host=host, port=port).run()
 
 
-def register(app: typer.Typer, bench_app: typer.Typer) -> None:
+def register(app: typer.Typer) -> None:
     from ..terminal import console, one_line_errors
 
     @app.command("serve")
@@ -129,35 +129,3 @@ def register(app: typer.Typer, bench_app: typer.Typer) -> None:
                    api_key=api_key, max_batch=max_batch, max_waiting=max_waiting, block_size=block_size,
                    default_max_tokens=default_max_tokens, grace=grace, dtype=dtype,
                    max_body_bytes=_size("--max-body", max_body), console=console)
-
-    @bench_app.command("serve")
-    @one_line_errors
-    def bench_serve(
-        url: Optional[str] = typer.Option(None, "--url", help="An OpenAI-compatible server on this machine "
-                                          "(default: start `kvlab serve` on a free port)."),
-        concurrency: str = typer.Option("1,4,16,32", "--concurrency", help="Comma-separated numbers of clients."),
-        requests: int = typer.Option(32, "--requests", min=1, help="Requests per level (at least its concurrency)."),
-        max_tokens: int = typer.Option(64, "--max-tokens", min=1),
-        ignore_eos: bool = typer.Option(True, "--ignore-eos/--stop-at-eos",
-                                        help="Send ignore_eos so every request makes max_tokens tokens."),
-        model: Optional[str] = typer.Option(None, "--model", help="For the server it starts; with --url, the model name to send."),
-        cache: str = typer.Option("dense", "--cache", help="Cache of the server it starts."),
-        kv_budget: str = typer.Option("512MiB", "--kv-budget", help="KV pool of the server it starts."),
-        api_key: Optional[str] = typer.Option(None, "--api-key", envvar="KVLAB_API_KEY"),
-        direct: bool = typer.Option(True, "--direct/--no-direct",
-                                    help="Also run concurrency 1 on the engine directly: the HTTP overhead (own server only)."),
-        out: str = typer.Option("bench/results/serve.json", "--out"),
-        plot: Optional[str] = typer.Option("bench/results/serve.png", "--plot", help="PNG of throughput and latency."),
-        json_out: bool = typer.Option(False, "--json"),
-    ):
-        """Load an OpenAI-compatible server: requests/s, output tokens/s, TTFT/TPOT p50/p99, errors per concurrency."""
-        from ..bench.serve import ServeBenchSettings, run_serve_bench
-
-        try:
-            levels = tuple(int(c) for c in concurrency.split(","))
-        except ValueError:
-            raise ConfigError(f"--concurrency must be comma-separated integers, got {concurrency!r}") from None
-        settings = ServeBenchSettings(url=url, concurrency=levels, requests=requests, max_tokens=max_tokens,
-                                      ignore_eos=ignore_eos, model=model, cache=cache, kv_budget=kv_budget,
-                                      api_key=api_key, direct=direct)
-        run_serve_bench(settings, out, plot, json_out, console)
