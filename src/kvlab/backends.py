@@ -23,7 +23,7 @@ from typing import Iterable
 
 import torch
 
-from .cache import CacheGeometry, cache_names, expected_nbytes, make_cache
+from .cache import CacheGeometry, cache_names, expected_nbytes
 from .cache.names import is_compressed_name, parse as parse_compressed
 from .errors import ConfigError, ModelFileError
 from .hf_baselines import Baseline, is_baseline_name
@@ -81,9 +81,11 @@ class KvlabEngine:
     def make_cache(self, name: str, capacity: int):
         from .eval.calibrate import resolve
 
-        geometry = CacheGeometry.for_model(self.loaded.config, batch=1, capacity=capacity)
+        from .model.layer_caches import model_cache
+
         name = resolve(name, self.loaded)  # tq-k4v4+alloc: the recipe calibrated for this model, spelled out
-        return make_cache(name, geometry, self.loaded.dtype, self.loaded.device)
+        # the llama family: one cache over every layer; Gemma 3 / Qwen3.5: a cache per layer kind (model/layer_caches.py)
+        return model_cache(self.loaded.config, name, 1, capacity, self.loaded.dtype, self.loaded.device)
 
     def bytes_per_token(self, name: str, tokens: int, dtype: torch.dtype, first: int | None = None,
                         chunk: int | None = None) -> tuple[float, float]:

@@ -169,3 +169,17 @@ def kinds_summary(kinds: Sequence[str]) -> str:
     for kind in kinds:
         counts[kind] = counts.get(kind, 0) + 1
     return " + ".join(f"{n} {kind}" for kind, n in counts.items())
+
+
+def layer_pattern(layers: Sequence) -> str:
+    """The layer kinds as their shortest repeating pattern: '8 × (3 recurrent + 1 full)', '5 sliding (window 1024) +
+    1 full' repeated, or '30 full'. `layers`: LayerSpecs."""
+    names = [f"{layer.kind} (window {layer.window:,})" if layer.kind == "sliding" else layer.kind for layer in layers]
+    n = len(names)
+    for period in range(1, n + 1):
+        if n % period == 0 and names == names[:period] * (n // period):
+            summary = kinds_summary(names[:period])
+            if n == period or period == 1:
+                return kinds_summary(names)
+            return f"{n // period} × ({summary})"
+    return kinds_summary(names)

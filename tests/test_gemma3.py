@@ -1,0 +1,108 @@
+"""Gemma 3 (interleaved sliding-window and global attention) runs as transformers runs it: a tiny seeded model from
+transformers' own class, sliding / global alternating, a window of 8 tokens and prompts far longer, as an HF folder
+and as GGUF."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvlab.errors import ConfigError
+from kvlab.model.layer_caches import SlidingWindowCache, model_cache
+from kvlab.model.loader import load_model
+from kvlab.sources.gguf import gguf_metadata, open_gguf
+
+from .hybrid_checks import check_greedy, check_prefill_forms, reference_logits
+from .hybrid_models import WINDOW, build, save_folder, write_gguf
+
+
+@pytest.fixture(scope="module")
+def pair(smollm2, tmp_path_factory):
+    reference = build("gemma3", smollm2.tokenizer.vocab_size)
+    folder = save_folder(reference, tmp_path_factory.mktemp("gemma3"), smollm2.tokenizer)
+    return load_model(folder), reference
+
+
+def prompt(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 49152, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def test_facts(pair):
+    loaded, _ = pair
+    cfg = loaded.config
+    assert cfg.arch == "gemma3" and cfg.layer_kinds == ("sliding", "full", "sliding", "full")
+    assert cfg.sliding_window == WINDOW and cfg.rope_theta_local == 10000.0 and cfg.rope_theta == 1_000_000.0
+    assert cfg.rope_linear_factor == 8.0 and cfg.query_scale == 24 ** -0.5 and cfg.embed_scale == 64 ** 0.5
+    assert cfg.sandwich_norms and cfg.hidden_act == "gelu_tanh" and cfg.tie_embeddings and cfg.qk_norm
+
+
+def test_logits_equal_transformers_in_one_pass_chunks_and_steps(pair):
+    loaded, reference = pair
+    check_prefill_forms(loaded, reference, prompt(60))
+
+
+def test_window_cache_moving_its_rows_and_taking_wide_chunks(pair):
+    """A block of 4 rows beyond the window: chunks of 7 (wider than the block) and single tokens move the rows."""
+    loaded, reference = pair
+    check_prefill_forms(loaded, reference, prompt(60, seed=5), chunk=7, window_block=4)
+    check_prefill_forms(loaded, reference, prompt(45, seed=6), chunk=3, window_block=4)
+
+
+def test_greedy_64_tokens_equal_transformers(pair):
+    loaded, reference = pair
+    check_greedy(loaded, reference, prompt(20, seed=1))
+    check_greedy(loaded, reference, prompt(20, seed=1), chunk_size=6)
+
+
+def test_sliding_layers_hold_at_most_their_window_and_a_block(pair):
+    loaded, _ = pair
+    cfg = loaded.config
+    cache = model_cache(cfg, "dense", capacity=400, window_block=16)
+    by_kind = {type(inner).__name__: (inner, layers) for inner, layers in cache.parts}
+    sliding, layers = by_kind["SlidingWindowCache"]
+    assert layers == (0, 2)
+    row = 2 * cfg.n_kv_heads * cfg.head_dim * 4
+    assert sliding.nbytes == 2 * (WINDOW - 1 + 16) * row == SlidingWindowCache.expected_nbytes(sliding.geometry, torch.float32, 16)
+    full, _ = by_kind["DenseCache"]
+    assert full.nbytes == 2 * 400 * row
+    with torch.no_grad():
+        for start in range(0, 300, 10):
+            loaded.model(prompt(10, seed=start), cache)
+    assert cache.length == 300 and sliding.nbytes == 2 * (WINDOW - 1 + 16) * row
+
+
+def test_gguf_gives_the_same_logits(smollm2, tmp_path):
+    """llama.cpp scales Gemma 3's queries by 1/sqrt(head_dim) (27B: n_embd/n_head), so the model written here has
+    query_pre_attn_scalar = head_dim."""
+    reference = build("gemma3", smollm2.tokenizer.vocab_size, seed=3, query_pre_attn_scalar=16)
+    path = write_gguf(reference, "gemma3", tmp_path / "gemma3.gguf", gguf_metadata(open_gguf(smollm2.path)))
+    loaded = load_model(path)
+    assert loaded.config.layer_kinds == ("sliding", "full", "sliding", "full") and loaded.config.rope_linear_factor == 8.0
+    ids = prompt(50, seed=7)
+    with torch.no_grad():
+        ours = loaded.model(ids, model_cache(loaded.config, "dense", capacity=50))
+    assert (ours - reference_logits(reference, ids)).abs().max().item() < 1e-4
+
+
+def test_compressed_cache_on_both_kinds(pair):
+    loaded, reference = pair
+    ids = prompt(30, seed=8)
+    cache = model_cache(loaded.config, "int8", capacity=30)
+    assert [layers for _, layers in cache.parts] == [(1, 3), (0, 2)]
+    assert cache.parts[1][0].geometry.window == WINDOW and cache.parts[0][0].geometry.window is None
+    with torch.no_grad():
+        ours = loaded.model(ids, cache)
+    assert (ours - reference_logits(reference, ids)).abs().max().item() < 0.1
+
+
+def test_unsupported_activation_is_one_line(smollm2, tmp_path):
+    reference = build("gemma3", smollm2.tokenizer.vocab_size)
+    folder = save_folder(reference, tmp_path / "act", smollm2.tokenizer)
+    config = json.loads((folder / "config.json").read_text())
+    config["hidden_activation"] = "relu2"
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="activation 'relu2' cannot be run") as err:
+        load_model(folder)
+    assert "\n" not in str(err.value)
