@@ -15,6 +15,7 @@ SIZES = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_k
              max_position_embeddings=512)
 DELTANET = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8)
 WINDOW = 8   # Gemma 3's sliding window in these tests: prompts run well past it
+EXPERTS = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48}
 
 
 def build(arch: str, vocab: int, seed: int = 0, **overrides):
@@ -26,8 +27,13 @@ def build(arch: str, vocab: int, seed: int = 0, **overrides):
     if arch == "qwen3_5":
         config = transformers.Qwen3_5TextConfig(vocab_size=vocab, num_hidden_layers=4, **SIZES, **DELTANET, **overrides)
         model = transformers.Qwen3_5ForCausalLM(config)
-    elif arch == "qwen3_next":
-        config = transformers.Qwen3NextConfig(vocab_size=vocab, num_hidden_layers=4, num_experts=0, **SIZES, **DELTANET,
+    elif arch == "qwen3_5_moe":
+        config = transformers.Qwen3_5MoeTextConfig(vocab_size=vocab, num_hidden_layers=4, **SIZES, **DELTANET, **EXPERTS,
+                                                   **overrides)
+        model = transformers.Qwen3_5MoeForCausalLM(config)
+    elif arch in ("qwen3_next", "qwen3_next_moe"):
+        experts = {**EXPERTS, "mlp_only_layers": [1]} if arch == "qwen3_next_moe" else {"num_experts": 0}
+        config = transformers.Qwen3NextConfig(vocab_size=vocab, num_hidden_layers=4, **SIZES, **DELTANET, **experts,
                                               **overrides)
         model = transformers.Qwen3NextForCausalLM(config)
     else:
@@ -38,7 +44,9 @@ def build(arch: str, vocab: int, seed: int = 0, **overrides):
         model = transformers.Gemma3ForCausalLM(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name or "A_log" in name or "dt_bias" in name:
+            if "A_log" in name:          # decays of e^-0.05 .. e^-0.7 per token: a 64-token chunk stays far from
+                p.uniform_(-2.5, -0.5)   # subnormal floats (transformers' reference would crawl through them)
+            elif "norm" in name or "dt_bias" in name:
                 p.uniform_(-0.5, 0.5)
             elif p.dim() > 1:
                 p.normal_(0.0, 0.08)
@@ -61,7 +69,8 @@ def _tile_value_heads(t: torch.Tensor, k_heads: int, per_k: int, dim: int = 0) -
     return grouped.transpose(dim, dim + 1).reshape(shape)
 
 
-GGUF_ARCHS = {"qwen3_5": "qwen35", "qwen3_next": "qwen3next", "gemma3": "gemma3"}
+GGUF_ARCHS = {"qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next", "qwen3_next_moe": "qwen3next",
+              "gemma3": "gemma3"}
 
 
 def gguf_tensors(model, arch: str) -> dict[str, np.ndarray]:
@@ -69,7 +78,8 @@ def gguf_tensors(model, arch: str) -> dict[str, np.ndarray]:
     import gguf
 
     cfg = model.config
-    gguf_arch = {"qwen3_5": gguf.MODEL_ARCH.QWEN35, "qwen3_next": gguf.MODEL_ARCH.QWEN3NEXT, "gemma3": gguf.MODEL_ARCH.GEMMA3}[arch]
+    gguf_arch = {"qwen35": gguf.MODEL_ARCH.QWEN35, "qwen35moe": gguf.MODEL_ARCH.QWEN35MOE, "qwen3next": gguf.MODEL_ARCH.QWEN3NEXT,
+                 "gemma3": gguf.MODEL_ARCH.GEMMA3}[GGUF_ARCHS[arch]]
     names = gguf.get_tensor_name_map(gguf_arch, cfg.num_hidden_layers)
     out = {}
     for name, tensor in model.state_dict().items():
@@ -84,8 +94,16 @@ def gguf_tensors(model, arch: str) -> dict[str, np.ndarray]:
             name = name.removesuffix(".dt_bias") + ".dt_proj.bias"
         elif "conv1d" in name:
             t = t.squeeze()
-        if arch == "qwen3_5" and "linear_attn." in name:
+        if arch.startswith("qwen3_5") and "linear_attn." in name:
             t = _qwen35_tiled(t, name, cfg)
+        if name.endswith("mlp.experts.gate_up_proj"):                # transformers holds (E, 2F, C): llama.cpp two (E, F, C)
+            layer = name.split(".")[2]
+            gate, up = t.chunk(2, dim=1)
+            out[f"blk.{layer}.ffn_gate_exps.weight"] = np.ascontiguousarray(gate.numpy())
+            out[f"blk.{layer}.ffn_up_exps.weight"] = np.ascontiguousarray(up.numpy())
+            continue
+        if name.endswith("mlp.experts.down_proj"):
+            name = name + ".weight"
         if name.endswith("in_proj_qkvz.weight"):                       # Qwen3-Next: [q, k, v, z] per key head -> qkv, z
             nk, dk, dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
             per_k = cfg.linear_num_value_heads // nk
@@ -131,7 +149,8 @@ def write_gguf(model, arch: str, path: Path, tokenizer_meta: dict, drop: str | N
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_feed_forward_length(cfg.intermediate_size)
+    if getattr(cfg, "intermediate_size", None):
+        writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
@@ -156,6 +175,11 @@ def write_gguf(model, arch: str, path: Path, tokenizer_meta: dict, drop: str | N
         writer.add_ssm_time_step_rank(cfg.linear_num_value_heads)
         writer.add_ssm_inner_size(cfg.linear_value_head_dim * cfg.linear_num_value_heads)
         writer.add_full_attention_interval(4)
+        if getattr(cfg, "num_experts", 0):
+            writer.add_expert_count(cfg.num_experts)
+            writer.add_expert_used_count(cfg.num_experts_per_tok)
+            writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+            writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(tokenizer_meta["tokenizer.ggml.pre"])
     writer.add_token_list(tokenizer_meta["tokenizer.ggml.tokens"])

@@ -111,6 +111,21 @@ class LinearAttentionFacts:
 
 
 @dataclass(frozen=True)
+class MoEFacts:
+    """A mixture-of-experts feed-forward with one shared expert (Qwen3-Next, Qwen3.5-MoE): the router's softmax picks
+    `top_k` of `n_experts` SwiGLU experts per token (their weights renormalised when `norm_topk`); a shared expert,
+    gated by sigmoid(shared_gate·x), is added. Layers i with (i + 1) % every == 0 and i not in dense_layers use it."""
+
+    n_experts: int
+    top_k: int
+    d_ff_expert: int
+    d_ff_shared: int
+    norm_topk: bool = True
+    every: int = 1
+    dense_layers: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class EngineFacts:
     """What only the engine needs beyond the layers' cache shapes, read once by sources/.
 
@@ -139,6 +154,7 @@ class EngineFacts:
     hidden_act: str = "silu"                     # feed-forward activation: silu or gelu_tanh
     attn_output_gate: bool = False               # q_proj also gives a per-head sigmoid gate on the output (Qwen3.5)
     linear_attention: LinearAttentionFacts | None = None   # Gated DeltaNet layer shapes (kind "recurrent")
+    moe: MoEFacts | None = None                  # the mixture-of-experts feed-forward (Qwen3-Next, Qwen3.5-MoE)
     tensors: dict[str, TensorInfo] = field(default_factory=dict, compare=False, hash=False)
 
 

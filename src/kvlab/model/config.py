@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import ConfigError, UnsupportedArchitectureError
-from ..spec import LinearAttentionFacts, ModelSpec, RopeScaling
+from ..spec import LinearAttentionFacts, ModelSpec, MoEFacts, RopeScaling
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 HYBRID_FAMILY = ("gemma3", "qwen3_5", "qwen3_next")     # model/hybrid.py: layer kinds, gates, sandwich norms
@@ -16,6 +16,7 @@ ARCH_NAMES = {
     **{arch: arch for arch in SUPPORTED_ARCHS},
     "gemma3_text": "gemma3",
     "qwen3_5_text": "qwen3_5", "qwen35": "qwen3_5",
+    "qwen3_5_moe": "qwen3_5", "qwen3_5_moe_text": "qwen3_5", "qwen35moe": "qwen3_5",   # + a MoE feed-forward
     "qwen3next": "qwen3_next",
 }
 #: what a layer of each kind is in these decoders
@@ -57,6 +58,7 @@ class DecoderConfig:
     attn_output_gate: bool = False      # q_proj gives a sigmoid gate per head on the attention output (Qwen3.5)
     final_logit_softcap: float = 0.0    # logits = cap·tanh(logits/cap) (0: none)
     linear: LinearAttentionFacts | None = None  # the Gated DeltaNet layers' shapes (layers of kind recurrent)
+    moe: MoEFacts | None = None         # the mixture-of-experts feed-forward of the layers `moe_layers` names
 
     def __post_init__(self) -> None:
         for field_name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff"):
@@ -107,6 +109,13 @@ class DecoderConfig:
     def group_size(self) -> int:
         """Query heads per KV head: 1 = MHA, n_heads = MQA, in between = GQA."""
         return self.n_heads // self.n_kv_heads
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """Layers whose feed-forward is the mixture of experts (transformers' decoder_sparse_step / mlp_only_layers)."""
+        if self.moe is None:
+            return ()
+        return tuple(i for i in range(self.n_layers) if (i + 1) % self.moe.every == 0 and i not in self.moe.dense_layers)
 
     def layers_of(self, *kinds: str) -> tuple[int, ...]:
         """Indices of the layers of these kinds, in order."""
@@ -194,9 +203,11 @@ def _hybrid_config(spec: ModelSpec, facts, source: str) -> DecoderConfig:
     windows = {l.window for l in attention if l.kind == "sliding"}
     if len(windows) > 1:
         raise UnsupportedArchitectureError(f"{source}: sliding layers of different windows {sorted(windows)}")
-    if spec.extra.get("n_expert"):
+    if spec.extra.get("n_expert") and facts.moe is None:
         raise UnsupportedArchitectureError(f"{source}: a mixture-of-experts feed-forward ({spec.extra['n_expert']} experts) "
-                                           "cannot be run by the engine yet (dense Qwen3.5 / Qwen3-Next only)")
+                                           f"cannot be run by the engine for {arch}")
+    if facts.moe is not None and facts.moe.top_k > facts.moe.n_experts:
+        raise ConfigError(f"{source}: {facts.moe.top_k} experts per token of {facts.moe.n_experts}")
     if isinstance(facts.d_ff, tuple):
         raise UnsupportedArchitectureError(f"{source}: per-layer feed-forward widths cannot be run by the engine")
     if facts.rope_scaling_type is not None or facts.rope_scaling is not None:
@@ -210,7 +221,7 @@ def _hybrid_config(spec: ModelSpec, facts, source: str) -> DecoderConfig:
     try:
         return DecoderConfig(
             arch=arch, vocab_size=spec.vocab_size, d_model=spec.d_model, n_layers=spec.n_layers, n_heads=n_heads,
-            n_kv_heads=n_kv_heads, d_ff=facts.d_ff, head_dim=head_dim, rope_theta=facts.rope_theta, rms_eps=facts.rms_eps,
+            n_kv_heads=n_kv_heads, d_ff=facts.d_ff or (facts.moe.d_ff_expert if facts.moe else 0), head_dim=head_dim, rope_theta=facts.rope_theta, rms_eps=facts.rms_eps,
             tie_embeddings=facts.tie_embeddings, qk_norm=facts.qk_norm, qkv_bias=facts.qkv_bias,
             max_seq_len=spec.context_length or 2048, sliding_window=windows.pop() if windows else None, name=spec.name,
             layer_kinds=kinds, rope_dim=facts.rope_dim, rope_theta_local=facts.rope_theta_local,
@@ -218,7 +229,7 @@ def _hybrid_config(spec: ModelSpec, facts, source: str) -> DecoderConfig:
             query_scale=facts.query_pre_attn_scalar ** -0.5 if facts.query_pre_attn_scalar else 0.0,
             embed_scale=spec.d_model ** 0.5 if gemma else 1.0, sandwich_norms=gemma, hidden_act=facts.hidden_act,
             attn_output_gate=facts.attn_output_gate, final_logit_softcap=facts.final_logit_softcap,
-            linear=facts.linear_attention if "recurrent" in kinds else None,
+            linear=facts.linear_attention if "recurrent" in kinds else None, moe=facts.moe,
         )
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None

@@ -21,6 +21,14 @@ import torch.nn.functional as F
 from .llama import Linear
 
 CHUNK = 64  # tokens per chunk of the prompt form (the one transformers and fla use)
+#: decays below exp(-80) ≈ 1.8e-35 are taken as exp(-80): a cumulative decay over a chunk easily reaches e^-100, whose
+#: subnormal floats make every exp and matmul on them ~10x slower on x86, for a change far below any fp32 rounding
+LOG_TINY = -80.0
+
+
+def decay_exp(x: torch.Tensor) -> torch.Tensor:
+    """exp(x) for log decays x ≤ 0, never subnormal (see LOG_TINY)."""
+    return torch.exp(x.clamp(min=LOG_TINY))
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -35,7 +43,7 @@ def delta_rule_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     q, k: (B, H, Dk) normalised (q also scaled), v: (B, H, Dv), g, beta: (B, H), state: (B, H, Dk, Dv) fp32
     returns o (B, H, Dv), the new state (B, H, Dk, Dv)
     """
-    state = state * g.exp()[..., None, None]                                # decay
+    state = state * decay_exp(g)[..., None, None]                           # decay
     predicted = torch.einsum("bhk,bhkv->bhv", k, state)                     # (B, H, Dv): what S gives for k
     delta = (v - predicted) * beta[..., None]                               # (B, H, Dv)
     state = state + k[..., :, None] * delta[..., None, :]                   # rank-1 write
@@ -60,16 +68,16 @@ def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     g, beta = g.reshape(B, H, n, chunk), beta.reshape(B, H, n, chunk)       # (B, H, n, C)
     decay = g.cumsum(-1)                                                    # (B, H, n, C): log decay since chunk start
     lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
-    pair = (decay[..., :, None] - decay[..., None, :]).masked_fill(~lower, float("-inf")).exp()  # (B, H, n, C, C): i ≥ j
+    pair = decay_exp(decay[..., :, None] - decay[..., None, :]).masked_fill(~lower, 0.0)  # (B, H, n, C, C): i ≥ j
     k_beta = k * beta[..., None]                                            # (B, H, n, C, Dk)
     # the writes of a chunk interact through (I + L), L the strictly lower β_i (k_i·k_j) decay_ij: solve once per chunk
     system = (k_beta @ k.transpose(-1, -2)) * pair                          # (B, H, n, C, C); the diagonal is taken as 1
     u = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)   # (B, H, n, C, Dv)
-    w = torch.linalg.solve_triangular(system, k_beta * decay.exp()[..., None], upper=False, unitriangular=True)  # (.., Dk)
+    w = torch.linalg.solve_triangular(system, k_beta * decay_exp(decay)[..., None], upper=False, unitriangular=True)  # (.., Dk)
     inner = (q @ k.transpose(-1, -2)) * pair                                # (B, H, n, C, C): causal within the chunk
-    q_decayed = q * decay.exp()[..., None]                                  # reads the state as it was at chunk start
-    k_decayed = k * (decay[..., -1:] - decay).exp()[..., None]              # writes decayed to the chunk end
-    chunk_decay = decay[..., -1].exp()[..., None, None]                     # (B, H, n, 1, 1)
+    q_decayed = q * decay_exp(decay)[..., None]                             # reads the state as it was at chunk start
+    k_decayed = k * decay_exp(decay[..., -1:] - decay)[..., None]           # writes decayed to the chunk end
+    chunk_decay = decay_exp(decay[..., -1])[..., None, None]                # (B, H, n, 1, 1)
     out = torch.empty(B, H, n, chunk, Dv, dtype=v.dtype, device=v.device)
     for c in range(n):
         v_new = u[:, :, c] - w[:, :, c] @ state                             # (B, H, C, Dv): the corrections written

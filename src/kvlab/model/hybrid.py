@@ -25,17 +25,10 @@ from .config import DecoderConfig
 from .deltanet import GatedDeltaNet
 from .layer_caches import LayeredCache
 from .llama import FeedForward, Linear, RMSNorm, apply_rope
+from .moe import SparseMoE
+from .rope import kind_frequencies
 
 FUSED_OFF = "the fused C decode step runs the llama family only; {arch} runs on the torch path"
-
-
-def inv_freq(theta: float, dim: int, linear_factor: float = 0.0) -> torch.Tensor:
-    """(dim/2,) fp32 RoPE inverse frequencies for `dim` rotated dims, divided by a linear scaling factor when given.
-    Computed on the CPU in fp64 (see llama.rope_inv_freq)."""
-    freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim))
-    if linear_factor:
-        freq = freq / linear_factor
-    return freq.float()
 
 
 class HybridFeedForward(FeedForward):
@@ -110,7 +103,7 @@ class HybridBlock(nn.Module):
         self.mixer = GatedDeltaNet(cfg, layer) if self.kind == "recurrent" else HybridAttention(cfg, layer)
         self.post_attn_norm = RMSNorm(cfg.d_model, cfg.rms_eps) if cfg.sandwich_norms else None
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.rms_eps)
-        self.ffn = HybridFeedForward(cfg)
+        self.ffn = SparseMoE(cfg) if layer in cfg.moe_layers else HybridFeedForward(cfg)
         self.post_ffn_norm = RMSNorm(cfg.d_model, cfg.rms_eps) if cfg.sandwich_norms else None
 
     def forward(self, x: torch.Tensor, ropes: dict, cache: LayeredCache) -> torch.Tensor:
@@ -141,20 +134,15 @@ class HybridDecoder(nn.Module):
         self.blocks = nn.ModuleList(HybridBlock(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.rms_eps)
         self.lm_head = None if cfg.tie_embeddings else Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        for kind, freq in self._frequencies().items():
+        for kind, freq in kind_frequencies(cfg).items():
             self.register_buffer(f"inv_freq_{kind}", freq.to(torch.get_default_device()), persistent=False)
         self.fused = None                    # the fused C step is the llama family's (model/fused.py)
         self.fused_off = FUSED_OFF.format(arch=cfg.arch)
 
-    def _frequencies(self) -> dict[str, torch.Tensor]:
-        cfg = self.config
-        return {"full": inv_freq(cfg.rope_theta, cfg.rope_dim, cfg.rope_linear_factor),
-                "sliding": inv_freq(cfg.rope_theta_local or cfg.rope_theta, cfg.rope_dim)}
-
     def _apply(self, fn, recurse=True):
         """As Decoder._apply: the RoPE frequencies stay fp32 whatever dtype the model is moved to."""
         super()._apply(fn, recurse)
-        for kind, freq in self._frequencies().items():
+        for kind, freq in kind_frequencies(self.config).items():
             setattr(self, f"inv_freq_{kind}", freq.to(self.inv_freq_full.device))
         return self
 

@@ -94,10 +94,13 @@ def parts(cfg: DecoderConfig, scheme: int, prefix: str = "model.") -> list[Part]
                 part(b + "post_ffn_norm.weight", norm, (L("post_ffw_norm.weight"), *dm))
             else:
                 part(b + "ffn_norm.weight", norm, (L("post_attention_norm.weight"), *dm))
-        mlp = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight") if hf else (
-            "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
-        part(b + "ffn.gate_up.weight", _cat, (L(mlp[0]), (ff, d), "(d_ff, d_model)"), (L(mlp[1]), (ff, d), "(d_ff, d_model)"))
-        part(b + "ffn.down.weight", _same, (L(mlp[2]), (d, ff), "(d_model, d_ff)"))
+        if i in cfg.moe_layers:
+            out.extend(_moe_parts(cfg, scheme, b + "ffn.", L))
+        else:
+            mlp = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight") if hf else (
+                "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
+            part(b + "ffn.gate_up.weight", _cat, (L(mlp[0]), (ff, d), "(d_ff, d_model)"), (L(mlp[1]), (ff, d), "(d_ff, d_model)"))
+            part(b + "ffn.down.weight", _same, (L(mlp[2]), (d, ff), "(d_model, d_ff)"))
         m = b + "mixer."
         if kind == "recurrent":
             out.extend(_deltanet_parts(cfg, scheme, m, L))
@@ -115,6 +118,35 @@ def parts(cfg: DecoderConfig, scheme: int, prefix: str = "model.") -> list[Part]
         if cfg.qk_norm:
             part(m + "q_norm.weight", norm, (L(names[4] + ".weight"), (hd,), "(head_dim,)"))
             part(m + "k_norm.weight", norm, (L(names[5] + ".weight"), (hd,), "(head_dim,)"))
+    return out
+
+
+def _moe_parts(cfg: DecoderConfig, scheme: int, f: str, L) -> list[Part]:
+    """A mixture-of-experts feed-forward: router, experts stacked (E, 2F, C) / (E, C, F), the shared expert and its gate."""
+    moe, d = cfg.moe, cfg.d_model
+    E, F, Fs = moe.n_experts, moe.d_ff_expert, moe.d_ff_shared
+    out: list[Part] = []
+    if scheme == HF:
+        out.append(Part(f + "router.weight", ((L("mlp.gate.weight"), (E, d), "(num_experts, d_model)"),), _same))
+        sources = tuple((L(f"mlp.experts.{e}.{proj}.weight"), (F, d), "(moe_intermediate_size, d_model)")
+                        for e in range(E) for proj in ("gate_proj", "up_proj"))
+        out.append(Part(f + "gate_up", sources, lambda *t: torch.stack([torch.cat(t[2 * e:2 * e + 2]) for e in range(E)])))
+        out.append(Part(f + "down", tuple((L(f"mlp.experts.{e}.down_proj.weight"), (d, F), "(d_model, moe_intermediate_size)")
+                                          for e in range(E)), lambda *t: torch.stack(t)))
+        shared = ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight",
+                  "mlp.shared_expert.down_proj.weight", "mlp.shared_expert_gate.weight")
+    else:
+        out.append(Part(f + "router.weight", ((L("ffn_gate_inp.weight"), (E, d), "(expert_count, d_model)"),), _same))
+        out.append(Part(f + "gate_up", ((L("ffn_gate_exps.weight"), (E, F, d), "(expert_count, expert d_ff, d_model)"),
+                                        (L("ffn_up_exps.weight"), (E, F, d), "(expert_count, expert d_ff, d_model)")),
+                        lambda gate, up: torch.cat((gate, up), dim=1)))
+        out.append(Part(f + "down", ((L("ffn_down_exps.weight"), (E, d, F), "(expert_count, d_model, expert d_ff)"),), _same))
+        shared = ("ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight", "ffn_gate_inp_shexp.weight")
+    if Fs:
+        out.append(Part(f + "shared.gate_up.weight", ((L(shared[0]), (Fs, d), "(shared expert d_ff, d_model)"),
+                                                      (L(shared[1]), (Fs, d), "(shared expert d_ff, d_model)")), _cat))
+        out.append(Part(f + "shared.down.weight", ((L(shared[2]), (d, Fs), "(d_model, shared expert d_ff)"),), _same))
+        out.append(Part(f + "shared_gate.weight", ((L(shared[3]), (1, d), "(1, d_model)"),), _same))
     return out
 
 
@@ -191,9 +223,7 @@ def check_hybrid_tensors(cfg: DecoderConfig, tensors: dict, scheme: int, source:
         for name, shape, meaning in p.sources:
             info = tensors.get(name)
             if info is None:
-                raise ModelFileError(f"{source}: tensor {name!r} is missing from the model file "
-                                     f"(a {cfg.layer_kinds[_layer_of(p.key)] if p.key.startswith('blocks.') else 'model'} "
-                                     f"{'layer' if p.key.startswith('blocks.') else 'tensor'} of {cfg.arch} needs it)")
+                raise ModelFileError(f"{source}: tensor {name!r} is missing from the model file ({_needed_by(p.key, cfg)})")
             if tuple(info.shape) != shape:
                 raise ModelFileError(f"{source}: tensor {name!r} has shape {tuple(info.shape)}, expected {shape} = {meaning} "
                                      f"for {values}")
@@ -201,8 +231,12 @@ def check_hybrid_tensors(cfg: DecoderConfig, tensors: dict, scheme: int, source:
                 raise ModelFileError(f"{source}: tensor {name!r} has type {info.dtype}, not a floating-point or block-quantized weight")
 
 
-def _layer_of(key: str) -> int:
-    return int(key.split(".")[1])
+def _needed_by(key: str, cfg: DecoderConfig) -> str:
+    """'layer 1 (recurrent) of qwen3_5 needs it' for a block's parameter, 'every gemma3 model needs it' otherwise."""
+    if not key.startswith("blocks."):
+        return f"every {cfg.arch} model needs it"
+    layer = int(key.split(".")[1])
+    return f"layer {layer} ({cfg.layer_kinds[layer]}) of {cfg.arch} needs it"
 
 
 def hybrid_state_dict(get: Callable[[str], torch.Tensor | None], cfg: DecoderConfig, scheme: int,

@@ -18,6 +18,7 @@ from ..cache.attention import grouped_attention
 from ..cache.base import tensors_nbytes
 from ..errors import ConfigError
 from .config import LLAMA_FAMILY, DecoderConfig
+from .rope import kind_frequencies
 
 #: rows a sliding layer keeps beyond its window: room for one prompt chunk (generate.PREFILL_CHUNK) before rows move
 WINDOW_BLOCK = 256
@@ -146,17 +147,27 @@ class LayeredCache(KVCache):
         self.parts: list[tuple[KVCache, tuple[int, ...]]] = []          # (cache, the model layers it holds)
         self.where: dict[int, tuple[KVCache, int]] = {}                  # model layer -> (its cache, index in it)
         key = name.strip().lower()
+        whole_head = config.rope_dim == config.head_dim     # +prerope caches undo RoPE over whole heads only
+        frequencies = kind_frequencies(config)
         for kind in ("full", "sliding"):
             layers = config.layers_of(kind)
             if not layers:
                 continue
             window = config.sliding_window if kind == "sliding" else None
             geometry = CacheGeometry(n_layers=len(layers), n_kv_heads=config.n_kv_heads, head_dim=config.head_dim,
-                                     batch=batch, capacity=capacity, n_heads=config.n_heads, window=window)
+                                     batch=batch, capacity=capacity, n_heads=config.n_heads, window=window,
+                                     rope_inv_freq=tuple(frequencies[kind].tolist()) if whole_head else None)
             if kind == "sliding" and key == "dense":
                 cache = SlidingWindowCache(geometry, dtype, device, block=window_block)
             else:
-                cache = make_cache(name, geometry, dtype, device)
+                try:
+                    cache = make_cache(name, geometry, dtype, device)
+                except ConfigError as exc:
+                    if "+prerope" not in str(exc) or whole_head:
+                        raise
+                    raise ConfigError(f"cache {name!r} codes keys before RoPE (+prerope), which needs RoPE over the whole "
+                                      f"head; {config.arch} rotates {config.rope_dim} of {config.head_dim} dims: choose "
+                                      "a cache without +prerope (tq-k4v4, int8, ...)") from None
             if not cache.persistent:
                 raise ConfigError(f"cache {name!r} keeps nothing between forward passes; {config.arch} needs one that does")
             self.parts.append((cache, layers))

@@ -23,7 +23,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import quant_shape_to_byte_shape
 
 from ..errors import ConfigError, ModelFileError
-from ..spec import EngineFacts, LinearAttentionFacts, ModelSpec, TensorInfo
+from ..spec import EngineFacts, LinearAttentionFacts, ModelSpec, MoEFacts, TensorInfo
 from .layers import (LayerFacts, as_float, as_int, build_layers, check_number_keys, interval_kinds, layer_count, pattern_kinds, per_layer,
                      per_layer_flags, short, ssm_state_elements)
 
@@ -405,7 +405,7 @@ _INT_KEYS = {
     "rope.dimension_count": False, "expert_count": False, "expert_used_count": False,
     "full_attention_interval": False, "ssm.state_size": False, "ssm.conv_kernel": False, "ssm.inner_size": False,
     "ssm.group_count": False, "wkv.head_size": False, "shortconv.l_cache": False, "token_shift_count": False,
-    "ssm.time_step_rank": False,
+    "ssm.time_step_rank": False, "expert_feed_forward_length": False, "expert_shared_feed_forward_length": False,
 }
 _FLOAT_KEYS = ("rope.freq_base", "attention.layer_norm_rms_epsilon", "rope.scaling.factor", "rope.freq_base_swa",
                "final_logit_softcapping")
@@ -487,6 +487,13 @@ def _engine_facts(gguf_file: GGUFFile, arch: str, vocab: int, n_ff: list[int]) -
             family["linear_attention"] = LinearAttentionFacts(
                 k_heads=k_heads, v_heads=v_heads, k_dim=as_int(key("ssm.state_size"), f"{source}: {arch}.ssm.state_size", 1),
                 v_dim=inner // v_heads, conv_kernel=as_int(key("ssm.conv_kernel", 4), f"{source}: {arch}.ssm.conv_kernel", 1))
+        if key("expert_count"):
+            what = lambda name: f"{source}: {arch}.{name}"  # noqa: E731
+            family["moe"] = MoEFacts(
+                n_experts=as_int(key("expert_count"), what("expert_count"), 1),
+                top_k=as_int(key("expert_used_count", 1), what("expert_used_count"), 1),
+                d_ff_expert=as_int(key("expert_feed_forward_length"), what("expert_feed_forward_length"), 1),
+                d_ff_shared=as_int(key("expert_shared_feed_forward_length", 0), what("expert_shared_feed_forward_length")))
     return EngineFacts(
         format="gguf",
         d_ff=n_ff[0] if len(set(n_ff)) == 1 else tuple(n_ff),

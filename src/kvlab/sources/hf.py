@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, KvlabError, ModelFileError, OfflineError
-from ..spec import EngineFacts, LinearAttentionFacts, ModelSpec, RopeScaling, TensorInfo
+from ..spec import EngineFacts, LinearAttentionFacts, ModelSpec, MoEFacts, RopeScaling, TensorInfo
 from .layers import (LayerFacts, as_float, as_int, build_layers, check_number_keys, interval_kinds, layer_count, pattern_kinds, per_layer,
                      short, ssm_state_elements)
 from .params import count_params
@@ -60,7 +60,8 @@ _INT_KEYS = {
     "qk_nope_head_dim": False, "v_head_dim": False, "full_attention_interval": False, "attention_chunk_size": False,
     "num_experts": False, "num_local_experts": False, "n_routed_experts": False, "num_experts_per_tok": False,
     "linear_num_key_heads": False, "linear_num_value_heads": False, "linear_key_head_dim": False,
-    "linear_value_head_dim": False, "linear_conv_kernel_dim": False,
+    "linear_value_head_dim": False, "linear_conv_kernel_dim": False, "moe_intermediate_size": False,
+    "shared_expert_intermediate_size": False, "decoder_sparse_step": False,
 }
 _FLOAT_KEYS = ("rope_theta", "rms_norm_eps", "partial_rotary_factor", "rope_local_base_freq", "query_pre_attn_scalar")
 #: model types of the Gemma 3 text decoder and of the hybrid Gated DeltaNet decoders (Qwen3.5, Qwen3-Next)
@@ -160,6 +161,20 @@ def _family_facts(cfg: dict[str, Any], arch: str, local_rope: dict[str, Any], so
                 k_dim=as_int(cfg.get("linear_key_head_dim", 128), what("linear_key_head_dim"), 1),
                 v_dim=as_int(cfg.get("linear_value_head_dim", 128), what("linear_value_head_dim"), 1),
                 conv_kernel=as_int(cfg.get("linear_conv_kernel_dim", 4), what("linear_conv_kernel_dim"), 1),
+            )
+        if cfg.get("num_experts"):
+            what = lambda key: f"{source}: {key}"  # noqa: E731
+            dense = cfg.get("mlp_only_layers") or []
+            if not isinstance(dense, list):
+                raise ConfigError(f"{source}: mlp_only_layers must be a list of layer indices, got {short(dense)}")
+            facts["moe"] = MoEFacts(
+                n_experts=as_int(cfg["num_experts"], what("num_experts"), 1),
+                top_k=as_int(cfg.get("num_experts_per_tok", 1), what("num_experts_per_tok"), 1),
+                d_ff_expert=as_int(cfg.get("moe_intermediate_size"), what("moe_intermediate_size"), 1),
+                d_ff_shared=as_int(cfg.get("shared_expert_intermediate_size", 0), what("shared_expert_intermediate_size")),
+                norm_topk=bool(cfg.get("norm_topk_prob", True)),
+                every=as_int(cfg.get("decoder_sparse_step", 1), what("decoder_sparse_step"), 1),
+                dense_layers=tuple(as_int(i, what("mlp_only_layers")) for i in dense),
             )
     return facts
 
