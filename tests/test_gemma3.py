@@ -123,3 +123,15 @@ def test_prerope_cache_gets_each_kinds_frequencies(pair):
     with torch.no_grad():
         ours = loaded.model(ids, cache)
     assert (ours - reference_logits(reference, ids)).abs().max().item() < 0.1
+
+
+def test_f16_storage_keeps_the_window_too(pair):
+    loaded, reference = pair
+    ids = prompt(40, seed=10)
+    cache = model_cache(loaded.config, "dense-f16", capacity=40, window_block=4)
+    sliding = next(inner for inner, layers in cache.parts if layers == (0, 2))
+    assert isinstance(sliding, SlidingWindowCache) and sliding.k.dtype == torch.float16
+    with torch.no_grad():
+        steps = torch.cat([loaded.model(ids[:, a:a + 5], cache) for a in range(0, 40, 5)], dim=1)
+    assert (steps - reference_logits(reference, ids)).abs().max().item() < 2e-2     # K/V rounded to f16
+    assert sliding.nbytes == 2 * 2 * (WINDOW - 1 + 4) * 2 * loaded.config.head_dim * 2

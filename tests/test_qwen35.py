@@ -222,3 +222,28 @@ def test_info_shows_the_layer_pattern_and_the_recurrent_state():
     assert record["recurrent_state_bytes"] == 24 * (3 * (2 * 16 * 128 + 32 * 128) + 32 * 128 * 128) * 4
     record, _ = model_info("gemma-3-1b")
     assert record["layer_pattern"] == "4 × (5 sliding (window 512) + 1 full) + 2 sliding (window 512)"
+
+
+def test_multimodal_checkpoint_layout_loads_the_text_decoder(pair, smollm2, tmp_path):
+    """Qwen3.5's released checkpoints are Qwen3_5ForConditionalGeneration: the text config nested under text_config,
+    the decoder's tensors under model.language_model. (the vision tower's are ignored)."""
+    from safetensors.torch import load_file, save_file
+
+    loaded, reference, arch = pair
+    if arch != "qwen3_5":
+        pytest.skip("Qwen3-Next ships as a text-only model")
+    folder = save_folder(reference, tmp_path / "flat", smollm2.tokenizer)
+    text = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": text,
+                                                    "vision_config": {"depth": 1}, "tie_word_embeddings": False}))
+    tensors = load_file(str(folder / "model.safetensors"))
+    renamed = {name.replace("model.", "model.language_model.", 1): t for name, t in tensors.items()}
+    renamed["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 4)
+    (folder / "model.safetensors").unlink()
+    save_file(renamed, str(folder / "model.safetensors"))
+    nested = load_model(folder)
+    assert nested.config.layer_kinds == loaded.config.layer_kinds
+    ids = prompt(30, seed=12)
+    with torch.no_grad():
+        ours = nested.model(ids, model_cache(nested.config, "dense", capacity=30))
+    assert (ours - reference_logits(reference, ids)).abs().max().item() < 1e-4

@@ -1,8 +1,9 @@
 """The cache of a decoder whose layers differ in kind: each kind keeps what it needs, behind the one KVCache protocol.
 
     full       K/V of every token, in the chosen kvlab cache (dense, int8, tq4, ...)
-    sliding    K/V of the last `window` tokens; the dense cache keeps at most window - 1 + one block of rows
-               (SlidingWindowCache); a compressed one keeps every token and masks the rest when reading
+    sliding    K/V of the last `window` tokens; the dense caches (dense, dense-f16, dense-bf16) keep at most
+               window - 1 + one block of rows (SlidingWindowCache); a compressed one keeps every token and masks
+               the rest when reading
     recurrent  a fixed state per sequence (RecurrentState): the conv's last kernel-1 inputs and the delta-rule state
 
 A compressed cache therefore codes exactly the attention layers: for Qwen3.5 the 1 layer in 4 that holds KV.
@@ -14,9 +15,10 @@ from __future__ import annotations
 import torch
 
 from ..cache import CacheGeometry, KVCache, make_cache
-from ..cache.attention import grouped_attention
+from ..cache.attention import chunked_attention, grouped_attention
 from ..cache.base import tensors_nbytes
-from ..errors import ConfigError
+from ..cache.dense import STORAGE as DENSE_STORAGE
+from ..errors import ConfigError, NonFiniteError
 from .config import LLAMA_FAMILY, DecoderConfig
 from .rope import kind_frequencies
 
@@ -73,20 +75,27 @@ class SlidingWindowCache(KVCache):
     the chunk, and only its last window - 1 tokens are kept.
     """
 
-    def __init__(self, geometry: CacheGeometry, dtype: torch.dtype = torch.float32, device="cpu", block: int = WINDOW_BLOCK):
+    def __init__(self, geometry: CacheGeometry, dtype: torch.dtype = torch.float32, device="cpu", block: int = WINDOW_BLOCK,
+                 storage: torch.dtype | None = None):
         super().__init__(geometry, dtype, device)
         g = geometry
         if not g.window:
             raise ConfigError("a sliding-window cache needs a window")
+        self.storage = storage or dtype                                  # dense-f16 / dense-bf16: narrower rows
         self.keep = g.window - 1                                         # rows a future token can still see
         self.rows = min(g.capacity, self.keep + block)
-        self.k = torch.zeros(g.n_layers, g.batch, g.n_kv_heads, self.rows, g.head_dim, dtype=dtype, device=self.device)
-        self.v = torch.zeros(g.n_layers, g.batch, g.n_kv_heads, self.rows, g.head_dim_v, dtype=dtype, device=self.device)
+        shape = (g.n_layers, g.batch, g.n_kv_heads, self.rows)
+        self.k = torch.zeros(*shape, g.head_dim, dtype=self.storage, device=self.device)
+        self.v = torch.zeros(*shape, g.head_dim_v, dtype=self.storage, device=self.device)
         self._held = [0] * g.n_layers                                    # rows in use per layer
         self._wide: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}    # layer -> K/V of a chunk longer than the rows
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         n_new = self._check_append(layer, k, v)
+        if self.storage != k.dtype:                                      # rounded as stored (see cache/dense.py)
+            k, v = k.to(self.storage), v.to(self.storage)
+            if not (torch.isfinite(k).all() and torch.isfinite(v).all()):
+                raise NonFiniteError(f"NaN or Inf in the keys/values appended to layer {layer}")
         self._wide.pop(layer, None)
         held = self._held[layer]
         keep = min(held, self.keep)
@@ -115,6 +124,8 @@ class SlidingWindowCache(KVCache):
         else:
             held = self._held[layer]
             k, v = self.k[layer, :, :, :held], self.v[layer, :, :, :held]  # (B, Hkv, S, D): the newest tokens in order
+        if self.storage != q.dtype:
+            return chunked_attention(q, k, v, self.scale, window=self.geometry.window)
         return grouped_attention(q, k, v, self.scale, window=self.geometry.window)
 
     def reset(self) -> None:
@@ -124,6 +135,7 @@ class SlidingWindowCache(KVCache):
 
     @staticmethod
     def expected_nbytes(geometry: CacheGeometry, dtype: torch.dtype, block: int = WINDOW_BLOCK) -> int:
+        """Bytes of the rows (`dtype`: the storage dtype), outside a chunk wider than the block."""
         g = geometry
         rows = min(g.capacity, g.window - 1 + block)
         return g.n_layers * g.batch * g.n_kv_heads * rows * (g.head_dim + g.head_dim_v) * torch.empty(0, dtype=dtype).element_size()
@@ -157,8 +169,8 @@ class LayeredCache(KVCache):
             geometry = CacheGeometry(n_layers=len(layers), n_kv_heads=config.n_kv_heads, head_dim=config.head_dim,
                                      batch=batch, capacity=capacity, n_heads=config.n_heads, window=window,
                                      rope_inv_freq=tuple(frequencies[kind].tolist()) if whole_head else None)
-            if kind == "sliding" and key == "dense":
-                cache = SlidingWindowCache(geometry, dtype, device, block=window_block)
+            if kind == "sliding" and key in DENSE_STORAGE:             # dense, dense-f16, dense-bf16
+                cache = SlidingWindowCache(geometry, dtype, device, block=window_block, storage=DENSE_STORAGE[key])
             else:
                 try:
                     cache = make_cache(name, geometry, dtype, device)
