@@ -135,3 +135,17 @@ def test_f16_storage_keeps_the_window_too(pair):
         steps = torch.cat([loaded.model(ids[:, a:a + 5], cache) for a in range(0, 40, 5)], dim=1)
     assert (steps - reference_logits(reference, ids)).abs().max().item() < 2e-2     # K/V rounded to f16
     assert sliding.nbytes == 2 * 2 * (WINDOW - 1 + 4) * 2 * loaded.config.head_dim * 2
+
+
+@pytest.mark.parametrize("name", ["dense", "dense-f16", "int8", "tq4"])
+def test_cache_bytes_equal_the_formula(pair, name):
+    from kvlab.model.layer_caches import LayeredCache
+
+    loaded, _ = pair
+    cache = model_cache(loaded.config, name, capacity=96, window_block=16)
+    expected = LayeredCache.expected_nbytes(loaded.config, name, 1, 96, torch.float32, window_block=16)
+    assert cache.nbytes == expected
+    with torch.no_grad():
+        for start in range(0, 60, 10):                         # chunks within the block: no wide copy held
+            loaded.model(prompt(10, seed=start), cache)
+    assert cache.nbytes == expected

@@ -247,3 +247,16 @@ def test_multimodal_checkpoint_layout_loads_the_text_decoder(pair, smollm2, tmp_
     with torch.no_grad():
         ours = nested.model(ids, model_cache(nested.config, "dense", capacity=30))
     assert (ours - reference_logits(reference, ids)).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("name", ["dense", "dense-bf16", "int8", "tq-k4v4"])
+def test_cache_bytes_equal_the_formula(pair, name):
+    loaded, _, _ = pair
+    from kvlab.backends import formula_bytes_per_token
+
+    cache = model_cache(loaded.config, name, capacity=96)
+    assert cache.nbytes == LayeredCache.expected_nbytes(loaded.config, name, 1, 96, torch.float32)
+    assert formula_bytes_per_token(name, loaded.config, 96, torch.float32)[0] * 96 == pytest.approx(cache.nbytes)
+    with torch.no_grad():
+        loaded.model(prompt(50), cache)
+    assert cache.nbytes == LayeredCache.expected_nbytes(loaded.config, name, 1, 96, torch.float32)

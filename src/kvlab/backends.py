@@ -80,7 +80,6 @@ class KvlabEngine:
 
     def make_cache(self, name: str, capacity: int):
         from .eval.calibrate import resolve
-
         from .model.layer_caches import model_cache
 
         name = resolve(name, self.loaded)  # tq-k4v4+alloc: the recipe calibrated for this model, spelled out
@@ -95,7 +94,15 @@ class KvlabEngine:
 
 def formula_bytes_per_token(name: str, config, tokens: int, dtype: torch.dtype) -> tuple[float, float]:
     """(bytes per token, bits per cached value) of kvlab cache `name` holding `tokens` tokens in a `dtype` run,
-    by kvlab's formula for a DecoderConfig `config`."""
+    by kvlab's formula for a DecoderConfig `config` (Gemma 3 / Qwen3.5: every layer kind's cache and the recurrent
+    state, over the values of the attention layers' K/V)."""
+    kinds = getattr(config, "layer_kinds", ())
+    if "recurrent" in kinds or len(set(kinds)) > 1:
+        from .model.layer_caches import LayeredCache
+
+        per_token = LayeredCache.expected_nbytes(config, name, 1, tokens, dtype) / tokens
+        values = len(config.layers_of("full", "sliding")) * config.n_kv_heads * 2 * config.head_dim
+        return per_token, per_token * 8 / values
     geometry = CacheGeometry.for_model(config, batch=1, capacity=tokens)
     per_token = expected_nbytes(name, geometry, dtype, tokens) / tokens
     values = config.n_layers * config.n_kv_heads * 2 * config.head_dim

@@ -101,9 +101,10 @@ class DecoderConfig:
         if self.hidden_act not in ACTIVATIONS:
             raise ConfigError(f"feed-forward activation {self.hidden_act!r} cannot be run (the engine runs {', '.join(ACTIVATIONS)})")
         if self.arch in LLAMA_FAMILY and (self.rope_dim != self.head_dim or "recurrent" in self.layer_kinds
-                                          or self.attn_output_gate or self.sandwich_norms or self.hidden_act != "silu"):
-            raise ConfigError(f"architecture {self.arch!r} has none of partial RoPE, recurrent layers, output gates, "
-                              "sandwich norms or a GELU feed-forward")
+                                          or self.attn_output_gate or self.sandwich_norms or self.hidden_act != "silu"
+                                          or self.moe is not None or len(set(self.layer_kinds)) > 1):
+            raise ConfigError(f"architecture {self.arch!r} has none of partial RoPE, recurrent or mixed layer kinds, output "
+                              "gates, sandwich norms, a GELU feed-forward or experts (model/llama.py runs it)")
 
     @property
     def group_size(self) -> int:

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import torch
 
-from ..cache import CacheGeometry, KVCache, make_cache
+from ..cache import CacheGeometry, KVCache, expected_nbytes, make_cache
 from ..cache.attention import chunked_attention, grouped_attention
 from ..cache.base import tensors_nbytes
 from ..cache.dense import STORAGE as DENSE_STORAGE
-from ..errors import ConfigError, NonFiniteError
+from ..errors import CacheCapacityError, ConfigError, NonFiniteError
 from .config import LLAMA_FAMILY, DecoderConfig
 from .rope import kind_frequencies
 
@@ -159,23 +159,14 @@ class LayeredCache(KVCache):
         self.parts: list[tuple[KVCache, tuple[int, ...]]] = []          # (cache, the model layers it holds)
         self.where: dict[int, tuple[KVCache, int]] = {}                  # model layer -> (its cache, index in it)
         key = name.strip().lower()
-        whole_head = config.rope_dim == config.head_dim     # +prerope caches undo RoPE over whole heads only
-        frequencies = kind_frequencies(config)
-        for kind in ("full", "sliding"):
-            layers = config.layers_of(kind)
-            if not layers:
-                continue
-            window = config.sliding_window if kind == "sliding" else None
-            geometry = CacheGeometry(n_layers=len(layers), n_kv_heads=config.n_kv_heads, head_dim=config.head_dim,
-                                     batch=batch, capacity=capacity, n_heads=config.n_heads, window=window,
-                                     rope_inv_freq=tuple(frequencies[kind].tolist()) if whole_head else None)
+        for kind, layers, geometry in attention_geometries(config, batch, capacity):
             if kind == "sliding" and key in DENSE_STORAGE:             # dense, dense-f16, dense-bf16
                 cache = SlidingWindowCache(geometry, dtype, device, block=window_block, storage=DENSE_STORAGE[key])
             else:
                 try:
                     cache = make_cache(name, geometry, dtype, device)
                 except ConfigError as exc:
-                    if "+prerope" not in str(exc) or whole_head:
+                    if "+prerope" not in str(exc) or geometry.rope_inv_freq is not None:
                         raise
                     raise ConfigError(f"cache {name!r} codes keys before RoPE (+prerope), which needs RoPE over the whole "
                                       f"head; {config.arch} rotates {config.rope_dim} of {config.head_dim} dims: choose "
@@ -185,6 +176,21 @@ class LayeredCache(KVCache):
             self.parts.append((cache, layers))
             self.where.update({layer: (cache, i) for i, layer in enumerate(layers)})
         self.state = RecurrentState(config, batch, dtype, device) if config.layers_of("recurrent") else None
+
+    @staticmethod
+    def expected_nbytes(config: DecoderConfig, name: str, batch: int = 1, capacity: int | None = None,
+                        dtype: torch.dtype = torch.float32, window_block: int = WINDOW_BLOCK) -> int:
+        """The bytes a LayeredCache of `name` holds, by formula (no tensors made): each attention kind's cache
+        (kvlab.cache.expected_nbytes; the dense sliding rows) + the recurrent state."""
+        capacity = capacity or config.max_seq_len
+        key = name.strip().lower()
+        total = RecurrentState.expected_nbytes(config, batch, dtype)
+        for kind, _, geometry in attention_geometries(config, batch, capacity):
+            if kind == "sliding" and key in DENSE_STORAGE:
+                total += SlidingWindowCache.expected_nbytes(geometry, DENSE_STORAGE[key] or dtype, window_block)
+            else:
+                total += expected_nbytes(name, geometry, dtype, capacity)
+        return total
 
     # -- attention layers: the protocol, passed to the cache of the layer's kind -----------------------------
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -204,8 +210,6 @@ class LayeredCache(KVCache):
     def check_room(self, layer: int, n_new: int) -> None:
         """CacheCapacityError when n_new more tokens would pass the capacity (recurrent layers hold no rows, but the
         positions of the attention layers beside them must fit)."""
-        from ..errors import CacheCapacityError
-
         if self._lengths[layer] + n_new > self.geometry.capacity:
             raise CacheCapacityError(f"context of {self._lengths[layer] + n_new} tokens exceeds the cache capacity of "
                                      f"{self.geometry.capacity} tokens")
@@ -237,6 +241,22 @@ class LayeredCache(KVCache):
     @property
     def nbytes(self) -> int:
         return self.kv_nbytes + self.state_nbytes
+
+
+def attention_geometries(config: DecoderConfig, batch: int, capacity: int) -> list[tuple[str, tuple[int, ...], CacheGeometry]]:
+    """(kind, its model layers, the geometry of their cache) for each attention kind the model has: full and sliding
+    (with the window). RoPE frequencies go with each (for +prerope caches) when RoPE covers whole heads."""
+    whole_head = config.rope_dim == config.head_dim     # +prerope caches undo RoPE over whole heads only
+    frequencies = kind_frequencies(config)
+    out = []
+    for kind in ("full", "sliding"):
+        layers = config.layers_of(kind)
+        if layers:
+            out.append((kind, layers, CacheGeometry(
+                n_layers=len(layers), n_kv_heads=config.n_kv_heads, head_dim=config.head_dim, batch=batch,
+                capacity=capacity, n_heads=config.n_heads, window=config.sliding_window if kind == "sliding" else None,
+                rope_inv_freq=tuple(frequencies[kind].tolist()) if whole_head else None)))
+    return out
 
 
 def model_cache(config: DecoderConfig, name: str, batch: int = 1, capacity: int | None = None,
