@@ -149,3 +149,20 @@ def test_cache_bytes_equal_the_formula(pair, name):
         for start in range(0, 60, 10):                         # chunks within the block: no wide copy held
             loaded.model(prompt(10, seed=start), cache)
     assert cache.nbytes == expected
+
+
+def test_hub_style_config_reads_the_same_facts():
+    """Gemma 3 configs on the Hub predate layer_types and per-kind rope_parameters: rope_theta, rope_local_base_freq,
+    rope_scaling and sliding_window_pattern say the same things."""
+    from kvlab.sources.hf import spec_from_config
+
+    spec = spec_from_config({
+        "model_type": "gemma3_text", "num_hidden_layers": 12, "hidden_size": 64, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 300, "sliding_window": 512,
+        "sliding_window_pattern": 6, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "query_pre_attn_scalar": 168,
+    })
+    assert [layer.kind for layer in spec.layers] == (["sliding"] * 5 + ["full"]) * 2
+    facts = spec.engine
+    assert (facts.rope_theta, facts.rope_theta_local, facts.rope_scaling_factor, facts.rope_scaling_type) == (1e6, 1e4, 8.0, None)
+    assert facts.query_pre_attn_scalar == 168 and facts.hidden_act == "gelu_tanh" and facts.tie_embeddings and facts.qk_norm

@@ -142,7 +142,7 @@ def _engine_facts(cfg: dict[str, Any], arch: str, vocab: int, head_dim: int, sou
 
 def _family_facts(cfg: dict[str, Any], arch: str, local_rope: dict[str, Any], source: str) -> dict[str, Any]:
     """The EngineFacts fields only Gemma 3 and the Gated DeltaNet hybrids set (transformers' defaults for absent keys)."""
-    act = str(_first(cfg, "hidden_activation", "hidden_act", default="silu"))
+    act = str(_first(cfg, "hidden_activation", "hidden_act", default="gelu_pytorch_tanh" if arch in GEMMA3_TYPES else "silu"))
     facts: dict[str, Any] = {"hidden_act": _ACTIVATIONS.get(act, act)}
     if arch in GEMMA3_TYPES:
         local_theta = _first(cfg, "rope_local_base_freq", default=local_rope.get("rope_theta", 10000.0))
