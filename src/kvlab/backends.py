@@ -24,7 +24,7 @@ from typing import Iterable
 
 import torch
 
-from .cache import CacheGeometry, CacheSpec, expected_nbytes, make_cache
+from .cache import CacheGeometry, CacheSpec, expected_nbytes
 from .errors import ConfigError, ModelFileError
 from .hf_baselines import Baseline, is_baseline_name
 
@@ -75,10 +75,11 @@ class KvlabRuntime:
 
     def make_cache(self, name: str, capacity: int):
         from .quality.calibrate import resolve
+        from .model.layer_caches import model_cache
 
-        geometry = CacheGeometry.for_model(self.loaded.config, batch=1, capacity=capacity)
         name = resolve(name, self.loaded)  # tq-k4v4+alloc: the recipe calibrated for this model, spelled out
-        return make_cache(name, geometry, self.loaded.dtype, self.loaded.device)
+        # the llama family: one cache over every layer; Gemma 3 / Qwen3.5: a cache per layer kind (model/layer_caches.py)
+        return model_cache(self.loaded.config, name, 1, capacity, self.loaded.dtype, self.loaded.device)
 
     def bytes_per_token(self, name: str, tokens: int, dtype: torch.dtype, first: int | None = None,
                         chunk: int | None = None) -> tuple[float, float]:
@@ -88,7 +89,15 @@ class KvlabRuntime:
 
 def formula_bytes_per_token(name: str, config, tokens: int, dtype: torch.dtype) -> tuple[float, float]:
     """(bytes per token, bits per cached value) of kvlab cache `name` holding `tokens` tokens in a `dtype` run,
-    by kvlab's formula for a DecoderConfig `config`."""
+    by kvlab's formula for a DecoderConfig `config` (Gemma 3 / Qwen3.5: every layer kind's cache and the recurrent
+    state, over the values of the attention layers' K/V)."""
+    kinds = getattr(config, "layer_kinds", ())
+    if "recurrent" in kinds or len(set(kinds)) > 1:
+        from .model.layer_caches import LayeredCache
+
+        per_token = LayeredCache.expected_nbytes(config, name, 1, tokens, dtype) / tokens
+        values = len(config.layers_of("full", "sliding")) * config.n_kv_heads * 2 * config.head_dim
+        return per_token, per_token * 8 / values
     geometry = CacheGeometry.for_model(config, batch=1, capacity=tokens)
     per_token = expected_nbytes(name, geometry, dtype, tokens) / tokens
     values = config.n_layers * config.n_kv_heads * 2 * config.head_dim

@@ -39,3 +39,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x1, x2 = x[..., :half], x[..., half:]
     rotated = torch.cat((-x2, x1), dim=-1)
     return x * cos + rotated * sin
+
+
+# -- per layer kind (the hybrid decoders, model/hybrid.py, and their +prerope caches) ------------------------------
+
+def inv_freq(theta: float, dim: int, linear_factor: float = 0.0) -> torch.Tensor:
+    """(dim/2,) fp32 RoPE inverse frequencies for `dim` rotated dims, divided by a linear scaling factor when given.
+    Computed on the CPU in fp64 (as rope_inv_freq)."""
+    freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim))
+    if linear_factor:
+        freq = freq / linear_factor
+    return freq.float()
+
+
+def kind_frequencies(cfg) -> dict[str, torch.Tensor]:
+    """{"full": ..., "sliding": ...}: each attention kind's (rope_dim/2,) frequencies (Gemma 3: bases and scaling differ)."""
+    return {"full": inv_freq(cfg.rope_theta, cfg.rope_dim, cfg.rope_linear_factor),
+            "sliding": inv_freq(cfg.rope_theta_local or cfg.rope_theta, cfg.rope_dim)}

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from .cache import CacheGeometry, describe_formula, expected_nbytes, make_cache
+from .cache import CacheGeometry, describe_formula, expected_nbytes
 from .errors import ConfigError
 from .generate import GenerationResult, SamplingConfig, check_fits, generate, model_context
 from .limits import check_int
@@ -122,6 +122,7 @@ def model_info(model: str | None, caches: tuple[str, ...] = INFO_CACHES) -> tupl
     """
     from .model.loader import default_model_path
     from .sources import load_spec
+    from .sources.layers import layer_pattern
 
     spec = load_spec(str(model) if model else str(default_model_path()))
     attention = [layer for layer in spec.layers if layer.kind in ("full", "sliding")]
@@ -154,6 +155,9 @@ def model_info(model: str | None, caches: tuple[str, ...] = INFO_CACHES) -> tupl
         "d_model": spec.d_model,
         "vocab_size": spec.vocab_size,
         "context_length": spec.context_length,
+        "layer_kinds": [layer.kind for layer in spec.layers],
+        "layer_pattern": layer_pattern(spec.layers),
+        "recurrent_state_bytes": sum(layer.state_elements for layer in spec.layers) * 4,  # per sequence, fp32
         "kv_bytes_per_token": rows,
         "caches": [],
     }
@@ -171,9 +175,11 @@ def model_info(model: str | None, caches: tuple[str, ...] = INFO_CACHES) -> tupl
     table = Table(title=f"{spec.name} ({spec.arch})")
     table.add_column("fact")
     table.add_column("value", justify="right")
-    for key in ("layers", "attention_layers", "heads", "kv_heads", "head_dim_k", "head_dim_v", "attention", "d_model",
-                "vocab_size", "context_length"):
+    for key in ("layers", "layer_pattern", "attention_layers", "heads", "kv_heads", "head_dim_k", "head_dim_v", "attention",
+                "d_model", "vocab_size", "context_length"):
         table.add_row(key, str(record[key]))
+    if record["recurrent_state_bytes"]:
+        table.add_row("recurrent state per sequence (fp32)", f"{record['recurrent_state_bytes']:,} B, whatever the context")
     if others:
         table.add_row("other layers (see kvlab plan)", ", ".join(f"{n} {kind}" for kind, n in others.items()))
     for row in rows:

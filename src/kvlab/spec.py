@@ -95,6 +95,37 @@ class TensorInfo:
 
 
 @dataclass(frozen=True)
+class LinearAttentionFacts:
+    """A Gated DeltaNet layer's shapes (Qwen3-Next, Qwen3.5): key/query heads, value heads, their dims, the conv width."""
+
+    k_heads: int
+    v_heads: int
+    k_dim: int
+    v_dim: int
+    conv_kernel: int = 4
+
+    @property
+    def conv_channels(self) -> int:
+        """Channels of the causal depthwise conv: q, k (k_heads × k_dim each) and v (v_heads × v_dim)."""
+        return 2 * self.k_heads * self.k_dim + self.v_heads * self.v_dim
+
+
+@dataclass(frozen=True)
+class MoEFacts:
+    """A mixture-of-experts feed-forward with one shared expert (Qwen3-Next, Qwen3.5-MoE): the router's softmax picks
+    `top_k` of `n_experts` SwiGLU experts per token (their weights renormalised when `norm_topk`); a shared expert,
+    gated by sigmoid(shared_gate·x), is added. Layers i with (i + 1) % every == 0 and i not in dense_layers use it."""
+
+    n_experts: int
+    top_k: int
+    d_ff_expert: int
+    d_ff_shared: int
+    norm_topk: bool = True
+    every: int = 1
+    dense_layers: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class EngineFacts:
     """What only the engine needs beyond the layers' cache shapes, read once by sources/.
 
@@ -115,6 +146,15 @@ class EngineFacts:
     qkv_bias: bool = False
     bos_id: int | None = None
     eos_ids: tuple[int, ...] = ()
+    # -- Gemma 3 and Qwen3.5 / Qwen3-Next (0 / None / False: the llama family's behaviour) --
+    rope_theta_local: float = 0.0                # RoPE base of sliding-window layers when it differs (Gemma 3)
+    rope_scaling_factor: float = 0.0             # linear RoPE scaling of the full-attention layers (Gemma 3: 8)
+    query_pre_attn_scalar: float = 0.0           # attention scale 1/sqrt(this) instead of 1/sqrt(head_dim) (Gemma 3)
+    final_logit_softcap: float = 0.0             # logits = cap · tanh(logits / cap) (Gemma 2/3 when set)
+    hidden_act: str = "silu"                     # feed-forward activation: silu or gelu_tanh
+    attn_output_gate: bool = False               # q_proj also gives a per-head sigmoid gate on the output (Qwen3.5)
+    linear_attention: LinearAttentionFacts | None = None   # Gated DeltaNet layer shapes (kind "recurrent")
+    moe: MoEFacts | None = None                  # the mixture-of-experts feed-forward (Qwen3-Next, Qwen3.5-MoE)
     tensors: dict[str, TensorInfo] = field(default_factory=dict, compare=False, hash=False)
 
 

@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from ..errors import ConfigError, NonFiniteError
 from .blockquant import BlockQuantLinear
+from .config import LLAMA_FAMILY
 from ..kernels import BLOCK_TYPES, block_kernel, check_buffer
 from . import fused_codes, fused_int
 from .fused_codes import KV_TYPES, CacheView, Fill, LayerKV
@@ -178,6 +179,8 @@ def fused_decode_step(model: nn.Module) -> FusedDecodeStep | None:
     here (no kernel, another dtype or device, KVLAB_NO_FUSED set)."""
     if os.environ.get("KVLAB_NO_FUSED"):
         return None
+    if getattr(getattr(model, "config", None), "arch", "llama") not in LLAMA_FAMILY:
+        return None  # Gemma 3 / Qwen3.5 / Qwen3-Next: layer kinds the C step has no code for (model/hybrid.py FUSED_OFF)
     kernel = block_kernel()
     if kernel is None or not hasattr(kernel._lib, "kvlab_decode_step"):
         return None

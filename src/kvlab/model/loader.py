@@ -18,7 +18,7 @@ from ..limits import check_device
 from ..sources.bundled import default_model_path  # the embedded SmolLM2 (re-exported)
 from ..sources.gguf import GGUFFile
 from ..spec import ModelSpec
-from .config import DecoderConfig, decoder_config, require_runnable
+from .config import HYBRID_FAMILY, DecoderConfig, decoder_config, require_runnable
 from .llama import Decoder
 from .tokenizer import Tokenizer
 from .weights import (
@@ -123,6 +123,8 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype | str = torch.
         raise ModelFileError(f"{path}: no such file or folder")
     spec, gguf_file = read_model(path)
     cfg = decoder_config(spec)
+    if cfg.arch in HYBRID_FAMILY:
+        return _load_hybrid(path, spec, gguf_file, cfg, dtype, device, weights)
     check_tensors(cfg, spec.engine.tensors, HF if gguf_file is None else GGUF, str(path))  # before any weight is read
     weights = resolve_weights(weights, path, dtype, device)
     blocks = {}
@@ -159,6 +161,43 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype | str = torch.
     del spec, gguf_file, state, blocks  # the header (its vocabulary as Python strings) and the read buffers: freed now
     release_free_memory()               # and the heap pages they and the tokenizer's build held go back to the system
     return LoadedModel(model, tokenizer, cfg, path, dtype, torch.device(device), weights)
+
+
+def _load_hybrid(path: Path, spec: ModelSpec, gguf_file: GGUFFile | None, cfg: DecoderConfig, dtype: torch.dtype,
+                 device: str, weights: str) -> LoadedModel:
+    """A Gemma 3 / Qwen3.5 / Qwen3-Next text decoder (model/hybrid.py): dense weights, the torch path."""
+    from .hybrid import HybridDecoder
+    from .hybrid_weights import check_hybrid_tensors, hf_prefix, hybrid_state_dict
+    from .weights import dequantize_gguf_tensor, safetensors_getter
+
+    if weights not in WEIGHTS:
+        raise ConfigError(f"unknown weights {weights!r}; choose auto, dense, native or native-q8")
+    if weights in NATIVE:
+        raise ConfigError(f"--weights {weights}: GGUF blocks are kept for the llama family only; {cfg.arch} runs "
+                          "--weights dense (or auto)")
+    scheme = HF if gguf_file is None else GGUF
+    table = spec.engine.tensors
+    check_hybrid_tensors(cfg, table, scheme, str(path))      # before any weight is read
+    if gguf_file is None:
+        tokenizer = Tokenizer.from_folder(path)
+        state = hybrid_state_dict(safetensors_getter(path), cfg, HF, hf_prefix(table))
+    else:
+        tokenizer = _gguf_tokenizer(gguf_file)
+        tensors = {t.name: t for t in gguf_file.tensors}
+        state = hybrid_state_dict(lambda name: dequantize_gguf_tensor(tensors[name]) if name in tensors else None, cfg, GGUF)
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise ModelFileError(f"{path}: the tokenizer has {tokenizer.vocab_size:,} tokens, the model's vocabulary {cfg.vocab_size:,}")
+    with torch.device("meta"):
+        model = HybridDecoder(cfg, init_embedding=False)
+    model = _materialize(model, device)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not m.startswith("inv_freq")]
+    if missing or unexpected:
+        raise ModelFileError(f"{path}: weights do not match the config (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    model = model.to(device=device, dtype=dtype).eval()
+    del spec, gguf_file, state
+    release_free_memory()
+    return LoadedModel(model, tokenizer, cfg, path, dtype, torch.device(device), "dense")
 
 
 @functools.lru_cache(maxsize=4)

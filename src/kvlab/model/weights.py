@@ -159,6 +159,11 @@ def gguf_state_dict(reader, cfg, skip: frozenset[str] = frozenset()) -> dict[str
 
 
 def safetensors_state_dict(folder: Path, cfg) -> dict[str, torch.Tensor]:
+    return build_state_dict(safetensors_getter(folder), HF, cfg, permute_qk=False)
+
+
+def safetensors_getter(folder: Path) -> Callable[[str], torch.Tensor | None]:
+    """name -> that tensor of the folder's safetensors files in fp32 (None where no file holds it)."""
     from safetensors import safe_open
 
     files = sorted(folder.glob("*.safetensors"))
@@ -178,7 +183,7 @@ def safetensors_state_dict(folder: Path, cfg) -> dict[str, torch.Tensor]:
         with safe_open(str(where[name]), framework="pt") as handle:
             return handle.get_tensor(name).float()
 
-    return build_state_dict(get, HF, cfg, permute_qk=False)
+    return get
 
 
 # -- the dequantized-weights cache --------------------------------------------------------------

@@ -23,7 +23,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import quant_shape_to_byte_shape
 
 from ..errors import ConfigError, ModelFileError
-from ..spec import EngineFacts, ModelSpec, TensorInfo
+from ..spec import EngineFacts, LinearAttentionFacts, ModelSpec, MoEFacts, TensorInfo
 from .native import native_weight_bytes
 from .layers import (LayerFacts, as_float, as_int, build_layers, check_number_keys, interval_kinds, layer_count, pattern_kinds, per_layer,
                      per_layer_flags, short, ssm_state_elements)
@@ -406,8 +406,14 @@ _INT_KEYS = {
     "rope.dimension_count": False, "expert_count": False, "expert_used_count": False,
     "full_attention_interval": False, "ssm.state_size": False, "ssm.conv_kernel": False, "ssm.inner_size": False,
     "ssm.group_count": False, "wkv.head_size": False, "shortconv.l_cache": False, "token_shift_count": False,
+    "ssm.time_step_rank": False, "expert_feed_forward_length": False, "expert_shared_feed_forward_length": False,
 }
-_FLOAT_KEYS = ("rope.freq_base", "attention.layer_norm_rms_epsilon", "rope.scaling.factor")
+_FLOAT_KEYS = ("rope.freq_base", "attention.layer_norm_rms_epsilon", "rope.scaling.factor", "rope.freq_base_swa",
+               "final_logit_softcapping")
+#: llama.cpp's Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5) and its Gemma 3
+DELTANET_ARCHS = ("qwen3next", "qwen35", "qwen35moe")
+#: llama.cpp's Gemma 3 27B (62 layers) scales queries by 1/sqrt(n_embd / n_head), the others by 1/sqrt(head_dim)
+_GEMMA3_27B_LAYERS = 62
 _TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "eot_token_id", "unknown_token_id", "padding_token_id")
 
 
@@ -459,6 +465,36 @@ def _engine_facts(gguf_file: GGUFFile, arch: str, vocab: int, n_ff: list[int]) -
                                  f"got {tensor.tensor_type.name} of shape {tensor.shape}")
         factors = tuple(float(f) for f in tensor.data.astype("float64"))
     scaling = key("rope.scaling.type")
+    family: dict[str, Any] = {"hidden_act": "gelu_tanh" if arch == "gemma3" else "silu"}
+    if arch == "gemma3":
+        n_layers, n_embd, n_head = int(key("block_count")), int(key("embedding_length", 0)), key("attention.head_count")
+        head_dim = int(key("attention.key_length", 0) or (n_embd // max(per_layer(n_head, n_layers, "head_count"))))
+        first_heads = per_layer(n_head, n_layers, "head_count")[0]
+        family["rope_theta_local"] = as_float(key("rope.freq_base_swa", 10000.0), f"{source}: {arch}.rope.freq_base_swa")
+        family["query_pre_attn_scalar"] = float(n_embd // first_heads if n_layers == _GEMMA3_27B_LAYERS else head_dim)
+        if scaling == "linear":
+            family["rope_scaling_factor"] = as_float(key("rope.scaling.factor", 1.0), f"{source}: {arch}.rope.scaling.factor")
+            scaling = None
+    if key("final_logit_softcapping") is not None:
+        family["final_logit_softcap"] = as_float(key("final_logit_softcapping"), f"{source}: {arch}.final_logit_softcapping")
+    if arch in DELTANET_ARCHS:
+        family["attn_output_gate"] = True
+        if key("ssm.state_size") is not None and key("ssm.inner_size") is not None:
+            k_heads = as_int(key("ssm.group_count", 0), f"{source}: {arch}.ssm.group_count", 1)
+            v_heads = as_int(key("ssm.time_step_rank", k_heads), f"{source}: {arch}.ssm.time_step_rank", 1)
+            inner = as_int(key("ssm.inner_size"), f"{source}: {arch}.ssm.inner_size", 1)
+            if inner % v_heads:
+                raise ConfigError(f"{source}: {arch}.ssm.inner_size={inner} is not a multiple of ssm.time_step_rank={v_heads}")
+            family["linear_attention"] = LinearAttentionFacts(
+                k_heads=k_heads, v_heads=v_heads, k_dim=as_int(key("ssm.state_size"), f"{source}: {arch}.ssm.state_size", 1),
+                v_dim=inner // v_heads, conv_kernel=as_int(key("ssm.conv_kernel", 4), f"{source}: {arch}.ssm.conv_kernel", 1))
+        if key("expert_count"):
+            what = lambda name: f"{source}: {arch}.{name}"  # noqa: E731
+            family["moe"] = MoEFacts(
+                n_experts=as_int(key("expert_count"), what("expert_count"), 1),
+                top_k=as_int(key("expert_used_count", 1), what("expert_used_count"), 1),
+                d_ff_expert=as_int(key("expert_feed_forward_length"), what("expert_feed_forward_length"), 1),
+                d_ff_shared=as_int(key("expert_shared_feed_forward_length", 0), what("expert_shared_feed_forward_length")))
     return EngineFacts(
         format="gguf",
         d_ff=n_ff[0] if len(set(n_ff)) == 1 else tuple(n_ff),
@@ -468,11 +504,12 @@ def _engine_facts(gguf_file: GGUFFile, arch: str, vocab: int, n_ff: list[int]) -
         rope_freq_factors=factors,
         rms_eps=as_float(key("attention.layer_norm_rms_epsilon", 1e-5), f"{source}: {arch}.attention.layer_norm_rms_epsilon"),
         tie_embeddings="output.weight" not in names,
-        qk_norm="blk.0.attn_q_norm.weight" in names,
-        qkv_bias="blk.0.attn_q.bias" in names,
+        qk_norm=any(name.endswith(".attn_q_norm.weight") for name in names),   # layer 0 may be recurrent
+        qkv_bias=any(name.endswith(".attn_q.bias") for name in names),
         bos_id=ids["bos_token_id"],
         eos_ids=tuple(sorted({i for i in (ids["eos_token_id"], ids["eot_token_id"]) if i is not None})),
         tensors={t.name: TensorInfo(t.name, tuple(reversed(t.shape)), t.tensor_type.name) for t in gguf_file.tensors},
+        **family,
     )
 
 

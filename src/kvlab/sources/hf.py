@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, KvlabError, ModelFileError, OfflineError
-from ..spec import EngineFacts, ModelSpec, RopeScaling, TensorInfo
+from ..spec import EngineFacts, LinearAttentionFacts, ModelSpec, MoEFacts, RopeScaling, TensorInfo
 from .layers import (LayerFacts, as_float, as_int, build_layers, check_number_keys, interval_kinds, layer_count, pattern_kinds, per_layer,
                      short, ssm_state_elements)
 from .params import count_params
@@ -59,8 +59,16 @@ _INT_KEYS = {
     "sliding_window_pattern": False, "num_kv_shared_layers": False, "kv_lora_rank": False, "qk_rope_head_dim": False,
     "qk_nope_head_dim": False, "v_head_dim": False, "full_attention_interval": False, "attention_chunk_size": False,
     "num_experts": False, "num_local_experts": False, "n_routed_experts": False, "num_experts_per_tok": False,
+    "linear_num_key_heads": False, "linear_num_value_heads": False, "linear_key_head_dim": False,
+    "linear_value_head_dim": False, "linear_conv_kernel_dim": False, "moe_intermediate_size": False,
+    "shared_expert_intermediate_size": False, "decoder_sparse_step": False,
 }
-_FLOAT_KEYS = ("rope_theta", "rms_norm_eps", "partial_rotary_factor")
+_FLOAT_KEYS = ("rope_theta", "rms_norm_eps", "partial_rotary_factor", "rope_local_base_freq", "query_pre_attn_scalar")
+#: model types of the Gemma 3 text decoder and of the hybrid Gated DeltaNet decoders (Qwen3.5, Qwen3-Next)
+GEMMA3_TYPES = ("gemma3", "gemma3_text")
+DELTANET_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+#: transformers' names of the feed-forward activations the engine runs -> kvlab's
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 
 def _check_types(cfg: dict[str, Any], source: str) -> None:
@@ -88,6 +96,10 @@ def _engine_facts(cfg: dict[str, Any], arch: str, vocab: int, head_dim: int, sou
                   tensors: dict[str, TensorInfo] | None) -> EngineFacts:
     """RoPE, norm, bias and head facts the engine needs, read with transformers' defaults for the model type."""
     scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    local = {}
+    if isinstance(scaling.get("full_attention"), dict):  # per layer type (transformers 5's Gemma 3 configs)
+        local = scaling.get("sliding_attention") or {}
+        scaling = scaling["full_attention"]
     rope_type = scaling.get("rope_type", scaling.get("type"))
     rope_scaling = None
     if rope_type == "llama3":
@@ -101,8 +113,14 @@ def _engine_facts(cfg: dict[str, Any], arch: str, vocab: int, head_dim: int, sou
             )
         except KeyError as exc:
             raise ConfigError(f"{what} of type llama3 lacks {exc.args[0]!r}") from None
-    theta = cfg.get("rope_theta") or scaling.get("rope_theta") or 10000.0
-    partial = cfg.get("partial_rotary_factor")
+    theta = cfg.get("rope_theta") or scaling.get("rope_theta") or (1_000_000.0 if arch in GEMMA3_TYPES else 10000.0)
+    partial = _first(cfg, "partial_rotary_factor", default=scaling.get("partial_rotary_factor"))
+    if partial is None and arch in DELTANET_TYPES:
+        partial = 0.25                                   # transformers' default for these types
+    family = _family_facts(cfg, arch, local, source)
+    if arch in GEMMA3_TYPES and rope_type == "linear":   # Gemma 3's global layers: positions / factor
+        family["rope_scaling_factor"] = as_float(scaling.get("factor"), f"{source}: rope_scaling.factor")
+        rope_type = None
     bos = _token_ids(cfg, "bos_token_id", vocab, source)
     return EngineFacts(
         format="safetensors" if tensors else "config",
@@ -110,15 +128,55 @@ def _engine_facts(cfg: dict[str, Any], arch: str, vocab: int, head_dim: int, sou
         rope_theta=as_float(theta, f"{source}: rope_theta"),
         rope_scaling=rope_scaling,
         rope_scaling_type=None if rope_type in (None, "default", "llama3") else str(rope_type),
-        rope_dim=int(head_dim * partial) if partial is not None else 0,
+        rope_dim=int(head_dim * as_float(partial, f"{source}: partial_rotary_factor")) if partial is not None else 0,
         rms_eps=as_float(cfg.get("rms_norm_eps", 1e-6), f"{source}: rms_norm_eps"),
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qk_norm=arch == "qwen3",
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", arch in GEMMA3_TYPES)),
+        qk_norm=arch == "qwen3" or arch in GEMMA3_TYPES or arch in DELTANET_TYPES,
         qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
         bos_id=bos[0] if bos else None,
         eos_ids=tuple(sorted(set(_token_ids(cfg, "eos_token_id", vocab, source)))),
         tensors=tensors or {},
+        **family,
     )
+
+
+def _family_facts(cfg: dict[str, Any], arch: str, local_rope: dict[str, Any], source: str) -> dict[str, Any]:
+    """The EngineFacts fields only Gemma 3 and the Gated DeltaNet hybrids set (transformers' defaults for absent keys)."""
+    act = str(_first(cfg, "hidden_activation", "hidden_act", default="gelu_pytorch_tanh" if arch in GEMMA3_TYPES else "silu"))
+    facts: dict[str, Any] = {"hidden_act": _ACTIVATIONS.get(act, act)}
+    if arch in GEMMA3_TYPES:
+        local_theta = _first(cfg, "rope_local_base_freq", default=local_rope.get("rope_theta", 10000.0))
+        facts["rope_theta_local"] = as_float(local_theta, f"{source}: rope_local_base_freq")
+        facts["query_pre_attn_scalar"] = as_float(cfg.get("query_pre_attn_scalar", 256), f"{source}: query_pre_attn_scalar")
+    if cfg.get("final_logit_softcapping") is not None:
+        facts["final_logit_softcap"] = as_float(cfg["final_logit_softcapping"], f"{source}: final_logit_softcapping")
+    if arch in DELTANET_TYPES:
+        facts["attn_output_gate"] = True
+        if cfg.get("linear_num_value_heads") is not None:
+            what = lambda key: f"{source}: {key}"  # noqa: E731
+            v_heads = as_int(cfg["linear_num_value_heads"], what("linear_num_value_heads"), 1)
+            facts["linear_attention"] = LinearAttentionFacts(
+                k_heads=as_int(cfg.get("linear_num_key_heads", v_heads), what("linear_num_key_heads"), 1),
+                v_heads=v_heads,
+                k_dim=as_int(cfg.get("linear_key_head_dim", 128), what("linear_key_head_dim"), 1),
+                v_dim=as_int(cfg.get("linear_value_head_dim", 128), what("linear_value_head_dim"), 1),
+                conv_kernel=as_int(cfg.get("linear_conv_kernel_dim", 4), what("linear_conv_kernel_dim"), 1),
+            )
+        if cfg.get("num_experts"):
+            what = lambda key: f"{source}: {key}"  # noqa: E731
+            dense = cfg.get("mlp_only_layers") or []
+            if not isinstance(dense, list):
+                raise ConfigError(f"{source}: mlp_only_layers must be a list of layer indices, got {short(dense)}")
+            facts["moe"] = MoEFacts(
+                n_experts=as_int(cfg["num_experts"], what("num_experts"), 1),
+                top_k=as_int(cfg.get("num_experts_per_tok", 1), what("num_experts_per_tok"), 1),
+                d_ff_expert=as_int(cfg.get("moe_intermediate_size"), what("moe_intermediate_size"), 1),
+                d_ff_shared=as_int(cfg.get("shared_expert_intermediate_size", 0), what("shared_expert_intermediate_size")),
+                norm_topk=bool(cfg.get("norm_topk_prob", True)),
+                every=as_int(cfg.get("decoder_sparse_step", 1), what("decoder_sparse_step"), 1),
+                dense_layers=tuple(as_int(i, what("mlp_only_layers")) for i in dense),
+            )
+    return facts
 
 
 def _text_config(config: dict[str, Any]) -> dict[str, Any]:

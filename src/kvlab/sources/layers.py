@@ -169,3 +169,18 @@ def kinds_summary(kinds: Sequence[str]) -> str:
     for kind in kinds:
         counts[kind] = counts.get(kind, 0) + 1
     return " + ".join(f"{n} {kind}" for kind, n in counts.items())
+
+
+def layer_pattern(layers: Sequence) -> str:
+    """The layer kinds as their shortest repeating pattern: '8 × (3 recurrent + 1 full)', '4 × (5 sliding (window 512)
+    + 1 full) + 2 sliding (window 512)', or '30 full'. `layers`: LayerSpecs."""
+    names = [f"{layer.kind} (window {layer.window:,})" if layer.kind == "sliding" else layer.kind for layer in layers]
+    n = len(names)
+    if len(set(names)) <= 1:
+        return kinds_summary(names)
+    for period in range(2, n // 2 + 1):
+        repeats, rest = divmod(n, period)
+        if names == (names[:period] * (repeats + 1))[:n]:
+            text = f"{repeats} × ({kinds_summary(names[:period])})"
+            return text + (f" + {kinds_summary(names[:rest])}" if rest else "")
+    return kinds_summary(names)
