@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from kvlab.model.loader import default_model_path  # noqa: E402
-from kvlab.plan import PlanSettings, find_gpu, get_engine, make_plan  # noqa: E402
+from kvlab.plan import PlanSettings, find_gpu, rules_for, make_plan  # noqa: E402
 from kvlab.fileio import write_json  # noqa: E402
 from kvlab.sources import catalog, load_spec, open_gguf  # noqa: E402
 
@@ -44,7 +44,7 @@ def timed(fn, runs: int = RUNS) -> list[float]:
 
 
 def plan_catalog_model(name: str) -> None:
-    make_plan(load_spec(name), get_engine("llama.cpp"), PlanSettings(context=32768, kv_type_k="q8_0", kv_type_v="q8_0"),
+    make_plan(load_spec(name), rules_for("llama.cpp"), PlanSettings(context=32768, kv_type_k="q8_0", kv_type_v="q8_0"),
               "q4_k_m", find_gpu("RTX 3060"))
 
 
@@ -102,7 +102,7 @@ def main() -> None:
             write_sparse_like(source, path, size)
             files[f"sparse {label}"] = path
         for label, path in files.items():
-            plan = lambda p=path: make_plan(load_spec(str(p)), get_engine("llama.cpp"), PlanSettings(context=8192),  # noqa: E731
+            plan = lambda p=path: make_plan(load_spec(str(p)), rules_for("llama.cpp"), PlanSettings(context=8192),  # noqa: E731
                                             None, find_gpu("RTX 3060"))
             plan()
             ours = statistics.median(timed(plan))

@@ -264,6 +264,40 @@ def passkey_tie(data, opt) -> str:
             + table(["cache"] + [code(repr(x)[1:-1]) for x in toks], rows, right=set(range(1, len(toks) + 1))))
 
 
+def eval_text(data, opt) -> str:
+    """`kvlab eval`'s text part: greedy continuations of 54 fixed prompts against dense's."""
+    dense = next((r["text"] for r in data if r["cache"] == "dense"), None)
+    rows = []
+    for r in data:
+        t = r["text"]
+        change = (lambda key: "—" if r["cache"] == "dense" or not dense[key] else f"{t[key] / dense[key] - 1:+.0%}")
+        rows.append([code(r["cache"]), pct(r["ppl_delta_pct"]), f"{t['first_difference_median']:g}",
+                     f"{t['same_text']}/{t['prompts']}", f"{t['answers_right']}/{t['questions']}",
+                     f"{t['answers_as_dense']}/{t['questions']}", f"{t['repeat_run_mean']:.2f} ({change('repeat_run_mean')})",
+                     f"{t['distinct4_mean']:.3f} ({change('distinct4_mean')})"])
+    return table(["cache", "ΔPPL (1 window)", "first token unlike dense (median)", "texts equal to dense's",
+                  "chat answers right", "answers as dense's", "longest repeat run (vs dense)", "distinct 4-grams (vs dense)"],
+                 rows, right={1, 2, 3, 4, 5})
+
+
+def grammar_mask(data, opt) -> str:
+    """bench/grammar_mask.py: the two grammar libraries' per-token mask and compile cost, and the batched effect."""
+    rows = [[code(name), f"{v['median_us']:.1f}", f"{v['p90_us']:.1f}", f"{v['compile_ms']:.1f}"]
+            for name, v in data["libraries"].items()]
+    b = data["batched_16"]
+    return (table(["library", "mask per token, median µs", "p90 µs", "schema compile ms"], rows, right={1, 2, 3})
+            + f"\n\n{b['concurrent']} concurrent requests, one held to a JSON schema: "
+              f"{b['output_tokens_per_s_median']['one_constrained']} output tok/s against "
+              f"{b['output_tokens_per_s_median']['none_constrained']} with none ({b['ratio_one_constrained']:.2f}×).")
+
+
+def render_limit(data, opt) -> str:
+    """bench/serve_render_limit.py: a looping chat template under concurrent clients."""
+    return table(["render limit s", "clients", "slowest 400 s", "/health meanwhile s", "load (1 min)"],
+                 [[f"{data['render_seconds']:g}", str(data["clients"]), f"{data['slowest_s']:.1f}",
+                   f"{data['health_during_renders_s']:.2f}", f"{data['load_average_1min']:.1f}"]], right={0, 1, 2, 3, 4})
+
+
 def threads(n: int) -> str:
     return f"{n} thread" + ("s" if n != 1 else "")
 
@@ -549,6 +583,24 @@ SECTIONS = [
               "512-token context, 64 greedy tokens, contenders interleaved, median of 3. Bytes per token: every tensor "
               "each cache holds in this fp32 run (DynamicCache and `dense` keep fp32 K/V).", bare_tq4=True),
     ]),
+    Section("Text the caches write", "Greedy 64-token continuations of 54 fixed prompts (README's examples, 20 chat "
+            "questions with a known answer, prose openings) through each cache, against dense's: the first token that "
+            "differs, chat answers, and degeneration (the longest run of one repeated n-gram, distinct 4-grams). The "
+            "perplexity column is one window, rotation seed 0.", [
+        Table("text_quality.json", eval_text,
+              "kvlab eval --caches int8,int4,tq4,tq-k4v4,tq3 --windows 1 --seeds 0 --no-passkey --threads 1 "
+              "--out bench/results/text_quality.json",
+              "`tq3` here is the bare 3-bit method: it repeats itself a third more than dense; `tq4` a fifth more; int4 "
+              "less.", dense_row=True),
+    ]),
+    Section("Serving an agent", "", [
+        Table("grammar_mask.json", grammar_mask, "python bench/grammar_mask.py",
+              "The server holds `response_format` and tool calls with llguidance: its mask costs more per token than "
+              "xgrammar's, both negligible beside a decode step, and it compiles a schema faster."),
+        Table("serve_render_limit.json", render_limit, "python bench/serve_render_limit.py",
+              "Every client on a chat template that never ends gets its one-line 400 near the 10 s render limit while "
+              "`/health` keeps answering."),
+    ]),
     Section("Prefill into each cache", "", [
         Table("prefill_caches.json", prefill_caches,
               "python bench/prefill.py --caches dense,dense-f16,int8,int4,tq-k4v4,tq-k4v4+prerope --tokens 8000",
@@ -645,7 +697,7 @@ def render_table(t: Table) -> str:
 def machine_of(data) -> str:
     """'AMD EPYC, 2 CPUs' from a result's machine record, or ''."""
     m = data.get("machine") if isinstance(data, dict) else None
-    if not m or not m.get("cpu"):
+    if not isinstance(m, dict) or not m.get("cpu"):
         return ""
     return m["cpu"].replace("(R)", "") + (f", {m['cpu_count']} CPUs" if m.get("cpu_count") else "")
 

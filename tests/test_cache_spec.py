@@ -18,7 +18,7 @@ from kvlab.cache import CacheGeometry, CacheSpec, expected_nbytes, make_cache
 from kvlab.cache import format as fmt
 from kvlab.cache.capacity import CapacityPlan
 from kvlab.errors import ConfigError
-from kvlab.plan import PlanSettings, get_engine, make_plan
+from kvlab.plan import PlanSettings, rules_for, make_plan
 from kvlab.plan.report import plan_json
 from kvlab.serve.formats import block_format
 from kvlab.sources import load_spec
@@ -235,7 +235,7 @@ def test_cache_pool_and_plan_share_the_formula(name):
 def test_planner_kv_per_token_is_what_the_cache_holds_per_token(kv_type, per_token):
     """tq4 on SmolLM2: 90 key and value vectors × (33 B of 4.125-bit codes + an 8-bit scale) = 6,120 B a token (the
     pool's 97,920 B blocks of 16), not a one-token cache's bytes with its fixed state and fp32 sink."""
-    plan = plan_json(make_plan(load_spec("smollm2-135m"), get_engine("kvlab"), PlanSettings(context=512, kv_type_k=kv_type)))
+    plan = plan_json(make_plan(load_spec("smollm2-135m"), rules_for("kvlab"), PlanSettings(context=512, kv_type_k=kv_type)))
     assert plan["kv_bytes_per_token"] == per_token
     if kv_type in ("tq4", "tq-k4v4"):
         assert block_format(kv_type, SMOLLM2, 16).block_bytes == 16 * per_token
@@ -243,7 +243,7 @@ def test_planner_kv_per_token_is_what_the_cache_holds_per_token(kv_type, per_tok
 
 def test_the_format_and_the_planners_kvlab_rules_load_no_torch():
     root = Path(__file__).resolve().parents[1]
-    code = ("import sys, kvlab.cache, kvlab.cache.format, kvlab.cache.capacity, kvlab.plan.engines.kvlab\n"
+    code = ("import sys, kvlab.cache, kvlab.cache.format, kvlab.cache.capacity, kvlab.plan.rules.kvlab\n"
             "from kvlab.cache import CacheSpec, CacheGeometry\n"
             "CacheSpec.parse('tq4').bytes(CacheGeometry(30, 3, 64), 512)\n"
             "assert 'torch' not in sys.modules, 'torch loaded'\n")

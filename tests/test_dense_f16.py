@@ -11,7 +11,7 @@ import torch
 from kvlab.cache import CacheGeometry, ConcatCache, expected_nbytes, make_cache
 from kvlab.cache.attention import chunked_attention, grouped_attention
 from kvlab.errors import NonFiniteError
-from kvlab.plan import PlanSettings, get_engine, make_plan
+from kvlab.plan import PlanSettings, rules_for, make_plan
 from kvlab.plan.report import plan_json
 from kvlab.sources import load_spec
 
@@ -78,7 +78,7 @@ def test_nbytes_is_exact_and_the_planners(name):
     assert cache.nbytes == 2 * 30 * 2 * 3 * 257 * 64 * 2 == cache.k.nbytes + cache.v.nbytes
     assert cache.nbytes == expected_nbytes(name, geometry, torch.float32, 257)
     assert cache.nbytes * 2 == make_cache("dense", geometry).nbytes
-    plan = plan_json(make_plan(load_spec("smollm2-135m"), get_engine("kvlab"), PlanSettings(context=257, parallel=2, kv_type_k=name)))
+    plan = plan_json(make_plan(load_spec("smollm2-135m"), rules_for("kvlab"), PlanSettings(context=257, parallel=2, kv_type_k=name)))
     assert plan["kv_bytes"] == cache.nbytes
 
 

@@ -154,7 +154,7 @@ def test_cache_bytes_equal_the_formula(pair, name):
 def test_hub_style_config_reads_the_same_facts():
     """Gemma 3 configs on the Hub predate layer_types and per-kind rope_parameters: rope_theta, rope_local_base_freq,
     rope_scaling and sliding_window_pattern say the same things."""
-    from kvlab.sources.hf import spec_from_config
+    from kvlab.sources.hf_folder import spec_from_config
 
     spec = spec_from_config({
         "model_type": "gemma3_text", "num_hidden_layers": 12, "hidden_size": 64, "intermediate_size": 128,

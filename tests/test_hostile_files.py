@@ -20,7 +20,7 @@ from kvlab import kernels
 from kvlab.cache import CacheGeometry, make_cache
 from kvlab.errors import ConfigError, KvlabError, ModelFileError
 from kvlab.model.loader import load_model
-from kvlab.plan import PlanSettings, get_engine, make_plan
+from kvlab.plan import PlanSettings, rules_for, make_plan
 from kvlab.plan.report import plan_json
 from kvlab.sources import load_spec
 from kvlab.sources.gguf import gguf_metadata, open_gguf
@@ -311,7 +311,7 @@ def test_tokenizer_larger_than_the_vocabulary(tmp_path, smollm2):
 
 
 def test_safetensors_header_entries_are_checked(tmp_path):
-    from kvlab.sources.hf import read_safetensors_header
+    from kvlab.sources.hf_folder import read_safetensors_header
 
     def write(header: dict, data: bytes = b"\0" * 16):
         raw = json.dumps(header).encode()
@@ -466,7 +466,7 @@ def test_plan_never_compiles(fresh_kernel_state, monkeypatch, smollm2):
         raise AssertionError("kvlab plan compiled the kernels")
 
     monkeypatch.setattr(kernels, "compile_library", no_build)
-    plan = plan_json(make_plan(load_spec(str(smollm2.path)), get_engine("kvlab"), PlanSettings(context=64)))
+    plan = plan_json(make_plan(load_spec(str(smollm2.path)), rules_for("kvlab"), PlanSettings(context=64)))
     expected_native = kernels.compiler_available()
     assert (plan["weights_bytes"] == smollm2.weight_bytes) == (expected_native and smollm2.weights == "native")
 
@@ -490,5 +490,5 @@ def test_plan_bytes_equal_the_running_cache(tmp_path, tiny_path, smollm2, cache_
     context = 40
     for path in (smollm2.path, tiny_path, folder):
         settings = PlanSettings(context=context, kv_type_k=cache_name)
-        planned = plan_json(make_plan(load_spec(str(path)), get_engine("kvlab"), settings))["kv_bytes"]
+        planned = plan_json(make_plan(load_spec(str(path)), rules_for("kvlab"), settings))["kv_bytes"]
         assert planned == _running_nbytes(path, cache_name, context), path

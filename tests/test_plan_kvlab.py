@@ -7,7 +7,7 @@ import torch
 
 from kvlab.cache import CacheGeometry, cache_names, make_cache
 from kvlab.errors import ConfigError
-from kvlab.plan import PlanSettings, get_engine, make_plan
+from kvlab.plan import PlanSettings, rules_for, make_plan
 from kvlab.plan.report import plan_json
 from kvlab.sources import load_spec
 
@@ -40,7 +40,7 @@ CASES = ([(name, ctx, batch, dtype) for name in PLAIN for ctx, batch in ((1, 1),
 def test_kvlab_engine_equals_cache_nbytes(name, context, batch, dtype):
     spec = load_spec("smollm2-135m")
     settings = PlanSettings(context=context, parallel=batch, kv_type_k=f"{name}@{dtype}")
-    plan = plan_json(make_plan(spec, get_engine("kvlab"), settings))
+    plan = plan_json(make_plan(spec, rules_for("kvlab"), settings))
     torch_dtype = {"f32": torch.float32, "f16": torch.float16}[dtype]
     assert plan["kv_bytes"] == real_nbytes(name, torch_dtype, context, batch)
     assert plan["recurrent_bytes"] == 0
@@ -48,19 +48,19 @@ def test_kvlab_engine_equals_cache_nbytes(name, context, batch, dtype):
 
 def test_bare_dtype_means_dense():
     spec = load_spec("smollm2-135m")
-    plan = plan_json(make_plan(spec, get_engine("kvlab"), PlanSettings(context=128, kv_type_k="f16")))
+    plan = plan_json(make_plan(spec, rules_for("kvlab"), PlanSettings(context=128, kv_type_k="f16")))
     assert plan["kv_bytes"] == 30 * 2 * 3 * 64 * 2 * 128
 
 
 def test_unknown_cache_name_is_one_line_config_error():
     with pytest.raises(ConfigError) as err:
-        make_plan(load_spec("smollm2-135m"), get_engine("kvlab"), PlanSettings(context=8, kv_type_k="nope"))
+        make_plan(load_spec("smollm2-135m"), rules_for("kvlab"), PlanSettings(context=8, kv_type_k="nope"))
     assert "\n" not in str(err.value)
 
 
 def test_kvlab_refuses_layers_it_cannot_cache():
     with pytest.raises(ConfigError, match="recurrent"):
-        make_plan(load_spec("qwen3.5-9b"), get_engine("kvlab"), PlanSettings(context=8))
+        make_plan(load_spec("qwen3.5-9b"), rules_for("kvlab"), PlanSettings(context=8))
 
 
 def test_kvlab_engine_weights_are_what_the_engine_holds(smollm2):

@@ -9,7 +9,7 @@ import shlex
 import pytest
 from rich.console import Console
 
-from kvlab.plan import PlanSettings, get_engine, make_plan
+from kvlab.plan import PlanSettings, rules_for, make_plan
 from kvlab.plan.command import build_plan, plan_command
 from kvlab.plan.launch import launch_line
 
@@ -62,7 +62,7 @@ def test_llama_server_line_replans_the_same_bytes(model, kwargs):
     line = launch_line(plan)
     for flag in ("-c", "-np", "-ctk", "-ctv", "-fa", "-ngl"):
         assert f" {flag} " in line
-    again = make_plan(plan.spec, get_engine("llama.cpp"), llama_settings(line), plan.weights_quant, solve=False)
+    again = make_plan(plan.spec, rules_for("llama.cpp"), llama_settings(line), plan.weights_quant, solve=False)
     assert again.layout == plan.layout
     assert [c.bytes for c in again.components] == [c.bytes for c in plan.components]
 

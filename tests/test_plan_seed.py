@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from kvlab.plan import PlanSettings, get_engine, make_plan
+from kvlab.plan import PlanSettings, rules_for, make_plan
 from kvlab.plan.report import plan_json
 from kvlab.sources import load_spec
 from kvlab.sources.gguf import write_gguf
@@ -15,7 +15,7 @@ MiB, GiB = 1 << 20, 1 << 30
 
 
 def kv(spec, context, kv_type="bf16", engine="llama.cpp"):
-    plan = make_plan(spec, get_engine(engine), PlanSettings(context=context, kv_type_k=kv_type, kv_type_v=kv_type))
+    plan = make_plan(spec, rules_for(engine), PlanSettings(context=context, kv_type_k=kv_type, kv_type_v=kv_type))
     return plan_json(plan)
 
 
@@ -67,7 +67,7 @@ def test_seed_budget_on_rtx_3060():
     from kvlab.plan import find_gpu
 
     spec = load_spec("qwen3.5-9b")
-    plan = make_plan(spec, get_engine("llama.cpp"), PlanSettings(context=32_768, kv_type_k="q8_0", kv_type_v="q8_0"),
+    plan = make_plan(spec, rules_for("llama.cpp"), PlanSettings(context=32_768, kv_type_k="q8_0", kv_type_v="q8_0"),
                      "q4_k_m", find_gpu("RTX 3060 12GB"))
     assert plan.fits
     assert plan.max_context >= 32_768

@@ -12,14 +12,14 @@ from rich.console import Console
 from kvlab.plan.command import build_plan, plan_command
 from kvlab.plan.quants import FTYPES, UD_BASES, scheme_bytes
 from kvlab.sources import catalog, default_model_path, load_spec, open_gguf
-from kvlab.sources.hf import _text_config
+from kvlab.sources.hf_folder import text_config
 from kvlab.sources.params import count_params, weight_tensors
 
 
 def tensors_of(name):
     entry = catalog()[name]
     spec = entry.spec()
-    return spec, weight_tensors(_text_config(entry.config), list(spec.layers))
+    return spec, weight_tensors(text_config(entry.config), list(spec.layers))
 
 
 def run(*args, **kwargs) -> tuple[int, str]:
@@ -32,7 +32,7 @@ def run(*args, **kwargs) -> tuple[int, str]:
 @pytest.mark.parametrize("name", sorted(catalog()))
 def test_the_tensor_list_holds_every_parameter(name):
     spec, tensors = tensors_of(name)
-    assert sum(t.numel for t in tensors) == count_params(_text_config(catalog()[name].config), list(spec.layers))
+    assert sum(t.numel for t in tensors) == count_params(text_config(catalog()[name].config), list(spec.layers))
     assert len({t.name for t in tensors}) == len(tensors)
 
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from kvlab.plan import PlanSettings, get_engine, make_plan
+from kvlab.plan import PlanSettings, rules_for, make_plan
 from kvlab.plan.report import plan_json
 from kvlab.sources import load_spec
 
 
 def plan(name, **kw):
-    return plan_json(make_plan(load_spec(name), get_engine("vllm"), PlanSettings(**kw)))
+    return plan_json(make_plan(load_spec(name), rules_for("vllm"), PlanSettings(**kw)))
 
 
 def test_full_attention_blocks_and_auto_dtype():

@@ -10,7 +10,7 @@ from rich.console import Console
 
 from kvlab.model.loader import default_model_path
 from kvlab.plan.command import build_plan, plan_command
-from kvlab.plan.engines.kvlab import engine_admission
+from kvlab.plan.rules.kvlab import engine_admission
 from kvlab.serve import Engine, SamplingParams
 
 

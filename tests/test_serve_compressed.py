@@ -21,7 +21,7 @@ from kvlab.errors import ConfigError
 from kvlab.generate import generate
 from kvlab.model.loader import default_model_path
 from kvlab.plan.command import build_plan
-from kvlab.plan.engines.kvlab import engine_admission
+from kvlab.plan.rules.kvlab import engine_admission
 from kvlab.kernels import block_kernel
 from kvlab.kernels.paged import paged_codes_attention
 from kvlab.serve import Engine, SamplingParams, coded

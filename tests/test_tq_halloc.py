@@ -292,13 +292,13 @@ SMOLLM2_HEADS = "k" + "35" * 45 + "v" + "4" * 90                        # 30 lay
     *[(n, n) for n in ("tq3+prerope+sink1+halloc=k" + "24" * 45 + "v" + "3" * 90, "tq-k4v4+alloc=k" + "35" * 15 + "v" + "4" * 30)],
 ])
 def test_the_planner_predicts_the_bytes_of_spelled_and_bare_recipes(name, spelled):
-    from kvlab.plan import PlanSettings, get_engine, make_plan
+    from kvlab.plan import PlanSettings, rules_for, make_plan
     from kvlab.plan.report import plan_json
     from kvlab.sources import load_spec
 
     from .test_plan_kvlab import SMOLLM2
 
-    plan = plan_json(make_plan(load_spec("smollm2-135m"), get_engine("kvlab"), PlanSettings(context=33, kv_type_k=f"{name}@f32")))
+    plan = plan_json(make_plan(load_spec("smollm2-135m"), rules_for("kvlab"), PlanSettings(context=33, kv_type_k=f"{name}@f32")))
     geometry = CacheGeometry(batch=1, capacity=33, rope_inv_freq=tuple(10000.0 ** (-i / 32) for i in range(32)), **SMOLLM2)
     cache = make_cache(spelled, geometry)
     assert plan["kv_bytes"] == cache.nbytes == expected_nbytes(name, geometry, torch.float32, 33)

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import torch
 
-from ..cache import CacheGeometry, KVCache, expected_nbytes, make_cache
+from ..cache import CacheGeometry, CacheSpec, KVCache, expected_nbytes, make_cache
 from ..cache.attention import chunked_attention, grouped_attention
 from ..cache.base import tensors_nbytes
-from ..cache.dense import STORAGE as DENSE_STORAGE
 from ..errors import CacheCapacityError, ConfigError, NonFiniteError
-from .config import LLAMA_FAMILY, DecoderConfig
 from ..rope import kind_frequencies
+from .config import LLAMA_FAMILY, DecoderConfig
 
 #: rows a sliding layer keeps beyond its window: room for one prompt chunk (generate.PREFILL_CHUNK) before rows move
 WINDOW_BLOCK = 256
@@ -158,10 +157,10 @@ class LayeredCache(KVCache):
         self.name = name
         self.parts: list[tuple[KVCache, tuple[int, ...]]] = []          # (cache, the model layers it holds)
         self.where: dict[int, tuple[KVCache, int]] = {}                  # model layer -> (its cache, index in it)
-        key = name.strip().lower()
+        dense, storage = _dense_storage(name)
         for kind, layers, geometry in attention_geometries(config, batch, capacity):
-            if kind == "sliding" and key in DENSE_STORAGE:             # dense, dense-f16, dense-bf16
-                cache = SlidingWindowCache(geometry, dtype, device, block=window_block, storage=DENSE_STORAGE[key])
+            if kind == "sliding" and dense:                             # dense, dense-f16, dense-bf16
+                cache = SlidingWindowCache(geometry, dtype, device, block=window_block, storage=storage)
             else:
                 try:
                     cache = make_cache(name, geometry, dtype, device)
@@ -183,11 +182,11 @@ class LayeredCache(KVCache):
         """The bytes a LayeredCache of `name` holds, by formula (no tensors made): each attention kind's cache
         (kvlab.cache.expected_nbytes; the dense sliding rows) + the recurrent state."""
         capacity = capacity or config.max_seq_len
-        key = name.strip().lower()
+        dense, storage = _dense_storage(name)
         total = RecurrentState.expected_nbytes(config, batch, dtype)
         for kind, _, geometry in attention_geometries(config, batch, capacity):
-            if kind == "sliding" and key in DENSE_STORAGE:
-                total += SlidingWindowCache.expected_nbytes(geometry, DENSE_STORAGE[key] or dtype, window_block)
+            if kind == "sliding" and dense:
+                total += SlidingWindowCache.expected_nbytes(geometry, storage or dtype, window_block)
             else:
                 total += expected_nbytes(name, geometry, dtype, capacity)
         return total
@@ -266,3 +265,9 @@ def model_cache(config: DecoderConfig, name: str, batch: int = 1, capacity: int 
     if config.arch in LLAMA_FAMILY:
         return make_cache(name, CacheGeometry.for_model(config, batch=batch, capacity=capacity), dtype, device)
     return LayeredCache(config, name, batch, capacity, dtype, device, window_block)
+
+
+def _dense_storage(name: str) -> tuple[bool, torch.dtype | None]:
+    """(whether `name` is a dense format, its storage dtype: None for the run's own)."""
+    spec = CacheSpec.parse(name)
+    return spec.base == "dense", (getattr(torch, spec.storage) if spec.base == "dense" and spec.storage else None)

@@ -80,7 +80,7 @@ def read_model(path: Path) -> tuple[ModelSpec, GGUFFile | None]:
     """The one read of a model file (kvlab.sources): its ModelSpec with the engine's facts, and the open GGUF
     (tensor data stays on disk) for a GGUF file. An architecture the engine cannot run is refused first."""
     from ..sources.gguf import open_gguf, spec_from_gguf
-    from ..sources.hf import read_config, spec_from_folder
+    from ..sources.hf_folder import read_config, spec_from_folder
 
     if path.is_dir():
         config_file = path / "config.json"

@@ -12,7 +12,7 @@ from pathlib import Path
 from ..errors import ConfigError, KvlabError
 from .budget import Placement, make_plan
 from .components import Component
-from .engines import get_engine
+from .rules import rules_for
 from .gpus import custom_gpu, find_gpu
 from .launch import ALL_LAYERS
 from .offload import Offload, check_offload, weight_split
@@ -64,7 +64,7 @@ def build_plan(model: str | None = None, ctx: str | int = "4096", kv_type: str |
         raise ConfigError("give either --weights-bytes or --weights-file, not both")
     context = parse_ctx(ctx)
     card = custom_gpu(vram) if vram is not None else find_gpu(gpu) if gpu else None
-    eng = get_engine(engine)
+    eng = rules_for(engine)
     if weights_quant is not None:
         check_quant(weights_quant)   # an unknown name is an error listing the known ones, whatever the model
     spec = _with_tensors(load_spec(model), model)
@@ -221,7 +221,7 @@ def parse_count(value: str | int, option: str) -> int:
 def _with_tensors(spec, model: str):
     """The architecture's tensor list in spec.extra (for GGUF quant schemes), where kvlab can list it."""
     from ..sources import find_entry
-    from ..sources.hf import _text_config, read_config
+    from ..sources.hf_folder import text_config, read_config
     from ..sources.params import weight_tensors
 
     path = Path(model).expanduser()
@@ -235,7 +235,7 @@ def _with_tensors(spec, model: str):
         config = entry.config if entry is not None else None
     if config is None:
         return spec
-    tensors = weight_tensors(_text_config(config), list(spec.layers))
+    tensors = weight_tensors(text_config(config), list(spec.layers))
     return replace(spec, extra={**spec.extra, "weight_tensors": tensors}) if tensors else spec
 
 

@@ -94,7 +94,7 @@ def compare_command(models: list[str], json_out: bool = False, console: Console 
 
 
 def _engine_admission(plan, kv_budget: str) -> dict:
-    from .engines.kvlab import engine_admission
+    from .rules.kvlab import engine_admission
 
     if plan.engine.name != "kvlab":
         raise ConfigError("--kv-budget sizes the kvlab serving engine's block pool: use it with --engine kvlab")

@@ -22,7 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from .budget import Plan
-from .engines.llama_cpp import DEFAULT_N_UBATCH, LlamaCppEngine
+from .rules.llama_cpp import DEFAULT_N_UBATCH, LlamaCppRules
 
 ALL_LAYERS = 99   # what llama.cpp users write for "every layer on the GPU"
 
@@ -53,7 +53,7 @@ def _llama_model(plan: Plan) -> list[str]:
 
 def _llama_server(plan: Plan) -> list[str]:
     s, engine = plan.settings, plan.engine
-    assert isinstance(engine, LlamaCppEngine)
+    assert isinstance(engine, LlamaCppRules)
     n_ctx, _, _, _ = engine.contexts(s)
     type_k, type_v = engine.types(s)
     words = ["llama-server", *_llama_model(plan), "-c", n_ctx, "-np", s.parallel]

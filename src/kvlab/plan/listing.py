@@ -6,7 +6,7 @@ from rich.table import Table
 
 from ..sources import catalog
 from ..sources.layers import kinds_summary
-from .engines import get_engine
+from .rules import rules_for
 from .settings import PlanSettings
 
 
@@ -14,7 +14,7 @@ def catalog_rows(text: str | None = None) -> list[dict]:
     """One row per catalog model whose name, repo, architecture or alias contains `text` (case-insensitive)."""
     needle = (text or "").strip().lower()
     rows = []
-    engine = get_engine("llama.cpp")
+    engine = rules_for("llama.cpp")
     for entry in catalog().values():
         spec = entry.spec()
         haystack = " ".join([entry.name, entry.repo, spec.arch, *entry.aliases]).lower()

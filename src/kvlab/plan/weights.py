@@ -114,7 +114,7 @@ def file_weights(path: Path) -> int:
 
         return open_gguf(path).tensor_bytes
     if path.suffix.lower() == ".safetensors":
-        from ..sources.hf import read_safetensors_header, safetensors_weights
+        from ..sources.hf_folder import read_safetensors_header, safetensors_weights
 
         return safetensors_weights([read_safetensors_header(path)])[0]
     return path.stat().st_size

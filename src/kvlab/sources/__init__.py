@@ -20,7 +20,7 @@ from .bundled import (
     is_gguf_repo,
     suggestions,
 )
-from .hf import spec_from_config, spec_from_folder, spec_from_hub
+from .hf_folder import spec_from_config, spec_from_folder, spec_from_hub
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 

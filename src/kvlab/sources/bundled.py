@@ -13,7 +13,7 @@ from typing import Any
 
 from ..errors import ConfigError, ModelFileError
 from ..spec import ModelSpec
-from .hf import spec_from_config
+from .hf_folder import spec_from_config
 
 
 @dataclass(frozen=True)

@@ -18,10 +18,10 @@ from ..components import Component
 from ..layout import KVLayout, LayerBytes
 from ..settings import PlanSettings
 from ..weights import WeightsEstimate
-from .base import Engine
+from .base import EngineRules
 
 
-class KvlabEngine(Engine):
+class KvlabRules(EngineRules):
     name = "kvlab"
     version = "kvlab (this package)"
 

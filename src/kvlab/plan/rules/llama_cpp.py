@@ -25,7 +25,7 @@ from ..components import Component
 from ..kv_types import KVType, kv_type
 from ..layout import KVLayout, LayerBytes
 from ..settings import PlanSettings
-from .base import Engine, MiB, pad
+from .base import EngineRules, MiB, pad
 
 CELL_PAD = 256          # n_ctx and SWA cells are padded to 256
 DEFAULT_N_BATCH = 2048
@@ -38,7 +38,7 @@ NO_SWA_ARCHS = {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "q
 GPU_RUNTIME_BYTES = 400 * MiB   # CUDA context + cuBLAS workspace: typical, driver-dependent (estimate)
 
 
-class LlamaCppEngine(Engine):
+class LlamaCppRules(EngineRules):
     name = "llama.cpp"
     version = "llama.cpp 0c1e57098 (llama-cpp-python 0.3.36)"
     max_parallel = 256   # LLAMA_MAX_SEQ

@@ -179,7 +179,7 @@ def _family_facts(cfg: dict[str, Any], arch: str, local_rope: dict[str, Any], so
     return facts
 
 
-def _text_config(config: dict[str, Any]) -> dict[str, Any]:
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
     """The language model's config (multimodal configs nest it under text_config / llm_config)."""
     for key in ("text_config", "llm_config", "language_config"):
         sub = config.get(key)
@@ -278,7 +278,7 @@ def spec_from_config(config: dict[str, Any], name: str = "", source: str = "conf
 
 def _spec_from_config(config: dict[str, Any], name: str, source: str, weights_bytes: int, n_params: int,
                       tensors: dict[str, TensorInfo] | None) -> ModelSpec:
-    cfg = _text_config(config)
+    cfg = text_config(config)
     _check_types(cfg, source)
     n_layers = _first(cfg, "num_hidden_layers", "n_layer", "num_layers", "n_layers")
     if n_layers is None:

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from kvlab.errors import ConfigError, KvlabError, ModelFileError, OfflineError
-from kvlab.plan import PlanSettings, get_engine, make_plan
+from kvlab.plan import PlanSettings, rules_for, make_plan
 from kvlab.sources import catalog, load_spec, spec_from_config
-from kvlab.sources.hf import read_safetensors_header
+from kvlab.sources.hf_folder import read_safetensors_header
 
 LLAMA = {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 8,
          "num_key_value_heads": 2, "vocab_size": 1000, "max_position_embeddings": 2048, "intermediate_size": 512}
@@ -109,10 +109,10 @@ def test_planning_a_catalog_model_is_fast():
     from kvlab.plan import find_gpu
 
     spec = load_spec("deepseek-v3")
-    make_plan(spec, get_engine("llama.cpp"), PlanSettings(context=4096), "q4_k_m", find_gpu("H200"))  # warm
+    make_plan(spec, rules_for("llama.cpp"), PlanSettings(context=4096), "q4_k_m", find_gpu("H200"))  # warm
     t = time.perf_counter()
     for name in ("deepseek-v3", "gemma-3-27b", "qwen3-next-80b-a3b"):
-        make_plan(load_spec(name), get_engine("llama.cpp"), PlanSettings(context=32768), "q4_k_m", find_gpu("H200"))
+        make_plan(load_spec(name), rules_for("llama.cpp"), PlanSettings(context=32768), "q4_k_m", find_gpu("H200"))
     assert (time.perf_counter() - t) / 3 < 0.2
 
 
@@ -120,7 +120,7 @@ def test_hub_repo_unreachable_says_offline_quickly(monkeypatch):
     """Without HF_HUB_OFFLINE, an unreachable Hub is reported as such (checked before the client's retries; never "no such repo")."""
     from huggingface_hub import constants
 
-    from kvlab.sources.hf import spec_from_hub
+    from kvlab.sources.hf_folder import spec_from_hub
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing listens on loopback
