@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import math
 import os
+import re
 
-from .errors import InputLimitError
+from .errors import ConfigError, InputLimitError
 
 #: threads beyond this many per core only add scheduling overhead (and torch segfaults at ~100,000)
 THREADS_PER_CORE = 4
@@ -87,3 +88,22 @@ def check_device(name: str, option: str = "--device"):
             raise InputLimitError(f"{option} {name!r}: MPS is not available on this machine; use --device cpu")
         return device
     raise InputLimitError(f"{option} {name!r}: kvlab runs on cpu, cuda or mps")
+
+
+#: size units a user may write: decimal (kb, MB, GB, TB) and binary (KiB, MiB, GiB, TiB), any case
+SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
+              "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(value: int | str, option: str, examples: str = "5.97GB, 920MiB or a number of bytes") -> int:
+    """5.97GB, 920MiB, 1e9, 4096 -> bytes (> 0); anything else is one line naming `option`."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        number = value
+    else:
+        match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?(?:e[0-9]+)?)\s*([a-z]*)\s*", str(value).lower())
+        if not match or match.group(2) not in SIZE_UNITS:
+            raise ConfigError(f"{option} must be a size like {examples}, got {value!r}")
+        number = int(float(match.group(1)) * SIZE_UNITS[match.group(2)])
+    if number <= 0:
+        raise ConfigError(f"{option} must be positive, got {value!r}")
+    return number

@@ -9,28 +9,16 @@ blocks a budget buys is the planner's number.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 
 from ..errors import ConfigError
+from ..limits import parse_size
 from .format import CacheSpec
 from .geometry import CacheGeometry
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-
-
 def parse_bytes(value: int | str) -> int:
     """512MiB, 2GiB, 1e9, 4096 -> bytes (> 0)."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        number = value
-    else:
-        match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?(?:e[0-9]+)?)\s*([a-z]*)\s*", str(value).lower())
-        if not match or match.group(2) not in _UNITS:
-            raise ConfigError(f"kv_budget must be a size like 512MiB or 2GiB, got {value!r}")
-        number = int(float(match.group(1)) * _UNITS[match.group(2)])
-    if number <= 0:
-        raise ConfigError(f"kv_budget must be positive, got {value!r}")
-    return number
+    return parse_size(value, "kv_budget", "512MiB or 2GiB")
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..errors import ConfigError, KvlabError
+from ..limits import parse_size
 from .budget import Placement, make_plan
 from .components import Component
 from .rules import rules_for
@@ -19,7 +20,7 @@ from .offload import Offload, check_offload, weight_split
 from .report import human
 from .settings import PlanSettings
 from .vision import Projector, projector, tower_from_catalog
-from .weights import WeightsEstimate, check_quant, file_weights, parse_size
+from .weights import WeightsEstimate, check_quant, file_weights
 
 
 def parse_ctx(ctx: str | int) -> int | None:

@@ -20,7 +20,8 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..sources.layers import as_int
-from .weights import file_weights, parse_size
+from ..limits import parse_size
+from .weights import file_weights
 
 
 @dataclass(frozen=True)

@@ -9,11 +9,9 @@ kvlab cannot list (from llama.cpp's quantize table).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import ConfigError
 from ..sources.params import WeightTensor
 from ..spec import ModelSpec
 from .quants import (
@@ -36,24 +34,6 @@ BITS_PER_WEIGHT: dict[str, float] = {
     "tq1_0": 1.69, "tq2_0": 2.06,
 }
 _ALIASES = {"float16": "f16", "fp16": "f16", "bfloat16": "bf16", "float32": "f32", "fp32": "f32", "fp8_e4m3": "fp8"}
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
-          "gib": 2**30, "tib": 2**40}
-
-
-def parse_size(value: int | str, option: str) -> int:
-    """5.97GB, 920MiB, 1e9, 4096 -> bytes (> 0); anything else is one line naming `option`."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        number = value
-    else:
-        match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?(?:e[0-9]+)?)\s*([a-z]*)\s*", str(value).lower())
-        if not match or match.group(2) not in _UNITS:
-            raise ConfigError(f"{option} must be a size like 5.97GB, 920MiB or a number of bytes, got {value!r}")
-        number = int(float(match.group(1)) * _UNITS[match.group(2)])
-    if number <= 0:
-        raise ConfigError(f"{option} must be positive, got {value!r}")
-    return number
-
 
 @dataclass(frozen=True)
 class WeightsEstimate:
