@@ -19,7 +19,7 @@ import torch
 
 from ..errors import ModelFileError
 from .config import DecoderConfig
-from .weights import _GGUF_NOT_WEIGHTS, GGUF, HF, SAFETENSORS_FLOATS
+from .weights import HF, check_tensor, config_values
 
 
 @dataclass(frozen=True)
@@ -214,21 +214,13 @@ def _deltanet_parts(cfg: DecoderConfig, scheme: int, m: str, L) -> list[Part]:
 def check_hybrid_tensors(cfg: DecoderConfig, tensors: dict, scheme: int, source: str) -> None:
     """Every tensor the HybridDecoder reads is in the file's table with the shape the config gives it and a weight
     type; checked on the header alone, before any weight is read. One line names the tensor."""
-    values = (f"n_head={cfg.n_heads}, n_kv_head={cfg.n_kv_heads}, head_dim={cfg.head_dim}, d_model={cfg.d_model}, "
-              f"d_ff={cfg.d_ff}, vocab={cfg.vocab_size}")
+    values = config_values(cfg)
     if cfg.linear is not None:
         la = cfg.linear
         values += f", linear heads k={la.k_heads} v={la.v_heads}, dims k={la.k_dim} v={la.v_dim}, conv={la.conv_kernel}"
     for p in parts(cfg, scheme, hf_prefix(tensors) if scheme == HF else ""):
         for name, shape, meaning in p.sources:
-            info = tensors.get(name)
-            if info is None:
-                raise ModelFileError(f"{source}: tensor {name!r} is missing from the model file ({_needed_by(p.key, cfg)})")
-            if tuple(info.shape) != shape:
-                raise ModelFileError(f"{source}: tensor {name!r} has shape {tuple(info.shape)}, expected {shape} = {meaning} "
-                                     f"for {values}")
-            if (scheme == HF and info.dtype not in SAFETENSORS_FLOATS) or (scheme == GGUF and info.dtype in _GGUF_NOT_WEIGHTS):
-                raise ModelFileError(f"{source}: tensor {name!r} has type {info.dtype}, not a floating-point or block-quantized weight")
+            check_tensor(tensors, name, shape, meaning, scheme, source, values, _needed_by(p.key, cfg))
 
 
 def _needed_by(key: str, cfg: DecoderConfig) -> str:

@@ -61,17 +61,30 @@ def check_tensors(cfg, tensors: dict, scheme: int, source: str) -> None:
     """Every tensor the Decoder reads is in the file's table with exactly the shape the config gives it and a
     type the engine reads; checked on the header alone, before any weight is read, installed or given to C.
     One line names the tensor, the shape found and the shape expected."""
-    values = (f"n_head={cfg.n_heads}, n_kv_head={cfg.n_kv_heads}, head_dim={cfg.head_dim}, d_model={cfg.d_model}, "
-              f"d_ff={cfg.d_ff}, vocab={cfg.vocab_size}")
+    values = config_values(cfg)
     for name, (shape, meaning) in expected_shapes(cfg, scheme).items():
-        info = tensors.get(name)
-        if info is None:
-            raise ModelFileError(f"{source}: tensor {name!r} is missing from the model file")
-        if tuple(info.shape) != shape:
-            raise ModelFileError(f"{source}: tensor {name!r} has shape {tuple(info.shape)}, expected {shape} = {meaning} "
-                                 f"for {values}")
-        if (scheme == HF and info.dtype not in SAFETENSORS_FLOATS) or (scheme == GGUF and info.dtype in _GGUF_NOT_WEIGHTS):
-            raise ModelFileError(f"{source}: tensor {name!r} has type {info.dtype}, not a floating-point or block-quantized weight")
+        check_tensor(tensors, name, shape, meaning, scheme, source, values)
+
+
+def config_values(cfg) -> str:
+    """The config values a tensor's expected shape comes from, for the error that names a wrong one."""
+    return (f"n_head={cfg.n_heads}, n_kv_head={cfg.n_kv_heads}, head_dim={cfg.head_dim}, d_model={cfg.d_model}, "
+            f"d_ff={cfg.d_ff}, vocab={cfg.vocab_size}")
+
+
+def check_tensor(tensors: dict, name: str, shape: tuple, meaning: str, scheme: int, source: str, values: str,
+                 needed_by: str = "") -> None:
+    """Tensor `name` of a file's table has `shape` (= `meaning` for the config `values`) and a weight type; else one
+    line naming it (`needed_by`: which part of the model reads it, said when it is missing)."""
+    info = tensors.get(name)
+    if info is None:
+        why = f" ({needed_by})" if needed_by else ""
+        raise ModelFileError(f"{source}: tensor {name!r} is missing from the model file{why}")
+    if tuple(info.shape) != shape:
+        raise ModelFileError(f"{source}: tensor {name!r} has shape {tuple(info.shape)}, expected {shape} = {meaning} "
+                             f"for {values}")
+    if (scheme == HF and info.dtype not in SAFETENSORS_FLOATS) or (scheme == GGUF and info.dtype in _GGUF_NOT_WEIGHTS):
+        raise ModelFileError(f"{source}: tensor {name!r} has type {info.dtype}, not a floating-point or block-quantized weight")
 
 
 def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
