@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ctypes
 import shutil
-import subprocess
 
 import pytest
 import torch
@@ -180,8 +179,8 @@ def test_avx2_and_plain_c_builds_compute_the_same_gemm(kernel, tmp_path, march):
         pytest.skip("no cc")
     target = tmp_path / f"k{march[7:]}.so"
     flags = [f if f != "-march=native" else march for f in kernels.FLAGS]
-    run = subprocess.run([compiler, *flags, "-o", str(target), *map(str, kernels.SOURCES), *kernels.LIBS], capture_output=True)
-    if run.returncode != 0:
+    status, _ = kernels.build_shared(compiler, flags, kernels.SOURCES, target)
+    if status != 0:
         pytest.skip(f"cannot build {march}")
     other = kernels.BlockKernel(ctypes.CDLL(str(target)), target)
     for block_type in TYPES:

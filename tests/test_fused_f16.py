@@ -46,9 +46,8 @@ def variants(native, tmp_path_factory):
     for label, march in (("avx2", "-march=haswell"), ("plain-c", "-march=x86-64")):
         target = folder / f"{label}.so"
         flags = [f if f != "-march=native" else march for f in kernels.FLAGS]
-        run = subprocess.run([kernels._compiler(), *flags, "-o", str(target), *map(str, kernels.SOURCES), *kernels.LIBS],
-                             capture_output=True, text=True)
-        assert run.returncode == 0, run.stderr          # a failed build is a failure where a compiler exists
+        status, output = kernels.build_shared(kernels._compiler(), flags, kernels.SOURCES, target)
+        assert status == 0, output                      # a failed build is a failure where a compiler exists
         libs[label] = ctypes.CDLL(str(target))
     return libs
 

@@ -28,6 +28,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -117,17 +118,42 @@ def _write_atomic(target: Path, data: bytes) -> None:
             os.unlink(tmp)
 
 
+def build_shared(compiler: str, flags, sources, output: Path, timeout: float = 300) -> tuple[int, str]:
+    """cc <flags> -c each source, one per core at a time (codebook.c alone takes most of a build, so the others
+    compile beside it), then link them into `output` with LIBS: (exit status, the compiler's output)."""
+    flags = [f for f in flags if f != "-shared"]
+    with tempfile.TemporaryDirectory(prefix="kvlab-build-") as folder:
+        objects = [Path(folder) / f"{i}-{Path(src).stem}.o" for i, src in enumerate(sources)]
+
+        def compile_one(pair) -> subprocess.CompletedProcess:
+            src, obj = pair
+            return subprocess.run([compiler, *flags, "-c", str(src), "-o", str(obj)], check=False, capture_output=True, text=True,
+                                  timeout=timeout)
+
+        workers = max(1, min(len(objects), os.cpu_count() or 1))
+        try:
+            with ThreadPoolExecutor(workers) as pool:
+                runs = list(pool.map(compile_one, zip(sources, objects)))
+            failed = [run for run in runs if run.returncode != 0]
+            if failed:
+                return failed[0].returncode, failed[0].stderr or failed[0].stdout
+            link = subprocess.run([compiler, *flags, "-shared", "-o", str(output), *map(str, objects), *LIBS],
+                                  check=False, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return -1, f"{compiler} took over {timeout:.0f} s"
+        return link.returncode, link.stderr or link.stdout
+
+
 def compile_library(compiler: str, target: Path) -> None:
-    """cc <flags> <SOURCES> -lm -> target via a temporary name (atomic), with its size + sha256 recorded."""
+    """build_shared(<flags>, SOURCES) -> target via a temporary name (atomic), with its size + sha256 recorded."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=target.stem, suffix=".so.tmp", dir=target.parent)
     os.close(fd)
     try:
-        run = subprocess.run([compiler, *build_flags(), "-o", tmp, *map(str, SOURCES), *LIBS],
-                             capture_output=True, text=True, timeout=300)
-        if run.returncode != 0:
-            lines = (run.stderr or run.stdout).strip().splitlines()
-            raise OSError(f"{compiler} failed: {lines[0] if lines else 'exit ' + str(run.returncode)}")
+        status, output = build_shared(compiler, build_flags(), SOURCES, Path(tmp))
+        if status != 0:
+            lines = output.strip().splitlines()
+            raise OSError(f"{compiler} failed: {lines[0] if lines else 'exit ' + str(status)}")
         size, digest = _file_digest(Path(tmp))
         os.chmod(tmp, 0o755)
         os.replace(tmp, target)
