@@ -3,10 +3,12 @@ whose build fails is a failure, never a silent skip."""
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -44,6 +46,37 @@ def build_variant(source: str, name: str, march: list[str], needs: str, folder: 
                          capture_output=True, text=True)
     if run.returncode != 0:
         pytest.fail(f"{source} does not build with {' '.join(march)}: {(run.stderr or run.stdout).strip()[:400]}")
+    return target
+
+
+def runnable_here(name: str) -> None:
+    """Skip where the `name` build cannot run here: no cc, not x86-64, or a CPU without the variant's flag."""
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler (cc)")
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip(f"the {name} variant is an x86-64 build")
+    if CPU_NEEDS[name] and CPU_NEEDS[name] not in cpu_flags():
+        pytest.skip(f"this CPU cannot run the {name} build")
+
+
+#: the per-ISA libraries of this test run, built once and shared by every test module
+_VARIANTS = tempfile.TemporaryDirectory(prefix="kvlab-isa-")
+
+
+def library_variant(name: str) -> Path:
+    """The whole kernel library (kernels.SOURCES) built with MARCH[name] instead of -march=native, once per test
+    run: skipped only where that build cannot run here, a failed build fails."""
+    runnable_here(name)
+    return _build_library(name)
+
+
+@functools.lru_cache(maxsize=None)
+def _build_library(name: str) -> Path:
+    target = Path(_VARIANTS.name) / f"kvlab-{name}.so"
+    flags = [MARCH[name] if f == "-march=native" else f for f in kernels.FLAGS]
+    status, output = kernels.build_shared(shutil.which("cc"), flags, kernels.SOURCES, target)
+    if status != 0:
+        pytest.fail(f"the kernels do not build with {MARCH[name]}: {output.strip()[:400]}")
     return target
 
 

@@ -18,18 +18,16 @@ from __future__ import annotations
 
 import ctypes
 import platform
-import subprocess
 
 import pytest
 import torch
 
-from kvlab import kernels
 from kvlab.cache import CacheGeometry, make_cache
 from kvlab.errors import ConfigError, NonFiniteError
 from kvlab.model.fused import FusedDecodeStep, decode_step_kind, fused_step_off
 
 from .conftest import tiny_model
-from .kernel_checks import MARCH, one_thread, require_kernel  # noqa: F401  (one_thread: autouse)
+from .kernel_checks import CPU_NEEDS, MARCH, cpu_flags, library_variant, one_thread, require_kernel  # noqa: F401  (one_thread: autouse)
 
 #: every width and option the step serves (each option at least once)
 NAMES = ["tq-k4v4", "tq3", "tq5", "tq3.5", "tq-k5v3", "tq3+sink4+recent8", "tq-k4v4+recent16+fp-first-last",
@@ -51,30 +49,17 @@ def native():
 
 
 #: what the fused step links: the step (decode.c), its matrix rows (blockgemv.c) and the codes (codebook.c)
-STEP_SOURCES = ("blockgemv.c", "decode.c", "codebook.c")
-
-
 @pytest.fixture(scope="module")
-def variants(native, tmp_path_factory):
-    """{"avx512": lib, "avx2": lib, "plain": lib}: the step's sources built for each instruction set this CPU runs,
-    concurrently (a failed build is a failure where a compiler exists); off x86 only the native library."""
+def variants(native):
+    """{"avx512": lib, "avx2": lib, "plain": lib}: the kernels built for each instruction set this CPU runs (a
+    failed build is a failure where a compiler exists); off x86 only the native library."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return {"native": native._lib}
-    flags = open("/proc/cpuinfo").read()
-    folder = tmp_path_factory.mktemp("isa")
-    builds = {}
-    for label, march in MARCH.items():
-        if label == "avx512" and "avx512f" not in flags:
-            continue
-        command = [f if f != "-march=native" else march for f in kernels.FLAGS]
-        builds[label] = subprocess.Popen([kernels._compiler(), *command, "-o", str(folder / f"{label}.so"),
-                                          *(str(kernels.HERE / f) for f in STEP_SOURCES), *kernels.LIBS],
-                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     libs = {}
-    for label, build in builds.items():
-        output, _ = build.communicate()
-        assert build.returncode == 0, output
-        libs[label] = ctypes.CDLL(str(folder / f"{label}.so"))
+    for label in MARCH:
+        if CPU_NEEDS[label] and CPU_NEEDS[label] not in cpu_flags():
+            continue
+        libs[label] = ctypes.CDLL(str(library_variant(label)))
         libs[label].kvlab_codebook_variant.restype = ctypes.c_int
         assert libs[label].kvlab_codebook_variant() == {"avx512": 512, "avx2": 256, "plain": 0}[label]
     return libs

@@ -13,12 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvlab import kernels
 from kvlab.cache import CacheGeometry, make_cache
 from kvlab.model.fused import FusedDecodeStep, decode_step_kind, fused_decode_step, fused_step_off
 
 from .conftest import tiny_model
-from .kernel_checks import require_kernel
+from .kernel_checks import library_variant, require_kernel
 
 NAMES = {"dense-f16": (1, torch.float16), "dense-bf16": (2, torch.bfloat16)}   # name: (decode.c KV type, dtype)
 CONFIGS = {
@@ -36,19 +35,14 @@ def native():
 
 
 @pytest.fixture(scope="module")
-def variants(native, tmp_path_factory):
+def variants(native):
     """{"native": lib, "avx2": lib, "plain-c": lib}: the library built for this CPU, for Haswell (AVX2 + F16C,
     no AVX-512) and for baseline x86-64 (no F16C: the plain-C conversions). Off x86, only the native one."""
     libs = {"native": native._lib}
     if platform.machine() not in ("x86_64", "AMD64"):
         return libs
-    folder = tmp_path_factory.mktemp("isa")
-    for label, march in (("avx2", "-march=haswell"), ("plain-c", "-march=x86-64")):
-        target = folder / f"{label}.so"
-        flags = [f if f != "-march=native" else march for f in kernels.FLAGS]
-        status, output = kernels.build_shared(kernels._compiler(), flags, kernels.SOURCES, target)
-        assert status == 0, output                      # a failed build is a failure where a compiler exists
-        libs[label] = ctypes.CDLL(str(target))
+    for label, variant in (("avx2", "avx2"), ("plain-c", "plain")):
+        libs[label] = ctypes.CDLL(str(library_variant(variant)))     # a failed build fails the tests
     return libs
 
 

@@ -15,22 +15,21 @@ import ctypes
 import pytest
 import torch
 
-from kvlab import kernels
 from kvlab.cache import CacheGeometry, attention, compressed, make_cache
 from kvlab.cache.attention import grouped_attention
 from kvlab.cache.turboquant import RotatedCodes
 from kvlab.errors import ConfigError
 from kvlab.kernels.codebook import CodebookKernel, CodeLayout
 
-from .kernel_checks import CPU_NEEDS, MARCH, build_variant, one_thread, require_kernel  # noqa: F401  (one_thread: autouse)
+from .kernel_checks import MARCH, library_variant, one_thread, require_kernel  # noqa: F401  (one_thread: autouse)
 
 
 
 @pytest.fixture(scope="module", params=list(MARCH))
-def variant(request, tmp_path_factory) -> CodebookKernel:
-    """codebook.c built for one instruction set (skipped only where that build cannot run here)."""
+def variant(request) -> CodebookKernel:
+    """The kernels (codebook.c among them) built for one instruction set (skipped only where that build cannot run here)."""
     name = request.param
-    target = build_variant("codebook.c", name, [MARCH[name]], CPU_NEEDS[name], tmp_path_factory.mktemp("codebook"))
+    target = library_variant(name)
     kernel = CodebookKernel(ctypes.CDLL(str(target)), target)
     assert kernel.variant == name
     return kernel
