@@ -17,12 +17,11 @@ import torch
 from ..cache import CacheGeometry, CacheSpec, KVCache, expected_nbytes, make_cache
 from ..cache.attention import chunked_attention, grouped_attention
 from ..cache.base import tensors_nbytes
+from ..cache.geometry import WINDOW_BLOCK  # noqa: F401  (rows beyond the window; importable from here)
 from ..errors import CacheCapacityError, ConfigError, NonFiniteError
 from ..rope import kind_frequencies
 from .config import LLAMA_FAMILY, DecoderConfig
 
-#: rows a sliding layer keeps beyond its window: room for one prompt chunk (generate.PREFILL_CHUNK) before rows move
-WINDOW_BLOCK = 256
 
 
 class RecurrentState:

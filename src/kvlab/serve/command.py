@@ -7,7 +7,6 @@ imports serve.http (when `kvlab serve` runs), never the other way round.
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import typer
@@ -29,9 +28,10 @@ def check_serve_extra() -> None:
         raise KvlabError(f"kvlab serve needs the serve extra ({', '.join(missing)} missing): pip install 'kvlab[serve]'")
 
 
-def budget_for(ctx: int, max_seqs: int, block_bytes: int, block_size: int) -> int:
-    """The KV bytes that hold `max_seqs` sequences of `ctx` tokens each, in whole blocks."""
-    return max_seqs * math.ceil(ctx / block_size) * block_bytes
+def budget_for(ctx: int, max_seqs: int, capacity) -> int:
+    """The KV bytes that hold `max_seqs` sequences of `ctx` tokens each, in whole blocks (of every layer group),
+    and what the pool holds besides its blocks."""
+    return max_seqs * capacity.blocks_for(ctx) * capacity.block_bytes + capacity.fixed_bytes
 
 
 def memory_plan_table(capacity, model_name: str, context_length: int, max_batch: int, ctx: int | None = None) -> Table:
@@ -67,10 +67,8 @@ def run_server(*, model: str | None, cache: str, kv_budget: str | None, ctx: int
                host: str, port: int, api_key: str | None, max_batch: int, max_waiting: int, block_size: int,
                default_max_tokens: int, grace: float, dtype: str, max_body_bytes: int, console) -> None:
     """`kvlab serve`: load the model, size the KV pool, print the memory plan, serve until SIGINT/SIGTERM."""
-    from ..cache import CacheGeometry
     from ..session import cached_model
-    from .blocks import CapacityPlan
-    from .engine import Engine
+    from .engine import Engine, capacity_for
     from .http import LOOPBACK_HOSTS, Server, ServerConfig, create_app, is_loopback
 
     loaded = cached_model(model, dtype, "cpu")
@@ -79,8 +77,8 @@ def run_server(*, model: str | None, cache: str, kv_budget: str | None, ctx: int
     if ctx is not None:
         if ctx > context_length:
             raise ConfigError(f"--ctx {ctx} exceeds the model's context of {context_length} tokens")
-        one = CapacityPlan.build(CacheGeometry.for_model(loaded.config), cache, 2**40, block_size, max_batch)  # sizes only
-        budget = budget_for(ctx, max_seqs, one.block_bytes, block_size) + one.fixed_bytes
+        one = capacity_for(loaded.config, cache, 2**40, block_size, max_batch, max(512, max_batch))   # sizes only
+        budget = budget_for(ctx, max_seqs, one)
     engine = Engine(loaded, cache=cache, kv_budget=budget, max_batch=max_batch, block_size=block_size,
                     max_step_tokens=max(512, max_batch))
     name = loaded.path.stem if loaded.path.is_file() else loaded.path.name

@@ -93,6 +93,19 @@ def _with_recipe(cache: str, loaded) -> str:
     return resolve(str(cache), loaded)
 
 
+def capacity_for(config, cache: str, kv_budget: int | str, block_size: int = 16, max_batch: int = 16,
+                 step_tokens: int = 512, free_window: bool = True) -> CapacityPlan:
+    """What `kv_budget` buys the engine for a model of `config` (DecoderConfig): its attention layers' blocks in layer
+    groups (sliding groups freeing blocks behind the window unless `free_window` is off) and, for recurrent layers,
+    a state slot per batch row. The planner's `--engine kvlab --kv-budget` builds the same plan from the model file."""
+    groups = LayerGroups.build(config.layer_kinds, config.sliding_window, free_window)
+    if len(set(config.layer_kinds)) > 1:                # Gemma 3, Qwen3.5: dense blocks (CacheSpec.supports)
+        CacheSpec.parse(str(cache), "pool").check("layered-pool")
+    state = RecurrentState.expected_nbytes(config, 1) if config.layers_of("recurrent") else 0
+    return CapacityPlan.build(CacheGeometry.for_model(config), cache, kv_budget, block_size, max_batch, groups, state,
+                              step_tokens)
+
+
 class Engine:
     def __init__(self, model, tokenizer=None, *, cache: str = "dense", kv_budget: int | str = "512MiB",
                  max_batch: int = 16, block_size: int = 16, max_step_tokens: int = 512, prefix_caching: bool = True,
@@ -111,15 +124,11 @@ class Engine:
         self.config = model.config
         device = next(model.parameters()).device
         cfg = self.config
-        self.groups = LayerGroups.build(cfg.layer_kinds, cfg.sliding_window, free_window)
-        if len(set(cfg.layer_kinds)) > 1:                # Gemma 3, Qwen3.5: dense blocks (CacheSpec.supports)
-            CacheSpec.parse(str(cache), "pool").check("layered-pool")
+        self.capacity = capacity_for(cfg, cache, kv_budget, block_size, max_batch, max_step_tokens, free_window)
+        self.groups = self.capacity.groups
         recurrent = bool(cfg.layers_of("recurrent"))
-        geometry = CacheGeometry.for_model(cfg)
-        self.capacity = CapacityPlan.build(geometry, cache, kv_budget, block_size, max_batch, self.groups,
-                                           state_bytes=RecurrentState.expected_nbytes(cfg, 1) if recurrent else 0,
-                                           step_tokens=max_step_tokens)
-        self.pool = make_pool(replace(geometry, n_layers=self.groups.size), self.capacity, device, model, tokenizer)
+        geometry = replace(CacheGeometry.for_model(cfg), n_layers=self.groups.size)
+        self.pool = make_pool(geometry, self.capacity, device, model, tokenizer)
         self.state = StateSlots(cfg, max_batch, device) if recurrent else None
         #: why prefix caching is off though asked for (None: it runs as asked)
         self.prefix_caching_off = PREFIX_OFF_RECURRENT if recurrent and prefix_caching else None
