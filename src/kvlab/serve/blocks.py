@@ -149,6 +149,8 @@ class BlockManager:
 
     def tables(self, seq) -> list[list[int]]:
         """The sequence's block table of each layer group (group 0's is seq.block_table)."""
+        if len(self.windows) == 1:
+            return [seq.block_table]
         if len(seq.group_tables) != len(self.windows) - 1:
             seq.group_tables = [[] for _ in self.windows[1:]]
         return [seq.block_table, *seq.group_tables]
@@ -296,7 +298,8 @@ class BlockManager:
                 if block_id != NO_BLOCK:
                     self._drop(block_id)
         seq.block_table = []
-        seq.group_tables = []
+        if len(self.windows) > 1:
+            seq.group_tables = []
         seq.num_computed = seq.num_hashed = 0
         if self.on_free is not None:
             self.on_free(seq)
@@ -305,7 +308,8 @@ class BlockManager:
         """The child shares all of the parent's blocks (and tokens); writes then copy a shared tail."""
         child.token_ids = list(parent.token_ids)
         child.block_table = list(parent.block_table)
-        child.group_tables = [list(t) for t in parent.group_tables]
+        if len(self.windows) > 1:
+            child.group_tables = [list(t) for t in parent.group_tables]
         child.num_computed, child.num_hashed = parent.num_computed, parent.num_hashed
         for table in self.tables(child):
             for block_id in table:
