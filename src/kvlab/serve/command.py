@@ -41,11 +41,15 @@ def memory_plan_table(capacity, model_name: str, context_length: int, max_batch:
     table.add_column("value", justify="right")
     table.add_row("cache format", str(capacity.format))
     table.add_row("KV budget", f"{capacity.budget:,} bytes ({capacity.budget / 2**20:,.1f} MiB)")
-    table.add_row("block", f"{capacity.block_size} tokens × {capacity.block_bytes:,} bytes (all layers, K and V)")
+    groups = capacity.groups
+    layers = "all layers" if groups is None or len(groups.members) == 1 else \
+        f"{groups.size} layers of one of {len(groups.members)} layer groups, sliding ones freed behind the window"
+    table.add_row("block", f"{capacity.block_size} tokens × {capacity.block_bytes:,} bytes ({layers}, K and V)")
     table.add_row("blocks", f"{capacity.n_blocks:,} = {capacity.n_blocks * capacity.block_size:,} tokens, "
                             f"{capacity.n_blocks * capacity.block_bytes / 2**20:,.1f} MiB")
     if capacity.fixed_bytes:
-        table.add_row("besides the blocks", f"{capacity.fixed_bytes:,} bytes (shared codec state, per-sequence key groups)")
+        table.add_row("besides the blocks", f"{capacity.fixed_bytes:,} bytes (shared codec state, per-sequence key groups, "
+                                            "recurrent state slots)")
     lengths = sorted({n for n in (*PLAN_CONTEXTS, ctx or 0, context_length) if 0 < n <= context_length})
     for n in lengths:
         fits = capacity.max_concurrent(n)
@@ -83,6 +87,8 @@ def run_server(*, model: str | None, cache: str, kv_budget: str | None, ctx: int
                     max_step_tokens=max(512, max_batch))
     name = loaded.path.stem if loaded.path.is_file() else loaded.path.name
     console.print(memory_plan_table(engine.capacity, name, context_length, max_batch, ctx))
+    if engine.prefix_caching_off:
+        console.print(f"note: {engine.prefix_caching_off}", highlight=False)
     local = is_loopback(host)
     if not local and api_key is None:
         console.print(f"[bold yellow]warning:[/] serving on {host} without --api-key: anyone who can reach it may use it")
