@@ -204,8 +204,9 @@ def main() -> None:
     for name, run in (("capacity", capacity), ("prefix", prefix), ("decode", decode), ("layer", layer_cost)):
         if name in args.parts.split(","):
             result[name] = run(tokenizer, args.quick)
-    if not args.quick and args.parts == parser.get_default("parts"):
-        OUT.write_text(json.dumps(result, indent=1) + "\n")
+    if not args.quick:                  # some parts only: the others are kept from the file
+        kept = json.loads(OUT.read_text()) if OUT.exists() and args.parts != parser.get_default("parts") else {}
+        OUT.write_text(json.dumps(kept | result, indent=1) + "\n")
         print(f"wrote {OUT}")
 
 
