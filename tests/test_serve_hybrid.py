@@ -122,6 +122,20 @@ def test_prefix_hits_are_served_or_switched_off_with_the_reason(loaded):
     assert_all_given_back(engine)
 
 
+def test_choices_forked_after_the_prompt_go_on_from_its_state(loaded):
+    """n = 2: the second choice shares the prompt's blocks and a copy of its recurrent state."""
+    prompt = prompts(6, (30,))[0]
+    engine = Engine(loaded, kv_budget="4MiB", max_batch=4, block_size=8)
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, n=2))
+    tokens: dict[int, list[int]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.request_id == rid
+            tokens.setdefault(out.index, []).extend(out.new_token_ids)
+    assert tokens[0] == tokens[1] == alone(loaded, prompt)
+    assert_all_given_back(engine)
+
+
 def test_sliding_groups_hold_their_window_only(loaded):
     """A long Gemma 3 sequence: its sliding group keeps at most window_blocks blocks, its full group all of them;
     with window freeing off one table holds every layer, and the same budget admits fewer sequences."""

@@ -71,6 +71,8 @@ class EngineStats:
     steps: int
     computed_tokens: int = 0       # tokens run through the model (prefill chunks, recomputes and decodes)
     kv_bytes_peak: int = 0         # the most kv_bytes_used has been
+    state_bytes_total: int = 0     # the recurrent layers' state slots (max_batch of them; 0 without recurrent layers)
+    prefix_caching: bool = True    # False when asked off, or switched off for recurrent layers (Engine.prefix_caching_off)
 
 
 @dataclass
@@ -312,7 +314,8 @@ class Engine:
             blocks_free=b.n_free, block_size=b.block_size, kv_bytes_total=self.pool.nbytes,
             kv_bytes_used=b.n_used * self.capacity.block_bytes, prefix_queries_tokens=s.prefix_query_tokens,
             prefix_hit_tokens=s.prefix_hit_tokens, prompt_tokens=c["prompt_tokens"], generated_tokens=c["generated_tokens"],
-            preemptions=s.preemptions, steps=c["steps"], computed_tokens=c["computed_tokens"], kv_bytes_peak=c["kv_bytes_peak"])
+            preemptions=s.preemptions, steps=c["steps"], computed_tokens=c["computed_tokens"], kv_bytes_peak=c["kv_bytes_peak"],
+            state_bytes_total=self.state.nbytes if self.state is not None else 0, prefix_caching=b.prefix_caching)
 
     # -- offline use --------------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams] | None = None,
