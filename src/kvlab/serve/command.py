@@ -42,11 +42,14 @@ def memory_plan_table(capacity, model_name: str, context_length: int, max_batch:
     table.add_row("cache format", str(capacity.format))
     table.add_row("KV budget", f"{capacity.budget:,} bytes ({capacity.budget / 2**20:,.1f} MiB)")
     groups = capacity.groups
-    layers = "all layers" if groups is None or len(groups.members) == 1 else \
+    layers = "all attention layers" if groups is None or len(groups.members) == 1 else \
         f"{groups.size} layers of one of {len(groups.members)} layer groups, sliding ones freed behind the window"
     table.add_row("block", f"{capacity.block_size} tokens × {capacity.block_bytes:,} bytes ({layers}, K and V)")
-    table.add_row("blocks", f"{capacity.n_blocks:,} = {capacity.n_blocks * capacity.block_size:,} tokens, "
-                            f"{capacity.n_blocks * capacity.block_bytes / 2**20:,.1f} MiB")
+    mib = capacity.n_blocks * capacity.block_bytes / 2**20
+    if capacity.tokens == capacity.n_blocks * capacity.block_size:
+        table.add_row("blocks", f"{capacity.n_blocks:,} = {capacity.tokens:,} tokens, {mib:,.1f} MiB")
+    else:                                       # layer groups: a sequence takes a block in each
+        table.add_row("blocks", f"{capacity.n_blocks:,} ({mib:,.1f} MiB): one sequence of up to {capacity.tokens:,} tokens")
     if capacity.fixed_bytes:
         table.add_row("besides the blocks", f"{capacity.fixed_bytes:,} bytes (shared codec state, per-sequence key groups, "
                                             "recurrent state slots)")
