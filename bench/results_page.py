@@ -212,6 +212,45 @@ def plan_speed(data, opt) -> str:
                     right={1, 2, 3, 4}))
 
 
+def hybrid_serving(data, opt) -> str:
+    cap, pre, dec, lay, plan = data["capacity"], data["prefix"], data["decode"], data["layer"], data["plan"]
+    on, off = cap["window freeing on"], cap["window freeing off"]
+    rows = [[label, f"{r['budget_bytes'] / 2**20:.1f} MiB", f"{r['blocks']:,} × {r['block_bytes']:,} B",
+             str(r["layer_groups"]), str(r["planned_sequences"]), str(r["measured_peak_sequences_at_context"]),
+             str(r["preemptions"])] for label, r in (("window freeing on", on), ("window freeing off", off))]
+    out = (f"**Gemma 3 capacity** ({cap['model']}; {cap['workload']}): sequences of {cap['context']:,} tokens held at "
+           "once at one budget. *Planned* is `CapacityPlan.max_concurrent`, the admission formula `kvlab plan --engine "
+           "kvlab --kv-budget` prints (a sliding group counted at its most, window + one step); *measured* is the "
+           "engine's peak of running sequences past the context.\n\n"
+           + table(["sliding layers", "budget", "blocks", "groups", "planned", "measured", "preemptions"], rows,
+                   right={1, 2, 3, 4, 5, 6}))
+    rows = [[key, integer(r["prompt_tokens"]), integer(r["prefix_hit_tokens"]), integer(r["computed_tokens"]),
+             f"{r['seconds']:.2f} s"] for key, r in pre.items() if key != "workload"]
+    out += (f"\n\n**Prefix reuse** ({pre['workload']}). For Qwen3.5 prefix caching is off whatever is asked (recurrent "
+            "state is not in the blocks): the cost is the shared prefix prefilled again for every request, the difference "
+            "between Gemma 3's two rows.\n\n"
+            + table(["model, prefix caching", "prompt tokens", "prefix hits", "computed tokens", "wall"], rows,
+                    right={1, 2, 3, 4}))
+    rows = [[size, integer(r["params"]), num(r["tokens_per_s"]["kvlab"]), num(r["tokens_per_s"]["transformers"]),
+             ratio(r["kvlab_over_transformers"])] for size, r in dec.items()]
+    out += ("\n\n**Qwen3.5 decode, torch path against transformers** (random models, 128-token prompt, greedy, best of "
+            "3, 1 thread; transformers runs its reference PyTorch delta rule, no fla kernels on CPU):\n\n"
+            + table(["model", "params", "kvlab tok/s", "transformers tok/s", "ratio"], rows, right={1, 2, 3, 4}))
+    rows = [[ctx, num(r["microseconds_per_token"]["recurrent"], 0), num(r["microseconds_per_token"]["attention"], 0)]
+            for ctx, r in lay.items() if ctx != "model"]
+    out += (f"\n\n**One decode token through one layer** ({lay['model']}; the whole block: norm, mixer, feed-forward), "
+            "µs:\n\n" + table(["context", "Gated DeltaNet layer", "attention layer"], rows, right={1, 2}))
+    nine, small = plan["qwen3.5-9b"], plan["same_pattern_scaled_down"]
+    agree = ", ".join(f"{r['format']} {'yes' if r['layers_agree'] else 'NO'} ({r['running_nbytes']:,} B)"
+                      for r in small["formats"])
+    out += (f"\n\n**Qwen3.5-9B planned** (`kvlab plan qwen3.5-9b --engine kvlab --ctx 8192`): {nine['full']} attention "
+            f"layers hold {nine['kv_bytes_at_8192'] / 2**20:,.0f} MiB of fp32 K/V at 8,192 tokens, {nine['recurrent']} "
+            f"Gated DeltaNet layers {nine['recurrent_bytes'] / 2**20:,.1f} MiB of state per sequence "
+            f"({nine['per_layer'][0][1]:,} B each). The same {nine['layers']}-layer pattern scaled down, planned from its "
+            f"folder and run: the planner's bytes equal the running cache's layer by layer — {agree}.")
+    return out
+
+
 def cache_name(x) -> str:
     """Column format for a cache name; rows_table prints it under its current name."""
     return code(x)
@@ -605,6 +644,10 @@ SECTIONS = [
         Table("prefill_caches.json", prefill_caches,
               "python bench/prefill.py --caches dense,dense-f16,int8,int4,tq-k4v4,tq-k4v4+prerope --tokens 8000",
               bare_tq4=True),
+    ]),
+    Section("Gemma 3 and Qwen3.5 in the serving engine", "Random models from transformers' classes, fp32, 1 thread; the "
+            "2-core VM was shared with other jobs while these ran, so times are indicative.", [
+        Table("hybrid_serving.json", hybrid_serving, "python bench/hybrid_serving.py"),
     ]),
     Section("`kvlab plan`", "Machine: the 2-core CI-class VM, no GPU.", [
         Table("plan_speed.json", plan_speed, "python bench/plan_speed.py"),

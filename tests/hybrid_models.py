@@ -24,23 +24,26 @@ def build(arch: str, vocab: int, seed: int = 0, **overrides):
     import transformers
 
     torch.manual_seed(seed)
+    sizes, deltanet = {**SIZES, "num_hidden_layers": 4}, dict(DELTANET)     # overrides replace these
+    for key in [k for k in overrides if k in sizes or k in deltanet]:
+        (sizes if key in sizes else deltanet)[key] = overrides.pop(key)
     if arch == "qwen3_5":
-        config = transformers.Qwen3_5TextConfig(vocab_size=vocab, num_hidden_layers=4, **SIZES, **DELTANET, **overrides)
+        config = transformers.Qwen3_5TextConfig(vocab_size=vocab, **sizes, **deltanet, **overrides)
         model = transformers.Qwen3_5ForCausalLM(config)
     elif arch == "qwen3_5_moe":
-        config = transformers.Qwen3_5MoeTextConfig(vocab_size=vocab, num_hidden_layers=4, **SIZES, **DELTANET, **EXPERTS,
+        config = transformers.Qwen3_5MoeTextConfig(vocab_size=vocab, **sizes, **deltanet, **EXPERTS,
                                                    **overrides)
         model = transformers.Qwen3_5MoeForCausalLM(config)
     elif arch in ("qwen3_next", "qwen3_next_moe"):
         experts = {**EXPERTS, "mlp_only_layers": [1]} if arch == "qwen3_next_moe" else {"num_experts": 0}
-        config = transformers.Qwen3NextConfig(vocab_size=vocab, num_hidden_layers=4, **SIZES, **DELTANET, **experts,
+        config = transformers.Qwen3NextConfig(vocab_size=vocab, **sizes, **deltanet, **experts,
                                               **overrides)
         model = transformers.Qwen3NextForCausalLM(config)
     else:
-        options = dict(num_hidden_layers=4, sliding_window=WINDOW, sliding_window_pattern=2, query_pre_attn_scalar=24,
+        options = dict(sliding_window=WINDOW, sliding_window_pattern=2, query_pre_attn_scalar=24,
                        rope_scaling={"rope_type": "linear", "factor": 8.0})
         options.update(overrides)
-        config = transformers.Gemma3TextConfig(vocab_size=vocab, **SIZES, **options)
+        config = transformers.Gemma3TextConfig(vocab_size=vocab, **sizes, **options)
         model = transformers.Gemma3ForCausalLM(config)
     with torch.no_grad():
         for name, p in model.named_parameters():

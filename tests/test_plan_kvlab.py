@@ -59,8 +59,18 @@ def test_unknown_cache_name_is_one_line_config_error():
 
 
 def test_kvlab_refuses_layers_it_cannot_cache():
-    with pytest.raises(ConfigError, match="recurrent"):
-        make_plan(load_spec("qwen3.5-9b"), rules_for("kvlab"), PlanSettings(context=8))
+    with pytest.raises(ConfigError, match="mla"):
+        make_plan(load_spec("deepseek-v2-lite"), rules_for("kvlab"), PlanSettings(context=8))
+
+
+def test_kvlab_counts_recurrent_state_per_sequence():
+    """Qwen3.5-9B: 8 full-attention layers of K/V, 24 Gated DeltaNet layers of fp32 state_elements × 4 B each."""
+    spec = load_spec("qwen3.5-9b")
+    plan = plan_json(make_plan(spec, rules_for("kvlab"), PlanSettings(context=4096, parallel=2)))
+    recurrent = [layer for layer in spec.layers if layer.kind == "recurrent"]
+    assert plan["recurrent_bytes"] == sum(layer.state_elements for layer in recurrent) * 4 * 2 > 0
+    full = [layer for layer in spec.layers if layer.kind == "full"]
+    assert plan["kv_bytes"] == sum(2 * layer.n_kv_heads * layer.head_dim_k * 4 for layer in full) * 4096 * 2
 
 
 def test_kvlab_engine_weights_are_what_the_engine_holds(smollm2):

@@ -325,14 +325,12 @@ def test_real_seeded_sampling_repeats(real):
 
 
 def test_ctx_and_max_seqs_size_the_pool_for_exactly_that_many_sequences(smollm2):
-    from kvlab.cache import CacheGeometry
-    from kvlab.serve.blocks import CapacityPlan
     from kvlab.serve.command import budget_for
+    from kvlab.serve.engine import capacity_for
 
-    geometry = CacheGeometry.for_model(smollm2.config)
-    block_bytes = CapacityPlan.build(geometry, "dense", 2**30, 16).block_bytes
+    one = capacity_for(smollm2.config, "dense", 2**30, 16)
     for ctx, seqs in ((1000, 3), (4096, 8), (16, 1)):
-        plan = CapacityPlan.build(geometry, "dense", budget_for(ctx, seqs, block_bytes, 16), 16)
+        plan = capacity_for(smollm2.config, "dense", budget_for(ctx, seqs, one), 16)
         assert plan.max_concurrent(ctx) == seqs
 
 

@@ -117,7 +117,7 @@ PLAIN = {"dense": ("dense", ""), "dense-f16": ("dense", "float16"), "dense-bf16"
 #: every name without options, then the compressed examples: what "choose one of" lists
 NAMES = [*PLAIN, *EXAMPLES]
 #: the paths a format may run on
-PATHS = ("torch", "fused", "pool", "transformers")
+PATHS = ("torch", "fused", "pool", "layered-pool", "transformers")  # layered-pool: a pool of Gemma 3 / Qwen3.5 layers
 #: how the 16-bit per-vector scale of a TurboQuant vector is chosen (turboquant.py SCALE_MODES explains each)
 SCALE_MODES = ("norm", "renorm", "lsq", "unbiased")
 #: bytes of an element of the dtypes a run or a dense cache stores in (torch dtypes answer `itemsize` themselves)
@@ -680,6 +680,10 @@ REFUSALS: list[tuple[str, Callable[[CacheSpec, int | None], bool], str]] = [
     ("pool", lambda s, bs: bs is not None and s.base == "int" and bool(bs % s.pool_group(bs)),
      "block format {name}: the key group of {group} tokens must divide the block size of {block_size} (use "
      "+g{block_size} or a block size that is a multiple)"),
+    ("layered-pool", lambda s, bs: s.base != "dense",
+     "block format {name}: the serving pool of a model whose layers differ in kind (Gemma 3, Qwen3.5, Qwen3-Next) "
+     "holds dense blocks (dense, dense-f16, dense-bf16); compressed blocks are served for the llama family (the torch "
+     "path runs {name} on these models: kvlab generate)"),
     ("fused", lambda s, bs: s.base in ("concat", "none"),
      "cache {name}: the fused decode step writes preallocated caches (the modules run it)"),
     ("fused", lambda s, bs: s.qjl, "cache {name}: the fused decode step does not read the +qjl residual (the modules "

@@ -6,6 +6,10 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 
+#: rows a dense sliding-window cache keeps beyond window - 1: room for one prompt chunk before rows move
+#: (model/layer_caches.SlidingWindowCache; the planner's --engine kvlab counts them)
+WINDOW_BLOCK = 256
+
 
 @dataclass(frozen=True)
 class CacheGeometry:

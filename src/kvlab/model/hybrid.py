@@ -109,9 +109,7 @@ class HybridBlock(nn.Module):
     def forward(self, x: torch.Tensor, ropes: dict, cache: LayeredCache) -> torch.Tensor:
         h = self.attn_norm(x)
         if self.kind == "recurrent":
-            cache.check_room(self.layer, x.shape[1])
-            h = self.mixer(h, *cache.recurrent(self.layer))
-            cache.advance(self.layer, x.shape[1])
+            h = cache.mix(self.layer, self.mixer, h)                        # the cache runs it over its state
         else:
             h = self.mixer(h, *ropes[self.kind], cache)
         if self.post_attn_norm is not None:
@@ -146,11 +144,11 @@ class HybridDecoder(nn.Module):
             setattr(self, f"inv_freq_{kind}", freq.to(self.inv_freq_full.device))
         return self
 
-    def rope(self, kind: str, start: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (n, rope_dim) of layer kind `kind` for absolute positions [start, start + n)."""
+    def rope(self, kind: str, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (N, rope_dim) of layer kind `kind` for absolute positions (N,) (any order: a ragged batch)."""
         freq = getattr(self, f"inv_freq_{kind}")
-        angles = torch.outer(torch.arange(start, start + n, device=freq.device, dtype=torch.float32), freq)  # (n, R/2)
-        angles = torch.cat((angles, angles), dim=-1)                                                       # (n, R)
+        angles = torch.outer(positions.to(device=freq.device, dtype=torch.float32), freq)  # (N, R/2)
+        angles = torch.cat((angles, angles), dim=-1)                                     # (N, R)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
     def output_weight(self) -> torch.Tensor:
@@ -177,20 +175,27 @@ class HybridDecoder(nn.Module):
                               f"{cfg.head_dim} (window {cfg.sliding_window})")
 
     def forward(self, tokens: torch.Tensor, cache: LayeredCache, last_only: bool = False) -> torch.Tensor:
-        cfg = self.config
         self.check_cache(cache)
-        T = tokens.shape[1]
+        positions = torch.arange(cache.length, cache.length + tokens.shape[1])
+        x = self.hidden_at(tokens, positions, cache)                        # (B, T, C)
+        return self.logits(x[:, -1:] if last_only else x)
+
+    def hidden_at(self, tokens: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+        """tokens (B, T) at absolute positions (T,) through every layer -> (B, T, C) before the final norm. The serving
+        engine passes one ragged row of several sequences (B = 1, positions restarting per sequence) and its batch
+        view as `cache`."""
+        cfg = self.config
         x = self.embed(tokens)                                              # (B, T, C)
         if cfg.embed_scale != 1.0:
             x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
-        start = cache.length
-        ropes = {kind: self.rope(kind, start, T, x.dtype) for kind in ("full", "sliding") if cfg.layers_of(kind)}
+        ropes = {kind: self.rope(kind, positions, x.dtype) for kind in ("full", "sliding") if cfg.layers_of(kind)}
         for block in self.blocks:
             x = block(x, ropes, cache)
-        if last_only:
-            x = x[:, -1:]                                                   # (B, 1, C)
+        return x
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows x (B, T, C) after every layer -> (B, T, vocab): the final norm, the output head, the soft cap."""
+        cap = self.config.final_logit_softcap
         x = self.norm(x)
         logits = self.lm_head(x) if self.lm_head is not None else F.linear(x, self.output_weight())  # (B, T, vocab)
-        if cfg.final_logit_softcap:
-            logits = torch.tanh(logits / cfg.final_logit_softcap) * cfg.final_logit_softcap
-        return logits
+        return torch.tanh(logits / cap) * cap if cap else logits

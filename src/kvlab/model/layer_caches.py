@@ -17,19 +17,20 @@ import torch
 from ..cache import CacheGeometry, CacheSpec, KVCache, expected_nbytes, make_cache
 from ..cache.attention import chunked_attention, grouped_attention
 from ..cache.base import tensors_nbytes
+from ..cache.geometry import WINDOW_BLOCK  # noqa: F401  (rows beyond the window; importable from here)
 from ..errors import CacheCapacityError, ConfigError, NonFiniteError
 from ..rope import kind_frequencies
 from .config import LLAMA_FAMILY, DecoderConfig
 
-#: rows a sliding layer keeps beyond its window: room for one prompt chunk (generate.PREFILL_CHUNK) before rows move
-WINDOW_BLOCK = 256
 
 
 class RecurrentState:
     """The Gated DeltaNet layers' state for a batch of sequences, preallocated, updated in place.
 
-    conv  (L_rec, B, channels, kernel - 1)  the conv's last inputs, in the run's dtype
-    delta (L_rec, B, v_heads, k_dim, v_dim) the delta-rule state, always fp32 (as transformers and llama.cpp keep it)
+    conv  (L_rec, B, channels, kernel - 1)  the conv's last inputs
+    delta (L_rec, B, v_heads, k_dim, v_dim) the delta-rule state
+    Both fp32 whatever the run's dtype (as llama.cpp keeps them; a bf16 run's conv inputs are bf16 values, held
+    exactly): state_elements × 4 bytes per sequence, the planner's formula.
     """
 
     def __init__(self, config: DecoderConfig, batch: int, dtype: torch.dtype, device):
@@ -37,18 +38,17 @@ class RecurrentState:
         self.layers = config.layers_of("recurrent")
         self.slot = {layer: i for i, layer in enumerate(self.layers)}
         n = len(self.layers)
-        self.conv = torch.zeros(n, batch, la.conv_channels, la.conv_kernel - 1, dtype=dtype, device=device)
+        self.conv = torch.zeros(n, batch, la.conv_channels, la.conv_kernel - 1, dtype=torch.float32, device=device)
         self.delta = torch.zeros(n, batch, la.v_heads, la.k_dim, la.v_dim, dtype=torch.float32, device=device)
 
     @staticmethod
-    def expected_nbytes(config: DecoderConfig, batch: int, dtype: torch.dtype) -> int:
-        """Bytes of the state by formula: per recurrent layer and sequence, (kernel-1)·channels values in the run's dtype
-        + v_heads·k_dim·v_dim fp32 values (in a fp32 run: the planner's state_elements × 4 B)."""
+    def expected_nbytes(config: DecoderConfig, batch: int, dtype: torch.dtype = torch.float32) -> int:
+        """Bytes of the state by formula: per recurrent layer and sequence, (kernel-1)·channels + v_heads·k_dim·v_dim
+        fp32 values (the planner's state_elements × 4 B), whatever the run's dtype."""
         la = config.linear
         if la is None:
             return 0
-        element = torch.empty(0, dtype=dtype).element_size()
-        per_layer = (la.conv_kernel - 1) * la.conv_channels * element + la.v_heads * la.k_dim * la.v_dim * 4
+        per_layer = ((la.conv_kernel - 1) * la.conv_channels + la.v_heads * la.k_dim * la.v_dim) * 4
         return len(config.layers_of("recurrent")) * batch * per_layer
 
     def of(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,6 +205,13 @@ class LayeredCache(KVCache):
     def recurrent(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The (conv, delta) state views of recurrent layer `layer` (updated in place by the layer)."""
         return self.state.of(layer)
+
+    def mix(self, layer: int, mixer, h: torch.Tensor) -> torch.Tensor:
+        """Run recurrent layer `layer`'s mixer over rows h (B, T, C) and its state (updated in place)."""
+        self.check_room(layer, h.shape[1])
+        out = mixer(h, *self.recurrent(layer))
+        self.advance(layer, h.shape[1])
+        return out
 
     def check_room(self, layer: int, n_new: int) -> None:
         """CacheCapacityError when n_new more tokens would pass the capacity (recurrent layers hold no rows, but the

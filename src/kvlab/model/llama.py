@@ -134,6 +134,20 @@ class Decoder(nn.Module):
     def output_weight(self) -> torch.Tensor:
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
+    def hidden_at(self, tokens: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+        """tokens (B, T) at absolute positions (T,) through every layer -> (B, T, C) before the final norm (the serving
+        engine: one ragged row of several sequences, its batch view as `cache`)."""
+        x = self.embed(tokens)                                              # (B, T, C)
+        cos, sin = self.rope_at(positions, x.dtype)                         # (T, D)
+        for block in self.blocks:
+            x = block(x, cos, sin, cache)
+        return x
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows x (B, T, C) after every layer -> (B, T, vocab): the final norm and the output projection."""
+        x = self.norm(x)
+        return self.lm_head(x) if self.lm_head is not None else F.linear(x, self.output_weight())
+
     def forward(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
         if self.fused is not None and self.fused.accepts(tokens, cache):
             return self.fused(tokens, cache)                                # (1, 1, vocab): one C call

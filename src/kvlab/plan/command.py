@@ -51,7 +51,10 @@ def plan_command(model: str | None = None, ctx: str = "4096", kv_type: str | Non
             a = admission
             console.print(f"kvlab serving engine: {a['max_concurrent']} concurrent sequences of {a['context']:,} tokens in "
                           f"{a['budget_bytes']:,} B of {a['format']} blocks ({a['blocks']:,} blocks of {a['block_size']} tokens, "
-                          f"{a['block_bytes']:,} B each)", highlight=False)
+                          f"{a['block_bytes']:,} B each"
+                          + (f"; {a['layer_groups']} layer groups, sliding ones freed behind the window" if a["sliding_window_freed"] else "")
+                          + (f"; {a['state_bytes_per_sequence']:,} B of recurrent state per batch slot" if a["state_bytes_per_sequence"] else "")
+                          + ")", highlight=False)
         if plot:
             console.print(f"plot: {plot}")
     return 1 if plan.fits is False else 0

@@ -13,6 +13,15 @@ prefix index. A full block is keyed by a hash chained over the token ids (key_i 
 and verified on lookup against its stored ids and the exact block (id, generation) before it, so a hash
 collision can only miss, never mix two prompts. Freed blocks keep their key and sit in an LRU until their
 memory is needed; a block shared by several sequences is copied before one of them writes into it.
+
+Layer groups (cache/capacity.LayerGroups: Gemma 3's full and sliding layers). The pool's buffers hold one group's
+layers (pool layer j of every group); a block belongs to one group, and a sequence has a table per group:
+`seq.block_table` for group 0 (full layers) and `seq.group_tables` for the others, all the same length (token t in
+entry t // block_size). A sliding group gives back its blocks once they leave the window (free_behind_window: the
+entry becomes NO_BLOCK), so the same blocks hold more sequences. Prefix hits are found and verified on group 0's
+chain as above; another group's block at position i is keyed by (group, key_i) and verified by the group-0 block it
+was written beside (its `parent` is that block's (id, generation)), so it holds the same tokens' K/V; a sliding
+group needs only the blocks its window still reaches at the hit, and the hit is as long as every group can serve.
 """
 
 from __future__ import annotations
@@ -97,13 +106,19 @@ class Block:
     parent: tuple[int, int] | None = None     # (id, generation) of the block before it in its sequence
 
 
+#: a table entry whose block a sliding group has given back (its tokens left the window)
+NO_BLOCK = -1
+
+
 class BlockManager:
     """Block tables, reference counts, the prefix index and the LRU of free blocks."""
 
     def __init__(self, n_blocks: int, block_size: int, prefix_caching: bool = True, on_copy=None, on_free=None,
-                 on_fork=None, prefix_state=None):
+                 on_fork=None, prefix_state=None, windows: tuple = (None,), window_caps: tuple = (None,)):
         self.block_size = block_size
         self.prefix_caching = prefix_caching
+        self.windows = tuple(windows)           # per layer group: None, or the window it frees blocks behind
+        self.window_caps = tuple(window_caps)   # per group: None, or the most blocks it holds for one sequence
         self.blocks = [Block(i) for i in range(n_blocks)]
         self.free_lru: OrderedDict[int, None] = OrderedDict((i, None) for i in range(n_blocks))  # first = evicted first
         self.index: dict[int, int] = {}         # key -> block id
@@ -132,6 +147,21 @@ class BlockManager:
     def chain_key(parent_key: int | None, ids: tuple[int, ...]) -> int:
         return hash((parent_key, ids))
 
+    def tables(self, seq) -> list[list[int]]:
+        """The sequence's block table of each layer group (group 0's is seq.block_table)."""
+        if len(self.windows) == 1:
+            return [seq.block_table]
+        if len(seq.group_tables) != len(self.windows) - 1:
+            seq.group_tables = [[] for _ in self.windows[1:]]
+        return [seq.block_table, *seq.group_tables]
+
+    def group_key(self, group: int, key: int) -> int:
+        return key if group == 0 else hash(("group", group, key))
+
+    def first_needed(self, position: int, window: int | None) -> int:
+        """The first block a query at `position` reads in a group of `window` (0 for full layers)."""
+        return 0 if window is None else max(0, position - window + 1) // self.block_size
+
     def take_cached_prefix(self, seq) -> int:
         """Give a sequence with no blocks the longest cached run of full blocks of its tokens (never the
         last token: its logits are needed). Returns the number of tokens it now has computed."""
@@ -139,6 +169,7 @@ class BlockManager:
         if not self.prefix_caching or (self.prefix_state is not None and not self.prefix_state(seq)):
             return 0
         bs, key, parent = self.block_size, None, None
+        found: list[Block] = []                                      # group 0's blocks, verified along the chain
         for i in range((len(seq.token_ids) - 1) // bs):
             ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             key = self.chain_key(key, ids)
@@ -148,20 +179,46 @@ class BlockManager:
             block = self.blocks[block_id]
             if block.token_ids != ids or block.parent != parent:   # a hash collision, or a stale chain: a miss
                 break
-            if block.ref_count == 0:
-                del self.free_lru[block_id]
-            block.ref_count += 1
-            seq.block_table.append(block_id)
+            found.append(block)
             parent = (block.id, block.generation)
-        seq.num_hashed = len(seq.block_table)
-        seq.num_computed = seq.num_hashed * bs
+        hit, others = len(found), None
+        while hit and others is None:                               # as long as every other group can serve it
+            others = self._group_hit(found, hit)
+            hit -= others is None
+        tables = self.tables(seq)
+        for group, row in enumerate([[b.id for b in found[:hit]], *(others or [[] for _ in tables[1:]])]):
+            for block_id in row:
+                if block_id != NO_BLOCK:
+                    block = self.blocks[block_id]
+                    if block.ref_count == 0:
+                        del self.free_lru[block_id]
+                    block.ref_count += 1
+            tables[group].extend(row)
+        seq.num_hashed = hit
+        seq.num_computed = hit * bs
         return seq.num_computed
+
+    def _group_hit(self, found: list[Block], hit: int) -> list[list[int]] | None:
+        """The other groups' blocks for the first `hit` blocks of group 0 (`found`), NO_BLOCK where a sliding group's
+        window no longer reaches at the hit; None if one is missing."""
+        rows = []
+        for group in range(1, len(self.windows)):
+            first = self.first_needed(hit * self.block_size, self.windows[group])
+            row = [NO_BLOCK] * first
+            for twin in found[first:hit]:
+                block_id = self.index.get(self.group_key(group, twin.key))
+                if block_id is None or self.blocks[block_id].parent != (twin.id, twin.generation):
+                    return None
+                row.append(block_id)
+            rows.append(row)
+        return rows
 
     def register_full_blocks(self, seq) -> None:
         """Enter the sequence's newly completed blocks into the prefix index (the first holder keeps a key)."""
         if not self.prefix_caching:
             return
         bs = self.block_size
+        tables = self.tables(seq)
         key = self.blocks[seq.block_table[seq.num_hashed - 1]].key if seq.num_hashed else None
         for i in range(seq.num_hashed, seq.num_computed // bs):
             block = self.blocks[seq.block_table[i]]
@@ -172,47 +229,77 @@ class BlockManager:
                 block.key, block.token_ids = key, ids
                 block.parent = None if before is None else (before.id, before.generation)
                 self.index.setdefault(key, block.id)
+            for group in range(1, len(tables)):               # beside it: verified by the group-0 block it sits with
+                other = self.blocks[tables[group][i]]
+                if other.key is None:
+                    other.key, other.token_ids, other.parent = self.group_key(group, key), ids, (block.id, block.generation)
+                    self.index.setdefault(other.key, other.id)
             seq.num_hashed = i + 1
+
+    def free_behind_window(self, seq) -> None:
+        """Give back each sliding group's blocks that no later query of the sequence reads (all their tokens more than
+        window - 1 behind its next token); they stay in the prefix cache until their memory is needed."""
+        for group, table in enumerate(self.tables(seq)):
+            window = self.windows[group]
+            if window is None:
+                continue
+            i = min(self.first_needed(seq.num_computed, window), len(table)) - 1
+            while i >= 0 and table[i] != NO_BLOCK:
+                self._drop(table[i])
+                table[i] = NO_BLOCK
+                i -= 1
 
     # -- allocation -------------------------------------------------------------------------------------
     def blocks_needed(self, seq, n_new: int) -> int:
-        """Fresh blocks writing tokens [num_computed, num_computed + n_new) takes (a copy of a shared block included)."""
-        needed = math.ceil((seq.num_computed + n_new) / self.block_size) - len(seq.block_table)
-        return needed + int(self._shared_tail(seq))
+        """Fresh blocks writing tokens [num_computed, num_computed + n_new) takes (a copy of a shared block included),
+        over every group; a sliding group's count stops at the most it ever holds (window_caps), since it frees blocks
+        behind its window between steps (one step writes at most as many blocks as the cap allows)."""
+        tables = self.tables(seq)
+        new = max(0, math.ceil((seq.num_computed + n_new) / self.block_size) - len(seq.block_table))
+        needed = 0
+        for cap, table in zip(self.window_caps, tables):
+            if cap is not None and new > 1:
+                needed += max(0, min(new, cap - sum(b != NO_BLOCK for b in table)))
+            else:
+                needed += new
+        return needed + sum(self._shared_tail(seq, table) for table in tables)
 
     def can_reserve(self, seq, n_new: int) -> bool:
         return self.blocks_needed(seq, n_new) <= self.n_free
 
     def tokens_that_fit(self, seq) -> int:
         """How many more tokens the sequence could write with the free blocks there are now."""
+        tables = self.tables(seq)
         room = len(seq.block_table) * self.block_size - seq.num_computed
-        free = self.n_free - int(self._shared_tail(seq))
-        return max(0, room + free * self.block_size) if free >= 0 else 0
+        free = self.n_free - sum(self._shared_tail(seq, table) for table in tables)
+        return max(0, room + free // len(tables) * self.block_size) if free >= 0 else 0
 
     def reserve(self, seq, n_new: int) -> list[int]:
-        """Blocks for n_new more tokens (copying a shared tail block first); returns their slots."""
+        """Blocks for n_new more tokens in every group (copying a shared tail block first); returns group 0's slots."""
         if not self.can_reserve(seq, n_new):
             raise RuntimeError("reserve() without can_reserve(): the scheduler must check first")
         bs = self.block_size
-        if self._shared_tail(seq):                     # copy-on-write
-            tail = seq.num_computed // bs
-            old, new = self.blocks[seq.block_table[tail]], self._allocate()
-            if self.on_copy is not None:
-                self.on_copy(old.id, new.id)
-            old.ref_count -= 1
-            seq.block_table[tail] = new.id
-        while len(seq.block_table) * bs < seq.num_computed + n_new:
-            seq.block_table.append(self._allocate().id)
+        for table in self.tables(seq):
+            if self._shared_tail(seq, table):              # copy-on-write
+                tail = seq.num_computed // bs
+                old, new = self.blocks[table[tail]], self._allocate()
+                if self.on_copy is not None:
+                    self.on_copy(old.id, new.id)
+                old.ref_count -= 1
+                table[tail] = new.id
+            while len(table) * bs < seq.num_computed + n_new:
+                table.append(self._allocate().id)
         return [seq.block_table[t // bs] * bs + t % bs for t in range(seq.num_computed, seq.num_computed + n_new)]
 
     def free(self, seq) -> None:
         """Drop the sequence's references, last block first (so a prefix outlives its tail in the LRU)."""
-        for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_lru[block_id] = None
+        for table in self.tables(seq):
+            for block_id in reversed(table):
+                if block_id != NO_BLOCK:
+                    self._drop(block_id)
         seq.block_table = []
+        if len(self.windows) > 1:
+            seq.group_tables = []
         seq.num_computed = seq.num_hashed = 0
         if self.on_free is not None:
             self.on_free(seq)
@@ -221,17 +308,28 @@ class BlockManager:
         """The child shares all of the parent's blocks (and tokens); writes then copy a shared tail."""
         child.token_ids = list(parent.token_ids)
         child.block_table = list(parent.block_table)
+        if len(self.windows) > 1:
+            child.group_tables = [list(t) for t in parent.group_tables]
         child.num_computed, child.num_hashed = parent.num_computed, parent.num_hashed
-        for block_id in child.block_table:
-            self.blocks[block_id].ref_count += 1
+        for table in self.tables(child):
+            for block_id in table:
+                if block_id != NO_BLOCK:
+                    self.blocks[block_id].ref_count += 1
         if self.on_fork is not None:
             self.on_fork(parent, child)
 
-    def _shared_tail(self, seq) -> bool:
+    def _drop(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free_lru[block_id] = None
+
+    def _shared_tail(self, seq, table: list[int] | None = None) -> bool:
         """The next token would be written into a partly filled block another sequence also holds."""
-        if seq.num_computed % self.block_size == 0 or len(seq.block_table) * self.block_size <= seq.num_computed:
+        table = seq.block_table if table is None else table
+        if seq.num_computed % self.block_size == 0 or len(table) * self.block_size <= seq.num_computed:
             return False
-        return self.blocks[seq.block_table[seq.num_computed // self.block_size]].ref_count > 1
+        return self.blocks[table[seq.num_computed // self.block_size]].ref_count > 1
 
     def _allocate(self) -> Block:
         """The least recently freed block, forgotten by the prefix index."""

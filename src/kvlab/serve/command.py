@@ -7,7 +7,6 @@ imports serve.http (when `kvlab serve` runs), never the other way round.
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import typer
@@ -29,9 +28,10 @@ def check_serve_extra() -> None:
         raise KvlabError(f"kvlab serve needs the serve extra ({', '.join(missing)} missing): pip install 'kvlab[serve]'")
 
 
-def budget_for(ctx: int, max_seqs: int, block_bytes: int, block_size: int) -> int:
-    """The KV bytes that hold `max_seqs` sequences of `ctx` tokens each, in whole blocks."""
-    return max_seqs * math.ceil(ctx / block_size) * block_bytes
+def budget_for(ctx: int, max_seqs: int, capacity) -> int:
+    """The KV bytes that hold `max_seqs` sequences of `ctx` tokens each, in whole blocks (of every layer group),
+    and what the pool holds besides its blocks."""
+    return max_seqs * capacity.blocks_for(ctx) * capacity.block_bytes + capacity.fixed_bytes
 
 
 def memory_plan_table(capacity, model_name: str, context_length: int, max_batch: int, ctx: int | None = None) -> Table:
@@ -41,11 +41,18 @@ def memory_plan_table(capacity, model_name: str, context_length: int, max_batch:
     table.add_column("value", justify="right")
     table.add_row("cache format", str(capacity.format))
     table.add_row("KV budget", f"{capacity.budget:,} bytes ({capacity.budget / 2**20:,.1f} MiB)")
-    table.add_row("block", f"{capacity.block_size} tokens × {capacity.block_bytes:,} bytes (all layers, K and V)")
-    table.add_row("blocks", f"{capacity.n_blocks:,} = {capacity.n_blocks * capacity.block_size:,} tokens, "
-                            f"{capacity.n_blocks * capacity.block_bytes / 2**20:,.1f} MiB")
+    groups = capacity.groups
+    layers = "all attention layers" if groups is None or len(groups.members) == 1 else \
+        f"{groups.size} layers of one of {len(groups.members)} layer groups, sliding ones freed behind the window"
+    table.add_row("block", f"{capacity.block_size} tokens × {capacity.block_bytes:,} bytes ({layers}, K and V)")
+    mib = capacity.n_blocks * capacity.block_bytes / 2**20
+    if capacity.tokens == capacity.n_blocks * capacity.block_size:
+        table.add_row("blocks", f"{capacity.n_blocks:,} = {capacity.tokens:,} tokens, {mib:,.1f} MiB")
+    else:                                       # layer groups: a sequence takes a block in each
+        table.add_row("blocks", f"{capacity.n_blocks:,} ({mib:,.1f} MiB): one sequence of up to {capacity.tokens:,} tokens")
     if capacity.fixed_bytes:
-        table.add_row("besides the blocks", f"{capacity.fixed_bytes:,} bytes (shared codec state, per-sequence key groups)")
+        table.add_row("besides the blocks", f"{capacity.fixed_bytes:,} bytes (shared codec state, per-sequence key groups, "
+                                            "recurrent state slots)")
     lengths = sorted({n for n in (*PLAN_CONTEXTS, ctx or 0, context_length) if 0 < n <= context_length})
     for n in lengths:
         fits = capacity.max_concurrent(n)
@@ -67,10 +74,8 @@ def run_server(*, model: str | None, cache: str, kv_budget: str | None, ctx: int
                host: str, port: int, api_key: str | None, max_batch: int, max_waiting: int, block_size: int,
                default_max_tokens: int, grace: float, dtype: str, max_body_bytes: int, console) -> None:
     """`kvlab serve`: load the model, size the KV pool, print the memory plan, serve until SIGINT/SIGTERM."""
-    from ..cache import CacheGeometry
     from ..session import cached_model
-    from .blocks import CapacityPlan
-    from .engine import Engine
+    from .engine import Engine, capacity_for
     from .http import LOOPBACK_HOSTS, Server, ServerConfig, create_app, is_loopback
 
     loaded = cached_model(model, dtype, "cpu")
@@ -79,12 +84,14 @@ def run_server(*, model: str | None, cache: str, kv_budget: str | None, ctx: int
     if ctx is not None:
         if ctx > context_length:
             raise ConfigError(f"--ctx {ctx} exceeds the model's context of {context_length} tokens")
-        one = CapacityPlan.build(CacheGeometry.for_model(loaded.config), cache, 2**40, block_size, max_batch)  # sizes only
-        budget = budget_for(ctx, max_seqs, one.block_bytes, block_size) + one.fixed_bytes
+        one = capacity_for(loaded.config, cache, 2**40, block_size, max_batch, max(512, max_batch))   # sizes only
+        budget = budget_for(ctx, max_seqs, one)
     engine = Engine(loaded, cache=cache, kv_budget=budget, max_batch=max_batch, block_size=block_size,
                     max_step_tokens=max(512, max_batch))
     name = loaded.path.stem if loaded.path.is_file() else loaded.path.name
     console.print(memory_plan_table(engine.capacity, name, context_length, max_batch, ctx))
+    if engine.prefix_caching_off:
+        console.print(f"note: {engine.prefix_caching_off}", highlight=False)
     local = is_loopback(host)
     if not local and api_key is None:
         console.print(f"[bold yellow]warning:[/] serving on {host} without --api-key: anyone who can reach it may use it")

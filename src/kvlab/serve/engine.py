@@ -12,12 +12,14 @@ The Engine is not thread-safe: one thread owns it and calls step().
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..cache import CacheGeometry, CacheSpec
+from ..cache.capacity import LayerGroups
 from ..errors import ConfigError, KvlabError, RequestTooLargeError
+from ..model.layer_caches import RecurrentState
 from .blocks import BlockManager, CapacityPlan
 from .coded import make_pool
 from .grammar import GrammarState, GrammarTokenizer
@@ -25,6 +27,11 @@ from .runner import Runner
 from .sampling import Draw, SamplingParams, TextStream, TokenCounts
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
+from .state_slots import StateSlots
+
+#: why a model with recurrent layers serves without prefix caching (logged, in the stats, in docs/serve.md)
+PREFIX_OFF_RECURRENT = ("prefix caching is off for models with recurrent layers: a cached prefix's K/V blocks do not "
+                        "hold the recurrent state after it, so every prompt is prefilled from its first token")
 
 
 @dataclass
@@ -64,6 +71,8 @@ class EngineStats:
     steps: int
     computed_tokens: int = 0       # tokens run through the model (prefill chunks, recomputes and decodes)
     kv_bytes_peak: int = 0         # the most kv_bytes_used has been
+    state_bytes_total: int = 0     # the recurrent layers' state slots (max_batch of them; 0 without recurrent layers)
+    prefix_caching: bool = True    # False when asked off, or switched off for recurrent layers (Engine.prefix_caching_off)
 
 
 @dataclass
@@ -86,10 +95,23 @@ def _with_recipe(cache: str, loaded) -> str:
     return resolve(str(cache), loaded)
 
 
+def capacity_for(config, cache: str, kv_budget: int | str, block_size: int = 16, max_batch: int = 16,
+                 step_tokens: int = 512, free_window: bool = True) -> CapacityPlan:
+    """What `kv_budget` buys the engine for a model of `config` (DecoderConfig): its attention layers' blocks in layer
+    groups (sliding groups freeing blocks behind the window unless `free_window` is off) and, for recurrent layers,
+    a state slot per batch row. The planner's `--engine kvlab --kv-budget` builds the same plan from the model file."""
+    groups = LayerGroups.build(config.layer_kinds, config.sliding_window, free_window)
+    if len(set(config.layer_kinds)) > 1:                # Gemma 3, Qwen3.5: dense blocks (CacheSpec.supports)
+        CacheSpec.parse(str(cache), "pool").check("layered-pool")
+    state = RecurrentState.expected_nbytes(config, 1) if config.layers_of("recurrent") else 0
+    return CapacityPlan.build(CacheGeometry.for_model(config), cache, kv_budget, block_size, max_batch, groups, state,
+                              step_tokens)
+
+
 class Engine:
     def __init__(self, model, tokenizer=None, *, cache: str = "dense", kv_budget: int | str = "512MiB",
                  max_batch: int = 16, block_size: int = 16, max_step_tokens: int = 512, prefix_caching: bool = True,
-                 use_kernel: bool = True):
+                 use_kernel: bool = True, free_window: bool = True):
         if hasattr(model, "tokenizer") and hasattr(model, "model"):     # a LoadedModel
             tokenizer = tokenizer if tokenizer is not None else model.tokenizer
             cache = _with_recipe(cache, model)
@@ -103,20 +125,45 @@ class Engine:
         self.model, self.tokenizer = model, tokenizer
         self.config = model.config
         device = next(model.parameters()).device
-        geometry = CacheGeometry.for_model(self.config)
-        self.capacity = CapacityPlan.build(geometry, cache, kv_budget, block_size, max_batch)
+        cfg = self.config
+        self.capacity = capacity_for(cfg, cache, kv_budget, block_size, max_batch, max_step_tokens, free_window)
+        self.groups = self.capacity.groups
+        recurrent = bool(cfg.layers_of("recurrent"))
+        geometry = replace(CacheGeometry.for_model(cfg), n_layers=self.groups.size)
         self.pool = make_pool(geometry, self.capacity, device, model, tokenizer)
-        self.blocks = BlockManager(self.capacity.n_blocks, block_size, prefix_caching, on_copy=self.pool.copy_block,
-                                   on_free=self.pool.release, on_fork=self.pool.fork,
-                                   prefix_state=getattr(self.pool, "holds_prefix_state", None))
+        self.state = StateSlots(cfg, max_batch, device) if recurrent else None
+        #: why prefix caching is off though asked for (None: it runs as asked)
+        self.prefix_caching_off = PREFIX_OFF_RECURRENT if recurrent and prefix_caching else None
+        self.blocks = BlockManager(self.capacity.n_blocks, block_size, prefix_caching and not recurrent,
+                                   on_copy=self.pool.copy_block, on_free=self._release, on_fork=self._fork_state,
+                                   prefix_state=getattr(self.pool, "holds_prefix_state", None),
+                                   windows=self.groups.windows,
+                                   window_caps=tuple(w and self.capacity.window_blocks(w) for w in self.groups.windows))
         self.scheduler = Scheduler(self.blocks, max_batch, max_step_tokens)
-        self.runner = Runner(model, self.pool, use_kernel)
+        self.runner = Runner(model, self.pool, use_kernel, groups=self.groups, state=self.state)
         self.eos_ids = tuple(tokenizer.eos_ids) if tokenizer is not None else ()
         self.grammar_tokenizer = GrammarTokenizer(tokenizer) if tokenizer is not None else None   # built on first use
         self.requests: dict[str, list[Sequence]] = {}    # request id -> its live choices
         self._aborted: list[RequestOutput] = []
         self._ids = itertools.count()
         self._counts = dict(prompt_tokens=0, generated_tokens=0, steps=0, computed_tokens=0, kv_bytes_peak=0)
+
+    def _release(self, seq: Sequence) -> None:
+        """The sequence holds no blocks any more: its per-sequence pool rows and state slot go back."""
+        self.pool.release(seq)
+        if self.state is not None:
+            self.state.release(seq)
+
+    def _fork_state(self, parent: Sequence, child: Sequence) -> None:
+        self.pool.fork(parent, child)
+        if self.state is not None:
+            self.state.fork(parent, child)
+
+    @property
+    def pool_nbytes(self) -> int:
+        """Every byte the engine holds for sequences: the blocks, the pool's shared and per-sequence rows, and the
+        recurrent state slots (= capacity.pool_bytes, the planner's number)."""
+        return self.pool.nbytes + (self.state.nbytes if self.state is not None else 0)
 
     @classmethod
     def from_model_path(cls, path=None, *, dtype: str = "fp32", device: str = "cpu", weights: str = "auto", **kw) -> "Engine":
@@ -267,7 +314,8 @@ class Engine:
             blocks_free=b.n_free, block_size=b.block_size, kv_bytes_total=self.pool.nbytes,
             kv_bytes_used=b.n_used * self.capacity.block_bytes, prefix_queries_tokens=s.prefix_query_tokens,
             prefix_hit_tokens=s.prefix_hit_tokens, prompt_tokens=c["prompt_tokens"], generated_tokens=c["generated_tokens"],
-            preemptions=s.preemptions, steps=c["steps"], computed_tokens=c["computed_tokens"], kv_bytes_peak=c["kv_bytes_peak"])
+            preemptions=s.preemptions, steps=c["steps"], computed_tokens=c["computed_tokens"], kv_bytes_peak=c["kv_bytes_peak"],
+            state_bytes_total=self.state.nbytes if self.state is not None else 0, prefix_caching=b.prefix_caching)
 
     # -- offline use --------------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams] | None = None,

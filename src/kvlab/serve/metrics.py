@@ -66,6 +66,9 @@ class ServeMetrics:
             "kvlab_kv_bytes_used": ("Bytes of the KV pool in use.", "kv_bytes_used"),
             "kvlab_kv_bytes_peak": ("The most bytes of the KV pool in use at once.", "kv_bytes_peak"),
             "kvlab_preemptions": ("Sequences preempted so far (recomputed later).", "preemptions"),
+            "kvlab_state_bytes_total": ("Bytes of the recurrent layers' state slots.", "state_bytes_total"),
+            "kvlab_prefix_caching": ("1 if prefix caching runs; 0 if asked off, or off for recurrent layers (their state "
+                                     "is not in the blocks).", "prefix_caching"),
         }
         for name, (doc, field) in gauges.items():
             Gauge(name, doc, registry=r).set_function(from_stats(field))

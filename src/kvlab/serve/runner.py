@@ -2,27 +2,31 @@
 
 The N tokens of a step (decode tokens and prefill chunks of any number of sequences) go through the
 model as one (1, N, C) batch, so every weight matrix is read once per step. The model's own Block
-modules run it: BatchView speaks the cache protocol (append / attend) for the step, writing each token's
-K/V into its pool slot and answering attention per sequence through its block table. Where it applies (dense
-blocks, at most GEMM_MAX_ROWS rows: fused_batch.fused_batch_for), the same layers run in one C call instead, and
-the sampled rows' final norm, output head and argmax in one more.
+modules run it: BatchView speaks the cache protocol (append / attend, and mix for recurrent layers) for the
+step, writing each token's K/V into its pool slot and answering attention per sequence through its block table.
+Where it applies (dense blocks, at most GEMM_MAX_ROWS rows: fused_batch.fused_batch_for), the same layers run in one
+C call instead, and the sampled rows' final norm, output head and argmax in one more.
+
+Models whose layers differ in kind (Gemma 3, Qwen3.5) run the modules: each attention layer reads the blocks of its
+layer group (cache/capacity.LayerGroups) with its own window, and each recurrent layer runs over the sequences' state
+slots (state_slots.py): the decoding sequences as one batch, each prefill chunk on its own.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from ..cache.capacity import LayerGroups
 from .attention import RaggedLayout
+from .blocks import NO_BLOCK
 from .fused_batch import fused_batch_for
 from .sampling import Draw, sample_rows
 from .scheduler import Chunk
 
 
 class BatchView:
-    """The cache protocol over one step's batch: the model's Attention modules call append, then attend.
-
-    The pool stores and reads (dense blocks, or codes: coded.py); the view carries the step's layout."""
+    """What a pool reads for the layers of one group and window in one step: the new tokens' slots, the block
+    tables, the scale and window (and, for a model of one group, the cache protocol: append, then attend)."""
 
     def __init__(self, pool, slots: torch.Tensor, layout: RaggedLayout, scale: float, window: int | None,
                  use_kernel: bool, rows: list[int] | None = None):
@@ -41,19 +45,47 @@ class BatchView:
         return out.transpose(0, 1)[None].to(q.dtype)
 
 
+class StepView:
+    """The cache protocol over one step for the model's layers: each attention layer's append and attend go to the
+    view of its group and window, at its layer in the pool; recurrent layers call mix (state_slots.py)."""
+
+    def __init__(self, where: dict[int, tuple[int, BatchView]], state=None, state_rows=None):
+        self.where = where                                   # model layer -> (its pool layer, its BatchView)
+        self.state, self.state_rows = state, state_rows      # StateSlots, and (slots, starts, sizes) of the step
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        index, view = self.where[layer]
+        view.append(index, k, v)
+
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        index, view = self.where[layer]
+        return view.attend(index, q)
+
+    def mix(self, layer: int, mixer, h: torch.Tensor) -> torch.Tensor:
+        """A recurrent layer over the step's rows h (1, N, C), each sequence on its state slot."""
+        return self.state.mix(layer, mixer, h, *self.state_rows)
+
+
 def output_logits(model, x: torch.Tensor) -> torch.Tensor:
-    """Final norm and output projection of rows x (1, R, C) -> (1, R, vocab), as Decoder.forward ends."""
-    x = model.norm(x)
-    return model.lm_head(x) if model.lm_head is not None else F.linear(x, model.output_weight())
+    """Final norm and output projection of rows x (1, R, C) -> (1, R, vocab), as the decoder's forward ends."""
+    return model.logits(x)
+
+
+def token_slots(table: list[int], start: int, n: int, block_size: int) -> list[int]:
+    """The slots of tokens [start, start + n) in a block table."""
+    return [table[t // block_size] * block_size + t % block_size for t in range(start, start + n)]
 
 
 class Runner:
-    def __init__(self, model, pool, use_kernel: bool = True, fused_batch: bool = True):
+    def __init__(self, model, pool, use_kernel: bool = True, fused_batch: bool = True, groups: LayerGroups | None = None,
+                 state=None):
         self.model, self.pool, self.use_kernel = model, pool, use_kernel
         self.fused_batch = fused_batch      # False: every step through the modules (fused_batch.py decides when on)
         cfg = model.config
         self.scale = cfg.head_dim ** -0.5
         self.window = cfg.sliding_window
+        self.groups = groups or LayerGroups.build(cfg.layer_kinds, cfg.sliding_window, free_window=False)
+        self.state = state                  # StateSlots of the recurrent layers (None: the model has none)
         self.device = pool.device
 
     @torch.inference_mode()
@@ -69,19 +101,36 @@ class Runner:
         """Every chunk's tokens through every layer -> (1, N, C) rows before the final norm; their K/V into the pool."""
         ids = [t for c in chunks for t in c.seq.token_ids[c.start:c.start + c.n_tokens]]
         positions = torch.tensor([p for c in chunks for p in range(c.start, c.start + c.n_tokens)], device=self.device)
-        layout = RaggedLayout.build([c.seq.block_table for c in chunks], [c.n_tokens for c in chunks],
-                                    [c.start + c.n_tokens for c in chunks], self.pool.block_size)
-        x = self.model.embed(torch.tensor([ids], device=self.device))              # (1, N, C)
-        cos, sin = self.model.rope_at(positions, x.dtype)                         # (N, D)
+        bs = self.pool.block_size
+        sizes, ends = [c.n_tokens for c in chunks], [c.start + c.n_tokens for c in chunks]
+        layout = RaggedLayout.build([c.seq.block_table for c in chunks], sizes, ends, bs)
         fused = fused_batch_for(self, len(ids))
+        tokens = torch.tensor([ids], device=self.device)
         if fused is not None:
+            x = self.model.embed(tokens)                                           # (1, N, C)
+            cos, sin = self.model.rope_at(positions, x.dtype)                     # (N, D)
             return fused(x, cos, sin, self.pool, layout, self.scale, self.window)  # (1, N, C): one C call
-        slots = torch.tensor([s for c in chunks for s in c.slots], dtype=torch.long, device=self.device)   # (N,)
         rows = self.pool.rows_for([c.seq for c in chunks])
-        view = BatchView(self.pool, slots, layout, self.scale, self.window, self.use_kernel, rows)
-        for block in self.model.blocks:
-            x = block(x, cos, sin, view)                                            # (1, N, C)
-        return x
+        where: dict[int, tuple[int, BatchView]] = {}
+        views: dict[tuple[int, int | None], BatchView] = {}
+        for group, members in enumerate(self.groups.members):
+            if group == 0:
+                slots, group_layout = [s for c in chunks for s in c.slots], layout
+            else:
+                tables = [c.seq.group_tables[group - 1] for c in chunks]
+                slots = [s for c, t in zip(chunks, tables) for s in token_slots(t, c.start, c.n_tokens, bs)]
+                group_layout = RaggedLayout.build([[0 if b == NO_BLOCK else b for b in t] for t in tables], sizes, ends, bs)
+            slot_tensor = torch.tensor(slots, dtype=torch.long, device=self.device)   # (N,)
+            for index, layer in enumerate(members):
+                window = self.groups.window_of(layer)
+                if (group, window) not in views:
+                    views[group, window] = BatchView(self.pool, slot_tensor, group_layout, self.scale, window, self.use_kernel, rows)
+                where[layer] = (index, views[group, window])
+        state_rows = None
+        if self.state is not None:
+            state_rows = (self.state.slots_for([c.seq for c in chunks]), [0, *torch.tensor(sizes).cumsum(0).tolist()][:-1], sizes)
+        view = StepView(where, self.state, state_rows)
+        return self.model.hidden_at(tokens, positions, view)                        # (1, N, C)
 
     def sample(self, chunks: list[Chunk], x: torch.Tensor) -> list[list[Draw] | None]:
         """The draws of each chunk that reaches its sequence's end (its last row of x (1, N, C)), else None."""

@@ -115,10 +115,11 @@ class Scheduler:
         self.preemptions += 1
 
     def update(self, chunks: list[Chunk], sampled: list[int | None]) -> None:
-        """Count the computed tokens, index their full blocks, append each sampled token."""
+        """Count the computed tokens, index their full blocks, free what left a window, append each sampled token."""
         for chunk, token in zip(chunks, sampled):
             seq = chunk.seq
             seq.num_computed += chunk.n_tokens
             self.blocks.register_full_blocks(seq)
+            self.blocks.free_behind_window(seq)
             if token is not None:
                 seq.token_ids.append(token)

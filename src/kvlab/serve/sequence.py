@@ -26,6 +26,7 @@ class Sequence:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     n_prompt: int = 0
     block_table: list[int] = field(default_factory=list)   # block ids; token t lives in block_table[t // block_size]
+    group_tables: list[list[int]] = field(default_factory=list)   # the other layer groups' tables (blocks.py)
     num_computed: int = 0          # tokens whose K/V are written
     num_hashed: int = 0            # leading full blocks registered in the prefix index
     cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache at the first admission

@@ -3,6 +3,10 @@
 --kv-type names a cache of the kvlab registry (dense, concat, and the compressed caches: int8, int4, tq4, ...),
 optionally with its element dtype: `dense@f16`. A bare f32 / f16 / bf16 means the dense cache in that dtype
 (CacheSpec.parse_with_dtype). Layers with the same geometry share one formula call. No torch is imported here.
+
+A model whose layers differ in kind (Gemma 3, Qwen3.5, Qwen3-Next) runs on model/layer_caches.LayeredCache: its
+dense sliding layers keep min(context, window - 1 + WINDOW_BLOCK) rows, and each recurrent layer a fixed fp32 state
+of state_elements values per sequence, whatever the cache and the run's dtype.
 """
 
 from __future__ import annotations
@@ -10,7 +14,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ...cache import CacheGeometry, CacheSpec
-from ...cache.capacity import CapacityPlan
+from ...cache.capacity import CapacityPlan, LayerGroups
+from ...cache.geometry import WINDOW_BLOCK
 from ...cache.format import DTYPES
 from ...errors import ConfigError
 from ...spec import ModelSpec
@@ -31,18 +36,24 @@ class KvlabRules(EngineRules):
         cache, dtype = CacheSpec.parse_with_dtype(settings.kv_type_k or settings.kv_type_v)  # one alone names the cache
         cache.check("torch")
         groups: dict[tuple, list[int]] = {}
+        layered = len({layer.kind for layer in spec.layers}) > 1       # LayeredCache: a cache per layer kind
+        rows: dict[int, LayerBytes] = {}
         for i, layer in enumerate(spec.layers):
-            if layer.kind in ("mla", "recurrent"):
-                raise ConfigError(f"kvlab's caches hold full and sliding-window attention only; layer {i} is {layer.kind}")
-            if layer.kind == "none":
+            if layer.kind == "mla":
+                raise ConfigError(f"kvlab's caches hold full and sliding-window attention and recurrent state; layer {i} is mla")
+            if layer.kind == "recurrent":
+                rows[i] = LayerBytes(i, "recurrent", state_bytes=layer.state_elements * 4 * settings.parallel)   # fp32
+            if layer.kind in ("none", "recurrent"):
                 continue
             groups.setdefault((layer.n_kv_heads, layer.head_dim_k, layer.head_dim_v, layer.window, layer.n_heads), []).append(i)
-        rows: dict[int, LayerBytes] = {}
         total = per_token = 0
         for (kv_heads, dim_k, dim_v, window, heads), indices in groups.items():
+            held = settings.context
+            if layered and window and cache.base == "dense":           # SlidingWindowCache: the window and a block
+                held = min(settings.context, window - 1 + WINDOW_BLOCK)
             geometry = CacheGeometry(n_layers=len(indices), n_kv_heads=kv_heads, head_dim=dim_k, batch=settings.parallel,
-                                     capacity=settings.context, n_heads=heads, head_dim_v=dim_v, window=window)
-            nbytes = cache.bytes(geometry, settings.context, dtype)
+                                     capacity=held, n_heads=heads, head_dim_v=dim_v, window=window)
+            nbytes = cache.bytes(geometry, held, dtype)
             total += nbytes
             per_token += cache.token_bytes(geometry, dtype)          # what one more token of one sequence adds
             per_layer = nbytes // len(indices)
@@ -56,8 +67,8 @@ class KvlabRules(EngineRules):
         notes = ("K/V split by head dims (kvlab caches report them together)",) if cache.base != "dense" else ()
         layout = KVLayout(self.name, layers, per_token, label, label, notes)
         remainder = total - layout.kv_bytes   # integer division across layers: give the rest to the first layer
-        if remainder and rows:
-            first = min(rows)
+        if remainder and groups:
+            first = min(i for indices in groups.values() for i in indices)
             rows[first] = replace(rows[first], v_total=rows[first].v_total + remainder)
             layout = KVLayout(self.name, tuple(rows.get(i, LayerBytes(i, layer.kind)) for i, layer in enumerate(spec.layers)),
                               per_token, label, label, notes)
@@ -88,11 +99,13 @@ class KvlabRules(EngineRules):
         return [Component("activations", f"logits {spec.vocab_size}×{settings.parallel}×{n_ub}×4 (prefill)", logits, exact=False)]
 
 
-def engine_admission(spec: ModelSpec, settings: PlanSettings, kv_budget: str) -> dict:
+def engine_admission(spec: ModelSpec, settings: PlanSettings, kv_budget: str, max_batch: int = 16,
+                     step_tokens: int = 512) -> dict:
     """How many sequences of `settings.context` tokens the serving engine (kvlab.serve) admits in a KV budget:
-    the engine's own CapacityPlan (cache/capacity.py: blocks sized by the format's formula), so the planner and the
-    engine agree. Dense and compressed block formats (int4, tq4, ...); per-sequence state is sized for the engine's
-    default max_batch (16)."""
+    the engine's own CapacityPlan (cache/capacity.py: blocks sized by the format's formula, a block table per layer
+    group, sliding groups capped at their window, recurrent state slots), so the planner and the engine agree.
+    Dense and compressed block formats (int4, tq4, ...; dense only for models whose layers differ in kind);
+    per-sequence state is sized for the engine's defaults (max_batch 16, 512 tokens a step)."""
     cache, dtype = CacheSpec.parse_with_dtype(settings.kv_type_k)
     if cache.base == "dense":   # dense-f16 / dense-bf16 keep their storage dtype whatever the run's; dense@f16 is dense-f16
         block_format = cache.name if cache.storage else {"float32": "dense", "float16": "dense-f16",
@@ -101,12 +114,25 @@ def engine_admission(spec: ModelSpec, settings: PlanSettings, kv_budget: str) ->
         block_format = cache.label
     else:
         raise ConfigError(f"--kv-budget: compressed blocks keep their full-precision state in f32, not {settings.kv_type_k!r}")
+    kinds = [layer.kind for layer in spec.layers]
+    if "mla" in kinds or "none" in kinds:
+        raise ConfigError(f"--kv-budget: the serving engine runs full, sliding and recurrent layers; {spec.name} has "
+                          f"{'mla' if 'mla' in kinds else 'none'} layers")
+    if len(set(kinds)) > 1:
+        CacheSpec.parse(block_format, "pool").check("layered-pool")
     layers = [layer for layer in spec.layers if layer.kind in ("full", "sliding")]
     shapes = {(layer.n_kv_heads, layer.head_dim_k, layer.head_dim_v, layer.n_heads) for layer in layers}
-    if len(shapes) != 1 or len(layers) != len(spec.layers):
-        raise ConfigError(f"--kv-budget: the serving engine runs models whose layers all share one attention shape; {spec.name} does not")
+    windows = {layer.window for layer in layers if layer.kind == "sliding"}
+    if len(shapes) != 1 or len(windows) > 1:
+        raise ConfigError(f"--kv-budget: the serving engine runs models whose attention layers share one shape and "
+                          f"window; {spec.name} does not")
     (kv_heads, dim_k, dim_v, heads), = shapes
-    geometry = CacheGeometry(n_layers=len(layers), n_kv_heads=kv_heads, head_dim=dim_k, head_dim_v=dim_v, n_heads=heads)
-    plan = CapacityPlan.build(geometry, block_format, kv_budget, settings.block_size)   # the engine's default max_batch
+    groups = LayerGroups.build(kinds, windows.pop() if windows else None)
+    geometry = CacheGeometry(n_layers=groups.size, n_kv_heads=kv_heads, head_dim=dim_k, head_dim_v=dim_v, n_heads=heads)
+    state = sum(layer.state_elements for layer in spec.layers if layer.kind == "recurrent") * 4   # fp32, per sequence
+    plan = CapacityPlan.build(geometry, block_format, kv_budget, settings.block_size, max_batch, groups, state, step_tokens)
     return {"format": plan.format, "budget_bytes": plan.budget, "block_size": plan.block_size, "block_bytes": plan.block_bytes,
-            "blocks": plan.n_blocks, "context": settings.context, "max_concurrent": plan.max_concurrent(settings.context)}
+            "blocks": plan.n_blocks, "layer_groups": len(groups.members), "layers_per_block": groups.size,
+            "sliding_window_freed": groups.freeing, "state_bytes_per_sequence": state, "pool_bytes": plan.pool_bytes,
+            "context": settings.context, "blocks_per_sequence": plan.blocks_for(settings.context),
+            "max_concurrent": plan.max_concurrent(settings.context)}
