@@ -51,7 +51,8 @@ def _settings(case: dict) -> PlanSettings:
 
 def test_fixture_covers_the_architectures():
     archs = {m["metadata"]["general.architecture"] for m in FIXTURE["models"].values() if "metadata" in m}
-    assert {"llama", "qwen3", "gemma3", "gemma2", "gpt-oss", "qwen35", "qwen3next", "granitehybrid", "mamba", "deepseek2"} <= archs
+    assert {"llama", "qwen3", "gemma3", "gemma2", "gpt-oss", "qwen35", "qwen3next", "granitehybrid", "mamba", "deepseek2",
+            "llama4"} <= archs
     assert "smollm2-135m-gguf" in FIXTURE["models"]
     assert len(FIXTURE["cases"]) >= 100
 

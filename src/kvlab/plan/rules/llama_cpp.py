@@ -12,7 +12,8 @@ Rules
   V is stored transposed and, when V widths differ between layers, every layer's V row is padded to
   the widest. MLA layers store K only (latent + RoPE key) and need type_k == type_v.
 - Sliding-window layers live in a second cache of pad(min(n_ctx_seq, window × (n_seq if unified
-  else 1) + n_ubatch), 256) cells, unless swa_full.
+  else 1) + n_ubatch), 256) cells, unless swa_full. Llama 4's chunked layers are sliding layers of a
+  window llama.cpp fixes at 8,192 (models/llama4.cpp), whatever attention_chunk_size says.
 - Recurrent layers keep (n_embd_r + n_embd_s) f32 values per layer for max(1, n_seq_max) sequences.
 - A quantized V cache requires flash attention.
 """
@@ -20,6 +21,8 @@ Rules
 from __future__ import annotations
 
 from ...errors import ConfigError
+from ...sources.gguf import FIXED_WINDOWS
+from ...sources.hf_folder import LLAMA4_TYPES
 from ...spec import ModelSpec
 from ..components import Component
 from ..kv_types import KVType, kv_type
@@ -35,6 +38,8 @@ RECURRENT_BYTES = 4     # R and S tensors are f32
 #: (Mistral 7B v0.1's 4,096 window, Qwen2's use_sliding_window) get full caches, as kvlab's GGUF reader plans them
 NO_SWA_ARCHS = {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "qwen3moe", "mistral3",
                 "deepseek2", "deepseek_v2", "deepseek_v3", "phi3"}
+#: the sliding window llama.cpp's loader fixes per architecture (by HF model type and GGUF name)
+FIXED_WINDOW_ARCHS = {**FIXED_WINDOWS, **{t: FIXED_WINDOWS["llama4"] for t in LLAMA4_TYPES}}
 GPU_RUNTIME_BYTES = 400 * MiB   # CUDA context + cuBLAS workspace: typical, driver-dependent (estimate)
 
 
@@ -87,13 +92,15 @@ class LlamaCppRules(EngineRules):
         rows = []
         per_token = sliding_per_token = 0
         ignores_window = spec.arch in NO_SWA_ARCHS
+        fixed_window = FIXED_WINDOW_ARCHS.get(spec.arch)
         for i, layer in enumerate(spec.layers):
             kind = "full" if layer.kind == "sliding" and ignores_window else layer.kind
             if kind in ("full", "sliding", "mla"):
                 k_row = type_k.row_bytes(layer.k_elements_per_token)
                 v_elems = widest_v if (variable_v and not settings.flash_attn and kind != "mla") else layer.v_elements_per_token
                 v_row = type_v.row_bytes(v_elems) if v_elems else 0
-                layer_cells = self.swa_cells(layer.window, cells, settings, n_ubatch) if kind == "sliding" else cells
+                window = fixed_window or layer.window
+                layer_cells = self.swa_cells(window, cells, settings, n_ubatch) if kind == "sliding" else cells
                 rows.append(LayerBytes(i, kind, layer_cells * streams, k_row, v_row))
                 if kind == "sliding":
                     sliding_per_token += k_row + v_row
@@ -109,6 +116,8 @@ class LlamaCppRules(EngineRules):
             notes.append(f"llama.cpp reads no sliding window for {spec.arch}: its sliding layers get full caches")
         elif any(layer.kind == "sliding" for layer in spec.layers) and not settings.swa_full:
             notes.append("sliding-window layers keep pad(window + ubatch, 256) cells")
+        if fixed_window and any(layer.kind == "sliding" and layer.window != fixed_window for layer in spec.layers):
+            notes.append(f"llama.cpp chunks {spec.arch}'s attention at {fixed_window:,} tokens whatever the model's chunk size")
         return KVLayout(self.name, tuple(rows), per_token, type_k.name, type_v.name, tuple(notes), sliding_per_token)
 
     # -- the rest of the budget ---------------------------------------------------------------------
