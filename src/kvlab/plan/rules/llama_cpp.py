@@ -15,7 +15,8 @@ Rules
   else 1) + n_ubatch), 256) cells, unless swa_full. Llama 4's chunked layers are sliding layers of a
   window llama.cpp fixes at 8,192 (models/llama4.cpp), whatever attention_chunk_size says.
 - Recurrent layers keep (n_embd_r + n_embd_s) f32 values per layer for max(1, n_seq_max) sequences.
-- A quantized V cache requires flash attention.
+- A quantized V cache requires flash attention; with flash attention a quantized K (V) type's block (32
+  values) must divide the K (V) head dims.
 """
 
 from __future__ import annotations
@@ -81,10 +82,25 @@ class LlamaCppRules(EngineRules):
         seqs = settings.parallel if settings.kv_unified else 1
         return pad(min(cells, window * seqs + n_ubatch), CELL_PAD)
 
+    @staticmethod
+    def check_head_blocks(spec: ModelSpec, settings: PlanSettings, type_k: KVType, type_v: KVType) -> None:
+        """llama_init_from_model: with flash attention a quantized K (V) type's block must divide every head's K (V) dims."""
+        if not settings.flash_attn:
+            return
+        for part, kv in (("K", type_k), ("V", type_v)):
+            if kv.block_values == 1:
+                continue
+            for layer in spec.attention_layers:
+                dims = (layer.k_elements_per_token if layer.kind == "mla" else layer.head_dim_k) if part == "K" else layer.head_dim_v
+                if dims and dims % kv.block_values:
+                    raise ConfigError(f"llama.cpp's {kv.name} {part} cache stores blocks of {kv.block_values} values, which does not "
+                                      f"divide the {dims}-value heads of {spec.name}; use f16, bf16 or f32 for {part}")
+
     def layout(self, spec: ModelSpec, settings: PlanSettings) -> KVLayout:
         type_k, type_v = self.types(settings)
         if any(layer.kind == "mla" for layer in spec.layers) and type_k != type_v:
             raise ConfigError(f"llama.cpp's MLA cache needs one type for K and V, got {type_k.name} and {type_v.name}")
+        self.check_head_blocks(spec, settings, type_k, type_v)
         _, cells, streams, n_ubatch = self.contexts(settings)
         attention = [layer for layer in spec.layers if layer.kind in ("full", "sliding")]
         widest_v = max((layer.v_elements_per_token for layer in attention), default=0)
