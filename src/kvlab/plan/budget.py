@@ -177,9 +177,9 @@ def _offloaded(spec, engine, settings, weights, layout, extras, placement: Place
     if kv_host:
         host.append(Component("KV + state (host)", f"caches of the {n - sum(on_gpu)} layers on the host", kv_host))
     if not all(on_gpu) or offload.cpu_moe_layers:
-        compute = next(c for c in gpu if c.name == "compute buffer")
-        host.append(Component("compute buffer (host)", "the CPU's share of the graph (estimated like the GPU's)", compute.bytes,
-                              exact=False))
+        compute = engine.compute_buffer(spec, settings, logits=not offload.output_on_gpu(n))
+        host.append(Component("compute buffer (host)", f"the CPU's share of the graph (estimated like the GPU's): {compute.formula}",
+                              compute.bytes, exact=False))
     return tuple(gpu), tuple(host)
 
 

@@ -137,24 +137,26 @@ class LlamaCppRules(EngineRules):
         return KVLayout(self.name, tuple(rows), per_token, type_k.name, type_v.name, tuple(notes), sliding_per_token)
 
     # -- the rest of the budget ---------------------------------------------------------------------
-    def overheads(self, spec: ModelSpec, settings: PlanSettings, layout: KVLayout) -> list[Component]:
+    def compute_buffer(self, spec: ModelSpec, settings: PlanSettings, logits: bool = True) -> Component:
+        """The worst-case graph (a full ubatch, every token an output) decides a compute buffer; ggml-alloc reuses memory,
+        so the largest phase counts, plus the residual stream. `logits`: the output layer runs on this device."""
         _, cells, _, n_ubatch = self.contexts(settings)
         n_embd, n_vocab = spec.d_model, spec.vocab_size
-        attention = spec.attention_layers
-        n_head = max((layer.n_heads for layer in attention), default=0)
+        n_head = max((layer.n_heads for layer in spec.attention_layers), default=0)
         n_ff = int(spec.extra.get("n_ff", 0) or 0)
-        # the worst-case graph (a full ubatch with every token an output) decides the compute buffer;
-        # ggml-alloc reuses memory, so the largest phase counts, plus the residual stream
         residual = 2 * n_ubatch * n_embd * 4
-        logits = n_vocab * n_ubatch * 4
-        ffn = 3 * n_ubatch * n_ff * 4
-        scores = 0 if settings.flash_attn else n_head * n_ubatch * cells * 4
-        compute = residual + max(logits, ffn, scores)
+        phases = {"logits": n_vocab * n_ubatch * 4 if logits else 0, "ffn": 3 * n_ubatch * n_ff * 4,
+                  "scores": 0 if settings.flash_attn else n_head * n_ubatch * cells * 4}
+        terms = ([f"logits {n_vocab}×{n_ubatch}×4"] if logits else []) + [f"ffn 3×{n_ubatch}×{n_ff}×4"] + \
+            ([] if settings.flash_attn else [f"scores {n_head}×{n_ubatch}×{cells}×4"])
+        return Component("compute buffer", f"max({', '.join(terms)}) + 2×{n_ubatch}×{n_embd}×4",
+                         residual + max(phases.values()), exact=False)
+
+    def overheads(self, spec: ModelSpec, settings: PlanSettings, layout: KVLayout) -> list[Component]:
+        n_vocab = spec.vocab_size
         output = n_vocab * settings.parallel * 4
         return [
-            Component("compute buffer", f"max(logits {n_vocab}×{n_ubatch}×4, ffn 3×{n_ubatch}×{n_ff}×4"
-                      + ("" if settings.flash_attn else f", scores {n_head}×{n_ubatch}×{cells}×4")
-                      + f") + 2×{n_ubatch}×{n_embd}×4", compute, exact=False),
+            self.compute_buffer(spec, settings),
             Component("output buffer", f"{n_vocab} vocab × {settings.parallel} seq × 4 B", output, exact=False),
             Component("CUDA runtime", "CUDA context + cuBLAS workspace (typical)", GPU_RUNTIME_BYTES, exact=False),
         ]
