@@ -74,15 +74,18 @@ def test_each_side_holds_llama_cpps_bytes(name, case, models):
 
 
 def test_compute_buffers_are_estimates_of_the_right_size(models):
-    """Compute buffers are estimates (the largest phase of the graph): the GPU's within 5% of llama.cpp's (the logits of
-    a full ubatch dominate). The host's, when it runs some layers but not the output layer, is short by the input
-    side that llama.cpp always keeps there (embeddings of the ubatch, the KQ masks): measured 0.35-0.78 of llama.cpp's
-    (1.0 with every layer on the host)."""
+    """Compute buffers are estimates (the largest phase of the graph plus what lives through it; llama-server's one
+    output per sequence): the GPU's is never more than 10% under llama.cpp's and, with most layers on the GPU, at most 30%
+    over (measured 1.04-1.27; with a layer or two there, the whole-graph estimate is conservative); the host's within
+    -10% / +50% (0.99-1.48)."""
     for name, case in CASES:
         spec, split = models[name]
         plan, real = _plan(spec, split, case), case["llama_cpp"]
-        if real["gpu_compute"]:
-            assert _line(plan.components, "compute buffer") == pytest.approx(real["gpu_compute"], rel=0.05), (name, case)
+        gpu = _line(plan.components, "compute buffer")
+        if case["ngl"]:
+            assert gpu >= 0.9 * real["gpu_compute"], (name, case["ngl"], gpu)
+        if case["ngl"] > spec.n_layers // 2:
+            assert gpu <= 1.3 * real["gpu_compute"], (name, case["ngl"], gpu)
         host = _line(plan.host, "compute buffer (host)")
         if host:
-            assert real["host_compute"] / 3 <= host <= real["host_compute"] * 1.01, (name, case, host)
+            assert 0.9 <= host / real["host_compute"] <= 1.5, (name, case["ngl"], host)

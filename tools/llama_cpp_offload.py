@@ -33,7 +33,8 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT))
 
 from tools.llama_cpp_converted import TOKENIZER_ARRAYS  # noqa: E402
-from tools.llama_cpp_oracle import LLAMA_CPP_COMMIT, PACKAGE, VERSION, build_probe, probe, smollm2_gguf  # noqa: E402
+from tools.llama_cpp_oracle import (LLAMA_CPP_COMMIT, PACKAGE, VERSION, build_probe, probe, server_outputs,  # noqa: E402
+                                    smollm2_gguf)
 
 FIXTURE = ROOT / "tests" / "fixtures" / "llama_cpp_offload.json"
 RPC = "127.0.0.1:50152"
@@ -101,7 +102,7 @@ def main() -> None:
                 raise SystemExit(f"{name}: {path} missing (run tools/llama_cpp_converted.py first)")
             entry = {**model_entry(path), "cases": []}
             for ngl, cpu_moe in CASES[name]:
-                result = probe(binary, path, "FILE", SETTINGS, [f"rpc={RPC}", f"ngl={ngl}", *expert_overrides(cpu_moe)])
+                result = probe(binary, path, "FILE", SETTINGS, [f"rpc={RPC}", f"ngl={ngl}", *server_outputs(SETTINGS), *expert_overrides(cpu_moe)])
                 entry["cases"].append({"ngl": ngl, "cpu_moe": cpu_moe, "llama_cpp": placed(result),
                                        "buffers": result["buffers"]})
                 print(name, ngl, cpu_moe, placed(result), flush=True)

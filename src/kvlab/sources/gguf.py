@@ -25,7 +25,7 @@ from gguf.quants import quant_shape_to_byte_shape
 from ..errors import ConfigError, ModelFileError
 from ..spec import EngineFacts, LinearAttentionFacts, ModelSpec, MoEFacts, TensorInfo
 from .native import native_weight_bytes
-from .layers import (LayerFacts, as_float, as_int, build_layers, check_number_keys, interval_kinds, layer_count, pattern_kinds, per_layer,
+from .layers import (FIXED_WINDOWS, LayerFacts, as_float, as_int, build_layers, check_number_keys, interval_kinds, layer_count, pattern_kinds, per_layer,
                      per_layer_flags, short, ssm_state_elements)
 
 GGUF_MAGIC = b"GGUF"
@@ -344,9 +344,6 @@ LLAMA_CPP_KEY_DEFAULTS: dict[str, dict[str, int]] = {
     "qwen35": {"full_attention_interval": 4},
     "qwen35moe": {"full_attention_interval": 4},
 }
-#: Architectures whose llama.cpp loader fixes the window whatever the key says, unless the key is 0 (no window):
-#: Llama 4's chunked attention is 8,192 tokens (llama4.cpp load_arch_hparams; a 0 marks MobileLLM, all full).
-FIXED_WINDOWS = {"llama4": 8192}
 #: Architectures whose llama.cpp loader never reads a sliding window (the key, if any, is ignored).
 _NO_SWA = {"llama", "qwen2", "qwen3", "qwen3moe", "mistral3", "deepseek2", "phi3"}
 

@@ -22,7 +22,7 @@ Rules
 from __future__ import annotations
 
 from ...errors import ConfigError
-from ...sources.gguf import FIXED_WINDOWS
+from ...sources.layers import FIXED_WINDOWS
 from ...sources.hf_folder import LLAMA4_TYPES
 from ...spec import ModelSpec
 from ..components import Component
@@ -138,19 +138,30 @@ class LlamaCppRules(EngineRules):
 
     # -- the rest of the budget ---------------------------------------------------------------------
     def compute_buffer(self, spec: ModelSpec, settings: PlanSettings, logits: bool = True) -> Component:
-        """The worst-case graph (a full ubatch, every token an output) decides a compute buffer; ggml-alloc reuses memory,
-        so the largest phase counts, plus the residual stream. `logits`: the output layer runs on this device."""
-        _, cells, _, n_ubatch = self.contexts(settings)
+        """A compute buffer as llama-server reserves it: the graph of a full ubatch with one output per sequence
+        (server_output_limits: n_outputs_max = n_parallel). ggml-alloc reuses memory, so the largest phase counts
+        (logits, feed-forward, attention scores without flash attention), plus what lives through the whole graph:
+        the residual stream and the input embeddings (4 × ubatch × n_embd f32) and the KQ masks (a cell × token
+        mask per cache, f16 under flash attention, f32 without). `logits`: the output layer runs on this device."""
+        _, cells, streams, n_ubatch = self.contexts(settings)
         n_embd, n_vocab = spec.d_model, spec.vocab_size
         n_head = max((layer.n_heads for layer in spec.attention_layers), default=0)
         n_ff = int(spec.extra.get("n_ff", 0) or 0)
-        residual = 2 * n_ubatch * n_embd * 4
-        phases = {"logits": n_vocab * n_ubatch * 4 if logits else 0, "ffn": 3 * n_ubatch * n_ff * 4,
+        outputs = min(settings.parallel, n_ubatch)
+        mask_cells = 0
+        if any(layer.kind in ("full", "mla") for layer in spec.layers):
+            mask_cells += cells * streams
+        window = max((layer.window or 0 for layer in spec.layers if layer.kind == "sliding"), default=0)
+        if window:
+            mask_cells += self.swa_cells(FIXED_WINDOW_ARCHS.get(spec.arch, window), cells, settings, n_ubatch) * streams
+        mask_value = 2 if settings.flash_attn else 4
+        phases = {"logits": n_vocab * outputs * 4 if logits else 0, "ffn": 3 * n_ubatch * n_ff * 4,
                   "scores": 0 if settings.flash_attn else n_head * n_ubatch * cells * 4}
-        terms = ([f"logits {n_vocab}×{n_ubatch}×4"] if logits else []) + [f"ffn 3×{n_ubatch}×{n_ff}×4"] + \
+        terms = ([f"logits {n_vocab}×{outputs}×4"] if logits else []) + [f"ffn 3×{n_ubatch}×{n_ff}×4"] + \
             ([] if settings.flash_attn else [f"scores {n_head}×{n_ubatch}×{cells}×4"])
-        return Component("compute buffer", f"max({', '.join(terms)}) + 2×{n_ubatch}×{n_embd}×4",
-                         residual + max(phases.values()), exact=False)
+        steady = 4 * n_ubatch * n_embd * 4 + mask_cells * n_ubatch * mask_value
+        return Component("compute buffer", f"max({', '.join(terms)}) + 4×{n_ubatch}×{n_embd}×4 + masks {mask_cells}×{n_ubatch}×"
+                         f"{mask_value}", steady + max(phases.values()), exact=False)
 
     def overheads(self, spec: ModelSpec, settings: PlanSettings, layout: KVLayout) -> list[Component]:
         n_vocab = spec.vocab_size
