@@ -110,3 +110,21 @@ def test_kvlab_logits_equal_llama_cpps(name, smollm2, tmp_path):
     llama_first = np.take_along_axis(ours, np.array(real["top_ids"])[:, :1], axis=1)[:, 0]
     assert (llama_first >= ours.max(axis=1) - LOGIT_TOLERANCE).all()   # llama.cpp's next token is kvlab's (up to near-ties)
     assert real["kvlab_gguf_max_abs_diff"] < LOGIT_TOLERANCE                 # and kvlab on the converted file itself
+
+
+def test_the_image_buffer_estimate_against_llama_cpps_clip():
+    """A tiny Gemma 3 projector (SigLIP, 1,024 patches) converted with --mmproj and loaded by llama.cpp's mtmd on the
+    CPU: the compute buffer of its warm-up encode within 10% of kvlab's formula, with and without flash attention
+    (which llama-server hands to the encoder with -fa); the weights counted from the tower's dimensions (× 4: an f32
+    file) within 5% of the file's tensors."""
+    from kvlab.plan.vision import VisionTower
+
+    real = FIXTURE["projector"]
+    v = real["vision_config"]
+    tower = VisionTower(depth=v["num_hidden_layers"], hidden=v["hidden_size"], heads=v["num_attention_heads"],
+                        ffn=v["intermediate_size"], patch=v["patch_size"], image_side=v["image_size"], text_hidden=64)
+    mib = 1 << 20
+    assert tower.image_buffer(flash_attn=False) / mib == pytest.approx(real["compute_mib"]["no_flash_attn"], rel=0.1)
+    assert tower.image_buffer(flash_attn=True) / mib == pytest.approx(real["compute_mib"]["flash_attn"], rel=0.1)
+    assert real["compute_mib"]["flash_attn"] < real["compute_mib"]["no_flash_attn"] / 4
+    assert tower.n_params * 4 == pytest.approx(real["mmproj_tensor_bytes"], rel=0.05)

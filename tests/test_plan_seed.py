@@ -116,9 +116,14 @@ def test_seed_scenario_with_the_vision_projector():
     plan = seed_plan(mmproj="auto")
     parts = {c.name: c for c in plan.components}
     assert abs(parts["vision projector"].bytes / 0.92e9 - 1) < 0.02      # mmproj-BF16.gguf: 0.92 GB
-    assert 0.9e9 < parts["image buffer"].bytes < 1.3e9                   # the ~1 GB image-encoding spike
+    assert 0.2e9 < parts["image buffer"].bytes < 0.3e9                   # -fa on reaches the encoder: no scores kept
     assert not parts["image buffer"].exact
-    assert plan.max_context == 138_752 < text.max_context
+    assert plan.max_context == 192_256 < text.max_context
+    from kvlab.plan.command import build_plan
+
+    no_fa = build_plan("unsloth/Qwen3.5-9B-GGUF", ctx="8192", kv_type="f16", weights_quant="UD-Q4_K_XL", gpu="RTX 3060",
+                       mmproj="auto", flash_attn=False)
+    assert 0.9e9 < no_fa.component("image buffer").bytes < 1.3e9           # -fa off: the ~1 GB spike of the scores
     assert_solved(plan)
     assert "mmproj" not in plan_json(plan)["launch"]   # -hf loads the repo's projector by default
     stated = seed_plan(mmproj="0.92GB")

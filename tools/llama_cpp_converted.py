@@ -16,12 +16,17 @@ builder of tests/hybrid_models.py, so a test can make the same weights again):
    values, and the first vocabulary entries, per position), and compares them with kvlab's logits of the very same
    converted file (kvlab.model.loader.load_model): the largest difference over the whole vocabulary is recorded.
 The fixture keeps each config.json, the converted file's metadata (tokenizer arrays left out) and tensor table.
+
+Last, a tiny Gemma 3 vision-language model (a SigLIP tower of 1,024 patches) is converted twice, its text model and,
+with --mmproj, its projector; llama.cpp's mtmd loads the projector on the CPU and reserves the compute buffer of its
+warm-up encode, without and with flash attention (the MiB clip logs).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -75,7 +80,8 @@ def set_vocab(self):
     w.add_eos_token_id(meta["tokenizer.ggml.eos_token_id"])
 
 hparams = ModelBase.load_hparams(Path(folder), False)
-get_model_class(get_model_architecture(hparams, ModelType.TEXT)).set_vocab = set_vocab
+if "--mmproj" not in sys.argv:
+    get_model_class(get_model_architecture(hparams, ModelType.TEXT)).set_vocab = set_vocab
 sys.argv = ["convert_hf_to_gguf.py", folder, "--outfile", out, "--outtype", "f32", *sys.argv[5:]]
 convert_hf_to_gguf.main()
 '''
@@ -89,14 +95,17 @@ def _cases() -> list[dict]:
     return [{**base, **v} for v in variants]
 
 
-def convert(model, tokenizer, tokenizer_meta: dict, work: Path, name: str, llama_cpp: Path) -> Path:
+def convert(model, tokenizer, tokenizer_meta: dict, work: Path, name: str, llama_cpp: Path, folder: Path | None = None,
+            flags: list[str] | None = None) -> Path:
+    """convert_hf_to_gguf.py of `model` (saved to work/name) or of a saved `folder`, f32, SmolLM2's vocabulary."""
     from tests.hybrid_models import save_folder
 
-    folder = save_folder(model, work / name, tokenizer)
+    folder = folder or save_folder(model, work / name, tokenizer)
     meta_path = work / "tokenizer_meta.json"
     meta_path.write_text(json.dumps({k: v for k, v in tokenizer_meta.items() if k.startswith("tokenizer.")}))
     out = work / f"{name}.gguf"
-    flags = ["--no-mtp"] if name.startswith("qwen") else []   # the Qwen classes expect MTP layers unless told none
+    if flags is None:
+        flags = ["--no-mtp"] if name.startswith("qwen") else []   # the Qwen classes expect MTP layers unless told none
     subprocess.run([sys.executable, "-c", CONVERT, str(llama_cpp), str(folder), str(out), str(meta_path), *flags],
                    check=True, capture_output=True, text=True)
     return out
@@ -127,6 +136,41 @@ def kvlab_logits(path: Path, tokens: list[int]) -> np.ndarray:
     ids = torch.tensor([tokens])
     with torch.no_grad():
         return loaded.model(ids, model_cache(loaded.config, "dense", capacity=len(tokens)))[0].float().numpy()
+
+
+#: the tiny vision tower (SiglipVisionConfig) and image side whose projector llama.cpp's clip encodes
+VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=448, patch_size=14)
+
+
+def measure_projector(binary: Path, llama_cpp: Path, work: Path, tokenizer, tokenizer_meta: dict) -> dict:
+    import torch
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    from kvlab.sources.gguf import open_gguf
+    from tests.hybrid_models import save_folder
+
+    torch.manual_seed(SEED)
+    text = transformers.Gemma3TextConfig(vocab_size=tokenizer.vocab_size, hidden_size=64, intermediate_size=128,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=2,
+                                         max_position_embeddings=512, sliding_window=8, query_pre_attn_scalar=16)
+    config = transformers.Gemma3Config(text_config=text.to_dict(), vision_config=transformers.SiglipVisionConfig(**VISION).to_dict(),
+                                       mm_tokens_per_image=256)
+    folder = save_folder(transformers.Gemma3ForConditionalGeneration(config).eval(), work / "gemma3-vlm", tokenizer)
+    # the Hub's layout of Gemma 3 checkpoints (vision_tower.vision_model.*), which the converter maps
+    weights = load_file(folder / "model.safetensors")
+    save_file({k.replace("vision_tower.", "vision_tower.vision_model.", 1): v for k, v in weights.items()}, folder / "model.safetensors",
+              metadata={"format": "pt"})
+    (folder / "preprocessor_config.json").write_text(json.dumps({"image_mean": [0.5] * 3, "image_std": [0.5] * 3}))
+    text_gguf = convert(None, tokenizer, tokenizer_meta, work, "gemma3-vlm", llama_cpp, folder=folder)
+    mmproj = convert(None, tokenizer, tokenizer_meta, work, "gemma3-vlm-mmproj", llama_cpp, folder=folder, flags=["--mmproj"])
+    out = {"vision_config": VISION, "mmproj_tensor_bytes": open_gguf(mmproj).tensor_bytes, "compute_mib": {}}
+    for fa in (0, 1):
+        done = subprocess.run([str(binary), str(text_gguf), "FILE", "512", "1", "f16", "f16", str(fa), "0", "0", "512",
+                               f"mmproj={mmproj}"], capture_output=True, text=True, timeout=300, check=True)
+        sizes = re.findall(r"compute buffer size = +([0-9.]+) MiB", done.stderr)
+        out["compute_mib"]["flash_attn" if fa else "no_flash_attn"] = float(sizes[-1])
+    return out
 
 
 def main() -> None:
@@ -169,6 +213,8 @@ def main() -> None:
         print(name, "cases", len(entry["cases"]), "kvlab vs llama.cpp logits", entry["logits"]["kvlab_gguf_max_abs_diff"],
               flush=True)
         fixture["models"][name] = entry
+    fixture["projector"] = measure_projector(binary, llama_cpp, work, smollm2.tokenizer, tokenizer_meta)
+    print("projector", fixture["projector"], flush=True)
     args.out.write_text(json.dumps(fixture, indent=1) + "\n")
     print(f"wrote {args.out}")
 

@@ -173,7 +173,7 @@ def build_probe(build: Path, work: Path) -> Path:
     if out.exists() and out.stat().st_mtime > probe_src.stat().st_mtime:
         return out
     subprocess.run(["g++", "-std=c++17", "-O1", f"-I{src}/include", f"-I{src}/src", f"-I{src}/ggml/include",
-                    str(probe_src), f"-L{lib}", "-lllama", "-lggml", "-lggml-base", "-lggml-rpc",
+                    f"-I{src}/tools/mtmd", str(probe_src), f"-L{lib}", "-lllama", "-lggml", "-lggml-base", "-lggml-rpc", "-lmtmd",
                     f"-Wl,-rpath,{lib}", "-o", str(out)], check=True)
     return out
 

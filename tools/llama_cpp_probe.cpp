@@ -15,6 +15,8 @@
 //   ot=REGEX        keep the tensors matching REGEX in host memory (as -ot REGEX=CPU, --cpu-moe, --n-cpu-moe)
 //   outputs=N       n_outputs_max (llama-server: n_parallel, one output per sequence; default: n_batch)
 //   logits=PATH tokens=ID,ID,...  decode the tokens as one batch and write every position's logits (f32) to PATH
+//   mmproj=PATH     load a vision projector with mtmd on the CPU and run its warm-up encode (flash attention as
+//                   flash_attn says); clip logs its model size and compute buffer on stderr
 // Besides the caches it prints, per buffer type, the model / context / compute bytes of llama_get_memory_breakdown
 // and the bytes of the weight tensors placed there (ggml_nbytes, without the buffers' alignment padding).
 
@@ -33,6 +35,7 @@
 #include "ggml-backend.h"
 #include "ggml-rpc.h"
 #include "gguf.h"
+#include "mtmd.h"
 
 #include <cstdio>
 #include <cstdlib>
@@ -99,6 +102,7 @@ int main(int argc, char ** argv) {
     std::list<std::string> patterns;
     std::vector<llama_model_tensor_buft_override> overrides;
     std::string logits_path;
+    std::string mmproj_path;
     std::vector<llama_token> tokens;
     uint32_t n_outputs_max = 0;
     for (int i = 11; i < argc; ++i) {
@@ -113,6 +117,8 @@ int main(int argc, char ** argv) {
             overrides.push_back({patterns.back().c_str(), ggml_backend_cpu_buffer_type()});
         } else if (key == "outputs") {
             n_outputs_max = (uint32_t) atoi(value.c_str());
+        } else if (key == "mmproj") {
+            mmproj_path = value;
         } else if (key == "logits") {
             logits_path = value;
         } else if (key == "tokens") {
@@ -153,6 +159,17 @@ int main(int argc, char ** argv) {
     cparams.n_outputs_max = n_outputs_max;
     cparams.n_threads  = 2;
     cparams.n_threads_batch = 2;
+
+    if (!mmproj_path.empty()) {
+        mtmd_context_params mp = mtmd_context_params_default();
+        mp.use_gpu = false;
+        mp.n_threads = 2;
+        mp.warmup = true;
+        mp.flash_attn_type = cparams.flash_attn_type;
+        mtmd_context * mctx = mtmd_init_from_file(mmproj_path.c_str(), model, mp);
+        if (!mctx) { fprintf(stderr, "mmproj failed\n"); return 1; }
+        mtmd_free(mctx);
+    }
 
     llama_context * ctx = llama_init_from_model(model, cparams);
     if (!ctx) {
