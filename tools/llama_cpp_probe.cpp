@@ -6,9 +6,19 @@
 // the cell counts, and llama_get_memory_breakdown for buffer and compute sizes), so the fixture
 // holds exact bytes, not the rounded MiB of the log.
 //
-// usage: llama_cpp_probe MODEL.gguf META|FILE n_ctx n_seq_max type_k type_v flash_attn kv_unified swa_full n_ubatch
+// usage: llama_cpp_probe MODEL.gguf META|FILE n_ctx n_seq_max type_k type_v flash_attn kv_unified swa_full n_ubatch [OPTION...]
 //   META: the GGUF holds metadata only; tensors are created by llama_model_init_from_user (zeros)
 //   FILE: a complete GGUF loaded with llama_model_load_from_file
+// options:
+//   rpc=HOST:PORT   add an RPC device (a ggml-rpc-server): llama.cpp offloads to it as to a GPU
+//   ngl=N           n_gpu_layers (default 0)
+//   ot=REGEX        keep the tensors matching REGEX in host memory (as -ot REGEX=CPU, --cpu-moe, --n-cpu-moe)
+//   outputs=N       n_outputs_max (llama-server: n_parallel, one output per sequence; default: n_batch)
+//   logits=PATH tokens=ID,ID,...  decode the tokens as one batch and write every position's logits (f32) to PATH
+//   mmproj=PATH     load a vision projector with mtmd on the CPU and run its warm-up encode (flash attention as
+//                   flash_attn says); clip logs its model size and compute buffer on stderr
+// Besides the caches it prints, per buffer type, the model / context / compute bytes of llama_get_memory_breakdown
+// and the bytes of the weight tensors placed there (ggml_nbytes, without the buffers' alignment padding).
 
 // the size accessors are private members of exported classes; this tool only reads them
 #define private public
@@ -19,14 +29,20 @@
 #include "llama-memory-hybrid.h"
 #include "llama-memory-hybrid-iswa.h"
 #include "llama-memory-recurrent.h"
+#include "llama-model.h"
 #undef private
 
 #include "ggml-backend.h"
+#include "ggml-rpc.h"
 #include "gguf.h"
+#include "mtmd.h"
 
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <list>
+#include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -74,7 +90,7 @@ static void add_kv(std::vector<std::string> & out, const char * role, const llam
 }
 
 int main(int argc, char ** argv) {
-    if (argc != 11) {
+    if (argc < 11) {
         fprintf(stderr, "usage: %s MODEL META|FILE n_ctx n_seq_max type_k type_v flash_attn kv_unified swa_full n_ubatch\n", argv[0]);
         return 2;
     }
@@ -83,6 +99,43 @@ int main(int argc, char ** argv) {
 
     llama_model_params mparams = llama_model_default_params();
     mparams.n_gpu_layers = 0;
+    std::list<std::string> patterns;
+    std::vector<llama_model_tensor_buft_override> overrides;
+    std::string logits_path;
+    std::string mmproj_path;
+    std::vector<llama_token> tokens;
+    uint32_t n_outputs_max = 0;
+    for (int i = 11; i < argc; ++i) {
+        std::string arg = argv[i];
+        std::string key = arg.substr(0, arg.find('=')), value = arg.substr(arg.find('=') + 1);
+        if (key == "rpc") {
+            ggml_backend_register(ggml_backend_rpc_add_server(value.c_str()));
+        } else if (key == "ngl") {
+            mparams.n_gpu_layers = atoi(value.c_str());
+        } else if (key == "ot") {
+            patterns.push_back(value);
+            overrides.push_back({patterns.back().c_str(), ggml_backend_cpu_buffer_type()});
+        } else if (key == "outputs") {
+            n_outputs_max = (uint32_t) atoi(value.c_str());
+        } else if (key == "mmproj") {
+            mmproj_path = value;
+        } else if (key == "logits") {
+            logits_path = value;
+        } else if (key == "tokens") {
+            for (size_t at = 0; at < value.size();) {
+                size_t end = value.find(',', at);
+                tokens.push_back((llama_token) atoi(value.substr(at, end - at).c_str()));
+                at = end == std::string::npos ? value.size() : end + 1;
+            }
+        } else {
+            fprintf(stderr, "unknown option %s\n", argv[i]);
+            return 2;
+        }
+    }
+    if (!overrides.empty()) {
+        overrides.push_back({nullptr, nullptr});
+        mparams.tensor_buft_overrides = overrides.data();
+    }
     llama_model * model = nullptr;
     if (strcmp(argv[2], "META") == 0) {
         gguf_init_params gparams = { /*no_alloc =*/ true, /*ctx =*/ nullptr };
@@ -103,8 +156,20 @@ int main(int argc, char ** argv) {
     cparams.kv_unified = atoi(argv[8]) != 0;
     cparams.swa_full   = atoi(argv[9]) != 0;
     cparams.n_ubatch   = (uint32_t) atoi(argv[10]);
+    cparams.n_outputs_max = n_outputs_max;
     cparams.n_threads  = 2;
     cparams.n_threads_batch = 2;
+
+    if (!mmproj_path.empty()) {
+        mtmd_context_params mp = mtmd_context_params_default();
+        mp.use_gpu = false;
+        mp.n_threads = 2;
+        mp.warmup = true;
+        mp.flash_attn_type = cparams.flash_attn_type;
+        mtmd_context * mctx = mtmd_init_from_file(mmproj_path.c_str(), model, mp);
+        if (!mctx) { fprintf(stderr, "mmproj failed\n"); return 1; }
+        mtmd_free(mctx);
+    }
 
     llama_context * ctx = llama_init_from_model(model, cparams);
     if (!ctx) {
@@ -132,11 +197,47 @@ int main(int argc, char ** argv) {
         caches.push_back(recr_json(rs));
     }
 
+    if (!logits_path.empty()) {
+        llama_batch batch = llama_batch_init((int32_t) tokens.size(), 0, 1);
+        for (size_t i = 0; i < tokens.size(); ++i) {
+            batch.token[i] = tokens[i];
+            batch.pos[i] = (llama_pos) i;
+            batch.n_seq_id[i] = 1;
+            batch.seq_id[i][0] = 0;
+            batch.logits[i] = 1;
+        }
+        batch.n_tokens = (int32_t) tokens.size();
+        if (llama_decode(ctx, batch) != 0) { fprintf(stderr, "decode failed\n%s", g_log.c_str()); return 1; }
+        const int n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(model));
+        FILE * f = fopen(logits_path.c_str(), "wb");
+        for (size_t i = 0; i < tokens.size(); ++i) {
+            fwrite(llama_get_logits_ith(ctx, (int32_t) i), sizeof(float), n_vocab, f);
+        }
+        fclose(f);
+        llama_batch_free(batch);
+    }
+
+    // weight tensors by the buffer type holding them (a tensor duplicated for the output layer counts again)
+    std::map<std::string, size_t> tensor_bytes;
+    std::set<const ggml_tensor *> seen;
+    for (const auto & [name, t] : model->tensors_by_name) {
+        if (t->buffer && seen.insert(t).second) {
+            tensor_bytes[ggml_backend_buft_name(ggml_backend_buffer_get_type(t->buffer))] += ggml_nbytes(t);
+        }
+    }
+    std::string bufts;
     size_t model_bytes = 0, context_bytes = 0, compute_bytes = 0;
     for (const auto & [buft, mb] : llama_get_memory_breakdown(ctx)) {
         model_bytes += mb.model;
         context_bytes += mb.context;
         compute_bytes += mb.compute;
+        ggml_backend_dev_t dev = ggml_backend_buft_get_device(buft);
+        char buf[512];
+        snprintf(buf, sizeof(buf), "%s{\"name\": \"%s\", \"device\": \"%s\", \"host\": %s, \"model\": %zu, "
+                 "\"context\": %zu, \"compute\": %zu}", bufts.empty() ? "" : ", ",
+                 ggml_backend_buft_name(buft), dev ? ggml_backend_dev_name(dev) : "",
+                 ggml_backend_buft_is_host(buft) ? "true" : "false", mb.model, mb.context, mb.compute);
+        bufts += buf;
     }
 
     printf("{\"n_ctx\": %u, \"n_ctx_seq\": %u, \"n_seq_max\": %u, \"n_ubatch\": %u, \"n_batch\": %u, "
@@ -146,7 +247,12 @@ int main(int argc, char ** argv) {
     for (size_t i = 0; i < caches.size(); ++i) {
         printf("%s%s", i ? ", " : "", caches[i].c_str());
     }
-    printf("]}\n");
+    printf("], \"buffers\": [%s], \"weights\": {", bufts.c_str());
+    size_t k = 0;
+    for (const auto & [name, nbytes] : tensor_bytes) {
+        printf("%s\"%s\": %zu", k++ ? ", " : "", name.c_str(), nbytes);
+    }
+    printf("}}\n");
 
     llama_free(ctx);
     llama_model_free(model);

@@ -153,16 +153,20 @@ def _offloaded(spec, engine, settings, weights, layout, extras, placement: Place
     n = spec.n_layers
     on_gpu = [offload.layer_on_gpu(i, n) for i in range(n)]
     moved = [split.experts[i] if i < offload.cpu_moe_layers else 0 for i in range(n)]
-    gpu_weights = sum(split.layers[i] - moved[i] for i in range(n) if on_gpu[i]) + (split.output if offload.output_on_gpu(n) else 0)
+    moved_weights = sum(split.layers[i] - moved[i] for i in range(n) if on_gpu[i]) + (split.output if offload.output_on_gpu(n) else 0)
     scale = weights.bytes / split.total if split.total else 1.0   # a stated size spreads like the estimate
-    gpu_weights = int(gpu_weights * scale)
-    host_weights = weights.bytes - gpu_weights
+    moved_weights = int(moved_weights * scale)
+    copy = int(split.embedding * scale) if split.tied and offload.output_on_gpu(n) else 0   # the tied output's own copy
+    gpu_weights = moved_weights + copy
+    host_weights = weights.bytes - moved_weights
     where = offload.describe(n)
 
     def part(attr: str, gpu: bool) -> int:
         return sum(getattr(row, attr) for row in layout.layers if on_gpu[row.index] == gpu)
 
-    gpu = [Component("weights", f"{where} (token_embd stays on the host): {weights.formula}", gpu_weights, weights.exact),
+    copy_text = " + a copy of the tied token_embd for the output layer" if copy else ""
+    gpu = [Component("weights", f"{where} (token_embd stays on the host{copy_text}): {weights.formula}", gpu_weights,
+                     weights.exact),
            Component("K cache", f"K of the layers on the GPU ({sum(on_gpu)} of {n})", part("k_bytes", True)),
            Component("V cache", f"V of the layers on the GPU ({sum(on_gpu)} of {n})", part("v_bytes", True))]
     if layout.recurrent_bytes:
@@ -173,9 +177,9 @@ def _offloaded(spec, engine, settings, weights, layout, extras, placement: Place
     if kv_host:
         host.append(Component("KV + state (host)", f"caches of the {n - sum(on_gpu)} layers on the host", kv_host))
     if not all(on_gpu) or offload.cpu_moe_layers:
-        compute = next(c for c in gpu if c.name == "compute buffer")
-        host.append(Component("compute buffer (host)", "the CPU's share of the graph (estimated like the GPU's)", compute.bytes,
-                              exact=False))
+        compute = engine.compute_buffer(spec, settings, logits=not offload.output_on_gpu(n))
+        host.append(Component("compute buffer (host)", f"the CPU's share of the graph (estimated like the GPU's): {compute.formula}",
+                              compute.bytes, exact=False))
     return tuple(gpu), tuple(host)
 
 

@@ -74,7 +74,7 @@ def build_plan(model: str | None = None, ctx: str | int = "4096", kv_type: str |
                        extra={**spec.extra, "n_params_source": "--params"})
     entry = None if Path(model).expanduser().exists() else find_entry(model)
     stated = _stated_weights(weights_bytes, weights_file)
-    projector = _projector(mmproj, entry, eng)
+    projector = _projector(mmproj, entry, eng, flash_attn)
     extras = _projector_components(projector)
     room = eng.default_headroom if headroom is None else parse_size(headroom, "--headroom") if str(headroom) != "0" else 0
     most = str(parallel).strip().lower() == "max"
@@ -251,13 +251,13 @@ def _stated_weights(weights_bytes, weights_file) -> WeightsEstimate | None:
     return WeightsEstimate(file_weights(path), f"tensor table of {path.name}", True)
 
 
-def _projector(mmproj: str | None, entry, eng) -> Projector | None:
+def _projector(mmproj: str | None, entry, eng, flash_attn: bool) -> Projector | None:
     if mmproj is None:
         return None
     if eng.name != "llama.cpp":
         raise ConfigError("--mmproj is llama.cpp's vision projector file; use it with --engine llama.cpp")
     tower = tower_from_catalog(entry.vision) if entry is not None and entry.vision else None
-    return projector(mmproj, tower)
+    return projector(mmproj, tower, flash_attn)
 
 
 def _projector_components(p: Projector | None) -> tuple[Component, ...]:

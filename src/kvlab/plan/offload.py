@@ -1,9 +1,12 @@
 """llama.cpp's partial offload: which weights, caches and buffers sit on the GPU and which in host RAM.
 
-Rules (llama-model.cpp load_tensors, llama-context.cpp, common/arg.cpp):
-- -ngl N puts the last N repeating layers on the GPU: layer i is on the GPU when i >= n_layer - N; the
-  output layer (output.weight, output_norm) counts as layer n_layer, so it needs N > n_layer (99 = all).
+Rules (llama-model.cpp load_tensors, llama-model-loader.cpp create_tensor, llama-context.cpp, common/arg.cpp):
+- -ngl N puts the last N layers on the GPU counting the output layer (output.weight, output_norm) as layer
+  n_layer: i_gpu_start = n_layer + 1 - N, so -ngl 1 offloads the output layer alone, -ngl N the output layer
+  and the last N - 1 repeating layers, and N > n_layer every layer (99 = all).
 - The token embedding always stays in host memory ("very little benefit to offloading the input layer").
+  A model with tied embeddings (no output.weight) uses token_embd as its output matrix too: llama.cpp
+  loads a second copy of it into the output layer's buffer when that is another device (the GPU).
 - --n-cpu-moe N keeps the experts (ffn_*_exps) of the first N layers in host memory, --cpu-moe all of them;
   the rest of those layers (attention, norms, router, shared experts) stays where -ngl put it.
 - A layer's K/V cache and recurrent state live with the layer (offload_kqv, the default).
@@ -31,6 +34,7 @@ class WeightSplit:
     layers: tuple[int, ...]        # each block's bytes, experts included
     experts: tuple[int, ...]       # of which its routed experts (ffn_*_exps)
     exact: bool = True
+    tied: bool = False             # no output.weight: the output layer on the GPU holds a copy of token_embd
 
     @property
     def total(self) -> int:
@@ -46,14 +50,15 @@ class Offload:
     ram_bytes: int | None = None   # host memory available for the rest (--ram), None: not checked
 
     def layer_on_gpu(self, i: int, n_layer: int) -> bool:
-        return self.gpu_layers is None or i >= n_layer - self.gpu_layers
+        return self.gpu_layers is None or i >= n_layer + 1 - self.gpu_layers
 
     def output_on_gpu(self, n_layer: int) -> bool:
-        return self.gpu_layers is None or self.gpu_layers > n_layer
+        return self.gpu_layers is None or self.gpu_layers >= 1
 
     def describe(self, n_layer: int) -> str:
-        on_gpu = n_layer if self.gpu_layers is None else max(0, min(self.gpu_layers, n_layer))
-        text = f"{on_gpu} of {n_layer} layers on the GPU" + ("" if self.output_on_gpu(n_layer) else ", output layer on the host")
+        on_gpu = n_layer if self.gpu_layers is None else max(0, min(self.gpu_layers - 1, n_layer))
+        text = f"{on_gpu} of {n_layer} layers on the GPU" + (", output layer too" if self.output_on_gpu(n_layer) and on_gpu < n_layer
+                                                            else "" if self.output_on_gpu(n_layer) else ", output layer on the host")
         if self.cpu_moe_layers:
             text += f", experts of {'all' if self.cpu_moe_layers >= n_layer else f'the first {self.cpu_moe_layers}'} layers on the host"
         return text
@@ -79,14 +84,15 @@ def split_from_tensors(tensors: dict, n_layer: int) -> WeightSplit:
             embedding += nbytes
         else:
             output += nbytes
-    return WeightSplit(embedding, output, tuple(layers), tuple(experts))
+    return WeightSplit(embedding, output, tuple(layers), tuple(experts), tied="output.weight" not in tensors)
 
 
 def weight_split(spec: ModelSpec, weights) -> WeightSplit:
     """Where the planned weights can go: from the quant scheme's tensors, the file's tensor table, or estimated."""
     scheme = weights.scheme
     if scheme is not None:
-        return WeightSplit(scheme.embedding_bytes, scheme.output_bytes, scheme.layer_bytes, scheme.layer_expert_bytes)
+        return WeightSplit(scheme.embedding_bytes, scheme.output_bytes, scheme.layer_bytes, scheme.layer_expert_bytes,
+                           tied=scheme.tied)
     tensors = spec.engine.tensors if spec.engine is not None else {}
     if tensors and weights.exact and spec.extra.get("dtype") == "gguf":
         split = split_from_tensors(tensors, spec.n_layers)
@@ -103,7 +109,7 @@ def estimated_split(spec: ModelSpec, total: int) -> WeightSplit:
     tied = spec.engine.tie_embeddings if spec.engine is not None else False
     output = 0 if tied else embedding
     rest = max(0, total - embedding - output)
-    return WeightSplit(embedding, output, tuple([rest // n] * n), tuple([0] * n), exact=False)
+    return WeightSplit(embedding, output, tuple([rest // n] * n), tuple([0] * n), exact=False, tied=tied)
 
 
 def check_offload(offload: Offload, spec: ModelSpec, split: WeightSplit) -> None:

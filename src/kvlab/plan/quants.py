@@ -185,6 +185,7 @@ class SchemeBytes:
     layer_expert_bytes: tuple[int, ...]  # of which its routed experts (what --n-cpu-moe moves to the host)
     embedding_bytes: int               # token_embd
     output_bytes: int                  # output + output_norm
+    tied: bool = False                 # no output tensor: token_embd is the output matrix too
 
 
 def scheme_bytes(scheme: str, tensors: list[WeightTensor], n_layer: int, n_expert: int = 0, n_gqa: int = 1) -> SchemeBytes:
@@ -206,7 +207,7 @@ def scheme_bytes(scheme: str, tensors: list[WeightTensor], n_layer: int, n_exper
         else:
             output += nbytes
     return SchemeBytes(scheme, sum(by_type.values()), dict(sorted(by_type.items(), key=lambda kv: -kv[1])),
-                       tuple(layers), tuple(experts), embedding, output)
+                       tuple(layers), tuple(experts), embedding, output, counters.tied)
 
 
 def unknown_scheme(name: str) -> ConfigError:

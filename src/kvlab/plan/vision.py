@@ -1,12 +1,17 @@
 """A vision projector (llama.cpp's --mmproj): its weights and the compute buffer that encoding one image takes.
 
 llama.cpp's mtmd/clip loads the projector GGUF onto the GPU beside the model and, at warm-up, reserves the
-compute buffer of the vision graph for the largest image it accepts. That buffer is dominated by one layer's
-attention scores when the encoder runs without flash attention, f32 [n_head, P, P] for P patches, next to the
-MLP's activations, f32 [P, ffn] twice:
+compute buffer of the vision graph for the largest image it accepts. llama-server hands -fa to the encoder too
+(mtmd flash_attn_type). Without flash attention that buffer is dominated by one layer's attention scores,
+f32 [n_head, P, P] for P patches, next to the MLP's activations, f32 [P, ffn] twice; with it the scores never
+materialize and what remains is the image itself (f32, 3 channels), the MLP's activations and the attention's
+own [P, hidden] tensors:
 
-    image buffer ≈ n_head × P² × 4 + 2 × P × ffn × 4        P = (image side / patch)²
+    image buffer ≈ n_head × P² × 4 + 2 × P × ffn × 4                          (-fa off)
+    image buffer ≈ 3 × side² × 4 + 2 × P × ffn × 4 + 4 × P × hidden × 4      (-fa on)     P = (side / patch)²
 
+(measured with llama.cpp's clip on a converted tiny SigLIP tower of 1,024 patches: 16.75 MiB without flash
+attention, 3.45 MiB with; these formulas give 16.50 and 3.30: tests/fixtures/llama_cpp_converted.json).
 The weights of a catalog tower are counted from its dimensions (ViT blocks, patch and position embeddings,
 the merger into the language model) at 2 bytes (the BF16/F16 mmproj files); a file given with --mmproj is
 measured from its tensor table, and a size (0.92GB) is taken as stated.
@@ -51,14 +56,20 @@ class VisionTower:
         embeddings = 3 * self.channels_time * self.patch * self.patch * h + h + self.patches * h
         return self.depth * block + embeddings + projector
 
-    def image_buffer(self) -> int:
+    def image_buffer(self, flash_attn: bool = False) -> int:
         p = self.patches
-        return self.heads * p * p * 4 + 2 * p * self.ffn * 4
+        mlp = 2 * p * self.ffn * 4
+        if flash_attn:
+            return 3 * self.image_side ** 2 * 4 + mlp + 4 * p * self.hidden * 4
+        return self.heads * p * p * 4 + mlp
 
-    def buffer_formula(self) -> str:
+    def buffer_formula(self, flash_attn: bool = False) -> str:
         p = self.patches
-        return (f"scores {self.heads}×{p}²×4 + mlp 2×{p}×{self.ffn}×4 "
-                f"({self.image_side}px image, {p:,} patches of {self.patch}px, no flash attention in the encoder)")
+        where = f"({self.image_side}px image, {p:,} patches of {self.patch}px, "
+        if flash_attn:
+            return (f"image 3×{self.image_side}²×4 + mlp 2×{p}×{self.ffn}×4 + attention 4×{p}×{self.hidden}×4 "
+                    + where + "flash attention in the encoder)")
+        return f"scores {self.heads}×{p}²×4 + mlp 2×{p}×{self.ffn}×4 " + where + "no flash attention in the encoder)"
 
 
 def tower_from_catalog(vision: dict[str, Any]) -> VisionTower:
@@ -84,10 +95,10 @@ class Projector:
     exact: bool = False
 
 
-def projector(value: str, tower: VisionTower | None) -> Projector:
-    """--mmproj FILE | SIZE | auto ('auto': the catalog's tower of this model)."""
-    buffer = tower.image_buffer() if tower else 0
-    buffer_formula = tower.buffer_formula() if tower else "no vision tower facts: image buffer not counted"
+def projector(value: str, tower: VisionTower | None, flash_attn: bool = False) -> Projector:
+    """--mmproj FILE | SIZE | auto ('auto': the catalog's tower of this model); `flash_attn`: llama-server's -fa."""
+    buffer = tower.image_buffer(flash_attn) if tower else 0
+    buffer_formula = tower.buffer_formula(flash_attn) if tower else "no vision tower facts: image buffer not counted"
     if value.strip().lower() == "auto":
         if tower is None:
             raise ConfigError("--mmproj auto needs a catalog model with a vision tower; give the projector's file or size")

@@ -25,7 +25,7 @@ from gguf.quants import quant_shape_to_byte_shape
 from ..errors import ConfigError, ModelFileError
 from ..spec import EngineFacts, LinearAttentionFacts, ModelSpec, MoEFacts, TensorInfo
 from .native import native_weight_bytes
-from .layers import (LayerFacts, as_float, as_int, build_layers, check_number_keys, interval_kinds, layer_count, pattern_kinds, per_layer,
+from .layers import (FIXED_WINDOWS, LayerFacts, as_float, as_int, build_layers, check_number_keys, interval_kinds, layer_count, pattern_kinds, per_layer,
                      per_layer_flags, short, ssm_state_elements)
 
 GGUF_MAGIC = b"GGUF"
@@ -339,13 +339,21 @@ LLAMA_CPP_KEY_DEFAULTS: dict[str, dict[str, int]] = {
     "cohere2": {"sliding_window_pattern": 4},
     "gpt-oss": {"sliding_window_pattern": 2},
     "exaone4": {"sliding_window_pattern": 4},
-    "llama4": {"sliding_window_pattern": 4, "sliding_window": 8192},
+    "llama4": {"sliding_window_pattern": 4},
     "qwen3next": {"full_attention_interval": 4},
     "qwen35": {"full_attention_interval": 4},
     "qwen35moe": {"full_attention_interval": 4},
 }
 #: Architectures whose llama.cpp loader never reads a sliding window (the key, if any, is ignored).
 _NO_SWA = {"llama", "qwen2", "qwen3", "qwen3moe", "mistral3", "deepseek2", "phi3"}
+
+
+def _window(md: dict[str, Any], arch: str) -> int:
+    """The sliding window llama.cpp uses for `arch` (0: none)."""
+    stated = md.get(f"{arch}.attention.sliding_window")
+    if arch in FIXED_WINDOWS:
+        return 0 if stated == 0 else FIXED_WINDOWS[arch]
+    return int(stated or LLAMA_CPP_KEY_DEFAULTS.get(arch, {}).get("sliding_window") or 0)
 
 
 def _gguf_kinds(md: dict[str, Any], arch: str, n_layers: int, kv_heads: list[int], n_ff: list[int]) -> list[str]:
@@ -367,7 +375,7 @@ def _gguf_kinds(md: dict[str, Any], arch: str, n_layers: int, kv_heads: list[int
     else:
         kinds = ["full"] * n_layers
 
-    window = key("attention.sliding_window") or defaults.get("sliding_window")
+    window = _window(md, arch)
     if window and arch not in _NO_SWA:
         pattern = key("attention.sliding_window_pattern")
         if isinstance(pattern, list):
@@ -550,7 +558,7 @@ def _spec_from_gguf(gguf_file: GGUFFile) -> ModelSpec:
     kinds = _gguf_kinds(md, arch, n_layers, kv_heads, n_ff)
     facts = LayerFacts(
         n_layers, kinds, n_heads, kv_heads, head_dim_k, head_dim_v,
-        window=int(key("attention.sliding_window") or LLAMA_CPP_KEY_DEFAULTS.get(arch, {}).get("sliding_window") or 0) or None,
+        window=_window(md, arch) or None,
         head_dim_k_swa=key("attention.key_length_swa"),
         head_dim_v_swa=key("attention.value_length_swa"),
     )

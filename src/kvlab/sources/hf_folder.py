@@ -6,6 +6,8 @@ The per-layer kinds come from the config's own keys, in this order:
   hybrid_override_pattern "M-M*-..." (Nemotron-H: M mamba, * attention, - MLP only)
   full_attention_interval every n-th layer full, the rest linear attention (Qwen3-Next, Qwen3.5)
   sliding_window_pattern  n-1 sliding layers then one full (Gemma 3)
+  no_rope_layers + attention_chunk_size  Llama 4: the RoPE layers attend within chunks (a window of the chunk
+                         size), the NoPE layers to everything; by default every 4th layer is NoPE and chunks are 8,192
   sliding_window (+ use_sliding_window)  every layer sliding (Mistral 7B v0.1)
 then num_kv_shared_layers (the last n layers reuse earlier KV) and kv_lora_rank (MLA).
 
@@ -67,6 +69,10 @@ _FLOAT_KEYS = ("rope_theta", "rms_norm_eps", "partial_rotary_factor", "rope_loca
 #: model types of the Gemma 3 text decoder and of the hybrid Gated DeltaNet decoders (Qwen3.5, Qwen3-Next)
 GEMMA3_TYPES = ("gemma3", "gemma3_text")
 DELTANET_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+#: Llama 4's text decoder and transformers' defaults for its chunked attention (Llama4TextConfig)
+LLAMA4_TYPES = ("llama4", "llama4_text")
+LLAMA4_CHUNK = 8192
+LLAMA4_NOPE_INTERVAL = 4
 #: transformers' names of the feed-forward activations the engine runs -> kvlab's
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
@@ -233,6 +239,8 @@ def _kinds(cfg: dict[str, Any], n_layers: int, source: str) -> list[str]:
                 raise ConfigError(f"{source}: unknown layer type {t!r} in layer_types")
             kinds.append(_LAYER_TYPE_KINDS[str(t)])
         return kinds
+    if cfg.get("model_type") in LLAMA4_TYPES:
+        return _llama4_kinds(cfg, n_layers, source)
     block_types = cfg.get("layers_block_type")
     if isinstance(block_types, list) and block_types:
         return [_LAYER_TYPE_KINDS.get(str(t), "full") for t in block_types[:n_layers]]
@@ -259,6 +267,20 @@ def _kinds(cfg: dict[str, Any], n_layers: int, source: str) -> list[str]:
     if _first(cfg, "ssm_state_size", "mamba_d_state", "state_size") and not cfg.get("num_attention_heads"):
         return ["recurrent"] * n_layers
     return ["full"] * n_layers
+
+
+def _llama4_kinds(cfg: dict[str, Any], n_layers: int, source: str) -> list[str]:
+    """Llama4TextConfig's layer_types: a layer with RoPE (no_rope_layers[i] = 1) attends within chunks unless
+    attention_chunk_size is null; the default no_rope_layers puts NoPE (full attention) on every 4th layer."""
+    if "attention_chunk_size" in cfg and cfg["attention_chunk_size"] is None:
+        return ["full"] * n_layers
+    rope = cfg.get("no_rope_layers")
+    if not rope:
+        interval = as_int(cfg.get("no_rope_layer_interval", LLAMA4_NOPE_INTERVAL), f"{source}: no_rope_layer_interval", 1)
+        rope = [int((i + 1) % interval != 0) for i in range(n_layers)]
+    if not isinstance(rope, list) or len(rope) < n_layers or any(r not in (0, 1, True, False) for r in rope):
+        raise ConfigError(f"{source}: no_rope_layers must list 0 or 1 for each of the {n_layers} layers")
+    return ["sliding" if r else "full" for r in rope[:n_layers]]
 
 
 def spec_from_config(config: dict[str, Any], name: str = "", source: str = "config.json",
@@ -305,8 +327,9 @@ def _spec_from_config(config: dict[str, Any], name: str, source: str, weights_by
 
     facts = LayerFacts(n_layers, kinds, n_heads, n_kv_heads, int(head_dim), int(head_dim_v),
                        window=int(cfg["sliding_window"]) if cfg.get("sliding_window") else None)
-    if cfg.get("attention_chunk_size") and "sliding" in kinds and not facts.window:
-        facts.window = int(cfg["attention_chunk_size"])
+    chunk = cfg.get("attention_chunk_size", LLAMA4_CHUNK if arch in LLAMA4_TYPES else None)
+    if chunk and "sliding" in kinds and not facts.window:
+        facts.window = as_int(chunk, f"{source}: attention_chunk_size", 1)
     if cfg.get("kv_lora_rank"):  # multi-head latent attention: one latent + one RoPE key per token
         facts.kinds = ["mla" if k == "full" else k for k in facts.kinds]
         facts.kv_lora_rank = int(cfg["kv_lora_rank"])

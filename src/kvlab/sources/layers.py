@@ -35,6 +35,10 @@ class LayerFacts:
     notes: list[str] = field(default_factory=list)
 
 
+#: Architectures (GGUF names) whose llama.cpp loader fixes the sliding window whatever the file says, unless it says
+#: 0 (no window): Llama 4's chunked attention is 8,192 tokens (models/llama4.cpp; a 0 marks MobileLLM, all full).
+FIXED_WINDOWS = {"llama4": 8192}
+
 def short(value, limit: int = 60) -> str:
     """repr(value) cut to `limit` characters (error messages stay one short line whatever the file holds)."""
     text = repr(value)

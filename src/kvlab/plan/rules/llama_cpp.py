@@ -12,14 +12,18 @@ Rules
   V is stored transposed and, when V widths differ between layers, every layer's V row is padded to
   the widest. MLA layers store K only (latent + RoPE key) and need type_k == type_v.
 - Sliding-window layers live in a second cache of pad(min(n_ctx_seq, window × (n_seq if unified
-  else 1) + n_ubatch), 256) cells, unless swa_full.
+  else 1) + n_ubatch), 256) cells, unless swa_full. Llama 4's chunked layers are sliding layers of a
+  window llama.cpp fixes at 8,192 (models/llama4.cpp), whatever attention_chunk_size says.
 - Recurrent layers keep (n_embd_r + n_embd_s) f32 values per layer for max(1, n_seq_max) sequences.
-- A quantized V cache requires flash attention.
+- A quantized V cache requires flash attention; with flash attention a quantized K (V) type's block (32
+  values) must divide the K (V) head dims.
 """
 
 from __future__ import annotations
 
 from ...errors import ConfigError
+from ...sources.layers import FIXED_WINDOWS
+from ...sources.hf_folder import LLAMA4_TYPES
 from ...spec import ModelSpec
 from ..components import Component
 from ..kv_types import KVType, kv_type
@@ -35,6 +39,8 @@ RECURRENT_BYTES = 4     # R and S tensors are f32
 #: (Mistral 7B v0.1's 4,096 window, Qwen2's use_sliding_window) get full caches, as kvlab's GGUF reader plans them
 NO_SWA_ARCHS = {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "qwen3moe", "mistral3",
                 "deepseek2", "deepseek_v2", "deepseek_v3", "phi3"}
+#: the sliding window llama.cpp's loader fixes per architecture (by HF model type and GGUF name)
+FIXED_WINDOW_ARCHS = {**FIXED_WINDOWS, **{t: FIXED_WINDOWS["llama4"] for t in LLAMA4_TYPES}}
 GPU_RUNTIME_BYTES = 400 * MiB   # CUDA context + cuBLAS workspace: typical, driver-dependent (estimate)
 
 
@@ -76,10 +82,25 @@ class LlamaCppRules(EngineRules):
         seqs = settings.parallel if settings.kv_unified else 1
         return pad(min(cells, window * seqs + n_ubatch), CELL_PAD)
 
+    @staticmethod
+    def check_head_blocks(spec: ModelSpec, settings: PlanSettings, type_k: KVType, type_v: KVType) -> None:
+        """llama_init_from_model: with flash attention a quantized K (V) type's block must divide every head's K (V) dims."""
+        if not settings.flash_attn:
+            return
+        for part, kv in (("K", type_k), ("V", type_v)):
+            if kv.block_values == 1:
+                continue
+            for layer in spec.attention_layers:
+                dims = (layer.k_elements_per_token if layer.kind == "mla" else layer.head_dim_k) if part == "K" else layer.head_dim_v
+                if dims and dims % kv.block_values:
+                    raise ConfigError(f"llama.cpp's {kv.name} {part} cache stores blocks of {kv.block_values} values, which does not "
+                                      f"divide the {dims}-value heads of {spec.name}; use f16, bf16 or f32 for {part}")
+
     def layout(self, spec: ModelSpec, settings: PlanSettings) -> KVLayout:
         type_k, type_v = self.types(settings)
         if any(layer.kind == "mla" for layer in spec.layers) and type_k != type_v:
             raise ConfigError(f"llama.cpp's MLA cache needs one type for K and V, got {type_k.name} and {type_v.name}")
+        self.check_head_blocks(spec, settings, type_k, type_v)
         _, cells, streams, n_ubatch = self.contexts(settings)
         attention = [layer for layer in spec.layers if layer.kind in ("full", "sliding")]
         widest_v = max((layer.v_elements_per_token for layer in attention), default=0)
@@ -87,13 +108,15 @@ class LlamaCppRules(EngineRules):
         rows = []
         per_token = sliding_per_token = 0
         ignores_window = spec.arch in NO_SWA_ARCHS
+        fixed_window = FIXED_WINDOW_ARCHS.get(spec.arch)
         for i, layer in enumerate(spec.layers):
             kind = "full" if layer.kind == "sliding" and ignores_window else layer.kind
             if kind in ("full", "sliding", "mla"):
                 k_row = type_k.row_bytes(layer.k_elements_per_token)
                 v_elems = widest_v if (variable_v and not settings.flash_attn and kind != "mla") else layer.v_elements_per_token
                 v_row = type_v.row_bytes(v_elems) if v_elems else 0
-                layer_cells = self.swa_cells(layer.window, cells, settings, n_ubatch) if kind == "sliding" else cells
+                window = fixed_window or layer.window
+                layer_cells = self.swa_cells(window, cells, settings, n_ubatch) if kind == "sliding" else cells
                 rows.append(LayerBytes(i, kind, layer_cells * streams, k_row, v_row))
                 if kind == "sliding":
                     sliding_per_token += k_row + v_row
@@ -109,27 +132,42 @@ class LlamaCppRules(EngineRules):
             notes.append(f"llama.cpp reads no sliding window for {spec.arch}: its sliding layers get full caches")
         elif any(layer.kind == "sliding" for layer in spec.layers) and not settings.swa_full:
             notes.append("sliding-window layers keep pad(window + ubatch, 256) cells")
+        if fixed_window and any(layer.kind == "sliding" and layer.window != fixed_window for layer in spec.layers):
+            notes.append(f"llama.cpp chunks {spec.arch}'s attention at {fixed_window:,} tokens whatever the model's chunk size")
         return KVLayout(self.name, tuple(rows), per_token, type_k.name, type_v.name, tuple(notes), sliding_per_token)
 
     # -- the rest of the budget ---------------------------------------------------------------------
-    def overheads(self, spec: ModelSpec, settings: PlanSettings, layout: KVLayout) -> list[Component]:
-        _, cells, _, n_ubatch = self.contexts(settings)
+    def compute_buffer(self, spec: ModelSpec, settings: PlanSettings, logits: bool = True) -> Component:
+        """A compute buffer as llama-server reserves it: the graph of a full ubatch with one output per sequence
+        (server_output_limits: n_outputs_max = n_parallel). ggml-alloc reuses memory, so the largest phase counts
+        (logits, feed-forward, attention scores without flash attention), plus what lives through the whole graph:
+        the residual stream and the input embeddings (4 × ubatch × n_embd f32) and the KQ masks (a cell × token
+        mask per cache, f16 under flash attention, f32 without). `logits`: the output layer runs on this device."""
+        _, cells, streams, n_ubatch = self.contexts(settings)
         n_embd, n_vocab = spec.d_model, spec.vocab_size
-        attention = spec.attention_layers
-        n_head = max((layer.n_heads for layer in attention), default=0)
+        n_head = max((layer.n_heads for layer in spec.attention_layers), default=0)
         n_ff = int(spec.extra.get("n_ff", 0) or 0)
-        # the worst-case graph (a full ubatch with every token an output) decides the compute buffer;
-        # ggml-alloc reuses memory, so the largest phase counts, plus the residual stream
-        residual = 2 * n_ubatch * n_embd * 4
-        logits = n_vocab * n_ubatch * 4
-        ffn = 3 * n_ubatch * n_ff * 4
-        scores = 0 if settings.flash_attn else n_head * n_ubatch * cells * 4
-        compute = residual + max(logits, ffn, scores)
+        outputs = min(settings.parallel, n_ubatch)
+        mask_cells = 0
+        if any(layer.kind in ("full", "mla") for layer in spec.layers):
+            mask_cells += cells * streams
+        window = max((layer.window or 0 for layer in spec.layers if layer.kind == "sliding"), default=0)
+        if window:
+            mask_cells += self.swa_cells(FIXED_WINDOW_ARCHS.get(spec.arch, window), cells, settings, n_ubatch) * streams
+        mask_value = 2 if settings.flash_attn else 4
+        phases = {"logits": n_vocab * outputs * 4 if logits else 0, "ffn": 3 * n_ubatch * n_ff * 4,
+                  "scores": 0 if settings.flash_attn else n_head * n_ubatch * cells * 4}
+        terms = ([f"logits {n_vocab}×{outputs}×4"] if logits else []) + [f"ffn 3×{n_ubatch}×{n_ff}×4"] + \
+            ([] if settings.flash_attn else [f"scores {n_head}×{n_ubatch}×{cells}×4"])
+        steady = 4 * n_ubatch * n_embd * 4 + mask_cells * n_ubatch * mask_value
+        return Component("compute buffer", f"max({', '.join(terms)}) + 4×{n_ubatch}×{n_embd}×4 + masks {mask_cells}×{n_ubatch}×"
+                         f"{mask_value}", steady + max(phases.values()), exact=False)
+
+    def overheads(self, spec: ModelSpec, settings: PlanSettings, layout: KVLayout) -> list[Component]:
+        n_vocab = spec.vocab_size
         output = n_vocab * settings.parallel * 4
         return [
-            Component("compute buffer", f"max(logits {n_vocab}×{n_ubatch}×4, ffn 3×{n_ubatch}×{n_ff}×4"
-                      + ("" if settings.flash_attn else f", scores {n_head}×{n_ubatch}×{cells}×4")
-                      + f") + 2×{n_ubatch}×{n_embd}×4", compute, exact=False),
+            self.compute_buffer(spec, settings),
             Component("output buffer", f"{n_vocab} vocab × {settings.parallel} seq × 4 B", output, exact=False),
             Component("CUDA runtime", "CUDA context + cuBLAS workspace (typical)", GPU_RUNTIME_BYTES, exact=False),
         ]
