@@ -9,15 +9,19 @@ caches' own formula (kvlab.cache.expected_nbytes), the one the planner's `--engi
 number of blocks a budget buys is the planner's number.
 
 BlockManager keeps the metadata: a block table per sequence, a reference count per block, and the
-prefix index. A full block is keyed by a hash chained over the token ids (key_i = hash(key_{i-1}, ids_i))
-and verified on lookup against its stored ids and the exact block (id, generation) before it, so a hash
-collision can only miss, never mix two prompts. Freed blocks keep their key and sit in an LRU until their
-memory is needed; a block shared by several sequences is copied before one of them writes into it.
+prefix index. A full block is keyed by a SHA-256 chained over the token ids (key_i = sha256(key_{i-1}, ids_i),
+key_{-1} = `root`: the store's identity with --kv-store, so a key names the same K/V in any process) and verified
+on lookup against its stored ids and the exact block (id, generation) before it, so a key collision can only
+miss, never mix two prompts. Freed blocks keep their key and sit in an LRU until their memory is needed; a block
+shared by several sequences is copied before one of them writes into it. With a `store` (serve/kv_store.py) a
+block the index misses is looked for on disk before the prefix is given up.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -82,6 +86,11 @@ class BlockPool:
         self.k[:, dst * bs:(dst + 1) * bs] = self.k[:, src * bs:(src + 1) * bs]
         self.v[:, dst * bs:(dst + 1) * bs] = self.v[:, src * bs:(src + 1) * bs]
 
+    def block_parts(self, block: int) -> list[tuple[str, torch.Tensor]]:
+        """Views of every buffer's rows of `block`, in a fixed order (what the KV store writes and reads back)."""
+        rows = slice(block * self.block_size, (block + 1) * self.block_size)
+        return [("k", self.k[:, rows]), ("v", self.v[:, rows])]          # (L, block_size, Hkv, D) each
+
     @property
     def nbytes(self) -> int:
         return tensors_nbytes(self.k, self.v)
@@ -92,7 +101,7 @@ class Block:
     id: int
     ref_count: int = 0
     generation: int = 0                       # bumped each time the block is handed out again
-    key: int | None = None                    # prefix-index key, once full and registered
+    key: bytes | None = None                  # prefix-index key, once full and registered
     token_ids: tuple[int, ...] = ()           # the ids a registered block holds (verification)
     parent: tuple[int, int] | None = None     # (id, generation) of the block before it in its sequence
 
@@ -101,17 +110,20 @@ class BlockManager:
     """Block tables, reference counts, the prefix index and the LRU of free blocks."""
 
     def __init__(self, n_blocks: int, block_size: int, prefix_caching: bool = True, on_copy=None, on_free=None,
-                 on_fork=None, prefix_state=None):
+                 on_fork=None, prefix_state=None, root: bytes = b"", store=None):
         self.block_size = block_size
         self.prefix_caching = prefix_caching
         self.blocks = [Block(i) for i in range(n_blocks)]
         self.free_lru: OrderedDict[int, None] = OrderedDict((i, None) for i in range(n_blocks))  # first = evicted first
-        self.index: dict[int, int] = {}         # key -> block id
+        self.index: dict[bytes, int] = {}       # key -> block id
         self.on_copy = on_copy                  # on_copy(src, dst): copy the data of a block (the pool's copy_block)
         self.on_free = on_free                  # on_free(seq): the sequence holds no blocks any more (the pool's release)
         self.on_fork = on_fork                  # on_fork(parent, child): per-sequence pool state too (the pool's fork)
         self.prefix_state = prefix_state        # prefix_state(seq): whether the pool holds what cached blocks do not
                                                 # (its holds_prefix_state: +sinkN rows); None: blocks are all
+        self.root = root                        # the key before a sequence's first block
+        self.store = store                      # store.load(key, parent_key, ids, block_id) -> bool: a block from disk;
+                                                # store.load_state(ids, first block's key) -> bool: prefix_state from disk
 
     # -- counts -----------------------------------------------------------------------------------------
     @property
@@ -129,40 +141,91 @@ class BlockManager:
 
     # -- prefix cache -------------------------------------------------------------------------------------
     @staticmethod
-    def chain_key(parent_key: int | None, ids: tuple[int, ...]) -> int:
-        return hash((parent_key, ids))
+    def chain_key(parent_key: bytes, ids: tuple[int, ...]) -> bytes:
+        return hashlib.sha256(parent_key + array("q", ids).tobytes()).digest()
 
     def take_cached_prefix(self, seq) -> int:
         """Give a sequence with no blocks the longest cached run of full blocks of its tokens (never the
         last token: its logits are needed). Returns the number of tokens it now has computed."""
         assert not seq.block_table and seq.num_computed == 0
-        if not self.prefix_caching or (self.prefix_state is not None and not self.prefix_state(seq)):
+        if not self.prefix_caching or (self.prefix_state is not None and not self.prefix_state(seq)
+                                       and not self._state_from_store(seq)):
             return 0
-        bs, key, parent = self.block_size, None, None
-        for i in range((len(seq.token_ids) - 1) // bs):
-            ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+        load = None if self.store is None else self.store.load
+        seq.block_table = [b.id for b in self.hold_prefix(seq.token_ids, (len(seq.token_ids) - 1) // self.block_size, load)]
+        seq.num_hashed = len(seq.block_table)
+        seq.num_computed = seq.num_hashed * self.block_size
+        return seq.num_computed
+
+    def _state_from_store(self, seq) -> bool:
+        """The pool's prefix state for the sequence (+sinkN rows) from the store's copy of its first block, if any."""
+        if self.store is None or len(seq.token_ids) <= self.block_size:
+            return False
+        first = self.chain_key(self.root, tuple(seq.token_ids[:self.block_size]))
+        return self.store.load_state(seq.token_ids, first) and self.prefix_state(seq)
+
+    def hold_prefix(self, token_ids, n_blocks: int, load=None) -> list[Block]:
+        """A reference to each block of the longest cached run of the first `n_blocks` full blocks of `token_ids`.
+        A block the index misses is asked of `load(key, parent_key, ids, block_id) -> bool` (it fills a fresh block
+        with that block's K/V, or says it cannot) while free blocks last."""
+        bs, key, held = self.block_size, self.root, []
+        for i in range(n_blocks):
+            ids = tuple(token_ids[i * bs:(i + 1) * bs])
+            parent_key, key = key, self.chain_key(key, ids)
+            parent = (held[-1].id, held[-1].generation) if held else None
+            block_id = self.index.get(key)
+            block = None if block_id is None else self.blocks[block_id]
+            if block is not None and block.token_ids == ids and block.parent == parent:
+                if block.ref_count == 0:
+                    del self.free_lru[block_id]
+                block.ref_count += 1
+            else:                               # a miss (or a collision, or a stale chain): the store may have it
+                block = self._load(key, parent_key, ids, parent, load)
+                if block is None:
+                    break
+            held.append(block)
+        return held
+
+    def _load(self, key: bytes, parent_key: bytes, ids: tuple[int, ...], parent, load) -> Block | None:
+        """A fresh block filled by `load` and registered under `key` (held once), or None."""
+        if load is None or not self.free_lru:
+            return None
+        block = self._allocate()
+        if not load(key, parent_key, ids, block.id):
+            block.ref_count = 0
+            self.free_lru[block.id] = None
+            self.free_lru.move_to_end(block.id, last=False)     # empty: the first to be handed out again
+            return None
+        block.key, block.token_ids, block.parent = key, ids, parent
+        self.index[key] = block.id
+        return block
+
+    def release(self, held: list[Block]) -> None:
+        """Drop references taken by hold_prefix, last block first (a prefix outlives its tail in the LRU)."""
+        for block in reversed(held):
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_lru[block.id] = None
+
+    def cached_prefix(self, token_ids) -> list[Block]:
+        """The longest run of full blocks of `token_ids` the prefix index holds now (no references taken)."""
+        bs, key, found = self.block_size, self.root, []
+        for i in range(len(token_ids) // bs):
+            ids = tuple(token_ids[i * bs:(i + 1) * bs])
             key = self.chain_key(key, ids)
             block_id = self.index.get(key)
-            if block_id is None:
+            if block_id is None or self.blocks[block_id].token_ids != ids or \
+                    self.blocks[block_id].parent != ((found[-1].id, found[-1].generation) if found else None):
                 break
-            block = self.blocks[block_id]
-            if block.token_ids != ids or block.parent != parent:   # a hash collision, or a stale chain: a miss
-                break
-            if block.ref_count == 0:
-                del self.free_lru[block_id]
-            block.ref_count += 1
-            seq.block_table.append(block_id)
-            parent = (block.id, block.generation)
-        seq.num_hashed = len(seq.block_table)
-        seq.num_computed = seq.num_hashed * bs
-        return seq.num_computed
+            found.append(self.blocks[block_id])
+        return found
 
     def register_full_blocks(self, seq) -> None:
         """Enter the sequence's newly completed blocks into the prefix index (the first holder keeps a key)."""
         if not self.prefix_caching:
             return
         bs = self.block_size
-        key = self.blocks[seq.block_table[seq.num_hashed - 1]].key if seq.num_hashed else None
+        key = self.blocks[seq.block_table[seq.num_hashed - 1]].key if seq.num_hashed else self.root
         for i in range(seq.num_hashed, seq.num_computed // bs):
             block = self.blocks[seq.block_table[i]]
             ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
@@ -207,11 +270,7 @@ class BlockManager:
 
     def free(self, seq) -> None:
         """Drop the sequence's references, last block first (so a prefix outlives its tail in the LRU)."""
-        for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_lru[block_id] = None
+        self.release([self.blocks[b] for b in seq.block_table])
         seq.block_table = []
         seq.num_computed = seq.num_hashed = 0
         if self.on_free is not None:

@@ -17,10 +17,13 @@ from dataclasses import dataclass
 import torch
 
 from ..cache import CacheGeometry, CacheSpec
-from ..errors import ConfigError, KvlabError, RequestTooLargeError
+from ..errors import ConfigError, KvlabError, RequestTooLargeError, StoreFileError
+from ..limits import parse_size
 from .blocks import BlockManager, CapacityPlan
 from .coded import make_pool
 from .grammar import GrammarState, GrammarTokenizer
+from .kv_store import (KVStore, Snapshot, StoredFile, block_bytes, check_servable, fill_parts, parts_bytes, read_file,
+                       store_identity)
 from .runner import Runner
 from .sampling import Draw, SamplingParams, TextStream, TokenCounts
 from .scheduler import Scheduler
@@ -89,7 +92,7 @@ def _with_recipe(cache: str, loaded) -> str:
 class Engine:
     def __init__(self, model, tokenizer=None, *, cache: str = "dense", kv_budget: int | str = "512MiB",
                  max_batch: int = 16, block_size: int = 16, max_step_tokens: int = 512, prefix_caching: bool = True,
-                 use_kernel: bool = True):
+                 use_kernel: bool = True, kv_store: str | None = None, kv_store_bytes: int | str = "4GiB"):
         if hasattr(model, "tokenizer") and hasattr(model, "model"):     # a LoadedModel
             tokenizer = tokenizer if tokenizer is not None else model.tokenizer
             cache = _with_recipe(cache, model)
@@ -106,9 +109,15 @@ class Engine:
         geometry = CacheGeometry.for_model(self.config)
         self.capacity = CapacityPlan.build(geometry, cache, kv_budget, block_size, max_batch)
         self.pool = make_pool(geometry, self.capacity, device, model, tokenizer)
+        self.store = None                                # the prefix cache on disk (kv_store.py)
+        if kv_store is not None:
+            check_servable(self.config, self.pool, prefix_caching)
+            self.store = KVStore(kv_store, store_identity(model, self.pool, block_size), self.pool,
+                                 parse_size(kv_store_bytes, "--kv-store-max", "8GiB"))
         self.blocks = BlockManager(self.capacity.n_blocks, block_size, prefix_caching, on_copy=self.pool.copy_block,
                                    on_free=self.pool.release, on_fork=self.pool.fork,
-                                   prefix_state=getattr(self.pool, "holds_prefix_state", None))
+                                   prefix_state=getattr(self.pool, "holds_prefix_state", None),
+                                   root=self.store.identity.root if self.store else b"", store=self.store)
         self.scheduler = Scheduler(self.blocks, max_batch, max_step_tokens)
         self.runner = Runner(model, self.pool, use_kernel)
         self.eos_ids = tuple(tokenizer.eos_ids) if tokenizer is not None else ()
@@ -117,6 +126,7 @@ class Engine:
         self._aborted: list[RequestOutput] = []
         self._ids = itertools.count()
         self._counts = dict(prompt_tokens=0, generated_tokens=0, steps=0, computed_tokens=0, kv_bytes_peak=0)
+        self.last_tokens: list[int] = []                 # the computed tokens of the choice that finished last
 
     @classmethod
     def from_model_path(cls, path=None, *, dtype: str = "fp32", device: str = "cpu", weights: str = "auto", **kw) -> "Engine":
@@ -238,12 +248,76 @@ class Engine:
             last = False
             if seq.finish_reason is not None:
                 delta += seq.text.flush() if seq.text is not None and not hit_stop else ""
+                self._finished(seq)
                 seq.status = Status.FINISHED
                 self.scheduler.remove(seq)
                 last = self._forget(seq)
             logprobs = [draw] if seq.sampling.logprobs is not None else None
             outputs.append(self._output(seq, [token], delta, all_finished=last, logprobs=logprobs))
         return outputs
+
+    def _finished(self, seq: Sequence) -> None:
+        """Before its blocks are freed: remember its tokens (POST /kv/save's default) and store its full blocks."""
+        self.last_tokens = seq.token_ids[:seq.num_computed]
+        if self.store is not None:
+            blocks = [self.blocks.blocks[b] for b in seq.block_table[:seq.num_hashed]]
+            self.store.save([(b.key, b.token_ids, b.id) for b in blocks], self._prefix_state(seq.token_ids))
+
+    # -- conversations saved and restored on request (POST /kv/save, /kv/restore) ------------------------
+    def _prefix_state(self, token_ids) -> bytes | None:
+        """The bytes of what the pool keeps per prefix besides its blocks (+sinkN rows: b"" for other pools), None if
+        it does not hold them for these tokens now."""
+        parts = self.pool.prefix_state_parts(token_ids) if hasattr(self.pool, "prefix_state_parts") else []
+        return None if parts is None else parts_bytes(parts)
+
+    def snapshot_prefix(self, token_ids: list[int]) -> Snapshot:
+        """The full blocks of `token_ids` the prefix cache holds now, copied out of the pool (write it off the
+        engine thread: Snapshot.write)."""
+        self._need_store()
+        state = self._prefix_state(token_ids)
+        held = self.blocks.cached_prefix(token_ids) if state is not None else []
+        blocks = [block_bytes(self.pool, b.id) for b in held]
+        return Snapshot(self.store.identity, list(token_ids[:len(held) * self.blocks.block_size]),
+                        [state, *blocks] if held and self.store.identity.state_parts else blocks)
+
+    def read_saved(self, path) -> StoredFile:
+        """A saved conversation's file, checked (StoreFileError, one line); safe off the engine thread."""
+        self._need_store()
+        stored = read_file(path, self.store.identity)
+        if not stored.first:
+            raise StoreFileError(f"{path}: holds blocks from the middle of a conversation")
+        return stored
+
+    def restore_prefix(self, stored: StoredFile) -> int:
+        """Put the blocks of a file read by `read_saved` into the prefix cache (those it lacks, while free blocks
+        last) with the pool's prefix state; returns the tokens it now holds of them."""
+        tokens, bs, nbytes = stored.tokens, self.blocks.block_size, self.store.identity.block_nbytes
+        if stored.state_at is not None:
+            parts = self.pool.prefix_state_parts(tokens, adopt=True)
+            if parts is None:                            # every entry is in use by a running sequence
+                return 0
+            fill_parts(parts, stored.data, stored.state_at)
+        at, key = {}, self.blocks.root
+        for i in range(len(tokens) // bs):
+            key = self.blocks.chain_key(key, tuple(tokens[i * bs:(i + 1) * bs]))
+            at[key] = stored.blocks_at + i * nbytes
+
+        def load(key, parent_key, ids, block):
+            fill_parts(self.pool.block_parts(block), stored.data, at[key])
+            return True
+
+        held = self.blocks.hold_prefix(tokens, len(tokens) // bs, load)
+        self.blocks.release(held)
+        return len(held) * bs
+
+    def _need_store(self) -> None:
+        if self.store is None:
+            raise ConfigError("saving and restoring KV needs the server started with --kv-store DIR")
+
+    def close(self) -> None:
+        """Write what the store still has queued (at shutdown)."""
+        if self.store is not None:
+            self.store.close()
 
     def _forget(self, seq: Sequence) -> bool:
         """Drop a finished choice; True if it was its request's last one."""
