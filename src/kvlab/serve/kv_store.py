@@ -13,9 +13,9 @@ folder holds the stores of several models and formats side by side, and a server
 
 A file, both kinds (little-endian; plain bytes, never a pickle):
     b"KVLABKV\\0"  u32 version  u32 n  n bytes of JSON header  payload  u32 CRC-32 of everything before it
-    header   {"digest", "model", "format", "block_size", "parts": [[name, dtype, shape], ...] (one block's),
-              "state_parts": (+sinkN: the sink rows'), "tokens": [...] (block_size per block), "first": whether
-              they are a sequence's first}, padded with spaces so the payload starts 64-byte aligned
+    header   {"digest", "model", "format", "block_size", "tokens": [...] (block_size per block), "first": whether
+              they are a sequence's first}, padded with spaces so the payload starts 64-byte aligned (the block's
+              layout, [[name, dtype, shape], ...], is in about.json and in the digest)
     payload  [the prefix state, when "first" and the pool keeps one] then block after block, each its parts' raw
              bytes in order: the pool's own buffers (dense K/V in its dtype, int codes + scales, TurboQuant codes +
              norms, +sinkN's exact first rows), so a file's bytes per token are the pool's
@@ -158,7 +158,8 @@ def write_file(path: Path, identity: StoreIdentity, tokens: list[int], blocks: l
                durable: bool) -> int:
     """Write a store file atomically (`blocks`: the prefix state first when `first` and the identity has one);
     returns its size."""
-    header = json.dumps({**asdict(identity), "tokens": list(tokens), "first": first}).encode()
+    header = json.dumps({"digest": identity.digest, "model": identity.model, "format": identity.format,
+                         "block_size": identity.block_size, "tokens": list(tokens), "first": first}).encode()
     start = _PREFIX.size + len(header)
     header += b" " * (-start % ALIGN)
     crc = 0
