@@ -280,3 +280,27 @@ def test_what_the_store_cannot_hold_is_refused_with_one_line(smollm2, tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(Exception, match="--kv-store .*file"):
         engine(smollm2, tmp_path / "file")
+
+
+def test_a_miss_the_store_does_not_hold_costs_no_cached_block():
+    from kvlab.serve.blocks import BlockManager
+    from kvlab.serve.sequence import Sequence
+
+    class Nothing:
+        def has(self, key):
+            return False
+
+        def load(self, *args):
+            raise AssertionError("load asked without has")
+
+    m = BlockManager(2, 2, store=Nothing())
+    seq = Sequence("a", [1, 2, 3, 4])
+    assert m.take_cached_prefix(seq) == 0
+    m.reserve(seq, 4)
+    seq.num_computed = 4
+    m.register_full_blocks(seq)
+    m.free(seq)                                                    # every block full, cached, in the LRU
+    index, lru = dict(m.index), list(m.free_lru)
+    assert len(index) == 2
+    assert m.take_cached_prefix(Sequence("b", [9, 8, 7])) == 0
+    assert (m.index, list(m.free_lru)) == (index, lru)

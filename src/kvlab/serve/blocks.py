@@ -122,7 +122,7 @@ class BlockManager:
         self.prefix_state = prefix_state        # prefix_state(seq): whether the pool holds what cached blocks do not
                                                 # (its holds_prefix_state: +sinkN rows); None: blocks are all
         self.root = root                        # the key before a sequence's first block
-        self.store = store                      # store.load(key, parent_key, ids, block_id) -> bool: a block from disk;
+        self.store = store                      # blocks from disk (hold_prefix's `source`), and
                                                 # store.load_state(ids, first block's key) -> bool: prefix_state from disk
 
     # -- counts -----------------------------------------------------------------------------------------
@@ -151,8 +151,8 @@ class BlockManager:
         if not self.prefix_caching or (self.prefix_state is not None and not self.prefix_state(seq)
                                        and not self._state_from_store(seq)):
             return 0
-        load = None if self.store is None else self.store.load
-        seq.block_table = [b.id for b in self.hold_prefix(seq.token_ids, (len(seq.token_ids) - 1) // self.block_size, load)]
+        seq.block_table = [b.id for b in self.hold_prefix(seq.token_ids, (len(seq.token_ids) - 1) // self.block_size,
+                                                          self.store)]
         seq.num_hashed = len(seq.block_table)
         seq.num_computed = seq.num_hashed * self.block_size
         return seq.num_computed
@@ -164,10 +164,10 @@ class BlockManager:
         first = self.chain_key(self.root, tuple(seq.token_ids[:self.block_size]))
         return self.store.load_state(seq.token_ids, first) and self.prefix_state(seq)
 
-    def hold_prefix(self, token_ids, n_blocks: int, load=None) -> list[Block]:
+    def hold_prefix(self, token_ids, n_blocks: int, source=None) -> list[Block]:
         """A reference to each block of the longest cached run of the first `n_blocks` full blocks of `token_ids`.
-        A block the index misses is asked of `load(key, parent_key, ids, block_id) -> bool` (it fills a fresh block
-        with that block's K/V, or says it cannot) while free blocks last."""
+        A block the index misses is taken from `source` while free blocks last: `source.has(key)`, and
+        `source.load(key, parent_key, ids, block_id) -> bool` fills a fresh block with its K/V (or says it cannot)."""
         bs, key, held = self.block_size, self.root, []
         for i in range(n_blocks):
             ids = tuple(token_ids[i * bs:(i + 1) * bs])
@@ -180,18 +180,18 @@ class BlockManager:
                     del self.free_lru[block_id]
                 block.ref_count += 1
             else:                               # a miss (or a collision, or a stale chain): the store may have it
-                block = self._load(key, parent_key, ids, parent, load)
+                block = self._load(key, parent_key, ids, parent, source)
                 if block is None:
                     break
             held.append(block)
         return held
 
-    def _load(self, key: bytes, parent_key: bytes, ids: tuple[int, ...], parent, load) -> Block | None:
-        """A fresh block filled by `load` and registered under `key` (held once), or None."""
-        if load is None or not self.free_lru:
+    def _load(self, key: bytes, parent_key: bytes, ids: tuple[int, ...], parent, source) -> Block | None:
+        """A fresh block filled by `source` and registered under `key` (held once), or None."""
+        if source is None or not self.free_lru or not source.has(key):
             return None
         block = self._allocate()
-        if not load(key, parent_key, ids, block.id):
+        if not source.load(key, parent_key, ids, block.id):
             block.ref_count = 0
             self.free_lru[block.id] = None
             self.free_lru.move_to_end(block.id, last=False)     # empty: the first to be handed out again

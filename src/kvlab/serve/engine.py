@@ -301,12 +301,17 @@ class Engine:
         for i in range(len(tokens) // bs):
             key = self.blocks.chain_key(key, tuple(tokens[i * bs:(i + 1) * bs]))
             at[key] = stored.blocks_at + i * nbytes
+        pool = self.pool
 
-        def load(key, parent_key, ids, block):
-            fill_parts(self.pool.block_parts(block), stored.data, at[key])
-            return True
+        class Saved:                                     # hold_prefix's source: the file's blocks
+            has = at.__contains__
 
-        held = self.blocks.hold_prefix(tokens, len(tokens) // bs, load)
+            @staticmethod
+            def load(key, parent_key, ids, block) -> bool:
+                fill_parts(pool.block_parts(block), stored.data, at[key])
+                return True
+
+        held = self.blocks.hold_prefix(tokens, len(tokens) // bs, Saved)
         self.blocks.release(held)
         return len(held) * bs
 

@@ -267,8 +267,12 @@ class KVStore:
         return self.folder / f"{key_hex}{BLOCK_SUFFIX}"
 
     # -- reading (the engine thread) -------------------------------------------------------------------------
+    def has(self, key: bytes) -> bool:
+        with self.lock:
+            return key.hex() in self.files
+
     def load(self, key: bytes, parent_key: bytes, ids: tuple[int, ...], block: int) -> bool:
-        """BlockManager's hook: fill `block` with the stored block of this key (True), or say there is none."""
+        """BlockManager's source: fill `block` with the stored block of this key (True), or say it cannot."""
         stored = self._read(key)
         if stored is None:
             return False
