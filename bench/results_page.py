@@ -312,11 +312,10 @@ def kv_store(data, opt) -> str:
                       f"{r['restart_to_first_token_s']:.2f}", f"{r['restart_engine_start_s']:.2f}",
                       f"{r['fresh_prefill_first_token_s']:.2f}", ratio(r["speedup"])] for r in data["restart"]],
                     right={1, 2, 3, 4, 5, 6})
-    return (f"{sizes}
-
-A restarted server answering the next turn of a saved conversation, against a new server "
-            f"prefilling it (median of {data['repeats']}, {threads(data['threads'])}, load {data['load_average_1min']:.1f} "
-            f"on {data['cpus']} CPUs):\n\n{restart}")
+    note = f" {data['note'][0].upper()}{data['note'][1:]}." if data.get("note") else ""
+    return (f"{sizes}\n\nA restarted server answering the next turn of a saved conversation, against a new server "
+            f"prefilling it (median of {data['repeats']}, {threads(data['threads'])}, {data['cpus']} CPUs).{note}"
+            f"\n\n{restart}")
 
 
 def threads(n: int) -> str:
