@@ -337,6 +337,26 @@ def render_limit(data, opt) -> str:
                    f"{data['health_during_renders_s']:.2f}", f"{data['load_average_1min']:.1f}"]], right={0, 1, 2, 3, 4})
 
 
+def kv_store(data, opt) -> str:
+    """bench/kv_store.py: bytes on disk per 1,000 tokens per pool format; restart to first token vs a fresh prefill."""
+    base = next((r["store_bytes_per_1000_tokens"] for r in data["sizes"] if r["cache"] == "dense-f16"), None)
+    sizes = table(["cache", "format", "store bytes / 1,000 tokens", "pool bytes / 1,000 tokens", "vs dense-f16"],
+                  [[code(r["cache"]), code(r["format"]), f"{r['store_bytes_per_1000_tokens']:,}",
+                    f"{r['pool_bytes_per_1000_tokens']:,}",
+                    ratio(base / r["store_bytes_per_1000_tokens"]) if base else "—"] for r in data["sizes"]],
+                  right={2, 3, 4})
+    restart = table(["cache", "history tokens", "cached tokens", "restart → first token s", "of which engine start s",
+                     "fresh prefill → first token s", "speed-up"],
+                    [[code(r["cache"]), f"{r['history_tokens']:,}", ", ".join(f"{c:,}" for c in r["cached_tokens"]),
+                      f"{r['restart_to_first_token_s']:.2f}", f"{r['restart_engine_start_s']:.2f}",
+                      f"{r['fresh_prefill_first_token_s']:.2f}", ratio(r["speedup"])] for r in data["restart"]],
+                    right={1, 2, 3, 4, 5, 6})
+    note = f" {data['note'][0].upper()}{data['note'][1:]}." if data.get("note") else ""
+    return (f"{sizes}\n\nA restarted server answering the next turn of a saved conversation, against a new server "
+            f"prefilling it (median of {data['repeats']}, {threads(data['threads'])}, {data['cpus']} CPUs).{note}"
+            f"\n\n{restart}")
+
+
 def threads(n: int) -> str:
     return f"{n} thread" + ("s" if n != 1 else "")
 
@@ -636,6 +656,9 @@ SECTIONS = [
         Table("grammar_mask.json", grammar_mask, "python bench/grammar_mask.py",
               "The server holds `response_format` and tool calls with llguidance: its mask costs more per token than "
               "xgrammar's, both negligible beside a decode step, and it compiles a schema faster."),
+        Table("kv_store.json", kv_store, "python bench/kv_store.py",
+              "Store files hold the pool's own bytes (a small header per block); the restart reads the history's "
+              "blocks from the page cache (they were just written) and prefills only the new question."),
         Table("serve_render_limit.json", render_limit, "python bench/serve_render_limit.py",
               "Every client on a chat template that never ends gets its one-line 400 near the 10 s render limit while "
               "`/health` keeps answering."),

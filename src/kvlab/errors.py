@@ -36,6 +36,10 @@ class OutputError(KvlabError):
     """A report, plot or JSON file that cannot be written where it was asked for."""
 
 
+class StoreFileError(KvlabError):
+    """A KV store file that is torn, truncated, of another version, or of another model or cache format."""
+
+
 class InputLimitError(KvlabError):
     """A number or a text beyond what kvlab will run: too many threads, tokens past the context, an endless template."""
 

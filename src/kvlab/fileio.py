@@ -70,10 +70,12 @@ def check_writable(path: str | os.PathLike, option: str, suffixes: tuple[str, ..
 
 
 @contextmanager
-def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+def atomic_path(path: str | os.PathLike, durable: bool = True) -> Iterator[Path]:
     """Yield a temporary path beside `path`; when the block succeeds, fsync it and rename it over `path`.
 
     When the block raises (or is interrupted), the temporary file is removed and `path` is untouched.
+    `durable=False` skips the fsyncs (a reader still never sees half a file; a power cut may leave a torn one,
+    which a file with its own checksum refuses): for many small files where the fsyncs would cost more than the writes.
     """
     path = Path(path).expanduser()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -84,13 +86,15 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         yield tmp
         mode = path.stat().st_mode & 0o7777 if path.exists() else _NEW_FILE_MODE
         os.chmod(tmp, mode)
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
+        if durable:
+            with open(tmp, "rb+") as fh:
+                os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_folder(path.parent)
+    if durable:
+        _fsync_folder(path.parent)
 
 
 def _fsync_folder(folder: Path) -> None:
@@ -107,8 +111,8 @@ def _fsync_folder(folder: Path) -> None:
         os.close(fd)
 
 
-def write_bytes(path: str | os.PathLike, data: bytes) -> Path:
-    with atomic_path(path) as tmp:
+def write_bytes(path: str | os.PathLike, data: bytes, durable: bool = True) -> Path:
+    with atomic_path(path, durable) as tmp:
         tmp.write_bytes(data)
     return Path(path)
 

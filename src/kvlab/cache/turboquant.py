@@ -855,6 +855,12 @@ class TurboQuantCache(CompressedCache):
         self._pending.clear()
         self._calibrated = set(self.compressed_layers)
 
+    def calibrated_state(self) -> list[torch.Tensor]:
+        """What `use_calibration` takes from a calibrated cache: per-layer offsets, key weights, +norms8 centres
+        (stored codes read right only against the same state)."""
+        return [*self.k_offset.values(), *self.v_offset.values(), *self.k_weight_codes.values(),
+                *(c for centres in self.norm_centres.values() for c in centres.values())]
+
     # -- bytes --------------------------------------------------------------------------------------
     def _store_nbytes(self) -> int:
         per_token = tensors_nbytes(*(buf for name in self.token_buffer_names() for buf in getattr(self, name).values()))

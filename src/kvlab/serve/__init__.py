@@ -9,6 +9,7 @@
     sampling.py   SamplingParams, the batched draw (penalties, logit_bias, min_p, grammar masks, logprobs), stop strings
     grammar.py    constrained decoding (llguidance): JSON schemas and Lark grammars, one mask row per sequence
     engine.py     add_request · step · abort · generate; n choices forked from one prefill
+    kv_store.py   the prefix cache on disk (--kv-store): blocks in the pool's own format, read on a prefix miss
   and the HTTP server on top (kvlab serve, docs/serve.md):
     engine_loop.py  the thread that owns the engine; openai_api.py the wire format; tools.py tool calls;
     http.py       FastAPI + uvicorn, with the bounds a misbehaving client meets; command.py the CLI

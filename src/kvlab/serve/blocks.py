@@ -9,24 +9,28 @@ caches' own formula (kvlab.cache.expected_nbytes), the one the planner's `--engi
 number of blocks a budget buys is the planner's number.
 
 BlockManager keeps the metadata: a block table per sequence, a reference count per block, and the
-prefix index. A full block is keyed by a hash chained over the token ids (key_i = hash(key_{i-1}, ids_i))
-and verified on lookup against its stored ids and the exact block (id, generation) before it, so a hash
-collision can only miss, never mix two prompts. Freed blocks keep their key and sit in an LRU until their
-memory is needed; a block shared by several sequences is copied before one of them writes into it.
+prefix index. A full block is keyed by a SHA-256 chained over the token ids (key_i = sha256(key_{i-1}, ids_i),
+key_{-1} = `root`: the store's identity with --kv-store, so a key names the same K/V in any process) and verified
+on lookup against its stored ids and the exact block (id, generation) before it, so a key collision can only
+miss, never mix two prompts. Freed blocks keep their key and sit in an LRU until their memory is needed; a block
+shared by several sequences is copied before one of them writes into it. With a `store` (serve/kv_store.py) a
+block the index misses is looked for on disk before the prefix is given up.
 
 Layer groups (cache/capacity.LayerGroups: Gemma 3's full and sliding layers). The pool's buffers hold one group's
 layers (pool layer j of every group); a block belongs to one group, and a sequence has a table per group:
 `seq.block_table` for group 0 (full layers) and `seq.group_tables` for the others, all the same length (token t in
 entry t // block_size). A sliding group gives back its blocks once they leave the window (free_behind_window: the
 entry becomes NO_BLOCK), so the same blocks hold more sequences. Prefix hits are found and verified on group 0's
-chain as above; another group's block at position i is keyed by (group, key_i) and verified by the group-0 block it
+chain as above; another group's block at position i is keyed by sha256(group, key_i) and verified by the group-0 block it
 was written beside (its `parent` is that block's (id, generation)), so it holds the same tokens' K/V; a sliding
 group needs only the blocks its window still reaches at the hit, and the hit is as long as every group can serve.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -91,6 +95,11 @@ class BlockPool:
         self.k[:, dst * bs:(dst + 1) * bs] = self.k[:, src * bs:(src + 1) * bs]
         self.v[:, dst * bs:(dst + 1) * bs] = self.v[:, src * bs:(src + 1) * bs]
 
+    def block_parts(self, block: int) -> list[tuple[str, torch.Tensor]]:
+        """Views of every buffer's rows of `block`, in a fixed order (what the KV store writes and reads back)."""
+        rows = slice(block * self.block_size, (block + 1) * self.block_size)
+        return [("k", self.k[:, rows]), ("v", self.v[:, rows])]          # (L, block_size, Hkv, D) each
+
     @property
     def nbytes(self) -> int:
         return tensors_nbytes(self.k, self.v)
@@ -101,7 +110,7 @@ class Block:
     id: int
     ref_count: int = 0
     generation: int = 0                       # bumped each time the block is handed out again
-    key: int | None = None                    # prefix-index key, once full and registered
+    key: bytes | None = None                  # prefix-index key, once full and registered
     token_ids: tuple[int, ...] = ()           # the ids a registered block holds (verification)
     parent: tuple[int, int] | None = None     # (id, generation) of the block before it in its sequence
 
@@ -114,19 +123,23 @@ class BlockManager:
     """Block tables, reference counts, the prefix index and the LRU of free blocks."""
 
     def __init__(self, n_blocks: int, block_size: int, prefix_caching: bool = True, on_copy=None, on_free=None,
-                 on_fork=None, prefix_state=None, windows: tuple = (None,), window_caps: tuple = (None,)):
+                 on_fork=None, prefix_state=None, windows: tuple = (None,), window_caps: tuple = (None,),
+                 root: bytes = b"", store=None):
         self.block_size = block_size
         self.prefix_caching = prefix_caching
         self.windows = tuple(windows)           # per layer group: None, or the window it frees blocks behind
         self.window_caps = tuple(window_caps)   # per group: None, or the most blocks it holds for one sequence
         self.blocks = [Block(i) for i in range(n_blocks)]
         self.free_lru: OrderedDict[int, None] = OrderedDict((i, None) for i in range(n_blocks))  # first = evicted first
-        self.index: dict[int, int] = {}         # key -> block id
+        self.index: dict[bytes, int] = {}       # key -> block id
         self.on_copy = on_copy                  # on_copy(src, dst): copy the data of a block (the pool's copy_block)
         self.on_free = on_free                  # on_free(seq): the sequence holds no blocks any more (the pool's release)
         self.on_fork = on_fork                  # on_fork(parent, child): per-sequence pool state too (the pool's fork)
         self.prefix_state = prefix_state        # prefix_state(seq): whether the pool holds what cached blocks do not
                                                 # (its holds_prefix_state: +sinkN rows); None: blocks are all
+        self.root = root                        # the key before a sequence's first block
+        self.store = store                      # blocks from disk (hold_prefix's `source`), and
+                                                # store.load_state(ids, first block's key) -> bool: prefix_state from disk
 
     # -- counts -----------------------------------------------------------------------------------------
     @property
@@ -144,8 +157,8 @@ class BlockManager:
 
     # -- prefix cache -------------------------------------------------------------------------------------
     @staticmethod
-    def chain_key(parent_key: int | None, ids: tuple[int, ...]) -> int:
-        return hash((parent_key, ids))
+    def chain_key(parent_key: bytes, ids: tuple[int, ...]) -> bytes:
+        return hashlib.sha256(parent_key + array("q", ids).tobytes()).digest()
 
     def tables(self, seq) -> list[list[int]]:
         """The sequence's block table of each layer group (group 0's is seq.block_table)."""
@@ -155,8 +168,8 @@ class BlockManager:
             seq.group_tables = [[] for _ in self.windows[1:]]
         return [seq.block_table, *seq.group_tables]
 
-    def group_key(self, group: int, key: int) -> int:
-        return key if group == 0 else hash(("group", group, key))
+    def group_key(self, group: int, key: bytes) -> bytes:
+        return key if group == 0 else hashlib.sha256(b"group %d " % group + key).digest()
 
     def first_needed(self, position: int, window: int | None) -> int:
         """The first block a query at `position` reads in a group of `window` (0 for full layers)."""
@@ -166,21 +179,16 @@ class BlockManager:
         """Give a sequence with no blocks the longest cached run of full blocks of its tokens (never the
         last token: its logits are needed). Returns the number of tokens it now has computed."""
         assert not seq.block_table and seq.num_computed == 0
-        if not self.prefix_caching or (self.prefix_state is not None and not self.prefix_state(seq)):
+        if not self.prefix_caching or (self.prefix_state is not None and not self.prefix_state(seq)
+                                       and not self._state_from_store(seq)):
             return 0
-        bs, key, parent = self.block_size, None, None
-        found: list[Block] = []                                      # group 0's blocks, verified along the chain
-        for i in range((len(seq.token_ids) - 1) // bs):
-            ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            key = self.chain_key(key, ids)
-            block_id = self.index.get(key)
-            if block_id is None:
-                break
-            block = self.blocks[block_id]
-            if block.token_ids != ids or block.parent != parent:   # a hash collision, or a stale chain: a miss
-                break
-            found.append(block)
-            parent = (block.id, block.generation)
+        bs, n = self.block_size, (len(seq.token_ids) - 1) // self.block_size
+        if len(self.windows) == 1:
+            seq.block_table = [b.id for b in self.hold_prefix(seq.token_ids, n, self.store)]
+            seq.num_hashed = len(seq.block_table)
+            seq.num_computed = seq.num_hashed * bs
+            return seq.num_computed
+        found = self.cached_prefix(seq.token_ids[:n * bs])            # group 0's blocks, verified along the chain
         hit, others = len(found), None
         while hit and others is None:                               # as long as every other group can serve it
             others = self._group_hit(found, hit)
@@ -197,6 +205,67 @@ class BlockManager:
         seq.num_hashed = hit
         seq.num_computed = hit * bs
         return seq.num_computed
+
+    def _state_from_store(self, seq) -> bool:
+        """The pool's prefix state for the sequence (+sinkN rows) from the store's copy of its first block, if any."""
+        if self.store is None or len(seq.token_ids) <= self.block_size:
+            return False
+        first = self.chain_key(self.root, tuple(seq.token_ids[:self.block_size]))
+        return self.store.load_state(seq.token_ids, first) and self.prefix_state(seq)
+
+    def hold_prefix(self, token_ids, n_blocks: int, source=None) -> list[Block]:
+        """A reference to each block of the longest cached run of the first `n_blocks` full blocks of `token_ids`.
+        A block the index misses is taken from `source` while free blocks last: `source.has(key)`, and
+        `source.load(key, parent_key, ids, block_id) -> bool` fills a fresh block with its K/V (or says it cannot)."""
+        bs, key, held = self.block_size, self.root, []
+        for i in range(n_blocks):
+            ids = tuple(token_ids[i * bs:(i + 1) * bs])
+            parent_key, key = key, self.chain_key(key, ids)
+            parent = (held[-1].id, held[-1].generation) if held else None
+            block_id = self.index.get(key)
+            block = None if block_id is None else self.blocks[block_id]
+            if block is not None and block.token_ids == ids and block.parent == parent:
+                if block.ref_count == 0:
+                    del self.free_lru[block_id]
+                block.ref_count += 1
+            else:                               # a miss (or a collision, or a stale chain): the store may have it
+                block = self._load(key, parent_key, ids, parent, source)
+                if block is None:
+                    break
+            held.append(block)
+        return held
+
+    def _load(self, key: bytes, parent_key: bytes, ids: tuple[int, ...], parent, source) -> Block | None:
+        """A fresh block filled by `source` and registered under `key` (held once), or None."""
+        if source is None or not self.free_lru or not source.has(key):
+            return None
+        block = self._allocate()
+        if not source.load(key, parent_key, ids, block.id):
+            block.ref_count = 0
+            self.free_lru[block.id] = None
+            self.free_lru.move_to_end(block.id, last=False)     # empty: the first to be handed out again
+            return None
+        block.key, block.token_ids, block.parent = key, ids, parent
+        self.index[key] = block.id
+        return block
+
+    def release(self, held: list[Block]) -> None:
+        """Drop references taken by hold_prefix, last block first (a prefix outlives its tail in the LRU)."""
+        for block in reversed(held):
+            self._drop(block.id)
+
+    def cached_prefix(self, token_ids) -> list[Block]:
+        """The longest run of full blocks of `token_ids` the prefix index holds now (no references taken)."""
+        bs, key, found = self.block_size, self.root, []
+        for i in range(len(token_ids) // bs):
+            ids = tuple(token_ids[i * bs:(i + 1) * bs])
+            key = self.chain_key(key, ids)
+            block_id = self.index.get(key)
+            if block_id is None or self.blocks[block_id].token_ids != ids or \
+                    self.blocks[block_id].parent != ((found[-1].id, found[-1].generation) if found else None):
+                break
+            found.append(self.blocks[block_id])
+        return found
 
     def _group_hit(self, found: list[Block], hit: int) -> list[list[int]] | None:
         """The other groups' blocks for the first `hit` blocks of group 0 (`found`), NO_BLOCK where a sliding group's
@@ -219,7 +288,7 @@ class BlockManager:
             return
         bs = self.block_size
         tables = self.tables(seq)
-        key = self.blocks[seq.block_table[seq.num_hashed - 1]].key if seq.num_hashed else None
+        key = self.blocks[seq.block_table[seq.num_hashed - 1]].key if seq.num_hashed else self.root
         for i in range(seq.num_hashed, seq.num_computed // bs):
             block = self.blocks[seq.block_table[i]]
             ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
@@ -294,9 +363,7 @@ class BlockManager:
     def free(self, seq) -> None:
         """Drop the sequence's references, last block first (so a prefix outlives its tail in the LRU)."""
         for table in self.tables(seq):
-            for block_id in reversed(table):
-                if block_id != NO_BLOCK:
-                    self._drop(block_id)
+            self.release([self.blocks[b] for b in table if b != NO_BLOCK])
         seq.block_table = []
         if len(self.windows) > 1:
             seq.group_tables = []

@@ -140,6 +140,14 @@ class CodedPool:
         for buf in self.group_buffers.values():
             buf[:, dst * per:(dst + 1) * per] = buf[:, src * per:(src + 1) * per]
 
+    def block_parts(self, block: int) -> list[tuple[str, torch.Tensor]]:
+        """Views of every buffer's rows of `block`, in a fixed order (what the KV store writes and reads back): the
+        codes of a full block are all of its K/V (an int key group never straddles two blocks; +sinkN is refused)."""
+        bs, per = self.block_size, self.block_size // self.group
+        parts = [(f"{name}.{i}", layer[block * bs:(block + 1) * bs])              # (block_size, ...)
+                 for name, buf in self.token_buffers.items() for i, layer in enumerate(buf)]
+        return parts + [(name, buf[:, block * per:(block + 1) * per]) for name, buf in self.group_buffers.items()]
+
     @property
     def nbytes(self) -> int:
         tokens = [layer for buf in self.token_buffers.values() for layer in buf]
@@ -352,6 +360,21 @@ class TurboPool(CodedPool):
     def fork(self, parent, child) -> None:
         if self.sinks:
             self.sinks.fork(parent, child)
+
+    def prefix_state_parts(self, ids, adopt: bool = False) -> list[tuple[str, torch.Tensor]] | None:
+        """+sinkN: the sink rows of sequences starting with `ids` (SinkRows.rows); [] without sinks."""
+        return self.sinks.rows(ids, adopt) if self.sinks else []
+
+    @property
+    def prefix_state_layout(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        """(name, dtype, shape) of prefix_state_parts' views."""
+        if not self.sinks:
+            return []
+        return [(name, t.dtype, tuple(t.shape[:1] + t.shape[2:])) for name, t in (("sink.k", self.sinks.k), ("sink.v", self.sinks.v))]
+
+    def forget_prefix_state(self, ids) -> None:
+        if self.sinks:
+            self.sinks.forget(ids)
 
     def holds_prefix_state(self, seq) -> bool:
         """Whether cached prefix blocks are all the sequence needs of its first tokens (+sinkN: its sink rows are

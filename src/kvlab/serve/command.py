@@ -72,7 +72,8 @@ def _size(option: str, value: str) -> int:
 
 def run_server(*, model: str | None, cache: str, kv_budget: str | None, ctx: int | None, max_seqs: int | None,
                host: str, port: int, api_key: str | None, max_batch: int, max_waiting: int, block_size: int,
-               default_max_tokens: int, grace: float, dtype: str, max_body_bytes: int, console) -> None:
+               default_max_tokens: int, grace: float, dtype: str, max_body_bytes: int, console,
+               kv_store: str | None = None, kv_store_max: str = "4GiB") -> None:
     """`kvlab serve`: load the model, size the KV pool, print the memory plan, serve until SIGINT/SIGTERM."""
     from ..session import cached_model
     from .engine import Engine, capacity_for
@@ -87,7 +88,7 @@ def run_server(*, model: str | None, cache: str, kv_budget: str | None, ctx: int
         one = capacity_for(loaded.config, cache, 2**40, block_size, max_batch, max(512, max_batch))   # sizes only
         budget = budget_for(ctx, max_seqs, one)
     engine = Engine(loaded, cache=cache, kv_budget=budget, max_batch=max_batch, block_size=block_size,
-                    max_step_tokens=max(512, max_batch))
+                    max_step_tokens=max(512, max_batch), kv_store=kv_store, kv_store_bytes=kv_store_max)
     name = loaded.path.stem if loaded.path.is_file() else loaded.path.name
     console.print(memory_plan_table(engine.capacity, name, context_length, max_batch, ctx))
     if engine.prefix_caching_off:
@@ -99,6 +100,10 @@ def run_server(*, model: str | None, cache: str, kv_budget: str | None, ctx: int
                           max_waiting=max_waiting, default_max_tokens=default_max_tokens, shutdown_grace_s=grace,
                           model_aliases=tuple(a for a in (model, str(loaded.path)) if a),
                           allowed_hosts=(*LOOPBACK_HOSTS, host) if local else None, max_body_bytes=max_body_bytes)
+    if engine.store is not None:
+        store = engine.store
+        console.print(f"KV store {store.folder}: {len(store.files):,} blocks, {store.nbytes / 2**20:,.1f} MiB "
+                      f"(at most {store.max_bytes / 2**20:,.0f} MiB)", highlight=False)
     console.print(f"serving {name} on http://{host}:{port}/v1 (Ctrl+C stops)", highlight=False)
     Server(create_app(engine, loaded.tokenizer, config), host=host, port=port).run()
 
@@ -125,6 +130,10 @@ def register(app: typer.Typer) -> None:
         grace: float = typer.Option(5.0, "--shutdown-grace", min=0.0, help="Seconds running requests may finish on SIGINT/SIGTERM."),
         dtype: str = typer.Option("fp32", "--dtype", help="fp32 | bf16."),
         max_body: str = typer.Option("4MiB", "--max-body", help="Largest request body accepted (413 beyond)."),
+        kv_store: Optional[str] = typer.Option(None, "--kv-store", help="Folder keeping the prefix cache on disk "
+                                               "across restarts (and POST /kv/save, /kv/restore files)."),
+        kv_store_max: str = typer.Option("4GiB", "--kv-store-max", help="Most bytes of blocks --kv-store keeps "
+                                         "(least recently used go first)."),
     ):
         """An OpenAI-compatible HTTP server (chat/completions, streaming, /metrics) on the batched engine."""
         check_serve_extra()
@@ -135,4 +144,5 @@ def register(app: typer.Typer) -> None:
         run_server(model=model, cache=cache, kv_budget=kv_budget, ctx=ctx, max_seqs=max_seqs, host=host, port=port,
                    api_key=api_key, max_batch=max_batch, max_waiting=max_waiting, block_size=block_size,
                    default_max_tokens=default_max_tokens, grace=grace, dtype=dtype,
-                   max_body_bytes=_size("--max-body", max_body), console=console)
+                   max_body_bytes=_size("--max-body", max_body), console=console, kv_store=kv_store,
+                   kv_store_max=kv_store_max)

@@ -18,11 +18,14 @@ import torch
 
 from ..cache import CacheGeometry, CacheSpec
 from ..cache.capacity import LayerGroups
-from ..errors import ConfigError, KvlabError, RequestTooLargeError
+from ..errors import ConfigError, KvlabError, RequestTooLargeError, StoreFileError
+from ..limits import parse_size
 from ..model.layer_caches import RecurrentState
 from .blocks import BlockManager, CapacityPlan
 from .coded import make_pool
 from .grammar import GrammarState, GrammarTokenizer
+from .kv_store import (KVStore, Snapshot, StoredFile, block_bytes, check_servable, fill_parts, parts_bytes, read_file,
+                       store_identity)
 from .runner import Runner
 from .sampling import Draw, SamplingParams, TextStream, TokenCounts
 from .scheduler import Scheduler
@@ -111,7 +114,8 @@ def capacity_for(config, cache: str, kv_budget: int | str, block_size: int = 16,
 class Engine:
     def __init__(self, model, tokenizer=None, *, cache: str = "dense", kv_budget: int | str = "512MiB",
                  max_batch: int = 16, block_size: int = 16, max_step_tokens: int = 512, prefix_caching: bool = True,
-                 use_kernel: bool = True, free_window: bool = True):
+                 use_kernel: bool = True, free_window: bool = True, kv_store: str | None = None,
+                 kv_store_bytes: int | str = "4GiB"):
         if hasattr(model, "tokenizer") and hasattr(model, "model"):     # a LoadedModel
             tokenizer = tokenizer if tokenizer is not None else model.tokenizer
             cache = _with_recipe(cache, model)
@@ -134,11 +138,17 @@ class Engine:
         self.state = StateSlots(cfg, max_batch, device) if recurrent else None
         #: why prefix caching is off though asked for (None: it runs as asked)
         self.prefix_caching_off = PREFIX_OFF_RECURRENT if recurrent and prefix_caching else None
+        self.store = None                                # the prefix cache on disk (kv_store.py)
+        if kv_store is not None:
+            check_servable(cfg, self.pool, prefix_caching, len(self.groups.windows))
+            self.store = KVStore(kv_store, store_identity(model, self.pool, block_size), self.pool,
+                                 parse_size(kv_store_bytes, "--kv-store-max", "8GiB"))
         self.blocks = BlockManager(self.capacity.n_blocks, block_size, prefix_caching and not recurrent,
                                    on_copy=self.pool.copy_block, on_free=self._release, on_fork=self._fork_state,
                                    prefix_state=getattr(self.pool, "holds_prefix_state", None),
                                    windows=self.groups.windows,
-                                   window_caps=tuple(w and self.capacity.window_blocks(w) for w in self.groups.windows))
+                                   window_caps=tuple(w and self.capacity.window_blocks(w) for w in self.groups.windows),
+                                   root=self.store.identity.root if self.store else b"", store=self.store)
         self.scheduler = Scheduler(self.blocks, max_batch, max_step_tokens)
         self.runner = Runner(model, self.pool, use_kernel, groups=self.groups, state=self.state)
         self.eos_ids = tuple(tokenizer.eos_ids) if tokenizer is not None else ()
@@ -147,6 +157,7 @@ class Engine:
         self._aborted: list[RequestOutput] = []
         self._ids = itertools.count()
         self._counts = dict(prompt_tokens=0, generated_tokens=0, steps=0, computed_tokens=0, kv_bytes_peak=0)
+        self.last_tokens: list[int] = []                 # the computed tokens of the choice that finished last
 
     def _release(self, seq: Sequence) -> None:
         """The sequence holds no blocks any more: its per-sequence pool rows and state slot go back."""
@@ -285,12 +296,81 @@ class Engine:
             last = False
             if seq.finish_reason is not None:
                 delta += seq.text.flush() if seq.text is not None and not hit_stop else ""
+                self._finished(seq)
                 seq.status = Status.FINISHED
                 self.scheduler.remove(seq)
                 last = self._forget(seq)
             logprobs = [draw] if seq.sampling.logprobs is not None else None
             outputs.append(self._output(seq, [token], delta, all_finished=last, logprobs=logprobs))
         return outputs
+
+    def _finished(self, seq: Sequence) -> None:
+        """Before its blocks are freed: remember its tokens (POST /kv/save's default) and store its full blocks."""
+        self.last_tokens = seq.token_ids[:seq.num_computed]
+        if self.store is not None:
+            blocks = [self.blocks.blocks[b] for b in seq.block_table[:seq.num_hashed]]
+            self.store.save([(b.key, b.token_ids, b.id) for b in blocks], self._prefix_state(seq.token_ids))
+
+    # -- conversations saved and restored on request (POST /kv/save, /kv/restore) ------------------------
+    def _prefix_state(self, token_ids) -> bytes | None:
+        """The bytes of what the pool keeps per prefix besides its blocks (+sinkN rows: b"" for other pools), None if
+        it does not hold them for these tokens now."""
+        parts = self.pool.prefix_state_parts(token_ids) if hasattr(self.pool, "prefix_state_parts") else []
+        return None if parts is None else parts_bytes(parts)
+
+    def snapshot_prefix(self, token_ids: list[int]) -> Snapshot:
+        """The full blocks of `token_ids` the prefix cache holds now, copied out of the pool (write it off the
+        engine thread: Snapshot.write)."""
+        self._need_store()
+        state = self._prefix_state(token_ids)
+        held = self.blocks.cached_prefix(token_ids) if state is not None else []
+        blocks = [block_bytes(self.pool, b.id) for b in held]
+        return Snapshot(self.store.identity, list(token_ids[:len(held) * self.blocks.block_size]),
+                        [state, *blocks] if held and self.store.identity.state_parts else blocks)
+
+    def read_saved(self, path) -> StoredFile:
+        """A saved conversation's file, checked (StoreFileError, one line); safe off the engine thread."""
+        self._need_store()
+        stored = read_file(path, self.store.identity)
+        if not stored.first:
+            raise StoreFileError(f"{path}: holds blocks from the middle of a conversation")
+        return stored
+
+    def restore_prefix(self, stored: StoredFile) -> int:
+        """Put the blocks of a file read by `read_saved` into the prefix cache (those it lacks, while free blocks
+        last) with the pool's prefix state; returns the tokens it now holds of them."""
+        tokens, bs, nbytes = stored.tokens, self.blocks.block_size, self.store.identity.block_nbytes
+        if stored.state_at is not None:
+            parts = self.pool.prefix_state_parts(tokens, adopt=True)
+            if parts is None:                            # every entry is in use by a running sequence
+                return 0
+            fill_parts(parts, stored.data, stored.state_at)
+        at, key = {}, self.blocks.root
+        for i in range(len(tokens) // bs):
+            key = self.blocks.chain_key(key, tuple(tokens[i * bs:(i + 1) * bs]))
+            at[key] = stored.blocks_at + i * nbytes
+        pool = self.pool
+
+        class Saved:                                     # hold_prefix's source: the file's blocks
+            has = at.__contains__
+
+            @staticmethod
+            def load(key, parent_key, ids, block) -> bool:
+                fill_parts(pool.block_parts(block), stored.data, at[key])
+                return True
+
+        held = self.blocks.hold_prefix(tokens, len(tokens) // bs, Saved)
+        self.blocks.release(held)
+        return len(held) * bs
+
+    def _need_store(self) -> None:
+        if self.store is None:
+            raise ConfigError("saving and restoring KV needs the server started with --kv-store DIR")
+
+    def close(self) -> None:
+        """Write what the store still has queued (at shutdown)."""
+        if self.store is not None:
+            self.store.close()
 
     def _forget(self, seq: Sequence) -> bool:
         """Drop a finished choice; True if it was its request's last one."""

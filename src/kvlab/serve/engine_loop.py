@@ -7,6 +7,7 @@ each request's events to the callback it was submitted with:
   ACCEPTED        the engine took the request (add_request returned)
   RequestOutput   one per step in which the request changed; the last one has finished=True
   KvlabError      add_request refused it (too large, bad sampling) -- nothing else follows
+A `call(fn, *args)` runs fn on the thread between steps and answers through a Future (saving and restoring KV).
   EngineFailure   the engine raised (in step, add or abort): the request was aborted -- nothing else follows
 
 Any exception in the thread fails the requests it touched with EngineFailure and the loop goes on; after
@@ -23,6 +24,7 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -72,6 +74,14 @@ class EngineLoop:
 
     def abort(self, request_id: str) -> None:
         self.commands.put(("abort", request_id))
+
+    def call(self, fn: Callable, *args) -> Future:
+        """fn(*args) on the engine thread between steps (what touches the engine's pool but is no request)."""
+        future: Future = Future()
+        self.commands.put(("call", (fn, args, future)))
+        if self._dead.is_set():
+            self._drain(EngineFailure("the engine is not running"))
+        return future
 
     def abort_all(self) -> None:
         self.commands.put(("abort_all", None))
@@ -142,6 +152,8 @@ class EngineLoop:
                 return
             if kind == "add":
                 _tell(arg, failure)
+            elif kind == "call" and not arg[2].done():
+                arg[2].set_exception(failure)
 
     def _apply_commands(self, wait: bool) -> None:
         try:
@@ -163,6 +175,13 @@ class EngineLoop:
         elif kind == "abort_all":
             for request_id in list(self.active):
                 self._abort(request_id)
+        elif kind == "call":
+            fn, args, future = arg
+            try:
+                future.set_result(fn(*args))
+            except Exception as exc:  # noqa: BLE001  (the caller gets it, as its answer)
+                future.set_exception(exc)
+            self.latest_stats = self.engine.stats()
 
     def _add(self, sub: Submission) -> None:
         if self._stop.is_set():

@@ -6,6 +6,7 @@
 
 Routes: POST /v1/chat/completions and /v1/completions (JSON, or server-sent events with `stream: true`;
 n choices, logprobs, penalties, logit_bias, min_p), POST /tokenize and /detokenize (vLLM's shapes),
+POST /kv/save and /kv/restore (and llama-server's /slots/{id}?action=save|restore) with --kv-store,
 GET /v1/models, /health, /metrics. A client that disconnects has its request aborted at once (its KV
 blocks return to the pool). At most `max_running + max_waiting` requests are in flight; more get 429
 with Retry-After. On SIGINT/SIGTERM uvicorn stops accepting; running requests get `shutdown_grace_s` to
@@ -43,7 +44,7 @@ from jinja2 import TemplateError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from ..errors import KvlabError, RequestTooLargeError
+from ..errors import KvlabError, RequestTooLargeError, StoreFileError
 from ..model import chat_template
 from .engine_loop import AbortedOutput, EngineFailure, EngineLoop, Submission
 from .metrics import ServeMetrics
@@ -53,6 +54,7 @@ from .openai_api import (
     ChatRequest,
     CompletionRequest,
     DetokenizeRequest,
+    KvFileRequest,
     TokenizeRequest,
     chat_choice,
     chat_chunk,
@@ -133,6 +135,8 @@ def create_app(engine, tokenizer, config: ServerConfig) -> FastAPI:
             state.draining = True
             await asyncio.to_thread(state.engine_loop.stop)
             state.prompt_pool.shutdown(wait=False, cancel_futures=True)
+            if hasattr(engine, "close"):               # the KV store writes what it still has queued
+                await asyncio.to_thread(engine.close)
 
     app = FastAPI(title="kvlab serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.kvlab = state
@@ -201,6 +205,34 @@ def create_app(engine, tokenizer, config: ServerConfig) -> FastAPI:
             raise ApiError(400, f"tokens: token ids must be in [0, {tokenizer.vocab_size})", param="tokens")
         return {"prompt": await state.off_loop(tokenizer.decode, body.tokens)}
 
+    @app.post("/kv/save")
+    async def kv_save(body: KvFileRequest):
+        body.check()
+        if body.messages is not None:
+            deadline = time.monotonic() + chat_template.RENDER_SECONDS
+            messages = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(body.messages)]
+            ids = await state.off_loop(_chat_prompt, tokenizer, messages, deadline, False)
+        elif body.prompt is not None:
+            ids = await state.off_loop(_encode, tokenizer, body.prompt)
+        else:
+            ids = body.tokens
+        return await _kv_save(state, engine, body.filename, ids)
+
+    @app.post("/kv/restore")
+    async def kv_restore(body: KvFileRequest):
+        return await _kv_restore(state, engine, body.filename)
+
+    @app.post("/slots/{id_slot}")
+    async def slots(id_slot: int, action: str, body: KvFileRequest):
+        """llama-server's slot files: kvlab has no fixed slots, so any slot saves the conversation that finished last
+        and restores into the prefix cache every request shares."""
+        if action not in ("save", "restore"):
+            raise ApiError(400, f"action {action!r}: kvlab takes save or restore", param="action")
+        body.check()
+        answer = await (_kv_save(state, engine, body.filename, body.tokens) if action == "save"
+                        else _kv_restore(state, engine, body.filename))
+        return {"id_slot": id_slot, **answer}
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         body.check_supported()
@@ -222,6 +254,58 @@ def create_app(engine, tokenizer, config: ServerConfig) -> FastAPI:
         return await _serve(state, request, body, prompt_ids, chat=False)
 
     return app
+
+
+async def _kv_call(state: ServerState, fn, *args):
+    """fn(*args) on the engine thread; a refusal is a 400 with its one line."""
+    try:
+        return await asyncio.wrap_future(state.engine_loop.call(fn, *args))
+    except EngineFailure as exc:
+        raise _engine_down(exc) from None
+    except KvlabError as exc:
+        raise ApiError(400, str(exc)) from None
+
+
+def _saved_path(engine, filename: str):
+    if getattr(engine, "store", None) is None:
+        raise ApiError(400, "saving and restoring KV needs the server started with --kv-store DIR", code="kv_store_off")
+    try:
+        return engine.store.saved_path(filename)
+    except KvlabError as exc:
+        raise ApiError(400, str(exc), param="filename") from None
+
+
+async def _kv_save(state: ServerState, engine, filename: str, ids: list[int] | None) -> dict:
+    """The full blocks of `ids` (default: the last finished request's) the prefix cache holds, into one file."""
+    path = _saved_path(engine, filename)
+    start = time.perf_counter()
+    if ids is None:
+        ids = await _kv_call(state, lambda: engine.last_tokens)
+    snapshot = await _kv_call(state, engine.snapshot_prefix, list(ids))
+    try:
+        path.parent.mkdir(exist_ok=True)
+        written = await asyncio.to_thread(snapshot.write, path)
+    except OSError as exc:
+        raise ApiError(500, f"{path}: {exc.strerror or exc}", type="server_error") from None
+    return {"filename": filename, "n_saved": len(snapshot.tokens), "n_written": written,
+            "timings": {"save_ms": round((time.perf_counter() - start) * 1e3, 3)}}
+
+
+async def _kv_restore(state: ServerState, engine, filename: str) -> dict:
+    """A saved conversation's blocks into the prefix cache: its next request finds them there."""
+    path = _saved_path(engine, filename)
+    start = time.perf_counter()
+    if not path.is_file():
+        raise ApiError(404, f"no saved KV named {filename!r}", param="filename", code="not_found")
+    try:
+        stored = await asyncio.to_thread(engine.read_saved, path)
+    except StoreFileError as exc:
+        raise ApiError(400, str(exc), param="filename", code="kv_file_refused") from None
+    except OSError as exc:
+        raise ApiError(500, f"{path}: {exc.strerror or exc}", type="server_error") from None
+    restored = await _kv_call(state, engine.restore_prefix, stored)
+    return {"filename": filename, "n_restored": restored, "n_read": len(stored.data),
+            "timings": {"restore_ms": round((time.perf_counter() - start) * 1e3, 3)}}
 
 
 def _chat_prompt(tokenizer, messages: list[dict], deadline: float, add_generation_prompt: bool = True,

@@ -318,6 +318,25 @@ class TokenizeRequest(BaseModel):
             _check_text(text, "prompt" if self.messages is None else "messages", "prompt")
 
 
+class KvFileRequest(BaseModel):
+    """POST /kv/save and /kv/restore (llama-server's slot files): a file name under --kv-store DIR/saved, and for a
+    save the conversation: token ids, a prompt, or chat messages (rendered without the generation prompt, the
+    history a next turn's prompt starts with); none: the last finished request's tokens."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    filename: StrictStr
+    tokens: list[StrictInt] | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = None
+
+    def check(self) -> None:
+        if sum(x is not None for x in (self.tokens, self.prompt, self.messages)) > 1:
+            raise ApiError(400, "give the conversation as one of tokens, prompt or messages", param="tokens")
+        texts = [self.prompt] if self.prompt is not None else [m.text(i) for i, m in enumerate(self.messages or ())]
+        for text in texts:
+            _check_text(text, "prompt" if self.prompt is not None else "messages", "prompt")
+
+
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     model: StrictStr | None = None

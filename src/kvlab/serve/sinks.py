@@ -79,6 +79,31 @@ class SinkRows:
             self.holders[seq] = entry
         return self.written[entry] >= self.sink
 
+    def rows(self, ids, adopt: bool = False) -> list[tuple[str, torch.Tensor]] | None:
+        """Views of the entry's rows for sequences starting with `ids` ((L, N, Hkv, D) K and V: what the KV store
+        keeps with a sequence's first block). The entry that holds all N rows, or None; `adopt`: else take the least
+        recently used idle entry for them, counted as written (the caller fills the rows now, or calls `forget`)."""
+        key = tuple(ids[:self.sink])
+        if len(key) < self.sink:
+            return None
+        entry = self._find(key)
+        if entry is None or self.written[entry] < self.sink:
+            if not adopt or (entry is None and not self.idle) or entry in self.holders.values():
+                return None               # (an entry a running sequence is writing is not taken)
+            if entry is None:
+                entry = next(iter(self.idle))
+                self.ids[entry] = key
+            self.written[entry] = self.sink
+            if entry in self.idle:
+                self.idle.move_to_end(entry)
+        return [("sink.k", self.k[:, entry]), ("sink.v", self.v[:, entry])]
+
+    def forget(self, ids) -> None:
+        """The rows `rows(ids, adopt=True)` gave could not be filled: the entry holds nothing."""
+        entry = self._find(tuple(ids[:self.sink]))
+        if entry is not None:
+            self.ids[entry], self.written[entry] = None, 0
+
     def release(self, seq) -> None:
         entry = self.holders.pop(seq, None)
         if entry is not None and entry not in self.holders.values():
