@@ -5,6 +5,7 @@ template; bad vocabularies are one-line errors."""
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 import pytest
@@ -201,3 +202,51 @@ def test_unknown_type_bad_byte_token_and_missing_bytes_are_one_line():
     assert tok.decode(tok.encode("the dog", add_special=False)) == "the dog"
     with pytest.raises(ModelFileError, match="no byte token <0xF0>"):
         tok.encode("😀")
+
+
+@pytest.fixture(scope="module")
+def gemma3_gguf(tmp_path_factory):
+    """A tiny Gemma 3 GGUF carrying the SentencePiece vocabulary above."""
+    from .hybrid_models import build, write_gguf
+
+    meta = spm_meta()
+    reference = build("gemma3", len(meta["tokenizer.ggml.tokens"]), seed=2, query_pre_attn_scalar=16)
+    return meta, write_gguf(reference, "gemma3", tmp_path_factory.mktemp("spm") / "gemma3-spm.gguf", meta)
+
+
+def test_gemma3_gguf_generates_and_chats(gemma3_gguf):
+    from typer.testing import CliRunner
+
+    from kvlab.cli import app
+    from kvlab.model.loader import load_model
+
+    meta, path = gemma3_gguf
+    loaded = load_model(path)
+    assert loaded.tokenizer.spm is not None and loaded.tokenizer.vocab_size == len(meta["tokenizer.ggml.tokens"])
+    assert loaded.tokenizer.encode("the dog", add_special=False) == reference_encode(meta, "the dog")
+    tok = loaded.tokenizer
+    chat_prompt = tok.apply_chat_template([{"role": "user", "content": "hi there"}])
+    for prompt, chat in (("the quick dog", []), (chat_prompt, ["--chat"])):
+        args = ["generate", "hi there" if chat else prompt, "--model", str(path), "--max-new-tokens", "6", "--json"]
+        result = CliRunner().invoke(app, args + chat)
+        assert result.exit_code == 0, result.output
+        out = json.loads(result.output)
+        assert out["prompt_tokens"] == len(tok.encode(prompt)) and out["new_tokens"] == len(out["token_ids"]) == 6
+        assert out["text"] == tok.decode(out["token_ids"], skip_special=True)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=WITH_SPECIALS)
+def test_ids_equal_transformers_gemma_tokenizer_from_the_same_gguf(gemma3_gguf, gemma3_hf_tokenizer, text):
+    meta, _ = gemma3_gguf
+    ours = Tokenizer.from_gguf_metadata(meta).encode(text, add_special=False)
+    assert ours == gemma3_hf_tokenizer(text, add_special_tokens=False)["input_ids"]
+    if ours[:1] != [2]:  # both add BOS; on text starting with <bos> transformers (and llama.cpp) add a second one
+        assert [2] + ours == gemma3_hf_tokenizer(text)["input_ids"]
+
+
+@pytest.fixture(scope="module")
+def gemma3_hf_tokenizer(gemma3_gguf):
+    transformers = pytest.importorskip("transformers")
+    _, path = gemma3_gguf
+    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
