@@ -205,8 +205,9 @@ def write_gguf(model, arch: str, path: Path, tokenizer_meta: dict, drop: str | N
 
 def _gguf_type(gguf, value) -> tuple:
     """(type, sub_type) of a tokenizer key's value for GGUFWriter.add_key_value."""
-    kinds = {bool: gguf.GGUFValueType.BOOL, int: gguf.GGUFValueType.INT32, float: gguf.GGUFValueType.FLOAT32,
+    kinds = {bool: gguf.GGUFValueType.BOOL, int: gguf.GGUFValueType.UINT32, float: gguf.GGUFValueType.FLOAT32,
              str: gguf.GGUFValueType.STRING}
-    if isinstance(value, list):
-        return gguf.GGUFValueType.ARRAY, kinds[type(value[0])]
+    if isinstance(value, list):  # as llama.cpp reads them: token ids uint32, token types int32
+        item = gguf.GGUFValueType.INT32 if isinstance(value[0], int) else kinds[type(value[0])]
+        return gguf.GGUFValueType.ARRAY, item
     return kinds[type(value)], None
