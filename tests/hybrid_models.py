@@ -183,12 +183,16 @@ def write_gguf(model, arch: str, path: Path, tokenizer_meta: dict, drop: str | N
             writer.add_expert_used_count(cfg.num_experts_per_tok)
             writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
             writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(tokenizer_meta["tokenizer.ggml.pre"])
-    writer.add_token_list(tokenizer_meta["tokenizer.ggml.tokens"])
-    writer.add_token_types(tokenizer_meta["tokenizer.ggml.token_type"])
-    writer.add_token_merges(tokenizer_meta["tokenizer.ggml.merges"])
-    writer.add_eos_token_id(tokenizer_meta["tokenizer.ggml.eos_token_id"])
+    if tokenizer_meta.get("tokenizer.ggml.model") == "llama":  # SentencePiece: every key as given
+        for key, value in tokenizer_meta.items():
+            writer.add_key_value(key, value, *_gguf_type(gguf, value))
+    else:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre(tokenizer_meta["tokenizer.ggml.pre"])
+        writer.add_token_list(tokenizer_meta["tokenizer.ggml.tokens"])
+        writer.add_token_types(tokenizer_meta["tokenizer.ggml.token_type"])
+        writer.add_token_merges(tokenizer_meta["tokenizer.ggml.merges"])
+        writer.add_eos_token_id(tokenizer_meta["tokenizer.ggml.eos_token_id"])
     for tensor_name, data in gguf_tensors(model, arch).items():
         if tensor_name != drop:
             writer.add_tensor(tensor_name, data)
@@ -197,3 +201,13 @@ def write_gguf(model, arch: str, path: Path, tokenizer_meta: dict, drop: str | N
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _gguf_type(gguf, value) -> tuple:
+    """(type, sub_type) of a tokenizer key's value for GGUFWriter.add_key_value."""
+    kinds = {bool: gguf.GGUFValueType.BOOL, int: gguf.GGUFValueType.UINT32, float: gguf.GGUFValueType.FLOAT32,
+             str: gguf.GGUFValueType.STRING}
+    if isinstance(value, list):  # as llama.cpp reads them: token ids uint32, token types int32
+        item = gguf.GGUFValueType.INT32 if isinstance(value[0], int) else kinds[type(value[0])]
+        return gguf.GGUFValueType.ARRAY, item
+    return kinds[type(value)], None

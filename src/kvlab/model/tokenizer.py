@@ -1,13 +1,15 @@
-"""Tokenizer: byte-level BPE from GGUF metadata or a tokenizer.json, plus the model's chat template."""
+"""Tokenizer: byte-level BPE or SentencePiece from GGUF metadata, or a tokenizer.json, plus the model's chat
+template."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenizers import Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers
 
 from ..errors import ConfigError, ModelFileError
+from . import spm as _spm
 
 # Pre-tokenizer split patterns by GGUF `tokenizer.ggml.pre` (the regexes the original tokenizer.json used).
 _LLAMA3_SPLIT = (
@@ -86,15 +88,17 @@ class Tokenizer:
     eos_ids: tuple[int, ...] = ()
     add_bos: bool = False
     chat_template: str | None = None
+    spm: _spm.SpmVocab | None = None  # a SentencePiece vocabulary encodes and decodes here, not in `backend`
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
     def from_gguf_metadata(cls, meta: dict) -> "Tokenizer":
         kind = meta.get("tokenizer.ggml.model")
+        if kind == "llama":
+            return cls._from_sentencepiece(meta)
         if kind != "gpt2":
-            raise ModelFileError(
-                f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2'); use the model's tokenizer.json"
-            )
+            raise ModelFileError(f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2' and "
+                                 f"SentencePiece 'llama'); use the model's tokenizer.json")
         tokens: list[str] = meta["tokenizer.ggml.tokens"]
         merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
         backend = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
@@ -103,17 +107,37 @@ class Tokenizer:
         types = meta.get("tokenizer.ggml.token_type", [])
         specials = [tokens[i] for i, t in enumerate(types) if t == _GGUF_CONTROL]
         backend.add_special_tokens(specials)
-        eos = meta.get("tokenizer.ggml.eos_token_id")
-        eos_ids = {eos} if eos is not None else set()
-        eot = meta.get("tokenizer.ggml.eot_token_id")
-        if eot is not None:
-            eos_ids.add(eot)
         return cls(
             backend=backend,
             bos_id=meta.get("tokenizer.ggml.bos_token_id"),
-            eos_ids=tuple(sorted(eos_ids)),
+            eos_ids=_eos_ids(meta),
             add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
             chat_template=meta.get("tokenizer.chat_template"),
+        )
+
+    @classmethod
+    def _from_sentencepiece(cls, meta: dict) -> "Tokenizer":
+        """A SentencePiece vocabulary, encoded by kvlab.model.spm exactly as llama.cpp does; llama.cpp's defaults
+        for what the file leaves out (BOS 1, EOS 2, add BOS, a space prefix)."""
+        vocab = _spm.SpmVocab.from_gguf_metadata(meta)
+        n = len(vocab.tokens)
+        ids = {}
+        for key, default in (("bos", 1), ("eos", 2), ("eot", None)):
+            name = f"tokenizer.ggml.{key}_token_id"
+            value = meta.get(name, default if default is not None and default < n else None)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < n):
+                raise ModelFileError(f"GGUF {name} {value!r} is not a token id below the vocabulary size {n}")
+            ids[key] = value
+        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", True))
+        if add_bos and ids["bos"] is None:
+            raise ModelFileError("GGUF SentencePiece vocabulary asks for a BOS token but has none")
+        return cls(
+            backend=_spm_backend(vocab),
+            bos_id=ids["bos"],
+            eos_ids=tuple(sorted({i for i in (ids["eos"], ids["eot"]) if i is not None})),
+            add_bos=add_bos,
+            chat_template=meta.get("tokenizer.chat_template"),
+            spm=vocab,
         )
 
     @classmethod
@@ -154,21 +178,33 @@ class Tokenizer:
     # -- use --------------------------------------------------------------------------------------
     @property
     def vocab_size(self) -> int:
-        return self.backend.get_vocab_size()
+        return len(self.spm.tokens) if self.spm is not None else self.backend.get_vocab_size()
+
+    def id_to_token(self, token_id: int) -> str | None:
+        if self.spm is not None:
+            return self.spm.tokens[token_id] if 0 <= token_id < len(self.spm.tokens) else None
+        return self.backend.id_to_token(token_id)
 
     def encode(self, text: str, add_special: bool = True) -> list[int]:
         check_unicode(text, "text")
-        ids = self.backend.encode(text, add_special_tokens=add_special).ids
+        if self.spm is not None:
+            ids = self.spm.encode(text)
+        else:
+            ids = self.backend.encode(text, add_special_tokens=add_special).ids
         if add_special and self.add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
             ids = [self.bos_id] + ids
         return ids
 
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
+        if self.spm is not None:
+            return self.spm.decode([int(i) for i in ids], skip_special)
         return self.backend.decode(list(ids), skip_special_tokens=skip_special)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (a byte-level token may hold half a UTF-8 character, which decode()
         would turn into U+FFFD)."""
+        if self.spm is not None:
+            return self.spm.token_bytes(int(token_id))
         piece = self.backend.id_to_token(int(token_id)) or ""
         if isinstance(self.backend.decoder, decoders.ByteLevel) and all(c in _BYTE_OF for c in piece):
             return bytes(_BYTE_OF[c] for c in piece)
@@ -182,7 +218,7 @@ class Tokenizer:
             raise ModelFileError("this model has no chat template (use plain completion: drop --chat, or /v1/completions)")
         from .chat_template import render_chat_template
 
-        id_to_token = self.backend.id_to_token
+        id_to_token = self.id_to_token
         return render_chat_template(
             self.chat_template,
             messages,
@@ -192,6 +228,30 @@ class Tokenizer:
             tools=tools,
             deadline=deadline,
         )
+
+
+def _eos_ids(meta: dict) -> tuple[int, ...]:
+    """The end-of-generation ids a GGUF names: its EOS and its end-of-turn token."""
+    return tuple(sorted({meta.get(f"tokenizer.ggml.{key}_token_id") for key in ("eos", "eot")} - {None}))
+
+
+def _spm_backend(vocab: _spm.SpmVocab) -> HFTokenizer:
+    """A `tokenizers` view of a SentencePiece vocabulary for the libraries that read one (llguidance's grammar
+    engine): the vocabulary with byte fallback, '▁' for ' ', the special tokens whole. It holds no merges, so
+    kvlab never encodes with it (SpmVocab does)."""
+    vocab_map = {}
+    for i, text in enumerate(vocab.tokens):
+        vocab_map.setdefault(text, i)
+    unk = next((vocab.tokens[i] for i, t in enumerate(vocab.types) if t == _spm.UNKNOWN), None)
+    backend = HFTokenizer(models.BPE(vocab=vocab_map, merges=[], unk_token=unk, byte_fallback=bool(vocab.byte_ids)))
+    steps = [normalizers.Prepend(_spm.SPACE)] if vocab.add_space_prefix else []
+    backend.normalizer = normalizers.Sequence(steps + [normalizers.Replace(" ", _spm.SPACE)])
+    backend.decoder = decoders.Sequence([decoders.Replace(_spm.SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
+    backend.add_special_tokens([AddedToken(vocab.tokens[i], special=True, normalized=False)
+                                for i, t in enumerate(vocab.types) if t in (_spm.CONTROL, _spm.UNKNOWN)])
+    backend.add_tokens([AddedToken(vocab.tokens[i], special=False, normalized=False)
+                        for i, t in enumerate(vocab.types) if t == _spm.USER_DEFINED])
+    return backend
 
 
 def check_unicode(text: str, what: str) -> None:
