@@ -161,6 +161,14 @@ def test_compressed_blocks_are_refused_in_one_line(loaded):
     assert "\n" not in str(err.value)
 
 
+def test_the_kv_store_refuses_what_it_cannot_restore_in_one_line(loaded, tmp_path):
+    """The store keeps one block table per sequence: recurrent state and a second layer group are refused."""
+    why = "recurrent" if loaded.config.layers_of("recurrent") else "layer groups"
+    with pytest.raises(ConfigError, match=why) as err:
+        Engine(loaded, kv_budget="4MiB", kv_store=str(tmp_path / "store"))
+    assert "\n" not in str(err.value)
+
+
 def test_plan_bytes_equal_running_nbytes_and_pool_bytes(loaded):
     """--engine kvlab: layer by layer the bytes a LayeredCache holds (each cache format); --kv-budget: the pool."""
     spec = load_spec(str(loaded.path))
