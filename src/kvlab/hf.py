@@ -23,6 +23,9 @@ Storage, per kind of layer (transformers' `layer_types`):
                     (it leaves with the window, as in transformers); `+recentN` is per segment (the newest N
                     tokens are always in full precision; a full segment keeps its last N so too). A new
                     segment takes TurboQuant's offsets and key weights from the one before it.
+  linear attention  (Qwen3.5 / Qwen3-Next Gated DeltaNet, conv layers) transformers' own LinearAttentionLayer: the
+                    conv and recurrent state as transformers keeps it (transformers >= 5; older ones refuse the
+                    model in one line); `state_nbytes` counts it, and `nbytes` includes it.
 Bytes: `nbytes` is the sum of `nbytes` of every kvlab cache held, so it equals kvlab's formula
 (`kvlab.cache.expected_nbytes`) for each one's geometry at its current capacity.
 
