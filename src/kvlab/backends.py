@@ -203,21 +203,38 @@ class TransformersRuntime:
 
     def bytes_per_token(self, name: str, tokens: int, dtype: torch.dtype, first: int | None = None,
                         chunk: int | None = None) -> tuple[float, float]:
-        """Measured: `tokens` zero K/V of `dtype` written into every layer of a fresh cache (`first` tokens, then
-        chunks of `chunk`, as the evaluation feeds them: a residual's fill depends on it), bytes per token.
-        The same walk for every cache (a KVLabCache's nbytes is kvlab's formula, tested)."""
+        """Measured: `tokens` zero K/V of `dtype` written into every attention layer of a fresh cache (`first`
+        tokens, then chunks of `chunk`, as the evaluation feeds them: a residual's fill depends on it), plus the
+        recurrent layers' state after one token of the model (Qwen3.5's Gated DeltaNet: transformers' tensors, in
+        the model's dtype), bytes per token. The same walk for every cache (a KVLabCache's nbytes is kvlab's formula,
+        tested)."""
+        from transformers.cache_utils import CacheLayerMixin
+
         facts = self.loaded.config
         handle = self.make_cache(name, tokens)
+        attention = [i for i, layer in enumerate(handle.cache.layers) if isinstance(layer, CacheLayerMixin)]
         first = min(first or tokens, tokens)
         sizes = [first] + [min(chunk or tokens, tokens - s) for s in range(first, tokens, chunk or tokens)]
         for n in sizes:
-            for layer in range(len(handle.cache.layers)):
+            for layer in attention:
                 k, v = (torch.zeros(1, facts.n_kv_heads, n, facts.head_dim, dtype=dtype, device=self.loaded.device)
                         for _ in range(2))                                  # (B, Hkv, T, D), separate storages
                 handle.cache.update(k, v, layer)
-        per_token = handle.nbytes / tokens
-        values = facts.n_layers * facts.n_kv_heads * 2 * facts.head_dim
+        per_token = (handle.nbytes + self._state_nbytes(name)) / tokens
+        values = len(attention) * facts.n_kv_heads * 2 * facts.head_dim
         return per_token, per_token * 8 / values
+
+    def _state_nbytes(self, name: str) -> int:
+        """Bytes of the recurrent layers' state of cache `name` after one token (0: no recurrent layer)."""
+        from transformers.cache_utils import CacheLayerMixin
+
+        from .hf_baselines import held_nbytes
+
+        handle = self.make_cache(name, 1)
+        if all(isinstance(layer, CacheLayerMixin) for layer in handle.cache.layers):
+            return 0
+        self.loaded.model(torch.zeros(1, 1, dtype=torch.long, device=self.loaded.device), handle)
+        return sum(held_nbytes(layer) for layer in handle.cache.layers if not isinstance(layer, CacheLayerMixin))
 
 
 def resolve_model_path(model: str | None) -> Path:

@@ -23,6 +23,9 @@ Storage, per kind of layer (transformers' `layer_types`):
                     (it leaves with the window, as in transformers); `+recentN` is per segment (the newest N
                     tokens are always in full precision; a full segment keeps its last N so too). A new
                     segment takes TurboQuant's offsets and key weights from the one before it.
+  linear attention  (Qwen3.5 / Qwen3-Next Gated DeltaNet, conv layers) transformers' own LinearAttentionLayer: the
+                    conv and recurrent state as transformers keeps it (transformers >= 5; older ones refuse the
+                    model in one line); `state_nbytes` counts it, and `nbytes` includes it.
 Bytes: `nbytes` is the sum of `nbytes` of every kvlab cache held, so it equals kvlab's formula
 (`kvlab.cache.expected_nbytes`) for each one's geometry at its current capacity.
 
@@ -63,10 +66,16 @@ try:
     from transformers.cache_utils import Cache, CacheLayerMixin
 except ImportError as error:  # transformers is an optional extra
     raise ImportError("kvlab.hf needs transformers (>= 4.56): pip install 'kvlab[hf]'") from error
+try:  # transformers 5: the recurrent layers' own cache (Qwen3.5 / Qwen3-Next Gated DeltaNet, conv layers)
+    from transformers.cache_utils import LinearAttentionLayer
+except ImportError:
+    LinearAttentionLayer = None
 
 #: Tokens a full-attention store holds before its first growth (it doubles from there).
 INITIAL_CAPACITY = 256
 _SLIDING_TYPES = ("sliding_attention", "chunked_attention")
+#: Layers without per-token K/V: transformers keeps their conv / recurrent state in its own LinearAttentionLayer.
+_STATE_TYPES = ("linear_attention", "conv")
 #: The attention implementation `read_queries` registers: sdpa, after handing the queries to a waiting layer.
 ATTENTION = "kvlab_sdpa"
 #: The read a layer left for the attention that follows its `update` (same thread, same layer, next call).
@@ -156,8 +165,8 @@ class GrowingStore:
                 cache.calibrate(layer, q)
                 return stored_kv(cache, layer)
 
-            _HANDOFF.read = read
-            return k, v          # placeholders: the attention that follows reads through `read` instead
+            _HANDOFF.read = (k, read)   # for the attention handed this very `k` (a walk with no attention after
+            return k, v                 # it leaves a read no other call takes); placeholders: it reads through `read`
         return stored_kv(cache, layer)
 
     @property
@@ -368,15 +377,18 @@ class KVLabCache(Cache):
         full = [i for i, kind in enumerate(layer_types) if kind == "full_attention"]
         queries_follow = getattr(config, "_attn_implementation", None) == ATTENTION
         self.store = GrowingStore(self.format, full, fp_model_layers, initial_capacity, queries_follow)
-        layers: list[_KVLabLayer] = []
+        layers: list = []
         for i, kind in enumerate(layer_types):
             if kind == "full_attention":
                 layers.append(FullLayer(self.store, i))
             elif kind in _SLIDING_TYPES:
                 layers.append(SlidingLayer(WindowStore(self.format, windows[i], i in fp_model_layers)))
+            elif kind in _STATE_TYPES and LinearAttentionLayer is not None:
+                layers.append(LinearAttentionLayer())          # transformers' own conv + recurrent state, as it keeps it
             else:
                 raise UnsupportedArchitectureError(
-                    f"kvlab caches hold full and sliding-window attention layers; layer {i} is {kind!r}")
+                    f"kvlab caches hold full and sliding-window attention layers (and leave linear-attention state to "
+                    f"transformers >= 5); layer {i} is {kind!r}")
         super().__init__(layers=layers)
 
     @classmethod
@@ -394,9 +406,16 @@ class KVLabCache(Cache):
 
     @property
     def nbytes(self) -> int:
-        """Bytes of every buffer held: codes, scales, norms, full-precision tokens, fixed state."""
+        """Bytes of every buffer held: codes, scales, norms, full-precision tokens, fixed state, and the recurrent
+        layers' conv and recurrent state (transformers' tensors)."""
         sliding = sum(layer.store.nbytes for layer in self.layers if isinstance(layer, SlidingLayer))
-        return self.store.nbytes + sliding
+        return self.store.nbytes + sliding + self.state_nbytes
+
+    @property
+    def state_nbytes(self) -> int:
+        """Bytes of the recurrent layers' state (0 for a model with attention layers only, or before the first pass)."""
+        return sum(t.numel() * t.element_size() for layer in self.layers if not isinstance(layer, _KVLabLayer)
+                   for states in (layer.conv_states, layer.recurrent_states) for t in states.values() if t is not None)
 
     def reset(self) -> None:
         super().reset()
@@ -415,10 +434,10 @@ def read_queries(model) -> None:
     from transformers.masking_utils import sdpa_mask
 
     def attention(module, query, key, value, attention_mask, **kwargs):
-        read = getattr(_HANDOFF, "read", None)
-        if read is not None:
-            _HANDOFF.read = None
-            key, value = (x.to(query.dtype) for x in read(query))   # (B, Hkv, S, D) as stored
+        waiting = getattr(_HANDOFF, "read", None)
+        _HANDOFF.read = None
+        if waiting is not None and waiting[0] is key:
+            key, value = (x.to(query.dtype) for x in waiting[1](query))   # (B, Hkv, S, D) as stored
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
     AttentionInterface.register(ATTENTION, attention)

@@ -98,6 +98,10 @@ def held_nbytes(obj) -> int:
     the inner tensors of tensor subclasses (quanto's packed tensors); each storage counted once."""
     from transformers.cache_utils import Cache, CacheLayerMixin
 
+    try:  # transformers 5: the recurrent layers' conv / recurrent state
+        from transformers.cache_utils import LinearAttentionCacheLayerMixin as StateLayer
+    except ImportError:
+        StateLayer = CacheLayerMixin
     seen: set[tuple[int, int]] = set()
 
     def walk(item) -> int:
@@ -114,7 +118,7 @@ def held_nbytes(obj) -> int:
             return sum(walk(value) for value in item.values())
         if isinstance(item, (list, tuple)):
             return sum(walk(value) for value in item)
-        if isinstance(item, (Cache, CacheLayerMixin)):
+        if isinstance(item, (Cache, CacheLayerMixin, StateLayer)):
             return sum(walk(value) for value in vars(item).values())
         return 0
 

@@ -30,12 +30,14 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from ..cache import CacheGeometry, make_cache
+from ..cache import CacheGeometry
 from ..errors import ConfigError
 from ..fileio import check_writable, write_json
 from ..generate import model_context, prefill
 from ..measure import machine_info, read_bandwidth_gb_s, torch_threads
+from ..model.config import LLAMA_FAMILY
 from ..model.fused import decode_step_kind
+from ..model.layer_caches import LayeredCache, model_cache
 from ..session import cache_cost, cached_model
 from .llama_peer import LlamaPeer, check_python, is_peer, kv_bytes_per_token, peer_kv
 
@@ -103,15 +105,15 @@ def run_context_bench(model_name, contexts: list[int], caches: list[str], repeat
                 raise ConfigError(f"llama.cpp contenders run a GGUF file; {loaded.path.name} is not one")
             check_python(llama_python)
         limit = model_context(loaded.model) or max(contexts) + warmup + repeats * steps
-        geometry = CacheGeometry.for_model(loaded.config, capacity=1)
+        geometry = CacheGeometry.for_model(loaded.config, capacity=1)   # 1: the llama family's cache checks its name
         from ..quality.calibrate import resolve   # the compressed formats load for compressed names only
 
         # the cache each name builds: tq-k4v4+halloc spelled out with the recipe calibrated for this model
         built = {name: name if is_peer(name) else resolve(name, loaded) for name in caches}
         for name in caches:   # every name (and its bytes) checked before anything runs
             if not is_peer(name):
-                make_cache(built[name], geometry)
-                cache_cost(built[name], geometry, torch.float32)
+                model_cache(loaded.config, built[name], capacity=1)
+                _cost(built[name], loaded.config, geometry)
         record = _run(loaded, contexts, caches, built, repeats, steps, warmup, limit, console, llama_python)
     record["model"] = loaded.path.name
     if out:
@@ -121,6 +123,18 @@ def run_context_bench(model_name, contexts: list[int], caches: list[str], repeat
     else:
         _print_table(record, console, out)
     return record
+
+
+def _cost(name: str, config, geometry: CacheGeometry) -> tuple[int, int]:
+    """(bytes per token, fixed bytes) of cache `name` for one sequence of a model of `config`, fp32: the llama
+    family's by the caches' formula; Gemma 3's / Qwen3.5's by LayeredCache's (dense sliding layers and the
+    recurrent state are fixed bytes)."""
+    if config.arch in LLAMA_FAMILY:
+        return cache_cost(name, geometry, torch.float32)
+    small, large = 1024, 2048
+    at = {n: LayeredCache.expected_nbytes(config, name, 1, n, torch.float32) for n in (small, large)}
+    per_token = (at[large] - at[small]) // (large - small)
+    return per_token, at[small] - per_token * small
 
 
 def _run(loaded, contexts, caches, built, repeats, steps, warmup, limit, console, llama_python=None) -> dict:
@@ -147,7 +161,7 @@ def _run(loaded, contexts, caches, built, repeats, steps, warmup, limit, console
                         prefill_s[name], token = held[name].prefill(prompt)
                         tokens[name] = held[name].steps(token, warmup)[1] if warmup else token
                     else:
-                        held[name] = make_cache(built[name], geometry)
+                        held[name] = model_cache(config, built[name], capacity=context + extra)
                         start = time.perf_counter()
                         logits = prefill(model, prompt, held[name])
                         prefill_s[name] = time.perf_counter() - start
@@ -173,7 +187,7 @@ def _run(loaded, contexts, caches, built, repeats, steps, warmup, limit, console
                 if is_peer(name):
                     per_token, fixed, step = kv_bytes_per_token(config, peer_kv(name)), 0, "llama.cpp"
                 else:
-                    (per_token, fixed), step = cache_cost(built[name], geometry, torch.float32), decode_step_kind(model, held[name])
+                    (per_token, fixed), step = _cost(built[name], config, geometry), decode_step_kind(model, held[name])
                 kv_read = int(per_token * mid + fixed)
                 rate = statistics.median(samples[name])
                 results.append(ContextResult(

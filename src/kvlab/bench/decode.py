@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -26,12 +26,13 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from ..cache import CacheGeometry, DenseCache, make_cache
+from ..cache import CacheGeometry, DenseCache
 from ..errors import ConfigError
 from ..fileio import check_writable, write_json
 from ..limits import check_int
 from ..generate import check_fits, generate, model_context
 from ..model.fused import decode_step_kind, fused_step_off
+from ..model.layer_caches import RecurrentState, model_cache
 from ..session import cached_model
 from ..measure import machine_info, read_bandwidth_gb_s, torch_threads
 
@@ -71,8 +72,7 @@ class _FirstTokenClock:
 def _time_kvlab(loaded, prompt, cache_name, new_tokens, fused: bool = True):
     """(tokens/s, decode tokens/s, the decode step that ran). `fused=False`: the same model with its fused
     decode step switched off (each layer's modules run)."""
-    geometry = CacheGeometry.for_model(loaded.config, capacity=prompt.shape[1] + new_tokens)
-    cache = make_cache(cache_name, geometry, dtype=loaded.dtype)
+    cache = model_cache(loaded.config, cache_name, capacity=prompt.shape[1] + new_tokens, dtype=loaded.dtype)
     with fused_step_off(loaded.model, off=not fused):
         start = time.perf_counter()
         result = generate(loaded.model, prompt, cache, new_tokens)
@@ -114,11 +114,15 @@ def _load_transformers(path: Path, dtype: torch.dtype):
 
 
 def _kv_bytes_read_per_step(config, dtype: torch.dtype, prompt_tokens: int, new_tokens: int, cache: str) -> float:
-    """Mean K+V bytes attention reads per decode step (the no-cache baselines recompute rather than read)."""
+    """Mean K+V bytes attention reads per decode step (the no-cache baselines recompute rather than read): the
+    full layers every token, the sliding layers their window at most, and the recurrent layers' state."""
     if cache == "none":
         return 0.0
-    per_token = DenseCache.bytes_per_token(CacheGeometry.for_model(config), dtype)
-    return per_token * (prompt_tokens + new_tokens / 2)
+    per_layer = DenseCache.bytes_per_token(replace(CacheGeometry.for_model(config), n_layers=1), dtype)
+    context = prompt_tokens + new_tokens / 2
+    window = min(context, config.sliding_window or context)
+    return (per_layer * (len(config.layers_of("full")) * context + len(config.layers_of("sliding")) * window)
+            + RecurrentState.expected_nbytes(config, 1))
 
 
 def run_decode_bench(model, prompt_tokens, new_tokens, dtypes, repeats, contenders, out, json_out, console: Console,

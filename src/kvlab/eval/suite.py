@@ -9,6 +9,7 @@ import torch
 
 from ..backends import KvlabRuntime, formula_bytes_per_token
 from ..cache import CacheSpec
+from ..hf_baselines import is_baseline_name
 from ..quality.agreement import kl_divergence, top1_matches
 from ..quality.corpus import calibration_text, corpus_text, windows
 from ..quality.perplexity import WindowProtocol, run_window, window_nll
@@ -67,7 +68,7 @@ def calibration_windows(tokenizer, protocol: WindowProtocol) -> list[torch.Tenso
 
 def seed_variants(name: str, seeds: tuple[int, ...]) -> list[tuple[int | None, str]]:
     """[(seed, cache name to build)]: one per seed for a TurboQuant cache without its own `+seedN`, else [(None, name)]."""
-    if not seeds:
+    if not seeds or is_baseline_name(name):                 # transformers' own caches (hf:dynamic, ...) have no seed
         return [(None, name)]
     spec = CacheSpec.parse(name)
     if spec.base != "tq" or spec.seed:
