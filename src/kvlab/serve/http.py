@@ -68,7 +68,7 @@ from .openai_api import (
     validation_error,
 )
 from .sampling import SamplingParams
-from .tools import call_grammar, parse_reply, stream_deltas, template_messages, tool_format
+from .tools import ToolStream, call_grammar, parse_reply, template_messages, tool_format
 
 ENGINE_WATCH_S = 1.0     # how often a waiting request checks that the engine thread still lives
 PROMPT_WORKERS = 4       # threads that render chat templates and tokenize, off the event loop
@@ -646,13 +646,14 @@ def _sse(data: dict | str) -> str:
 
 async def _sse_events(stream: _RequestStream, body, chat: bool, tools: _ToolPlan | None = None):
     """OpenAI's stream: a role chunk per choice (chat), content chunks (with their tokens' logprobs when asked),
-    a finish chunk per choice, an optional usage chunk, [DONE]. With tools, a choice's text is held until it ends
-    (a call is only known whole): then its content, or its `delta.tool_calls` (name first, then the arguments
-    in fragments) and finish_reason "tool_calls"."""
+    a finish chunk per choice, an optional usage chunk, [DONE]. With tools, each choice's text goes through a
+    ToolStream: content as soon as it cannot be part of a call, a call's id and name as soon as the name is
+    written, then its arguments in fragments as they are generated; finish_reason "tool_calls" when calls were sent."""
     model = stream.state.config.model_name
     rid, created = stream.request_id, stream.created
     choices = _Choices(body.n or 1, stream.state.tokenizer, chat)
     asked = body.top_logprobs_asked is not None
+    parsers = [ToolStream(tools.format) for _ in range(choices.n)] if tools is not None else None
     if chat:
         for i in range(choices.n):
             yield _sse(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, index=i))
@@ -663,10 +664,10 @@ async def _sse_events(stream: _RequestStream, body, chat: bool, tools: _ToolPlan
             indices, entries = choices.add(out)
             for i in indices:
                 logprobs = choices.logprobs(entries, offsets[i]) if asked and entries else None
-                if tools is not None:
-                    if choices.finish[i] is not None and done_before[i] is None:
-                        for chunk in _tool_chunks(rid, model, created, i, choices, tools):
-                            yield _sse(chunk)
+                if parsers is not None:
+                    for chunk in _tool_chunks(rid, model, created, i, out.text_delta, parsers[i],
+                                              choices.finish[i] if done_before[i] is None else None):
+                        yield _sse(chunk)
                     continue
                 if out.text_delta or logprobs:
                     yield _sse(chat_chunk(rid, model, created, {"content": out.text_delta}, index=i, logprobs=logprobs)
@@ -683,16 +684,17 @@ async def _sse_events(stream: _RequestStream, body, chat: bool, tools: _ToolPlan
     yield _sse("[DONE]")
 
 
-def _tool_chunks(rid: str, model: str, created: int, index: int, choices: "_Choices", tools: _ToolPlan):
-    content, calls = parse_reply(choices.text[index], tools.format)
-    if calls:
-        for delta in stream_deltas(calls):
-            yield chat_chunk(rid, model, created, {"tool_calls": [delta]}, index=index)
-        yield chat_chunk(rid, model, created, {}, "tool_calls", index=index)
-        return
-    if content:
-        yield chat_chunk(rid, model, created, {"content": content}, index=index)
-    yield chat_chunk(rid, model, created, {}, choices.finish[index], index=index)
+def _tool_chunks(rid: str, model: str, created: int, index: int, text: str, parser: ToolStream,
+                 finish: str | None):
+    """The chunks of one choice's new text, and its finish chunk when it has just ended."""
+    deltas = parser.feed(text)
+    if finish is not None:
+        last, _, calls = parser.finish()
+        deltas += last
+    for delta in deltas:
+        yield chat_chunk(rid, model, created, delta, index=index)
+    if finish is not None:
+        yield chat_chunk(rid, model, created, {}, "tool_calls" if calls else finish, index=index)
 
 
 class _SseResponse(StreamingResponse):

@@ -193,13 +193,276 @@ def parse_reply(text: str, fmt: str) -> tuple[str | None, list[ToolCall]]:
     return text, []
 
 
-def stream_deltas(calls: list[ToolCall], fragment: int = 16) -> list[dict]:
-    """`delta.tool_calls` entries as OpenAI streams them: per call one with its id, type and name (empty
-    arguments), then its arguments in fragments."""
-    deltas = []
-    for index, call in enumerate(calls):
-        deltas.append({"index": index, "id": call.id, "type": "function",
-                       "function": {"name": call.name, "arguments": ""}})
-        for at in range(0, len(call.arguments), fragment):
-            deltas.append({"index": index, "function": {"arguments": call.arguments[at:at + fragment]}})
-    return deltas
+_MARKERS = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]"}
+_LITERALS = ("true", "false", "null", "NaN", "Infinity", "-Infinity")
+_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?")
+_NUMBER_CHARS = re.compile(r"[-+0-9.eE]+")
+_STRING_BODY = re.compile(r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*')
+_ESCAPE_START = re.compile(r'\\(?:u[0-9a-fA-F]{0,3})?')
+_NAME_FIRST = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*(?:,\s*"(arguments|parameters)"\s*:\s*)?')
+
+
+class _Stuck(Exception):
+    """The partial text is no prefix of any JSON value: nothing more of it is certain."""
+
+
+def _string_at(raw: str, i: int) -> tuple[str, int | None]:
+    """The JSON string starting at raw[i] (a quote): (its decoded characters known so far, the index after its
+    closing quote or None while it is open). A trailing high surrogate is held back (its pair may follow)."""
+    body = _STRING_BODY.match(raw, i + 1)
+    end = body.end()
+    if end < len(raw) and raw[end] == '"':
+        return json.loads(raw[i:end + 1]), end + 1
+    if end < len(raw) and not _ESCAPE_START.fullmatch(raw, end):
+        raise _Stuck
+    text = json.loads('"' + body.group() + '"')
+    return (text[:-1] if text and "\ud800" <= text[-1] <= "\udbff" else text), None
+
+
+def _echo(raw: str) -> tuple[str, int | None]:
+    """The JSON value at the start of raw as `json.dumps(json.loads(value))` writes it, as far as the partial text
+    decides it: (that certain prefix, the index after the value or None while it is open). Stops at the first
+    character that makes it no JSON or repeats a key (json.loads keeps the last value of a repeated key)."""
+    out: list[str] = []
+    stack: list[set | None] = []        # per open container: the keys of an object, None for an array
+    expect, i, n = "value", 0, len(raw)
+    try:
+        while i < n:
+            c = raw[i]
+            if c in " \t\n\r":
+                i += 1
+                continue
+            closing = {"value]": "]", "key}": "}", ",]": "]", ",}": "}"}.get(expect)
+            if c == closing:
+                out.append(c)
+                stack.pop()
+                i += 1
+            elif expect in (",]", ",}") and c == ",":
+                out.append(", ")
+                expect, i = ("value" if expect == ",]" else "key"), i + 1
+                continue
+            elif expect == ":" and c == ":":
+                out.append(": ")
+                expect, i = "value", i + 1
+                continue
+            elif expect in ("key", "key}") and c == '"':
+                key, end = _string_at(raw, i)
+                if end is None:
+                    out.append(json.dumps(key)[:-1])
+                    return "".join(out), None
+                if key in stack[-1]:
+                    raise _Stuck
+                stack[-1].add(key)
+                out.append(json.dumps(key))
+                expect, i = ":", end
+                continue
+            elif expect not in ("value", "value]"):
+                raise _Stuck
+            elif c in "{[":
+                out.append(c)
+                stack.append(set() if c == "{" else None)
+                expect, i = ("key}" if c == "{" else "value]"), i + 1
+                continue
+            elif c == '"':
+                text, end = _string_at(raw, i)
+                if end is None:
+                    out.append(json.dumps(text)[:-1])
+                    return "".join(out), None
+                out.append(json.dumps(text))
+                i = end
+            elif any(raw.startswith(word, i) for word in _LITERALS):
+                word = next(w for w in _LITERALS if raw.startswith(w, i))
+                out.append(word)
+                i += len(word)
+            elif any(word.startswith(raw[i:]) for word in _LITERALS):
+                return "".join(out), None
+            else:
+                token = _NUMBER_CHARS.match(raw, i)
+                if token is None:
+                    raise _Stuck
+                if token.end() == n:
+                    return "".join(out), None
+                if not _NUMBER.fullmatch(token.group()):
+                    raise _Stuck
+                out.append(json.dumps(json.loads(token.group())))
+                i = token.end()
+            if not stack:
+                return "".join(out), i
+            expect = ",}" if stack[-1] is not None else ",]"
+    except _Stuck:
+        pass
+    return "".join(out), None
+
+
+@dataclass(frozen=True)
+class _Partial:
+    name: str
+    arguments: str      # certain prefix of the final arguments text
+    complete: bool
+
+
+def _one_call(raw: str, key: str) -> tuple[_Partial | None, int | None]:
+    """The call object at the start of raw (after spaces): (what is certain of it, the index after it or None
+    while open). An object whose first member is not the name becomes known when it closes."""
+    lead = len(raw) - len(raw.lstrip())
+    _, end = _echo(raw[lead:])
+    if end is not None:
+        call = _call(json.loads(raw[lead:lead + end]), key)
+        return (None if call is None else _Partial(call.name, call.arguments, True)), lead + end
+    head = _NAME_FIRST.match(raw, lead)
+    if head is None:
+        return None, None
+    try:
+        name = json.loads(head.group(1))
+    except ValueError:
+        return None, None
+    if head.group(2) is None:
+        return _Partial(name, "", False), None
+    value = raw[head.end():]
+    if value.startswith('"'):
+        try:
+            return _Partial(name, _string_at(value, 0)[0], False), None
+        except _Stuck:
+            return _Partial(name, "", False), None
+    return _Partial(name, _echo(value)[0], False), None
+
+
+def _call_list(raw: str, key: str) -> list[_Partial]:
+    """The calls of a JSON array of call objects (or one call object) at the start of raw, as far as known;
+    elements that are no call are skipped, as parse_reply skips them."""
+    body = raw.lstrip()
+    if not body.startswith("["):
+        call, _ = _one_call(body, key)
+        return [call] if call else []
+    calls, i = [], 1
+    while True:
+        call, end = _one_call(body[i:], key)
+        if call is not None:
+            calls.append(call)
+        if end is None:
+            if call is None and not body[i:].lstrip().startswith("{"):  # a non-object element: skip it whole
+                _, skip = _echo(body[i:].lstrip())
+                if skip is not None:
+                    i += len(body[i:]) - len(body[i:].lstrip()) + skip
+                    rest = body[i:].lstrip()
+                    if rest.startswith(","):
+                        i = len(body) - len(rest) + 1
+                        continue
+            return calls
+        rest = body[i + end:].lstrip()
+        if not rest.startswith(","):
+            return calls
+        i = len(body) - len(rest) + 1
+
+
+def _held(text: str, marker: str) -> str:
+    """text less a tail that may be the start of marker (decided by what comes next)."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-k:]):
+            return text[:-k]
+    return text
+
+
+def _partial_reply(text: str, fmt: str) -> tuple[str, list[_Partial]]:
+    """What parse_reply will say of a reply that begins with text, as far as text decides it: a prefix of its
+    content and its calls (a name as soon as written, a prefix of the arguments). parse_reply is the source of
+    truth; this reads the same syntax left to right."""
+    if fmt == "hermes":
+        pieces, calls, at = [], [], 0
+        while True:
+            start = text.find("<tool_call>", at)
+            if start < 0:
+                pieces.append(_held(text[at:], "<tool_call>"))
+                break
+            pieces.append(text[at:start])
+            match = _HERMES.match(text, start)
+            if match is None:                                   # an open call: its text is not content yet
+                call, _ = _one_call(text[start + len("<tool_call>"):], "arguments")
+                calls += [call] if call else []
+                break
+            value, _ = _json_prefix(match.group(1))
+            call = _call(value)
+            if call is None:
+                pieces.append(match.group())
+            else:
+                calls.append(_Partial(call.name, call.arguments, True))
+            at = match.end()
+        return _certain_content("".join(pieces), bool(calls)), calls
+    if fmt == "mistral":
+        head, marker, tail = text.partition("[TOOL_CALLS]")
+        if not marker:
+            return _certain_content(_held(text, "[TOOL_CALLS]"), False), []
+        calls = _call_list(tail, "arguments")
+        return _certain_content(head, bool(calls)), calls
+    body = text.lstrip()
+    if fmt == "llama3":
+        if "<|python_tag|>".startswith(body):
+            return "", []
+        body = body.removeprefix("<|python_tag|>").lstrip()
+        if body and body[0] not in "{[":
+            return text, []                                     # no JSON: all of it is content
+        return "", _call_list(body, "parameters")
+    if not body.startswith("{"):                                # generic
+        return (text if body else ""), []
+    head = re.match(r'\{\s*"(tool_calls|response)"\s*:\s*', body)
+    if head is None:
+        return "", []
+    value = body[head.end():]
+    if head.group(1) == "tool_calls":
+        return "", (_call_list(value, "arguments") if value.startswith("[") else [])
+    try:
+        return (_string_at(value, 0)[0] if value.startswith('"') else ""), []
+    except _Stuck:
+        return "", []
+
+
+def _certain_content(content: str, calls: bool) -> str:
+    """Content beside tool calls is stripped, alone it is the whole text: leading spaces wait for the first
+    call, trailing spaces for what follows them."""
+    if calls:
+        return content.strip()
+    return "" if content[:1].isspace() else content.rstrip()
+
+
+class ToolStream:
+    """A reply's `delta`s as it is generated: content as soon as it cannot be part of a call, each call's id,
+    type and name (empty arguments) as soon as its name is written, then its arguments in fragments. What has
+    been sent is never taken back: fragments concatenate to parse_reply's arguments, and `finish` sends what
+    parse_reply has beyond them. A call sent and then broken off (the reply hit max_tokens inside it) stays sent."""
+
+    def __init__(self, fmt: str):
+        self.fmt, self.text, self.content = fmt, "", ""
+        self.calls: list[ToolCall] = []     # sent so far: ids, names, argument text
+
+    def feed(self, text: str) -> list[dict]:
+        self.text += text
+        return self._send(*_partial_reply(self.text, self.fmt))
+
+    def finish(self) -> tuple[list[dict], str | None, list[ToolCall]]:
+        """(the last deltas, the reply's content, its calls); the same as parse_reply, with the ids sent, when
+        the reply is whole."""
+        content, calls = parse_reply(self.text, self.fmt)
+        if self.calls and not calls:                    # a sent call broke off: the text is not sent again
+            return [], self.content or None, list(self.calls)
+        deltas = self._send(content or "", [_Partial(c.name, c.arguments, True) for c in calls])
+        if not self.calls:
+            return deltas, content, []
+        return deltas, self.content or None, list(self.calls)
+
+    def _send(self, content: str, calls: list[_Partial]) -> list[dict]:
+        deltas = []
+        if content.startswith(self.content) and len(content) > len(self.content):
+            deltas.append({"content": content[len(self.content):]})
+            self.content = content
+        for index, call in enumerate(calls):
+            if index == len(self.calls):
+                self.calls.append(ToolCall(_new_id(), call.name, ""))
+                deltas.append({"tool_calls": [{"index": index, "id": self.calls[index].id, "type": "function",
+                                               "function": {"name": call.name, "arguments": ""}}]})
+            sent = self.calls[index]
+            if sent.name == call.name and call.arguments.startswith(sent.arguments) and \
+                    len(call.arguments) > len(sent.arguments):
+                deltas.append({"tool_calls": [{"index": index, "function": {
+                    "arguments": call.arguments[len(sent.arguments):]}}]})
+                self.calls[index] = ToolCall(sent.id, sent.name, call.arguments)
+        return deltas
