@@ -193,7 +193,6 @@ def parse_reply(text: str, fmt: str) -> tuple[str | None, list[ToolCall]]:
     return text, []
 
 
-_MARKERS = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]"}
 _LITERALS = ("true", "false", "null", "NaN", "Infinity", "-Infinity")
 _NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?")
 _NUMBER_CHARS = re.compile(r"[-+0-9.eE]+")
@@ -298,7 +297,6 @@ def _echo(raw: str) -> tuple[str, int | None]:
 class _Partial:
     name: str
     arguments: str      # certain prefix of the final arguments text
-    complete: bool
 
 
 def _one_call(raw: str, key: str) -> tuple[_Partial | None, int | None]:
@@ -308,7 +306,7 @@ def _one_call(raw: str, key: str) -> tuple[_Partial | None, int | None]:
     _, end = _echo(raw[lead:])
     if end is not None:
         call = _call(json.loads(raw[lead:lead + end]), key)
-        return (None if call is None else _Partial(call.name, call.arguments, True)), lead + end
+        return (None if call is None else _Partial(call.name, call.arguments)), lead + end
     head = _NAME_FIRST.match(raw, lead)
     if head is None:
         return None, None
@@ -317,14 +315,14 @@ def _one_call(raw: str, key: str) -> tuple[_Partial | None, int | None]:
     except ValueError:
         return None, None
     if head.group(2) is None:
-        return _Partial(name, "", False), None
+        return _Partial(name, ""), None
     value = raw[head.end():]
     if value.startswith('"'):
         try:
-            return _Partial(name, _string_at(value, 0)[0], False), None
+            return _Partial(name, _string_at(value, 0)[0]), None
         except _Stuck:
-            return _Partial(name, "", False), None
-    return _Partial(name, _echo(value)[0], False), None
+            return _Partial(name, ""), None
+    return _Partial(name, _echo(value)[0]), None
 
 
 def _call_list(raw: str, key: str) -> list[_Partial]:
@@ -385,7 +383,7 @@ def _partial_reply(text: str, fmt: str) -> tuple[str, list[_Partial]]:
             if call is None:
                 pieces.append(match.group())
             else:
-                calls.append(_Partial(call.name, call.arguments, True))
+                calls.append(_Partial(call.name, call.arguments))
             at = match.end()
         return _certain_content("".join(pieces), bool(calls)), calls
     if fmt == "mistral":
@@ -444,7 +442,7 @@ class ToolStream:
         content, calls = parse_reply(self.text, self.fmt)
         if self.calls and not calls:                    # a sent call broke off: the text is not sent again
             return [], self.content or None, list(self.calls)
-        deltas = self._send(content or "", [_Partial(c.name, c.arguments, True) for c in calls])
+        deltas = self._send(content or "", [_Partial(c.name, c.arguments) for c in calls])
         if not self.calls:
             return deltas, content, []
         return deltas, self.content or None, list(self.calls)
