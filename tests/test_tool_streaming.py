@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from kvlab.serve import tools
 from kvlab.serve.tools import ToolStream, _echo, parse_reply
 
 ARGS = '{"city": "S\\u00e3o Paulo \\"centro\\"", "days": 3, "units": ["c", 1.50], "raw": "caf\u00e9 \U0001F600\\n"}'
@@ -127,3 +128,18 @@ def test_json_echo_is_a_prefix_of_the_dumps_text_at_every_cut(raw):
         out, end = _echo(raw[:cut])
         assert want.startswith(out), raw[:cut]
     assert _echo(raw + " ,")[0] == want and _echo(raw)[1] is not None or raw == "12"
+
+
+def test_a_long_reply_is_re_read_in_amortized_steps_and_still_assembles():
+    """Past READ_EACH_STEP characters the reply is re-read once its unread tail is 1/READ_EVERY of it: a 40,000-character
+    argument streamed 4 characters at a time is re-read a few hundred times, not 10,000, and assembles exactly."""
+    from unittest import mock
+
+    reply = '<tool_call>{"name": "write", "arguments": {"text": "' + "abcd" * 10_000 + '"}}</tool_call>'
+    stream = ToolStream("hermes")
+    with mock.patch("kvlab.serve.tools._partial_reply", wraps=tools._partial_reply) as reads:
+        deltas = [d for i in range(0, len(reply), 4) for d in stream.feed(reply[i:i + 4])]
+    last, content, calls = stream.finish()
+    assert 1_000 < reads.call_count < 1_400                      # 1,024 steps up to 4,096 characters, then ~80 re-reads
+    args = "".join(d["tool_calls"][0]["function"].get("arguments", "") for d in deltas + last if "tool_calls" in d)
+    assert calls[0].name == "write" and args == calls[0].arguments == json.dumps({"text": "abcd" * 10_000})

@@ -428,12 +428,20 @@ class ToolStream:
     been sent is never taken back: fragments concatenate to parse_reply's arguments, and `finish` sends what
     parse_reply has beyond them. A call sent and then broken off (the reply hit max_tokens inside it) stays sent."""
 
+    #: replies up to this many characters are re-read at every step; a longer one once its unread tail reaches
+    #: 1/READ_EVERY of it, so the re-reading of a long reply costs O(length), not O(length²), on the event loop
+    READ_EACH_STEP, READ_EVERY = 4096, 32
+
     def __init__(self, fmt: str):
         self.fmt, self.text, self.content = fmt, "", ""
         self.calls: list[ToolCall] = []     # sent so far: ids, names, argument text
+        self.read_upto = 0                  # len(self.text) at the last re-read
 
     def feed(self, text: str) -> list[dict]:
         self.text += text
+        if len(self.text) > self.READ_EACH_STEP and len(self.text) - self.read_upto < len(self.text) // self.READ_EVERY:
+            return []
+        self.read_upto = len(self.text)
         return self._send(*_partial_reply(self.text, self.fmt))
 
     def finish(self) -> tuple[list[dict], str | None, list[ToolCall]]:
