@@ -4,7 +4,8 @@ Every buffer is token-major like the dense pool, so token slot = block · block_
 buffer is one (slots, ...) tensor per layer, written (L, slots, ...) below; group buffers are one (L, ...) tensor):
     int   k_codes (L, slots, Hkv, ⌈Dk·b/8⌉)   k_scale, k_zero (L, slots/G, Hkv, Dk) fp16: group = slot // G
           v_codes (L, slots, Hkv, ⌈Dv·b/8⌉)   v_scale, v_zero (L, slots, Hkv, Dv/Gv) fp16
-          stage   (L, max_batch, G, Hkv, Dk) fp32: each running sequence's open key group (its row)
+          stage   (groups·L, max_batch, G, Hkv, Dk) fp32: each running sequence's open key group (its row), per
+                  layer of each layer group (state_layer)
     tq    k_codes, v_codes (L, slots, Hkv, bytes), k_norm, v_norm (L, slots, Hkv) 16-bit, or uint8 log codes
           (+norms8, read against the codec's centres) [+ qjl signs, ‖r‖]; +alloc: each layer's codes at its
           width, +halloc: one row per token, (slots, 1, Σ_h bytes_h), its heads' codes side by side at their widths
@@ -98,6 +99,13 @@ class CodedPool:
         self.group = self.block_size                          # tokens per group buffer row
         self.rows: dict[object, int] = {}                     # running sequence -> its row
         self.free_rows = list(range(plan.max_batch))
+        self.n_groups = plan.n_groups                          # layer groups: per-layer state for each group's layers
+
+    def state_layer(self, layer: int, view) -> int:
+        """Where pool layer `layer` of the view's group keeps its per-layer state (group g's layers after the g
+        groups before it): the buffers of codes are indexed by slot, and a block belongs to one group, but the
+        per-layer state (the open key group, TurboQuant's calibration) is each model layer's own."""
+        return view.group * self.geometry.n_layers + layer
 
     def _tokens(self, name: str, *shape: int, dtype: torch.dtype) -> None:
         self._layer_tokens(name, [shape] * self.geometry.n_layers, dtype)
@@ -184,8 +192,8 @@ class IntPool(CodedPool):
         groups = self.slots // self.group
         for name in ("k_scale", "k_zero"):
             self.group_buffers[name] = torch.zeros(g.n_layers, groups, g.n_kv_heads, g.head_dim, dtype=meta, device=self._device)
-        self.stage = torch.zeros(g.n_layers, plan.max_batch, self.group, g.n_kv_heads, g.head_dim, dtype=fmt.dtype,
-                                 device=self._device)                      # (L, rows, G, Hkv, Dk)
+        self.stage = torch.zeros(self.n_groups * g.n_layers, plan.max_batch, self.group, g.n_kv_heads, g.head_dim,
+                                 dtype=fmt.dtype, device=self._device)   # (groups·L, rows, G, Hkv, Dk): state_layer
         self._fresh: list[tuple[int, torch.Tensor]] = []                  # per sequence of the step: (first, keys)
         # one ragged C call per layer (kvlab_paged_int_attention) instead of per-sequence calls of the single cache's
         # kernels: equal to the reference within float rounding, but not bitwise equal to the single int cache, and
@@ -199,7 +207,7 @@ class IntPool(CodedPool):
     def fork(self, parent, child) -> None:
         """The child's row starts as a copy of the parent's open key group (the keys its shared blocks lack)."""
         if parent in self.rows:
-            self.stage[:, self.rows_for([child])[0]] = self.stage[:, self.rows[parent]]   # (L, G, Hkv, Dk)
+            self.stage[:, self.rows_for([child])[0]] = self.stage[:, self.rows[parent]]   # (groups·L, G, Hkv, Dk)
 
     def append(self, layer: int, view, k: torch.Tensor, v: torch.Tensor) -> None:
         """k (N, Hkv, D), v (N, Hkv, Dv) of the step's tokens: values coded per token, keys per complete group."""
@@ -213,13 +221,14 @@ class IntPool(CodedPool):
         buf["v_scale"][layer][view.slots] = scale
         buf["v_zero"][layer][view.slots] = zero
         self._fresh = []
+        stage = self.stage[self.state_layer(layer, view)]                              # (rows, G, Hkv, Dk)
         for s, lo, hi, start, ctx in self.sequences(view):
             row = view.rows[s]
             have = start % G
             first = start - have                                                       # the open group's first token
             keys = k[lo:hi].to(self.stage.dtype)                                       # (T, Hkv, D)
             if have:
-                keys = torch.cat([self.stage[layer, row, :have], keys])               # (have + T, Hkv, D)
+                keys = torch.cat([stage[row, :have], keys])                           # (have + T, Hkv, D)
             complete = len(keys) // G * G
             if complete:
                 slots = view.layout.slots(s)[first:first + complete].to(self._device)  # (complete,)
@@ -229,7 +238,7 @@ class IntPool(CodedPool):
                 buf["k_codes"][layer][slots] = pack(codes, b)
                 groups["k_scale"][layer][slots[::G] // G] = scale
                 groups["k_zero"][layer][slots[::G] // G] = zero
-            self.stage[layer, row, :len(keys) - complete] = keys[complete:]
+            stage[row, :len(keys) - complete] = keys[complete:]
             self._fresh.append((first, keys))
 
     def _coded_keys(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
