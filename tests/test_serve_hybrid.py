@@ -176,9 +176,21 @@ def test_sliding_groups_hold_their_window_only(loaded):
     assert len(off.groups.members) == 1 and off.capacity.max_concurrent(400) < engine.capacity.max_concurrent(400)
 
 
-def test_turboquant_blocks_are_refused_in_one_line(loaded):
-    with pytest.raises(ConfigError, match="dense and int blocks") as err:
-        Engine(loaded, cache="tq-k4v4", kv_budget="4MiB")
+def test_turboquant_blocks_batched_equal_each_sequence_alone(loaded):
+    """tq-k4v4 blocks: one codec over every layer group, calibrated through the model's own cache; each request's tokens
+    equal its tokens served alone (the same calibration), across preemption and abort."""
+    batch = prompts(1, (5, 40, 23, 70, 33, 9))
+    _, tokens, ids, running = run_with_preemption_and_abort(loaded, "tq-k4v4", batch)
+    one = Engine(loaded, cache="tq-k4v4", kv_budget="4MiB", max_batch=1, block_size=8, max_step_tokens=24)
+    for rid, p in zip(ids, batch):
+        if rid != running:
+            assert tokens[rid] == one.generate([p], GREEDY, progress=False)[0].token_ids, rid
+
+
+@pytest.mark.parametrize("cache", ["tq4", "tq-k4v4+sink1", "tq-k4v4+prerope"])
+def test_turboquant_blocks_per_pool_layer_are_refused_in_one_line(loaded, cache):
+    with pytest.raises(ConfigError, match="without \\+prerope, \\+sinkN or \\+alloc") as err:
+        Engine(loaded, cache=cache, kv_budget="4MiB")
     assert "\n" not in str(err.value)
 
 
@@ -208,7 +220,8 @@ def test_plan_bytes_equal_running_nbytes_and_pool_bytes(loaded):
                 per_layer[i] = cache.state_nbytes // len(cfg.layers_of("recurrent"))
             planned = {row.index: row.k_bytes + row.v_bytes + row.state_bytes for row in plan.layout.layers}
             assert planned == per_layer or sum(planned.values()) == sum(per_layer.values()) and name != "dense"
-    for budget, cache in (("1MiB", "dense"), ("3MiB", "dense"), ("1MiB", "int8"), ("3MiB", "int4")):
+    for budget, cache in (("1MiB", "dense"), ("3MiB", "dense"), ("1MiB", "int8"), ("3MiB", "int4"),
+                          ("1MiB", "tq-k4v4")):
         admission = engine_admission(spec, PlanSettings(context=1000, kv_type_k=cache), budget)
         engine = Engine(loaded, cache=cache, kv_budget=budget)
         assert admission["format"] == engine.capacity.format
