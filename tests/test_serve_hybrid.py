@@ -55,9 +55,9 @@ def loaded(request, smollm2, tmp_path_factory):
     return load_model(save_folder(reference, tmp_path_factory.mktemp(request.param), smollm2.tokenizer))
 
 
-def alone(loaded, prompt: list[int], n: int = NEW) -> list[int]:
-    """Greedy tokens of the torch path (one LayeredCache), the reference every batched run must equal."""
-    cache = model_cache(loaded.config, "dense", capacity=len(prompt) + n)
+def alone(loaded, prompt: list[int], n: int = NEW, cache_name: str = "dense") -> list[int]:
+    """Greedy tokens of the torch path (one LayeredCache of `cache_name`), the reference every batched run must equal."""
+    cache = model_cache(loaded.config, cache_name, capacity=len(prompt) + n)
     out = []
     with torch.no_grad():
         logits = loaded.model(torch.tensor([prompt]), cache)
@@ -85,24 +85,45 @@ def assert_all_given_back(engine: Engine) -> None:
     assert engine.state is None or (engine.state.n_used == 0 and len(engine.state.free_slots) == engine.scheduler.max_batch)
 
 
-def test_batched_equals_alone_across_chunks_preemption_and_abort(loaded):
-    batch = prompts(1, (5, 40, 23, 70, 33, 9))
-    sizes = Engine(loaded, kv_budget="64MiB", max_batch=4, block_size=8, max_step_tokens=24).capacity
-    longest = sizes.blocks_for(70 + NEW)
+def run_with_preemption_and_abort(loaded, cache: str, batch: list[list[int]]) -> tuple[Engine, dict, list[str], str]:
+    """The batch served in a pool where the longest prompt fits but several do not (a preemption), one sequence
+    aborted while decoding: (engine, tokens by request, request ids, the aborted one)."""
+    sizes = Engine(loaded, cache=cache, kv_budget="64MiB", max_batch=4, block_size=8, max_step_tokens=24).capacity
+    longest = sizes.blocks_for(max(map(len, batch)) + NEW)
     budget = sizes.fixed_bytes + (longest + 1) * sizes.block_bytes     # the longest fits; several do not
-    engine = Engine(loaded, kv_budget=budget, max_batch=4, block_size=8, max_step_tokens=24)
+    engine = Engine(loaded, cache=cache, kv_budget=budget, max_batch=4, block_size=8, max_step_tokens=24)
+    assert engine.pool_nbytes == engine.capacity.pool_bytes
     ids = [engine.add_request(p, GREEDY) for p in batch]
     tokens: dict[str, list[int]] = {}
     while not engine.scheduler.preemptions:
+        assert engine.has_unfinished()
         step(engine, tokens)
     running = engine.scheduler.running[-1].request_id
     engine.abort(running)                                           # while decoding: its blocks and state slot go
     while engine.has_unfinished():
         step(engine, tokens)
+    assert_all_given_back(engine)
+    return engine, tokens, ids, running
+
+
+def test_batched_equals_alone_across_chunks_preemption_and_abort(loaded):
+    batch = prompts(1, (5, 40, 23, 70, 33, 9))
+    _, tokens, ids, running = run_with_preemption_and_abort(loaded, "dense", batch)
     for rid, p in zip(ids, batch):
         if rid != running:
             assert tokens[rid] == alone(loaded, p), rid
-    assert_all_given_back(engine)
+
+
+@pytest.mark.parametrize("cache", ["int8", "int4"])
+def test_int_blocks_batched_equal_the_torch_path_alone(loaded, cache):
+    """int8 / int4 blocks (each layer group's layers keep their own open key group per sequence): the tokens equal the
+    torch path's alone with the blocks' cache (int8+g8: the key group is the block), across preemption and abort."""
+    batch = prompts(1, (5, 40, 23, 70, 33, 9))
+    engine, tokens, ids, running = run_with_preemption_and_abort(loaded, cache, batch)
+    assert engine.capacity.format == f"{cache}+g8" and engine.scheduler.preemptions
+    for rid, p in zip(ids, batch):
+        if rid != running:
+            assert tokens[rid] == alone(loaded, p, cache_name=engine.capacity.format), rid
 
 
 def test_prefix_hits_are_served_or_switched_off_with_the_reason(loaded):
@@ -155,9 +176,21 @@ def test_sliding_groups_hold_their_window_only(loaded):
     assert len(off.groups.members) == 1 and off.capacity.max_concurrent(400) < engine.capacity.max_concurrent(400)
 
 
-def test_compressed_blocks_are_refused_in_one_line(loaded):
-    with pytest.raises(ConfigError, match="dense blocks") as err:
-        Engine(loaded, cache="int8", kv_budget="4MiB")
+def test_turboquant_blocks_batched_equal_each_sequence_alone(loaded):
+    """tq-k4v4 blocks: one codec over every layer group, calibrated through the model's own cache; each request's tokens
+    equal its tokens served alone (the same calibration), across preemption and abort."""
+    batch = prompts(1, (5, 40, 23, 70, 33, 9))
+    _, tokens, ids, running = run_with_preemption_and_abort(loaded, "tq-k4v4", batch)
+    one = Engine(loaded, cache="tq-k4v4", kv_budget="4MiB", max_batch=1, block_size=8, max_step_tokens=24)
+    for rid, p in zip(ids, batch):
+        if rid != running:
+            assert tokens[rid] == one.generate([p], GREEDY, progress=False)[0].token_ids, rid
+
+
+@pytest.mark.parametrize("cache", ["tq4", "tq-k4v4+sink1", "tq-k4v4+prerope"])
+def test_turboquant_blocks_per_pool_layer_are_refused_in_one_line(loaded, cache):
+    with pytest.raises(ConfigError, match="without \\+prerope, \\+sinkN or \\+alloc") as err:
+        Engine(loaded, cache=cache, kv_budget="4MiB")
     assert "\n" not in str(err.value)
 
 
@@ -187,9 +220,11 @@ def test_plan_bytes_equal_running_nbytes_and_pool_bytes(loaded):
                 per_layer[i] = cache.state_nbytes // len(cfg.layers_of("recurrent"))
             planned = {row.index: row.k_bytes + row.v_bytes + row.state_bytes for row in plan.layout.layers}
             assert planned == per_layer or sum(planned.values()) == sum(per_layer.values()) and name != "dense"
-    for budget in ("1MiB", "3MiB"):
-        admission = engine_admission(spec, PlanSettings(context=1000, kv_type_k="dense"), budget)
-        engine = Engine(loaded, kv_budget=budget)
+    for budget, cache in (("1MiB", "dense"), ("3MiB", "dense"), ("1MiB", "int8"), ("3MiB", "int4"),
+                          ("1MiB", "tq-k4v4")):
+        admission = engine_admission(spec, PlanSettings(context=1000, kv_type_k=cache), budget)
+        engine = Engine(loaded, cache=cache, kv_budget=budget)
+        assert admission["format"] == engine.capacity.format
         assert admission["pool_bytes"] == engine.capacity.pool_bytes == engine.pool_nbytes
         assert admission["blocks"] == engine.capacity.n_blocks
         assert admission["max_concurrent"] == engine.capacity.max_concurrent(1000)

@@ -100,12 +100,18 @@ class CapacityPlan:
     def build(cls, geometry: CacheGeometry, block_format: str, kv_budget: int | str, block_size: int = 16,
               max_batch: int = 16, groups: LayerGroups | None = None, state_bytes: int = 0,
               step_tokens: int = 512) -> "CapacityPlan":
-        """`geometry`: the attention layers' shapes (its n_layers is taken from `groups` when given)."""
+        """`geometry`: the attention layers' shapes (its n_layers is taken from `groups` when given). A block holds
+        one group's layers; the shared and per-sequence state (TurboQuant's per-layer calibration, the int formats'
+        open key group) is every attention layer's: each group's own."""
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ConfigError(f"block_size must be a positive integer, got {block_size!r}")
+        spec = CacheSpec.parse(block_format, "pool")
         if groups is not None:
             geometry = replace(geometry, n_layers=groups.size)
-        fmt = CacheSpec.parse(block_format, "pool").pool_bytes(geometry, block_size)   # the caches' (and planner's) formula
+        fmt = spec.pool_bytes(geometry, block_size)   # the caches' (and planner's) formula
+        if groups is not None and len(groups.members) > 1:
+            every = spec.pool_bytes(replace(geometry, n_layers=groups.size * len(groups.members)), block_size)
+            fmt = replace(fmt, shared=every.shared, sequence=every.sequence)
         budget = parse_bytes(kv_budget)
         fixed = fmt.shared + max_batch * (fmt.sequence + state_bytes)
         n_blocks = max(0, budget - fixed) // fmt.block
@@ -125,6 +131,11 @@ class CapacityPlan:
     @property
     def pool_bytes(self) -> int:
         return self.n_blocks * self.block_bytes + self.fixed_bytes
+
+    @property
+    def n_groups(self) -> int:
+        """Layer groups: a pool keeps per-layer state (shared or per sequence) for each group's layers."""
+        return 1 if self.groups is None else len(self.groups.members)
 
     @property
     def windows(self) -> tuple[int | None, ...]:

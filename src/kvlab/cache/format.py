@@ -680,10 +680,11 @@ REFUSALS: list[tuple[str, Callable[[CacheSpec, int | None], bool], str]] = [
     ("pool", lambda s, bs: bs is not None and s.base == "int" and bool(bs % s.pool_group(bs)),
      "block format {name}: the key group of {group} tokens must divide the block size of {block_size} (use "
      "+g{block_size} or a block size that is a multiple)"),
-    ("layered-pool", lambda s, bs: s.base != "dense",
+    ("layered-pool", lambda s, bs: s.base == "tq" and (s.pre_rope or bool(s.full.sink) or bool(s.alloc)),
      "block format {name}: the serving pool of a model whose layers differ in kind (Gemma 3, Qwen3.5, Qwen3-Next) "
-     "holds dense blocks (dense, dense-f16, dense-bf16); compressed blocks are served for the llama family (the torch "
-     "path runs {name} on these models: kvlab generate)"),
+     "holds TurboQuant blocks without +prerope, +sinkN or +alloc/+halloc (one codec over every layer group: its "
+     "layers differ in RoPE, and sink rows and recipes are per pool layer); use tq-k4v4, tq3, int8 or dense (the "
+     "torch path runs {name} on these models: kvlab generate)"),
     ("fused", lambda s, bs: s.base in ("concat", "none"),
      "cache {name}: the fused decode step writes preallocated caches (the modules run it)"),
     ("fused", lambda s, bs: s.qjl, "cache {name}: the fused decode step does not read the +qjl residual (the modules "

@@ -842,15 +842,18 @@ class TurboQuantCache(CompressedCache):
         return self._keys(layer, stored, 0, n), v
 
     # -- a calibration shared by many sequences (the serving pool) ------------------------------------
-    def use_calibration(self, other: "TurboQuantCache") -> None:
+    def use_calibration(self, other: "TurboQuantCache | None",
+                        layers: "dict[int, tuple[TurboQuantCache, int]] | None" = None) -> None:
         """Code every token from now on with `other`'s per-layer offsets, key weights and +norms8 centres (its first
-        batch row), instead of calibrating on this cache's first chunk; `reset` forgets them."""
+        batch row), instead of calibrating on this cache's first chunk; `reset` forgets them. `layers`: where each
+        of this cache's layers takes its state instead, (a cache, its layer) (a pool of several caches' layers)."""
         for layer in self.compressed_layers:
-            for mine, theirs in ((self.k_offset, other.k_offset), (self.v_offset, other.v_offset),
-                                 (self.k_weight_codes, other.k_weight_codes),
-                                 *((self.norm_centres[name], other.norm_centres[name]) for name in self.norm_centres)):
+            source, at = layers[layer] if layers is not None else (other, layer)
+            for mine, theirs in ((self.k_offset, source.k_offset), (self.v_offset, source.v_offset),
+                                 (self.k_weight_codes, source.k_weight_codes),
+                                 *((self.norm_centres[name], source.norm_centres[name]) for name in self.norm_centres)):
                 if mine:
-                    mine[layer][:] = theirs[layer][0]
+                    mine[layer][:] = theirs[at][0]
         self._given_centres = bool(self.norm_centres)
         self._pending.clear()
         self._calibrated = set(self.compressed_layers)

@@ -4,7 +4,8 @@ Every buffer is token-major like the dense pool, so token slot = block · block_
 buffer is one (slots, ...) tensor per layer, written (L, slots, ...) below; group buffers are one (L, ...) tensor):
     int   k_codes (L, slots, Hkv, ⌈Dk·b/8⌉)   k_scale, k_zero (L, slots/G, Hkv, Dk) fp16: group = slot // G
           v_codes (L, slots, Hkv, ⌈Dv·b/8⌉)   v_scale, v_zero (L, slots, Hkv, Dv/Gv) fp16
-          stage   (L, max_batch, G, Hkv, Dk) fp32: each running sequence's open key group (its row)
+          stage   (groups·L, max_batch, G, Hkv, Dk) fp32: each running sequence's open key group (its row), per
+                  layer of each layer group (state_layer)
     tq    k_codes, v_codes (L, slots, Hkv, bytes), k_norm, v_norm (L, slots, Hkv) 16-bit, or uint8 log codes
           (+norms8, read against the codec's centres) [+ qjl signs, ‖r‖]; +alloc: each layer's codes at its
           width, +halloc: one row per token, (slots, 1, Σ_h bytes_h), its heads' codes side by side at their widths
@@ -52,6 +53,7 @@ from ..kernels.codebook import CodeLayout
 from ..errors import ConfigError
 from ..kernels import kernel_for
 from ..kernels.paged import PreRopeKeys, paged_codes_attention, paged_int_attention
+from ..model.layer_caches import model_cache
 from ..rope import apply_rope
 from .formats import BlockFormat
 from .sinks import SinkRows
@@ -98,6 +100,13 @@ class CodedPool:
         self.group = self.block_size                          # tokens per group buffer row
         self.rows: dict[object, int] = {}                     # running sequence -> its row
         self.free_rows = list(range(plan.max_batch))
+        self.n_groups = plan.n_groups                          # layer groups: per-layer state for each group's layers
+
+    def state_layer(self, layer: int, view) -> int:
+        """Where pool layer `layer` of the view's group keeps its per-layer state (group g's layers after the g
+        groups before it): the buffers of codes are indexed by slot, and a block belongs to one group, but the
+        per-layer state (the open key group, TurboQuant's calibration) is each model layer's own."""
+        return view.group * self.geometry.n_layers + layer
 
     def _tokens(self, name: str, *shape: int, dtype: torch.dtype) -> None:
         self._layer_tokens(name, [shape] * self.geometry.n_layers, dtype)
@@ -184,8 +193,8 @@ class IntPool(CodedPool):
         groups = self.slots // self.group
         for name in ("k_scale", "k_zero"):
             self.group_buffers[name] = torch.zeros(g.n_layers, groups, g.n_kv_heads, g.head_dim, dtype=meta, device=self._device)
-        self.stage = torch.zeros(g.n_layers, plan.max_batch, self.group, g.n_kv_heads, g.head_dim, dtype=fmt.dtype,
-                                 device=self._device)                      # (L, rows, G, Hkv, Dk)
+        self.stage = torch.zeros(self.n_groups * g.n_layers, plan.max_batch, self.group, g.n_kv_heads, g.head_dim,
+                                 dtype=fmt.dtype, device=self._device)   # (groups·L, rows, G, Hkv, Dk): state_layer
         self._fresh: list[tuple[int, torch.Tensor]] = []                  # per sequence of the step: (first, keys)
         # one ragged C call per layer (kvlab_paged_int_attention) instead of per-sequence calls of the single cache's
         # kernels: equal to the reference within float rounding, but not bitwise equal to the single int cache, and
@@ -199,7 +208,7 @@ class IntPool(CodedPool):
     def fork(self, parent, child) -> None:
         """The child's row starts as a copy of the parent's open key group (the keys its shared blocks lack)."""
         if parent in self.rows:
-            self.stage[:, self.rows_for([child])[0]] = self.stage[:, self.rows[parent]]   # (L, G, Hkv, Dk)
+            self.stage[:, self.rows_for([child])[0]] = self.stage[:, self.rows[parent]]   # (groups·L, G, Hkv, Dk)
 
     def append(self, layer: int, view, k: torch.Tensor, v: torch.Tensor) -> None:
         """k (N, Hkv, D), v (N, Hkv, Dv) of the step's tokens: values coded per token, keys per complete group."""
@@ -213,13 +222,14 @@ class IntPool(CodedPool):
         buf["v_scale"][layer][view.slots] = scale
         buf["v_zero"][layer][view.slots] = zero
         self._fresh = []
+        stage = self.stage[self.state_layer(layer, view)]                              # (rows, G, Hkv, Dk)
         for s, lo, hi, start, ctx in self.sequences(view):
             row = view.rows[s]
             have = start % G
             first = start - have                                                       # the open group's first token
             keys = k[lo:hi].to(self.stage.dtype)                                       # (T, Hkv, D)
             if have:
-                keys = torch.cat([self.stage[layer, row, :have], keys])               # (have + T, Hkv, D)
+                keys = torch.cat([stage[row, :have], keys])                           # (have + T, Hkv, D)
             complete = len(keys) // G * G
             if complete:
                 slots = view.layout.slots(s)[first:first + complete].to(self._device)  # (complete,)
@@ -229,7 +239,7 @@ class IntPool(CodedPool):
                 buf["k_codes"][layer][slots] = pack(codes, b)
                 groups["k_scale"][layer][slots[::G] // G] = scale
                 groups["k_zero"][layer][slots[::G] // G] = zero
-            self.stage[layer, row, :len(keys) - complete] = keys[complete:]
+            stage[row, :len(keys) - complete] = keys[complete:]
             self._fresh.append((first, keys))
 
     def _coded_keys(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
@@ -341,7 +351,7 @@ class TurboPool(CodedPool):
         self.codec = codec                                     # calibrated_codec(...): the shared per-layer state
         for name in self.codec.token_buffer_names():           # the codec's (1, Hkv, 1[, bytes]) buffers give the shapes
             layers = getattr(self.codec, name)                   # per layer: (1, Hkv, 1[, bytes]), +halloc (1, 1, 1, Σ bytes)
-            self._layer_tokens(name, [(like.shape[1], *like.shape[3:]) for like in layers.values()], layers[0].dtype)
+            self._layer_tokens(name, [(like.shape[1], *like.shape[3:]) for l, like in layers.items() if l < geometry.n_layers], layers[0].dtype)
         self.sink = fmt.config.full.sink                                # +sinkN: the first N tokens exact, apart
         if codec.sink != self.sink:   # the codec's reads place coded slot i at position sink + i (+prerope)
             raise ConfigError(f"TurboQuant pool: its codec keeps {codec.sink} sink tokens, the format {self.sink}")
@@ -411,6 +421,7 @@ class TurboPool(CodedPool):
         """k (N, Hkv, D), v (N, Hkv, D) of the step's tokens: coded into their slots; with +sinkN the tokens at
         positions below N go to their sequence's sink rows instead."""
         pre_rope, slots = self.codec.config.pre_rope, view.slots
+        at = self.state_layer(layer, view)                                                # the codec's layer
         positions = self._positions(view) if self.sinks or pre_rope else None             # (N,)
         if self.sinks:
             for s, lo, hi, start, ctx in self.sequences(view):
@@ -424,8 +435,8 @@ class TurboPool(CodedPool):
         if pre_rope:   # +prerope: each key turned back from its position before it is coded
             cos, sin = self._rope_rows(view)
             k = apply_rope(k.float(), cos[positions][:, None], -sin[positions][:, None])     # (N, Hkv, D)
-        coded = self.codec.code(layer, k.transpose(0, 1)[None], v.transpose(0, 1)[None])   # (1, Hkv, N, ...)
-        for name, t in self.codec.stored_scales(layer, coded).items():
+        coded = self.codec.code(at, k.transpose(0, 1)[None], v.transpose(0, 1)[None])   # (1, Hkv, N, ...)
+        for name, t in self.codec.stored_scales(at, coded).items():
             self.token_buffers[name][layer][slots] = t[0].transpose(0, 1)                   # (N, Hkv, ...)
 
     def attend(self, layer: int, view, q: torch.Tensor) -> torch.Tensor:
@@ -433,6 +444,7 @@ class TurboPool(CodedPool):
         in one ragged call on the pool's codes (kernels/paged.c), or, for +qjl codes, per sequence with the codec's
         own scores and mix; else the torch reference (gather, dequantize, grouped_attention per sequence)."""
         config = self.codec.config   # +qjl reads through the codec's scores: no +prerope keys, no sink rows
+        at = self.state_layer(layer, view)                                           # the codec's layer
         kernel = kernel_for(self._device) if view.use_kernel and not config.qjl else None
         if kernel is not None:       # (every width of +halloc too: paged.c reads a layout per head)
             return self._attend_ragged(kernel, layer, view, q)
@@ -440,13 +452,13 @@ class TurboPool(CodedPool):
         out = q.new_empty(q.shape[0], q.shape[1], self.geometry.head_dim)            # (N, H, D)
         for s, lo, hi, start, ctx in self.sequences(view):
             slots = view.layout.slots(s)[self.sink:].to(self._device)                # (ctx - sink,) the coded ones
-            stored = self.codec.read_scales(layer, {name: buf[layer][slots].transpose(0, 1)[None].contiguous()
+            stored = self.codec.read_scales(at, {name: buf[layer][slots].transpose(0, 1)[None].contiguous()
                                                     for name, buf in self.token_buffers.items()})   # (1, Hkv, n[, bytes])
             qs = q[lo:hi].transpose(0, 1)[None]                                      # (1, H, T, D)
             if on_codes:
-                o = self._attend_codes(layer, qs, stored, ctx, view.window)
+                o = self._attend_codes(at, qs, stored, ctx, view.window)
             else:
-                k, v = self.codec.decode(layer, stored)                              # (1, Hkv, n, D)
+                k, v = self.codec.decode(at, stored)                              # (1, Hkv, n, D)
                 if self.sinks:   # the sink rows first, exact: (1, Hkv, ctx, D)
                     sink_k, sink_v = self.sinks.held(layer, view.rows[s], min(ctx, self.sink))     # (held, Hkv, D)
                     k = torch.cat([sink_k.transpose(0, 1)[None], k], dim=2)
@@ -465,28 +477,29 @@ class TurboPool(CodedPool):
         N, H, D = q.shape
         Hkv = self.geometry.n_kv_heads
         buf, codec, layout = self.token_buffers, self.codec, view.layout
+        at = self.state_layer(layer, view)                                                # the codec's layer
         pre_rope = None
         if codec.config.pre_rope:   # the keys are rebuilt at their positions in C: the plain queries read them
-            pre_rope, q_rot = self._key_rebuild(layer, view), q.contiguous()
+            pre_rope, q_rot = self._key_rebuild(at, view), q.contiguous()
         else:
             qg = q.reshape(N, Hkv, H // Hkv, D).transpose(0, 1).reshape(1, Hkv, -1, D)   # (1, Hkv, N·G, D)
-            q_rot = self.codec._rotated_queries(layer, qg)                                # (1, Hkv, N·G, D)
+            q_rot = self.codec._rotated_queries(at, qg)                                # (1, Hkv, N·G, D)
             q_rot = q_rot.reshape(Hkv, N, H // Hkv, D).transpose(0, 1).reshape(N, H, D).contiguous()
-        centres = torch.stack([codec.norm_centres[name][layer][0] for name in ("k_norm", "v_norm")]) if codec.norm_centres else None
+        centres = torch.stack([codec.norm_centres[name][at][0] for name in ("k_norm", "v_norm")]) if codec.norm_centres else None
         rotated = paged_codes_attention(kernel, q_rot, buf["k_codes"][layer], buf["k_norm"][layer],
-                                        buf["v_codes"][layer], buf["v_norm"][layer], _layouts(codec.layer_key_codes[layer]),
-                                        _layouts(codec.layer_value_codes[layer]), layout.block_tables, layout.query_start,
+                                        buf["v_codes"][layer], buf["v_norm"][layer], _layouts(codec.layer_key_codes[at]),
+                                        _layouts(codec.layer_value_codes[at]), layout.block_tables, layout.query_start,
                                         layout.context_len, layout.block_size, view.scale, view.window or 0,
                                         centres, pre_rope, first_key=self.sink, with_lse=bool(self.sinks))  # (N, H, D)
         if self.sinks:
             rotated, lse = rotated                                                        # (N, H, D), (N, H)
-        out = codec.rotations[layer].invert(rotated)                                      # (N, H, D)
+        out = codec.rotations[at].invert(rotated)                                      # (N, H, D)
         if codec.v_offset:
-            offset = codec.v_offset[layer][0].float()                                     # (Hkv, D)
+            offset = codec.v_offset[at][0].float()                                     # (Hkv, D)
             out = (out.reshape(N, Hkv, H // Hkv, D) + offset[:, None]).reshape(N, H, D)
         if self.sinks:
             if codec.k_offset and not codec.config.pre_rope:   # q·μ·scale: the coded keys' common score
-                mu = codec.k_offset[layer][0].float().repeat_interleave(H // Hkv, dim=0)    # (H, D)
+                mu = codec.k_offset[at][0].float().repeat_interleave(H // Hkv, dim=0)    # (H, D)
                 lse = lse + (q * mu).sum(-1) * view.scale
             out = self._merge_sinks(layer, view, q, out, lse)
         return out
@@ -517,7 +530,7 @@ class TurboPool(CodedPool):
         return (w_coded[..., None] * coded + held) / total[..., None]
 
     def _key_rebuild(self, layer: int, view) -> PreRopeKeys:
-        """+prerope: how C rebuilds `layer`'s keys (TurboQuantCache._keys) for the step of `view` (made per call from
+        """+prerope: how C rebuilds the codec's `layer`'s keys (TurboQuantCache._keys) for the step of `view` (made per call from
         the codec's state: the pool keeps nothing more)."""
         cos, sin = self._rope_rows(view)
         codec, d = self.codec, self.geometry.head_dim
@@ -546,19 +559,32 @@ def _layouts(codes: "RotatedCodes | HeadCodes") -> "CodeLayout | list[CodeLayout
     return [head.layout for head in codes.heads] if isinstance(codes, HeadCodes) else codes.layout
 
 
-def calibrated_codec(model, geometry: CacheGeometry, config, device, tokenizer=None) -> TurboQuantCache:
+def calibrated_codec(model, geometry: CacheGeometry, config, device, tokenizer=None, groups=None,
+                     name: str | None = None) -> TurboQuantCache:
     """A TurboQuantCache (no token buffers to speak of) whose offsets, key weights and +norms8 centres come from the
-    model on `calibration_ids` (the calibration text, with the tokenizer)."""
+    model on `calibration_ids` (the calibration text, with the tokenizer). With layer groups (LayerGroups, a model
+    whose layers differ in kind) the codec holds every group's layers (pool layer j of group g at g·size + j,
+    IntPool.state_layer) and calibrates through the model's own cache of the format `name` (model_cache: a cache
+    per layer kind), each layer taking the state of the model layer it stands for."""
     one = replace(geometry, batch=1)   # room for the sink: the codec's reads place coded slot i at position sink + i
+    if groups is not None:
+        one = replace(one, n_layers=len(groups.members) * groups.size)
     codec = TurboQuantCache(replace(one, capacity=config.full.sink + 1), config=config, device=device)
     if config.center or config.key_weights or config.log_norms:
         if model is None:
             raise ConfigError("TurboQuant blocks are calibrated on the model: give the pool the model")
-        probe = TurboQuantCache(replace(one, capacity=CALIBRATION_TOKENS), config=config, device=device)
+        if groups is None:
+            probe = TurboQuantCache(replace(one, capacity=CALIBRATION_TOKENS), config=config, device=device)
+        else:
+            probe = model_cache(model.config, name, capacity=CALIBRATION_TOKENS, device=device)
         ids = torch.tensor([calibration_ids(model.config.vocab_size, tokenizer)], device=device)
         with torch.inference_mode():
             model(ids, probe, last_only=True)
-        codec.use_calibration(probe)
+        if groups is None:
+            codec.use_calibration(probe)
+        else:   # model layer members[g][j] -> (its kind's cache, its index there)
+            codec.use_calibration(None, {g * groups.size + j: probe.where[layer] for g, members in enumerate(groups.members)
+                                         for j, layer in enumerate(members)})
     return codec
 
 
@@ -572,4 +598,7 @@ def make_pool(geometry: CacheGeometry, plan, device="cpu", model=None, tokenizer
         return BlockPool(geometry, plan, device)
     if fmt.kind == "int":
         return IntPool(geometry, plan, fmt, device)
-    return TurboPool(geometry, plan, fmt, calibrated_codec(model, geometry, fmt.config, device, tokenizer), device)
+    layered = model is not None and len(set(model.config.layer_kinds)) > 1     # Gemma 3, Qwen3.5: the model's caches
+    codec = calibrated_codec(model, geometry, fmt.config, device, tokenizer, plan.groups if layered else None,
+                             fmt.cache_name)
+    return TurboPool(geometry, plan, fmt, codec, device)

@@ -104,7 +104,7 @@ def capacity_for(config, cache: str, kv_budget: int | str, block_size: int = 16,
     groups (sliding groups freeing blocks behind the window unless `free_window` is off) and, for recurrent layers,
     a state slot per batch row. The planner's `--engine kvlab --kv-budget` builds the same plan from the model file."""
     groups = LayerGroups.build(config.layer_kinds, config.sliding_window, free_window)
-    if len(set(config.layer_kinds)) > 1:                # Gemma 3, Qwen3.5: dense blocks (CacheSpec.supports)
+    if len(set(config.layer_kinds)) > 1:                # Gemma 3, Qwen3.5: what CacheSpec.supports allows
         CacheSpec.parse(str(cache), "pool").check("layered-pool")
     state = RecurrentState.expected_nbytes(config, 1) if config.layers_of("recurrent") else 0
     return CapacityPlan.build(CacheGeometry.for_model(config), cache, kv_budget, block_size, max_batch, groups, state,

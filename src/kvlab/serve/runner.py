@@ -29,10 +29,11 @@ class BatchView:
     tables, the scale and window (and, for a model of one group, the cache protocol: append, then attend)."""
 
     def __init__(self, pool, slots: torch.Tensor, layout: RaggedLayout, scale: float, window: int | None,
-                 use_kernel: bool, rows: list[int] | None = None):
+                 use_kernel: bool, rows: list[int] | None = None, group: int = 0):
         self.pool, self.slots, self.layout = pool, slots, layout
         self.scale, self.window, self.use_kernel = scale, window, use_kernel
         self.rows = rows                    # each sequence's row of per-sequence pool state (coded pools)
+        self.group = group                  # its layer group: pool layer j of group g keeps its state apart (coded pools)
         self.rope = None                    # +prerope pools: the step's RoPE table, made by its first layer
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -124,7 +125,8 @@ class Runner:
             for index, layer in enumerate(members):
                 window = self.groups.window_of(layer)
                 if (group, window) not in views:
-                    views[group, window] = BatchView(self.pool, slot_tensor, group_layout, self.scale, window, self.use_kernel, rows)
+                    views[group, window] = BatchView(self.pool, slot_tensor, group_layout, self.scale, window, self.use_kernel, rows,
+                                                 group)
                 where[layer] = (index, views[group, window])
         state_rows = None
         if self.state is not None:

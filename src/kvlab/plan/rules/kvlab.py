@@ -104,8 +104,8 @@ def engine_admission(spec: ModelSpec, settings: PlanSettings, kv_budget: str, ma
     """How many sequences of `settings.context` tokens the serving engine (kvlab.serve) admits in a KV budget:
     the engine's own CapacityPlan (cache/capacity.py: blocks sized by the format's formula, a block table per layer
     group, sliding groups capped at their window, recurrent state slots), so the planner and the engine agree.
-    Dense and compressed block formats (int4, tq4, ...; dense only for models whose layers differ in kind);
-    per-sequence state is sized for the engine's defaults (max_batch 16, 512 tokens a step)."""
+    Dense and compressed block formats (int4, tq4, ...; for models whose layers differ in kind, TurboQuant without
+    +prerope, +sinkN or +alloc); per-sequence state is sized for the engine's defaults (max_batch 16, 512 tokens a step)."""
     cache, dtype = CacheSpec.parse_with_dtype(settings.kv_type_k)
     if cache.base == "dense":   # dense-f16 / dense-bf16 keep their storage dtype whatever the run's; dense@f16 is dense-f16
         block_format = cache.name if cache.storage else {"float32": "dense", "float16": "dense-f16",
