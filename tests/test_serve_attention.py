@@ -74,6 +74,24 @@ def test_the_kernel_equals_the_reference(seed, dtype, heads, kv_heads, d, dv, bl
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("variant", ["avx2", "plain"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_each_isa_build_reads_16_bit_pools_like_the_reference(variant, dtype):
+    """The fp16 rows convert 16 lanes at a time with AVX-512, 8 with F16C (Haswell) and one by one in plain C: head
+    dims 72 and 17 take every one of those paths in one row."""
+    from types import SimpleNamespace
+
+    from .kernel_checks import library_variant
+
+    kernel = SimpleNamespace(path=library_variant(variant))
+    for d in (72, 17):
+        q, k_pool, v_pool, layout = random_batch(random.Random(d), 4, 2, d, d, 16, dtype)
+        want = ragged_attention_reference(q, k_pool, v_pool, layout, d ** -0.5)
+        got = paged_attention(kernel, q, k_pool, v_pool, layout.block_tables, layout.query_start, layout.context_len, 16,
+                              d ** -0.5)
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
 @needs_kernel
 def test_the_kernel_checks_every_buffer():
     q, k_pool, v_pool, layout = random_batch(random.Random(0), 4, 2, 8, 8, 4, torch.float32)

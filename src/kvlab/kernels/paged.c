@@ -28,7 +28,7 @@
 #include "codebook.h"
 #include "decode.h"
 #include "paged.h"
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -43,12 +43,24 @@ static inline float bf16_to_fp32(uint16_t h) {
     return f;
 }
 
+/* out[0 .. n) = the fp16 values in[0 .. n) (exact): sixteen at a time where AVX-512 is there, eight with F16C */
+static inline void fp16_row(const uint16_t *in, float *out, int n) {
+    int c = 0;
+#if defined(__AVX512F__)
+    for (; c + 16 <= n; c += 16) _mm512_storeu_ps(out + c, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(in + c))));
+#endif
+#if defined(__F16C__)
+    for (; c + 8 <= n; c += 8) _mm256_storeu_ps(out + c, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(in + c))));
+#endif
+    for (; c < n; c++) out[c] = kvlab_fp16_to_fp32(in[c]);
+}
+
 /* row `index` of a pool of `d`-wide rows as fp32: a pointer into an fp32 pool, else converted into buf */
 static inline const float *pool_row(const void *pool, int dtype, int64_t index, int d, float *buf) {
     if (dtype == POOL_F32) return (const float *)pool + index * d;
     const uint16_t *row = (const uint16_t *)pool + index * d;
     if (dtype == POOL_F16) {
-        for (int c = 0; c < d; c++) buf[c] = kvlab_fp16_to_fp32(row[c]);
+        fp16_row(row, buf, d);
     } else {
         for (int c = 0; c < d; c++) buf[c] = bf16_to_fp32(row[c]);
     }
@@ -302,15 +314,6 @@ static inline float norm_value(const code_pool *P, int which, int64_t index, int
     }
     const uint16_t h16 = ((const uint16_t *)norms)[index];
     return P->norm_dtype == POOL_F16 ? kvlab_fp16_to_fp32(h16) : bf16_to_fp32(h16);
-}
-
-/* out[0 .. n) = the fp16 values in[0 .. n), sixteen at a time where AVX-512 is there */
-static inline void fp16_row(const uint16_t *in, float *out, int n) {
-    int c = 0;
-#if defined(__AVX512F__)
-    for (; c + 16 <= n; c += 16) _mm512_storeu_ps(out + c, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(in + c))));
-#endif
-    for (; c < n; c++) out[c] = kvlab_fp16_to_fp32(in[c]);
 }
 
 /* Enumerate the work items in (sequence, query tile, KV head, key chunk) order into items (when not NULL) and
