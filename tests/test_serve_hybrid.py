@@ -82,7 +82,7 @@ def step(engine: Engine, tokens: dict[str, list[int]]) -> None:
 
 def assert_all_given_back(engine: Engine) -> None:
     assert engine.blocks.n_free == engine.blocks.n_blocks
-    assert engine.state is None or (engine.state.n_used == 0 and len(engine.state.free_slots) == engine.scheduler.max_batch)
+    assert engine.state is None or (engine.state.n_used == 0 and len(engine.state.slots.free) == engine.scheduler.max_batch)
 
 
 def run_with_preemption_and_abort(loaded, cache: str, batch: list[list[int]]) -> tuple[Engine, dict, list[str], str]:
@@ -309,7 +309,7 @@ class HybridBlockMachine(RuleBasedStateMachine):
         parent = self.active[pick % len(self.active)]
         child = Sequence(f"c{self.names}", [])
         self.blocks.fork(parent, child)
-        assert self.state.state.delta[0, self.state.slot[child], 0, 0, 0] == self.marks[parent]   # the parent's state
+        assert self.state.state.delta[0, self.state.slots[child], 0, 0, 0] == self.marks[parent]   # the parent's state
         self.active.append(child)
         self._mark(child)
 
@@ -358,12 +358,12 @@ class HybridBlockMachine(RuleBasedStateMachine):
                 start = self.blocks.first_needed(seq.num_computed, GROUPS.windows[group]) * BLOCK
                 slots = [table[t // BLOCK] * BLOCK + t % BLOCK for t in range(start, seq.num_computed)]
                 assert self.pool.k[0, slots, 0].tolist() == [[float(t), float(group)] for t in seq.token_ids[start:seq.num_computed]]
-            assert self.state.state.delta[0, self.state.slot[seq], 0, 0, 0] == self.marks[seq]
+            assert self.state.state.delta[0, self.state.slots[seq], 0, 0, 0] == self.marks[seq]
 
     @invariant()
     def state_slots_are_held_by_running_sequences_only(self):
-        assert set(self.state.slot) == set(self.active)
-        assert len(self.state.free_slots) + len(self.state.slot) == MAX_SEQS
+        assert set(self.state.slots.of) == set(self.active)
+        assert len(self.state.slots.free) + len(self.state.slots) == MAX_SEQS
 
 
 TestHybridBlockManager = HybridBlockMachine.TestCase

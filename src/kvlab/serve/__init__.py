@@ -2,6 +2,7 @@
 
     blocks.py     the pool, block tables, ref counts, prefix cache (hashes chained over token ids, verified), LRU
     sequence.py   one request's tokens and blocks
+    rows.py       per-sequence rows of a pool's buffers; state_slots.py the recurrent layers' state in such rows
     scheduler.py  waiting / running queues, per-step token budget, chunked prefill, preemption
     attention.py  attention over a ragged batch through block tables (torch reference + kernels/paged.c)
     runner.py     one batched forward per step: weights read once, attention per block table

@@ -56,6 +56,7 @@ from ..kernels.paged import PreRopeKeys, paged_codes_attention, paged_int_attent
 from ..model.layer_caches import model_cache
 from ..rope import apply_rope
 from .formats import BlockFormat
+from .rows import SequenceRows
 from .sinks import SinkRows
 
 #: tokens of the TurboQuant pools' calibration prompt (`calibration_ids`)
@@ -98,8 +99,7 @@ class CodedPool:
         self.token_buffers: dict[str, list[torch.Tensor]] = {}   # per layer (slots, ...)
         self.group_buffers: dict[str, torch.Tensor] = {}     # (L, slots // G, ...)
         self.group = self.block_size                          # tokens per group buffer row
-        self.rows: dict[object, int] = {}                     # running sequence -> its row
-        self.free_rows = list(range(plan.max_batch))
+        self.rows = SequenceRows(plan.max_batch, "the pool has rows")   # running sequence -> its row
         self.n_groups = plan.n_groups                          # layer groups: per-layer state for each group's layers
 
     def state_layer(self, layer: int, view) -> int:
@@ -121,19 +121,10 @@ class CodedPool:
 
     # -- rows: per-sequence state of the running sequences ------------------------------------------------
     def rows_for(self, seqs) -> list[int]:
-        out = []
-        for seq in seqs:
-            if seq not in self.rows:
-                if not self.free_rows:
-                    raise RuntimeError("more running sequences than the pool has rows (max_batch)")
-                self.rows[seq] = self.free_rows.pop()
-            out.append(self.rows[seq])
-        return out
+        return self.rows.take(seqs)[0]
 
     def release(self, seq) -> None:
-        row = self.rows.pop(seq, None)
-        if row is not None:
-            self.free_rows.append(row)
+        self.rows.release(seq)
 
     def fork(self, parent, child) -> None:
         """The child shares the parent's blocks (BlockManager.fork): it gets the parent's per-sequence state too."""

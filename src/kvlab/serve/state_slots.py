@@ -15,13 +15,13 @@ from __future__ import annotations
 import torch
 
 from ..model.layer_caches import RecurrentState
+from .rows import SequenceRows
 
 
 class StateSlots:
     def __init__(self, config, max_batch: int, device="cpu"):
         self.state = RecurrentState(config, max_batch, torch.float32, device)
-        self.slot: dict = {}                               # sequence -> its slot
-        self.free_slots = list(range(max_batch - 1, -1, -1))
+        self.slots = SequenceRows(max_batch, "state slots")      # sequence -> its slot
 
     @property
     def nbytes(self) -> int:
@@ -29,31 +29,23 @@ class StateSlots:
 
     @property
     def n_used(self) -> int:
-        return len(self.slot)
+        return len(self.slots)
 
     def slots_for(self, seqs) -> list[int]:
         """Each sequence's slot, a fresh zeroed one for a sequence that has none."""
-        out = []
-        for seq in seqs:
-            if seq not in self.slot:
-                if not self.free_slots:
-                    raise RuntimeError("more running sequences than state slots (max_batch)")
-                slot = self.free_slots.pop()
-                self.state.conv[:, slot].zero_()
-                self.state.delta[:, slot].zero_()
-                self.slot[seq] = slot
-            out.append(self.slot[seq])
-        return out
+        slots, taken = self.slots.take(seqs)
+        for slot in taken:
+            self.state.conv[:, slot].zero_()
+            self.state.delta[:, slot].zero_()
+        return slots
 
     def release(self, seq) -> None:
-        slot = self.slot.pop(seq, None)
-        if slot is not None:
-            self.free_slots.append(slot)
+        self.slots.release(seq)
 
     def fork(self, parent, child) -> None:
         """The child goes on from the parent's state (the prompt both have read)."""
-        if parent in self.slot:
-            src, dst = self.slot[parent], self.slots_for([child])[0]
+        if parent in self.slots:
+            src, dst = self.slots[parent], self.slots_for([child])[0]
             self.state.conv[:, dst] = self.state.conv[:, src]
             self.state.delta[:, dst] = self.state.delta[:, src]
 
