@@ -187,12 +187,7 @@ def write_gguf(model, arch: str, path: Path, tokenizer_meta: dict, drop: str | N
         for key, value in tokenizer_meta.items():
             writer.add_key_value(key, value, *_gguf_type(gguf, value))
     else:
-        writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre(tokenizer_meta["tokenizer.ggml.pre"])
-        writer.add_token_list(tokenizer_meta["tokenizer.ggml.tokens"])
-        writer.add_token_types(tokenizer_meta["tokenizer.ggml.token_type"])
-        writer.add_token_merges(tokenizer_meta["tokenizer.ggml.merges"])
-        writer.add_eos_token_id(tokenizer_meta["tokenizer.ggml.eos_token_id"])
+        add_byte_level_vocab(writer, tokenizer_meta)
     for tensor_name, data in gguf_tensors(model, arch).items():
         if tensor_name != drop:
             writer.add_tensor(tensor_name, data)
@@ -211,3 +206,13 @@ def _gguf_type(gguf, value) -> tuple:
         item = gguf.GGUFValueType.INT32 if isinstance(value[0], int) else kinds[type(value[0])]
         return gguf.GGUFValueType.ARRAY, item
     return kinds[type(value)], None
+
+
+def add_byte_level_vocab(writer, tokenizer_meta: dict) -> None:
+    """A byte-level BPE vocabulary ('gpt2', as SmolLM2's GGUF has it) from another GGUF's tokenizer metadata."""
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(tokenizer_meta["tokenizer.ggml.pre"])
+    writer.add_token_list(tokenizer_meta["tokenizer.ggml.tokens"])
+    writer.add_token_types(tokenizer_meta["tokenizer.ggml.token_type"])
+    writer.add_token_merges(tokenizer_meta["tokenizer.ggml.merges"])
+    writer.add_eos_token_id(tokenizer_meta["tokenizer.ggml.eos_token_id"])

@@ -14,6 +14,8 @@ from kvlab.cache import CacheGeometry, make_cache
 from kvlab.model.loader import load_model
 from kvlab.sources.gguf import gguf_metadata, open_gguf
 
+from .hybrid_models import add_byte_level_vocab
+
 
 def permute_for_interleaved_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     """What llama.cpp's converter does to llama Q/K rows: halves (i, i + D/2) -> pairs (2i, 2i + 1)."""
@@ -47,12 +49,7 @@ def write_gguf(path, arch: str, hf_model, tokenizer_meta: dict) -> None:
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(tokenizer_meta["tokenizer.ggml.pre"])
-    writer.add_token_list(tokenizer_meta["tokenizer.ggml.tokens"])
-    writer.add_token_types(tokenizer_meta["tokenizer.ggml.token_type"])
-    writer.add_token_merges(tokenizer_meta["tokenizer.ggml.merges"])
-    writer.add_eos_token_id(tokenizer_meta["tokenizer.ggml.eos_token_id"])
+    add_byte_level_vocab(writer, tokenizer_meta)
     for name, tensor in hf_model.state_dict().items():
         data = tensor.detach().float().numpy()
         if name == "model.embed_tokens.weight":
