@@ -9,6 +9,7 @@ the pool's own format (bytes per token = the pool's).
 
 from __future__ import annotations
 
+import functools
 import logging
 import shutil
 from types import SimpleNamespace
@@ -62,18 +63,22 @@ def chain_file(e: Engine, ids: list[int], i: int):
     return e.store.path(key.hex())
 
 
-# -- the restart, over HTTP ------------------------------------------------------------------------------------
-def test_restart_answers_the_next_turn_from_the_store_as_the_uninterrupted_server(smollm2, tmp_path):
-    pytest.importorskip("fastapi")
-    openai = pytest.importorskip("openai")
+def serve_on_loopback(smollm2, e):
+    """A real HTTP server (openai/httpx clients on a loopback port) over engine `e`."""
     from kvlab.serve.http import ServerConfig, create_app
 
     from .serve_fakes import ServerThread
 
-    def server(e):
-        config = ServerConfig(model_name="smollm2", context_length=smollm2.config.max_seq_len, max_running=2,
-                              max_waiting=2, shutdown_grace_s=0.5)
-        return ServerThread(create_app(e, smollm2.tokenizer, config))
+    config = ServerConfig(model_name="smollm2", context_length=smollm2.config.max_seq_len, max_running=2,
+                          max_waiting=2, shutdown_grace_s=0.5)
+    return ServerThread(create_app(e, smollm2.tokenizer, config))
+
+
+# -- the restart, over HTTP ------------------------------------------------------------------------------------
+def test_restart_answers_the_next_turn_from_the_store_as_the_uninterrupted_server(smollm2, tmp_path):
+    pytest.importorskip("fastapi")
+    openai = pytest.importorskip("openai")
+    server = functools.partial(serve_on_loopback, smollm2)
 
     def ask(url, messages):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
@@ -105,14 +110,7 @@ def test_restart_answers_the_next_turn_from_the_store_as_the_uninterrupted_serve
 def test_save_and_restore_one_conversation_through_the_endpoints(smollm2, tmp_path):
     pytest.importorskip("fastapi")
     httpx = pytest.importorskip("httpx")
-    from kvlab.serve.http import ServerConfig, create_app
-
-    from .serve_fakes import ServerThread
-
-    def server(e):
-        config = ServerConfig(model_name="smollm2", context_length=smollm2.config.max_seq_len, max_running=2,
-                              max_waiting=2, shutdown_grace_s=0.5)
-        return ServerThread(create_app(e, smollm2.tokenizer, config))
+    server = functools.partial(serve_on_loopback, smollm2)
 
     ids = conversation(11)
     with server(engine(smollm2, tmp_path / "a")) as a:
