@@ -1,6 +1,6 @@
 """The engine's sampled rows through the fused head (kernels/batchstep.c kvlab_batch_head) equal the modules' head.
 
-FusedBatchStep.head runs the final norm, the output head and each row's argmax in one C call; runner.output_logits
+FusedBatchStep.head runs the final norm, the output head and each row's argmax in one C call; the model's logits()
 (the modules: RMSNorm, then the head's Linear / BlockQuantLinear) is its reference. The head's product is the
 module's own kernel, so the logits differ only by the C norm's rounding (fp32 heads: also the dot order): within
 1e-5 of the largest logit; with int8 activations an activation an ulp apart may round to a neighbouring code:
@@ -20,7 +20,6 @@ from kvlab.model.blockquant import Q8_MIN_ROWS, set_activations
 from kvlab.model.fused import fused_decode_step
 from kvlab.serve import Engine, SamplingParams
 from kvlab.serve.fused_batch import FusedBatchStep, fused_batch_for, fused_batch_off
-from kvlab.serve.runner import output_logits
 
 from .conftest import tiny_model
 from .kernel_checks import one_thread, require_kernel  # noqa: F401  (one_thread: autouse)
@@ -44,7 +43,7 @@ def assert_head_equals_modules(model, rows: int, rel: float, seed: int = 0) -> N
     x = torch.randn(rows, model.config.d_model, generator=torch.Generator().manual_seed(seed)) * 3   # (R, C)
     with torch.inference_mode():
         logits, tokens = step_of(model).head(x)
-        want = output_logits(model, x[None])[0]                                                 # (R, vocab)
+        want = model.logits(x[None])[0]                                                 # (R, vocab)
     assert logits.shape == want.shape and tokens.shape == (rows,)
     assert (logits - want).abs().max().item() <= rel * want.abs().max().item() + 1e-6, f"{rows} rows"
     assert torch.equal(tokens, logits.argmax(dim=-1))

@@ -23,7 +23,6 @@ from kvlab.model.fused import fused_decode_step, fused_step_off
 from kvlab.serve import Engine, SamplingParams
 from kvlab.serve.attention import RaggedLayout
 from kvlab.serve.fused_batch import FusedBatchStep, fused_batch_for, fused_batch_off
-from kvlab.serve.runner import output_logits
 
 from .conftest import tiny_model
 from .kernel_checks import one_thread, require_kernel  # noqa: F401  (one_thread: autouse)
@@ -68,7 +67,7 @@ def compare_every_step(engine: Engine, rel: float, pool_rel: float) -> list[int]
         pool.k.copy_(k0)
         pool.v.copy_(v0)
         got = runner.hidden(chunks)                                            # (1, N, C)
-        want_logits, got_logits = output_logits(model, want), output_logits(model, got)
+        want_logits, got_logits = model.logits(want), model.logits(got)
         scale = want_logits.abs().max().item()
         assert (got_logits - want_logits).abs().max().item() <= rel * scale + 1e-6, f"step of {n} rows"
         for got_kv, want_kv in ((pool.k, want_k), (pool.v, want_v)):

@@ -237,7 +237,7 @@ int kvlab_rows_argmax(const float *x, int64_t R, int64_t V, int64_t *out, int n_
     return 0;
 }
 
-/* The sampled rows' logits, as Runner.sample's output_logits computes them: logits (R, vocab) = the output head of
+/* The sampled rows' logits, as Runner.sample's model.logits computes them: logits (R, vocab) = the output head of
  * rms_norm(x) (final norm) for the R rows of x (R, d_model), through product() (int8: the head takes int8
  * activations from q8_min_rows rows on, as its BlockQuantLinear does); tokens (R,) = each row's argmax, or NULL.
  * Returns 0; -1 (nothing written) for a head or norm not shaped for the model; -2 without scratch memory. */

@@ -197,10 +197,7 @@ class BlockManager:
         for group, row in enumerate([[b.id for b in found[:hit]], *(others or [[] for _ in tables[1:]])]):
             for block_id in row:
                 if block_id != NO_BLOCK:
-                    block = self.blocks[block_id]
-                    if block.ref_count == 0:
-                        del self.free_lru[block_id]
-                    block.ref_count += 1
+                    self._hold(block_id)
             tables[group].extend(row)
         seq.num_hashed = hit
         seq.num_computed = hit * bs
@@ -225,9 +222,7 @@ class BlockManager:
             block_id = self.index.get(key)
             block = None if block_id is None else self.blocks[block_id]
             if block is not None and block.token_ids == ids and block.parent == parent:
-                if block.ref_count == 0:
-                    del self.free_lru[block_id]
-                block.ref_count += 1
+                self._hold(block_id)
             else:                               # a miss (or a collision, or a stale chain): the store may have it
                 block = self._load(key, parent_key, ids, parent, source)
                 if block is None:
@@ -381,9 +376,16 @@ class BlockManager:
         for table in self.tables(child):
             for block_id in table:
                 if block_id != NO_BLOCK:
-                    self.blocks[block_id].ref_count += 1
+                    self._hold(block_id)
         if self.on_fork is not None:
             self.on_fork(parent, child)
+
+    def _hold(self, block_id: int) -> None:
+        """One more reference; a block no one held leaves the LRU of free blocks."""
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free_lru[block_id]
+        block.ref_count += 1
 
     def _drop(self, block_id: int) -> None:
         block = self.blocks[block_id]

@@ -118,7 +118,7 @@ class FusedBatchStep:
         return rows.view(1, N, C)
 
     def head(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x (R, C) rows after every layer -> their logits (R, vocab), as runner.output_logits computes them (the
+        """x (R, C) rows after every layer -> their logits (R, vocab), as the model's logits() computes them (the
         final norm, then the head's product: int8 activations from Q8_MIN_ROWS rows on where its module takes them),
         and each row's argmax (R,) int64."""
         decode_step = self._decode_step()

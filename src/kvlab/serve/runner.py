@@ -67,11 +67,6 @@ class StepView:
         return self.state.mix(layer, mixer, h, *self.state_rows)
 
 
-def output_logits(model, x: torch.Tensor) -> torch.Tensor:
-    """Final norm and output projection of rows x (1, R, C) -> (1, R, vocab), as the decoder's forward ends."""
-    return model.logits(x)
-
-
 def token_slots(table: list[int], start: int, n: int, block_size: int) -> list[int]:
     """The slots of tokens [start, start + n) in a block table."""
     return [table[t // block_size] * block_size + t % block_size for t in range(start, start + n)]
@@ -145,7 +140,7 @@ class Runner:
             if fused is not None:
                 logits, greedy = fused.head(rows)                                  # (R, vocab), (R,): one C call
             else:
-                logits, greedy = output_logits(self.model, rows[None])[0], None     # (R, vocab)
+                logits, greedy = self.model.logits(rows[None])[0], None     # (R, vocab)
             seqs = [chunks[i].seq for i in sampling]
             drawn = sample_rows(logits, [s.sampling for s in seqs], [s.generator for s in seqs], greedy,
                                 [s.counts for s in seqs], [1 + s.pending_forks for s in seqs], [s.grammar for s in seqs])
