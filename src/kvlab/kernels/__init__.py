@@ -219,8 +219,9 @@ class BlockKernel:
         lib.kvlab_int_mix.argtypes = [i32, ptr, ptr, ptr, i32, i64, i64, i32, i32, ptr, i64, i32, ptr, i32]
         lib.kvlab_int_decode.argtypes = [i32, ptr, ptr, ptr, i32, i64, i64, i32, i64, i64, i32, i32, i32, ptr, i32]
         lib.kvlab_block_gemm.argtypes = [i32, ptr, i64, i64, ptr, i64, ptr, i32]
+        lib.kvlab_tq_code_tokens.argtypes = [ptr, i32, i32, i64, ptr, ptr, ptr, ptr, ptr, i32]
         for fn in (lib.kvlab_block_gemv, lib.kvlab_block_gemm, lib.kvlab_block_dequantize, lib.kvlab_block_omp_threads, lib.kvlab_int_scores,
-                   lib.kvlab_int_mix, lib.kvlab_int_decode):
+                   lib.kvlab_int_mix, lib.kvlab_int_decode, lib.kvlab_tq_code_tokens):
             fn.restype = i32
 
     def gemv(self, type_name: str, blocks: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -350,6 +351,23 @@ class BlockKernel:
                                       start, n, d, token_group, channel_group, out.data_ptr(), torch.get_num_threads()):
             raise ConfigError(f"integer-cache decode refused int{bits} codes of shape {tuple(codes.shape)}")
         return out
+
+    def tq_code_tokens(self, coded, heads: int, d: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+                       cos: torch.Tensor | None, sin: torch.Tensor | None) -> int:
+        """kvlab_tq_code_tokens (decode.c): k, v (n, heads, d) fp32 coded into slots (n,) int64 of the TurboQuant layer
+        `coded` (a cache/tq_kernel.py Coded, its buffers checked where it was made; C checks each slot against its
+        slots); +prerope: cos / sin (n, d) each token's. 0 stored, 1 a scale not finite, -1 refused."""
+        what = "TurboQuant coding"
+        n = slots.shape[0] if slots.dim() == 1 else -1
+        check_buffer(what, "slots", slots, torch.int64, (n,))
+        check_buffer(what, "keys", k, torch.float32, (n, heads, d))
+        check_buffer(what, "values", v, torch.float32, (n, heads, d))
+        for name, t in (("RoPE cos", cos), ("RoPE sin", sin)):
+            if t is not None:
+                check_buffer(what, name, t, torch.float32, (n, d))
+        return self._lib.kvlab_tq_code_tokens(ctypes.byref(coded), heads, d, n, k.data_ptr(), v.data_ptr(), slots.data_ptr(),
+                                              None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(),
+                                              torch.get_num_threads())
 
     def openmp_threads(self, n: int) -> int:
         """Threads a parallel region of the kernel library actually gets when asked for n."""

@@ -647,6 +647,8 @@ typedef struct {                   /* a TurboQuant layer's codes (kvlab/cache/tu
                                           takes them (keys are coded before RoPE, turned when read); NULL otherwise */
     const float *unrotation;       /* +prerope, M not a randomized Hadamard: (hd, hd) Mᵀ, row-major (x = y Mᵀ), else NULL */
     const float *unrotation_signs; /* +prerope with a randomized Hadamard M = H diag(s)/√d: (hd,) s/√d, else NULL */
+    int64_t norm_head_stride;      /* scale of head g, slot t at norms[i][g * norm_head_stride + t * norm_slot_stride]: */
+    int64_t norm_slot_stride;      /* (slots, 1) for a single cache's (Hkv, slots), (1, Hkv) for a pool's (slots, Hkv) */
 } Coded;
 
 typedef struct {                   /* an integer layer's codes (kvlab/cache/quantized.py QuantizedCache) */
@@ -709,15 +711,16 @@ static int store_scale(const Coded *C, int which, int g, float scale, uint16_t *
     return 1;
 }
 
-/* slot `slot` (of Hkv x slots) of the key (i = 0) or value (1) scales = a value store_scale made */
-static void put_scale(const Coded *C, int i, int64_t slot, uint16_t value) {
+/* KV head g's key (i = 0) or value (1) scale of slot t = a value store_scale made */
+static void put_scale(const Coded *C, int i, int g, int64_t t, uint16_t value) {
+    const int64_t slot = (int64_t)g * C->norm_head_stride + t * C->norm_slot_stride;
     if (C->norm_type == NORM_LOG8) ((uint8_t *)C->norms[i])[slot] = (uint8_t)value;
     else ((uint16_t *)C->norms[i])[slot] = value;
 }
 
-/* dst (n,) fp32 = KV head g's key (i = 0) or value (1) scales of slots [t0, t0 + n) */
+/* dst (n,) fp32 = KV head g's key (i = 0) or value (1) scales of slots [t0, t0 + n) (norm_slot_stride 1) */
 static void load_scales(const Coded *C, int i, int g, int64_t t0, int n, float *dst) {
-    const int64_t slot = (int64_t)g * C->slots + t0;
+    const int64_t slot = (int64_t)g * C->norm_head_stride + t0;
     if (C->norm_type != NORM_LOG8) {
         kv_load(C->norm_type, (const uint16_t *)C->norms[i] + slot, n, dst);
         return;
@@ -759,6 +762,81 @@ static void unrope(const float *y, const float *cos_, const float *sin_, int d, 
         x[i] = y[i] * cos_[i] + y[i + half] * sin_[i];
         x[i + half] = y[i + half] * cos_[i + half] - y[i] * sin_[i + half];
     }
+}
+
+/* The codes and scales of one KV head of one token, before they are stored: k (after RoPE; with +prerope, cos_ not
+ * NULL, turned back with cos_/sin_ of its position) and v (hd,) each coded as TurboQuantCache.code codes them into
+ * codes[0 .. ROW_ROOM) (key) and codes[ROW_ROOM ..) (value), scales[0..1]. 0, or 1 when a scale is not finite. */
+static int code_head(const Coded *C, const cb_layout *head_layouts, int g, int hd, const float *k, const float *v,
+                     const float *cos_, const float *sin_, uint8_t *codes, uint16_t *scales) {
+    float pre_rope_k[CB_MAX_DIM];
+    if (cos_) {
+        unrope(k, cos_, sin_, hd, pre_rope_k);
+        k = pre_rope_k;
+    }
+    return code_vector(C, &head_layouts[2 * g], 0, g, k, hd, codes, &scales[0])
+        || code_vector(C, &head_layouts[2 * g + 1], 1, g, v, hd, codes + ROW_ROOM, &scales[1]);
+}
+
+/* code_head's codes and scales of KV head g into slot t */
+static void store_head(const Coded *C, int g, int64_t t, const uint8_t *codes, const uint16_t *scales) {
+    memcpy(coded_row(C, 0, g, t), codes, (size_t)C->heads[0][g].row_bytes);
+    memcpy(coded_row(C, 1, g, t), codes + ROW_ROOM, (size_t)C->heads[1][g].row_bytes);
+    put_scale(C, 0, g, t, scales[0]);
+    put_scale(C, 1, g, t, scales[1]);
+}
+
+/* layouts[2g + i] = KV head g's key (i = 0) or value (1) layout of C; 0, or -1 when C cannot be read or coded */
+static int coded_layouts(const Coded *C, int Hkv, int hd, cb_layout *layouts) {
+    if ((C->norm_type != KV_F16 && C->norm_type != KV_BF16 && C->norm_type != NORM_LOG8)
+        || (C->norm_type == NORM_LOG8 && (!C->norm_centres[0] || !C->norm_centres[1])) || hd % 2 || hd > CB_MAX_DIM)
+        return -1;
+    for (int i = 0; i < 2; i++) {
+        if (C->scale_mode[i] < SCALE_NORM || C->scale_mode[i] > SCALE_UNBIASED || !C->heads[i]) return -1;
+        for (int g = 0; g < Hkv; g++) {
+            const HeadCodes *h = &C->heads[i][g];
+            if (kvlab_cb_layout(&layouts[2 * g + i], hd, h->n_parts, h->spec, h->tables, h->row_bytes)
+                || h->row_bytes > ROW_ROOM || h->at < 0 || h->row_bytes > C->slot_bytes[i]) return -1;
+        }
+    }
+    return 0;
+}
+
+/* Code n tokens' K/V into coded layer C: k, v (n, Hkv, hd) fp32, keys after RoPE; token r goes to slot slots[r]
+ * (< C->slots) and, with +prerope (C has an inverse rotation), is turned back with its row of cos_/sin_ (n, hd),
+ * else they are NULL. The
+ * one coder of a token's K/V: the fused step codes its token so, and the serving pool its step's tokens.
+ * 0; -1 for a layer it cannot code (nothing stored); 1 when a token's scale is not finite (that token's heads are
+ * not all stored, others may be). */
+int kvlab_tq_code_tokens(const Coded *C, int Hkv, int hd, int64_t n, const float *k, const float *v,
+                         const int64_t *slots, const float *cos_, const float *sin_, int n_threads) {
+    const int pre_rope = C->unrotation || C->unrotation_signs;
+    if (Hkv <= 0 || Hkv > CB_MAX_DIM || n < 0 || pre_rope != (cos_ && sin_) || n_threads < 1) return -1;
+    cb_layout layouts[2 * 8];
+    cb_layout *L = Hkv <= 8 ? layouts : malloc(2 * (size_t)Hkv * sizeof(cb_layout));
+    if (!L) return -1;
+    int status = coded_layouts(C, Hkv, hd, L), failed = 0;
+    for (int64_t r = 0; r < n && status == 0; r++)
+        if (slots[r] < 0 || slots[r] >= C->slots) status = -1;
+    if (status == 0) {
+        #pragma omp parallel for schedule(static) num_threads(kvlab_cb_threads(n * Hkv * hd * hd, n_threads))
+        for (int64_t r = 0; r < n; r++) {
+            uint8_t codes[2 * ROW_ROOM];
+            uint16_t scales[2];
+            for (int g = 0; g < Hkv; g++) {
+                const int64_t at = (r * Hkv + g) * hd;
+                if (code_head(C, L, g, hd, k + at, v + at, pre_rope ? cos_ + r * hd : NULL, pre_rope ? sin_ + r * hd : NULL,
+                              codes, scales)) {
+                    #pragma omp atomic write
+                    failed = 1;
+                    break;
+                }
+                store_head(C, g, slots[r], codes, scales);
+            }
+        }
+    }
+    if (L != layouts) free(L);
+    return status ? status : failed;
 }
 
 static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
@@ -931,16 +1009,8 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
         if (L->type != KV_F32 && L->type != KV_F16 && L->type != KV_BF16) { free(layouts); return -1; }
         if (L->coded) {
             const Coded *C = L->coded;
-            if (L->type != KV_F32 || !fill || !fill_fits(L, fill) || (C->norm_type != KV_F16 && C->norm_type != KV_BF16 && C->norm_type != NORM_LOG8)
-                || (C->norm_type == NORM_LOG8 && (!C->norm_centres[0] || !C->norm_centres[1]))) { free(layouts); return -1; }
-            for (int i = 0; i < 2; i++) {
-                if (C->scale_mode[i] < SCALE_NORM || C->scale_mode[i] > SCALE_UNBIASED || !C->heads[i]) { free(layouts); return -1; }
-                for (int g = 0; g < Hkv; g++) {
-                    const HeadCodes *h = &C->heads[i][g];
-                    if (kvlab_cb_layout(&layouts[(2 * (int64_t)l * Hkv + 2 * g) + i], hd, h->n_parts, h->spec, h->tables, h->row_bytes)
-                        || h->row_bytes > ROW_ROOM || h->at < 0 || h->row_bytes > C->slot_bytes[i]) { free(layouts); return -1; }
-                }
-            }
+            if (L->type != KV_F32 || !fill || !fill_fits(L, fill) || C->norm_slot_stride != 1
+                || coded_layouts(C, Hkv, hd, &layouts[2 * (int64_t)l * Hkv])) { free(layouts); return -1; }
             const int spill = fill->write == WRITE_SPILL;
             chunks = chunks_of(fill->first + (fill->write == WRITE_FIRST)) + chunks_of(fill->coded + (fill->write == WRITE_CODED || spill))
                    + chunks_of(fill->recent + (fill->write == WRITE_RECENT));
@@ -1024,17 +1094,12 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
             const int write = C || Q ? fill->write : WRITE_FIRST;
             const int row_first = C || Q ? fill->first : pos;
             if (ok && C && (write == WRITE_CODED || write == WRITE_SPILL)) {   /* code every head before storing any */
+                const int64_t at = (int64_t)fill->coded * hd;   /* +prerope: the slot's position turns the key back */
                 for (int g = 0; g < Hkv && status == 0; g++) {
                     const float *src_k = write == WRITE_CODED ? k + g * hd : L->win_k + (int64_t)g * L->window * hd;
                     const float *src_v = write == WRITE_CODED ? v + g * hd : L->win_v + (int64_t)g * L->window * hd;
-                    float pre_rope_k[CB_MAX_DIM];
-                    if (C->rope_cos) {   /* +prerope: the key is coded as it was before RoPE at its slot's position */
-                        unrope(src_k, C->rope_cos + (int64_t)fill->coded * hd, C->rope_sin + (int64_t)fill->coded * hd, hd, pre_rope_k);
-                        src_k = pre_rope_k;
-                    }
-                    if (code_vector(C, &head_layouts[2 * g], 0, g, src_k, hd, new_codes + (size_t)g * 2 * ROW_ROOM, &new_scales[2 * g])
-                        || code_vector(C, &head_layouts[2 * g + 1], 1, g, src_v, hd, new_codes + (size_t)g * 2 * ROW_ROOM + ROW_ROOM,
-                                       &new_scales[2 * g + 1]))
+                    if (code_head(C, head_layouts, g, hd, src_k, src_v, C->rope_cos ? C->rope_cos + at : NULL,
+                                  C->rope_cos ? C->rope_sin + at : NULL, new_codes + (size_t)g * 2 * ROW_ROOM, &new_scales[2 * g]))
                         status = n_layers + l + 1;
                 }
             }
@@ -1054,14 +1119,8 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
                     float *wk = L->win_k + (int64_t)g * L->window * hd, *wv = L->win_v + (int64_t)g * L->window * hd;
                     if (Q && (write == WRITE_CODED || write == WRITE_SPILL))   /* before the window moves */
                         int_store(Q, g, fill->coded, write == WRITE_CODED ? k + g * hd : wk, write == WRITE_CODED ? v + g * hd : wv, hd);
-                    else if (write == WRITE_CODED || write == WRITE_SPILL) {
-                        const uint8_t *codes = new_codes + (size_t)g * 2 * ROW_ROOM;
-                        const int64_t slot = (int64_t)g * C->slots + fill->coded;
-                        memcpy(coded_row(C, 0, g, fill->coded), codes, (size_t)C->heads[0][g].row_bytes);
-                        memcpy(coded_row(C, 1, g, fill->coded), codes + ROW_ROOM, (size_t)C->heads[1][g].row_bytes);
-                        put_scale(C, 0, slot, new_scales[2 * g]);
-                        put_scale(C, 1, slot, new_scales[2 * g + 1]);
-                    }
+                    else if (write == WRITE_CODED || write == WRITE_SPILL)
+                        store_head(C, g, fill->coded, new_codes + (size_t)g * 2 * ROW_ROOM, &new_scales[2 * g]);
                     if (write == WRITE_SPILL) {   /* the window moves up one row */
                         memmove(wk, wk + hd, sizeof(float) * (size_t)(L->window - 1) * hd);
                         memmove(wv, wv + hd, sizeof(float) * (size_t)(L->window - 1) * hd);

@@ -30,32 +30,17 @@ run does not load them (cache/__init__.py).
 from __future__ import annotations
 
 import ctypes
-from ctypes import c_int32, c_int64, c_void_p
+from ctypes import c_int32, c_void_p
 
 import torch
 
-from ..kernels import check_buffer
+from ..cache.tq_kernel import KV_TYPES, Coded, CodedLayers
 from . import fused_int
 from .fused_int import Quantized
 
-KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # decode.c's KV_F32, KV_F16, KV_BF16
 WRITE_FIRST, WRITE_CODED, WRITE_RECENT, WRITE_SPILL = range(4)        # decode.c's WRITE_*
-SCALE_MODES = {"norm": 0, "renorm": 1, "lsq": 2, "unbiased": 3}       # decode.c's SCALE_*
-NORM_LOG8 = 3                                                          # decode.c's NORM_LOG8: +norms8 scales
 
 WHAT = "fused decode"
-
-
-class HeadCodes(ctypes.Structure):
-    _fields_ = [("at", c_int64), ("row_bytes", c_int64), ("n_parts", c_int32), ("spec", c_void_p), ("tables", c_void_p),
-                ("bounds", c_void_p)]
-
-
-class Coded(ctypes.Structure):
-    _fields_ = [("slots", c_int32), ("norm_type", c_int32), ("codes", c_void_p * 2), ("norms", c_void_p * 2),
-                ("norm_centres", c_void_p * 2), ("slot_bytes", c_int64 * 2), ("heads", ctypes.POINTER(HeadCodes) * 2), ("scale_mode", c_int32 * 2), ("rotation", c_void_p), ("offset", c_void_p * 2),
-                ("weight_codes", c_void_p), ("fp8_values", c_void_p), ("weight_values", c_void_p),
-                ("rope_cos", c_void_p), ("rope_sin", c_void_p), ("unrotation", c_void_p), ("unrotation_signs", c_void_p)]
 
 
 class LayerKV(ctypes.Structure):
@@ -74,9 +59,8 @@ class CacheView:
     view only as long as the cache lives) and hold what they made themselves (rotations, boundaries)."""
 
     def __init__(self, cache, cfg):
-        self._keep: list = []
+        self._c = CodedLayers(WHAT)                                          # checks and keeps what the structs point at
         self._slot_rope: tuple[torch.Tensor, torch.Tensor] | None = None   # +prerope: made at the first coded layer
-        self._bounds: dict[int, torch.Tensor] = {}                          # each width's boundaries, by codebook
         self.buffers = buffer_layouts(cache)
         L, hd = cfg.n_layers, cfg.head_dim
         self.layers = (LayerKV * L)()
@@ -92,15 +76,12 @@ class CacheView:
                 if cache.kernel_format == "int":
                     self.quant[layer] = fused_int.quantized(cache, layer, hd, self._ptr)
                 else:
-                    self.coded[layer] = self._coded(cache, layer, hd)
+                    self.coded[layer] = self._coded(cache, layer)
                 self.layers[layer] = self._coded_layer(cache, layer, hd)
 
     def _ptr(self, t: torch.Tensor, shape: tuple[int, ...], what: str, dtype: torch.dtype, own: bool = False) -> int:
         """The address of `t` after checking its dtype, shape and contiguity; `own`: a tensor the view made, kept."""
-        check_buffer(WHAT, what, t, dtype, shape)
-        if own:
-            self._keep.append(t)
-        return t.data_ptr()
+        return self._c.ptr(t, shape, what, dtype, own)
 
     def fits(self, cache) -> bool:
         """Whether the cache's buffers are still the ones this view points into, with the dtypes, shapes and strides
@@ -130,79 +111,13 @@ class CacheView:
             ctypes.pointer(self.quant[layer]) if layer in self.quant else None,
         )
 
-    def _coded(self, cache, layer: int, hd: int) -> Coded:
-        H, S = cache.geometry.n_kv_heads, cache.slots
-        at = f"layer {layer}"
-        c = Coded()
-        log_norms = cache.config.log_norms
-        c.slots, c.norm_type = S, NORM_LOG8 if log_norms else KV_TYPES[cache.config.norm_dtype]
-        norm_dtype = torch.uint8 if log_norms else cache.config.norm_dtype
-        for i, (name, layer_codes, mode) in enumerate((("k", cache.layer_key_codes[layer], cache.key_scale_mode),
-                                                       ("v", cache.layer_value_codes[layer], cache.config.value_scale))):
-            if cache.config.alloc_heads:   # +halloc: one row of every head's codes side by side, (1, S, Σ bytes)
-                books, starts, row = layer_codes.heads, [a for a, _ in layer_codes.spans], layer_codes.row_bytes
-                shape, c.slot_bytes[i] = (1, S, row), row
-            else:                          # one width for the layer's heads, (H, S, bytes)
-                books, row = [layer_codes] * H, layer_codes.layout.row_bytes
-                starts, shape, c.slot_bytes[i] = [h * S * row for h in range(H)], (H, S, row), row
-            c.codes[i] = self._ptr(getattr(cache, f"{name}_codes")[layer][0], shape, f"{at} {name} codes", torch.uint8)
-            c.norms[i] = self._ptr(getattr(cache, f"{name}_norm")[layer][0], (H, S), f"{at} {name} norms", norm_dtype)
-            if log_norms:   # +norms8: each head's log2 centre, set in place by the layer's first coded chunk
-                centres = cache.norm_centres[f"{name}_norm"][layer][0]
-                c.norm_centres[i] = self._ptr(centres, (H,), f"{at} {name} norm centres", torch.float16)
-            heads = (HeadCodes * H)()
-            for h, (book, start) in enumerate(zip(books, starts)):
-                heads[h] = self._head_codes(book, start, name)
-            self._keep.append(heads)
-            c.heads[i] = ctypes.cast(heads, ctypes.POINTER(HeadCodes))
-            c.scale_mode[i] = SCALE_MODES[mode]
-            offsets = getattr(cache, f"{name}_offset")
-            if offsets:  # float8 bytes, read through fp8_values
-                c.offset[i] = self._ptr(offsets[layer][0].view(torch.uint8), (H, hd), f"{at} {name} offset", torch.uint8)
-        rotation = cache.rotations[layer].apply(torch.eye(hd, device=cache.device)).contiguous()  # (D, D): y = x M
-        c.rotation = self._ptr(rotation, (hd, hd), f"{at} rotation", torch.float32, own=True)
-        if cache.k_weight_codes:
-            c.weight_codes = self._ptr(cache.k_weight_codes[layer][0], (H, hd // 2), f"{at} key weights", torch.uint8)
-        c.fp8_values = self._ptr(fp8_values(), (256,), "float8 values", torch.float32, own=True)
-        c.weight_values = self._ptr(weight_values(), (16,), "key weight values", torch.float32, own=True)
-        if cache.config.pre_rope:  # each coded slot's RoPE, one table for every layer
-            if self._slot_rope is None:
-                self._slot_rope = tuple(t.contiguous() for t in cache.slot_rope(0, S))     # (S, hd) cos, sin
-                self._keep.extend(self._slot_rope)
-            c.rope_cos = self._ptr(self._slot_rope[0], (S, hd), "slot RoPE cos", torch.float32)
-            c.rope_sin = self._ptr(self._slot_rope[1], (S, hd), "slot RoPE sin", torch.float32)
-            if cache.rotations[layer].hadamard:   # Mᵀy = s ⊙ (H y)/√d: a Hadamard transform in C, not the d x d product
-                signs = cache.rotations[layer].signs.float() * hd ** -0.5                    # (D,) s/√d
-                c.unrotation_signs = self._ptr(signs, (hd,), f"{at} rotation signs", torch.float32, own=True)
-            else:
-                c.unrotation = self._ptr(rotation.T.contiguous(), (hd, hd), f"{at} inverse rotation", torch.float32, own=True)
-        return c
-
-    def _head_codes(self, book, start: int, name: str) -> HeadCodes:
-        """One KV head's packing: its width's layout and boundaries (made once per width), its bytes from `start`."""
-        layout = book.layout
-        bounds = self._bounds.get(id(book))
-        if bounds is None:   # each part's 2^bits - 1 boundaries in turn
-            held = [b.float().cpu() for b in book.boundaries if b is not None]   # none for a +vq block part
-            bounds = self._bounds[id(book)] = (torch.cat(held) if held else torch.zeros(1)).contiguous()
-            self._keep.append(bounds)
-        return HeadCodes(start, layout.row_bytes, layout.spec.shape[0],
-                         self._ptr(layout.spec, tuple(layout.spec.shape), f"{name} layout", torch.int32),
-                         self._ptr(layout.tables, tuple(layout.tables.shape), f"{name} centroids", torch.float32),
-                         self._ptr(bounds, tuple(bounds.shape), f"{name} boundaries", torch.float32))
-
-
-def fp8_values() -> torch.Tensor:
-    """The value of each float8 e4m3 byte, (256,) float32 (made per view: the first float8 conversion touches
-    ~3 MiB of torch's code, which a dense run need not page in)."""
-    return torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
-
-
-def weight_values() -> torch.Tensor:
-    """The value of each 4-bit key weight code, (16,) float32, as TurboQuantCache._key_weights computes it."""
-    from ..cache.turboquant import key_weight
-
-    return key_weight(torch.arange(16))
+    def _coded(self, cache, layer: int) -> Coded:
+        """Layer `layer` of a TurboQuant cache over its own (Hkv, slots, ...) buffers; +prerope: with each slot's RoPE,
+        one table for every layer."""
+        if cache.config.pre_rope and self._slot_rope is None:
+            self._slot_rope = tuple(t.contiguous() for t in cache.slot_rope(0, cache.slots))   # (S, hd) cos, sin
+        buffers = {name: getattr(cache, name)[layer][0] for name in ("k_codes", "k_norm", "v_codes", "v_norm")}
+        return self._c.layer(cache, layer, buffers, cache.slots, token_major=False, slot_rope=self._slot_rope)
 
 
 def buffer_layouts(cache) -> tuple[tuple, ...]:

@@ -48,6 +48,7 @@ from ..cache.attention import causal_mask, grouped_attention
 from ..cache.base import tensors_nbytes
 from ..cache.packing import pack, packed_nbytes, unpack
 from ..cache.quantized import _affine, _encode
+from ..cache.tq_kernel import CodedLayers, code_tokens
 from ..cache.turboquant import HeadCodes, RotatedCodes, TurboQuantCache
 from ..kernels.codebook import CodeLayout
 from ..errors import ConfigError
@@ -347,6 +348,9 @@ class TurboPool(CodedPool):
         if codec.sink != self.sink:   # the codec's reads place coded slot i at position sink + i (+prerope)
             raise ConfigError(f"TurboQuant pool: its codec keeps {codec.sink} sink tokens, the format {self.sink}")
         self.sinks = SinkRows(geometry, plan.max_batch, self.sink, fmt.dtype, self._device) if self.sink else None
+        # the C coder's description of each pool layer's codes (cache/tq_kernel.py), made at its first step
+        self._kernel = kernel_for(self._device)
+        self._c_layers, self._coders = CodedLayers("TurboQuant pool"), {}
 
     # -- +sinkN: per-sequence state -------------------------------------------------------------------------
     def rows_for(self, seqs) -> list[int]:
@@ -408,6 +412,17 @@ class TurboPool(CodedPool):
     def _state_nbytes(self) -> int:
         return self.codec.state_nbytes() + (self.sinks.nbytes if self.sinks else 0)
 
+    def _coder(self, layer: int, at: int):
+        """Pool layer `layer`'s codes as the C coder writes them with the codec's layer `at` (cache/tq_kernel.py), made
+        once; None where the codes are coded in torch (no kernel, not the CPU, or +qjl residuals, which C does not code)."""
+        if self._kernel is None or self.codec.config.qjl:
+            return None
+        coder = self._coders.get((layer, at))
+        if coder is None:
+            buffers = {name: self.token_buffers[name][layer] for name in ("k_codes", "k_norm", "v_codes", "v_norm")}
+            coder = self._coders[layer, at] = self._c_layers.layer(self.codec, at, buffers, self.slots, token_major=True)
+        return coder
+
     def append(self, layer: int, view, k: torch.Tensor, v: torch.Tensor) -> None:
         """k (N, Hkv, D), v (N, Hkv, D) of the step's tokens: coded into their slots; with +sinkN the tokens at
         positions below N go to their sequence's sink rows instead."""
@@ -423,9 +438,15 @@ class TurboPool(CodedPool):
             k, v, positions, slots = k[coded], v[coded], positions[coded], slots[coded.to(slots.device)]
             if not len(positions):
                 return
+        rope = None
         if pre_rope:   # +prerope: each key turned back from its position before it is coded
             cos, sin = self._rope_rows(view)
-            k = apply_rope(k.float(), cos[positions][:, None], -sin[positions][:, None])     # (N, Hkv, D)
+            rope = cos[positions], sin[positions]                                         # (N, D) each
+        coder = self._coder(layer, at) if view.use_kernel else None
+        if coder is not None and code_tokens(self._kernel, coder, k, v, slots, rope):
+            return
+        if rope is not None:   # the torch reference (and, for a scale that is not finite, its one-line error)
+            k = apply_rope(k.float(), rope[0][:, None], -rope[1][:, None])                 # (N, Hkv, D)
         coded = self.codec.code(at, k.transpose(0, 1)[None], v.transpose(0, 1)[None])   # (1, Hkv, N, ...)
         for name, t in self.codec.stored_scales(at, coded).items():
             self.token_buffers[name][layer][slots] = t[0].transpose(0, 1)                   # (N, Hkv, ...)

@@ -1,0 +1,156 @@
+"""A TurboQuant layer as the C code codes and reads it (kernels/decode.c `Coded`, `HeadCodes`), for a single cache
+and for the serving pool alike.
+
+`Coded` describes one layer: the codec's state (the rotation Π as a (d, d) matrix, float8 offsets, 4-bit key
+weights, each KV head's packing with its boundaries, the scale modes, +norms8 centres, +prerope's inverse rotation)
+and where its codes and scales lie:
+    single cache   codes (Hkv, slots, bytes), scales (Hkv, slots)        (+halloc: codes (1, slots, Σ bytes))
+    serving pool   codes (slots, Hkv, bytes), scales (slots, Hkv)        (+halloc: codes (slots, 1, Σ bytes))
+`code_tokens` codes a step's K/V into it with kvlab_tq_code_tokens, the one coder of a token's K/V that the fused
+decode step uses too; TurboQuantCache.code is its torch reference (tests/test_tq_kernel.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from ctypes import c_int32, c_int64, c_void_p
+
+import torch
+
+from ..errors import ConfigError
+from ..kernels import check_buffer
+
+KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # decode.c's KV_F32, KV_F16, KV_BF16
+SCALE_MODES = {"norm": 0, "renorm": 1, "lsq": 2, "unbiased": 3}       # decode.c's SCALE_*
+NORM_LOG8 = 3                                                          # decode.c's NORM_LOG8: +norms8 scales
+
+
+class HeadCodes(ctypes.Structure):
+    _fields_ = [("at", c_int64), ("row_bytes", c_int64), ("n_parts", c_int32), ("spec", c_void_p), ("tables", c_void_p),
+                ("bounds", c_void_p)]
+
+
+class Coded(ctypes.Structure):
+    _fields_ = [("slots", c_int32), ("norm_type", c_int32), ("codes", c_void_p * 2), ("norms", c_void_p * 2),
+                ("norm_centres", c_void_p * 2), ("slot_bytes", c_int64 * 2), ("heads", ctypes.POINTER(HeadCodes) * 2),
+                ("scale_mode", c_int32 * 2), ("rotation", c_void_p), ("offset", c_void_p * 2),
+                ("weight_codes", c_void_p), ("fp8_values", c_void_p), ("weight_values", c_void_p),
+                ("rope_cos", c_void_p), ("rope_sin", c_void_p), ("unrotation", c_void_p), ("unrotation_signs", c_void_p),
+                ("norm_head_stride", c_int64), ("norm_slot_stride", c_int64)]
+
+
+def fp8_values() -> torch.Tensor:
+    """The value of each float8 e4m3 byte, (256,) float32 (made per view: the first float8 conversion touches
+    ~3 MiB of torch's code, which a dense run need not page in)."""
+    return torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+
+
+def weight_values() -> torch.Tensor:
+    """The value of each 4-bit key weight code, (16,) float32, as TurboQuantCache._key_weights computes it."""
+    from .turboquant import key_weight
+
+    return key_weight(torch.arange(16))
+
+
+class CodedLayers:
+    """`Coded` structs of a codec's layers over given buffers. They point into the buffers without holding them and
+    hold what they made themselves (rotations, boundaries, tables), checked once here: the C code trusts them."""
+
+    def __init__(self, what: str):
+        self.what = what
+        self._keep: list = []
+        self._bounds: dict[int, torch.Tensor] = {}                          # each width's boundaries, by codebook
+        self._tables: tuple[int, int] | None = None                         # fp8 and key weight values
+
+    def ptr(self, t: torch.Tensor, shape: tuple[int, ...], what: str, dtype: torch.dtype, own: bool = False) -> int:
+        """The address of `t` after checking its dtype, shape and contiguity; `own`: a tensor made here, kept."""
+        check_buffer(self.what, what, t, dtype, shape)
+        if own:
+            self._keep.append(t)
+        return t.data_ptr()
+
+    def layer(self, codec, layer: int, buffers: dict[str, torch.Tensor], slots: int, token_major: bool,
+              slot_rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> Coded:
+        """Layer `layer` of TurboQuantCache `codec` over `buffers` {k_codes, k_norm, v_codes, v_norm} of `slots` slots,
+        head-major (a single cache's) or token-major (the pool's, see the module docstring). slot_rope: +prerope's
+        (slots, d) cos / sin of each slot's position, which the fused step reads (None where the caller passes each
+        token's own to code_tokens)."""
+        H, hd = codec.geometry.n_kv_heads, codec.geometry.head_dim
+        at, config = f"layer {layer}", codec.config
+        c = Coded()
+        c.made_by = self   # what it points at lives as long as it does
+        log_norms = config.log_norms
+        c.slots, c.norm_type = slots, NORM_LOG8 if log_norms else KV_TYPES[config.norm_dtype]
+        c.norm_head_stride, c.norm_slot_stride = (1, H) if token_major else (slots, 1)
+        norm_dtype = torch.uint8 if log_norms else config.norm_dtype
+        for i, (name, layer_codes, mode) in enumerate((("k", codec.layer_key_codes[layer], codec.key_scale_mode),
+                                                       ("v", codec.layer_value_codes[layer], config.value_scale))):
+            if config.alloc_heads:   # +halloc: one row of every head's codes side by side
+                books, starts, row = layer_codes.heads, [a for a, _ in layer_codes.spans], layer_codes.row_bytes
+                shape, c.slot_bytes[i] = ((slots, 1, row) if token_major else (1, slots, row)), row
+            elif token_major:        # one width for the layer's heads, a token's heads side by side
+                books, row = [layer_codes] * H, layer_codes.layout.row_bytes
+                starts, shape, c.slot_bytes[i] = [h * row for h in range(H)], (slots, H, row), H * row
+            else:                    # one width, each head's slots in turn
+                books, row = [layer_codes] * H, layer_codes.layout.row_bytes
+                starts, shape, c.slot_bytes[i] = [h * slots * row for h in range(H)], (H, slots, row), row
+            c.codes[i] = self.ptr(buffers[f"{name}_codes"], shape, f"{at} {name} codes", torch.uint8)
+            c.norms[i] = self.ptr(buffers[f"{name}_norm"], (slots, H) if token_major else (H, slots), f"{at} {name} norms",
+                                  norm_dtype)
+            if log_norms:   # +norms8: each head's log2 centre (a single cache's first coded chunk sets it in place)
+                centres = codec.norm_centres[f"{name}_norm"][layer][0]
+                c.norm_centres[i] = self.ptr(centres, (H,), f"{at} {name} norm centres", torch.float16)
+            heads = (HeadCodes * H)()
+            for h, (book, start) in enumerate(zip(books, starts)):
+                heads[h] = self._head_codes(book, start, name)
+            self._keep.append(heads)
+            c.heads[i] = ctypes.cast(heads, ctypes.POINTER(HeadCodes))
+            c.scale_mode[i] = SCALE_MODES[mode]
+            offsets = getattr(codec, f"{name}_offset")
+            if offsets:  # float8 bytes, read through fp8_values
+                c.offset[i] = self.ptr(offsets[layer][0].view(torch.uint8), (H, hd), f"{at} {name} offset", torch.uint8)
+        rotation = codec.rotations[layer].apply(torch.eye(hd, device=codec.device)).contiguous()  # (D, D): y = x M
+        c.rotation = self.ptr(rotation, (hd, hd), f"{at} rotation", torch.float32, own=True)
+        if codec.k_weight_codes:
+            c.weight_codes = self.ptr(codec.k_weight_codes[layer][0], (H, hd // 2), f"{at} key weights", torch.uint8)
+        if self._tables is None:
+            self._tables = (self.ptr(fp8_values(), (256,), "float8 values", torch.float32, own=True),
+                            self.ptr(weight_values(), (16,), "key weight values", torch.float32, own=True))
+        c.fp8_values, c.weight_values = self._tables
+        if config.pre_rope:
+            if slot_rope is not None:
+                c.rope_cos = self.ptr(slot_rope[0], (slots, hd), "slot RoPE cos", torch.float32)
+                c.rope_sin = self.ptr(slot_rope[1], (slots, hd), "slot RoPE sin", torch.float32)
+            if codec.rotations[layer].hadamard:   # Mᵀy = s ⊙ (H y)/√d: a Hadamard transform in C, not the d x d product
+                signs = codec.rotations[layer].signs.float() * hd ** -0.5                    # (D,) s/√d
+                c.unrotation_signs = self.ptr(signs, (hd,), f"{at} rotation signs", torch.float32, own=True)
+            else:
+                c.unrotation = self.ptr(rotation.T.contiguous(), (hd, hd), f"{at} inverse rotation", torch.float32, own=True)
+        return c
+
+    def _head_codes(self, book, start: int, name: str) -> HeadCodes:
+        """One KV head's packing: its width's layout and boundaries (made once per width), its bytes from `start`."""
+        layout = book.layout
+        bounds = self._bounds.get(id(book))
+        if bounds is None:   # each part's 2^bits - 1 boundaries in turn
+            held = [b.float().cpu() for b in book.boundaries if b is not None]   # none for a +vq block part
+            bounds = self._bounds[id(book)] = (torch.cat(held) if held else torch.zeros(1)).contiguous()
+            self._keep.append(bounds)
+        return HeadCodes(start, layout.row_bytes, layout.spec.shape[0],
+                         self.ptr(layout.spec, tuple(layout.spec.shape), f"{name} layout", torch.int32),
+                         self.ptr(layout.tables, tuple(layout.tables.shape), f"{name} centroids", torch.float32),
+                         self.ptr(bounds, tuple(bounds.shape), f"{name} boundaries", torch.float32))
+
+
+def code_tokens(kernel, coded: Coded, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> bool:
+    """Code k, v (n, Hkv, d) (keys after RoPE) into slots (n,) of the layer `coded` describes; +prerope: rope, each
+    token's (n, d) cos / sin, turns its key back first. True when stored, False when a scale is not finite (the
+    caller's torch reference then names it)."""
+    n, H, d = k.shape
+    cos, sin = (None, None) if rope is None else (t.float().contiguous() for t in rope)
+    status = kernel.tq_code_tokens(coded, H, d, k.float().contiguous(), v.float().contiguous(),
+                                   slots.to(torch.int64).contiguous(), cos, sin)
+    if status < 0:   # a layout the C code does not take, a slot out of range, RoPE missing or not wanted
+        raise ConfigError("TurboQuant coding: kvlab_tq_code_tokens refused the layer's description")
+    return status == 0

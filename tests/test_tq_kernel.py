@@ -1,0 +1,129 @@
+"""The C coder of a token's K/V (kernels/decode.c kvlab_tq_code_tokens, cache/tq_kernel.py): the codes and scales it
+writes equal TurboQuantCache.code's (the torch reference) in a single cache's head-major layout and in the serving
+pool's token-major one, for every option the presets use; slots it does not hold and a description the call does
+not match are refused, and a scale that is not finite is reported, not stored as if it were.
+
+Tolerance (see tests/test_fused_codes.py): C and torch compute y = Π(x-μ)/‖x-μ‖ in another order (~1e-7 apart), so
+a coordinate that close to a bucket boundary may take the neighbouring code; such flips must stay a tiny fraction,
+and a scale must be within one 16-bit step (or one 8-bit log step) wherever its vector's codes agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from kvlab.cache import CacheGeometry
+from kvlab.cache.tq_kernel import CodedLayers, code_tokens
+from kvlab.cache.turboquant import TurboQuantCache
+from kvlab.errors import ConfigError
+from kvlab.rope import apply_rope
+
+from .kernel_checks import one_thread, require_kernel  # noqa: F401  (one_thread: autouse)
+
+NAMES = ["tq-k4v4", "tq3", "tq4", "tq-k4v4+prerope+sink1", "tq3+vq+norms8", "tq-k4.25v4+prerope+norms8",
+         "tq-k4v4+halloc=k3553v4444", "tq3+prerope+rot=haar+kweights=none", "tq-k4v3+alloc=k53v24+bf16norms"]
+N_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    return require_kernel()
+
+
+def calibrated_codec(name: str, head_dim: int = 64, n_kv_heads: int = 2, n_layers: int = 2, seed: int = 0):
+    """A codec (capacity sink + 1, as the pool's) calibrated on random keys with a common component."""
+    from kvlab.cache import make_cache
+
+    gen = torch.Generator().manual_seed(seed)
+    inv_freq = tuple(10000.0 ** (-i / (head_dim // 2)) for i in range(head_dim // 2))
+    geometry = CacheGeometry(n_layers=n_layers, n_kv_heads=n_kv_heads, head_dim=head_dim, n_heads=2 * n_kv_heads,
+                             capacity=32, rope_inv_freq=inv_freq)
+    probe = make_cache(name, geometry)
+    for layer in range(n_layers):
+        k = torch.randn(1, n_kv_heads, 32, head_dim, generator=gen) + 2.0
+        probe.append(layer, k, torch.randn(k.shape, generator=gen))
+        probe.attend(layer, torch.randn(1, 2 * n_kv_heads, 32, head_dim, generator=gen))
+    codec = TurboQuantCache(replace(geometry, capacity=probe.config.full.sink + 1), config=probe.config)
+    codec.use_calibration(probe)
+    return codec
+
+
+def reference(codec, layer: int, k: torch.Tensor, v: torch.Tensor, rope) -> dict[str, torch.Tensor]:
+    """TurboQuantCache's codes and stored scales of k, v (n, Hkv, d): {name: (n, Hkv[, bytes])}."""
+    if rope is not None:
+        k = apply_rope(k, rope[0][:, None], -rope[1][:, None])
+    coded = codec.stored_scales(layer, codec.code(layer, k.transpose(0, 1)[None], v.transpose(0, 1)[None]))
+    return {name: coded[name][0].transpose(0, 1) for name in ("k_codes", "k_norm", "v_codes", "v_norm")}
+
+
+def empty_buffers(codec, layer: int, slots: int, token_major: bool) -> dict[str, torch.Tensor]:
+    """Zeroed buffers shaped as a pool's (slots, Hkv[, bytes]) or a single cache's (Hkv, slots[, bytes])."""
+    out = {}
+    for name in ("k_codes", "k_norm", "v_codes", "v_norm"):
+        like = getattr(codec, name)[layer][0]                                # (Hkv, 1[, bytes]) or +halloc (1, 1, Σ)
+        shape = (slots, like.shape[0], *like.shape[2:]) if token_major else (like.shape[0], slots, *like.shape[2:])
+        out[name] = torch.zeros(shape, dtype=like.dtype)
+    return out
+
+
+def assert_codes_agree(codec, got: dict, want: dict) -> None:
+    """Codes equal but for a tiny fraction of flipped bytes; scales within one step where the codes agree."""
+    for name in ("k_codes", "v_codes"):
+        assert (got[name] != want[name]).float().mean().item() < 0.01, name
+    for name in ("k_norm", "v_norm"):
+        same = (got[name.replace("norm", "codes")] == want[name.replace("norm", "codes")]).all(dim=-1)   # (n, Hkv|1)
+        a, b = got[name], want[name]
+        if a.dtype == torch.uint8:
+            steps = (a.int() - b.int()).abs()
+        else:
+            steps = (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+        if same.shape != steps.shape:    # +halloc: one row holds every head's codes
+            same = same.expand_as(steps)
+        assert steps[same].max().item() <= 1, name
+        assert (steps > 0).float().mean().item() < 0.05, name
+
+
+@pytest.mark.parametrize("token_major", [True, False], ids=["pool", "single"])
+@pytest.mark.parametrize("name", NAMES)
+def test_c_coder_writes_what_torch_codes(kernel, name, token_major):
+    codec = calibrated_codec(name)
+    gen = torch.Generator().manual_seed(7)
+    H, d = codec.geometry.n_kv_heads, codec.geometry.head_dim
+    slots = 64
+    order = torch.randperm(slots, generator=gen)[:N_TOKENS]                       # the tokens' slots, in any order
+    for layer in range(codec.geometry.n_layers):
+        k = torch.randn(N_TOKENS, H, d, generator=gen) * 3 + 1.0
+        v = torch.randn(N_TOKENS, H, d, generator=gen)
+        rope = None
+        if codec.config.pre_rope:
+            positions = torch.randint(0, 500, (N_TOKENS,), generator=gen)
+            cos, sin = codec.position_rope(0, 500)                                # (500, d) each
+            rope = cos[positions], sin[positions]
+        buffers = empty_buffers(codec, layer, slots, token_major)
+        coded = CodedLayers("test").layer(codec, layer, buffers, slots, token_major=token_major)
+        assert code_tokens(kernel, coded, k, v, order, rope)
+        got = {n: (b[order] if token_major else b[:, order].transpose(0, 1)) for n, b in buffers.items()}
+        assert_codes_agree(codec, got, reference(codec, layer, k, v, rope))
+        untouched = torch.ones(slots, dtype=torch.bool)
+        untouched[order] = False
+        for b in buffers.values():   # nothing written outside the tokens' slots
+            rows = b[untouched] if token_major else b[:, untouched]
+            assert not rows.any()
+
+
+def test_the_coder_refuses_what_it_does_not_hold_and_reports_an_overflow(kernel):
+    codec = calibrated_codec("tq-k4v4")
+    H, d = codec.geometry.n_kv_heads, codec.geometry.head_dim
+    buffers = empty_buffers(codec, 0, 8, token_major=True)
+    coded = CodedLayers("test").layer(codec, 0, buffers, 8, token_major=True)
+    k = v = torch.randn(2, H, d)
+    with pytest.raises(ConfigError, match="refused"):
+        code_tokens(kernel, coded, k, v, torch.tensor([3, 8]))                   # slot 8 of 8
+    with pytest.raises(ConfigError, match="refused"):                            # RoPE for a layer coded after RoPE
+        code_tokens(kernel, coded, k, v, torch.tensor([0, 1]), (torch.ones(2, d), torch.zeros(2, d)))
+    assert not buffers["k_codes"].any()
+    huge = torch.full((1, H, d), 1e30)                                           # its norm overflows float16
+    assert code_tokens(kernel, coded, huge, huge, torch.tensor([5])) is False
