@@ -123,12 +123,16 @@ def _mmproj_file(real: dict, path: Path) -> Path:
 def test_planned_image_buffer_equals_llama_cpps_clip(index, tmp_path):
     """Tiny Gemma 3 projectors converted with --mmproj and loaded by llama.cpp's mtmd on the CPU: `--mmproj FILE`
     plans the compute buffer of their warm-up encode byte for byte (at the CPU's 32-byte alignment), with and without
-    flash attention (which llama-server hands to the encoder with -fa), and their weights from the tensor table."""
-    from kvlab.plan.vision import projector
+    flash attention (which llama-server hands to the encoder with -fa), and their weights from the tensor table; the
+    graph kvlab builds has as many ops as the one clip logs."""
+    from kvlab.plan.clip_graph import gemma3_graph
+    from kvlab.plan.vision import clip_shape, projector
 
     real = FIXTURE["projectors"][index]
     path = _mmproj_file(real, tmp_path / "mmproj.gguf")
+    shape = clip_shape(real["metadata"], {name: kind for name, (_, kind) in real["tensors"].items()})
     for flash_attn, key in ((False, "no_flash_attn"), (True, "flash_attn")):
+        assert len(gemma3_graph(shape, flash_attn).nodes) == real["graph_nodes"][key]
         planned = projector(str(path), None, flash_attn, alignment=32)
         assert (planned.bytes, planned.exact) == (real["mmproj_tensor_bytes"], True)
         assert (planned.buffer.bytes, planned.buffer.exact) == (real["compute_bytes"][key], True), (real["vision_config"], key)

@@ -186,12 +186,15 @@ def measure_projector(binary: Path, llama_cpp: Path, work: Path, tokenizer, toke
     out = {"vision_config": vision, "image_seq_length": tokens,
            "metadata": {k: v for k, v in gguf_metadata(reader).items() if k not in CLIP_SKIPPED},
            "tensors": {t.name: [[int(n) for n in t.shape], t.tensor_type.name] for t in reader.tensors},   # ne order
-           "mmproj_tensor_bytes": reader.tensor_bytes, "compute_bytes": {}}
+           "mmproj_tensor_bytes": reader.tensor_bytes, "compute_bytes": {}, "graph_nodes": {}}
     for fa in (0, 1):
         result = probe(binary, text_gguf, "FILE", dict(n_ctx=512, n_seq_max=1, type_k="f16", type_v="f16", flash_attn=fa,
                                                        kv_unified=0, swa_full=0, n_ubatch=512), [f"mmproj={mmproj}"])
         assert result["mmproj"]["weight_bytes"] == reader.tensor_bytes
-        out["compute_bytes"]["flash_attn" if fa else "no_flash_attn"] = result["mmproj"]["compute_bytes"]
+        key = "flash_attn" if fa else "no_flash_attn"
+        out["compute_bytes"][key] = result["mmproj"]["compute_bytes"]
+        out["graph_nodes"][key] = result["mmproj"]["graph_nodes"]
+        assert result["mmproj"]["graph_splits"] == 1    # one backend: the scheduler passes the graph unchanged
     return out
 
 

@@ -17,7 +17,8 @@
 //   logits=PATH tokens=ID,ID,...  decode the tokens as one batch and write every position's logits (f32) to PATH
 //   mmproj=PATH     load a vision projector with mtmd on the CPU, with and without its warm-up reserve (flash
 //                   attention as flash_attn says): "mmproj" holds its weight bytes and the bytes of the compute
-//                   buffer clip reserves for the warm-up image (mtmd_get_memory_usage, the difference of the two)
+//                   buffer clip reserves for the warm-up image (mtmd_get_memory_usage, the difference of the two),
+//                   and the splits and nodes of that graph (clip's log)
 // Besides the caches it prints, per buffer type, the model / context / compute bytes of llama_get_memory_breakdown
 // and the bytes of the weight tensors placed there (ggml_nbytes, without the buffers' alignment padding).
 
@@ -178,8 +179,21 @@ int main(int argc, char ** argv) {
                 usage[warm] += bytes;
             }
         }
+        // the warm-up once more through mtmd_init_from_file, for the size of clip's graph it logs
+        mtmd_log_set(log_cb, nullptr);
+        g_log.clear();
+        mp.warmup = true;
+        mtmd_context * mctx = mtmd_init_from_file(mmproj_path.c_str(), model, mp);
+        if (!mctx) { fprintf(stderr, "mmproj failed\n%s", g_log.c_str()); return 1; }
+        mtmd_free(mctx);
+        int splits = -1, nodes = -1;
+        size_t at = g_log.rfind("graph splits = ");
+        if (at != std::string::npos) {
+            sscanf(g_log.c_str() + at, "graph splits = %d, nodes = %d", &splits, &nodes);
+        }
         char buf[256];
-        snprintf(buf, sizeof(buf), ", \"mmproj\": {\"weight_bytes\": %zu, \"compute_bytes\": %zu}", usage[0], usage[1] - usage[0]);
+        snprintf(buf, sizeof(buf), ", \"mmproj\": {\"weight_bytes\": %zu, \"compute_bytes\": %zu, \"graph_splits\": %d, "
+                 "\"graph_nodes\": %d}", usage[0], usage[1] - usage[0], splits, nodes);
         mmproj_json = buf;
     }
 
