@@ -9,6 +9,7 @@ import json
 import pytest
 from rich.console import Console
 
+from kvlab.errors import ConfigError
 from kvlab.plan.command import build_plan, plan_command
 from kvlab.plan.quants import FTYPES, UD_BASES, scheme_bytes
 from kvlab.sources import catalog, default_model_path, load_spec, open_gguf
@@ -105,6 +106,28 @@ def test_mmproj_file_size_and_errors(tmp_path):
 def test_gemma_tower_counts_its_siglip():
     plan = build_plan("gemma-3-4b", mmproj="auto")
     assert 0.80e9 < plan.mmproj.bytes < 0.87e9          # mmproj-model-f16.gguf of gemma-3-4b-it: ~0.85 GB
+    # its image buffer is ggml's allocator over clip's graph (exact: tests/test_plan_converted.py), the JSON says so
+    code, text = run("gemma-3-4b", mmproj="auto", json_out=True)
+    parts = {c["name"]: c for c in json.loads(text[text.index("{"):])["components"]}
+    assert parts["image buffer"]["exact"] and "allocator" in parts["image buffer"]["formula"]
+    assert parts["image buffer"]["bytes"] == plan.mmproj.image_buffer
+    # without flash attention the scores of one layer, f32 [16, 4096, 4096], dominate: a little above 1 GiB
+    no_fa = build_plan("gemma-3-4b", mmproj="auto", flash_attn=False).mmproj.buffer
+    assert no_fa.exact and 16 * 4096 ** 2 * 4 < no_fa.bytes < 1.2 * 16 * 4096 ** 2 * 4
+
+
+def test_clip_metadata_picks_the_graph():
+    from kvlab.plan.vision import clip_shape
+
+    meta = {"clip.projector_type": "gemma3", "clip.has_vision_encoder": True, "clip.vision.block_count": 2,
+            "clip.vision.embedding_length": 32, "clip.vision.attention.head_count": 4, "clip.vision.feed_forward_length": 64,
+            "clip.vision.patch_size": 14, "clip.vision.image_size": 448, "clip.vision.projection_dim": 64}
+    shape = clip_shape(meta, {"v.patch_embd.weight": "F16", "mm.input_projection.weight": "F16"})
+    assert (shape.pool, shape.patch_type, shape.projection_type, shape.text_hidden) == (4, "f16", "f16", 64)
+    assert clip_shape({**meta, "clip.projector_type": "qwen3vl_merger"}, {}) is None          # not a graph kvlab builds
+    assert clip_shape(meta, {"mm.input_projection.weight": "Q8_0"}) is None
+    with pytest.raises(ConfigError, match="lacks a usable clip.vision.block_count"):
+        clip_shape({k: v for k, v in meta.items() if k != "clip.vision.block_count"}, {})
 
 
 def test_gguf_repo_names_resolve_offline():

@@ -37,6 +37,7 @@ def run_cli(*args: str) -> tuple[dict, str]:
     ("plan", "qwen3.5-9b", "--gpu", "RTX 3060", "--weights-quant", "q4_k_m", "--kv-type", "q8_0"),
     ("plan", "llama-3.1-8b", "--engine", "vllm", "--gpu", "RTX 4090", "--ctx", "max", "--weights-quant", "fp8"),
     ("plan", "gemma-3-12b", "--gpu", "RTX 3060", "--json", "--weights-quant", "q4_k_m"),
+    ("plan", "gemma-3-4b", "--gpu", "RTX 3060", "--mmproj", "auto", "--weights-quant", "q4_k_m"),   # clip's graph
 ])
 def test_no_heavy_import(args):
     probe, out = run_cli(*args)

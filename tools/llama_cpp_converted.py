@@ -17,16 +17,16 @@ builder of tests/hybrid_models.py, so a test can make the same weights again):
    converted file (kvlab.model.loader.load_model): the largest difference over the whole vocabulary is recorded.
 The fixture keeps each config.json, the converted file's metadata (tokenizer arrays left out) and tensor table.
 
-Last, a tiny Gemma 3 vision-language model (a SigLIP tower of 1,024 patches) is converted twice, its text model and,
-with --mmproj, its projector; llama.cpp's mtmd loads the projector on the CPU and reserves the compute buffer of its
-warm-up encode, without and with flash attention (the MiB clip logs).
+Last, tiny Gemma 3 vision-language models (SigLIP towers of 1,024, 196, 576 and 289 patches, VISIONS) are converted
+with --mmproj (the first also as a text model, which the probe loads beside them); llama.cpp's mtmd loads each
+projector on the CPU and reserves the compute buffer of its warm-up encode, without and with flash attention: its
+bytes (mtmd_get_memory_usage). `--projectors-only` redoes just these (a minute) in the existing fixture.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -138,39 +138,72 @@ def kvlab_logits(path: Path, tokens: list[int]) -> np.ndarray:
         return loaded.model(ids, model_cache(loaded.config, "dense", capacity=len(tokens)))[0].float().numpy()
 
 
-#: the tiny vision tower (SiglipVisionConfig) and image side whose projector llama.cpp's clip encodes
-VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=448, patch_size=14)
+#: tiny vision towers (SiglipVisionConfig) and the tokens per image of their Gemma 3 projector (image_seq_length,
+#: from which the converter derives the average pool: (image_size / patch_size) / sqrt(tokens), written only when not
+#: 4): patch grids of 32², 14², 24² and 17² (sizes that are no multiple of ggml's 32-byte alignment), head widths of
+#: 8 to 32, 1 to 3 layers
+VISIONS = [
+    (dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=448, patch_size=14), 256),
+    (dict(hidden_size=48, intermediate_size=96, num_hidden_layers=3, num_attention_heads=6, image_size=224, patch_size=16), 49),
+    (dict(hidden_size=64, intermediate_size=160, num_hidden_layers=1, num_attention_heads=2, image_size=336, patch_size=14), 36),
+    (dict(hidden_size=36, intermediate_size=72, num_hidden_layers=2, num_attention_heads=3, image_size=238, patch_size=14), 16),
+]
+#: the mmproj metadata the fixture keeps (the preprocessing's mean and std left out)
+CLIP_SKIPPED = ("clip.vision.image_mean", "clip.vision.image_std")
 
 
-def measure_projector(binary: Path, llama_cpp: Path, work: Path, tokenizer, tokenizer_meta: dict) -> dict:
+def measure_projector(binary: Path, llama_cpp: Path, work: Path, tokenizer, tokenizer_meta: dict, index: int) -> dict:
+    """A tiny Gemma 3 VLM with tower VISIONS[index], converted with --mmproj (and, for the first, its text model, which
+    the probe loads beside it): the mmproj's metadata and tensor table, and the bytes of the compute buffer llama.cpp's
+    clip reserves for its warm-up image, without and with flash attention."""
     import torch
     import transformers
     from safetensors.torch import load_file, save_file
 
-    from kvlab.sources.gguf import open_gguf
+    from kvlab.sources.gguf import gguf_metadata, open_gguf
     from tests.hybrid_models import save_folder
 
+    vision, tokens = VISIONS[index]
+    name = "gemma3-vlm" if index == 0 else f"gemma3-vlm{index}"
     torch.manual_seed(SEED)
     text = transformers.Gemma3TextConfig(vocab_size=tokenizer.vocab_size, hidden_size=64, intermediate_size=128,
                                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=2,
                                          max_position_embeddings=512, sliding_window=8, query_pre_attn_scalar=16)
-    config = transformers.Gemma3Config(text_config=text.to_dict(), vision_config=transformers.SiglipVisionConfig(**VISION).to_dict(),
-                                       mm_tokens_per_image=256)
-    folder = save_folder(transformers.Gemma3ForConditionalGeneration(config).eval(), work / "gemma3-vlm", tokenizer)
+    config = transformers.Gemma3Config(text_config=text.to_dict(), vision_config=transformers.SiglipVisionConfig(**vision).to_dict(),
+                                       mm_tokens_per_image=tokens)
+    folder = save_folder(transformers.Gemma3ForConditionalGeneration(config).eval(), work / name, tokenizer)
     # the Hub's layout of Gemma 3 checkpoints (vision_tower.vision_model.*), which the converter maps
     weights = load_file(folder / "model.safetensors")
     save_file({k.replace("vision_tower.", "vision_tower.vision_model.", 1): v for k, v in weights.items()}, folder / "model.safetensors",
               metadata={"format": "pt"})
-    (folder / "preprocessor_config.json").write_text(json.dumps({"image_mean": [0.5] * 3, "image_std": [0.5] * 3}))
-    text_gguf = convert(None, tokenizer, tokenizer_meta, work, "gemma3-vlm", llama_cpp, folder=folder)
-    mmproj = convert(None, tokenizer, tokenizer_meta, work, "gemma3-vlm-mmproj", llama_cpp, folder=folder, flags=["--mmproj"])
-    out = {"vision_config": VISION, "mmproj_tensor_bytes": open_gguf(mmproj).tensor_bytes, "compute_mib": {}}
+    (folder / "preprocessor_config.json").write_text(json.dumps({"image_mean": [0.5] * 3, "image_std": [0.5] * 3,
+                                                                 "image_seq_length": tokens}))
+    text_gguf = work / "gemma3-vlm.gguf"
+    if index == 0 or not text_gguf.exists():
+        text_gguf = convert(None, tokenizer, tokenizer_meta, work, "gemma3-vlm", llama_cpp, folder=folder)
+    mmproj = convert(None, tokenizer, tokenizer_meta, work, f"{name}-mmproj", llama_cpp, folder=folder, flags=["--mmproj"])
+    reader = open_gguf(mmproj)
+    out = {"vision_config": vision, "image_seq_length": tokens,
+           "metadata": {k: v for k, v in gguf_metadata(reader).items() if k not in CLIP_SKIPPED},
+           "tensors": {t.name: [[int(n) for n in t.shape], t.tensor_type.name] for t in reader.tensors},   # ne order
+           "mmproj_tensor_bytes": reader.tensor_bytes, "compute_bytes": {}, "graph_nodes": {}}
     for fa in (0, 1):
-        done = subprocess.run([str(binary), str(text_gguf), "FILE", "512", "1", "f16", "f16", str(fa), "0", "0", "512",
-                               f"mmproj={mmproj}"], capture_output=True, text=True, timeout=300, check=True)
-        sizes = re.findall(r"compute buffer size = +([0-9.]+) MiB", done.stderr)
-        out["compute_mib"]["flash_attn" if fa else "no_flash_attn"] = float(sizes[-1])
+        result = probe(binary, text_gguf, "FILE", dict(n_ctx=512, n_seq_max=1, type_k="f16", type_v="f16", flash_attn=fa,
+                                                       kv_unified=0, swa_full=0, n_ubatch=512), [f"mmproj={mmproj}"])
+        assert result["mmproj"]["weight_bytes"] == reader.tensor_bytes
+        key = "flash_attn" if fa else "no_flash_attn"
+        out["compute_bytes"][key] = result["mmproj"]["compute_bytes"]
+        out["graph_nodes"][key] = result["mmproj"]["graph_nodes"]
+        assert result["mmproj"]["graph_splits"] == 1    # one backend: the scheduler passes the graph unchanged
     return out
+
+
+def measure_projectors(binary: Path, llama_cpp: Path, work: Path, tokenizer, tokenizer_meta: dict) -> list[dict]:
+    found = []
+    for index in range(len(VISIONS)):
+        found.append(measure_projector(binary, llama_cpp, work, tokenizer, tokenizer_meta, index))
+        print("projector", found[-1]["vision_config"], found[-1]["compute_bytes"], flush=True)
+    return found
 
 
 def main() -> None:
@@ -178,6 +211,8 @@ def main() -> None:
     parser.add_argument("--build", type=Path, default=Path("/work/llama-build/build"), help="llama.cpp's cmake build folder")
     parser.add_argument("--work", type=Path, default=Path("/tmp/oracle_dl"))
     parser.add_argument("--out", type=Path, default=FIXTURE)
+    parser.add_argument("--projectors-only", action="store_true",
+                        help="measure only the vision projectors and replace them in the existing fixture")
     args = parser.parse_args()
     from kvlab.session import cached_model
     from kvlab.sources.gguf import gguf_metadata, open_gguf
@@ -192,6 +227,13 @@ def main() -> None:
                "seed": SEED, "tokens": TOKENS, "models": {}}
     work = args.work / "converted"   # kept: tools/llama_cpp_offload.py probes these files too
     work.mkdir(parents=True, exist_ok=True)
+    if args.projectors_only:
+        fixture = json.loads(args.out.read_text())
+        fixture.pop("projector", None)
+        fixture["projectors"] = measure_projectors(binary, llama_cpp, work, smollm2.tokenizer, tokenizer_meta)
+        args.out.write_text(json.dumps(fixture, indent=1) + "\n")
+        print(f"wrote {args.out}")
+        return
     for name, (arch, overrides) in MODELS.items():
         model = build(arch, smollm2.tokenizer.vocab_size, seed=SEED, **overrides)
         path = convert(model, smollm2.tokenizer, tokenizer_meta, work, name, llama_cpp)
@@ -213,8 +255,7 @@ def main() -> None:
         print(name, "cases", len(entry["cases"]), "kvlab vs llama.cpp logits", entry["logits"]["kvlab_gguf_max_abs_diff"],
               flush=True)
         fixture["models"][name] = entry
-    fixture["projector"] = measure_projector(binary, llama_cpp, work, smollm2.tokenizer, tokenizer_meta)
-    print("projector", fixture["projector"], flush=True)
+    fixture["projectors"] = measure_projectors(binary, llama_cpp, work, smollm2.tokenizer, tokenizer_meta)
     args.out.write_text(json.dumps(fixture, indent=1) + "\n")
     print(f"wrote {args.out}")
 

@@ -15,8 +15,10 @@
 //   ot=REGEX        keep the tensors matching REGEX in host memory (as -ot REGEX=CPU, --cpu-moe, --n-cpu-moe)
 //   outputs=N       n_outputs_max (llama-server: n_parallel, one output per sequence; default: n_batch)
 //   logits=PATH tokens=ID,ID,...  decode the tokens as one batch and write every position's logits (f32) to PATH
-//   mmproj=PATH     load a vision projector with mtmd on the CPU and run its warm-up encode (flash attention as
-//                   flash_attn says); clip logs its model size and compute buffer on stderr
+//   mmproj=PATH     load a vision projector with mtmd on the CPU, with and without its warm-up reserve (flash
+//                   attention as flash_attn says): "mmproj" holds its weight bytes and the bytes of the compute
+//                   buffer clip reserves for the warm-up image (mtmd_get_memory_usage, the difference of the two),
+//                   and the splits and nodes of that graph (clip's log)
 // Besides the caches it prints, per buffer type, the model / context / compute bytes of llama_get_memory_breakdown
 // and the bytes of the weight tensors placed there (ggml_nbytes, without the buffers' alignment padding).
 
@@ -160,15 +162,39 @@ int main(int argc, char ** argv) {
     cparams.n_threads  = 2;
     cparams.n_threads_batch = 2;
 
+    std::string mmproj_json;
     if (!mmproj_path.empty()) {
+        // mtmd_get_memory_usage: the projector's weight bytes plus, after the warm-up reserve, the compute buffer
+        // (ggml_backend_sched_get_buffer_size of clip's scheduler); without warm-up the weights alone
         mtmd_context_params mp = mtmd_context_params_default();
         mp.use_gpu = false;
         mp.n_threads = 2;
-        mp.warmup = true;
         mp.flash_attn_type = cparams.flash_attn_type;
+        size_t usage[2] = {0, 0};
+        for (int warm = 0; warm < 2; ++warm) {
+            mp.warmup = warm == 1;
+            auto by_device = mtmd_get_memory_usage(mmproj_path.c_str(), mp);
+            if (by_device.empty()) { fprintf(stderr, "mmproj failed\n%s", g_log.c_str()); return 1; }
+            for (const auto & [dev, bytes] : by_device) {
+                usage[warm] += bytes;
+            }
+        }
+        // the warm-up once more through mtmd_init_from_file, for the size of clip's graph it logs
+        mtmd_log_set(log_cb, nullptr);
+        g_log.clear();
+        mp.warmup = true;
         mtmd_context * mctx = mtmd_init_from_file(mmproj_path.c_str(), model, mp);
-        if (!mctx) { fprintf(stderr, "mmproj failed\n"); return 1; }
+        if (!mctx) { fprintf(stderr, "mmproj failed\n%s", g_log.c_str()); return 1; }
         mtmd_free(mctx);
+        int splits = -1, nodes = -1;
+        size_t at = g_log.rfind("graph splits = ");
+        if (at != std::string::npos) {
+            sscanf(g_log.c_str() + at, "graph splits = %d, nodes = %d", &splits, &nodes);
+        }
+        char buf[256];
+        snprintf(buf, sizeof(buf), ", \"mmproj\": {\"weight_bytes\": %zu, \"compute_bytes\": %zu, \"graph_splits\": %d, "
+                 "\"graph_nodes\": %d}", usage[0], usage[1] - usage[0], splits, nodes);
+        mmproj_json = buf;
     }
 
     llama_context * ctx = llama_init_from_model(model, cparams);
@@ -252,7 +278,7 @@ int main(int argc, char ** argv) {
     for (const auto & [name, nbytes] : tensor_bytes) {
         printf("%s\"%s\": %zu", k++ ? ", " : "", name.c_str(), nbytes);
     }
-    printf("}}\n");
+    printf("}%s}\n", mmproj_json.c_str());
 
     llama_free(ctx);
     llama_model_free(model);

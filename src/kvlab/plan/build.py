@@ -264,7 +264,7 @@ def _projector_components(p: Projector | None) -> tuple[Component, ...]:
     if p is None:
         return ()
     return (Component("vision projector", p.formula, p.bytes, p.exact),
-            Component("image buffer", p.buffer_formula, p.image_buffer, exact=False))
+            Component("image buffer", p.buffer.formula, p.buffer.bytes, exact=p.buffer.exact))
 
 
 def _quant_hints(spec, eng, settings, weights_quant, card, extras, room, ctx_max: bool, weights: int) -> tuple[str, ...]:
