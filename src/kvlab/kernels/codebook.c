@@ -712,14 +712,10 @@ int kvlab_cb_dot_rows(const cb_layout *L, const uint8_t *rows, int64_t row_bytes
 #endif
 }
 
-/* index of the first of n increasing bounds >= y (n when none is): torch.bucketize(y, bounds, right=False) */
+/* index of the first of n = 2^k - 1 increasing bounds >= y (n when none is): torch.bucketize(y, bounds, right=False) */
 static int bucket(const float *bounds, int n, float y) {
-    int lo = 0, hi = n;
-    while (lo < hi) {
-        const int mid = (lo + hi) / 2;
-        if (bounds[mid] < y) lo = mid + 1;
-        else hi = mid;
-    }
+    int lo = 0;   /* n = 2^bits - 1: halving steps of 2^(bits-1) .. 1, each a conditional move, not a branch */
+    for (int step = (n + 1) / 2; step > 0; step /= 2) lo += bounds[lo + step - 1] < y ? step : 0;
     return lo;
 }
 
@@ -768,10 +764,16 @@ void kvlab_cb_encode_row(const cb_layout *L, const float *bounds, const float *y
             continue;
         }
         const int n_bounds = (1 << P->bits) - 1;
+        int32_t codes[CB_MAX_DIM];
+        if (P->bits <= 5) {   /* each code counts the bounds below its value: every channel's compares at once */
+            for (int c = 0; c < n; c++) codes[c] = 0;
+            for (int i = 0; i < n_bounds; i++)
+                for (int c = 0; c < n; c++) codes[c] += bounds[i] < y[P->lo + c];
+        } else
+            for (int c = 0; c < n; c++) codes[c] = bucket(bounds, n_bounds, y[P->lo + c]);
         for (int c = 0; c < n; c++) {
-            const int code = bucket(bounds, n_bounds, y[P->lo + c]);
-            y_hat[P->lo + c] = P->table[code];
-            put_code(P, row, c, code);
+            y_hat[P->lo + c] = P->table[codes[c]];
+            put_code(P, row, c, codes[c]);
         }
         bounds += n_bounds;
     }
