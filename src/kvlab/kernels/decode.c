@@ -168,9 +168,47 @@ static float dot(const float *a, const float *b, int64_t n) {
     return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
 }
 
+/* 16 values of a row at p as fp32: fp32 (kv_type KV_F32) as they are, f16 / bf16 exactly (kv_load's conversion) */
+static inline __attribute__((always_inline)) __m512 load_lanes(int kv_type, const void *p, int64_t i) {
+    if (kv_type == KV_F32) return _mm512_loadu_ps((const float *)p + i);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
+    return kv_type == KV_F16 ? _mm512_cvtph_ps(h) : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* weighted_sum for d a multiple of 16 over rows of kv_type, in its order (lane block b: accumulator j takes the
+ * positions t = start + j mod 4, then (acc0 + acc1) + (acc2 + acc3)), so the same bits; up to four lane blocks at
+ * once, each row read whole while its positions' sixteen chains run side by side */
+static inline __attribute__((always_inline)) void weighted_rows(int kv_type, const float *p, const void *values, int start,
+                                                               int end, int d, float *out, int add) {
+    for (int c0 = 0; c0 < d; c0 += 64) {
+        const int blocks = d - c0 >= 64 ? 4 : (d - c0) / 16;
+        __m512 acc[4][4];
+        for (int b = 0; b < 4; b++)
+            for (int j = 0; j < 4; j++) acc[b][j] = _mm512_setzero_ps();
+        for (int b = 0; b < blocks && add; b++) acc[b][0] = _mm512_loadu_ps(out + c0 + 16 * b);
+        int t = start;
+        for (; t + 4 <= end; t += 4)
+            for (int j = 0; j < 4; j++) {
+                const __m512 w = _mm512_set1_ps(p[t + j]);
+                const int64_t row = (int64_t)(t + j) * d + c0;
+                for (int b = 0; b < blocks; b++) acc[b][j] = _mm512_fmadd_ps(w, load_lanes(kv_type, values, row + 16 * b), acc[b][j]);
+            }
+        for (; t < end; t++) {
+            const __m512 w = _mm512_set1_ps(p[t]);
+            for (int b = 0; b < blocks; b++) acc[b][0] = _mm512_fmadd_ps(w, load_lanes(kv_type, values, (int64_t)t * d + c0 + 16 * b), acc[b][0]);
+        }
+        for (int b = 0; b < blocks; b++)
+            _mm512_storeu_ps(out + c0 + 16 * b, _mm512_add_ps(_mm512_add_ps(acc[b][0], acc[b][1]), _mm512_add_ps(acc[b][2], acc[b][3])));
+    }
+}
+
 /* out (d,) = sum_t p[t] * values[t] over t in [start, end) (added to out when `add`): 16 output lanes at a time,
  * four positions at a time into four accumulators (one would make every position wait for the previous FMA) */
 static void weighted_sum(const float *p, const float *values, int start, int end, int d, float *out, int add) {
+    if (d % 16 == 0) {
+        weighted_rows(KV_F32, p, values, start, end, d, out, add);
+        return;
+    }
     for (int c = 0; c < d; c += 16) {
         const __mmask16 live = d - c >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (d - c)) - 1u);
         const float *v = values + c;
@@ -222,6 +260,68 @@ static void key_scores(const float *q, const float *keys, int start, int end, in
     }
     for (; t < end; t++) scores[t] = dot(q, keys + (int64_t)t * d, d) * scale;
 }
+
+static float exp_shifted(float *s, int n, float top);
+
+/* attend_part over rows of kv_type read in place (d a multiple of 16): fp32 rows, or 16-bit rows converted in
+ * registers; the same products in the same order as key_scores, exp_shifted and weighted_sum on fp32 rows (16-bit
+ * ones kv_load'ed into a tile first), so the same bits, without a tile's round trip through memory. Inlined per
+ * kv_type (each conversion one instruction in the inner loops) and per common head dim. */
+static inline __attribute__((always_inline)) void attend_rows_core(int kv_type, const float *q, const void *keys,
+                                                                   const void *values, int n, int d, float scale,
+                                                                   float *scores, float *part) {
+    static const int32_t fold_lo[4][16] = {
+        {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}, {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27},
+        {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29}, {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}};
+    __m512i lo[4], hi[4];
+    for (int step = 0, w = 8; step < 4; step++, w /= 2) {
+        lo[step] = _mm512_loadu_si512(fold_lo[step]);
+        hi[step] = _mm512_add_epi32(lo[step], _mm512_set1_epi32(w));
+    }
+    int t = 0;
+    for (; t + 16 <= n; t += 16) {   /* key_scores: sixteen keys' partial sums, folded */
+        __m512 v[16];
+        for (int k = 0; k < 16; k++) {
+            const int64_t key = (int64_t)(t + k) * d;
+            __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q), load_lanes(kv_type, keys, key));
+            for (int c = 16; c < d; c += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), load_lanes(kv_type, keys, key + c), acc);
+            v[k] = acc;
+        }
+        for (int step = 0, m = 16; step < 4; step++, m /= 2)
+            for (int k = 0; k < m / 2; k++) v[k] = fold(v[2 * k], v[2 * k + 1], lo[step], hi[step]);
+        _mm512_storeu_ps(scores + t, _mm512_mul_ps(v[0], _mm512_set1_ps(scale)));
+    }
+    for (; t < n; t++) {             /* dot: two accumulators, the same reduction */
+        const int64_t key = (int64_t)t * d;
+        __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+        int c = 0;
+        for (; c + 32 <= d; c += 32) {
+            acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), load_lanes(kv_type, keys, key + c), acc0);
+            acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(q + c + 16), load_lanes(kv_type, keys, key + c + 16), acc1);
+        }
+        for (; c < d; c += 16) acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), load_lanes(kv_type, keys, key + c), acc0);
+        scores[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) * scale;
+    }
+    float top = -INFINITY;
+    for (int i = 0; i < n; i++) top = scores[i] > top ? scores[i] : top;
+    const float total = exp_shifted(scores, n, top);
+    weighted_rows(kv_type, scores, values, 0, n, d, part, 0);
+    part[d] = top;
+    part[d + 1] = total;
+}
+
+#define ATTEND_ROWS(type) \
+    (d == 64 ? attend_rows_core(type, q, keys, values, n, 64, scale, scores, part) \
+     : d == 128 ? attend_rows_core(type, q, keys, values, n, 128, scale, scores, part) \
+     : attend_rows_core(type, q, keys, values, n, d, scale, scores, part))
+static void attend_rows(int kv_type, const float *q, const void *keys, const void *values, int n, int d, float scale,
+                        float *scores, float *part) {
+    if (kv_type == KV_F32) ATTEND_ROWS(KV_F32);
+    else if (kv_type == KV_F16) ATTEND_ROWS(KV_F16);
+    else ATTEND_ROWS(KV_BF16);
+}
+#undef ATTEND_ROWS
+#define HAVE_ATTEND_ROWS 1
 #else
 #define LANES 16
 /* a . b in LANES fixed partial sums, added in a fixed order: the same bits whatever the compiler vectorizes
@@ -1182,6 +1282,16 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
                 const int64_t chunk_at = ((int64_t)g * L->capacity + t0) * hd;
                 keys = (const float *)L->k + chunk_at;
                 values = (const float *)L->v + chunk_at;
+#ifdef HAVE_ATTEND_ROWS
+                if (hd % 16 == 0) {   /* read in place by every query head of the group */
+                    const size_t elem_bytes = L->type == KV_F32 ? 4 : 2;
+                    for (int i = g * group; i < (g + 1) * group; i++)
+                        attend_rows(L->type, qkv + i * hd, (const uint8_t *)L->k + chunk_at * elem_bytes,
+                                    (const uint8_t *)L->v + chunk_at * elem_bytes, n, hd, m->attn_scale,
+                                    scores + ((int64_t)i * max_chunks + c) * KEY_CHUNK, parts + ((int64_t)i * max_chunks + c) * (hd + 2));
+                    continue;
+                }
+#endif
                 if (L->type != KV_F32) {   /* this chunk only, upcast once for the whole query group */
                     kv_load(L->type, (const uint16_t *)L->k + chunk_at, (int64_t)n * hd, mine);
                     kv_load(L->type, (const uint16_t *)L->v + chunk_at, (int64_t)n * hd, mine + (size_t)KEY_CHUNK * hd);
