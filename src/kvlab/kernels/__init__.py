@@ -220,8 +220,9 @@ class BlockKernel:
         lib.kvlab_int_decode.argtypes = [i32, ptr, ptr, ptr, i32, i64, i64, i32, i64, i64, i32, i32, i32, ptr, i32]
         lib.kvlab_block_gemm.argtypes = [i32, ptr, i64, i64, ptr, i64, ptr, i32]
         lib.kvlab_tq_code_tokens.argtypes = [ptr, i32, i32, i64, ptr, ptr, ptr, ptr, ptr, i32]
+        lib.kvlab_int_code_tokens.argtypes = [ptr, i32, i32, i64, ptr, ptr, ptr, ptr, ptr, i64, i32]
         for fn in (lib.kvlab_block_gemv, lib.kvlab_block_gemm, lib.kvlab_block_dequantize, lib.kvlab_block_omp_threads, lib.kvlab_int_scores,
-                   lib.kvlab_int_mix, lib.kvlab_int_decode, lib.kvlab_tq_code_tokens):
+                   lib.kvlab_int_mix, lib.kvlab_int_decode, lib.kvlab_tq_code_tokens, lib.kvlab_int_code_tokens):
             fn.restype = i32
 
     def gemv(self, type_name: str, blocks: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -368,6 +369,24 @@ class BlockKernel:
         return self._lib.kvlab_tq_code_tokens(ctypes.byref(coded), heads, d, n, k.data_ptr(), v.data_ptr(), slots.data_ptr(),
                                               None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(),
                                               torch.get_num_threads())
+
+    def int_code_tokens(self, quantized, heads: int, d: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+                        positions: torch.Tensor, stage_rows: torch.Tensor, stage_stride: int, stage: torch.Tensor) -> int:
+        """kvlab_int_code_tokens (decode.c): k, v (n, heads, d) fp32 coded into slots (n,) of the integer layer
+        `quantized` (a cache/int_kernel.py Quantized, its buffers checked where it was made), token r at positions[r]
+        with its key staged in row stage_rows[r] (< the rows of `stage`, stage_stride floats apart). 0 stored, 1 not
+        finite or beyond float16's range, -1 refused."""
+        what = "integer coding"
+        n = slots.shape[0] if slots.dim() == 1 else -1
+        for name, t in (("slots", slots), ("positions", positions), ("stage rows", stage_rows)):
+            check_buffer(what, name, t, torch.int64, (n,))
+        check_buffer(what, "keys", k, torch.float32, (n, heads, d))
+        check_buffer(what, "values", v, torch.float32, (n, heads, d))
+        if n and (int(stage_rows.min()) < 0 or int(stage_rows.max()) >= stage.shape[0] or stage[0].numel() != stage_stride):
+            return -1
+        return self._lib.kvlab_int_code_tokens(ctypes.byref(quantized), heads, d, n, k.data_ptr(), v.data_ptr(),
+                                               slots.data_ptr(), positions.data_ptr(), stage_rows.data_ptr(), stage_stride,
+                                               torch.get_num_threads())
 
     def openmp_threads(self, n: int) -> int:
         """Threads a parallel region of the kernel library actually gets when asked for n."""

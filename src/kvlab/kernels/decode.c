@@ -764,6 +764,11 @@ typedef struct {                   /* an integer layer's codes (kvlab/cache/quan
     float *k_stage;                /* (Hkv, G, hd) fp32: the keys of the open (incomplete) group */
     int32_t overflow_what;         /* written on a range error: 0 the keys, 1 the values ... */
     float overflow;                /* ... and the magnitude the module path names */
+    /* where head g's rows lie: codes and value scales of slot t at row g * head_stride + t * slot_stride, a key
+     * group's scales at g * meta_head_stride + (t / G) * meta_group_stride rows of hd, stage row r at
+     * g * stage_head_stride + r * stage_row_stride rows of hd. A single cache (Hkv, slots, ...): (slots, 1),
+     * (⌈slots/G⌉, 1), (G, 1); a serving pool (slots, Hkv, ...) and a sequence's stage (G, Hkv, hd): (1, Hkv) each */
+    int64_t head_stride, slot_stride, meta_head_stride, meta_group_stride, stage_head_stride, stage_row_stride;
 } Quantized;
 
 typedef struct {
@@ -1018,10 +1023,11 @@ static uint8_t int_encode(float x, float scale, float zero, int bits) {
  * (per value group: min/max -> f16 scale/zero -> codes); its key into the stage, or, when it completes a group, the
  * group's G keys (the stage's G - 1 rows and this one) coded with one f16 scale/zero per channel from their min/max.
  * The stage keeps its rows (the module path leaves them too). k, v: (d,) within float16's range (int_range_error). */
-static void int_store(Quantized *Q, int g, int index, const float *k, const float *v, int d) {
+static void int_store(const Quantized *Q, float *k_stage, int g, int64_t slot, int have, const float *k, const float *v,
+                      int d) {
     const int G = Q->group, bits = Q->bits, gv = Q->value_group, n_vg = d / gv;
     uint8_t codes[CB_MAX_DIM];
-    const int64_t at = (int64_t)g * Q->slots + index;
+    const int64_t at = g * Q->head_stride + slot * Q->slot_stride;
     for (int j = 0; j < n_vg; j++) {
         const float *x = v + j * gv;
         float lo = x[0], hi = x[0];
@@ -1035,18 +1041,18 @@ static void int_store(Quantized *Q, int g, int index, const float *k, const floa
         for (int c = 0; c < gv; c++) codes[j * gv + c] = int_encode(x[c], s, z, bits);
     }
     int_pack_row(codes, bits, d, Q->v_codes + at * Q->v_row_bytes);
-    const int have = index % G;                       /* keys of the open group already staged */
-    float *stage = Q->k_stage + (int64_t)g * G * d;
+    const float *stage = k_stage + g * Q->stage_head_stride * d;   /* row r at r * stage_row_stride rows */
+    const int64_t row = Q->stage_row_stride * d;
     if (have < G - 1) {
-        memcpy(stage + (int64_t)have * d, k, sizeof(float) * (size_t)d);
+        memcpy(k_stage + (g * Q->stage_head_stride + have * Q->stage_row_stride) * d, k, sizeof(float) * (size_t)d);
         return;
     }
-    const int64_t meta = ((int64_t)g * ((Q->slots + G - 1) / G) + index / G) * d;
+    const int64_t meta = (g * Q->meta_head_stride + slot / G * Q->meta_group_stride) * d;
     float s[CB_MAX_DIM], z[CB_MAX_DIM];
     for (int c = 0; c < d; c++) {
         float lo = k[c], hi = k[c];
         for (int r = 0; r < G - 1; r++) {
-            const float x = stage[(int64_t)r * d + c];
+            const float x = stage[r * row + c];
             lo = x < lo ? x : lo;
             hi = x > hi ? x : hi;
         }
@@ -1054,10 +1060,10 @@ static void int_store(Quantized *Q, int g, int index, const float *k, const floa
         s[c] = kvlab_fp16_to_fp32(Q->k_scale[meta + c]);
         z[c] = kvlab_fp16_to_fp32(Q->k_zero[meta + c]);
     }
-    for (int r = 0; r < G; r++) {
-        const float *x = r < G - 1 ? stage + (int64_t)r * d : k;
+    for (int r = 0; r < G; r++) {   /* the group's slots: consecutive, G dividing the block size */
+        const float *x = r < G - 1 ? stage + r * row : k;
         for (int c = 0; c < d; c++) codes[c] = int_encode(x[c], s[c], z[c], bits);
-        int_pack_row(codes, bits, d, Q->k_codes + ((int64_t)g * Q->slots + index - have + r) * Q->k_row_bytes);
+        int_pack_row(codes, bits, d, Q->k_codes + (g * Q->head_stride + (slot - have + r) * Q->slot_stride) * Q->k_row_bytes);
     }
 }
 
@@ -1068,7 +1074,30 @@ int kvlab_int_append(Quantized *Q, int heads, int d, int32_t index, const float 
     if (heads <= 0 || d <= 0 || d > CB_MAX_DIM || index < 0 || index >= Q->slots || !int_layout_ok(Q, d)) return -1;
     if (!all_finite(k, heads * d) || !all_finite(v, heads * d)) return -1;
     if (int_range_error(Q, k, v, d, heads, d)) return 1;
-    for (int g = 0; g < heads; g++) int_store(Q, g, index, k + (int64_t)g * d, v + (int64_t)g * d, d);
+    for (int g = 0; g < heads; g++) int_store(Q, Q->k_stage, g, index, index % Q->group, k + (int64_t)g * d, v + (int64_t)g * d, d);
+    return 0;
+}
+
+/* Code n tokens' K/V into integer layer Q (the serving pool's layout, see Quantized): k, v (n, Hkv, d); token r is
+ * at position positions[r] of its sequence, goes to slot slots[r] (< Q->slots; a key group's G slots consecutive)
+ * and stages its key in the stage at Q->k_stage + stages[r] * stage_stride floats (its sequence's, (G, Hkv, d)).
+ * The tokens of one sequence come in position order. The one coder of an integer token, as the fused step stores
+ * one (int_store). 0; 1 when the K/V exceed float16's range or are not finite (nothing written: the caller's
+ * reference names it); -1 for bad arguments. */
+int kvlab_int_code_tokens(Quantized *Q, int Hkv, int d, int64_t n, const float *k, const float *v, const int64_t *slots,
+                          const int64_t *positions, const int64_t *stages, int64_t stage_stride, int n_threads) {
+    if (Hkv <= 0 || d <= 0 || d > CB_MAX_DIM || n < 0 || n_threads < 1 || !int_layout_ok(Q, d) || stage_stride < 0) return -1;
+    for (int64_t r = 0; r < n; r++)
+        if (slots[r] < 0 || slots[r] >= Q->slots || positions[r] < 0 || stages[r] < 0 || slots[r] % Q->group != positions[r] % Q->group)
+            return -1;
+    if (!all_finite(k, (int)(n * Hkv * d)) || !all_finite(v, (int)(n * Hkv * d))) return 1;
+    for (int64_t r = 0; r < n; r++)
+        if (int_range_error(Q, k + r * Hkv * d, v + r * Hkv * d, d, Hkv, d)) return 1;
+    #pragma omp parallel for schedule(static) num_threads(n_threads < Hkv ? n_threads : Hkv)
+    for (int g = 0; g < Hkv; g++)   /* a head's tokens in order: a group completes after its staged keys */
+        for (int64_t r = 0; r < n; r++)
+            int_store(Q, Q->k_stage + stages[r] * stage_stride, g, slots[r], (int)(positions[r] % Q->group),
+                      k + (r * Hkv + g) * d, v + (r * Hkv + g) * d, d);
     return 0;
 }
 
@@ -1083,19 +1112,19 @@ static void int_load(const Quantized *Q, int g, int t0, int n, int stored, int d
         const int t = t0 + r;
         float *out = keys + (int64_t)r * d;
         if (t >= complete) {
-            memcpy(out, Q->k_stage + ((int64_t)g * G + t - complete) * d, sizeof(float) * (size_t)d);
+            memcpy(out, Q->k_stage + (g * Q->stage_head_stride + (t - complete) * Q->stage_row_stride) * d, sizeof(float) * (size_t)d);
             continue;
         }
         if (t / G != loaded) {
             loaded = t / G;
-            const int64_t meta = ((int64_t)g * ((Q->slots + G - 1) / G) + loaded) * d;
+            const int64_t meta = (g * Q->meta_head_stride + loaded * Q->meta_group_stride) * d;
             kv_load(KV_F16, Q->k_scale + meta, d, s);
             kv_load(KV_F16, Q->k_zero + meta, d, z);
         }
-        int_dequant_row(Q->k_codes + ((int64_t)g * Q->slots + t) * Q->k_row_bytes, bits, d, s, z, 1, out);
+        int_dequant_row(Q->k_codes + (g * Q->head_stride + t * Q->slot_stride) * Q->k_row_bytes, bits, d, s, z, 1, out);
     }
     for (int r = 0; r < n; r++) {   /* s, z: the row's value groups */
-        const int64_t at = (int64_t)g * Q->slots + t0 + r;
+        const int64_t at = g * Q->head_stride + (t0 + r) * Q->slot_stride;
         kv_load(KV_F16, Q->v_scale + at * n_vg, n_vg, s);
         kv_load(KV_F16, Q->v_zero + at * n_vg, n_vg, z);
         int_dequant_row(Q->v_codes + at * Q->v_row_bytes, bits, d, s, z, gv, values + (int64_t)r * d);
@@ -1230,7 +1259,8 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
                     }
                     float *wk = L->win_k + (int64_t)g * L->window * hd, *wv = L->win_v + (int64_t)g * L->window * hd;
                     if (Q && (write == WRITE_CODED || write == WRITE_SPILL))   /* before the window moves */
-                        int_store(Q, g, fill->coded, write == WRITE_CODED ? k + g * hd : wk, write == WRITE_CODED ? v + g * hd : wv, hd);
+                        int_store(Q, Q->k_stage, g, fill->coded, fill->coded % Q->group, write == WRITE_CODED ? k + g * hd : wk,
+                                  write == WRITE_CODED ? v + g * hd : wv, hd);
                     else if (write == WRITE_CODED || write == WRITE_SPILL)
                         store_head(C, g, fill->coded, new_codes + (size_t)g * 2 * ROW_ROOM, &new_scales[2 * g]);
                     if (write == WRITE_SPILL) {   /* the window moves up one row */

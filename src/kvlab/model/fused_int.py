@@ -17,21 +17,13 @@ value head dims other than the key head dim, and head dims past 1024.
 
 from __future__ import annotations
 
-import ctypes
-from ctypes import c_float, c_int32, c_int64, c_void_p
 
 import torch
 
+from ..cache.int_kernel import Quantized, single_layout
 from ..cache.packing import packed_nbytes
 from ..errors import NonFiniteError
 
-
-
-class Quantized(ctypes.Structure):
-    _fields_ = [("bits", c_int32), ("group", c_int32), ("value_group", c_int32), ("slots", c_int32),
-                ("k_row_bytes", c_int64), ("v_row_bytes", c_int64), ("k_codes", c_void_p), ("v_codes", c_void_p),
-                ("k_scale", c_void_p), ("k_zero", c_void_p), ("v_scale", c_void_p), ("v_zero", c_void_p),
-                ("k_stage", c_void_p), ("overflow_what", c_int32), ("overflow", c_float)]
 
 
 def serves_int(cache, cfg) -> bool:
@@ -57,7 +49,7 @@ def quantized(cache, layer: int, hd: int, ptr) -> Quantized:
     for name in cache.BUFFERS:
         shape, dtype = shapes[name]
         setattr(q, name, ptr(getattr(cache, name)[layer][0], shape, f"{at} {name}", dtype))
-    return q
+    return single_layout(q, H)
 
 
 def raise_range_error(q: Quantized) -> None:

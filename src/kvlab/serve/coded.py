@@ -48,6 +48,8 @@ from ..cache.attention import causal_mask, grouped_attention
 from ..cache.base import tensors_nbytes
 from ..cache.packing import pack, packed_nbytes, unpack
 from ..cache.quantized import _affine, _encode
+from ..cache import int_kernel
+from ..cache.int_kernel import pool_layer
 from ..cache.tq_kernel import CodedLayers, code_tokens
 from ..cache.turboquant import HeadCodes, RotatedCodes, TurboQuantCache
 from ..kernels.codebook import CodeLayout
@@ -157,6 +159,21 @@ class CodedPool:
     def _state_nbytes(self) -> int:
         raise NotImplementedError
 
+    def _row_sequences(self, view) -> torch.Tensor:
+        """(N,) the sequence (its index in the step) each of the step's tokens belongs to."""
+        layout = view.layout
+        counts = (layout.query_start[1:] - layout.query_start[:-1]).long()                # (S,) tokens per sequence
+        return torch.repeat_interleave(torch.arange(counts.numel()), counts).to(self._device)
+
+    def _positions(self, view, sequence: torch.Tensor | None = None) -> torch.Tensor:
+        """(N,) the position of each of the step's tokens in its sequence (`sequence`: _row_sequences, if made)."""
+        layout = view.layout
+        seq = self._row_sequences(view) if sequence is None else sequence
+        rows = torch.arange(seq.numel(), device=self._device)
+        ends = layout.context_len.long().to(self._device)[seq]                             # (N,) its sequence's context
+        last_rows = layout.query_start[1:].long().to(self._device)[seq]                    # (N,) one past its last row
+        return ends - (last_rows - rows)
+
     # -- reading ------------------------------------------------------------------------------------------
     @staticmethod
     def sequences(view):
@@ -188,6 +205,7 @@ class IntPool(CodedPool):
         self.stage = torch.zeros(self.n_groups * g.n_layers, plan.max_batch, self.group, g.n_kv_heads, g.head_dim,
                                  dtype=fmt.dtype, device=self._device)   # (groups·L, rows, G, Hkv, Dk): state_layer
         self._fresh: list[tuple[int, torch.Tensor]] = []                  # per sequence of the step: (first, keys)
+        self._kernel, self._coders = kernel_for(self._device), {}        # the C coder's layer descriptions
         # one ragged C call per layer (kvlab_paged_int_attention) instead of per-sequence calls of the single cache's
         # kernels: equal to the reference within float rounding, but not bitwise equal to the single int cache, and
         # int codes turn a rounding difference into a different code now and then, so greedy tokens can part from
@@ -203,7 +221,39 @@ class IntPool(CodedPool):
             self.stage[:, self.rows_for([child])[0]] = self.stage[:, self.rows[parent]]   # (groups·L, G, Hkv, Dk)
 
     def append(self, layer: int, view, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k (N, Hkv, D), v (N, Hkv, Dv) of the step's tokens: values coded per token, keys per complete group."""
+        """k (N, Hkv, D), v (N, Hkv, Dv) of the step's tokens: values coded per token, keys per complete group; in C
+        (kvlab_int_code_tokens, the fused step's coder) where the kernel builds, else in torch (the reference)."""
+        G = self.group
+        stage = self.stage[self.state_layer(layer, view)]                              # (rows, G, Hkv, Dk)
+        self._fresh = []                  # each sequence's keys from its open group on, exact, for this step's reads
+        for s, lo, hi, start, ctx in self.sequences(view):
+            have = start % G
+            keys = k[lo:hi].to(stage.dtype)                                            # (T, Hkv, D)
+            self._fresh.append((start - have, torch.cat([stage[view.rows[s], :have], keys]) if have else keys))
+        coder = self._coder(layer, view) if view.use_kernel else None
+        if coder is not None:
+            seq = self._row_sequences(view)                                            # (N,)
+            rows = torch.tensor(view.rows, dtype=torch.int64)[seq]                     # (N,) each token's stage row
+            if int_kernel.code_tokens(self._kernel, coder, stage, k, v, view.slots, self._positions(view, seq), rows):
+                return
+        self._append_reference(stage, layer, view, k, v)
+
+    def _coder(self, layer: int, view):
+        """The C description of pool layer `layer` with its layer group's stages (cache/int_kernel.py), made once;
+        None without the kernel, off the CPU, for stages not in fp32, or value heads wider or narrower than keys."""
+        at = self.state_layer(layer, view)
+        if self._kernel is None or self.stage.dtype != torch.float32 or self.geometry.head_dim != self.geometry.head_dim_v:
+            return None
+        coder = self._coders.get((layer, at))
+        if coder is None:
+            buffers = {name: buf[layer] for name, buf in self.token_buffers.items()}
+            buffers.update({name: buf[layer] for name, buf in self.group_buffers.items()})
+            coder = self._coders[layer, at] = pool_layer(buffers, self.stage[at], self.bits, self.group, self.value_group,
+                                                         "integer pool")
+        return coder
+
+    def _append_reference(self, stage: torch.Tensor, layer: int, view, k: torch.Tensor, v: torch.Tensor) -> None:
+        """append in torch: QuantizedCache's arithmetic on the step's tokens."""
         b, G = self.bits, self.group
         buf, groups = self.token_buffers, self.group_buffers
         N, Hkv, Dv = v.shape
@@ -213,8 +263,6 @@ class IntPool(CodedPool):
         buf["v_codes"][layer][view.slots] = pack(codes, b)
         buf["v_scale"][layer][view.slots] = scale
         buf["v_zero"][layer][view.slots] = zero
-        self._fresh = []
-        stage = self.stage[self.state_layer(layer, view)]                              # (rows, G, Hkv, Dk)
         for s, lo, hi, start, ctx in self.sequences(view):
             row = view.rows[s]
             have = start % G
@@ -232,7 +280,6 @@ class IntPool(CodedPool):
                 groups["k_scale"][layer][slots[::G] // G] = scale
                 groups["k_zero"][layer][slots[::G] // G] = zero
             stage[row, :len(keys) - complete] = keys[complete:]
-            self._fresh.append((first, keys))
 
     def _coded_keys(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """(n, Hkv, Dk) float32 for the slots of n = whole groups: zero + code·scale."""
@@ -394,23 +441,15 @@ class TurboPool(CodedPool):
             view.rope = tuple(t.contiguous() for t in self.codec.position_rope(0, n))
         return view.rope
 
-    def _row_sequences(self, view) -> torch.Tensor:
-        """(N,) the sequence (its index in the step) each of the step's tokens belongs to."""
-        layout = view.layout
-        counts = (layout.query_start[1:] - layout.query_start[:-1]).long()                # (S,) tokens per sequence
-        return torch.repeat_interleave(torch.arange(counts.numel()), counts).to(self._device)
-
-    def _positions(self, view, sequence: torch.Tensor | None = None) -> torch.Tensor:
-        """(N,) the position of each of the step's tokens in its sequence (`sequence`: _row_sequences, if made)."""
-        layout = view.layout
-        seq = self._row_sequences(view) if sequence is None else sequence
-        rows = torch.arange(seq.numel(), device=self._device)
-        ends = layout.context_len.long().to(self._device)[seq]                             # (N,) its sequence's context
-        last_rows = layout.query_start[1:].long().to(self._device)[seq]                    # (N,) one past its last row
-        return ends - (last_rows - rows)
-
     def _state_nbytes(self) -> int:
         return self.codec.state_nbytes() + (self.sinks.nbytes if self.sinks else 0)
+
+    def _step(self, view) -> "_StepRows":
+        """What every layer of the step reads about its rows, made at its first layer and kept on its view."""
+        step = getattr(view, "coded_rows", None)
+        if step is None:
+            step = view.coded_rows = _StepRows.build(self, view)
+        return step
 
     def _coder(self, layer: int, at: int):
         """Pool layer `layer`'s codes as the C coder writes them with the codec's layer `at` (cache/tq_kernel.py), made
@@ -426,22 +465,15 @@ class TurboPool(CodedPool):
     def append(self, layer: int, view, k: torch.Tensor, v: torch.Tensor) -> None:
         """k (N, Hkv, D), v (N, Hkv, D) of the step's tokens: coded into their slots; with +sinkN the tokens at
         positions below N go to their sequence's sink rows instead."""
-        pre_rope, slots = self.codec.config.pre_rope, view.slots
         at = self.state_layer(layer, view)                                                # the codec's layer
-        positions = self._positions(view) if self.sinks or pre_rope else None             # (N,)
-        if self.sinks:
-            for s, lo, hi, start, ctx in self.sequences(view):
-                exact = min(ctx, self.sink) - start                                       # this chunk's sink tokens
-                if exact > 0:
-                    self.sinks.write(layer, view.rows[s], start, k[lo:lo + exact], v[lo:lo + exact])
-            coded = positions >= self.sink
-            k, v, positions, slots = k[coded], v[coded], positions[coded], slots[coded.to(slots.device)]
-            if not len(positions):
-                return
-        rope = None
-        if pre_rope:   # +prerope: each key turned back from its position before it is coded
-            cos, sin = self._rope_rows(view)
-            rope = cos[positions], sin[positions]                                         # (N, D) each
+        step = self._step(view)
+        for entry, start, lo, hi in step.sink_writes:                                     # +sinkN: the chunks' sink tokens
+            self.sinks.write(layer, entry, start, k[lo:hi], v[lo:hi])
+        slots, rope = step.coded_slots, step.coded_rope                                   # (n,), +prerope (n, D) each
+        if step.coded is not None:
+            k, v = k[step.coded], v[step.coded]
+        if not len(slots):
+            return
         coder = self._coder(layer, at) if view.use_kernel else None
         if coder is not None and code_tokens(self._kernel, coder, k, v, slots, rope):
             return
@@ -523,17 +555,11 @@ class TurboPool(CodedPool):
         context hold zeros or an earlier sequence's finite rows, weighted 0)."""
         N, H, D = q.shape
         Hkv = self.geometry.n_kv_heads
-        seq = self._row_sequences(view)                                                  # (N,)
-        position = self._positions(view, seq)                                            # (N,)
-        entry = torch.tensor(view.rows, device=q.device)[seq]                           # (N,) its sequence's sink rows
-        keys, values = self.sinks.held(layer, entry, self.sink)                          # (N, sink, Hkv, D), (N, sink, Hkv, Dv)
+        step = self._step(view)
+        keys, values = self.sinks.held(layer, step.entry, self.sink)                     # (N, sink, Hkv, D), (N, sink, Hkv, Dv)
         qg = q.reshape(N, Hkv, H // Hkv, D)
         scores = torch.einsum("nkgd,nskd->nkgs", qg, keys).reshape(N, H, -1) * view.scale   # (N, H, sink)
-        sink = torch.arange(keys.shape[1], device=q.device)[None]                        # (1, sink)
-        seen = sink <= position[:, None]                                                 # (N, sink)
-        if view.window:
-            seen &= sink > position[:, None] - view.window
-        scores = scores.masked_fill(~seen[:, None], float("-inf"))
+        scores = scores.masked_fill(~step.sink_seen[:, None], float("-inf"))
         top = torch.maximum(lse, scores.amax(dim=-1))                                    # (N, H)
         w_coded = torch.exp(lse - top)                                                   # (N, H): 0 where none read
         w_sink = torch.exp(scores - top[..., None])                                      # (N, H, sink)
@@ -564,6 +590,41 @@ class TurboPool(CodedPool):
             scores = scores.masked_fill(~mask, float("-inf"))
         p = torch.softmax(scores, dim=-1)
         return self.codec.mix(layer, p, stored, n).reshape(1, H, T, D)
+
+
+class _StepRows:
+    """A TurboQuant pool's facts about one step's rows, the same for every layer: each row's sequence and position,
+    its sequence's sink entry, the sink tokens each chunk writes, the rows coded into blocks (their slots and, with
+    +prerope, their RoPE rows) and the sink rows each row sees."""
+
+    __slots__ = ("entry", "positions", "sink_writes", "coded", "coded_slots", "coded_rope", "sink_seen")
+
+    @classmethod
+    def build(cls, pool: "TurboPool", view) -> "_StepRows":
+        step = cls()
+        seq = pool._row_sequences(view)                                                   # (N,)
+        step.positions = pool._positions(view, seq)                                       # (N,)
+        step.entry = torch.tensor(view.rows, device=pool.device)[seq] if view.rows is not None else None
+        step.sink_writes = []                                                             # (entry, start, lo, hi)
+        step.coded, step.coded_slots, step.coded_rope, step.sink_seen = None, view.slots, None, None
+        if pool.sinks:
+            for s, lo, hi, start, ctx in pool.sequences(view):
+                exact = min(ctx, pool.sink) - start                                       # this chunk's sink tokens
+                if exact > 0:
+                    step.sink_writes.append((view.rows[s], start, lo, lo + exact))
+            if step.sink_writes:
+                step.coded = step.positions >= pool.sink                                   # (N,)
+                step.coded_slots = view.slots[step.coded.to(view.slots.device)]
+            sink = torch.arange(pool.sink, device=pool.device)[None]                      # (1, sink)
+            seen = sink <= step.positions[:, None]                                        # (N, sink)
+            if view.window:
+                seen &= sink > step.positions[:, None] - view.window
+            step.sink_seen = seen
+        if pool.codec.config.pre_rope:   # each coded key turned back from its position before it is coded
+            cos, sin = pool._rope_rows(view)
+            coded = step.positions if step.coded is None else step.positions[step.coded]
+            step.coded_rope = cos[coded].contiguous(), sin[coded].contiguous()           # (n, D) each
+        return step
 
 
 def _layouts(codes: "RotatedCodes | HeadCodes") -> "CodeLayout | list[CodeLayout]":

@@ -1,0 +1,78 @@
+"""The C coder of integer tokens in the serving pool (kernels/decode.c kvlab_int_code_tokens, cache/int_kernel.py):
+on random chunks of several sequences, with groups that complete inside a chunk, across chunks and at its end,
+the codes, scales and open groups' staged keys it writes are bit for bit those of the pool's torch reference (QuantizedCache's
+arithmetic); K/V beyond float16's range leave the C path to the reference's one-line error.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+
+from kvlab.cache import CacheGeometry
+from kvlab.errors import NonFiniteError
+from kvlab.serve.attention import RaggedLayout
+from kvlab.serve.blocks import CapacityPlan
+from kvlab.serve.coded import IntPool
+from kvlab.serve.formats import block_format
+from kvlab.serve.runner import BatchView
+from kvlab.serve.sequence import Sequence
+
+from .kernel_checks import one_thread, require_kernel  # noqa: F401  (one_thread: autouse)
+
+
+def pool_for(name: str, block_size: int, kv_heads: int, head_dim: int = 32) -> IntPool:
+    geometry = CacheGeometry(n_layers=2, n_kv_heads=kv_heads, head_dim=head_dim, n_heads=2 * kv_heads, capacity=64)
+    plan = replace(CapacityPlan.build(geometry, name, 10**9, block_size, max_batch=4), n_blocks=24)
+    return IntPool(geometry, plan, block_format(name, geometry, block_size))
+
+
+@pytest.mark.parametrize("name,block_size,kv_heads", [("int4", 16, 3), ("int8+g4", 8, 1), ("int3+g8", 16, 2),
+                                                      ("int4+g2", 8, 2)])
+def test_c_coded_pool_equals_the_torch_reference_bit_for_bit(name, block_size, kv_heads):
+    require_kernel()
+    rng, gen = random.Random(block_size * kv_heads), torch.Generator().manual_seed(kv_heads)
+    pools = [pool_for(name, block_size, kv_heads) for _ in range(2)]                  # C, torch
+    lengths = [rng.randint(1, 40) for _ in range(3)]
+    free = list(range(24))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-n // block_size))] for n in lengths]
+    seqs = [Sequence(str(i), [100 + i]) for i in range(3)]
+    done = [0] * 3
+    while any(d < n for d, n in zip(done, lengths)):
+        active = [s for s in range(3) if done[s] < lengths[s]]
+        chunk = {s: min(lengths[s] - done[s], rng.choice([1, rng.randint(1, 2 * block_size)])) for s in active}
+        layout = RaggedLayout.build([tables[s] for s in active], [chunk[s] for s in active],
+                                    [done[s] + chunk[s] for s in active], block_size)
+        slots = torch.cat([layout.slots(i)[done[s]:] for i, s in enumerate(active)])
+        k = torch.randn(len(slots), kv_heads, 32, generator=gen) * 2 + 1
+        v = torch.randn(len(slots), kv_heads, 32, generator=gen)
+        for pool, use_kernel in zip(pools, (True, False)):
+            view = BatchView(pool, slots, layout, 32 ** -0.5, None, use_kernel, pool.rows_for([seqs[s] for s in active]))
+            for layer in range(2):
+                pool.append(layer, view, k * (layer + 1), v)
+        for s in active:
+            done[s] += chunk[s]
+    c, ref = pools
+    for buffers in ("token_buffers", "group_buffers"):
+        for name_, want in getattr(ref, buffers).items():
+            got = getattr(c, buffers)[name_]
+            for layer in range(2):
+                assert torch.equal(got[layer], want[layer]), (buffers, name_, layer)
+    for s, seq in enumerate(seqs):   # each sequence's open group: the stage rows that hold keys (the rest are scratch)
+        row, open_keys = c.rows[seq], lengths[s] % c.group
+        assert torch.equal(c.stage[:, row, :open_keys], ref.stage[:, ref.rows[seq], :open_keys])
+    assert [(first, keys.shape) for first, keys in c._fresh] == [(first, keys.shape) for first, keys in ref._fresh]
+
+
+def test_kv_beyond_float16_take_the_references_error():
+    require_kernel()
+    pool = pool_for("int4", 16, 1)
+    layout = RaggedLayout.build([[0]], [1], [1], 16)
+    view = BatchView(pool, layout.slots(0), layout, 1.0, None, True, pool.rows_for([Sequence("a", [1])]))
+    huge = torch.full((1, 1, 32), 1e6)
+    with pytest.raises(NonFiniteError, match="float16"):
+        pool.append(0, view, huge, huge)
