@@ -139,10 +139,13 @@ def decode_contexts(data, opt) -> str:
         if r["context"] not in contexts:
             contexts.append(r["context"])
         step = ", modules" if r.get("step") == "modules" else ""
-        cell[r["context"], name] = f"{r['tokens_per_s']:.1f} ({r['ratio_vs_baseline']:.2f}×{step})"
+        share = f", {100 * r['share_of_read_limit']:.0f}%" if opt.read_share and r.get("share_of_read_limit") else ""
+        cell[r["context"], name] = f"{r['tokens_per_s']:.1f} ({r['ratio_vs_baseline']:.2f}×{share}{step})"
     base = current_name(data["baseline"], opt.bare_tq4)
     rows = [[num(c, 0)] + [cell.get((c, n), "—") for n in caches] for c in contexts]
-    return (f"Decode tokens/s (× `{base}` in the same run), {threads(data['threads'])}, median of "
+    share = (f"; the percentage is the step's weight and K/V bytes read per second as a share of the "
+             f"{data['read_bandwidth_gb_s']:.1f} GB/s measured read limit" if opt.read_share else "")
+    return (f"Decode tokens/s (× `{base}` in the same run{share}), {threads(data['threads'])}, median of "
             f"{data['repeats']} × {data['steps']} steps:\n\n"
             + table(["context"] + [code(n) for n in caches], rows, right=set(range(len(caches) + 1))))
 
@@ -395,6 +398,7 @@ class Table:
     note: str = ""               # one or two sentences under the table
     rows: tuple[str, ...] = ()   # eval files: only these caches (the others are superseded by another table)
     bare_tq4: bool = False       # measured when `tq4` named the bare method
+    read_share: bool = False     # decode_contexts: each cell's share of the measured read limit
     dense_row: bool = False      # eval files: show the dense reference row
     part: str = ""               # 'a.b': render data["a"]["b"] (one part of a file with several)
 
@@ -474,6 +478,16 @@ SECTIONS = [
               "which a layer's first chunk was read back through its codes; reading it exact, as the code does now, "
               "moved `tq-k4v4` from +3.17% to +2.67%, so expect tq5/tq3 to differ by a few tenths of a point today.",
               rows=("dense", "int4", "tq5", "tq3"), bare_tq4=True),
+        Table("quality_tq3_candidates.json", eval_quality,
+              'kvlab eval --caches "tq3.125+prerope+norms8+sink1+vq+kscale=lsq+vscale=lsq,tq3.125+prerope+norms8+sink1+vq" '
+              "--windows 16 --seeds 0,1,2 --no-passkey --no-text --threads 1 --out bench/results/quality_tq3_candidates.json",
+              "Candidates for a `tq3` preset: the `tq4` preset's levers at 3 bits (keys before RoPE, the first token "
+              "exact, 8-bit log scales, block codes), no calibration."),
+        Table("quality_tq3_candidates_b.json", eval_quality,
+              'kvlab eval --caches "tq3.25+prerope+norms8+sink1+vq,tq-k3.5v3+prerope+norms8+sink1+vq" '
+              "--windows 16 --seeds 0,1,2 --no-passkey --no-text --threads 1 --out bench/results/quality_tq3_candidates_b.json",
+              "A quarter bit more (4.66× smaller than bf16): closer to +3%, not under it. The calibrated "
+              "`tq-k3.1v3.08+prerope+sink1+halloc+vq+norms8` above stays the only 3-bit-class cache measured under +3.1%."),
     ]),
     Section("Passkey retrieval",
             "`kvlab eval`'s passkey test: a 5-digit key hidden in King Lear filler at depths 25/50/75% of 1,000 / "
@@ -505,6 +519,12 @@ SECTIONS = [
               "tq-k4.15v4.15+prerope+sink1+halloc+kscale=lsq+vscale=lsq+norms8,"
               'tq-k3.1v3.08+prerope+sink1+halloc+vq+norms8" --threads 1 --repeats 3 --steps 16 '
               "--out bench/results/decode_recipes.json", bare_tq4=True),
+        Table("decode_caches_1thread.json", decode_contexts,
+              "kvlab bench decode --contexts 512,4k,8k --caches dense,dense-f16,tq4,tq-k4v4,int4 --threads 1 --repeats 2 "
+              "--steps 16 --out bench/results/decode_caches_1thread.json",
+              "16-bit K/V are read in place, converted in registers, and each value row is summed whole; the "
+              "`tq4` preset rebuilds every key before RoPE (a Hadamard transform, its scale and RoPE per key), which "
+              "costs more than it saves in bytes at one thread.", read_share=True),
         Table("decode_contexts_2threads.json", decode_contexts,
               "kvlab bench decode --contexts 512,8k --caches dense-f16,tq-k4v4,tq3,int8,int4 --threads 2 --repeats 2 "
               "--out bench/results/decode_contexts_2threads.json", bare_tq4=True),
@@ -588,7 +608,10 @@ SECTIONS = [
             "contender); two runs of each command, since the box is noisy: read the ratio to dense within a run.", [
         Table("throughput_formats.json", throughput,
               'kvlab bench throughput --quick --workloads mixed --batches 16 --no-sequential --formats '
-              '"dense,tq-k4v4,tq4,tq4+halloc" --out bench/results/throughput_formats.json'),
+              '"dense,dense-f16,tq4,int4" --threads 2 --out bench/results/throughput_formats.json',
+              "TurboQuant and integer blocks code each step's tokens in C (the fused decode step's coders). The "
+              "compressed blocks' steps still run layer by layer through the modules, where dense blocks take the "
+              "whole-step C call (kernels/batchstep.c): that, not the codes, is most of the gap."),
         Table("throughput_formats_b.json", throughput, "(the same command, again)"),
         Table("throughput_recipes.json", throughput,
               'kvlab bench throughput --quick --workloads mixed --batches 16 --no-sequential --formats '

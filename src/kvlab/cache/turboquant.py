@@ -64,8 +64,11 @@ Every read takes the layer's RotatedCodes (`layer_key_codes`, `layer_value_codes
 digits each (layer-major) or calibrated for the model. A layer's codes buffer then holds each head's codes side by
 side in one row, (B, 1, slots, Σ_h bytes_h), read by `HeadCodes` (per head, its own width's RotatedCodes); the
 per-token bytes are again the uniform cache's and the recipe costs L·Hkv·2 uint8. The module path reads it in torch
-(no C code kernel), the fused decode step in C (each head its own packing, model/fused_codes.py); the serving pool,
-whose buffers hold one width for every head, does not.
+(no C code kernel), the fused decode step and the serving pool in C (each head its own packing: model/fused_codes.py,
+kernels/paged.c).
+
+Coding in C: `code` is the reference of kernels/decode.c's kvlab_tq_code_tokens (cache/tq_kernel.py), the one C
+coder of a token's K/V, which the fused decode step and the serving pool call (the module path codes in torch).
 
 `+vq` (vector_codebook.py): 2- and 3-bit parts are coded in blocks of 4 rotated coordinates, 4·b bits per block in
 the scalar codes' bytes (4 signs + an index into sign-symmetric magnitude points): a quarter less error at 3 bits.
