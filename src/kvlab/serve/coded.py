@@ -602,12 +602,15 @@ class _StepRows:
     @classmethod
     def build(cls, pool: "TurboPool", view) -> "_StepRows":
         step = cls()
-        seq = pool._row_sequences(view)                                                   # (N,)
-        step.positions = pool._positions(view, seq)                                       # (N,)
-        step.entry = torch.tensor(view.rows, device=pool.device)[seq] if view.rows is not None else None
         step.sink_writes = []                                                             # (entry, start, lo, hi)
         step.coded, step.coded_slots, step.coded_rope, step.sink_seen = None, view.slots, None, None
+        step.positions = step.entry = None
+        if not (pool.sinks or pool.codec.config.pre_rope):   # every row coded where its slot says, no position needed
+            return step
+        seq = pool._row_sequences(view)                                                   # (N,)
+        step.positions = pool._positions(view, seq)                                       # (N,)
         if pool.sinks:
+            step.entry = torch.tensor(view.rows, device=pool.device)[seq]                 # (N,) its sequence's sink rows
             for s, lo, hi, start, ctx in pool.sequences(view):
                 exact = min(ctx, pool.sink) - start                                       # this chunk's sink tokens
                 if exact > 0:
