@@ -229,47 +229,13 @@ static inline __m512 fold(__m512 a, __m512 b, __m512i lo, __m512i hi) {
     return _mm512_add_ps(_mm512_permutex2var_ps(a, lo, b), _mm512_permutex2var_ps(a, hi, b));
 }
 
-/* scores[t] = q . keys[t] * scale for t in [start, end). Sixteen keys at a time: each key's 16 lane partial
- * sums, then four folds that halve the partials per key and pack the keys (16 vectors -> 8 -> 4 -> 2 -> 1),
- * instead of a horizontal sum per key. The rest one key at a time. */
-static void key_scores(const float *q, const float *keys, int start, int end, int d, float scale, float *scores) {
-    int t = start;
-    if (d % 16 == 0) {
-        /* fold step s (w = 8, 4, 2, 1: each key holds 2w partials): lane j takes lane (j < 8 ? 0 : 16) + (j % 8) / w * 2w
-         * + j % w of the pair (lo), and that + w (hi) */
-        static const int32_t fold_lo[4][16] = {
-            {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}, {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27},
-            {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29}, {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}};
-        __m512i lo[4], hi[4];
-        for (int step = 0, w = 8; step < 4; step++, w /= 2) {
-            lo[step] = _mm512_loadu_si512(fold_lo[step]);
-            hi[step] = _mm512_add_epi32(lo[step], _mm512_set1_epi32(w));
-        }
-        for (; t + 16 <= end; t += 16) {
-            __m512 v[16];
-            for (int k = 0; k < 16; k++) {
-                const float *key = keys + (int64_t)(t + k) * d;
-                __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(key));
-                for (int c = 16; c < d; c += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), _mm512_loadu_ps(key + c), acc);
-                v[k] = acc;
-            }
-            for (int step = 0, n = 16; step < 4; step++, n /= 2)
-                for (int k = 0; k < n / 2; k++) v[k] = fold(v[2 * k], v[2 * k + 1], lo[step], hi[step]);
-            _mm512_storeu_ps(scores + t, _mm512_mul_ps(v[0], _mm512_set1_ps(scale)));
-        }
-    }
-    for (; t < end; t++) scores[t] = dot(q, keys + (int64_t)t * d, d) * scale;
-}
-
-static float exp_shifted(float *s, int n, float top);
-
-/* attend_part over rows of kv_type read in place (d a multiple of 16): fp32 rows, or 16-bit rows converted in
- * registers; the same products in the same order as key_scores, exp_shifted and weighted_sum on fp32 rows (16-bit
- * ones kv_load'ed into a tile first), so the same bits, without a tile's round trip through memory. Inlined per
- * kv_type (each conversion one instruction in the inner loops) and per common head dim. */
-static inline __attribute__((always_inline)) void attend_rows_core(int kv_type, const float *q, const void *keys,
-                                                                   const void *values, int n, int d, float scale,
-                                                                   float *scores, float *part) {
+/* scores[t] = q . row t of keys (kv_type rows, d a multiple of 16) * scale for t in [start, end). Sixteen keys at a
+ * time: each key's 16 lane partial sums, then four folds that halve the partials per key and pack the keys (16
+ * vectors -> 8 -> 4 -> 2 -> 1), instead of a horizontal sum per key. The rest one key at a time, as dot() sums. */
+static inline __attribute__((always_inline)) void key_scores_rows(int kv_type, const float *q, const void *keys, int start,
+                                                                  int end, int d, float scale, float *scores) {
+    /* fold step s (w = 8, 4, 2, 1: each key holds 2w partials): lane j takes lane (j < 8 ? 0 : 16) + (j % 8) / w * 2w
+     * + j % w of the pair (lo), and that + w (hi) */
     static const int32_t fold_lo[4][16] = {
         {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}, {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27},
         {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29}, {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}};
@@ -278,8 +244,8 @@ static inline __attribute__((always_inline)) void attend_rows_core(int kv_type, 
         lo[step] = _mm512_loadu_si512(fold_lo[step]);
         hi[step] = _mm512_add_epi32(lo[step], _mm512_set1_epi32(w));
     }
-    int t = 0;
-    for (; t + 16 <= n; t += 16) {   /* key_scores: sixteen keys' partial sums, folded */
+    int t = start;
+    for (; t + 16 <= end; t += 16) {
         __m512 v[16];
         for (int k = 0; k < 16; k++) {
             const int64_t key = (int64_t)(t + k) * d;
@@ -291,7 +257,7 @@ static inline __attribute__((always_inline)) void attend_rows_core(int kv_type, 
             for (int k = 0; k < m / 2; k++) v[k] = fold(v[2 * k], v[2 * k + 1], lo[step], hi[step]);
         _mm512_storeu_ps(scores + t, _mm512_mul_ps(v[0], _mm512_set1_ps(scale)));
     }
-    for (; t < n; t++) {             /* dot: two accumulators, the same reduction */
+    for (; t < end; t++) {           /* dot(): two accumulators, the same reduction */
         const int64_t key = (int64_t)t * d;
         __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
         int c = 0;
@@ -302,6 +268,27 @@ static inline __attribute__((always_inline)) void attend_rows_core(int kv_type, 
         for (; c < d; c += 16) acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), load_lanes(kv_type, keys, key + c), acc0);
         scores[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) * scale;
     }
+}
+
+/* scores[t] = q . keys[t] * scale for t in [start, end) */
+static void key_scores(const float *q, const float *keys, int start, int end, int d, float scale, float *scores) {
+    if (d % 16 == 0) {
+        key_scores_rows(KV_F32, q, keys, start, end, d, scale, scores);
+        return;
+    }
+    for (int t = start; t < end; t++) scores[t] = dot(q, keys + (int64_t)t * d, d) * scale;
+}
+
+static float exp_shifted(float *s, int n, float top);
+
+/* attend_part over rows of kv_type read in place (d a multiple of 16): fp32 rows, or 16-bit rows converted in
+ * registers; the same products in the same order as key_scores, exp_shifted and weighted_sum on fp32 rows (16-bit
+ * ones kv_load'ed into a tile first), so the same bits, without a tile's round trip through memory. Inlined per
+ * kv_type (each conversion one instruction in the inner loops) and per common head dim. */
+static inline __attribute__((always_inline)) void attend_rows_core(int kv_type, const float *q, const void *keys,
+                                                                   const void *values, int n, int d, float scale,
+                                                                   float *scores, float *part) {
+    key_scores_rows(kv_type, q, keys, 0, n, d, scale, scores);
     float top = -INFINITY;
     for (int i = 0; i < n; i++) top = scores[i] > top ? scores[i] : top;
     const float total = exp_shifted(scores, n, top);
