@@ -486,8 +486,17 @@ SECTIONS = [
         Table("quality_tq3_candidates_b.json", eval_quality,
               'kvlab eval --caches "tq3.25+prerope+norms8+sink1+vq,tq-k3.5v3+prerope+norms8+sink1+vq" '
               "--windows 16 --seeds 0,1,2 --no-passkey --no-text --threads 1 --out bench/results/quality_tq3_candidates_b.json",
-              "A quarter bit more (4.66× smaller than bf16): closer to +3%, not under it. The calibrated "
-              "`tq-k3.1v3.08+prerope+sink1+halloc+vq+norms8` above stays the only 3-bit-class cache measured under +3.1%."),
+              "A quarter bit more (4.66× smaller than bf16): closer to +3%, not under it."),
+        Table("quality_tq3_candidates_c.json", eval_quality,
+              'kvlab eval --caches "tq-k3.5v3.25+prerope+norms8+sink1+vq,tq-k3.5v3.25+prerope+norms8+sink1+vq+kscale=lsq" '
+              "--windows 16 --seeds 0,1,2 --no-passkey --no-text --threads 1 --out bench/results/quality_tq3_candidates_c.json",
+              "Half a bit more for the keys than the values: +2.61%, under +3% without calibration, at 4.499× smaller "
+              "than bf16 (just short of 4.5×)."),
+        Table("quality_tq3_candidates_d.json", eval_quality,
+              'kvlab eval --caches "tq-k3.5v3.125+prerope+norms8+sink1+vq,tq-k3.375v3.25+prerope+norms8+sink1+vq" '
+              "--windows 16 --seeds 0,1,2 --no-passkey --no-text --threads 1 --out bench/results/quality_tq3_candidates_d.json",
+              "`tq-k3.5v3.125+prerope+norms8+sink1+vq` is the first no-calibration 3-bit-class cache under +3% at "
+              "≥ 4.5× smaller than bf16: +2.89% at 4.58×."),
     ]),
     Section("Passkey retrieval",
             "`kvlab eval`'s passkey test: a 5-digit key hidden in King Lear filler at depths 25/50/75% of 1,000 / "
