@@ -510,6 +510,10 @@ SECTIONS = [
         Table("passkey_other_caches.json", eval_passkey,
               'kvlab eval --caches "int4,tq5,tq-k3.1v3.08+prerope+sink1+halloc+vq+norms8" --windows 1 --seeds 0,1,2 '
               "--threads 1 --out bench/results/passkey_other_caches.json"),
+        Table("passkey_tq3_candidate.json", eval_passkey,
+              'kvlab eval --caches "tq-k3.5v3.125+prerope+norms8+sink1+vq" --windows 1 --seeds 0,1,2 --no-text '
+              "--threads 2 --out bench/results/passkey_tq3_candidate.json",
+              "The no-calibration 3-bit-class candidate (+2.89%, 4.58× smaller than bf16)."),
         Table("passkey_tie.json", passkey_tie,
               'python bench/passkey_tie.py "dense,tq4+seed0,tq4+seed1,tq4+seed2,tq4+halloc+seed1,tq-k4v4+seed1"',
               "Without the primed answer (`--no-passkey-prime`) one trial turns on dense's own 0.87-logit choice of "
