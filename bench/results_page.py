@@ -687,6 +687,11 @@ SECTIONS = [
               "--out bench/results/text_quality.json",
               "`tq3` here is the bare 3-bit method: it repeats itself a third more than dense; `tq4` a fifth more; int4 "
               "less.", dense_row=True),
+        Table("text_tq3_candidate.json", eval_text,
+              'kvlab eval --caches "tq-k3.5v3.125+prerope+norms8+sink1+vq,tq4" --windows 1 --seeds 0 --no-passkey '
+              "--threads 2 --out bench/results/text_tq3_candidate.json",
+              "The no-calibration 3-bit-class candidate answers the chat questions as dense does and repeats itself "
+              "within a tenth of dense's longest run.", dense_row=True),
     ]),
     Section("Serving an agent", "", [
         Table("grammar_mask.json", grammar_mask, "python bench/grammar_mask.py",
