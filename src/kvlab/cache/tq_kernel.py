@@ -36,7 +36,7 @@ class Coded(ctypes.Structure):
                 ("scale_mode", c_int32 * 2), ("rotation", c_void_p), ("offset", c_void_p * 2),
                 ("weight_codes", c_void_p), ("fp8_values", c_void_p), ("weight_values", c_void_p),
                 ("rope_cos", c_void_p), ("rope_sin", c_void_p), ("unrotation", c_void_p), ("unrotation_signs", c_void_p),
-                ("norm_head_stride", c_int64), ("norm_slot_stride", c_int64), ("hadamard_signs", c_void_p)]
+                ("norm_head_stride", c_int64), ("norm_slot_stride", c_int64)]
 
 
 def fp8_values() -> torch.Tensor:
@@ -111,10 +111,6 @@ class CodedLayers:
                 c.offset[i] = self.ptr(offsets[layer][0].view(torch.uint8), (H, hd), f"{at} {name} offset", torch.uint8)
         rotation = codec.rotations[layer].apply(torch.eye(hd, device=codec.device)).contiguous()  # (D, D): y = x M
         c.rotation = self.ptr(rotation, (hd, hd), f"{at} rotation", torch.float32, own=True)
-        signs = None
-        if codec.rotations[layer].hadamard:   # M = diag(s) H/√d: a sign per channel and a Hadamard transform in C
-            signs = codec.rotations[layer].signs.float() * hd ** -0.5                        # (D,) s/√d
-            c.hadamard_signs = self.ptr(signs, (hd,), f"{at} rotation signs", torch.float32, own=True)
         if codec.k_weight_codes:
             c.weight_codes = self.ptr(codec.k_weight_codes[layer][0], (H, hd // 2), f"{at} key weights", torch.uint8)
         if self._tables is None:
@@ -125,8 +121,9 @@ class CodedLayers:
             if slot_rope is not None:
                 c.rope_cos = self.ptr(slot_rope[0], (slots, hd), "slot RoPE cos", torch.float32)
                 c.rope_sin = self.ptr(slot_rope[1], (slots, hd), "slot RoPE sin", torch.float32)
-            if signs is not None:   # Mᵀy = s ⊙ (H y)/√d: a Hadamard transform in C, not the d x d product
-                c.unrotation_signs = c.hadamard_signs
+            if codec.rotations[layer].hadamard:   # Mᵀy = s ⊙ (H y)/√d: a Hadamard transform in C, not the d x d product
+                signs = codec.rotations[layer].signs.float() * hd ** -0.5                    # (D,) s/√d
+                c.unrotation_signs = self.ptr(signs, (hd,), f"{at} rotation signs", torch.float32, own=True)
             else:
                 c.unrotation = self.ptr(rotation.T.contiguous(), (hd, hd), f"{at} inverse rotation", torch.float32, own=True)
         return c

@@ -736,7 +736,6 @@ typedef struct {                   /* a TurboQuant layer's codes (kvlab/cache/tu
     const float *unrotation_signs; /* +prerope with a randomized Hadamard M = H diag(s)/√d: (hd,) s/√d, else NULL */
     int64_t norm_head_stride;      /* scale of head g, slot t at norms[i][g * norm_head_stride + t * norm_slot_stride]: */
     int64_t norm_slot_stride;      /* (slots, 1) for a single cache's (Hkv, slots), (1, Hkv) for a pool's (slots, Hkv) */
-    const float *hadamard_signs;   /* M = diag(s) H/√d a randomized Hadamard: (hd,) s/√d, y = H(x ⊙ s/√d); else NULL */
 } Coded;
 
 typedef struct {                   /* an integer layer's codes (kvlab/cache/quantized.py QuantizedCache) */
@@ -783,17 +782,6 @@ static void rotate(const float *x, const float *M, int d, float *y) {
     for (int j = 0; j < d; j++) y[j] = 0.0f;
     for (int i = 0; i < d; i++)
         for (int j = 0; j < d; j++) y[j] += x[i] * M[(int64_t)i * d + j];
-}
-
-/* y (d,) = x M, the codes' rotation: a sign per channel and a fast Walsh-Hadamard transform (d log d additions)
- * where M is a randomized Hadamard, else the d x d product */
-static void rotate_codes(const Coded *C, const float *x, int d, float *y) {
-    if (!C->hadamard_signs) {
-        rotate(x, C->rotation, d, y);
-        return;
-    }
-    for (int c = 0; c < d; c++) y[c] = x[c] * C->hadamard_signs[c];
-    hadamard_rows(y, 1, d);
 }
 
 static float key_weight(const Coded *C, int g, int d, int c) {
@@ -846,7 +834,7 @@ static int code_vector(const Coded *C, const cb_layout *L, int which, int g, con
         if (which == 0 && C->weight_codes) x[c] /= key_weight(C, g, d, c);
     }
     const float norm = sqrtf(dot(x, x, d)), inv = norm > 1e-30f ? norm : 1e-30f;
-    rotate_codes(C, x, d, y);
+    rotate(x, C->rotation, d, y);
     for (int c = 0; c < d; c++) y[c] /= inv;
     kvlab_cb_encode_row(L, bounds, y, row, y_hat);
     float factor = 1.0f;
@@ -1270,7 +1258,7 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
                         const int g = i / group;
                         float qw[CB_MAX_DIM];
                         for (int c = 0; c < hd; c++) qw[c] = C->weight_codes ? q[i * hd + c] * key_weight(C, g, hd, c) : q[i * hd + c];
-                        rotate_codes(C, qw, hd, q_coded + (int64_t)i * hd);
+                        rotate(qw, C->rotation, hd, q_coded + (int64_t)i * hd);
                         for (int c = 0; c < hd; c++) q_coded[(int64_t)i * hd + c] *= m->attn_scale;
                         float shift = 0.0f;
                         if (C->offset[0]) {
