@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from kvlab.cache import CacheGeometry
-from kvlab.errors import NonFiniteError
+from kvlab.cache import int_kernel
+from kvlab.errors import ConfigError, NonFiniteError
 from kvlab.serve.attention import RaggedLayout
 from kvlab.serve.blocks import CapacityPlan
 from kvlab.serve.coded import IntPool
@@ -76,3 +77,17 @@ def test_kv_beyond_float16_take_the_references_error():
     huge = torch.full((1, 1, 32), 1e6)
     with pytest.raises(NonFiniteError, match="float16"):
         pool.append(0, view, huge, huge)
+
+
+def test_the_coder_refuses_what_its_description_was_not_checked_for():
+    kernel = require_kernel()
+    pool = pool_for("int4", 16, 2)
+    layout = RaggedLayout.build([[0]], [2], [2], 16)
+    view = BatchView(pool, layout.slots(0), layout, 1.0, None, True, pool.rows_for([Sequence("a", [1])]))
+    coder = pool._coder(0, view)
+    positions, rows = torch.arange(2), torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(ConfigError, match="keys"):                                     # a KV head more than checked
+        int_kernel.code_tokens(kernel, coder, torch.randn(2, 3, 32), torch.randn(2, 3, 32), view.slots, positions, rows)
+    with pytest.raises(ConfigError, match="refused"):                                  # a stage row past the stages
+        int_kernel.code_tokens(kernel, coder, torch.randn(2, 2, 32), torch.randn(2, 2, 32), view.slots, positions, rows + 99)
+    assert not pool.token_buffers["v_codes"][0].any()

@@ -124,6 +124,8 @@ def test_the_coder_refuses_what_it_does_not_hold_and_reports_an_overflow(kernel)
         code_tokens(kernel, coded, k, v, torch.tensor([3, 8]))                   # slot 8 of 8
     with pytest.raises(ConfigError, match="refused"):                            # RoPE for a layer coded after RoPE
         code_tokens(kernel, coded, k, v, torch.tensor([0, 1]), (torch.ones(2, d), torch.zeros(2, d)))
+    with pytest.raises(ConfigError, match="keys"):                              # more KV heads than it was checked for
+        code_tokens(kernel, coded, torch.randn(2, H + 1, d), torch.randn(2, H + 1, d), torch.tensor([0, 1]))
     assert not buffers["k_codes"].any()
     huge = torch.full((1, H, d), 1e30)                                           # its norm overflows float16
     assert code_tokens(kernel, coded, huge, huge, torch.tensor([5])) is False

@@ -31,7 +31,7 @@ class Quantized(ctypes.Structure):
                 ("meta_group_stride", c_int64), ("stage_head_stride", c_int64), ("stage_row_stride", c_int64)]
 
 
-def single_layout(q: Quantized, n_kv_heads: int) -> Quantized:
+def single_layout(q: Quantized) -> Quantized:
     """A single cache's rows (head-major): see the module docstring."""
     G, S = q.group, q.slots
     q.head_stride, q.slot_stride, q.meta_head_stride, q.meta_group_stride = S, 1, -(-S // G), 1
@@ -57,19 +57,18 @@ def pool_layer(buffers: dict[str, torch.Tensor], stage: torch.Tensor, bits: int,
     q.k_stage = stage.data_ptr()
     q.head_stride, q.slot_stride, q.meta_head_stride, q.meta_group_stride = 1, H, 1, H
     q.stage_head_stride, q.stage_row_stride = 1, H
+    q.checked = (H, hd, stage.shape[0])   # what the buffers were checked for: KV heads, head dim, stage rows
     return q
 
 
-def code_tokens(kernel, q: Quantized, stage: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-                positions: torch.Tensor, stage_rows: torch.Tensor) -> bool:
+def code_tokens(kernel, q: Quantized, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                stage_rows: torch.Tensor) -> bool:
     """Code k, v (n, Hkv, d) into the pool layer `q` describes: token r at position positions[r] into slot slots[r],
     its key staged in stage row stage_rows[r] (its sequence's; a sequence's tokens in position order). True when
     stored; False when the K/V are not finite or beyond float16's range (nothing written: the caller's torch
     reference names it)."""
-    n, H, d = k.shape
-    status = kernel.int_code_tokens(q, H, d, k.float().contiguous(), v.float().contiguous(), slots.to(torch.int64).contiguous(),
-                                    positions.to(torch.int64).contiguous(), stage_rows.to(torch.int64).contiguous(),
-                                    stage[0].numel(), stage)
+    status = kernel.int_code_tokens(q, k.float().contiguous(), v.float().contiguous(), slots.to(torch.int64).contiguous(),
+                                    positions.to(torch.int64).contiguous(), stage_rows.to(torch.int64).contiguous())
     if status < 0:
         raise ConfigError("integer coding: kvlab_int_code_tokens refused the layer's description")
     return status == 0

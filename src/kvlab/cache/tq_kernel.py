@@ -79,6 +79,7 @@ class CodedLayers:
         at, config = f"layer {layer}", codec.config
         c = Coded()
         c.made_by = self   # what it points at lives as long as it does
+        c.checked = (H, hd)   # what its buffers were checked for: KV heads, head dim
         log_norms = config.log_norms
         c.slots, c.norm_type = slots, NORM_LOG8 if log_norms else KV_TYPES[config.norm_dtype]
         c.norm_head_stride, c.norm_slot_stride = (1, H) if token_major else (slots, 1)
@@ -147,10 +148,9 @@ def code_tokens(kernel, coded: Coded, k: torch.Tensor, v: torch.Tensor, slots: t
     """Code k, v (n, Hkv, d) (keys after RoPE) into slots (n,) of the layer `coded` describes; +prerope: rope, each
     token's (n, d) cos / sin, turns its key back first. True when stored, False when a scale is not finite (the
     caller's torch reference then names it)."""
-    n, H, d = k.shape
     cos, sin = (None, None) if rope is None else (t.float().contiguous() for t in rope)
-    status = kernel.tq_code_tokens(coded, H, d, k.float().contiguous(), v.float().contiguous(),
-                                   slots.to(torch.int64).contiguous(), cos, sin)
+    status = kernel.tq_code_tokens(coded, k.float().contiguous(), v.float().contiguous(), slots.to(torch.int64).contiguous(),
+                                   cos, sin)
     if status < 0:   # a layout the C code does not take, a slot out of range, RoPE missing or not wanted
         raise ConfigError("TurboQuant coding: kvlab_tq_code_tokens refused the layer's description")
     return status == 0

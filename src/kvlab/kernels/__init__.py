@@ -353,12 +353,14 @@ class BlockKernel:
             raise ConfigError(f"integer-cache decode refused int{bits} codes of shape {tuple(codes.shape)}")
         return out
 
-    def tq_code_tokens(self, coded, heads: int, d: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-                       cos: torch.Tensor | None, sin: torch.Tensor | None) -> int:
-        """kvlab_tq_code_tokens (decode.c): k, v (n, heads, d) fp32 coded into slots (n,) int64 of the TurboQuant layer
-        `coded` (a cache/tq_kernel.py Coded, its buffers checked where it was made; C checks each slot against its
-        slots); +prerope: cos / sin (n, d) each token's. 0 stored, 1 a scale not finite, -1 refused."""
+    def tq_code_tokens(self, coded, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor | None,
+                       sin: torch.Tensor | None) -> int:
+        """kvlab_tq_code_tokens (decode.c): k, v (n, Hkv, d) fp32 coded into slots (n,) int64 of the TurboQuant layer
+        `coded` (a cache/tq_kernel.py Coded, its buffers checked for `coded.checked` = (Hkv, d) where it was made; C
+        checks each slot against its slots); +prerope: cos / sin (n, d) each token's. 0 stored, 1 a scale not
+        finite, -1 refused."""
         what = "TurboQuant coding"
+        heads, d = coded.checked
         n = slots.shape[0] if slots.dim() == 1 else -1
         check_buffer(what, "slots", slots, torch.int64, (n,))
         check_buffer(what, "keys", k, torch.float32, (n, heads, d))
@@ -370,20 +372,22 @@ class BlockKernel:
                                               None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(),
                                               torch.get_num_threads())
 
-    def int_code_tokens(self, quantized, heads: int, d: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-                        positions: torch.Tensor, stage_rows: torch.Tensor, stage_stride: int, stage: torch.Tensor) -> int:
-        """kvlab_int_code_tokens (decode.c): k, v (n, heads, d) fp32 coded into slots (n,) of the integer layer
-        `quantized` (a cache/int_kernel.py Quantized, its buffers checked where it was made), token r at positions[r]
-        with its key staged in row stage_rows[r] (< the rows of `stage`, stage_stride floats apart). 0 stored, 1 not
-        finite or beyond float16's range, -1 refused."""
+    def int_code_tokens(self, quantized, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                        stage_rows: torch.Tensor) -> int:
+        """kvlab_int_code_tokens (decode.c): k, v (n, Hkv, d) fp32 coded into slots (n,) of the integer pool layer
+        `quantized` (a cache/int_kernel.py Quantized, its buffers checked for `quantized.checked` = (Hkv, d, stage
+        rows) where it was made; C checks each slot), token r at positions[r] with its key staged in stage row
+        stage_rows[r]. 0 stored, 1 not finite or beyond float16's range, -1 refused."""
         what = "integer coding"
+        heads, d, rows = quantized.checked
         n = slots.shape[0] if slots.dim() == 1 else -1
         for name, t in (("slots", slots), ("positions", positions), ("stage rows", stage_rows)):
             check_buffer(what, name, t, torch.int64, (n,))
         check_buffer(what, "keys", k, torch.float32, (n, heads, d))
         check_buffer(what, "values", v, torch.float32, (n, heads, d))
-        if n and (int(stage_rows.min()) < 0 or int(stage_rows.max()) >= stage.shape[0] or stage[0].numel() != stage_stride):
+        if n and (int(stage_rows.min()) < 0 or int(stage_rows.max()) >= rows):
             return -1
+        stage_stride = quantized.group * heads * d                                 # floats of one stage row (G, Hkv, d)
         return self._lib.kvlab_int_code_tokens(ctypes.byref(quantized), heads, d, n, k.data_ptr(), v.data_ptr(),
                                                slots.data_ptr(), positions.data_ptr(), stage_rows.data_ptr(), stage_stride,
                                                torch.get_num_threads())

@@ -49,7 +49,7 @@ def quantized(cache, layer: int, hd: int, ptr) -> Quantized:
     for name in cache.BUFFERS:
         shape, dtype = shapes[name]
         setattr(q, name, ptr(getattr(cache, name)[layer][0], shape, f"{at} {name}", dtype))
-    return single_layout(q, H)
+    return single_layout(q)
 
 
 def raise_range_error(q: Quantized) -> None:

@@ -104,6 +104,8 @@ class CodedPool:
         self.group = self.block_size                          # tokens per group buffer row
         self.rows = SequenceRows(plan.max_batch, "the pool has rows")   # running sequence -> its row
         self.n_groups = plan.n_groups                          # layer groups: per-layer state for each group's layers
+        self._kernel = kernel_for(self._device)                # the C coders' library, None off the CPU or without it
+        self._coders: dict[tuple[int, int], object] = {}       # (pool layer, state layer) -> its C description
 
     def state_layer(self, layer: int, view) -> int:
         """Where pool layer `layer` of the view's group keeps its per-layer state (group g's layers after the g
@@ -165,14 +167,41 @@ class CodedPool:
         counts = (layout.query_start[1:] - layout.query_start[:-1]).long()                # (S,) tokens per sequence
         return torch.repeat_interleave(torch.arange(counts.numel()), counts).to(self._device)
 
-    def _positions(self, view, sequence: torch.Tensor | None = None) -> torch.Tensor:
-        """(N,) the position of each of the step's tokens in its sequence (`sequence`: _row_sequences, if made)."""
+    def _positions(self, view, seq: torch.Tensor) -> torch.Tensor:
+        """(N,) the position of each of the step's tokens in its sequence (seq: _row_sequences)."""
         layout = view.layout
-        seq = self._row_sequences(view) if sequence is None else sequence
         rows = torch.arange(seq.numel(), device=self._device)
         ends = layout.context_len.long().to(self._device)[seq]                             # (N,) its sequence's context
         last_rows = layout.query_start[1:].long().to(self._device)[seq]                    # (N,) one past its last row
         return ends - (last_rows - rows)
+
+    def _token_rows(self, view) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(positions (N,), rows (N,)): each of the step's tokens' position in its sequence and its sequence's row of
+        per-sequence state (None without rows); made at the step's first layer and kept on its view."""
+        held = getattr(view, "token_rows", None)
+        if held is None:
+            seq = self._row_sequences(view)                                                # (N,)
+            rows = None if view.rows is None else torch.tensor(view.rows, dtype=torch.int64, device=self._device)[seq]
+            held = view.token_rows = (self._positions(view, seq), rows)
+        return held
+
+    def _coder(self, layer: int, view):
+        """Pool layer `layer`'s codes as its format's C coder writes them (cache/tq_kernel.py, cache/int_kernel.py),
+        described once per layer and layer group; None where this step codes in torch (the reference): no kernel,
+        view.use_kernel off, or what `_codes_in_c` refuses."""
+        if not view.use_kernel or self._kernel is None or not self._codes_in_c():
+            return None
+        at = self.state_layer(layer, view)
+        coder = self._coders.get((layer, at))
+        if coder is None:
+            coder = self._coders[layer, at] = self._describe(layer, at)
+        return coder
+
+    def _codes_in_c(self) -> bool:
+        raise NotImplementedError
+
+    def _describe(self, layer: int, at: int):
+        raise NotImplementedError
 
     # -- reading ------------------------------------------------------------------------------------------
     @staticmethod
@@ -205,7 +234,6 @@ class IntPool(CodedPool):
         self.stage = torch.zeros(self.n_groups * g.n_layers, plan.max_batch, self.group, g.n_kv_heads, g.head_dim,
                                  dtype=fmt.dtype, device=self._device)   # (groups·L, rows, G, Hkv, Dk): state_layer
         self._fresh: list[tuple[int, torch.Tensor]] = []                  # per sequence of the step: (first, keys)
-        self._kernel, self._coders = kernel_for(self._device), {}        # the C coder's layer descriptions
         # one ragged C call per layer (kvlab_paged_int_attention) instead of per-sequence calls of the single cache's
         # kernels: equal to the reference within float rounding, but not bitwise equal to the single int cache, and
         # int codes turn a rounding difference into a different code now and then, so greedy tokens can part from
@@ -230,27 +258,22 @@ class IntPool(CodedPool):
             have = start % G
             keys = k[lo:hi].to(stage.dtype)                                            # (T, Hkv, D)
             self._fresh.append((start - have, torch.cat([stage[view.rows[s], :have], keys]) if have else keys))
-        coder = self._coder(layer, view) if view.use_kernel else None
+        coder = self._coder(layer, view)
         if coder is not None:
-            seq = self._row_sequences(view)                                            # (N,)
-            rows = torch.tensor(view.rows, dtype=torch.int64)[seq]                     # (N,) each token's stage row
-            if int_kernel.code_tokens(self._kernel, coder, stage, k, v, view.slots, self._positions(view, seq), rows):
+            positions, rows = self._token_rows(view)                                   # (N,) each; rows: stage rows
+            if int_kernel.code_tokens(self._kernel, coder, k, v, view.slots, positions, rows):
                 return
         self._append_reference(stage, layer, view, k, v)
 
-    def _coder(self, layer: int, view):
-        """The C description of pool layer `layer` with its layer group's stages (cache/int_kernel.py), made once;
-        None without the kernel, off the CPU, for stages not in fp32, or value heads wider or narrower than keys."""
-        at = self.state_layer(layer, view)
-        if self._kernel is None or self.stage.dtype != torch.float32 or self.geometry.head_dim != self.geometry.head_dim_v:
-            return None
-        coder = self._coders.get((layer, at))
-        if coder is None:
-            buffers = {name: buf[layer] for name, buf in self.token_buffers.items()}
-            buffers.update({name: buf[layer] for name, buf in self.group_buffers.items()})
-            coder = self._coders[layer, at] = pool_layer(buffers, self.stage[at], self.bits, self.group, self.value_group,
-                                                         "integer pool")
-        return coder
+    def _codes_in_c(self) -> bool:
+        """The C coder takes fp32 stages and value heads as wide as key heads."""
+        return self.stage.dtype == torch.float32 and self.geometry.head_dim == self.geometry.head_dim_v
+
+    def _describe(self, layer: int, at: int):
+        """Pool layer `layer`'s buffers with state layer `at`'s stages (cache/int_kernel.py)."""
+        buffers = {name: buf[layer] for name, buf in self.token_buffers.items()}
+        buffers.update({name: buf[layer] for name, buf in self.group_buffers.items()})
+        return pool_layer(buffers, self.stage[at], self.bits, self.group, self.value_group, "integer pool")
 
     def _append_reference(self, stage: torch.Tensor, layer: int, view, k: torch.Tensor, v: torch.Tensor) -> None:
         """append in torch: QuantizedCache's arithmetic on the step's tokens."""
@@ -395,9 +418,7 @@ class TurboPool(CodedPool):
         if codec.sink != self.sink:   # the codec's reads place coded slot i at position sink + i (+prerope)
             raise ConfigError(f"TurboQuant pool: its codec keeps {codec.sink} sink tokens, the format {self.sink}")
         self.sinks = SinkRows(geometry, plan.max_batch, self.sink, fmt.dtype, self._device) if self.sink else None
-        # the C coder's description of each pool layer's codes (cache/tq_kernel.py), made at its first step
-        self._kernel = kernel_for(self._device)
-        self._c_layers, self._coders = CodedLayers("TurboQuant pool"), {}
+        self._c_layers = CodedLayers("TurboQuant pool")     # what the C coder's layer descriptions point at
 
     # -- +sinkN: per-sequence state -------------------------------------------------------------------------
     def rows_for(self, seqs) -> list[int]:
@@ -451,16 +472,14 @@ class TurboPool(CodedPool):
             step = view.coded_rows = _StepRows.build(self, view)
         return step
 
-    def _coder(self, layer: int, at: int):
-        """Pool layer `layer`'s codes as the C coder writes them with the codec's layer `at` (cache/tq_kernel.py), made
-        once; None where the codes are coded in torch (no kernel, not the CPU, or +qjl residuals, which C does not code)."""
-        if self._kernel is None or self.codec.config.qjl:
-            return None
-        coder = self._coders.get((layer, at))
-        if coder is None:
-            buffers = {name: self.token_buffers[name][layer] for name in ("k_codes", "k_norm", "v_codes", "v_norm")}
-            coder = self._coders[layer, at] = self._c_layers.layer(self.codec, at, buffers, self.slots, token_major=True)
-        return coder
+    def _codes_in_c(self) -> bool:
+        """C does not code +qjl residuals."""
+        return not self.codec.config.qjl
+
+    def _describe(self, layer: int, at: int):
+        """Pool layer `layer`'s codes with the codec's layer `at` (cache/tq_kernel.py)."""
+        buffers = {name: self.token_buffers[name][layer] for name in ("k_codes", "k_norm", "v_codes", "v_norm")}
+        return self._c_layers.layer(self.codec, at, buffers, self.slots, token_major=True)
 
     def append(self, layer: int, view, k: torch.Tensor, v: torch.Tensor) -> None:
         """k (N, Hkv, D), v (N, Hkv, D) of the step's tokens: coded into their slots; with +sinkN the tokens at
@@ -474,7 +493,7 @@ class TurboPool(CodedPool):
             k, v = k[step.coded], v[step.coded]
         if not len(slots):
             return
-        coder = self._coder(layer, at) if view.use_kernel else None
+        coder = self._coder(layer, view)
         if coder is not None and code_tokens(self._kernel, coder, k, v, slots, rope):
             return
         if rope is not None:   # the torch reference (and, for a scale that is not finite, its one-line error)
@@ -607,10 +626,9 @@ class _StepRows:
         step.positions = step.entry = None
         if not (pool.sinks or pool.codec.config.pre_rope):   # every row coded where its slot says, no position needed
             return step
-        seq = pool._row_sequences(view)                                                   # (N,)
-        step.positions = pool._positions(view, seq)                                       # (N,)
+        step.positions, rows = pool._token_rows(view)                                     # (N,) each
         if pool.sinks:
-            step.entry = torch.tensor(view.rows, device=pool.device)[seq]                 # (N,) its sequence's sink rows
+            step.entry = rows                                                             # (N,) its sequence's sink rows
             for s, lo, hi, start, ctx in pool.sequences(view):
                 exact = min(ctx, pool.sink) - start                                       # this chunk's sink tokens
                 if exact > 0:
