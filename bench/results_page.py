@@ -6,8 +6,8 @@ command that reproduces it.
 
 Each file in bench/results is either a table on the page (SECTIONS) or listed as raw data (RAW), never neither: the
 script refuses a results file it does not know. A file that records its own `command` is shown with it; the others
-take theirs from the tables below. Files measured before `tq4` named the preset call the bare 4-bit method `tq4`;
-their sections set `bare_tq4` and the page prints the current name, `tq-k4v4`.
+take theirs from the tables below. Files measured before `tq4` and `tq3` named presets call the bare method `tq4` or
+`tq3`; their sections list those names in `bare` and the page prints the current name, `tq-k4v4` or `tq-k3v3`.
 """
 
 from __future__ import annotations
@@ -44,12 +44,17 @@ def table(header: list[str], rows: list[list[str]], right: set[int] = frozenset(
     return "\n".join(lines)
 
 
-_BARE = re.compile(r"^(pool:)?tq4(?=$|\+)")
+_BARE = re.compile(r"^(pool:)?tq([34])(?=$|\+)")
+BOTH = ("tq4", "tq3")        # measured before either preset existed
+TQ3 = ("tq3",)               # measured after tq4, before tq3 named a preset
 
 
-def current_name(name: str, bare_tq4: bool) -> str:
-    """In a file measured before the preset, 'tq4+sink1' was the bare method: 'tq-k4v4+sink1' today."""
-    return _BARE.sub(lambda m: (m.group(1) or "") + "tq-k4v4", name) if bare_tq4 else name
+def current_name(name: str, bare: tuple[str, ...]) -> str:
+    """In a file measured before the presets, 'tq4+sink1' was the bare method: 'tq-k4v4+sink1' today."""
+    def rename(m: re.Match) -> str:
+        head = f"tq{m.group(2)}"
+        return (m.group(1) or "") + (f"tq-k{m.group(2)}v{m.group(2)}" if head in bare else head)
+    return _BARE.sub(rename, name)
 
 
 def code(name: str) -> str:
@@ -71,7 +76,7 @@ def eval_quality(data, opt) -> str:
         seeds = [s for s in r.get("per_seed", []) if s.get("seed") is not None]
         ci = r.get("ppl_delta_ci")
         rows.append([
-            code(current_name(r["cache"], opt.bare_tq4)),
+            code(current_name(r["cache"], opt.bare)),
             num(r["bytes_per_token"], 0),
             f"{BF16_BYTES / r['bytes_per_token']:.2f}×",
             f"{r['ppl']:.2f}",
@@ -102,7 +107,7 @@ def eval_passkey(data, opt) -> str:
             sd = (sum((d - m) ** 2 for d in diffs) / len(diffs)) ** 0.5
             against = f"{m:+.2f} ({sd:.2f}), worst {min(diffs):+.2f}"
         rows.append([
-            code(current_name(r["cache"], opt.bare_tq4)),
+            code(current_name(r["cache"], opt.bare)),
             num(r["bytes_per_token"], 0),
             f"**{r['passkey_found']}/{r['passkey_total']}**",
             "—" if mean is None else f"{mean:.2f} / {low:+.2f}",
@@ -133,7 +138,7 @@ def decode_contexts(data, opt) -> str:
     """`kvlab bench decode --contexts`: decode tokens/s by context (rows) and cache (columns), × the baseline."""
     caches, contexts, cell = [], [], {}
     for r in data["results"]:
-        name = current_name(r["cache"], opt.bare_tq4)
+        name = current_name(r["cache"], opt.bare)
         if name not in caches:
             caches.append(name)
         if r["context"] not in contexts:
@@ -141,7 +146,7 @@ def decode_contexts(data, opt) -> str:
         step = ", modules" if r.get("step") == "modules" else ""
         share = f", {100 * r['share_of_read_limit']:.0f}%" if opt.read_share and r.get("share_of_read_limit") else ""
         cell[r["context"], name] = f"{r['tokens_per_s']:.1f} ({r['ratio_vs_baseline']:.2f}×{share}{step})"
-    base = current_name(data["baseline"], opt.bare_tq4)
+    base = current_name(data["baseline"], opt.bare)
     rows = [[num(c, 0)] + [cell.get((c, n), "—") for n in caches] for c in contexts]
     share = (f"; the percentage is the step's weight and K/V bytes read per second as a share of the "
              f"{data['read_bandwidth_gb_s']:.1f} GB/s measured read limit" if opt.read_share else "")
@@ -172,7 +177,7 @@ def throughput(data, opt) -> str:
     for r in data["results"]:
         seq = r.get("speedup_vs_sequential")
         rows.append([r["workload"], r["contender"], str(r["max_batch"]),
-                     code(current_name(r["block_format"], opt.bare_tq4)),
+                     code(current_name(r["block_format"], opt.bare)),
                      "on" if r["prefix_caching"] else "off", str(r["requests"]),
                      num(r["output_tokens_per_s"]), "—" if seq is None else f"{seq:.2f}×",
                      num(1000 * r["ttft_p50_s"], 0), f"{1000 * r['tpot_p50_s']:.0f} / {1000 * r['tpot_p99_s']:.0f}",
@@ -190,7 +195,7 @@ def serve(data, opt) -> str:
              f"{r['output_tokens_per_s']:.1f}", f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f}",
              f"{r['tpot_p50_ms']:.0f} / {r['tpot_p99_ms']:.0f}", num(r["peak_kv_bytes"] / 1e6, 2)]
             for r in data["levels"]]
-    out = (f"Blocks `{current_name(s['cache'], opt.bare_tq4)}`, KV pool {s['kv_budget']}, {s['max_tokens']} tokens "
+    out = (f"Blocks `{current_name(s['cache'], opt.bare)}`, KV pool {s['kv_budget']}, {s['max_tokens']} tokens "
            f"per request:\n\n"
            + table(["concurrency", "requests", "errors", "requests/s", "out tok/s", "TTFT p50 / p99 ms",
                     "TPOT p50 / p99 ms", "peak KV MB"], rows, right=set(range(8))))
@@ -262,7 +267,7 @@ def cache_name(x) -> str:
 def rows_table(columns: list[tuple[str, str, Callable]], key: str = "rows") -> Callable:
     """A renderer for a list of flat records: (header, field, format) per column."""
     def cell(r, f, fmt, opt):
-        return code(current_name(r[f], opt.bare_tq4)) if fmt is cache_name else fmt(r.get(f))
+        return code(current_name(r[f], opt.bare)) if fmt is cache_name else fmt(r.get(f))
 
     def render(data, opt) -> str:
         records = data[key] if isinstance(data, dict) else data
@@ -282,7 +287,7 @@ def prefill_memory(data, opt) -> str:
 
 
 def prefill_caches(data, opt) -> str:
-    rows = [[code(current_name(r["cache"], opt.bare_tq4)), f"{r['cpu_seconds']:.1f} s",
+    rows = [[code(current_name(r["cache"], opt.bare)), f"{r['cpu_seconds']:.1f} s",
              f"{r['cpu_time_vs_dense']:.2f}×", f"{r['prefill_peak_mib']:,} MiB", num(r["cache_mib"])]
             for r in data["caches"]]
     n = data["caches"][0]["prompt_tokens"]
@@ -307,12 +312,13 @@ def passkey_tie(data, opt) -> str:
 
 
 def eval_text(data, opt) -> str:
-    """`kvlab eval`'s text part: greedy continuations of 54 fixed prompts against dense's."""
-    dense = next((r["text"] for r in data if r["cache"] == "dense"), None)
+    """`kvlab eval`'s text part: greedy continuations of 54 fixed prompts against the reference's (the first record:
+    dense, or transformers' own cache `hf:dynamic`)."""
+    dense = data[0]["text"]
     rows = []
     for r in data:
         t = r["text"]
-        change = (lambda key: "—" if r["cache"] == "dense" or not dense[key] else f"{t[key] / dense[key] - 1:+.0%}")
+        change = (lambda key: "—" if r is data[0] or not dense[key] else f"{t[key] / dense[key] - 1:+.0%}")
         rows.append([code(r["cache"]), pct(r["ppl_delta_pct"]), f"{t['first_difference_median']:g}",
                      f"{t['same_text']}/{t['prompts']}", f"{t['answers_right']}/{t['questions']}",
                      f"{t['answers_as_dense']}/{t['questions']}", f"{t['repeat_run_mean']:.2f} ({change('repeat_run_mean')})",
@@ -397,7 +403,7 @@ class Table:
     command: str = ""            # used when the JSON records none
     note: str = ""               # one or two sentences under the table
     rows: tuple[str, ...] = ()   # eval files: only these caches (the others are superseded by another table)
-    bare_tq4: bool = False       # measured when `tq4` named the bare method
+    bare: tuple[str, ...] = TQ3  # the preset names (tq4, tq3) that named the bare method when this was measured
     read_share: bool = False     # decode_contexts: each cell's share of the measured read limit
     dense_row: bool = False      # eval files: show the dense reference row
     part: str = ""               # 'a.b': render data["a"]["b"] (one part of a file with several)
@@ -442,17 +448,17 @@ SECTIONS = [
               "kvlab eval --caches tq-k4v4 --seeds 0,1,2 --no-passkey --threads 2 --out bench/results/quality_tq_k4v4.json",
               "`tq-k4v4` is the bare TurboQuant method at 4 bits (rotation + Lloyd-Max codes with kvlab's key offset, "
               "renormalized scale and query-aware key weights; nothing kept in full precision).",
-              rows=("dense", "tq4"), bare_tq4=True),
+              rows=("dense", "tq4"), bare=BOTH),
         Table("quality_no_calibration.json", eval_quality,
               "kvlab eval --caches tq-k4v4+prerope+sink1 --seeds 0,1,2 --no-passkey --threads 2 "
               "--out bench/results/quality_no_calibration.json",
               "Keys coded before RoPE and the first token kept exact: the two levers of the preset, at whole 4-bit widths.",
-              rows=("dense", "tq4+prerope+sink1"), bare_tq4=True),
+              rows=("dense", "tq4+prerope+sink1"), bare=BOTH),
         Table("quality_recipes.json", eval_quality,
               'kvlab eval --caches "tq-k4v4+prerope+sink1+halloc+kscale=lsq,tq-k3.1v3.08+prerope+sink1+halloc+vq+norms8" '
               "--seeds 0,1,2 --no-passkey --threads 2 --out bench/results/quality_recipes.json",
               "The second row is the best 3-bit-class cache measured: per-head widths, block codes (`+vq`) and 8-bit "
-              "log scales (`+norms8`) at 4.91× smaller than bf16.", bare_tq4=True),
+              "log scales (`+norms8`) at 4.91× smaller than bf16.", bare=BOTH),
         Table("quality_norms8_recipes.json", eval_quality,
               'kvlab eval --caches "tq-k4.15v4.15+prerope+sink1+halloc+kscale=lsq+norms8,'
               'tq-k4.2v4.1+prerope+sink1+halloc+kscale=lsq+norms8" --seeds 0,1,2 --no-passkey --threads 2 '
@@ -477,7 +483,7 @@ SECTIONS = [
               "KIVI-style `int4` and the bare TurboQuant method at 5 and 3 bits. The TurboQuant rows come from a run in "
               "which a layer's first chunk was read back through its codes; reading it exact, as the code does now, "
               "moved `tq-k4v4` from +3.17% to +2.67%, so expect tq5/tq3 to differ by a few tenths of a point today.",
-              rows=("dense", "int4", "tq5", "tq3"), bare_tq4=True),
+              rows=("dense", "int4", "tq5", "tq3"), bare=BOTH),
         Table("quality_tq3_candidates.json", eval_quality,
               'kvlab eval --caches "tq3.125+prerope+norms8+sink1+vq+kscale=lsq+vscale=lsq,tq3.125+prerope+norms8+sink1+vq" '
               "--windows 16 --seeds 0,1,2 --no-passkey --no-text --threads 1 --out bench/results/quality_tq3_candidates.json",
@@ -497,6 +503,13 @@ SECTIONS = [
               "--windows 16 --seeds 0,1,2 --no-passkey --no-text --threads 1 --out bench/results/quality_tq3_candidates_d.json",
               "`tq-k3.5v3.125+prerope+norms8+sink1+vq` is the first no-calibration 3-bit-class cache under +3% at "
               "≥ 4.5× smaller than bf16: +2.89% at 4.58×."),
+        Table("quality_tq3_preset.json", eval_quality,
+              'kvlab eval --caches "tq3+halloc,tq3" --windows 16 --seeds 0,1,2 --no-passkey --no-text --threads 2 '
+              "--out bench/results/quality_tq3_preset.json",
+              "The `tq3` preset names that recipe (`tq-k3.5v3.125+prerope+vq+norms8+sink1`), as `tq4` names its own; "
+              "`tq3+halloc` is the calibrated one (a key and a value width per layer and KV head at the same total). At 2 threads "
+              "the preset measures +2.80% where the 1-thread run above measured +2.89%: the thread count changes the "
+              "order of fp32 sums, and the seeds' spread is ±0.3–0.4 points.", bare=()),
     ]),
     Section("Passkey retrieval",
             "`kvlab eval`'s passkey test: a 5-digit key hidden in King Lear filler at depths 25/50/75% of 1,000 / "
@@ -531,7 +544,7 @@ SECTIONS = [
               'kvlab bench decode --contexts 512,2k,4k --caches "dense,tq-k4v4,'
               "tq-k4.15v4.15+prerope+sink1+halloc+kscale=lsq+vscale=lsq+norms8,"
               'tq-k3.1v3.08+prerope+sink1+halloc+vq+norms8" --threads 1 --repeats 3 --steps 16 '
-              "--out bench/results/decode_recipes.json", bare_tq4=True),
+              "--out bench/results/decode_recipes.json", bare=BOTH),
         Table("decode_caches_1thread.json", decode_contexts,
               "kvlab bench decode --contexts 512,4k,8k --caches dense,dense-f16,tq4,tq-k4v4,int4 --threads 1 --repeats 2 "
               "--steps 16 --out bench/results/decode_caches_1thread.json",
@@ -540,10 +553,10 @@ SECTIONS = [
               "costs more than it saves in bytes at one thread.", read_share=True),
         Table("decode_contexts_2threads.json", decode_contexts,
               "kvlab bench decode --contexts 512,8k --caches dense-f16,tq-k4v4,tq3,int8,int4 --threads 2 --repeats 2 "
-              "--out bench/results/decode_contexts_2threads.json", bare_tq4=True),
+              "--out bench/results/decode_contexts_2threads.json", bare=BOTH),
         Table("decode_contexts_2threads_4k.json", decode_contexts,
               "kvlab bench decode --contexts 4k --caches dense-f16,tq-k4v4,tq3,int8,int4 --threads 2 --repeats 2 "
-              "--out bench/results/decode_contexts_2threads_4k.json", bare_tq4=True),
+              "--out bench/results/decode_contexts_2threads_4k.json", bare=BOTH),
     ]),
     Section("Against llama.cpp on the same GGUF",
             "llama.cpp is llama-cpp-python 0.3.36 built from source in its own venv (see bench/README.md), run by "
@@ -552,11 +565,11 @@ SECTIONS = [
         Table("decode_vs_llama_cpp_1thread.json", decode_contexts,
               "kvlab bench decode --contexts 4000 --caches dense-f16,tq-k4v4,llama.cpp:f16,llama.cpp:q8_0 "
               "--llama-cpp PYTHON --threads 1 --repeats 3 --out bench/results/decode_vs_llama_cpp_1thread.json",
-              bare_tq4=True),
+              bare=BOTH),
         Table("decode_vs_llama_cpp_2threads.json", decode_contexts,
               "kvlab bench decode --contexts 512,4k --caches dense-f16,tq-k4v4,llama.cpp:f16,llama.cpp:q8_0 "
               "--llama-cpp PYTHON --threads 2 --repeats 3 --out bench/results/decode_vs_llama_cpp_2threads.json",
-              bare_tq4=True),
+              bare=BOTH),
         Table("prefill_vs_llama_cpp.json", decode_contexts,
               "kvlab bench decode --contexts 512,2k,4000 --caches dense-f16,llama.cpp:f16 --llama-cpp PYTHON --threads 1 "
               "--repeats 2 --steps 16 --out bench/results/prefill_vs_llama_cpp.json"),
@@ -629,14 +642,14 @@ SECTIONS = [
         Table("throughput_recipes.json", throughput,
               'kvlab bench throughput --quick --workloads mixed --batches 16 --no-sequential --formats '
               '"dense,tq-k4v4,tq-k4v4+prerope+sink1,tq-k4.125v4.125+prerope+sink1+norms8+kscale=lsq+vscale=lsq,'
-              'tq3+vq+norms8" --out bench/results/throughput_recipes.json', bare_tq4=True),
-        Table("throughput_recipes_b.json", throughput, "(the same command, again)", bare_tq4=True),
+              'tq3+vq+norms8" --out bench/results/throughput_recipes.json', bare=BOTH),
+        Table("throughput_recipes_b.json", throughput, "(the same command, again)", bare=BOTH),
         Table("pool_calibration.json", eval_quality,
               'python bench/pool_calibration.py "tq-k4v4,tq-k4v4+prerope+sink1,tq-k4.125v4.125+prerope+sink1+norms8+'
               'kscale=lsq+vscale=lsq"',
               "Quality as served: `pool:NAME` is the cache calibrated as the pool calibrates it (once, on a short prose "
               "message in the model's chat template), NAME the cache calibrating on each sequence's own first chunk. "
-              "The third name is `tq4`'s recipe.", bare_tq4=True),
+              "The third name is `tq4`'s recipe.", bare=BOTH),
         Table("pool_calibration_halloc.json", eval_quality,
               "python bench/pool_calibration.py tq4+halloc bench/results/pool_calibration_halloc.json"),
         Table("served_answers.json", served_answers,
@@ -655,7 +668,7 @@ SECTIONS = [
               "--out bench/results/serve_tq_k4v4.json --plot bench/results/serve_tq_k4v4.png",
               "This run's pool read coded blocks with a Python loop over sequences; the paged C kernel replaced "
               "it, so the throughput tables above give the speed of compressed blocks today. Its peak KV column "
-              "still shows the bytes: 7.5× fewer than dense blocks for the same tokens.", bare_tq4=True),
+              "still shows the bytes: 7.5× fewer than dense blocks for the same tokens.", bare=BOTH),
     ]),
     Section("Through transformers: `kvlab.hf` and `--backend transformers`",
             "SmolLM2 loaded by transformers from the same GGUF (fp32); every row is a cache object handed to the "
@@ -668,7 +681,7 @@ SECTIONS = [
               "hf:hqq-4+r128,hf:hqq-3+r0,hf:hqq-3+r128 --out bench/results/hf_backend_table.json",
               "8 windows (the first 8 of the 16), so the dense perplexity differs from the native tables'. Bytes are a "
               "walk over every tensor each cache object holds at 511 tokens. `tq4` in transformers is the preset "
-              "without `+prerope` (not in this table).", bare_tq4=True),
+              "without `+prerope` (not in this table).", bare=BOTH),
         Table("hf_cache.json", rows_table([
             ("cache", "cache", cache_name), ("decode tok/s", "decode_tok_s", f2), ("× DynamicCache", "speed_vs_dynamic", ratio),
             ("bytes/token", "bytes_per_token", integer)]),
@@ -676,7 +689,7 @@ SECTIONS = [
               "tq-k4v4,tq-k4v4+sink1,tq3,hf:quanto-int4+r0,hf:quanto-int4+r128,hf:hqq-4+r0,hf:hqq-4+r128,hf:hqq-3+r0,"
               "hf:hqq-3+r128",
               "512-token context, 64 greedy tokens, contenders interleaved, median of 3. Bytes per token: every tensor "
-              "each cache holds in this fp32 run (DynamicCache and `dense` keep fp32 K/V).", bare_tq4=True),
+              "each cache holds in this fp32 run (DynamicCache and `dense` keep fp32 K/V).", bare=BOTH),
     ]),
     Section("Text the caches write", "Greedy 64-token continuations of 54 fixed prompts (README's examples, 20 chat "
             "questions with a known answer, prose openings) through each cache, against dense's: the first token that "
@@ -707,7 +720,7 @@ SECTIONS = [
     Section("Prefill into each cache", "", [
         Table("prefill_caches.json", prefill_caches,
               "python bench/prefill.py --caches dense,dense-f16,int8,int4,tq-k4v4,tq-k4v4+prerope --tokens 8000",
-              bare_tq4=True),
+              bare=BOTH),
     ]),
     Section("Gemma 3 and Qwen3.5 in the serving engine", "Random models from transformers' classes, fp32, 1 thread; the "
             "2-core VM was shared with other jobs while these ran, so times are indicative.", [
@@ -780,8 +793,12 @@ def load(name: str):
 
 
 def command_of(data, t: Table) -> str:
+    """The command that made a file, with the cache names of its day spelled as today (bare tq3 -> tq-k3v3)."""
     recorded = data.get("command") if isinstance(data, dict) else None
-    return recorded or t.command
+    return _NAME_IN_COMMAND.sub(lambda m: current_name(m.group(0), t.bare), recorded or t.command)
+
+
+_NAME_IN_COMMAND = re.compile(r"(?<![\w.\-])tq[34](?![\w.])")
 
 
 def render_table(t: Table) -> str:

@@ -125,15 +125,15 @@ def test_presets_stand_for_their_recipe_and_print_it():
 
 
 def test_defaults_print_as_nothing_and_options_in_one_order():
-    assert CacheSpec.parse("tq3+seed0+kscale=renorm+center=k+rot=hadamard").name == "tq3"
-    assert CacheSpec.parse("tq3+seed2+recent64+qjl").name == "tq3+qjl+recent64+seed2"
+    assert CacheSpec.parse("tq-k3v3+seed0+kscale=renorm+center=k+rot=hadamard").name == "tq-k3v3"
+    assert CacheSpec.parse("tq-k3v3+seed2+recent64+qjl").name == "tq-k3v3+qjl+recent64+seed2"
     assert CacheSpec.parse("tq-k3.015625v3").name == "tq-k3.015625v3"     # every digit a width needs
     assert CacheSpec.parse("int4+g32") != CacheSpec.parse("int4")          # the pool's G is the block size unless given
     assert CacheSpec.parse("int4+g32").cache_name == "int4"
 
 
 def test_a_spec_is_immutable():
-    spec = CacheSpec.parse("tq3")
+    spec = CacheSpec.parse("tq-k3v3")
     with pytest.raises(AttributeError):
         spec.key_bits = 4
 
@@ -199,12 +199,12 @@ def test_the_fused_step_refuses_what_supports_refuses(base, options):
 def test_named_refusals_give_the_table_message():
     """One name per row of the table (the rows that need no block size hold without one)."""
     for name, path in (("none", "transformers"), ("tq4+prerope", "transformers"), ("tq-k4v4+alloc", "transformers"),
-                       ("concat", "pool"), ("int4+recent8", "pool"), ("tq3+fp-first-last", "pool"),
+                       ("concat", "pool"), ("int4+recent8", "pool"), ("tq-k3v3+fp-first-last", "pool"),
                        ("tq-k4v4+outliers2", "pool"), ("tq-k4v4+qjl", "fused"), ("concat", "fused")):
         ok, reason = CacheSpec.parse(name, path).supports(path)
         assert not ok and reason and repr(name) in reason or name == "none"
-    assert CacheSpec.parse("tq3+sink20").supports("pool", 16) == (
-        False, "block format 'tq3+sink20': a sink of 20 tokens is more than a block of 16")
+    assert CacheSpec.parse("tq-k3v3+sink20").supports("pool", 16) == (
+        False, "block format 'tq-k3v3+sink20': a sink of 20 tokens is more than a block of 16")
     assert "must divide the block size of 16" in CacheSpec.parse("int4+g32").supports("pool", 16)[1]
     assert CacheSpec.parse("int4").supports("pool", 16) == (True, "")
     assert all(CacheSpec.parse(name).supports("torch") == (True, "") for name in fmt.NAMES)

@@ -55,8 +55,8 @@ def two_sequences() -> torch.Tensor:
 
 @pytest.mark.parametrize("name", ["dense", "dense-f16", "dense-bf16", *EXAMPLES, "tq-k4v4+outliers2",
                                   "tq-k4v3.625+prerope+outliers1+sink1",
-                                  "tq-k4v4+halloc=k3553v4444", "tq3+prerope+sink1+halloc=k2433v3342",  # 2 layers × 2 KV heads
-                                  "tq3+vq+norms8", "tq3+prerope+sink1+halloc=k2433v3342+vq+norms8"])
+                                  "tq-k4v4+halloc=k3553v4444", "tq-k3v3+prerope+sink1+halloc=k2433v3342",  # 2 layers × 2 KV heads
+                                  "tq-k3v3+vq+norms8", "tq-k3v3+prerope+sink1+halloc=k2433v3342+vq+norms8"])
 def test_later_tokens_never_change_earlier_logits(model, name):
     tokens = two_sequences()
     # one sequence per run: batch rows could share per-batch statistics
@@ -98,7 +98,7 @@ def test_the_integer_caches_are_not_dense():
 
 
 @pytest.mark.parametrize("name", ["int4", "tq-k4v4+center=none+kweights=none", "tq-k4v4", "tq-k4v4+prerope+sink1+recent8",
-                                  "tq3+prerope+sink1+halloc=k2433v3342+vq+norms8"])
+                                  "tq-k3v3+prerope+sink1+halloc=k2433v3342+vq+norms8"])
 def test_the_first_chunk_is_causal_too(model, name):
     """Tokens 30..39 of a 40-token prefill replaced: positions 0..29 must not move."""
     a = two_sequences()[:1, :104]

@@ -136,7 +136,7 @@ def test_zero_kv_heads_in_hf_config(tmp_path):
         load_model(tmp_path)
 
 
-@pytest.mark.parametrize("name", ["dense", "concat", "int8", "int4", "tq-k4v4", "tq3+recent4", "tq-k4v4+sink1"])
+@pytest.mark.parametrize("name", ["dense", "concat", "int8", "int4", "tq-k4v4", "tq-k3v3+recent4", "tq-k4v4+sink1"])
 @pytest.mark.parametrize("shape", [(1, 5, 3, 8), (1, 4, 3, 16), (2, 4, 3, 8), (4, 3, 8)])
 def test_a_query_that_does_not_fit_the_cache_is_one_line(name, shape):
     """Wrong head count, head dim, batch or rank: one ConfigError before any arithmetic (or C) runs."""

@@ -53,7 +53,7 @@ def test_kl_and_top1():
 def test_table_and_plot(tmp_path):
     records = [CacheQuality("dense", 23040, 16, 30.0, 0.0, 0.0, 1.0, 1.0, 100),
                CacheQuality("int4", 7923, 5.5, 30.3, 1.0, 0.01, 0.95, 1.0, 100),
-               CacheQuality("tq3", 4695, 3.26, 31.0, 3.3, 0.05, 0.9, None, 100)]
+               CacheQuality("tq-k3v3", 4695, 3.26, 31.0, 3.3, 0.05, 0.9, None, 100)]
     table = quality_table(records)
     assert table.row_count == 3
     path = plot_quality(records, tmp_path / "q.png")

@@ -77,7 +77,7 @@ def test_the_interval_is_reproducible_and_widens_with_disagreeing_windows():
 
 def test_seed_variants_only_multiply_turboquant_caches_without_their_own_seed():
     assert seed_variants("tq-k4v4", (0, 1, 2)) == [(0, "tq-k4v4+seed0"), (1, "tq-k4v4+seed1"), (2, "tq-k4v4+seed2")]
-    assert seed_variants("tq3+sink1", (4,)) == [(4, "tq3+sink1+seed4")]
+    assert seed_variants("tq-k3v3+sink1", (4,)) == [(4, "tq-k3v3+sink1+seed4")]
     assert seed_variants("tq-k4v4+seed7", (0, 1)) == [(None, "tq-k4v4+seed7")]
     for name in ("dense", "int4", "int8+g8"):
         assert seed_variants(name, (0, 1, 2)) == [(None, name)]
@@ -91,21 +91,21 @@ def test_suite_reports_each_seed_and_their_mean_on_a_tiny_model():
     token_windows = [torch.randint(0, 97, (1, 40), generator=gen) for _ in range(3)]
     loaded = SimpleNamespace(model=model, config=model.config, dtype=torch.float32, device="cpu")
     calls = []
-    records = perplexity_suite(loaded, ["int8+g8", "tq3"], protocol, lambda: calls.append(1), token_windows, seeds=(0, 1))
+    records = perplexity_suite(loaded, ["int8+g8", "tq-k3v3"], protocol, lambda: calls.append(1), token_windows, seeds=(0, 1))
     dense, int8, tq3 = records
-    assert len(calls) == 3 * (1 + 1 + 2)                                   # windows × (dense, int8, tq3 × 2 seeds)
+    assert len(calls) == 3 * (1 + 1 + 2)                                   # windows × (dense, int8, tq-k3v3 × 2 seeds)
     assert dense.ppl_delta_pct == 0.0 and dense.ppl_delta_ci == (0.0, 0.0) and dense.seeds == []
     assert int8.seeds == [] and len(int8.per_seed) == 1 and int8.ppl_delta_sd == 0.0
     assert tq3.seeds == [0, 1] and [p["seed"] for p in tq3.per_seed] == [0, 1]
     assert tq3.per_seed[0]["ppl"] != tq3.per_seed[1]["ppl"]                # the rotation seed matters
     assert tq3.ppl_delta_pct == pytest.approx(sum(p["ppl_delta_pct"] for p in tq3.per_seed) / 2)
     assert tq3.ppl_delta_ci[0] <= tq3.ppl_delta_ci[1] and tq3.kl_ci[0] <= tq3.kl <= tq3.kl_ci[1] + 1e-12
-    # seed 1's numbers are those of the cache `tq3+seed1` computed directly
+    # seed 1's numbers are those of the cache `tq-k3v3+seed1` computed directly
     geometry = CacheGeometry.for_model(model.config, 1, 40)
     nll, kl, n = 0.0, 0.0, 0
     for tokens in token_windows:
         reference, _ = run_window(model, tokens, lambda: make_cache("dense", geometry), protocol)
-        logits, _ = run_window(model, tokens, lambda: make_cache("tq3+seed1", geometry), protocol)
+        logits, _ = run_window(model, tokens, lambda: make_cache("tq-k3v3+seed1", geometry), protocol)
         scored = window_nll(torch.cat([logits, logits[-1:]]), tokens, protocol.prefill)
         nll, n = nll + scored.sum().item(), n + scored.numel()
         kl += kl_divergence(reference, logits).sum().item()

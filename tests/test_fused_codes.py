@@ -6,7 +6,7 @@ the modules, and bad K/V are the module path's one-line errors.
 Tolerances. The fused step and the modules compute the same thing in another order (the rotation as a matrix
 product instead of Hadamard / Haar products, the norms applied after the dot products, the chunks' softmax sums
 combined in C): on these models the logits agree within ~2e-5 of their scale when both stored the same codes, one
-step in 216 at 7e-5 (a Haar-rotated tq3 on a Zen 5 CPU; held to 1e-4, fifty times under a flipped code's effect). The new token's codes come from two computations of y = Π(x-μ)/‖x-μ‖ that differ by fp32
+step in 216 at 7e-5 (a Haar-rotated tq-k3v3 on a Zen 5 CPU; held to 1e-4, fifty times under a flipped code's effect). The new token's codes come from two computations of y = Π(x-μ)/‖x-μ‖ that differ by fp32
 rounding (~1e-7): a coordinate lying that close to a bucket boundary takes the neighbouring code, and a scale
 that close to a 16-bit rounding edge rounds to the neighbouring value. Such a step is held to 5e-3 of the scale
 (one code of one vector moves the logits by up to a few 1e-3), stored codes must agree but for a tiny fraction,
@@ -30,11 +30,11 @@ from .conftest import tiny_model
 from .kernel_checks import CPU_NEEDS, MARCH, cpu_flags, library_variant, one_thread, require_kernel  # noqa: F401  (one_thread: autouse)
 
 #: every width and option the step serves (each option at least once)
-NAMES = ["tq-k4v4", "tq3", "tq5", "tq3.5", "tq-k5v3", "tq3+sink4+recent8", "tq-k4v4+recent16+fp-first-last",
-         "tq-k4v4+center=kv+kscale=lsq+vscale=unbiased+bf16norms", "tq3+rot=haar+kweights=none+center=none+kscale=norm",
-         "tq-k4v4+prerope+sink1", "tq3+prerope+recent8", "tq-k4v4+prerope+rot=haar+center=none+kweights=none",
+NAMES = ["tq-k4v4", "tq-k3v3", "tq5", "tq3.5", "tq-k5v3", "tq-k3v3+sink4+recent8", "tq-k4v4+recent16+fp-first-last",
+         "tq-k4v4+center=kv+kscale=lsq+vscale=unbiased+bf16norms", "tq-k3v3+rot=haar+kweights=none+center=none+kscale=norm",
+         "tq-k4v4+prerope+sink1", "tq-k3v3+prerope+recent8", "tq-k4v4+prerope+rot=haar+center=none+kweights=none",
          # a width per layer, per (layer, KV head): 2 layers × 2 KV heads, each head its own packing
-         "tq-k4v4+alloc=k35v44+recent4", "tq3+prerope+sink1+halloc=k2433v3342", "tq-k4v4+prerope+sink1+halloc=k3553v4444+kscale=lsq",
+         "tq-k4v4+alloc=k35v44+recent4", "tq-k3v3+prerope+sink1+halloc=k2433v3342", "tq-k4v4+prerope+sink1+halloc=k3553v4444+kscale=lsq",
          # 8-bit log scales around each head's centre
          "tq3.5+norms8+recent8", "tq-k4v4+prerope+sink1+halloc=k3553v4444+kscale=lsq+norms8",
          # the tq4 preset: 4.125 bits, a part of d/8 channels at 5 bits (8 at d = 64: no whole block of 16); 4.25-bit keys
@@ -152,7 +152,7 @@ def test_every_isa_variant_codes_and_attends_like_torch(variant, geometry, varia
     # pre-RoPE keys are rebuilt through the rotation and RoPE in another order than torch's: the module-wide 1e-4
     assert_fused_equals_modules(model, "tq-k4v4+prerope+sink1", 262, 3, variants[variant], torch_reference=True)
     if geometry == "MHA-64":   # block codes and 8-bit log scales (the points of one head dim, trained once)
-        assert_fused_equals_modules(model, "tq3+vq+norms8", 262, 3, variants[variant], torch_reference=True, exact_logits=5e-5)
+        assert_fused_equals_modules(model, "tq-k3v3+vq+norms8", 262, 3, variants[variant], torch_reference=True, exact_logits=5e-5)
 
 
 def assert_same_logits_for_any_thread_count(native, cache_name: str) -> None:
@@ -172,7 +172,7 @@ def assert_same_logits_for_any_thread_count(native, cache_name: str) -> None:
     assert torch.equal(runs[0], runs[1])
 
 
-@pytest.mark.parametrize("name", ["tq3+vq", "tq-k3v2.5+vq+norms8+prerope+sink1+recent4"])
+@pytest.mark.parametrize("name", ["tq-k3v3+vq", "tq-k3v2.5+vq+norms8+prerope+sink1+recent4"])
 def test_fused_step_codes_and_reads_block_codes(name, native):
     """+vq block parts (3 and 2 bits) at head dim 64: the new token's block index chosen in C (nearest magnitude point,
     signs) and the blocks decoded in C, as the modules do (a head dim of 64: the points trained once, ~1 min each)."""

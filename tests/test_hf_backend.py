@@ -33,8 +33,8 @@ from .conftest import cli_error  # noqa: E402
 
 # -- KVCache.grown ------------------------------------------------------------------------------------------
 
-GROWN = ["dense", "dense-f16", "concat", "int8", "int4+g8", "int4+recent8", "tq-k4v4", "tq-k4v4+sink1", "tq3+fp-first-last", "tq-k4v3+qjl",
-         "tq3+recent16+sink2"]
+GROWN = ["dense", "dense-f16", "concat", "int8", "int4+g8", "int4+recent8", "tq-k4v4", "tq-k4v4+sink1", "tq-k3v3+fp-first-last", "tq-k4v3+qjl",
+         "tq-k3v3+recent16+sink2"]
 G = CacheGeometry(n_layers=3, n_kv_heads=2, head_dim=32, n_heads=4, capacity=40)
 
 

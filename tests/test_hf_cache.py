@@ -150,8 +150,8 @@ def chunks(seed: int = 0):
         yield k, torch.randn(BATCH, KV_HEADS, n, HEAD_DIM, generator=gen)
 
 
-NAMES = ["dense", "concat", "int8", "int4+g8", "int4+recent8", "tq4", "tq-k4v4", "tq-k4v4+sink1", "tq3+fp-first-last", "tq3.5",
-         "tq-k4v3+qjl", "tq3+recent16+sink2"]
+NAMES = ["dense", "concat", "int8", "int4+g8", "int4+recent8", "tq4", "tq-k4v4", "tq-k4v4+sink1", "tq-k3v3+fp-first-last", "tq3.5",
+         "tq-k4v3+qjl", "tq-k3v3+recent16+sink2"]
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -28,7 +28,7 @@ def rope_at(x: torch.Tensor, start: int) -> torch.Tensor:
     return apply_rope(x, angles.cos(), angles.sin())
 
 
-@pytest.mark.parametrize("name", ["tq-k4v4+prerope", "tq3+prerope+sink2", "tq-k4v4+prerope+recent8"])
+@pytest.mark.parametrize("name", ["tq-k4v4+prerope", "tq-k3v3+prerope+sink2", "tq-k4v4+prerope+recent8"])
 def test_attention_is_exact_to_the_stored_keys(name):
     check_attend_is_exact_to_storage(name, ROPED)
     check_attend_is_exact_to_storage(name, ROPED, attend_first=True)
@@ -86,7 +86,7 @@ def test_later_tokens_never_change_earlier_logits(model):
     assert geometry.rope_inv_freq is not None and len(geometry.rope_inv_freq) == model.config.head_dim // 2
 
 
-@pytest.mark.parametrize("name", ["tq-k4v4+prerope", "tq3+prerope+sink2+recent8"])
+@pytest.mark.parametrize("name", ["tq-k4v4+prerope", "tq-k3v3+prerope+sink2+recent8"])
 def test_prerope_scores_a_key_chunk_at_a_time(name, monkeypatch):
     """Keys rebuilt, turned by RoPE and scored 16 at a time (one pass: ATTEND_ROWS out of reach) == dense attention
     over the whole stored K/V; every decoded span stays within the chunk and comes from the C decode where it exists."""
@@ -110,8 +110,8 @@ def test_prerope_scores_a_key_chunk_at_a_time(name, monkeypatch):
 
 
 @pytest.mark.parametrize("kernel", [True, False], ids=["C", "torch"])
-@pytest.mark.parametrize("name, window", [("tq-k4v4+prerope", None), ("tq3+prerope+sink3+recent8", 11), ("tq-k4v4+prerope+qjl+sink1", None),
-                                          ("tq-k4v4+outliers2", None), ("tq3+prerope+sink1+outliers2+recent8", None)])
+@pytest.mark.parametrize("name, window", [("tq-k4v4+prerope", None), ("tq-k3v3+prerope+sink3+recent8", 11), ("tq-k4v4+prerope+qjl+sink1", None),
+                                          ("tq-k4v4+outliers2", None), ("tq-k3v3+prerope+sink1+outliers2+recent8", None)])
 def test_prerope_long_chunks_in_spans_equal_one_pass(name, window, kernel, monkeypatch):
     """+prerope (and +outliersN, keys rebuilt with their outliers) reads spans like the other widths: blocks of ≤ 45
     rows × spans of ≤ 32 keys == the one-pass read."""
@@ -169,7 +169,7 @@ def test_haar_codes_two_basis_vectors_at_the_papers_distortion_where_hadamard_do
     assert abs(errors["hadamard"] - 0.009) > abs(errors["haar"] - 0.009), errors
 
 
-@pytest.mark.parametrize("name", ["tq-k4v4+rot=haar", "tq3+prerope+rot=haar+sink1"])
+@pytest.mark.parametrize("name", ["tq-k4v4+rot=haar", "tq-k3v3+prerope+rot=haar+sink1"])
 def test_haar_caches_read_exactly_what_they_store_and_count_the_basis(name):
     check_attend_is_exact_to_storage(name, ROPED)
     check_nbytes(name, ROPED)

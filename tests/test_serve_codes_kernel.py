@@ -72,13 +72,13 @@ CASES = [  # format, block size, query heads, KV heads, head dim, sliding window
     ("tq-k4v4", 16, 9, 3, 64, None),        # SmolLM2's GQA
     ("tq-k4v4", 6, 8, 1, 128, None),        # MQA, a block size that is not a power of two
     ("tq-k4v4+bf16norms", 16, 4, 2, 64, 37),
-    ("tq3", 16, 4, 1, 128, None),
-    ("tq3", 6, 9, 3, 64, 20),           # a window shorter than the prefill chunks
+    ("tq-k3v3", 16, 4, 1, 128, None),
+    ("tq-k3v3", 6, 9, 3, 64, 20),           # a window shorter than the prefill chunks
     ("tq3.5", 16, 6, 2, 128, None),
     ("tq3.5", 6, 4, 4, 64, None),       # MHA
     ("tq-k4v3", 16, 9, 3, 64, 300),
     ("tq-k4v4+halloc=k354v444", 16, 9, 3, 64, None),            # a width per KV head: each head's own layout
-    ("tq3+halloc=k2434v3332+norms8", 6, 8, 4, 64, 20),
+    ("tq-k3v3+halloc=k2434v3332+norms8", 6, 8, 4, 64, 20),
 ]
 
 

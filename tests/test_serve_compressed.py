@@ -1,4 +1,4 @@
-"""Compressed block formats (int8, int4, tq4, tq3, ...) in the serving pool.
+"""Compressed block formats (int8, int4, tq4, tq-k3v3, ...) in the serving pool.
 
 The single-sequence reference of a block format is the cache `fmt.cache_name` (int4 blocks of 16 tokens:
 int4+g16), and for TurboQuant that cache given the pool's shared calibration (`use_calibration(codec)`;
@@ -40,7 +40,7 @@ from .test_serve_engine import ids_of
 #: more than any near-tie allowance (seen on SmolLM2: the first token of a 41-token prompt parts, gap 1.4 of 29)
 #: a +halloc recipe for SmolLM2's 30 layers x 3 KV heads (90 units): keys alternate 3 and 5 bits, values 4
 HALLOC = "tq-k4v4+prerope+halloc=k" + "35" * 45 + "v" + "4" * 90 + "+sink1"
-FORMATS = ["int8", "int4", "tq-k4v4", "tq3", "tq-k4v4+prerope", "tq-k4v4+prerope+sink1", HALLOC]
+FORMATS = ["int8", "int4", "tq-k4v4", "tq-k3v3", "tq-k4v4+prerope", "tq-k4v4+prerope+sink1", HALLOC]
 
 
 def single_cache(engine: Engine, geometry: CacheGeometry):
@@ -124,18 +124,18 @@ CASES = [  # format, block size, query heads, KV heads, sliding window, C path (
     ("int4", 8, 4, 1, 7, True), ("tq-k4v4", 16, 9, 3, None, False), ("tq-k4v4", 16, 9, 3, None, True),
     ("tq-k4v4", 8, 4, 1, 9, True), ("tq3.5", 8, 2, 2, None, False), ("tq3.5", 8, 2, 2, None, True),
     ("tq-k4v3+qjl", 16, 9, 3, None, False), ("tq-k4v3+qjl", 16, 4, 1, None, True),
-    ("tq3+vq", 16, 4, 2, None, False), ("tq2.5+vq", 8, 4, 1, 9, True),      # block codes (C decodes block parts)
-    ("tq-k4v4+norms8", 16, 4, 2, None, False), ("tq3+vq+norms8", 8, 9, 3, None, True),   # 8-bit log scales
+    ("tq-k3v3+vq", 16, 4, 2, None, False), ("tq2.5+vq", 8, 4, 1, 9, True),      # block codes (C decodes block parts)
+    ("tq-k4v4+norms8", 16, 4, 2, None, False), ("tq-k3v3+vq+norms8", 8, 9, 3, None, True),   # 8-bit log scales
     # keys coded before RoPE, rebuilt at their positions (Hadamard, Haar: the d x d inverse; key weights off)
-    ("tq-k4v4+prerope", 16, 9, 3, None, False), ("tq-k4v4+prerope", 16, 9, 3, None, True), ("tq3+prerope", 8, 4, 1, 7, True),
+    ("tq-k4v4+prerope", 16, 9, 3, None, False), ("tq-k4v4+prerope", 16, 9, 3, None, True), ("tq-k3v3+prerope", 8, 4, 1, 7, True),
     ("tq-k4v4+prerope+rot=haar+kweights=none+norms8", 8, 4, 2, None, True), ("tq-k4v3+qjl+prerope", 16, 4, 2, None, True),
     # the first tokens exact beside the blocks (sinks.py), merged with the coded keys' softmax
     ("tq-k4v4+sink1", 16, 9, 3, None, False), ("tq-k4v4+sink1", 16, 9, 3, None, True), ("tq-k4v4+prerope+sink2", 8, 4, 1, 7, True),
     ("tq-k4v4+prerope+sink2", 8, 4, 1, 7, False),
-    ("tq3+prerope+sink1+norms8", 16, 4, 2, None, True), ("tq-k4v3+qjl+sink3", 8, 4, 2, None, True),
+    ("tq-k3v3+prerope+sink1+norms8", 16, 4, 2, None, True), ("tq-k4v3+qjl+sink3", 8, 4, 2, None, True),
     # a width per KV head (+halloc): the heads' codes side by side in a token's row, each read with its own layout
     ("tq-k4v4+halloc=k354v444", 16, 9, 3, None, False), ("tq-k4v4+halloc=k354v444", 16, 9, 3, None, True),
-    ("tq3+prerope+sink1+halloc=k24v33+vq+norms8", 8, 4, 2, 7, True), ("tq-k3v2.95+halloc=k3v2", 8, 2, 1, None, True),
+    ("tq-k3v3+prerope+sink1+halloc=k24v33+vq+norms8", 8, 4, 2, 7, True), ("tq-k3v2.95+halloc=k3v2", 8, 2, 1, None, True),
     ("tq-k4v4+alloc=k5v3", 16, 4, 2, None, True),                             # a width per layer
 ]
 #: RoPE frequencies of a head dim of 16 (+prerope needs the model's)
@@ -198,7 +198,7 @@ def test_pool_attention_equals_the_single_cache_on_random_chunks(seed, case):
     ("int4", 32 + 64 * 4 / 16 + 32 + 4 * 4),
     ("int4+g8", 32 + 64 * 4 / 8 + 32 + 8 * 4),
     ("tq-k4v4", 32 + 2 + 32 + 2),                           # codes + a 16-bit norm per vector
-    ("tq3", 24 + 2 + 24 + 2),
+    ("tq-k3v3", 24 + 2 + 24 + 2),
     ("tq-k4v3", 32 + 2 + 24 + 2),
     ("tq-k4v4+halloc=k" + "35" * 45 + "v" + "4" * 90, 32 + 2 + 32 + 2),   # SmolLM2's 90 units: any recipe, the same bytes
 ])

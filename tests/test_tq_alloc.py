@@ -37,7 +37,7 @@ from .test_causal_caches import CHUNKS, SAME, chunked_logits, two_sequences
 # GEOMETRY has 3 layers: each recipe sums to 3·(key bits + value bits)
 BASES = {  # recipe name: (the uniform cache, the name without a recipe)
     "tq-k4v4+alloc=k345v444": ("tq-k4v4", "tq-k4v4+alloc"),
-    "tq3+alloc=k234v333+sink2": ("tq3+sink2", "tq3+alloc+sink2"),
+    "tq-k3v3+alloc=k234v333+sink2": ("tq-k3v3+sink2", "tq-k3v3+alloc+sink2"),
     "tq-k4v3+alloc=k553v233+recent8": ("tq-k4v3+recent8", "tq-k4v3+alloc+recent8"),
     "tq-k4v4+rot=haar+alloc=k543v354": ("tq-k4v4+rot=haar", "tq-k4v4+rot=haar+alloc"),
     "tq-k4v4+alloc2=k264v444": ("tq-k4v4", "tq-k4v4+alloc2"),
@@ -73,7 +73,7 @@ def test_every_chunk_reads_what_token_by_token_decoding_reads():
     check_attend_is_token_by_token("tq-k4v4+alloc=k543v354+kweights=none")
 
 
-@pytest.mark.parametrize("name", ["tq-k4v4+alloc=k35v44", "tq3+alloc=k24v33+sink1"])
+@pytest.mark.parametrize("name", ["tq-k4v4+alloc=k35v44", "tq-k3v3+alloc=k24v33+sink1"])
 def test_the_c_kernel_equals_the_torch_path(name):
     check_code_kernel_equals_the_torch_path(name, seed=1)
 
@@ -138,14 +138,14 @@ def test_fixed_state_counts_the_recipe_and_every_held_codebook():
 
 def test_smollm2_alloc_caches_stay_within_the_issue_budgets():
     """SmolLM2's geometry at 511 tokens, bf16 (the eval's bytes per token): tq4+alloc no more than tq4, and both
-    tq4-class caches within 6,227 B/token, tq3+alloc within 4,702 (its held 2- and 4-bit codebooks included)."""
+    tq4-class caches within 6,227 B/token, tq-k3v3+alloc within 4,702 (its held 2- and 4-bit codebooks included)."""
     from kvlab.eval.suite import bytes_per_token
     from kvlab.model.config import DecoderConfig
 
     smollm2 = DecoderConfig(vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3, d_ff=1536, max_seq_len=8192)
-    per_token = {name: bytes_per_token(name, smollm2)[0] for name in ("tq-k4v4", "tq-k4v4+alloc", "tq-k4v4+alloc2", "tq3+alloc", "tq3+alloc2")}
+    per_token = {name: bytes_per_token(name, smollm2)[0] for name in ("tq-k4v4", "tq-k4v4+alloc", "tq-k4v4+alloc2", "tq-k3v3+alloc", "tq-k3v3+alloc2")}
     assert max(per_token["tq-k4v4+alloc"], per_token["tq-k4v4+alloc2"]) <= per_token["tq-k4v4"] <= 6227, per_token
-    assert max(per_token["tq3+alloc"], per_token["tq3+alloc2"]) <= 4702, per_token
+    assert max(per_token["tq-k3v3+alloc"], per_token["tq-k3v3+alloc2"]) <= 4702, per_token
     recipe = "k" + "35" * 15 + "v" + "4" * 30
     g = CacheGeometry.for_model(smollm2, capacity=511)
     assert expected_nbytes(f"tq-k4v4+alloc={recipe}", g, torch.bfloat16, 511) == expected_nbytes("tq-k4v4+alloc", g, torch.bfloat16, 511)

@@ -34,7 +34,7 @@ from .test_tq_alloc import SMALL, check_recipe_bytes, loaded, small_model, windo
 # GEOMETRY: 3 layers × 2 KV heads = 6 units; each recipe sums to 6·(key bits + value bits)
 BASES = {  # recipe name: (the uniform cache, the name without a recipe)
     "tq-k4v4+halloc=k354453v444444": ("tq-k4v4", "tq-k4v4+halloc"),
-    "tq3+halloc=k243342v333333+sink2": ("tq3+sink2", "tq3+halloc+sink2"),
+    "tq-k3v3+halloc=k243342v333333+sink2": ("tq-k3v3+sink2", "tq-k3v3+halloc+sink2"),
     "tq-k4v3+halloc=k555333v234432+recent8": ("tq-k4v3+recent8", "tq-k4v3+halloc+recent8"),
     "tq-k4v4+halloc2=k264444v444444": ("tq-k4v4", "tq-k4v4+halloc2"),
 }
@@ -147,14 +147,14 @@ def test_the_recipe_is_held_one_byte_per_width_per_layer_and_head():
 
 def test_smollm2_halloc_caches_stay_within_the_issue_budgets():
     """SmolLM2's geometry (30 layers × 3 KV heads) at 511 tokens, bf16: tq4+halloc costs tq4+alloc's bytes plus
-    its bigger recipe (180 more bytes per cache), within 6,227 B/token; tq3+halloc within 4,702."""
+    its bigger recipe (180 more bytes per cache), within 6,227 B/token; tq-k3v3+halloc within 4,702."""
     from kvlab.eval.suite import bytes_per_token
     from kvlab.model.config import DecoderConfig
 
     smollm2 = DecoderConfig(vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3, d_ff=1536, max_seq_len=8192)
-    per_token = {name: bytes_per_token(name, smollm2)[0] for name in ("tq-k4v4", "tq-k4v4+halloc", "tq-k4v4+prerope+sink1+halloc", "tq3+halloc")}
+    per_token = {name: bytes_per_token(name, smollm2)[0] for name in ("tq-k4v4", "tq-k4v4+halloc", "tq-k4v4+prerope+sink1+halloc", "tq-k3v3+halloc")}
     assert max(per_token["tq-k4v4+halloc"], per_token["tq-k4v4+prerope+sink1+halloc"]) <= 6227, per_token
-    assert per_token["tq3+halloc"] <= 4702, per_token
+    assert per_token["tq-k3v3+halloc"] <= 4702, per_token
     g = CacheGeometry.for_model(smollm2, capacity=511)
     recipe = "k" + "35" * 45 + "v" + "4" * 90
     assert expected_nbytes(f"tq-k4v4+halloc={recipe}", g, torch.bfloat16, 511) == expected_nbytes("tq-k4v4+halloc", g, torch.bfloat16, 511)
@@ -289,7 +289,7 @@ SMOLLM2_HEADS = "k" + "35" * 45 + "v" + "4" * 90                        # 30 lay
 
 @pytest.mark.parametrize("name, spelled", [
     ("tq-k4v4+halloc", f"tq-k4v4+halloc={SMOLLM2_HEADS}"),                      # the bare name plans a recipe's bytes
-    *[(n, n) for n in ("tq3+prerope+sink1+halloc=k" + "24" * 45 + "v" + "3" * 90, "tq-k4v4+alloc=k" + "35" * 15 + "v" + "4" * 30)],
+    *[(n, n) for n in ("tq-k3v3+prerope+sink1+halloc=k" + "24" * 45 + "v" + "3" * 90, "tq-k4v4+alloc=k" + "35" * 15 + "v" + "4" * 30)],
 ])
 def test_the_planner_predicts_the_bytes_of_spelled_and_bare_recipes(name, spelled):
     from kvlab.plan import PlanSettings, rules_for, make_plan

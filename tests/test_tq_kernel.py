@@ -23,8 +23,8 @@ from kvlab.rope import apply_rope
 
 from .kernel_checks import one_thread, require_kernel  # noqa: F401  (one_thread: autouse)
 
-NAMES = ["tq-k4v4", "tq3", "tq4", "tq-k4v4+prerope+sink1", "tq3+vq+norms8", "tq-k4.25v4+prerope+norms8",
-         "tq-k4v4+halloc=k3553v4444", "tq3+prerope+rot=haar+kweights=none", "tq-k4v3+alloc=k53v24+bf16norms"]
+NAMES = ["tq-k4v4", "tq-k3v3", "tq4", "tq-k4v4+prerope+sink1", "tq-k3v3+vq+norms8", "tq-k4.25v4+prerope+norms8",
+         "tq-k4v4+halloc=k3553v4444", "tq-k3v3+prerope+rot=haar+kweights=none", "tq-k4v3+alloc=k53v24+bf16norms"]
 N_TOKENS = 40
 
 

@@ -19,7 +19,7 @@ from kvlab.errors import ConfigError
 from .compressed_checks import GEOMETRY, check_attend_is_exact_chunked_and_token_by_token, check_nbytes, feed
 from .test_key_levers import ROPED
 
-NAMES = ["tq3+norms8", "tq-k4v4+norms8+prerope+sink1", "tq3+vq+norms8+halloc=k233344v333332+recent8"]   # 3 layers × 2 heads
+NAMES = ["tq-k3v3+norms8", "tq-k4v4+norms8+prerope+sink1", "tq-k3v3+vq+norms8+halloc=k233344v333332+recent8"]   # 3 layers × 2 heads
 
 
 def test_a_code_reads_back_as_one_float_exactly_whatever_the_vector_length():
@@ -66,7 +66,7 @@ def test_attention_is_exact_to_what_is_stored_in_the_formulas_bytes(name):
 
 
 def test_the_centre_is_the_first_coded_chunks_median_and_a_grown_copy_keeps_it():
-    *_, (cache, _, _, _) = feed("tq3+norms8", ROPED, chunks=(20, 5))
+    *_, (cache, _, _, _) = feed("tq-k3v3+norms8", ROPED, chunks=(20, 5))
     stored = cache._buffers(0)                                                     # scales decoded, float32
     centre = cache.norm_centres["k_norm"][0].float()                              # (B, H)
     first = stored["k_norm"][:, :, :20]
@@ -94,8 +94,8 @@ def test_the_fused_step_and_the_serving_pool_hold_it_a_byte_per_scale():
     from .conftest import tiny_model
 
     model = tiny_model(n_heads=4, n_kv_heads=2, d_model=256)
-    assert serves_codes(make_cache("tq3+norms8", CacheGeometry.for_model(model.config, capacity=16)), model.config)
+    assert serves_codes(make_cache("tq-k3v3+norms8", CacheGeometry.for_model(model.config, capacity=16)), model.config)
     g = GEOMETRY
     vectors = g.n_layers * g.n_kv_heads * 2 * 16                                   # K and V of 16 tokens
-    assert block_format("tq3", g, 16).block_bytes - block_format("tq3+norms8", g, 16).block_bytes == vectors
-    assert block_format("tq3+norms8", g, 16).shared_bytes - block_format("tq3", g, 16).shared_bytes == g.n_layers * g.n_kv_heads * 2 * 2
+    assert block_format("tq-k3v3", g, 16).block_bytes - block_format("tq-k3v3+norms8", g, 16).block_bytes == vectors
+    assert block_format("tq-k3v3+norms8", g, 16).shared_bytes - block_format("tq-k3v3", g, 16).shared_bytes == g.n_layers * g.n_kv_heads * 2 * 2

@@ -17,8 +17,8 @@ from .compressed_checks import (GEOMETRY, check_attend_is_exact_chunked_and_toke
 from .test_key_levers import ROPED, rope_at
 from .test_turboquant import SMOLLM2
 
-NAMES = ["tq-k4v4+outliers2", "tq-k4v3.625+outliers1+sink2", "tq3+outliers3+center=none+kweights=none+recent8",
-         "tq-k4v4+prerope+outliers1", "tq3+prerope+sink1+outliers2+recent8", "tq-k4v4+qjl+outliers1", "tq-k4v4+rot=haar+outliers1"]
+NAMES = ["tq-k4v4+outliers2", "tq-k4v3.625+outliers1+sink2", "tq-k3v3+outliers3+center=none+kweights=none+recent8",
+         "tq-k4v4+prerope+outliers1", "tq-k3v3+prerope+sink1+outliers2+recent8", "tq-k4v4+qjl+outliers1", "tq-k4v4+rot=haar+outliers1"]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -29,7 +29,7 @@ def test_attention_is_exact_to_the_stored_keys_with_their_outliers(name):
     check_attend_is_exact_to_storage(name, ROPED, attend_first=True)
 
 
-@pytest.mark.parametrize("name", ["tq-k4v4+outliers2", "tq3+outliers1+sink1"])
+@pytest.mark.parametrize("name", ["tq-k4v4+outliers2", "tq-k3v3+outliers1+sink1"])
 def test_scores_from_the_codes_in_c_equal_the_torch_path(name):
     check_code_kernel_equals_the_torch_path(name, seed=2)
 

@@ -27,7 +27,7 @@ from .kernel_checks import require_kernel
 from .test_key_levers import ROPED
 from .test_turboquant import SMOLLM2
 
-NAMES = ["tq3+vq", "tq-k3v2+vq+sink1", "tq2.5+vq+prerope+recent8", "tq-k4v4+vq+halloc=k355344v444444"]   # ROPED: 3 layers × 2 KV heads
+NAMES = ["tq-k3v3+vq", "tq-k3v2+vq+sink1", "tq2.5+vq+prerope+recent8", "tq-k4v4+vq+halloc=k355344v444444"]   # ROPED: 3 layers × 2 KV heads
 
 
 def unit_vectors(n: int, dim: int, seed: int = 0) -> torch.Tensor:
@@ -113,14 +113,14 @@ def test_bad_names_are_one_line_errors(name, match):
 
 
 def test_the_fused_step_and_the_serving_pool_hold_it_in_the_scalar_codes_bytes():
-    """The pool's blocks hold +vq codes in tq3's bytes (its attention against the single cache: test_serve_compressed)."""
+    """The pool's blocks hold +vq codes in tq-k3v3's bytes (its attention against the single cache: test_serve_compressed)."""
     from kvlab.model.fused_codes import serves_codes
     from kvlab.serve.formats import block_format
     from .conftest import tiny_model
 
     model = tiny_model(n_heads=4, n_kv_heads=2, d_model=256)
-    assert serves_codes(make_cache("tq3+vq", CacheGeometry.for_model(model.config, capacity=16)), model.config)
-    assert block_format("tq3+vq", GEOMETRY, 16).block_bytes == block_format("tq3", GEOMETRY, 16).block_bytes
+    assert serves_codes(make_cache("tq-k3v3+vq", CacheGeometry.for_model(model.config, capacity=16)), model.config)
+    assert block_format("tq-k3v3+vq", GEOMETRY, 16).block_bytes == block_format("tq-k3v3", GEOMETRY, 16).block_bytes
     assert vector_codebook.VECTOR_BITS == (2, 3)
 
 
@@ -130,6 +130,6 @@ def test_a_vq_recipe_is_stored_under_its_codebooks_format():
     from kvlab.cache.vector_codebook import CODEBOOK_FORMAT
     from kvlab.quality.calibrate import recipe_path
 
-    vq = recipe_path("ab" * 32, "tq3+vq+halloc")
-    assert vq.name.endswith(f"-tq3+vq+halloc-vq{CODEBOOK_FORMAT}.json")
-    assert recipe_path("ab" * 32, "tq3+halloc").name.endswith("-tq3+halloc.json")
+    vq = recipe_path("ab" * 32, "tq-k3v3+vq+halloc")
+    assert vq.name.endswith(f"-tq-k3v3+vq+halloc-vq{CODEBOOK_FORMAT}.json")
+    assert recipe_path("ab" * 32, "tq-k3v3+halloc").name.endswith("-tq-k3v3+halloc.json")

@@ -85,16 +85,16 @@ def test_qjl_inner_products_are_unbiased():
     assert mse.mean().item() / truth == pytest.approx(2 / math.pi, abs=0.05)
 
 
-@pytest.mark.parametrize("name", ["tq-k4v4", "tq3", "tq2.5", "tq-k4v3", "tq3+qjl", "tq3+recent8", "tq2+fp-first-last+recent40",
-                                  "tq-k4v4+kscale=lsq+vscale=renorm", "tq3+kscale=unbiased+bf16norms", "tq3+center=kv+recent8", "tq3+center=k", "tq3+center=none+kscale=norm",
-                                  "tq3+sink7", "tq3+sink2+recent8", "tq3+sink200"])
+@pytest.mark.parametrize("name", ["tq-k4v4", "tq-k3v3", "tq2.5", "tq-k4v3", "tq-k3v3+qjl", "tq-k3v3+recent8", "tq2+fp-first-last+recent40",
+                                  "tq-k4v4+kscale=lsq+vscale=renorm", "tq-k3v3+kscale=unbiased+bf16norms", "tq-k3v3+center=kv+recent8", "tq-k3v3+center=k", "tq-k3v3+center=none+kscale=norm",
+                                  "tq-k3v3+sink7", "tq-k3v3+sink2+recent8", "tq-k3v3+sink200"])
 def test_attend_equals_dense_attention_over_dequantized(name):
     check_attend_is_exact_to_storage(name)
 
 
 def test_non_power_of_two_head_dim():
-    check_attend_is_exact_to_storage("tq3", CacheGeometry(2, 2, 80, capacity=96, n_heads=4))
-    check_nbytes("tq3", CacheGeometry(2, 2, 80, capacity=96, n_heads=4))
+    check_attend_is_exact_to_storage("tq-k3v3", CacheGeometry(2, 2, 80, capacity=96, n_heads=4))
+    check_nbytes("tq-k3v3", CacheGeometry(2, 2, 80, capacity=96, n_heads=4))
 
 
 def test_reconstruction_error_matches_the_codebook():
@@ -103,8 +103,8 @@ def test_reconstruction_error_matches_the_codebook():
     assert relative_error("tq-k4v4", scale=1e3)[0] == pytest.approx(k_err, rel=1e-2)  # scale-free
 
 
-@pytest.mark.parametrize("name", ["tq-k4v4", "tq3", "tq3.5", "tq2.5", "tq-k4v3", "tq-k4v4+qjl", "tq3+recent64", "tq3+fp-first-last",
-                                  "tq-k4v4+sink1", "tq3+sink4+recent8", "tq3+sink600"])
+@pytest.mark.parametrize("name", ["tq-k4v4", "tq-k3v3", "tq3.5", "tq2.5", "tq-k4v3", "tq-k4v4+qjl", "tq-k3v3+recent64", "tq-k3v3+fp-first-last",
+                                  "tq-k4v4+sink1", "tq-k3v3+sink4+recent8", "tq-k3v3+sink600"])
 def test_nbytes_equals_formula(name):
     check_nbytes(name)
     check_nbytes(name, SMOLLM2)
@@ -118,12 +118,12 @@ def test_smollm2_bytes_per_token_meet_the_targets():
     fixed = 30 * 64 + 4 * (16 + 15 + 256 * 2) * 2 + 30 * 3 * 64 + 30 * 3 * 32
     assert expected_nbytes("tq-k4v4", SMOLLM2, torch.bfloat16, 511) == 30 * 3 * 2 * (32 + 2) * 511 + fixed
     assert expected_nbytes("tq-k4v4", SMOLLM2, torch.bfloat16, 511) / 511 <= 6227
-    assert expected_nbytes("tq3", SMOLLM2, torch.bfloat16, 511) / 511 <= 4702
+    assert expected_nbytes("tq-k3v3", SMOLLM2, torch.bfloat16, 511) / 511 <= 4702
 
 
 def test_zero_constant_and_large_vectors():
     g = GEOMETRY
-    cache = make_cache("tq3", g)
+    cache = make_cache("tq-k3v3", g)
     zeros = torch.zeros(1, g.n_kv_heads, 4, g.head_dim)
     const = torch.full((1, g.n_kv_heads, 4, g.head_dim), -2.0)
     big = torch.randn(1, g.n_kv_heads, 4, g.head_dim) * 2e3     # norms ~1.6e4, inside float16
@@ -134,7 +134,7 @@ def test_zero_constant_and_large_vectors():
     assert ((v[:, :, :4] - const).norm() / const.norm()) < 0.25
     assert ((k[:, :, 4:] - big).norm() / big.norm()) < 0.25
     assert torch.isfinite(cache.attend(0, torch.randn(1, g.n_heads, 8, g.head_dim))).all()
-    bf16 = make_cache("tq3+bf16norms", g)
+    bf16 = make_cache("tq-k3v3+bf16norms", g)
     bf16.append(0, big * 1e3, big * 1e3)                          # beyond float16: bf16 norms hold it
     assert torch.isfinite(bf16.dequantized(0)[0]).all()
     with pytest.raises(NonFiniteError, match="bf16norms|float16"):
@@ -172,10 +172,10 @@ def test_bad_configurations():
 def test_decode_steps_match_one_prefill():
     # the same tokens appended one at a time or all at once are stored identically (no offset and no
     # key weights: they come from the first append, which differs)
-    tokens = [c for c in feed("tq3+center=none+kweights=none", chunks=(1,) * 12)]
+    tokens = [c for c in feed("tq-k3v3+center=none+kweights=none", chunks=(1,) * 12)]
     step_cache = tokens[-1][0]
     k_all, v_all = tokens[-1][2], tokens[-1][3]
-    once = make_cache("tq3+center=none+kweights=none", GEOMETRY)
+    once = make_cache("tq-k3v3+center=none+kweights=none", GEOMETRY)
     for layer in range(GEOMETRY.n_layers):
         once.append(layer, k_all, v_all)
     for a, b in zip(step_cache.dequantized(1), once.dequantized(1)):
@@ -184,7 +184,7 @@ def test_decode_steps_match_one_prefill():
 
 def test_attend_first_reads_exactly_what_is_stored():
     # the first chunk is coded when first attended (its key weights need the queries)
-    check_attend_is_exact_to_storage("tq3", attend_first=True)
+    check_attend_is_exact_to_storage("tq-k3v3", attend_first=True)
 
 
 def test_key_weights_follow_the_queries_and_cut_the_score_error():
@@ -198,17 +198,17 @@ def test_key_weights_follow_the_queries_and_cut_the_score_error():
     q[..., :8] *= 0.05
     q[..., 8:16] *= 10.0
     errors = {}
-    for name in ("tq3", "tq3+kweights=none"):
+    for name in ("tq-k3v3", "tq-k3v3+kweights=none"):
         cache = make_cache(name, g)
         cache.append(0, k, torch.randn_like(k))
         cache.attend(0, q)
         k_hat, _ = cache.dequantized(0)
         qg = q.reshape(1, g.n_kv_heads, -1, 64)
         errors[name] = ((qg @ (k_hat - k).transpose(-1, -2)).square().mean()).item()
-        if name == "tq3":
+        if name == "tq-k3v3":
             weights = cache._key_weights(0)[0, :, 0]                          # (Hkv, d)
             assert (weights[:, :8] > 2).all() and (weights[:, 8:16] < 0.5).all()
-    assert errors["tq3"] < errors["tq3+kweights=none"] / 3
+    assert errors["tq-k3v3"] < errors["tq-k3v3+kweights=none"] / 3
 
 
 def test_key_weights_cost_four_bits_per_channel_and_head():
@@ -217,7 +217,7 @@ def test_key_weights_cost_four_bits_per_channel_and_head():
     assert make_cache("tq-k4v4+kweights=none", GEOMETRY).config.name == "tq-k4v4+kweights=none"
 
 
-@pytest.mark.parametrize("name", ["tq3+sink7", "int4+sink7+recent8"])
+@pytest.mark.parametrize("name", ["tq-k3v3+sink7", "int4+sink7+recent8"])
 def test_sink_tokens_are_kept_exactly(name):
     # chunks of 5, 1, 1, 32, ...: the sink fills across three appends, then tokens go to the store
     for cache, _, k, v in feed(name):
@@ -229,7 +229,7 @@ def test_sink_tokens_are_kept_exactly(name):
 
 
 def test_two_appends_before_any_read_stay_exact():
-    cache = make_cache("tq3", GEOMETRY)
+    cache = make_cache("tq-k3v3", GEOMETRY)
     gen = torch.Generator().manual_seed(5)
     k1, v1, k2, v2 = (torch.randn(1, 2, 16, 64, generator=gen) for _ in range(4))
     cache.append(0, k1, v1)

@@ -37,9 +37,10 @@ transformers` do). Without it, and in sliding-window segments, the weights are c
 (measured on SmolLM2, one 512-token window: tq-k4v4 (then `tq4`) ΔPPL +5.5% from the keys alone, +3.4% with the queries;
 kvlab's engine +2.6%, the rest being coding noise: tests/test_hf_backend.py).
 
-The preset `tq4` (cache/format.py) codes keys before RoPE in kvlab's engine; transformers hands a cache keys after
-RoPE, so here `tq4` is the preset without `+prerope` (TRANSFORMERS_PRESETS) (tq4.125+norms8+sink1+kscale=lsq+vscale=lsq), and a name that
-asks for `+prerope` itself is refused (CacheSpec.supports("transformers") names every refusal).
+The presets `tq4` and `tq3` (cache/format.py) code keys before RoPE in kvlab's engine; transformers hands a cache keys
+after RoPE, so here a preset is its recipe without `+prerope` (TRANSFORMERS_PRESETS: tq4 is
+tq4.125+norms8+sink1+kscale=lsq+vscale=lsq, tq3 tq-k3.5v3.125+vq+norms8+sink1), and a name that asks for `+prerope`
+itself is refused (CacheSpec.supports("transformers") names every refusal).
 
 Known differences from kvlab's engine: a compressed layer dequantizes all its tokens at every step (as
 QuantizedCache does) instead of attending on the codes. Beam search, `crop` and row

@@ -104,7 +104,7 @@ def run_generation(
                          decode_step=step)
 
 
-INFO_CACHES = ("dense", "int8", "int4", "tq4", "tq-k4v4", "tq3.5", "tq3", "tq2.5", "tq-k4v3")
+INFO_CACHES = ("dense", "int8", "int4", "tq4", "tq-k4v4", "tq3.5", "tq3", "tq-k3v3", "tq2.5", "tq-k4v3")
 
 
 def cache_cost(name: str, geometry: CacheGeometry, dtype: torch.dtype) -> tuple[int, int]:

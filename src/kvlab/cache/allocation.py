@@ -15,7 +15,7 @@ boundaries only: the torch path then unpacks codes instead of looking up whole b
 A fractional base (`tq-k3v2.95+halloc`) spends fewer bits: the widths sum to the budget rounded down,
 floor(units·(key bits + value bits)), around the nearest whole widths (3 and 3 here, each within N bits), so a
 recipe can pay for something else at the same bytes (the +sink1 of `tq-k3v2.95+prerope+sink1+halloc` costs 5
-unit-bits of tq3's 540 per SmolLM2 token). The codes then cost budget·d/8 bytes per token (every unit's d codes
+unit-bits of tq-k3v3's 540 per SmolLM2 token). The codes then cost budget·d/8 bytes per token (every unit's d codes
 at its width), which is the uniform cache's bytes for whole bases.
 
 A recipe is spelled in the cache name, one digit per layer, layer 0 first:

@@ -1,6 +1,6 @@
 """CacheSpec: a cache format as one immutable description, parsed from its name (no torch: the planner reads it).
 
-    spec = CacheSpec.parse("tq3+recent64")      # base, widths and every option
+    spec = CacheSpec.parse("tq-k3v3+recent64")      # base, widths and every option
     spec.name                                    # the canonical name, parsed back to the same spec
     spec.bytes(geometry, tokens, dtype)          # the bytes formula: a cache's nbytes, the pool's blocks, the plan
     spec.supports("pool")                        # (ok, reason): torch, fused, pool, transformers, from one table
@@ -56,19 +56,23 @@ The grammar (a name always tells the bytes it costs):
              | "bf16norms"              (tq) store the 16-bit scales as bfloat16 instead of float16
              | "seed" N                 (tq) rotation / QJL seed (default 0)
 
-A plain name (int4, tq3, tq-k4v4) keeps nothing in full precision. Examples: int8, int4+g64, int4+recent128,
-tq4, tq3.5, tq2.5, tq-k4v3, tq-k4v4+qjl, tq3+recent64, tq3+fp-first-last. The canonical name leaves out options at
+A plain name (int4, tq-k3v3, tq-k4v4) keeps nothing in full precision. Examples: int8, int4+g64, int4+recent128,
+tq3.5, tq2.5, tq-k4v3, tq-k4v4+qjl, tq-k3v3+recent64, tq-k3v3+fp-first-last. The canonical name leaves out options at
 their defaults and spells the options in one order (the table OPTIONS), so every spelling of a format prints alike.
 
-Presets. `tq4` is kvlab's recommended 4-bit recipe, not the bare method: the name stands for PRESETS["tq4"],
-    tq4.125+prerope+norms8+sink1+kscale=lsq+vscale=lsq
+Presets. `tq4` and `tq3` are kvlab's recommended recipes, not the bare method: each name stands for PRESETS[name],
+    tq4 = tq4.125+prerope+norms8+sink1+kscale=lsq+vscale=lsq
 keys coded before RoPE, the first token kept in the cache dtype, 8-bit log scales whose freed byte per vector buys 1/8
 bit more codes (an eighth of the channels at 5 bits), least-squares scales: no calibration pass, and the serving pool
 holds it (6,184 B/token on SmolLM2 at 511 tokens where the bare method is 6,149; +1.11% perplexity over six rotation
-seeds, +1.50% served; docs/benchmarks.md, issue 13). Options after it apply to the expansion (`tq4+seed1`,
-`tq4+halloc`, `tq4+kscale=renorm`), and every report spells the expansion out (the spec's `name`). The bare method at
-4 bits is `tq-k4v4`, and that is how its name prints. transformers hands a cache keys after RoPE, so there a preset
-stands for its recipe without +prerope (TRANSFORMERS_PRESETS).
+seeds, +1.50% served; docs/benchmarks.md, issue 13);
+    tq3 = tq-k3.5v3.125+prerope+vq+norms8+sink1
+the same levers at ~3 bits: half the key channels at 4 bits and an eighth of the value channels, the 3-bit codes in
+blocks of 4 coordinates (+vq): 5,032 B/token (4.58x smaller than bf16), +2.89% perplexity over three seeds, passkey as dense,
+no calibration. Options after a preset apply to the expansion (`tq4+seed1`, `tq3+halloc` - the calibrated 3-bit
+recipe -, `tq4+kscale=renorm`), and every report spells the expansion out (the spec's `name`). The bare method prints
+as `tq-k4v4`, `tq-k3v3`. transformers hands a cache keys after RoPE, so there a preset stands for its recipe without
++prerope (TRANSFORMERS_PRESETS).
 
 Bytes (`bytes`), every buffer preallocated to the capacity (the caches' `nbytes` equal it):
   dense             2·L·B·Hkv·capacity·D·elem (concat: `tokens` instead of the capacity)
@@ -102,14 +106,15 @@ from .allocation import SPREADS, budget, centre, check_geometry, check_recipe, f
 from .sizes import codes_nbytes, is_power_of_two, packed_nbytes, table_nbytes
 
 #: names that stand for a recipe (see the module docstring): the head of a name, expanded before it is read
-PRESETS = {"tq4": "tq4.125+prerope+norms8+sink1+kscale=lsq+vscale=lsq"}
+PRESETS = {"tq4": "tq4.125+prerope+norms8+sink1+kscale=lsq+vscale=lsq",
+           "tq3": "tq-k3.5v3.125+prerope+vq+norms8+sink1"}
 #: the presets as a transformers cache holds them: keys come after RoPE there, so without +prerope
 TRANSFORMERS_PRESETS = {head: recipe.replace("+prerope", "") for head, recipe in PRESETS.items()}
 #: examples of the compressed names (the CLI's help lists them)
-EXAMPLES = ["int8", "int4", "int4+g64", "int4+recent128", "tq4", "tq-k5v3", "tq3.5", "tq3", "tq2.5", "tq2", "tq-k4v3",
-            "tq-k4v4+qjl", "tq3+recent64", "tq3+fp-first-last"]
+EXAMPLES = ["int8", "int4", "int4+g64", "int4+recent128", "tq4", "tq3", "tq-k5v3", "tq3.5", "tq-k3v3", "tq2.5", "tq2",
+            "tq-k4v3", "tq-k4v4+qjl", "tq-k3v3+recent64", "tq-k3v3+fp-first-last"]
 #: the block formats the serving pool names in its errors
-POOL_EXAMPLES = ["dense", "dense-f16", "dense-bf16", "int8", "int4", "tq4", "tq-k4v4", "tq3", "tq3.5", "tq-k4v3",
+POOL_EXAMPLES = ["dense", "dense-f16", "dense-bf16", "int8", "int4", "tq4", "tq3", "tq-k4v4", "tq-k3v3", "tq3.5", "tq-k4v3",
                  "tq-k4v4+qjl"]
 #: the names without options: dense (K/V stored in the run's dtype, or f16 / bf16 whatever the run's dtype), concat, none
 PLAIN = {"dense": ("dense", ""), "dense-f16": ("dense", "float16"), "dense-bf16": ("dense", "bfloat16"),
@@ -250,7 +255,7 @@ class CacheSpec:
     @staticmethod
     @lru_cache(maxsize=1024)
     def parse(name: str, path: str = "torch") -> "CacheSpec":
-        """'tq3+recent64' -> its spec; a one-line ConfigError for anything the grammar does not accept. `path` picks
+        """'tq-k3v3+recent64' -> its spec; a one-line ConfigError for anything the grammar does not accept. `path` picks
         the presets (transformers: TRANSFORMERS_PRESETS) and the choices an unknown name's error lists."""
         key = str(name).strip().lower()
         if key in PLAIN:
@@ -317,7 +322,7 @@ class CacheSpec:
             head = f"int{self.key_bits}"
         else:
             kb, vb = _width(self.key_bits), _width(self.value_bits)
-            head = f"tq{kb}" if kb == vb and f"tq{kb}" not in PRESETS else f"tq-k{kb}v{vb}"   # tq4 names a preset
+            head = f"tq{kb}" if kb == vb and f"tq{kb}" not in PRESETS else f"tq-k{kb}v{vb}"   # tq4, tq3 name presets
         return head + "".join(entry.write(self) for entry in OPTIONS if self.base in entry.bases)
 
     def __str__(self) -> str:
@@ -342,7 +347,7 @@ class CacheSpec:
 
     @property
     def plain_name(self) -> str:
-        """The base without options: int4, tq3, tq-k4v3 (a spelled preset: its own head)."""
+        """The base without options: int4, tq-k3v3, tq-k4v3 (a spelled preset: its own head)."""
         return self.spelled.partition("+")[0] or replace(self, full=FullPrecision(), **{f.name: f.default for f in _OPTION_FIELDS}).name
 
     @property
@@ -683,7 +688,7 @@ REFUSALS: list[tuple[str, Callable[[CacheSpec, int | None], bool], str]] = [
     ("layered-pool", lambda s, bs: s.base == "tq" and (s.pre_rope or bool(s.full.sink) or bool(s.alloc)),
      "block format {name}: the serving pool of a model whose layers differ in kind (Gemma 3, Qwen3.5, Qwen3-Next) "
      "holds TurboQuant blocks without +prerope, +sinkN or +alloc/+halloc (one codec over every layer group: its "
-     "layers differ in RoPE, and sink rows and recipes are per pool layer); use tq-k4v4, tq3, int8 or dense (the "
+     "layers differ in RoPE, and sink rows and recipes are per pool layer); use tq-k4v4, tq-k3v3, int8 or dense (the "
      "torch path runs {name} on these models: kvlab generate)"),
     ("fused", lambda s, bs: s.base in ("concat", "none"),
      "cache {name}: the fused decode step writes preallocated caches (the modules run it)"),

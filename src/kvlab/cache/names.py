@@ -32,7 +32,7 @@ def compressed(spec: CacheSpec) -> tuple[type, object]:
 
 
 def parse(name: str) -> tuple[type, object]:
-    """'tq3+recent64' -> (TurboQuantCache, TurboQuantConfig(...)); ConfigError for anything else."""
+    """'tq-k3v3+recent64' -> (TurboQuantCache, TurboQuantConfig(...)); ConfigError for anything else."""
     spec = CacheSpec.parse(name)
     if not spec.compressed:
         raise ConfigError(f"cache {name!r} is not a compressed cache; compressed caches are named like {', '.join(EXAMPLES)}")

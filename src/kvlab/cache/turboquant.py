@@ -57,7 +57,7 @@ key vector; the fused C step and the serving pool do not read it (the modules do
 from a recipe at the uniform total (spelled `+alloc=k…v…`, or calibrated for the model, quality/calibrate.py):
 the per-token bytes are the uniform cache's (a fractional base b spends the total rounded down, around the
 nearest whole widths: budget·d/8 bytes of codes per token); the recipe (L·2 uint8) and every held width's
-codebook count (shared by keys and values, without the torch path's byte tables, so tq3+alloc stays within tq3's budget).
+codebook count (shared by keys and values, without the torch path's byte tables, so tq-k3v3+alloc stays within tq-k3v3's budget).
 Every read takes the layer's RotatedCodes (`layer_key_codes`, `layer_value_codes`).
 
 `+halloc` (allocation.py): the same per (layer, KV head) unit, spelled `+halloc=k…v…` with n_layers·n_kv_heads

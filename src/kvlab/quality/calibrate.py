@@ -30,7 +30,7 @@ measure and this does not).
 Recipes are kept in-process and on disk as JSON (never pickled) under the user cache directory
 ($KVLAB_CACHE_DIR/alloc, ...), keyed by the model file's SHA-256 and the cache's name without +alloc and
 +seedN (tq-k4v4+alloc+sink1, tq-k4v4+alloc2); a stored recipe that does not parse or does not fit is a one-line ConfigError naming the file.
-A fractional base (tq-k3v2.95+halloc) measures what its whole base (tq3+halloc) measures, so it allocates its own
+A fractional base (tq-k3v2.95+halloc) measures what its whole base (tq-k3v3+halloc) measures, so it allocates its own
 budget from that file's harms when the whole base was calibrated before.
 """
 
@@ -221,7 +221,7 @@ def resolve(name: str, loaded) -> str:
         units = config.alloc_units(loaded.config.n_layers, loaded.config.n_kv_heads)
         recipe = load_recipe(path, digest, calibrated, config, units)
         if recipe is None:
-            whole = whole_base(config).name                                       # tq-k3v2.95+halloc: tq3+halloc's pass
+            whole = whole_base(config).name                                       # tq-k3v2.95+halloc: tq-k3v3+halloc's pass
             harms = load_harms(recipe_path(digest, whole), digest, whole, units) if whole != calibrated else None
             if harms is None:
                 token_windows = calibration_windows(loaded.tokenizer, CALIBRATION)
@@ -250,7 +250,7 @@ def recipe_path(digest: str, calibrated: str) -> Path:
 
 def whole_base(config: TurboQuantConfig) -> TurboQuantConfig:
     """The cache whose calibration pass a fractional base shares: the same options at the centre widths (the pass
-    measures the centre widths and their neighbours only, so tq-k3v2.95+halloc and tq3+halloc measure the same)."""
+    measures the centre widths and their neighbours only, so tq-k3v2.95+halloc and tq-k3v3+halloc measure the same)."""
     return replace(config, key_bits=centre(config.key_bits), value_bits=centre(config.value_bits), seed=0)
 
 
