@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -122,6 +123,11 @@ def test_presets_stand_for_their_recipe_and_print_it():
         assert CacheSpec.parse(head).preset == head and CacheSpec.parse(recipe).preset == ""
         assert not CacheSpec.parse(head, "transformers").pre_rope
         assert CacheSpec.parse(head + "+prerope", "transformers").pre_rope
+        assert CacheSpec.parse(head, "transformers").name == fmt.TRANSFORMERS_PRESETS[head]
+    # without +prerope the same bits lose more: tq4 keeps its widths there, tq3 takes 4-bit keys and 3-bit values
+    assert CacheSpec.parse("tq4", "transformers") == replace(CacheSpec.parse("tq4"), pre_rope=False, spelled="tq4")
+    tq3 = CacheSpec.parse("tq3", "transformers")
+    assert (tq3.key_bits, tq3.value_bits, tq3.vector, tq3.log_norms, tq3.full.sink) == (4, 3, True, True, 1)
 
 
 def test_defaults_print_as_nothing_and_options_in_one_order():

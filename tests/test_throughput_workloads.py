@@ -35,5 +35,5 @@ def test_chat_is_decode_bound_and_shared_shares_its_prefix():
 
 
 def test_an_unknown_workload_is_one_line():
-    with pytest.raises(ConfigError, match="unknown workload 'batch'; choose mixed, shared or chat"):
+    with pytest.raises(ConfigError, match="unknown workload 'batch'; choose mixed, shared, chat or long"):
         workload("batch", CountingTokenizer(), quick=True)

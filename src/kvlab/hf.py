@@ -38,9 +38,9 @@ transformers` do). Without it, and in sliding-window segments, the weights are c
 kvlab's engine +2.6%, the rest being coding noise: tests/test_hf_backend.py).
 
 The presets `tq4` and `tq3` (cache/format.py) code keys before RoPE in kvlab's engine; transformers hands a cache keys
-after RoPE, so here a preset is its recipe without `+prerope` (TRANSFORMERS_PRESETS: tq4 is
-tq4.125+norms8+sink1+kscale=lsq+vscale=lsq, tq3 tq-k3.5v3.125+vq+norms8+sink1), and a name that asks for `+prerope`
-itself is refused (CacheSpec.supports("transformers") names every refusal).
+after RoPE, so here a preset is a recipe without `+prerope` (TRANSFORMERS_PRESETS: tq4 is
+tq4.125+norms8+sink1+kscale=lsq+vscale=lsq; tq3 is tq-k4v3+vq+norms8+sink1, since keys after RoPE need 4 bits), and a
+name that asks for `+prerope` itself is refused (CacheSpec.supports("transformers") names every refusal).
 
 Known differences from kvlab's engine: a compressed layer dequantizes all its tokens at every step (as
 QuantizedCache does) instead of attending on the codes. Beam search, `crop` and row
