@@ -41,6 +41,7 @@ reference for the tq formats (a plain `tq-k4v4` cache calibrates on each sequenc
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import replace
 
 import torch
@@ -191,9 +192,12 @@ class CodedPool:
         """Pool layer `layer`'s codes as its format's C coder writes them (cache/tq_kernel.py, cache/int_kernel.py),
         described once per layer and layer group; None where this step codes in torch (the reference): no kernel,
         view.use_kernel off, or what `_codes_in_c` refuses."""
-        if not view.use_kernel or self._kernel is None or not self._codes_in_c():
+        return self._coder_at(layer, self.state_layer(layer, view)) if view.use_kernel else None
+
+    def _coder_at(self, layer: int, at: int):
+        """`_coder` of pool layer `layer` with state layer `at`, for a step that runs the kernels."""
+        if self._kernel is None or not self._codes_in_c():
             return None
-        at = self.state_layer(layer, view)
         coder = self._coders.get((layer, at))
         if coder is None:
             coder = self._coders[layer, at] = self._describe(layer, at)
@@ -492,17 +496,33 @@ class TurboPool(CodedPool):
 
     # -- a layer in one C call ----------------------------------------------------------------------------------
     def pool_layer(self, layer: int, view) -> TqPoolLayer | None:
-        """Pool layer `layer` as kvlab_tq_pool_layer codes and reads it (its Coded and sink rows), made once per layer
-        and layer group; None where its steps do not run in C (`layers_in_c` off, or no C coder for this view)."""
-        coder = self._coder(layer, view) if self.layers_in_c else None
+        """Pool layer `layer` of the view's group as kvlab_tq_pool_layer codes and reads it (its Coded and sink rows);
+        None where the view's steps do not run it in C (view.use_kernel or `layers_in_c` off, no C coder)."""
+        return self.layer_struct(layer, self.state_layer(layer, view)) if view.use_kernel else None
+
+    def layer_struct(self, layer: int, at: int) -> TqPoolLayer | None:
+        """Pool layer `layer` with state layer `at` as C reads it, made once; None where it does not run in C."""
+        coder = self._coder_at(layer, at) if self.layers_in_c else None
         if coder is None:
             return None
-        at = self.state_layer(layer, view)
         described = self._pool_layers.get((layer, at))
         if described is None:
             sinks = (self.sinks.k[layer], self.sinks.v[layer]) if self.sinks else (None, None)   # (entries, sink, Hkv, D)
             described = self._pool_layers[layer, at] = self._c_layers.pool_layer(coder, *sinks)
         return described
+
+    def layer_structs(self):
+        """Every layer's `layer_struct` (a model of one layer group) as the fused step reads them: a ctypes array of
+        pointers (L,), made once; None where a layer does not run in C."""
+        held = getattr(self, "_layer_array", None)
+        if held is None:
+            structs = [self.layer_struct(layer, layer) for layer in range(self.geometry.n_layers)]
+            if any(s is None for s in structs):
+                return None
+            held = (ctypes.POINTER(TqPoolLayer) * len(structs))(*(ctypes.pointer(s) for s in structs))
+            held.structs = structs
+            self._layer_array = held
+        return held
 
     def step_struct(self, layout, rows: list[int] | None, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> TqStep:
         """What every layer of a step reads in C beside its descriptor: each sequence's sink entry (+sinkN) and the RoPE
