@@ -1,4 +1,5 @@
-"""FusedBatchStep: every layer of an engine step in one C call (kernels/batchstep.c), over the dense block pool.
+"""FusedBatchStep: every layer of an engine step in one C call (kernels/batchstep.c), over the dense block pool or a
+TurboQuant pool (each layer's K/V coded and read by paged.c kvlab_tq_pool_layer, through the pool's descriptors).
 
 The runner's module path (runner.py) runs a step's rows through the Decoder's Blocks: per layer a few dozen small
 torch operations whose Python overhead was ~20% of a 16-row decode step. The fused step does the same arithmetic
