@@ -23,12 +23,13 @@ from kvlab.model.loader import default_model_path
 from kvlab.plan.command import build_plan
 from kvlab.plan.rules.kvlab import engine_admission
 from kvlab.kernels import block_kernel
-from kvlab.kernels.paged import paged_codes_attention
+from kvlab.kernels.paged import paged_codes_attention, tq_pool_layer
 from kvlab.serve import Engine, SamplingParams, coded
 from kvlab.serve.attention import RaggedLayout
 from kvlab.serve.blocks import CapacityPlan
 from kvlab.serve.coded import IntPool, TurboPool
 from kvlab.serve.formats import block_format
+from kvlab.serve.fused_batch import FusedBatchStep
 from kvlab.serve.runner import BatchView
 from kvlab.serve.sequence import Sequence
 
@@ -75,9 +76,13 @@ def assert_same_greedy_tokens(smollm2, engine: Engine, prompt: list[int], got: l
 
 @pytest.mark.parametrize("name", FORMATS)
 def test_batched_tokens_equal_each_sequence_alone_with_that_format(smollm2, name, monkeypatch):
-    """Through the pool's C kernels where they build (TurboQuant: one ragged call per layer and step, kernels/paged.c)."""
+    """Through the pool's C kernels where they build (TurboQuant: one call per layer and step, kernels/paged.c, or
+    every layer of a step in one, kernels/batchstep.c)."""
     calls = []
     monkeypatch.setattr(coded, "paged_codes_attention", lambda *a, **kw: calls.append(1) or paged_codes_attention(*a, **kw))
+    monkeypatch.setattr(coded, "tq_pool_layer", lambda *a, **kw: calls.append(1) or tq_pool_layer(*a, **kw))   # one call a layer
+    step_call = FusedBatchStep.__call__                                                    # or every layer in one call
+    monkeypatch.setattr(FusedBatchStep, "__call__", lambda self, *a: calls.append(1) or step_call(self, *a))
     system = ids_of(smollm2, 37)
     cases = [(system + ids_of(smollm2, 4, 60), 4), (ids_of(smollm2, 5, 3), 5), (system + ids_of(smollm2, 11, 80), 3)]
     engine = Engine(smollm2, cache=name, kv_budget="8MiB", max_batch=4, max_step_tokens=24)   # chunked prefill

@@ -7,7 +7,9 @@ and where its codes and scales lie:
     single cache   codes (Hkv, slots, bytes), scales (Hkv, slots)        (+halloc: codes (1, slots, Σ bytes))
     serving pool   codes (slots, Hkv, bytes), scales (slots, Hkv)        (+halloc: codes (slots, 1, Σ bytes))
 `code_tokens` codes a step's K/V into it with kvlab_tq_code_tokens, the one coder of a token's K/V that the fused
-decode step uses too; TurboQuantCache.code is its torch reference (tests/test_tq_kernel.py).
+decode step uses too; TurboQuantCache.code is its torch reference (tests/test_tq_kernel.py). `CodedLayers.pool_layer`
+adds a serving pool layer's sink rows (kernels/tqcodes.h TqPoolLayer): what kvlab_tq_pool_layer codes and reads a
+whole step's layer with (kernels/paged.py tq_pool_layer), and the engine's fused step every layer.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 
 from ..errors import ConfigError
 from ..kernels import check_buffer
+from ..kernels.paged import POOL_DTYPES, TqPoolLayer
 
 KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # decode.c's KV_F32, KV_F16, KV_BF16
 SCALE_MODES = {"norm": 0, "renorm": 1, "lsq": 2, "unbiased": 3}       # decode.c's SCALE_*
@@ -128,6 +131,27 @@ class CodedLayers:
             else:
                 c.unrotation = self.ptr(rotation.T.contiguous(), (hd, hd), f"{at} inverse rotation", torch.float32, own=True)
         return c
+
+    def pool_layer(self, coded: Coded, sink_k: torch.Tensor | None, sink_v: torch.Tensor | None) -> TqPoolLayer:
+        """A token-major `coded` (a serving pool's layer) with its sink rows: sink_k, sink_v (entries, sink, Hkv, d) fp32,
+        fp16 or bf16 (+sinkN), else None. It holds `coded`; C trusts the sizes checked here, layer.checked = (Hkv, d,
+        slots)."""
+        H, hd = coded.checked
+        if coded.norm_slot_stride != H or coded.norm_head_stride != 1:
+            raise ConfigError(f"{self.what}: a pool layer needs token-major codes")
+        layer = TqPoolLayer(ctypes.addressof(coded))
+        layer.made_by, layer.coded_by = self, coded
+        layer.checked = (H, hd, coded.slots)
+        if sink_k is not None:
+            dtype = sink_k.dtype if isinstance(sink_k, torch.Tensor) and sink_k.dtype in POOL_DTYPES else torch.float32
+            shape = tuple(sink_k.shape) if isinstance(sink_k, torch.Tensor) and sink_k.dim() == 4 else (0, 1, H, hd)
+            if shape[0] < 1 or shape[1] < 1 or shape[2:] != (H, hd):
+                raise ConfigError(f"{self.what}: sink rows must be (entries, sink, {H}, {hd}), got {shape}")
+            check_buffer(self.what, "sink keys", sink_k, dtype, shape)
+            check_buffer(self.what, "sink values", sink_v, dtype, shape)
+            layer.sink, layer.sink_type, layer.sink_entries = shape[1], POOL_DTYPES[dtype], shape[0]
+            layer.sink_k, layer.sink_v = sink_k.data_ptr(), sink_v.data_ptr()
+        return layer
 
     def _head_codes(self, book, start: int, name: str) -> HeadCodes:
         """One KV head's packing: its width's layout and boundaries (made once per width), its bytes from `start`."""

@@ -39,7 +39,8 @@ from ..paths import cache_dir
 HERE = Path(__file__).parent
 SOURCES = tuple(HERE / f for f in ("blockgemv.c", "blockgemm.c", "q8gemm.c", "decode.c", "intcache.c", "paged.c", "codebook.c",
                                    "batchstep.c"))  # one library
-HEADERS = (HERE / "blockgemv.h", HERE / "codebook.h", HERE / "intcodes.h", HERE / "decode.h", HERE / "paged.h")
+HEADERS = (HERE / "blockgemv.h", HERE / "codebook.h", HERE / "intcodes.h", HERE / "decode.h", HERE / "paged.h",
+           HERE / "tqcodes.h")
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp")
 SANITIZE = os.environ.get("KVLAB_KERNEL_SANITIZE")  # e.g. "address": an instrumented build for kvlab.fuzz
 if SANITIZE:   # -O1, as the sanitizers' docs advise: reports keep their lines, and the build takes half the time

@@ -1,5 +1,6 @@
 /* One step of the serving engine in one call: every layer of the model for a stack of N rows of S sequences
- * (kvlab/serve/fused_batch.py), over the engine's dense block pool (kvlab/serve/blocks.py BlockPool). It is
+ * (kvlab/serve/fused_batch.py), over the engine's dense block pool (kvlab/serve/blocks.py BlockPool) or its TurboQuant
+ * pool (kvlab/serve/coded.py TurboPool: each layer through kvlab_tq_pool_layer, tqcodes.h). It is
  * Runner.run's module path (kvlab/serve/runner.py: the Decoder's Blocks over a BatchView) with the per-layer
  * Python and small torch operations taken out, and it is tested against that path.
  *
@@ -9,6 +10,7 @@
  *     h = rms_norm(x) ; q|k|v = h W_qkv^T (+ bias) ; [q/k head norms] ; RoPE(q, k) at each row's position ;
  *     K/V written to each row's slot (rounded to f16 / bf16 as torch's .to() rounds, for such a pool) ;
  *     a = each row's attention over its sequence's blocks (paged.c) ; x += a W_out^T ;
+ *     (TurboQuant: K/V coded into their slots or sink rows, and a read from the codes, by kvlab_tq_pool_layer)
  *     h = rms_norm(x) ; g|u = h W_gate_up^T ; x += (silu(g) * u) W_down^T
  * x (N, d_model) is updated in place. kvlab_batch_head then takes the rows the step samples: the final norm, the
  * output head (the same product as the layers': the model's choice of kernel) and each row's argmax (the greedy token).
@@ -34,20 +36,18 @@
 #include "blockgemv.h"
 #include "decode.h"
 #include "paged.h"
+#include "tqcodes.h"
+
+enum { POOL_TQ = 4 };          /* Pool.type of TurboQuant blocks: each layer read and written through its descriptor */
 
 typedef struct {
-    int32_t type;              /* POOL_F32, POOL_F16 or POOL_BF16 */
+    int32_t type;              /* POOL_F32, POOL_F16 or POOL_BF16 (k, v), or POOL_TQ (tq, tq_step) */
     int32_t n_layers, n_kv_heads, head_dim;
     int64_t slots;             /* n_blocks * block_size */
     void *k, *v;               /* (n_layers, slots, n_kv_heads, head_dim) each */
+    const TqPoolLayer *const *tq;  /* POOL_TQ: (n_layers,) each layer's codes, sink rows and codec state */
+    const TqStep *tq_step;     /* POOL_TQ: the step's sink entries and RoPE table */
 } Pool;
-
-typedef struct {
-    int32_t n_seqs, max_blocks, block_size;
-    const int32_t *block_tables;   /* (n_seqs, max_blocks) */
-    const int32_t *query_start;    /* (n_seqs + 1,): sequence s owns rows [query_start[s], query_start[s + 1]) */
-    const int32_t *context_len;    /* (n_seqs,): tokens it attends to, its new rows included */
-} Ragged;
 
 enum { QKV = 0, OUT = 1, GATE_UP = 2, DOWN = 3 };   /* a layer's matrices, in the order of the int8 flags */
 
@@ -61,15 +61,18 @@ static int sizes_ok(const Model *m, const Pool *P, const Ragged *R, int64_t n_ro
     if (m->n_layers <= 0 || d <= 0 || hd <= 0 || hd % 2 || ff <= 0 || m->n_kv_heads <= 0 || m->n_heads % m->n_kv_heads
         || n_rows < 0 || m->layers == NULL)
         return 0;
-    if (P->n_layers != m->n_layers || P->n_kv_heads != m->n_kv_heads || P->head_dim != hd || !P->k || !P->v) return 0;
+    if (P->n_layers != m->n_layers || P->n_kv_heads != m->n_kv_heads || P->head_dim != hd) return 0;
+    if (P->type == POOL_TQ ? !P->tq || !P->tq_step : !P->k || !P->v) return 0;
     const int64_t q_dim = (int64_t)m->n_heads * hd, kv_dim = (int64_t)m->n_kv_heads * hd;
     for (int l = 0; l < m->n_layers; l++) {
         const Layer *W = &m->layers[l];
         if (!W->attn_norm || !W->ffn_norm || !shape_is(&W->qkv, q_dim + 2 * kv_dim, d) || !shape_is(&W->out, d, q_dim)
             || !shape_is(&W->gate_up, 2 * ff, d) || !shape_is(&W->down, d, ff))
             return 0;
+        if (P->type == POOL_TQ && kvlab_tq_pool_layer_ok(P->tq[l], m->n_heads, m->n_kv_heads, (int)hd, R, n_rows, P->tq_step))
+            return 0;
     }
-    return kvlab_paged_layout_ok(n_rows, m->n_heads, m->n_kv_heads, (int)hd, (int)hd, P->type, P->slots,
+    return P->type == POOL_TQ || kvlab_paged_layout_ok(n_rows, m->n_heads, m->n_kv_heads, (int)hd, (int)hd, P->type, P->slots,
                                  R->block_tables, R->n_seqs, R->max_blocks, R->block_size, R->query_start,
                                  R->context_len) == 0;
 }
@@ -112,7 +115,8 @@ static void store_row(int type, const float *src, int64_t kv_dim, void *layer, i
 
 /* Every layer for the N rows of x (N, d_model), in place. cos_, sin_ (N, head_dim): each row's RoPE.
  * int8_matrices: a flag per matrix (n_layers x 4, QKV..DOWN) for int8 activations, or NULL for none.
- * Returns 0; -1 (nothing written) when a size or index is refused; -2 without scratch memory. */
+ * Returns 0; -1 (nothing written) when a size or index is refused; -2 without scratch memory; 1 when a TurboQuant
+ * scale is not finite (the step stops at that layer). */
 int kvlab_batch_step(const Model *m, float *x, int64_t n_rows, const float *cos_, const float *sin_, const Pool *P,
                      const Ragged *R, float scale, int window, const uint8_t *int8_matrices, int q8_min_rows,
                      int n_threads) {
@@ -123,7 +127,8 @@ int kvlab_batch_step(const Model *m, float *x, int64_t n_rows, const float *cos_
     const int H = m->n_heads, Hkv = m->n_kv_heads, hd = m->head_dim;
     const int64_t N = n_rows, d = m->d_model, ff = m->d_ff, q_dim = (int64_t)H * hd, kv_dim = (int64_t)Hkv * hd;
     const int64_t qkv_dim = q_dim + 2 * kv_dim, wide = d > ff ? d : ff;
-    const size_t elem = P->type == POOL_F32 ? 4 : 2, layer_bytes = (size_t)P->slots * (size_t)kv_dim * elem;
+    const int coded = P->type == POOL_TQ;
+    const size_t elem = P->type == POOL_F32 ? 4 : 2, layer_bytes = coded ? 0 : (size_t)P->slots * (size_t)kv_dim * elem;
     int64_t *slot = malloc(sizeof(int64_t) * (size_t)N);
     float *h = malloc(sizeof(float) * (size_t)(N * wide));
     float *qkv = malloc(sizeof(float) * (size_t)(N * qkv_dim));
@@ -144,7 +149,8 @@ int kvlab_batch_step(const Model *m, float *x, int64_t n_rows, const float *cos_
     for (int l = 0; l < m->n_layers && status == 0; l++) {
         const Layer *W = &m->layers[l];
         const uint8_t *flags = int8_matrices ? int8_matrices + 4 * (size_t)l : fp32_activations;
-        void *k_layer = (uint8_t *)P->k + (size_t)l * layer_bytes, *v_layer = (uint8_t *)P->v + (size_t)l * layer_bytes;
+        void *k_layer = coded ? NULL : (uint8_t *)P->k + (size_t)l * layer_bytes;
+        void *v_layer = coded ? NULL : (uint8_t *)P->v + (size_t)l * layer_bytes;
         #pragma omp parallel for schedule(static) num_threads(n_threads)
         for (int64_t r = 0; r < N; r++) kvlab_rms_norm(x + r * d, W->attn_norm, m->rms_eps, (int)d, h + r * d);
         if ((status = product(&W->qkv, h, N, qkv, flags[QKV], q8_min_rows, n_threads))) break;
@@ -161,13 +167,19 @@ int kvlab_batch_step(const Model *m, float *x, int64_t n_rows, const float *cos_
                 if (W->k_norm) kvlab_rms_norm(k + g * hd, W->k_norm, m->rms_eps, hd, k + g * hd);
                 kvlab_rope(k + g * hd, c, sn, hd);
             }
-            store_row(P->type, k, kv_dim, k_layer, slot[r]);
-            store_row(P->type, v, kv_dim, v_layer, slot[r]);
+            if (!coded) {
+                store_row(P->type, k, kv_dim, k_layer, slot[r]);
+                store_row(P->type, v, kv_dim, v_layer, slot[r]);
+            }
         }
-        if ((status = kvlab_paged_attention(q, N, H, Hkv, hd, hd, k_layer, v_layer, P->type, P->slots, R->block_tables,
-                                            R->n_seqs, R->max_blocks, R->block_size, R->query_start, R->context_len,
-                                            scale, window, att, n_threads)))
-            break;
+        if (coded)   /* K/V coded into their slots (sink positions: sink rows), attention in the model's domain */
+            status = kvlab_tq_pool_layer(P->tq[l], H, Hkv, hd, R, N, P->tq_step, q, qkv + q_dim, qkv + q_dim + kv_dim,
+                                         qkv_dim, scale, window, att, n_threads);
+        else
+            status = kvlab_paged_attention(q, N, H, Hkv, hd, hd, k_layer, v_layer, P->type, P->slots, R->block_tables,
+                                           R->n_seqs, R->max_blocks, R->block_size, R->query_start, R->context_len,
+                                           scale, window, att, n_threads);
+        if (status) break;
         if ((status = product(&W->out, att, N, y, flags[OUT], q8_min_rows, n_threads))) break;
         #pragma omp parallel for schedule(static) num_threads(n_threads)
         for (int64_t r = 0; r < N; r++) {

@@ -44,6 +44,7 @@
 #include "codebook.h"
 #include "decode.h"
 #include "intcodes.h"
+#include "tqcodes.h"
 
 /* Attention reads the keys in chunks of KEY_CHUNK positions per KV head (flash-decoding): a chunk's K/V
  * (64 KB each at head_dim 64) stay in cache while every query head of the group reads them, the chunks
@@ -707,36 +708,7 @@ enum { WRITE_FIRST = 0, WRITE_CODED = 1, WRITE_RECENT = 2, WRITE_SPILL = 3 };  /
                                                                                   coded, the new one joins the window */
 enum { SCALE_NORM = 0, SCALE_RENORM = 1, SCALE_LSQ = 2, SCALE_UNBIASED = 3 };  /* turboquant.py SCALE_MODES */
 
-typedef struct {                   /* one KV head's key or value codes in a TurboQuant layer: its width's packing */
-    int64_t at;                    /* byte offset of the head's slot 0 in `codes` */
-    int64_t row_bytes;             /* bytes of one of its rows */
-    int32_t n_parts;
-    const int32_t *spec;           /* n_parts x (lo, hi, bits, block) (codebook.h) */
-    const float *tables;           /* each part's centroids, padded, or its block points (codebook.c) */
-    const float *bounds;           /* each scalar part's 2^bits - 1 boundaries in turn */
-} HeadCodes;
-
-typedef struct {                   /* a TurboQuant layer's codes (kvlab/cache/turboquant.py); [0] keys, [1] values */
-    int32_t slots;                 /* coded rows per KV head */
-    int32_t norm_type;             /* KV_F16, KV_BF16 or NORM_LOG8 */
-    uint8_t *codes[2];             /* (Hkv, slots, row_bytes), or (slots, Σ heads' row bytes) with +halloc */
-    void *norms[2];                /* (Hkv, slots): the stored scales, 16-bit, or uint8 log codes with NORM_LOG8 */
-    const uint16_t *norm_centres[2];  /* NORM_LOG8: (Hkv,) f16 log2 centre of each head's codes, else NULL */
-    int64_t slot_bytes[2];         /* bytes from one slot of a head to its next */
-    const HeadCodes *heads[2];     /* (Hkv,): each head's packing (one width for all but with +halloc) */
-    int32_t scale_mode[2];
-    const float *rotation;         /* (hd, hd) M: the rotated vector is y = x M */
-    const uint8_t *offset[2];      /* (Hkv, hd) float8 e4m3 offsets, or NULL */
-    const uint8_t *weight_codes;   /* (Hkv, hd / 2) 4-bit codes of the key channel weights, low nibble first, or NULL */
-    const float *fp8_values;       /* (256,) the value of each float8 e4m3 byte */
-    const float *weight_values;    /* (16,) the weight of each 4-bit code */
-    const float *rope_cos, *rope_sin;  /* +prerope: (slots, hd) cos / sin of each coded slot's position, as rope()
-                                          takes them (keys are coded before RoPE, turned when read); NULL otherwise */
-    const float *unrotation;       /* +prerope, M not a randomized Hadamard: (hd, hd) Mᵀ, row-major (x = y Mᵀ), else NULL */
-    const float *unrotation_signs; /* +prerope with a randomized Hadamard M = H diag(s)/√d: (hd,) s/√d, else NULL */
-    int64_t norm_head_stride;      /* scale of head g, slot t at norms[i][g * norm_head_stride + t * norm_slot_stride]: */
-    int64_t norm_slot_stride;      /* (slots, 1) for a single cache's (Hkv, slots), (1, Hkv) for a pool's (slots, Hkv) */
-} Coded;
+/* HeadCodes, Coded: a TurboQuant layer's codes (tqcodes.h) */
 
 typedef struct {                   /* an integer layer's codes (kvlab/cache/quantized.py QuantizedCache) */
     int32_t bits;                  /* code width, 1..8 */
@@ -878,8 +850,7 @@ static void store_head(const Coded *C, int g, int64_t t, const uint8_t *codes, c
     put_scale(C, 1, g, t, scales[1]);
 }
 
-/* layouts[2g + i] = KV head g's key (i = 0) or value (1) layout of C; 0, or -1 when C cannot be read or coded */
-static int coded_layouts(const Coded *C, int Hkv, int hd, cb_layout *layouts) {
+int kvlab_tq_layouts(const Coded *C, int Hkv, int hd, cb_layout *layouts) {
     if ((C->norm_type != KV_F16 && C->norm_type != KV_BF16 && C->norm_type != NORM_LOG8)
         || (C->norm_type == NORM_LOG8 && (!C->norm_centres[0] || !C->norm_centres[1])) || hd % 2 || hd > CB_MAX_DIM)
         return -1;
@@ -892,6 +863,30 @@ static int coded_layouts(const Coded *C, int Hkv, int hd, cb_layout *layouts) {
         }
     }
     return 0;
+}
+
+int kvlab_tq_code_rows(const Coded *C, const cb_layout *layouts, int Hkv, int hd, int64_t n, const float *k,
+                       const float *v, int64_t stride, const int64_t *slots, const float *cos_, const float *sin_,
+                       const int64_t *rope_at, int n_threads) {
+    int failed = 0;
+    #pragma omp parallel for schedule(static) num_threads(kvlab_cb_threads(n * Hkv * hd * hd, n_threads))
+    for (int64_t r = 0; r < n; r++) {
+        if (slots[r] < 0) continue;
+        const int64_t at = rope_at ? rope_at[r] : r;
+        uint8_t codes[2 * ROW_ROOM];
+        uint16_t scales[2];
+        for (int g = 0; g < Hkv; g++) {
+            const int64_t row = r * stride + (int64_t)g * hd;
+            if (code_head(C, layouts, g, hd, k + row, v + row, cos_ ? cos_ + at * hd : NULL, cos_ ? sin_ + at * hd : NULL,
+                          codes, scales)) {
+                #pragma omp atomic write
+                failed = 1;
+                break;
+            }
+            store_head(C, g, slots[r], codes, scales);
+        }
+    }
+    return failed;
 }
 
 /* Code n tokens' K/V into coded layer C: k, v (n, Hkv, hd) fp32, keys after RoPE; token r goes to slot slots[r]
@@ -907,28 +902,29 @@ int kvlab_tq_code_tokens(const Coded *C, int Hkv, int hd, int64_t n, const float
     cb_layout layouts[2 * 8];
     cb_layout *L = Hkv <= 8 ? layouts : malloc(2 * (size_t)Hkv * sizeof(cb_layout));
     if (!L) return -1;
-    int status = coded_layouts(C, Hkv, hd, L), failed = 0;
+    int status = kvlab_tq_layouts(C, Hkv, hd, L);
     for (int64_t r = 0; r < n && status == 0; r++)
         if (slots[r] < 0 || slots[r] >= C->slots) status = -1;
-    if (status == 0) {
-        #pragma omp parallel for schedule(static) num_threads(kvlab_cb_threads(n * Hkv * hd * hd, n_threads))
-        for (int64_t r = 0; r < n; r++) {
-            uint8_t codes[2 * ROW_ROOM];
-            uint16_t scales[2];
-            for (int g = 0; g < Hkv; g++) {
-                const int64_t at = (r * Hkv + g) * hd;
-                if (code_head(C, L, g, hd, k + at, v + at, pre_rope ? cos_ + r * hd : NULL, pre_rope ? sin_ + r * hd : NULL,
-                              codes, scales)) {
-                    #pragma omp atomic write
-                    failed = 1;
-                    break;
-                }
-                store_head(C, g, slots[r], codes, scales);
-            }
-        }
-    }
+    if (status == 0) status = kvlab_tq_code_rows(C, L, Hkv, hd, n, k, v, (int64_t)Hkv * hd, slots, pre_rope ? cos_ : NULL,
+                                                 sin_, NULL, n_threads);
     if (L != layouts) free(L);
-    return status ? status : failed;
+    return status;
+}
+
+void kvlab_tq_query(const Coded *C, int g, int hd, const float *q, float *out) {
+    float qw[CB_MAX_DIM];
+    for (int c = 0; c < hd; c++) qw[c] = C->weight_codes ? q[c] * key_weight(C, g, hd, c) : q[c];
+    rotate(qw, C->rotation, hd, out);
+}
+
+void kvlab_tq_state(const Coded *C, int Hkv, int hd, float *weights, float *k_offset, float *v_offset) {
+    for (int g = 0; g < Hkv; g++)
+        for (int c = 0; c < hd; c++) {
+            const int64_t at = (int64_t)g * hd + c;
+            if (weights) weights[at] = C->weight_codes ? key_weight(C, g, hd, c) : 1.0f;
+            if (k_offset) k_offset[at] = C->offset[0] ? C->fp8_values[C->offset[0][at]] : 0.0f;
+            if (v_offset) v_offset[at] = C->offset[1] ? C->fp8_values[C->offset[1][at]] : 0.0f;
+        }
 }
 
 static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
@@ -1126,7 +1122,7 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
         if (L->coded) {
             const Coded *C = L->coded;
             if (L->type != KV_F32 || !fill || !fill_fits(L, fill) || C->norm_slot_stride != 1
-                || coded_layouts(C, Hkv, hd, &layouts[2 * (int64_t)l * Hkv])) { free(layouts); return -1; }
+                || kvlab_tq_layouts(C, Hkv, hd, &layouts[2 * (int64_t)l * Hkv])) { free(layouts); return -1; }
             const int spill = fill->write == WRITE_SPILL;
             chunks = chunks_of(fill->first + (fill->write == WRITE_FIRST)) + chunks_of(fill->coded + (fill->write == WRITE_CODED || spill))
                    + chunks_of(fill->recent + (fill->write == WRITE_RECENT));

@@ -28,6 +28,7 @@
 #include "codebook.h"
 #include "decode.h"
 #include "paged.h"
+#include "tqcodes.h"
 #if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -293,7 +294,7 @@ typedef struct {
     /* TQ */
     const void *k_norm, *v_norm;          /* (slots, Hkv) fp16 or bf16, or uint8 log codes (POOL_LOG8) */
     int norm_dtype;
-    const uint16_t *centres;              /* POOL_LOG8: (2, Hkv) fp16 log2 centres, keys' then values' */
+    const uint16_t *centres[2];           /* POOL_LOG8: (Hkv,) fp16 log2 centres of the keys, of the values */
     int first_key;                        /* TQ: keys at positions below it are not read (+sinkN: held exact apart) */
     const PreRope *pre;                   /* +prerope: weights, offset (Hkv, d) each or NULL; cos/sin (positions, d);
                                              keys rebuilt and turned (decode.c), scored against the plain queries */
@@ -310,7 +311,7 @@ typedef struct {
 static inline float norm_value(const code_pool *P, int which, int64_t index, int h) {
     const void *norms = which ? P->v_norm : P->k_norm;
     if (P->norm_dtype == POOL_LOG8) {
-        return kvlab_log_scale(((const uint8_t *)norms)[index], kvlab_fp16_to_fp32(P->centres[which * P->n_kv_heads + h]));
+        return kvlab_log_scale(((const uint8_t *)norms)[index], kvlab_fp16_to_fp32(P->centres[which][h]));
     }
     const uint16_t h16 = ((const uint16_t *)norms)[index];
     return P->norm_dtype == POOL_F16 ? kvlab_fp16_to_fp32(h16) : bf16_to_fp32(h16);
@@ -630,7 +631,8 @@ int kvlab_paged_codes_attention(const float *q, int64_t n_rows, int n_heads, int
     code_pool P = {.kind = CODES_TQ, .n_heads = n_heads, .n_kv_heads = n_kv_heads, .group = n_heads / n_kv_heads, .d = d,
                    .window = window, .block_size = block_size, .max_blocks = max_blocks, .block_tables = block_tables,
                    .query_start = query_start, .context_len = context_len, .scale = scale, .k_norm = k_norm,
-                   .v_norm = v_norm, .norm_dtype = norm_dtype, .centres = centres, .first_key = first_key, .pre = pre};
+                   .v_norm = v_norm, .norm_dtype = norm_dtype,
+                   .centres = {centres, centres ? centres + n_kv_heads : NULL}, .first_key = first_key, .pre = pre};
     int status = head_rows(&P.keys, k_codes, n_kv_heads, d, k_parts, k_spec, k_tables, k_table_at, k_head_bytes);
     if (!status) status = head_rows(&P.values, v_codes, n_kv_heads, d, v_parts, v_spec, v_tables, v_table_at, v_head_bytes);
     if (!status && P.keys.heads[0].dpad != P.values.heads[0].dpad) status = -1;
@@ -686,5 +688,166 @@ int kvlab_paged_int_attention(const float *q, int64_t n_rows, int n_heads, int n
     }
     free_rows(&P.keys);
     free_rows(&P.values);
+    return status;
+}
+
+/* -- a layer of a TurboQuant pool in one call (tqcodes.h) -------------------------------------------------------- */
+/* kvlab_tq_pool_layer_ok's checks, each KV head's key and value layouts into L (2 Hkv) */
+static int tq_layer_check(const TqPoolLayer *T, int n_heads, int n_kv_heads, int hd, const Ragged *R, int64_t n_rows,
+                          const TqStep *S, cb_layout *L) {
+    if (!T || !T->coded || !R || !S || n_kv_heads <= 0) return -1;
+    const Coded *C = T->coded;
+    if (C->slots <= 0 || C->norm_head_stride != 1 || C->norm_slot_stride != n_kv_heads || !C->rotation) return -1;
+    if (check_layout(n_rows, n_heads, n_kv_heads, hd, hd, POOL_F32, C->slots, R->block_tables, R->n_seqs, R->max_blocks,
+                     R->block_size, R->query_start, R->context_len))
+        return -1;
+    if (kvlab_tq_layouts(C, n_kv_heads, hd, L)) return -1;
+    for (int h = 0; h < 2 * n_kv_heads; h++)
+        if (L[h].dpad != L[0].dpad) return -1;
+    if (C->unrotation || C->unrotation_signs) {   /* +prerope: paged.c's rebuild, a RoPE row for every position */
+        if (hd % 16 || (C->unrotation_signs && (hd & (hd - 1))) || !S->rope_cos || !S->rope_sin) return -1;
+        for (int s = 0; s < R->n_seqs; s++)
+            if (R->context_len[s] > S->rope_rows) return -1;
+    }
+    if (T->sink < 0) return -1;
+    if (T->sink > 0) {
+        if (!T->sink_k || !T->sink_v || !S->entries || T->sink_type < POOL_F32 || T->sink_type > POOL_BF16) return -1;
+        for (int s = 0; s < R->n_seqs; s++)
+            if (S->entries[s] < 0 || S->entries[s] >= T->sink_entries) return -1;
+    }
+    return 0;
+}
+
+int kvlab_tq_pool_layer_ok(const TqPoolLayer *T, int n_heads, int n_kv_heads, int hd, const Ragged *R, int64_t n_rows,
+                           const TqStep *S) {
+    if (n_kv_heads <= 0 || n_kv_heads > CB_MAX_DIM) return -1;
+    cb_layout *L = malloc(sizeof(cb_layout) * 2 * (size_t)n_kv_heads);
+    if (!L) return -2;
+    const int status = tq_layer_check(T, n_heads, n_kv_heads, hd, R, n_rows, S, L);
+    free(L);
+    return status;
+}
+
+/* K or V of one row (Hkv x hd values) into sink row `row` of `rows` (sink_type), rounded as torch's .to() rounds */
+static void store_sink_row(int type, const float *src, int64_t n, void *rows, int64_t row) {
+    if (type == POOL_F32)
+        memcpy((float *)rows + row * n, src, sizeof(float) * (size_t)n);
+    else
+        kvlab_kv_store(type, src, n, (uint16_t *)rows + row * n);
+}
+
+/* Row i = (row, head) of the output: y (d,) in the rotated domain -> o = y Mᵀ (+ the value offset); with sink rows,
+ * one softmax over the sink rows the row sees (positions [lo, hi)) and the coded keys, whose log-sum-exp is lse
+ * (plus q·μ·scale where the keys were coded less their offset and q is not turned back with them). */
+static void tq_finish(const TqPoolLayer *T, int n_kv_heads, int g, int d, const float *y, const float *q, float lse,
+                      const float *k_offset, const float *v_offset, int entry, int64_t lo, int64_t hi, float scale,
+                      float *o) {
+    const Coded *C = T->coded;
+    for (int c = 0; c < d; c++) o[c] = dot(C->rotation + (int64_t)c * d, y, d);
+    if (v_offset)
+        for (int c = 0; c < d; c++) o[c] += v_offset[c];
+    if (T->sink == 0) return;
+    if (k_offset) lse += dot(q, k_offset, d) * scale;
+    float top = lse, buf[MAX_DIM], acc[MAX_DIM];
+    const int64_t first = (int64_t)entry * T->sink * n_kv_heads + g;   /* sink row t of KV head g: first + t Hkv */
+    for (int64_t t = lo; t < hi; t++) {
+        const float s = dot(q, pool_row(T->sink_k, T->sink_type, first + t * n_kv_heads, d, buf), d) * scale;
+        top = s > top ? s : top;
+    }
+    const float w_coded = expf(lse - top);                            /* 0 where no coded key was read (lse -inf) */
+    float total = w_coded;
+    for (int c = 0; c < d; c++) acc[c] = w_coded * o[c];
+    for (int64_t t = lo; t < hi; t++) {
+        const float w = expf(dot(q, pool_row(T->sink_k, T->sink_type, first + t * n_kv_heads, d, buf), d) * scale - top);
+        const float *v = pool_row(T->sink_v, T->sink_type, first + t * n_kv_heads, d, buf);
+        total += w;
+        for (int c = 0; c < d; c++) acc[c] += w * v[c];
+    }
+    for (int c = 0; c < d; c++) o[c] = acc[c] / total;
+}
+
+int kvlab_tq_pool_layer(const TqPoolLayer *T, int n_heads, int n_kv_heads, int hd, const Ragged *R, int64_t n_rows,
+                        const TqStep *S, const float *q, const float *k, const float *v, int64_t kv_stride, float scale,
+                        int window, float *out, int n_threads) {
+    if (n_kv_heads <= 0 || n_kv_heads > CB_MAX_DIM || kv_stride < (int64_t)n_kv_heads * hd) return -1;
+    cb_layout *L = malloc(sizeof(cb_layout) * 2 * (size_t)n_kv_heads);
+    if (!L) return -2;
+    int status = tq_layer_check(T, n_heads, n_kv_heads, hd, R, n_rows, S, L);
+    if (status || n_rows == 0) {
+        free(L);
+        return status;
+    }
+    if (n_threads < 1) n_threads = 1;
+    const Coded *C = T->coded;
+    const int H = n_heads, Hkv = n_kv_heads, G = H / Hkv, d = hd, sink = T->sink;
+    const int pre = C->unrotation || C->unrotation_signs;
+    const int64_t N = n_rows, kv_dim = (int64_t)Hkv * d;
+    int64_t *slot = malloc(sizeof(int64_t) * (size_t)N), *position = malloc(sizeof(int64_t) * (size_t)N);
+    int *entry = malloc(sizeof(int) * (size_t)N);
+    float *queries = pre ? NULL : malloc(sizeof(float) * (size_t)(N * H * d));   /* (N, H, d) as the codes are read */
+    float *rotated = malloc(sizeof(float) * (size_t)(N * H * d));                  /* (N, H, d) attention, rotated */
+    float *lse = sink ? malloc(sizeof(float) * (size_t)(N * H)) : NULL;
+    float *state = malloc(sizeof(float) * (size_t)(3 * kv_dim));                   /* weights, key, value offsets */
+    code_pool P = {0};
+    if (!slot || !position || !entry || (!pre && !queries) || !rotated || (sink && !lse) || !state
+        || alloc_rows(&P.keys, C->codes[0], Hkv) || alloc_rows(&P.values, C->codes[1], Hkv))
+        status = -2;
+    if (!status) {   /* each row's position and slot; a sink position's K/V into its sequence's sink rows */
+        for (int s = 0; s < R->n_seqs; s++) {
+            const int64_t r0 = R->query_start[s], r1 = R->query_start[s + 1], first = R->context_len[s] - (r1 - r0);
+            const int32_t *table = R->block_tables + (int64_t)s * R->max_blocks;
+            for (int64_t r = r0; r < r1; r++) {
+                const int64_t pos = first + (r - r0);
+                position[r] = pos;
+                entry[r] = sink ? S->entries[s] : 0;
+                slot[r] = pos < sink ? -1 : (int64_t)table[pos / R->block_size] * R->block_size + pos % R->block_size;
+                if (pos < sink) {
+                    const int64_t row = (int64_t)entry[r] * sink + pos;
+                    store_sink_row(T->sink_type, k + r * kv_stride, kv_dim, T->sink_k, row);
+                    store_sink_row(T->sink_type, v + r * kv_stride, kv_dim, T->sink_v, row);
+                }
+            }
+        }
+        status = kvlab_tq_code_rows(C, L, Hkv, d, N, k, v, kv_stride, slot, pre ? S->rope_cos : NULL,
+                                    pre ? S->rope_sin : NULL, position, n_threads);
+    }
+    float *weights = state, *k_offset = state + kv_dim, *v_offset = state + 2 * kv_dim;
+    if (!status) {   /* the codes read in place: code_attention over the layer's blocks */
+        kvlab_tq_state(C, Hkv, d, weights, k_offset, v_offset);
+        if (!pre) {
+            #pragma omp parallel for schedule(static) num_threads(n_threads) if(N * H * d * d >= 65536)
+            for (int64_t i = 0; i < N * H; i++) kvlab_tq_query(C, (int)(i % H) / G, d, q + i * d, queries + i * d);
+        }
+        for (int i = 0; i < 2; i++) {
+            code_rows *rows = i ? &P.values : &P.keys;
+            rows->token_bytes = C->slot_bytes[i];
+            for (int h = 0; h < Hkv; h++) rows->heads[h] = L[2 * h + i], rows->head_at[h] = C->heads[i][h].at;
+        }
+        const PreRope rebuild = {.unrotation = C->unrotation, .signs = C->unrotation_signs,
+                                 .weights = C->weight_codes ? weights : NULL, .offset = C->offset[0] ? k_offset : NULL,
+                                 .cos_ = S->rope_cos, .sin_ = S->rope_sin};
+        P.kind = CODES_TQ, P.n_heads = H, P.n_kv_heads = Hkv, P.group = G, P.d = d, P.dpad = L[0].dpad;
+        P.window = window, P.block_size = R->block_size, P.max_blocks = R->max_blocks, P.block_tables = R->block_tables;
+        P.query_start = R->query_start, P.context_len = R->context_len, P.scale = scale;
+        P.k_norm = C->norms[0], P.v_norm = C->norms[1];
+        P.norm_dtype = C->norm_type;   /* decode.c's KV_F16, KV_BF16, NORM_LOG8 are POOL_F16, POOL_BF16, POOL_LOG8 */
+        P.centres[0] = C->norm_centres[0], P.centres[1] = C->norm_centres[1];
+        P.first_key = sink, P.pre = pre ? &rebuild : NULL;
+        status = code_attention(&P, pre ? q : queries, R->n_seqs, rotated, lse, n_threads);
+    }
+    if (!status) {   /* back to the model's domain, merged with the sink rows */
+        #pragma omp parallel for schedule(static) num_threads(n_threads)
+        for (int64_t i = 0; i < N * H; i++) {
+            const int64_t r = i / H, pos = position[r];
+            const int g = (int)(i % H) / G;
+            const int64_t lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0, hi = pos + 1 < sink ? pos + 1 : sink;
+            tq_finish(T, Hkv, g, d, rotated + i * d, q + i * d, sink ? lse[i] : 0.0f,
+                      C->offset[0] && !pre ? k_offset + (int64_t)g * d : NULL, C->offset[1] ? v_offset + (int64_t)g * d : NULL,
+                      entry[r], lo, hi, scale, out + i * d);
+        }
+    }
+    free_rows(&P.keys);
+    free_rows(&P.values);
+    free(L); free(slot); free(position); free(entry); free(queries); free(rotated); free(lse); free(state);
     return status;
 }

@@ -1,10 +1,18 @@
-/* paged.c's dense entry points for the other C sources (batchstep.c): ragged attention over K/V blocks. */
+/* paged.c's dense entry points for the other C sources (batchstep.c): ragged attention over K/V blocks
+ * (TurboQuant pool layers: tqcodes.h). */
 #ifndef KVLAB_PAGED_H
 #define KVLAB_PAGED_H
 #include <stdint.h>
 
 enum { POOL_F32 = 0, POOL_F16 = 1, POOL_BF16 = 2 };   /* how a pool stores K/V */
 enum { POOL_LOG8 = 3 };   /* TurboQuant scales as uint8 log codes around a centre per KV head (+norms8) */
+
+typedef struct {                   /* where the rows of a step's sequences live (kvlab/serve/attention.py RaggedLayout) */
+    int32_t n_seqs, max_blocks, block_size;
+    const int32_t *block_tables;   /* (n_seqs, max_blocks) */
+    const int32_t *query_start;    /* (n_seqs + 1,): sequence s owns rows [query_start[s], query_start[s + 1]) */
+    const int32_t *context_len;    /* (n_seqs,): tokens it attends to, its new rows included */
+} Ragged;
 
 /* 0 when every index a ragged layout gives (block ids, lengths, query offsets) lies inside a pool of n_slots
  * slots and the sizes are ones kvlab_paged_attention takes; -1 otherwise */

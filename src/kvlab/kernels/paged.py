@@ -307,3 +307,83 @@ def paged_int_attention(kernel, q: torch.Tensor, bits: int, k_codes: torch.Tenso
     _check(status == 0, f"refused the layout of {S} sequences over {slots} slots (a block id, length, offset or exact-key "
                         f"range out of range)")
     return out
+
+
+# -- a layer of a TurboQuant pool in one call (tqcodes.h kvlab_tq_pool_layer) -----------------------------------------
+class Ragged(ctypes.Structure):   # paged.h Ragged: a ragged layout's buffers
+    _fields_ = [("n_seqs", ctypes.c_int32), ("max_blocks", ctypes.c_int32), ("block_size", ctypes.c_int32),
+                ("block_tables", ctypes.c_void_p), ("query_start", ctypes.c_void_p), ("context_len", ctypes.c_void_p)]
+
+    @classmethod
+    def of(cls, block_tables: torch.Tensor, query_start: torch.Tensor, context_len: torch.Tensor, slots: int,
+           block_size: int) -> "Ragged":
+        """The struct after checking the buffers (C checks their values before any is used as an index)."""
+        _check_layout(block_tables, query_start, context_len, slots, block_size)
+        return cls(context_len.numel(), block_tables.shape[1], block_size, block_tables.data_ptr(), query_start.data_ptr(),
+                   context_len.data_ptr())
+
+
+class TqPoolLayer(ctypes.Structure):   # tqcodes.h: a pool layer's Coded, its sink rows; made by cache/tq_kernel.py
+    _fields_ = [("coded", ctypes.c_void_p), ("sink", ctypes.c_int32), ("sink_type", ctypes.c_int32),
+                ("sink_entries", ctypes.c_int32), ("sink_k", ctypes.c_void_p), ("sink_v", ctypes.c_void_p)]
+
+
+class TqStep(ctypes.Structure):   # tqcodes.h: what every layer of a step reads
+    _fields_ = [("entries", ctypes.c_void_p), ("rope_cos", ctypes.c_void_p), ("rope_sin", ctypes.c_void_p),
+                ("rope_rows", ctypes.c_int64)]
+
+    @classmethod
+    def of(cls, entries: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor] | None, n_seqs: int,
+           d: int) -> "TqStep":
+        """entries (n_seqs,) int32: each sequence's sink entry (+sinkN), or None; rope: +prerope's cos, sin (rows, d)
+        of positions 0 .., or None. Checked here; the struct points at them without holding them."""
+        if entries is not None:
+            check_buffer(WHAT, "sink entries", entries, torch.int32, (n_seqs,))
+        rows = 0
+        if rope is not None:
+            rows = rope[0].shape[0] if isinstance(rope[0], torch.Tensor) and rope[0].dim() == 2 else -1
+            for name, t in zip(("RoPE cos", "RoPE sin"), rope):
+                check_buffer(WHAT, name, t, torch.float32, (rows, d))
+        step = cls(None if entries is None else entries.data_ptr(), None if rope is None else rope[0].data_ptr(),
+                   None if rope is None else rope[1].data_ptr(), rows)
+        step.checked = (n_seqs, d)
+        return step
+
+
+@functools.lru_cache(maxsize=4)
+def _tq_layer_function(library_path: str):
+    fn = ctypes.CDLL(library_path).kvlab_tq_pool_layer
+    i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ctypes.POINTER(TqPoolLayer), i32, i32, i32, ctypes.POINTER(Ragged), i64, ctypes.POINTER(TqStep), ptr,
+                   ptr, ptr, i64, ctypes.c_float, i32, ptr, i32]
+    fn.restype = i32
+    return fn
+
+
+def tq_pool_layer(kernel, layer: TqPoolLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: torch.Tensor,
+                  query_start: torch.Tensor, context_len: torch.Tensor, block_size: int, step: TqStep, scale: float,
+                  window: int = 0) -> torch.Tensor | None:
+    """One layer of a TurboQuant pool step in one call (paged.c kvlab_tq_pool_layer): k, v (N, Hkv, D) fp32 (keys after
+    RoPE) coded into each row's slot, a position below the layer's sink into its sequence's sink rows (step.entries);
+    then q (N, H, D) fp32 after RoPE -> (N, H, D), each row's attention over its sequence's coded keys (and sink rows),
+    in the model's domain. `layer`: cache/tq_kernel.py CodedLayers.pool_layer, its buffers checked for
+    layer.checked = (Hkv, D, slots). None when a scale is not finite (the caller's torch reference names it)."""
+    Hkv, D, slots = layer.checked
+    _check(isinstance(q, torch.Tensor) and q.dim() == 3, "q must be (N, H, D)")
+    N, H = q.shape[:2]
+    _check(H % Hkv == 0, f"{H} query heads are not a multiple of {Hkv} KV heads")
+    check_buffer(WHAT, "q", q, torch.float32, (N, H, D))
+    check_buffer(WHAT, "keys", k, torch.float32, (N, Hkv, D))
+    check_buffer(WHAT, "values", v, torch.float32, (N, Hkv, D))
+    ragged = Ragged.of(block_tables, query_start, context_len, slots, block_size)
+    _check(step.checked == (ragged.n_seqs, D), f"the step's buffers were checked for {step.checked} (sequences, head dim), "
+                                               f"not ({ragged.n_seqs}, {D})")
+    out = torch.empty(N, H, D, dtype=torch.float32)
+    status = _tq_layer_function(str(kernel.path))(
+        ctypes.byref(layer), H, Hkv, D, ctypes.byref(ragged), N, ctypes.byref(step), q.data_ptr(), k.data_ptr(), v.data_ptr(),
+        Hkv * D, scale, int(window or 0), out.data_ptr(), torch.get_num_threads())
+    if status == -2:
+        raise KvlabError("TurboQuant pool layer: no memory for the kernel's work items")
+    _check(status >= 0, f"refused a TurboQuant layer over {ragged.n_seqs} sequences of {slots} slots (a block id, length, "
+                        f"offset, sink entry or RoPE row out of range, or a layout it cannot read)")
+    return out if status == 0 else None

@@ -14,11 +14,13 @@ and a block copy (copy-on-write) copies every buffer's rows of that block.
 
 Reading. The torch reference, per sequence: gather its slots, dequantize them, then run
 cache.attention.grouped_attention, the same causal attention every cache uses. TurboQuant pools with
-use_kernel (on CPU, where the codec reads codes in C) attend the whole step in one C call per layer
-(kernels/paged.c kvlab_paged_codes_attention): the codes are read in place through the block tables,
-the queries go in rotated and the output comes back in the rotated domain (one inverse rotation for the
-batch); +qjl codes read per sequence with the codec's own scores and mix instead. Both are the paths the
-tests hold equal to the reference. The int formats keep the
+use_kernel (on CPU, where the codec reads codes in C) run each layer of a step in one C call (kernels/paged.c
+kvlab_tq_pool_layer, `layers_in_c`): `append` keeps the step's K/V, and `attend` codes them into their slots (sink
+positions into the sink rows), reads the codes in place through the block tables and returns the output in the
+model's domain (inverse rotation, value offset, sink merge done in C). With `layers_in_c` off the same step runs as
+the C coder, kvlab_paged_codes_attention (output in the rotated domain) and torch for the rest: the path the one
+call is tested against (tests/test_tq_pool_step.py). +qjl codes read per sequence with the codec's own scores and
+mix instead. These are the paths the tests hold equal to the reference. The int formats keep the
 single cache's rule for key groups (cache/quantized.py): the query of the token at position p reads codes
 for the groups complete at p and full-precision keys for the rest, so a chunk's queries before a group's
 completion read that group exactly (from the stage and the chunk's own keys, kept for the step like the
@@ -39,6 +41,7 @@ reference for the tq formats (a plain `tq-k4v4` cache calibrates on each sequenc
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import replace
 
 import torch
@@ -55,7 +58,7 @@ from ..cache.turboquant import HeadCodes, RotatedCodes, TurboQuantCache
 from ..kernels.codebook import CodeLayout
 from ..errors import ConfigError
 from ..kernels import kernel_for
-from ..kernels.paged import PreRopeKeys, paged_codes_attention, paged_int_attention
+from ..kernels.paged import PreRopeKeys, TqPoolLayer, TqStep, paged_codes_attention, paged_int_attention, tq_pool_layer
 from ..model.layer_caches import model_cache
 from ..rope import apply_rope
 from .formats import BlockFormat
@@ -189,9 +192,12 @@ class CodedPool:
         """Pool layer `layer`'s codes as its format's C coder writes them (cache/tq_kernel.py, cache/int_kernel.py),
         described once per layer and layer group; None where this step codes in torch (the reference): no kernel,
         view.use_kernel off, or what `_codes_in_c` refuses."""
-        if not view.use_kernel or self._kernel is None or not self._codes_in_c():
+        return self._coder_at(layer, self.state_layer(layer, view)) if view.use_kernel else None
+
+    def _coder_at(self, layer: int, at: int):
+        """`_coder` of pool layer `layer` with state layer `at`, for a step that runs the kernels."""
+        if self._kernel is None or not self._codes_in_c():
             return None
-        at = self.state_layer(layer, view)
         coder = self._coders.get((layer, at))
         if coder is None:
             coder = self._coders[layer, at] = self._describe(layer, at)
@@ -419,6 +425,10 @@ class TurboPool(CodedPool):
             raise ConfigError(f"TurboQuant pool: its codec keeps {codec.sink} sink tokens, the format {self.sink}")
         self.sinks = SinkRows(geometry, plan.max_batch, self.sink, fmt.dtype, self._device) if self.sink else None
         self._c_layers = CodedLayers("TurboQuant pool")     # what the C coder's layer descriptions point at
+        self._pool_layers: dict[tuple[int, int], TqPoolLayer] = {}   # (pool layer, state layer) -> its C descriptor
+        # a layer of a step in one C call where the coder runs in C (kvlab_tq_pool_layer: code, attend, turn back, merge
+        # the sink rows); False: the coder and the paged codes attention apart, the rest in torch (the reference)
+        self.layers_in_c = True
 
     # -- +sinkN: per-sequence state -------------------------------------------------------------------------
     def rows_for(self, seqs) -> list[int]:
@@ -458,9 +468,12 @@ class TurboPool(CodedPool):
         """cos, sin (ctx, D) of positions 0 .. the step's longest context (+prerope; a slot's position is its token's
         place in its sequence): made at the step's first layer and kept on its view, a step's transient, not the pool's."""
         if getattr(view, "rope", None) is None:
-            n = int(view.layout.context_len.max())
-            view.rope = tuple(t.contiguous() for t in self.codec.position_rope(0, n))
+            view.rope = self.rope_table(view.layout)
         return view.rope
+
+    def rope_table(self, layout) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (ctx, D) of positions 0 .. the layout's longest context."""
+        return tuple(t.contiguous() for t in self.codec.position_rope(0, int(layout.context_len.max())))
 
     def _state_nbytes(self) -> int:
         return self.codec.state_nbytes() + (self.sinks.nbytes if self.sinks else 0)
@@ -481,9 +494,90 @@ class TurboPool(CodedPool):
         buffers = {name: self.token_buffers[name][layer] for name in ("k_codes", "k_norm", "v_codes", "v_norm")}
         return self._c_layers.layer(self.codec, at, buffers, self.slots, token_major=True)
 
+    # -- a layer in one C call ----------------------------------------------------------------------------------
+    def pool_layer(self, layer: int, view) -> TqPoolLayer | None:
+        """Pool layer `layer` of the view's group as kvlab_tq_pool_layer codes and reads it (its Coded and sink rows);
+        None where the view's steps do not run it in C (view.use_kernel or `layers_in_c` off, no C coder)."""
+        return self.layer_struct(layer, self.state_layer(layer, view)) if view.use_kernel else None
+
+    def layer_struct(self, layer: int, at: int) -> TqPoolLayer | None:
+        """Pool layer `layer` with state layer `at` as C reads it, made once; None where it does not run in C."""
+        coder = self._coder_at(layer, at) if self.layers_in_c else None
+        if coder is None:
+            return None
+        described = self._pool_layers.get((layer, at))
+        if described is None:
+            sinks = (self.sinks.k[layer], self.sinks.v[layer]) if self.sinks else (None, None)   # (entries, sink, Hkv, D)
+            described = self._pool_layers[layer, at] = self._c_layers.pool_layer(coder, *sinks)
+        return described
+
+    def layer_structs(self):
+        """Every layer's `layer_struct` (a model of one layer group) as the fused step reads them: a ctypes array of
+        pointers (L,), made once; None where a layer does not run in C."""
+        held = getattr(self, "_layer_array", None)
+        if held is None:
+            structs = [self.layer_struct(layer, layer) for layer in range(self.geometry.n_layers)]
+            if any(s is None for s in structs):
+                return None
+            held = (ctypes.POINTER(TqPoolLayer) * len(structs))(*(ctypes.pointer(s) for s in structs))
+            held.structs = structs
+            self._layer_array = held
+        return held
+
+    def step_struct(self, layout, rows: list[int] | None, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> TqStep:
+        """What every layer of a step reads in C beside its descriptor: each sequence's sink entry (+sinkN) and the RoPE
+        table of positions 0 .. its longest context (+prerope: `rope`, or made here), checked; it holds them."""
+        entries = torch.tensor(rows, dtype=torch.int32) if self.sinks else None                      # (S,)
+        if self.codec.config.pre_rope:
+            rope = rope if rope is not None else self.rope_table(layout)
+        else:
+            rope = None
+        step = TqStep.of(entries, rope, layout.context_len.numel(), self.geometry.head_dim)
+        step.held = (entries, rope)
+        return step
+
+    def sinks_written(self, layer: int, layout, rows: list[int] | None) -> None:
+        """+sinkN: the sink positions of the step's chunks are in their entries' rows of `layer` (C wrote them)."""
+        if self.sinks:
+            for s in range(layout.context_len.numel()):
+                start = int(layout.context_len[s]) - int(layout.query_start[s + 1] - layout.query_start[s])
+                if start < self.sink:
+                    self.sinks.wrote(layer, rows[s], min(int(layout.context_len[s]), self.sink))
+
+    def _layer_in_c(self, layer: int, view, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+        """q (N, H, D), k, v (N, Hkv, D) -> (N, H, D): the step's K/V coded and every row attended in one C call; None
+        when a scale is not finite (nothing attended)."""
+        step = getattr(view, "tq_step", None)
+        if step is None:
+            step = view.tq_step = self.step_struct(view.layout, view.rows,
+                                                   self._rope_rows(view) if self.codec.config.pre_rope else None)
+        layout = view.layout
+        out = tq_pool_layer(self._kernel, self.pool_layer(layer, view), q.contiguous(), k.float().contiguous(),
+                            v.float().contiguous(), layout.block_tables, layout.query_start, layout.context_len,
+                            layout.block_size, step, view.scale, view.window or 0)
+        if out is not None:
+            self.sinks_written(layer, layout, view.rows)
+        return out
+
     def append(self, layer: int, view, k: torch.Tensor, v: torch.Tensor) -> None:
         """k (N, Hkv, D), v (N, Hkv, D) of the step's tokens: coded into their slots; with +sinkN the tokens at
-        positions below N go to their sequence's sink rows instead."""
+        positions below N go to their sequence's sink rows instead. Where the layer runs in one C call (`pool_layer`)
+        they are kept for its `attend`, which codes them before it reads."""
+        self._flush(view)
+        if view.layout is not None and self.pool_layer(layer, view) is not None:
+            view.pending_kv = (layer, k, v)
+            return
+        self._append(layer, view, k, v)
+
+    def _flush(self, view) -> None:
+        """Code the K/V an `append` kept and no `attend` took."""
+        pending = getattr(view, "pending_kv", None)
+        if pending is not None:
+            view.pending_kv = None
+            self._append(pending[0], view, pending[1], pending[2])
+
+    def _append(self, layer: int, view, k: torch.Tensor, v: torch.Tensor) -> None:
+        """append through the C coder (or the torch reference) and the sink rows in torch."""
         at = self.state_layer(layer, view)                                                # the codec's layer
         step = self._step(view)
         for entry, start, lo, hi in step.sink_writes:                                     # +sinkN: the chunks' sink tokens
@@ -503,9 +597,18 @@ class TurboPool(CodedPool):
             self.token_buffers[name][layer][slots] = t[0].transpose(0, 1)                   # (N, Hkv, ...)
 
     def attend(self, layer: int, view, q: torch.Tensor) -> torch.Tensor:
-        """q (N, H, D) fp32 -> (N, H, D). With view.use_kernel where the codec reads codes in C (CPU): the whole batch
-        in one ragged call on the pool's codes (kernels/paged.c), or, for +qjl codes, per sequence with the codec's
-        own scores and mix; else the torch reference (gather, dequantize, grouped_attention per sequence)."""
+        """q (N, H, D) fp32 -> (N, H, D). After an `append` that kept the layer's K/V: the layer in one C call
+        (`_layer_in_c`). Else, with view.use_kernel where the codec reads codes in C (CPU): the whole batch in one
+        ragged call on the pool's codes (kernels/paged.c), or, for +qjl codes, per sequence with the codec's own scores
+        and mix; else the torch reference (gather, dequantize, grouped_attention per sequence)."""
+        pending = getattr(view, "pending_kv", None)
+        if pending is not None and pending[0] == layer:   # the layer in one C call
+            view.pending_kv = None
+            out = self._layer_in_c(layer, view, q, pending[1], pending[2])
+            if out is not None:
+                return out
+            self._append(layer, view, pending[1], pending[2])   # a scale not finite: the torch reference names it
+        self._flush(view)
         config = self.codec.config   # +qjl reads through the codec's scores: no +prerope keys, no sink rows
         at = self.state_layer(layer, view)                                           # the codec's layer
         kernel = kernel_for(self._device) if view.use_kernel and not config.qjl else None

@@ -1,4 +1,5 @@
-"""FusedBatchStep: every layer of an engine step in one C call (kernels/batchstep.c), over the dense block pool.
+"""FusedBatchStep: every layer of an engine step in one C call (kernels/batchstep.c), over the dense block pool or a
+TurboQuant pool (each layer's K/V coded and read by paged.c kvlab_tq_pool_layer, through the pool's descriptors).
 
 The runner's module path (runner.py) runs a step's rows through the Decoder's Blocks: per layer a few dozen small
 torch operations whose Python overhead was ~20% of a 16-row decode step. The fused step does the same arithmetic
@@ -24,26 +25,25 @@ from ctypes import c_float, c_int32, c_int64, c_void_p
 
 import torch
 
-from ..errors import ConfigError, KvlabError
+from ..errors import ConfigError, KvlabError, NonFiniteError
 from ..kernels import block_kernel, check_buffer
-from ..kernels.paged import POOL_DTYPES
+from ..kernels.paged import POOL_DTYPES, Ragged
 from ..model.blockquant import GEMM_MAX_ROWS, Q8_MIN_ROWS, BlockQuantLinear, gemm_enabled
 from ..model.fused import FusedDecodeStep
 from .attention import RaggedLayout
 from .blocks import BlockPool
+from .coded import TurboPool
 
 WHAT = "fused batch step"
 OFF_ENV = "KVLAB_NO_FUSED_BATCH"   # set: every engine step through the modules
 
 
-class _Pool(ctypes.Structure):
+class _Pool(ctypes.Structure):   # batchstep.c Pool
     _fields_ = [("type", c_int32), ("n_layers", c_int32), ("n_kv_heads", c_int32), ("head_dim", c_int32),
-                ("slots", c_int64), ("k", c_void_p), ("v", c_void_p)]
+                ("slots", c_int64), ("k", c_void_p), ("v", c_void_p), ("tq", c_void_p), ("tq_step", c_void_p)]
 
 
-class _Ragged(ctypes.Structure):
-    _fields_ = [("n_seqs", c_int32), ("max_blocks", c_int32), ("block_size", c_int32),
-                ("block_tables", c_void_p), ("query_start", c_void_p), ("context_len", c_void_p)]
+POOL_TQ = 4   # batchstep.c: a TurboQuant pool, each layer through its descriptor (tqcodes.h)
 
 
 class FusedBatchStep:
@@ -56,7 +56,7 @@ class FusedBatchStep:
         # a layer's matrices in batchstep.c's order (QKV, OUT, GATE_UP, DOWN): which take int8 activations
         self._matrices = [m for b in model.blocks for m in (b.attn.qkv, b.attn.out, b.ffn.gate_up, b.ffn.down)]
         lib.kvlab_batch_step.argtypes = [c_void_p, c_void_p, c_int64, c_void_p, c_void_p, ctypes.POINTER(_Pool),
-                                         ctypes.POINTER(_Ragged), c_float, c_int32, c_void_p, c_int32, c_int32]
+                                         ctypes.POINTER(Ragged), c_float, c_int32, c_void_p, c_int32, c_int32]
         lib.kvlab_batch_step.restype = c_int32
         head = model.lm_head if model.lm_head is not None else model.embed   # what decode_step.weights.head holds
         self._head = weakref.ref(head)                                         # its activations: read on every call
@@ -70,15 +70,16 @@ class FusedBatchStep:
         return torch.tensor([isinstance(m, BlockQuantLinear) and m.activations == "int8" for m in self._matrices],
                             dtype=torch.uint8)
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: BlockPool, layout: RaggedLayout,
-                 scale: float, window: int | None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: BlockPool | TurboPool,
+                 layout: RaggedLayout, scale: float, window: int | None, rows: list[int] | None = None) -> torch.Tensor:
         """x (1, N, C) embedded rows, cos/sin (N, D) at their positions -> (1, N, C) after every layer; each row's
-        K/V written to its pool slot (found through the layout's block tables)."""
+        K/V written to its pool slot (found through the layout's block tables). A TurboPool codes them there (sink
+        positions into the sink rows of each sequence's entry, `rows`: pool.rows_for of the step's sequences)."""
         cfg = self.config
         C, D, L = cfg.d_model, cfg.head_dim, cfg.n_layers
-        if not isinstance(layout, RaggedLayout) or not isinstance(pool, BlockPool):
-            raise ConfigError(f"{WHAT}: needs a RaggedLayout over a dense BlockPool, got {type(layout).__name__} "
-                              f"over {type(pool).__name__}")
+        if not isinstance(layout, RaggedLayout) or not isinstance(pool, (BlockPool, TurboPool)):
+            raise ConfigError(f"{WHAT}: needs a RaggedLayout over a dense BlockPool or a TurboPool, got "
+                              f"{type(layout).__name__} over {type(pool).__name__}")
         S = layout.context_len.numel()
         check_buffer(WHAT, "query_start", layout.query_start, torch.int32, (S + 1,))
         check_buffer(WHAT, "context_len", layout.context_len, torch.int32, (S,))
@@ -89,11 +90,6 @@ class FusedBatchStep:
         check_buffer(WHAT, "rows", x, torch.float32, (1, N, C), contiguous=False)
         check_buffer(WHAT, "rope cos", cos, torch.float32, (N, D))
         check_buffer(WHAT, "rope sin", sin, torch.float32, (N, D))
-        if pool.dtype not in POOL_DTYPES or pool.k.dim() != 4:
-            raise ConfigError(f"{WHAT}: pool blocks of {pool.k.dtype} are not fp32, fp16 or bf16")
-        slots = pool.k.shape[1]
-        for name, t in (("pool keys", pool.k), ("pool values", pool.v)):
-            check_buffer(WHAT, name, t, pool.dtype, (L, slots, cfg.n_kv_heads, D))
         if isinstance(window, bool) or not isinstance(window, (int, type(None))) or (window or 0) < 0:
             raise ConfigError(f"{WHAT}: window must be a non-negative number of tokens or None, got {window!r}")
         decode_step = self._decode_step()
@@ -101,21 +97,47 @@ class FusedBatchStep:
             raise ConfigError(f"{WHAT}: the fused decode step whose weight structs it reads is gone")
         flags = self.int8_flags()
         check_buffer(WHAT, "int8 flags", flags, torch.uint8, (4 * L,))
-        rows = torch.empty(N, C, dtype=torch.float32)
-        rows.copy_(x[0])                                                          # (N, C): updated in place by C
-        pool_struct = _Pool(POOL_DTYPES[pool.dtype], L, cfg.n_kv_heads, D, slots, pool.k.data_ptr(), pool.v.data_ptr())
-        ragged = _Ragged(S, layout.block_tables.shape[1], layout.block_size, layout.block_tables.data_ptr(),
-                         layout.query_start.data_ptr(), layout.context_len.data_ptr())
+        pool_struct, held = self._pool_struct(pool, layout, rows)
+        rows_out = torch.empty(N, C, dtype=torch.float32)
+        rows_out.copy_(x[0])                                                      # (N, C): updated in place by C
+        ragged = Ragged(S, layout.block_tables.shape[1], layout.block_size, layout.block_tables.data_ptr(),
+                        layout.query_start.data_ptr(), layout.context_len.data_ptr())
         status = self._lib.kvlab_batch_step(
-            ctypes.addressof(decode_step.weights), rows.data_ptr(), N, cos.data_ptr(), sin.data_ptr(),
+            ctypes.addressof(decode_step.weights), rows_out.data_ptr(), N, cos.data_ptr(), sin.data_ptr(),
             ctypes.byref(pool_struct), ctypes.byref(ragged), float(scale), int(window or 0), flags.data_ptr(),
             Q8_MIN_ROWS, torch.get_num_threads())
+        del held
         if status == -2:
             raise KvlabError(f"{WHAT}: no memory for the scratch rows of {N} tokens")
+        if status == 1:
+            raise NonFiniteError(f"{WHAT}: a TurboQuant key or value scale of the step is not finite")
         if status != 0:
-            raise ConfigError(f"{WHAT} refused {S} sequences over {slots} pool slots (a block id, length or offset out "
-                              f"of range, or a pool not shaped for this model)")
-        return rows.view(1, N, C)
+            raise ConfigError(f"{WHAT} refused {S} sequences over {pool_struct.slots} pool slots (a block id, length or "
+                              f"offset out of range, or a pool not shaped for this model)")
+        if isinstance(pool, TurboPool):
+            pool.sinks_written(L - 1, layout, rows)
+        return rows_out.view(1, N, C)
+
+    def _pool_struct(self, pool: BlockPool | TurboPool, layout: RaggedLayout, rows: list[int] | None) -> tuple[_Pool, object]:
+        """batchstep.c's Pool over `pool`, checked, and what it points at that nothing else holds during the call."""
+        cfg = self.config
+        D, L = cfg.head_dim, cfg.n_layers
+        if isinstance(pool, TurboPool):   # each layer's descriptor was checked where it was made
+            layers = pool.layer_structs()
+            if layers is None or len(layers) != L or pool.geometry.n_kv_heads != cfg.n_kv_heads or pool.geometry.head_dim != D:
+                raise ConfigError(f"{WHAT}: the TurboQuant pool's layers are not {L} coded in C for this model")
+            if pool.sinks is not None and (rows is None or len(rows) != layout.context_len.numel()):
+                raise ConfigError(f"{WHAT}: a pool with sink rows needs each sequence's entry")
+            step = pool.step_struct(layout, rows)
+            return _Pool(POOL_TQ, L, cfg.n_kv_heads, D, pool.slots, None, None, ctypes.addressof(layers),
+                         ctypes.addressof(step)), step
+        if pool.dtype not in POOL_DTYPES or pool.k.dim() != 4:
+            raise ConfigError(f"{WHAT}: pool blocks of {pool.k.dtype} are not fp32, fp16 or bf16")
+        slots = pool.k.shape[1]
+        for name, t in (("pool keys", pool.k), ("pool values", pool.v)):
+            check_buffer(WHAT, name, t, pool.dtype, (L, slots, cfg.n_kv_heads, D))
+        return _Pool(POOL_DTYPES[pool.dtype], L, cfg.n_kv_heads, D, slots, pool.k.data_ptr(), pool.v.data_ptr(), None,
+                     None), None
 
     def head(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (R, C) rows after every layer -> their logits (R, vocab), as the model's logits() computes them (the
@@ -167,16 +189,23 @@ def _step_of(model) -> FusedBatchStep | None:
 
 def fused_batch_for(runner, n_rows: int) -> FusedBatchStep | None:
     """The fused step when it runs this step of `runner` as the modules would, else None (the module path): dense
-    blocks in fp32/f16/bf16 on the CPU, the C attention kernel chosen, the model's fused decode step in place, and
-    at most GEMM_MAX_ROWS rows (more go through torch's GEMM in the modules, faster than the block GEMM)."""
+    blocks in fp32/f16/bf16 or TurboQuant blocks whose layers run in C (no +qjl, a model of one layer group) on the
+    CPU, the C attention kernel chosen, the model's fused decode step in place, and at most GEMM_MAX_ROWS rows (more
+    go through torch's GEMM in the modules, faster than the block GEMM)."""
     pool = runner.pool
-    if not runner.fused_batch or os.environ.get(OFF_ENV) or not runner.use_kernel or type(pool) is not BlockPool:
+    if not runner.fused_batch or os.environ.get(OFF_ENV) or not runner.use_kernel or pool.device.type != "cpu":
         return None
     if not 0 < n_rows <= GEMM_MAX_ROWS or not gemm_enabled() or torch.is_grad_enabled():
         return None
-    if pool.device.type != "cpu" or pool.dtype not in POOL_DTYPES:
+    if type(pool) is BlockPool:
+        if pool.dtype not in POOL_DTYPES:
+            return None
+    elif type(pool) is not TurboPool or not pool.layers_in_c or len(runner.groups.members) != 1 or runner.state is not None:
         return None
-    return _step_of(runner.model)
+    step = _step_of(runner.model)
+    if step is not None and type(pool) is TurboPool and pool.layer_structs() is None:
+        return None
+    return step
 
 
 @contextmanager

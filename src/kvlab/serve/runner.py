@@ -4,8 +4,8 @@ The N tokens of a step (decode tokens and prefill chunks of any number of sequen
 model as one (1, N, C) batch, so every weight matrix is read once per step. The model's own Block
 modules run it: BatchView speaks the cache protocol (append / attend, and mix for recurrent layers) for the
 step, writing each token's K/V into its pool slot and answering attention per sequence through its block table.
-Where it applies (dense blocks, at most GEMM_MAX_ROWS rows: fused_batch.fused_batch_for), the same layers run in one
-C call instead, and the sampled rows' final norm, output head and argmax in one more.
+Where it applies (dense or TurboQuant blocks, at most GEMM_MAX_ROWS rows: fused_batch.fused_batch_for), the same
+layers run in one C call instead, and the sampled rows' final norm, output head and argmax in one more.
 
 Models whose layers differ in kind (Gemma 3, Qwen3.5) run the modules: each attention layer reads the blocks of its
 layer group (cache/capacity.LayerGroups) with its own window, and each recurrent layer runs over the sequences' state
@@ -102,11 +102,11 @@ class Runner:
         layout = RaggedLayout.build([c.seq.block_table for c in chunks], sizes, ends, bs)
         fused = fused_batch_for(self, len(ids))
         tokens = torch.tensor([ids], device=self.device)
+        rows = self.pool.rows_for([c.seq for c in chunks])
         if fused is not None:
             x = self.model.embed(tokens)                                           # (1, N, C)
             cos, sin = self.model.rope_at(positions, x.dtype)                     # (N, D)
-            return fused(x, cos, sin, self.pool, layout, self.scale, self.window)  # (1, N, C): one C call
-        rows = self.pool.rows_for([c.seq for c in chunks])
+            return fused(x, cos, sin, self.pool, layout, self.scale, self.window, rows)   # (1, N, C): one C call
         where: dict[int, tuple[int, BatchView]] = {}
         views: dict[tuple[int, int | None], BatchView] = {}
         for group, members in enumerate(self.groups.members):

@@ -124,5 +124,9 @@ class SinkRows:
         end = start + k.shape[0]
         self.k[layer, entry, start:end] = k.to(self.k.dtype)
         self.v[layer, entry, start:end] = v.to(self.v.dtype)
-        if layer == self.k.shape[0] - 1:                              # the last layer: those positions are complete
+        self.wrote(layer, entry, end)
+
+    def wrote(self, layer: int, entry: int, end: int) -> None:
+        """The entry's rows of `layer` hold positions .. end (written here or by C): complete once the last layer's do."""
+        if layer == self.k.shape[0] - 1:
             self.written[entry] = max(self.written[entry], end)

@@ -1,0 +1,82 @@
+/* TurboQuant codes as the C code holds them (kvlab/cache/turboquant.py; described by kvlab/cache/tq_kernel.py):
+ * decode.c codes a layer's tokens and reads a single cache's, paged.c reads and runs a serving pool's layers
+ * (kvlab/serve/coded.py TurboPool), batchstep.c runs every layer of an engine step over such a pool. */
+#ifndef KVLAB_TQCODES_H
+#define KVLAB_TQCODES_H
+#include <stdint.h>
+
+#include "codebook.h"
+#include "paged.h"
+
+typedef struct {                   /* one KV head's key or value codes in a TurboQuant layer: its width's packing */
+    int64_t at;                    /* byte offset of the head's slot 0 in `codes` */
+    int64_t row_bytes;             /* bytes of one of its rows */
+    int32_t n_parts;
+    const int32_t *spec;           /* n_parts x (lo, hi, bits, block) (codebook.h) */
+    const float *tables;           /* each part's centroids, padded, or its block points (codebook.c) */
+    const float *bounds;           /* each scalar part's 2^bits - 1 boundaries in turn */
+} HeadCodes;
+
+typedef struct {                   /* a TurboQuant layer's codes (kvlab/cache/turboquant.py); [0] keys, [1] values */
+    int32_t slots;                 /* coded rows per KV head */
+    int32_t norm_type;             /* KV_F16, KV_BF16 or NORM_LOG8 */
+    uint8_t *codes[2];             /* (Hkv, slots, row_bytes), or (slots, Σ heads' row bytes) with +halloc */
+    void *norms[2];                /* (Hkv, slots): the stored scales, 16-bit, or uint8 log codes with NORM_LOG8 */
+    const uint16_t *norm_centres[2];  /* NORM_LOG8: (Hkv,) f16 log2 centre of each head's codes, else NULL */
+    int64_t slot_bytes[2];         /* bytes from one slot of a head to its next */
+    const HeadCodes *heads[2];     /* (Hkv,): each head's packing (one width for all but with +halloc) */
+    int32_t scale_mode[2];
+    const float *rotation;         /* (hd, hd) M: the rotated vector is y = x M */
+    const uint8_t *offset[2];      /* (Hkv, hd) float8 e4m3 offsets, or NULL */
+    const uint8_t *weight_codes;   /* (Hkv, hd / 2) 4-bit codes of the key channel weights, low nibble first, or NULL */
+    const float *fp8_values;       /* (256,) the value of each float8 e4m3 byte */
+    const float *weight_values;    /* (16,) the weight of each 4-bit code */
+    const float *rope_cos, *rope_sin;  /* +prerope: (slots, hd) cos / sin of each coded slot's position, as rope()
+                                          takes them (keys are coded before RoPE, turned when read); NULL otherwise */
+    const float *unrotation;       /* +prerope, M not a randomized Hadamard: (hd, hd) Mᵀ, row-major (x = y Mᵀ), else NULL */
+    const float *unrotation_signs; /* +prerope with a randomized Hadamard M = H diag(s)/√d: (hd,) s/√d, else NULL */
+    int64_t norm_head_stride;      /* scale of head g, slot t at norms[i][g * norm_head_stride + t * norm_slot_stride]: */
+    int64_t norm_slot_stride;      /* (slots, 1) for a single cache's (Hkv, slots), (1, Hkv) for a pool's (slots, Hkv) */
+} Coded;
+
+/* layouts[2g + i] = KV head g's key (i = 0) or value (1) layout of C; 0, or -1 when C cannot be read or coded */
+int kvlab_tq_layouts(const Coded *C, int Hkv, int hd, cb_layout *layouts);
+/* Code rows r < n whose slots[r] >= 0 into C (layouts: kvlab_tq_layouts): K/V of KV head g at k/v + r * stride + g * hd
+ * (keys after RoPE); +prerope: turned back with the cos_/sin_ row rope_at[r] (rope_at NULL: row r). 0, or 1 when a
+ * scale is not finite (that row's heads are not all stored). Slots are not checked: the caller's. */
+int kvlab_tq_code_rows(const Coded *C, const cb_layout *layouts, int Hkv, int hd, int64_t n, const float *k,
+                       const float *v, int64_t stride, const int64_t *slots, const float *cos_, const float *sin_,
+                       const int64_t *rope_at, int n_threads);
+/* out (hd,) = (q ⊙ w) M: query q (hd,) of KV head g as C's codes are read (w: the key channel weights, if any) */
+void kvlab_tq_query(const Coded *C, int g, int hd, const float *q, float *out);
+/* the float values of C's state, (Hkv, hd) each where not NULL: key channel weights (1 without), key and value
+ * offsets (0 without) */
+void kvlab_tq_state(const Coded *C, int Hkv, int hd, float *weights, float *k_offset, float *v_offset);
+
+/* -- a layer of the serving pool ------------------------------------------------------------------------------ */
+typedef struct {                   /* one layer of a TurboQuant pool, checked once where it is made */
+    const Coded *coded;            /* token-major: codes (slots, token bytes), scales (slots, Hkv); the codec's state */
+    int32_t sink;                  /* +sinkN: positions below it live in the sink rows, not in blocks; 0 without */
+    int32_t sink_type;             /* POOL_F32, POOL_F16 or POOL_BF16 */
+    int32_t sink_entries;
+    void *sink_k, *sink_v;         /* (sink_entries, sink, Hkv, hd) each */
+} TqPoolLayer;
+
+typedef struct {                   /* what every layer of one step reads besides its descriptor */
+    const int32_t *entries;        /* +sinkN: (n_seqs,) each sequence's entry of sink rows; else NULL */
+    const float *rope_cos, *rope_sin;  /* +prerope: (rope_rows, hd) of positions 0, 1, ..; else NULL */
+    int64_t rope_rows;
+} TqStep;
+
+/* 0 when kvlab_tq_pool_layer takes these sizes and every index they give (slots, sink entries, RoPE rows) lies
+ * inside the layer's buffers; -1 otherwise; -2 without memory */
+int kvlab_tq_pool_layer_ok(const TqPoolLayer *T, int n_heads, int n_kv_heads, int hd, const Ragged *R, int64_t n_rows,
+                           const TqStep *S);
+/* One layer of a step: each row's K/V (k, v rows `kv_stride` floats apart, (Hkv, hd) each, keys after RoPE) coded
+ * into its slot (positions below T->sink into its sequence's sink rows), then out (n_rows, H, hd) = each row's
+ * attention over its sequence's keys, q (n_rows, H, hd) after RoPE. 0; -1 refused (nothing written); -2 no memory;
+ * 1 a scale not finite (nothing attended). */
+int kvlab_tq_pool_layer(const TqPoolLayer *T, int n_heads, int n_kv_heads, int hd, const Ragged *R, int64_t n_rows,
+                        const TqStep *S, const float *q, const float *k, const float *v, int64_t kv_stride, float scale,
+                        int window, float *out, int n_threads);
+#endif
