@@ -57,7 +57,9 @@ def test_a_results_file_the_generator_does_not_know_is_refused(tmp_path, monkeyp
 
 def test_old_names_print_as_today():
     gen = load_generator()
-    assert gen.current_name("tq4+sink1", bare_tq4=True) == "tq-k4v4+sink1"
-    assert gen.current_name("pool:tq4", bare_tq4=True) == "pool:tq-k4v4"
-    assert gen.current_name("tq4.5", bare_tq4=True) == "tq4.5"
-    assert gen.current_name("tq4+halloc", bare_tq4=False) == "tq4+halloc"
+    assert gen.current_name("tq4+sink1", bare=("tq4", "tq3")) == "tq-k4v4+sink1"
+    assert gen.current_name("pool:tq4", bare=("tq4",)) == "pool:tq-k4v4"
+    assert gen.current_name("tq3+sink1", bare=("tq3",)) == "tq-k3v3+sink1"
+    assert gen.current_name("tq4.5", bare=("tq4", "tq3")) == "tq4.5"
+    assert gen.current_name("tq4+halloc", bare=()) == "tq4+halloc"
+    assert gen.current_name("tq4+halloc", bare=("tq3",)) == "tq4+halloc"
