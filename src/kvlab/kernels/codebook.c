@@ -538,7 +538,12 @@ static void decode_blocks(const cb_part *P, const uint8_t *row, float *out, int3
     for (int b = 0; b < (P->hi - P->lo) / CB_BLOCK; b++) {
         const int index = P->bits == 2 ? codes[b] : codes[2 * b] << 6 | codes[2 * b + 1];
         const float *point = P->table + (index >> CB_BLOCK) * CB_BLOCK;
-        for (int j = 0; j < CB_BLOCK; j++) out[b * CB_BLOCK + j] = index >> j & 1 ? -point[j] : point[j];
+        for (int j = 0; j < CB_BLOCK; j++) {   /* the sign bit flipped (-x bit for bit), no branch on random signs */
+            uint32_t x;
+            memcpy(&x, point + j, 4);
+            x ^= (uint32_t)(index >> j & 1) << 31;
+            memcpy(out + b * CB_BLOCK + j, &x, 4);
+        }
     }
 }
 
