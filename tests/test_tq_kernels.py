@@ -17,6 +17,7 @@ import torch
 
 from kvlab.cache import CacheGeometry, attention, compressed, make_cache
 from kvlab.cache.attention import grouped_attention
+from kvlab.cache import turboquant
 from kvlab.cache.turboquant import RotatedCodes
 from kvlab.errors import ConfigError
 from kvlab.kernels.codebook import CodebookKernel, CodeLayout
@@ -74,6 +75,37 @@ def test_each_variant_scores_mixes_and_decodes_like_torch(variant, dim):
     pm = bits.reshape(1, 2, 9, dim).float() * 2 - 1
     q = torch.randn(1, 2, 4, dim, generator=gen)
     torch.testing.assert_close(variant.dots(buf, 0, 9, signs, q), q @ pm.transpose(-1, -2), atol=1e-5, rtol=1e-5)
+
+
+#: +vq widths whose block parts hold block counts that are not a multiple of 16 (AVX-512 reads blocks in groups of 16,
+#: the last partial): at 64, 3.5 bits is 8 blocks at 3 bits beside 32 channels at 4 and 3.125 is 14 blocks beside 8
+#: channels at 4; at 128, 28 blocks (16 + 12); 2.5 bits a 3-bit and a 2-bit block part; 40 and 72 have dpad > d
+VQ_WIDTHS = {64: [3.5, 3.125, 3, 2.5, 2], 128: [3.5, 3.125, 2.5, 2], 40: [3, 2], 72: [3, 2.5]}
+
+
+def _random_points(dim: int, bits: int) -> torch.Tensor:
+    """(K, 4) made-up magnitude points: the readers must return whatever the table holds (no k-means to wait for)."""
+    return torch.rand(1 << (4 * bits - 4), 4, generator=torch.Generator().manual_seed(10 * dim + bits))
+
+
+@pytest.mark.parametrize("dim", list(VQ_WIDTHS))
+def test_each_variant_reads_block_codes_like_torch(variant, dim, monkeypatch):
+    """+vq block parts read by each build: decode bit for bit as RotatedCodes.decode (torch), dots and mix as its
+    values times the queries / weights, on random rows (any byte string is a valid row) over ragged spans."""
+    monkeypatch.setattr(turboquant, "magnitude_codebook", _random_points)
+    gen = torch.Generator().manual_seed(dim)
+    for bits in VQ_WIDTHS[dim]:
+        codes = RotatedCodes(dim, bits, vector=True)
+        assert codes.vector, bits
+        layout = codes.layout
+        buf = random_codes(gen, 2, 3, 53, layout.row_bytes)
+        for start, n in ((0, 53), (5, 17), (50, 3), (9, 1)):
+            values = codes.decode(buf[:, :, start:start + n])                     # (2, 3, n, d) the reference
+            q = torch.randn(2, 3, 5, dim, generator=gen)
+            w = torch.rand(2, 3, 5, n, generator=gen)
+            assert torch.equal(variant.decode(buf, start, n, layout), values), (bits, start, n)
+            torch.testing.assert_close(variant.dots(buf, start, n, layout, q), q @ values.transpose(-1, -2), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(variant.mix(buf, start, n, layout, w), w @ values, atol=1e-5, rtol=1e-5)
 
 
 def test_the_mix_is_the_same_for_any_thread_count():

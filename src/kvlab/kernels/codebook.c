@@ -9,7 +9,8 @@
  * The entry points decode a few rows at a time into a small float tile (L1-resident) and work on that, or, under
  * AVX-512 for scalar parts of 1 to 5 bits (any channel count: a part that ends inside a 16-channel block, as a
  * fractional width's 8 channels do, reads that block's bytes alone), score and sum the rows straight from their codes
- * in registers (kvlab_cb_dot_rows, kvlab_cb_mix_rows; see "rows used straight from their codes" below):
+ * in registers (kvlab_cb_dot_rows, kvlab_cb_mix_rows; see "rows used straight from their codes" below); the mix and
+ * the row decoder read block parts (+vq) in registers too, any block count ("block parts" below):
  *   dots   out[h, i, t] = q[h, i] . value(row start + t)                    (scores; per row tile, all queries)
  *   mix    out[h, i]    = sum_t w[h, i, t] value(row start + t)             (values; fixed row segments, summed
  *                                                                             in segment order: same result for
@@ -434,48 +435,115 @@ static int scalar_part_rows(const cb_part *P, const uint8_t *rows, int64_t row_b
 #endif
 
 #if defined(__AVX512F__)
-/* blocks [0, 16k) of a block part from its unpacked codes: sixteen indices in a register (3 bits: the even and odd
- * halves joined), then four blocks per gather, lane 4i + j reading coordinate j of its block's point and taking the
- * sign bit j of the block's index; returns the blocks done */
-static inline int fast_blocks(const cb_part *P, const int32_t *codes, float *out) {
-    const int n_blocks = (P->hi - P->lo) / CB_BLOCK;
-    const __m512i lane_block = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-    const __m512i lane_coord = _mm512_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
-    const __m512i evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    const __m512i odds = _mm512_add_epi32(evens, _mm512_set1_epi32(1));
-    int b = 0;
-    for (; b + 16 <= n_blocks; b += 16) {
-        __m512i index;
-        if (P->bits == 2) index = _mm512_loadu_si512(codes + b);
-        else {   /* the 6-bit halves of blocks b .. b + 15, high half first */
-            const __m512i first = _mm512_loadu_si512(codes + 2 * b), second = _mm512_loadu_si512(codes + 2 * b + 16);
-            index = _mm512_or_si512(_mm512_slli_epi32(_mm512_permutex2var_epi32(first, evens, second), 6),
-                                    _mm512_permutex2var_epi32(first, odds, second));
-        }
-        for (int q = 0; q < 4; q++) {
-            const __m512i mine = _mm512_permutexvar_epi32(_mm512_add_epi32(lane_block, _mm512_set1_epi32(4 * q)), index);
-            const __m512i at = _mm512_add_epi32(_mm512_slli_epi32(_mm512_srli_epi32(mine, CB_BLOCK), 2), lane_coord);
-            const __m512i sign = _mm512_slli_epi32(_mm512_srlv_epi32(mine, lane_coord), 31);
-            const __m512 value = _mm512_i32gather_ps(at, P->table, 4);
-            _mm512_storeu_ps(out + (b + 4 * q) * CB_BLOCK, _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(value), sign)));
-        }
+/* ---- block parts (+vq, 2 or 3 bits) in registers ------------------------------------------------------------------
+ * A group is up to 16 blocks of a part (64 channels; the last group of a part may hold fewer, its bytes alone read).
+ * Its indices, lane i block i, come straight from the planes' bytes:
+ *   2 bits  byte i of the 8-bit plane is block i's index
+ *   3 bits  byte i of the 4-bit plane holds the top 4 bits of block i's two 6-bit halves (the high half in the low
+ *           nibble), bits 4 (i % 2) .. of byte i / 2 of the 2-bit plane their low 2 bits (the high half's first)
+ * then four blocks' values at a time (a quad, 16 channels): lane 4i + j coordinate j of block i's point, looked up in
+ * the points (2 bits: 64 floats in four registers; 3 bits: one 16-byte load per block, twice as fast as a gather
+ * here), with sign bit j of the block's index xor'd in. */
+typedef struct {
+    __m512 t[4];                   /* 2 bits: the 16 points' 64 floats */
+} block_points;
+
+CB_INLINE block_points prepare_points(const cb_part *P, const int bits) {
+    block_points T;
+    for (int k = 0; k < 4; k++) T.t[k] = bits == 2 ? _mm512_loadu_ps(P->table + 16 * k) : _mm512_setzero_ps();
+    return T;
+}
+
+/* the indices of the n (1 to 16) blocks from block g (a multiple of 16) of a row's block part, planes at o0 and o1 of
+ * the row; the lanes past n hold 0 */
+CB_INLINE __m512i block_indices(const uint8_t *row, int64_t o0, int64_t o1, int g, int n, const int bits) {
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(lanes(n), row + o0 + g));
+    if (bits == 2) return bytes;
+    const __m512i pairs = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(lanes((n + 1) / 2), row + o1 + g / 2));
+    const __m512i low = _mm512_and_si512(   /* lane i: the 2-bit plane's 4 bits of block i */
+        _mm512_srlv_epi32(_mm512_permutexvar_epi32(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), pairs),
+                          _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4)), _mm512_set1_epi32(15));
+    const __m512i fifteen = _mm512_set1_epi32(15), three = _mm512_set1_epi32(3);
+    const __m512i high_half = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(bytes, fifteen), 2), _mm512_and_si512(low, three));
+    const __m512i low_half = _mm512_or_si512(_mm512_slli_epi32(_mm512_srli_epi32(bytes, 4), 2), _mm512_srli_epi32(low, 2));
+    return _mm512_or_si512(_mm512_slli_epi32(high_half, 6), low_half);
+}
+
+/* the values of quad k (blocks 4k .. 4k + 3) of a group whose indices are `index` (`at`: each block's point * 4, the
+ * 3-bit points' offsets in the table): lane 4i + j coordinate j of block 4k + i, sign bit j of its index applied (an
+ * xor: -x bit for bit) */
+CB_INLINE __m512 quad_values(const cb_part *P, __m512i index, const int32_t *at, int k, const int bits, block_points T) {
+    const __m512i coord = _mm512_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
+    const __m512i mine = _mm512_permutexvar_epi32(
+        _mm512_add_epi32(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), _mm512_set1_epi32(4 * k)), index);
+    const __m512i sign = _mm512_slli_epi32(_mm512_srlv_epi32(mine, coord), 31);
+    __m512 value;
+    if (bits == 2) {   /* point * 4 + j < 64: entries 0-31 or 32-63 by bit 5 */
+        const __m512i at2 = _mm512_add_epi32(_mm512_slli_epi32(_mm512_srli_epi32(mine, CB_BLOCK), 2), coord);
+        value = _mm512_mask_blend_ps(_mm512_test_epi32_mask(at2, _mm512_set1_epi32(32)), _mm512_permutex2var_ps(T.t[0], at2, T.t[1]),
+                                     _mm512_permutex2var_ps(T.t[2], at2, T.t[3]));
+    } else {   /* each block's point: one 16-byte load */
+        value = _mm512_castps128_ps512(_mm_loadu_ps(P->table + at[4 * k]));
+        value = _mm512_insertf32x4(value, _mm_loadu_ps(P->table + at[4 * k + 1]), 1);
+        value = _mm512_insertf32x4(value, _mm_loadu_ps(P->table + at[4 * k + 2]), 2);
+        value = _mm512_insertf32x4(value, _mm_loadu_ps(P->table + at[4 * k + 3]), 3);
     }
-    return b;
+    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(value), sign));
+}
+
+/* lanes of quad k of a group of n blocks: 4 per block in it */
+CB_INLINE __mmask16 quad_lanes(int n, int k) { return lanes(n - 4 * k >= 4 ? 16 : 4 * (n - 4 * k)); }
+
+/* v[k] = the values of quad k of the n (1 to 16) blocks from block g (a multiple of 16) of a row's block part, 4k < n */
+CB_INLINE void group_values(const cb_part *P, const uint8_t *row, int g, int n, const int bits, block_points T, __m512 *v) {
+    const __m512i index = block_indices(row, P->offset[0], P->n_planes > 1 ? P->offset[1] : 0, g, n, bits);
+    int32_t at[16];
+    if (bits == 3) _mm512_storeu_si512(at, _mm512_slli_epi32(_mm512_srli_epi32(index, CB_BLOCK), 2));
+    for (int k = 0; k < 4; k++)
+        if (4 * k < n) v[k] = quad_values(P, index, at, k, bits, T);
+}
+
+/* rows of one block part (bits a constant where this is inlined) into out + r * stride + lo */
+static inline void block_rows(const cb_part *P, const uint8_t *rows, int64_t row_bytes, int64_t count, float *out,
+                              int64_t stride, const int bits) {
+    const int n_blocks = (P->hi - P->lo) / CB_BLOCK;
+    const block_points T = prepare_points(P, bits);
+    for (int64_t r = 0; r < count; r++)
+        for (int g = 0; g < n_blocks; g += 16) {
+            const int n = n_blocks - g < 16 ? n_blocks - g : 16;
+            __m512 v[4];
+            group_values(P, rows + r * row_bytes, g, n, bits, T, v);
+            for (int k = 0; 4 * k < n; k++) _mm512_mask_storeu_ps(out + r * stride + P->lo + CB_BLOCK * (g + 4 * k), quad_lanes(n, k), v[k]);
+        }
+}
+
+/* rows of one block part through block_rows, its width a constant in each case; 0 where the part is scalar */
+static int block_part_rows(const cb_part *P, const uint8_t *rows, int64_t row_bytes, int64_t count, float *out, int64_t stride) {
+    if (!P->block) return 0;
+    if (P->bits == 2) block_rows(P, rows, row_bytes, count, out, stride, 2);
+    else block_rows(P, rows, row_bytes, count, out, stride, 3);
+    return 1;
 }
 #else
-static inline int fast_blocks(const cb_part *P, const int32_t *codes, float *out) {
-    (void)P, (void)codes, (void)out;
+static int block_part_rows(const cb_part *P, const uint8_t *rows, int64_t row_bytes, int64_t count, float *out, int64_t stride) {
+    (void)P, (void)rows, (void)row_bytes, (void)count, (void)out, (void)stride;
     return 0;
 }
 #endif
 
-/* out (n,) = a block part's values: each block's point, its signs applied (turboquant.py _block_decode) */
+/* out (n,) = a block part's values: each block's point, its signs applied (turboquant.py _block_decode); the builds
+ * without block_part_rows */
 static void decode_blocks(const cb_part *P, const uint8_t *row, float *out, int32_t *codes) {
     for (int k = 0; k < P->n_planes; k++) plane_codes(row + P->offset[k], P->n_codes, P->width[k], P->shift[k], k == 0, codes);
-    for (int b = fast_blocks(P, codes, out); b < (P->hi - P->lo) / CB_BLOCK; b++) {
+    for (int b = 0; b < (P->hi - P->lo) / CB_BLOCK; b++) {
         const int index = P->bits == 2 ? codes[b] : codes[2 * b] << 6 | codes[2 * b + 1];
         const float *point = P->table + (index >> CB_BLOCK) * CB_BLOCK;
-        for (int j = 0; j < CB_BLOCK; j++) out[b * CB_BLOCK + j] = index >> j & 1 ? -point[j] : point[j];
+        for (int j = 0; j < CB_BLOCK; j++) {   /* the sign bit flipped (-x bit for bit), no branch on random signs */
+            uint32_t x;
+            memcpy(&x, point + j, 4);
+            x ^= (uint32_t)(index >> j & 1) << 31;
+            memcpy(out + b * CB_BLOCK + j, &x, 4);
+        }
     }
 }
 
@@ -484,22 +552,31 @@ static void decode_row(const cb_layout *L, const uint8_t *row, float *out, int32
     for (int p = 0; p < L->n_parts; p++) {
         const cb_part *P = &L->part[p];
         const int n = P->hi - P->lo;
+        if (scalar_part_rows(P, row, 0, 1, out, 0) || block_part_rows(P, row, 0, 1, out, 0)) continue;   /* in registers */
         if (P->block) {
             decode_blocks(P, row, out + P->lo, codes + P->lo);
             continue;
         }
-        if (scalar_part_rows(P, row, 0, 1, out, 0)) continue;   /* 1 to 5 bits, in registers */
         for (int k = 0; k < P->n_planes; k++) plane_codes(row + P->offset[k], n, P->width[k], P->shift[k], k == 0, codes + P->lo);
         for (int c = lookup_blocks(P->table, P->bits, codes + P->lo, n, out + P->lo); c < n; c++) out[P->lo + c] = P->table[codes[P->lo + c]];
     }
     for (int c = L->d; c < L->dpad; c++) out[c] = 0.0f;
 }
 
+/* whether the dots (blocks 0) or the mix and the row decoder (blocks 1) read a layout in registers (AVX-512): every
+ * part scalar, 1 to 5 bits (a part is read in groups of up to four 16-channel blocks; one that ends inside a block, a
+ * fractional width's 8 channels, reads that block's bytes alone), or with `blocks` a block part (in groups of up to
+ * 16 blocks) */
+static int register_layout(const cb_layout *L, int blocks) {
+    int ok = CB_LANES == 16;
+    for (int p = 0; p < L->n_parts; p++) ok &= L->part[p].block ? blocks : L->part[p].bits <= 5;
+    return ok;
+}
+
 void kvlab_cb_decode_rows(const cb_layout *L, const uint8_t *rows, int64_t row_bytes, int64_t count, float *out, int64_t stride) {
-    int fast = L->d == L->dpad && CB_LANES == 16;   /* AVX-512, every part 1..5 bits (scalar): part by part */
-    for (int p = 0; p < L->n_parts; p++) fast &= !L->part[p].block && L->part[p].bits <= 5;
-    if (fast) {
-        for (int p = 0; p < L->n_parts; p++) scalar_part_rows(&L->part[p], rows, row_bytes, count, out, stride);
+    if (L->d == L->dpad && register_layout(L, 1)) {   /* AVX-512, every part a block part or 1..5 bits: part by part */
+        for (int p = 0; p < L->n_parts; p++)
+            if (!scalar_part_rows(&L->part[p], rows, row_bytes, count, out, stride)) block_part_rows(&L->part[p], rows, row_bytes, count, out, stride);
         return;
     }
     int32_t scratch[CB_MAX_DIM];
@@ -554,6 +631,46 @@ static void mix_heads(const cb_part *P, const uint8_t *rows, int64_t row_bytes, 
         default: MIX_CASE(5) break;
     }
 #undef MIX_CASE
+}
+
+/* acc[h][lo + 4g ..) += sum_r w[h][r] value(r) for `gh` heads over the n (<= 16) blocks from block g of a block part:
+ * each row's quads looked up once and read by every head, one chain per head and quad (rows in order, as axpy_rows sums
+ * a decoded tile); bits and gh constants here */
+CB_INLINE void mix_group(const cb_part *P, const uint8_t *rows, int64_t row_bytes, int64_t count, const float *w,
+                         int64_t w_stride, float *acc, int64_t acc_stride, int g, int n, const int bits, const int gh) {
+    const block_points T = prepare_points(P, bits);
+    float *first = acc + P->lo + CB_BLOCK * g;
+    __m512 a[4][4];
+    for (int h = 0; h < gh; h++)
+        for (int k = 0; k < 4; k++)
+            if (4 * k < n) a[h][k] = _mm512_maskz_loadu_ps(quad_lanes(n, k), first + h * acc_stride + 16 * k);
+    for (int64_t r = 0; r < count; r++) {
+        __m512 v[4];
+        group_values(P, rows + r * row_bytes, g, n, bits, T, v);
+        for (int h = 0; h < gh; h++) {
+            const __m512 wr = _mm512_set1_ps(w[h * w_stride + r]);
+            for (int k = 0; k < 4; k++)
+                if (4 * k < n) a[h][k] = _mm512_fmadd_ps(wr, v[k], a[h][k]);
+        }
+    }
+    for (int h = 0; h < gh; h++)
+        for (int k = 0; k < 4; k++)
+            if (4 * k < n) _mm512_mask_storeu_ps(first + h * acc_stride + 16 * k, quad_lanes(n, k), a[h][k]);
+}
+
+static void mix_group_heads(const cb_part *P, const uint8_t *rows, int64_t row_bytes, int64_t count, const float *w,
+                            int64_t w_stride, float *acc, int64_t acc_stride, int g, int n, int gh) {
+#define GROUP_CASE(B) switch (gh) { \
+        case 1: mix_group(P, rows, row_bytes, count, w, w_stride, acc, acc_stride, g, n, B, 1); break; \
+        case 2: mix_group(P, rows, row_bytes, count, w, w_stride, acc, acc_stride, g, n, B, 2); break; \
+        case 3: mix_group(P, rows, row_bytes, count, w, w_stride, acc, acc_stride, g, n, B, 3); break; \
+        default: mix_group(P, rows, row_bytes, count, w, w_stride, acc, acc_stride, g, n, B, 4); break; }
+    if (P->bits == 2) {
+        GROUP_CASE(2)
+    } else {
+        GROUP_CASE(3)
+    }
+#undef GROUP_CASE
 }
 
 /* The dots: a row's partial sums per head (16 lanes: its products summed over the part's blocks), sixteen rows'
@@ -646,15 +763,6 @@ static void dot_heads(const cb_part *P, const uint8_t *rows, int64_t row_bytes, 
 }
 #endif
 
-/* whether the mix and the dots read a layout in registers (AVX-512): every part scalar, 1 to 5 bits (a part is read in
- * groups of up to four 16-channel blocks; one that ends inside a block, a fractional width's 8 channels, reads that
- * block's bytes alone) */
-static int register_layout(const cb_layout *L) {
-    int ok = CB_LANES == 16;
-    for (int p = 0; p < L->n_parts; p++) ok &= !L->part[p].block && L->part[p].bits <= 5;
-    return ok;
-}
-
 #if defined(__AVX512F__)
 /* a part's channels from c0 as a group of blocks: how many (up to four) and the channels in the last */
 static void group_of(const cb_part *P, int c0, int *nb, int *tail) {
@@ -667,15 +775,24 @@ static void group_of(const cb_part *P, int c0, int *nb, int *tail) {
 int kvlab_cb_mix_rows(const cb_layout *L, const uint8_t *rows, int64_t row_bytes, int64_t count, const float *w,
                       int64_t w_stride, int heads, float *acc, int64_t acc_stride) {
 #if defined(__AVX512F__)
-    if (!register_layout(L)) return -1;
-    for (int p = 0; p < L->n_parts; p++)
-        for (int c0 = 0; c0 < L->part[p].hi - L->part[p].lo; c0 += 64) {
-            int nb, tail;
-            group_of(&L->part[p], c0, &nb, &tail);
-            for (int h0 = 0; h0 < heads; h0 += 4)
-                mix_heads(&L->part[p], rows, row_bytes, count, w + h0 * w_stride, w_stride, acc + h0 * acc_stride, acc_stride,
-                          c0 / 16, nb, tail, L->part[p].bits, heads - h0 < 4 ? heads - h0 : 4);
+    if (!register_layout(L, 1)) return -1;
+    for (int p = 0; p < L->n_parts; p++) {
+        const cb_part *P = &L->part[p];
+        if (P->block) {
+            for (int g = 0; g < (P->hi - P->lo) / CB_BLOCK; g += 16)
+                for (int h0 = 0; h0 < heads; h0 += 4)
+                    mix_group_heads(P, rows, row_bytes, count, w + h0 * w_stride, w_stride, acc + h0 * acc_stride, acc_stride,
+                                    g, (P->hi - P->lo) / CB_BLOCK - g < 16 ? (P->hi - P->lo) / CB_BLOCK - g : 16, heads - h0 < 4 ? heads - h0 : 4);
+            continue;
         }
+        for (int c0 = 0; c0 < P->hi - P->lo; c0 += 64) {
+            int nb, tail;
+            group_of(P, c0, &nb, &tail);
+            for (int h0 = 0; h0 < heads; h0 += 4)
+                mix_heads(P, rows, row_bytes, count, w + h0 * w_stride, w_stride, acc + h0 * acc_stride, acc_stride,
+                          c0 / 16, nb, tail, P->bits, heads - h0 < 4 ? heads - h0 : 4);
+        }
+    }
     return 0;
 #else
     (void)L, (void)rows, (void)row_bytes, (void)count, (void)w, (void)w_stride, (void)heads, (void)acc, (void)acc_stride;
@@ -686,7 +803,7 @@ int kvlab_cb_mix_rows(const cb_layout *L, const uint8_t *rows, int64_t row_bytes
 int kvlab_cb_dot_rows(const cb_layout *L, const uint8_t *rows, int64_t row_bytes, int64_t count, const float *q,
                       int64_t q_stride, int heads, float *out, int64_t out_stride) {
 #if defined(__AVX512F__)
-    if (!register_layout(L)) return -1;
+    if (!register_layout(L, 0)) return -1;
     float qb[4 * 64];   /* up to four heads' 64 channels, in block order */
     for (int h0 = 0; h0 < heads; h0 += 4) {
         const int gh = heads - h0 < 4 ? heads - h0 : 4;
@@ -794,7 +911,7 @@ int kvlab_codebook_dots(const uint8_t *codes, int heads, int64_t slots, int64_t 
                         float *out, int n_threads) {
     cb_layout L;
     if (kvlab_cb_layout(&L, d, n_parts, spec, tables, row_bytes) || check(heads, slots, start, n, nq)) return -1;
-    const int in_registers = register_layout(&L);   /* then a work item is a segment, scored in registers */
+    const int in_registers = register_layout(&L, 0);   /* then a work item is a segment, scored in registers */
     const int64_t span = in_registers ? CB_SEGMENT : CB_TILE, tiles = (n + span - 1) / span;
     const int dpad = L.dpad;
     int failed = 0;
@@ -816,9 +933,7 @@ int kvlab_codebook_dots(const uint8_t *codes, int heads, int64_t slots, int64_t 
                     continue;
                 }
                 float *rows = buf, *qpad = buf + (size_t)dpad * CB_TILE;
-                int32_t scratch[CB_MAX_DIM];
-                for (int64_t r = 0; r < count; r++)
-                    decode_row(&L, codes + ((int64_t)h * slots + start + t0 + r) * row_bytes, rows + r * dpad, scratch);
+                kvlab_cb_decode_rows(&L, codes + ((int64_t)h * slots + start + t0) * row_bytes, row_bytes, count, rows, dpad);
                 for (int i = 0; i < nq; i++) {
                     float *qi = qpad + (size_t)i * dpad;   /* the query, zero-padded (cheap next to the tile) */
                     memcpy(qi, q + ((int64_t)h * nq + i) * d, sizeof(float) * d);
@@ -862,9 +977,7 @@ int kvlab_codebook_mix(const uint8_t *codes, int heads, int64_t slots, int64_t r
                     continue;   /* summed in registers */
                 for (int64_t t0 = s * CB_SEGMENT; t0 < end; t0 += CB_TILE) {
                     const int64_t count = end - t0 < CB_TILE ? end - t0 : CB_TILE;
-                    int32_t scratch[CB_MAX_DIM];
-                    for (int64_t r = 0; r < count; r++)
-                        decode_row(&L, codes + ((int64_t)h * slots + start + t0 + r) * row_bytes, rows + r * dpad, scratch);
+                    kvlab_cb_decode_rows(&L, codes + ((int64_t)h * slots + start + t0) * row_bytes, row_bytes, count, rows, dpad);
                     for (int i = 0; i < nq; i++)
                         axpy_rows(w + ((int64_t)h * nq + i) * w_stride + t0, rows, count, acc + (size_t)i * dpad, dpad);
                 }
@@ -886,20 +999,32 @@ int kvlab_codebook_mix(const uint8_t *codes, int heads, int64_t slots, int64_t r
     return failed ? -2 : 0;
 }
 
-/* out (heads, n, d) = value(row start + t): a chunk's decoded transient. 0, or -1. */
+/* out (heads, n, d) = value(row start + t): a chunk's decoded transient, a tile of rows at a time (dpad apart, then
+ * copied out d apart). 0, -1, or -2 (memory). */
 int kvlab_codebook_decode(const uint8_t *codes, int heads, int64_t slots, int64_t row_bytes, int64_t start, int64_t n,
                           int d, int n_parts, const int32_t *spec, const float *tables, float *out, int n_threads) {
     cb_layout L;
     if (kvlab_cb_layout(&L, d, n_parts, spec, tables, row_bytes) || check(heads, slots, start, n, 0)) return -1;
-    #pragma omp parallel for schedule(static) collapse(2) num_threads(threads_for((int64_t)heads * n * d, n_threads))
-    for (int h = 0; h < heads; h++)
-        for (int64_t t = 0; t < n; t++) {
-            float row[CB_MAX_DIM];
-            int32_t scratch[CB_MAX_DIM];
-            decode_row(&L, codes + ((int64_t)h * slots + start + t) * row_bytes, row, scratch);
-            memcpy(out + ((int64_t)h * n + t) * d, row, sizeof(float) * d);
+    const int64_t tiles = (n + CB_TILE - 1) / CB_TILE;
+    int failed = 0;
+    #pragma omp parallel num_threads(threads_for((int64_t)heads * n * d, n_threads))
+    {
+        float *rows = malloc(sizeof(float) * (size_t)L.dpad * CB_TILE);
+        if (!rows) {
+            #pragma omp atomic write
+            failed = 1;
         }
-    return 0;
+        #pragma omp for schedule(static) collapse(2)
+        for (int h = 0; h < heads; h++)
+            for (int64_t tile = 0; tile < tiles; tile++) {
+                if (!rows) continue;
+                const int64_t t0 = tile * CB_TILE, count = n - t0 < CB_TILE ? n - t0 : CB_TILE;
+                kvlab_cb_decode_rows(&L, codes + ((int64_t)h * slots + start + t0) * row_bytes, row_bytes, count, rows, L.dpad);
+                for (int64_t r = 0; r < count; r++) memcpy(out + ((int64_t)h * n + t0 + r) * d, rows + r * L.dpad, sizeof(float) * d);
+            }
+        free(rows);
+    }
+    return failed ? -2 : 0;
 }
 
 /* more exported entry points of codebook.h (paged.c's ragged attention over blocks): the routines above */
