@@ -9,6 +9,8 @@
  * mix:    sum_t p[t] v[t] = sum_t (p[t] scale[t]) code[t] + sum_t p[t] zero[t], per value group.
  * Nothing is dequantized into memory: each step reads the packed bytes and the fp16 metadata only.
  * Heads (batch × KV heads) are independent and shared between OpenMP threads.
+ * kvlab_int_attend (intcache.h) is one query's whole read, scores, softmax and mix, any width 1..8: the single
+ * cache (kvlab_int_attention) and the serving pool (paged.c) both call it, so they agree to the bit.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -18,7 +20,11 @@
 #endif
 
 #include "blockgemv.h"
+#include "rowmath.h"    /* kvlab_row_dot, kvlab_row_exp_shifted */
+#include "intcache.h"
 #include "intcodes.h"   /* the packed rows: int_code_at, int_row_bytes */
+
+#define INT_MAX_DIM 512
 
 /* w . codes(row) over d channels. For int4, w is given split: w[0:d/2] the even channels (low nibbles),
  * w[d/2:d] the odd ones (high nibbles), matching the byte layout. */
@@ -188,4 +194,129 @@ int kvlab_int_decode(int bits, const uint8_t *codes, const uint16_t *scale, cons
             }
         }
     return 0;
+}
+
+/* -- one query over one KV head: what the single cache and the serving pool both read with (intcache.h) ---------- */
+/* position t's slot, for t walked upwards from where *left was last 0: *left counts the slots left in t's block */
+static inline int64_t walk_slot(const IntHead *R, int64_t t, int64_t *slot, int64_t *left) {
+    if (*left > 0) {
+        (*left)--;
+        return ++*slot;
+    }
+    if (!R->table) {
+        *left = INT64_MAX;
+        return *slot = t;
+    }
+    *left = R->block_size - 1 - t % R->block_size;
+    return *slot = (int64_t)R->table[t / R->block_size] * R->block_size + t % R->block_size;
+}
+
+/* w . codes(row) over d channels in channel order: sixteen lane sums (AVX-512, int8 / int4), then reduced */
+static inline float folded_dot(const float *w, const uint8_t *row, int bits, int d) {
+#if defined(__AVX512F__)
+    if ((bits == 8 || bits == 4) && d % 16 == 0) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int c = 0; c < d; c += 16)
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(w + c), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(int_codes16(row, bits, c))), acc);
+        return _mm512_reduce_add_ps(acc);
+    }
+#endif
+    float acc[16] = {0};
+    for (int c = 0; c < d; c++) acc[c & 15] += w[c] * (float)int_code_at(row, bits, d, c);
+    for (int width = 8; width > 0; width /= 2)
+        for (int j = 0; j < width; j++) acc[j] += acc[j + width];
+    return acc[0];
+}
+
+void kvlab_int_attend(const IntHead *R, const float *q, int64_t lo, int64_t coded, int64_t hi, float scale,
+                      float *scratch, float *out) {
+    const int dk = R->dk, dv = R->dv, bits = R->bits, G = R->key_group, gv = R->value_group, n_vg = dv / gv;
+    const int64_t n = hi - lo;
+    coded = coded < lo ? lo : coded > hi ? hi : coded;
+    float *s = scratch;                                      /* (n,) the scores, then the weights */
+    float folded[INT_MAX_DIM], zero[INT_MAX_DIM], acc[INT_MAX_DIM], shift[INT_MAX_DIM];
+    int64_t slot = 0, left = 0;
+    for (int64_t g0 = lo; g0 < coded;) {                     /* coded keys: per key group, q folded into its scales */
+        const int64_t g1 = (g0 / G + 1) * G < coded ? (g0 / G + 1) * G : coded;
+        const int64_t first = walk_slot(R, g0, &slot, &left), meta = first / G * R->k_meta_stride;
+        for (int c = 0; c < dk; c++) {
+            folded[c] = q[c] * kvlab_fp16_to_fp32(R->k_scale[meta + c]);
+            zero[c] = kvlab_fp16_to_fp32(R->k_zero[meta + c]);
+        }
+        const float base = kvlab_row_dot(q, zero, dk);
+        s[g0 - lo] = (base + folded_dot(folded, R->k_codes + first * R->k_row_stride, bits, dk)) * scale;
+        for (int64_t t = g0 + 1; t < g1; t++)
+            s[t - lo] = (base + folded_dot(folded, R->k_codes + walk_slot(R, t, &slot, &left) * R->k_row_stride, bits, dk)) * scale;
+        g0 = g1;
+    }
+    for (int64_t t = coded; t < hi; t++)                     /* exact keys */
+        s[t - lo] = kvlab_row_dot(q, R->exact + (t - R->exact_first) * R->exact_stride, dk) * scale;
+    float top = s[0];
+    for (int64_t j = 1; j < n; j++) top = s[j] > top ? s[j] : top;
+    const float inv = 1.0f / kvlab_row_exp_shifted(s, (int)n, top);
+    for (int64_t j = 0; j < n; j++) s[j] *= inv;
+    for (int c = 0; c < dv; c++) acc[c] = 0.0f;              /* values: Σ_t (p_t scale_t) code_t + Σ_t p_t zero_t */
+    for (int k = 0; k < n_vg; k++) shift[k] = 0.0f;
+    left = 0;
+    for (int64_t t = lo; t < hi; t++) {
+        const int64_t at = walk_slot(R, t, &slot, &left);
+        const uint16_t *vs = R->v_scale + at * R->v_meta_stride, *vz = R->v_zero + at * R->v_meta_stride;
+        const uint8_t *row = R->v_codes + at * R->v_row_stride;
+        const float p = s[t - lo];
+        for (int k = 0; k < n_vg; k++) {
+            const float w = p * kvlab_fp16_to_fp32(vs[k]);
+            shift[k] += p * kvlab_fp16_to_fp32(vz[k]);
+            int c = k * gv;
+#if defined(__AVX512F__)
+            if ((bits == 8 || bits == 4) && gv % 16 == 0)
+                for (; c < (k + 1) * gv; c += 16)
+                    _mm512_storeu_ps(acc + c, _mm512_fmadd_ps(_mm512_set1_ps(w), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(int_codes16(row, bits, c))),
+                                                              _mm512_loadu_ps(acc + c)));
+#endif
+            for (; c < (k + 1) * gv; c++) acc[c] = fmaf(w, (float)int_code_at(row, bits, dv, c), acc[c]);
+        }
+    }
+    for (int c = 0; c < dv; c++) out[c] = acc[c] + shift[c / gv];
+}
+
+/* The single cache's attention over its n compressed tokens (QuantizedCache without sink or recent tokens), every
+ * row through kvlab_int_attend. codes (heads, slots, row bytes) for heads = batch × KV heads, k_scale / k_zero
+ * (heads, ceil(slots / G), dk), v_scale / v_zero (heads, slots, dv / gv) fp16; exact (heads, n - exact_first, dk)
+ * fp32 the keys of positions [exact_first, n) (the open groups'); q (heads, nq, dk) with row i at position
+ * n - T + i % T; window > 0: row at p sees positions > p - window. out (heads, nq, dv). Returns 0, -1, -2 (no memory). */
+int kvlab_int_attention(int bits, const uint8_t *k_codes, const uint16_t *k_scale, const uint16_t *k_zero,
+                        const uint8_t *v_codes, const uint16_t *v_scale, const uint16_t *v_zero, int heads, int64_t slots,
+                        int64_t n, int dk, int dv, int group, int value_group, const float *exact, int64_t exact_first,
+                        const float *q, int nq, int T, int window, float attn_scale, float *out, int n_threads) {
+    if (bits < 1 || bits > 8 || group <= 0 || value_group <= 0 || dk <= 0 || dv <= 0 || dk > INT_MAX_DIM ||
+        dv > INT_MAX_DIM || dv % value_group || n <= 0 || n > slots || T <= 0 || T > n || nq % T ||
+        exact_first < 0 || exact_first > n || exact_first > (n - T + 1) / group * group)
+        return -1;
+    const int64_t k_bytes = int_row_bytes(bits, dk), v_bytes = int_row_bytes(bits, dv), n_groups = (slots + group - 1) / group;
+    const int n_vg = dv / value_group;
+    int status = 0;
+    #pragma omp parallel num_threads(n_threads)
+    {
+        float *scratch = malloc(sizeof(float) * (size_t)n);
+        if (!scratch) {
+            #pragma omp atomic write
+            status = -2;
+        }
+        #pragma omp for schedule(static) collapse(2)
+        for (int h = 0; h < heads; h++)
+            for (int i = 0; i < nq; i++) {
+                if (!scratch) continue;
+                const IntHead R = {.bits = bits, .dk = dk, .dv = dv, .key_group = group, .value_group = value_group,
+                                   .k_codes = k_codes + h * slots * k_bytes, .k_row_stride = k_bytes,
+                                   .v_codes = v_codes + h * slots * v_bytes, .v_row_stride = v_bytes,
+                                   .k_scale = k_scale + h * n_groups * dk, .k_zero = k_zero + h * n_groups * dk, .k_meta_stride = dk,
+                                   .v_scale = v_scale + h * slots * n_vg, .v_zero = v_zero + h * slots * n_vg, .v_meta_stride = n_vg,
+                                   .exact = exact ? exact + h * (n - exact_first) * dk : NULL, .exact_first = exact_first, .exact_stride = dk};
+                const int64_t pos = n - T + i % T, lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+                kvlab_int_attend(&R, q + ((int64_t)h * nq + i) * dk, lo, (pos + 1) / group * group, pos + 1, attn_scale,
+                                 scratch, out + ((int64_t)h * nq + i) * dv);
+            }
+        free(scratch);
+    }
+    return status;
 }
