@@ -1,5 +1,5 @@
-/* One query's attention over one KV head of an integer layer's codes (kvlab/cache/quantized.py), with the rule of
- * QuantizedCache: keys of the groups complete at the query's position read from their codes, the later ones exact.
+/* Queries' attention over one KV head of an integer layer's codes (kvlab/cache/quantized.py), with the rule of
+ * QuantizedCache: keys of the groups complete at a query's position read from their codes, the later ones exact.
  * The single cache (intcache.c kvlab_int_attention) and the serving pool (paged.c kvlab_paged_int_attention) both
  * read through kvlab_int_attend, one compiled function: for the same codes and keys their outputs are the same bits,
  * whatever the batch, the chunking or the block tables. */
@@ -21,10 +21,24 @@ typedef struct {
     int64_t exact_first, exact_stride;        /* exact + (t - exact_first) * exact_stride */
 } IntHead;
 
-/* out (dv,) = Σ_t p_t v_t over positions t in [lo, hi), p = softmax_t(q · k_t · scale): k_t from its codes for
- * t < coded (zero + code × scale, read as the query folded into the group's scales), exact from `exact` for
- * t >= coded; v_t = zero + code × scale per value group, read as Σ_t (p_t scale_t) code_t + Σ_t p_t zero_t.
- * scratch: hi - lo floats. lo < hi. */
-void kvlab_int_attend(const IntHead *R, const float *q, int64_t lo, int64_t coded, int64_t hi, float scale,
-                      float *scratch, float *out);
+typedef struct {                              /* one query of a kvlab_int_attend call */
+    const float *q;                           /* dk floats */
+    float *out;                               /* dv floats */
+    int64_t lo, coded, hi;                    /* it reads positions [lo, hi), those below `coded` from their codes */
+} IntQuery;
+
+#define KVLAB_INT_QUERIES 64                        /* queries per kvlab_int_attend call, at most */
+#define KVLAB_INT_PAD(d) (((d) + 15) / 16 * 16)     /* channels as the read holds them: whole vectors of sixteen */
+
+/* For each query (nq <= KVLAB_INT_QUERIES, lo < hi): out = Σ_t p_t v_t over positions t in [lo, hi),
+ * p = softmax_t(q · k_t · scale): k_t = zero + code × scale per channel of its key group for t < coded, exact (from
+ * `exact`) for t >= coded; v_t = zero + code × scale per value group. The queries share each key's and value's
+ * decoding; a query's output is the same bits whatever the other queries of the call (its scores, softmax and sums
+ * are its own, in a fixed order). dk, dv <= 512. scratch: kvlab_int_scratch(n, dk, dv) floats, n = the largest hi
+ * less the smallest lo. */
+void kvlab_int_attend(const IntHead *R, const IntQuery *Q, int nq, float scale, float *scratch);
+
+static inline int64_t kvlab_int_scratch(int64_t n, int dk, int dv) {
+    return KVLAB_INT_QUERIES * (n + KVLAB_INT_PAD(dv)) + 33 * KVLAB_INT_PAD(dk) + 16 * KVLAB_INT_PAD(dv);
+}
 #endif

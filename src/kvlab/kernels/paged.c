@@ -34,6 +34,7 @@
 #include "intcache.h"
 #include "intcodes.h"
 #include "paged.h"
+#include "rowmath.h"
 #include "tqcodes.h"
 #if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
@@ -102,13 +103,11 @@ int kvlab_paged_layout_ok(int64_t n_rows, int n_heads, int n_kv_heads, int d, in
 
 /* a . b over d values: sixteen lane sums (one vector register), then a fixed tree over the lanes; a serial
  * chain of sixteen scalar adds per dot made this kernel ~5x slower at decode */
-typedef float lanes16 __attribute__((vector_size(64)));
-
 static inline float dot(const float *a, const float *b, int d) {
-    lanes16 acc = {0};
+    kvlab_lanes16 acc = {0};
     int c = 0;
     for (; c + 16 <= d; c += 16) {
-        lanes16 x, y;
+        kvlab_lanes16 x, y;
         memcpy(&x, a + c, sizeof x);
         memcpy(&y, b + c, sizeof y);
         acc += x * y;
@@ -120,12 +119,6 @@ static inline float dot(const float *a, const float *b, int d) {
     float sum = acc[0];
     for (; c < d; c++) sum += a[c] * b[c];
     return sum;
-}
-
-static inline lanes16 load_lanes(const float *p) {
-    lanes16 v;
-    memcpy(&v, p, sizeof v);
-    return v;
 }
 
 /* the largest of s[0..n), n > 0: sixteen lanes at a time where the CPU has AVX-512, instead of a serial chain of
@@ -144,12 +137,6 @@ static inline float largest(const float *s, int n) {
     return top;
 }
 
-/* one vector of the pairwise sums of a's lanes (lanes 0-7) and of b's (8-15): fold(a, b)[i] = a[2i] + a[2i + 1] */
-static inline lanes16 fold(lanes16 a, lanes16 b) {
-    return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
-         + __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-}
-
 /* s[j] = scale * (q . k[j]) for j < n. Sixteen keys at a time: each key's 16 lane partial sums, then all sixteen
  * folded pairwise in four rounds (15 folds) into one vector whose lane i is key i's sum: a fixed tree, far fewer
  * shuffles than a lane tree per key. The rest (and d not a multiple of 16): dot(), one key at a time. */
@@ -157,15 +144,15 @@ static void key_scores(const float *q, const float *const *k, int n, int d, floa
     int j = 0;
     if (d % 16 == 0)
         for (; j + 16 <= n; j += 16) {
-            lanes16 acc[16];
-            for (int i = 0; i < 16; i++) acc[i] = (lanes16){0};
+            kvlab_lanes16 acc[16];
+            for (int i = 0; i < 16; i++) acc[i] = (kvlab_lanes16){0};
             for (int c = 0; c < d; c += 16) {
-                const lanes16 qc = load_lanes(q + c);
-                for (int i = 0; i < 16; i++) acc[i] += qc * load_lanes(k[j + i] + c);
+                const kvlab_lanes16 qc = kvlab_lanes_at(q + c);
+                for (int i = 0; i < 16; i++) acc[i] += qc * kvlab_lanes_at(k[j + i] + c);
             }
             for (int width = 16; width > 1; width /= 2)
-                for (int i = 0; i < width / 2; i++) acc[i] = fold(acc[2 * i], acc[2 * i + 1]);
-            const lanes16 sums = acc[0] * scale;
+                for (int i = 0; i < width / 2; i++) acc[i] = kvlab_fold16(acc[2 * i], acc[2 * i + 1]);
+            const kvlab_lanes16 sums = acc[0] * scale;
             memcpy(s + j, &sums, sizeof sums);
         }
     for (; j < n; j++) s[j] = dot(q, k[j], d) * scale;
@@ -176,13 +163,13 @@ static void key_scores(const float *q, const float *const *k, int n, int d, floa
 static inline void accumulate_values(float *og, const float *p, const float *const *v, int n, int dv) {
     int c = 0;
     for (; c + 64 <= dv; c += 64) {
-        lanes16 a0 = load_lanes(og + c), a1 = load_lanes(og + c + 16), a2 = load_lanes(og + c + 32), a3 = load_lanes(og + c + 48);
+        kvlab_lanes16 a0 = kvlab_lanes_at(og + c), a1 = kvlab_lanes_at(og + c + 16), a2 = kvlab_lanes_at(og + c + 32), a3 = kvlab_lanes_at(og + c + 48);
         for (int j = 0; j < n; j++) {
             const float pj = p[j];
-            a0 += pj * load_lanes(v[j] + c);
-            a1 += pj * load_lanes(v[j] + c + 16);
-            a2 += pj * load_lanes(v[j] + c + 32);
-            a3 += pj * load_lanes(v[j] + c + 48);
+            a0 += pj * kvlab_lanes_at(v[j] + c);
+            a1 += pj * kvlab_lanes_at(v[j] + c + 16);
+            a2 += pj * kvlab_lanes_at(v[j] + c + 32);
+            a3 += pj * kvlab_lanes_at(v[j] + c + 48);
         }
         memcpy(og + c, &a0, sizeof a0);
         memcpy(og + c + 16, &a1, sizeof a1);
@@ -190,8 +177,8 @@ static inline void accumulate_values(float *og, const float *p, const float *con
         memcpy(og + c + 48, &a3, sizeof a3);
     }
     for (; c + 16 <= dv; c += 16) {
-        lanes16 a = load_lanes(og + c);
-        for (int j = 0; j < n; j++) a += p[j] * load_lanes(v[j] + c);
+        kvlab_lanes16 a = kvlab_lanes_at(og + c);
+        for (int j = 0; j < n; j++) a += p[j] * kvlab_lanes_at(v[j] + c);
         memcpy(og + c, &a, sizeof a);
     }
     for (; c < dv; c++)
@@ -581,7 +568,8 @@ int kvlab_paged_codes_attention(const float *q, int64_t n_rows, int n_heads, int
  * Keys zero + code x scale per channel per key group of key_group tokens, values per value group of value_group
  * channels; exact (rows, Hkv, dk) fp32 holds each sequence's keys from its open key group on (exact_start: its rows,
  * the last of its context): the query at position p reads the keys of the groups complete at p from their codes, the
- * rest exact. One work item = (query row, KV head): its G query heads. q (n_rows, H, dk), out (n_rows, H, dv).
+ * rest exact. One work item = (a block of a sequence's query rows, KV head): its rows' G query heads, each key decoded
+ * once for them. q (n_rows, H, dk), out (n_rows, H, dv).
  * 0, -1 (nothing read), -2 (no memory). */
 int kvlab_paged_int_attention(const float *q, int64_t n_rows, int n_heads, int n_kv_heads, int dk, int dv, int bits,
                               const uint8_t *k_codes, const uint16_t *k_scale, const uint16_t *k_zero, int key_group,
@@ -601,41 +589,59 @@ int kvlab_paged_int_attention(const float *q, int64_t n_rows, int n_heads, int n
         if (n_exact < 0 || n_exact > context_len[s] || context_len[s] - n_exact > (start + 1) / key_group * key_group) return -1;
         longest = context_len[s] > longest ? context_len[s] : longest;
     }
-    const int G = n_heads / n_kv_heads, n_vg = dv / value_group;
+    const int G = n_heads / n_kv_heads, n_vg = dv / value_group, rows = G > KVLAB_INT_QUERIES ? 0 : KVLAB_INT_QUERIES / G;
+    if (!rows) return -1;
     const int64_t k_bytes = int_row_bytes(bits, dk), v_bytes = int_row_bytes(bits, dv);
-    int status = 0;
-    #pragma omp parallel num_threads(n_threads)
-    {
-        float *scratch = malloc(sizeof(float) * (size_t)longest);
-        if (!scratch) {
-            #pragma omp atomic write
-            status = -2;
-        }
-        #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < n_rows * n_kv_heads; item++) {
-            if (!scratch) continue;
-            const int64_t row = item / n_kv_heads;
-            const int h = (int)(item % n_kv_heads), s = owner(query_start, n_seqs, row);
-            const int64_t ctx = context_len[s], pos = ctx - (query_start[s + 1] - query_start[s]) + (row - query_start[s]);
-            const int64_t lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
-            const IntHead R = {.bits = bits, .dk = dk, .dv = dv, .key_group = key_group, .value_group = value_group,
-                               .k_codes = k_codes + h * k_bytes, .k_row_stride = n_kv_heads * k_bytes,
-                               .v_codes = v_codes + h * v_bytes, .v_row_stride = n_kv_heads * v_bytes,
-                               .k_scale = k_scale + (int64_t)h * dk, .k_zero = k_zero + (int64_t)h * dk,
-                               .k_meta_stride = (int64_t)n_kv_heads * dk, .v_scale = v_scale + (int64_t)h * n_vg,
-                               .v_zero = v_zero + (int64_t)h * n_vg, .v_meta_stride = (int64_t)n_kv_heads * n_vg,
-                               .table = block_tables + (int64_t)s * max_blocks, .block_size = block_size,
-                               .exact = exact ? exact + (exact_start[s] * n_kv_heads + h) * dk : NULL,
-                               .exact_first = ctx - (exact_start[s + 1] - exact_start[s]),
-                               .exact_stride = (int64_t)n_kv_heads * dk};
-            for (int g = 0; g < G; g++) {
-                const int64_t head = row * n_heads + (int64_t)h * G + g;
-                kvlab_int_attend(&R, q + head * dk, lo, (pos + 1) / key_group * key_group, pos + 1, scale, scratch,
-                                 out + head * dv);
+    int64_t n_blocks = 0;                  /* work items: (block of at most `rows` query rows of a sequence, KV head) */
+    for (int s = 0; s < n_seqs; s++) n_blocks += (query_start[s + 1] - query_start[s] + rows - 1) / rows;
+    int64_t *block_row = malloc(sizeof(int64_t) * (size_t)(n_blocks + 1));
+    int32_t *block_seq = malloc(sizeof(int32_t) * (size_t)(n_blocks + 1));
+    int status = block_row && block_seq ? 0 : -2;
+    if (!status) {
+        int64_t b = 0;
+        for (int s = 0; s < n_seqs; s++)
+            for (int64_t r = query_start[s]; r < query_start[s + 1]; r += rows) block_row[b] = r, block_seq[b++] = s;
+        #pragma omp parallel num_threads(n_threads)
+        {
+            float *scratch = malloc(sizeof(float) * (size_t)kvlab_int_scratch(longest, dk, dv));
+            if (!scratch) {
+                #pragma omp atomic write
+                status = -2;
             }
+            #pragma omp for schedule(dynamic, 1)
+            for (int64_t item = 0; item < n_blocks * n_kv_heads; item++) {
+                if (!scratch) continue;
+                const int64_t r0 = block_row[item / n_kv_heads];
+                const int h = (int)(item % n_kv_heads), s = block_seq[item / n_kv_heads];
+                const int64_t ctx = context_len[s], r1 = r0 + rows < query_start[s + 1] ? r0 + rows : query_start[s + 1];
+                const IntHead R = {.bits = bits, .dk = dk, .dv = dv, .key_group = key_group, .value_group = value_group,
+                                   .k_codes = k_codes + h * k_bytes, .k_row_stride = n_kv_heads * k_bytes,
+                                   .v_codes = v_codes + h * v_bytes, .v_row_stride = n_kv_heads * v_bytes,
+                                   .k_scale = k_scale + (int64_t)h * dk, .k_zero = k_zero + (int64_t)h * dk,
+                                   .k_meta_stride = (int64_t)n_kv_heads * dk, .v_scale = v_scale + (int64_t)h * n_vg,
+                                   .v_zero = v_zero + (int64_t)h * n_vg, .v_meta_stride = (int64_t)n_kv_heads * n_vg,
+                                   .table = block_tables + (int64_t)s * max_blocks, .block_size = block_size,
+                                   .exact = exact ? exact + (exact_start[s] * n_kv_heads + h) * dk : NULL,
+                                   .exact_first = ctx - (exact_start[s + 1] - exact_start[s]),
+                                   .exact_stride = (int64_t)n_kv_heads * dk};
+                IntQuery Q[KVLAB_INT_QUERIES];
+                int count = 0;
+                for (int64_t row = r0; row < r1; row++) {
+                    const int64_t pos = ctx - (query_start[s + 1] - query_start[s]) + (row - query_start[s]);
+                    const int64_t lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+                    for (int g = 0; g < G; g++) {
+                        const int64_t head = row * n_heads + (int64_t)h * G + g;
+                        Q[count++] = (IntQuery){.q = q + head * dk, .out = out + head * dv, .lo = lo,
+                                                .coded = (pos + 1) / key_group * key_group, .hi = pos + 1};
+                    }
+                }
+                kvlab_int_attend(&R, Q, count, scale, scratch);
+            }
+            free(scratch);
         }
-        free(scratch);
     }
+    free(block_row);
+    free(block_seq);
     return status;
 }
 

@@ -1,5 +1,5 @@
-/* Row arithmetic several kernels share (decode.c, intcache.c), each the same bits on every call: a dot product and
- * the softmax's exponentials. */
+/* Row arithmetic several kernels share (decode.c, intcache.c, paged.c), each the same bits on every call: a dot
+ * product, sixteen-lane vectors and their sums, the softmax's exponentials. */
 #ifndef KVLAB_ROWMATH_H
 #define KVLAB_ROWMATH_H
 #include <math.h>
@@ -7,6 +7,32 @@
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #include <immintrin.h>
 #endif
+
+#include <string.h>
+
+/* sixteen floats in a vector (GCC's vector extension: AVX-512, two AVX registers or scalar code, as the build has) */
+typedef float kvlab_lanes16 __attribute__((vector_size(64)));
+
+static inline kvlab_lanes16 kvlab_lanes_at(const float *p) {
+    kvlab_lanes16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* p[c .. c + 16) with zeros past p[d - 1] */
+static inline kvlab_lanes16 kvlab_lanes_at_partial(const float *p, int c, int d) {
+    if (c + 16 <= d) return kvlab_lanes_at(p + c);
+    kvlab_lanes16 v = {0};
+    for (int i = 0; c + i < d; i++) v[i] = p[c + i];
+    return v;
+}
+
+/* one vector of the pairwise sums of a's lanes (lanes 0-7) and of b's (8-15): fold(a, b)[i] = a[2i] + a[2i + 1];
+ * sixteen vectors folded in four rounds give one whose lane i is vector i's sum, each by the same tree */
+static inline kvlab_lanes16 kvlab_fold16(kvlab_lanes16 a, kvlab_lanes16 b) {
+    return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
+         + __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
 
 #if defined(__AVX512F__)
 /* a . b: 16-lane FMAs into two accumulators, then a fixed reduction tree */
