@@ -381,7 +381,16 @@ def test_kernel_wrappers_refuse_buffers_of_the_wrong_size():
     value_meta = torch.zeros(1, 2, 8, 2, dtype=torch.float16)
     assert kernel.int_mix(8, codes, value_meta, value_meta, 8, 64, torch.zeros(1, 2, 3, 8)).shape == (1, 2, 3, 64)
     assert kernel.int_scores(8, codes, meta, meta, 8, 32, q, 1.0).shape == (1, 2, 3, 8)
+    exact = torch.zeros(1, 2, 8, 64)                       # the 8 tokens' keys: the open group is all of them
+
+    def attention(exact=exact, dv=64, T=3):
+        return kernel.int_attention(8, codes, meta, meta, codes, value_meta, value_meta, 8, dv, 32, exact, q, T, None, 1.0)
+
+    assert attention().shape == (1, 2, 3, 64)
     bad = {
+        "attention short of exact keys": lambda: attention(exact=exact[:, :, 4:]),
+        "attention value heads of another width": lambda: attention(dv=32),
+        "attention rows not whole tokens": lambda: attention(T=2),
         "wider query": lambda: kernel.int_scores(8, codes, meta, meta, 8, 32, torch.zeros(1, 2, 3, 128), 1.0),
         "query of another batch": lambda: kernel.int_scores(8, codes, meta, meta, 8, 32, torch.zeros(2, 2, 3, 64), 1.0),
         "fp16 query": lambda: kernel.int_scores(8, codes, meta, meta, 8, 32, q.half(), 1.0),

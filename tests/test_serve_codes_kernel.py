@@ -140,11 +140,12 @@ def test_the_ragged_code_kernel_checks_every_buffer():
 
 
 # -- int pools -------------------------------------------------------------------------------------------------
-INT_CASES = [  # format, block size, query heads, KV heads, head dim, sliding window
-    ("int4", 16, 9, 3, 64, None),
-    ("int8", 16, 8, 1, 128, 30),        # MQA, a window
-    ("int4+g4", 12, 4, 2, 128, None),   # a block size that is not a power of two, key groups of 4
-    ("int3", 16, 6, 6, 64, None),       # MHA, a width that is two bit planes
+INT_CASES = [  # format, block size, query heads, KV heads, head dim, sliding window, value head dim (0: the head dim)
+    ("int4", 16, 9, 3, 64, None, 0),
+    ("int8", 16, 8, 1, 128, 30, 0),        # MQA, a window
+    ("int4+g4", 12, 4, 2, 128, None, 0),   # a block size that is not a power of two, key groups of 4
+    ("int3", 16, 6, 6, 64, None, 0),       # MHA, a width that is two bit planes
+    ("int4", 16, 4, 2, 64, 40, 32),        # value heads narrower than key heads, a window
 ]
 
 
@@ -153,12 +154,12 @@ def test_the_ragged_int_kernel_equals_the_torch_reference(seed, case, monkeypatc
     """Sequences prefilled in chunks and decoded together, one of them forked mid-group (its blocks shared, its open
     key group copied): every step's attention on the codes equals the reference."""
     require_kernel()
-    name, block_size, heads, kv_heads, d, window = case
+    name, block_size, heads, kv_heads, d, window, dv = case
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
-    geometry = CacheGeometry(n_layers=1, n_kv_heads=kv_heads, head_dim=d, n_heads=heads, capacity=64, window=window)
+    geometry = CacheGeometry(n_layers=1, n_kv_heads=kv_heads, head_dim=d, n_heads=heads, capacity=64, window=window,
+                             head_dim_v=dv)
     plan = replace(CapacityPlan.build(geometry, name, 10**9, block_size, max_batch=8), n_blocks=900 // block_size)
     pool = IntPool(geometry, plan, block_format(name, geometry, block_size))
-    pool.ragged = True
     manager = BlockManager(plan.n_blocks, block_size, prefix_caching=False, on_copy=pool.copy_block,
                            on_free=pool.release, on_fork=pool.fork)
     lengths = {Seq(): n for n in (rng.randint(260, 300), rng.randint(20, 60), rng.randint(1, 30))}
@@ -172,7 +173,7 @@ def test_the_ragged_int_kernel_equals_the_torch_reference(seed, case, monkeypatc
         layout = RaggedLayout.build([s.block_table for s in seqs], chunks, [s.num_computed + n for s, n in zip(seqs, chunks)],
                                     block_size)
         k = torch.randn(len(slots), kv_heads, d, generator=gen) + 1.0
-        v = torch.randn(len(slots), kv_heads, d, generator=gen)
+        v = torch.randn(len(slots), kv_heads, geometry.head_dim_v, generator=gen)
         q = torch.randn(len(slots), heads, d, generator=gen)
         rows = pool.rows_for(seqs)
         pool.append(0, BatchView(pool, slots, layout, d ** -0.5, window, True, rows), k, v)
@@ -212,6 +213,7 @@ def test_the_ragged_int_kernel_checks_every_buffer():
         dict(exact=torch.randn(3 + 4, 2, 16), exact_start=torch.tensor([0, 3, 7])),  # too few exact keys for a query
         dict(exact=torch.randn(2 + 5, 2, 16), exact_start=torch.tensor([0, 2, 7])),
         dict(block_tables=torch.tensor([[1, 77], [2, 0]], dtype=torch.int32)),    # a block id past the pool
+        dict(value_dim=32),                                                       # value rows of 16 codes
     ]
     for change in bad:
         with pytest.raises(ConfigError) as info:

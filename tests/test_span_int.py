@@ -184,7 +184,7 @@ def int_variant(request, tmp_path_factory) -> BlockKernel:
     lib = ctypes.CDLL(str(target))
     variant = BlockKernel.__new__(BlockKernel)
     variant._lib = lib
-    for fn in ("kvlab_int_scores", "kvlab_int_mix", "kvlab_int_decode"):
+    for fn in ("kvlab_int_scores", "kvlab_int_mix", "kvlab_int_decode", "kvlab_int_attention"):
         getattr(lib, fn).argtypes = getattr(loaded._lib, fn).argtypes
         getattr(lib, fn).restype = ctypes.c_int
     return variant
@@ -193,7 +193,8 @@ def int_variant(request, tmp_path_factory) -> BlockKernel:
 @pytest.mark.parametrize("name, dim", [("int4", 64), ("int8+g16", 64), ("int4+g8", 48), ("int8", 96)])
 def test_each_variant_decodes_scores_and_mixes_like_torch(int_variant, name, dim):
     """Every function of intcache.c in each build (AVX-512 paths at head dim 64 and group 32, plain C elsewhere)
-    against the torch decode and matmuls, on a cache with an open key group (batch 2, GQA)."""
+    against the torch decode and matmuls, and the whole read (kvlab_int_attention) against the torch attention, on a
+    cache with an open key group (batch 2, GQA)."""
     g = CacheGeometry(n_layers=1, n_kv_heads=2, head_dim=dim, batch=2, capacity=80, n_heads=6)
     cache = make_cache(name, g)
     gen = torch.Generator().manual_seed(dim)
@@ -210,3 +211,8 @@ def test_each_variant_decodes_scores_and_mixes_like_torch(int_variant, name, dim
     torch.testing.assert_close(scores, q @ keys.transpose(-1, -2) * 0.5, atol=1e-4, rtol=1e-5)
     mixed = int_variant.int_mix(bits, cache.v_codes[0], cache.v_scale[0], cache.v_zero[0], 75, dim, p)
     torch.testing.assert_close(mixed, p @ values, atol=1e-4, rtol=1e-5)
+    q = torch.randn(2, 6, 3, dim, generator=gen)                 # the 3 newest tokens' queries: the whole read in C
+    cache.code_kernel = None
+    want = cache.attend(0, q)
+    cache.code_kernel = int_variant
+    torch.testing.assert_close(cache.attend(0, q), want, atol=1e-5, rtol=1e-5)

@@ -214,7 +214,7 @@ class CompressedCache(KVCache):
         group = H // Hkv
         n_sink, n, held = self._n_sink(layer), self._n_comp[layer], self._held(layer)
         qg = q.float().reshape(B, Hkv, group * T, Dk)                          # (B, Hkv, G·T, Dk)
-        if self.reads_spans and T > 1 and group * T * (n_sink + n + held) > ATTEND_ROWS * ATTEND_KEYS:
+        if self._in_spans(layer, group * T, T):
             return self._attend_blocks(layer, qg, T).reshape(B, H, T, -1).to(q.dtype)
         logits = []
         if n_sink:
@@ -238,6 +238,12 @@ class CompressedCache(KVCache):
         if held:
             out = out + p[..., n_sink + n:] @ self._win_v[layer][:, :, :held].float()
         return out.reshape(B, H, T, -1).to(q.dtype)
+
+    def _in_spans(self, layer: int, rows: int, T: int) -> bool:
+        """Whether attend reads a chunk of T tokens (rows = G·T query rows) in blocks over spans (`_attend_blocks`):
+        where it can and the chunk's logits would exceed one block."""
+        keys = self._n_sink(layer) + self._n_comp[layer] + self._held(layer)
+        return self.reads_spans and T > 1 and rows * keys > ATTEND_ROWS * ATTEND_KEYS
 
     def _attend_blocks(self, layer: int, qg: torch.Tensor, T: int) -> torch.Tensor:
         """attend() of a long chunk in bounded memory: qg (B, Hkv, G·T, Dk) -> (B, Hkv, G, T, Dv) float32.

@@ -8,7 +8,9 @@ x ≈ zero + code·scale with code in [0, 2^b), scale = (max - min)/(2^b - 1), z
 Codes are bit-packed (int4: two per byte). On CPU, int8 and int4 attention reads the packed codes
 directly in C (kvlab/kernels/intcache.c: scores fold the query into each key group's scales,
 the mix folds the probabilities into each value group's) instead of dequantizing the cache with
-torch ops every step; `code_kernel = None` selects the torch path (the reference).
+torch ops every step; `code_kernel = None` selects the torch path (the reference). Without sink or
+recent tokens the whole read (scores, softmax, mix) is one C function per query (kernels/intcache.h),
+the one the serving pool's integer blocks are read with: the pool's output is this cache's, to the bit.
 
 Causal in every schedule (KIVI's rule): a key group is coded only once its G tokens are all there, from
 their original keys; until then those keys wait in the "stage" (G tokens × Dk in the cache dtype,
@@ -195,6 +197,26 @@ class QuantizedCache(CompressedCache):
         if first > lo or block is None or first + block.shape[2] != n:
             raise ConfigError(f"layer {layer}: attention over more queries than the tokens just appended to the integer cache")
         return block[:, :, lo - first:].float()
+
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """With the code kernel, where every token the queries see is compressed (no sink, no recent window) and the
+        chunk is not read in spans: the whole read in C, scores, softmax and mix (kvlab_int_attention), through the
+        function the serving pool reads its blocks with (kernels/intcache.h), so the two give the same bits.
+        Otherwise CompressedCache's softmax over `_scores` and `_mix` (with code_kernel None: the torch reference)."""
+        self._check_attend(layer, q)
+        B, H, T, Dk = q.shape
+        n = self._n_comp[layer]
+        if (self.code_kernel is None or layer in self.fp_layers or self._n_sink(layer) or self._held(layer)
+                or not 0 < T <= n or self._in_spans(layer, H // self.geometry.n_kv_heads * T, T)):
+            return super().attend(layer, q)
+        G = self.config.group_size
+        first = (n - T + 1) // G * G                          # the earliest query's open group starts here
+        exact = self._fresh_keys(layer, first, n).contiguous() if first < n else q.new_zeros(B, self.geometry.n_kv_heads, 0, Dk, dtype=torch.float32)
+        qg = q.float().reshape(B, self.geometry.n_kv_heads, H // self.geometry.n_kv_heads * T, Dk).contiguous()  # (B, Hkv, G·T, Dk)
+        out = self.code_kernel.int_attention(self.config.bits, self.k_codes[layer], self.k_scale[layer], self.k_zero[layer],
+                                             self.v_codes[layer], self.v_scale[layer], self.v_zero[layer], n,
+                                             self.geometry.head_dim_v, G, exact, qg, T, self.geometry.window, self.scale)
+        return out.reshape(B, H, T, -1).to(q.dtype)                                   # (B, H, T, Dv)
 
     def _scores(self, layer: int, qg: torch.Tensor, n: int) -> torch.Tensor:
         G = self.config.group_size

@@ -33,14 +33,15 @@ from pathlib import Path
 
 import torch
 
+from ..bitplanes import packed_nbytes
 from ..errors import ConfigError, KvlabError
 from ..paths import cache_dir
 
 HERE = Path(__file__).parent
 SOURCES = tuple(HERE / f for f in ("blockgemv.c", "blockgemm.c", "q8gemm.c", "decode.c", "intcache.c", "paged.c", "codebook.c",
                                    "batchstep.c"))  # one library
-HEADERS = (HERE / "blockgemv.h", HERE / "codebook.h", HERE / "intcodes.h", HERE / "decode.h", HERE / "paged.h",
-           HERE / "tqcodes.h")
+HEADERS = (HERE / "blockgemv.h", HERE / "codebook.h", HERE / "intcache.h", HERE / "intcodes.h", HERE / "rowmath.h",
+           HERE / "decode.h", HERE / "paged.h", HERE / "tqcodes.h")
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp")
 SANITIZE = os.environ.get("KVLAB_KERNEL_SANITIZE")  # e.g. "address": an instrumented build for kvlab.fuzz
 if SANITIZE:   # -O1, as the sanitizers' docs advise: reports keep their lines, and the build takes half the time
@@ -219,11 +220,13 @@ class BlockKernel:
         lib.kvlab_int_scores.argtypes = [i32, ptr, ptr, ptr, i32, i64, i64, i32, i32, ptr, i32, ctypes.c_float, ptr, i32]
         lib.kvlab_int_mix.argtypes = [i32, ptr, ptr, ptr, i32, i64, i64, i32, i32, ptr, i64, i32, ptr, i32]
         lib.kvlab_int_decode.argtypes = [i32, ptr, ptr, ptr, i32, i64, i64, i32, i64, i64, i32, i32, i32, ptr, i32]
+        lib.kvlab_int_attention.argtypes = [i32, ptr, ptr, ptr, ptr, ptr, ptr, i32, i64, i64, i32, i32, i32, i32, ptr, i64,
+                                            ptr, i32, i32, i32, ctypes.c_float, ptr, i32]
         lib.kvlab_block_gemm.argtypes = [i32, ptr, i64, i64, ptr, i64, ptr, i32]
         lib.kvlab_tq_code_tokens.argtypes = [ptr, i32, i32, i64, ptr, ptr, ptr, ptr, ptr, i32]
         lib.kvlab_int_code_tokens.argtypes = [ptr, i32, i32, i64, ptr, ptr, ptr, ptr, ptr, i64, i32]
         for fn in (lib.kvlab_block_gemv, lib.kvlab_block_gemm, lib.kvlab_block_dequantize, lib.kvlab_block_omp_threads, lib.kvlab_int_scores,
-                   lib.kvlab_int_mix, lib.kvlab_int_decode, lib.kvlab_tq_code_tokens, lib.kvlab_int_code_tokens):
+                   lib.kvlab_int_mix, lib.kvlab_int_decode, lib.kvlab_int_attention, lib.kvlab_tq_code_tokens, lib.kvlab_int_code_tokens):
             fn.restype = i32
 
     def gemv(self, type_name: str, blocks: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -352,6 +355,40 @@ class BlockKernel:
         if self._lib.kvlab_int_decode(bits, codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), B * H, slots, meta_rows, meta_cols,
                                       start, n, d, token_group, channel_group, out.data_ptr(), torch.get_num_threads()):
             raise ConfigError(f"integer-cache decode refused int{bits} codes of shape {tuple(codes.shape)}")
+        return out
+
+    def int_attention(self, bits: int, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
+                      v_codes: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor, n: int, dv: int, group: int,
+                      exact: torch.Tensor, q: torch.Tensor, T: int, window: int | None, attn_scale: float) -> torch.Tensor:
+        """An integer cache's attention over its n compressed tokens (intcache.c kvlab_int_attention: every row through
+        kvlab_int_attend, as the serving pool's kvlab_paged_int_attention reads).
+        k_codes (B, H, slots, key row bytes), v_codes (B, H, slots, value row bytes) uint8; k_scale/k_zero
+        (B, H, ⌈slots/G⌉, Dk), v_scale/v_zero (B, H, slots, Dv/Gv) fp16; exact (B, H, n - first, Dk) fp32 the keys of
+        tokens [first, n) (the open groups', first <= the first query's group start); q (B, H, nq, Dk) fp32, its rows
+        the T newest tokens for each of nq / T heads -> (B, H, nq, Dv) fp32."""
+        what = f"int{bits} cache attention"
+        if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (k_codes, v_codes, v_scale, exact, q)):
+            raise ConfigError(f"{what}: codes, scales, exact keys and queries must be 4-D")
+        B, H, slots, _ = k_codes.shape
+        nq, dk = q.shape[2], q.shape[3]
+        n_vg = v_scale.shape[3]
+        if not (1 <= bits <= 8) or n_vg <= 0 or dk <= 0 or dv <= 0 or dv % n_vg:
+            raise ConfigError(f"{what}: bits must be 1..8 and {n_vg} value groups divide the heads, got int{bits}, head dims {dk}, {dv}")
+        check_buffer(what, "key codes", k_codes, torch.uint8, (B, H, slots, packed_nbytes(dk, bits)))
+        for name, t in (("key scales", k_scale), ("key zeros", k_zero)):
+            check_buffer(what, name, t, torch.float16, (B, H, -(-slots // group), dk))
+        check_buffer(what, "value codes", v_codes, torch.uint8, (B, H, slots, packed_nbytes(dv, bits)))
+        for name, t in (("value scales", v_scale), ("value zeros", v_zero)):
+            check_buffer(what, name, t, torch.float16, (B, H, slots, n_vg))
+        check_buffer(what, "exact keys", exact, torch.float32, (B, H, exact.shape[2], dk))
+        check_buffer(what, "query", q, torch.float32, (B, H, nq, dk))
+        out = torch.empty(B, H, nq, dv, dtype=torch.float32)
+        if self._lib.kvlab_int_attention(bits, k_codes.data_ptr(), k_scale.data_ptr(), k_zero.data_ptr(), v_codes.data_ptr(),
+                                         v_scale.data_ptr(), v_zero.data_ptr(), B * H, slots, n, dk, dv, group, dv // n_vg,
+                                         exact.data_ptr(), n - exact.shape[2], q.data_ptr(), nq, T, int(window or 0),
+                                         attn_scale, out.data_ptr(), torch.get_num_threads()):
+            raise ConfigError(f"integer-cache attention refused {n} tokens, {nq} query rows of {T} tokens, "
+                              f"{exact.shape[2]} exact keys over int{bits} codes of shape {tuple(k_codes.shape)}")
         return out
 
     def tq_code_tokens(self, coded, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor | None,

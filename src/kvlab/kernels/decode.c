@@ -44,6 +44,7 @@
 #include "codebook.h"
 #include "decode.h"
 #include "intcodes.h"
+#include "rowmath.h"
 #include "tqcodes.h"
 
 /* Attention reads the keys in chunks of KEY_CHUNK positions per KV head (flash-decoding): a chunk's K/V
@@ -153,22 +154,9 @@ static void rope(float *x, const float *cos_, const float *sin_, int d) {
     }
 }
 
-#if defined(__AVX512F__)
-/* a . b: 16-lane FMAs into two accumulators, then a fixed reduction tree: the same bits on every call */
-static float dot(const float *a, const float *b, int64_t n) {
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-    int64_t i = 0;
-    for (; i + 32 <= n; i += 32) {
-        acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
-        acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), acc1);
-    }
-    for (; i < n; i += 16) {
-        const __mmask16 live = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u);
-        acc0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(live, a + i), _mm512_maskz_loadu_ps(live, b + i), acc0);
-    }
-    return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-}
+static float dot(const float *a, const float *b, int64_t n) { return kvlab_row_dot(a, b, n); }
 
+#if defined(__AVX512F__)
 /* 16 values of a row at p as fp32: fp32 (kv_type KV_F32) as they are, f16 / bf16 exactly (kv_load's conversion) */
 static inline __attribute__((always_inline)) __m512 load_lanes(int kv_type, const void *p, int64_t i) {
     if (kv_type == KV_F32) return _mm512_loadu_ps((const float *)p + i);
@@ -311,20 +299,6 @@ static void attend_rows(int kv_type, const float *q, const void *keys, const voi
 #undef ATTEND_ROWS
 #define HAVE_ATTEND_ROWS 1
 #else
-#define LANES 16
-/* a . b in LANES fixed partial sums, added in a fixed order: the same bits whatever the compiler vectorizes
- * and wherever the buffers lie (a reduction the compiler may reorder could depend on their alignment). */
-static float dot(const float *a, const float *b, int64_t n) {
-    float acc[LANES] = {0};
-    int64_t i = 0;
-    for (; i + LANES <= n; i += LANES)
-        for (int j = 0; j < LANES; j++) acc[j] += a[i + j] * b[i + j];
-    for (; i < n; i++) acc[i % LANES] += a[i] * b[i];
-    for (int width = LANES / 2; width > 0; width /= 2)     /* a pairwise tree, not a serial chain */
-        for (int j = 0; j < width; j++) acc[j] += acc[j + width];
-    return acc[0];
-}
-
 static void weighted_sum(const float *p, const float *values, int start, int end, int d, float *out, int add) {
     if (!add) memset(out, 0, sizeof(float) * (size_t)d);
     for (int t = start; t < end; t++) {
@@ -338,81 +312,7 @@ static void key_scores(const float *q, const float *keys, int start, int end, in
 }
 #endif
 
-/* s[t] = e^(s[t] - top) for t < n (every s[t] <= top, finite); returns their sum. Sixteen (AVX-512) or eight (AVX2)
- * at a time: e^x = 2^k e^r, k = round(x log2 e), r = x - k ln 2 in two parts, e^r by Cephes' expf polynomial (about
- * one ulp); x below -87 gives 0 or a subnormal, as expf. The sum: lane partials added in a fixed order. */
-#if defined(__AVX512F__)
-static inline __m512 exp_lanes(__m512 x) {
-    x = _mm512_max_ps(_mm512_set1_ps(-87.5f), x);   /* a nan x stays nan (MAXPS returns its second operand) */
-    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, k);
-}
-
-static float exp_shifted(float *s, int n, float top) {
-    __m512 total = _mm512_setzero_ps();
-    const __m512 shift = _mm512_set1_ps(top);
-    for (int t = 0; t < n; t += 16) {
-        const __mmask16 live = n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1u);
-        const __m512 e = _mm512_maskz_mov_ps(live, exp_lanes(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + t), shift)));
-        _mm512_mask_storeu_ps(s + t, live, e);
-        total = _mm512_add_ps(total, e);
-    }
-    return _mm512_reduce_add_ps(total);
-}
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-static inline __m256 exp_lanes(__m256 x) {
-    x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);   /* a nan x stays nan */
-    const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);  /* 2^k */
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
-}
-
-static float exp_shifted(float *s, int n, float top) {
-    __m256 total = _mm256_setzero_ps();
-    const __m256 shift = _mm256_set1_ps(top);
-    int t = 0;
-    for (; t + 8 <= n; t += 8) {
-        const __m256 e = exp_lanes(_mm256_sub_ps(_mm256_loadu_ps(s + t), shift));
-        _mm256_storeu_ps(s + t, e);
-        total = _mm256_add_ps(total, e);
-    }
-    float lanes[8], sum = 0.0f;
-    _mm256_storeu_ps(lanes, total);
-    for (int j = 0; j < 8; j++) sum += lanes[j];
-    for (; t < n; t++) {
-        s[t] = expf(s[t] - top);
-        sum += s[t];
-    }
-    return sum;
-}
-#else
-static float exp_shifted(float *s, int n, float top) {
-    float total = 0.0f;
-    for (int t = 0; t < n; t++) {
-        s[t] = expf(s[t] - top);
-        total += s[t];
-    }
-    return total;
-}
-#endif
+static float exp_shifted(float *s, int n, float top) { return kvlab_row_exp_shifted(s, n, top); }
 
 /* y = rms_norm(x) * w over n values, as torch.nn.functional.rms_norm (y may be x) */
 static void rms_norm(const float *x, const float *w, float eps, int n, float *y) {

@@ -18,6 +18,10 @@
  * KV head) and keeps an online softmax per query; chunks of CODE_CHUNK keys are separate items (flash-decoding:
  * a long context splits over threads), merged per query in chunk order, so the result is the same for any
  * thread count.
+ *
+ * kvlab_paged_int_attention reads integer blocks (IntPool) with the single integer cache's own per-query function
+ * (intcache.h kvlab_int_attend: one softmax over the whole context, no split), so that the pool's output is the
+ * single cache's to the bit: int codes would turn a rounding difference into a different code now and then.
  */
 #include <math.h>
 #include <stdint.h>
@@ -27,7 +31,10 @@
 #include "blockgemv.h"
 #include "codebook.h"
 #include "decode.h"
+#include "intcache.h"
+#include "intcodes.h"
 #include "paged.h"
+#include "rowmath.h"
 #include "tqcodes.h"
 #if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
@@ -96,13 +103,11 @@ int kvlab_paged_layout_ok(int64_t n_rows, int n_heads, int n_kv_heads, int d, in
 
 /* a . b over d values: sixteen lane sums (one vector register), then a fixed tree over the lanes; a serial
  * chain of sixteen scalar adds per dot made this kernel ~5x slower at decode */
-typedef float lanes16 __attribute__((vector_size(64)));
-
 static inline float dot(const float *a, const float *b, int d) {
-    lanes16 acc = {0};
+    kvlab_lanes16 acc = {0};
     int c = 0;
     for (; c + 16 <= d; c += 16) {
-        lanes16 x, y;
+        kvlab_lanes16 x, y;
         memcpy(&x, a + c, sizeof x);
         memcpy(&y, b + c, sizeof y);
         acc += x * y;
@@ -114,12 +119,6 @@ static inline float dot(const float *a, const float *b, int d) {
     float sum = acc[0];
     for (; c < d; c++) sum += a[c] * b[c];
     return sum;
-}
-
-static inline lanes16 load_lanes(const float *p) {
-    lanes16 v;
-    memcpy(&v, p, sizeof v);
-    return v;
 }
 
 /* the largest of s[0..n), n > 0: sixteen lanes at a time where the CPU has AVX-512, instead of a serial chain of
@@ -138,12 +137,6 @@ static inline float largest(const float *s, int n) {
     return top;
 }
 
-/* one vector of the pairwise sums of a's lanes (lanes 0-7) and of b's (8-15): fold(a, b)[i] = a[2i] + a[2i + 1] */
-static inline lanes16 fold(lanes16 a, lanes16 b) {
-    return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
-         + __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-}
-
 /* s[j] = scale * (q . k[j]) for j < n. Sixteen keys at a time: each key's 16 lane partial sums, then all sixteen
  * folded pairwise in four rounds (15 folds) into one vector whose lane i is key i's sum: a fixed tree, far fewer
  * shuffles than a lane tree per key. The rest (and d not a multiple of 16): dot(), one key at a time. */
@@ -151,15 +144,15 @@ static void key_scores(const float *q, const float *const *k, int n, int d, floa
     int j = 0;
     if (d % 16 == 0)
         for (; j + 16 <= n; j += 16) {
-            lanes16 acc[16];
-            for (int i = 0; i < 16; i++) acc[i] = (lanes16){0};
+            kvlab_lanes16 acc[16];
+            for (int i = 0; i < 16; i++) acc[i] = (kvlab_lanes16){0};
             for (int c = 0; c < d; c += 16) {
-                const lanes16 qc = load_lanes(q + c);
-                for (int i = 0; i < 16; i++) acc[i] += qc * load_lanes(k[j + i] + c);
+                const kvlab_lanes16 qc = kvlab_lanes_at(q + c);
+                for (int i = 0; i < 16; i++) acc[i] += qc * kvlab_lanes_at(k[j + i] + c);
             }
             for (int width = 16; width > 1; width /= 2)
-                for (int i = 0; i < width / 2; i++) acc[i] = fold(acc[2 * i], acc[2 * i + 1]);
-            const lanes16 sums = acc[0] * scale;
+                for (int i = 0; i < width / 2; i++) acc[i] = kvlab_fold16(acc[2 * i], acc[2 * i + 1]);
+            const kvlab_lanes16 sums = acc[0] * scale;
             memcpy(s + j, &sums, sizeof sums);
         }
     for (; j < n; j++) s[j] = dot(q, k[j], d) * scale;
@@ -170,13 +163,13 @@ static void key_scores(const float *q, const float *const *k, int n, int d, floa
 static inline void accumulate_values(float *og, const float *p, const float *const *v, int n, int dv) {
     int c = 0;
     for (; c + 64 <= dv; c += 64) {
-        lanes16 a0 = load_lanes(og + c), a1 = load_lanes(og + c + 16), a2 = load_lanes(og + c + 32), a3 = load_lanes(og + c + 48);
+        kvlab_lanes16 a0 = kvlab_lanes_at(og + c), a1 = kvlab_lanes_at(og + c + 16), a2 = kvlab_lanes_at(og + c + 32), a3 = kvlab_lanes_at(og + c + 48);
         for (int j = 0; j < n; j++) {
             const float pj = p[j];
-            a0 += pj * load_lanes(v[j] + c);
-            a1 += pj * load_lanes(v[j] + c + 16);
-            a2 += pj * load_lanes(v[j] + c + 32);
-            a3 += pj * load_lanes(v[j] + c + 48);
+            a0 += pj * kvlab_lanes_at(v[j] + c);
+            a1 += pj * kvlab_lanes_at(v[j] + c + 16);
+            a2 += pj * kvlab_lanes_at(v[j] + c + 32);
+            a3 += pj * kvlab_lanes_at(v[j] + c + 48);
         }
         memcpy(og + c, &a0, sizeof a0);
         memcpy(og + c + 16, &a1, sizeof a1);
@@ -184,8 +177,8 @@ static inline void accumulate_values(float *og, const float *p, const float *con
         memcpy(og + c + 48, &a3, sizeof a3);
     }
     for (; c + 16 <= dv; c += 16) {
-        lanes16 a = load_lanes(og + c);
-        for (int j = 0; j < n; j++) a += p[j] * load_lanes(v[j] + c);
+        kvlab_lanes16 a = kvlab_lanes_at(og + c);
+        for (int j = 0; j < n; j++) a += p[j] * kvlab_lanes_at(v[j] + c);
         memcpy(og + c, &a, sizeof a);
     }
     for (; c < dv; c++)
@@ -266,10 +259,9 @@ int kvlab_paged_attention(const float *q, int64_t n_rows, int n_heads, int n_kv_
     return 0;
 }
 
-/* -- coded blocks: TurboQuant and integer codes --------------------------------------------------------- */
+/* -- coded blocks: TurboQuant codes ------------------------------------------------------------------------ */
 #define CODE_CHUNK 256      /* keys per work item (flash-decoding split of a long context) */
 #define CODE_QUERIES 64     /* query vectors (rows x group) per work item, at most */
-enum { CODES_TQ = 0, CODES_INT = 1 };
 
 typedef struct {
     int s, h;               /* sequence, KV head */
@@ -282,28 +274,21 @@ typedef struct {
 typedef struct {
     const uint8_t *codes;                 /* (slots, token_bytes) */
     int64_t token_bytes;
-    cb_layout *heads;                     /* (Hkv,) TQ: the codebooks; INT: tables of the code values 0, 1, 2, ... */
+    cb_layout *heads;                     /* (Hkv,) the codebooks */
     int64_t *head_at;                     /* (Hkv,) byte offset of each head's codes in a token's row */
 } code_rows;
 
 typedef struct {
-    int kind, n_heads, n_kv_heads, group, d, dpad, window, block_size, max_blocks;
+    int n_heads, n_kv_heads, group, d, dpad, window, block_size, max_blocks;
     const int32_t *block_tables, *query_start, *context_len;
     float scale;
     code_rows keys, values;
-    /* TQ */
     const void *k_norm, *v_norm;          /* (slots, Hkv) fp16 or bf16, or uint8 log codes (POOL_LOG8) */
     int norm_dtype;
     const uint16_t *centres[2];           /* POOL_LOG8: (Hkv,) fp16 log2 centres of the keys, of the values */
-    int first_key;                        /* TQ: keys at positions below it are not read (+sinkN: held exact apart) */
+    int first_key;                        /* keys at positions below it are not read (+sinkN: held exact apart) */
     const PreRope *pre;                   /* +prerope: weights, offset (Hkv, d) each or NULL; cos/sin (positions, d);
                                              keys rebuilt and turned (decode.c), scored against the plain queries */
-    /* INT */
-    const uint16_t *k_scale, *k_zero;     /* (slots / key_group, Hkv, d) fp16 */
-    const uint16_t *v_scale, *v_zero;     /* (slots, Hkv, d / value_group) fp16 */
-    int key_group, value_group;
-    const float *exact;                   /* (rows, Hkv, d) fp32: each sequence's keys from the open group on */
-    const int64_t *exact_start;           /* (n_seqs + 1,) its rows: the last ones of its context */
 } code_pool;
 
 /* the scale stored at `index` of keys' (which = 0) or values' (1) norms, KV head h: a 16-bit float, or with POOL_LOG8
@@ -356,59 +341,26 @@ static int64_t code_items(const code_pool *P, int n_seqs, int64_t rows_per_tile,
 }
 
 /* Keys t0 .. t0+n of an item as attention reads them: rows of keys and values (dpad apart), and per key the factor
- * of its score (TQ: norm x scale; INT: scale) and of its value (TQ: norm; INT: 1). INT keys past the last complete
- * key group have no codes yet: their rows are zero (their queries read them exact). */
+ * of its score (norm x scale) and of its value (norm). */
 static void load_tile(const code_pool *P, const code_item *it, int64_t t0, int n, float *keys, float *values,
-                      float *key_scale, float *value_scale, int32_t *codes) {
+                      float *key_scale, float *value_scale) {
     const int d = P->d, dpad = P->dpad, bs = P->block_size, Hkv = P->n_kv_heads, h = it->h;
     const cb_layout *key_layout = &P->keys.heads[h], *value_layout = &P->values.heads[h];
     const uint8_t *key_codes = P->keys.codes + P->keys.head_at[h], *value_codes = P->values.codes + P->values.head_at[h];
     const int32_t *table = P->block_tables + (int64_t)it->s * P->max_blocks;
-    const int64_t complete = P->kind == CODES_INT ? P->context_len[it->s] / P->key_group * P->key_group : 0;
-    float zero[MAX_DIM], scale[MAX_DIM];   /* INT: the current key group's (one group spans many keys of a tile) */
-    int64_t meta_at = -1;
-    if (P->kind == CODES_TQ) {   /* the tile's keys of one block at a time: consecutive slots, decoded as rows */
-        for (int j = 0; j < n;) {
-            const int64_t t = t0 + j, slot = (int64_t)table[t / bs] * bs + t % bs;
-            const int run = (int)(bs - t % bs < n - j ? bs - t % bs : n - j);
-            kvlab_cb_decode_rows(value_layout, value_codes + slot * P->values.token_bytes, P->values.token_bytes, run,
-                                 values + (int64_t)j * dpad, dpad);
-            kvlab_cb_decode_rows(key_layout, key_codes + slot * P->keys.token_bytes, P->keys.token_bytes, run,
-                                 keys + (int64_t)j * dpad, dpad);
-            for (int i = 0; i < run; i++) {
-                const int64_t index = (slot + i) * Hkv + it->h;
-                key_scale[j + i] = norm_value(P, 0, index, it->h) * (P->pre ? 1.0f : P->scale);
-                value_scale[j + i] = norm_value(P, 1, index, it->h);
-            }
-            j += run;
+    for (int j = 0; j < n;) {   /* the tile's keys of one block at a time: consecutive slots, decoded as rows */
+        const int64_t t = t0 + j, slot = (int64_t)table[t / bs] * bs + t % bs;
+        const int run = (int)(bs - t % bs < n - j ? bs - t % bs : n - j);
+        kvlab_cb_decode_rows(value_layout, value_codes + slot * P->values.token_bytes, P->values.token_bytes, run,
+                             values + (int64_t)j * dpad, dpad);
+        kvlab_cb_decode_rows(key_layout, key_codes + slot * P->keys.token_bytes, P->keys.token_bytes, run,
+                             keys + (int64_t)j * dpad, dpad);
+        for (int i = 0; i < run; i++) {
+            const int64_t index = (slot + i) * Hkv + it->h;
+            key_scale[j + i] = norm_value(P, 0, index, it->h) * (P->pre ? 1.0f : P->scale);
+            value_scale[j + i] = norm_value(P, 1, index, it->h);
         }
-    } else {   /* INT: a key group's zero and scale per channel */
-        for (int j = 0; j < n; j++) {
-            const int64_t t = t0 + j, slot = (int64_t)table[t / bs] * bs + t % bs, index = slot * Hkv + it->h;
-            float *k = keys + (int64_t)j * dpad, *v = values + (int64_t)j * dpad;
-            kvlab_cb_decode_row(value_layout, value_codes + slot * P->values.token_bytes, v, codes);
-            if (t < complete) {   /* zero + code x scale, per channel of the key group */
-                kvlab_cb_decode_row(key_layout, key_codes + slot * P->keys.token_bytes, k, codes);
-                const int64_t meta = ((slot / P->key_group) * Hkv + it->h) * d;
-                if (meta != meta_at) {
-                    fp16_row(P->k_zero + meta, zero, d);
-                    fp16_row(P->k_scale + meta, scale, d);
-                    meta_at = meta;
-                }
-                for (int c = 0; c < d; c++) k[c] = zero[c] + k[c] * scale[c];
-            } else {
-                memset(k, 0, sizeof(float) * dpad);
-            }
-            const int n_vg = d / P->value_group, gv = P->value_group;
-            const uint16_t *vs = P->v_scale + index * n_vg, *vz = P->v_zero + index * n_vg;
-            for (int group = 0; group < n_vg; group++) {
-                const float z = kvlab_fp16_to_fp32(vz[group]), sc = kvlab_fp16_to_fp32(vs[group]);
-                float *vg = v + group * gv;
-                for (int c = 0; c < gv; c++) vg[c] = z + vg[c] * sc;
-            }
-            key_scale[j] = P->scale;
-            value_scale[j] = 1.0f;
-        }
+        j += run;
     }
     if (P->pre) {   /* +prerope (every row of the tile a coded key, dpad == d): rebuilt at positions t0 .. t0 + n */
         PreRope tile = *P->pre;
@@ -422,9 +374,7 @@ static void load_tile(const code_pool *P, const code_item *it, int64_t t0, int n
 
 /* One item: for each of its nq = rows x G queries, the softmax-weighted sum of its keys' values, unnormalized,
  * with the running max m and sum l. partial: nq x d sums, then nq maxima, then nq sums.
- * scratch: qpad, acc (max_queries x dpad each), then keys, values, exact keys (CB_TILE x dpad each).
- * INT: the query at position p reads the keys of the groups complete at p (t < (p+1) / G * G) from their codes,
- * the rest exact (QuantizedCache's rule). */
+ * scratch: qpad, acc (max_queries x dpad each), then keys, values (CB_TILE x dpad each). */
 static void code_item_attend(const code_pool *P, const float *q, const code_item *it, float *scratch, float *partial,
                              int64_t max_queries) {
     const int d = P->d, dpad = P->dpad, G = P->group;
@@ -432,9 +382,8 @@ static void code_item_attend(const code_pool *P, const float *q, const code_item
     const int64_t first_pos = P->context_len[it->s] - (P->query_start[it->s + 1] - q0);   /* of row q0 */
     const int64_t nq = (it->r1 - it->r0) * G;
     float *qpad = scratch, *acc = qpad + max_queries * dpad, *keys = acc + max_queries * dpad;
-    float *values = keys + CB_TILE * dpad, *exact = values + CB_TILE * dpad;
+    float *values = keys + CB_TILE * dpad;
     float *o = partial, *m = partial + nq * d, *l = m + nq;
-    int32_t codes[CB_MAX_DIM];
     for (int64_t i = 0; i < nq; i++) {
         const int64_t row = it->r0 + i / G;
         memcpy(qpad + i * dpad, q + (row * P->n_heads + (int64_t)it->h * G + i % G) * d, sizeof(float) * d);
@@ -446,37 +395,15 @@ static void code_item_attend(const code_pool *P, const float *q, const code_item
     for (int64_t t0 = it->k0; t0 < it->k1; t0 += CB_TILE) {
         const int n = (int)(it->k1 - t0 < CB_TILE ? it->k1 - t0 : CB_TILE);
         float key_scale[CB_TILE], value_scale[CB_TILE];
-        int have_exact = 0;
-        load_tile(P, it, t0, n, keys, values, key_scale, value_scale, codes);   /* once for every query */
+        load_tile(P, it, t0, n, keys, values, key_scale, value_scale);   /* once for every query */
         for (int64_t i = 0; i < nq; i++) {
             const int64_t pos = first_pos + (it->r0 + i / G - q0);
             const int64_t from = P->window > 0 ? pos - P->window + 1 : 0, lo = from > P->first_key ? from : P->first_key;
             const int j0 = lo > t0 ? (int)(lo - t0) : 0, j1 = pos + 1 - t0 < n ? (int)(pos + 1 - t0) : n;
             if (j1 <= j0) continue;                                   /* no key of this tile is seen by query i */
-            /* keys from tile index `coded` on are read exact (INT only) */
-            const int64_t boundary = P->kind == CODES_INT ? (pos + 1) / P->key_group * P->key_group - t0 : n;
-            const int coded = boundary < j0 ? j0 : boundary > j1 ? j1 : (int)boundary;
             float score[CB_TILE], w[CB_TILE];
-            if (coded > j0) {
-                kvlab_cb_dot8(qpad + i * dpad, keys, dpad, score);
-                if (coded > 8) kvlab_cb_dot8(qpad + i * dpad, keys + 8 * dpad, dpad, score + 8);
-            }
-            if (coded < j1) {
-                if (!have_exact) {   /* this tile's exact keys: rows of the sequence's open group and chunk */
-                    const int64_t first = P->context_len[it->s] - (P->exact_start[it->s + 1] - P->exact_start[it->s]);
-                    for (int j = 0; j < n; j++) {
-                        float *e = exact + (int64_t)j * dpad;
-                        memset(e, 0, sizeof(float) * dpad);
-                        if (t0 + j >= first)
-                            memcpy(e, P->exact + ((P->exact_start[it->s] + t0 + j - first) * P->n_kv_heads + it->h) * d, sizeof(float) * d);
-                    }
-                    have_exact = 1;
-                }
-                float exact_score[CB_TILE];
-                kvlab_cb_dot8(qpad + i * dpad, exact, dpad, exact_score);
-                if (j1 > 8) kvlab_cb_dot8(qpad + i * dpad, exact + 8 * dpad, dpad, exact_score + 8);
-                for (int j = coded; j < j1; j++) score[j] = exact_score[j];
-            }
+            kvlab_cb_dot8(qpad + i * dpad, keys, dpad, score);
+            if (j1 > 8) kvlab_cb_dot8(qpad + i * dpad, keys + 8 * dpad, dpad, score + 8);
             float tile_max = -INFINITY;
             for (int j = j0; j < j1; j++) {
                 score[j] *= key_scale[j];
@@ -519,7 +446,7 @@ static int code_attention(const code_pool *P, const float *q, int n_seqs, float 
         for (int64_t i = 0; i < n_items; i++) work += (items[i].r1 - items[i].r0) * G * (items[i].k1 - items[i].k0) * 2 * d;
         #pragma omp parallel num_threads(kvlab_cb_threads(work, n_threads))
         {
-            float *scratch = calloc((size_t)(2 * max_queries + 3 * CB_TILE) * dpad, sizeof(float));
+            float *scratch = calloc((size_t)(2 * (max_queries + CB_TILE)) * dpad, sizeof(float));
             if (!scratch) {
                 #pragma omp atomic write
                 failed = 1;
@@ -589,15 +516,6 @@ static int head_rows(code_rows *R, const uint8_t *codes, int n_kv_heads, int d, 
     return 0;
 }
 
-/* every KV head reading one layout L, its codes row_bytes long: 0, or -2 (no memory) */
-static int shared_rows(code_rows *R, const uint8_t *codes, int n_kv_heads, const cb_layout *L, int64_t row_bytes) {
-    const int status = alloc_rows(R, codes, n_kv_heads);
-    if (status) return status;
-    for (int h = 0; h < n_kv_heads; h++) R->heads[h] = *L, R->head_at[h] = h * row_bytes;
-    R->token_bytes = n_kv_heads * row_bytes;
-    return 0;
-}
-
 static void free_rows(code_rows *R) {
     free(R->heads);
     free(R->head_at);
@@ -628,7 +546,7 @@ int kvlab_paged_codes_attention(const float *q, int64_t n_rows, int n_heads, int
     if (check_layout(n_rows, n_heads, n_kv_heads, d, d, POOL_F32, n_slots, block_tables, n_seqs, max_blocks, block_size,
                      query_start, context_len))
         return -1;
-    code_pool P = {.kind = CODES_TQ, .n_heads = n_heads, .n_kv_heads = n_kv_heads, .group = n_heads / n_kv_heads, .d = d,
+    code_pool P = {.n_heads = n_heads, .n_kv_heads = n_kv_heads, .group = n_heads / n_kv_heads, .d = d,
                    .window = window, .block_size = block_size, .max_blocks = max_blocks, .block_tables = block_tables,
                    .query_start = query_start, .context_len = context_len, .scale = scale, .k_norm = k_norm,
                    .v_norm = v_norm, .norm_dtype = norm_dtype,
@@ -645,49 +563,85 @@ int kvlab_paged_codes_attention(const float *q, int64_t n_rows, int n_heads, int
     return status;
 }
 
-/* Integer blocks (kvlab/serve/coded.py IntPool; codes packed as kvlab/cache/packing.py, the codebook layout with
- * the code values as the table): keys zero + code x scale per channel per key group of key_group tokens, values
- * per value group of value_group channels; exact (rows, Hkv, d) fp32 holds each sequence's keys from its open key
- * group on (exact_start: its rows, the last of its context). q, out (n_rows, H, d). 0, -1 (nothing read), -2. */
-int kvlab_paged_int_attention(const float *q, int64_t n_rows, int n_heads, int n_kv_heads, int d, int bits,
+/* Integer blocks (kvlab/serve/coded.py IntPool; codes packed as kvlab/cache/packing.py): every query row and head
+ * through kvlab_int_attend (intcache.h), the single cache's read, so a sequence's output is bitwise the single cache's.
+ * Keys zero + code x scale per channel per key group of key_group tokens, values per value group of value_group
+ * channels; exact (rows, Hkv, dk) fp32 holds each sequence's keys from its open key group on (exact_start: its rows,
+ * the last of its context): the query at position p reads the keys of the groups complete at p from their codes, the
+ * rest exact. One work item = (a block of a sequence's query rows, KV head): its rows' G query heads, each key decoded
+ * once for them. q (n_rows, H, dk), out (n_rows, H, dv).
+ * 0, -1 (nothing read), -2 (no memory). */
+int kvlab_paged_int_attention(const float *q, int64_t n_rows, int n_heads, int n_kv_heads, int dk, int dv, int bits,
                               const uint8_t *k_codes, const uint16_t *k_scale, const uint16_t *k_zero, int key_group,
                               const uint8_t *v_codes, const uint16_t *v_scale, const uint16_t *v_zero, int value_group,
                               int64_t n_slots, const float *exact, const int64_t *exact_start, int64_t exact_rows,
                               const int32_t *block_tables, int n_seqs, int max_blocks, int block_size,
                               const int32_t *query_start, const int32_t *context_len,
                               float scale, int window, float *out, int n_threads) {
-    if (bits < 1 || bits > 8 || key_group <= 0 || block_size % key_group || value_group <= 0 || d % value_group) return -1;
-    if (check_layout(n_rows, n_heads, n_kv_heads, d, d, POOL_F32, n_slots, block_tables, n_seqs, max_blocks, block_size,
+    if (bits < 1 || bits > 8 || key_group <= 0 || block_size % key_group || value_group <= 0 || dv % value_group) return -1;
+    if (check_layout(n_rows, n_heads, n_kv_heads, dk, dv, POOL_F32, n_slots, block_tables, n_seqs, max_blocks, block_size,
                      query_start, context_len))
         return -1;
     if (exact_start[0] != 0 || exact_start[n_seqs] != exact_rows) return -1;
+    int64_t longest = 1;
     for (int s = 0; s < n_seqs; s++) {   /* the exact keys cover every key some query reads exact: from its open group */
         const int64_t n_exact = exact_start[s + 1] - exact_start[s], start = context_len[s] - (query_start[s + 1] - query_start[s]);
         if (n_exact < 0 || n_exact > context_len[s] || context_len[s] - n_exact > (start + 1) / key_group * key_group) return -1;
+        longest = context_len[s] > longest ? context_len[s] : longest;
     }
-    float values[256];
-    for (int c = 0; c < 256; c++) values[c] = (float)c;
-    const int32_t spec[4] = {0, d, bits, 0};
-    code_pool P = {.kind = CODES_INT, .n_heads = n_heads, .n_kv_heads = n_kv_heads, .group = n_heads / n_kv_heads, .d = d,
-                   .window = window, .block_size = block_size, .max_blocks = max_blocks, .block_tables = block_tables,
-                   .query_start = query_start, .context_len = context_len, .scale = scale, .k_scale = k_scale,
-                   .k_zero = k_zero, .v_scale = v_scale, .v_zero = v_zero, .key_group = key_group,
-                   .value_group = value_group, .exact = exact, .exact_start = exact_start};
-    /* rows are exactly as long as the codebook layout of one part at `bits` bits says (packing.py's planes); every head
-     * reads the same layout */
-    int64_t bytes = 0;
-    for (int w = 8; w >= 1; w /= 2)
-        if (bits & w) bytes += ((int64_t)d * w + 7) / 8;
-    cb_layout layout;
-    if (kvlab_cb_layout(&layout, d, 1, spec, values, bytes)) return -1;
-    int status = shared_rows(&P.keys, k_codes, n_kv_heads, &layout, bytes);
-    if (!status) status = shared_rows(&P.values, v_codes, n_kv_heads, &layout, bytes);
+    const int G = n_heads / n_kv_heads, n_vg = dv / value_group, rows = G > KVLAB_INT_QUERIES ? 0 : KVLAB_INT_QUERIES / G;
+    if (!rows) return -1;
+    const int64_t k_bytes = int_row_bytes(bits, dk), v_bytes = int_row_bytes(bits, dv);
+    int64_t n_blocks = 0;                  /* work items: (block of at most `rows` query rows of a sequence, KV head) */
+    for (int s = 0; s < n_seqs; s++) n_blocks += (query_start[s + 1] - query_start[s] + rows - 1) / rows;
+    int64_t *block_row = malloc(sizeof(int64_t) * (size_t)(n_blocks + 1));
+    int32_t *block_seq = malloc(sizeof(int32_t) * (size_t)(n_blocks + 1));
+    int status = block_row && block_seq ? 0 : -2;
     if (!status) {
-        P.dpad = layout.dpad;
-        status = code_attention(&P, q, n_seqs, out, NULL, n_threads);
+        int64_t b = 0;
+        for (int s = 0; s < n_seqs; s++)
+            for (int64_t r = query_start[s]; r < query_start[s + 1]; r += rows) block_row[b] = r, block_seq[b++] = s;
+        #pragma omp parallel num_threads(n_threads)
+        {
+            float *scratch = malloc(sizeof(float) * (size_t)kvlab_int_scratch(longest, dk, dv));
+            if (!scratch) {
+                #pragma omp atomic write
+                status = -2;
+            }
+            #pragma omp for schedule(dynamic, 1)
+            for (int64_t item = 0; item < n_blocks * n_kv_heads; item++) {
+                if (!scratch) continue;
+                const int64_t r0 = block_row[item / n_kv_heads];
+                const int h = (int)(item % n_kv_heads), s = block_seq[item / n_kv_heads];
+                const int64_t ctx = context_len[s], r1 = r0 + rows < query_start[s + 1] ? r0 + rows : query_start[s + 1];
+                const IntHead R = {.bits = bits, .dk = dk, .dv = dv, .key_group = key_group, .value_group = value_group,
+                                   .k_codes = k_codes + h * k_bytes, .k_row_stride = n_kv_heads * k_bytes,
+                                   .v_codes = v_codes + h * v_bytes, .v_row_stride = n_kv_heads * v_bytes,
+                                   .k_scale = k_scale + (int64_t)h * dk, .k_zero = k_zero + (int64_t)h * dk,
+                                   .k_meta_stride = (int64_t)n_kv_heads * dk, .v_scale = v_scale + (int64_t)h * n_vg,
+                                   .v_zero = v_zero + (int64_t)h * n_vg, .v_meta_stride = (int64_t)n_kv_heads * n_vg,
+                                   .table = block_tables + (int64_t)s * max_blocks, .block_size = block_size,
+                                   .exact = exact ? exact + (exact_start[s] * n_kv_heads + h) * dk : NULL,
+                                   .exact_first = ctx - (exact_start[s + 1] - exact_start[s]),
+                                   .exact_stride = (int64_t)n_kv_heads * dk};
+                IntQuery Q[KVLAB_INT_QUERIES];
+                int count = 0;
+                for (int64_t row = r0; row < r1; row++) {
+                    const int64_t pos = ctx - (query_start[s + 1] - query_start[s]) + (row - query_start[s]);
+                    const int64_t lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+                    for (int g = 0; g < G; g++) {
+                        const int64_t head = row * n_heads + (int64_t)h * G + g;
+                        Q[count++] = (IntQuery){.q = q + head * dk, .out = out + head * dv, .lo = lo,
+                                                .coded = (pos + 1) / key_group * key_group, .hi = pos + 1};
+                    }
+                }
+                kvlab_int_attend(&R, Q, count, scale, scratch);
+            }
+            free(scratch);
+        }
     }
-    free_rows(&P.keys);
-    free_rows(&P.values);
+    free(block_row);
+    free(block_seq);
     return status;
 }
 
@@ -826,7 +780,7 @@ int kvlab_tq_pool_layer(const TqPoolLayer *T, int n_heads, int n_kv_heads, int h
         const PreRope rebuild = {.unrotation = C->unrotation, .signs = C->unrotation_signs,
                                  .weights = C->weight_codes ? weights : NULL, .offset = C->offset[0] ? k_offset : NULL,
                                  .cos_ = S->rope_cos, .sin_ = S->rope_sin};
-        P.kind = CODES_TQ, P.n_heads = H, P.n_kv_heads = Hkv, P.group = G, P.d = d, P.dpad = L[0].dpad;
+        P.n_heads = H, P.n_kv_heads = Hkv, P.group = G, P.d = d, P.dpad = L[0].dpad;
         P.window = window, P.block_size = R->block_size, P.max_blocks = R->max_blocks, P.block_tables = R->block_tables;
         P.query_start = R->query_start, P.context_len = R->context_len, P.scale = scale;
         P.k_norm = C->norms[0], P.v_norm = C->norms[1];

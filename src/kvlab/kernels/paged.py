@@ -112,7 +112,7 @@ def paged_attention(kernel, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
 def _int_function(library_path: str):
     fn = ctypes.CDLL(library_path).kvlab_paged_int_attention
     i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, i32, i32, i32, i32, ptr, ptr, ptr, i32, ptr, ptr, ptr, i32, i64, ptr, ptr, i64,
+    fn.argtypes = [ptr, i64, i32, i32, i32, i32, i32, ptr, ptr, ptr, i32, ptr, ptr, ptr, i32, i64, ptr, ptr, i64,
                    ptr, i32, i32, i32, ptr, ptr, ctypes.c_float, i32, ptr, i32]
     fn.restype = i32
     return fn
@@ -262,30 +262,33 @@ def paged_int_attention(kernel, q: torch.Tensor, bits: int, k_codes: torch.Tenso
                         k_zero: torch.Tensor, v_codes: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor,
                         exact: torch.Tensor, exact_start: torch.Tensor, block_tables: torch.Tensor,
                         query_start: torch.Tensor, context_len: torch.Tensor, block_size: int, key_group: int,
-                        scale: float, window: int = 0) -> torch.Tensor:
-    """Ragged attention straight from integer codes in blocks (paged.c kvlab_paged_int_attention, serve/coded.py IntPool).
+                        scale: float, window: int = 0, value_dim: int | None = None) -> torch.Tensor:
+    """Ragged attention straight from integer codes in blocks (paged.c kvlab_paged_int_attention, serve/coded.py IntPool),
+    each query read as the single integer cache reads it (kernels/intcache.h): the same bits.
 
-    q (N, H, D) fp32; k_codes, v_codes (slots, Hkv, packed bytes of D codes) uint8; k_scale, k_zero (slots / key_group,
-    Hkv, D) and v_scale, v_zero (slots, Hkv, D / value group) fp16; exact (E, Hkv, D) fp32: each sequence's keys from
-    its open key group on, sequence s's rows exact_start[s]:exact_start[s + 1] (int64, S + 1) the last of its context;
-    the ragged layout as `paged_attention` -> (N, H, D) fp32. The query at position p reads the keys of the groups
-    complete at p from their codes, the others exact (cache/quantized.py)."""
+    q (N, H, D) fp32; k_codes (slots, Hkv, packed bytes of D codes), v_codes (slots, Hkv, packed bytes of Dv codes)
+    uint8 with Dv = value_dim (None: D); k_scale, k_zero (slots / key_group, Hkv, D) and v_scale, v_zero (slots, Hkv,
+    Dv / value group) fp16; exact (E, Hkv, D) fp32: each sequence's keys from its open key group on, sequence s's rows
+    exact_start[s]:exact_start[s + 1] (int64, S + 1) the last of its context; the ragged layout as `paged_attention`
+    -> (N, H, Dv) fp32. The query at position p reads the keys of the groups complete at p from their codes, the
+    others exact (cache/quantized.py)."""
     _check(isinstance(q, torch.Tensor) and q.dim() == 3 and q.dtype == torch.float32 and q.is_contiguous()
            and q.device.type == "cpu", "q must be a contiguous fp32 (N, H, D) CPU tensor")
     N, H, D = q.shape
     _check(isinstance(bits, int) and 1 <= bits <= 8, f"integer codes are 1..8 bits, got {bits!r}")
-    _check(0 < D <= MAX_CODE_DIM, f"head dim {D} is not 1..{MAX_CODE_DIM}")
+    Dv = D if value_dim is None else value_dim
+    _check(isinstance(Dv, int) and 0 < D <= MAX_CODE_DIM and 0 < Dv <= MAX_CODE_DIM,
+           f"head dims {D}, {Dv!r} are not 1..{MAX_CODE_DIM}")
     _check(isinstance(k_codes, torch.Tensor) and k_codes.dim() == 3, "k_codes must be (slots, Hkv, row bytes)")
     slots, Hkv = k_codes.shape[:2]
     _check(Hkv > 0 and H % Hkv == 0, f"{H} query heads are not a multiple of {Hkv} KV heads")
     _check(isinstance(key_group, int) and key_group > 0 and isinstance(block_size, int) and block_size > 0
            and block_size % key_group == 0, f"key group {key_group} does not divide the block size {block_size}")
-    _check(isinstance(v_scale, torch.Tensor) and v_scale.dim() == 3 and v_scale.shape[2] > 0 and D % v_scale.shape[2] == 0,
-           f"value scales must be (slots, Hkv, value groups dividing {D})")
+    _check(isinstance(v_scale, torch.Tensor) and v_scale.dim() == 3 and v_scale.shape[2] > 0 and Dv % v_scale.shape[2] == 0,
+           f"value scales must be (slots, Hkv, value groups dividing {Dv})")
     n_vg = v_scale.shape[2]
-    row = packed_nbytes(D, bits)
-    for name, t, dtype, shape in (("k_codes", k_codes, torch.uint8, (slots, Hkv, row)),
-                                  ("v_codes", v_codes, torch.uint8, (slots, Hkv, row)),
+    for name, t, dtype, shape in (("k_codes", k_codes, torch.uint8, (slots, Hkv, packed_nbytes(D, bits))),
+                                  ("v_codes", v_codes, torch.uint8, (slots, Hkv, packed_nbytes(Dv, bits))),
                                   ("k_scale", k_scale, torch.float16, (slots // key_group, Hkv, D)),
                                   ("k_zero", k_zero, torch.float16, (slots // key_group, Hkv, D)),
                                   ("v_scale", v_scale, torch.float16, (slots, Hkv, n_vg)),
@@ -296,10 +299,10 @@ def paged_int_attention(kernel, q: torch.Tensor, bits: int, k_codes: torch.Tenso
     _check(isinstance(exact, torch.Tensor) and exact.dim() == 3, "exact keys must be (rows, Hkv, D)")
     check_buffer(WHAT, "exact keys", exact, torch.float32, (exact.shape[0], Hkv, D))
     check_buffer(WHAT, "exact_start", exact_start, torch.int64, (S + 1,))
-    out = torch.empty(N, H, D, dtype=torch.float32)
+    out = torch.empty(N, H, Dv, dtype=torch.float32)
     status = _int_function(str(kernel.path))(
-        q.data_ptr(), N, H, Hkv, D, bits, k_codes.data_ptr(), k_scale.data_ptr(), k_zero.data_ptr(), key_group,
-        v_codes.data_ptr(), v_scale.data_ptr(), v_zero.data_ptr(), D // n_vg, slots, exact.data_ptr(),
+        q.data_ptr(), N, H, Hkv, D, Dv, bits, k_codes.data_ptr(), k_scale.data_ptr(), k_zero.data_ptr(), key_group,
+        v_codes.data_ptr(), v_scale.data_ptr(), v_zero.data_ptr(), Dv // n_vg, slots, exact.data_ptr(),
         exact_start.data_ptr(), exact.shape[0], block_tables.data_ptr(), S, block_tables.shape[1], block_size,
         query_start.data_ptr(), context_len.data_ptr(), scale, int(window or 0), out.data_ptr(), torch.get_num_threads())
     if status == -2:

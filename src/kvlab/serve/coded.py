@@ -25,10 +25,9 @@ single cache's rule for key groups (cache/quantized.py): the query of the token 
 for the groups complete at p and full-precision keys for the rest, so a chunk's queries before a group's
 completion read that group exactly (from the stage and the chunk's own keys, kept for the step like the
 single cache's `_fresh`). The reference splits the chunk's queries into runs between group completions, each
-one grouped_attention over the keys it reads; with use_kernel (CPU) each sequence reads its gathered codes with
-the single cache's own kernels (intcache.c, int8/int4: bitwise the single cache's scores and mix), or, with
-`ragged` (off by default, see IntPool), the whole step is one C call per layer (kernels/paged.c
-kvlab_paged_int_attention) that reads the codes in place and the `_fresh` keys exact.
+one grouped_attention over the keys it reads; with use_kernel (CPU) the whole step is one C call per layer
+(kernels/paged.c kvlab_paged_int_attention) that reads the codes in place and the `_fresh` keys exact, each query
+through the function the single int8/int4 cache reads with (kernels/intcache.h): bitwise the single cache's output.
 
 TurboQuant's per-layer state: rotations and codebooks are data-independent; the key offset, the key
 channel weights and the +norms8 scale centres are calibrated once, at pool construction, by running the model on
@@ -240,11 +239,6 @@ class IntPool(CodedPool):
         self.stage = torch.zeros(self.n_groups * g.n_layers, plan.max_batch, self.group, g.n_kv_heads, g.head_dim,
                                  dtype=fmt.dtype, device=self._device)   # (groups·L, rows, G, Hkv, Dk): state_layer
         self._fresh: list[tuple[int, torch.Tensor]] = []                  # per sequence of the step: (first, keys)
-        # one ragged C call per layer (kvlab_paged_int_attention) instead of per-sequence calls of the single cache's
-        # kernels: equal to the reference within float rounding, but not bitwise equal to the single int cache, and
-        # int codes turn a rounding difference into a different code now and then, so greedy tokens can part from
-        # the single cache's (tests/test_serve_compressed.py holds them equal); off until that test allows it
-        self.ragged = False
 
     def _state_nbytes(self) -> int:
         return self.stage.nbytes
@@ -332,22 +326,14 @@ class IntPool(CodedPool):
 
     def attend(self, layer: int, view, q: torch.Tensor) -> torch.Tensor:
         """q (N, H, D) fp32 -> (N, H, Dv) fp32. With view.use_kernel on CPU: the whole batch in one C call on the pool's
-        codes (kernels/paged.c) when `ragged`, else per sequence on its gathered codes with the single cache's own
-        kernels (kernels/intcache.c, int8/int4); otherwise the torch reference (dequantize, grouped_attention per run
-        of queries)."""
+        codes (`_attend_ragged`); otherwise the torch reference (dequantize, grouped_attention per run of queries)."""
         G = self.group
         kernel = kernel_for(self._device) if view.use_kernel else None
-        if kernel is not None and self.ragged and self.geometry.head_dim == self.geometry.head_dim_v:
+        if kernel is not None:
             return self._attend_ragged(kernel, layer, view, q)
-        if self.bits not in (4, 8):
-            kernel = None
         out = q.new_empty(q.shape[0], q.shape[1], self.geometry.head_dim_v)          # (N, H, Dv)
         for s, lo, hi, start, ctx in self.sequences(view):
             slots = view.layout.slots(s).to(self._device)                            # (ctx,)
-            if kernel is not None:
-                o = self._attend_codes(kernel, layer, q[lo:hi].transpose(0, 1)[None], slots, self._fresh[s], view)
-                out[lo:hi] = o[0].transpose(0, 1)
-                continue
             coded = self._coded_keys(layer, slots[:ctx // G * G])                   # (complete, Hkv, Dk)
             values = self._values(layer, slots).transpose(0, 1)[None]               # (1, Hkv, ctx, Dv)
             first, exact = self._fresh[s]                                            # keys [first, ctx) in full precision
@@ -363,52 +349,17 @@ class IntPool(CodedPool):
         return out
 
     def _attend_ragged(self, kernel, layer: int, view, q: torch.Tensor) -> torch.Tensor:
-        """q (N, H, D) -> (N, H, D): every sequence of the step in one C call on the pool's codes through the block
-        tables, with the rule of `attend`: each sequence's step keys from its open group on (`_fresh`) go in exact."""
-        exact = torch.cat([keys for _, keys in self._fresh]).float().contiguous()      # (Σ ctx - first, Hkv, D)
+        """q (N, H, Dk) -> (N, H, Dv): every sequence of the step in one C call on the pool's codes through the block
+        tables, with the rule of `attend`: each sequence's step keys from its open group on (`_fresh`) go in exact.
+        Each query reads as the single cache reads it (kernels/intcache.h): the same bits as QuantizedCache."""
+        exact = torch.cat([keys for _, keys in self._fresh]).float().contiguous()      # (Σ ctx - first, Hkv, Dk)
         counts = torch.tensor([0] + [len(keys) for _, keys in self._fresh], dtype=torch.int64)
         buf, groups, layout = self.token_buffers, self.group_buffers, view.layout
         return paged_int_attention(kernel, q.contiguous(), self.bits, buf["k_codes"][layer], groups["k_scale"][layer],
                                    groups["k_zero"][layer], buf["v_codes"][layer], buf["v_scale"][layer],
                                    buf["v_zero"][layer], exact, counts.cumsum(0), layout.block_tables, layout.query_start,
-                                   layout.context_len, layout.block_size, self.group, view.scale, view.window or 0)
-
-    def _attend_codes(self, kernel, layer: int, q: torch.Tensor, slots: torch.Tensor, fresh: tuple, view) -> torch.Tensor:
-        """q (1, H, T, D) of one sequence, its slots (ctx,) and its step's full-precision keys from token `first`
-        -> (1, H, T, Dv), scores and mix read from the gathered codes.
-
-        The rule of `attend` as one softmax: per query row the coded score of a key whose group was complete at
-        that query, the exact score (from the step's full-precision keys) otherwise (QuantizedCache._scores)."""
-        G, b = self.group, self.bits
-        _, H, T, D = q.shape
-        Hkv, ctx = self.geometry.n_kv_heads, len(slots)
-        start, complete = ctx - T, ctx // G * G
-        qg = q.reshape(1, Hkv, H // Hkv * T, D)                                        # (1, Hkv, G·T, D)
-
-        def gathered(buf: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-            return buf[layer][rows].transpose(0, 1)[None].contiguous()                   # (1, Hkv, n, ...)
-
-        if complete:
-            coded = kernel.int_scores(b, gathered(self.token_buffers["k_codes"], slots[:complete]),
-                                      gathered(self.group_buffers["k_scale"], slots[:complete:G] // G),
-                                      gathered(self.group_buffers["k_zero"], slots[:complete:G] // G),
-                                      complete, G, qg, view.scale)                       # (1, Hkv, G·T, complete)
-        else:
-            coded = qg.new_zeros(1, Hkv, qg.shape[2], 0)
-        first, exact = fresh                                                             # (ctx - first, Hkv, D)
-        exact_scores = (qg @ exact.float().permute(1, 2, 0)[None]) * view.scale         # (1, Hkv, G·T, ctx - first)
-        position = start + torch.arange(qg.shape[2], device=q.device) % T                # (G·T,) each row's token
-        read_coded = torch.arange(first, ctx, device=q.device)[None, :] < ((position + 1) // G * G)[:, None]
-        padded = torch.cat([coded[..., first:], coded.new_zeros(*coded.shape[:3], ctx - complete)], dim=-1)
-        scores = torch.cat([coded[..., :first], torch.where(read_coded, padded, exact_scores)], dim=-1)  # (1, Hkv, G·T, ctx)
-        if T > 1 or (view.window is not None and ctx > view.window):
-            mask = causal_mask(T, ctx, q.device, view.window).repeat(H // Hkv, 1)      # (G·T, ctx)
-            scores = scores.masked_fill(~mask, float("-inf"))
-        p = torch.softmax(scores, dim=-1)
-        buf = self.token_buffers
-        mixed = kernel.int_mix(b, gathered(buf["v_codes"], slots), gathered(buf["v_scale"], slots),
-                               gathered(buf["v_zero"], slots), ctx, self.geometry.head_dim_v, p)  # (1, Hkv, G·T, Dv)
-        return mixed.reshape(1, H, T, -1)
+                                   layout.context_len, layout.block_size, self.group, view.scale, view.window or 0,
+                                   self.geometry.head_dim_v)
 
 
 class TurboPool(CodedPool):

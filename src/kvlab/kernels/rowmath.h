@@ -1,0 +1,142 @@
+/* Row arithmetic several kernels share (decode.c, intcache.c, paged.c), each the same bits on every call: a dot
+ * product, sixteen-lane vectors and their sums, the softmax's exponentials. */
+#ifndef KVLAB_ROWMATH_H
+#define KVLAB_ROWMATH_H
+#include <math.h>
+#include <stdint.h>
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+#include <immintrin.h>
+#endif
+
+#include <string.h>
+
+/* sixteen floats in a vector (GCC's vector extension: AVX-512, two AVX registers or scalar code, as the build has) */
+typedef float kvlab_lanes16 __attribute__((vector_size(64)));
+
+static inline kvlab_lanes16 kvlab_lanes_at(const float *p) {
+    kvlab_lanes16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* p[c .. c + 16) with zeros past p[d - 1] */
+static inline kvlab_lanes16 kvlab_lanes_at_partial(const float *p, int c, int d) {
+    if (c + 16 <= d) return kvlab_lanes_at(p + c);
+    kvlab_lanes16 v = {0};
+    for (int i = 0; c + i < d; i++) v[i] = p[c + i];
+    return v;
+}
+
+/* one vector of the pairwise sums of a's lanes (lanes 0-7) and of b's (8-15): fold(a, b)[i] = a[2i] + a[2i + 1];
+ * sixteen vectors folded in four rounds give one whose lane i is vector i's sum, each by the same tree */
+static inline kvlab_lanes16 kvlab_fold16(kvlab_lanes16 a, kvlab_lanes16 b) {
+    return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
+         + __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+#if defined(__AVX512F__)
+/* a . b: 16-lane FMAs into two accumulators, then a fixed reduction tree */
+static inline float kvlab_row_dot(const float *a, const float *b, int64_t n) {
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
+        acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), acc1);
+    }
+    for (; i < n; i += 16) {
+        const __mmask16 live = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u);
+        acc0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(live, a + i), _mm512_maskz_loadu_ps(live, b + i), acc0);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+}
+#else
+/* a . b in 16 fixed partial sums, added in a fixed order: the same bits whatever the compiler vectorizes
+ * and wherever the buffers lie (a reduction the compiler may reorder could depend on their alignment). */
+static inline float kvlab_row_dot(const float *a, const float *b, int64_t n) {
+    float acc[16] = {0};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int j = 0; j < 16; j++) acc[j] += a[i + j] * b[i + j];
+    for (; i < n; i++) acc[i % 16] += a[i] * b[i];
+    for (int width = 8; width > 0; width /= 2)     /* a pairwise tree, not a serial chain */
+        for (int j = 0; j < width; j++) acc[j] += acc[j + width];
+    return acc[0];
+}
+#endif
+
+/* s[t] = e^(s[t] - top) for t < n (every s[t] <= top, finite); returns their sum. Sixteen (AVX-512) or eight (AVX2)
+ * at a time: e^x = 2^k e^r, k = round(x log2 e), r = x - k ln 2 in two parts, e^r by Cephes' expf polynomial (about
+ * one ulp); x below -87 gives 0 or a subnormal, as expf. The sum: lane partials added in a fixed order. */
+#if defined(__AVX512F__)
+static inline __m512 kvlab_exp_lanes(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-87.5f), x);   /* a nan x stays nan (MAXPS returns its second operand) */
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, k);
+}
+
+static inline float kvlab_row_exp_shifted(float *s, int n, float top) {
+    __m512 total = _mm512_setzero_ps();
+    const __m512 shift = _mm512_set1_ps(top);
+    for (int t = 0; t < n; t += 16) {
+        const __mmask16 live = n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1u);
+        const __m512 e = _mm512_maskz_mov_ps(live, kvlab_exp_lanes(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + t), shift)));
+        _mm512_mask_storeu_ps(s + t, live, e);
+        total = _mm512_add_ps(total, e);
+    }
+    return _mm512_reduce_add_ps(total);
+}
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+static inline __m256 kvlab_exp_lanes(__m256 x) {
+    x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);   /* a nan x stays nan */
+    const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);  /* 2^k */
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+
+static inline float kvlab_row_exp_shifted(float *s, int n, float top) {
+    __m256 total = _mm256_setzero_ps();
+    const __m256 shift = _mm256_set1_ps(top);
+    int t = 0;
+    for (; t + 8 <= n; t += 8) {
+        const __m256 e = kvlab_exp_lanes(_mm256_sub_ps(_mm256_loadu_ps(s + t), shift));
+        _mm256_storeu_ps(s + t, e);
+        total = _mm256_add_ps(total, e);
+    }
+    float lanes[8], sum = 0.0f;
+    _mm256_storeu_ps(lanes, total);
+    for (int j = 0; j < 8; j++) sum += lanes[j];
+    for (; t < n; t++) {
+        s[t] = expf(s[t] - top);
+        sum += s[t];
+    }
+    return sum;
+}
+#else
+static inline float kvlab_row_exp_shifted(float *s, int n, float top) {
+    float total = 0.0f;
+    for (int t = 0; t < n; t++) {
+        s[t] = expf(s[t] - top);
+        total += s[t];
+    }
+    return total;
+}
+#endif
+#endif
