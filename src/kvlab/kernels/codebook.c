@@ -779,10 +779,11 @@ int kvlab_cb_mix_rows(const cb_layout *L, const uint8_t *rows, int64_t row_bytes
     for (int p = 0; p < L->n_parts; p++) {
         const cb_part *P = &L->part[p];
         if (P->block) {
-            for (int g = 0; g < (P->hi - P->lo) / CB_BLOCK; g += 16)
+            const int n_blocks = (P->hi - P->lo) / CB_BLOCK;
+            for (int g = 0; g < n_blocks; g += 16)
                 for (int h0 = 0; h0 < heads; h0 += 4)
                     mix_group_heads(P, rows, row_bytes, count, w + h0 * w_stride, w_stride, acc + h0 * acc_stride, acc_stride,
-                                    g, (P->hi - P->lo) / CB_BLOCK - g < 16 ? (P->hi - P->lo) / CB_BLOCK - g : 16, heads - h0 < 4 ? heads - h0 : 4);
+                                    g, n_blocks - g < 16 ? n_blocks - g : 16, heads - h0 < 4 ? heads - h0 : 4);
             continue;
         }
         for (int c0 = 0; c0 < P->hi - P->lo; c0 += 64) {

@@ -26,8 +26,6 @@
 #include "intcache.h"
 #include "intcodes.h"   /* the packed rows: int_code_at, int_row_bytes */
 
-#define INT_MAX_DIM 512
-
 /* w . codes(row) over d channels. For int4, w is given split: w[0:d/2] the even channels (low nibbles),
  * w[d/2:d] the odd ones (high nibbles), matching the byte layout. */
 static float code_dot(const float *w, const uint8_t *row, int bits, int d) {
@@ -257,7 +255,7 @@ void kvlab_int_attend(const IntHead *R, const IntQuery *Q, int nq, float scale, 
     const int64_t n = hi - lo;
     float *s = scratch, *vacc = s + nq * n, *keys = vacc + nq * vpad, *exact = keys + 16 * kpad, *none = exact + 16 * kpad;
     float *values = none + kpad;                            /* tiles: 16 rows of kpad (keys, exact) or vpad (values) */
-    float zero[INT_MAX_DIM], step[INT_MAX_DIM];            /* the current key group's, or a value row's */
+    float zero[KVLAB_INT_MAX_DIM], step[KVLAB_INT_MAX_DIM];            /* the current key group's, or a value row's */
     memset(none, 0, sizeof(float) * kpad);
     int64_t slot = 0, left = 0;
     for (int64_t t0 = lo; t0 < hi; t0 += 16) {               /* scores */
@@ -341,8 +339,8 @@ int kvlab_int_attention(int bits, const uint8_t *k_codes, const uint16_t *k_scal
                         const uint8_t *v_codes, const uint16_t *v_scale, const uint16_t *v_zero, int heads, int64_t slots,
                         int64_t n, int dk, int dv, int group, int value_group, const float *exact, int64_t exact_first,
                         const float *q, int nq, int T, int window, float attn_scale, float *out, int n_threads) {
-    if (bits < 1 || bits > 8 || group <= 0 || value_group <= 0 || dk <= 0 || dv <= 0 || dk > INT_MAX_DIM ||
-        dv > INT_MAX_DIM || dv % value_group || n <= 0 || n > slots || T <= 0 || T > n || nq % T ||
+    if (bits < 1 || bits > 8 || group <= 0 || value_group <= 0 || dk <= 0 || dv <= 0 || dk > KVLAB_INT_MAX_DIM ||
+        dv > KVLAB_INT_MAX_DIM || dv % value_group || n <= 0 || n > slots || T <= 0 || T > n || nq % T ||
         exact_first < 0 || exact_first > n || exact_first > (n - T + 1) / group * group)
         return -1;
     const int64_t k_bytes = int_row_bytes(bits, dk), v_bytes = int_row_bytes(bits, dv), n_groups = (slots + group - 1) / group;
@@ -368,14 +366,11 @@ int kvlab_int_attention(int bits, const uint8_t *k_codes, const uint16_t *k_scal
                                    .exact = exact ? exact + h * (n - exact_first) * dk : NULL, .exact_first = exact_first, .exact_stride = dk};
                 IntQuery Q[KVLAB_INT_QUERIES];
                 int count = 0;
-                for (int i = r0; i < T && i < r0 + rows; i++) {
-                    const int64_t pos = n - T + i, lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+                for (int i = r0; i < T && i < r0 + rows; i++)
                     for (int g = 0; g < G; g++) {
                         const int64_t row = (int64_t)h * nq + (int64_t)g * T + i;
-                        Q[count++] = (IntQuery){.q = q + row * dk, .out = out + row * dv, .lo = lo,
-                                                .coded = (pos + 1) / group * group, .hi = pos + 1};
+                        Q[count++] = kvlab_int_query(q + row * dk, out + row * dv, n - T + i, window, group);
                     }
-                }
                 kvlab_int_attend(&R, Q, count, attn_scale, scratch);
             }
         free(scratch);

@@ -28,15 +28,23 @@ typedef struct {                              /* one query of a kvlab_int_attend
 } IntQuery;
 
 #define KVLAB_INT_QUERIES 64                        /* queries per kvlab_int_attend call, at most */
+#define KVLAB_INT_MAX_DIM 512                       /* key and value head dims, at most */
 #define KVLAB_INT_PAD(d) (((d) + 15) / 16 * 16)     /* channels as the read holds them: whole vectors of sixteen */
 
 /* For each query (nq <= KVLAB_INT_QUERIES, lo < hi): out = Σ_t p_t v_t over positions t in [lo, hi),
  * p = softmax_t(q · k_t · scale): k_t = zero + code × scale per channel of its key group for t < coded, exact (from
  * `exact`) for t >= coded; v_t = zero + code × scale per value group. The queries share each key's and value's
  * decoding; a query's output is the same bits whatever the other queries of the call (its scores, softmax and sums
- * are its own, in a fixed order). dk, dv <= 512. scratch: kvlab_int_scratch(n, dk, dv) floats, n = the largest hi
+ * are its own, in a fixed order). dk, dv <= KVLAB_INT_MAX_DIM. scratch: kvlab_int_scratch(n, dk, dv) floats, n = the largest hi
  * less the smallest lo. */
 void kvlab_int_attend(const IntHead *R, const IntQuery *Q, int nq, float scale, float *scratch);
+
+/* the query of the token at position pos (QuantizedCache's rule): it reads positions (pos - window, pos] (window > 0)
+ * or [0, pos], those of the key groups complete at pos from their codes, the rest exact */
+static inline IntQuery kvlab_int_query(const float *q, float *out, int64_t pos, int window, int key_group) {
+    const int64_t lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+    return (IntQuery){.q = q, .out = out, .lo = lo, .coded = (pos + 1) / key_group * key_group, .hi = pos + 1};
+}
 
 static inline int64_t kvlab_int_scratch(int64_t n, int dk, int dv) {
     return KVLAB_INT_QUERIES * (n + KVLAB_INT_PAD(dv)) + 33 * KVLAB_INT_PAD(dk) + 16 * KVLAB_INT_PAD(dv);

@@ -578,7 +578,9 @@ int kvlab_paged_int_attention(const float *q, int64_t n_rows, int n_heads, int n
                               const int32_t *block_tables, int n_seqs, int max_blocks, int block_size,
                               const int32_t *query_start, const int32_t *context_len,
                               float scale, int window, float *out, int n_threads) {
-    if (bits < 1 || bits > 8 || key_group <= 0 || block_size % key_group || value_group <= 0 || dv % value_group) return -1;
+    if (bits < 1 || bits > 8 || key_group <= 0 || block_size % key_group || value_group <= 0 || dv % value_group
+        || dk > KVLAB_INT_MAX_DIM || dv > KVLAB_INT_MAX_DIM)
+        return -1;
     if (check_layout(n_rows, n_heads, n_kv_heads, dk, dv, POOL_F32, n_slots, block_tables, n_seqs, max_blocks, block_size,
                      query_start, context_len))
         return -1;
@@ -628,11 +630,9 @@ int kvlab_paged_int_attention(const float *q, int64_t n_rows, int n_heads, int n
                 int count = 0;
                 for (int64_t row = r0; row < r1; row++) {
                     const int64_t pos = ctx - (query_start[s + 1] - query_start[s]) + (row - query_start[s]);
-                    const int64_t lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
                     for (int g = 0; g < G; g++) {
                         const int64_t head = row * n_heads + (int64_t)h * G + g;
-                        Q[count++] = (IntQuery){.q = q + head * dk, .out = out + head * dv, .lo = lo,
-                                                .coded = (pos + 1) / key_group * key_group, .hi = pos + 1};
+                        Q[count++] = kvlab_int_query(q + head * dk, out + head * dv, pos, window, key_group);
                     }
                 }
                 kvlab_int_attend(&R, Q, count, scale, scratch);
