@@ -30,10 +30,9 @@ def random_batch(rng: random.Random, heads: int, kv_heads: int, d: int, dv: int,
     for n in need:
         tables.append(ids[at:at + n])
         at += n
-    slots = len(ids) * block_size
     g = torch.Generator().manual_seed(rng.randint(0, 1 << 30))
-    k_pool = torch.randn(slots, kv_heads, d, generator=g).to(dtype)
-    v_pool = torch.randn(slots, kv_heads, dv, generator=g).to(dtype)
+    k_pool = torch.randn(len(ids), kv_heads, block_size, d, generator=g).to(dtype)   # (n_blocks, Hkv, block_size, D)
+    v_pool = torch.randn(len(ids), kv_heads, block_size, dv, generator=g).to(dtype)
     q = torch.randn(sum(n_queries), heads, d, generator=g)
     return q, k_pool, v_pool, RaggedLayout.build(tables, n_queries, contexts, block_size)
 
@@ -47,8 +46,9 @@ def test_the_reference_is_causal_attention_over_each_sequence(seed, heads, kv_he
         lo, hi, n = int(layout.query_start[s]), int(layout.query_start[s + 1]), int(layout.context_len[s])
         slots = layout.slots(s)
         assert len(set(slots.tolist())) == n
-        k = k_pool[slots].transpose(0, 1)[None]                               # (1, Hkv, S, D)
-        v = v_pool[slots].transpose(0, 1)[None]
+        block, row = slots // 16, slots % 16                                  # token t: row t % 16 of its block
+        k = k_pool[block, :, row].transpose(0, 1)[None]                       # (1, Hkv, S, D)
+        v = v_pool[block, :, row].transpose(0, 1)[None]
         # every query again, one at a time, over exactly the keys up to its position
         for row in range(lo, hi):
             pos = n - (hi - lo) + (row - lo)
@@ -87,7 +87,7 @@ def test_each_isa_build_reads_16_bit_pools_like_the_reference(variant, dtype):
     for d in (72, 17):
         q, k_pool, v_pool, layout = random_batch(random.Random(d), 4, 2, d, d, 16, dtype)
         want = ragged_attention_reference(q, k_pool, v_pool, layout, d ** -0.5)
-        got = paged_attention(kernel, q, k_pool, v_pool, layout.block_tables, layout.query_start, layout.context_len, 16,
+        got = paged_attention(kernel, q, k_pool, v_pool, layout.block_tables, layout.query_start, layout.context_len,
                               d ** -0.5)
         torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
 
@@ -111,6 +111,6 @@ def test_the_kernel_checks_every_buffer():
     too_long = layout.context_len.clone()
     too_long[0] = layout.block_tables.shape[1] * 4 + 1  # longer than its table
     with pytest.raises(ConfigError, match="out of range"):
-        paged_attention(kernel, q, k_pool, v_pool, layout.block_tables, layout.query_start, too_long, 4, 0.3)
+        paged_attention(kernel, q, k_pool, v_pool, layout.block_tables, layout.query_start, too_long, 0.3)
     with pytest.raises(ConfigError, match="offsets"):
-        paged_attention(kernel, q, k_pool, v_pool, layout.block_tables, layout.query_start[:-1], layout.context_len, 4, 0.3)
+        paged_attention(kernel, q, k_pool, v_pool, layout.block_tables, layout.query_start[:-1], layout.context_len, 0.3)

@@ -51,7 +51,8 @@ class BlockMachine(RuleBasedStateMachine):
             return False
         slots = self.blocks.reserve(seq, n)
         ids = torch.tensor(seq.token_ids[seq.num_computed:seq.num_computed + n], dtype=torch.float32)
-        self.pool.k[:, slots, 0, 0] = ids            # the data a reader would see
+        at = torch.as_tensor(slots)
+        self.pool.k[:, at // BLOCK, 0, at % BLOCK, 0] = ids   # the data a reader would see (head 0 of each slot)
         seq.num_computed += n
         self.blocks.register_full_blocks(seq)
         return True
@@ -122,7 +123,8 @@ class BlockMachine(RuleBasedStateMachine):
     def every_sequence_reads_its_own_tokens(self):
         for seq in self.active:
             slots = [seq.block_table[t // BLOCK] * BLOCK + t % BLOCK for t in range(seq.num_computed)]
-            assert self.pool.k[0, slots, 0, 0].tolist() == [float(t) for t in seq.token_ids[:seq.num_computed]]
+            at = torch.tensor(slots, dtype=torch.long)
+            assert self.pool.k[0, at // BLOCK, 0, at % BLOCK, 0].tolist() == [float(t) for t in seq.token_ids[:seq.num_computed]]
 
     @invariant()
     def the_index_points_at_registered_blocks(self):

@@ -267,7 +267,7 @@ class HybridBlockMachine(RuleBasedStateMachine):
             for group, table in enumerate(self.blocks.tables(seq)):
                 for t in range(seq.num_computed, seq.num_computed + m):
                     slot = table[t // BLOCK] * BLOCK + t % BLOCK
-                    self.pool.k[0, slot, 0] = torch.tensor([seq.token_ids[t], group], dtype=torch.float32)
+                    self.pool.k[0, slot // BLOCK, 0, slot % BLOCK] = torch.tensor([seq.token_ids[t], group], dtype=torch.float32)
             seq.num_computed += m
             n -= m
             self.blocks.register_full_blocks(seq)
@@ -357,7 +357,8 @@ class HybridBlockMachine(RuleBasedStateMachine):
             for group, table in enumerate(self.blocks.tables(seq)):
                 start = self.blocks.first_needed(seq.num_computed, GROUPS.windows[group]) * BLOCK
                 slots = [table[t // BLOCK] * BLOCK + t % BLOCK for t in range(start, seq.num_computed)]
-                assert self.pool.k[0, slots, 0].tolist() == [[float(t), float(group)] for t in seq.token_ids[start:seq.num_computed]]
+                at = torch.tensor(slots, dtype=torch.long)
+                assert self.pool.k[0, at // BLOCK, 0, at % BLOCK].tolist() == [[float(t), float(group)] for t in seq.token_ids[start:seq.num_computed]]
             assert self.state.state.delta[0, self.state.slots[seq], 0, 0, 0] == self.marks[seq]
 
     @invariant()

@@ -124,8 +124,7 @@ class CacheFormat:
 def stored_kv(cache: KVCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Every token `layer` holds, as the cache reads it back: (B, Hkv, S, Dk), (B, Hkv, S, Dv)."""
     if isinstance(cache, DenseCache):
-        n = cache.layer_length(layer)
-        return cache.k[layer, :, :, :n], cache.v[layer, :, :, :n]     # views, no copy
+        return cache.blocks.rows(layer, cache.layer_length(layer))     # views, no copy
     if isinstance(cache, ConcatCache):
         return cache.k[layer], cache.v[layer]
     if isinstance(cache, CompressedCache):

@@ -1,5 +1,7 @@
 """DenseCache: K/V preallocated to a capacity and written in place (the gpt-fast static cache).
 
+Its storage is the dense formats' blocks (cache/blocks.py), holding the batch's B sequences in one block of
+`capacity` rows each: the serving pool is the same storage with many sequences in small blocks.
 The storage dtype may be narrower than the run's compute dtype (`dense-f16`, `dense-bf16` in a fp32 run:
 what llama.cpp and vLLM store by default): K/V are rounded to it when written, and attention reads them
 back chunk by chunk, upcast to the compute dtype (attention.chunked_attention), never as a whole-context copy.
@@ -9,13 +11,13 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import NonFiniteError
 from .attention import chunked_attention, grouped_attention
-from .base import CacheGeometry, KVCache, copy_prefix, tensors_nbytes
+from .base import CacheGeometry, KVCache, copy_prefix
+from .blocks import DenseBlocks
 
 class DenseCache(KVCache):
-    """Two buffers of (layers, B, Hkv, capacity, D); token t of layer l lives at [l, :, :, t].
-    `storage`: the dtype of those buffers (default: `dtype`, the compute dtype)."""
+    """DenseBlocks of B blocks × `capacity` rows: k, v (layers, B, Hkv, capacity, D); token t of layer l of sequence
+    b lives at [l, b, :, t]. `storage`: the dtype of those buffers (default: `dtype`, the compute dtype)."""
 
     kernel_format = "dense"   # the fused C steps read and write it in place
 
@@ -24,32 +26,25 @@ class DenseCache(KVCache):
         super().__init__(geometry, dtype, device)
         g = geometry
         self.storage = storage or dtype
-        self.k = torch.zeros(g.n_layers, g.batch, g.n_kv_heads, g.capacity, g.head_dim, dtype=self.storage, device=self.device)
-        self.v = torch.zeros(g.n_layers, g.batch, g.n_kv_heads, g.capacity, g.head_dim_v, dtype=self.storage, device=self.device)
+        self.blocks = DenseBlocks(g, g.batch, g.capacity, self.storage, self.device)
+        self.k, self.v = self.blocks.k, self.blocks.v
 
     @staticmethod
     def bytes_per_token(geometry: CacheGeometry, dtype: torch.dtype) -> int:
         """Per token of capacity, per sequence: 2 (K and V) × layers × kv_heads × head_dim × bytes of the
-        storage dtype."""
-        g = geometry
-        return g.n_layers * g.n_kv_heads * (g.head_dim + g.head_dim_v) * torch.empty(0, dtype=dtype).element_size()
+        storage dtype (the blocks' formula for one block of one token)."""
+        return DenseBlocks.bytes_for(geometry, 1, 1, dtype)
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         n_new = self._check_append(layer, k, v)
-        if self.storage != k.dtype:  # rounded as stored: a value beyond float16's range would be stored as Inf
-            k, v = k.to(self.storage), v.to(self.storage)
-            if not (torch.isfinite(k).all() and torch.isfinite(v).all()):
-                raise NonFiniteError(f"NaN or Inf in the keys/values appended to layer {layer}")
+        k, v = self.blocks.stored(layer, k, v)         # rounded as stored: beyond float16's range is refused
         start = self._lengths[layer]
-        self.k[layer, :, :, start:start + n_new] = k   # (B, Hkv, T, D) written in place
-        self.v[layer, :, :, start:start + n_new] = v
+        self.blocks.write_rows(layer, start, k, v)     # (B, Hkv, T, D) into rows [start, start + T), in place
         self._lengths[layer] = start + n_new
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         self._check_attend(layer, q)
-        n = self._lengths[layer]
-        k = self.k[layer, :, :, :n]                    # (B, Hkv, S, D) view, no copy
-        v = self.v[layer, :, :, :n]
+        k, v = self.blocks.rows(layer, self._lengths[layer])   # (B, Hkv, S, D) views, no copy
         if self.storage != q.dtype:
             return chunked_attention(q, k, v, self.scale, window=self.geometry.window)
         return grouped_attention(q, k, v, self.scale, window=self.geometry.window)
@@ -69,4 +64,4 @@ class DenseCache(KVCache):
 
     @property
     def nbytes(self) -> int:
-        return tensors_nbytes(self.k, self.v)
+        return self.blocks.nbytes

@@ -398,7 +398,7 @@ class CacheSpec:
             return 0
         if self.base in ("dense", "concat"):
             held = g.capacity if self.base == "dense" else tokens
-            return g.n_layers * g.n_kv_heads * (g.head_dim + g.head_dim_v) * itemsize(self.storage or dtype) * g.batch * held
+            return dense_rows_bytes(g, g.batch * held, self.storage or dtype)
         n_fp = len(self.full.layers(g.n_layers))
         sink, window, slots = self.full.split(g.capacity)
         per_token_dense = g.n_kv_heads * (g.head_dim + g.head_dim_v) * elem * g.batch
@@ -530,6 +530,13 @@ class CacheSpec:
             raise ConfigError(f"+outliers{self.outliers} keeps more entries than a key vector has (head dim {dim})")
         if self.outliers and dim > 256:
             raise ConfigError(f"+outliersN stores channel indices as uint8, so head dims up to 256; got {dim}")
+
+
+def dense_rows_bytes(geometry, rows: int, dtype) -> int:
+    """Bytes of `rows` token rows of K and V in full precision: 2 (K and V) × layers × kv_heads × head_dim × `rows` ×
+    the bytes of `dtype` (the dense formats' one formula: cache/blocks.py's storage holds exactly this)."""
+    g = geometry
+    return g.n_layers * g.n_kv_heads * (g.head_dim + g.head_dim_v) * itemsize(dtype) * rows
 
 
 def itemsize(dtype) -> int:

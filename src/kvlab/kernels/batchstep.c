@@ -44,7 +44,7 @@ typedef struct {
     int32_t type;              /* POOL_F32, POOL_F16 or POOL_BF16 (k, v), or POOL_TQ (tq, tq_step) */
     int32_t n_layers, n_kv_heads, head_dim;
     int64_t slots;             /* n_blocks * block_size */
-    void *k, *v;               /* (n_layers, slots, n_kv_heads, head_dim) each */
+    void *k, *v;               /* (n_layers, n_blocks, n_kv_heads, block_size, head_dim) each (cache/blocks.py) */
     const TqPoolLayer *const *tq;  /* POOL_TQ: (n_layers,) each layer's codes, sink rows and codec state */
     const TqStep *tq_step;     /* POOL_TQ: the step's sink entries and RoPE table */
 } Pool;
@@ -105,12 +105,16 @@ static void swiglu_row(const float *gu, int64_t ff, float *h) {
     for (int64_t i = 0; i < ff; i++) h[i] = gu[i] / (1.0f + h[i]) * gu[ff + i];
 }
 
-/* K or V of one row (kv_dim values) into its slot of a layer's pool */
-static void store_row(int type, const float *src, int64_t kv_dim, void *layer, int64_t slot) {
-    if (type == POOL_F32)
-        memcpy((float *)layer + slot * kv_dim, src, sizeof(float) * (size_t)kv_dim);
-    else
-        kvlab_kv_store(type, src, kv_dim, (uint16_t *)layer + slot * kv_dim);   /* non-finite: stored as is */
+/* K or V of one row (Hkv heads of hd values) into its slot of a layer's blocks (n_blocks, Hkv, block_size, hd) */
+static void store_row(int type, const float *src, int Hkv, int hd, void *layer, int64_t slot, int block_size) {
+    const int64_t block = slot / block_size, offset = slot % block_size;
+    for (int g = 0; g < Hkv; g++) {
+        const int64_t at = ((block * Hkv + g) * block_size + offset) * hd;   /* row `offset` of head g of the block */
+        if (type == POOL_F32)
+            memcpy((float *)layer + at, src + (int64_t)g * hd, sizeof(float) * (size_t)hd);
+        else
+            kvlab_kv_store(type, src + (int64_t)g * hd, hd, (uint16_t *)layer + at);   /* non-finite: stored as is */
+    }
 }
 
 /* Every layer for the N rows of x (N, d_model), in place. cos_, sin_ (N, head_dim): each row's RoPE.
@@ -168,8 +172,8 @@ int kvlab_batch_step(const Model *m, float *x, int64_t n_rows, const float *cos_
                 kvlab_rope(k + g * hd, c, sn, hd);
             }
             if (!coded) {
-                store_row(P->type, k, kv_dim, k_layer, slot[r]);
-                store_row(P->type, v, kv_dim, v_layer, slot[r]);
+                store_row(P->type, k, Hkv, hd, k_layer, slot[r], R->block_size);
+                store_row(P->type, v, Hkv, hd, v_layer, slot[r], R->block_size);
             }
         }
         if (coded)   /* K/V coded into their slots (sink positions: sink rows), attention in the model's domain */

@@ -1,6 +1,7 @@
 /* Attention over a ragged batch whose K/V live in blocks of a shared pool (kvlab/serve/attention.py).
  *
- * Pools: k (slots, Hkv, D), v (slots, Hkv, Dv) in fp32, fp16 or bf16; slot = block * block_size + offset.
+ * Pools: k (n_blocks, Hkv, block_size, D), v (n_blocks, Hkv, block_size, Dv) in fp32, fp16 or bf16 (cache/blocks.py):
+ * slot = block * block_size + offset, and a head's rows of a block are contiguous.
  * Sequence s owns query rows [qs[s], qs[s+1]) of q (N, H, D) fp32 and attends to its first ctx[s] tokens
  * through block_tables[s] (max_blocks ids). Its query row r sits at position ctx[s] - (qs[s+1] - qs[s]) +
  * (r - qs[s]) and sees keys [pos - window + 1 (window > 0), pos]: the lower-right causal mask.
@@ -218,7 +219,7 @@ int kvlab_paged_attention(const float *q, int64_t n_rows, int n_heads, int n_kv_
         float *o = out + (row * n_heads + (int64_t)kv_head * group) * dv;       /* (G, Dv): accumulated in place */
         float score[MAX_GROUP][TILE], buf[TILE * MAX_DIM];                      /* a tile's keys, then its values */
         const float *krow[TILE], *vrow[TILE];
-        int64_t slot[TILE];
+        int64_t at[TILE];                                     /* the tile's keys' rows in the pool (head kv_head) */
         for (int g = 0; g < group; g++) {
             m[g] = -INFINITY;
             l[g] = 0.0f;
@@ -227,13 +228,13 @@ int kvlab_paged_attention(const float *q, int64_t n_rows, int n_heads, int n_kv_
         for (int64_t t0 = first; t0 <= pos; t0 += TILE) {
             const int n = (int)(pos + 1 - t0 < TILE ? pos + 1 - t0 : TILE);
             int64_t block = t0 / block_size, offset = t0 % block_size;   /* key t0 + j: no division per key */
-            for (int j = 0; j < n; j++) {
-                slot[j] = (int64_t)table[block] * block_size + offset;
+            for (int j = 0; j < n; j++) {   /* row `offset` of head kv_head of the sequence's block */
+                at[j] = ((int64_t)table[block] * n_kv_heads + kv_head) * block_size + offset;
                 if (++offset == block_size) {
                     offset = 0;
                     block++;
                 }
-                krow[j] = pool_row(k_pool, dtype, slot[j] * n_kv_heads + kv_head, d, buf + (int64_t)j * d);
+                krow[j] = pool_row(k_pool, dtype, at[j], d, buf + (int64_t)j * d);
             }
             for (int g = 0; g < group; g++) key_scores(qh + (int64_t)g * d, krow, n, d, scale, score[g]);
             for (int g = 0; g < group; g++) {
@@ -247,7 +248,7 @@ int kvlab_paged_attention(const float *q, int64_t n_rows, int n_heads, int n_kv_
                 m[g] = new_max;
             }
             for (int j = 0; j < n; j++)
-                vrow[j] = pool_row(v_pool, dtype, slot[j] * n_kv_heads + kv_head, dv, buf + (int64_t)j * dv);
+                vrow[j] = pool_row(v_pool, dtype, at[j], dv, buf + (int64_t)j * dv);
             for (int g = 0; g < group; g++) accumulate_values(o + (int64_t)g * dv, score[g], vrow, n, dv);
         }
         for (int g = 0; g < group; g++) {

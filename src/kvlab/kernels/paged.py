@@ -83,20 +83,22 @@ def _check(cond: bool, what: str) -> None:
 
 
 def paged_attention(kernel, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
-                    query_start: torch.Tensor, context_len: torch.Tensor, block_size: int, scale: float,
-                    window: int = 0) -> torch.Tensor:
-    """q (N, H, D) fp32; k_pool (slots, Hkv, D), v_pool (slots, Hkv, Dv) fp32/fp16/bf16; block_tables (S, max_blocks),
-    query_start (S + 1,), context_len (S,) int32 -> (N, H, Dv) fp32. `kernel`: kvlab.kernels.block_kernel()."""
+                    query_start: torch.Tensor, context_len: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+    """q (N, H, D) fp32; k_pool (n_blocks, Hkv, block_size, D), v_pool (n_blocks, Hkv, block_size, Dv) fp32/fp16/bf16
+    (cache/blocks.py's layout); block_tables (S, max_blocks), query_start (S + 1,), context_len (S,) int32 -> (N, H, Dv)
+    fp32. `kernel`: kvlab.kernels.block_kernel()."""
     _check(q.dim() == 3 and q.dtype == torch.float32 and q.is_contiguous(),
            f"q must be contiguous fp32 (N, H, D), got {tuple(q.shape)} {q.dtype}")
     N, H, D = q.shape
-    _check(k_pool.dim() == 3 and v_pool.dim() == 3 and k_pool.shape[:2] == v_pool.shape[:2] and k_pool.shape[2] == D,
-           f"pools must be (slots, Hkv, {D}) and (slots, Hkv, Dv), got {tuple(k_pool.shape)} and {tuple(v_pool.shape)}")
-    slots, Hkv, Dv = v_pool.shape
+    _check(k_pool.dim() == 4 and v_pool.dim() == 4 and k_pool.shape[:3] == v_pool.shape[:3] and k_pool.shape[3] == D,
+           f"pools must be (n_blocks, Hkv, block_size, {D}) and (n_blocks, Hkv, block_size, Dv), got "
+           f"{tuple(k_pool.shape)} and {tuple(v_pool.shape)}")
+    n_blocks, Hkv, block_size, Dv = v_pool.shape
     _check(k_pool.dtype == v_pool.dtype and k_pool.dtype in POOL_DTYPES, f"pool dtype {k_pool.dtype} is not fp32, fp16 or bf16")
     _check(k_pool.is_contiguous() and v_pool.is_contiguous(), "pools must be contiguous")
     _check(k_pool.device.type == "cpu" and q.device.type == "cpu", "tensors must be on the CPU")
     _check(Hkv > 0 and H % Hkv == 0, f"{H} query heads are not a multiple of {Hkv} KV heads")
+    slots = n_blocks * block_size
     _check_layout(block_tables, query_start, context_len, slots, block_size)
     S = context_len.numel()
     out = torch.empty(N, H, Dv, dtype=torch.float32)

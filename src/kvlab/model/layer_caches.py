@@ -17,8 +17,9 @@ import torch
 from ..cache import CacheGeometry, CacheSpec, KVCache, expected_nbytes, make_cache
 from ..cache.attention import chunked_attention, grouped_attention
 from ..cache.base import tensors_nbytes
+from ..cache.blocks import DenseBlocks
 from ..cache.geometry import WINDOW_BLOCK  # noqa: F401  (rows beyond the window; importable from here)
-from ..errors import CacheCapacityError, ConfigError, NonFiniteError
+from ..errors import CacheCapacityError, ConfigError
 from ..rope import kind_frequencies
 from .config import LLAMA_FAMILY, DecoderConfig
 
@@ -83,18 +84,14 @@ class SlidingWindowCache(KVCache):
         self.storage = storage or dtype                                  # dense-f16 / dense-bf16: narrower rows
         self.keep = g.window - 1                                         # rows a future token can still see
         self.rows = min(g.capacity, self.keep + block)
-        shape = (g.n_layers, g.batch, g.n_kv_heads, self.rows)
-        self.k = torch.zeros(*shape, g.head_dim, dtype=self.storage, device=self.device)
-        self.v = torch.zeros(*shape, g.head_dim_v, dtype=self.storage, device=self.device)
+        self.blocks = DenseBlocks(g, g.batch, self.rows, self.storage, self.device)   # one block of `rows` per sequence
+        self.k, self.v = self.blocks.k, self.blocks.v                    # (L, B, Hkv, rows, D)
         self._held = [0] * g.n_layers                                    # rows in use per layer
         self._wide: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}    # layer -> K/V of a chunk longer than the rows
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         n_new = self._check_append(layer, k, v)
-        if self.storage != k.dtype:                                      # rounded as stored (see cache/dense.py)
-            k, v = k.to(self.storage), v.to(self.storage)
-            if not (torch.isfinite(k).all() and torch.isfinite(v).all()):
-                raise NonFiniteError(f"NaN or Inf in the keys/values appended to layer {layer}")
+        k, v = self.blocks.stored(layer, k, v)                           # rounded as stored (see cache/dense.py)
         self._wide.pop(layer, None)
         held = self._held[layer]
         keep = min(held, self.keep)
@@ -136,8 +133,7 @@ class SlidingWindowCache(KVCache):
     def expected_nbytes(geometry: CacheGeometry, dtype: torch.dtype, block: int = WINDOW_BLOCK) -> int:
         """Bytes of the rows (`dtype`: the storage dtype), outside a chunk wider than the block."""
         g = geometry
-        rows = min(g.capacity, g.window - 1 + block)
-        return g.n_layers * g.batch * g.n_kv_heads * rows * (g.head_dim + g.head_dim_v) * torch.empty(0, dtype=dtype).element_size()
+        return DenseBlocks.bytes_for(g, g.batch, min(g.capacity, g.window - 1 + block), dtype)
 
     @property
     def nbytes(self) -> int:

@@ -45,15 +45,23 @@ class RaggedLayout:
         return self.block_tables[s].long()[t // self.block_size] * self.block_size + t % self.block_size
 
 
+def sequence_rows(pool: torch.Tensor, layout: RaggedLayout, s: int) -> torch.Tensor:
+    """(Hkv, context_len[s], D): sequence s's rows of a layer's blocks pool (n_blocks, Hkv, block_size, D), in order."""
+    n, bs = int(layout.context_len[s]), layout.block_size
+    blocks = layout.block_tables[s, :-(-n // bs)].long().to(pool.device)                    # (nb,)
+    rows = pool[blocks].transpose(0, 1)                                                    # (Hkv, nb, bs, D)
+    return rows.reshape(rows.shape[0], -1, rows.shape[-1])[:, :n]
+
+
 def ragged_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, layout: RaggedLayout,
                                scale: float, window: int | None = None) -> torch.Tensor:
-    """q (N, H, D) fp32; k_pool (slots, Hkv, D), v_pool (slots, Hkv, Dv) in any float dtype -> (N, H, Dv) fp32."""
+    """q (N, H, D) fp32; k_pool (n_blocks, Hkv, block_size, D), v_pool (n_blocks, Hkv, block_size, Dv) in any float
+    dtype -> (N, H, Dv) fp32."""
     out = q.new_empty(q.shape[0], q.shape[1], v_pool.shape[-1], dtype=torch.float32)       # (N, H, Dv)
     for s in range(layout.context_len.numel()):
         lo, hi = int(layout.query_start[s]), int(layout.query_start[s + 1])
-        slots = layout.slots(s).to(k_pool.device)
-        k = k_pool[slots].float().transpose(0, 1)[None]                                     # (1, Hkv, S, D)
-        v = v_pool[slots].float().transpose(0, 1)[None]                                     # (1, Hkv, S, Dv)
+        k = sequence_rows(k_pool, layout, s).float()[None]                                 # (1, Hkv, S, D)
+        v = sequence_rows(v_pool, layout, s).float()[None]                                 # (1, Hkv, S, Dv)
         qs = q[lo:hi].float().transpose(0, 1)[None]                                         # (1, H, T, D)
         out[lo:hi] = grouped_attention(qs, k, v, scale, window=window)[0].transpose(0, 1)   # (T, H, Dv)
     return out
@@ -66,4 +74,4 @@ def ragged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     if kernel is None:
         return ragged_attention_reference(q, k_pool, v_pool, layout, scale, window)
     return paged_attention(kernel, q.float().contiguous(), k_pool, v_pool, layout.block_tables, layout.query_start,
-                           layout.context_len, layout.block_size, scale, window or 0)
+                           layout.context_len, scale, window or 0)

@@ -1,10 +1,11 @@
 """The block pool: every sequence's K/V in fixed-size blocks of one preallocated buffer per layer.
 
-    pool.k[layer]   (n_blocks · block_size, Hkv, D)    token slot = block · block_size + offset
-    pool.v[layer]   (n_blocks · block_size, Hkv, Dv)
+    pool.k[layer]   (n_blocks, Hkv, block_size, D)    token slot = block · block_size + offset
+    pool.v[layer]   (n_blocks, Hkv, block_size, Dv)
 
-A block's format is a cache format (`dense` fp32, `dense-f16`, `dense-bf16`: storage dtype; compute stays
-fp32; the compressed formats int4, tq4, ... live in coded.py, see formats.py). Its bytes come from the
+A dense pool is the dense formats' one storage (cache/blocks.py DenseBlocks, the single cache's too) with many
+sequences in it. A block's format is a cache format (`dense` fp32, `dense-f16`, `dense-bf16`: storage dtype; compute
+stays fp32; the compressed formats int4, tq4, ... live in coded.py, see formats.py). Its bytes come from the
 caches' own formula (kvlab.cache.expected_nbytes), the one the planner's `--engine kvlab` uses, so the
 number of blocks a budget buys is the planner's number.
 
@@ -38,7 +39,7 @@ import torch
 
 from ..cache import CacheGeometry
 from ..cache.capacity import CapacityPlan, parse_bytes  # noqa: F401  (the engine's admission, importable from here)
-from ..cache.base import tensors_nbytes
+from ..cache.blocks import DenseBlocks
 from ..errors import ConfigError
 from .attention import ragged_attention
 from .formats import DENSE_FORMATS
@@ -51,20 +52,12 @@ def storage_dtype(block_format: str) -> torch.dtype:
     return DENSE_FORMATS[key]
 
 
-class BlockPool:
-    """The K/V storage: one preallocated (slots, Hkv, D) buffer per layer, in the format's dtype."""
+class BlockPool(DenseBlocks):
+    """The K/V storage of dense blocks: DenseBlocks of the plan's blocks, in the format's dtype."""
 
     def __init__(self, geometry: CacheGeometry, plan: CapacityPlan, device="cpu"):
-        g = geometry
-        self.geometry, self.plan, self.block_size = g, plan, plan.block_size
-        self.dtype = storage_dtype(plan.format)
-        slots = plan.n_blocks * plan.block_size
-        self.k = torch.zeros(g.n_layers, slots, g.n_kv_heads, g.head_dim, dtype=self.dtype, device=device)
-        self.v = torch.zeros(g.n_layers, slots, g.n_kv_heads, g.head_dim_v, dtype=self.dtype, device=device)
-
-    @property
-    def device(self) -> torch.device:
-        return self.k.device
+        super().__init__(geometry, plan.n_blocks, plan.block_size, storage_dtype(plan.format), device)
+        self.plan, self.dtype = plan, self.storage
 
     def rows_for(self, seqs) -> None:
         """Dense blocks keep no per-sequence state (coded pools give each running sequence a row)."""
@@ -78,31 +71,11 @@ class BlockPool:
 
     def append(self, layer: int, view, k: torch.Tensor, v: torch.Tensor) -> None:
         """k (N, Hkv, D), v (N, Hkv, Dv): the step's N new tokens into their slots (view.slots)."""
-        self.write(layer, view.slots, k, v)
+        self.write_slots(layer, view.slots, k, v)
 
     def attend(self, layer: int, view, q: torch.Tensor) -> torch.Tensor:
         """q (N, H, D) fp32 -> (N, H, Dv) fp32: each sequence's rows against its own blocks."""
         return ragged_attention(q, self.k[layer], self.v[layer], view.layout, view.scale, view.window, view.use_kernel)
-
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k (N, Hkv, D), v (N, Hkv, Dv) of N tokens into their slots (N,) int64."""
-        self.k[layer].index_copy_(0, slots, k.to(self.dtype))
-        self.v[layer].index_copy_(0, slots, v.to(self.dtype))
-
-    def copy_block(self, src: int, dst: int) -> None:
-        """Every layer's K/V of block `src` into block `dst` (copy-on-write)."""
-        bs = self.block_size
-        self.k[:, dst * bs:(dst + 1) * bs] = self.k[:, src * bs:(src + 1) * bs]
-        self.v[:, dst * bs:(dst + 1) * bs] = self.v[:, src * bs:(src + 1) * bs]
-
-    def block_parts(self, block: int) -> list[tuple[str, torch.Tensor]]:
-        """Views of every buffer's rows of `block`, in a fixed order (what the KV store writes and reads back)."""
-        rows = slice(block * self.block_size, (block + 1) * self.block_size)
-        return [("k", self.k[:, rows]), ("v", self.v[:, rows])]          # (L, block_size, Hkv, D) each
-
-    @property
-    def nbytes(self) -> int:
-        return tensors_nbytes(self.k, self.v)
 
 
 @dataclass

@@ -131,13 +131,15 @@ class FusedBatchStep:
             step = pool.step_struct(layout, rows)
             return _Pool(POOL_TQ, L, cfg.n_kv_heads, D, pool.slots, None, None, ctypes.addressof(layers),
                          ctypes.addressof(step)), step
-        if pool.dtype not in POOL_DTYPES or pool.k.dim() != 4:
+        if pool.dtype not in POOL_DTYPES or pool.k.dim() != 5:
             raise ConfigError(f"{WHAT}: pool blocks of {pool.k.dtype} are not fp32, fp16 or bf16")
-        slots = pool.k.shape[1]
+        if pool.block_size != layout.block_size:
+            raise ConfigError(f"{WHAT}: the layout's blocks of {layout.block_size} tokens are not the pool's {pool.block_size}")
+        shape = (L, pool.n_blocks, cfg.n_kv_heads, pool.block_size, D)           # cache/blocks.py's layout
         for name, t in (("pool keys", pool.k), ("pool values", pool.v)):
-            check_buffer(WHAT, name, t, pool.dtype, (L, slots, cfg.n_kv_heads, D))
-        return _Pool(POOL_DTYPES[pool.dtype], L, cfg.n_kv_heads, D, slots, pool.k.data_ptr(), pool.v.data_ptr(), None,
-                     None), None
+            check_buffer(WHAT, name, t, pool.dtype, shape)
+        return _Pool(POOL_DTYPES[pool.dtype], L, cfg.n_kv_heads, D, pool.n_blocks * pool.block_size, pool.k.data_ptr(),
+                     pool.v.data_ptr(), None, None), None
 
     def head(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (R, C) rows after every layer -> their logits (R, vocab), as the model's logits() computes them (the
