@@ -58,11 +58,8 @@ def test_c_coded_pool_equals_the_torch_reference_bit_for_bit(name, block_size, k
         for s in active:
             done[s] += chunk[s]
     c, ref = pools
-    for buffers in ("token_buffers", "group_buffers"):
-        for name_, want in getattr(ref, buffers).items():
-            got = getattr(c, buffers)[name_]
-            for layer in range(2):
-                assert torch.equal(got[layer], want[layer]), (buffers, name_, layer)
+    for name_, want in ref.blocks.buffers().items():
+        assert torch.equal(c.blocks.buffers()[name_], want), name_
     for s, seq in enumerate(seqs):   # each sequence's open group: the stage rows that hold keys (the rest are scratch)
         row, open_keys = c.rows[seq], lengths[s] % c.group
         assert torch.equal(c.stage[:, row, :open_keys], ref.stage[:, ref.rows[seq], :open_keys])
@@ -90,4 +87,4 @@ def test_the_coder_refuses_what_its_description_was_not_checked_for():
         int_kernel.code_tokens(kernel, coder, torch.randn(2, 3, 32), torch.randn(2, 3, 32), view.slots, positions, rows)
     with pytest.raises(ConfigError, match="refused"):                                  # a stage row past the stages
         int_kernel.code_tokens(kernel, coder, torch.randn(2, 2, 32), torch.randn(2, 2, 32), view.slots, positions, rows + 99)
-    assert not pool.token_buffers["v_codes"][0].any()
+    assert not pool.blocks.v_codes.any()

@@ -196,18 +196,17 @@ def test_the_ragged_int_kernel_checks_every_buffer():
     geometry = CacheGeometry(n_layers=1, n_kv_heads=2, head_dim=16, n_heads=4, capacity=64)
     plan = replace(CapacityPlan.build(geometry, "int4", 10**9, 8, max_batch=4), n_blocks=6)
     pool = IntPool(geometry, plan, block_format("int4", geometry, 8))
-    buf, groups = pool.token_buffers, pool.group_buffers
+    codes = pool.blocks.layer(0)                                            # (n_blocks, Hkv, block_size, ...) each
     layout = RaggedLayout.build([[1, 4], [2]], [3, 1], [11, 5], 8)       # sequence 0 opens its group at 8, 1 at 0
-    args = dict(q=torch.randn(4, 4, 16), bits=4, k_codes=buf["k_codes"][0], k_scale=groups["k_scale"][0],
-                k_zero=groups["k_zero"][0], v_codes=buf["v_codes"][0], v_scale=buf["v_scale"][0], v_zero=buf["v_zero"][0],
+    args = dict(q=torch.randn(4, 4, 16), bits=4, **codes,
                 exact=torch.randn(3 + 5, 2, 16), exact_start=torch.tensor([0, 3, 8]), block_tables=layout.block_tables,
-                query_start=layout.query_start, context_len=layout.context_len, block_size=8, key_group=8, scale=0.25)
+                query_start=layout.query_start, context_len=layout.context_len, key_group=8, scale=0.25)
     assert paged_int_attention(kernel, **args).shape == (4, 4, 16)
     bad = [
         dict(bits=9), dict(key_group=3),                                          # no such codes; groups straddle blocks
-        dict(k_scale=groups["k_scale"][0].float()),                               # scales not fp16
-        dict(v_zero=buf["v_zero"][0][:, :, :1]),                                  # value groups that differ
-        dict(k_codes=buf["k_codes"][0][:, :, :-1]),                               # rows shorter than 16 int4 codes
+        dict(k_scale=codes["k_scale"].float()),                                   # scales not fp16
+        dict(v_zero=codes["v_zero"][..., :1]),                                    # value groups that differ
+        dict(k_codes=codes["k_codes"][..., :-1]),                                 # rows shorter than 16 int4 codes
         dict(exact=torch.randn(8, 2, 15)),
         dict(exact_start=torch.tensor([0, 3, 8], dtype=torch.int32)),
         dict(exact=torch.randn(3 + 4, 2, 16), exact_start=torch.tensor([0, 3, 7])),  # too few exact keys for a query

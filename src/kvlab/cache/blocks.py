@@ -1,13 +1,15 @@
-"""DenseBlocks: the one storage of the dense formats (dense, dense-f16, dense-bf16), as blocks read through tables.
+"""The formats' storage as blocks read through block tables: DenseBlocks (dense, dense-f16, dense-bf16) and IntBlocks
+(int1..int8), each the one storage of its formats for the single-sequence cache and the serving pool alike.
 
-    k (L, n_blocks, Hkv, block_size, D), v (L, n_blocks, Hkv, block_size, Dv), in the storage dtype
+    DenseBlocks k (L, n_blocks, Hkv, block_size, D), v (L, n_blocks, Hkv, block_size, Dv), in the storage dtype
     token t of a sequence whose block table is T: block T[t // block_size], row t % block_size of each head
     slot = block · block_size + row: a token's place in the whole storage, what the serving step writes to
 
 Head-major inside a block: one head's rows of a block are contiguous, so reading a head's keys walks memory in order
-(the C readers, kernels/decode.c and kernels/paged.c, both do). The single-sequence cache (`DenseCache`) is this
-storage holding B sequences in one block of `capacity` rows each (sequence b's table is [b]); the serving pool
-(serve/blocks.py `BlockPool`) is the same storage holding many sequences in small blocks.
+(the C readers, kernels/decode.c, intcache.c and paged.c, all do). The single-sequence caches (`DenseCache`,
+`QuantizedCache`) are this storage holding B sequences in one block of `capacity` (or `slots`) rows each (sequence
+b's table is [b]); the serving pools (serve/blocks.py `BlockPool`, serve/coded.py `IntPool`) are the same storage
+holding many sequences in small blocks.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from ..errors import NonFiniteError
 from .base import tensors_nbytes
 from .format import dense_rows_bytes
+from .packing import packed_nbytes, unpack
 from .geometry import CacheGeometry
 
 
@@ -78,3 +81,99 @@ class DenseBlocks:
     @property
     def nbytes(self) -> int:
         return tensors_nbytes(self.k, self.v)
+
+
+class IntBlocks:
+    """The integer formats' codes (cache/quantized.py: keys coded per channel over groups of G tokens, values per group
+    of Gv channels of a token) in blocks, head-major inside a block like DenseBlocks:
+
+        k_codes (L, n_blocks, Hkv, block_size, ⌈Dk·b/8⌉) uint8   k_scale, k_zero (L, n_blocks, Hkv, ⌈block_size/G⌉, Dk) fp16
+        v_codes (L, n_blocks, Hkv, block_size, ⌈Dv·b/8⌉) uint8   v_scale, v_zero (L, n_blocks, Hkv, block_size, Dv/Gv) fp16
+
+    A key group never straddles two blocks (the pool's block size is a multiple of G). QuantizedCache holds its coded
+    layers' tokens here, one block of its `slots` rows per sequence; the serving pool (serve/coded.py IntPool) many
+    blocks. The slot methods are the pool's torch reference: they write and read tokens by slot, as the C coder and
+    reader (kernels/decode.c int_store, kernels/intcache.h) do."""
+
+    BUFFERS = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")
+
+    def __init__(self, geometry: CacheGeometry, n_layers: int, bits: int, group: int, value_group: int, n_blocks: int,
+                 block_size: int, device="cpu"):
+        g = geometry
+        self.geometry, self.bits, self.group, self.value_group = g, bits, group, value_group
+        self.n_blocks, self.block_size = n_blocks, block_size
+        blocks = (n_layers, n_blocks, g.n_kv_heads)
+        meta, n_groups = torch.float16, -(-block_size // group)
+
+        def zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(*blocks, *shape, dtype=dtype, device=device)
+
+        self.k_codes = zeros(block_size, packed_nbytes(g.head_dim, bits), dtype=torch.uint8)
+        self.k_scale, self.k_zero = zeros(n_groups, g.head_dim, dtype=meta), zeros(n_groups, g.head_dim, dtype=meta)
+        self.v_codes = zeros(block_size, packed_nbytes(g.head_dim_v, bits), dtype=torch.uint8)
+        n_vg = g.head_dim_v // value_group
+        self.v_scale, self.v_zero = zeros(block_size, n_vg, dtype=meta), zeros(block_size, n_vg, dtype=meta)
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name) for name in self.BUFFERS}
+
+    def layer(self, layer: int) -> dict[str, torch.Tensor]:
+        """Layer `layer`'s buffers: views (n_blocks, Hkv, ...)."""
+        return {name: t[layer] for name, t in self.buffers().items()}
+
+    # -- the pool's torch reference: tokens by slot (block · block_size + row) ------------------------------
+    def _at(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return slots // self.block_size, slots % self.block_size
+
+    def write_values(self, layer: int, slots: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                     zero: torch.Tensor) -> None:
+        """Packed value codes (N, Hkv, row), scales and zero points (N, Hkv, Dv/Gv) of N tokens into their slots."""
+        block, row = self._at(slots)
+        self.v_codes[layer][block, :, row] = codes
+        self.v_scale[layer][block, :, row] = scale
+        self.v_zero[layer][block, :, row] = zero
+
+    def write_key_groups(self, layer: int, slots: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                         zero: torch.Tensor) -> None:
+        """Packed key codes (n, Hkv, row) of n = whole groups' tokens into their slots (each group's G slots
+        consecutive), and each group's scales and zero points (n/G, Hkv, Dk)."""
+        block, row = self._at(slots)
+        self.k_codes[layer][block, :, row] = codes
+        block, group = block[::self.group], row[::self.group] // self.group                        # (n/G,) each
+        self.k_scale[layer][block, :, group] = scale
+        self.k_zero[layer][block, :, group] = zero
+
+    def coded_keys(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """(n, Hkv, Dk) float32 of the slots of n = whole groups' tokens: zero + code·scale."""
+        G, g = self.group, self.geometry
+        if not len(slots):
+            return torch.zeros(0, g.n_kv_heads, g.head_dim, device=self.k_codes.device)
+        block, row = self._at(slots)
+        codes = unpack(self.k_codes[layer][block, :, row], self.bits, g.head_dim).float()          # (n, Hkv, Dk)
+        block, group = block[::G], row[::G] // G                                                   # (n/G,) each
+        scale = self.k_scale[layer][block, :, group].float().repeat_interleave(G, dim=0)           # (n, Hkv, Dk)
+        zero = self.k_zero[layer][block, :, group].float().repeat_interleave(G, dim=0)
+        return zero + codes * scale
+
+    def values(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """(n, Hkv, Dv) float32 of the slots: zero + code·scale per value group of each token."""
+        block, row = self._at(slots)
+        codes = unpack(self.v_codes[layer][block, :, row], self.bits, self.geometry.head_dim_v).float()
+        n, Hkv, Dv = codes.shape
+        codes = codes.reshape(n, Hkv, Dv // self.value_group, self.value_group)                    # (n, Hkv, nvg, Gv)
+        out = self.v_zero[layer][block, :, row].float()[..., None] + codes * self.v_scale[layer][block, :, row].float()[..., None]
+        return out.reshape(n, Hkv, Dv)
+
+    # -- blocks -----------------------------------------------------------------------------------------------
+    def copy_block(self, src: int, dst: int) -> None:
+        """Every layer's codes of block `src` into block `dst` (copy-on-write)."""
+        for t in self.buffers().values():
+            t[:, dst] = t[:, src]
+
+    def block_parts(self, block: int) -> list[tuple[str, torch.Tensor]]:
+        """Views of every buffer's part of `block`, in a fixed order (what the KV store writes and reads back)."""
+        return [(name, t[:, block]) for name, t in self.buffers().items()]                       # (L, Hkv, ...) each
+
+    @property
+    def nbytes(self) -> int:
+        return tensors_nbytes(*self.buffers().values())

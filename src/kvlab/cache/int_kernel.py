@@ -2,10 +2,11 @@
 serving pool alike.
 
 `Quantized` describes one layer's codes (cache/quantized.py: keys coded per channel over groups of G tokens, values
-per group of Gv channels per token, the open key group's keys staged in fp32) and where its rows lie:
-    single cache   codes, value scales (Hkv, slots, ...), key scales (Hkv, ⌈slots/G⌉, hd), stage (Hkv, G, hd)
-    serving pool   codes, value scales (slots, Hkv, ...), key scales (slots/G, Hkv, hd), a stage per running
-                   sequence (rows, G, Hkv, hd)
+per group of Gv channels per token, the open key group's keys staged in fp32) and where its rows lie, in the blocks
+of cache/blocks.py IntBlocks:
+    single cache   one block: codes, value scales (Hkv, slots, ...), key scales (Hkv, ⌈slots/G⌉, hd), stage (Hkv, G, hd)
+    serving pool   codes, value scales (n_blocks, Hkv, block_size, ...), key scales (n_blocks, Hkv, block_size/G, hd),
+                   a stage per running sequence (rows, G, Hkv, hd)
 `code_tokens` codes a step's K/V into the pool with kvlab_int_code_tokens, which stores each token as the fused
 decode step stores its one (int_store); QuantizedCache's torch code is its reference (tests/test_int_kernel.py).
 """
@@ -28,34 +29,41 @@ class Quantized(ctypes.Structure):
                 ("k_scale", c_void_p), ("k_zero", c_void_p), ("v_scale", c_void_p), ("v_zero", c_void_p),
                 ("k_stage", c_void_p), ("overflow_what", c_int32), ("overflow", c_float),
                 ("head_stride", c_int64), ("slot_stride", c_int64), ("meta_head_stride", c_int64),
-                ("meta_group_stride", c_int64), ("stage_head_stride", c_int64), ("stage_row_stride", c_int64)]
+                ("meta_group_stride", c_int64), ("stage_head_stride", c_int64), ("stage_row_stride", c_int64),
+                ("block_rows", c_int64), ("block_stride", c_int64), ("meta_block_stride", c_int64)]
 
 
 def single_layout(q: Quantized) -> Quantized:
-    """A single cache's rows (head-major): see the module docstring."""
+    """A single cache's rows (head-major, one block): see the module docstring."""
     G, S = q.group, q.slots
     q.head_stride, q.slot_stride, q.meta_head_stride, q.meta_group_stride = S, 1, -(-S // G), 1
     q.stage_head_stride, q.stage_row_stride = G, 1
+    q.block_rows, q.block_stride, q.meta_block_stride = max(S, 1), 0, 0
     return q
 
 
 def pool_layer(buffers: dict[str, torch.Tensor], stage: torch.Tensor, bits: int, group: int, value_group: int,
                what: str) -> Quantized:
-    """One pool layer's codes: buffers {k_codes, v_codes (slots, Hkv, row), k_scale, k_zero (slots/G, Hkv, hd),
-    v_scale, v_zero (slots, Hkv, hd/Gv)} and the layer's stages (rows, G, Hkv, hd) fp32, checked here."""
-    slots, H, _ = buffers["k_codes"].shape
+    """One pool layer's codes: buffers {k_codes, v_codes (n_blocks, Hkv, block_size, row), k_scale, k_zero (n_blocks,
+    Hkv, block_size/G, hd), v_scale, v_zero (n_blocks, Hkv, block_size, hd/Gv)} and the layer's stages (rows, G, Hkv,
+    hd) fp32, checked here."""
+    n_blocks, H, bs, _ = buffers["k_codes"].shape
     hd = stage.shape[-1]
     row = packed_nbytes(hd, bits)
-    shapes = {"k_codes": ((slots, H, row), torch.uint8), "v_codes": ((slots, H, row), torch.uint8),
-              "k_scale": ((slots // group, H, hd), torch.float16), "k_zero": ((slots // group, H, hd), torch.float16),
-              "v_scale": ((slots, H, hd // value_group), torch.float16), "v_zero": ((slots, H, hd // value_group), torch.float16)}
-    q = Quantized(bits=bits, group=group, value_group=value_group, slots=slots, k_row_bytes=row, v_row_bytes=row)
+    blocks, groups, n_vg = (n_blocks, H, bs), (n_blocks, H, bs // group, hd), hd // value_group
+    shapes = {"k_codes": ((*blocks, row), torch.uint8), "v_codes": ((*blocks, row), torch.uint8),
+              "k_scale": (groups, torch.float16), "k_zero": (groups, torch.float16),
+              "v_scale": ((*blocks, n_vg), torch.float16), "v_zero": ((*blocks, n_vg), torch.float16)}
+    if bs % group:
+        raise ConfigError(f"{what}: key groups of {group} tokens do not tile blocks of {bs}")
+    q = Quantized(bits=bits, group=group, value_group=value_group, slots=n_blocks * bs, k_row_bytes=row, v_row_bytes=row)
     for name, (shape, dtype) in shapes.items():
         check_buffer(what, name, buffers[name], dtype, shape)
         setattr(q, name, buffers[name].data_ptr())
     check_buffer(what, "key stage", stage, torch.float32, (stage.shape[0], group, H, hd))
     q.k_stage = stage.data_ptr()
-    q.head_stride, q.slot_stride, q.meta_head_stride, q.meta_group_stride = 1, H, 1, H
+    q.block_rows, q.block_stride, q.meta_block_stride = bs, H * bs, H * bs // group
+    q.head_stride, q.slot_stride, q.meta_head_stride, q.meta_group_stride = bs, 1, bs // group, 1
     q.stage_head_stride, q.stage_row_stride = 1, H
     q.checked = (H, hd, stage.shape[0])   # what the buffers were checked for: KV heads, head dim, stage rows
     return q

@@ -52,7 +52,8 @@ from ..kernels import kernel_for
 from .base import CacheGeometry, copy_prefix, tensors_nbytes
 from .attention import attend_with_lse
 from . import compressed
-from .compressed import CompressedCache, ceil_div
+from .compressed import CompressedCache
+from .blocks import IntBlocks
 from .format import CacheSpec, FullPrecision
 from .packing import pack, packed_nbytes, unpack
 
@@ -96,16 +97,13 @@ class QuantizedCache(CompressedCache):
         self.config = config
         g, b, G = geometry, config.bits, config.group_size
         self.value_group = config.value_group(g.head_dim_v)
-        B, H, S = g.batch, g.n_kv_heads, self.slots
-        dev = self.device
-        self.k_codes = {l: torch.zeros(B, H, S, packed_nbytes(g.head_dim, b), dtype=torch.uint8, device=dev) for l in self.compressed_layers}
-        self.k_scale = {l: torch.zeros(B, H, ceil_div(S, G), g.head_dim, dtype=_META, device=dev) for l in self.compressed_layers}
-        self.k_zero = {l: torch.zeros(B, H, ceil_div(S, G), g.head_dim, dtype=_META, device=dev) for l in self.compressed_layers}
+        B, H, dev = g.batch, g.n_kv_heads, self.device
+        # the codes: the integer formats' blocks (cache/blocks.py), one block of `slots` rows per sequence; per coded
+        # layer, views (B, Hkv, slots, ...) of them: codes and value scales per token, key scales per group of G
+        self.blocks = IntBlocks(g, len(self.compressed_layers), b, G, self.value_group, B, self.slots, dev)
+        for name in IntBlocks.BUFFERS:
+            setattr(self, name, dict(zip(self.compressed_layers, getattr(self.blocks, name))))
         self.k_stage = {l: torch.zeros(B, H, G, g.head_dim, dtype=dtype, device=dev) for l in self.compressed_layers}
-        n_vg = g.head_dim_v // self.value_group
-        self.v_codes = {l: torch.zeros(B, H, S, packed_nbytes(g.head_dim_v, b), dtype=torch.uint8, device=dev) for l in self.compressed_layers}
-        self.v_scale = {l: torch.zeros(B, H, S, n_vg, dtype=_META, device=dev) for l in self.compressed_layers}
-        self.v_zero = {l: torch.zeros(B, H, S, n_vg, dtype=_META, device=dev) for l in self.compressed_layers}
         self.code_kernel = kernel_for(self.device) if b in (4, 8) else None
         # per layer, the last append's (open group's first token, its full-precision keys from there,
         # first token of the append, its values if there is a recent window): read by the same chunk only

@@ -622,11 +622,15 @@ typedef struct {                   /* an integer layer's codes (kvlab/cache/quan
     float *k_stage;                /* (Hkv, G, hd) fp32: the keys of the open (incomplete) group */
     int32_t overflow_what;         /* written on a range error: 0 the keys, 1 the values ... */
     float overflow;                /* ... and the magnitude the module path names */
-    /* where head g's rows lie: codes and value scales of slot t at row g * head_stride + t * slot_stride, a key
-     * group's scales at g * meta_head_stride + (t / G) * meta_group_stride rows of hd, stage row r at
-     * g * stage_head_stride + r * stage_row_stride rows of hd. A single cache (Hkv, slots, ...): (slots, 1),
-     * (⌈slots/G⌉, 1), (G, 1); a serving pool (slots, Hkv, ...) and a sequence's stage (G, Hkv, hd): (1, Hkv) each */
+    /* where head g's rows lie (int_row): slot t is row o = t % block_rows of block b = t / block_rows; its codes and
+     * value scales at row b * block_stride + g * head_stride + o * slot_stride, its key group's scales at
+     * b * meta_block_stride + g * meta_head_stride + (o / G) * meta_group_stride rows of hd; stage row r at
+     * g * stage_head_stride + r * stage_row_stride rows of hd. A single cache (Hkv, slots, ...), one block:
+     * head (slots, ⌈slots/G⌉), slot and group 1, stage (G, 1); the serving pool's blocks (n_blocks, Hkv, block_rows,
+     * ...), cache/blocks.py's layout: block (Hkv·block_rows, Hkv·block_rows/G), head (block_rows, block_rows/G), slot
+     * and group 1, and a sequence's stage (G, Hkv, hd): (1, Hkv) */
     int64_t head_stride, slot_stride, meta_head_stride, meta_group_stride, stage_head_stride, stage_row_stride;
+    int64_t block_rows, block_stride, meta_block_stride;
 } Quantized;
 
 typedef struct {
@@ -849,6 +853,7 @@ static int fill_fits(const LayerKV *kv, const Fill *f) {
 
 static int int_layout_ok(const Quantized *Q, int d) {
     return Q->bits >= 1 && Q->bits <= 8 && Q->group > 0 && Q->value_group > 0 && d % Q->value_group == 0 && Q->slots >= 0
+        && Q->block_rows > 0 && (Q->block_rows >= Q->slots || Q->block_rows % Q->group == 0)
         && Q->k_row_bytes == int_row_bytes(Q->bits, d) && Q->v_row_bytes == int_row_bytes(Q->bits, d)
         && Q->k_codes && Q->v_codes && Q->k_scale && Q->k_zero && Q->v_scale && Q->v_zero && Q->k_stage;
 }
@@ -894,11 +899,22 @@ static uint8_t int_encode(float x, float scale, float zero, int bits) {
  * (per value group: min/max -> f16 scale/zero -> codes); its key into the stage, or, when it completes a group, the
  * group's G keys (the stage's G - 1 rows and this one) coded with one f16 scale/zero per channel from their min/max.
  * The stage keeps its rows (the module path leaves them too). k, v: (d,) within float16's range (int_range_error). */
+/* the row of KV head g's codes and value scales that slot `slot` is (see Quantized) */
+static inline int64_t int_row(const Quantized *Q, int g, int64_t slot) {
+    return slot / Q->block_rows * Q->block_stride + g * Q->head_stride + slot % Q->block_rows * Q->slot_stride;
+}
+
+/* the row of KV head g's key scales that slot `slot`'s key group is */
+static inline int64_t int_group_row(const Quantized *Q, int g, int64_t slot) {
+    return slot / Q->block_rows * Q->meta_block_stride + g * Q->meta_head_stride
+        + slot % Q->block_rows / Q->group * Q->meta_group_stride;
+}
+
 static void int_store(const Quantized *Q, float *k_stage, int g, int64_t slot, int have, const float *k, const float *v,
                       int d) {
     const int G = Q->group, bits = Q->bits, gv = Q->value_group, n_vg = d / gv;
     uint8_t codes[CB_MAX_DIM];
-    const int64_t at = g * Q->head_stride + slot * Q->slot_stride;
+    const int64_t at = int_row(Q, g, slot);
     for (int j = 0; j < n_vg; j++) {
         const float *x = v + j * gv;
         float lo = x[0], hi = x[0];
@@ -918,7 +934,7 @@ static void int_store(const Quantized *Q, float *k_stage, int g, int64_t slot, i
         memcpy(k_stage + (g * Q->stage_head_stride + have * Q->stage_row_stride) * d, k, sizeof(float) * (size_t)d);
         return;
     }
-    const int64_t meta = (g * Q->meta_head_stride + slot / G * Q->meta_group_stride) * d;
+    const int64_t meta = int_group_row(Q, g, slot) * d;
     float s[CB_MAX_DIM], z[CB_MAX_DIM];
     for (int c = 0; c < d; c++) {
         float lo = k[c], hi = k[c];
@@ -934,7 +950,7 @@ static void int_store(const Quantized *Q, float *k_stage, int g, int64_t slot, i
     for (int r = 0; r < G; r++) {   /* the group's slots: consecutive, G dividing the block size */
         const float *x = r < G - 1 ? stage + r * row : k;
         for (int c = 0; c < d; c++) codes[c] = int_encode(x[c], s[c], z[c], bits);
-        int_pack_row(codes, bits, d, Q->k_codes + (g * Q->head_stride + (slot - have + r) * Q->slot_stride) * Q->k_row_bytes);
+        int_pack_row(codes, bits, d, Q->k_codes + int_row(Q, g, slot - have + r) * Q->k_row_bytes);
     }
 }
 
@@ -976,6 +992,7 @@ int kvlab_int_code_tokens(Quantized *Q, int Hkv, int d, int64_t n, const float *
  * all: keys of whole groups zero + code * scale (per channel of the group), the open group's from the stage; values
  * zero + code * scale (per value group of the row). */
 static void int_load(const Quantized *Q, int g, int t0, int n, int stored, int d, float *keys, float *values) {
+    /* a single cache's layer: one block (block_rows >= slots), so int_row(Q, g, t) is g * head_stride + t * slot_stride */
     const int G = Q->group, bits = Q->bits, gv = Q->value_group, n_vg = d / gv, complete = stored / G * G;
     float s[CB_MAX_DIM], z[CB_MAX_DIM];
     int loaded = -1;                                  /* the key group whose scales are in s, z */

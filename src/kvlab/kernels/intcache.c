@@ -208,7 +208,7 @@ static inline int64_t walk_slot(const IntHead *R, int64_t t, int64_t *slot, int6
         return *slot = t;
     }
     *left = R->block_size - 1 - t % R->block_size;
-    return *slot = (int64_t)R->table[t / R->block_size] * R->block_size + t % R->block_size;
+    return *slot = (int64_t)R->table[t / R->block_size] * R->block_stride + t % R->block_size;
 }
 
 /* out (dpad,) = the d codes of a packed row as floats, zero past d */

@@ -15,8 +15,8 @@ typedef struct {
     int64_t k_meta_stride;
     const uint16_t *v_scale, *v_zero;         /* fp16: slot s's dv / value_group values at + s * v_meta_stride */
     int64_t v_meta_stride;
-    const int32_t *table;                     /* position t's slot: table[t / block_size] * block_size + t % block_size; */
-    int64_t block_size;                       /* NULL: slot t */
+    const int32_t *table;                     /* position t's slot: table[t / block_size] * block_stride + t % block_size */
+    int64_t block_size, block_stride;         /* (the head's rows of its blocks are block_stride apart); NULL: slot t */
     const float *exact;                       /* the exact key of position t >= exact_first: dk floats at */
     int64_t exact_first, exact_stride;        /* exact + (t - exact_first) * exact_stride */
 } IntHead;

@@ -564,7 +564,9 @@ int kvlab_paged_codes_attention(const float *q, int64_t n_rows, int n_heads, int
     return status;
 }
 
-/* Integer blocks (kvlab/serve/coded.py IntPool; codes packed as kvlab/cache/packing.py): every query row and head
+/* Integer blocks (kvlab/serve/coded.py IntPool; codes packed as kvlab/cache/packing.py; head-major inside a block as
+ * cache/blocks.py lays blocks out: codes (n_blocks, Hkv, block_size, row), value scales (n_blocks, Hkv, block_size,
+ * dv / value_group), key scales (n_blocks, Hkv, block_size / key_group, dk)): every query row and head
  * through kvlab_int_attend (intcache.h), the single cache's read, so a sequence's output is bitwise the single cache's.
  * Keys zero + code x scale per channel per key group of key_group tokens, values per value group of value_group
  * channels; exact (rows, Hkv, dk) fp32 holds each sequence's keys from its open key group on (exact_start: its rows,
@@ -617,13 +619,17 @@ int kvlab_paged_int_attention(const float *q, int64_t n_rows, int n_heads, int n
                 const int64_t r0 = block_row[item / n_kv_heads];
                 const int h = (int)(item % n_kv_heads), s = block_seq[item / n_kv_heads];
                 const int64_t ctx = context_len[s], r1 = r0 + rows < query_start[s + 1] ? r0 + rows : query_start[s + 1];
+                /* head h's rows of block b: codes and value scales from row (b * Hkv + h) * block_size, key scales
+                 * from group row (b * Hkv + h) * block_size / key_group (cache/blocks.py's layout) */
+                const int64_t bs = block_size, groups = bs / key_group;
                 const IntHead R = {.bits = bits, .dk = dk, .dv = dv, .key_group = key_group, .value_group = value_group,
-                                   .k_codes = k_codes + h * k_bytes, .k_row_stride = n_kv_heads * k_bytes,
-                                   .v_codes = v_codes + h * v_bytes, .v_row_stride = n_kv_heads * v_bytes,
-                                   .k_scale = k_scale + (int64_t)h * dk, .k_zero = k_zero + (int64_t)h * dk,
-                                   .k_meta_stride = (int64_t)n_kv_heads * dk, .v_scale = v_scale + (int64_t)h * n_vg,
-                                   .v_zero = v_zero + (int64_t)h * n_vg, .v_meta_stride = (int64_t)n_kv_heads * n_vg,
-                                   .table = block_tables + (int64_t)s * max_blocks, .block_size = block_size,
+                                   .k_codes = k_codes + h * bs * k_bytes, .k_row_stride = k_bytes,
+                                   .v_codes = v_codes + h * bs * v_bytes, .v_row_stride = v_bytes,
+                                   .k_scale = k_scale + h * groups * dk, .k_zero = k_zero + h * groups * dk,
+                                   .k_meta_stride = dk, .v_scale = v_scale + h * bs * n_vg,
+                                   .v_zero = v_zero + h * bs * n_vg, .v_meta_stride = n_vg,
+                                   .table = block_tables + (int64_t)s * max_blocks, .block_size = bs,
+                                   .block_stride = n_kv_heads * bs,
                                    .exact = exact ? exact + (exact_start[s] * n_kv_heads + h) * dk : NULL,
                                    .exact_first = ctx - (exact_start[s + 1] - exact_start[s]),
                                    .exact_stride = (int64_t)n_kv_heads * dk};

@@ -263,13 +263,14 @@ def paged_codes_attention(kernel, q: torch.Tensor, k_codes: torch.Tensor, k_norm
 def paged_int_attention(kernel, q: torch.Tensor, bits: int, k_codes: torch.Tensor, k_scale: torch.Tensor,
                         k_zero: torch.Tensor, v_codes: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor,
                         exact: torch.Tensor, exact_start: torch.Tensor, block_tables: torch.Tensor,
-                        query_start: torch.Tensor, context_len: torch.Tensor, block_size: int, key_group: int,
+                        query_start: torch.Tensor, context_len: torch.Tensor, key_group: int,
                         scale: float, window: int = 0, value_dim: int | None = None) -> torch.Tensor:
     """Ragged attention straight from integer codes in blocks (paged.c kvlab_paged_int_attention, serve/coded.py IntPool),
     each query read as the single integer cache reads it (kernels/intcache.h): the same bits.
 
-    q (N, H, D) fp32; k_codes (slots, Hkv, packed bytes of D codes), v_codes (slots, Hkv, packed bytes of Dv codes)
-    uint8 with Dv = value_dim (None: D); k_scale, k_zero (slots / key_group, Hkv, D) and v_scale, v_zero (slots, Hkv,
+    q (N, H, D) fp32; blocks head-major as cache/blocks.py lays them out: k_codes (n_blocks, Hkv, block_size, packed
+    bytes of D codes), v_codes (n_blocks, Hkv, block_size, packed bytes of Dv codes) uint8 with Dv = value_dim (None:
+    D); k_scale, k_zero (n_blocks, Hkv, block_size / key_group, D) and v_scale, v_zero (n_blocks, Hkv, block_size,
     Dv / value group) fp16; exact (E, Hkv, D) fp32: each sequence's keys from its open key group on, sequence s's rows
     exact_start[s]:exact_start[s + 1] (int64, S + 1) the last of its context; the ragged layout as `paged_attention`
     -> (N, H, Dv) fp32. The query at position p reads the keys of the groups complete at p from their codes, the
@@ -281,20 +282,21 @@ def paged_int_attention(kernel, q: torch.Tensor, bits: int, k_codes: torch.Tenso
     Dv = D if value_dim is None else value_dim
     _check(isinstance(Dv, int) and 0 < D <= MAX_CODE_DIM and 0 < Dv <= MAX_CODE_DIM,
            f"head dims {D}, {Dv!r} are not 1..{MAX_CODE_DIM}")
-    _check(isinstance(k_codes, torch.Tensor) and k_codes.dim() == 3, "k_codes must be (slots, Hkv, row bytes)")
-    slots, Hkv = k_codes.shape[:2]
+    _check(isinstance(k_codes, torch.Tensor) and k_codes.dim() == 4, "k_codes must be (n_blocks, Hkv, block_size, row bytes)")
+    n_blocks, Hkv, block_size = k_codes.shape[:3]
+    slots = n_blocks * block_size
     _check(Hkv > 0 and H % Hkv == 0, f"{H} query heads are not a multiple of {Hkv} KV heads")
-    _check(isinstance(key_group, int) and key_group > 0 and isinstance(block_size, int) and block_size > 0
-           and block_size % key_group == 0, f"key group {key_group} does not divide the block size {block_size}")
-    _check(isinstance(v_scale, torch.Tensor) and v_scale.dim() == 3 and v_scale.shape[2] > 0 and Dv % v_scale.shape[2] == 0,
-           f"value scales must be (slots, Hkv, value groups dividing {Dv})")
-    n_vg = v_scale.shape[2]
-    for name, t, dtype, shape in (("k_codes", k_codes, torch.uint8, (slots, Hkv, packed_nbytes(D, bits))),
-                                  ("v_codes", v_codes, torch.uint8, (slots, Hkv, packed_nbytes(Dv, bits))),
-                                  ("k_scale", k_scale, torch.float16, (slots // key_group, Hkv, D)),
-                                  ("k_zero", k_zero, torch.float16, (slots // key_group, Hkv, D)),
-                                  ("v_scale", v_scale, torch.float16, (slots, Hkv, n_vg)),
-                                  ("v_zero", v_zero, torch.float16, (slots, Hkv, n_vg))):
+    _check(isinstance(key_group, int) and key_group > 0 and block_size > 0 and block_size % key_group == 0,
+           f"key group {key_group} does not divide the block size {block_size}")
+    _check(isinstance(v_scale, torch.Tensor) and v_scale.dim() == 4 and v_scale.shape[3] > 0 and Dv % v_scale.shape[3] == 0,
+           f"value scales must be (n_blocks, Hkv, block_size, value groups dividing {Dv})")
+    n_vg = v_scale.shape[3]
+    groups = (n_blocks, Hkv, block_size // key_group, D)
+    for name, t, dtype, shape in (("k_codes", k_codes, torch.uint8, (n_blocks, Hkv, block_size, packed_nbytes(D, bits))),
+                                  ("v_codes", v_codes, torch.uint8, (n_blocks, Hkv, block_size, packed_nbytes(Dv, bits))),
+                                  ("k_scale", k_scale, torch.float16, groups), ("k_zero", k_zero, torch.float16, groups),
+                                  ("v_scale", v_scale, torch.float16, (n_blocks, Hkv, block_size, n_vg)),
+                                  ("v_zero", v_zero, torch.float16, (n_blocks, Hkv, block_size, n_vg))):
         check_buffer(WHAT, name, t, dtype, shape)
     _check_layout(block_tables, query_start, context_len, slots, block_size)
     S = context_len.numel()

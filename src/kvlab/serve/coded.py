@@ -1,12 +1,13 @@
 """Compressed block pools: int and TurboQuant codes in the blocks, read back the way the single caches read.
 
-Every buffer is token-major like the dense pool, so token slot = block · block_size + offset indexes all (a token
-buffer is one (slots, ...) tensor per layer, written (L, slots, ...) below; group buffers are one (L, ...) tensor):
-    int   k_codes (L, slots, Hkv, ⌈Dk·b/8⌉)   k_scale, k_zero (L, slots/G, Hkv, Dk) fp16: group = slot // G
-          v_codes (L, slots, Hkv, ⌈Dv·b/8⌉)   v_scale, v_zero (L, slots, Hkv, Dv/Gv) fp16
+Token slot = block · block_size + offset indexes every buffer:
+    int   the integer formats' blocks (cache/blocks.py IntBlocks, QuantizedCache's storage too), head-major inside a
+          block: k_codes, v_codes (L, n_blocks, Hkv, block_size, ⌈D·b/8⌉), k_scale, k_zero (L, n_blocks, Hkv,
+          block_size/G, Dk) and v_scale, v_zero (L, n_blocks, Hkv, block_size, Dv/Gv) fp16; plus
           stage   (groups·L, max_batch, G, Hkv, Dk) fp32: each running sequence's open key group (its row), per
                   layer of each layer group (state_layer)
-    tq    k_codes, v_codes (L, slots, Hkv, bytes), k_norm, v_norm (L, slots, Hkv) 16-bit, or uint8 log codes
+    tq    token-major (a token buffer is one (slots, ...) tensor per layer, written (L, slots, ...) here):
+          k_codes, v_codes (L, slots, Hkv, bytes), k_norm, v_norm (L, slots, Hkv) 16-bit, or uint8 log codes
           (+norms8, read against the codec's centres) [+ qjl signs, ‖r‖]; +alloc: each layer's codes at its
           width, +halloc: one row per token, (slots, 1, Σ_h bytes_h), its heads' codes side by side at their widths
           + one TurboQuantCache `codec` holding the per-layer state all sequences share
@@ -48,7 +49,8 @@ import torch
 from ..cache import CacheGeometry
 from ..cache.attention import causal_mask, grouped_attention
 from ..cache.base import tensors_nbytes
-from ..cache.packing import pack, packed_nbytes, unpack
+from ..cache.blocks import IntBlocks
+from ..cache.packing import pack
 from ..cache.quantized import _affine, _encode
 from ..cache import int_kernel
 from ..cache.int_kernel import pool_layer
@@ -102,8 +104,6 @@ class CodedPool:
         self.slots = plan.n_blocks * plan.block_size
         self._device = torch.device(device)
         self.token_buffers: dict[str, list[torch.Tensor]] = {}   # per layer (slots, ...)
-        self.group_buffers: dict[str, torch.Tensor] = {}     # (L, slots // G, ...)
-        self.group = self.block_size                          # tokens per group buffer row
         self.rows = SequenceRows(plan.max_batch, "the pool has rows")   # running sequence -> its row
         self.n_groups = plan.n_groups                          # layer groups: per-layer state for each group's layers
         self._kernel = kernel_for(self._device)                # the C coders' library, None off the CPU or without it
@@ -143,22 +143,18 @@ class CodedPool:
         for buf in self.token_buffers.values():
             for layer in buf:                                     # (slots, ...) per layer
                 layer[dst * bs:(dst + 1) * bs] = layer[src * bs:(src + 1) * bs]
-        per = bs // self.group
-        for buf in self.group_buffers.values():
-            buf[:, dst * per:(dst + 1) * per] = buf[:, src * per:(src + 1) * per]
 
     def block_parts(self, block: int) -> list[tuple[str, torch.Tensor]]:
         """Views of every buffer's rows of `block`, in a fixed order (what the KV store writes and reads back): the
-        codes of a full block are all of its K/V (an int key group never straddles two blocks; +sinkN is refused)."""
-        bs, per = self.block_size, self.block_size // self.group
-        parts = [(f"{name}.{i}", layer[block * bs:(block + 1) * bs])              # (block_size, ...)
-                 for name, buf in self.token_buffers.items() for i, layer in enumerate(buf)]
-        return parts + [(name, buf[:, block * per:(block + 1) * per]) for name, buf in self.group_buffers.items()]
+        codes of a full block are all of its K/V (+sinkN is refused)."""
+        bs = self.block_size
+        return [(f"{name}.{i}", layer[block * bs:(block + 1) * bs])                # (block_size, ...)
+                for name, buf in self.token_buffers.items() for i, layer in enumerate(buf)]
 
     @property
     def nbytes(self) -> int:
         tokens = [layer for buf in self.token_buffers.values() for layer in buf]
-        return tensors_nbytes(*tokens, *self.group_buffers.values()) + self._state_nbytes()
+        return tensors_nbytes(*tokens) + self._state_nbytes()
 
     def _state_nbytes(self) -> int:
         raise NotImplementedError
@@ -220,25 +216,30 @@ class CodedPool:
 
 
 class IntPool(CodedPool):
-    """int<b>+g<G> blocks (G divides the block size): the codes of cache/quantized.py."""
+    """int<b>+g<G> blocks (G divides the block size): the integer formats' blocks (cache/blocks.py IntBlocks), the
+    storage QuantizedCache holds its codes in, with many sequences in it."""
 
     def __init__(self, geometry: CacheGeometry, plan, fmt: BlockFormat, device="cpu"):
         super().__init__(geometry, plan, fmt, device)
         g, cfg = geometry, fmt.config
         self.bits, self.group = cfg.bits, cfg.group_size
         self.value_group = cfg.value_group(g.head_dim_v)
-        meta = torch.float16
-        self._tokens("k_codes", g.n_kv_heads, packed_nbytes(g.head_dim, self.bits), dtype=torch.uint8)
-        self._tokens("v_codes", g.n_kv_heads, packed_nbytes(g.head_dim_v, self.bits), dtype=torch.uint8)
-        n_vg = g.head_dim_v // self.value_group
-        self._tokens("v_scale", g.n_kv_heads, n_vg, dtype=meta)
-        self._tokens("v_zero", g.n_kv_heads, n_vg, dtype=meta)
-        groups = self.slots // self.group
-        for name in ("k_scale", "k_zero"):
-            self.group_buffers[name] = torch.zeros(g.n_layers, groups, g.n_kv_heads, g.head_dim, dtype=meta, device=self._device)
+        self.blocks = IntBlocks(g, g.n_layers, self.bits, self.group, self.value_group, plan.n_blocks, self.block_size,
+                                self._device)
         self.stage = torch.zeros(self.n_groups * g.n_layers, plan.max_batch, self.group, g.n_kv_heads, g.head_dim,
                                  dtype=fmt.dtype, device=self._device)   # (groups·L, rows, G, Hkv, Dk): state_layer
         self._fresh: list[tuple[int, torch.Tensor]] = []                  # per sequence of the step: (first, keys)
+
+    def copy_block(self, src: int, dst: int) -> None:
+        self.blocks.copy_block(src, dst)
+
+    def block_parts(self, block: int) -> list[tuple[str, torch.Tensor]]:
+        """The codes of a full block are all of its K/V (a key group never straddles two blocks)."""
+        return self.blocks.block_parts(block)
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.nbytes + self._state_nbytes()
 
     def _state_nbytes(self) -> int:
         return self.stage.nbytes
@@ -270,22 +271,17 @@ class IntPool(CodedPool):
         return self.stage.dtype == torch.float32 and self.geometry.head_dim == self.geometry.head_dim_v
 
     def _describe(self, layer: int, at: int):
-        """Pool layer `layer`'s buffers with state layer `at`'s stages (cache/int_kernel.py)."""
-        buffers = {name: buf[layer] for name, buf in self.token_buffers.items()}
-        buffers.update({name: buf[layer] for name, buf in self.group_buffers.items()})
-        return pool_layer(buffers, self.stage[at], self.bits, self.group, self.value_group, "integer pool")
+        """Pool layer `layer`'s blocks with state layer `at`'s stages (cache/int_kernel.py)."""
+        return pool_layer(self.blocks.layer(layer), self.stage[at], self.bits, self.group, self.value_group, "integer pool")
 
     def _append_reference(self, stage: torch.Tensor, layer: int, view, k: torch.Tensor, v: torch.Tensor) -> None:
         """append in torch: QuantizedCache's arithmetic on the step's tokens."""
         b, G = self.bits, self.group
-        buf, groups = self.token_buffers, self.group_buffers
         N, Hkv, Dv = v.shape
         vg = v.float().reshape(N, Hkv, Dv // self.value_group, self.value_group)      # (N, Hkv, nvg, Gv)
         scale, zero = _affine(vg.amin(dim=-1), vg.amax(dim=-1), b, "value")           # (N, Hkv, nvg)
         codes = _encode(vg, scale[..., None], zero[..., None], b).reshape(N, Hkv, Dv)
-        buf["v_codes"][layer][view.slots] = pack(codes, b)
-        buf["v_scale"][layer][view.slots] = scale
-        buf["v_zero"][layer][view.slots] = zero
+        self.blocks.write_values(layer, view.slots, pack(codes, b), scale, zero)
         for s, lo, hi, start, ctx in self.sequences(view):
             row = view.rows[s]
             have = start % G
@@ -299,30 +295,8 @@ class IntPool(CodedPool):
                 grouped = keys[:complete].float().reshape(complete // G, G, Hkv, -1)   # (ng, G, Hkv, D)
                 scale, zero = _affine(grouped.amin(dim=1), grouped.amax(dim=1), b, "key")  # (ng, Hkv, D)
                 codes = _encode(grouped, scale[:, None], zero[:, None], b).reshape(complete, Hkv, -1)
-                buf["k_codes"][layer][slots] = pack(codes, b)
-                groups["k_scale"][layer][slots[::G] // G] = scale
-                groups["k_zero"][layer][slots[::G] // G] = zero
+                self.blocks.write_key_groups(layer, slots, pack(codes, b), scale, zero)
             stage[row, :len(keys) - complete] = keys[complete:]
-
-    def _coded_keys(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        """(n, Hkv, Dk) float32 for the slots of n = whole groups: zero + code·scale."""
-        G = self.group
-        if not len(slots):
-            g = self.geometry
-            return torch.zeros(0, g.n_kv_heads, g.head_dim, device=self._device)
-        codes = unpack(self.token_buffers["k_codes"][layer][slots], self.bits, self.geometry.head_dim).float()
-        scale = self.group_buffers["k_scale"][layer][slots[::G] // G].float().repeat_interleave(G, dim=0)  # (n, Hkv, Dk)
-        zero = self.group_buffers["k_zero"][layer][slots[::G] // G].float().repeat_interleave(G, dim=0)
-        return zero + codes * scale
-
-    def _values(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        """(n, Hkv, Dv) float32: zero + code·scale per value group of each token."""
-        buf = self.token_buffers
-        codes = unpack(buf["v_codes"][layer][slots], self.bits, self.geometry.head_dim_v).float()
-        n, Hkv, Dv = codes.shape
-        codes = codes.reshape(n, Hkv, Dv // self.value_group, self.value_group)       # (n, Hkv, nvg, Gv)
-        out = buf["v_zero"][layer][slots].float()[..., None] + codes * buf["v_scale"][layer][slots].float()[..., None]
-        return out.reshape(n, Hkv, Dv)
 
     def attend(self, layer: int, view, q: torch.Tensor) -> torch.Tensor:
         """q (N, H, D) fp32 -> (N, H, Dv) fp32. With view.use_kernel on CPU: the whole batch in one C call on the pool's
@@ -334,8 +308,8 @@ class IntPool(CodedPool):
         out = q.new_empty(q.shape[0], q.shape[1], self.geometry.head_dim_v)          # (N, H, Dv)
         for s, lo, hi, start, ctx in self.sequences(view):
             slots = view.layout.slots(s).to(self._device)                            # (ctx,)
-            coded = self._coded_keys(layer, slots[:ctx // G * G])                   # (complete, Hkv, Dk)
-            values = self._values(layer, slots).transpose(0, 1)[None]               # (1, Hkv, ctx, Dv)
+            coded = self.blocks.coded_keys(layer, slots[:ctx // G * G])              # (complete, Hkv, Dk)
+            values = self.blocks.values(layer, slots).transpose(0, 1)[None]          # (1, Hkv, ctx, Dv)
             first, exact = self._fresh[s]                                            # keys [first, ctx) in full precision
             a = start
             while a < ctx:                       # a run of queries that read the same complete groups
@@ -354,12 +328,11 @@ class IntPool(CodedPool):
         Each query reads as the single cache reads it (kernels/intcache.h): the same bits as QuantizedCache."""
         exact = torch.cat([keys for _, keys in self._fresh]).float().contiguous()      # (Σ ctx - first, Hkv, Dk)
         counts = torch.tensor([0] + [len(keys) for _, keys in self._fresh], dtype=torch.int64)
-        buf, groups, layout = self.token_buffers, self.group_buffers, view.layout
-        return paged_int_attention(kernel, q.contiguous(), self.bits, buf["k_codes"][layer], groups["k_scale"][layer],
-                                   groups["k_zero"][layer], buf["v_codes"][layer], buf["v_scale"][layer],
-                                   buf["v_zero"][layer], exact, counts.cumsum(0), layout.block_tables, layout.query_start,
-                                   layout.context_len, layout.block_size, self.group, view.scale, view.window or 0,
-                                   self.geometry.head_dim_v)
+        codes, layout = self.blocks.layer(layer), view.layout
+        return paged_int_attention(kernel, q.contiguous(), self.bits, codes["k_codes"], codes["k_scale"], codes["k_zero"],
+                                   codes["v_codes"], codes["v_scale"], codes["v_zero"], exact, counts.cumsum(0),
+                                   layout.block_tables, layout.query_start, layout.context_len, self.group, view.scale,
+                                   view.window or 0, self.geometry.head_dim_v)
 
 
 class TurboPool(CodedPool):
