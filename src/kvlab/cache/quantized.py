@@ -124,8 +124,7 @@ class QuantizedCache(CompressedCache):
         complete = n // G * G                                                   # tokens of the groups now complete
         if complete:
             groups = block[:, :, :complete].float().reshape(B, H, complete // G, G, Dk)  # (B, H, ng, G, Dk)
-            scale, zero = _affine(groups.amin(dim=3), groups.amax(dim=3), b, "key")      # (B, H, ng, Dk)
-            codes = _encode(groups, scale[:, :, :, None], zero[:, :, :, None], b)         # (B, H, ng, G, Dk)
+            codes, scale, zero = code_key_groups(groups, 3, b)                            # (B, H, ng, G, Dk), (B, H, ng, Dk)
             self.k_codes[layer][:, :, first:first + complete] = pack(codes.reshape(B, H, complete, Dk), b)
             g0 = first // G
             self.k_scale[layer][:, :, g0:g0 + complete // G] = scale
@@ -136,10 +135,7 @@ class QuantizedCache(CompressedCache):
         # same chunk that precede a group's completion (or a token's spill): see `_scores` and `_mix`
         self._fresh[layer] = (first, block, start, v.to(self.dtype) if self.window else None)
         # values: groups of channels within each token
-        Dv, Gv = v.shape[-1], self.value_group
-        vg = v.float().reshape(B, H, T, Dv // Gv, Gv)                            # (B, H, T, nvg, Gv)
-        scale, zero = _affine(vg.amin(dim=-1), vg.amax(dim=-1), b, "value")      # (B, H, T, nvg)
-        codes = _encode(vg, scale[..., None], zero[..., None], b).reshape(B, H, T, Dv)
+        codes, scale, zero = code_values(v, self.value_group, b)                 # (B, H, T, Dv), (B, H, T, nvg)
         self.v_codes[layer][:, :, start:start + T] = pack(codes, b)
         self.v_scale[layer][:, :, start:start + T] = scale
         self.v_zero[layer][:, :, start:start + T] = zero
@@ -374,6 +370,21 @@ def check_range(x: torch.Tensor, what: str) -> None:
     biggest = x.abs().max().item() if x.numel() else 0.0
     if biggest > _META_MAX:
         raise NonFiniteError(f"{what} magnitude {biggest:.3g} exceeds the float16 range of the integer cache's scales")
+
+
+def code_values(v: torch.Tensor, value_group: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Values (..., Dv) coded per group of `value_group` channels of each token: codes (..., Dv) uint8 (unpacked), float16
+    scales and zero points (..., Dv / value_group)."""
+    vg = v.float().reshape(*v.shape[:-1], v.shape[-1] // value_group, value_group)    # (..., nvg, Gv)
+    scale, zero = _affine(vg.amin(dim=-1), vg.amax(dim=-1), bits, "value")           # (..., nvg)
+    return _encode(vg, scale[..., None], zero[..., None], bits).reshape(v.shape), scale, zero
+
+
+def code_key_groups(groups: torch.Tensor, token_dim: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keys coded per channel over each group's tokens (along `token_dim` of `groups`): codes shaped as `groups` uint8
+    (unpacked), float16 scales and zero points shaped as `groups` without `token_dim`."""
+    scale, zero = _affine(groups.amin(dim=token_dim), groups.amax(dim=token_dim), bits, "key")
+    return _encode(groups, scale.unsqueeze(token_dim), zero.unsqueeze(token_dim), bits), scale, zero
 
 
 def _affine(lo: torch.Tensor, hi: torch.Tensor, bits: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:

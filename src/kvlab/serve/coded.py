@@ -51,7 +51,7 @@ from ..cache.attention import causal_mask, grouped_attention
 from ..cache.base import tensors_nbytes
 from ..cache.blocks import IntBlocks
 from ..cache.packing import pack
-from ..cache.quantized import _affine, _encode
+from ..cache.quantized import code_key_groups, code_values
 from ..cache import int_kernel
 from ..cache.int_kernel import pool_layer
 from ..cache.tq_kernel import CodedLayers, code_tokens
@@ -277,10 +277,8 @@ class IntPool(CodedPool):
     def _append_reference(self, stage: torch.Tensor, layer: int, view, k: torch.Tensor, v: torch.Tensor) -> None:
         """append in torch: QuantizedCache's arithmetic on the step's tokens."""
         b, G = self.bits, self.group
-        N, Hkv, Dv = v.shape
-        vg = v.float().reshape(N, Hkv, Dv // self.value_group, self.value_group)      # (N, Hkv, nvg, Gv)
-        scale, zero = _affine(vg.amin(dim=-1), vg.amax(dim=-1), b, "value")           # (N, Hkv, nvg)
-        codes = _encode(vg, scale[..., None], zero[..., None], b).reshape(N, Hkv, Dv)
+        Hkv = v.shape[1]
+        codes, scale, zero = code_values(v, self.value_group, b)                       # (N, Hkv, Dv), (N, Hkv, nvg)
         self.blocks.write_values(layer, view.slots, pack(codes, b), scale, zero)
         for s, lo, hi, start, ctx in self.sequences(view):
             row = view.rows[s]
@@ -293,9 +291,8 @@ class IntPool(CodedPool):
             if complete:
                 slots = view.layout.slots(s)[first:first + complete].to(self._device)  # (complete,)
                 grouped = keys[:complete].float().reshape(complete // G, G, Hkv, -1)   # (ng, G, Hkv, D)
-                scale, zero = _affine(grouped.amin(dim=1), grouped.amax(dim=1), b, "key")  # (ng, Hkv, D)
-                codes = _encode(grouped, scale[:, None], zero[:, None], b).reshape(complete, Hkv, -1)
-                self.blocks.write_key_groups(layer, slots, pack(codes, b), scale, zero)
+                codes, scale, zero = code_key_groups(grouped, 1, b)                    # scales (ng, Hkv, D)
+                self.blocks.write_key_groups(layer, slots, pack(codes.reshape(complete, Hkv, -1), b), scale, zero)
             stage[row, :len(keys) - complete] = keys[complete:]
 
     def attend(self, layer: int, view, q: torch.Tensor) -> torch.Tensor:
