@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -62,3 +64,16 @@ def test_the_checks_record_what_the_page_says(capsys):
         "engine: a 7-token request differs from its single-sequence run at token 3",
     ]
     assert "1. caches" in capsys.readouterr().out
+
+
+def test_a_model_folder_loads_without_the_gguf_package(tmp_path):
+    """The GPU machines have no `gguf`: the HF-folder path must not import it."""
+    from .hybrid_models import build, save_folder, word_tokenizer
+
+    folder = save_folder(build("llama", 64, **SMALL), tmp_path / "m", word_tokenizer(64))
+    code = ("import sys; sys.modules['gguf'] = None\n"                  # `import gguf` raises ImportError
+            "from kvlab.model.loader import load_model\n"
+            f"print(load_model({str(folder)!r}).config.arch)")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "llama", done.stderr[-2000:]
