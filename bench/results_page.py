@@ -5,9 +5,11 @@ command that reproduces it.
     python bench/results_page.py --check    # exit 1 if docs/benchmarks.md is not what the results say
 
 Each file in bench/results is either a table on the page (SECTIONS) or listed as raw data (RAW), never neither: the
-script refuses a results file it does not know. A file that records its own `command` is shown with it; the others
-take theirs from the tables below. Files measured before `tq4` and `tq3` named presets call the bare method `tq4` or
-`tq3`; their sections list those names in `bare` and the page prints the current name, `tq-k4v4` or `tq-k3v3`.
+script refuses a results file it does not know, and a named one that is missing, unless its table `needs` hardware
+this project's machines lack (a GPU): until that file is measured the page prints its command. A file that records its
+own `command` is shown with it; the others take theirs from the tables below. Files measured before `tq4` and `tq3`
+named presets call the bare method `tq4` or `tq3`; their sections list those names in `bare` and the page prints the
+current name, `tq-k4v4` or `tq-k3v3`.
 """
 
 from __future__ import annotations
@@ -366,6 +368,59 @@ def kv_store(data, opt) -> str:
             f"\n\n{restart}")
 
 
+def gpu_check(data, opt) -> str:
+    """bench/gpu_check.py: kvlab's torch path on a CUDA device against a recompute, the CPU, transformers and the
+    serving engine, and module-path decode speed."""
+    m = data["model"]
+    out = [f"{data['device_name']} (torch {data['torch']}, CUDA {data['cuda']}, transformers "
+           f"{data['transformers_version']}); a random llama of {m['num_hidden_layers']} layers, d_model "
+           f"{m['hidden_size']}, {m['num_attention_heads']}/{m['num_key_value_heads']} heads of {m['head_dim']}, fp32: "
+           f"{data['prompt_tokens']} prompt tokens in {data['prefill_chunks']} chunks, then {data['greedy_steps']} "
+           "greedy steps. Logits are compared at every position the run computed; the recompute is one pass "
+           "without a cache on the same device."]
+    rows = []
+    for r in data["caches"]:
+        if r["status"] != "ok":
+            rows.append([code(r["cache"]), f"{r['status']}: {r['message']}"] + ["—"] * 4)
+            continue
+        first = r.get("first_difference_vs_cpu")
+        rows.append([code(r["cache"]), "ok", f"{r['max_abs_diff_vs_recompute']:.2e}",
+                     f"{r['cpu_max_abs_diff_vs_recompute']:.2e}",
+                     "equal" if first is None else f"differ from step {first} (top-2 gap {r['smallest_top2_gap']:.3f})",
+                     f"{r['nbytes']:,} " + ("= formula" if r["nbytes_equal"] else f"≠ {r['expected_nbytes']:,}")])
+    out.append(table(["cache", "status", "max |Δ logit| vs recompute", "the same on the CPU",
+                      "greedy tokens vs the CPU's", "cache.nbytes vs CacheSpec.bytes"], rows, right={2, 3}))
+    t = data["transformers"]
+    if "max_abs_logit_diff" in t:
+        out.append(f"transformers ({t['attention']} attention) on the same weights and device: logits within "
+                   f"{t['max_abs_logit_diff']:.2e} of kvlab's dense run (largest |logit| {t['logit_scale']:.1f}); "
+                   f"{t['greedy_tokens']} greedy tokens "
+                   + ("equal." if t["first_difference"] is None else f"differ from token {t['first_difference']}."))
+    else:
+        out.append(f"transformers: {t.get('message') or t.get('status')}.")
+    e = data["engine"]
+    if e["status"] == "ok":
+        same = sum(r["first_difference"] is None for r in e["requests"])
+        out.append(f"The serving engine with dense blocks on {e['device']}: {same} of {len(e['requests'])} requests "
+                   "equal to kvlab's single-sequence greedy run ("
+                   + ", ".join(f"{r['prompt_tokens']} + {r['new_tokens']} tokens" for r in e["requests"]) + ").")
+    elif e["status"] == "cannot run":
+        out.append(f"The serving engine does not run on this device: {e['message']}")
+    else:
+        out.append(f"The serving engine ran; its check did not: {e['message']}")
+    if data.get("speed"):
+        sp, sm = data["speed"], data["speed"]["model"]
+        rows = [[code(r["cache"]), num(r.get("context"), 0), f"{r['tokens_per_s']:.1f}" if r["status"] == "ok" else
+                 r["message"], f"{r['prefill_s']:.2f} s" if r["status"] == "ok" else "—"] for r in sp["results"]]
+        out.append(f"Decode speed, {sp['note']}: {sm['num_hidden_layers']} layers, d_model {sm['hidden_size']}, "
+                   f"{sm['num_attention_heads']}/{sm['num_key_value_heads']} heads, steps timed between two "
+                   "synchronizations after 4 warm-up steps:\n\n"
+                   + table(["cache", "context", "decode tok/s", "prefill"], rows, right={1, 2, 3}))
+    problems = data.get("problems") or []
+    out.append(f"Problems found: {len(problems)}" + ("." if not problems else ": " + "; ".join(problems) + "."))
+    return "\n\n".join(out)
+
+
 def threads(n: int) -> str:
     return f"{n} thread" + ("s" if n != 1 else "")
 
@@ -407,6 +462,8 @@ class Table:
     read_share: bool = False     # decode_contexts: each cell's share of the measured read limit
     dense_row: bool = False      # eval files: show the dense reference row
     part: str = ""               # 'a.b': render data["a"]["b"] (one part of a file with several)
+    needs: str = ""              # hardware the file is measured on that this project's machines lack ("a CUDA GPU"):
+                                 # while it is absent the page gives the command instead of the table
 
 
 @dataclass(frozen=True)
@@ -773,6 +830,10 @@ SECTIONS = [
             "2-core VM was shared with other jobs while these ran, so times are indicative.", [
         Table("hybrid_serving.json", hybrid_serving, "python bench/hybrid_serving.py"),
     ]),
+    Section("On a GPU", "kvlab's torch path (the modules; its C kernels run on the CPU only) on a CUDA device, on a "
+            "random model built by the script: does every cache run there and give what it gives on the CPU?", [
+        Table("gpu_check.json", gpu_check, "python bench/gpu_check.py", needs="a CUDA GPU"),
+    ]),
     Section("`kvlab plan`", "Machine: the 2-core CI-class VM, no GPU.", [
         Table("plan_speed.json", plan_speed, "python bench/plan_speed.py"),
     ]),
@@ -848,7 +909,14 @@ def command_of(data, t: Table) -> str:
 _NAME_IN_COMMAND = re.compile(r"(?<![\w.\-])tq[34](?![\w.])")
 
 
+def absent(t: Table) -> bool:
+    """A file measured on hardware this project lacks, not measured yet."""
+    return bool(t.needs) and not (RESULTS / t.file).exists()
+
+
 def render_table(t: Table) -> str:
+    if absent(t):
+        return f"```\n{t.command}\n```\n→ `bench/results/{t.file}`: not measured yet (it needs {t.needs})."
     data = load(t.file)
     cmd = command_of(data, t)
     parts = []
@@ -876,7 +944,8 @@ def machine_of(data) -> str:
 def page() -> str:
     known = {t.file for s in SECTIONS for t in s.tables} | set(RAW)
     present = {p.name for p in RESULTS.glob("*.json")}
-    unknown, missing = sorted(present - known), sorted(known - present)
+    waiting = {t.file for s in SECTIONS for t in s.tables if absent(t)}
+    unknown, missing = sorted(present - known), sorted(known - present - waiting)
     if unknown or missing:
         raise SystemExit("bench/results_page.py does not match bench/results: "
                          + "; ".join([f"not on the page: {', '.join(unknown)}"] * bool(unknown)

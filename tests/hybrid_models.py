@@ -1,7 +1,8 @@
-"""Tiny seeded Gemma 3 / Qwen3.5 / Qwen3-Next models from transformers' own classes, saved as HF folders and written
-as GGUF the way llama.cpp's convert_hf_to_gguf.py writes them (its tensor names from gguf-py's TensorNameMap, and its
-transforms: norms + 1, A_log -> -exp(A_log), dt_bias -> ssm_dt.bias, the conv squeezed, qwen35's value heads tiled,
-Qwen3-Next's in_proj_qkvz split into attn_qkv and attn_gate)."""
+"""Tiny seeded llama / Gemma 3 / Qwen3.5 / Qwen3-Next models from transformers' own classes, saved as HF folders (with
+kvlab's tokenizer, or `word_tokenizer`'s synthetic one where no vocabulary is at hand) and written as GGUF the way
+llama.cpp's convert_hf_to_gguf.py writes them (its tensor names from gguf-py's TensorNameMap, and its transforms:
+norms + 1, A_log -> -exp(A_log), dt_bias -> ssm_dt.bias, the conv squeezed, qwen35's value heads tiled, Qwen3-Next's
+in_proj_qkvz split into attn_qkv and attn_gate)."""
 
 from __future__ import annotations
 
@@ -19,15 +20,18 @@ EXPERTS = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 
 
 
 def build(arch: str, vocab: int, seed: int = 0, **overrides):
-    """A tiny random transformers model of `arch` (qwen3_5, qwen3_next, gemma3) with weights large enough that the
-    logits spread over several units (transformers' 0.02 init leaves them near zero), in eval mode."""
+    """A tiny random transformers model of `arch` (llama, qwen3_5, qwen3_next, gemma3) with weights large enough that
+    the logits spread over several units (transformers' 0.02 init leaves them near zero), in eval mode."""
     import transformers
 
     torch.manual_seed(seed)
     sizes, deltanet = {**SIZES, "num_hidden_layers": 4}, dict(DELTANET)     # overrides replace these
     for key in [k for k in overrides if k in sizes or k in deltanet]:
         (sizes if key in sizes else deltanet)[key] = overrides.pop(key)
-    if arch == "qwen3_5":
+    if arch == "llama":
+        config = transformers.LlamaConfig(vocab_size=vocab, **sizes, tie_word_embeddings=False, **overrides)
+        model = transformers.LlamaForCausalLM(config)
+    elif arch == "qwen3_5":
         config = transformers.Qwen3_5TextConfig(vocab_size=vocab, **sizes, **deltanet, **overrides)
         model = transformers.Qwen3_5ForCausalLM(config)
     elif arch == "qwen3_5_moe":
@@ -50,10 +54,26 @@ def build(arch: str, vocab: int, seed: int = 0, **overrides):
             if "A_log" in name:          # decays of e^-0.05 .. e^-0.7 per token: a 64-token chunk stays far from
                 p.uniform_(-2.5, -0.5)   # subnormal floats (transformers' reference would crawl through them)
             elif "norm" in name or "dt_bias" in name:
-                p.uniform_(-0.5, 0.5)
+                low = 0.5 if arch == "llama" else -0.5      # llama's norms scale by w, the others' by 1 + w
+                p.uniform_(low, low + 1.0)
             elif p.dim() > 1:
                 p.normal_(0.0, 0.08)
     return model.eval()
+
+
+def word_tokenizer(vocab: int):
+    """A kvlab Tokenizer of `vocab` whitespace-separated words: a tokenizer.json for a model folder that needs no
+    downloaded vocabulary. Ids 1 and 2 are `<|im_start|>` and `<|im_end|>`, what save_folder's tokenizer_config names
+    and transformers' llama config (bos 1, eos 2) says."""
+    from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers
+
+    from kvlab.model.tokenizer import Tokenizer
+
+    words = ["<unk>", "<|im_start|>", "<|im_end|>"] + [f"w{i}" for i in range(3, vocab)]
+    backend = HFTokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.add_special_tokens(words[1:3])
+    return Tokenizer(backend=backend, bos_id=1, eos_ids=(2,))
 
 
 def save_folder(model, folder: Path, tokenizer) -> Path:

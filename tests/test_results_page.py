@@ -38,7 +38,8 @@ def test_every_table_has_a_command():
     gen = load_generator()
     for section in gen.SECTIONS:
         for t in section.tables:
-            assert gen.command_of(json.loads((gen.RESULTS / t.file).read_text()), t), t.file
+            data = {} if gen.absent(t) else json.loads((gen.RESULTS / t.file).read_text())
+            assert gen.command_of(data, t), t.file
     for name, (cmd, _) in gen.RAW.items():
         assert gen.command_of(json.loads((gen.RESULTS / name).read_text()), gen.Table(name, None, cmd)), name
 
@@ -63,3 +64,18 @@ def test_old_names_print_as_today():
     assert gen.current_name("tq4.5", bare=("tq4", "tq3")) == "tq4.5"
     assert gen.current_name("tq4+halloc", bare=()) == "tq4+halloc"
     assert gen.current_name("tq4+halloc", bare=("tq3",)) == "tq4+halloc"
+
+
+def test_a_file_that_needs_a_gpu_may_be_absent_and_no_other(tmp_path, monkeypatch):
+    gen = load_generator()
+    (needs_gpu,) = [t for s in gen.SECTIONS for t in s.tables if t.needs]
+    results = tmp_path / "results"
+    results.mkdir()
+    for p in gen.RESULTS.glob("*.json"):
+        if p.name != needs_gpu.file:
+            (results / p.name).write_bytes(p.read_bytes())
+    monkeypatch.setattr(gen, "RESULTS", results)
+    assert f"`bench/results/{needs_gpu.file}`: not measured yet (it needs {needs_gpu.needs})" in gen.page()
+    (results / "plan_speed.json").unlink()
+    with pytest.raises(SystemExit, match="named but missing: plan_speed.json"):
+        gen.page()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,7 +17,6 @@ from ..errors import ConfigError, KvlabError, ModelFileError
 from ..heap import release_free_memory
 from ..limits import check_device
 from ..sources.bundled import default_model_path  # the embedded SmolLM2 (re-exported)
-from ..sources.gguf import GGUFFile
 from ..spec import ModelSpec
 from .config import HYBRID_FAMILY, DecoderConfig, decoder_config, require_runnable
 from .llama import Decoder
@@ -30,6 +30,9 @@ from .weights import (
     load_or_convert,
     safetensors_state_dict,
 )
+
+if TYPE_CHECKING:  # the GGUF reader (the gguf package) loads only when a GGUF is read
+    from ..sources.gguf import GGUFFile
 
 WEIGHTS = ("auto", "dense", "native", "native-q8")
 NATIVE = ("native", "native-q8")  # GGUF blocks kept; "-q8": multi-row calls with int8 activations (blockquant.py)
@@ -79,7 +82,6 @@ def resolve_weights(weights: str, path: Path, dtype: torch.dtype, device: str) -
 def read_model(path: Path) -> tuple[ModelSpec, GGUFFile | None]:
     """The one read of a model file (kvlab.sources): its ModelSpec with the engine's facts, and the open GGUF
     (tensor data stays on disk) for a GGUF file. An architecture the engine cannot run is refused first."""
-    from ..sources.gguf import open_gguf, spec_from_gguf
     from ..sources.hf_folder import read_config, spec_from_folder
 
     if path.is_dir():
@@ -89,6 +91,8 @@ def read_model(path: Path) -> tuple[ModelSpec, GGUFFile | None]:
         config = read_config(config_file)
         require_runnable(str(config.get("model_type", "")), str(config_file))
         return spec_from_folder(path, config), None
+    from ..sources.gguf import open_gguf, spec_from_gguf   # the gguf package: only for a GGUF file
+
     gguf_file = open_gguf(path)
     require_runnable(gguf_file.architecture, str(path))
     return spec_from_gguf(gguf_file), gguf_file
