@@ -98,11 +98,14 @@ def chunked_attention(
             kc = k[:, :, s0:s1].to(q.dtype).reshape(B * Hkv, s1 - s0, Dk)              # (B·Hkv, C, Dk) this chunk only
             vc = v[:, :, s0:s1].to(q.dtype).reshape(B * Hkv, s1 - s0, Dv)              # (B·Hkv, C, Dv)
             scores = torch.bmm(qb, kc.transpose(1, 2))                                  # (B·Hkv, G·Tq, C)
-            keys = torch.arange(s0, s1, device=q.device)[None, :]                       # (1, C)
-            visible = keys <= positions[:, None]                                        # (Tq, C)
-            if window is not None:
-                visible &= keys > positions[:, None] - window
-            if not bool(visible.all()):
+            # every key of the chunk seen by every query of the block: decided from the positions, not by reading
+            # the mask back (on a GPU that read would wait for the device at every chunk)
+            seen_by_all = s1 - 1 <= S - T + a and (window is None or s0 > last - 1 - window)
+            if not seen_by_all:
+                keys = torch.arange(s0, s1, device=q.device)[None, :]                   # (1, C)
+                visible = keys <= positions[:, None]                                    # (Tq, C)
+                if window is not None:
+                    visible &= keys > positions[:, None] - window
                 scores.masked_fill_(~visible.repeat(group, 1), float("-inf"))
             new_top = torch.maximum(top, scores.amax(-1, keepdim=True))
             shift = new_top.masked_fill(new_top == float("-inf"), 0.0)                  # a query that sees nothing yet
