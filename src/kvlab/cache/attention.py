@@ -57,6 +57,11 @@ def grouped_attention(
     return out.reshape(B, H, T, v.shape[-1])
 
 
+#: keys per chunk of chunked_attention on a GPU: the CPU's 256 made a 4k-token decode step 16 chunks of a dozen kernel
+#: launches per layer (dense-f16 at 19 tok/s against dense's 132 on an H200, bench/gpu_check.py)
+ACCELERATOR_KEY_CHUNK = 8192
+
+
 def chunked_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -82,6 +87,8 @@ def chunked_attention(
     Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
     group = H // Hkv
     scale = Dk ** -0.5 if scale is None else scale
+    if q.device.type != "cpu":   # an accelerator: a dozen kernel launches per chunk cost more than a larger block
+        key_chunk = max(key_chunk, ACCELERATOR_KEY_CHUNK)
     out = q.new_empty(B, H, T, Dv)
     for a in range(0, T, query_block):
         b = min(T, a + query_block)
