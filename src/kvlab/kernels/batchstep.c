@@ -117,6 +117,11 @@ static void store_row(int type, const float *src, int Hkv, int hd, void *layer, 
     }
 }
 
+/* values a per-row loop must touch before its rows are shared out between threads: below it, opening the parallel
+ * region costs more than the loop (a one-sequence decode step opened ~150 of them per token, and ran slower on two
+ * threads than on one) */
+#define ROWS_IN_PARALLEL 65536
+
 /* Every layer for the N rows of x (N, d_model), in place. cos_, sin_ (N, head_dim): each row's RoPE.
  * int8_matrices: a flag per matrix (n_layers x 4, QKV..DOWN) for int8 activations, or NULL for none.
  * Returns 0; -1 (nothing written) when a size or index is refused; -2 without scratch memory; 1 when a TurboQuant
@@ -155,10 +160,10 @@ int kvlab_batch_step(const Model *m, float *x, int64_t n_rows, const float *cos_
         const uint8_t *flags = int8_matrices ? int8_matrices + 4 * (size_t)l : fp32_activations;
         void *k_layer = coded ? NULL : (uint8_t *)P->k + (size_t)l * layer_bytes;
         void *v_layer = coded ? NULL : (uint8_t *)P->v + (size_t)l * layer_bytes;
-        #pragma omp parallel for schedule(static) num_threads(n_threads)
+        #pragma omp parallel for schedule(static) num_threads(n_threads) if(N * d >= ROWS_IN_PARALLEL)
         for (int64_t r = 0; r < N; r++) kvlab_rms_norm(x + r * d, W->attn_norm, m->rms_eps, (int)d, h + r * d);
         if ((status = product(&W->qkv, h, N, qkv, flags[QKV], q8_min_rows, n_threads))) break;
-        #pragma omp parallel for schedule(static) num_threads(n_threads)
+        #pragma omp parallel for schedule(static) num_threads(n_threads) if(N * qkv_dim >= ROWS_IN_PARALLEL)
         for (int64_t r = 0; r < N; r++) {
             float *qr = q + r * q_dim, *k = qkv + r * qkv_dim + q_dim, *v = k + kv_dim;
             const float *c = cos_ + r * hd, *sn = sin_ + r * hd;
@@ -185,16 +190,16 @@ int kvlab_batch_step(const Model *m, float *x, int64_t n_rows, const float *cos_
                                            scale, window, att, n_threads);
         if (status) break;
         if ((status = product(&W->out, att, N, y, flags[OUT], q8_min_rows, n_threads))) break;
-        #pragma omp parallel for schedule(static) num_threads(n_threads)
+        #pragma omp parallel for schedule(static) num_threads(n_threads) if(N * d >= ROWS_IN_PARALLEL)
         for (int64_t r = 0; r < N; r++) {
             for (int64_t i = 0; i < d; i++) x[r * d + i] += y[r * d + i];
             kvlab_rms_norm(x + r * d, W->ffn_norm, m->rms_eps, (int)d, h + r * d);
         }
         if ((status = product(&W->gate_up, h, N, gu, flags[GATE_UP], q8_min_rows, n_threads))) break;
-        #pragma omp parallel for schedule(static) num_threads(n_threads)
+        #pragma omp parallel for schedule(static) num_threads(n_threads) if(N * ff >= ROWS_IN_PARALLEL / 4)
         for (int64_t r = 0; r < N; r++) swiglu_row(gu + r * 2 * ff, ff, h + r * ff);
         if ((status = product(&W->down, h, N, y, flags[DOWN], q8_min_rows, n_threads))) break;
-        #pragma omp parallel for schedule(static) num_threads(n_threads)
+        #pragma omp parallel for schedule(static) num_threads(n_threads) if(N * d >= ROWS_IN_PARALLEL)
         for (int64_t r = 0; r < N; r++)
             for (int64_t i = 0; i < d; i++) x[r * d + i] += y[r * d + i];
     }

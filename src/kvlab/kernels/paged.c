@@ -76,6 +76,10 @@ static inline const float *pool_row(const void *pool, int dtype, int64_t index, 
     return buf;
 }
 
+/* multiply-adds a dense read must do before its work items are shared out between threads: opening a parallel region
+ * costs more than a one-query read of a few hundred keys */
+#define PARALLEL_WORK 262144
+
 static int check_layout(int64_t n_rows, int n_heads, int n_kv_heads, int d, int dv, int dtype, int64_t n_slots,
                         const int32_t *block_tables, int n_seqs, int max_blocks, int block_size,
                         const int32_t *query_start, const int32_t *context_len) {
@@ -206,7 +210,10 @@ int kvlab_paged_attention(const float *q, int64_t n_rows, int n_heads, int n_kv_
                      query_start, context_len))
         return -1;
     const int group = n_heads / n_kv_heads;
-    #pragma omp parallel for schedule(dynamic, 1) num_threads(n_threads)
+    int64_t work = 0;   /* query heads x keys x channels: a step this small runs on one thread (see PARALLEL_WORK) */
+    for (int s = 0; s < n_seqs; s++) work += (int64_t)(query_start[s + 1] - query_start[s]) * context_len[s];
+    work *= (int64_t)n_heads * d;
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(n_threads) if(work >= PARALLEL_WORK)
     for (int64_t item = 0; item < n_rows * n_kv_heads; item++) {
         const int64_t row = item / n_kv_heads;
         const int kv_head = (int)(item % n_kv_heads);
