@@ -30,10 +30,12 @@ def test_independent_workloads_are_seeded_and_in_range(name, quick):
 def test_chat_is_decode_bound_and_shared_shares_its_prefix():
     chat = workload("chat", CountingTokenizer(), quick=False)
     assert sum(r.max_tokens for r in chat) > sum(len(r.prompt) for r in chat)
+    reach = [len(r.prompt) + r.max_tokens for r in workload("long-decode", CountingTokenizer(), quick=False)]
+    assert all(2048 <= n <= 3584 for n in reach)                  # contexts of 2k-4k tokens, 512 of them decoded
     shared = workload("shared", CountingTokenizer(), quick=True)
     assert len({tuple(r.prompt[:200]) for r in shared}) == 1
 
 
 def test_an_unknown_workload_is_one_line():
-    with pytest.raises(ConfigError, match="unknown workload 'batch'; choose mixed, shared, chat or long"):
+    with pytest.raises(ConfigError, match="unknown workload 'batch'; choose mixed, shared, chat, long or long-decode"):
         workload("batch", CountingTokenizer(), quick=True)

@@ -75,10 +75,12 @@ def corpus_tokens(tokenizer, n: int) -> list[int]:
 
 
 #: the independent-request workloads: (requests, prompt tokens range, new tokens range), [full, --quick]; `long`: 16
-#: requests whose contexts reach 2k-4k tokens, where the pool's budget decides how many run at once
+#: requests whose contexts reach 2k-4k tokens, where the pool's budget decides how many run at once (their prompts are
+#: most of the tokens); `long-decode`: the same reach with 512 new tokens each, where decoding is most of the work
 SIZES = {"mixed": ((64, (32, 1024), (16, 256)), (8, (16, 128), (8, 32))),
          "chat": ((32, (16, 128), (128, 256)), (8, (16, 64), (32, 64))),
-         "long": ((16, (2048, 3968), (64, 128)), (16, (2048, 3072), (16, 32)))}
+         "long": ((16, (2048, 3968), (64, 128)), (16, (2048, 3072), (16, 32))),
+         "long-decode": ((16, (1536, 3072), (512, 512)), (16, (1536, 2048), (64, 64)))}
 
 
 def workload(name: str, tokenizer, quick: bool, seed: int = 0) -> list[Request]:
@@ -96,7 +98,7 @@ def workload(name: str, tokenizer, quick: bool, seed: int = 0) -> list[Request]:
         count, system_len, out_range = (4, 200, (8, 16)) if quick else (64, 1000, (16, 64))
         system = window(system_len)
         return [Request(system + window(rng.randint(32, 128)), rng.randint(*out_range)) for _ in range(count)]
-    raise ConfigError(f"unknown workload {name!r}; choose mixed, shared, chat or long")
+    raise ConfigError(f"unknown workload {name!r}; choose mixed, shared, chat, long or long-decode")
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -238,7 +240,7 @@ def register(bench_app) -> None:
     def throughput(
         model: Optional[str] = typer.Option(None, "--model"),
         quick: bool = typer.Option(False, "--quick", help="Small workloads (a smoke run, minutes)."),
-        workloads: str = typer.Option("mixed,shared", "--workloads", help="mixed | shared | chat | long (16 requests of 2k-4k-token contexts), comma-separated."),
+        workloads: str = typer.Option("mixed,shared", "--workloads", help="mixed | shared | chat | long (16 requests of 2k-4k-token contexts) | long-decode (the same reach, 512 new tokens each), comma-separated."),
         batches: str = typer.Option("1,4,16,32", "--batches", help="Engine max batch sizes."),
         formats: str = typer.Option("dense,dense-f16", "--formats", help="Block formats (dense, dense-f16, dense-bf16, int8, int4, tq4, tq3, ...); the first one runs every batch."),
         kv_budget: str = typer.Option("1GiB", "--kv-budget", help="The engine's KV pool."),
