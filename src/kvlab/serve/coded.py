@@ -115,9 +115,6 @@ class CodedPool:
         per-layer state (the open key group, TurboQuant's calibration) is each model layer's own."""
         return view.group * self.geometry.n_layers + layer
 
-    def _tokens(self, name: str, *shape: int, dtype: torch.dtype) -> None:
-        self._layer_tokens(name, [shape] * self.geometry.n_layers, dtype)
-
     def _layer_tokens(self, name: str, shapes: list[tuple[int, ...]], dtype: torch.dtype) -> None:
         """One (slots, *shapes[l]) buffer per layer l: the layers' rows may differ in length (+alloc / +halloc codes)."""
         self.token_buffers[name] = [torch.zeros(self.slots, *shape, dtype=dtype, device=self._device) for shape in shapes]
