@@ -38,6 +38,11 @@
 #include "paged.h"
 #include "tqcodes.h"
 
+/* values a loop of the step must touch before its work is shared out between threads: below it, opening the parallel
+ * region costs more than the loop (a one-sequence decode step opened ~150 of them per token, and ran slower on two
+ * threads than on one) */
+#define ROWS_IN_PARALLEL 65536
+
 enum { POOL_TQ = 4 };          /* Pool.type of TurboQuant blocks: each layer read and written through its descriptor */
 
 typedef struct {
@@ -82,7 +87,7 @@ static int product(const Matrix *W, const float *x, int64_t M, float *y, int int
     int status = 0;
     if (W->type == F32) {
         const float *w = (const float *)W->data;
-        #pragma omp parallel for schedule(static) num_threads(n_threads) if(W->rows * W->cols * M >= 65536)
+        #pragma omp parallel for schedule(static) num_threads(n_threads) if(W->rows * W->cols * M >= ROWS_IN_PARALLEL)
         for (int64_t j = 0; j < W->rows; j++)
             for (int64_t i = 0; i < M; i++) y[i * W->rows + j] = kvlab_dot(w + j * W->cols, x + i * W->cols, W->cols);
     } else if (int8 && M >= q8_min_rows) {
@@ -116,11 +121,6 @@ static void store_row(int type, const float *src, int Hkv, int hd, void *layer, 
             kvlab_kv_store(type, src + (int64_t)g * hd, hd, (uint16_t *)layer + at);   /* non-finite: stored as is */
     }
 }
-
-/* values a per-row loop must touch before its rows are shared out between threads: below it, opening the parallel
- * region costs more than the loop (a one-sequence decode step opened ~150 of them per token, and ran slower on two
- * threads than on one) */
-#define ROWS_IN_PARALLEL 65536
 
 /* Every layer for the N rows of x (N, d_model), in place. cos_, sin_ (N, head_dim): each row's RoPE.
  * int8_matrices: a flag per matrix (n_layers x 4, QKV..DOWN) for int8 activations, or NULL for none.
@@ -253,7 +253,7 @@ static int64_t argmax_row(const float *x, int64_t n) {
 int kvlab_rows_argmax(const float *x, int64_t R, int64_t V, int64_t *out, int n_threads) {
     if (V < 1 || R < 0) return -1;
     if (n_threads < 1) n_threads = 1;
-    #pragma omp parallel for schedule(static) num_threads(n_threads) if(R * V >= 65536)
+    #pragma omp parallel for schedule(static) num_threads(n_threads) if(R * V >= ROWS_IN_PARALLEL)
     for (int64_t r = 0; r < R; r++) out[r] = argmax_row(x + r * V, V);
     return 0;
 }
