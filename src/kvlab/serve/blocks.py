@@ -57,7 +57,12 @@ class BlockPool(DenseBlocks):
 
     def __init__(self, geometry: CacheGeometry, plan: CapacityPlan, device="cpu"):
         super().__init__(geometry, plan.n_blocks, plan.block_size, storage_dtype(plan.format), device)
-        self.plan, self.dtype = plan, self.storage
+        self.plan = plan
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The blocks' storage dtype (the name the engine and the pools share)."""
+        return self.storage
 
     def rows_for(self, seqs) -> None:
         """Dense blocks keep no per-sequence state (coded pools give each running sequence a row)."""
