@@ -10,14 +10,17 @@ import pytest
 import torch
 
 from kvlab.cache import CacheGeometry, CacheSpec, DenseCache, make_cache
-from kvlab.cache.blocks import DenseBlocks, IntBlocks
+from kvlab.cache.blocks import DenseBlocks, IntBlocks, TqBlocks
 from kvlab.cache.capacity import CapacityPlan
 from kvlab.serve.attention import RaggedLayout, ragged_attention, ragged_attention_reference, sequence_rows
 from kvlab.serve.blocks import BlockPool
-from kvlab.serve.coded import IntPool
+from kvlab.cache.turboquant import TurboQuantCache
+from kvlab.serve.coded import IntPool, TurboPool
 from kvlab.serve.formats import block_format
 from kvlab.serve.runner import BatchView
 from kvlab.serve.sequence import Sequence
+
+from .test_serve_compressed import calibrated
 
 GEOMETRY = CacheGeometry(n_layers=2, n_kv_heads=2, head_dim=8, n_heads=4, capacity=40)
 STORAGE = {"dense": torch.float32, "dense-f16": torch.float16, "dense-bf16": torch.bfloat16}
@@ -112,4 +115,49 @@ def test_an_integer_sequence_holds_the_same_codes_in_its_one_block_and_in_pool_b
         for part in ("k_scale", "k_zero"):
             single = getattr(cache.blocks, part)[layer][0, :, groups // G].transpose(0, 1)
             assert torch.equal(getattr(pool.blocks, part)[layer][block[::G], :, row[::G] // G], single), part
+    assert pool.blocks.nbytes == plan.n_blocks * CacheSpec.parse(name).pool_bytes(geometry, bs).block
+
+
+@pytest.mark.parametrize("name", ["tq-k4v4", "tq-k3v3+prerope+sink1+norms8", "tq-k4v4+halloc=k354v444", "tq-k4v3+qjl",
+                                  "tq-k3v3+vq+bf16norms"])
+def test_a_turboquant_sequence_holds_the_same_codes_in_its_one_block_and_in_pool_blocks(name):
+    """The same chunks into a TurboQuantCache given the pool's calibration and into scattered blocks of a TurboPool
+    (both through the torch coder, the reference the C coder is held to in tests/test_tq_kernel.py): every coded
+    token's codes and scales are the same bits in the cache's one block and in the pool's blocks (with +sinkN the
+    pool's position p is the cache's slot p - N), and the attention each reads is the same."""
+    bs = 8
+    geometry = CacheGeometry(n_layers=1, n_kv_heads=3, head_dim=16, n_heads=6, capacity=48,
+                             rope_inv_freq=tuple(10000.0 ** (-i / 8) for i in range(8)))
+    plan = CapacityPlan.build(geometry, name, 10**9, bs, max_batch=2)
+    fmt = block_format(name, geometry, bs)
+    gen, rng = torch.Generator().manual_seed(3), random.Random(3)
+    codec = calibrated(geometry, fmt.config, gen)
+    pool = TurboPool(geometry, plan, fmt, codec)
+    cache = TurboQuantCache(geometry, config=fmt.config)
+    cache.use_calibration(codec)
+    assert isinstance(cache.blocks, TqBlocks) and isinstance(pool.blocks, TqBlocks)
+    assert (cache.blocks.n_blocks, cache.blocks.block_size) == (1, cache.slots)
+    assert cache.blocks.shapes() == pool.blocks.shapes()                        # the same rows, in blocks of other sizes
+    sink, n = fmt.config.full.sink, 0
+    table = rng.sample(range(plan.n_blocks), geometry.capacity // bs)
+    seq = Sequence("a", [1])
+    while n < geometry.capacity:
+        T = min(rng.choice([1, 3, 11]), geometry.capacity - n)
+        k = torch.randn(T, 3, 16, generator=gen) + 2.0                          # (T, Hkv, D)
+        v = torch.randn(T, 3, 16, generator=gen)
+        q = torch.randn(T, 6, 16, generator=gen)
+        layout = RaggedLayout.build([table], [T], [n + T], bs)
+        view = BatchView(pool, layout.slots(0)[n:], layout, 16 ** -0.5, None, False, pool.rows_for([seq]))
+        pool.append(0, view, k, v)
+        got = pool.attend(0, view, q)                                           # (T, H, D)
+        cache.append(0, k.transpose(0, 1)[None], v.transpose(0, 1)[None])
+        want = cache.attend(0, q.transpose(0, 1)[None])[0].transpose(0, 1)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+        n += T
+    coded = n - sink
+    in_pool = pool.blocks.gather(0, layout.slots(0)[sink:])                     # (1, H', coded[, bytes]) each
+    in_cache = {name: t[:, :, :coded] for name, t in cache.blocks.layer(0).items()}
+    assert in_pool.keys() == in_cache.keys()
+    for part in in_pool:
+        assert torch.equal(in_pool[part], in_cache[part]), part
     assert pool.blocks.nbytes == plan.n_blocks * CacheSpec.parse(name).pool_bytes(geometry, bs).block

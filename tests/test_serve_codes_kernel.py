@@ -1,4 +1,4 @@
-"""TurboQuant and integer blocks attended in one C call per layer (kernels/paged.c kvlab_paged_codes_attention,
+"""TurboQuant and integer blocks attended in one C call per layer (kernels/paged.c kvlab_tq_attention,
 kvlab_paged_int_attention) against the pools' torch reference (gather, dequantize, grouped_attention per
 sequence), and the int pools' open key group across a fork.
 
@@ -17,7 +17,8 @@ import torch
 
 from kvlab.cache import CacheGeometry, make_cache
 from kvlab.errors import ConfigError
-from kvlab.kernels.paged import paged_codes_attention, paged_int_attention
+from kvlab.cache.tq_kernel import CodedLayers
+from kvlab.kernels.paged import paged_int_attention, tq_attention
 from kvlab.serve import coded
 from kvlab.serve.attention import RaggedLayout
 from kvlab.serve.blocks import BlockManager, CapacityPlan
@@ -92,9 +93,9 @@ def test_the_ragged_code_kernel_equals_the_torch_reference(seed, case, monkeypat
 
     def counted(*args, **kw):
         calls.append(1)
-        return paged_codes_attention(*args, **kw)
+        return tq_attention(*args, **kw)
 
-    monkeypatch.setattr(coded, "paged_codes_attention", counted)
+    monkeypatch.setattr(coded, "tq_attention", counted)
     for _ in range(2):
         tables, queries, lengths = random_step(rng, block_size, pool.plan.n_blocks)
         layout = RaggedLayout.build(tables, queries, lengths, block_size)
@@ -109,34 +110,38 @@ def test_the_ragged_code_kernel_checks_every_buffer():
     kernel = require_kernel()
     pool = random_turbo_pool("tq-k4v4", 16, 4, 2, 64, None, 0)
     layout = RaggedLayout.build([[3, 5], [7]], [2, 1], [20, 9], 16)
-    buf, codec = pool.token_buffers, pool.codec
+    layer = pool._coder_at(0, 0)                                                     # the layer as C reads it
     q = torch.randn(3, 4, 64)
-    args = dict(k_codes=buf["k_codes"][0], k_norm=buf["k_norm"][0], v_codes=buf["v_codes"][0], v_norm=buf["v_norm"][0],
-                k_layout=codec.key_codes.layout, v_layout=codec.value_codes.layout, block_tables=layout.block_tables,
-                query_start=layout.query_start, context_len=layout.context_len, block_size=16, scale=0.125)
-    assert paged_codes_attention(kernel, q, **args).shape == (3, 4, 64)
+    args = dict(block_tables=layout.block_tables, query_start=layout.query_start, context_len=layout.context_len,
+                step=pool.step_struct(layout, None), scale=0.125)
+    assert tq_attention(kernel, layer, q, **args).shape == (3, 4, 64)
     bad = [
-        dict(k_codes=buf["k_codes"][0][:, :, :-1]),                                 # rows shorter than the layout's
-        dict(k_norm=buf["k_norm"][0].float()),                                      # norms not 16-bit
-        dict(v_norm=buf["v_norm"][0].to(torch.bfloat16)),                           # K and V norms differ
-        dict(v_layout=codec.key_codes.layout.__class__(64, 32, torch.tensor([[0, 64, 9]], dtype=torch.int32),
-                                                       torch.zeros(512))),          # a width past 8 bits
-        dict(v_layout=replace(codec.value_codes.layout, tables=codec.value_codes.layout.tables[:-1])),  # short tables
         dict(block_tables=layout.block_tables.long()),
         dict(block_tables=torch.tensor([[3, 99], [7, 0]], dtype=torch.int32)),      # a block id past the pool
         dict(context_len=torch.tensor([40, 9], dtype=torch.int32)),                 # longer than its table
         dict(query_start=torch.tensor([0, 2, 4], dtype=torch.int32)),               # rows that are not q's
-        dict(block_size=7),                                                         # slots are not whole blocks
-        dict(k_layout=[codec.key_codes.layout]),                                    # one layout for 2 KV heads
-        dict(k_layout=[codec.key_codes.layout, codec.value_codes.layout.__class__(
-            64, 24, torch.tensor([[0, 64, 3, 0]], dtype=torch.int32), torch.zeros(16))]),   # heads wider than the rows
+        dict(step=pool.step_struct(RaggedLayout.build([[3]], [1], [4], 16), None)),  # a step of another layout
+        dict(first_key=-1),
     ]
     for change in bad:
         with pytest.raises(ConfigError) as info:
-            paged_codes_attention(kernel, q, **{**args, **change})
+            tq_attention(kernel, layer, q, **{**args, **change})
         assert "\n" not in str(info.value)
     with pytest.raises(ConfigError):
-        paged_codes_attention(kernel, q[:, :3], **args)                              # 3 heads over 2 KV heads
+        tq_attention(kernel, layer, q[:, :3], **args)                               # 3 heads over 2 KV heads
+    # the layer's buffers are checked where C's description of them is made
+    buffers = pool.blocks.layer(0)
+    bad_buffers = [
+        dict(k_codes=buffers["k_codes"][..., :-1]),                                 # rows shorter than the layout's
+        dict(k_norm=buffers["k_norm"].float()),                                     # norms not 16-bit
+        dict(v_norm=buffers["v_norm"].to(torch.bfloat16)),                          # K and V norms differ
+        dict(v_codes=buffers["v_codes"][:, :, :8]),                                 # blocks of other rows than the norms'
+        dict(k_norm=buffers["k_norm"][..., None]),                                  # not (n_blocks, Hkv, rows)
+    ]
+    for change in bad_buffers:
+        with pytest.raises(ConfigError) as info:
+            CodedLayers("test").layer(pool.codec, 0, {**buffers, **change}, (pool.plan.n_blocks, 16))
+        assert "\n" not in str(info.value)
 
 
 # -- int pools -------------------------------------------------------------------------------------------------

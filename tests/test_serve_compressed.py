@@ -23,7 +23,7 @@ from kvlab.model.loader import default_model_path
 from kvlab.plan.command import build_plan
 from kvlab.plan.rules.kvlab import engine_admission
 from kvlab.kernels import block_kernel
-from kvlab.kernels.paged import paged_codes_attention, tq_pool_layer
+from kvlab.kernels.paged import tq_attention, tq_pool_layer
 from kvlab.serve import Engine, SamplingParams, coded
 from kvlab.serve.attention import RaggedLayout
 from kvlab.serve.blocks import CapacityPlan
@@ -79,7 +79,7 @@ def test_batched_tokens_equal_each_sequence_alone_with_that_format(smollm2, name
     """Through the pool's C kernels where they build (TurboQuant: one call per layer and step, kernels/paged.c, or
     every layer of a step in one, kernels/batchstep.c)."""
     calls = []
-    monkeypatch.setattr(coded, "paged_codes_attention", lambda *a, **kw: calls.append(1) or paged_codes_attention(*a, **kw))
+    monkeypatch.setattr(coded, "tq_attention", lambda *a, **kw: calls.append(1) or tq_attention(*a, **kw))
     monkeypatch.setattr(coded, "tq_pool_layer", lambda *a, **kw: calls.append(1) or tq_pool_layer(*a, **kw))   # one call a layer
     step_call = FusedBatchStep.__call__                                                    # or every layer in one call
     monkeypatch.setattr(FusedBatchStep, "__call__", lambda self, *a: calls.append(1) or step_call(self, *a))
@@ -233,8 +233,9 @@ def test_an_engine_given_the_loaded_model_spells_out_its_recipe(smollm2, monkeyp
     engine = Engine(smollm2, cache="tq-k4v4+prerope+sink1+halloc", kv_budget="6MiB", max_batch=2)
     assert asked == [("tq-k4v4+prerope+sink1+halloc", smollm2)] and engine.capacity.format == HALLOC
     assert engine.pool.codec.recipe[0].tolist() == [[3, 4], [5, 4], [3, 4]]                    # layer 0: (key, value) per head
-    assert [tuple(t.shape) for t in engine.pool.token_buffers["k_codes"][:2]] == [(engine.pool.slots, 1, 24 + 40 + 24),
-                                                                                  (engine.pool.slots, 1, 40 + 24 + 40)]
+    blocks = engine.pool.blocks
+    assert [tuple(blocks.buffers["k_codes"][layer].shape) for layer in (0, 1)] == [
+        (blocks.n_blocks, 1, blocks.block_size, 24 + 40 + 24), (blocks.n_blocks, 1, blocks.block_size, 40 + 24 + 40)]
     with pytest.raises(ConfigError, match="no recipe yet") as err:                             # a bare model: nothing to calibrate
         Engine(smollm2.model, smollm2.tokenizer, cache="tq-k4v4+halloc", kv_budget="6MiB", max_batch=2)
     assert "\n" not in str(err.value)

@@ -1,6 +1,6 @@
 """The C coder of a token's K/V (kernels/decode.c kvlab_tq_code_tokens, cache/tq_kernel.py): the codes and scales it
-writes equal TurboQuantCache.code's (the torch reference) in a single cache's head-major layout and in the serving
-pool's token-major one, for every option the presets use; slots it does not hold and a description the call does
+writes equal TurboQuantCache.code's (the torch reference) in a single cache's one block and in the serving pool's
+many (cache/blocks.py TqBlocks), for every option the presets use; slots it does not hold and a description the call does
 not match are refused, and a scale that is not finite is reported, not stored as if it were.
 
 Tolerance (see tests/test_fused_codes.py): C and torch compute y = Π(x-μ)/‖x-μ‖ in another order (~1e-7 apart), so
@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from kvlab.cache import CacheGeometry
+from kvlab.cache.blocks import TqBlocks
 from kvlab.cache.tq_kernel import CodedLayers, code_tokens
 from kvlab.cache.turboquant import TurboQuantCache
 from kvlab.errors import ConfigError
@@ -59,14 +60,17 @@ def reference(codec, layer: int, k: torch.Tensor, v: torch.Tensor, rope) -> dict
     return {name: coded[name][0].transpose(0, 1) for name in ("k_codes", "k_norm", "v_codes", "v_norm")}
 
 
-def empty_buffers(codec, layer: int, slots: int, token_major: bool) -> dict[str, torch.Tensor]:
-    """Zeroed buffers shaped as a pool's (slots, Hkv[, bytes]) or a single cache's (Hkv, slots[, bytes])."""
-    out = {}
-    for name in ("k_codes", "k_norm", "v_codes", "v_norm"):
-        like = getattr(codec, name)[layer][0]                                # (Hkv, 1[, bytes]) or +halloc (1, 1, Σ)
-        shape = (slots, like.shape[0], *like.shape[2:]) if token_major else (like.shape[0], slots, *like.shape[2:])
-        out[name] = torch.zeros(shape, dtype=like.dtype)
-    return out
+def empty_buffers(codec, layer: int, slots: int, block_rows: int) -> dict[str, torch.Tensor]:
+    """Zeroed blocks of `block_rows` rows (cache/blocks.py TqBlocks), (slots / block_rows, Hkv, block_rows[, bytes]):
+    a pool's many blocks, or a single cache's one (block_rows = slots)."""
+    blocks = TqBlocks(codec.blocks.shapes([layer]), slots // block_rows, block_rows)
+    return {name: blocks.layer(layer)[name] for name in ("k_codes", "k_norm", "v_codes", "v_norm")}
+
+
+def rows_of(buffer: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The rows (n, Hkv|1[, bytes]) of the slots (n,) in blocks (n_blocks, Hkv|1, block_rows[, bytes])."""
+    rows = buffer.shape[2]
+    return buffer[slots // rows, :, slots % rows]
 
 
 def assert_codes_agree(codec, got: dict, want: dict) -> None:
@@ -86,9 +90,9 @@ def assert_codes_agree(codec, got: dict, want: dict) -> None:
         assert (steps > 0).float().mean().item() < 0.05, name
 
 
-@pytest.mark.parametrize("token_major", [True, False], ids=["pool", "single"])
+@pytest.mark.parametrize("block_rows", [16, 64], ids=["pool", "single"])
 @pytest.mark.parametrize("name", NAMES)
-def test_c_coder_writes_what_torch_codes(kernel, name, token_major):
+def test_c_coder_writes_what_torch_codes(kernel, name, block_rows):
     codec = calibrated_codec(name)
     gen = torch.Generator().manual_seed(7)
     H, d = codec.geometry.n_kv_heads, codec.geometry.head_dim
@@ -102,23 +106,22 @@ def test_c_coder_writes_what_torch_codes(kernel, name, token_major):
             positions = torch.randint(0, 500, (N_TOKENS,), generator=gen)
             cos, sin = codec.position_rope(0, 500)                                # (500, d) each
             rope = cos[positions], sin[positions]
-        buffers = empty_buffers(codec, layer, slots, token_major)
-        coded = CodedLayers("test").layer(codec, layer, buffers, slots, token_major=token_major)
+        buffers = empty_buffers(codec, layer, slots, block_rows)
+        coded = CodedLayers("test").layer(codec, layer, buffers, (slots // block_rows, block_rows))
         assert code_tokens(kernel, coded, k, v, order, rope)
-        got = {n: (b[order] if token_major else b[:, order].transpose(0, 1)) for n, b in buffers.items()}
+        got = {n: rows_of(b, order) for n, b in buffers.items()}
         assert_codes_agree(codec, got, reference(codec, layer, k, v, rope))
         untouched = torch.ones(slots, dtype=torch.bool)
         untouched[order] = False
         for b in buffers.values():   # nothing written outside the tokens' slots
-            rows = b[untouched] if token_major else b[:, untouched]
-            assert not rows.any()
+            assert not rows_of(b, untouched.nonzero()[:, 0]).any()
 
 
 def test_the_coder_refuses_what_it_does_not_hold_and_reports_an_overflow(kernel):
     codec = calibrated_codec("tq-k4v4")
     H, d = codec.geometry.n_kv_heads, codec.geometry.head_dim
-    buffers = empty_buffers(codec, 0, 8, token_major=True)
-    coded = CodedLayers("test").layer(codec, 0, buffers, 8, token_major=True)
+    buffers = empty_buffers(codec, 0, 8, block_rows=4)
+    coded = CodedLayers("test").layer(codec, 0, buffers, (2, 4))
     k = v = torch.randn(2, H, d)
     with pytest.raises(ConfigError, match="refused"):
         code_tokens(kernel, coded, k, v, torch.tensor([3, 8]))                   # slot 8 of 8

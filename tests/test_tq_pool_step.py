@@ -1,6 +1,6 @@
 """A TurboQuant pool layer in one C call (kernels/paged.c kvlab_tq_pool_layer): the step's K/V coded into their slots
 (sink positions into the sink rows), every row attended over its sequence's codes, turned back to the model's domain
-and merged with the sink rows, against the path it replaces (the C coder, kvlab_paged_codes_attention, then the
+and merged with the sink rows, against the path it replaces (the C coder, kvlab_tq_attention, then the
 inverse rotation, the value offset, q·μ and the sink merge in torch).
 
 Two pools with one codec run the same steps, one each way: after every step their buffers are bitwise equal and the
@@ -63,7 +63,7 @@ def pools(name: str, block_size: int, heads: int, kv_heads: int, window, seed: i
 
 
 def buffers(pool: TurboPool) -> dict[str, torch.Tensor]:
-    held = {f"{name}.{i}": t for name, layers in pool.token_buffers.items() for i, t in enumerate(layers)}
+    held = {f"{name}.{i}": t for name, layers in pool.blocks.buffers.items() for i, t in layers.items()}
     if pool.sinks:
         held.update({"sink.k": pool.sinks.k, "sink.v": pool.sinks.v})
     return held

@@ -1,5 +1,6 @@
-"""The formats' storage as blocks read through block tables: DenseBlocks (dense, dense-f16, dense-bf16) and IntBlocks
-(int1..int8), each the one storage of its formats for the single-sequence cache and the serving pool alike.
+"""The formats' storage as blocks read through block tables: DenseBlocks (dense, dense-f16, dense-bf16), IntBlocks
+(int1..int8) and TqBlocks (TurboQuant), each the one storage of its formats for the single-sequence cache and the
+serving pool alike.
 
     DenseBlocks k (L, n_blocks, Hkv, block_size, D), v (L, n_blocks, Hkv, block_size, Dv), in the storage dtype
     token t of a sequence whose block table is T: block T[t // block_size], row t % block_size of each head
@@ -7,9 +8,9 @@
 
 Head-major inside a block: one head's rows of a block are contiguous, so reading a head's keys walks memory in order
 (the C readers, kernels/decode.c, intcache.c and paged.c, all do). The single-sequence caches (`DenseCache`,
-`QuantizedCache`) are this storage holding B sequences in one block of `capacity` (or `slots`) rows each (sequence
-b's table is [b]); the serving pools (serve/blocks.py `BlockPool`, serve/coded.py `IntPool`) are the same storage
-holding many sequences in small blocks.
+`QuantizedCache`, `TurboQuantCache`) are this storage holding B sequences in one block of `capacity` (or `slots`) rows
+each (sequence b's table is [b]); the serving pools (serve/blocks.py `BlockPool`, serve/coded.py `IntPool`,
+`TurboPool`) are the same storage holding many sequences in small blocks.
 """
 
 from __future__ import annotations
@@ -177,3 +178,62 @@ class IntBlocks:
     @property
     def nbytes(self) -> int:
         return tensors_nbytes(*self.buffers().values())
+
+
+class TqBlocks:
+    """TurboQuant's per-token buffers (cache/turboquant.py) in blocks, head-major inside a block like DenseBlocks; per
+    buffer, one tensor per layer (the layers' rows may differ in length: +alloc, +halloc):
+
+        k_codes, v_codes  (n_blocks, Hkv, block_size, bytes) uint8, or +halloc (n_blocks, 1, block_size, Σ_h bytes_h):
+                          a row of every head's codes side by side at their widths
+        k_norm, v_norm    (n_blocks, Hkv, block_size) 16-bit scales, or uint8 log codes (+norms8)
+        k_signs, k_rnorm  +qjl: (n_blocks, Hkv, block_size, d/8) sign bits, (n_blocks, Hkv, block_size) residual norms
+        k_out_idx, k_out_val  +outliers: (n_blocks, Hkv, block_size, N) the kept key channels and their values
+
+    `shapes`: {name: (dtype, {layer: (H', *row)})}, H' = Hkv or 1. TurboQuantCache holds its tokens here, one block of
+    its `slots` rows per sequence; the serving pool (serve/coded.py TurboPool) many blocks. The C coder and readers
+    address a slot as (block, row) (kernels/tqcodes.h Coded); the slot methods are the pool's torch reference."""
+
+    def __init__(self, shapes: dict[str, tuple[torch.dtype, dict[int, tuple[int, ...]]]], n_blocks: int, block_size: int,
+                 device="cpu"):
+        self.n_blocks, self.block_size = n_blocks, block_size
+        self.buffers = {name: {layer: torch.zeros(n_blocks, shape[0], block_size, *shape[1:], dtype=dtype, device=device)
+                               for layer, shape in layers.items()}
+                        for name, (dtype, layers) in shapes.items()}
+
+    def shapes(self, layers=None) -> dict[str, tuple[torch.dtype, dict[int, tuple[int, ...]]]]:
+        """What this storage was made of (the `shapes` argument), for the given layers (None: all)."""
+        return {name: (next(iter(held.values())).dtype,
+                       {l: (t.shape[1], *t.shape[3:]) for l, t in held.items() if layers is None or l in layers})
+                for name, held in self.buffers.items()}
+
+    def layer(self, layer: int) -> dict[str, torch.Tensor]:
+        """Layer `layer`'s buffers: (n_blocks, H', block_size[, bytes]) each."""
+        return {name: held[layer] for name, held in self.buffers.items()}
+
+    # -- the pool's torch reference: tokens by slot (block · block_size + row) ------------------------------
+    def write_slots(self, layer: int, slots: torch.Tensor, coded: dict[str, torch.Tensor]) -> None:
+        """Each buffer's rows (N, H'[, bytes]) of N tokens into their slots (N,)."""
+        block, row = slots // self.block_size, slots % self.block_size
+        for name, rows in coded.items():
+            self.buffers[name][layer][block, :, row] = rows      # indexed (N, H'[, bytes])
+
+    def gather(self, layer: int, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The rows of n slots as one sequence's buffers, as TurboQuantCache's reads take them: (1, H', n[, bytes])."""
+        block, row = slots // self.block_size, slots % self.block_size
+        return {name: held[layer][block, :, row].transpose(0, 1)[None].contiguous() for name, held in self.buffers.items()}
+
+    # -- blocks -----------------------------------------------------------------------------------------------
+    def copy_block(self, src: int, dst: int) -> None:
+        """Every layer's codes of block `src` into block `dst` (copy-on-write)."""
+        for held in self.buffers.values():
+            for t in held.values():
+                t[dst] = t[src]
+
+    def block_parts(self, block: int) -> list[tuple[str, torch.Tensor]]:
+        """Views of every buffer's part of `block`, in a fixed order (what the KV store writes and reads back)."""
+        return [(f"{name}.{layer}", t[block]) for name, held in self.buffers.items() for layer, t in held.items()]
+
+    @property
+    def nbytes(self) -> int:
+        return tensors_nbytes(*(t for held in self.buffers.values() for t in held.values()))

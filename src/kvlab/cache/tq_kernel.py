@@ -3,9 +3,9 @@ and for the serving pool alike.
 
 `Coded` describes one layer: the codec's state (the rotation Π as a (d, d) matrix, float8 offsets, 4-bit key
 weights, each KV head's packing with its boundaries, the scale modes, +norms8 centres, +prerope's inverse rotation)
-and where its codes and scales lie:
-    single cache   codes (Hkv, slots, bytes), scales (Hkv, slots)        (+halloc: codes (1, slots, Σ bytes))
-    serving pool   codes (slots, Hkv, bytes), scales (slots, Hkv)        (+halloc: codes (slots, 1, Σ bytes))
+and where its codes and scales lie: in blocks (cache/blocks.py TqBlocks), codes (n_blocks, Hkv, block_rows, bytes)
+(+halloc: (n_blocks, 1, block_rows, Σ bytes)), scales (n_blocks, Hkv, block_rows); a single cache's sequence is one
+block of all its slots, a serving pool's blocks hold its block size each.
 `code_tokens` codes a step's K/V into it with kvlab_tq_code_tokens, the one coder of a token's K/V that the fused
 decode step uses too; TurboQuantCache.code is its torch reference (tests/test_tq_kernel.py). `CodedLayers.pool_layer`
 adds a serving pool layer's sink rows (kernels/tqcodes.h TqPoolLayer): what kvlab_tq_pool_layer codes and reads a
@@ -39,7 +39,8 @@ class Coded(ctypes.Structure):
                 ("scale_mode", c_int32 * 2), ("rotation", c_void_p), ("offset", c_void_p * 2),
                 ("weight_codes", c_void_p), ("fp8_values", c_void_p), ("weight_values", c_void_p),
                 ("rope_cos", c_void_p), ("rope_sin", c_void_p), ("unrotation", c_void_p), ("unrotation_signs", c_void_p),
-                ("norm_head_stride", c_int64), ("norm_slot_stride", c_int64)]
+                ("block_rows", c_int64), ("block_bytes", c_int64 * 2), ("norm_head_stride", c_int64),
+                ("norm_block_stride", c_int64)]
 
 
 def fp8_values() -> torch.Tensor:
@@ -72,35 +73,35 @@ class CodedLayers:
             self._keep.append(t)
         return t.data_ptr()
 
-    def layer(self, codec, layer: int, buffers: dict[str, torch.Tensor], slots: int, token_major: bool,
+    def layer(self, codec, layer: int, buffers: dict[str, torch.Tensor], blocks: tuple[int, int],
               slot_rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> Coded:
-        """Layer `layer` of TurboQuantCache `codec` over `buffers` {k_codes, k_norm, v_codes, v_norm} of `slots` slots,
-        head-major (a single cache's) or token-major (the pool's, see the module docstring). slot_rope: +prerope's
-        (slots, d) cos / sin of each slot's position, which the fused step reads (None where the caller passes each
-        token's own to code_tokens)."""
+        """Layer `layer` of TurboQuantCache `codec` over `buffers` {k_codes, k_norm, v_codes, v_norm} in blocks =
+        (n_blocks, block_rows), as TqBlocks holds a layer: codes (n_blocks, Hkv, block_rows, bytes), or +halloc
+        (n_blocks, 1, block_rows, Σ bytes), scales (n_blocks, Hkv, block_rows). slot_rope: +prerope's (slots, d) cos / sin
+        of each slot's position, which the fused step reads (None where the caller passes each token's own to
+        code_tokens)."""
         H, hd = codec.geometry.n_kv_heads, codec.geometry.head_dim
         at, config = f"layer {layer}", codec.config
+        n_blocks, rows = blocks
+        slots = n_blocks * rows
         c = Coded()
         c.made_by = self   # what it points at lives as long as it does
         c.checked = (H, hd)   # what its buffers were checked for: KV heads, head dim
         log_norms = config.log_norms
         c.slots, c.norm_type = slots, NORM_LOG8 if log_norms else KV_TYPES[config.norm_dtype]
-        c.norm_head_stride, c.norm_slot_stride = (1, H) if token_major else (slots, 1)
+        c.block_rows, c.norm_head_stride, c.norm_block_stride = rows, rows, H * rows
         norm_dtype = torch.uint8 if log_norms else config.norm_dtype
         for i, (name, layer_codes, mode) in enumerate((("k", codec.layer_key_codes[layer], codec.key_scale_mode),
                                                        ("v", codec.layer_value_codes[layer], config.value_scale))):
             if config.alloc_heads:   # +halloc: one row of every head's codes side by side
                 books, starts, row = layer_codes.heads, [a for a, _ in layer_codes.spans], layer_codes.row_bytes
-                shape, c.slot_bytes[i] = ((slots, 1, row) if token_major else (1, slots, row)), row
-            elif token_major:        # one width for the layer's heads, a token's heads side by side
+                shape, c.slot_bytes[i] = (n_blocks, 1, rows, row), row
+            else:                    # one width, each head's rows of a block in turn
                 books, row = [layer_codes] * H, layer_codes.layout.row_bytes
-                starts, shape, c.slot_bytes[i] = [h * row for h in range(H)], (slots, H, row), H * row
-            else:                    # one width, each head's slots in turn
-                books, row = [layer_codes] * H, layer_codes.layout.row_bytes
-                starts, shape, c.slot_bytes[i] = [h * slots * row for h in range(H)], (H, slots, row), row
+                starts, shape, c.slot_bytes[i] = [h * rows * row for h in range(H)], (n_blocks, H, rows, row), row
+            c.block_bytes[i] = shape[1] * rows * row
             c.codes[i] = self.ptr(buffers[f"{name}_codes"], shape, f"{at} {name} codes", torch.uint8)
-            c.norms[i] = self.ptr(buffers[f"{name}_norm"], (slots, H) if token_major else (H, slots), f"{at} {name} norms",
-                                  norm_dtype)
+            c.norms[i] = self.ptr(buffers[f"{name}_norm"], (n_blocks, H, rows), f"{at} {name} norms", norm_dtype)
             if log_norms:   # +norms8: each head's log2 centre (a single cache's first coded chunk sets it in place)
                 centres = codec.norm_centres[f"{name}_norm"][layer][0]
                 c.norm_centres[i] = self.ptr(centres, (H,), f"{at} {name} norm centres", torch.float16)
@@ -133,12 +134,9 @@ class CodedLayers:
         return c
 
     def pool_layer(self, coded: Coded, sink_k: torch.Tensor | None, sink_v: torch.Tensor | None) -> TqPoolLayer:
-        """A token-major `coded` (a serving pool's layer) with its sink rows: sink_k, sink_v (entries, sink, Hkv, d) fp32,
-        fp16 or bf16 (+sinkN), else None. It holds `coded`; C trusts the sizes checked here, layer.checked = (Hkv, d,
-        slots)."""
+        """`coded` (a serving pool's layer) with its sink rows: sink_k, sink_v (entries, sink, Hkv, d) fp32, fp16 or bf16
+        (+sinkN), else None. It holds `coded`; C trusts the sizes checked here, layer.checked = (Hkv, d, slots)."""
         H, hd = coded.checked
-        if coded.norm_slot_stride != H or coded.norm_head_stride != 1:
-            raise ConfigError(f"{self.what}: a pool layer needs token-major codes")
         layer = TqPoolLayer(ctypes.addressof(coded))
         layer.made_by, layer.coded_by = self, coded
         layer.checked = (H, hd, coded.slots)

@@ -104,6 +104,7 @@ from ..kernels.codebook import CodeLayout, codebook_kernel_for
 from ..rope import apply_rope
 from .allocation import budget, centre, check_geometry
 from .base import CacheGeometry, copy_prefix, tensors_nbytes
+from .blocks import TqBlocks
 from .codebook import lloyd_max
 from .format import OUTLIER_BYTES, WEIGHT_BITS, CacheSpec, FullPrecision  # noqa: F401  (OUTLIER_BYTES: importable from here)
 from .sizes import BLOCK, codes_nbytes, is_power_of_two, is_vector_part, packed_nbytes, table_nbytes, width_split
@@ -440,25 +441,12 @@ class TurboQuantCache(CompressedCache):
         if config.rotation == "haar":
             self.haar_basis = haar_matrix(d, torch.Generator().manual_seed(_layer_seed(config.seed, -2))).to(dev)
         self.rotations = {l: Rotation(d, _layer_seed(config.seed, l), dev, self.haar_basis) for l in self.compressed_layers}
-        B, H, S = g.batch, g.n_kv_heads, self.slots
-        nd = torch.uint8 if config.log_norms else config.norm_dtype
-
-        def buffers(width, dtype: torch.dtype) -> dict[int, torch.Tensor]:
-            """width: bytes per token (0: one value per token), or a function of the layer giving them (codes: with
-            +halloc one row of every head's codes side by side, (B, 1, S, bytes))."""
-            shape = lambda l: ((B, 1 if config.alloc_heads else H, S, width(l)) if callable(width)
-                               else ((B, H, S, width) if width else (B, H, S)))
-            return {l: torch.zeros(shape(l), dtype=dtype, device=dev) for l in self.compressed_layers}
-
-        def packed(books: dict):
-            return lambda l: books[l].row_bytes if config.alloc_heads else RotatedCodes.packed_bytes(d, books[l].bits)
-        self.k_codes = buffers(packed(self.layer_key_codes), torch.uint8)                    # (B, H, S, bytes)
-        self.k_norm = buffers(0, nd)                                                         # (B, H, S)
-        self.v_codes = buffers(packed(self.layer_value_codes), torch.uint8)
-        self.v_norm = buffers(0, nd)
-        if config.outliers:  # the kept key entries: channel and exact value k_c - μ_c
-            self.k_out_idx = buffers(config.outliers, torch.uint8)                           # (B, H, S, N)
-            self.k_out_val = buffers(config.outliers, _OUTLIER_VALUE)                        # (B, H, S, N)
+        B, H = g.batch, g.n_kv_heads
+        # the per-token buffers: B sequences, one block of `slots` rows each (cache/blocks.py TqBlocks); per layer
+        # k_codes, v_codes (B, H, S, bytes) (+halloc (B, 1, S, Σ bytes)), k_norm, v_norm (B, H, S) [+ qjl, outliers]
+        self.blocks = TqBlocks(self._token_shapes(), B, self.slots, dev)
+        for name, layers in self.blocks.buffers.items():
+            setattr(self, name, layers)
         # offsets: the mean of the first tokens each layer stores, subtracted before and added after coding
         def offsets(which: str) -> dict[int, torch.Tensor]:
             return {l: torch.zeros(B, H, d, dtype=_OFFSET, device=dev) for l in self.compressed_layers} if which in config.center else {}
@@ -480,15 +468,37 @@ class TurboQuantCache(CompressedCache):
         if config.qjl:
             gen = torch.Generator().manual_seed(_layer_seed(config.seed, -1))
             self.qjl_matrix = torch.randn(d, d, generator=gen).to(dev)                       # (m=d, d) S
-            self.k_signs = buffers(packed_nbytes(d, 1), torch.uint8)                         # (B, H, S, d/8)
             # the signs as 1-bit codes whose two centroids are -1 and +1, for the C kernels
             self.sign_layout = CodeLayout.of([(0, d, 1)], [torch.tensor([-1.0, 1.0])], packed_nbytes(d, 1))
-            self.k_rnorm = buffers(0, nd)                                                    # (B, H, S)
         self.rope_inv_freq = None
         if config.pre_rope:
             if g.rope_inv_freq is None or len(g.rope_inv_freq) != d // 2:
                 raise ConfigError("+prerope needs the model's RoPE frequencies (a cache geometry from CacheGeometry.for_model)")
             self.rope_inv_freq = torch.tensor(g.rope_inv_freq, dtype=torch.float32, device=dev)  # (d/2,)
+
+    def _token_shapes(self) -> dict[str, tuple[torch.dtype, dict[int, tuple[int, ...]]]]:
+        """Each per-token buffer's dtype and, per compressed layer, a token's (H', *row) (TqBlocks' `shapes`), in the
+        order of `token_buffer_names`."""
+        config, H, d = self.config, self.geometry.n_kv_heads, self.geometry.head_dim
+        layers = self.compressed_layers
+        norm = torch.uint8 if config.log_norms else config.norm_dtype
+
+        def codes(books: dict) -> dict[int, tuple[int, ...]]:   # +halloc: one row of every head's codes side by side
+            if config.alloc_heads:
+                return {l: (1, books[l].row_bytes) for l in layers}
+            return {l: (H, RotatedCodes.packed_bytes(d, books[l].bits)) for l in layers}
+
+        def per_token(*row: int) -> dict[int, tuple[int, ...]]:
+            return {l: (H, *row) for l in layers}
+
+        shapes = {"k_codes": (torch.uint8, codes(self.layer_key_codes)), "k_norm": (norm, per_token()),
+                  "v_codes": (torch.uint8, codes(self.layer_value_codes)), "v_norm": (norm, per_token())}
+        if config.qjl:       # the residual's sign bits and norm
+            shapes.update(k_signs=(torch.uint8, per_token(packed_nbytes(d, 1))), k_rnorm=(norm, per_token()))
+        if config.outliers:  # the kept key entries: channel and exact value k_c - μ_c
+            shapes.update(k_out_idx=(torch.uint8, per_token(config.outliers)),
+                          k_out_val=(_OUTLIER_VALUE, per_token(config.outliers)))
+        return shapes
 
     @property
     def key_scale_mode(self) -> str:
@@ -598,8 +608,7 @@ class TurboQuantCache(CompressedCache):
 
     def token_buffer_names(self) -> list[str]:
         """The per-token buffers: what `code` returns and `decode` reads."""
-        return (["k_codes", "k_norm", "v_codes", "v_norm"] + (["k_signs", "k_rnorm"] if self.config.qjl else [])
-                + (["k_out_idx", "k_out_val"] if self.config.outliers else []))
+        return list(self.blocks.buffers)
 
     def code(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
         """What this cache stores for T tokens of `layer`, without storing it: k, v (B, H, T, d) ->

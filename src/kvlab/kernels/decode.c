@@ -648,9 +648,14 @@ typedef struct {                   /* rows a coded layer's parts hold before the
     int32_t write;
 } Fill;
 
-/* KV head g's coded row of slot t: keys (i = 0) or values (1) */
+/* KV head g's coded row of slot t: keys (i = 0) or values (1); the rows after it in its block follow slot_bytes apart */
 static uint8_t *coded_row(const Coded *C, int i, int g, int64_t t) {
-    return C->codes[i] + C->heads[i][g].at + t * C->slot_bytes[i];
+    return C->codes[i] + t / C->block_rows * C->block_bytes[i] + C->heads[i][g].at + t % C->block_rows * C->slot_bytes[i];
+}
+
+/* where KV head g's scale of slot t lies in norms[i]; the rows after it in its block follow */
+static int64_t scale_at(const Coded *C, int g, int64_t t) {
+    return t / C->block_rows * C->norm_block_stride + (int64_t)g * C->norm_head_stride + t % C->block_rows;
 }
 
 /* y (d,) = x M, M (d, d) row-major */
@@ -681,14 +686,14 @@ static int store_scale(const Coded *C, int which, int g, float scale, uint16_t *
 
 /* KV head g's key (i = 0) or value (1) scale of slot t = a value store_scale made */
 static void put_scale(const Coded *C, int i, int g, int64_t t, uint16_t value) {
-    const int64_t slot = (int64_t)g * C->norm_head_stride + t * C->norm_slot_stride;
+    const int64_t slot = scale_at(C, g, t);
     if (C->norm_type == NORM_LOG8) ((uint8_t *)C->norms[i])[slot] = (uint8_t)value;
     else ((uint16_t *)C->norms[i])[slot] = value;
 }
 
-/* dst (n,) fp32 = KV head g's key (i = 0) or value (1) scales of slots [t0, t0 + n) (norm_slot_stride 1) */
+/* dst (n,) fp32 = KV head g's key (i = 0) or value (1) scales of slots [t0, t0 + n), rows of one block */
 static void load_scales(const Coded *C, int i, int g, int64_t t0, int n, float *dst) {
-    const int64_t slot = (int64_t)g * C->norm_head_stride + t0;
+    const int64_t slot = scale_at(C, g, t0);
     if (C->norm_type != NORM_LOG8) {
         kv_load(C->norm_type, (const uint16_t *)C->norms[i] + slot, n, dst);
         return;
@@ -758,8 +763,13 @@ int kvlab_tq_layouts(const Coded *C, int Hkv, int hd, cb_layout *layouts) {
     if ((C->norm_type != KV_F16 && C->norm_type != KV_BF16 && C->norm_type != NORM_LOG8)
         || (C->norm_type == NORM_LOG8 && (!C->norm_centres[0] || !C->norm_centres[1])) || hd % 2 || hd > CB_MAX_DIM)
         return -1;
+    if (C->block_rows <= 0 || C->slots % C->block_rows || C->norm_head_stride < C->block_rows
+        || C->norm_block_stride < (int64_t)Hkv * C->norm_head_stride)
+        return -1;
     for (int i = 0; i < 2; i++) {
-        if (C->scale_mode[i] < SCALE_NORM || C->scale_mode[i] > SCALE_UNBIASED || !C->heads[i]) return -1;
+        if (C->scale_mode[i] < SCALE_NORM || C->scale_mode[i] > SCALE_UNBIASED || !C->heads[i]
+            || C->block_bytes[i] < C->block_rows * C->slot_bytes[i])
+            return -1;
         for (int g = 0; g < Hkv; g++) {
             const HeadCodes *h = &C->heads[i][g];
             if (kvlab_cb_layout(&layouts[2 * g + i], hd, h->n_parts, h->spec, h->tables, h->row_bytes)
@@ -1038,7 +1048,7 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
         if (L->type != KV_F32 && L->type != KV_F16 && L->type != KV_BF16) { free(layouts); return -1; }
         if (L->coded) {
             const Coded *C = L->coded;
-            if (L->type != KV_F32 || !fill || !fill_fits(L, fill) || C->norm_slot_stride != 1
+            if (L->type != KV_F32 || !fill || !fill_fits(L, fill) || C->block_rows != C->slots
                 || kvlab_tq_layouts(C, Hkv, hd, &layouts[2 * (int64_t)l * Hkv])) { free(layouts); return -1; }
             const int spill = fill->write == WRITE_SPILL;
             chunks = chunks_of(fill->first + (fill->write == WRITE_FIRST)) + chunks_of(fill->coded + (fill->write == WRITE_CODED || spill))

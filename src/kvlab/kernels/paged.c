@@ -10,11 +10,12 @@
  * sixteen at a time, decode.c's); everything is computed in fp32.
  * Every index is checked before the loop: a bad table or length returns -1 and touches nothing.
  *
- * kvlab_paged_codes_attention does the same over TurboQuant blocks (kvlab/serve/coded.py TurboPool): per token
- * and KV head, b-bit codebook codes (codebook.h's row layout; each head its own layout and width with +halloc, the
- * heads' codes side by side in the token's row) and a 16-bit norm, for K and for V. The queries
- * come rotated (and weighted) as the codes are read; the output stays in the rotated domain (torch applies the
- * inverse rotation and the value offset to the whole batch). A work item is (sequence, query tile, KV head, key
+ * kvlab_tq_attention does the same over TurboQuant blocks (kvlab/serve/coded.py TurboPool), described by the
+ * layer's Coded (tqcodes.h; cache/blocks.py TqBlocks' layout, head-major inside a block like the dense pool's): per
+ * token and KV head, b-bit codebook codes (codebook.h's row layout; each head its own layout and width with +halloc,
+ * the heads' codes side by side in the token's row) and a 16-bit norm, for K and for V. The queries come rotated
+ * (and weighted) as the codes are read; the output stays in the rotated domain (kvlab_tq_pool_layer, which codes the
+ * step's tokens and reads them so, turns it back in C). A work item is (sequence, query tile, KV head, key
  * chunk): it decodes each tile of CB_TILE keys and values once for all its queries (rows x the G heads of the
  * KV head) and keeps an online softmax per query; chunks of CODE_CHUNK keys are separate items (flash-decoding:
  * a long context splits over threads), merged per query in chunk order, so the result is the same for any
@@ -277,13 +278,13 @@ typedef struct {
     int64_t k0, k1;         /* key positions [k0, k1) of the sequence */
 } code_item;
 
-/* Where KV head h's codes of a token lie and how they read: a token's row holds every head's codes, head 0 first;
- * each head has its own layout (+halloc: its own width), or all share one (heads[h] the same). */
+/* Where KV head h's codes of a token lie and how they read (tqcodes.h Coded): row o of block b at codes + b *
+ * block_bytes + head_at[h] + o * row_stride; each head has its own layout (+halloc: its own width), or all share one. */
 typedef struct {
-    const uint8_t *codes;                 /* (slots, token_bytes) */
-    int64_t token_bytes;
+    const uint8_t *codes;
+    int64_t row_stride, block_bytes;
     cb_layout *heads;                     /* (Hkv,) the codebooks */
-    int64_t *head_at;                     /* (Hkv,) byte offset of each head's codes in a token's row */
+    int64_t *head_at;                     /* (Hkv,) byte offset of each head's first row in a block */
 } code_rows;
 
 typedef struct {
@@ -291,7 +292,8 @@ typedef struct {
     const int32_t *block_tables, *query_start, *context_len;
     float scale;
     code_rows keys, values;
-    const void *k_norm, *v_norm;          /* (slots, Hkv) fp16 or bf16, or uint8 log codes (POOL_LOG8) */
+    const void *k_norm, *v_norm;          /* (n_blocks, Hkv, block_size) fp16 or bf16, or uint8 log codes (POOL_LOG8) */
+    int64_t norm_head_stride, norm_block_stride;
     int norm_dtype;
     const uint16_t *centres[2];           /* POOL_LOG8: (Hkv,) fp16 log2 centres of the keys, of the values */
     int first_key;                        /* keys at positions below it are not read (+sinkN: held exact apart) */
@@ -352,21 +354,21 @@ static int64_t code_items(const code_pool *P, int n_seqs, int64_t rows_per_tile,
  * of its score (norm x scale) and of its value (norm). */
 static void load_tile(const code_pool *P, const code_item *it, int64_t t0, int n, float *keys, float *values,
                       float *key_scale, float *value_scale) {
-    const int d = P->d, dpad = P->dpad, bs = P->block_size, Hkv = P->n_kv_heads, h = it->h;
+    const int d = P->d, dpad = P->dpad, bs = P->block_size, h = it->h;
     const cb_layout *key_layout = &P->keys.heads[h], *value_layout = &P->values.heads[h];
     const uint8_t *key_codes = P->keys.codes + P->keys.head_at[h], *value_codes = P->values.codes + P->values.head_at[h];
     const int32_t *table = P->block_tables + (int64_t)it->s * P->max_blocks;
-    for (int j = 0; j < n;) {   /* the tile's keys of one block at a time: consecutive slots, decoded as rows */
-        const int64_t t = t0 + j, slot = (int64_t)table[t / bs] * bs + t % bs;
-        const int run = (int)(bs - t % bs < n - j ? bs - t % bs : n - j);
-        kvlab_cb_decode_rows(value_layout, value_codes + slot * P->values.token_bytes, P->values.token_bytes, run,
-                             values + (int64_t)j * dpad, dpad);
-        kvlab_cb_decode_rows(key_layout, key_codes + slot * P->keys.token_bytes, P->keys.token_bytes, run,
-                             keys + (int64_t)j * dpad, dpad);
+    for (int j = 0; j < n;) {   /* the tile's keys of one block at a time: the head's consecutive rows, decoded as rows */
+        const int64_t t = t0 + j, block = table[t / bs], row = t % bs;
+        const int run = (int)(bs - row < n - j ? bs - row : n - j);
+        kvlab_cb_decode_rows(value_layout, value_codes + block * P->values.block_bytes + row * P->values.row_stride,
+                             P->values.row_stride, run, values + (int64_t)j * dpad, dpad);
+        kvlab_cb_decode_rows(key_layout, key_codes + block * P->keys.block_bytes + row * P->keys.row_stride,
+                             P->keys.row_stride, run, keys + (int64_t)j * dpad, dpad);
+        const int64_t first = block * P->norm_block_stride + h * P->norm_head_stride + row;
         for (int i = 0; i < run; i++) {
-            const int64_t index = (slot + i) * Hkv + it->h;
-            key_scale[j + i] = norm_value(P, 0, index, it->h) * (P->pre ? 1.0f : P->scale);
-            value_scale[j + i] = norm_value(P, 1, index, it->h);
+            key_scale[j + i] = norm_value(P, 0, first + i, h) * (P->pre ? 1.0f : P->scale);
+            value_scale[j + i] = norm_value(P, 1, first + i, h);
         }
         j += run;
     }
@@ -497,80 +499,6 @@ static int code_attention(const code_pool *P, const float *q, int n_seqs, float 
     return failed ? -2 : 0;
 }
 
-/* Each KV head's layout from its slice of the concatenated specs (parts[h] rows of 4) and tables (from table_at[h]),
- * its codes head_bytes[h] long, the heads side by side in a token's row: 0, or -1 (a layout out of range, or heads
- * whose decoded rows are not equally long). The caller frees R->heads and R->head_at (NULL-safe on failure). */
-static int alloc_rows(code_rows *R, const uint8_t *codes, int n_kv_heads) {
-    R->codes = codes;
-    R->heads = malloc(sizeof(cb_layout) * (size_t)n_kv_heads);
-    R->head_at = malloc(sizeof(int64_t) * (size_t)n_kv_heads);
-    return R->heads && R->head_at ? 0 : -2;
-}
-
-static int head_rows(code_rows *R, const uint8_t *codes, int n_kv_heads, int d, const int32_t *parts, const int32_t *spec,
-                     const float *tables, const int64_t *table_at, const int64_t *head_bytes) {
-    const int status = alloc_rows(R, codes, n_kv_heads);
-    if (status) return status;
-    int64_t at = 0;
-    for (int h = 0; h < n_kv_heads; h++) {
-        if (parts[h] <= 0 || parts[h] > CB_MAX_PARTS || table_at[h] < 0 || head_bytes[h] <= 0) return -1;
-        if (kvlab_cb_layout(&R->heads[h], d, parts[h], spec, tables + table_at[h], head_bytes[h])) return -1;
-        if (R->heads[h].dpad != R->heads[0].dpad) return -1;
-        spec += 4 * parts[h];
-        R->head_at[h] = at;
-        at += head_bytes[h];
-    }
-    R->token_bytes = at;
-    return 0;
-}
-
-static void free_rows(code_rows *R) {
-    free(R->heads);
-    free(R->head_at);
-}
-
-/* TurboQuant blocks: q (n_rows, H, d) rotated and weighted as the codes are read (with `pre`, +prerope: q itself,
- * the keys rebuilt at their positions < rope_rows, decode.c kvlab_prerope_rebuild), keys at positions from first_key on;
- * out (n_rows, H, d) in the rotated domain and, lse not NULL, (n_rows, H) the log of each softmax's sum; norms 16-bit floats (norm_dtype POOL_F16 / POOL_BF16) or uint8 log codes (POOL_LOG8, `centres` (2, Hkv)
- * fp16: each KV head's key and value centre). 0, -1 (a layout, length or code layout out of range: nothing read), or -2 (no memory). */
-int kvlab_paged_codes_attention(const float *q, int64_t n_rows, int n_heads, int n_kv_heads, int d,
-                                const uint8_t *k_codes, const void *k_norm, const uint8_t *v_codes,
-                                const void *v_norm, int norm_dtype, const uint16_t *centres, const PreRope *pre,
-                                int64_t rope_rows, int64_t n_slots,
-                                const int32_t *k_parts, const int32_t *k_spec, const float *k_tables,
-                                const int64_t *k_table_at, const int64_t *k_head_bytes,
-                                const int32_t *v_parts, const int32_t *v_spec, const float *v_tables,
-                                const int64_t *v_table_at, const int64_t *v_head_bytes,
-                                const int32_t *block_tables, int n_seqs, int max_blocks, int block_size,
-                                const int32_t *query_start, const int32_t *context_len,
-                                float scale, int window, int first_key, float *out, float *lse, int n_threads) {
-    if (norm_dtype != POOL_F16 && norm_dtype != POOL_BF16 && (norm_dtype != POOL_LOG8 || !centres)) return -1;
-    if (first_key < 0) return -1;
-    if (pre) {   /* the tiles hold whole rows of d (d a multiple of 16) and every position has its RoPE row */
-        if (d % 16 || !pre->cos_ || !pre->sin_ || (!pre->signs && !pre->unrotation) || (pre->signs && (d & (d - 1)))) return -1;
-        for (int s = 0; s < n_seqs; s++)
-            if (context_len[s] > rope_rows) return -1;
-    }
-    if (check_layout(n_rows, n_heads, n_kv_heads, d, d, POOL_F32, n_slots, block_tables, n_seqs, max_blocks, block_size,
-                     query_start, context_len))
-        return -1;
-    code_pool P = {.n_heads = n_heads, .n_kv_heads = n_kv_heads, .group = n_heads / n_kv_heads, .d = d,
-                   .window = window, .block_size = block_size, .max_blocks = max_blocks, .block_tables = block_tables,
-                   .query_start = query_start, .context_len = context_len, .scale = scale, .k_norm = k_norm,
-                   .v_norm = v_norm, .norm_dtype = norm_dtype,
-                   .centres = {centres, centres ? centres + n_kv_heads : NULL}, .first_key = first_key, .pre = pre};
-    int status = head_rows(&P.keys, k_codes, n_kv_heads, d, k_parts, k_spec, k_tables, k_table_at, k_head_bytes);
-    if (!status) status = head_rows(&P.values, v_codes, n_kv_heads, d, v_parts, v_spec, v_tables, v_table_at, v_head_bytes);
-    if (!status && P.keys.heads[0].dpad != P.values.heads[0].dpad) status = -1;
-    if (!status) {
-        P.dpad = P.keys.heads[0].dpad;
-        status = code_attention(&P, q, n_seqs, out, lse, n_threads);
-    }
-    free_rows(&P.keys);
-    free_rows(&P.values);
-    return status;
-}
-
 /* Integer blocks (kvlab/serve/coded.py IntPool; codes packed as kvlab/cache/packing.py; head-major inside a block as
  * cache/blocks.py lays blocks out: codes (n_blocks, Hkv, block_size, row), value scales (n_blocks, Hkv, block_size,
  * dv / value_group), key scales (n_blocks, Hkv, block_size / key_group, dk)): every query row and head
@@ -659,13 +587,12 @@ int kvlab_paged_int_attention(const float *q, int64_t n_rows, int n_heads, int n
     return status;
 }
 
-/* -- a layer of a TurboQuant pool in one call (tqcodes.h) -------------------------------------------------------- */
-/* kvlab_tq_pool_layer_ok's checks, each KV head's key and value layouts into L (2 Hkv) */
-static int tq_layer_check(const TqPoolLayer *T, int n_heads, int n_kv_heads, int hd, const Ragged *R, int64_t n_rows,
-                          const TqStep *S, cb_layout *L) {
-    if (!T || !T->coded || !R || !S || n_kv_heads <= 0) return -1;
-    const Coded *C = T->coded;
-    if (C->slots <= 0 || C->norm_head_stride != 1 || C->norm_slot_stride != n_kv_heads || !C->rotation) return -1;
+/* -- TurboQuant codes in blocks, read and coded through a layer's Coded (tqcodes.h) ------------------------------- */
+/* The checks of a read of C over R: each KV head's key and value layouts into L (2 Hkv); 0 or -1 */
+static int coded_check(const Coded *C, int n_heads, int n_kv_heads, int hd, const Ragged *R, int64_t n_rows,
+                       const TqStep *S, cb_layout *L) {
+    if (!C || !R || !S || n_kv_heads <= 0) return -1;
+    if (C->slots <= 0 || C->block_rows != R->block_size || !C->rotation) return -1;
     if (check_layout(n_rows, n_heads, n_kv_heads, hd, hd, POOL_F32, C->slots, R->block_tables, R->n_seqs, R->max_blocks,
                      R->block_size, R->query_start, R->context_len))
         return -1;
@@ -677,6 +604,62 @@ static int tq_layer_check(const TqPoolLayer *T, int n_heads, int n_kv_heads, int
         for (int s = 0; s < R->n_seqs; s++)
             if (R->context_len[s] > S->rope_rows) return -1;
     }
+    return 0;
+}
+
+/* code_attention over C's blocks (checked: coded_check): q as kvlab_tq_attention takes it. 0, or -2 (no memory) */
+static int coded_read(const Coded *C, const cb_layout *L, int n_heads, int n_kv_heads, int hd, const Ragged *R,
+                      const TqStep *S, const float *q, int first_key, float scale, int window, float *out, float *lse,
+                      int n_threads) {
+    const int Hkv = n_kv_heads, pre = C->unrotation || C->unrotation_signs;
+    float *state = pre ? malloc(sizeof(float) * 2 * (size_t)Hkv * hd) : NULL;   /* key weights, key offset */
+    code_pool P = {.n_heads = n_heads, .n_kv_heads = Hkv, .group = n_heads / Hkv, .d = hd, .dpad = L[0].dpad,
+                   .window = window, .block_size = R->block_size, .max_blocks = R->max_blocks,
+                   .block_tables = R->block_tables, .query_start = R->query_start, .context_len = R->context_len,
+                   .scale = scale, .k_norm = C->norms[0], .v_norm = C->norms[1], .norm_head_stride = C->norm_head_stride,
+                   .norm_block_stride = C->norm_block_stride,
+                   .norm_dtype = C->norm_type,   /* decode.c's KV_F16, KV_BF16, NORM_LOG8 are POOL_F16, POOL_BF16, POOL_LOG8 */
+                   .centres = {C->norm_centres[0], C->norm_centres[1]}, .first_key = first_key};
+    int status = pre && !state ? -2 : 0;
+    for (int i = 0; i < 2 && !status; i++) {
+        code_rows *rows = i ? &P.values : &P.keys;
+        *rows = (code_rows){.codes = C->codes[i], .row_stride = C->slot_bytes[i], .block_bytes = C->block_bytes[i],
+                            .heads = malloc(sizeof(cb_layout) * (size_t)Hkv), .head_at = malloc(sizeof(int64_t) * (size_t)Hkv)};
+        if (!rows->heads || !rows->head_at) status = -2;
+        for (int h = 0; h < Hkv && !status; h++) rows->heads[h] = L[2 * h + i], rows->head_at[h] = C->heads[i][h].at;
+    }
+    PreRope rebuild;
+    if (!status && pre) {   /* keys rebuilt from the codec's state and turned to their positions (decode.c) */
+        kvlab_tq_state(C, Hkv, hd, state, state + (int64_t)Hkv * hd, NULL);
+        rebuild = (PreRope){.unrotation = C->unrotation, .signs = C->unrotation_signs,
+                            .weights = C->weight_codes ? state : NULL, .offset = C->offset[0] ? state + (int64_t)Hkv * hd : NULL,
+                            .cos_ = S->rope_cos, .sin_ = S->rope_sin};
+        P.pre = &rebuild;
+    }
+    if (!status) status = code_attention(&P, q, R->n_seqs, out, lse, n_threads < 1 ? 1 : n_threads);
+    free(P.keys.heads); free(P.keys.head_at); free(P.values.heads); free(P.values.head_at);
+    free(state);
+    return status;
+}
+
+int kvlab_tq_attention(const Coded *C, int n_heads, int n_kv_heads, int hd, const Ragged *R, int64_t n_rows,
+                       const TqStep *S, const float *q, int first_key, float scale, int window, float *out, float *lse,
+                       int n_threads) {
+    if (n_kv_heads <= 0 || n_kv_heads > CB_MAX_DIM || first_key < 0) return -1;
+    cb_layout *L = malloc(sizeof(cb_layout) * 2 * (size_t)n_kv_heads);
+    if (!L) return -2;
+    int status = coded_check(C, n_heads, n_kv_heads, hd, R, n_rows, S, L);
+    if (!status && n_rows > 0)
+        status = coded_read(C, L, n_heads, n_kv_heads, hd, R, S, q, first_key, scale, window, out, lse, n_threads);
+    free(L);
+    return status;
+}
+
+/* -- a layer of a TurboQuant pool in one call (tqcodes.h) -------------------------------------------------------- */
+/* kvlab_tq_pool_layer_ok's checks, each KV head's key and value layouts into L (2 Hkv) */
+static int tq_layer_check(const TqPoolLayer *T, int n_heads, int n_kv_heads, int hd, const Ragged *R, int64_t n_rows,
+                          const TqStep *S, cb_layout *L) {
+    if (!T || coded_check(T->coded, n_heads, n_kv_heads, hd, R, n_rows, S, L)) return -1;
     if (T->sink < 0) return -1;
     if (T->sink > 0) {
         if (!T->sink_k || !T->sink_v || !S->entries || T->sink_type < POOL_F32 || T->sink_type > POOL_BF16) return -1;
@@ -755,11 +738,8 @@ int kvlab_tq_pool_layer(const TqPoolLayer *T, int n_heads, int n_kv_heads, int h
     float *queries = pre ? NULL : malloc(sizeof(float) * (size_t)(N * H * d));   /* (N, H, d) as the codes are read */
     float *rotated = malloc(sizeof(float) * (size_t)(N * H * d));                  /* (N, H, d) attention, rotated */
     float *lse = sink ? malloc(sizeof(float) * (size_t)(N * H)) : NULL;
-    float *state = malloc(sizeof(float) * (size_t)(3 * kv_dim));                   /* weights, key, value offsets */
-    code_pool P = {0};
-    if (!slot || !position || !entry || (!pre && !queries) || !rotated || (sink && !lse) || !state
-        || alloc_rows(&P.keys, C->codes[0], Hkv) || alloc_rows(&P.values, C->codes[1], Hkv))
-        status = -2;
+    float *state = malloc(sizeof(float) * (size_t)(2 * kv_dim));                   /* key, value offsets */
+    if (!slot || !position || !entry || (!pre && !queries) || !rotated || (sink && !lse) || !state) status = -2;
     if (!status) {   /* each row's position and slot; a sink position's K/V into its sequence's sink rows */
         for (int s = 0; s < R->n_seqs; s++) {
             const int64_t r0 = R->query_start[s], r1 = R->query_start[s + 1], first = R->context_len[s] - (r1 - r0);
@@ -779,29 +759,14 @@ int kvlab_tq_pool_layer(const TqPoolLayer *T, int n_heads, int n_kv_heads, int h
         status = kvlab_tq_code_rows(C, L, Hkv, d, N, k, v, kv_stride, slot, pre ? S->rope_cos : NULL,
                                     pre ? S->rope_sin : NULL, position, n_threads);
     }
-    float *weights = state, *k_offset = state + kv_dim, *v_offset = state + 2 * kv_dim;
-    if (!status) {   /* the codes read in place: code_attention over the layer's blocks */
-        kvlab_tq_state(C, Hkv, d, weights, k_offset, v_offset);
+    float *k_offset = state, *v_offset = state + kv_dim;
+    if (!status) {   /* the codes read in place: the read of kvlab_tq_attention */
+        kvlab_tq_state(C, Hkv, d, NULL, k_offset, v_offset);
         if (!pre) {
             #pragma omp parallel for schedule(static) num_threads(n_threads) if(N * H * d * d >= 65536)
             for (int64_t i = 0; i < N * H; i++) kvlab_tq_query(C, (int)(i % H) / G, d, q + i * d, queries + i * d);
         }
-        for (int i = 0; i < 2; i++) {
-            code_rows *rows = i ? &P.values : &P.keys;
-            rows->token_bytes = C->slot_bytes[i];
-            for (int h = 0; h < Hkv; h++) rows->heads[h] = L[2 * h + i], rows->head_at[h] = C->heads[i][h].at;
-        }
-        const PreRope rebuild = {.unrotation = C->unrotation, .signs = C->unrotation_signs,
-                                 .weights = C->weight_codes ? weights : NULL, .offset = C->offset[0] ? k_offset : NULL,
-                                 .cos_ = S->rope_cos, .sin_ = S->rope_sin};
-        P.n_heads = H, P.n_kv_heads = Hkv, P.group = G, P.d = d, P.dpad = L[0].dpad;
-        P.window = window, P.block_size = R->block_size, P.max_blocks = R->max_blocks, P.block_tables = R->block_tables;
-        P.query_start = R->query_start, P.context_len = R->context_len, P.scale = scale;
-        P.k_norm = C->norms[0], P.v_norm = C->norms[1];
-        P.norm_dtype = C->norm_type;   /* decode.c's KV_F16, KV_BF16, NORM_LOG8 are POOL_F16, POOL_BF16, POOL_LOG8 */
-        P.centres[0] = C->norm_centres[0], P.centres[1] = C->norm_centres[1];
-        P.first_key = sink, P.pre = pre ? &rebuild : NULL;
-        status = code_attention(&P, pre ? q : queries, R->n_seqs, rotated, lse, n_threads);
+        status = coded_read(C, L, H, Hkv, d, R, S, pre ? q : queries, sink, scale, window, rotated, lse, n_threads);
     }
     if (!status) {   /* back to the model's domain, merged with the sink rows */
         #pragma omp parallel for schedule(static) num_threads(n_threads)
@@ -814,8 +779,6 @@ int kvlab_tq_pool_layer(const TqPoolLayer *T, int n_heads, int n_kv_heads, int h
                       entry[r], lo, hi, scale, out + i * d);
         }
     }
-    free_rows(&P.keys);
-    free_rows(&P.values);
     free(L); free(slot); free(position); free(entry); free(queries); free(rotated); free(lse); free(state);
     return status;
 }

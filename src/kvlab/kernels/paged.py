@@ -1,5 +1,5 @@
 """ctypes front end of paged.c: attention of a ragged batch over K/V blocks (kvlab/serve/attention.py), dense
-(`paged_attention`), TurboQuant codes (`paged_codes_attention`, serve/coded.py TurboPool) or integer codes
+(`paged_attention`), TurboQuant codes (`tq_attention`, `tq_pool_layer`: serve/coded.py TurboPool) or integer codes
 (`paged_int_attention`, IntPool).
 
 paged.c is built into the one kernel library (SOURCES); these wrappers open that library by its path and
@@ -10,20 +10,16 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from dataclasses import dataclass
 
 import torch
 
 from ..bitplanes import packed_nbytes
 from ..errors import ConfigError, KvlabError
 from . import check_buffer
-from .codebook import CodeLayout, table_floats
 
 WHAT = "paged attention kernel"   # every message starts with it (_check's prefix too)
 POOL_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-NORM_DTYPES = (torch.float16, torch.bfloat16)
-POOL_LOG8 = 3                         # paged.h: TurboQuant scales as uint8 log codes (+norms8)
-MAX_PARTS, MAX_CODE_DIM = 4, 512      # codebook.h CB_MAX_PARTS; paged.c MAX_DIM
+MAX_CODE_DIM = 512                    # paged.c MAX_DIM
 
 
 @functools.lru_cache(maxsize=4)
@@ -31,48 +27,6 @@ def _function(library_path: str):
     fn = ctypes.CDLL(library_path).kvlab_paged_attention   # already loaded by kernels.block_kernel(): same handle
     i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, i64, i32, i32, i32, i32, ptr, ptr, i32, i64, ptr, i32, i32, i32, ptr, ptr, ctypes.c_float, i32, ptr, i32]
-    fn.restype = i32
-    return fn
-
-
-class _PreRope(ctypes.Structure):   # decode.h PreRope
-    _fields_ = [("unrotation", ctypes.c_void_p), ("signs", ctypes.c_void_p), ("weights", ctypes.c_void_p),
-                ("offset", ctypes.c_void_p), ("cos_", ctypes.c_void_p), ("sin_", ctypes.c_void_p)]
-
-
-@dataclass(frozen=True)
-class PreRopeKeys:
-    """How pre-RoPE coded keys are rebuilt (TurboQuantCache._keys): (ŷ Mᵀ · scale) ⊙ w + μ, then RoPE at the key's
-    position; `signs` (d,) s/√d where M is a randomized Hadamard, else `unrotation` (d, d) Mᵀ; weights, offset (Hkv, d)
-    or None; cos, sin (positions, d) as rope() takes them, one row per position from 0."""
-
-    cos: torch.Tensor
-    sin: torch.Tensor
-    signs: torch.Tensor | None = None
-    unrotation: torch.Tensor | None = None
-    weights: torch.Tensor | None = None
-    offset: torch.Tensor | None = None
-
-    def struct(self, Hkv: int, d: int) -> "_PreRope":
-        """The C struct after checking every tensor's dtype, shape and contiguity."""
-        _check((self.signs is None) != (self.unrotation is None), "pre-RoPE keys need the rotation's signs or its inverse")
-        _check(self.signs is None or d & (d - 1) == 0, f"a Hadamard rotation's signs need a power-of-two head dim, got {d}")
-        rows = self.cos.shape[0] if isinstance(self.cos, torch.Tensor) and self.cos.dim() == 2 else 0
-        held = [("cos", self.cos, (rows, d)), ("sin", self.sin, (rows, d)), ("signs", self.signs, (d,)),
-                ("unrotation", self.unrotation, (d, d)), ("weights", self.weights, (Hkv, d)), ("offset", self.offset, (Hkv, d))]
-        for name, t, shape in held:
-            if t is not None:
-                check_buffer(WHAT, f"pre-RoPE {name}", t, torch.float32, shape)
-        return _PreRope(*(None if t is None else t.data_ptr() for t in (self.unrotation, self.signs, self.weights,
-                                                                         self.offset, self.cos, self.sin)))
-
-
-@functools.lru_cache(maxsize=4)
-def _codes_function(library_path: str):
-    fn = ctypes.CDLL(library_path).kvlab_paged_codes_attention
-    i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, i32, i32, i32, ptr, ptr, ptr, ptr, i32, ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr,
-                   ptr, ptr, ptr, i32, i32, i32, ptr, ptr, ctypes.c_float, i32, i32, ptr, ptr, i32]
     fn.restype = i32
     return fn
 
@@ -133,131 +87,6 @@ def _check_layout(block_tables: torch.Tensor, query_start: torch.Tensor, context
            f"query_start must hold {S + 1} offsets for {S} sequences, got {query_start.numel()}")
     _check(block_tables.dim() == 2 and block_tables.shape[0] == S and block_tables.shape[1] > 0,
            f"block_tables must be ({S}, max_blocks), got {tuple(block_tables.shape)}")
-
-
-def _check_code_layout(layout: CodeLayout, what: str, d: int) -> None:
-    """A CodeLayout C can read: (parts, 4) int32 spec of widths 1..8 over d channels (block parts: 2 or 3 bits),
-    tables of exactly the sizes C steps through (C re-checks the parts against the layout's row length)."""
-    spec, tables = layout.spec, layout.tables
-    _check(isinstance(spec, torch.Tensor) and spec.dtype == torch.int32 and spec.dim() == 2 and spec.shape[1] == 4
-           and 0 < spec.shape[0] <= MAX_PARTS and spec.is_contiguous() and spec.device.type == "cpu",
-           f"{what} code layout: spec must be contiguous int32 (parts <= {MAX_PARTS}, 4) on the CPU")
-    bits, blocks = spec[:, 2].tolist(), spec[:, 3].tolist()
-    _check(all(1 <= b <= 8 for b in bits) and all(k in (0, 1) and (not k or b in (2, 3)) for b, k in zip(bits, blocks)),
-           f"{what} code layout: widths {bits} (block parts {blocks}) are not 1..8 bits, blocks 2 or 3")
-    size = sum(table_floats(b, bool(k)) for b, k in zip(bits, blocks))
-    _check(isinstance(tables, torch.Tensor) and tables.dtype == torch.float32 and tables.shape == (size,)
-           and tables.is_contiguous() and tables.device.type == "cpu",
-           f"{what} code layout: tables must be contiguous fp32 ({size},) on the CPU")
-    _check(layout.dim == d and layout.row_bytes > 0, f"{what} code layout of {layout.dim} channels does not read rows of "
-                                                     f"{d} channels")
-
-
-@dataclass(frozen=True)
-class HeadRows:
-    """How C reads each KV head's codes in a token's row (paged.c head_rows): its layout's spec rows and tables,
-    concatenated head after head, and its bytes; the heads' codes lie side by side, head 0 first."""
-
-    parts: torch.Tensor         # (Hkv,) int32: spec rows of each head
-    spec: torch.Tensor          # (Σ parts, 4) int32
-    tables: torch.Tensor        # (Σ table floats,) float32
-    table_at: torch.Tensor      # (Hkv,) int64: where each head's tables start
-    head_bytes: torch.Tensor    # (Hkv,) int64
-
-    @property
-    def token_bytes(self) -> int:
-        return int(self.head_bytes.sum())
-
-    def pointers(self) -> tuple[int, ...]:
-        return tuple(t.data_ptr() for t in (self.parts, self.spec, self.tables, self.table_at, self.head_bytes))
-
-
-_HEAD_ROWS: dict[tuple[int, ...], tuple[tuple[CodeLayout, ...], HeadRows]] = {}
-
-
-def head_rows(layouts: "CodeLayout | list[CodeLayout]", n_kv_heads: int, d: int, what: str) -> HeadRows:
-    """The HeadRows of one layout shared by every KV head, or of one layout per head (+halloc), each checked; kept per
-    set of layouts (the layouts are held with them, so their ids stay theirs)."""
-    heads = tuple(layouts) if isinstance(layouts, (list, tuple)) else (layouts,) * n_kv_heads
-    _check(len(heads) == n_kv_heads, f"{what} codes: {len(heads)} layouts for {n_kv_heads} KV heads")
-    key = tuple(id(layout) for layout in heads)
-    if key not in _HEAD_ROWS:
-        for layout in heads:
-            _check_code_layout(layout, what, d)
-        sizes = [layout.tables.numel() for layout in heads]
-        rows = HeadRows(torch.tensor([layout.spec.shape[0] for layout in heads], dtype=torch.int32),
-                        torch.cat([layout.spec for layout in heads]).contiguous(),
-                        torch.cat([layout.tables for layout in heads]).contiguous(),
-                        torch.tensor([sum(sizes[:h]) for h in range(len(heads))], dtype=torch.int64),
-                        torch.tensor([layout.row_bytes for layout in heads], dtype=torch.int64))
-        if len(_HEAD_ROWS) > 256:
-            _HEAD_ROWS.clear()
-        _HEAD_ROWS[key] = (heads, rows)
-    return _HEAD_ROWS[key][1]
-
-
-def paged_codes_attention(kernel, q: torch.Tensor, k_codes: torch.Tensor, k_norm: torch.Tensor, v_codes: torch.Tensor,
-                          v_norm: torch.Tensor, k_layout: "CodeLayout | list[CodeLayout]",
-                          v_layout: "CodeLayout | list[CodeLayout]", block_tables: torch.Tensor,
-                          query_start: torch.Tensor, context_len: torch.Tensor, block_size: int, scale: float,
-                          window: int = 0, centres: torch.Tensor | None = None,
-                          pre_rope: PreRopeKeys | None = None, first_key: int = 0,
-                          with_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Ragged attention straight from TurboQuant codes in blocks (paged.c kvlab_paged_codes_attention).
-
-    q (N, H, D) fp32: the queries as the codes are read (rotated, key weights applied); k_codes (slots, Hkv, kbytes),
-    v_codes (slots, Hkv, vbytes) uint8 with their layouts, or with a layout per KV head (+halloc: its own width) codes
-    (slots, 1, Σ_h bytes_h), the heads' codes side by side; k_norm, v_norm (slots, Hkv) fp16 or bf16, or uint8 log
-    codes (+norms8) read against `centres` (2, Hkv) fp16, each KV head's key and value log2 centre; with `pre_rope`
-    the keys were coded before RoPE: q is the plain query and each key is rebuilt and turned to its position; keys at
-    positions below `first_key` are not read (+sinkN: the pool holds them exact apart); with_lse: also (N, H) the log
-    of each row's softmax sum (-inf where the row read no key: its output is 0), to merge with other keys; the ragged
-    layout as `paged_attention` -> (N, H, D) fp32 = Σ_t p_t·v_norm_t·v̂_t, p = softmax_t(scale·k_norm_t·(q·k̂_t)) over
-    each row's causal (and window) keys, k̂/v̂ the codebook values: the output in the rotated domain (the caller
-    inverts the rotation)."""
-    _check(isinstance(q, torch.Tensor) and q.dim() == 3 and q.dtype == torch.float32 and q.is_contiguous()
-           and q.device.type == "cpu", "q must be a contiguous fp32 (N, H, D) CPU tensor")
-    N, H, D = q.shape
-    _check(isinstance(k_codes, torch.Tensor) and k_codes.dim() == 3, "k_codes must be (slots, Hkv, row bytes)")
-    _check(isinstance(k_norm, torch.Tensor) and k_norm.dim() == 2, "k_norm must be (slots, Hkv)")
-    slots, Hkv = k_norm.shape
-    _check(Hkv > 0 and H % Hkv == 0, f"{H} query heads are not a multiple of {Hkv} KV heads")
-    _check(0 < D <= MAX_CODE_DIM, f"head dim {D} is not 1..{MAX_CODE_DIM}")
-    _check(isinstance(v_codes, torch.Tensor) and v_codes.dim() == 3, "v_codes must be (slots, Hkv, row bytes)")
-    norm = torch.uint8 if centres is not None else (
-        k_norm.dtype if isinstance(k_norm, torch.Tensor) and k_norm.dtype in NORM_DTYPES else torch.float16)
-    if centres is not None:
-        check_buffer(WHAT, "norm centres", centres, torch.float16, (2, Hkv))
-    k_rows, v_rows = head_rows(k_layout, Hkv, D, "key"), head_rows(v_layout, Hkv, D, "value")
-    for name, t, rows in (("k_codes", k_codes, k_rows), ("v_codes", v_codes, v_rows)):   # one head's row, or all side by side
-        shape = (slots, 1, rows.token_bytes) if isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[1] == 1 else (
-            slots, Hkv, rows.token_bytes // Hkv)
-        _check(shape[1] == 1 or rows.token_bytes % Hkv == 0, f"{name}: heads of different widths need (slots, 1, row bytes)")
-        check_buffer(WHAT, name, t, torch.uint8, shape)
-    for name, t in (("k_norm", k_norm), ("v_norm", v_norm)):
-        check_buffer(WHAT, name, t, norm, (slots, Hkv))
-    _check_layout(block_tables, query_start, context_len, slots, block_size)
-    S = context_len.numel()
-    pre = None if pre_rope is None else pre_rope.struct(Hkv, D)
-    if pre_rope is not None:
-        _check(D % 16 == 0, f"pre-RoPE keys need a head dim that is a multiple of 16, got {D}")
-        _check(not S or int(context_len.max()) <= pre_rope.cos.shape[0], "pre-RoPE keys need a RoPE row for every position")
-    out = torch.empty(N, H, D, dtype=torch.float32)
-    lse = torch.empty(N, H, dtype=torch.float32) if with_lse else None
-    _check(first_key >= 0, f"first_key must be >= 0, got {first_key}")
-    status = _codes_function(str(kernel.path))(
-        q.data_ptr(), N, H, Hkv, D, k_codes.data_ptr(), k_norm.data_ptr(), v_codes.data_ptr(), v_norm.data_ptr(),
-        POOL_LOG8 if centres is not None else POOL_DTYPES[norm], None if centres is None else centres.data_ptr(),
-        None if pre is None else ctypes.byref(pre), 0 if pre_rope is None else pre_rope.cos.shape[0], slots,
-        *k_rows.pointers(), *v_rows.pointers(),
-        block_tables.data_ptr(), S, block_tables.shape[1], block_size, query_start.data_ptr(), context_len.data_ptr(),
-        scale, int(window or 0), int(first_key), out.data_ptr(), None if lse is None else lse.data_ptr(),
-        torch.get_num_threads())
-    if status == -2:
-        raise KvlabError("paged codes attention: no memory for the kernel's work items")
-    _check(status == 0, f"refused the layout of {S} sequences over {slots} slots (a block id, length, offset or code "
-                        f"layout out of range)")
-    return (out, lse) if with_lse else out
 
 
 def paged_int_attention(kernel, q: torch.Tensor, bits: int, k_codes: torch.Tensor, k_scale: torch.Tensor,
@@ -355,6 +184,47 @@ class TqStep(ctypes.Structure):   # tqcodes.h: what every layer of a step reads
                    None if rope is None else rope[1].data_ptr(), rows)
         step.checked = (n_seqs, d)
         return step
+
+
+@functools.lru_cache(maxsize=4)
+def _tq_attention_function(library_path: str):
+    fn = ctypes.CDLL(library_path).kvlab_tq_attention
+    i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, i32, i32, i32, ctypes.POINTER(Ragged), i64, ctypes.POINTER(TqStep), ptr, i32, ctypes.c_float, i32,
+                   ptr, ptr, i32]
+    fn.restype = i32
+    return fn
+
+
+def tq_attention(kernel, coded, q: torch.Tensor, block_tables: torch.Tensor, query_start: torch.Tensor,
+                 context_len: torch.Tensor, step: TqStep, scale: float, window: int = 0, first_key: int = 0,
+                 with_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Ragged attention straight from a TurboQuant layer's codes in blocks (paged.c kvlab_tq_attention): `coded` the
+    layer as cache/tq_kernel.py describes it (its buffers checked for coded.checked = (Hkv, D)), read through the block
+    tables in blocks of its block rows. q (N, H, D) fp32 as the codes are read (rotated, key weights applied); with
+    +prerope q itself, each key rebuilt and turned to its position with `step`'s RoPE rows. Keys at positions below
+    `first_key` are not read (+sinkN: the pool holds them exact apart). -> (N, H, D) fp32 in the rotated domain
+    = Σ_t p_t·v_norm_t·v̂_t, p = softmax_t(scale·k_norm_t·(q·k̂_t)) over each row's causal (and window) keys; with_lse
+    also (N, H) the log of each row's softmax sum (-inf where the row read no key: its output is 0)."""
+    Hkv, D = coded.checked
+    _check(isinstance(q, torch.Tensor) and q.dim() == 3, "q must be (N, H, D)")
+    N, H = q.shape[:2]
+    _check(H % Hkv == 0, f"{H} query heads are not a multiple of {Hkv} KV heads")
+    check_buffer(WHAT, "q", q, torch.float32, (N, H, D))
+    _check(isinstance(first_key, int) and first_key >= 0, f"first_key must be >= 0, got {first_key}")
+    ragged = Ragged.of(block_tables, query_start, context_len, coded.slots, coded.block_rows)
+    _check(step.checked == (ragged.n_seqs, D), f"the step's buffers were checked for {step.checked} (sequences, head dim), "
+                                               f"not ({ragged.n_seqs}, {D})")
+    out = torch.empty(N, H, D, dtype=torch.float32)
+    lse = torch.empty(N, H, dtype=torch.float32) if with_lse else None
+    status = _tq_attention_function(str(kernel.path))(
+        ctypes.addressof(coded), H, Hkv, D, ctypes.byref(ragged), N, ctypes.byref(step), q.data_ptr(), first_key, scale,
+        int(window or 0), out.data_ptr(), None if lse is None else lse.data_ptr(), torch.get_num_threads())
+    if status == -2:
+        raise KvlabError("TurboQuant attention: no memory for the kernel's work items")
+    _check(status == 0, f"refused a TurboQuant layer over {ragged.n_seqs} sequences of {coded.slots} slots (a block id, "
+                        f"length or RoPE row out of range, or a layout it cannot read)")
+    return (out, lse) if with_lse else out
 
 
 @functools.lru_cache(maxsize=4)

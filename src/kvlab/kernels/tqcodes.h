@@ -6,6 +6,7 @@
 #include <stdint.h>
 
 #include "codebook.h"
+#include "decode.h"
 #include "paged.h"
 
 typedef struct {                   /* one KV head's key or value codes in a TurboQuant layer: its width's packing */
@@ -18,12 +19,13 @@ typedef struct {                   /* one KV head's key or value codes in a Turb
 } HeadCodes;
 
 typedef struct {                   /* a TurboQuant layer's codes (kvlab/cache/turboquant.py); [0] keys, [1] values */
-    int32_t slots;                 /* coded rows per KV head */
+    int32_t slots;                 /* coded rows per KV head: n_blocks x block_rows */
     int32_t norm_type;             /* KV_F16, KV_BF16 or NORM_LOG8 */
-    uint8_t *codes[2];             /* (Hkv, slots, row_bytes), or (slots, Σ heads' row bytes) with +halloc */
-    void *norms[2];                /* (Hkv, slots): the stored scales, 16-bit, or uint8 log codes with NORM_LOG8 */
+    uint8_t *codes[2];             /* (n_blocks, Hkv, block_rows, row_bytes), or (n_blocks, 1, block_rows, Σ heads' row
+                                      bytes) with +halloc (kvlab/cache/blocks.py TqBlocks) */
+    void *norms[2];                /* (n_blocks, Hkv, block_rows): the stored scales, 16-bit, or uint8 log codes (NORM_LOG8) */
     const uint16_t *norm_centres[2];  /* NORM_LOG8: (Hkv,) f16 log2 centre of each head's codes, else NULL */
-    int64_t slot_bytes[2];         /* bytes from one slot of a head to its next */
+    int64_t slot_bytes[2];         /* bytes from one row of a head to its next */
     const HeadCodes *heads[2];     /* (Hkv,): each head's packing (one width for all but with +halloc) */
     int32_t scale_mode[2];
     const float *rotation;         /* (hd, hd) M: the rotated vector is y = x M */
@@ -35,8 +37,12 @@ typedef struct {                   /* a TurboQuant layer's codes (kvlab/cache/tu
                                           takes them (keys are coded before RoPE, turned when read); NULL otherwise */
     const float *unrotation;       /* +prerope, M not a randomized Hadamard: (hd, hd) Mᵀ, row-major (x = y Mᵀ), else NULL */
     const float *unrotation_signs; /* +prerope with a randomized Hadamard M = H diag(s)/√d: (hd,) s/√d, else NULL */
-    int64_t norm_head_stride;      /* scale of head g, slot t at norms[i][g * norm_head_stride + t * norm_slot_stride]: */
-    int64_t norm_slot_stride;      /* (slots, 1) for a single cache's (Hkv, slots), (1, Hkv) for a pool's (slots, Hkv) */
+    /* slot t is row o = t % block_rows of block b = t / block_rows: head g's codes at codes[i] + b * block_bytes[i] +
+     * heads[i][g].at + o * slot_bytes[i], its scale at norms[i][b * norm_block_stride + g * norm_head_stride + o].
+     * A single cache is one block (block_rows = slots), a serving pool many (block_rows = its block size). */
+    int64_t block_rows;
+    int64_t block_bytes[2];
+    int64_t norm_head_stride, norm_block_stride;
 } Coded;
 
 /* layouts[2g + i] = KV head g's key (i = 0) or value (1) layout of C; 0, or -1 when C cannot be read or coded */
@@ -55,7 +61,7 @@ void kvlab_tq_state(const Coded *C, int Hkv, int hd, float *weights, float *k_of
 
 /* -- a layer of the serving pool ------------------------------------------------------------------------------ */
 typedef struct {                   /* one layer of a TurboQuant pool, checked once where it is made */
-    const Coded *coded;            /* token-major: codes (slots, token bytes), scales (slots, Hkv); the codec's state */
+    const Coded *coded;            /* its codes in blocks of the pool's block size; the codec's state */
     int32_t sink;                  /* +sinkN: positions below it live in the sink rows, not in blocks; 0 without */
     int32_t sink_type;             /* POOL_F32, POOL_F16 or POOL_BF16 */
     int32_t sink_entries;
@@ -67,6 +73,15 @@ typedef struct {                   /* what every layer of one step reads besides
     const float *rope_cos, *rope_sin;  /* +prerope: (rope_rows, hd) of positions 0, 1, ..; else NULL */
     int64_t rope_rows;
 } TqStep;
+
+/* Attention straight from C's codes through the block tables of R (R->block_size == C->block_rows): q (n_rows, H, hd)
+ * as the codes are read (kvlab_tq_query: rotated, key weights applied; with +prerope q itself, each key rebuilt and
+ * turned to its position with S's RoPE rows), keys at positions from first_key on -> out (n_rows, H, hd) in the
+ * rotated domain and, lse not NULL, (n_rows, H) the log of each row's softmax sum (-inf: no key read, out 0).
+ * 0; -1 refused (nothing read); -2 no memory. The one read of a TurboQuant pool's codes: kvlab_tq_pool_layer reads so. */
+int kvlab_tq_attention(const Coded *C, int n_heads, int n_kv_heads, int hd, const Ragged *R, int64_t n_rows,
+                       const TqStep *S, const float *q, int first_key, float scale, int window, float *out, float *lse,
+                       int n_threads);
 
 /* 0 when kvlab_tq_pool_layer takes these sizes and every index they give (slots, sink entries, RoPE rows) lies
  * inside the layer's buffers; -1 otherwise; -2 without memory */

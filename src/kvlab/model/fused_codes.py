@@ -112,12 +112,12 @@ class CacheView:
         )
 
     def _coded(self, cache, layer: int) -> Coded:
-        """Layer `layer` of a TurboQuant cache over its own (Hkv, slots, ...) buffers; +prerope: with each slot's RoPE,
-        one table for every layer."""
+        """Layer `layer` of a TurboQuant cache over its own blocks: the first sequence's one block of `slots` rows
+        (1, Hkv, slots, ...); +prerope: with each slot's RoPE, one table for every layer."""
         if cache.config.pre_rope and self._slot_rope is None:
             self._slot_rope = tuple(t.contiguous() for t in cache.slot_rope(0, cache.slots))   # (S, hd) cos, sin
-        buffers = {name: getattr(cache, name)[layer][0] for name in ("k_codes", "k_norm", "v_codes", "v_norm")}
-        return self._c.layer(cache, layer, buffers, cache.slots, token_major=False, slot_rope=self._slot_rope)
+        buffers = {name: t[:1] for name, t in cache.blocks.layer(layer).items()}
+        return self._c.layer(cache, layer, buffers, (1, cache.slots), slot_rope=self._slot_rope)
 
 
 def buffer_layouts(cache) -> tuple[tuple, ...]:

@@ -6,10 +6,11 @@ Token slot = block · block_size + offset indexes every buffer:
           block_size/G, Dk) and v_scale, v_zero (L, n_blocks, Hkv, block_size, Dv/Gv) fp16; plus
           stage   (groups·L, max_batch, G, Hkv, Dk) fp32: each running sequence's open key group (its row), per
                   layer of each layer group (state_layer)
-    tq    token-major (a token buffer is one (slots, ...) tensor per layer, written (L, slots, ...) here):
-          k_codes, v_codes (L, slots, Hkv, bytes), k_norm, v_norm (L, slots, Hkv) 16-bit, or uint8 log codes
-          (+norms8, read against the codec's centres) [+ qjl signs, ‖r‖]; +alloc: each layer's codes at its
-          width, +halloc: one row per token, (slots, 1, Σ_h bytes_h), its heads' codes side by side at their widths
+    tq    TurboQuant's blocks (cache/blocks.py TqBlocks, TurboQuantCache's storage too), head-major inside a block,
+          one tensor per layer: k_codes, v_codes (n_blocks, Hkv, block_size, bytes), k_norm, v_norm (n_blocks, Hkv,
+          block_size) 16-bit, or uint8 log codes (+norms8, read against the codec's centres) [+ qjl signs, ‖r‖];
+          +alloc: each layer's codes at its width, +halloc: one row per token, (n_blocks, 1, block_size, Σ_h bytes_h),
+          its heads' codes side by side at their widths
           + one TurboQuantCache `codec` holding the per-layer state all sequences share
 and a block copy (copy-on-write) copies every buffer's rows of that block.
 
@@ -19,8 +20,8 @@ use_kernel (on CPU, where the codec reads codes in C) run each layer of a step i
 kvlab_tq_pool_layer, `layers_in_c`): `append` keeps the step's K/V, and `attend` codes them into their slots (sink
 positions into the sink rows), reads the codes in place through the block tables and returns the output in the
 model's domain (inverse rotation, value offset, sink merge done in C). With `layers_in_c` off the same step runs as
-the C coder, kvlab_paged_codes_attention (output in the rotated domain) and torch for the rest: the path the one
-call is tested against (tests/test_tq_pool_step.py). +qjl codes read per sequence with the codec's own scores and
+the C coder, kvlab_tq_attention (the read the one call makes, output in the rotated domain) and torch for the rest:
+the path the one call is tested against (tests/test_tq_pool_step.py). +qjl codes read per sequence with the codec's own scores and
 mix instead. These are the paths the tests hold equal to the reference. The int formats keep the
 single cache's rule for key groups (cache/quantized.py): the query of the token at position p reads codes
 for the groups complete at p and full-precision keys for the rest, so a chunk's queries before a group's
@@ -48,18 +49,16 @@ import torch
 
 from ..cache import CacheGeometry
 from ..cache.attention import causal_mask, grouped_attention
-from ..cache.base import tensors_nbytes
-from ..cache.blocks import IntBlocks
+from ..cache.blocks import IntBlocks, TqBlocks
 from ..cache.packing import pack
 from ..cache.quantized import code_key_groups, code_values
 from ..cache import int_kernel
 from ..cache.int_kernel import pool_layer
 from ..cache.tq_kernel import CodedLayers, code_tokens
-from ..cache.turboquant import HeadCodes, RotatedCodes, TurboQuantCache
-from ..kernels.codebook import CodeLayout
+from ..cache.turboquant import TurboQuantCache
 from ..errors import ConfigError
 from ..kernels import kernel_for
-from ..kernels.paged import PreRopeKeys, TqPoolLayer, TqStep, paged_codes_attention, paged_int_attention, tq_pool_layer
+from ..kernels.paged import TqPoolLayer, TqStep, paged_int_attention, tq_attention, tq_pool_layer
 from ..model.layer_caches import model_cache
 from ..rope import apply_rope
 from .formats import BlockFormat
@@ -96,14 +95,14 @@ def calibration_ids(vocab_size: int, tokenizer=None) -> list[int]:
 
 
 class CodedPool:
-    """What the compressed pools share: token-major buffers, block copies, rows for running sequences."""
+    """What the compressed pools share: their `blocks` (cache/blocks.py), block copies, rows for running sequences."""
 
     def __init__(self, geometry: CacheGeometry, plan, fmt: BlockFormat, device):
         self.geometry, self.plan, self.format = geometry, plan, fmt
         self.block_size = plan.block_size
         self.slots = plan.n_blocks * plan.block_size
         self._device = torch.device(device)
-        self.token_buffers: dict[str, list[torch.Tensor]] = {}   # per layer (slots, ...)
+        self.blocks = None                                     # the subclass's IntBlocks or TqBlocks
         self.rows = SequenceRows(plan.max_batch, "the pool has rows")   # running sequence -> its row
         self.n_groups = plan.n_groups                          # layer groups: per-layer state for each group's layers
         self._kernel = kernel_for(self._device)                # the C coders' library, None off the CPU or without it
@@ -114,10 +113,6 @@ class CodedPool:
         groups before it): the buffers of codes are indexed by slot, and a block belongs to one group, but the
         per-layer state (the open key group, TurboQuant's calibration) is each model layer's own."""
         return view.group * self.geometry.n_layers + layer
-
-    def _layer_tokens(self, name: str, shapes: list[tuple[int, ...]], dtype: torch.dtype) -> None:
-        """One (slots, *shapes[l]) buffer per layer l: the layers' rows may differ in length (+alloc / +halloc codes)."""
-        self.token_buffers[name] = [torch.zeros(self.slots, *shape, dtype=dtype, device=self._device) for shape in shapes]
 
     @property
     def device(self) -> torch.device:
@@ -136,22 +131,16 @@ class CodedPool:
     # -- blocks -------------------------------------------------------------------------------------------
     def copy_block(self, src: int, dst: int) -> None:
         """Every layer's codes of block `src` into block `dst` (copy-on-write)."""
-        bs = self.block_size
-        for buf in self.token_buffers.values():
-            for layer in buf:                                     # (slots, ...) per layer
-                layer[dst * bs:(dst + 1) * bs] = layer[src * bs:(src + 1) * bs]
+        self.blocks.copy_block(src, dst)
 
     def block_parts(self, block: int) -> list[tuple[str, torch.Tensor]]:
-        """Views of every buffer's rows of `block`, in a fixed order (what the KV store writes and reads back): the
-        codes of a full block are all of its K/V (+sinkN is refused)."""
-        bs = self.block_size
-        return [(f"{name}.{i}", layer[block * bs:(block + 1) * bs])                # (block_size, ...)
-                for name, buf in self.token_buffers.items() for i, layer in enumerate(buf)]
+        """Views of every buffer's part of `block`, in a fixed order (what the KV store writes and reads back): the
+        codes of a full block are all of its K/V (a key group never straddles two blocks; +sinkN is refused)."""
+        return self.blocks.block_parts(block)
 
     @property
     def nbytes(self) -> int:
-        tokens = [layer for buf in self.token_buffers.values() for layer in buf]
-        return tensors_nbytes(*tokens) + self._state_nbytes()
+        return self.blocks.nbytes + self._state_nbytes()
 
     def _state_nbytes(self) -> int:
         raise NotImplementedError
@@ -226,17 +215,6 @@ class IntPool(CodedPool):
         self.stage = torch.zeros(self.n_groups * g.n_layers, plan.max_batch, self.group, g.n_kv_heads, g.head_dim,
                                  dtype=fmt.dtype, device=self._device)   # (groups·L, rows, G, Hkv, Dk): state_layer
         self._fresh: list[tuple[int, torch.Tensor]] = []                  # per sequence of the step: (first, keys)
-
-    def copy_block(self, src: int, dst: int) -> None:
-        self.blocks.copy_block(src, dst)
-
-    def block_parts(self, block: int) -> list[tuple[str, torch.Tensor]]:
-        """The codes of a full block are all of its K/V (a key group never straddles two blocks)."""
-        return self.blocks.block_parts(block)
-
-    @property
-    def nbytes(self) -> int:
-        return self.blocks.nbytes + self._state_nbytes()
 
     def _state_nbytes(self) -> int:
         return self.stage.nbytes
@@ -330,14 +308,14 @@ class IntPool(CodedPool):
 
 
 class TurboPool(CodedPool):
-    """TurboQuant blocks: per-token codes and norms; the per-layer state lives in `codec`."""
+    """TurboQuant blocks (cache/blocks.py TqBlocks, the storage TurboQuantCache holds its codes in, with many
+    sequences in it); the per-layer state lives in `codec`."""
 
     def __init__(self, geometry: CacheGeometry, plan, fmt: BlockFormat, codec: TurboQuantCache, device="cpu"):
         super().__init__(geometry, plan, fmt, device)
         self.codec = codec                                     # calibrated_codec(...): the shared per-layer state
-        for name in self.codec.token_buffer_names():           # the codec's (1, Hkv, 1[, bytes]) buffers give the shapes
-            layers = getattr(self.codec, name)                   # per layer: (1, Hkv, 1[, bytes]), +halloc (1, 1, 1, Σ bytes)
-            self._layer_tokens(name, [(like.shape[1], *like.shape[3:]) for l, like in layers.items() if l < geometry.n_layers], layers[0].dtype)
+        shapes = codec.blocks.shapes(range(geometry.n_layers))  # the codec's own blocks give each layer's rows
+        self.blocks = TqBlocks(shapes, plan.n_blocks, self.block_size, self._device)
         self.sink = fmt.config.full.sink                                # +sinkN: the first N tokens exact, apart
         if codec.sink != self.sink:   # the codec's reads place coded slot i at position sink + i (+prerope)
             raise ConfigError(f"TurboQuant pool: its codec keeps {codec.sink} sink tokens, the format {self.sink}")
@@ -409,8 +387,7 @@ class TurboPool(CodedPool):
 
     def _describe(self, layer: int, at: int):
         """Pool layer `layer`'s codes with the codec's layer `at` (cache/tq_kernel.py)."""
-        buffers = {name: self.token_buffers[name][layer] for name in ("k_codes", "k_norm", "v_codes", "v_norm")}
-        return self._c_layers.layer(self.codec, at, buffers, self.slots, token_major=True)
+        return self._c_layers.layer(self.codec, at, self.blocks.layer(layer), (self.blocks.n_blocks, self.block_size))
 
     # -- a layer in one C call ----------------------------------------------------------------------------------
     def pool_layer(self, layer: int, view) -> TqPoolLayer | None:
@@ -462,17 +439,21 @@ class TurboPool(CodedPool):
                 if start < self.sink:
                     self.sinks.wrote(layer, rows[s], min(int(layout.context_len[s]), self.sink))
 
-    def _layer_in_c(self, layer: int, view, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
-        """q (N, H, D), k, v (N, Hkv, D) -> (N, H, D): the step's K/V coded and every row attended in one C call; None
-        when a scale is not finite (nothing attended)."""
+    def _tq_step(self, view) -> TqStep:
+        """`step_struct` of the view's step, made at its first layer and kept on its view."""
         step = getattr(view, "tq_step", None)
         if step is None:
             step = view.tq_step = self.step_struct(view.layout, view.rows,
                                                    self._rope_rows(view) if self.codec.config.pre_rope else None)
+        return step
+
+    def _layer_in_c(self, layer: int, view, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+        """q (N, H, D), k, v (N, Hkv, D) -> (N, H, D): the step's K/V coded and every row attended in one C call; None
+        when a scale is not finite (nothing attended)."""
         layout = view.layout
         out = tq_pool_layer(self._kernel, self.pool_layer(layer, view), q.contiguous(), k.float().contiguous(),
                             v.float().contiguous(), layout.block_tables, layout.query_start, layout.context_len,
-                            layout.block_size, step, view.scale, view.window or 0)
+                            layout.block_size, self._tq_step(view), view.scale, view.window or 0)
         if out is not None:
             self.sinks_written(layer, layout, view.rows)
         return out
@@ -511,8 +492,8 @@ class TurboPool(CodedPool):
         if rope is not None:   # the torch reference (and, for a scale that is not finite, its one-line error)
             k = apply_rope(k.float(), rope[0][:, None], -rope[1][:, None])                 # (N, Hkv, D)
         coded = self.codec.code(at, k.transpose(0, 1)[None], v.transpose(0, 1)[None])   # (1, Hkv, N, ...)
-        for name, t in self.codec.stored_scales(at, coded).items():
-            self.token_buffers[name][layer][slots] = t[0].transpose(0, 1)                   # (N, Hkv, ...)
+        self.blocks.write_slots(layer, slots, {name: t[0].transpose(0, 1)                  # (N, Hkv, ...)
+                                               for name, t in self.codec.stored_scales(at, coded).items()})
 
     def attend(self, layer: int, view, q: torch.Tensor) -> torch.Tensor:
         """q (N, H, D) fp32 -> (N, H, D). After an `append` that kept the layer's K/V: the layer in one C call
@@ -536,8 +517,7 @@ class TurboPool(CodedPool):
         out = q.new_empty(q.shape[0], q.shape[1], self.geometry.head_dim)            # (N, H, D)
         for s, lo, hi, start, ctx in self.sequences(view):
             slots = view.layout.slots(s)[self.sink:].to(self._device)                # (ctx - sink,) the coded ones
-            stored = self.codec.read_scales(at, {name: buf[layer][slots].transpose(0, 1)[None].contiguous()
-                                                    for name, buf in self.token_buffers.items()})   # (1, Hkv, n[, bytes])
+            stored = self.codec.read_scales(at, self.blocks.gather(layer, slots))    # (1, Hkv, n[, bytes])
             qs = q[lo:hi].transpose(0, 1)[None]                                      # (1, H, T, D)
             if on_codes:
                 o = self._attend_codes(at, qs, stored, ctx, view.window)
@@ -560,21 +540,17 @@ class TurboPool(CodedPool):
         its output with the sink rows' (`_merge_sinks`)."""
         N, H, D = q.shape
         Hkv = self.geometry.n_kv_heads
-        buf, codec, layout = self.token_buffers, self.codec, view.layout
+        codec, layout = self.codec, view.layout
         at = self.state_layer(layer, view)                                                # the codec's layer
-        pre_rope = None
         if codec.config.pre_rope:   # the keys are rebuilt at their positions in C: the plain queries read them
-            pre_rope, q_rot = self._key_rebuild(at, view), q.contiguous()
+            q_rot = q.contiguous()
         else:
             qg = q.reshape(N, Hkv, H // Hkv, D).transpose(0, 1).reshape(1, Hkv, -1, D)   # (1, Hkv, N·G, D)
             q_rot = self.codec._rotated_queries(at, qg)                                # (1, Hkv, N·G, D)
             q_rot = q_rot.reshape(Hkv, N, H // Hkv, D).transpose(0, 1).reshape(N, H, D).contiguous()
-        centres = torch.stack([codec.norm_centres[name][at][0] for name in ("k_norm", "v_norm")]) if codec.norm_centres else None
-        rotated = paged_codes_attention(kernel, q_rot, buf["k_codes"][layer], buf["k_norm"][layer],
-                                        buf["v_codes"][layer], buf["v_norm"][layer], _layouts(codec.layer_key_codes[at]),
-                                        _layouts(codec.layer_value_codes[at]), layout.block_tables, layout.query_start,
-                                        layout.context_len, layout.block_size, view.scale, view.window or 0,
-                                        centres, pre_rope, first_key=self.sink, with_lse=bool(self.sinks))  # (N, H, D)
+        rotated = tq_attention(kernel, self._coder(layer, view), q_rot, layout.block_tables, layout.query_start,
+                               layout.context_len, self._tq_step(view), view.scale, view.window or 0,
+                               first_key=self.sink, with_lse=bool(self.sinks))                # (N, H, D)
         if self.sinks:
             rotated, lse = rotated                                                        # (N, H, D), (N, H)
         out = codec.rotations[at].invert(rotated)                                      # (N, H, D)
@@ -606,18 +582,6 @@ class TurboPool(CodedPool):
         total = w_coded + w_sink.sum(dim=-1)
         held = torch.einsum("nkgs,nskd->nkgd", w_sink.reshape(N, Hkv, H // Hkv, -1), values).reshape(N, H, -1)
         return (w_coded[..., None] * coded + held) / total[..., None]
-
-    def _key_rebuild(self, layer: int, view) -> PreRopeKeys:
-        """+prerope: how C rebuilds the codec's `layer`'s keys (TurboQuantCache._keys) for the step of `view` (made per call from
-        the codec's state: the pool keeps nothing more)."""
-        cos, sin = self._rope_rows(view)
-        codec, d = self.codec, self.geometry.head_dim
-        rotation = codec.rotations[layer]
-        weights = codec._key_weights(layer)                                               # (1, Hkv, 1, D) or None
-        unrotation = None if rotation.hadamard else rotation.apply(torch.eye(d, device=self._device)).T.contiguous()
-        return PreRopeKeys(cos, sin, signs=(rotation.signs.float() * d ** -0.5).contiguous() if rotation.hadamard else None,
-                           unrotation=unrotation, weights=None if weights is None else weights[0, :, 0].float().contiguous(),
-                           offset=codec.k_offset[layer][0].float().contiguous() if codec.k_offset else None)
 
     def _attend_codes(self, layer: int, q: torch.Tensor, stored: dict, n: int, window: int | None) -> torch.Tensor:
         """q (1, H, T, D) against n coded tokens -> (1, H, T, D): the softmax of CompressedCache.attend, no sink or window."""
@@ -667,11 +631,6 @@ class _StepRows:
             coded = step.positions if step.coded is None else step.positions[step.coded]
             step.coded_rope = cos[coded].contiguous(), sin[coded].contiguous()           # (n, D) each
         return step
-
-
-def _layouts(codes: "RotatedCodes | HeadCodes") -> "CodeLayout | list[CodeLayout]":
-    """What paged.c reads a layer's codes with: one layout for every KV head, or each head's (+halloc)."""
-    return [head.layout for head in codes.heads] if isinstance(codes, HeadCodes) else codes.layout
 
 
 def calibrated_codec(model, geometry: CacheGeometry, config, device, tokenizer=None, groups=None,
