@@ -8,7 +8,10 @@
  *                   h = rms_norm(x) ; g|u = W_gate_up h ; x += W_down (silu(g) * u)
  * then logits = W_head rms_norm(x). Matrices are GGUF blocks (Q4_0/Q4_1/Q8_0, read by blockgemv.c's row
  * kernels) or fp32 rows. One OpenMP parallel region spans the whole step: matrix rows and attention heads
- * are shared between the threads, the small vector work is done by one of them.
+ * are shared between the threads; the small vector work between two matrices (the residual, RMS norms, the
+ * blocks' sums) is done by every thread alike on its own copy, so a layer crosses seven barriers (one per matrix,
+ * the new token's K/V and the attention's two passes): on an idle core a barrier is a futex wake-up (kvlab/__init__.py's
+ * passive wait policy), some tens of microseconds. A gate row and its up row are one thread's.
  *
  * K/V storage: fp32, f16 or bf16 (kvlab's dense, dense-f16, dense-bf16 caches). A new token's K/V are
  * rounded to nearest-even as torch's .to() rounds them; f16/bf16 keys and values are read back one key chunk
@@ -32,10 +35,18 @@
  * values) into the thread's fp32 tile and attended by the fp32 arithmetic of the dense path. The new token (or the
  * row leaving the window) is coded as QuantizedCache._store codes it (see int_store).
  */
+#define _GNU_SOURCE   /* syscall(): the step barrier's futex */
 #include <math.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef __linux__
+#include <limits.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -59,6 +70,51 @@ enum { NORM_LOG8 = 3 };                         /* a coded layer's scales as 8-b
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__F16C__))
 #include <immintrin.h>
 #endif
+
+/* The decode step's barrier: the threads of its one parallel region wait for each other here between two pieces of
+ * work, about ten microseconds apart. A waiter spins (pause) for SPIN_ROUNDS rounds, some tens of microseconds, then
+ * sleeps (a futex, Linux; elsewhere it yields its core each round) until the last thread arrives and wakes it. On an
+ * idle machine the waits are shorter than the spin, so no waiter sleeps and none pays a futex wake-up of a halted
+ * core (tens of microseconds on a VM, where OpenMP's passive policy, kvlab/__init__.py, pays it at every barrier);
+ * on a busy one a waiter that spun long enough hands its core over, as the passive policy does. Sense-reversing:
+ * `sense` flips once per crossing. */
+#define SPIN_ROUNDS 2000
+typedef struct {
+    int n_threads;
+    int arrived;
+    int sense;
+    int sleepers;
+} StepBarrier;
+
+static void step_barrier(StepBarrier *b, int *my_sense) {
+    if (b->n_threads <= 1) return;
+    const int sense = *my_sense = !*my_sense;
+    if (__atomic_add_fetch(&b->arrived, 1, __ATOMIC_ACQ_REL) == b->n_threads) {   /* the last one releases the rest */
+        __atomic_store_n(&b->arrived, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&b->sense, sense, __ATOMIC_SEQ_CST);
+#ifdef __linux__
+        if (__atomic_load_n(&b->sleepers, __ATOMIC_SEQ_CST) > 0)
+            syscall(SYS_futex, &b->sense, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+#endif
+        return;
+    }
+    for (int round = 0; __atomic_load_n(&b->sense, __ATOMIC_ACQUIRE) != sense; round++) {
+        if (round < SPIN_ROUNDS) {
+#if defined(__x86_64__) || defined(__i386__)
+            __builtin_ia32_pause();
+#endif
+            continue;
+        }
+#ifdef __linux__   /* sleep while sense is still the old one (the kernel checks it: no wake-up is lost) */
+        __atomic_add_fetch(&b->sleepers, 1, __ATOMIC_SEQ_CST);
+        if (__atomic_load_n(&b->sense, __ATOMIC_SEQ_CST) != sense)
+            syscall(SYS_futex, &b->sense, FUTEX_WAIT_PRIVATE, !sense, NULL, NULL, 0);
+        __atomic_sub_fetch(&b->sleepers, 1, __ATOMIC_SEQ_CST);
+#else
+        sched_yield();
+#endif
+    }
+}
 
 static inline float bf16_to_f32(uint16_t h) {
     const uint32_t bits = (uint32_t)h << 16;
@@ -326,21 +382,35 @@ static int all_finite(const float *x, int n) {
     return ok;
 }
 
-/* y = M x (+ bias), rows shared between the threads of the enclosing parallel region. xsum: scratch. */
-static void matvec(const Matrix *m, const float *x, float *xsum, float *y) {
+/* xsum = what row_dot needs of x besides x for M's rows: Q4_0 / Q4_1 blocks' sums of x (nothing otherwise) */
+static void row_sums(const Matrix *m, const float *x, float *xsum) {
+    if (m->type == Q4_0 || m->type == Q4_1) kvlab_block_sums(x, m->cols, xsum);
+}
+
+/* row r of M . x (+ its bias); xsum from row_sums */
+static float row_dot(const Matrix *m, int64_t r, const float *x, const float *xsum) {
     const int64_t nblocks = m->cols / QK;
     const int64_t row_bytes = m->type == F32 ? m->cols * 4 : nblocks * kvlab_block_bytes(m->type);
+    const uint8_t *row = m->data + r * row_bytes;
+    const float v = m->type == F32 ? dot((const float *)row, x, m->cols) : kvlab_block_row_dot(m->type, row, x, xsum, nblocks);
+    return m->bias ? v + m->bias[r] : v;
+}
+
+/* y = M x (+ bias), rows shared between the threads of the enclosing parallel region, no barrier after; xsum:
+ * row_sums of x, made by every thread (its own copy: no barrier before the rows either) */
+static void matvec_rows(const Matrix *m, const float *x, const float *xsum, float *y) {
+    #pragma omp for schedule(static) nowait
+    for (int64_t r = 0; r < m->rows; r++) y[r] = row_dot(m, r, x, xsum);
+}
+
+/* y = M x (+ bias), the sums made by one thread (xsum: shared scratch), y whole when it returns */
+static void matvec(const Matrix *m, const float *x, float *xsum, float *y) {
     if (m->type == Q4_0 || m->type == Q4_1) {
         #pragma omp single
-        kvlab_block_sums(x, m->cols, xsum);
+        row_sums(m, x, xsum);
     }
-    #pragma omp for schedule(static)
-    for (int64_t r = 0; r < m->rows; r++) {
-        const uint8_t *row = m->data + r * row_bytes;
-        const float v = m->type == F32 ? dot((const float *)row, x, m->cols)
-                                       : kvlab_block_row_dot(m->type, row, x, xsum, nblocks);
-        y[r] = m->bias ? v + m->bias[r] : v;
-    }
+    matvec_rows(m, x, xsum, y);
+    #pragma omp barrier
 }
 
 /* Attention of one query over n consecutive keys/values of one KV head, not yet normalized:
@@ -1075,8 +1145,11 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
     float *y = malloc(sizeof(float) * (size_t)d);
     float *qkv = malloc(sizeof(float) * (size_t)(q_dim + 2 * kv_dim));
     float *att = malloc(sizeof(float) * (size_t)q_dim);
-    float *gu = malloc(sizeof(float) * 2 * (size_t)m->d_ff);
     float *xsum = malloc(sizeof(float) * (size_t)(widest / QK + 1));
+    /* each thread's own copy of the residual x, of the normalized input h and of its block sums: the small vector
+     * work between two matrices is done by every thread alike (the same bits), so no thread waits for another there */
+    const int64_t own_floats = d + widest + widest / QK + 1;
+    float *own = malloc(sizeof(float) * (size_t)(n_threads * own_floats));
     float *scores = malloc(sizeof(float) * (size_t)H * (size_t)max_chunks * KEY_CHUNK);
     float *parts = malloc(sizeof(float) * (size_t)H * (size_t)max_chunks * (size_t)(hd + 2));
     /* 16-bit or coded rows: each thread's fp32 copy of one key chunk's keys and values (+ a row of room for the
@@ -1090,11 +1163,23 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
     uint8_t *new_codes = any_coded ? malloc((size_t)Hkv * 2 * ROW_ROOM) : NULL;
     uint16_t *new_scales = malloc(sizeof(uint16_t) * 2 * (size_t)Hkv);
     int status = 0;
-    if (!x || !h || !y || !qkv || !att || !gu || !xsum || !scores || !parts || !rounded || !q_coded || !new_scales
+    if (!x || !h || !y || !qkv || !att || !xsum || !own || !scores || !parts || !rounded || !q_coded || !new_scales
         || ((any_16 || any_coded || any_int) && !chunk_kv) || (any_coded && !new_codes)) status = -1;
     else memcpy(x, x_in, sizeof(float) * (size_t)d);
 
+    StepBarrier barrier = {.n_threads = 1};
     #pragma omp parallel num_threads(n_threads) if(status == 0)
+    {
+#ifdef _OPENMP
+    const int me = omp_get_thread_num();
+    __atomic_store_n(&barrier.n_threads, omp_get_num_threads(), __ATOMIC_RELAXED);   /* every thread, the same value */
+#else
+    const int me = 0;
+#endif
+    int sense = 0;
+    float *my_x = own + (int64_t)me * own_floats;
+    float *my_h = my_x + d, *my_sums = my_h + widest;
+    memcpy(my_x, x, sizeof(float) * (size_t)d);
     for (int l = 0; l < n_layers && status == 0; l++) {
         const Layer *W = &m->layers[l];
         const LayerKV *L = &kv[l];
@@ -1113,11 +1198,11 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
             n_first = pos + 1 - start;
         }
         const int c_first = chunks_of(n_first), c_coded = chunks_of(n_coded), n_chunks = c_first + c_coded + chunks_of(n_recent);
-        #pragma omp single
-        rms_norm(x, W->attn_norm, m->rms_eps, d, h);
-        matvec(&W->qkv, h, xsum, qkv);
-        #pragma omp single
-        {
+        rms_norm(my_x, W->attn_norm, m->rms_eps, d, my_h);
+        row_sums(&W->qkv, my_h, my_sums);
+        matvec_rows(&W->qkv, my_h, my_sums, qkv);
+        step_barrier(&barrier, &sense);
+        if (me == 0) {
             float *q = qkv, *k = qkv + q_dim, *v = qkv + q_dim + kv_dim;
             for (int i = 0; i < H && W->q_norm; i++) rms_norm(q + i * hd, W->q_norm, m->rms_eps, hd, q + i * hd);
             for (int i = 0; i < Hkv && W->k_norm; i++) rms_norm(k + i * hd, W->k_norm, m->rms_eps, hd, k + i * hd);
@@ -1192,9 +1277,10 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
                         q_coded[q_dim + i] = shift;
                     }
             }
-        }   /* the barrier here makes `status` the same for every thread */
+        }
+        step_barrier(&barrier, &sense);   /* `status` is the same for every thread after it */
         if (status != 0) break;
-        #pragma omp for schedule(static)
+        #pragma omp for schedule(static) nowait
         for (int item = 0; item < Hkv * n_chunks; item++) {       /* (KV head, key chunk) */
             const int g = item / n_chunks, c = item % n_chunks;
 #ifdef _OPENMP
@@ -1263,7 +1349,8 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
                 attend_part(qkv + i * hd, keys, values, n, hd, m->attn_scale,
                             scores + ((int64_t)i * max_chunks + c) * KEY_CHUNK, parts + ((int64_t)i * max_chunks + c) * (hd + 2));
         }
-        #pragma omp for schedule(static)
+        step_barrier(&barrier, &sense);
+        #pragma omp for schedule(static) nowait
         for (int i = 0; i < H; i++) {
             const int g = i / group;
             float v_offset[CB_MAX_DIM];
@@ -1272,28 +1359,33 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
             combine_parts(parts + (int64_t)i * max_chunks * (hd + 2), n_chunks, hd, c_first, C ? c_first + c_coded : c_first,
                           C ? C->rotation : NULL, has_offset ? v_offset : NULL, att + i * hd);
         }
-        matvec(&W->out, att, xsum, y);
-        #pragma omp single
-        {
-            for (int i = 0; i < d; i++) x[i] += y[i];
-            rms_norm(x, W->ffn_norm, m->rms_eps, d, h);
+        step_barrier(&barrier, &sense);
+        row_sums(&W->out, att, my_sums);
+        matvec_rows(&W->out, att, my_sums, y);
+        step_barrier(&barrier, &sense);
+        for (int i = 0; i < d; i++) my_x[i] += y[i];
+        rms_norm(my_x, W->ffn_norm, m->rms_eps, d, my_h);
+        row_sums(&W->gate_up, my_h, my_sums);
+        #pragma omp for schedule(static) nowait
+        for (int i = 0; i < m->d_ff; i++) {   /* a gate row and its up row by one thread: silu(gate) * up */
+            const float g = row_dot(&W->gate_up, i, my_h, my_sums);
+            h[i] = g / (1.0f + expf(-g)) * row_dot(&W->gate_up, m->d_ff + i, my_h, my_sums);
         }
-        matvec(&W->gate_up, h, xsum, gu);
-        #pragma omp for schedule(static)
-        for (int i = 0; i < m->d_ff; i++) {
-            const float g = gu[i];
-            h[i] = g / (1.0f + expf(-g)) * gu[m->d_ff + i];   /* silu(gate) * up */
-        }
-        matvec(&W->down, h, xsum, y);
-        #pragma omp single
-        for (int i = 0; i < d; i++) x[i] += y[i];
+        step_barrier(&barrier, &sense);
+        row_sums(&W->down, h, my_sums);
+        matvec_rows(&W->down, h, my_sums, y);
+        step_barrier(&barrier, &sense);
+        for (int i = 0; i < d; i++) my_x[i] += y[i];
+    }
+    #pragma omp master
+    memcpy(x, my_x, sizeof(float) * (size_t)d);
     }
     if (status == 0) {
         rms_norm(x, m->final_norm, m->rms_eps, d, h);
         #pragma omp parallel num_threads(n_threads)
         matvec(&m->head, h, xsum, logits);
     }
-    free(x); free(h); free(y); free(qkv); free(att); free(gu); free(xsum); free(scores); free(parts); free(chunk_kv); free(rounded);
+    free(x); free(h); free(y); free(qkv); free(att); free(xsum); free(own); free(scores); free(parts); free(chunk_kv); free(rounded);
     free(q_coded); free(new_codes); free(new_scales); free(layouts);
     return status;
 }
