@@ -191,19 +191,22 @@ def throughput(data, opt) -> str:
 
 
 def ab_runs(data, opt) -> str:
-    """Two commits' runs of one command, alternated: each row's runs, medians and the after/before ratio of medians."""
+    """Two commits' runs of one command, alternated: each row's runs, medians and the after/before ratio of medians.
+    A row is named by its `labels` under the file's `columns` (blocks and prefix cache where a file names neither)."""
     import statistics
 
     rows = []
     for r in data["rows"]:
         before, after = statistics.median(r["before"]), statistics.median(r["after"])
         pairs = [a / b for a, b in zip(r["after"], r["before"])]
-        rows.append([code(r["blocks"]), r["prefix_caching"], num(before), num(after), f"{after / before:.2f}×",
+        labels = r.get("labels") or [r["blocks"], r["prefix_caching"]]
+        rows.append([code(labels[0]), *labels[1:], num(before), num(after), f"{after / before:.2f}×",
                      f"{min(pairs):.2f}–{max(pairs):.2f}×"])
+    columns = data.get("columns", ["blocks", "prefix cache"])
     return (f"{data['what']}: `{data['before']}` against `{data['after']}`, {len(data['rows'][0]['before'])} rounds "
             f"alternated, {data['metric']}:\n\n"
-            + table(["blocks", "prefix cache", "before (median)", "after (median)", "after / before", "round ratios"],
-                    rows, right={2, 3, 4, 5}))
+            + table([*columns, "before (median)", "after (median)", "after / before", "round ratios"], rows,
+                    right=set(range(len(columns), len(columns) + 4))))
 
 
 def serve(data, opt) -> str:
@@ -640,6 +643,13 @@ SECTIONS = [
         Table("decode_contexts_2threads_4k.json", decode_contexts,
               "kvlab bench decode --contexts 4k --caches dense-f16,tq-k4v4,tq3,int8,int4 --threads 2 --repeats 2 "
               "--out bench/results/decode_contexts_2threads_4k.json", bare=BOTH),
+        Table("decode_barrier_ab.json", ab_runs,
+              note="With OpenMP's passive wait policy (kvlab's default, for loaded machines) every barrier of the step "
+                   "was a futex wake-up of an idle core, tens of microseconds on this VM, ~15 of them a layer: 2 threads "
+                   "decoded slower than 1. The step's own "
+                   "barrier spins a few tens of microseconds before it sleeps, and each thread repeats the small vector "
+                   "work between matrices instead of waiting for one thread to do it: 7 barriers a layer. One thread "
+                   "is unchanged (no barrier)."),
     ]),
     Section("Against llama.cpp on the same GGUF",
             "llama.cpp is llama-cpp-python 0.3.36 built from source in its own venv (see bench/README.md), run by "
@@ -655,7 +665,8 @@ SECTIONS = [
         Table("decode_vs_llama_cpp_2threads.json", decode_contexts,
               "kvlab bench decode --contexts 512,4k --caches dense-f16,tq-k4v4,llama.cpp:f16,llama.cpp:q8_0 "
               "--llama-cpp PYTHON --threads 2 --repeats 3 --out bench/results/decode_vs_llama_cpp_2threads.json",
-              bare=BOTH),
+              "At two threads kvlab's dense-f16 leads llama.cpp's f16 1.28x at 512 tokens and 1.43x at 4k "
+              "(`decode_barrier_ab.json`: the step's own barrier).", bare=BOTH),
         Table("prefill_vs_llama_cpp.json", decode_contexts,
               "kvlab bench decode --contexts 512,2k,4000 --caches dense-f16,llama.cpp:f16 --llama-cpp PYTHON --threads 1 "
               "--repeats 2 --steps 16 --out bench/results/prefill_vs_llama_cpp.json"),
@@ -725,6 +736,10 @@ SECTIONS = [
               "and attends over the codes in place, kernels/paged.c); integer blocks run layer by layer through "
               "the modules, each layer's read one C call over the block tables (kvlab_int_attend, the single "
               "integer cache's own read).", bare=()),
+        Table("tq_blocks_layout_ab.json", ab_runs,
+              note="The same for TurboQuant blocks: the pool's codes in TqBlocks (head-major, the single "
+                   "TurboQuantCache's storage, read through one C description of a layer) against the token-major "
+                   "buffers before: within the noise."),
         Table("blocks_layout_ab.json", ab_runs,
               note="The pool's dense and integer blocks read and written in cache/blocks.py's head-major layout "
                    "(the single caches' own) against the token-major blocks before: within the noise of these short "
