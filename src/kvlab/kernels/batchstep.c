@@ -18,16 +18,21 @@
  * Products: GGUF blocks through blockgemm.c, or q8gemm.c for a matrix whose activations are int8 from q8_min_rows
  * rows on (the choice BlockQuantLinear makes); fp32 rows through one fixed-order dot per (weight row, input row).
  * Every product and the attention split their work between threads in their own parallel region, the row work
- * (norms, RoPE, SwiGLU) is split by rows: no result depends on the thread count.
+ * (norms, RoPE, SwiGLU) is split by rows: no result depends on the thread count. A step of one row over dense
+ * blocks (a lone decode token) runs in one parallel region instead (one_row_layers), as decode.c's step does.
  *
  * Before anything is written, every size is checked: the weights' shapes against the model's, the pool's against
  * the model's, and every block id, length and offset of the layout (paged.c's check), so every slot written or
  * read lies inside the pool.
  */
+#define _GNU_SOURCE   /* syscall(): the step barrier's futex (decode.h) */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -122,6 +127,107 @@ static void store_row(int type, const float *src, int Hkv, int hd, void *layer, 
     }
 }
 
+/* row r of W . x (+ its bias) as product() computes it for a row of x (xsum: kvlab_block_sums of x, GGUF blocks) */
+static float row_product(const Matrix *W, int64_t r, const float *x, const float *xsum) {
+    float v;
+    if (W->type == F32) {
+        v = kvlab_dot((const float *)W->data + r * W->cols, x, W->cols);
+    } else {
+        const int64_t nblocks = W->cols / QK;
+        v = kvlab_block_row_dot(W->type, W->data + r * nblocks * kvlab_block_bytes(W->type), x, xsum, nblocks);
+    }
+    return W->bias ? v + W->bias[r] : v;
+}
+
+/* y = W x for one row x, W's rows shared by the threads of the enclosing region (no barrier after) */
+static void rows_shared(const Matrix *W, const float *x, const float *xsum, float *y) {
+    #pragma omp for schedule(static) nowait
+    for (int64_t r = 0; r < W->rows; r++) y[r] = row_product(W, r, x, xsum);
+}
+
+static void sums_of(const Matrix *W, const float *x, float *xsum) {
+    if (W->type == Q4_0 || W->type == Q4_1) kvlab_block_sums(x, W->cols, xsum);
+}
+
+/* kvlab_batch_step for one row over dense blocks in one parallel region, as decode.c's step runs a token: the
+ * threads share each matrix's rows and the attention's KV heads, cross decode.h's step barrier between them (not a
+ * region's fork and join: on an idle core each of those is a futex wake-up) and each keeps its own copy of the
+ * residual, the norms and the blocks' sums. Each product row, attention item and row operation is the one the path
+ * for many rows computes (row_product is few_rows' and the F32 product's dot, kvlab_paged_attend_item the
+ * attention's item). */
+static int one_row_layers(const Model *m, float *x, const float *cos_, const float *sin_, const Pool *P, const Ragged *R,
+                          float scale, int window, int64_t slot, int n_threads) {
+    const int H = m->n_heads, Hkv = m->n_kv_heads, hd = m->head_dim;
+    const int64_t d = m->d_model, ff = m->d_ff, q_dim = (int64_t)H * hd, kv_dim = (int64_t)Hkv * hd;
+    const int64_t qkv_dim = q_dim + 2 * kv_dim, wide = d > ff ? d : ff, own_floats = d + 2 * wide + wide / QK + 1;
+    const size_t elem = P->type == POOL_F32 ? 4 : 2, layer_bytes = (size_t)P->slots * (size_t)kv_dim * elem;
+    float *qkv = malloc(sizeof(float) * (size_t)qkv_dim), *q = malloc(sizeof(float) * (size_t)q_dim);
+    float *att = malloc(sizeof(float) * (size_t)q_dim), *y = malloc(sizeof(float) * (size_t)d);
+    float *gu = malloc(sizeof(float) * 2 * (size_t)ff), *own = malloc(sizeof(float) * (size_t)(n_threads * own_floats));
+    if (!qkv || !q || !att || !y || !gu || !own) {
+        free(qkv); free(q); free(att); free(y); free(gu); free(own);
+        return -2;
+    }
+    StepBarrier barrier = {.n_threads = 1};
+    #pragma omp parallel num_threads(n_threads)
+    {
+#ifdef _OPENMP
+        const int me = omp_get_thread_num();
+        __atomic_store_n(&barrier.n_threads, omp_get_num_threads(), __ATOMIC_RELAXED);   /* every thread, the same value */
+#else
+        const int me = 0;
+#endif
+        int sense = 0;
+        float *my_x = own + (int64_t)me * own_floats, *my_h = my_x + d, *my_ff = my_h + wide, *my_sums = my_ff + wide;
+        memcpy(my_x, x, sizeof(float) * (size_t)d);
+        for (int l = 0; l < m->n_layers; l++) {
+            const Layer *W = &m->layers[l];
+            void *k_layer = (uint8_t *)P->k + (size_t)l * layer_bytes, *v_layer = (uint8_t *)P->v + (size_t)l * layer_bytes;
+            kvlab_rms_norm(my_x, W->attn_norm, m->rms_eps, (int)d, my_h);
+            sums_of(&W->qkv, my_h, my_sums);
+            rows_shared(&W->qkv, my_h, my_sums, qkv);
+            step_barrier(&barrier, &sense);
+            if (me == 0) {   /* q and k normed and turned, K/V into the row's slot */
+                float *k = qkv + q_dim, *v = k + kv_dim;
+                memcpy(q, qkv, sizeof(float) * (size_t)q_dim);
+                for (int i = 0; i < H; i++) {
+                    if (W->q_norm) kvlab_rms_norm(q + i * hd, W->q_norm, m->rms_eps, hd, q + i * hd);
+                    kvlab_rope(q + i * hd, cos_, sin_, hd);
+                }
+                for (int g = 0; g < Hkv; g++) {
+                    if (W->k_norm) kvlab_rms_norm(k + g * hd, W->k_norm, m->rms_eps, hd, k + g * hd);
+                    kvlab_rope(k + g * hd, cos_, sin_, hd);
+                }
+                store_row(P->type, k, Hkv, hd, k_layer, slot, R->block_size);
+                store_row(P->type, v, Hkv, hd, v_layer, slot, R->block_size);
+            }
+            step_barrier(&barrier, &sense);
+            #pragma omp for schedule(static) nowait
+            for (int g = 0; g < Hkv; g++)
+                kvlab_paged_attend_item(q, H, Hkv, hd, hd, k_layer, v_layer, P->type, R->block_tables, R->n_seqs,
+                                        R->max_blocks, R->block_size, R->query_start, R->context_len, scale, window, att, g);
+            step_barrier(&barrier, &sense);
+            sums_of(&W->out, att, my_sums);
+            rows_shared(&W->out, att, my_sums, y);
+            step_barrier(&barrier, &sense);
+            for (int64_t i = 0; i < d; i++) my_x[i] += y[i];
+            kvlab_rms_norm(my_x, W->ffn_norm, m->rms_eps, (int)d, my_h);
+            sums_of(&W->gate_up, my_h, my_sums);
+            rows_shared(&W->gate_up, my_h, my_sums, gu);
+            step_barrier(&barrier, &sense);
+            swiglu_row(gu, ff, my_ff);
+            sums_of(&W->down, my_ff, my_sums);
+            rows_shared(&W->down, my_ff, my_sums, y);
+            step_barrier(&barrier, &sense);
+            for (int64_t i = 0; i < d; i++) my_x[i] += y[i];
+        }
+        #pragma omp master
+        memcpy(x, my_x, sizeof(float) * (size_t)d);
+    }
+    free(qkv); free(q); free(att); free(y); free(gu); free(own);
+    return 0;
+}
+
 /* Every layer for the N rows of x (N, d_model), in place. cos_, sin_ (N, head_dim): each row's RoPE.
  * int8_matrices: a flag per matrix (n_layers x 4, QKV..DOWN) for int8 activations, or NULL for none.
  * Returns 0; -1 (nothing written) when a size or index is refused; -2 without scratch memory; 1 when a TurboQuant
@@ -138,6 +244,14 @@ int kvlab_batch_step(const Model *m, float *x, int64_t n_rows, const float *cos_
     const int64_t qkv_dim = q_dim + 2 * kv_dim, wide = d > ff ? d : ff;
     const int coded = P->type == POOL_TQ;
     const size_t elem = P->type == POOL_F32 ? 4 : 2, layer_bytes = coded ? 0 : (size_t)P->slots * (size_t)kv_dim * elem;
+    if (N == 1 && !coded && (int8_matrices == NULL || q8_min_rows > 1)) {   /* one row (a lone decode token) */
+        int s = 0;                                       /* its sequence: the one that owns row 0 */
+        while (s < R->n_seqs - 1 && R->query_start[s + 1] <= 0) s++;
+        const int64_t pos = R->context_len[s] - 1;       /* its position, inside its table's checked blocks */
+        const int32_t *table = R->block_tables + (int64_t)s * R->max_blocks;
+        const int64_t slot = (int64_t)table[pos / R->block_size] * R->block_size + pos % R->block_size;
+        return one_row_layers(m, x, cos_, sin_, P, R, scale, window, slot, n_threads);
+    }
     int64_t *slot = malloc(sizeof(int64_t) * (size_t)N);
     float *h = malloc(sizeof(float) * (size_t)(N * wide));
     float *qkv = malloc(sizeof(float) * (size_t)(N * qkv_dim));

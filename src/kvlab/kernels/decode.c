@@ -35,18 +35,11 @@
  * values) into the thread's fp32 tile and attended by the fp32 arithmetic of the dense path. The new token (or the
  * row leaving the window) is coded as QuantizedCache._store codes it (see int_store).
  */
-#define _GNU_SOURCE   /* syscall(): the step barrier's futex */
+#define _GNU_SOURCE   /* syscall(): the step barrier's futex (decode.h) */
 #include <math.h>
-#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef __linux__
-#include <limits.h>
-#include <linux/futex.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -70,51 +63,6 @@ enum { NORM_LOG8 = 3 };                         /* a coded layer's scales as 8-b
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__F16C__))
 #include <immintrin.h>
 #endif
-
-/* The decode step's barrier: the threads of its one parallel region wait for each other here between two pieces of
- * work, about ten microseconds apart. A waiter spins (pause) for SPIN_ROUNDS rounds, some tens of microseconds, then
- * sleeps (a futex, Linux; elsewhere it yields its core each round) until the last thread arrives and wakes it. On an
- * idle machine the waits are shorter than the spin, so no waiter sleeps and none pays a futex wake-up of a halted
- * core (tens of microseconds on a VM, where OpenMP's passive policy, kvlab/__init__.py, pays it at every barrier);
- * on a busy one a waiter that spun long enough hands its core over, as the passive policy does. Sense-reversing:
- * `sense` flips once per crossing. */
-#define SPIN_ROUNDS 2000
-typedef struct {
-    int n_threads;
-    int arrived;
-    int sense;
-    int sleepers;
-} StepBarrier;
-
-static void step_barrier(StepBarrier *b, int *my_sense) {
-    if (b->n_threads <= 1) return;
-    const int sense = *my_sense = !*my_sense;
-    if (__atomic_add_fetch(&b->arrived, 1, __ATOMIC_ACQ_REL) == b->n_threads) {   /* the last one releases the rest */
-        __atomic_store_n(&b->arrived, 0, __ATOMIC_RELAXED);
-        __atomic_store_n(&b->sense, sense, __ATOMIC_SEQ_CST);
-#ifdef __linux__
-        if (__atomic_load_n(&b->sleepers, __ATOMIC_SEQ_CST) > 0)
-            syscall(SYS_futex, &b->sense, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
-#endif
-        return;
-    }
-    for (int round = 0; __atomic_load_n(&b->sense, __ATOMIC_ACQUIRE) != sense; round++) {
-        if (round < SPIN_ROUNDS) {
-#if defined(__x86_64__) || defined(__i386__)
-            __builtin_ia32_pause();
-#endif
-            continue;
-        }
-#ifdef __linux__   /* sleep while sense is still the old one (the kernel checks it: no wake-up is lost) */
-        __atomic_add_fetch(&b->sleepers, 1, __ATOMIC_SEQ_CST);
-        if (__atomic_load_n(&b->sense, __ATOMIC_SEQ_CST) != sense)
-            syscall(SYS_futex, &b->sense, FUTEX_WAIT_PRIVATE, !sense, NULL, NULL, 0);
-        __atomic_sub_fetch(&b->sleepers, 1, __ATOMIC_SEQ_CST);
-#else
-        sched_yield();
-#endif
-    }
-}
 
 static inline float bf16_to_f32(uint16_t h) {
     const uint32_t bits = (uint32_t)h << 16;

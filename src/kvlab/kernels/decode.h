@@ -4,8 +4,15 @@
 #ifndef KVLAB_DECODE_H
 #define KVLAB_DECODE_H
 #include <math.h>
+#include <sched.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef __linux__
+#include <limits.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 typedef struct {
     int32_t type;            /* F32, Q4_0, Q4_1 or Q8_0 */
@@ -73,4 +80,49 @@ void kvlab_prerope_rebuild(float *rows, int count, int d, const PreRope *pre, co
 /* dst (n,) = src rounded to f16 (kv_type 1) or bf16 (2) as torch's .to() rounds: 0 when all stored values are
  * finite, 1 otherwise, -1 for another kv_type */
 int kvlab_kv_store(int kv_type, const float *src, int64_t n, uint16_t *dst);
+/* The whole-model steps' barrier (decode.c, batchstep.c): the threads of a step's one parallel region wait for each other here between two pieces of
+ * work, about ten microseconds apart. A waiter spins (pause) for SPIN_ROUNDS rounds, some tens of microseconds, then
+ * sleeps (a futex, Linux; elsewhere it yields its core each round) until the last thread arrives and wakes it. On an
+ * idle machine the waits are shorter than the spin, so no waiter sleeps and none pays a futex wake-up of a halted
+ * core (tens of microseconds on a VM, where OpenMP's passive policy, kvlab/__init__.py, pays it at every barrier);
+ * on a busy one a waiter that spun long enough hands its core over, as the passive policy does. Sense-reversing:
+ * `sense` flips once per crossing. */
+#define SPIN_ROUNDS 2000
+typedef struct {
+    int n_threads;
+    int arrived;
+    int sense;
+    int sleepers;
+} StepBarrier;
+
+static inline void step_barrier(StepBarrier *b, int *my_sense) {
+    if (b->n_threads <= 1) return;
+    const int sense = *my_sense = !*my_sense;
+    if (__atomic_add_fetch(&b->arrived, 1, __ATOMIC_ACQ_REL) == b->n_threads) {   /* the last one releases the rest */
+        __atomic_store_n(&b->arrived, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&b->sense, sense, __ATOMIC_SEQ_CST);
+#ifdef __linux__
+        if (__atomic_load_n(&b->sleepers, __ATOMIC_SEQ_CST) > 0)
+            syscall(SYS_futex, &b->sense, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+#endif
+        return;
+    }
+    for (int round = 0; __atomic_load_n(&b->sense, __ATOMIC_ACQUIRE) != sense; round++) {
+        if (round < SPIN_ROUNDS) {
+#if defined(__x86_64__) || defined(__i386__)
+            __builtin_ia32_pause();
+#endif
+            continue;
+        }
+#ifdef __linux__   /* sleep while sense is still the old one (the kernel checks it: no wake-up is lost) */
+        __atomic_add_fetch(&b->sleepers, 1, __ATOMIC_SEQ_CST);
+        if (__atomic_load_n(&b->sense, __ATOMIC_SEQ_CST) != sense)
+            syscall(SYS_futex, &b->sense, FUTEX_WAIT_PRIVATE, !sense, NULL, NULL, 0);
+        __atomic_sub_fetch(&b->sleepers, 1, __ATOMIC_SEQ_CST);
+#else
+        sched_yield();
+#endif
+    }
+}
+
 #endif

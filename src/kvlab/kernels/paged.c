@@ -202,6 +202,61 @@ static int owner(const int32_t *query_start, int n_seqs, int64_t row) {
     return lo;
 }
 
+void kvlab_paged_attend_item(const float *q, int n_heads, int n_kv_heads, int d, int dv, const void *k_pool,
+                             const void *v_pool, int dtype, const int32_t *block_tables, int n_seqs, int max_blocks,
+                             int block_size, const int32_t *query_start, const int32_t *context_len, float scale,
+                             int window, float *out, int64_t item) {
+    const int group = n_heads / n_kv_heads;
+    const int64_t row = item / n_kv_heads;
+    const int kv_head = (int)(item % n_kv_heads);
+    const int s = owner(query_start, n_seqs, row);
+    const int32_t *table = block_tables + (int64_t)s * max_blocks;
+    const int64_t pos = context_len[s] - (query_start[s + 1] - query_start[s]) + (row - query_start[s]);
+    const int64_t first = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+    const float *qh = q + (row * n_heads + (int64_t)kv_head * group) * d;   /* (G, D): this KV head's queries */
+    float m[MAX_GROUP], l[MAX_GROUP];                                          /* running max, sum */
+    float *o = out + (row * n_heads + (int64_t)kv_head * group) * dv;       /* (G, Dv): accumulated in place */
+    float score[MAX_GROUP][TILE], buf[TILE * MAX_DIM];                      /* a tile's keys, then its values */
+    const float *krow[TILE], *vrow[TILE];
+    int64_t at[TILE];                                     /* the tile's keys' rows in the pool (head kv_head) */
+    for (int g = 0; g < group; g++) {
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+        memset(o + (int64_t)g * dv, 0, dv * sizeof(float));
+    }
+    for (int64_t t0 = first; t0 <= pos; t0 += TILE) {
+        const int n = (int)(pos + 1 - t0 < TILE ? pos + 1 - t0 : TILE);
+        int64_t block = t0 / block_size, offset = t0 % block_size;   /* key t0 + j: no division per key */
+        for (int j = 0; j < n; j++) {   /* row `offset` of head kv_head of the sequence's block */
+            at[j] = ((int64_t)table[block] * n_kv_heads + kv_head) * block_size + offset;
+            if (++offset == block_size) {
+                offset = 0;
+                block++;
+            }
+            krow[j] = pool_row(k_pool, dtype, at[j], d, buf + (int64_t)j * d);
+        }
+        for (int g = 0; g < group; g++) key_scores(qh + (int64_t)g * d, krow, n, d, scale, score[g]);
+        for (int g = 0; g < group; g++) {
+            const float tile_max = largest(score[g], n);
+            const float new_max = tile_max > m[g] ? tile_max : m[g];
+            const float correction = expf(m[g] - new_max);      /* 0 on the first tile (m = -inf) */
+            float *og = o + (int64_t)g * dv;
+            if (correction != 1.0f)
+                for (int c = 0; c < dv; c++) og[c] *= correction;
+            l[g] = l[g] * correction + kvlab_exp_shifted(score[g], n, new_max);   /* decode.c's vector exp */
+            m[g] = new_max;
+        }
+        for (int j = 0; j < n; j++)
+            vrow[j] = pool_row(v_pool, dtype, at[j], dv, buf + (int64_t)j * dv);
+        for (int g = 0; g < group; g++) accumulate_values(o + (int64_t)g * dv, score[g], vrow, n, dv);
+    }
+    for (int g = 0; g < group; g++) {
+        float *og = o + (int64_t)g * dv;
+        const float inv = 1.0f / l[g];
+        for (int c = 0; c < dv; c++) og[c] *= inv;
+    }
+}
+
 int kvlab_paged_attention(const float *q, int64_t n_rows, int n_heads, int n_kv_heads, int d, int dv,
                           const void *k_pool, const void *v_pool, int dtype, int64_t n_slots,
                           const int32_t *block_tables, int n_seqs, int max_blocks, int block_size,
@@ -210,61 +265,13 @@ int kvlab_paged_attention(const float *q, int64_t n_rows, int n_heads, int n_kv_
     if (check_layout(n_rows, n_heads, n_kv_heads, d, dv, dtype, n_slots, block_tables, n_seqs, max_blocks, block_size,
                      query_start, context_len))
         return -1;
-    const int group = n_heads / n_kv_heads;
     int64_t work = 0;   /* query heads x keys x channels: a step this small runs on one thread (see PARALLEL_WORK) */
     for (int s = 0; s < n_seqs; s++) work += (int64_t)(query_start[s + 1] - query_start[s]) * context_len[s];
     work *= (int64_t)n_heads * d;
     #pragma omp parallel for schedule(dynamic, 1) num_threads(n_threads) if(work >= PARALLEL_WORK)
-    for (int64_t item = 0; item < n_rows * n_kv_heads; item++) {
-        const int64_t row = item / n_kv_heads;
-        const int kv_head = (int)(item % n_kv_heads);
-        const int s = owner(query_start, n_seqs, row);
-        const int32_t *table = block_tables + (int64_t)s * max_blocks;
-        const int64_t pos = context_len[s] - (query_start[s + 1] - query_start[s]) + (row - query_start[s]);
-        const int64_t first = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
-        const float *qh = q + (row * n_heads + (int64_t)kv_head * group) * d;   /* (G, D): this KV head's queries */
-        float m[MAX_GROUP], l[MAX_GROUP];                                          /* running max, sum */
-        float *o = out + (row * n_heads + (int64_t)kv_head * group) * dv;       /* (G, Dv): accumulated in place */
-        float score[MAX_GROUP][TILE], buf[TILE * MAX_DIM];                      /* a tile's keys, then its values */
-        const float *krow[TILE], *vrow[TILE];
-        int64_t at[TILE];                                     /* the tile's keys' rows in the pool (head kv_head) */
-        for (int g = 0; g < group; g++) {
-            m[g] = -INFINITY;
-            l[g] = 0.0f;
-            memset(o + (int64_t)g * dv, 0, dv * sizeof(float));
-        }
-        for (int64_t t0 = first; t0 <= pos; t0 += TILE) {
-            const int n = (int)(pos + 1 - t0 < TILE ? pos + 1 - t0 : TILE);
-            int64_t block = t0 / block_size, offset = t0 % block_size;   /* key t0 + j: no division per key */
-            for (int j = 0; j < n; j++) {   /* row `offset` of head kv_head of the sequence's block */
-                at[j] = ((int64_t)table[block] * n_kv_heads + kv_head) * block_size + offset;
-                if (++offset == block_size) {
-                    offset = 0;
-                    block++;
-                }
-                krow[j] = pool_row(k_pool, dtype, at[j], d, buf + (int64_t)j * d);
-            }
-            for (int g = 0; g < group; g++) key_scores(qh + (int64_t)g * d, krow, n, d, scale, score[g]);
-            for (int g = 0; g < group; g++) {
-                const float tile_max = largest(score[g], n);
-                const float new_max = tile_max > m[g] ? tile_max : m[g];
-                const float correction = expf(m[g] - new_max);      /* 0 on the first tile (m = -inf) */
-                float *og = o + (int64_t)g * dv;
-                if (correction != 1.0f)
-                    for (int c = 0; c < dv; c++) og[c] *= correction;
-                l[g] = l[g] * correction + kvlab_exp_shifted(score[g], n, new_max);   /* decode.c's vector exp */
-                m[g] = new_max;
-            }
-            for (int j = 0; j < n; j++)
-                vrow[j] = pool_row(v_pool, dtype, at[j], dv, buf + (int64_t)j * dv);
-            for (int g = 0; g < group; g++) accumulate_values(o + (int64_t)g * dv, score[g], vrow, n, dv);
-        }
-        for (int g = 0; g < group; g++) {
-            float *og = o + (int64_t)g * dv;
-            const float inv = 1.0f / l[g];
-            for (int c = 0; c < dv; c++) og[c] *= inv;
-        }
-    }
+    for (int64_t item = 0; item < n_rows * n_kv_heads; item++)
+        kvlab_paged_attend_item(q, n_heads, n_kv_heads, d, dv, k_pool, v_pool, dtype, block_tables, n_seqs, max_blocks,
+                                block_size, query_start, context_len, scale, window, out, item);
     return 0;
 }
 

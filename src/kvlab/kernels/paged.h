@@ -27,4 +27,10 @@ int kvlab_paged_attention(const float *q, int64_t n_rows, int n_heads, int n_kv_
                           const int32_t *block_tables, int n_seqs, int max_blocks, int block_size,
                           const int32_t *query_start, const int32_t *context_len,
                           float scale, int window, float *out, int n_threads);
+/* kvlab_paged_attention's work item `item` = (query row item / n_kv_heads, KV head item % n_kv_heads): the G query
+ * heads of that KV head attend over the row's keys; the layout checked by the caller (kvlab_paged_layout_ok) */
+void kvlab_paged_attend_item(const float *q, int n_heads, int n_kv_heads, int d, int dv, const void *k_pool,
+                             const void *v_pool, int dtype, const int32_t *block_tables, int n_seqs, int max_blocks,
+                             int block_size, const int32_t *query_start, const int32_t *context_len, float scale,
+                             int window, float *out, int64_t item);
 #endif
