@@ -790,6 +790,11 @@ SECTIONS = [
                    "in-process (the single-sequence fused step ~7 ms with spinning OpenMP waits, ~18 ms with the "
                    "passive waits kvlab sets); at 16 clients it serves 1.2-1.3x llama-server's tokens/s with a TTFT "
                    "4.6-6.8x shorter."),
+        Table("serve_one_row_step_ab.json", ab_runs,
+              note="The engine's step of one row (a lone decode token over dense blocks) now runs every layer in one "
+                   "parallel region with the fused decode step's barrier, not a region per product: a served client's "
+                   "time per output token 1.6x shorter, 10-11.8 ms against llama-server's 9.2-9.5 ms in the table "
+                   "above (measured before this change)."),
         Table("serve_llama_server_np16.json", serve,
               note="llama.cpp's server from the llama-cpp-python 0.3.36 sdist (GGML_NATIVE=OFF, AVX-512), 2 threads, "
                    "16 slots of 512 tokens, f16 K/V, measured by the same client."),

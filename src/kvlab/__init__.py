@@ -8,8 +8,9 @@ import os as _os
 # needs: every barrier then costs a scheduler time slice and decode collapses (2 threads on a loaded 2-core box:
 # 0.6-1.9 tokens/s against 10-13 for 1 thread; passive: 12-15; GOMP_SPINCOUNT=1000 or 10000 only 2.5-8.5). A
 # sleeping waiter costs a futex wake-up per barrier on an idle machine instead (tens of microseconds on a VM): the
-# fused decode step (kernels/decode.c) therefore crosses its layers' barriers with one of its own that spins for
-# tens of microseconds before it sleeps, and meets OpenMP's only where its parallel region starts and ends; set
+# fused decode step (kernels/decode.c) and the engine's step of one row (kernels/batchstep.c) therefore cross their
+# layers' barriers with one of their own that spins for tens of microseconds before it sleeps (kernels/decode.h), and
+# meet OpenMP's only where their parallel region starts and ends; set
 # OMP_WAIT_POLICY=active to trade the rest back. libgomp reads this once, when it is loaded (with torch): it
 # takes effect when kvlab is imported before torch, as the `kvlab` command does, and in child processes.
 #: True when the passive policy is kvlab's choice, not the user's (benchmarks start peers without it).
