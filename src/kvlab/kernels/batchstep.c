@@ -30,9 +30,6 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -127,33 +124,27 @@ static void store_row(int type, const float *src, int Hkv, int hd, void *layer, 
     }
 }
 
-/* row r of W . x (+ its bias) as product() computes it for a row of x (xsum: kvlab_block_sums of x, GGUF blocks) */
-static float row_product(const Matrix *W, int64_t r, const float *x, const float *xsum) {
-    float v;
-    if (W->type == F32) {
-        v = kvlab_dot((const float *)W->data + r * W->cols, x, W->cols);
-    } else {
-        const int64_t nblocks = W->cols / QK;
-        v = kvlab_block_row_dot(W->type, W->data + r * nblocks * kvlab_block_bytes(W->type), x, xsum, nblocks);
+/* One row's queries and keys as attention reads them: q (H, hd) = the row's query part of qkv, each head RMS-normed
+ * (q_norm) and turned (RoPE at cos_/sin_), the keys in qkv likewise in place */
+static void queries_and_keys(const Model *m, const Layer *W, const float *cos_, const float *sin_, float *qkv, float *q) {
+    const int H = m->n_heads, Hkv = m->n_kv_heads, hd = m->head_dim;
+    float *k = qkv + (int64_t)H * hd;
+    memcpy(q, qkv, sizeof(float) * (size_t)H * hd);
+    for (int i = 0; i < H; i++) {
+        if (W->q_norm) kvlab_rms_norm(q + i * hd, W->q_norm, m->rms_eps, hd, q + i * hd);
+        kvlab_rope(q + i * hd, cos_, sin_, hd);
     }
-    return W->bias ? v + W->bias[r] : v;
-}
-
-/* y = W x for one row x, W's rows shared by the threads of the enclosing region (no barrier after) */
-static void rows_shared(const Matrix *W, const float *x, const float *xsum, float *y) {
-    #pragma omp for schedule(static) nowait
-    for (int64_t r = 0; r < W->rows; r++) y[r] = row_product(W, r, x, xsum);
-}
-
-static void sums_of(const Matrix *W, const float *x, float *xsum) {
-    if (W->type == Q4_0 || W->type == Q4_1) kvlab_block_sums(x, W->cols, xsum);
+    for (int g = 0; g < Hkv; g++) {
+        if (W->k_norm) kvlab_rms_norm(k + g * hd, W->k_norm, m->rms_eps, hd, k + g * hd);
+        kvlab_rope(k + g * hd, cos_, sin_, hd);
+    }
 }
 
 /* kvlab_batch_step for one row over dense blocks in one parallel region, as decode.c's step runs a token: the
  * threads share each matrix's rows and the attention's KV heads, cross decode.h's step barrier between them (not a
  * region's fork and join: on an idle core each of those is a futex wake-up) and each keeps its own copy of the
  * residual, the norms and the blocks' sums. Each product row, attention item and row operation is the one the path
- * for many rows computes (row_product is few_rows' and the F32 product's dot, kvlab_paged_attend_item the
+ * for many rows computes (kvlab_matrix_row is few_rows' and the F32 product's dot, kvlab_paged_attend_item the
  * attention's item). */
 static int one_row_layers(const Model *m, float *x, const float *cos_, const float *sin_, const Pool *P, const Ragged *R,
                           float scale, int window, int64_t slot, int n_threads) {
@@ -171,12 +162,7 @@ static int one_row_layers(const Model *m, float *x, const float *cos_, const flo
     StepBarrier barrier = {.n_threads = 1};
     #pragma omp parallel num_threads(n_threads)
     {
-#ifdef _OPENMP
-        const int me = omp_get_thread_num();
-        __atomic_store_n(&barrier.n_threads, omp_get_num_threads(), __ATOMIC_RELAXED);   /* every thread, the same value */
-#else
-        const int me = 0;
-#endif
+        const int me = step_thread(&barrier);
         int sense = 0;
         float *my_x = own + (int64_t)me * own_floats, *my_h = my_x + d, *my_ff = my_h + wide, *my_sums = my_ff + wide;
         memcpy(my_x, x, sizeof(float) * (size_t)d);
@@ -184,22 +170,13 @@ static int one_row_layers(const Model *m, float *x, const float *cos_, const flo
             const Layer *W = &m->layers[l];
             void *k_layer = (uint8_t *)P->k + (size_t)l * layer_bytes, *v_layer = (uint8_t *)P->v + (size_t)l * layer_bytes;
             kvlab_rms_norm(my_x, W->attn_norm, m->rms_eps, (int)d, my_h);
-            sums_of(&W->qkv, my_h, my_sums);
-            rows_shared(&W->qkv, my_h, my_sums, qkv);
+            kvlab_matrix_sums(&W->qkv, my_h, my_sums);
+            kvlab_matrix_rows(&W->qkv, my_h, my_sums, qkv);
             step_barrier(&barrier, &sense);
             if (me == 0) {   /* q and k normed and turned, K/V into the row's slot */
-                float *k = qkv + q_dim, *v = k + kv_dim;
-                memcpy(q, qkv, sizeof(float) * (size_t)q_dim);
-                for (int i = 0; i < H; i++) {
-                    if (W->q_norm) kvlab_rms_norm(q + i * hd, W->q_norm, m->rms_eps, hd, q + i * hd);
-                    kvlab_rope(q + i * hd, cos_, sin_, hd);
-                }
-                for (int g = 0; g < Hkv; g++) {
-                    if (W->k_norm) kvlab_rms_norm(k + g * hd, W->k_norm, m->rms_eps, hd, k + g * hd);
-                    kvlab_rope(k + g * hd, cos_, sin_, hd);
-                }
-                store_row(P->type, k, Hkv, hd, k_layer, slot, R->block_size);
-                store_row(P->type, v, Hkv, hd, v_layer, slot, R->block_size);
+                queries_and_keys(m, W, cos_, sin_, qkv, q);
+                store_row(P->type, qkv + q_dim, Hkv, hd, k_layer, slot, R->block_size);
+                store_row(P->type, qkv + q_dim + kv_dim, Hkv, hd, v_layer, slot, R->block_size);
             }
             step_barrier(&barrier, &sense);
             #pragma omp for schedule(static) nowait
@@ -207,17 +184,17 @@ static int one_row_layers(const Model *m, float *x, const float *cos_, const flo
                 kvlab_paged_attend_item(q, H, Hkv, hd, hd, k_layer, v_layer, P->type, R->block_tables, R->n_seqs,
                                         R->max_blocks, R->block_size, R->query_start, R->context_len, scale, window, att, g);
             step_barrier(&barrier, &sense);
-            sums_of(&W->out, att, my_sums);
-            rows_shared(&W->out, att, my_sums, y);
+            kvlab_matrix_sums(&W->out, att, my_sums);
+            kvlab_matrix_rows(&W->out, att, my_sums, y);
             step_barrier(&barrier, &sense);
             for (int64_t i = 0; i < d; i++) my_x[i] += y[i];
             kvlab_rms_norm(my_x, W->ffn_norm, m->rms_eps, (int)d, my_h);
-            sums_of(&W->gate_up, my_h, my_sums);
-            rows_shared(&W->gate_up, my_h, my_sums, gu);
+            kvlab_matrix_sums(&W->gate_up, my_h, my_sums);
+            kvlab_matrix_rows(&W->gate_up, my_h, my_sums, gu);
             step_barrier(&barrier, &sense);
             swiglu_row(gu, ff, my_ff);
-            sums_of(&W->down, my_ff, my_sums);
-            rows_shared(&W->down, my_ff, my_sums, y);
+            kvlab_matrix_sums(&W->down, my_ff, my_sums);
+            kvlab_matrix_rows(&W->down, my_ff, my_sums, y);
             step_barrier(&barrier, &sense);
             for (int64_t i = 0; i < d; i++) my_x[i] += y[i];
         }
@@ -279,17 +256,8 @@ int kvlab_batch_step(const Model *m, float *x, int64_t n_rows, const float *cos_
         if ((status = product(&W->qkv, h, N, qkv, flags[QKV], q8_min_rows, n_threads))) break;
         #pragma omp parallel for schedule(static) num_threads(n_threads) if(N * qkv_dim >= ROWS_IN_PARALLEL)
         for (int64_t r = 0; r < N; r++) {
-            float *qr = q + r * q_dim, *k = qkv + r * qkv_dim + q_dim, *v = k + kv_dim;
-            const float *c = cos_ + r * hd, *sn = sin_ + r * hd;
-            memcpy(qr, qkv + r * qkv_dim, sizeof(float) * (size_t)q_dim);
-            for (int i = 0; i < H; i++) {
-                if (W->q_norm) kvlab_rms_norm(qr + i * hd, W->q_norm, m->rms_eps, hd, qr + i * hd);
-                kvlab_rope(qr + i * hd, c, sn, hd);
-            }
-            for (int g = 0; g < Hkv; g++) {
-                if (W->k_norm) kvlab_rms_norm(k + g * hd, W->k_norm, m->rms_eps, hd, k + g * hd);
-                kvlab_rope(k + g * hd, c, sn, hd);
-            }
+            float *k = qkv + r * qkv_dim + q_dim, *v = k + kv_dim;
+            queries_and_keys(m, W, cos_ + r * hd, sin_ + r * hd, qkv + r * qkv_dim, q + r * q_dim);
             if (!coded) {
                 store_row(P->type, k, Hkv, hd, k_layer, slot[r], R->block_size);
                 store_row(P->type, v, Hkv, hd, v_layer, slot[r], R->block_size);

@@ -330,34 +330,13 @@ static int all_finite(const float *x, int n) {
     return ok;
 }
 
-/* xsum = what row_dot needs of x besides x for M's rows: Q4_0 / Q4_1 blocks' sums of x (nothing otherwise) */
-static void row_sums(const Matrix *m, const float *x, float *xsum) {
-    if (m->type == Q4_0 || m->type == Q4_1) kvlab_block_sums(x, m->cols, xsum);
-}
-
-/* row r of M . x (+ its bias); xsum from row_sums */
-static float row_dot(const Matrix *m, int64_t r, const float *x, const float *xsum) {
-    const int64_t nblocks = m->cols / QK;
-    const int64_t row_bytes = m->type == F32 ? m->cols * 4 : nblocks * kvlab_block_bytes(m->type);
-    const uint8_t *row = m->data + r * row_bytes;
-    const float v = m->type == F32 ? dot((const float *)row, x, m->cols) : kvlab_block_row_dot(m->type, row, x, xsum, nblocks);
-    return m->bias ? v + m->bias[r] : v;
-}
-
-/* y = M x (+ bias), rows shared between the threads of the enclosing parallel region, no barrier after; xsum:
- * row_sums of x, made by every thread (its own copy: no barrier before the rows either) */
-static void matvec_rows(const Matrix *m, const float *x, const float *xsum, float *y) {
-    #pragma omp for schedule(static) nowait
-    for (int64_t r = 0; r < m->rows; r++) y[r] = row_dot(m, r, x, xsum);
-}
-
 /* y = M x (+ bias), the sums made by one thread (xsum: shared scratch), y whole when it returns */
 static void matvec(const Matrix *m, const float *x, float *xsum, float *y) {
     if (m->type == Q4_0 || m->type == Q4_1) {
         #pragma omp single
-        row_sums(m, x, xsum);
+        kvlab_matrix_sums(m, x, xsum);
     }
-    matvec_rows(m, x, xsum, y);
+    kvlab_matrix_rows(m, x, xsum, y);
     #pragma omp barrier
 }
 
@@ -1118,12 +1097,7 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
     StepBarrier barrier = {.n_threads = 1};
     #pragma omp parallel num_threads(n_threads) if(status == 0)
     {
-#ifdef _OPENMP
-    const int me = omp_get_thread_num();
-    __atomic_store_n(&barrier.n_threads, omp_get_num_threads(), __ATOMIC_RELAXED);   /* every thread, the same value */
-#else
-    const int me = 0;
-#endif
+    const int me = step_thread(&barrier);
     int sense = 0;
     float *my_x = own + (int64_t)me * own_floats;
     float *my_h = my_x + d, *my_sums = my_h + widest;
@@ -1147,8 +1121,8 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
         }
         const int c_first = chunks_of(n_first), c_coded = chunks_of(n_coded), n_chunks = c_first + c_coded + chunks_of(n_recent);
         rms_norm(my_x, W->attn_norm, m->rms_eps, d, my_h);
-        row_sums(&W->qkv, my_h, my_sums);
-        matvec_rows(&W->qkv, my_h, my_sums, qkv);
+        kvlab_matrix_sums(&W->qkv, my_h, my_sums);
+        kvlab_matrix_rows(&W->qkv, my_h, my_sums, qkv);
         step_barrier(&barrier, &sense);
         if (me == 0) {
             float *q = qkv, *k = qkv + q_dim, *v = qkv + q_dim + kv_dim;
@@ -1308,20 +1282,20 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
                           C ? C->rotation : NULL, has_offset ? v_offset : NULL, att + i * hd);
         }
         step_barrier(&barrier, &sense);
-        row_sums(&W->out, att, my_sums);
-        matvec_rows(&W->out, att, my_sums, y);
+        kvlab_matrix_sums(&W->out, att, my_sums);
+        kvlab_matrix_rows(&W->out, att, my_sums, y);
         step_barrier(&barrier, &sense);
         for (int i = 0; i < d; i++) my_x[i] += y[i];
         rms_norm(my_x, W->ffn_norm, m->rms_eps, d, my_h);
-        row_sums(&W->gate_up, my_h, my_sums);
+        kvlab_matrix_sums(&W->gate_up, my_h, my_sums);
         #pragma omp for schedule(static) nowait
         for (int i = 0; i < m->d_ff; i++) {   /* a gate row and its up row by one thread: silu(gate) * up */
-            const float g = row_dot(&W->gate_up, i, my_h, my_sums);
-            h[i] = g / (1.0f + expf(-g)) * row_dot(&W->gate_up, m->d_ff + i, my_h, my_sums);
+            const float g = kvlab_matrix_row(&W->gate_up, i, my_h, my_sums);
+            h[i] = g / (1.0f + expf(-g)) * kvlab_matrix_row(&W->gate_up, m->d_ff + i, my_h, my_sums);
         }
         step_barrier(&barrier, &sense);
-        row_sums(&W->down, h, my_sums);
-        matvec_rows(&W->down, h, my_sums, y);
+        kvlab_matrix_sums(&W->down, h, my_sums);
+        kvlab_matrix_rows(&W->down, h, my_sums, y);
         step_barrier(&barrier, &sense);
         for (int i = 0; i < d; i++) my_x[i] += y[i];
     }

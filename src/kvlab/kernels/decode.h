@@ -7,6 +7,11 @@
 #include <sched.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "blockgemv.h"
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #ifdef __linux__
 #include <limits.h>
 #include <linux/futex.h>
@@ -44,6 +49,30 @@ float kvlab_exp_shifted(float *s, int n, float top);
 void kvlab_rms_norm(const float *x, const float *w, float eps, int n, float *y);
 /* RoPE of one head of d values in place, as llama.py's apply_rope: pairs (i, i + d/2) */
 void kvlab_rope(float *x, const float *cos_, const float *sin_, int d);
+/* One input row x through a matrix, as the steps' products compute it (blockgemv.c's row dot for GGUF blocks, one
+ * fixed-order dot for fp32 rows). xsum: what the row dot needs of x besides x (Q4_0 / Q4_1 blocks' sums), made by
+ * kvlab_matrix_sums; row r of W . x (+ its bias) by kvlab_matrix_row; y = W x with W's rows shared between the
+ * threads of the enclosing parallel region (no barrier after) by kvlab_matrix_rows. */
+static inline void kvlab_matrix_sums(const Matrix *W, const float *x, float *xsum) {
+    if (W->type == Q4_0 || W->type == Q4_1) kvlab_block_sums(x, W->cols, xsum);
+}
+
+static inline float kvlab_matrix_row(const Matrix *W, int64_t r, const float *x, const float *xsum) {
+    float v;
+    if (W->type == F32) {
+        v = kvlab_dot((const float *)W->data + r * W->cols, x, W->cols);
+    } else {
+        const int64_t nblocks = W->cols / QK;
+        v = kvlab_block_row_dot(W->type, W->data + r * nblocks * kvlab_block_bytes(W->type), x, xsum, nblocks);
+    }
+    return W->bias ? v + W->bias[r] : v;
+}
+
+static inline void kvlab_matrix_rows(const Matrix *W, const float *x, const float *xsum, float *y) {
+    #pragma omp for schedule(static) nowait
+    for (int64_t r = 0; r < W->rows; r++) y[r] = kvlab_matrix_row(W, r, x, xsum);
+}
+
 /* +norms8 (turboquant.py LOG_NORM_STEPS, _LOG_NORM_ZERO): a scale's uint8 code c > 0 stands for
  * 2^(centre + (c - 128)/16), code 0 for a zero scale (_log_norm_values); decode.c and paged.c read them so.
  * A centre is a multiple of 1/16, so with e = 16·centre + c - 128 the scale is 2^(e mod 16 / 16) · 2^floor(e/16):
@@ -94,6 +123,18 @@ typedef struct {
     int sense;
     int sleepers;
 } StepBarrier;
+
+/* This thread's number in the step's parallel region, which it first counts into b (every thread stores the same
+ * team size) */
+static inline int step_thread(StepBarrier *b) {
+#ifdef _OPENMP
+    __atomic_store_n(&b->n_threads, omp_get_num_threads(), __ATOMIC_RELAXED);
+    return omp_get_thread_num();
+#else
+    (void)b;
+    return 0;
+#endif
+}
 
 static inline void step_barrier(StepBarrier *b, int *my_sense) {
     if (b->n_threads <= 1) return;
