@@ -129,6 +129,12 @@ def test_the_ragged_code_kernel_checks_every_buffer():
         assert "\n" not in str(info.value)
     with pytest.raises(ConfigError):
         tq_attention(kernel, layer, q[:, :3], **args)                               # 3 heads over 2 KV heads
+    at = layer.heads[0][1].at
+    layer.heads[0][1].at = layer.block_bytes[0] - layer.slot_bytes[0]               # head 1's rows past its block's end
+    with pytest.raises(ConfigError, match="refused") as info:
+        tq_attention(kernel, layer, q, **args)
+    assert "\n" not in str(info.value)
+    layer.heads[0][1].at = at
     # the layer's buffers are checked where C's description of them is made
     buffers = pool.blocks.layer(0)
     bad_buffers = [

@@ -147,11 +147,10 @@ static void queries_and_keys(const Model *m, const Layer *W, const float *cos_, 
  * for many rows computes (kvlab_matrix_row is few_rows' and the F32 product's dot, kvlab_paged_attend_item the
  * attention's item). */
 static int one_row_layers(const Model *m, float *x, const float *cos_, const float *sin_, const Pool *P, const Ragged *R,
-                          float scale, int window, int64_t slot, int n_threads) {
+                          float scale, int window, int64_t slot, size_t layer_bytes, int n_threads) {
     const int H = m->n_heads, Hkv = m->n_kv_heads, hd = m->head_dim;
     const int64_t d = m->d_model, ff = m->d_ff, q_dim = (int64_t)H * hd, kv_dim = (int64_t)Hkv * hd;
     const int64_t qkv_dim = q_dim + 2 * kv_dim, wide = d > ff ? d : ff, own_floats = d + 2 * wide + wide / QK + 1;
-    const size_t elem = P->type == POOL_F32 ? 4 : 2, layer_bytes = (size_t)P->slots * (size_t)kv_dim * elem;
     float *qkv = malloc(sizeof(float) * (size_t)qkv_dim), *q = malloc(sizeof(float) * (size_t)q_dim);
     float *att = malloc(sizeof(float) * (size_t)q_dim), *y = malloc(sizeof(float) * (size_t)d);
     float *gu = malloc(sizeof(float) * 2 * (size_t)ff), *own = malloc(sizeof(float) * (size_t)(n_threads * own_floats));
@@ -224,10 +223,8 @@ int kvlab_batch_step(const Model *m, float *x, int64_t n_rows, const float *cos_
     if (N == 1 && !coded && (int8_matrices == NULL || q8_min_rows > 1)) {   /* one row (a lone decode token) */
         int s = 0;                                       /* its sequence: the one that owns row 0 */
         while (s < R->n_seqs - 1 && R->query_start[s + 1] <= 0) s++;
-        const int64_t pos = R->context_len[s] - 1;       /* its position, inside its table's checked blocks */
-        const int32_t *table = R->block_tables + (int64_t)s * R->max_blocks;
-        const int64_t slot = (int64_t)table[pos / R->block_size] * R->block_size + pos % R->block_size;
-        return one_row_layers(m, x, cos_, sin_, P, R, scale, window, slot, n_threads);
+        return one_row_layers(m, x, cos_, sin_, P, R, scale, window, kvlab_ragged_slot(R, s, R->context_len[s] - 1),
+                              layer_bytes, n_threads);
     }
     int64_t *slot = malloc(sizeof(int64_t) * (size_t)N);
     float *h = malloc(sizeof(float) * (size_t)(N * wide));
@@ -240,11 +237,7 @@ int kvlab_batch_step(const Model *m, float *x, int64_t n_rows, const float *cos_
     /* each row's slot, from its position (inside its table's checked blocks: position < context_len[s]) */
     for (int s = 0; s < R->n_seqs && status == 0; s++) {
         const int64_t r0 = R->query_start[s], r1 = R->query_start[s + 1], first = R->context_len[s] - (r1 - r0);
-        const int32_t *table = R->block_tables + (int64_t)s * R->max_blocks;
-        for (int64_t r = r0; r < r1; r++) {
-            const int64_t pos = first + (r - r0);
-            slot[r] = (int64_t)table[pos / R->block_size] * R->block_size + pos % R->block_size;
-        }
+        for (int64_t r = r0; r < r1; r++) slot[r] = kvlab_ragged_slot(R, s, first + (r - r0));
     }
     for (int l = 0; l < m->n_layers && status == 0; l++) {
         const Layer *W = &m->layers[l];

@@ -10,8 +10,9 @@
  * kernels) or fp32 rows. One OpenMP parallel region spans the whole step: matrix rows and attention heads
  * are shared between the threads; the small vector work between two matrices (the residual, RMS norms, the
  * blocks' sums) is done by every thread alike on its own copy, so a layer crosses seven barriers (one per matrix,
- * the new token's K/V and the attention's two passes): on an idle core a barrier is a futex wake-up (kvlab/__init__.py's
- * passive wait policy), some tens of microseconds. A gate row and its up row are one thread's.
+ * the new token's K/V and the attention's two passes), each decode.h's step barrier: it spins before it sleeps, where
+ * OpenMP's under kvlab/__init__.py's passive wait policy is a futex wake-up of an idle core, some tens of microseconds.
+ * A gate row and its up row are one thread's.
  *
  * K/V storage: fp32, f16 or bf16 (kvlab's dense, dense-f16, dense-bf16 caches). A new token's K/V are
  * rounded to nearest-even as torch's .to() rounds them; f16/bf16 keys and values are read back one key chunk
@@ -770,7 +771,8 @@ int kvlab_tq_layouts(const Coded *C, int Hkv, int hd, cb_layout *layouts) {
         for (int g = 0; g < Hkv; g++) {
             const HeadCodes *h = &C->heads[i][g];
             if (kvlab_cb_layout(&layouts[2 * g + i], hd, h->n_parts, h->spec, h->tables, h->row_bytes)
-                || h->row_bytes > ROW_ROOM || h->at < 0 || h->row_bytes > C->slot_bytes[i]) return -1;
+                || h->row_bytes > ROW_ROOM || h->at < 0 || h->row_bytes > C->slot_bytes[i]
+                || h->at + (C->block_rows - 1) * C->slot_bytes[i] + h->row_bytes > C->block_bytes[i]) return -1;
         }
     }
     return 0;

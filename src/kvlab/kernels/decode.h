@@ -109,8 +109,8 @@ void kvlab_prerope_rebuild(float *rows, int count, int d, const PreRope *pre, co
 /* dst (n,) = src rounded to f16 (kv_type 1) or bf16 (2) as torch's .to() rounds: 0 when all stored values are
  * finite, 1 otherwise, -1 for another kv_type */
 int kvlab_kv_store(int kv_type, const float *src, int64_t n, uint16_t *dst);
-/* The whole-model steps' barrier (decode.c, batchstep.c): the threads of a step's one parallel region wait for each other here between two pieces of
- * work, about ten microseconds apart. A waiter spins (pause) for SPIN_ROUNDS rounds, some tens of microseconds, then
+/* The whole-model steps' barrier (decode.c, batchstep.c): the threads of a step's one parallel region wait for each
+ * other here between two pieces of work, about ten microseconds apart. A waiter spins (pause) for SPIN_ROUNDS rounds, some tens of microseconds, then
  * sleeps (a futex, Linux; elsewhere it yields its core each round) until the last thread arrives and wakes it. On an
  * idle machine the waits are shorter than the spin, so no waiter sleeps and none pays a futex wake-up of a halted
  * core (tens of microseconds on a VM, where OpenMP's passive policy, kvlab/__init__.py, pays it at every barrier);
@@ -137,9 +137,10 @@ static inline int step_thread(StepBarrier *b) {
 }
 
 static inline void step_barrier(StepBarrier *b, int *my_sense) {
-    if (b->n_threads <= 1) return;
+    const int n_threads = __atomic_load_n(&b->n_threads, __ATOMIC_RELAXED);
+    if (n_threads <= 1) return;
     const int sense = *my_sense = !*my_sense;
-    if (__atomic_add_fetch(&b->arrived, 1, __ATOMIC_ACQ_REL) == b->n_threads) {   /* the last one releases the rest */
+    if (__atomic_add_fetch(&b->arrived, 1, __ATOMIC_ACQ_REL) == n_threads) {   /* the last one releases the rest */
         __atomic_store_n(&b->arrived, 0, __ATOMIC_RELAXED);
         __atomic_store_n(&b->sense, sense, __ATOMIC_SEQ_CST);
 #ifdef __linux__

@@ -750,12 +750,11 @@ int kvlab_tq_pool_layer(const TqPoolLayer *T, int n_heads, int n_kv_heads, int h
     if (!status) {   /* each row's position and slot; a sink position's K/V into its sequence's sink rows */
         for (int s = 0; s < R->n_seqs; s++) {
             const int64_t r0 = R->query_start[s], r1 = R->query_start[s + 1], first = R->context_len[s] - (r1 - r0);
-            const int32_t *table = R->block_tables + (int64_t)s * R->max_blocks;
             for (int64_t r = r0; r < r1; r++) {
                 const int64_t pos = first + (r - r0);
                 position[r] = pos;
                 entry[r] = sink ? S->entries[s] : 0;
-                slot[r] = pos < sink ? -1 : (int64_t)table[pos / R->block_size] * R->block_size + pos % R->block_size;
+                slot[r] = pos < sink ? -1 : kvlab_ragged_slot(R, s, pos);
                 if (pos < sink) {
                     const int64_t row = (int64_t)entry[r] * sink + pos;
                     store_sink_row(T->sink_type, k + r * kv_stride, kv_dim, T->sink_k, row);

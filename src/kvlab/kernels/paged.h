@@ -14,6 +14,12 @@ typedef struct {                   /* where the rows of a step's sequences live 
     const int32_t *context_len;    /* (n_seqs,): tokens it attends to, its new rows included */
 } Ragged;
 
+/* the slot of sequence s's position pos: row pos % block_size of block table[pos / block_size] (pos inside the
+ * sequence's checked blocks) */
+static inline int64_t kvlab_ragged_slot(const Ragged *R, int s, int64_t pos) {
+    return (int64_t)R->block_tables[(int64_t)s * R->max_blocks + pos / R->block_size] * R->block_size + pos % R->block_size;
+}
+
 /* 0 when every index a ragged layout gives (block ids, lengths, query offsets) lies inside a pool of n_slots
  * slots and the sizes are ones kvlab_paged_attention takes; -1 otherwise */
 int kvlab_paged_layout_ok(int64_t n_rows, int n_heads, int n_kv_heads, int d, int dv, int dtype, int64_t n_slots,

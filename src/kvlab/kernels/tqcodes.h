@@ -6,7 +6,6 @@
 #include <stdint.h>
 
 #include "codebook.h"
-#include "decode.h"
 #include "paged.h"
 
 typedef struct {                   /* one KV head's key or value codes in a TurboQuant layer: its width's packing */

@@ -21,8 +21,8 @@ kvlab_tq_pool_layer, `layers_in_c`): `append` keeps the step's K/V, and `attend`
 positions into the sink rows), reads the codes in place through the block tables and returns the output in the
 model's domain (inverse rotation, value offset, sink merge done in C). With `layers_in_c` off the same step runs as
 the C coder, kvlab_tq_attention (the read the one call makes, output in the rotated domain) and torch for the rest:
-the path the one call is tested against (tests/test_tq_pool_step.py). +qjl codes read per sequence with the codec's own scores and
-mix instead. These are the paths the tests hold equal to the reference. The int formats keep the
+the path the one call is tested against (tests/test_tq_pool_step.py). +qjl codes read per sequence with the codec's
+own scores and mix instead. These are the paths the tests hold equal to the reference. The int formats keep the
 single cache's rule for key groups (cache/quantized.py): the query of the token at position p reads codes
 for the groups complete at p and full-precision keys for the rest, so a chunk's queries before a group's
 completion read that group exactly (from the stage and the chunk's own keys, kept for the step like the
