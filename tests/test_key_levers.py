@@ -86,17 +86,26 @@ def test_later_tokens_never_change_earlier_logits(model):
     assert geometry.rope_inv_freq is not None and len(geometry.rope_inv_freq) == model.config.head_dim // 2
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["C", "torch"])
 @pytest.mark.parametrize("name", ["tq-k4v4+prerope", "tq-k3v3+prerope+sink2+recent8"])
-def test_prerope_scores_a_key_chunk_at_a_time(name, monkeypatch):
-    """Keys rebuilt, turned by RoPE and scored 16 at a time (one pass: ATTEND_ROWS out of reach) == dense attention
-    over the whole stored K/V; every decoded span stays within the chunk and comes from the C decode where it exists."""
+def test_prerope_scores_a_key_chunk_at_a_time(name, kernel, monkeypatch):
+    """Keys rebuilt, turned by RoPE and scored == dense attention over the whole stored K/V. In C (the one read of
+    TurboQuant codes, kernels/paged.c) nothing is decoded into torch tensors; the torch path (one pass: ATTEND_ROWS out
+    of reach) decodes the keys 16 at a time, every decoded span within the chunk."""
     monkeypatch.setattr(compressed, "ATTEND_KEYS", 16)
     monkeypatch.setattr(compressed, "ATTEND_ROWS", 10**9)
     spans = []
     decoded = TurboQuantCache._decoded
-    monkeypatch.setattr(TurboQuantCache, "_decoded", lambda self, buffer, codes, lo, hi: spans.append(hi - lo) or decoded(self, buffer, codes, lo, hi))
-    seen = 0
+
+    def counted(self, buffer, codes, lo, hi):
+        keys = any(buffer is layer["k_codes"] for layer in map(self.blocks.layer, self.compressed_layers))
+        return (spans.append(hi - lo) if keys else None) or decoded(self, buffer, codes, lo, hi)
+
+    monkeypatch.setattr(TurboQuantCache, "_decoded", counted)
+    seen = coded_reads = 0
     for cache, q, k_all, v_all in feed(name, ROPED):
+        if not kernel:
+            cache.code_kernel = None
         for layer in range(ROPED.n_layers):
             spans.clear()
             first_read = cache.awaits_queries(layer)                # read exactly: nothing is coded yet
@@ -106,7 +115,8 @@ def test_prerope_scores_a_key_chunk_at_a_time(name, monkeypatch):
             torch.testing.assert_close(out, grouped_attention(q, k, v, cache.scale), atol=2e-5, rtol=1e-4)
             assert max(spans_read, default=0) <= 16, spans_read
             seen += len(spans_read)
-    assert seen
+            coded_reads += not first_read
+    assert coded_reads and (not seen if kernel else seen)
 
 
 @pytest.mark.parametrize("kernel", [True, False], ids=["C", "torch"])
@@ -184,3 +194,21 @@ def test_the_haar_basis_follows_the_seed():
     assert torch.equal(one.haar_basis, make_cache("tq-k4v4+rot=haar", GEOMETRY).haar_basis)
     with pytest.raises(ConfigError, match="unknown option 'rot=qr'"):
         make_cache("tq-k4v4+rot=qr", GEOMETRY)
+
+
+@pytest.mark.parametrize("name, window", [("tq4", None), ("tq3", 24), ("tq4+recent8", None), ("tq3+recent8+sink3", 24)])
+def test_the_presets_read_in_c_like_the_torch_path(name, window):
+    """The presets' coded tokens read through the one C read (kernels/paged.c kvlab_tq_attention: each batch row's
+    one block, keys rebuilt before RoPE, +norms8 scales, the sink and recent window merged by log-sum-exp) == the
+    torch path, batch 2 (each row its own calibration), chunks that cross the window and a sliding-window model."""
+    g = replace(ROPED, batch=2, window=window)
+    chunks = (40, 1, 1, 30, 5, 1)
+    ours, reference = feed(name, g, chunks, seed=5), feed(name, g, chunks, seed=5)
+    coded_reads = 0
+    for (cache, q, _, _), (torch_cache, _, _, _) in zip(ours, reference):
+        torch_cache.code_kernel = None
+        assert cache.code_kernel is not None
+        for layer in range(g.n_layers):
+            coded_reads += not cache.awaits_queries(layer) and cache._n_comp[layer] > 0
+            torch.testing.assert_close(cache.attend(layer, q), torch_cache.attend(layer, q), atol=2e-5, rtol=1e-4)
+    assert coded_reads

@@ -126,6 +126,17 @@ def chunked_attention(
     return out
 
 
+def merge_attention(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor,
+                    part_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two parts of one softmax by their log-sum-exps (attend_with_lse's): out, part_out (..., R, Dv) each part's
+    normalized output, lse, part_lse (..., R) -> the output and log-sum-exp over both (a row that saw nothing in either
+    keeps lse -inf and an output of zeros)."""
+    new_lse = torch.logaddexp(lse, part_lse)
+    shift = new_lse.masked_fill(new_lse == float("-inf"), 0.0)                   # rows that have seen nothing yet
+    merged = out * (lse - shift).exp_()[..., None] + part_out * (part_lse - shift).exp_()[..., None]
+    return merged, new_lse
+
+
 #: torch's CPU flash-attention kernel, which also returns each row's log-sum-exp (None where this torch lacks it)
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 

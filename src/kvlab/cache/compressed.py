@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .attention import attend_with_lse, block_mask, causal_mask
+from .attention import attend_with_lse, block_mask, causal_mask, merge_attention
 from .base import CacheGeometry, KVCache, copy_prefix, tensors_nbytes
 from .dense import DenseCache
 from .format import CacheSpec, FullPrecision
@@ -214,6 +214,9 @@ class CompressedCache(KVCache):
         group = H // Hkv
         n_sink, n, held = self._n_sink(layer), self._n_comp[layer], self._held(layer)
         qg = q.float().reshape(B, Hkv, group * T, Dk)                          # (B, Hkv, G·T, Dk)
+        coded = self._coded_read(layer, qg, T) if n else None                 # the compressed tokens in C, if it reads them
+        if coded is not None:
+            return self._with_exact_parts(layer, qg, T, *coded).reshape(B, H, T, -1).to(q.dtype)
         if self._in_spans(layer, group * T, T):
             return self._attend_blocks(layer, qg, T).reshape(B, H, T, -1).to(q.dtype)
         logits = []
@@ -238,6 +241,30 @@ class CompressedCache(KVCache):
         if held:
             out = out + p[..., n_sink + n:] @ self._win_v[layer][:, :, :held].float()
         return out.reshape(B, H, T, -1).to(q.dtype)
+
+    def _coded_read(self, layer: int, qg: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The attention of qg (B, Hkv, G·T, Dk) over the compressed tokens alone, read in C where the subclass can:
+        its normalized output (B, Hkv, G·T, Dv) and log-sum-exp (B, Hkv, G·T), which `_with_exact_parts` merges with the
+        sink and the window. None: the torch path reads them (one softmax over every part)."""
+        return None
+
+    def _with_exact_parts(self, layer: int, qg: torch.Tensor, T: int, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        """The compressed tokens' attention (out, lse from `_coded_read`) merged by the log-sum-exps with the sink's and
+        the recent window's full-precision tokens (the lower-right causal mask, the model's window): (B, Hkv, G·T, Dv)."""
+        n_sink, n, held = self._n_sink(layer), self._n_comp[layer], self._held(layer)
+        first = n_sink + n + held - T                                             # the first query's position
+        group, window = qg.shape[2] // T, self.geometry.window
+        for start, count, keys, values in ((0, n_sink, self._sink_k[layer], self._sink_v[layer]),
+                                           (n_sink + n, held, self._win_k[layer], self._win_v[layer])):
+            if not count:
+                continue
+            mask = None   # every key seen by every query: no mask (decided from the positions)
+            if start + count - 1 > first or (window is not None and start <= first + T - 1 - window):
+                seen = block_mask(first, T, start, count, qg.device, window).repeat(group, 1)   # (G·T, count)
+                mask = torch.zeros(seen.shape, device=qg.device).masked_fill_(~seen, float("-inf"))
+            part = attend_with_lse(qg, keys[:, :, :count].float(), values[:, :, :count].float(), self.scale, mask)
+            out, lse = merge_attention(out, lse, *part)
+        return out
 
     def _in_spans(self, layer: int, rows: int, T: int) -> bool:
         """Whether attend reads a chunk of T tokens (rows = G·T query rows) in blocks over spans (`_attend_blocks`):
@@ -286,11 +313,7 @@ class CompressedCache(KVCache):
                     if hi > first or (window is not None and lo <= last - window):
                         seen = block_mask(first, t1 - t0, lo, b - a, qg.device, window).repeat(group, 1)  # (R, b-a)
                         mask = torch.zeros(seen.shape, device=qg.device).masked_fill_(~seen, float("-inf"))
-                    part_out, part_lse = attend(qb, a, b, mask)                   # (B, Hkv, R, Dv), (B, Hkv, R)
-                    new_lse = torch.logaddexp(lse, part_lse)
-                    shift = new_lse.masked_fill(new_lse == float("-inf"), 0.0)     # rows that have seen nothing yet
-                    acc = acc * (lse - shift).exp_()[..., None] + part_out * (part_lse - shift).exp_()[..., None]
-                    lse = new_lse
+                    acc, lse = merge_attention(acc, lse, *attend(qb, a, b, mask))   # (B, Hkv, R, Dv), (B, Hkv, R)
             out[:, :, :, t0:t1] = acc.reshape(B, Hkv, group, t1 - t0, Dv)
         return out
 

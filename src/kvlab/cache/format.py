@@ -138,6 +138,8 @@ POOL_DTYPE = "float32"
 # TurboQuant's stored state, in bytes (turboquant.py holds the buffers)
 OFFSET_BYTES = 1                  # a key / value offset entry: float8
 WEIGHT_BITS = 4                   # a key channel weight code
+#: Key channel weights w = 2^((code - WEIGHT_ZERO) / WEIGHT_STEPS) for 4-bit codes: 1/4 .. 3.4 in quarter octaves.
+WEIGHT_ZERO, WEIGHT_STEPS = 8, 4
 OUTLIER_BYTES = 1 + 2             # +outliersN: a kept key entry's channel (uint8) and value (float16)
 META_BYTES = 2                    # the integer caches' float16 scales and zero points
 

@@ -22,6 +22,7 @@ import torch
 from ..errors import ConfigError
 from ..kernels import check_buffer
 from ..kernels.paged import POOL_DTYPES, TqPoolLayer
+from .format import WEIGHT_STEPS, WEIGHT_ZERO
 
 KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # decode.c's KV_F32, KV_F16, KV_BF16
 SCALE_MODES = {"norm": 0, "renorm": 1, "lsq": 2, "unbiased": 3}       # decode.c's SCALE_*
@@ -51,9 +52,12 @@ def fp8_values() -> torch.Tensor:
 
 def weight_values() -> torch.Tensor:
     """The value of each 4-bit key weight code, (16,) float32, as TurboQuantCache._key_weights computes it."""
-    from .turboquant import key_weight
-
     return key_weight(torch.arange(16))
+
+
+def key_weight(codes: torch.Tensor) -> torch.Tensor:
+    """The key channel weight w of each 4-bit weight code (any integer tensor), float32 (format.py's law)."""
+    return torch.exp2((codes.float() - WEIGHT_ZERO) / WEIGHT_STEPS)
 
 
 class CodedLayers:
@@ -74,12 +78,13 @@ class CodedLayers:
         return t.data_ptr()
 
     def layer(self, codec, layer: int, buffers: dict[str, torch.Tensor], blocks: tuple[int, int],
-              slot_rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> Coded:
+              slot_rope: tuple[torch.Tensor, torch.Tensor] | None = None, state_row: int = 0) -> Coded:
         """Layer `layer` of TurboQuantCache `codec` over `buffers` {k_codes, k_norm, v_codes, v_norm} in blocks =
         (n_blocks, block_rows), as TqBlocks holds a layer: codes (n_blocks, Hkv, block_rows, bytes), or +halloc
         (n_blocks, 1, block_rows, Σ bytes), scales (n_blocks, Hkv, block_rows). slot_rope: +prerope's (slots, d) cos / sin
         of each slot's position, which the fused step reads (None where the caller passes each token's own to
-        code_tokens)."""
+        code_tokens). state_row: the codec's batch row whose calibration (offsets, key weights, +norms8 centres) made
+        the codes."""
         H, hd = codec.geometry.n_kv_heads, codec.geometry.head_dim
         at, config = f"layer {layer}", codec.config
         n_blocks, rows = blocks
@@ -103,7 +108,7 @@ class CodedLayers:
             c.codes[i] = self.ptr(buffers[f"{name}_codes"], shape, f"{at} {name} codes", torch.uint8)
             c.norms[i] = self.ptr(buffers[f"{name}_norm"], (n_blocks, H, rows), f"{at} {name} norms", norm_dtype)
             if log_norms:   # +norms8: each head's log2 centre (a single cache's first coded chunk sets it in place)
-                centres = codec.norm_centres[f"{name}_norm"][layer][0]
+                centres = codec.norm_centres[f"{name}_norm"][layer][state_row]
                 c.norm_centres[i] = self.ptr(centres, (H,), f"{at} {name} norm centres", torch.float16)
             heads = (HeadCodes * H)()
             for h, (book, start) in enumerate(zip(books, starts)):
@@ -113,11 +118,11 @@ class CodedLayers:
             c.scale_mode[i] = SCALE_MODES[mode]
             offsets = getattr(codec, f"{name}_offset")
             if offsets:  # float8 bytes, read through fp8_values
-                c.offset[i] = self.ptr(offsets[layer][0].view(torch.uint8), (H, hd), f"{at} {name} offset", torch.uint8)
+                c.offset[i] = self.ptr(offsets[layer][state_row].view(torch.uint8), (H, hd), f"{at} {name} offset", torch.uint8)
         rotation = codec.rotations[layer].apply(torch.eye(hd, device=codec.device)).contiguous()  # (D, D): y = x M
         c.rotation = self.ptr(rotation, (hd, hd), f"{at} rotation", torch.float32, own=True)
         if codec.k_weight_codes:
-            c.weight_codes = self.ptr(codec.k_weight_codes[layer][0], (H, hd // 2), f"{at} key weights", torch.uint8)
+            c.weight_codes = self.ptr(codec.k_weight_codes[layer][state_row], (H, hd // 2), f"{at} key weights", torch.uint8)
         if self._tables is None:
             self._tables = (self.ptr(fp8_values(), (256,), "float8 values", torch.float32, own=True),
                             self.ptr(weight_values(), (16,), "key weight values", torch.float32, own=True))

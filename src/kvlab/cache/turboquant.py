@@ -69,6 +69,10 @@ kernels/paged.c).
 
 Coding in C: `code` is the reference of kernels/decode.c's kvlab_tq_code_tokens (cache/tq_kernel.py), the one C
 coder of a token's K/V, which the fused decode step and the serving pool call (the module path codes in torch).
+Reading in C: `attend` reads the coded tokens through kernels/paged.c's kvlab_tq_attention (`_coded_read`: each batch
+row a sequence of one block), the serving pool's read, and merges the sink and recent window by log-sum-exp; the
+fused step's coded chunks are the same kvlab_tq_read. The torch path (`code_kernel` None, other devices) is the
+reference; +qjl and +outliersN read through it (their dots and decodes in kernels/codebook.c), +halloc too.
 
 `+vq` (vector_codebook.py): 2- and 3-bit parts are coded in blocks of 4 rotated coordinates, 4·b bits per block in
 the scalar codes' bytes (4 signs + an index into sign-symmetric magnitude points): a quarter less error at 3 bits.
@@ -101,12 +105,13 @@ import torch.nn.functional as F
 
 from ..errors import ConfigError, NonFiniteError
 from ..kernels.codebook import CodeLayout, codebook_kernel_for
+from ..kernels.paged import TqStep, tq_attention
 from ..rope import apply_rope
 from .allocation import budget, centre, check_geometry
 from .base import CacheGeometry, copy_prefix, tensors_nbytes
 from .blocks import TqBlocks
 from .codebook import lloyd_max
-from .format import OUTLIER_BYTES, WEIGHT_BITS, CacheSpec, FullPrecision  # noqa: F401  (OUTLIER_BYTES: importable from here)
+from .format import OUTLIER_BYTES, WEIGHT_BITS, WEIGHT_STEPS, WEIGHT_ZERO, CacheSpec, FullPrecision  # noqa: F401  (OUTLIER_BYTES: importable from here)
 from .sizes import BLOCK, codes_nbytes, is_power_of_two, is_vector_part, packed_nbytes, table_nbytes, width_split
 from .vector_codebook import magnitude_codebook, nearest_point
 from . import compressed
@@ -114,6 +119,7 @@ from .attention import attend_with_lse
 from .compressed import CompressedCache
 from .packing import pack, unpack
 from .rotation import Rotation, haar_matrix
+from .tq_kernel import CodedLayers, key_weight
 
 #: How the stored 16-bit scale of a vector x (y = Πx/‖x‖, ŷ its codes) is chosen; the reconstruction
 #: is scale·Πᵀŷ. All cost the same bytes.
@@ -139,8 +145,6 @@ LOG_STEP_POWERS = torch.tensor([float.fromhex(h) for h in (
     "0x1p+0", "0x1.0b5586p+0", "0x1.172b84p+0", "0x1.2387a6p+0", "0x1.306fep+0", "0x1.3dea64p+0", "0x1.4bfdaep+0", "0x1.5ab07ep+0",
     "0x1.6a09e6p+0", "0x1.7a1148p+0", "0x1.8ace54p+0", "0x1.9c4918p+0", "0x1.ae89fap+0", "0x1.c199bep+0", "0x1.d5818ep+0", "0x1.ea4afap+0")], dtype=torch.float32)
 _OUTLIER_VALUE = torch.float16
-#: Key channel weights w = 2^((code - WEIGHT_ZERO) / WEIGHT_STEPS) for 4-bit codes: 1/4 .. 3.4 in quarter octaves.
-WEIGHT_ZERO, WEIGHT_STEPS = 8, 4   # (WEIGHT_BITS = 4: format.py)
 
 
 @dataclass(frozen=True)
@@ -475,6 +479,10 @@ class TurboQuantCache(CompressedCache):
             if g.rope_inv_freq is None or len(g.rope_inv_freq) != d // 2:
                 raise ConfigError("+prerope needs the model's RoPE frequencies (a cache geometry from CacheGeometry.for_model)")
             self.rope_inv_freq = torch.tensor(g.rope_inv_freq, dtype=torch.float32, device=dev)  # (d/2,)
+        # the coded tokens read in C (`_coded_read`): each (layer, batch row)'s Coded and step, made at its first read
+        self._c_structs = CodedLayers("TurboQuant cache read")
+        self._c_reads: dict[tuple[int, int], tuple] = {}
+        self._c_slot_rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _token_shapes(self) -> dict[str, tuple[torch.dtype, dict[int, tuple[int, ...]]]]:
         """Each per-token buffer's dtype and, per compressed layer, a token's (H', *row) (TqBlocks' `shapes`), in the
@@ -812,6 +820,53 @@ class TurboQuantCache(CompressedCache):
             out = out + self.v_offset[layer][:, :, None].float()                  # the output is normalized: Σp = 1
         return out, lse
 
+    def _coded_read(self, layer: int, qg: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The coded tokens' attention through the one C read of TurboQuant codes (kernels/paged.c kvlab_tq_attention,
+        the serving pool's): each batch row is a sequence whose one block is its table, its coded token j at position j
+        (the queries' positions counted from the first coded one), keys below the recent window's. qg (B, Hkv, G·T, d)
+        -> normalized output (B, Hkv, G·T, d) and log-sum-exp (B, Hkv, G·T) (-inf: a row before every coded token).
+        None where the torch path reads them: no C kernel (`code_kernel` None, the reference), +qjl, +outliersN, or the
+        layer's first chunk still exact."""
+        config = self.config
+        if self.code_kernel is None or config.qjl or config.outliers or layer in self._pending:
+            return None
+        B, Hkv, rows, d = qg.shape
+        G, n = rows // T, self._n_comp[layer]
+        context = n + self._held(layer)                       # the last query's position, counted from the first coded
+        read = min(T, context)                                # query rows at or after the first coded position
+        queries = qg if config.pre_rope else self._rotated_queries(layer, qg)        # (B, Hkv, G·T, d) as codes are read
+        queries = queries.reshape(B, Hkv, G, T, d)[:, :, :, T - read:]               # (B, Hkv, G, read, d)
+        plain = qg.reshape(B, Hkv, G, T, d)[:, :, :, T - read:]
+        out = qg.new_zeros(B, Hkv, G, T, d)
+        lse = qg.new_full((B, Hkv, G, T), float("-inf"))
+        query_start, context_len = torch.tensor([0, read], dtype=torch.int32), torch.tensor([context], dtype=torch.int32)
+        for b in range(B):
+            coded, step, table = self._c_read_structs(layer, b)
+            q = queries[b].permute(2, 0, 1, 3).reshape(read, Hkv * G, d).contiguous()             # (read, H, d)
+            rotated, row_lse = tq_attention(self.code_kernel, coded, q, table, query_start, context_len, step, self.scale,
+                                            self.geometry.window or 0, key_end=n, with_lse=True)    # (read, H, d), (read, H)
+            o = self.rotations[layer].invert(rotated).reshape(read, Hkv, G, d).permute(1, 2, 0, 3)  # (Hkv, G, read, d)
+            row_lse = row_lse.reshape(read, Hkv, G).permute(1, 2, 0)                                # (Hkv, G, read)
+            if self.v_offset:
+                o = o + self.v_offset[layer][b].float()[:, None, None]           # the output is normalized: Σp = 1
+            if self.k_offset and not config.pre_rope:   # q·μ·scale, the same for every coded key of a query
+                row_lse = row_lse + (plain[b] @ self.k_offset[layer][b].float()[:, None, :, None])[..., 0] * self.scale
+            out[b, :, :, T - read:], lse[b, :, :, T - read:] = o, row_lse
+        return out.reshape(B, Hkv, rows, d), lse.reshape(B, Hkv, rows)
+
+    def _c_read_structs(self, layer: int, row: int) -> tuple:
+        """Layer `layer`'s Coded over every batch row's block with row `row`'s calibration, its step (+prerope: each
+        slot's RoPE) and its one-block table, made once: the buffers and the state they point at stay in place."""
+        structs = self._c_reads.get((layer, row))
+        if structs is None:
+            if self.config.pre_rope and self._c_slot_rope is None:   # (slots, d) cos, sin: every layer's
+                self._c_slot_rope = tuple(t.contiguous() for t in self.slot_rope(0, self.slots))
+            coded = self._c_structs.layer(self, layer, self.blocks.layer(layer), (self.geometry.batch, self.slots),
+                                          state_row=row)
+            step = TqStep.of(None, self._c_slot_rope, 1, self.geometry.head_dim)
+            structs = self._c_reads[(layer, row)] = (coded, step, torch.tensor([[row]], dtype=torch.int32))
+        return structs
+
     def _rotated_queries(self, layer: int, qg: torch.Tensor) -> torch.Tensor:
         """Π(q⊙w): the queries as the codes are read, (B, H, R, d)."""
         weights = self._key_weights(layer)
@@ -974,11 +1029,6 @@ def _scale_factor(mode: str, y: torch.Tensor, y_hat: torch.Tensor) -> torch.Tens
     if mode == "lsq":
         return dot / sq
     return 1.0 / torch.where(dot.abs() > _TINY, dot, torch.ones_like(dot))   # unbiased
-
-
-def key_weight(codes: torch.Tensor) -> torch.Tensor:
-    """The key channel weight w of each 4-bit weight code (any integer tensor), float32."""
-    return torch.exp2((codes.float() - WEIGHT_ZERO) / WEIGHT_STEPS)
 
 
 #: A byte holding two neutral weight codes (w = 1).

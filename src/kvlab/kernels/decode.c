@@ -23,11 +23,12 @@
  * TurboQuant layers (kvlab/cache/turboquant.py; LayerKV with `coded` set): a sink and a recent window of fp32
  * rows around the coded rows. The new token (or the row leaving the window) is coded here as
  * TurboQuantCache.code codes it: x' = (x - mu) / w, scale ||x'|| * factor in 16 bits, codes of y = x' M / ||x'||
- * (codebook.c's encoder). A coded chunk is attended in the rotated domain: q' = (q w) M * scale for every query
- * head, keys scored straight from their codes in registers by every head of the group (AVX-512; elsewhere decoded
- * SUB_ROWS at a time into an L1 tile the heads read), the scores times the keys' scales, `top` shifted by
- * q . mu * scale (the same for every coded key), values summed straight from their codes times their scales; the
- * coded chunks' sum turns back once per head (x = y Mᵀ) when the parts combine.
+ * (codebook.c's encoder). A coded chunk is read by kvlab_tq_read, the one read of TurboQuant codes (the serving
+ * pool's too; the cache is its one block): q' = (q w) M * scale for every query head, keys scored straight from
+ * their codes in registers by every head of the group (AVX-512; elsewhere decoded a tile at a time into L1), the
+ * scores times the keys' scales, `top` shifted by q . mu * scale (the same for every coded key), values summed
+ * straight from their codes times their scales; the coded chunks' sum turns back once per head (x = y Mᵀ) when
+ * the parts combine.
  * The softmax's exponentials are vectorized (about 2 ulp, AVX-512 / AVX2; expf in plain C).
  *
  * Integer layers (kvlab/cache/quantized.py, int1..int8 with any group; LayerKV with `quant` set): the same sink and
@@ -57,6 +58,7 @@
  * share out between the threads even when there are fewer KV heads than threads, and the chunks' partial
  * softmax sums are combined in a fixed order, so the result does not depend on the thread count. */
 #define KEY_CHUNK 256
+_Static_assert(KEY_CHUNK <= TQ_READ_KEYS, "a coded key chunk is one kvlab_tq_read");
 
 enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };   /* how the cache stores K/V */
 enum { NORM_LOG8 = 3 };                         /* a coded layer's scales as 8-bit log codes (+norms8, decode.h) */
@@ -354,28 +356,6 @@ static void attend_part(const float *q, const float *keys, const float *values, 
     part[d + 1] = total;
 }
 
-#define SUB_ROWS 16   /* coded rows decoded at once: a tile that stays in L1 while every query head of the group reads it */
-
-/* s[t] *= scale[t] for t < n; returns the largest s[t] (sixteen at a time under AVX-512) */
-static float scale_top(float *s, const float *scale, int n) {
-    float top = -INFINITY;
-    int t = 0;
-#if defined(__AVX512F__)
-    __m512 tops = _mm512_set1_ps(-INFINITY);
-    for (; t + 16 <= n; t += 16) {
-        const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + t), _mm512_loadu_ps(scale + t));
-        _mm512_storeu_ps(s + t, x);
-        tops = _mm512_max_ps(tops, x);
-    }
-    top = _mm512_reduce_max_ps(tops);
-#endif
-    for (; t < n; t++) {
-        s[t] *= scale[t];
-        top = s[t] > top ? s[t] : top;
-    }
-    return top;
-}
-
 /* x (d,) = y Mᵀ = Σ_j y_j Mᵀ[j]: rows of Mᵀ (`unrotation`) added in order, 64 lanes at a time in eight independent
  * FMA chains (even and odd j apart) under AVX-512 when d is a multiple of 64, else a loop the compiler vectorizes */
 static void unrotate(const float *y, const float *unrotation, int d, float *x) {
@@ -511,67 +491,6 @@ void kvlab_prerope_rebuild(float *rows, int count, int d, const PreRope *pre, co
     }
 }
 
-/* Scores of the `group` queries (already scaled, original domain) against n pre-RoPE coded keys, rebuilt a sub-tile at a
- * time (kvlab_prerope_rebuild, pre->cos_/sin_ rows from the chunk's first); each rebuilt key replaces its decoded row
- * in `tile`, and every query head then scores the sub-tile (key_scores). */
-static void prerope_scores(const cb_layout *KL, const uint8_t *k_rows, int64_t k_bytes, const float *k_scale, int n,
-                           int d, const PreRope *pre, const float *queries, int group, float *tile, float *scores,
-                           int64_t score_stride) {
-    for (int t0 = 0; t0 < n; t0 += SUB_ROWS) {
-        const int count = n - t0 < SUB_ROWS ? n - t0 : SUB_ROWS;
-        kvlab_cb_decode_rows(KL, k_rows + (int64_t)t0 * k_bytes, k_bytes, count, tile, d);
-        PreRope sub = *pre;
-        sub.cos_ += (int64_t)t0 * d, sub.sin_ += (int64_t)t0 * d;
-        kvlab_prerope_rebuild(tile, count, d, &sub, k_scale + t0);
-        for (int i = 0; i < group; i++) key_scores(queries + (int64_t)i * d, tile, 0, count, d, 1.0f, scores + i * score_stride + t0);
-    }
-}
-
-/* attend_part for the `group` query heads of one KV head over n coded rows (one key chunk), scores scaled by the
- * rows' key scales (k_scale) and weights by their value scales (v_scale), `top` shifted by the score offset every
- * coded key shares (shifts: q . mu * scale per head), values summed in the rotated domain. Keys and values are read
- * from their codes in registers where codebook.c has that path (kvlab_cb_dot_rows, kvlab_cb_mix_rows); otherwise the
- * rows are decoded SUB_ROWS at a time into `tile` (SUB_ROWS * d floats + CB_MAX_DIM of room), each sub-tile read by
- * every query head while it is in L1. queries (group, d) are q' (already scaled), shifts (group,); head i's scores
- * at scores + i * score_stride, its part at parts + i * part_stride. With `pre` (+prerope) the keys are rebuilt
- * and scored by prerope_scores, their scales inside them. */
-static void attend_codes(const cb_layout *KL, const cb_layout *VL, const uint8_t *k_rows, const uint8_t *v_rows,
-                         int64_t k_bytes, int64_t v_bytes, const float *k_scale, const float *v_scale, int n, int d,
-                         const float *queries, const float *shifts, int group, const PreRope *pre, float *tile,
-                         float *scores, int64_t score_stride, float *parts, int64_t part_stride) {
-    if (pre)
-        prerope_scores(KL, k_rows, k_bytes, k_scale, n, d, pre, queries, group, tile, scores, score_stride);
-    else if (kvlab_cb_dot_rows(KL, k_rows, k_bytes, n, queries, d, group, scores, score_stride) != 0)
-        for (int t0 = 0; t0 < n; t0 += SUB_ROWS) {
-            const int count = n - t0 < SUB_ROWS ? n - t0 : SUB_ROWS;
-            kvlab_cb_decode_rows(KL, k_rows + (int64_t)t0 * k_bytes, k_bytes, count, tile, d);
-            for (int i = 0; i < group; i++) key_scores(queries + (int64_t)i * d, tile, 0, count, d, 1.0f, scores + i * score_stride + t0);
-        }
-    float tops[CB_MAX_DIM], totals[CB_MAX_DIM];   /* per query head of the group (group <= heads <= CB_MAX_DIM) */
-    for (int i = 0; i < group; i++) {
-        float *s = scores + i * score_stride;
-        if (pre) {                                      /* the scales are in the rebuilt keys already */
-            tops[i] = -INFINITY;
-            for (int t = 0; t < n; t++) tops[i] = s[t] > tops[i] ? s[t] : tops[i];
-        } else {
-            tops[i] = scale_top(s, k_scale, n);
-        }
-        totals[i] = exp_shifted(s, n, tops[i]);
-        for (int t = 0; t < n; t++) s[t] *= v_scale[t];
-    }
-    for (int i = 0; i < group; i++) memset(parts + i * part_stride, 0, sizeof(float) * (size_t)d);
-    if (kvlab_cb_mix_rows(VL, v_rows, v_bytes, n, scores, score_stride, group, parts, part_stride) != 0)
-        for (int t0 = 0; t0 < n; t0 += SUB_ROWS) {   /* no register path: a sub-tile at a time */
-            const int count = n - t0 < SUB_ROWS ? n - t0 : SUB_ROWS;
-            kvlab_cb_decode_rows(VL, v_rows + (int64_t)t0 * v_bytes, v_bytes, count, tile, d);
-            for (int i = 0; i < group; i++) weighted_sum(scores + i * score_stride + t0, tile, 0, count, d, parts + i * part_stride, 1);
-        }
-    for (int i = 0; i < group; i++) {
-        parts[i * part_stride + d] = tops[i] + shifts[i];
-        parts[i * part_stride + d + 1] = totals[i];
-    }
-}
-
 /* out (d,) = the softmax-weighted sum over all keys, from the parts of n_parts key chunks (in order). Parts
  * [rot_lo, rot_hi) are coded chunks, summed in the rotated domain (y = x M): that sum turns back once, x = y Mᵀ,
  * and gains the value offset (if any) times the coded keys' share of the attention. */
@@ -699,6 +618,99 @@ static void load_scales(const Coded *C, int i, int g, int64_t t0, int n, float *
     const uint8_t *codes = (const uint8_t *)C->norms[i] + slot;
     const float centre = log_centre(C, i, g);
     for (int t = 0; t < n; t++) dst[t] = kvlab_log_scale(codes[t], centre);
+}
+
+/* -- kvlab_tq_read (tqcodes.h): one KV head's coded keys read by a few queries ------------------------------------- */
+#define TQ_REGISTER_ROWS 32  /* blocks of this many rows or more (a single cache's one) are read from their codes in
+                                 registers; a pool's short blocks are decoded a tile at a time */
+
+int64_t kvlab_tq_read_floats(int nq, int dpad) {   /* scores, key and value scales, queries, sums, a tile (+ room) */
+    return (int64_t)nq * TQ_READ_KEYS + 2 * TQ_READ_KEYS + 2 * (int64_t)nq * dpad + (int64_t)CB_TILE * dpad + CB_MAX_DIM;
+}
+
+/* out[r] = q . row r of the tile (count <= CB_TILE rows, dpad apart, zero past d like q) */
+static void tile_scores(const float *q, const float *tile, int count, int d, int dpad, float *out) {
+    if (dpad == d) {
+        key_scores(q, tile, 0, count, d, 1.0f, out);
+        return;
+    }
+    float all[CB_TILE];
+    kvlab_cb_dot8(q, tile, dpad, all);
+    if (count > 8) kvlab_cb_dot8(q, tile + 8 * (int64_t)dpad, dpad, all + 8);
+    memcpy(out, all, sizeof(float) * (size_t)count);
+}
+
+void kvlab_tq_read(const TqHead *h, const int32_t *table, int64_t k0, int64_t k1, const float *queries, int group,
+                   int64_t row_stride, int nq, const int64_t *lo, const int64_t *hi, float *scratch, float *parts,
+                   int64_t part_stride) {
+    const Coded *C = h->C;
+    const cb_layout *KL = h->layout[0], *VL = h->layout[1];
+    const int d = KL->d, dpad = KL->dpad, g = h->g;
+    const int64_t block_rows = C->block_rows;
+    float *scores = scratch, *k_scale = scores + (int64_t)nq * TQ_READ_KEYS, *v_scale = k_scale + TQ_READ_KEYS;
+    float *qpad = v_scale + TQ_READ_KEYS, *acc = qpad + (int64_t)nq * dpad, *tile = acc + (int64_t)nq * dpad;
+    for (int i = 0; i < nq; i++) {   /* the queries dpad apart, zero past d; their sums */
+        memcpy(qpad + (int64_t)i * dpad, queries + (i / group) * row_stride + (int64_t)(i % group) * d, sizeof(float) * (size_t)d);
+        memset(qpad + (int64_t)i * dpad + d, 0, sizeof(float) * (size_t)(dpad - d));
+        memset(acc + (int64_t)i * dpad, 0, sizeof(float) * (size_t)dpad);
+    }
+    /* every query's scores, a run of one block's rows at a time (+prerope: the keys rebuilt with their scales) */
+    for (int64_t t = k0; t < k1;) {
+        const int64_t slot = (int64_t)table[t / block_rows] * block_rows + t % block_rows;
+        const int run = (int)(block_rows - t % block_rows < k1 - t ? block_rows - t % block_rows : k1 - t), j0 = (int)(t - k0);
+        const uint8_t *rows = coded_row(C, 0, g, slot);
+        load_scales(C, 0, g, slot, run, k_scale + j0);
+        load_scales(C, 1, g, slot, run, v_scale + j0);
+        if (h->pre || block_rows < TQ_REGISTER_ROWS
+            || kvlab_cb_dot_rows(KL, rows, C->slot_bytes[0], run, qpad, dpad, nq, scores + j0, TQ_READ_KEYS) != 0)
+            for (int r0 = 0; r0 < run; r0 += CB_TILE) {
+                const int count = run - r0 < CB_TILE ? run - r0 : CB_TILE;
+                kvlab_cb_decode_rows(KL, rows + r0 * C->slot_bytes[0], C->slot_bytes[0], count, tile, dpad);
+                if (h->pre) {   /* dpad == d (+prerope takes d a multiple of 16) */
+                    PreRope sub = *h->pre;
+                    sub.cos_ += (t + r0) * d, sub.sin_ += (t + r0) * d;
+                    kvlab_prerope_rebuild(tile, count, d, &sub, k_scale + j0 + r0);
+                }
+                for (int i = 0; i < nq; i++)
+                    tile_scores(qpad + (int64_t)i * dpad, tile, count, d, dpad, scores + (int64_t)i * TQ_READ_KEYS + j0 + r0);
+            }
+        t += run;
+    }
+    /* each query's softmax over the keys it reads, its weights times the values' scales (0 for keys it does not read) */
+    const int n = (int)(k1 - k0);
+    for (int i = 0; i < nq; i++) {
+        float *s = scores + (int64_t)i * TQ_READ_KEYS, *part = parts + i * part_stride;
+        const int a = lo[i] > k0 ? (int)(lo[i] - k0) : 0, b = hi[i] < k1 ? (int)(hi[i] - k0) : n;
+        float top = -INFINITY, total = 0.0f;
+        if (a < b) {
+            for (int j = a; j < b; j++) {
+                s[j] *= h->pre ? h->scale : k_scale[j] * h->scale;
+                top = s[j] > top ? s[j] : top;
+            }
+            total = exp_shifted(s + a, b - a, top);
+            for (int j = a; j < b; j++) s[j] *= v_scale[j];
+        }
+        for (int j = 0; j < n; j++)
+            if (j < a || j >= b) s[j] = 0.0f;
+        part[d] = top;
+        part[d + 1] = total;
+    }
+    /* the values: every query's weighted sum, a run at a time */
+    for (int64_t t = k0; t < k1;) {
+        const int64_t slot = (int64_t)table[t / block_rows] * block_rows + t % block_rows;
+        const int run = (int)(block_rows - t % block_rows < k1 - t ? block_rows - t % block_rows : k1 - t), j0 = (int)(t - k0);
+        const uint8_t *rows = coded_row(C, 1, g, slot);
+        if (block_rows < TQ_REGISTER_ROWS
+            || kvlab_cb_mix_rows(VL, rows, C->slot_bytes[1], run, scores + j0, TQ_READ_KEYS, nq, acc, dpad) != 0)
+            for (int r0 = 0; r0 < run; r0 += CB_TILE) {
+                const int count = run - r0 < CB_TILE ? run - r0 : CB_TILE;
+                kvlab_cb_decode_rows(VL, rows + r0 * C->slot_bytes[1], C->slot_bytes[1], count, tile, dpad);
+                for (int i = 0; i < nq; i++)
+                    kvlab_cb_axpy_rows(scores + (int64_t)i * TQ_READ_KEYS + j0 + r0, tile, count, acc + (int64_t)i * dpad, dpad);
+            }
+        t += run;
+    }
+    for (int i = 0; i < nq; i++) memcpy(parts + i * part_stride, acc + (int64_t)i * dpad, sizeof(float) * (size_t)d);
 }
 
 /* Code x (d,), KV head g's key (which = 0) or value (1), as TurboQuantCache.code: x' = (x - mu) [/ w], the stored
@@ -1083,7 +1095,9 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
     float *parts = malloc(sizeof(float) * (size_t)H * (size_t)max_chunks * (size_t)(hd + 2));
     /* 16-bit or coded rows: each thread's fp32 copy of one key chunk's keys and values (+ a row of room for the
      * decoder's padding) and its scales; the new token's rounded K|V */
-    const size_t tile = 2 * (size_t)KEY_CHUNK * hd + CB_MAX_DIM + 2 * KEY_CHUNK;
+    const size_t dense_tile = 2 * (size_t)KEY_CHUNK * hd + CB_MAX_DIM + 2 * KEY_CHUNK;
+    const size_t read_tile = any_coded ? (size_t)kvlab_tq_read_floats(group, (hd + 15) / 16 * 16) : 0;
+    const size_t tile = dense_tile > read_tile ? dense_tile : read_tile;
     float *chunk_kv = any_16 || any_coded || any_int ? malloc(sizeof(float) * (size_t)n_threads * tile) : NULL;
     uint16_t *rounded = malloc(sizeof(uint16_t) * 2 * (size_t)kv_dim);
     /* coded layers: the queries as the codes read them, q' = (q w) M * scale, and q . mu * scale per query head;
@@ -1242,26 +1256,27 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
                 int_load(Q, g, t0, n, n_coded, hd, mine, mine + (size_t)KEY_CHUNK * hd);
                 keys = mine;
                 values = mine + (size_t)KEY_CHUNK * hd;
-            } else if (c < c_first + c_coded) {   /* coded rows: decoded a sub-tile at a time, with their scales */
-                const int t0 = (c - c_first) * KEY_CHUNK;
-                n = n_coded - t0 < KEY_CHUNK ? n_coded - t0 : KEY_CHUNK;
-                float *scales = mine + tile - 2 * KEY_CHUNK;
-                load_scales(C, 0, g, t0, n, scales);
-                load_scales(C, 1, g, t0, n, scales + KEY_CHUNK);
+            } else if (c < c_first + c_coded) {   /* coded rows: kvlab_tq_read, the one block of a single cache */
+                const int64_t t0 = (int64_t)(c - c_first) * KEY_CHUNK;
+                n = n_coded - t0 < KEY_CHUNK ? n_coded - (int)t0 : KEY_CHUNK;
                 float weights[CB_MAX_DIM], offset[CB_MAX_DIM];
-                PreRope pre, *use_pre = NULL;
-                if (C->rope_cos) {   /* +prerope: this KV head's weights and offset, the chunk's rows' RoPE */
+                PreRope pre;
+                if (C->rope_cos) {   /* +prerope: this KV head's weights and offset, the RoPE rows of the slots */
                     for (int i = 0; i < hd && C->weight_codes; i++) weights[i] = key_weight(C, g, hd, i);
                     for (int i = 0; i < hd && C->offset[0]; i++) offset[i] = C->fp8_values[C->offset[0][(int64_t)g * hd + i]];
                     pre = (PreRope){C->unrotation, C->unrotation_signs, C->weight_codes ? weights : NULL, C->offset[0] ? offset : NULL,
-                                    C->rope_cos + (int64_t)t0 * hd, C->rope_sin + (int64_t)t0 * hd};
-                    use_pre = &pre;
+                                    C->rope_cos, C->rope_sin};
                 }
-                attend_codes(&head_layouts[2 * g], &head_layouts[2 * g + 1], coded_row(C, 0, g, t0), coded_row(C, 1, g, t0),
-                             C->slot_bytes[0], C->slot_bytes[1], scales, scales + KEY_CHUNK, n, hd, q_coded + (int64_t)g * group * hd,
-                             q_coded + q_dim + g * group, group, use_pre, mine,
-                             scores + ((int64_t)g * group * max_chunks + c) * KEY_CHUNK, (int64_t)max_chunks * KEY_CHUNK,
-                             parts + ((int64_t)g * group * max_chunks + c) * (hd + 2), (int64_t)max_chunks * (hd + 2));
+                const TqHead head = {.C = C, .layout = {&head_layouts[2 * g], &head_layouts[2 * g + 1]}, .g = g, .scale = 1.0f,
+                                     .pre = C->rope_cos ? &pre : NULL};
+                static const int32_t one_block = 0;
+                int64_t lo[CB_MAX_DIM], hi[CB_MAX_DIM];   /* every query of the group reads the whole chunk */
+                for (int i = 0; i < group; i++) lo[i] = t0, hi[i] = t0 + n;
+                float *part = parts + ((int64_t)g * group * max_chunks + c) * (hd + 2);
+                const int64_t part_stride = (int64_t)max_chunks * (hd + 2);
+                kvlab_tq_read(&head, &one_block, t0, t0 + n, q_coded + (int64_t)g * group * hd, group, 0, group, lo, hi, mine,
+                              part, part_stride);
+                for (int i = 0; i < group; i++) part[i * part_stride + hd] += q_coded[q_dim + g * group + i];   /* q . mu */
                 continue;
             } else {                         /* full-precision rows of the recent window */
                 const int t0 = (c - c_first - c_coded) * KEY_CHUNK;

@@ -95,17 +95,6 @@ static inline float kvlab_log_scale(int code, float centre) {
     return step * power;
 }
 
-typedef struct {                   /* +prerope: how coded keys are rebuilt, then turned to their positions */
-    const float *unrotation;       /* (d, d) Mᵀ: the key before its scale is x = y Mᵀ = Σ_j y_j Mᵀ[j] ... */
-    const float *signs;            /* ... or, for a randomized Hadamard M = H diag(s)/√d, (d,) s/√d: x = (H y) ⊙ s/√d */
-    const float *weights;          /* (d,) the key channel weights, or NULL */
-    const float *offset;           /* (d,) the key offset, or NULL */
-    const float *cos_, *sin_;      /* (rows, d) of the rows' positions, as rope() takes them */
-} PreRope;
-
-/* rows (count, d) of decoded codebook values ŷ -> pre-RoPE coded keys rebuilt and turned to their positions, in place:
- * (ŷ Mᵀ · scale[r]) ⊙ w + μ, then RoPE with row r's cos/sin (TurboQuantCache._keys) */
-void kvlab_prerope_rebuild(float *rows, int count, int d, const PreRope *pre, const float *scale);
 /* dst (n,) = src rounded to f16 (kv_type 1) or bf16 (2) as torch's .to() rounds: 0 when all stored values are
  * finite, 1 otherwise, -1 for another kv_type */
 int kvlab_kv_store(int kv_type, const float *src, int64_t n, uint16_t *dst);

@@ -16,10 +16,10 @@
  * the heads' codes side by side in the token's row) and a 16-bit norm, for K and for V. The queries come rotated
  * (and weighted) as the codes are read; the output stays in the rotated domain (kvlab_tq_pool_layer, which codes the
  * step's tokens and reads them so, turns it back in C). A work item is (sequence, query tile, KV head, key
- * chunk): it decodes each tile of CB_TILE keys and values once for all its queries (rows x the G heads of the
- * KV head) and keeps an online softmax per query; chunks of CODE_CHUNK keys are separate items (flash-decoding:
- * a long context splits over threads), merged per query in chunk order, so the result is the same for any
- * thread count.
+ * chunk of CODE_CHUNK keys) and is one kvlab_tq_read (decode.c), the read the single cache's fused step makes of
+ * its one block too: each tile of CB_TILE keys and values decoded once for all the item's queries (rows x the G
+ * heads of the KV head), one softmax per query over the chunk. Chunks are separate items (flash-decoding: a long
+ * context splits over threads), merged per query in chunk order, so the result is the same for any thread count.
  *
  * kvlab_paged_int_attention reads integer blocks (IntPool) with the single integer cache's own per-query function
  * (intcache.h kvlab_int_attend: one softmax over the whole context, no split), so that the pool's output is the
@@ -83,7 +83,7 @@ static inline const float *pool_row(const void *pool, int dtype, int64_t index, 
 
 static int check_layout(int64_t n_rows, int n_heads, int n_kv_heads, int d, int dv, int dtype, int64_t n_slots,
                         const int32_t *block_tables, int n_seqs, int max_blocks, int block_size,
-                        const int32_t *query_start, const int32_t *context_len) {
+                        const int32_t *query_start, const int32_t *context_len, int64_t key_end) {
     if (n_kv_heads <= 0 || n_heads % n_kv_heads || n_heads / n_kv_heads > MAX_GROUP) return -1;
     if (d <= 0 || dv <= 0 || d > MAX_DIM || dv > MAX_DIM || dtype < POOL_F32 || dtype > POOL_BF16) return -1;
     if (n_seqs < 0 || max_blocks <= 0 || block_size <= 0 || n_slots % block_size) return -1;
@@ -91,8 +91,9 @@ static int check_layout(int64_t n_rows, int n_heads, int n_kv_heads, int d, int 
     const int64_t n_blocks = n_slots / block_size;
     for (int s = 0; s < n_seqs; s++) {
         const int64_t n_q = (int64_t)query_start[s + 1] - query_start[s], ctx = context_len[s];
-        if (n_q < 0 || n_q > ctx || ctx > (int64_t)max_blocks * block_size) return -1;
-        for (int64_t b = 0; b < (ctx + block_size - 1) / block_size; b++) {
+        const int64_t read = ctx < key_end ? ctx : key_end;   /* the keys it reads: its blocks */
+        if (n_q < 0 || n_q > ctx || read > (int64_t)max_blocks * block_size) return -1;
+        for (int64_t b = 0; b < (read + block_size - 1) / block_size; b++) {
             const int32_t id = block_tables[(int64_t)s * max_blocks + b];
             if (id < 0 || id >= n_blocks) return -1;
         }
@@ -104,7 +105,7 @@ int kvlab_paged_layout_ok(int64_t n_rows, int n_heads, int n_kv_heads, int d, in
                           const int32_t *block_tables, int n_seqs, int max_blocks, int block_size,
                           const int32_t *query_start, const int32_t *context_len) {
     return check_layout(n_rows, n_heads, n_kv_heads, d, dv, dtype, n_slots, block_tables, n_seqs, max_blocks, block_size,
-                        query_start, context_len);
+                        query_start, context_len, INT64_MAX);
 }
 
 /* a . b over d values: sixteen lane sums (one vector register), then a fixed tree over the lanes; a serial
@@ -263,7 +264,7 @@ int kvlab_paged_attention(const float *q, int64_t n_rows, int n_heads, int n_kv_
                           const int32_t *query_start, const int32_t *context_len,
                           float scale, int window, float *out, int n_threads) {
     if (check_layout(n_rows, n_heads, n_kv_heads, d, dv, dtype, n_slots, block_tables, n_seqs, max_blocks, block_size,
-                     query_start, context_len))
+                     query_start, context_len, INT64_MAX))
         return -1;
     int64_t work = 0;   /* query heads x keys x channels: a step this small runs on one thread (see PARALLEL_WORK) */
     for (int s = 0; s < n_seqs; s++) work += (int64_t)(query_start[s + 1] - query_start[s]) * context_len[s];
@@ -276,8 +277,8 @@ int kvlab_paged_attention(const float *q, int64_t n_rows, int n_heads, int n_kv_
 }
 
 /* -- coded blocks: TurboQuant codes ------------------------------------------------------------------------ */
-#define CODE_CHUNK 256      /* keys per work item (flash-decoding split of a long context) */
-#define CODE_QUERIES 64     /* query vectors (rows x group) per work item, at most */
+#define CODE_CHUNK TQ_READ_KEYS   /* keys per work item (flash-decoding split of a long context) */
+#define CODE_QUERIES 64          /* query vectors (rows x group) per work item, at most */
 
 typedef struct {
     int s, h;               /* sequence, KV head */
@@ -285,39 +286,15 @@ typedef struct {
     int64_t k0, k1;         /* key positions [k0, k1) of the sequence */
 } code_item;
 
-/* Where KV head h's codes of a token lie and how they read (tqcodes.h Coded): row o of block b at codes + b *
- * block_bytes + head_at[h] + o * row_stride; each head has its own layout (+halloc: its own width), or all share one. */
-typedef struct {
-    const uint8_t *codes;
-    int64_t row_stride, block_bytes;
-    cb_layout *heads;                     /* (Hkv,) the codebooks */
-    int64_t *head_at;                     /* (Hkv,) byte offset of each head's first row in a block */
-} code_rows;
-
-typedef struct {
-    int n_heads, n_kv_heads, group, d, dpad, window, block_size, max_blocks;
-    const int32_t *block_tables, *query_start, *context_len;
+typedef struct {            /* a read of a coded layer over a ragged batch (kvlab_tq_attention) */
+    int n_heads, n_kv_heads, group, d, dpad, window;
+    int64_t first_key, key_end;           /* keys at positions [first_key, key_end) are read */
+    const Ragged *R;
+    const Coded *C;
+    const cb_layout *layouts;             /* (2 Hkv,) each head's key and value layouts */
+    const PreRope *pre;                   /* +prerope: (Hkv,) each head's rebuild, cos/sin rows of position 0; or NULL */
     float scale;
-    code_rows keys, values;
-    const void *k_norm, *v_norm;          /* (n_blocks, Hkv, block_size) fp16 or bf16, or uint8 log codes (POOL_LOG8) */
-    int64_t norm_head_stride, norm_block_stride;
-    int norm_dtype;
-    const uint16_t *centres[2];           /* POOL_LOG8: (Hkv,) fp16 log2 centres of the keys, of the values */
-    int first_key;                        /* keys at positions below it are not read (+sinkN: held exact apart) */
-    const PreRope *pre;                   /* +prerope: weights, offset (Hkv, d) each or NULL; cos/sin (positions, d);
-                                             keys rebuilt and turned (decode.c), scored against the plain queries */
 } code_pool;
-
-/* the scale stored at `index` of keys' (which = 0) or values' (1) norms, KV head h: a 16-bit float, or with POOL_LOG8
- * a log code against the head's centre (decode.h kvlab_log_scale) */
-static inline float norm_value(const code_pool *P, int which, int64_t index, int h) {
-    const void *norms = which ? P->v_norm : P->k_norm;
-    if (P->norm_dtype == POOL_LOG8) {
-        return kvlab_log_scale(((const uint8_t *)norms)[index], kvlab_fp16_to_fp32(P->centres[which][h]));
-    }
-    const uint16_t h16 = ((const uint16_t *)norms)[index];
-    return P->norm_dtype == POOL_F16 ? kvlab_fp16_to_fp32(h16) : bf16_to_fp32(h16);
-}
 
 /* Enumerate the work items in (sequence, query tile, KV head, key chunk) order into items (when not NULL) and
  * each (sequence, query tile, KV head) group's first item into group_first (n_groups + 1 entries); returns the
@@ -326,11 +303,12 @@ static int64_t code_items(const code_pool *P, int n_seqs, int64_t rows_per_tile,
                           int64_t *n_groups) {
     int64_t n = 0, groups = 0;
     for (int s = 0; s < n_seqs; s++) {
-        const int64_t q0 = P->query_start[s], q1 = P->query_start[s + 1], first_pos = P->context_len[s] - (q1 - q0);
+        const int64_t q0 = P->R->query_start[s], q1 = P->R->query_start[s + 1], first_pos = P->R->context_len[s] - (q1 - q0);
         for (int64_t r0 = q0; r0 < q1; r0 += rows_per_tile) {
             const int64_t r1 = r0 + rows_per_tile < q1 ? r0 + rows_per_tile : q1;
             const int64_t p0 = first_pos + (r0 - q0), p1 = first_pos + (r1 - 1 - q0);
-            const int64_t from = P->window > 0 && p0 - P->window + 1 > 0 ? p0 - P->window + 1 : 0, hi = p1 + 1;
+            const int64_t from = P->window > 0 && p0 - P->window + 1 > 0 ? p0 - P->window + 1 : 0;
+            const int64_t hi = p1 + 1 < P->key_end ? p1 + 1 : P->key_end;
             const int64_t lo = from > P->first_key ? from : P->first_key;
             for (int h = 0; h < P->n_kv_heads; h++) {
                 if (group_first) group_first[groups] = n;
@@ -357,91 +335,25 @@ static int64_t code_items(const code_pool *P, int n_seqs, int64_t rows_per_tile,
     return n;
 }
 
-/* Keys t0 .. t0+n of an item as attention reads them: rows of keys and values (dpad apart), and per key the factor
- * of its score (norm x scale) and of its value (norm). */
-static void load_tile(const code_pool *P, const code_item *it, int64_t t0, int n, float *keys, float *values,
-                      float *key_scale, float *value_scale) {
-    const int d = P->d, dpad = P->dpad, bs = P->block_size, h = it->h;
-    const cb_layout *key_layout = &P->keys.heads[h], *value_layout = &P->values.heads[h];
-    const uint8_t *key_codes = P->keys.codes + P->keys.head_at[h], *value_codes = P->values.codes + P->values.head_at[h];
-    const int32_t *table = P->block_tables + (int64_t)it->s * P->max_blocks;
-    for (int j = 0; j < n;) {   /* the tile's keys of one block at a time: the head's consecutive rows, decoded as rows */
-        const int64_t t = t0 + j, block = table[t / bs], row = t % bs;
-        const int run = (int)(bs - row < n - j ? bs - row : n - j);
-        kvlab_cb_decode_rows(value_layout, value_codes + block * P->values.block_bytes + row * P->values.row_stride,
-                             P->values.row_stride, run, values + (int64_t)j * dpad, dpad);
-        kvlab_cb_decode_rows(key_layout, key_codes + block * P->keys.block_bytes + row * P->keys.row_stride,
-                             P->keys.row_stride, run, keys + (int64_t)j * dpad, dpad);
-        const int64_t first = block * P->norm_block_stride + h * P->norm_head_stride + row;
-        for (int i = 0; i < run; i++) {
-            key_scale[j + i] = norm_value(P, 0, first + i, h) * (P->pre ? 1.0f : P->scale);
-            value_scale[j + i] = norm_value(P, 1, first + i, h);
-        }
-        j += run;
+/* One item through kvlab_tq_read: each of its nq = rows x G queries reads the keys its position sees (causal, window,
+ * from first_key on, before key_end). parts: nq x (d + 2), kvlab_tq_read's. */
+static void code_item_attend(const code_pool *P, const float *q, const code_item *it, float *scratch, float *parts) {
+    const int G = P->group;
+    const Ragged *R = P->R;
+    const int64_t first_pos = R->context_len[it->s] - (R->query_start[it->s + 1] - R->query_start[it->s]);   /* of its row 0 */
+    const int nq = (int)(it->r1 - it->r0) * G;
+    int64_t lo[CODE_QUERIES], hi[CODE_QUERIES];
+    for (int i = 0; i < nq; i++) {
+        const int64_t pos = first_pos + (it->r0 + i / G - R->query_start[it->s]);
+        const int64_t from = P->window > 0 ? pos - P->window + 1 : 0;
+        lo[i] = from > P->first_key ? from : P->first_key;
+        hi[i] = pos + 1 < P->key_end ? pos + 1 : P->key_end;
     }
-    if (P->pre) {   /* +prerope (every row of the tile a coded key, dpad == d): rebuilt at positions t0 .. t0 + n */
-        PreRope tile = *P->pre;
-        tile.weights = tile.weights ? tile.weights + (int64_t)it->h * d : NULL;
-        tile.offset = tile.offset ? tile.offset + (int64_t)it->h * d : NULL;
-        tile.cos_ += t0 * d, tile.sin_ += t0 * d;
-        kvlab_prerope_rebuild(keys, n, d, &tile, key_scale);
-        for (int j = 0; j < n; j++) key_scale[j] = P->scale;
-    }
-}
-
-/* One item: for each of its nq = rows x G queries, the softmax-weighted sum of its keys' values, unnormalized,
- * with the running max m and sum l. partial: nq x d sums, then nq maxima, then nq sums.
- * scratch: qpad, acc (max_queries x dpad each), then keys, values (CB_TILE x dpad each). */
-static void code_item_attend(const code_pool *P, const float *q, const code_item *it, float *scratch, float *partial,
-                             int64_t max_queries) {
-    const int d = P->d, dpad = P->dpad, G = P->group;
-    const int32_t q0 = P->query_start[it->s];
-    const int64_t first_pos = P->context_len[it->s] - (P->query_start[it->s + 1] - q0);   /* of row q0 */
-    const int64_t nq = (it->r1 - it->r0) * G;
-    float *qpad = scratch, *acc = qpad + max_queries * dpad, *keys = acc + max_queries * dpad;
-    float *values = keys + CB_TILE * dpad;
-    float *o = partial, *m = partial + nq * d, *l = m + nq;
-    for (int64_t i = 0; i < nq; i++) {
-        const int64_t row = it->r0 + i / G;
-        memcpy(qpad + i * dpad, q + (row * P->n_heads + (int64_t)it->h * G + i % G) * d, sizeof(float) * d);
-        memset(qpad + i * dpad + d, 0, sizeof(float) * (dpad - d));
-        memset(acc + i * dpad, 0, sizeof(float) * dpad);
-        m[i] = -INFINITY;
-        l[i] = 0.0f;
-    }
-    for (int64_t t0 = it->k0; t0 < it->k1; t0 += CB_TILE) {
-        const int n = (int)(it->k1 - t0 < CB_TILE ? it->k1 - t0 : CB_TILE);
-        float key_scale[CB_TILE], value_scale[CB_TILE];
-        load_tile(P, it, t0, n, keys, values, key_scale, value_scale);   /* once for every query */
-        for (int64_t i = 0; i < nq; i++) {
-            const int64_t pos = first_pos + (it->r0 + i / G - q0);
-            const int64_t from = P->window > 0 ? pos - P->window + 1 : 0, lo = from > P->first_key ? from : P->first_key;
-            const int j0 = lo > t0 ? (int)(lo - t0) : 0, j1 = pos + 1 - t0 < n ? (int)(pos + 1 - t0) : n;
-            if (j1 <= j0) continue;                                   /* no key of this tile is seen by query i */
-            float score[CB_TILE], w[CB_TILE];
-            kvlab_cb_dot8(qpad + i * dpad, keys, dpad, score);
-            if (j1 > 8) kvlab_cb_dot8(qpad + i * dpad, keys + 8 * dpad, dpad, score + 8);
-            float tile_max = -INFINITY;
-            for (int j = j0; j < j1; j++) {
-                score[j] *= key_scale[j];
-                tile_max = score[j] > tile_max ? score[j] : tile_max;
-            }
-            const float new_max = tile_max > m[i] ? tile_max : m[i];
-            const float correction = expf(m[i] - new_max);           /* 0 on the first tile (m = -inf) */
-            float *a = acc + i * dpad;
-            if (correction != 1.0f)
-                for (int c = 0; c < dpad; c++) a[c] *= correction;
-            l[i] *= correction;
-            for (int j = j0; j < j1; j++) {
-                const float p = expf(score[j] - new_max);
-                l[i] += p;
-                w[j] = p * value_scale[j];
-            }
-            m[i] = new_max;
-            kvlab_cb_axpy_rows(w + j0, values + (int64_t)j0 * dpad, j1 - j0, a, dpad);
-        }
-    }
-    for (int64_t i = 0; i < nq; i++) memcpy(o + i * d, acc + i * dpad, sizeof(float) * d);
+    const TqHead head = {.C = P->C, .layout = {&P->layouts[2 * it->h], &P->layouts[2 * it->h + 1]}, .g = it->h,
+                         .scale = P->scale, .pre = P->pre ? &P->pre[it->h] : NULL};
+    kvlab_tq_read(&head, R->block_tables + (int64_t)it->s * R->max_blocks, it->k0, it->k1,
+                  q + (it->r0 * P->n_heads + (int64_t)it->h * G) * P->d, G, (int64_t)P->n_heads * P->d, nq, lo, hi, scratch,
+                  parts, P->d + 2);
 }
 
 /* Every item, then each query's chunks merged in chunk order: out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c,
@@ -450,27 +362,27 @@ static void code_item_attend(const code_pool *P, const float *q, const code_item
 static int code_attention(const code_pool *P, const float *q, int n_seqs, float *out, float *lse, int n_threads) {
     const int G = P->group, d = P->d;
     const int64_t rows_per_tile = CODE_QUERIES / G > 1 ? CODE_QUERIES / G : 1;
-    const int64_t max_queries = rows_per_tile * G, dpad = P->dpad, partial_floats = max_queries * (d + 2);
+    const int64_t max_queries = rows_per_tile * G, part_floats = max_queries * (d + 2);
     int64_t n_groups;
     const int64_t n_items = code_items(P, n_seqs, rows_per_tile, NULL, NULL, &n_groups);
     code_item *items = malloc(sizeof(code_item) * (size_t)(n_items + 1));
     int64_t *group_first = malloc(sizeof(int64_t) * (size_t)(n_groups + 1));
-    float *partial = malloc(sizeof(float) * (size_t)(n_items * partial_floats + 1));
-    int failed = !items || !group_first || !partial;
+    float *parts = malloc(sizeof(float) * (size_t)(n_items * part_floats + 1));
+    int failed = !items || !group_first || !parts;
     if (!failed) {
         code_items(P, n_seqs, rows_per_tile, items, group_first, &n_groups);
         int64_t work = 0;
         for (int64_t i = 0; i < n_items; i++) work += (items[i].r1 - items[i].r0) * G * (items[i].k1 - items[i].k0) * 2 * d;
         #pragma omp parallel num_threads(kvlab_cb_threads(work, n_threads))
         {
-            float *scratch = calloc((size_t)(2 * (max_queries + CB_TILE)) * dpad, sizeof(float));
+            float *scratch = malloc(sizeof(float) * (size_t)kvlab_tq_read_floats((int)max_queries, P->dpad));
             if (!scratch) {
                 #pragma omp atomic write
                 failed = 1;
             }
             #pragma omp for schedule(dynamic, 1)
             for (int64_t i = 0; i < n_items; i++)
-                if (scratch) code_item_attend(P, q, &items[i], scratch, partial + i * partial_floats, max_queries);
+                if (scratch) code_item_attend(P, q, &items[i], scratch, parts + i * part_floats);
             free(scratch);
             #pragma omp for schedule(static)
             for (int64_t g = 0; g < n_groups; g++) {
@@ -480,18 +392,17 @@ static int code_attention(const code_pool *P, const float *q, int n_seqs, float 
                 for (int64_t i = 0; i < nq; i++) {
                     float top = -INFINITY, sum = 0.0f;
                     for (int64_t c = 0; c < chunks; c++) {
-                        const float mc = partial[(group_first[g] + c) * partial_floats + nq * d + i];
+                        const float mc = parts[(group_first[g] + c) * part_floats + i * (d + 2) + d];
                         top = mc > top ? mc : top;
                     }
                     float *o = out + ((first->r0 + i / G) * P->n_heads + (int64_t)first->h * G + i % G) * d;
                     memset(o, 0, sizeof(float) * d);
                     for (int64_t c = 0; c < chunks; c++) {
-                        const float *part = partial + (group_first[g] + c) * partial_floats;
-                        const float mc = part[nq * d + i];
-                        if (mc == -INFINITY) continue;               /* no key of this chunk is seen by query i */
-                        const float weight = expf(mc - top);
-                        sum += weight * part[nq * d + nq + i];
-                        for (int k = 0; k < d; k++) o[k] += weight * part[i * d + k];
+                        const float *part = parts + (group_first[g] + c) * part_floats + i * (d + 2);
+                        if (part[d] == -INFINITY) continue;               /* no key of this chunk is seen by query i */
+                        const float weight = expf(part[d] - top);
+                        sum += weight * part[d + 1];
+                        for (int k = 0; k < d; k++) o[k] += weight * part[k];
                     }
                     const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
                     for (int k = 0; k < d; k++) o[k] *= inv;
@@ -502,7 +413,7 @@ static int code_attention(const code_pool *P, const float *q, int n_seqs, float 
     }
     free(items);
     free(group_first);
-    free(partial);
+    free(parts);
     return failed ? -2 : 0;
 }
 
@@ -527,7 +438,7 @@ int kvlab_paged_int_attention(const float *q, int64_t n_rows, int n_heads, int n
         || dk > KVLAB_INT_MAX_DIM || dv > KVLAB_INT_MAX_DIM)
         return -1;
     if (check_layout(n_rows, n_heads, n_kv_heads, dk, dv, POOL_F32, n_slots, block_tables, n_seqs, max_blocks, block_size,
-                     query_start, context_len))
+                     query_start, context_len, INT64_MAX))
         return -1;
     if (exact_start[0] != 0 || exact_start[n_seqs] != exact_rows) return -1;
     int64_t longest = 1;
@@ -595,13 +506,14 @@ int kvlab_paged_int_attention(const float *q, int64_t n_rows, int n_heads, int n
 }
 
 /* -- TurboQuant codes in blocks, read and coded through a layer's Coded (tqcodes.h) ------------------------------- */
-/* The checks of a read of C over R: each KV head's key and value layouts into L (2 Hkv); 0 or -1 */
+/* The checks of a read of C over R (keys below key_end; INT64_MAX: all): each KV head's key and value layouts into L
+ * (2 Hkv); 0 or -1 */
 static int coded_check(const Coded *C, int n_heads, int n_kv_heads, int hd, const Ragged *R, int64_t n_rows,
-                       const TqStep *S, cb_layout *L) {
+                       const TqStep *S, int64_t key_end, cb_layout *L) {
     if (!C || !R || !S || n_kv_heads <= 0) return -1;
     if (C->slots <= 0 || C->block_rows != R->block_size || !C->rotation) return -1;
     if (check_layout(n_rows, n_heads, n_kv_heads, hd, hd, POOL_F32, C->slots, R->block_tables, R->n_seqs, R->max_blocks,
-                     R->block_size, R->query_start, R->context_len))
+                     R->block_size, R->query_start, R->context_len, key_end))
         return -1;
     if (kvlab_tq_layouts(C, n_kv_heads, hd, L)) return -1;
     for (int h = 0; h < 2 * n_kv_heads; h++)
@@ -609,55 +521,50 @@ static int coded_check(const Coded *C, int n_heads, int n_kv_heads, int hd, cons
     if (C->unrotation || C->unrotation_signs) {   /* +prerope: paged.c's rebuild, a RoPE row for every position */
         if (hd % 16 || (C->unrotation_signs && (hd & (hd - 1))) || !S->rope_cos || !S->rope_sin) return -1;
         for (int s = 0; s < R->n_seqs; s++)
-            if (R->context_len[s] > S->rope_rows) return -1;
+            if ((R->context_len[s] < key_end ? R->context_len[s] : key_end) > S->rope_rows) return -1;
     }
     return 0;
 }
 
 /* code_attention over C's blocks (checked: coded_check): q as kvlab_tq_attention takes it. 0, or -2 (no memory) */
 static int coded_read(const Coded *C, const cb_layout *L, int n_heads, int n_kv_heads, int hd, const Ragged *R,
-                      const TqStep *S, const float *q, int first_key, float scale, int window, float *out, float *lse,
-                      int n_threads) {
+                      const TqStep *S, const float *q, int64_t first_key, int64_t key_end, float scale, int window,
+                      float *out, float *lse, int n_threads) {
     const int Hkv = n_kv_heads, pre = C->unrotation || C->unrotation_signs;
     float *state = pre ? malloc(sizeof(float) * 2 * (size_t)Hkv * hd) : NULL;   /* key weights, key offset */
-    code_pool P = {.n_heads = n_heads, .n_kv_heads = Hkv, .group = n_heads / Hkv, .d = hd, .dpad = L[0].dpad,
-                   .window = window, .block_size = R->block_size, .max_blocks = R->max_blocks,
-                   .block_tables = R->block_tables, .query_start = R->query_start, .context_len = R->context_len,
-                   .scale = scale, .k_norm = C->norms[0], .v_norm = C->norms[1], .norm_head_stride = C->norm_head_stride,
-                   .norm_block_stride = C->norm_block_stride,
-                   .norm_dtype = C->norm_type,   /* decode.c's KV_F16, KV_BF16, NORM_LOG8 are POOL_F16, POOL_BF16, POOL_LOG8 */
-                   .centres = {C->norm_centres[0], C->norm_centres[1]}, .first_key = first_key};
-    int status = pre && !state ? -2 : 0;
-    for (int i = 0; i < 2 && !status; i++) {
-        code_rows *rows = i ? &P.values : &P.keys;
-        *rows = (code_rows){.codes = C->codes[i], .row_stride = C->slot_bytes[i], .block_bytes = C->block_bytes[i],
-                            .heads = malloc(sizeof(cb_layout) * (size_t)Hkv), .head_at = malloc(sizeof(int64_t) * (size_t)Hkv)};
-        if (!rows->heads || !rows->head_at) status = -2;
-        for (int h = 0; h < Hkv && !status; h++) rows->heads[h] = L[2 * h + i], rows->head_at[h] = C->heads[i][h].at;
+    PreRope *rebuild = pre ? malloc(sizeof(PreRope) * (size_t)Hkv) : NULL;
+    if (pre && (!state || !rebuild)) {
+        free(state);
+        free(rebuild);
+        return -2;
     }
-    PreRope rebuild;
-    if (!status && pre) {   /* keys rebuilt from the codec's state and turned to their positions (decode.c) */
+    if (pre) {   /* keys rebuilt from the codec's state and turned to their positions (decode.c) */
         kvlab_tq_state(C, Hkv, hd, state, state + (int64_t)Hkv * hd, NULL);
-        rebuild = (PreRope){.unrotation = C->unrotation, .signs = C->unrotation_signs,
-                            .weights = C->weight_codes ? state : NULL, .offset = C->offset[0] ? state + (int64_t)Hkv * hd : NULL,
-                            .cos_ = S->rope_cos, .sin_ = S->rope_sin};
-        P.pre = &rebuild;
+        for (int h = 0; h < Hkv; h++)
+            rebuild[h] = (PreRope){.unrotation = C->unrotation, .signs = C->unrotation_signs,
+                                   .weights = C->weight_codes ? state + (int64_t)h * hd : NULL,
+                                   .offset = C->offset[0] ? state + (int64_t)(Hkv + h) * hd : NULL,
+                                   .cos_ = S->rope_cos, .sin_ = S->rope_sin};
     }
-    if (!status) status = code_attention(&P, q, R->n_seqs, out, lse, n_threads < 1 ? 1 : n_threads);
-    free(P.keys.heads); free(P.keys.head_at); free(P.values.heads); free(P.values.head_at);
+    const code_pool P = {.n_heads = n_heads, .n_kv_heads = Hkv, .group = n_heads / Hkv, .d = hd, .dpad = L[0].dpad,
+                         .window = window, .first_key = first_key, .key_end = key_end, .R = R, .C = C, .layouts = L, .pre = rebuild,
+                         .scale = scale};
+    const int status = code_attention(&P, q, R->n_seqs, out, lse, n_threads < 1 ? 1 : n_threads);
     free(state);
+    free(rebuild);
     return status;
 }
 
 int kvlab_tq_attention(const Coded *C, int n_heads, int n_kv_heads, int hd, const Ragged *R, int64_t n_rows,
-                       const TqStep *S, const float *q, int first_key, float scale, int window, float *out, float *lse,
-                       int n_threads) {
+                       const TqStep *S, const float *q, int64_t first_key, int64_t key_end, float scale, int window,
+                       float *out, float *lse, int n_threads) {
     if (n_kv_heads <= 0 || n_kv_heads > CB_MAX_DIM || first_key < 0) return -1;
     cb_layout *L = malloc(sizeof(cb_layout) * 2 * (size_t)n_kv_heads);
     if (!L) return -2;
-    int status = coded_check(C, n_heads, n_kv_heads, hd, R, n_rows, S, L);
+    int status = coded_check(C, n_heads, n_kv_heads, hd, R, n_rows, S, key_end < 0 ? INT64_MAX : key_end, L);
     if (!status && n_rows > 0)
-        status = coded_read(C, L, n_heads, n_kv_heads, hd, R, S, q, first_key, scale, window, out, lse, n_threads);
+        status = coded_read(C, L, n_heads, n_kv_heads, hd, R, S, q, first_key, key_end < 0 ? INT64_MAX : key_end, scale,
+                            window, out, lse, n_threads);
     free(L);
     return status;
 }
@@ -666,7 +573,7 @@ int kvlab_tq_attention(const Coded *C, int n_heads, int n_kv_heads, int hd, cons
 /* kvlab_tq_pool_layer_ok's checks, each KV head's key and value layouts into L (2 Hkv) */
 static int tq_layer_check(const TqPoolLayer *T, int n_heads, int n_kv_heads, int hd, const Ragged *R, int64_t n_rows,
                           const TqStep *S, cb_layout *L) {
-    if (!T || coded_check(T->coded, n_heads, n_kv_heads, hd, R, n_rows, S, L)) return -1;
+    if (!T || coded_check(T->coded, n_heads, n_kv_heads, hd, R, n_rows, S, INT64_MAX, L)) return -1;
     if (T->sink < 0) return -1;
     if (T->sink > 0) {
         if (!T->sink_k || !T->sink_v || !S->entries || T->sink_type < POOL_F32 || T->sink_type > POOL_BF16) return -1;
@@ -772,7 +679,7 @@ int kvlab_tq_pool_layer(const TqPoolLayer *T, int n_heads, int n_kv_heads, int h
             #pragma omp parallel for schedule(static) num_threads(n_threads) if(N * H * d * d >= 65536)
             for (int64_t i = 0; i < N * H; i++) kvlab_tq_query(C, (int)(i % H) / G, d, q + i * d, queries + i * d);
         }
-        status = coded_read(C, L, H, Hkv, d, R, S, pre ? q : queries, sink, scale, window, rotated, lse, n_threads);
+        status = coded_read(C, L, H, Hkv, d, R, S, pre ? q : queries, sink, INT64_MAX, scale, window, rotated, lse, n_threads);
     }
     if (!status) {   /* back to the model's domain, merged with the sink rows */
         #pragma omp parallel for schedule(static) num_threads(n_threads)

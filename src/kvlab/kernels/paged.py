@@ -190,20 +190,21 @@ class TqStep(ctypes.Structure):   # tqcodes.h: what every layer of a step reads
 def _tq_attention_function(library_path: str):
     fn = ctypes.CDLL(library_path).kvlab_tq_attention
     i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i32, i32, i32, ctypes.POINTER(Ragged), i64, ctypes.POINTER(TqStep), ptr, i32, ctypes.c_float, i32,
-                   ptr, ptr, i32]
+    fn.argtypes = [ptr, i32, i32, i32, ctypes.POINTER(Ragged), i64, ctypes.POINTER(TqStep), ptr, i64, i64, ctypes.c_float,
+                   i32, ptr, ptr, i32]
     fn.restype = i32
     return fn
 
 
 def tq_attention(kernel, coded, q: torch.Tensor, block_tables: torch.Tensor, query_start: torch.Tensor,
                  context_len: torch.Tensor, step: TqStep, scale: float, window: int = 0, first_key: int = 0,
-                 with_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                 key_end: int | None = None, with_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Ragged attention straight from a TurboQuant layer's codes in blocks (paged.c kvlab_tq_attention): `coded` the
     layer as cache/tq_kernel.py describes it (its buffers checked for coded.checked = (Hkv, D)), read through the block
     tables in blocks of its block rows. q (N, H, D) fp32 as the codes are read (rotated, key weights applied); with
-    +prerope q itself, each key rebuilt and turned to its position with `step`'s RoPE rows. Keys at positions below
-    `first_key` are not read (+sinkN: the pool holds them exact apart). -> (N, H, D) fp32 in the rotated domain
+    +prerope q itself, each key rebuilt and turned to its position with `step`'s RoPE rows. Keys at positions
+    [first_key, key_end) are read (+sinkN: the pool holds the first ones exact apart; a single cache's recent window
+    follows its codes). -> (N, H, D) fp32 in the rotated domain
     = Σ_t p_t·v_norm_t·v̂_t, p = softmax_t(scale·k_norm_t·(q·k̂_t)) over each row's causal (and window) keys; with_lse
     also (N, H) the log of each row's softmax sum (-inf where the row read no key: its output is 0)."""
     Hkv, D = coded.checked
@@ -212,13 +213,15 @@ def tq_attention(kernel, coded, q: torch.Tensor, block_tables: torch.Tensor, que
     _check(H % Hkv == 0, f"{H} query heads are not a multiple of {Hkv} KV heads")
     check_buffer(WHAT, "q", q, torch.float32, (N, H, D))
     _check(isinstance(first_key, int) and first_key >= 0, f"first_key must be >= 0, got {first_key}")
+    _check(key_end is None or (isinstance(key_end, int) and key_end >= 0), f"key_end must be None or >= 0, got {key_end}")
     ragged = Ragged.of(block_tables, query_start, context_len, coded.slots, coded.block_rows)
     _check(step.checked == (ragged.n_seqs, D), f"the step's buffers were checked for {step.checked} (sequences, head dim), "
                                                f"not ({ragged.n_seqs}, {D})")
     out = torch.empty(N, H, D, dtype=torch.float32)
     lse = torch.empty(N, H, dtype=torch.float32) if with_lse else None
     status = _tq_attention_function(str(kernel.path))(
-        ctypes.addressof(coded), H, Hkv, D, ctypes.byref(ragged), N, ctypes.byref(step), q.data_ptr(), first_key, scale,
+        ctypes.addressof(coded), H, Hkv, D, ctypes.byref(ragged), N, ctypes.byref(step), q.data_ptr(), first_key,
+        -1 if key_end is None else key_end, scale,
         int(window or 0), out.data_ptr(), None if lse is None else lse.data_ptr(), torch.get_num_threads())
     if status == -2:
         raise KvlabError("TurboQuant attention: no memory for the kernel's work items")

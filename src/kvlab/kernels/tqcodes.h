@@ -44,6 +44,41 @@ typedef struct {                   /* a TurboQuant layer's codes (kvlab/cache/tu
     int64_t norm_head_stride, norm_block_stride;
 } Coded;
 
+typedef struct {                   /* +prerope: how coded keys are rebuilt, then turned to their positions */
+    const float *unrotation;       /* (d, d) Mᵀ: the key before its scale is x = y Mᵀ = Σ_j y_j Mᵀ[j] ... */
+    const float *signs;            /* ... or, for a randomized Hadamard M = H diag(s)/√d, (d,) s/√d: x = (H y) ⊙ s/√d */
+    const float *weights;          /* (d,) the key channel weights, or NULL */
+    const float *offset;           /* (d,) the key offset, or NULL */
+    const float *cos_, *sin_;      /* (rows, d) of the rows' positions, as rope() takes them */
+} PreRope;
+
+/* rows (count, d) of decoded codebook values ŷ -> pre-RoPE coded keys rebuilt and turned to their positions, in place:
+ * (ŷ Mᵀ · scale[r]) ⊙ w + μ, then RoPE with row r's cos/sin (TurboQuantCache._keys) */
+void kvlab_prerope_rebuild(float *rows, int count, int d, const PreRope *pre, const float *scale);
+
+/* -- reading one KV head's codes: the one read of a TurboQuant layer ------------------------------------------------ */
+#define TQ_READ_KEYS 256           /* keys of one kvlab_tq_read call, at most (a work item of a long context) */
+typedef struct {                   /* KV head g of a coded layer as a read sees it */
+    const Coded *C;
+    const cb_layout *layout[2];    /* its keys' and values' layouts (kvlab_tq_layouts) */
+    int g;
+    float scale;                   /* each score's factor besides the key's stored scale */
+    const PreRope *pre;            /* +prerope: the head's weights and offset, cos_/sin_ the rows of key index 0; else NULL */
+} TqHead;
+/* floats of scratch kvlab_tq_read takes for nq queries (dpad: the layouts' padded row) */
+int64_t kvlab_tq_read_floats(int nq, int dpad);
+/* The attention of nq queries over keys [k0, k1) of one sequence of head h (k1 - k0 <= TQ_READ_KEYS), key t at slot
+ * table[t / block_rows] * block_rows + t % block_rows of h->C (a single cache: one block, table {0}). Query i = (row
+ * i / group, head i % group of the KV head's group) lies at queries + (i / group) * row_stride + (i % group) * d, as
+ * the codes are read (kvlab_tq_query; with +prerope q itself), and reads keys [lo[i], hi[i]). Its part, d + 2 floats at
+ * parts + i * part_stride = [sum_t e^(s_t - top) v'_t | top | sum_t e^(s_t - top)] (none read: top -inf, sum 0), s_t
+ * = q_i . k_t * scale_t * h->scale, v'_t the value's codebook vector times its scale (the rotated domain). Long
+ * blocks (a single cache's one) are read straight from their codes in registers where codebook.c has that path; short
+ * ones (a pool's) are decoded a tile at a time, read by every query while in L1. */
+void kvlab_tq_read(const TqHead *h, const int32_t *table, int64_t k0, int64_t k1, const float *queries, int group,
+                   int64_t row_stride, int nq, const int64_t *lo, const int64_t *hi, float *scratch, float *parts,
+                   int64_t part_stride);
+
 /* layouts[2g + i] = KV head g's key (i = 0) or value (1) layout of C; 0, or -1 when C cannot be read or coded */
 int kvlab_tq_layouts(const Coded *C, int Hkv, int hd, cb_layout *layouts);
 /* Code rows r < n whose slots[r] >= 0 into C (layouts: kvlab_tq_layouts): K/V of KV head g at k/v + r * stride + g * hd
@@ -75,12 +110,13 @@ typedef struct {                   /* what every layer of one step reads besides
 
 /* Attention straight from C's codes through the block tables of R (R->block_size == C->block_rows): q (n_rows, H, hd)
  * as the codes are read (kvlab_tq_query: rotated, key weights applied; with +prerope q itself, each key rebuilt and
- * turned to its position with S's RoPE rows), keys at positions from first_key on -> out (n_rows, H, hd) in the
- * rotated domain and, lse not NULL, (n_rows, H) the log of each row's softmax sum (-inf: no key read, out 0).
- * 0; -1 refused (nothing read); -2 no memory. The one read of a TurboQuant pool's codes: kvlab_tq_pool_layer reads so. */
+ * turned to its position with S's RoPE rows), keys at positions [first_key, key_end) (key_end < 0: no end; a single
+ * cache's recent window follows its codes) -> out (n_rows, H, hd) in the rotated domain and, lse not NULL, (n_rows, H)
+ * the log of each row's softmax sum (-inf: no key read, out 0). 0; -1 refused (nothing read); -2 no memory. The one
+ * read of a TurboQuant layer's codes over a block table: the pool's (kvlab_tq_pool_layer) and a single cache's. */
 int kvlab_tq_attention(const Coded *C, int n_heads, int n_kv_heads, int hd, const Ragged *R, int64_t n_rows,
-                       const TqStep *S, const float *q, int first_key, float scale, int window, float *out, float *lse,
-                       int n_threads);
+                       const TqStep *S, const float *q, int64_t first_key, int64_t key_end, float scale, int window,
+                       float *out, float *lse, int n_threads);
 
 /* 0 when kvlab_tq_pool_layer takes these sizes and every index they give (slots, sink entries, RoPE rows) lies
  * inside the layer's buffers; -1 otherwise; -2 without memory */
