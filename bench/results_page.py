@@ -740,6 +740,15 @@ SECTIONS = [
               note="The same for TurboQuant blocks: the pool's codes in TqBlocks (head-major, the single "
                    "TurboQuantCache's storage, read through one C description of a layer) against the token-major "
                    "buffers before: within the noise."),
+        Table("tq_read_long_decode_ab.json", ab_runs,
+              note="One C read of TurboQuant codes for the pool, the batched step, the single cache and the fused step "
+                   "(kvlab_tq_read): a pool work item now takes one softmax over its chunk with vectorized exponentials "
+                   "instead of an online softmax per 16-key tile with expf. On 16 coded sequences of 2k-3.6k tokens "
+                   "the TPOT p50 went 372 -> 324 ms for tq-k4v4 and 418 -> 400 ms for tq4, whose +prerope key rebuild "
+                   "is most of its read. One run each: a direction, not a tight figure."),
+        Table("tq_read_decode_ab.json", ab_runs,
+              note="The fused decode step's coded chunks through the same kvlab_tq_read (a single cache is one long "
+                   "block, read from its codes in registers as before): single-sequence decode within the noise."),
         Table("blocks_layout_ab.json", ab_runs,
               note="The pool's dense and integer blocks read and written in cache/blocks.py's head-major layout "
                    "(the single caches' own) against the token-major blocks before: within the noise of these short "

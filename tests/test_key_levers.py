@@ -196,7 +196,8 @@ def test_the_haar_basis_follows_the_seed():
         make_cache("tq-k4v4+rot=qr", GEOMETRY)
 
 
-@pytest.mark.parametrize("name, window", [("tq4", None), ("tq3", 24), ("tq4+recent8", None), ("tq3+recent8+sink3", 24)])
+@pytest.mark.parametrize("name, window", [("tq4", None), ("tq3", 24), ("tq4+recent8", None), ("tq3+recent8+sink3", 24),
+                                          ("tq-k4v4+prerope+sink1+halloc=k534453v453354", None)])
 def test_the_presets_read_in_c_like_the_torch_path(name, window):
     """The presets' coded tokens read through the one C read (kernels/paged.c kvlab_tq_attention: each batch row's
     one block, keys rebuilt before RoPE, +norms8 scales, the sink and recent window merged by log-sum-exp) == the

@@ -89,7 +89,7 @@ def test_attention_reads_exactly_what_each_head_stores(name):
     check_attend_is_exact_to_storage(name)
     check_attend_is_exact_to_storage(name, attend_first=True)
     cache = make_cache(name, GEOMETRY)
-    assert cache.code_kernel is None                                   # the torch path reads per-head widths
+    assert not cache._rows_in_c                                        # one width's C row readers do not apply
     for layer in range(GEOMETRY.n_layers):
         keys = tuple(unit_widths(cache.config, layer, h)[0] for h in range(GEOMETRY.n_kv_heads))
         assert cache.layer_key_codes[layer].bits == keys

@@ -63,16 +63,16 @@ Every read takes the layer's RotatedCodes (`layer_key_codes`, `layer_value_codes
 `+halloc` (allocation.py): the same per (layer, KV head) unit, spelled `+halloc=k…v…` with n_layers·n_kv_heads
 digits each (layer-major) or calibrated for the model. A layer's codes buffer then holds each head's codes side by
 side in one row, (B, 1, slots, Σ_h bytes_h), read by `HeadCodes` (per head, its own width's RotatedCodes); the
-per-token bytes are again the uniform cache's and the recipe costs L·Hkv·2 uint8. The module path reads it in torch
-(no C code kernel), the fused decode step and the serving pool in C (each head its own packing: model/fused_codes.py,
-kernels/paged.c).
+per-token bytes are again the uniform cache's and the recipe costs L·Hkv·2 uint8. It is read in C by the one read
+of TurboQuant codes, each head its own packing (kernels/paged.c; model/fused_codes.py), the torch path decoding per
+head.
 
 Coding in C: `code` is the reference of kernels/decode.c's kvlab_tq_code_tokens (cache/tq_kernel.py), the one C
 coder of a token's K/V, which the fused decode step and the serving pool call (the module path codes in torch).
 Reading in C: `attend` reads the coded tokens through kernels/paged.c's kvlab_tq_attention (`_coded_read`: each batch
 row a sequence of one block), the serving pool's read, and merges the sink and recent window by log-sum-exp; the
 fused step's coded chunks are the same kvlab_tq_read. The torch path (`code_kernel` None, other devices) is the
-reference; +qjl and +outliersN read through it (their dots and decodes in kernels/codebook.c), +halloc too.
+reference; +qjl and +outliersN read through it (their dots and decodes in kernels/codebook.c).
 
 `+vq` (vector_codebook.py): 2- and 3-bit parts are coded in blocks of 4 rotated coordinates, 4·b bits per block in
 the scalar codes' bytes (4 signs + an index into sign-symmetric magnitude points): a quarter less error at 3 bits.
@@ -440,7 +440,7 @@ class TurboQuantCache(CompressedCache):
                                        device=dev)                                           # (L, Hkv, 2) or (L, 2)
         # attention straight from the codes in C on CPU (kernels/codebook.c); None: torch decodes (the reference,
         # and the only reader of per-head widths)
-        self.code_kernel = None if config.alloc_heads else codebook_kernel_for(self.device)
+        self.code_kernel = codebook_kernel_for(self.device)
         self.haar_basis = None                                                               # (d, d) Q shared by the layers
         if config.rotation == "haar":
             self.haar_basis = haar_matrix(d, torch.Generator().manual_seed(_layer_seed(config.seed, -2))).to(dev)
@@ -746,7 +746,7 @@ class TurboQuantCache(CompressedCache):
         """Scaled logits of qg (B, H, G·T, d) against the first n tokens of `stored` -> (B, H, G·T, n), read on the codes."""
         q_rot = self._rotated_queries(layer, qg) * self.scale                      # (B, H, G·T, d)
         norms = stored["k_norm"][:, :, None, :n]                                   # (B, H, 1, n) 16-bit
-        if self.code_kernel is not None and not _decode_chunk(qg.shape[2], n):     # few rows or many keys: dots in C
+        if self._rows_in_c and not _decode_chunk(qg.shape[2], n):                # few rows or many keys: dots in C
             dots = self.code_kernel.dots(stored["k_codes"], 0, n, self.layer_key_codes[layer].layout, q_rot)  # (B, H, G·T, n)
             if self.config.qjl:  # q·Sᵀsign(Sr) = (Sq)·sign(Sr): the signs are 1-bit codes read like the others
                 sketched = q_rot @ self.qjl_matrix.T                              # (B, H, G·T, m) Sq
@@ -767,7 +767,7 @@ class TurboQuantCache(CompressedCache):
     def mix(self, layer: int, p: torch.Tensor, stored: dict[str, torch.Tensor], n: int) -> torch.Tensor:
         """Σ_i p_i·v_i over the first n tokens of `stored` (see `scores`); p (B, H, G·T, n) -> (B, H, G·T, d)."""
         norms = stored["v_norm"][:, :, None, :n]                                   # (B, H, 1, n) 16-bit
-        if self.code_kernel is not None and not _decode_chunk(p.shape[2], n):
+        if self._rows_in_c and not _decode_chunk(p.shape[2], n):
             mixed = self.code_kernel.mix(stored["v_codes"], 0, n, self.layer_value_codes[layer].layout, p * norms)  # (B, H, G·T, d)
         else:
             mixed = p @ (self._decoded(stored["v_codes"], self.layer_value_codes[layer], 0, n) * norms.transpose(-1, -2))
@@ -867,6 +867,12 @@ class TurboQuantCache(CompressedCache):
             structs = self._c_reads[(layer, row)] = (coded, step, torch.tensor([[row]], dtype=torch.int32))
         return structs
 
+    @property
+    def _rows_in_c(self) -> bool:
+        """Whether kernels/codebook.c's row readers (dots, mix, decode of one width's rows) read the codes: with a C
+        kernel and one width per layer (+halloc's per-head widths: torch, or the C read of `_coded_read`)."""
+        return self.code_kernel is not None and not self.config.alloc_heads
+
     def _rotated_queries(self, layer: int, qg: torch.Tensor) -> torch.Tensor:
         """Π(q⊙w): the queries as the codes are read, (B, H, R, d)."""
         weights = self._key_weights(layer)
@@ -874,7 +880,7 @@ class TurboQuantCache(CompressedCache):
 
     def _decoded(self, buffer: torch.Tensor, codes: RotatedCodes, lo: int, hi: int) -> torch.Tensor:
         """Codebook values of stored rows [lo, hi), (B, H, hi-lo, d): in C (a chunk's transient) or by torch."""
-        if self.code_kernel is None:
+        if not self._rows_in_c:
             return codes.decode(buffer[:, :, lo:hi])
         return self.code_kernel.decode(buffer, lo, hi - lo, codes.layout)
 
