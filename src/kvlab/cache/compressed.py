@@ -258,10 +258,7 @@ class CompressedCache(KVCache):
                                            (n_sink + n, held, self._win_k[layer], self._win_v[layer])):
             if not count:
                 continue
-            mask = None   # every key seen by every query: no mask (decided from the positions)
-            if start + count - 1 > first or (window is not None and start <= first + T - 1 - window):
-                seen = block_mask(first, T, start, count, qg.device, window).repeat(group, 1)   # (G·T, count)
-                mask = torch.zeros(seen.shape, device=qg.device).masked_fill_(~seen, float("-inf"))
+            mask = _part_mask(first, T, start, count, group, qg.device, window)             # (G·T, count) or None
             part = attend_with_lse(qg, keys[:, :, :count].float(), values[:, :, :count].float(), self.scale, mask)
             out, lse = merge_attention(out, lse, *part)
         return out
@@ -309,10 +306,7 @@ class CompressedCache(KVCache):
                     lo, hi = start + a, start + b - 1                             # key positions
                     if lo > last or (window is not None and hi <= first - window):
                         continue                                                  # no query of the block sees it
-                    mask = None
-                    if hi > first or (window is not None and lo <= last - window):
-                        seen = block_mask(first, t1 - t0, lo, b - a, qg.device, window).repeat(group, 1)  # (R, b-a)
-                        mask = torch.zeros(seen.shape, device=qg.device).masked_fill_(~seen, float("-inf"))
+                    mask = _part_mask(first, t1 - t0, lo, b - a, group, qg.device, window)  # (R, b-a) or None
                     acc, lse = merge_attention(acc, lse, *attend(qb, a, b, mask))   # (B, Hkv, R, Dv), (B, Hkv, R)
             out[:, :, :, t0:t1] = acc.reshape(B, Hkv, group, t1 - t0, Dv)
         return out
@@ -380,6 +374,18 @@ class CompressedCache(KVCache):
             empty = torch.zeros(g.batch, g.n_kv_heads, 0, g.head_dim, device=self.device)
             return empty, empty[..., : g.head_dim_v]
         return torch.cat(k_parts, dim=2), torch.cat(v_parts, dim=2)
+
+
+def _part_mask(first_query: int, n_queries: int, first_key: int, n_keys: int, group: int, device,
+               window: int | None) -> torch.Tensor | None:
+    """The additive mask (group·n_queries, n_keys) of queries at positions first_query.. (each position's `group` heads,
+    head-major) over keys at first_key.. (the lower-right causal mask, the model's window); None where every query sees
+    every key (decided from the positions, never by reading the mask back)."""
+    last_key, last_query = first_key + n_keys - 1, first_query + n_queries - 1
+    if last_key <= first_query and (window is None or first_key > last_query - window):
+        return None
+    seen = block_mask(first_query, n_queries, first_key, n_keys, device, window).repeat(group, 1)
+    return torch.zeros(seen.shape, device=device).masked_fill_(~seen, float("-inf"))
 
 
 def ceil_div(a: int, b: int) -> int:

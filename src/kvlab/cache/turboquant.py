@@ -438,8 +438,8 @@ class TurboQuantCache(CompressedCache):
             recipe = [[list(pair) for pair in zip(*widths[l])] for l in range(g.n_layers)]   # (L, Hkv, 2)
             self.recipe = torch.tensor(recipe if config.alloc_heads else [row[0] for row in recipe], dtype=torch.uint8,
                                        device=dev)                                           # (L, Hkv, 2) or (L, 2)
-        # attention straight from the codes in C on CPU (kernels/codebook.c); None: torch decodes (the reference,
-        # and the only reader of per-head widths)
+        # the C kernels on CPU: attention read from the codes (`_coded_read`) and one width's row readers (kernels/
+        # codebook.c, `_rows_in_c`); None: torch decodes (the reference)
         self.code_kernel = codebook_kernel_for(self.device)
         self.haar_basis = None                                                               # (d, d) Q shared by the layers
         if config.rotation == "haar":

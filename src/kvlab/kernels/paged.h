@@ -5,7 +5,6 @@
 #include <stdint.h>
 
 enum { POOL_F32 = 0, POOL_F16 = 1, POOL_BF16 = 2 };   /* how a pool stores K/V */
-enum { POOL_LOG8 = 3 };   /* TurboQuant scales as uint8 log codes around a centre per KV head (+norms8) */
 
 typedef struct {                   /* where the rows of a step's sequences live (kvlab/serve/attention.py RaggedLayout) */
     int32_t n_seqs, max_blocks, block_size;
