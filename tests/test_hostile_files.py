@@ -379,26 +379,25 @@ def test_kernel_wrappers_refuse_buffers_of_the_wrong_size():
     meta = torch.zeros(1, 2, 1, 64, dtype=torch.float16)
     q = torch.zeros(1, 2, 3, 64)
     value_meta = torch.zeros(1, 2, 8, 2, dtype=torch.float16)
-    assert kernel.int_mix(8, codes, value_meta, value_meta, 8, 64, torch.zeros(1, 2, 3, 8)).shape == (1, 2, 3, 64)
-    assert kernel.int_scores(8, codes, meta, meta, 8, 32, q, 1.0).shape == (1, 2, 3, 8)
     exact = torch.zeros(1, 2, 8, 64)                       # the 8 tokens' keys: the open group is all of them
 
-    def attention(exact=exact, dv=64, T=3):
-        return kernel.int_attention(8, codes, meta, meta, codes, value_meta, value_meta, 8, dv, 32, exact, q, T, None, 1.0)
+    def attention(exact=exact, dv=64, T=3, n=8, q=q, bits=8, scales=meta, first_count=6):
+        return kernel.int_attention(bits, codes, scales, meta, codes, value_meta, value_meta, n, dv, 32, exact, q, T,
+                                    first_count, -n, 1.0)
 
-    assert attention().shape == (1, 2, 3, 64)
+    out, lse = attention()
+    assert out.shape == (1, 2, 3, 64) and lse.shape == (1, 2, 3)
     bad = {
         "attention short of exact keys": lambda: attention(exact=exact[:, :, 4:]),
         "attention value heads of another width": lambda: attention(dv=32),
         "attention rows not whole tokens": lambda: attention(T=2),
-        "wider query": lambda: kernel.int_scores(8, codes, meta, meta, 8, 32, torch.zeros(1, 2, 3, 128), 1.0),
-        "query of another batch": lambda: kernel.int_scores(8, codes, meta, meta, 8, 32, torch.zeros(2, 2, 3, 64), 1.0),
-        "fp16 query": lambda: kernel.int_scores(8, codes, meta, meta, 8, 32, q.half(), 1.0),
-        "n past the slots": lambda: kernel.int_scores(8, codes, meta, meta, 9, 32, q, 1.0),
-        "short scales": lambda: kernel.int_scores(8, codes, meta[:, :1], meta, 8, 32, q, 1.0),
-        "int4 codes as int8": lambda: kernel.int_scores(4, codes, meta, meta, 8, 32, q, 1.0),
-        "mix weights too short": lambda: kernel.int_mix(8, codes, value_meta, value_meta, 8, 64, torch.zeros(1, 2, 3, 4)),
-        "mix head dim too wide": lambda: kernel.int_mix(8, codes, value_meta, value_meta, 8, 128, torch.zeros(1, 2, 3, 8)),
+        "attention of queries past the tokens": lambda: attention(first_count=9),
+        "wider query": lambda: attention(q=torch.zeros(1, 2, 3, 128)),
+        "query of another batch": lambda: attention(q=torch.zeros(2, 2, 3, 64)),
+        "fp16 query": lambda: attention(q=q.half()),
+        "n past the slots": lambda: attention(n=9),
+        "short scales": lambda: attention(scales=meta[:, :, :0]),
+        "int4 codes as int8": lambda: attention(bits=4),
         "gemv row too short": lambda: kernel.gemv("Q4_1", torch.zeros(4, 40, dtype=torch.uint8), torch.zeros(32)),
         "gemv blocks of int32": lambda: kernel.gemv("Q4_1", torch.zeros(4, 10, dtype=torch.int32), torch.zeros(64)),
         "gemv partial block": lambda: kernel.gemv("Q8_0", torch.zeros(4, 35, dtype=torch.uint8), torch.zeros(32)),

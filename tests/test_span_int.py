@@ -103,7 +103,7 @@ def test_later_tokens_never_change_earlier_logits_on_the_span_path(name, monkeyp
 
 def test_the_span_path_never_decodes_the_whole_context(monkeypatch, small_blocks):
     """With the code kernel, a long chunk decodes spans in C, at most KEYS tokens each, and never unpacks in torch
-    nor scores or mixes the whole context."""
+    nor reads the whole context at once."""
     require_kernel()
     spans = []
     original = BlockKernel.int_decode
@@ -116,8 +116,7 @@ def test_the_span_path_never_decodes_the_whole_context(monkeypatch, small_blocks
     monkeypatch.setattr(quantized, "unpack", lambda *_: pytest.fail("torch unpacked the codes"))
     for blocked, _, q in _pair("int4+sink2+recent8", None, True, (90, 70)):
         if blocked.layer_length(0) == 160:
-            monkeypatch.setattr(BlockKernel, "int_scores", lambda *_: pytest.fail("scored the whole context"))
-            monkeypatch.setattr(BlockKernel, "int_mix", lambda *_: pytest.fail("mixed the whole context"))
+            monkeypatch.setattr(BlockKernel, "int_attention", lambda *_: pytest.fail("read the whole context at once"))
             assert torch.isfinite(blocked.attend(0, q)).all()
     assert spans and max(spans) <= KEYS
 
@@ -184,17 +183,17 @@ def int_variant(request, tmp_path_factory) -> BlockKernel:
     lib = ctypes.CDLL(str(target))
     variant = BlockKernel.__new__(BlockKernel)
     variant._lib = lib
-    for fn in ("kvlab_int_scores", "kvlab_int_mix", "kvlab_int_decode", "kvlab_int_attention"):
+    for fn in ("kvlab_int_decode", "kvlab_int_attention"):
         getattr(lib, fn).argtypes = getattr(loaded._lib, fn).argtypes
         getattr(lib, fn).restype = ctypes.c_int
     return variant
 
 
 @pytest.mark.parametrize("name, dim", [("int4", 64), ("int8+g16", 64), ("int4+g8", 48), ("int8", 96)])
-def test_each_variant_decodes_scores_and_mixes_like_torch(int_variant, name, dim):
+def test_each_variant_decodes_and_attends_like_torch(int_variant, name, dim):
     """Every function of intcache.c in each build (AVX-512 paths at head dim 64 and group 32, plain C elsewhere)
-    against the torch decode and matmuls, and the whole read (kvlab_int_attention) against the torch attention, on a
-    cache with an open key group (batch 2, GQA)."""
+    against the torch decode, and the whole read (kvlab_int_attention) against the torch attention, on a cache with
+    an open key group (batch 2, GQA)."""
     g = CacheGeometry(n_layers=1, n_kv_heads=2, head_dim=dim, batch=2, capacity=80, n_heads=6)
     cache = make_cache(name, g)
     gen = torch.Generator().manual_seed(dim)
@@ -205,14 +204,32 @@ def test_each_variant_decodes_scores_and_mixes_like_torch(int_variant, name, dim
     cache.code_kernel = int_variant
     torch.testing.assert_close(cache._coded_keys(0, 3, complete), keys[:, :, 3:], atol=1e-5, rtol=1e-6)
     torch.testing.assert_close(cache._values(0, 5, 75), values[:, :, 5:], atol=1e-5, rtol=1e-6)
-    q, p = torch.randn(2, 2, 9, dim, generator=gen), torch.rand(2, 2, 9, 75, generator=gen)
-    bits, G = cache.config.bits, cache.config.group_size
-    scores = int_variant.int_scores(bits, cache.k_codes[0], cache.k_scale[0], cache.k_zero[0], complete, G, q, 0.5)
-    torch.testing.assert_close(scores, q @ keys.transpose(-1, -2) * 0.5, atol=1e-4, rtol=1e-5)
-    mixed = int_variant.int_mix(bits, cache.v_codes[0], cache.v_scale[0], cache.v_zero[0], 75, dim, p)
-    torch.testing.assert_close(mixed, p @ values, atol=1e-4, rtol=1e-5)
     q = torch.randn(2, 6, 3, dim, generator=gen)                 # the 3 newest tokens' queries: the whole read in C
     cache.code_kernel = None
     want = cache.attend(0, q)
     cache.code_kernel = int_variant
     torch.testing.assert_close(cache.attend(0, q), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name, window", [("int4+sink3", None), ("int8+recent8", None), ("int4+g8+sink2+recent8", None),
+                                          ("int4+sink2", 24), ("int8+g16+recent8", 24)])
+def test_the_c_read_with_sink_and_window_equals_the_torch_path(monkeypatch, name, window):
+    """The coded tokens read in C (kvlab_int_attention) merged by log-sum-exp with the sink and the recent window
+    equal the torch path's one softmax over every part, for decode steps and for chunks (the model's sliding window
+    too); a chunk that pushes tokens out of the recent window is the torch path's (its earlier queries read them
+    exact)."""
+    kernel = require_kernel()
+    g = CacheGeometry(n_layers=1, n_kv_heads=2, head_dim=64, batch=2, capacity=120, n_heads=6, window=window)
+    cache = make_cache(name, g)
+    gen = torch.Generator().manual_seed(len(name))
+    calls = []
+    monkeypatch.setattr(BlockKernel, "int_attention",
+                        lambda self, *a, _f=BlockKernel.int_attention: calls.append(a[-4]) or _f(self, *a))
+    for T in (40, 1, 1, 5, 1, 30, 1):
+        cache.append(0, torch.randn(2, 2, T, 64, generator=gen) * 2, torch.randn(2, 2, T, 64, generator=gen))
+        q = torch.randn(2, 6, T, 64, generator=gen)
+        cache.code_kernel = None
+        want = cache.attend(0, q)
+        cache.code_kernel = kernel
+        torch.testing.assert_close(cache.attend(0, q), want, atol=2e-5, rtol=1e-5)
+    assert 1 in calls and (cache.window or 5 in calls), calls

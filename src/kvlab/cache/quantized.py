@@ -6,11 +6,10 @@ x ≈ zero + code·scale with code in [0, 2^b), scale = (max - min)/(2^b - 1), z
           spending the range of the others);
   values  per token: one (scale, zero) per group of G channels of one token.
 Codes are bit-packed (int4: two per byte). On CPU, int8 and int4 attention reads the packed codes
-directly in C (kvlab/kernels/intcache.c: scores fold the query into each key group's scales,
-the mix folds the probabilities into each value group's) instead of dequantizing the cache with
-torch ops every step; `code_kernel = None` selects the torch path (the reference). Without sink or
-recent tokens the whole read (scores, softmax, mix) is one C function per query (kernels/intcache.h),
-the one the serving pool's integer blocks are read with: the pool's output is this cache's, to the bit.
+directly in C, scores, softmax and mix (`_coded_read`: kernels/intcache.h kvlab_int_attend, each tile
+of sixteen tokens decoded once for every query), the function the fused decode step and the serving
+pool's integer blocks read with: their output is this cache's, to the bit. The sink and the recent
+window are merged with it by log-sum-exp. `code_kernel = None` selects the torch path (the reference).
 
 Causal in every schedule (KIVI's rule): a key group is coded only once its G tokens are all there, from
 their original keys; until then those keys wait in the "stage" (G tokens × Dk in the cache dtype,
@@ -192,34 +191,33 @@ class QuantizedCache(CompressedCache):
             raise ConfigError(f"layer {layer}: attention over more queries than the tokens just appended to the integer cache")
         return block[:, :, lo - first:].float()
 
-    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """With the code kernel, where every token the queries see is compressed (no sink, no recent window) and the
-        chunk is not read in spans: the whole read in C, scores, softmax and mix (kvlab_int_attention), through the
-        function the serving pool reads its blocks with (kernels/intcache.h), so the two give the same bits.
-        Otherwise CompressedCache's softmax over `_scores` and `_mix` (with code_kernel None: the torch reference)."""
-        self._check_attend(layer, q)
-        B, H, T, Dk = q.shape
+    def _coded_read(self, layer: int, qg: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """With the code kernel, the compressed tokens' attention in C, scores, softmax and mix (kvlab_int_attention),
+        through kvlab_int_attend, the function the fused step and the serving pool read codes with (kernels/intcache.h),
+        so they give the same bits; `_with_exact_parts` merges the sink and the window. qg (B, Hkv, G·T, Dk) -> the
+        normalized output (B, Hkv, G·T, Dv) and log-sum-exp (B, Hkv, G·T). None where the torch path reads them: no
+        kernel (the reference, other widths), a chunk read in spans, or a chunk that pushed tokens out of the recent
+        window while its earlier queries still saw them there (they read those values exact: `_mix`)."""
         n = self._n_comp[layer]
-        if (self.code_kernel is None or layer in self.fp_layers or self._n_sink(layer) or self._held(layer)
-                or not 0 < T <= n or self._in_spans(layer, H // self.geometry.n_kv_heads * T, T)):
-            return super().attend(layer, q)
+        if (self.code_kernel is None or (self.window and T > 1) or self._in_spans(layer, qg.shape[2], T)):
+            return None
+        B, Hkv, rows, Dk = qg.shape
         G = self.config.group_size
-        first = (n - T + 1) // G * G                          # the earliest query's open group starts here
-        exact = self._fresh_keys(layer, first, n).contiguous() if first < n else q.new_zeros(B, self.geometry.n_kv_heads, 0, Dk, dtype=torch.float32)
-        qg = q.float().reshape(B, self.geometry.n_kv_heads, H // self.geometry.n_kv_heads * T, Dk).contiguous()  # (B, Hkv, G·T, Dk)
-        out = self.code_kernel.int_attention(self.config.bits, self.k_codes[layer], self.k_scale[layer], self.k_zero[layer],
-                                             self.v_codes[layer], self.v_scale[layer], self.v_zero[layer], n,
-                                             self.geometry.head_dim_v, G, exact, qg, T, self.geometry.window, self.scale)
-        return out.reshape(B, H, T, -1).to(q.dtype)                                   # (B, H, T, Dv)
+        first_count = n - T + 1                               # compressed tokens when the chunk's first token came
+        first = max(0, first_count) // G * G                  # the earliest query's open group starts here
+        exact = self._fresh_keys(layer, first, n).contiguous() if first < n else qg.new_zeros(B, Hkv, 0, Dk)
+        window = self.geometry.window
+        first_lo = n + self._held(layer) - T - window + 1 if window else -n - T   # the model's window, in coded tokens
+        return self.code_kernel.int_attention(self.config.bits, self.k_codes[layer], self.k_scale[layer], self.k_zero[layer],
+                                              self.v_codes[layer], self.v_scale[layer], self.v_zero[layer], n,
+                                              self.geometry.head_dim_v, G, exact, qg.contiguous(), T, first_count, first_lo,
+                                              self.scale)
 
     def _scores(self, layer: int, qg: torch.Tensor, n: int) -> torch.Tensor:
         G = self.config.group_size
         complete = n // G * G
         if not complete:
             coded = qg.new_zeros(*qg.shape[:3], 0)
-        elif self.code_kernel is not None:
-            coded = self.code_kernel.int_scores(self.config.bits, self.k_codes[layer], self.k_scale[layer], self.k_zero[layer],
-                                                complete, G, qg, self.scale)       # (B, H, G·T, complete)
         else:
             coded = qg.new_empty(*qg.shape[:3], complete)                           # (B, H, G·T, complete)
             for a in range(0, complete, compressed.ATTEND_KEYS):                    # a span's keys at a time
@@ -250,14 +248,10 @@ class QuantizedCache(CompressedCache):
                 v_late = self._fresh_values(layer, lo, n)                          # (B, H, n - lo, Dv)
                 p_late = p[..., lo:] * late                                         # (B, H, G·T, n - lo)
                 p = torch.cat([p[..., :lo], p[..., lo:] * ~late], dim=-1)            # (B, H, G·T, n)
-        if self.code_kernel is not None:
-            out = self.code_kernel.int_mix(self.config.bits, self.v_codes[layer], self.v_scale[layer], self.v_zero[layer],
-                                           n, self.geometry.head_dim_v, p)         # (B, H, G·T, Dv)
-        else:
-            out = 0.0
-            for a in range(0, n, compressed.ATTEND_KEYS):                           # a span's values at a time
-                b = min(n, a + compressed.ATTEND_KEYS)
-                out = out + p[..., a:b] @ self._values(layer, a, b)                 # (B, H, G·T, Dv)
+        out = 0.0
+        for a in range(0, n, compressed.ATTEND_KEYS):                               # a span's values at a time
+            b = min(n, a + compressed.ATTEND_KEYS)
+            out = out + p[..., a:b] @ self._values(layer, a, b)                     # (B, H, G·T, Dv)
         if late is not None:
             out = out + p_late @ v_late                                             # (B, H, G·T, Dv)
         return out

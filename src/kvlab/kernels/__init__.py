@@ -217,16 +217,14 @@ class BlockKernel:
         lib.kvlab_block_gemv.argtypes = [i32, ptr, i64, i64, ptr, ptr, i32]
         lib.kvlab_block_dequantize.argtypes = [i32, ptr, i64, i64, ptr, i32]
         lib.kvlab_block_omp_threads.argtypes = [i32]
-        lib.kvlab_int_scores.argtypes = [i32, ptr, ptr, ptr, i32, i64, i64, i32, i32, ptr, i32, ctypes.c_float, ptr, i32]
-        lib.kvlab_int_mix.argtypes = [i32, ptr, ptr, ptr, i32, i64, i64, i32, i32, ptr, i64, i32, ptr, i32]
         lib.kvlab_int_decode.argtypes = [i32, ptr, ptr, ptr, i32, i64, i64, i32, i64, i64, i32, i32, i32, ptr, i32]
         lib.kvlab_int_attention.argtypes = [i32, ptr, ptr, ptr, ptr, ptr, ptr, i32, i64, i64, i32, i32, i32, i32, ptr, i64,
-                                            ptr, i32, i32, i32, ctypes.c_float, ptr, i32]
+                                            ptr, i32, i32, i64, i64, ctypes.c_float, ptr, ptr, i32]
         lib.kvlab_block_gemm.argtypes = [i32, ptr, i64, i64, ptr, i64, ptr, i32]
         lib.kvlab_tq_code_tokens.argtypes = [ptr, i32, i32, i64, ptr, ptr, ptr, ptr, ptr, i32]
         lib.kvlab_int_code_tokens.argtypes = [ptr, i32, i32, i64, ptr, ptr, ptr, ptr, ptr, i64, i32]
-        for fn in (lib.kvlab_block_gemv, lib.kvlab_block_gemm, lib.kvlab_block_dequantize, lib.kvlab_block_omp_threads, lib.kvlab_int_scores,
-                   lib.kvlab_int_mix, lib.kvlab_int_decode, lib.kvlab_int_attention, lib.kvlab_tq_code_tokens, lib.kvlab_int_code_tokens):
+        for fn in (lib.kvlab_block_gemv, lib.kvlab_block_gemm, lib.kvlab_block_dequantize, lib.kvlab_block_omp_threads,
+                   lib.kvlab_int_decode, lib.kvlab_int_attention, lib.kvlab_tq_code_tokens, lib.kvlab_int_code_tokens):
             fn.restype = i32
 
     def gemv(self, type_name: str, blocks: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -274,62 +272,6 @@ class BlockKernel:
             raise ConfigError(f"block dequantize refused {type_name} blocks of shape {tuple(blocks.shape)}")
         return out
 
-    def int_scores(self, bits: int, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, n: int, group: int,
-                   q: torch.Tensor, attn_scale: float) -> torch.Tensor:
-        """Scores straight from an integer cache's key codes (intcache.c).
-        codes (B, H, slots, row bytes) uint8; scale/zero (B, H, ⌈slots/G⌉, D) fp16; q (B, H, nq, D) fp32
-        -> (B, H, nq, n) fp32 = q · keys[:n]ᵀ · attn_scale."""
-        what = f"int{bits} cache scores"
-        if bits not in (4, 8) or isinstance(group, bool) or not isinstance(group, int) or group <= 0:
-            raise ConfigError(f"{what}: bits must be 4 or 8 and the key group positive, got bits={bits!r} group={group!r}")
-        if not isinstance(q, torch.Tensor) or q.dim() != 4 or not isinstance(codes, torch.Tensor) or codes.dim() != 4:
-            raise ConfigError(f"{what}: query and codes must be 4-D, got query {_describe(q)} and codes {_describe(codes)}")
-        B, H, slots, _ = codes.shape
-        nq, d = q.shape[2], q.shape[3]
-        if d <= 0 or (bits == 4 and d % 2):
-            raise ConfigError(f"{what}: query head dim {d} does not fit int{bits} codes")
-        check_buffer(what, "codes", codes, torch.uint8, (B, H, slots, packed_row_bytes(bits, d)))
-        meta = (B, H, -(-slots // group), d)
-        check_buffer(what, "key scales", scale, torch.float16, meta)
-        check_buffer(what, "key zeros", zero, torch.float16, meta)
-        check_buffer(what, "query", q, torch.float32, (B, H, nq, d), contiguous=False)
-        if not 0 <= _positive_int(what, "n", n) <= slots:
-            raise ConfigError(f"{what}: {n} tokens asked of a cache of {slots} slots")
-        q = q.contiguous()
-        out = torch.empty(B, H, nq, n, dtype=torch.float32)
-        if self._lib.kvlab_int_scores(bits, codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), B * H, slots, n, d, group,
-                                      q.data_ptr(), nq, attn_scale, out.data_ptr(), torch.get_num_threads()):
-            raise ConfigError(f"integer-cache scores refused int{bits} codes of shape {tuple(codes.shape)}")
-        return out
-
-    def int_mix(self, bits: int, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, n: int, d: int,
-                p: torch.Tensor) -> torch.Tensor:
-        """Σ_t p[..., t] · values[t] straight from an integer cache's value codes (intcache.c).
-        codes (B, H, slots, row bytes) uint8; scale/zero (B, H, slots, D/Gv) fp16; p (B, H, nq, n) fp32
-        (rows may be strided, the last dim must be contiguous) -> (B, H, nq, d) fp32."""
-        what = f"int{bits} cache mix"
-        if bits not in (4, 8) or isinstance(d, bool) or not isinstance(d, int) or d <= 0:
-            raise ConfigError(f"{what}: bits must be 4 or 8 and the head dim positive, got bits={bits!r} d={d!r}")
-        if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (codes, scale, p)):
-            raise ConfigError(f"{what}: codes, scales and weights must be 4-D, got {_describe(codes)}, {_describe(scale)}, {_describe(p)}")
-        B, H, slots, _ = codes.shape
-        n_vg = scale.shape[-1]
-        if n_vg <= 0 or d % n_vg or (bits == 4 and (d // n_vg) % 2):
-            raise ConfigError(f"{what}: {n_vg} value groups do not divide head dim {d} into int{bits} groups")
-        check_buffer(what, "codes", codes, torch.uint8, (B, H, slots, packed_row_bytes(bits, d)))
-        check_buffer(what, "value scales", scale, torch.float16, (B, H, slots, n_vg))
-        check_buffer(what, "value zeros", zero, torch.float16, (B, H, slots, n_vg))
-        nq = p.shape[2]
-        check_buffer(what, "weights", p, torch.float32, (B, H, nq, n), contiguous=False)
-        if not 0 <= _positive_int(what, "n", n) <= slots:
-            raise ConfigError(f"{what}: {n} tokens asked of a cache of {slots} slots")
-        p = _evenly_strided_rows(p)
-        out = torch.empty(B, H, nq, d, dtype=torch.float32)
-        if self._lib.kvlab_int_mix(bits, codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), B * H, slots, n, d, d // n_vg,
-                                   p.data_ptr(), p.stride(2), nq, out.data_ptr(), torch.get_num_threads()):
-            raise ConfigError(f"integer-cache mix refused int{bits} codes of shape {tuple(codes.shape)}")
-        return out
-
     def int_decode(self, bits: int, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, start: int, n: int,
                    token_group: int, channel_group: int) -> torch.Tensor:
         """Rows [start, start+n) of an integer cache's codes as zero + code·scale (intcache.c), a span's transient.
@@ -359,13 +301,15 @@ class BlockKernel:
 
     def int_attention(self, bits: int, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
                       v_codes: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor, n: int, dv: int, group: int,
-                      exact: torch.Tensor, q: torch.Tensor, T: int, window: int | None, attn_scale: float) -> torch.Tensor:
+                      exact: torch.Tensor, q: torch.Tensor, T: int, first_count: int, first_lo: int,
+                      attn_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """An integer cache's attention over its n compressed tokens (intcache.c kvlab_int_attention: every row through
-        kvlab_int_attend, as the serving pool's kvlab_paged_int_attention reads).
+        kvlab_int_attend, as the fused step and the serving pool read).
         k_codes (B, H, slots, key row bytes), v_codes (B, H, slots, value row bytes) uint8; k_scale/k_zero
         (B, H, ⌈slots/G⌉, Dk), v_scale/v_zero (B, H, slots, Dv/Gv) fp16; exact (B, H, n - first, Dk) fp32 the keys of
-        tokens [first, n) (the open groups', first <= the first query's group start); q (B, H, nq, Dk) fp32, its rows
-        the T newest tokens for each of nq / T heads -> (B, H, nq, Dv) fp32."""
+        tokens [first, n) (the open groups', first <= the first query's group start); q (B, H, nq, Dk) fp32, row
+        g·T + i the head g of the chunk's token i, which reads tokens [max(0, first_lo + i), min(n, first_count + i))
+        -> the normalized output (B, H, nq, Dv) and the log-sum-exp (B, H, nq) fp32 (-inf: a row that reads none)."""
         what = f"int{bits} cache attention"
         if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (k_codes, v_codes, v_scale, exact, q)):
             raise ConfigError(f"{what}: codes, scales, exact keys and queries must be 4-D")
@@ -383,13 +327,14 @@ class BlockKernel:
         check_buffer(what, "exact keys", exact, torch.float32, (B, H, exact.shape[2], dk))
         check_buffer(what, "query", q, torch.float32, (B, H, nq, dk))
         out = torch.empty(B, H, nq, dv, dtype=torch.float32)
+        lse = torch.empty(B, H, nq, dtype=torch.float32)
         if self._lib.kvlab_int_attention(bits, k_codes.data_ptr(), k_scale.data_ptr(), k_zero.data_ptr(), v_codes.data_ptr(),
                                          v_scale.data_ptr(), v_zero.data_ptr(), B * H, slots, n, dk, dv, group, dv // n_vg,
-                                         exact.data_ptr(), n - exact.shape[2], q.data_ptr(), nq, T, int(window or 0),
-                                         attn_scale, out.data_ptr(), torch.get_num_threads()):
-            raise ConfigError(f"integer-cache attention refused {n} tokens, {nq} query rows of {T} tokens, "
-                              f"{exact.shape[2]} exact keys over int{bits} codes of shape {tuple(k_codes.shape)}")
-        return out
+                                         exact.data_ptr(), n - exact.shape[2], q.data_ptr(), nq, T, first_count, first_lo,
+                                         attn_scale, out.data_ptr(), lse.data_ptr(), torch.get_num_threads()):
+            raise ConfigError(f"integer-cache attention refused {n} tokens, {nq} query rows of {T} tokens from "
+                              f"{first_count}, {exact.shape[2]} exact keys over int{bits} codes of shape {tuple(k_codes.shape)}")
+        return out, lse
 
     def tq_code_tokens(self, coded, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor | None,
                        sin: torch.Tensor | None) -> int:

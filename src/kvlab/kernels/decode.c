@@ -49,6 +49,7 @@
 #include "blockgemv.h"
 #include "codebook.h"
 #include "decode.h"
+#include "intcache.h"
 #include "intcodes.h"
 #include "rowmath.h"
 #include "tqcodes.h"
@@ -1009,36 +1010,6 @@ int kvlab_int_code_tokens(Quantized *Q, int Hkv, int d, int64_t n, const float *
     return 0;
 }
 
-/* keys, values (n, d) fp32 = rows [t0, t0 + n) of KV head g's coded part as attention reads them, `stored` rows in
- * all: keys of whole groups zero + code * scale (per channel of the group), the open group's from the stage; values
- * zero + code * scale (per value group of the row). */
-static void int_load(const Quantized *Q, int g, int t0, int n, int stored, int d, float *keys, float *values) {
-    /* a single cache's layer: one block (block_rows >= slots), so int_row(Q, g, t) is g * head_stride + t * slot_stride */
-    const int G = Q->group, bits = Q->bits, gv = Q->value_group, n_vg = d / gv, complete = stored / G * G;
-    float s[CB_MAX_DIM], z[CB_MAX_DIM];
-    int loaded = -1;                                  /* the key group whose scales are in s, z */
-    for (int r = 0; r < n; r++) {
-        const int t = t0 + r;
-        float *out = keys + (int64_t)r * d;
-        if (t >= complete) {
-            memcpy(out, Q->k_stage + (g * Q->stage_head_stride + (t - complete) * Q->stage_row_stride) * d, sizeof(float) * (size_t)d);
-            continue;
-        }
-        if (t / G != loaded) {
-            loaded = t / G;
-            const int64_t meta = (g * Q->meta_head_stride + loaded * Q->meta_group_stride) * d;
-            kv_load(KV_F16, Q->k_scale + meta, d, s);
-            kv_load(KV_F16, Q->k_zero + meta, d, z);
-        }
-        int_dequant_row(Q->k_codes + (g * Q->head_stride + t * Q->slot_stride) * Q->k_row_bytes, bits, d, s, z, 1, out);
-    }
-    for (int r = 0; r < n; r++) {   /* s, z: the row's value groups */
-        const int64_t at = g * Q->head_stride + (t0 + r) * Q->slot_stride;
-        kv_load(KV_F16, Q->v_scale + at * n_vg, n_vg, s);
-        kv_load(KV_F16, Q->v_zero + at * n_vg, n_vg, z);
-        int_dequant_row(Q->v_codes + at * Q->v_row_bytes, bits, d, s, z, gv, values + (int64_t)r * d);
-    }
-}
 
 /* x (d_model,): the token's embedding (not modified). kv: (n_layers,) each layer's K/V (see LayerKV); dense layers
  * hold positions [0, pos) and `pos` is written; coded layers hold and write as `fill` says. cos/sin: (head_dim,) at
@@ -1066,7 +1037,8 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
                    + chunks_of(fill->recent + (fill->write == WRITE_RECENT));
             any_coded = 1;
         } else if (L->quant) {
-            if (L->type != KV_F32 || !fill || !fill_fits(L, fill) || !int_layout_ok(L->quant, hd)) { free(layouts); return -1; }
+            if (L->type != KV_F32 || !fill || !fill_fits(L, fill) || !int_layout_ok(L->quant, hd) || hd > KVLAB_INT_MAX_DIM
+                || H / Hkv > KVLAB_INT_QUERIES) { free(layouts); return -1; }
             chunks = chunks_of(fill->first + (fill->write == WRITE_FIRST))
                    + chunks_of(fill->coded + (fill->write == WRITE_CODED || fill->write == WRITE_SPILL))
                    + chunks_of(fill->recent + (fill->write == WRITE_RECENT));
@@ -1097,7 +1069,8 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
      * decoder's padding) and its scales; the new token's rounded K|V */
     const size_t dense_tile = 2 * (size_t)KEY_CHUNK * hd + CB_MAX_DIM + 2 * KEY_CHUNK;
     const size_t read_tile = any_coded ? (size_t)kvlab_tq_read_floats(group, (hd + 15) / 16 * 16) : 0;
-    const size_t tile = dense_tile > read_tile ? dense_tile : read_tile;
+    const size_t int_tile = any_int ? (size_t)kvlab_int_scratch(KEY_CHUNK, hd, hd) : 0;
+    const size_t tile = max64(max64(dense_tile, read_tile), int_tile);
     float *chunk_kv = any_16 || any_coded || any_int ? malloc(sizeof(float) * (size_t)n_threads * tile) : NULL;
     uint16_t *rounded = malloc(sizeof(uint16_t) * 2 * (size_t)kv_dim);
     /* coded layers: the queries as the codes read them, q' = (q w) M * scale, and q . mu * scale per query head;
@@ -1250,12 +1223,27 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
                     keys = mine;
                     values = mine + (size_t)KEY_CHUNK * hd;
                 }
-            } else if (c < c_first + c_coded && Q) {   /* integer codes: the chunk dequantized once for the group */
-                const int t0 = (c - c_first) * KEY_CHUNK;
-                n = n_coded - t0 < KEY_CHUNK ? n_coded - t0 : KEY_CHUNK;
-                int_load(Q, g, t0, n, n_coded, hd, mine, mine + (size_t)KEY_CHUNK * hd);
-                keys = mine;
-                values = mine + (size_t)KEY_CHUNK * hd;
+            } else if (c < c_first + c_coded && Q) {   /* integer codes: kvlab_int_attend, the one block of a single cache */
+                const int64_t t0 = (int64_t)(c - c_first) * KEY_CHUNK, complete = n_coded / Q->group * Q->group;
+                const int n_vg = hd / Q->value_group;
+                const int64_t head = (int64_t)g * Q->head_stride, meta = (int64_t)g * Q->meta_head_stride * hd;
+                const IntHead R = {.bits = Q->bits, .dk = hd, .dv = hd, .key_group = Q->group, .value_group = Q->value_group,
+                                   .k_codes = Q->k_codes + head * Q->k_row_bytes, .k_row_stride = Q->slot_stride * Q->k_row_bytes,
+                                   .v_codes = Q->v_codes + head * Q->v_row_bytes, .v_row_stride = Q->slot_stride * Q->v_row_bytes,
+                                   .k_scale = Q->k_scale + meta, .k_zero = Q->k_zero + meta, .k_meta_stride = Q->meta_group_stride * hd,
+                                   .v_scale = Q->v_scale + head * n_vg, .v_zero = Q->v_zero + head * n_vg,
+                                   .v_meta_stride = Q->slot_stride * n_vg,
+                                   .exact = Q->k_stage + (int64_t)g * Q->stage_head_stride * hd, .exact_first = complete,
+                                   .exact_stride = Q->stage_row_stride * hd};
+                IntQuery reads[KVLAB_INT_QUERIES];   /* each query head of the group: the chunk, its part normalized */
+                for (int i = 0; i < group; i++) {
+                    float *part = parts + ((int64_t)(g * group + i) * max_chunks + c) * (hd + 2);
+                    reads[i] = (IntQuery){.q = qkv + (int64_t)(g * group + i) * hd, .out = part, .lo = t0, .coded = complete,
+                                          .hi = n_coded - t0 < KEY_CHUNK ? n_coded : t0 + KEY_CHUNK, .lse = part + hd};
+                    part[hd + 1] = 1.0f;
+                }
+                kvlab_int_attend(&R, reads, group, m->attn_scale, mine);
+                continue;
             } else if (c < c_first + c_coded) {   /* coded rows: kvlab_tq_read, the one block of a single cache */
                 const int64_t t0 = (int64_t)(c - c_first) * KEY_CHUNK;
                 n = n_coded - t0 < KEY_CHUNK ? n_coded - (int)t0 : KEY_CHUNK;

@@ -1,8 +1,8 @@
 /* Queries' attention over one KV head of an integer layer's codes (kvlab/cache/quantized.py), with the rule of
  * QuantizedCache: keys of the groups complete at a query's position read from their codes, the later ones exact.
- * The single cache (intcache.c kvlab_int_attention) and the serving pool (paged.c kvlab_paged_int_attention) both
- * read through kvlab_int_attend, one compiled function: for the same codes and keys their outputs are the same bits,
- * whatever the batch, the chunking or the block tables. */
+ * The single cache (intcache.c kvlab_int_attention), the fused decode step (decode.c) and the serving pool (paged.c
+ * kvlab_paged_int_attention) all read through kvlab_int_attend, one compiled function: for the same codes and keys a
+ * query's output is the same bits, whatever the batch or the block tables. */
 #ifndef KVLAB_INTCACHE_H
 #define KVLAB_INTCACHE_H
 #include <stdint.h>
@@ -25,6 +25,7 @@ typedef struct {                              /* one query of a kvlab_int_attend
     const float *q;                           /* dk floats */
     float *out;                               /* dv floats */
     int64_t lo, coded, hi;                    /* it reads positions [lo, hi), those below `coded` from their codes */
+    float *lse;                               /* NULL, or where the log-sum-exp of its scores goes */
 } IntQuery;
 
 #define KVLAB_INT_QUERIES 64                        /* queries per kvlab_int_attend call, at most */
@@ -35,7 +36,8 @@ typedef struct {                              /* one query of a kvlab_int_attend
  * p = softmax_t(q · k_t · scale): k_t = zero + code × scale per channel of its key group for t < coded, exact (from
  * `exact`) for t >= coded; v_t = zero + code × scale per value group. The queries share each key's and value's
  * decoding; a query's output is the same bits whatever the other queries of the call (its scores, softmax and sums
- * are its own, in a fixed order). dk, dv <= KVLAB_INT_MAX_DIM. scratch: kvlab_int_scratch(n, dk, dv) floats, n = the largest hi
+ * are its own, in a fixed order); a query with `lse` also gets log Σ_t exp(q · k_t · scale), to merge this read with
+ * another part of its keys. dk, dv <= KVLAB_INT_MAX_DIM. scratch: kvlab_int_scratch(n, dk, dv) floats, n = the largest hi
  * less the smallest lo. */
 void kvlab_int_attend(const IntHead *R, const IntQuery *Q, int nq, float scale, float *scratch);
 

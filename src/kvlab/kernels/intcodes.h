@@ -67,17 +67,17 @@ static inline void int_dequant_row(const uint8_t *row, int bits, int d, const fl
     int c = 0;
 #if defined(__AVX512F__) || defined(__AVX2__)
     if ((bits == 8 || bits == 4) && (per == 1 || per % 16 == 0))
-        for (; c + 16 <= d; c += 16) {
+        for (int k = 0; c + 16 <= d; c += 16) {   /* k: the value group of channel c (per > 1) */
             const __m128i codes = int_codes16(row, bits, c);
-            const float *sc = per == 1 ? s + c : s + c / per, *zc = per == 1 ? z + c : z + c / per;
+            k += per > 1 && c > 0 && c % per == 0;
 #if defined(__AVX512F__)
-            const __m512 sv = per == 1 ? _mm512_loadu_ps(sc) : _mm512_set1_ps(*sc);
-            const __m512 zv = per == 1 ? _mm512_loadu_ps(zc) : _mm512_set1_ps(*zc);
+            const __m512 sv = per == 1 ? _mm512_loadu_ps(s + c) : _mm512_set1_ps(s[k]);
+            const __m512 zv = per == 1 ? _mm512_loadu_ps(z + c) : _mm512_set1_ps(z[k]);
             _mm512_storeu_ps(out + c, _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes)), sv), zv));
 #else
             for (int half = 0; half < 2; half++) {
-                const __m256 sv = per == 1 ? _mm256_loadu_ps(sc + 8 * half) : _mm256_set1_ps(*sc);
-                const __m256 zv = per == 1 ? _mm256_loadu_ps(zc + 8 * half) : _mm256_set1_ps(*zc);
+                const __m256 sv = per == 1 ? _mm256_loadu_ps(s + c + 8 * half) : _mm256_set1_ps(s[k]);
+                const __m256 zv = per == 1 ? _mm256_loadu_ps(z + c + 8 * half) : _mm256_set1_ps(z[k]);
                 const __m256 x = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(half ? _mm_srli_si128(codes, 8) : codes));
                 _mm256_storeu_ps(out + c + 8 * half, _mm256_add_ps(_mm256_mul_ps(x, sv), zv));
             }
