@@ -15,10 +15,10 @@
  * A gate row and its up row are one thread's.
  *
  * K/V storage: fp32, f16 or bf16 (kvlab's dense, dense-f16, dense-bf16 caches). A new token's K/V are
- * rounded to nearest-even as torch's .to() rounds them; f16/bf16 keys and values are read back one key chunk
- * at a time, converted to fp32 into a per-thread scratch that stays in cache (F16C / a 16-bit shift, 16 or 8
- * lanes at a time under AVX-512 / AVX2, one value at a time in plain C), and the chunk's attention is the
- * fp32 arithmetic of the fp32 cache: exact conversions, so the step equals the module path's upcast reads.
+ * rounded to nearest-even as torch's .to() rounds them. A key chunk of dense rows is read by kvlab_dense_read, the
+ * one read of dense rows (the serving pool's too; the cache is its one block): in place, f16/bf16 converted to fp32
+ * in registers (AVX-512), or a tile of rows at a time into the thread's scratch elsewhere; exact conversions, so the
+ * step equals the module path's upcast reads.
  *
  * TurboQuant layers (kvlab/cache/turboquant.py; LayerKV with `coded` set): a sink and a recent window of fp32
  * rows around the coded rows. The new token (or the row leaving the window) is coded here as
@@ -32,10 +32,10 @@
  * The softmax's exponentials are vectorized (about 2 ulp, AVX-512 / AVX2; expf in plain C).
  *
  * Integer layers (kvlab/cache/quantized.py, int1..int8 with any group; LayerKV with `quant` set): the same sink and
- * recent window around the integer codes. A key chunk of codes is dequantized once (zero + code * scale: per channel
- * per group of G tokens for keys, the open group's keys read from the fp32 stage; per Gv channels per token for
- * values) into the thread's fp32 tile and attended by the fp32 arithmetic of the dense path. The new token (or the
- * row leaving the window) is coded as QuantizedCache._store codes it (see int_store).
+ * recent window around the integer codes. A key chunk of codes is read by kvlab_int_attend (intcache.h), the one read
+ * of integer codes (the single cache's module path and the serving pool's too): tiles of sixteen rows decoded once for
+ * every query head of the group, the open group's keys from the fp32 stage. The new token (or the row leaving the
+ * window) is coded as QuantizedCache._store codes it (see int_store).
  */
 #define _GNU_SOURCE   /* syscall(): the step barrier's futex (decode.h) */
 #include <math.h>
@@ -59,7 +59,7 @@
  * share out between the threads even when there are fewer KV heads than threads, and the chunks' partial
  * softmax sums are combined in a fixed order, so the result does not depend on the thread count. */
 #define KEY_CHUNK 256
-_Static_assert(KEY_CHUNK <= TQ_READ_KEYS, "a coded key chunk is one kvlab_tq_read");
+_Static_assert(KEY_CHUNK <= TQ_READ_KEYS && KEY_CHUNK <= DENSE_READ_KEYS, "a key chunk is one read");
 
 enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };   /* how the cache stores K/V */
 enum { NORM_LOG8 = 3 };                         /* a coded layer's scales as 8-bit log codes (+norms8, decode.h) */
@@ -107,7 +107,7 @@ static inline uint16_t f32_to_f16(float f) {
 }
 
 /* dst (n,) fp32 = the f16 / bf16 values at src, exactly */
-static void kv_load(int kv_type, const uint16_t *src, int64_t n, float *dst) {
+static inline __attribute__((always_inline)) void kv_load(int kv_type, const uint16_t *src, int64_t n, float *dst) {
     int64_t i = 0;
 #if defined(__AVX512F__)
     if (kv_type == KV_F16)
@@ -199,28 +199,6 @@ static inline __attribute__((always_inline)) void weighted_rows(int kv_type, con
     }
 }
 
-/* out (d,) = sum_t p[t] * values[t] over t in [start, end) (added to out when `add`): 16 output lanes at a time,
- * four positions at a time into four accumulators (one would make every position wait for the previous FMA) */
-static void weighted_sum(const float *p, const float *values, int start, int end, int d, float *out, int add) {
-    if (d % 16 == 0) {
-        weighted_rows(KV_F32, p, values, start, end, d, out, add);
-        return;
-    }
-    for (int c = 0; c < d; c += 16) {
-        const __mmask16 live = d - c >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (d - c)) - 1u);
-        const float *v = values + c;
-        __m512 acc[4] = {add ? _mm512_maskz_loadu_ps(live, out + c) : _mm512_setzero_ps(), _mm512_setzero_ps(),
-                         _mm512_setzero_ps(), _mm512_setzero_ps()};
-        int t = start;
-        for (; t + 4 <= end; t += 4)
-            for (int j = 0; j < 4; j++)
-                acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(p[t + j]), _mm512_maskz_loadu_ps(live, v + (int64_t)(t + j) * d), acc[j]);
-        for (; t < end; t++)
-            acc[0] = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), _mm512_maskz_loadu_ps(live, v + (int64_t)t * d), acc[0]);
-        _mm512_mask_storeu_ps(out + c, live, _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
-    }
-}
-
 /* One step of folding 16 vectors into one: lanes `lo` of (a, b) plus lanes `hi` of (a, b) */
 static inline __m512 fold(__m512 a, __m512 b, __m512i lo, __m512i hi) {
     return _mm512_add_ps(_mm512_permutex2var_ps(a, lo, b), _mm512_permutex2var_ps(a, hi, b));
@@ -286,8 +264,7 @@ static inline __attribute__((always_inline)) void attend_rows_core(int kv_type, 
                                                                    const void *values, int n, int d, float scale,
                                                                    float *scores, float *part) {
     key_scores_rows(kv_type, q, keys, 0, n, d, scale, scores);
-    float top = -INFINITY;
-    for (int i = 0; i < n; i++) top = scores[i] > top ? scores[i] : top;
+    const float top = kvlab_row_max(scores, n);
     const float total = exp_shifted(scores, n, top);
     weighted_rows(kv_type, scores, values, 0, n, d, part, 0);
     part[d] = top;
@@ -307,14 +284,6 @@ static void attend_rows(int kv_type, const float *q, const void *keys, const voi
 #undef ATTEND_ROWS
 #define HAVE_ATTEND_ROWS 1
 #else
-static void weighted_sum(const float *p, const float *values, int start, int end, int d, float *out, int add) {
-    if (!add) memset(out, 0, sizeof(float) * (size_t)d);
-    for (int t = start; t < end; t++) {
-        const float *v = values + (int64_t)t * d;
-        for (int i = 0; i < d; i++) out[i] += p[t] * v[i];
-    }
-}
-
 static void key_scores(const float *q, const float *keys, int start, int end, int d, float scale, float *scores) {
     for (int t = start; t < end; t++) scores[t] = dot(q, keys + (int64_t)t * d, d) * scale;
 }
@@ -344,17 +313,103 @@ static void matvec(const Matrix *m, const float *x, float *xsum, float *y) {
     #pragma omp barrier
 }
 
-/* Attention of one query over n consecutive keys/values of one KV head, not yet normalized:
- * part (d + 2,) = [sum_t e^(s_t - top) v_t | top | sum_t e^(s_t - top)], s_t = q . k_t * scale. scores: (n,) */
-static void attend_part(const float *q, const float *keys, const float *values, int n, int d, float scale,
-                        float *scores, float *part) {
-    key_scores(q, keys, 0, n, d, scale, scores);
-    float top = -INFINITY;
-    for (int t = 0; t < n; t++) top = scores[t] > top ? scores[t] : top;
-    const float total = exp_shifted(scores, n, top);
-    weighted_sum(scores, values, 0, n, d, part, 0);
-    part[d] = top;
-    part[d + 1] = total;
+/* -- the one read of dense rows (decode.h) ------------------------------------------------------------------- */
+/* s[j] = scale * (q . k[j]) for j < n, rows by pointer. Sixteen keys at a time: each key's 16 lane partial sums, then
+ * all sixteen folded pairwise in four rounds (15 folds) into one vector whose lane i is key i's sum: a fixed tree,
+ * far fewer shuffles than a lane tree per key. The rest (and d not a multiple of 16): dot(), one key at a time. */
+static void row_scores(const float *q, const float *const *k, int n, int d, float scale, float *s) {
+    int j = 0;
+    if (d % 16 == 0)
+        for (; j + 16 <= n; j += 16) {
+            kvlab_lanes16 acc[16];
+            for (int i = 0; i < 16; i++) acc[i] = (kvlab_lanes16){0};
+            for (int c = 0; c < d; c += 16) {
+                const kvlab_lanes16 qc = kvlab_lanes_at(q + c);
+                for (int i = 0; i < 16; i++) acc[i] += qc * kvlab_lanes_at(k[j + i] + c);
+            }
+            for (int width = 16; width > 1; width /= 2)
+                for (int i = 0; i < width / 2; i++) acc[i] = kvlab_fold16(acc[2 * i], acc[2 * i + 1]);
+            const kvlab_lanes16 sums = acc[0] * scale;
+            memcpy(s + j, &sums, sizeof sums);
+        }
+    for (; j < n; j++) s[j] = dot(q, k[j], d) * scale;
+}
+
+/* o (dv,) += Σ_j p[j] v[j] for j < n, rows by pointer, in order of j for every column: four 16-column blocks at a
+ * time held in registers across the keys */
+static void row_mix(float *o, const float *p, const float *const *v, int n, int dv) {
+    int c = 0;
+    for (; c + 64 <= dv; c += 64) {
+        kvlab_lanes16 a0 = kvlab_lanes_at(o + c), a1 = kvlab_lanes_at(o + c + 16), a2 = kvlab_lanes_at(o + c + 32),
+                      a3 = kvlab_lanes_at(o + c + 48);
+        for (int j = 0; j < n; j++) {
+            a0 += p[j] * kvlab_lanes_at(v[j] + c);
+            a1 += p[j] * kvlab_lanes_at(v[j] + c + 16);
+            a2 += p[j] * kvlab_lanes_at(v[j] + c + 32);
+            a3 += p[j] * kvlab_lanes_at(v[j] + c + 48);
+        }
+        memcpy(o + c, &a0, sizeof a0);
+        memcpy(o + c + 16, &a1, sizeof a1);
+        memcpy(o + c + 32, &a2, sizeof a2);
+        memcpy(o + c + 48, &a3, sizeof a3);
+    }
+    for (; c + 16 <= dv; c += 16) {
+        kvlab_lanes16 a = kvlab_lanes_at(o + c);
+        for (int j = 0; j < n; j++) a += p[j] * kvlab_lanes_at(v[j] + c);
+        memcpy(o + c, &a, sizeof a);
+    }
+    for (; c < dv; c++)
+        for (int j = 0; j < n; j++) o[c] += p[j] * v[j][c];
+}
+
+/* rows[j] = keys t0 + j (j < n) of `rows_of` (h->k or h->v, `width` elements a row) as fp32: pointers into fp32 rows,
+ * else the rows converted into tile */
+static void dense_rows(const DenseHead *h, const void *rows_of, int width, const int32_t *table, int64_t t0, int n,
+                       float *tile, const float **rows) {
+    int64_t block = t0 / h->block_rows, offset = t0 % h->block_rows;   /* key t0 + j: no division per key */
+    for (int j = 0; j < n; j++) {
+        const int64_t at = ((int64_t)table[block] * h->block_stride + offset) * width;
+        if (h->type == KV_F32)
+            rows[j] = (const float *)rows_of + at;
+        else {
+            kv_load(h->type, (const uint16_t *)rows_of + at, width, tile + (int64_t)j * width);
+            rows[j] = tile + (int64_t)j * width;
+        }
+        if (++offset == h->block_rows) offset = 0, block++;
+    }
+}
+
+void kvlab_dense_read(const DenseHead *h, const int32_t *table, int64_t k0, int64_t k1, const float *queries, int nq,
+                      float scale, float *scratch, float *parts, int64_t part_stride) {
+    const int d = h->d, dv = h->dv, n = (int)(k1 - k0);
+#ifdef HAVE_ATTEND_ROWS
+    if (d == dv && d % 16 == 0 && k0 / h->block_rows == (k1 - 1) / h->block_rows) {   /* one run of a block: in place */
+        const size_t elem = h->type == KV_F32 ? 4 : 2;
+        const int64_t at = ((int64_t)table[k0 / h->block_rows] * h->block_stride + k0 % h->block_rows) * d;
+        for (int i = 0; i < nq; i++)
+            attend_rows(h->type, queries + (int64_t)i * d, (const uint8_t *)h->k + at * elem, (const uint8_t *)h->v + at * elem,
+                        n, d, scale, scratch, parts + i * part_stride);
+        return;
+    }
+#endif
+    float *scores = scratch, *tile = scratch + (int64_t)nq * DENSE_READ_KEYS;   /* (nq, DENSE_READ_KEYS), a tile */
+    const float *rows[DENSE_TILE];
+    for (int j0 = 0; j0 < n; j0 += DENSE_TILE) {
+        const int m = n - j0 < DENSE_TILE ? n - j0 : DENSE_TILE;
+        dense_rows(h, h->k, d, table, k0 + j0, m, tile, rows);
+        for (int i = 0; i < nq; i++) row_scores(queries + (int64_t)i * d, rows, m, d, scale, scores + (int64_t)i * DENSE_READ_KEYS + j0);
+    }
+    for (int i = 0; i < nq; i++) {
+        float *s = scores + (int64_t)i * DENSE_READ_KEYS, *part = parts + i * part_stride, top = kvlab_row_max(s, n);
+        part[dv + 1] = exp_shifted(s, n, top);
+        part[dv] = top;
+        memset(part, 0, sizeof(float) * (size_t)dv);
+    }
+    for (int j0 = 0; j0 < n; j0 += DENSE_TILE) {
+        const int m = n - j0 < DENSE_TILE ? n - j0 : DENSE_TILE;
+        dense_rows(h, h->v, dv, table, k0 + j0, m, tile, rows);
+        for (int i = 0; i < nq; i++) row_mix(parts + i * part_stride, scores + (int64_t)i * DENSE_READ_KEYS + j0, rows, m, dv);
+    }
 }
 
 /* x (d,) = y Mᵀ = Σ_j y_j Mᵀ[j]: rows of Mᵀ (`unrotation`) added in order, 64 lanes at a time in eight independent
@@ -1021,7 +1076,7 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
                       const LayerKV *kv, const Fill *fill, float *logits, int n_threads) {
     const int d = m->d_model, hd = m->head_dim, H = m->n_heads, Hkv = m->n_kv_heads, n_layers = m->n_layers;
     if (pos < 0 || Hkv <= 0 || H % Hkv != 0 || hd % 2 != 0 || hd > CB_MAX_DIM || n_threads < 1) return -1;
-    int any_coded = 0, any_16 = 0, any_int = 0, max_chunks = 0;
+    int any_coded = 0, any_int = 0, max_chunks = 0;
     cb_layout *layouts = calloc(2 * (size_t)n_layers * (size_t)Hkv, sizeof(cb_layout));   /* K, V layout of each coded layer's heads */
     if (!layouts) return -1;
     for (int l = 0; l < n_layers; l++) {
@@ -1047,7 +1102,6 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
             if (pos >= L->capacity) { free(layouts); return -1; }
             const int start = m->window > 0 && pos + 1 > m->window ? pos + 1 - m->window : 0;
             chunks = chunks_of(pos + 1 - start);
-            any_16 |= L->type != KV_F32;
         }
         max_chunks = chunks > max_chunks ? chunks : max_chunks;
     }
@@ -1063,15 +1117,13 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
      * work between two matrices is done by every thread alike (the same bits), so no thread waits for another there */
     const int64_t own_floats = d + widest + widest / QK + 1;
     float *own = malloc(sizeof(float) * (size_t)(n_threads * own_floats));
-    float *scores = malloc(sizeof(float) * (size_t)H * (size_t)max_chunks * KEY_CHUNK);
     float *parts = malloc(sizeof(float) * (size_t)H * (size_t)max_chunks * (size_t)(hd + 2));
-    /* 16-bit or coded rows: each thread's fp32 copy of one key chunk's keys and values (+ a row of room for the
-     * decoder's padding) and its scales; the new token's rounded K|V */
-    const size_t dense_tile = 2 * (size_t)KEY_CHUNK * hd + CB_MAX_DIM + 2 * KEY_CHUNK;
+    /* each thread's scratch for one key chunk's read (dense, TurboQuant or integer rows); the new token's rounded K|V */
+    const size_t dense_tile = (size_t)kvlab_dense_read_floats(group, hd, hd);
     const size_t read_tile = any_coded ? (size_t)kvlab_tq_read_floats(group, (hd + 15) / 16 * 16) : 0;
     const size_t int_tile = any_int ? (size_t)kvlab_int_scratch(KEY_CHUNK, hd, hd) : 0;
     const size_t tile = max64(max64(dense_tile, read_tile), int_tile);
-    float *chunk_kv = any_16 || any_coded || any_int ? malloc(sizeof(float) * (size_t)n_threads * tile) : NULL;
+    float *chunk_kv = malloc(sizeof(float) * (size_t)n_threads * tile);
     uint16_t *rounded = malloc(sizeof(uint16_t) * 2 * (size_t)kv_dim);
     /* coded layers: the queries as the codes read them, q' = (q w) M * scale, and q . mu * scale per query head;
      * the new token's codes and scales before they are stored */
@@ -1079,8 +1131,8 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
     uint8_t *new_codes = any_coded ? malloc((size_t)Hkv * 2 * ROW_ROOM) : NULL;
     uint16_t *new_scales = malloc(sizeof(uint16_t) * 2 * (size_t)Hkv);
     int status = 0;
-    if (!x || !h || !y || !qkv || !att || !xsum || !own || !scores || !parts || !rounded || !q_coded || !new_scales
-        || ((any_16 || any_coded || any_int) && !chunk_kv) || (any_coded && !new_codes)) status = -1;
+    if (!x || !h || !y || !qkv || !att || !xsum || !own || !parts || !rounded || !q_coded || !new_scales
+        || !chunk_kv || (any_coded && !new_codes)) status = -1;
     else memcpy(x, x_in, sizeof(float) * (size_t)d);
 
     StepBarrier barrier = {.n_threads = 1};
@@ -1199,30 +1251,19 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
 #else
             float *mine = chunk_kv;
 #endif
-            const float *keys, *values;
-            int n;
-            if (c < c_first) {             /* full-precision rows of first */
-                const int t0 = start + c * KEY_CHUNK;
-                n = start + n_first - t0 < KEY_CHUNK ? start + n_first - t0 : KEY_CHUNK;
-                const int64_t chunk_at = ((int64_t)g * L->capacity + t0) * hd;
-                keys = (const float *)L->k + chunk_at;
-                values = (const float *)L->v + chunk_at;
-#ifdef HAVE_ATTEND_ROWS
-                if (hd % 16 == 0) {   /* read in place by every query head of the group */
-                    const size_t elem_bytes = L->type == KV_F32 ? 4 : 2;
-                    for (int i = g * group; i < (g + 1) * group; i++)
-                        attend_rows(L->type, qkv + i * hd, (const uint8_t *)L->k + chunk_at * elem_bytes,
-                                    (const uint8_t *)L->v + chunk_at * elem_bytes, n, hd, m->attn_scale,
-                                    scores + ((int64_t)i * max_chunks + c) * KEY_CHUNK, parts + ((int64_t)i * max_chunks + c) * (hd + 2));
-                    continue;
-                }
-#endif
-                if (L->type != KV_F32) {   /* this chunk only, upcast once for the whole query group */
-                    kv_load(L->type, (const uint16_t *)L->k + chunk_at, (int64_t)n * hd, mine);
-                    kv_load(L->type, (const uint16_t *)L->v + chunk_at, (int64_t)n * hd, mine + (size_t)KEY_CHUNK * hd);
-                    keys = mine;
-                    values = mine + (size_t)KEY_CHUNK * hd;
-                }
+            static const int32_t one_block = 0;   /* a single cache's rows: one block */
+            if (c < c_first || c >= c_first + c_coded) {   /* full-precision rows of first or of the recent window */
+                const int in_first = c < c_first;
+                const int64_t t0 = in_first ? start + (int64_t)c * KEY_CHUNK : (int64_t)(c - c_first - c_coded) * KEY_CHUNK;
+                const int64_t end = in_first ? start + n_first : n_recent, rows = in_first ? L->capacity : L->window;
+                const int type = in_first ? L->type : KV_F32;
+                const size_t at = (size_t)g * (size_t)rows * (size_t)hd * (type == KV_F32 ? 4 : 2);   /* head g's rows */
+                const DenseHead dense = {.type = type, .d = hd, .dv = hd, .block_rows = rows,
+                                         .k = (const uint8_t *)(in_first ? L->k : (void *)L->win_k) + at,
+                                         .v = (const uint8_t *)(in_first ? L->v : (void *)L->win_v) + at};
+                kvlab_dense_read(&dense, &one_block, t0, end - t0 < KEY_CHUNK ? end : t0 + KEY_CHUNK, qkv + (int64_t)g * group * hd,
+                                 group, m->attn_scale, mine, parts + ((int64_t)g * group * max_chunks + c) * (hd + 2),
+                                 (int64_t)max_chunks * (hd + 2));
             } else if (c < c_first + c_coded && Q) {   /* integer codes: kvlab_int_attend, the one block of a single cache */
                 const int64_t t0 = (int64_t)(c - c_first) * KEY_CHUNK, complete = n_coded / Q->group * Q->group;
                 const int n_vg = hd / Q->value_group;
@@ -1243,10 +1284,9 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
                     part[hd + 1] = 1.0f;
                 }
                 kvlab_int_attend(&R, reads, group, m->attn_scale, mine);
-                continue;
-            } else if (c < c_first + c_coded) {   /* coded rows: kvlab_tq_read, the one block of a single cache */
+            } else {   /* coded rows: kvlab_tq_read, the one block of a single cache */
                 const int64_t t0 = (int64_t)(c - c_first) * KEY_CHUNK;
-                n = n_coded - t0 < KEY_CHUNK ? n_coded - (int)t0 : KEY_CHUNK;
+                const int n = n_coded - t0 < KEY_CHUNK ? n_coded - (int)t0 : KEY_CHUNK;
                 float weights[CB_MAX_DIM], offset[CB_MAX_DIM];
                 PreRope pre;
                 if (C->rope_cos) {   /* +prerope: this KV head's weights and offset, the RoPE rows of the slots */
@@ -1257,7 +1297,6 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
                 }
                 const TqHead head = {.C = C, .layout = {&head_layouts[2 * g], &head_layouts[2 * g + 1]}, .g = g, .scale = 1.0f,
                                      .pre = C->rope_cos ? &pre : NULL};
-                static const int32_t one_block = 0;
                 int64_t lo[CB_MAX_DIM], hi[CB_MAX_DIM];   /* every query of the group reads the whole chunk */
                 for (int i = 0; i < group; i++) lo[i] = t0, hi[i] = t0 + n;
                 float *part = parts + ((int64_t)g * group * max_chunks + c) * (hd + 2);
@@ -1265,16 +1304,7 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
                 kvlab_tq_read(&head, &one_block, t0, t0 + n, q_coded + (int64_t)g * group * hd, group, 0, group, lo, hi, mine,
                               part, part_stride);
                 for (int i = 0; i < group; i++) part[i * part_stride + hd] += q_coded[q_dim + g * group + i];   /* q . mu */
-                continue;
-            } else {                         /* full-precision rows of the recent window */
-                const int t0 = (c - c_first - c_coded) * KEY_CHUNK;
-                n = n_recent - t0 < KEY_CHUNK ? n_recent - t0 : KEY_CHUNK;
-                keys = L->win_k + ((int64_t)g * L->window + t0) * hd;
-                values = L->win_v + ((int64_t)g * L->window + t0) * hd;
             }
-            for (int i = g * group; i < (g + 1) * group; i++)
-                attend_part(qkv + i * hd, keys, values, n, hd, m->attn_scale,
-                            scores + ((int64_t)i * max_chunks + c) * KEY_CHUNK, parts + ((int64_t)i * max_chunks + c) * (hd + 2));
         }
         step_barrier(&barrier, &sense);
         #pragma omp for schedule(static) nowait
@@ -1312,7 +1342,7 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
         #pragma omp parallel num_threads(n_threads)
         matvec(&m->head, h, xsum, logits);
     }
-    free(x); free(h); free(y); free(qkv); free(att); free(xsum); free(own); free(scores); free(parts); free(chunk_kv); free(rounded);
+    free(x); free(h); free(y); free(qkv); free(att); free(xsum); free(own); free(parts); free(chunk_kv); free(rounded);
     free(q_coded); free(new_codes); free(new_scales); free(layouts);
     return status;
 }

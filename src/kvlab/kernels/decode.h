@@ -95,6 +95,27 @@ static inline float kvlab_log_scale(int code, float centre) {
     return step * power;
 }
 
+/* One KV head's dense K/V rows of one sequence, a single cache's or a serving pool's: key t (and its value) at row
+ * table[t / block_rows] * block_stride + t % block_rows of k (d elements a row) and v (dv), stored as `type`
+ * (0 fp32, 1 f16, 2 bf16: decode.c's KV_*, paged.h's POOL_*). A single cache is one block: table {0}. */
+typedef struct {
+    int type, d, dv;
+    const void *k, *v;
+    int64_t block_rows, block_stride;
+} DenseHead;
+#define DENSE_READ_KEYS 256   /* keys of one kvlab_dense_read, at most */
+#define DENSE_TILE 64         /* rows a short-block read converts at a time */
+/* floats of scratch kvlab_dense_read takes for nq queries */
+static inline int64_t kvlab_dense_read_floats(int nq, int d, int dv) {
+    return (int64_t)nq * DENSE_READ_KEYS + (int64_t)DENSE_TILE * (d > dv ? d : dv);
+}
+/* The one read of dense rows (the fused step's chunks, the serving pool's items): the attention of nq queries
+ * (queries + i * d) over keys [k0, k1) of h, k1 - k0 <= DENSE_READ_KEYS, each query's part
+ * [Σ_t e^(s_t - top) v_t (dv) | top | Σ_t e^(s_t - top)] at parts + i * part_stride, s_t = q_i . k_t * scale.
+ * Keys of one block run (a single cache's) are read in place, 16-bit ones converted in registers where AVX-512 is
+ * there; a pool's short blocks are converted DENSE_TILE rows at a time. */
+void kvlab_dense_read(const DenseHead *h, const int32_t *table, int64_t k0, int64_t k1, const float *queries, int nq,
+                      float scale, float *scratch, float *parts, int64_t part_stride);
 /* dst (n,) = src rounded to f16 (kv_type 1) or bf16 (2) as torch's .to() rounds: 0 when all stored values are
  * finite, 1 otherwise, -1 for another kv_type */
 int kvlab_kv_store(int kv_type, const float *src, int64_t n, uint16_t *dst);

@@ -173,9 +173,8 @@ void kvlab_int_attend(const IntHead *R, const IntQuery *Q, int nq, float scale, 
         }
     }
     for (int i = 0; i < nq; i++) {                          /* softmax over the query's own positions */
-        float *si = s + i * n + (Q[i].lo - lo), top = si[0];
         const int64_t len = Q[i].hi - Q[i].lo;
-        for (int64_t j = 1; j < len; j++) top = si[j] > top ? si[j] : top;
+        float *si = s + i * n + (Q[i].lo - lo), top = kvlab_row_max(si, len);
         const float sum = kvlab_row_exp_shifted(si, (int)len, top), inv = 1.0f / sum;
         for (int64_t j = 0; j < len; j++) si[j] *= inv;
         if (Q[i].lse) *Q[i].lse = top + logf(sum);

@@ -5,9 +5,9 @@
  * Sequence s owns query rows [qs[s], qs[s+1]) of q (N, H, D) fp32 and attends to its first ctx[s] tokens
  * through block_tables[s] (max_blocks ids). Its query row r sits at position ctx[s] - (qs[s+1] - qs[s]) +
  * (r - qs[s]) and sees keys [pos - window + 1 (window > 0), pos]: the lower-right causal mask.
- * One work item = (query row, KV head): the G = H / Hkv query heads sharing that KV head read each key once.
- * Keys are scored in tiles of 64, sixteen keys at a time, with a running max (online softmax; the exponentials
- * sixteen at a time, decode.c's); everything is computed in fp32.
+ * One work item = (query row, KV head): the G = H / Hkv query heads sharing that KV head read each key once, in
+ * chunks of DENSE_READ_KEYS keys, each one kvlab_dense_read (decode.c, the single cache's fused step reads its chunks
+ * with it too), merged in order by their maxima; everything is computed in fp32.
  * Every index is checked before the loop: a bad table or length returns -1 and touches nothing.
  *
  * kvlab_tq_attention does the same over TurboQuant blocks (kvlab/serve/coded.py TurboPool), described by the
@@ -42,7 +42,6 @@
 #include <immintrin.h>
 #endif
 
-#define TILE 64
 #define MAX_DIM 512
 #define MAX_GROUP 64
 
@@ -128,70 +127,6 @@ static inline float dot(const float *a, const float *b, int d) {
     return sum;
 }
 
-/* the largest of s[0..n), n > 0: sixteen lanes at a time where the CPU has AVX-512, instead of a serial chain of
- * compares (a nan score may or may not be taken; the exponentials make the row's output nan either way) */
-static inline float largest(const float *s, int n) {
-    float top = s[0];
-    int j = 1;
-#if defined(__AVX512F__)
-    if (n >= 16) {
-        __m512 lanes = _mm512_loadu_ps(s);
-        for (j = 16; j + 16 <= n; j += 16) lanes = _mm512_max_ps(_mm512_loadu_ps(s + j), lanes);   /* a > b ? a : b */
-        top = _mm512_reduce_max_ps(lanes);
-    }
-#endif
-    for (; j < n; j++) top = s[j] > top ? s[j] : top;
-    return top;
-}
-
-/* s[j] = scale * (q . k[j]) for j < n. Sixteen keys at a time: each key's 16 lane partial sums, then all sixteen
- * folded pairwise in four rounds (15 folds) into one vector whose lane i is key i's sum: a fixed tree, far fewer
- * shuffles than a lane tree per key. The rest (and d not a multiple of 16): dot(), one key at a time. */
-static void key_scores(const float *q, const float *const *k, int n, int d, float scale, float *s) {
-    int j = 0;
-    if (d % 16 == 0)
-        for (; j + 16 <= n; j += 16) {
-            kvlab_lanes16 acc[16];
-            for (int i = 0; i < 16; i++) acc[i] = (kvlab_lanes16){0};
-            for (int c = 0; c < d; c += 16) {
-                const kvlab_lanes16 qc = kvlab_lanes_at(q + c);
-                for (int i = 0; i < 16; i++) acc[i] += qc * kvlab_lanes_at(k[j + i] + c);
-            }
-            for (int width = 16; width > 1; width /= 2)
-                for (int i = 0; i < width / 2; i++) acc[i] = kvlab_fold16(acc[2 * i], acc[2 * i + 1]);
-            const kvlab_lanes16 sums = acc[0] * scale;
-            memcpy(s + j, &sums, sizeof sums);
-        }
-    for (; j < n; j++) s[j] = dot(q, k[j], d) * scale;
-}
-
-/* og (dv,) += sum_j p[j] * v[j] (dv,) for j < n, in order of j for every column: the same sums as a plain loop,
- * but four 16-column blocks at a time held in registers across the keys instead of stored back per key */
-static inline void accumulate_values(float *og, const float *p, const float *const *v, int n, int dv) {
-    int c = 0;
-    for (; c + 64 <= dv; c += 64) {
-        kvlab_lanes16 a0 = kvlab_lanes_at(og + c), a1 = kvlab_lanes_at(og + c + 16), a2 = kvlab_lanes_at(og + c + 32), a3 = kvlab_lanes_at(og + c + 48);
-        for (int j = 0; j < n; j++) {
-            const float pj = p[j];
-            a0 += pj * kvlab_lanes_at(v[j] + c);
-            a1 += pj * kvlab_lanes_at(v[j] + c + 16);
-            a2 += pj * kvlab_lanes_at(v[j] + c + 32);
-            a3 += pj * kvlab_lanes_at(v[j] + c + 48);
-        }
-        memcpy(og + c, &a0, sizeof a0);
-        memcpy(og + c + 16, &a1, sizeof a1);
-        memcpy(og + c + 32, &a2, sizeof a2);
-        memcpy(og + c + 48, &a3, sizeof a3);
-    }
-    for (; c + 16 <= dv; c += 16) {
-        kvlab_lanes16 a = kvlab_lanes_at(og + c);
-        for (int j = 0; j < n; j++) a += p[j] * kvlab_lanes_at(v[j] + c);
-        memcpy(og + c, &a, sizeof a);
-    }
-    for (; c < dv; c++)
-        for (int j = 0; j < n; j++) og[c] += p[j] * v[j][c];
-}
-
 /* the sequence owning query row `row`: the last s with query_start[s] <= row (binary search) */
 static int owner(const int32_t *query_start, int n_seqs, int64_t row) {
     int lo = 0, hi = n_seqs - 1;
@@ -211,49 +146,36 @@ void kvlab_paged_attend_item(const float *q, int n_heads, int n_kv_heads, int d,
     const int64_t row = item / n_kv_heads;
     const int kv_head = (int)(item % n_kv_heads);
     const int s = owner(query_start, n_seqs, row);
-    const int32_t *table = block_tables + (int64_t)s * max_blocks;
     const int64_t pos = context_len[s] - (query_start[s + 1] - query_start[s]) + (row - query_start[s]);
     const int64_t first = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+    const size_t elem = dtype == POOL_F32 ? 4 : 2, head = (size_t)kv_head * (size_t)block_size;   /* its first row */
+    const DenseHead h = {.type = dtype, .d = d, .dv = dv, .k = (const uint8_t *)k_pool + head * (size_t)d * elem,
+                         .v = (const uint8_t *)v_pool + head * (size_t)dv * elem, .block_rows = block_size,
+                         .block_stride = (int64_t)n_kv_heads * block_size};
     const float *qh = q + (row * n_heads + (int64_t)kv_head * group) * d;   /* (G, D): this KV head's queries */
-    float m[MAX_GROUP], l[MAX_GROUP];                                          /* running max, sum */
     float *o = out + (row * n_heads + (int64_t)kv_head * group) * dv;       /* (G, Dv): accumulated in place */
-    float score[MAX_GROUP][TILE], buf[TILE * MAX_DIM];                      /* a tile's keys, then its values */
-    const float *krow[TILE], *vrow[TILE];
-    int64_t at[TILE];                                     /* the tile's keys' rows in the pool (head kv_head) */
-    for (int g = 0; g < group; g++) {
-        m[g] = -INFINITY;
-        l[g] = 0.0f;
-        memset(o + (int64_t)g * dv, 0, dv * sizeof(float));
-    }
-    for (int64_t t0 = first; t0 <= pos; t0 += TILE) {
-        const int n = (int)(pos + 1 - t0 < TILE ? pos + 1 - t0 : TILE);
-        int64_t block = t0 / block_size, offset = t0 % block_size;   /* key t0 + j: no division per key */
-        for (int j = 0; j < n; j++) {   /* row `offset` of head kv_head of the sequence's block */
-            at[j] = ((int64_t)table[block] * n_kv_heads + kv_head) * block_size + offset;
-            if (++offset == block_size) {
-                offset = 0;
-                block++;
-            }
-            krow[j] = pool_row(k_pool, dtype, at[j], d, buf + (int64_t)j * d);
-        }
-        for (int g = 0; g < group; g++) key_scores(qh + (int64_t)g * d, krow, n, d, scale, score[g]);
+    float top[MAX_GROUP], sum[MAX_GROUP], parts[group * (dv + 2)], scratch[kvlab_dense_read_floats(group, d, dv)];
+    for (int64_t k0 = first; k0 <= pos; k0 += DENSE_READ_KEYS) {   /* chunks of keys, merged in order */
+        const int64_t k1 = pos + 1 - k0 < DENSE_READ_KEYS ? pos + 1 : k0 + DENSE_READ_KEYS;
+        kvlab_dense_read(&h, block_tables + (int64_t)s * max_blocks, k0, k1, qh, group, scale, scratch, parts, dv + 2);
         for (int g = 0; g < group; g++) {
-            const float tile_max = largest(score[g], n);
-            const float new_max = tile_max > m[g] ? tile_max : m[g];
-            const float correction = expf(m[g] - new_max);      /* 0 on the first tile (m = -inf) */
+            const float *part = parts + (int64_t)g * (dv + 2);
             float *og = o + (int64_t)g * dv;
-            if (correction != 1.0f)
-                for (int c = 0; c < dv; c++) og[c] *= correction;
-            l[g] = l[g] * correction + kvlab_exp_shifted(score[g], n, new_max);   /* decode.c's vector exp */
-            m[g] = new_max;
+            if (k0 == first) {
+                memcpy(og, part, sizeof(float) * (size_t)dv);
+                top[g] = part[dv], sum[g] = part[dv + 1];
+                continue;
+            }
+            const float new_top = part[dv] > top[g] ? part[dv] : top[g];
+            const float old_w = expf(top[g] - new_top), new_w = expf(part[dv] - new_top);
+            for (int c = 0; c < dv; c++) og[c] = og[c] * old_w + part[c] * new_w;
+            sum[g] = sum[g] * old_w + part[dv + 1] * new_w;
+            top[g] = new_top;
         }
-        for (int j = 0; j < n; j++)
-            vrow[j] = pool_row(v_pool, dtype, at[j], dv, buf + (int64_t)j * dv);
-        for (int g = 0; g < group; g++) accumulate_values(o + (int64_t)g * dv, score[g], vrow, n, dv);
     }
     for (int g = 0; g < group; g++) {
         float *og = o + (int64_t)g * dv;
-        const float inv = 1.0f / l[g];
+        const float inv = 1.0f / sum[g];
         for (int c = 0; c < dv; c++) og[c] *= inv;
     }
 }

@@ -34,6 +34,22 @@ static inline kvlab_lanes16 kvlab_fold16(kvlab_lanes16 a, kvlab_lanes16 b) {
          + __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
+/* the largest of s[0..n), n > 0: sixteen lanes at a time where the CPU has AVX-512, not a serial chain of compares (a nan score may or may not
+ * be taken; the exponentials make the row's output nan either way) */
+static inline float kvlab_row_max(const float *s, int64_t n) {
+    float top = s[0];
+    int64_t j = 1;
+#if defined(__AVX512F__)
+    if (n >= 16) {
+        __m512 lanes = _mm512_loadu_ps(s);
+        for (j = 16; j + 16 <= n; j += 16) lanes = _mm512_max_ps(_mm512_loadu_ps(s + j), lanes);   /* a > b ? a : b */
+        top = _mm512_reduce_max_ps(lanes);
+    }
+#endif
+    for (; j < n; j++) top = s[j] > top ? s[j] : top;
+    return top;
+}
+
 #if defined(__AVX512F__)
 /* a . b: 16-lane FMAs into two accumulators, then a fixed reduction tree */
 static inline float kvlab_row_dot(const float *a, const float *b, int64_t n) {
