@@ -749,6 +749,20 @@ SECTIONS = [
         Table("tq_read_decode_ab.json", ab_runs,
               note="The fused decode step's coded chunks through the same kvlab_tq_read (a single cache is one long "
                    "block, read from its codes in registers as before): single-sequence decode within the noise."),
+        Table("one_read_decode_ab.json", ab_runs,
+              note="The fused decode step's dense chunks through kvlab_dense_read and its integer chunks through "
+                   "kvlab_int_attend, the reads the serving pool and the single cache's module path use: dense is the "
+                   "same in-register read as before (the same bits), within the noise; the integer read, rewritten to "
+                   "match the fused step's own (values mixed four column blocks at a time, no division per key or "
+                   "value group), is within the noise here. A script timing 25 x 8 one-token steps at 4,000 tokens "
+                   "(minimum per step, alternated twice) put int4 at 27.8-28.1 ms against 26.8-27.1 before, dense-f16 "
+                   "and dense unchanged."),
+        Table("one_read_served_ab.json", ab_runs,
+              note="The serving pool's dense items through kvlab_dense_read (chunks of 256 keys merged in order, in "
+                   "place of an online softmax per 64-key tile) and its integer items through the rewritten "
+                   "kvlab_int_attend: within the noise of these short runs. Timing the pool's dense read alone (16 "
+                   "sequences x 3,000 tokens, f16, one layer, minimum of 40): 6.9-7.3 ms against 7.3-7.5 at 1 thread, "
+                   "3.6-4.0 against 3.9-4.1 at 2."),
         Table("blocks_layout_ab.json", ab_runs,
               note="The pool's dense and integer blocks read and written in cache/blocks.py's head-major layout "
                    "(the single caches' own) against the token-major blocks before: within the noise of these short "
