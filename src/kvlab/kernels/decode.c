@@ -335,33 +335,6 @@ static void row_scores(const float *q, const float *const *k, int n, int d, floa
     for (; j < n; j++) s[j] = dot(q, k[j], d) * scale;
 }
 
-/* o (dv,) += Σ_j p[j] v[j] for j < n, rows by pointer, in order of j for every column: four 16-column blocks at a
- * time held in registers across the keys */
-static void row_mix(float *o, const float *p, const float *const *v, int n, int dv) {
-    int c = 0;
-    for (; c + 64 <= dv; c += 64) {
-        kvlab_lanes16 a0 = kvlab_lanes_at(o + c), a1 = kvlab_lanes_at(o + c + 16), a2 = kvlab_lanes_at(o + c + 32),
-                      a3 = kvlab_lanes_at(o + c + 48);
-        for (int j = 0; j < n; j++) {
-            a0 += p[j] * kvlab_lanes_at(v[j] + c);
-            a1 += p[j] * kvlab_lanes_at(v[j] + c + 16);
-            a2 += p[j] * kvlab_lanes_at(v[j] + c + 32);
-            a3 += p[j] * kvlab_lanes_at(v[j] + c + 48);
-        }
-        memcpy(o + c, &a0, sizeof a0);
-        memcpy(o + c + 16, &a1, sizeof a1);
-        memcpy(o + c + 32, &a2, sizeof a2);
-        memcpy(o + c + 48, &a3, sizeof a3);
-    }
-    for (; c + 16 <= dv; c += 16) {
-        kvlab_lanes16 a = kvlab_lanes_at(o + c);
-        for (int j = 0; j < n; j++) a += p[j] * kvlab_lanes_at(v[j] + c);
-        memcpy(o + c, &a, sizeof a);
-    }
-    for (; c < dv; c++)
-        for (int j = 0; j < n; j++) o[c] += p[j] * v[j][c];
-}
-
 /* rows[j] = keys t0 + j (j < n) of `rows_of` (h->k or h->v, `width` elements a row) as fp32: pointers into fp32 rows,
  * else the rows converted into tile */
 static void dense_rows(const DenseHead *h, const void *rows_of, int width, const int32_t *table, int64_t t0, int n,
@@ -408,7 +381,7 @@ void kvlab_dense_read(const DenseHead *h, const int32_t *table, int64_t k0, int6
     for (int j0 = 0; j0 < n; j0 += DENSE_TILE) {
         const int m = n - j0 < DENSE_TILE ? n - j0 : DENSE_TILE;
         dense_rows(h, h->v, dv, table, k0 + j0, m, tile, rows);
-        for (int i = 0; i < nq; i++) row_mix(parts + i * part_stride, scores + (int64_t)i * DENSE_READ_KEYS + j0, rows, m, dv);
+        for (int i = 0; i < nq; i++) kvlab_rows_mix(parts + i * part_stride, scores + (int64_t)i * DENSE_READ_KEYS + j0, rows, m, dv);
     }
 }
 

@@ -75,32 +75,6 @@ static inline void half_floats(const uint16_t *in, int n, int dpad, float *out) 
     for (; c < dpad; c++) out[c] = 0.0f;
 }
 
-/* acc (vpad,) += Σ_j p[j] values[j] over rows [j0, j1) of a tile (rows vpad apart), in row order: four
- * independent sums of sixteen channels at a time, so the additions of one row do not wait for each other */
-static inline void mix_tile(float *acc, const float *p, const float *values, int vpad, int j0, int j1) {
-    int c = 0;
-    for (; c + 64 <= vpad; c += 64) {
-        kvlab_lanes16 a0 = kvlab_lanes_at(acc + c), a1 = kvlab_lanes_at(acc + c + 16), a2 = kvlab_lanes_at(acc + c + 32),
-                      a3 = kvlab_lanes_at(acc + c + 48);
-        for (int j = j0; j < j1; j++) {
-            const float *v = values + j * vpad + c;
-            a0 += p[j] * kvlab_lanes_at(v);
-            a1 += p[j] * kvlab_lanes_at(v + 16);
-            a2 += p[j] * kvlab_lanes_at(v + 32);
-            a3 += p[j] * kvlab_lanes_at(v + 48);
-        }
-        memcpy(acc + c, &a0, sizeof a0);
-        memcpy(acc + c + 16, &a1, sizeof a1);
-        memcpy(acc + c + 32, &a2, sizeof a2);
-        memcpy(acc + c + 48, &a3, sizeof a3);
-    }
-    for (; c < vpad; c += 16) {
-        kvlab_lanes16 a = kvlab_lanes_at(acc + c);
-        for (int j = j0; j < j1; j++) a += p[j] * kvlab_lanes_at(values + j * vpad + c);
-        memcpy(acc + c, &a, sizeof a);
-    }
-}
-
 /* The read of intcache.h, in tiles of sixteen positions. Each tile's keys are decoded once for every query (coded:
  * zero + code x scale per channel; exact: as given), and each query's score of a key is its sixteen lane sums folded
  * (kvlab_fold16: one tree for every key) times scale. Then each query's softmax over its positions. Each tile's values
@@ -191,9 +165,11 @@ void kvlab_int_attend(const IntHead *R, const IntQuery *Q, int nq, float scale, 
             int_dequant_row(R->v_codes + at * R->v_row_stride, bits, dv, step, zero, gv, v);
             if (vpad > dv) memset(v + dv, 0, sizeof(float) * (vpad - dv));
         }
+        const float *rows[16];
+        for (int j = 0; j < m; j++) rows[j] = values + j * vpad;
         for (int i = 0; i < nq; i++) {
             const int j0 = Q[i].lo > t0 ? (int)(Q[i].lo - t0) : 0, j1 = Q[i].hi - t0 < m ? (int)(Q[i].hi - t0) : m;
-            mix_tile(vacc + i * vpad, s + i * n + t0 - lo, values, vpad, j0, j1);
+            if (j1 > j0) kvlab_rows_mix(vacc + i * vpad, s + i * n + t0 - lo + j0, rows + j0, j1 - j0, vpad);
         }
     }
     for (int i = 0; i < nq; i++) memcpy(Q[i].out, vacc + i * vpad, sizeof(float) * dv);

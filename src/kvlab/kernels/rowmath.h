@@ -50,6 +50,33 @@ static inline float kvlab_row_max(const float *s, int64_t n) {
     return top;
 }
 
+/* o (dv,) += Σ_j p[j] v[j] for j < n, rows by pointer, in order of j for every column: four 16-column blocks at a
+ * time held in registers across the rows (one block would make every row wait for the previous one's adds) */
+static inline void kvlab_rows_mix(float *o, const float *p, const float *const *v, int n, int dv) {
+    int c = 0;
+    for (; c + 64 <= dv; c += 64) {
+        kvlab_lanes16 a0 = kvlab_lanes_at(o + c), a1 = kvlab_lanes_at(o + c + 16), a2 = kvlab_lanes_at(o + c + 32),
+                      a3 = kvlab_lanes_at(o + c + 48);
+        for (int j = 0; j < n; j++) {
+            a0 += p[j] * kvlab_lanes_at(v[j] + c);
+            a1 += p[j] * kvlab_lanes_at(v[j] + c + 16);
+            a2 += p[j] * kvlab_lanes_at(v[j] + c + 32);
+            a3 += p[j] * kvlab_lanes_at(v[j] + c + 48);
+        }
+        memcpy(o + c, &a0, sizeof a0);
+        memcpy(o + c + 16, &a1, sizeof a1);
+        memcpy(o + c + 32, &a2, sizeof a2);
+        memcpy(o + c + 48, &a3, sizeof a3);
+    }
+    for (; c + 16 <= dv; c += 16) {
+        kvlab_lanes16 a = kvlab_lanes_at(o + c);
+        for (int j = 0; j < n; j++) a += p[j] * kvlab_lanes_at(v[j] + c);
+        memcpy(o + c, &a, sizeof a);
+    }
+    for (; c < dv; c++)
+        for (int j = 0; j < n; j++) o[c] += p[j] * v[j][c];
+}
+
 #if defined(__AVX512F__)
 /* a . b: 16-lane FMAs into two accumulators, then a fixed reduction tree */
 static inline float kvlab_row_dot(const float *a, const float *b, int64_t n) {
