@@ -119,6 +119,8 @@ void kvlab_dense_read(const DenseHead *h, const int32_t *table, int64_t k0, int6
 /* dst (n,) = src rounded to f16 (kv_type 1) or bf16 (2) as torch's .to() rounds: 0 when all stored values are
  * finite, 1 otherwise, -1 for another kv_type */
 int kvlab_kv_store(int kv_type, const float *src, int64_t n, uint16_t *dst);
+/* dst (n,) fp32 = the f16 (kv_type 1) or bf16 (2) values at src, exactly: 0, or -1 for another kv_type */
+int kvlab_kv_load(int kv_type, const uint16_t *src, int64_t n, float *dst);
 /* The whole-model steps' barrier (decode.c, batchstep.c): the threads of a step's one parallel region wait for each
  * other here between two pieces of work, about ten microseconds apart. A waiter spins (pause) for SPIN_ROUNDS rounds, some tens of microseconds, then
  * sleeps (a futex, Linux; elsewhere it yields its core each round) until the last thread arrives and wakes it. On an

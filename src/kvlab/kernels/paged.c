@@ -38,41 +38,14 @@
 #include "paged.h"
 #include "rowmath.h"
 #include "tqcodes.h"
-#if defined(__AVX512F__) || defined(__F16C__)
-#include <immintrin.h>
-#endif
 
 #define MAX_DIM 512
 #define MAX_GROUP 64
 
-static inline float bf16_to_fp32(uint16_t h) {
-    const uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-/* out[0 .. n) = the fp16 values in[0 .. n) (exact): sixteen at a time where AVX-512 is there, eight with F16C */
-static inline void fp16_row(const uint16_t *in, float *out, int n) {
-    int c = 0;
-#if defined(__AVX512F__)
-    for (; c + 16 <= n; c += 16) _mm512_storeu_ps(out + c, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(in + c))));
-#endif
-#if defined(__F16C__)
-    for (; c + 8 <= n; c += 8) _mm256_storeu_ps(out + c, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(in + c))));
-#endif
-    for (; c < n; c++) out[c] = kvlab_fp16_to_fp32(in[c]);
-}
-
 /* row `index` of a pool of `d`-wide rows as fp32: a pointer into an fp32 pool, else converted into buf */
 static inline const float *pool_row(const void *pool, int dtype, int64_t index, int d, float *buf) {
     if (dtype == POOL_F32) return (const float *)pool + index * d;
-    const uint16_t *row = (const uint16_t *)pool + index * d;
-    if (dtype == POOL_F16) {
-        fp16_row(row, buf, d);
-    } else {
-        for (int c = 0; c < d; c++) buf[c] = bf16_to_fp32(row[c]);
-    }
+    kvlab_kv_load(dtype, (const uint16_t *)pool + index * d, d, buf);   /* POOL_F16 / POOL_BF16 are decode.c's KV_* */
     return buf;
 }
 
