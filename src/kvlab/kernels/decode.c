@@ -207,18 +207,22 @@ static inline __m512 fold(__m512 a, __m512 b, __m512i lo, __m512i hi) {
 /* scores[t] = q . row t of keys (kv_type rows, d a multiple of 16) * scale for t in [start, end). Sixteen keys at a
  * time: each key's 16 lane partial sums, then four folds that halve the partials per key and pack the keys (16
  * vectors -> 8 -> 4 -> 2 -> 1), instead of a horizontal sum per key. The rest one key at a time, as dot() sums. */
-static inline __attribute__((always_inline)) void key_scores_rows(int kv_type, const float *q, const void *keys, int start,
-                                                                  int end, int d, float scale, float *scores) {
-    /* fold step s (w = 8, 4, 2, 1: each key holds 2w partials): lane j takes lane (j < 8 ? 0 : 16) + (j % 8) / w * 2w
-     * + j % w of the pair (lo), and that + w (hi) */
+/* the permutes of the four fold steps: step s (w = 8, 4, 2, 1: each key holds 2w partials) takes into lane j lane
+ * (j < 8 ? 0 : 16) + (j % 8) / w * 2w + j % w of the pair (lo), and that + w (hi) */
+static inline __attribute__((always_inline)) void fold_indices(__m512i *lo, __m512i *hi) {
     static const int32_t fold_lo[4][16] = {
         {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}, {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27},
         {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29}, {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}};
-    __m512i lo[4], hi[4];
     for (int step = 0, w = 8; step < 4; step++, w /= 2) {
         lo[step] = _mm512_loadu_si512(fold_lo[step]);
         hi[step] = _mm512_add_epi32(lo[step], _mm512_set1_epi32(w));
     }
+}
+
+static inline __attribute__((always_inline)) void key_scores_rows(int kv_type, const float *q, const void *keys, int start,
+                                                                  int end, int d, float scale, float *scores) {
+    __m512i lo[4], hi[4];
+    fold_indices(lo, hi);
     int t = start;
     for (; t + 16 <= end; t += 16) {
         __m512 v[16];
@@ -438,57 +442,116 @@ static void rope_half_table(float *x, const float *cos_, const float *sin_, int 
     }
 }
 
+/* factor (d,) = s/√d (a randomized Hadamard's signs) times the key channel weight w, per channel: what a rebuilt key's
+ * channel is multiplied by besides its scale */
+static void prerope_factor(const PreRope *pre, int d, float *factor) {
+    for (int c = 0; c < d; c++) factor[c] = (pre->signs ? pre->signs[c] : 1.0f) * (pre->weights ? pre->weights[c] : 1.0f);
+}
+
 #if defined(__AVX512F__)
 #define REBUILD_INLINE static inline __attribute__((always_inline))
-/* rows (rows, d) of decoded ŷ -> rebuilt keys in place, each as the plain path makes it (hadamard_rows, then
- * x · factor · scale + offset, then rope_half_table), the whole row in registers: the Hadamard stages h = 1, 2, 4, 8
- * inside each 16-lane block as one shuffle and one FMA (x ± partner: lanes whose bit h is set take partner - x), the
- * wider ones between blocks, the four blocks' chains interleaved. d a multiple of 32 (RoPE halves of whole blocks);
- * inlined with d = 64 so that case keeps every block in a register. */
-REBUILD_INLINE void rebuild_hadamard_core(float *rows, int count, int d, const float *factor, const float *scale,
-                                          const float *offset, const float *cos_, const float *sin_) {
-    static const __mmask16 upper[4] = {0xaaaa, 0xcccc, 0xf0f0, 0xff00};   /* lanes whose bit h is set */
-    __m512 sign[4];   /* +1 below, -1 on the lanes whose bit h is set */
+/* the sign vectors of the Hadamard stages inside a 16-lane block: +1 below, -1 on the lanes whose bit h is set */
+REBUILD_INLINE void hadamard_signs(__m512 *sign) {
+    static const __mmask16 upper[4] = {0xaaaa, 0xcccc, 0xf0f0, 0xff00};
     for (int step = 0; step < 4; step++) sign[step] = _mm512_mask_blend_ps(upper[step], _mm512_set1_ps(1.0f), _mm512_set1_ps(-1.0f));
+}
+
+/* v[0 .. d/16) = one decoded row ŷ (d floats at y) rebuilt as the plain path makes it (hadamard_rows, then
+ * x · factor · scale + offset, then rope_half_table with the row's cos / sin), in registers: the Hadamard stages
+ * h = 1, 2, 4, 8 inside each 16-lane block as one shuffle and one FMA (x ± partner: lanes whose bit h is set take
+ * partner - x), the wider ones between blocks. d a multiple of 32 (RoPE halves of whole blocks); inlined with d = 64,
+ * every block stays in a register. */
+REBUILD_INLINE void rebuild_row(const float *y, int d, const __m512 *sign, const float *factor, float scale,
+                                const float *offset, const float *c_row, const float *s_row, __m512 *v) {
     const int blocks = d / 16, half = blocks / 2;
+    for (int b = 0; b < blocks; b++) v[b] = _mm512_loadu_ps(y + 16 * b);
+    /* partner j ^ h: h = 1, 2 inside 128-bit lanes, h = 4, 8 whole 128-bit lanes (cheaper than a full permute) */
+    for (int b = 0; b < blocks; b++) v[b] = _mm512_fmadd_ps(v[b], sign[0], _mm512_permute_ps(v[b], 0xb1));
+    for (int b = 0; b < blocks; b++) v[b] = _mm512_fmadd_ps(v[b], sign[1], _mm512_permute_ps(v[b], 0x4e));
+    for (int b = 0; b < blocks; b++) v[b] = _mm512_fmadd_ps(v[b], sign[2], _mm512_shuffle_f32x4(v[b], v[b], 0xb1));
+    for (int b = 0; b < blocks; b++) v[b] = _mm512_fmadd_ps(v[b], sign[3], _mm512_shuffle_f32x4(v[b], v[b], 0x4e));
+    if (blocks == 4) {                             /* pairs of blocks 1 apart, then 2 apart, spelled out (d = 64) */
+        const __m512 a = _mm512_add_ps(v[0], v[1]), b = _mm512_sub_ps(v[0], v[1]);
+        const __m512 c = _mm512_add_ps(v[2], v[3]), e = _mm512_sub_ps(v[2], v[3]);
+        v[0] = _mm512_add_ps(a, c), v[2] = _mm512_sub_ps(a, c), v[1] = _mm512_add_ps(b, e), v[3] = _mm512_sub_ps(b, e);
+    } else
+    for (int h = 1; h < blocks; h *= 2)            /* pairs of blocks h apart */
+        for (int i = 0; i < blocks; i += 2 * h)
+            for (int j = i; j < i + h; j++) {
+                const __m512 a = v[j], c = v[j + h];
+                v[j] = _mm512_add_ps(a, c);
+                v[j + h] = _mm512_sub_ps(a, c);
+            }
+    const __m512 s = _mm512_set1_ps(scale);
+    for (int b = 0; b < blocks; b++) {
+        const __m512 f = _mm512_mul_ps(_mm512_loadu_ps(factor + 16 * b), s);
+        v[b] = offset ? _mm512_fmadd_ps(v[b], f, _mm512_loadu_ps(offset + 16 * b)) : _mm512_mul_ps(v[b], f);
+    }
+    for (int b = 0; b < half; b++) {
+        const __m512 x1 = v[b], x2 = v[b + half];
+        const __m512 c = _mm512_loadu_ps(c_row + 16 * b), sn = _mm512_loadu_ps(s_row + 16 * b);
+        v[b] = _mm512_fnmadd_ps(x2, sn, _mm512_mul_ps(x1, c));
+        v[b + half] = _mm512_fmadd_ps(x1, sn, _mm512_mul_ps(x2, c));
+    }
+}
+
+/* rows (rows, d) of decoded ŷ -> rebuilt keys in place (rebuild_row) */
+static void rebuild_hadamard_rows(float *rows, int count, int d, const float *factor, const float *scale,
+                                  const float *offset, const float *cos_, const float *sin_) {
+    __m512 sign[4], v[CB_MAX_DIM / 16];
+    hadamard_signs(sign);
     for (int r = 0; r < count; r++) {
         float *x = rows + (int64_t)r * d;
-        __m512 v[CB_MAX_DIM / 16];
-        for (int b = 0; b < blocks; b++) v[b] = _mm512_loadu_ps(x + 16 * b);
-        /* partner j ^ h: h = 1, 2 inside 128-bit lanes, h = 4, 8 whole 128-bit lanes (cheaper than a full permute) */
-        for (int b = 0; b < blocks; b++) v[b] = _mm512_fmadd_ps(v[b], sign[0], _mm512_permute_ps(v[b], 0xb1));
-        for (int b = 0; b < blocks; b++) v[b] = _mm512_fmadd_ps(v[b], sign[1], _mm512_permute_ps(v[b], 0x4e));
-        for (int b = 0; b < blocks; b++) v[b] = _mm512_fmadd_ps(v[b], sign[2], _mm512_shuffle_f32x4(v[b], v[b], 0xb1));
-        for (int b = 0; b < blocks; b++) v[b] = _mm512_fmadd_ps(v[b], sign[3], _mm512_shuffle_f32x4(v[b], v[b], 0x4e));
-        for (int h = 1; h < blocks; h *= 2)            /* pairs of blocks h apart */
-            for (int i = 0; i < blocks; i += 2 * h)
-                for (int j = i; j < i + h; j++) {
-                    const __m512 a = v[j], c = v[j + h];
-                    v[j] = _mm512_add_ps(a, c);
-                    v[j + h] = _mm512_sub_ps(a, c);
-                }
-        const __m512 s = _mm512_set1_ps(scale[r]);
-        for (int b = 0; b < blocks; b++) {
-            const __m512 f = _mm512_mul_ps(_mm512_loadu_ps(factor + 16 * b), s);
-            v[b] = offset ? _mm512_fmadd_ps(v[b], f, _mm512_loadu_ps(offset + 16 * b)) : _mm512_mul_ps(v[b], f);
-        }
-        const float *c_row = cos_ + (int64_t)r * d, *s_row = sin_ + (int64_t)r * d;
-        for (int b = 0; b < half; b++) {
-            const __m512 x1 = v[b], x2 = v[b + half];
-            const __m512 c = _mm512_loadu_ps(c_row + 16 * b), sn = _mm512_loadu_ps(s_row + 16 * b);
-            _mm512_storeu_ps(x + 16 * b, _mm512_fnmadd_ps(x2, sn, _mm512_mul_ps(x1, c)));
-            _mm512_storeu_ps(x + 16 * (b + half), _mm512_fmadd_ps(x1, sn, _mm512_mul_ps(x2, c)));
+        if (d == 64) rebuild_row(x, 64, sign, factor, scale[r], offset, cos_ + (int64_t)r * d, sin_ + (int64_t)r * d, v);
+        else rebuild_row(x, d, sign, factor, scale[r], offset, cos_ + (int64_t)r * d, sin_ + (int64_t)r * d, v);
+        for (int b = 0; b < d / 16; b++) _mm512_storeu_ps(x + 16 * b, v[b]);
+    }
+}
+
+/* out[i * out_stride + r] = q_i . (row r rebuilt) for the nq (<= 4) queries q_i = queries + i * q_stride and the 16
+ * rows of decoded ŷ (64 floats each) from `rows`, each rebuilt once in registers and read by every query: the same bits
+ * as rebuild_hadamard_rows, then key_scores_rows on the tile (each key's partials, then the same fold tree, folded as
+ * the keys come); nq a constant where inlined */
+REBUILD_INLINE void prerope_scores16(const float *rows, const float *factor, const float *scale, const float *offset,
+                                     const float *cos_, const float *sin_, const float *queries, int64_t q_stride,
+                                     const int nq, float *out, int64_t out_stride) {
+    __m512 sign[4], q[4][4], level[4][4];   /* level[i][s]: query i's fold waiting at step s */
+    __m512i lo[4], hi[4];
+    hadamard_signs(sign);
+    fold_indices(lo, hi);
+    for (int i = 0; i < nq; i++)
+        for (int b = 0; b < 4; b++) q[i][b] = _mm512_loadu_ps(queries + i * q_stride + 16 * b);
+    for (int r = 0; r < 16; r++) {
+        __m512 v[4];
+        rebuild_row(rows + 64 * r, 64, sign, factor, scale[r], offset, cos_ + 64 * r, sin_ + 64 * r, v);
+        for (int i = 0; i < nq; i++) {
+            __m512 acc = _mm512_mul_ps(q[i][0], v[0]);
+            for (int b = 1; b < 4; b++) acc = _mm512_fmadd_ps(q[i][b], v[b], acc);
+            /* key r closes the folds of steps s while bit s of r is set (key_scores_rows' tree, depth first) */
+            int step = 0;
+            for (; step < 4 && (r >> step & 1); step++) acc = fold(level[i][step], acc, lo[step], hi[step]);
+            if (step < 4) level[i][step] = acc;
+            else _mm512_storeu_ps(out + i * out_stride, acc);
         }
     }
 }
 
-static void rebuild_hadamard_rows(float *rows, int count, int d, const float *factor, const float *scale,
-                                  const float *offset, const float *cos_, const float *sin_) {
-    if (d == 64)
-        rebuild_hadamard_core(rows, count, 64, factor, scale, offset, cos_, sin_);
-    else
-        rebuild_hadamard_core(rows, count, d, factor, scale, offset, cos_, sin_);
+/* prerope_scores16 for nq queries, four at a time */
+static void prerope_scores(const float *rows, const float *factor, const float *scale, const float *offset,
+                           const float *cos_, const float *sin_, const float *queries, int64_t q_stride, int nq,
+                           float *out, int64_t out_stride) {
+    for (int i0 = 0; i0 < nq; i0 += 4) {
+        const float *qi = queries + i0 * q_stride;
+        float *oi = out + i0 * out_stride;
+        switch (nq - i0 < 4 ? nq - i0 : 4) {
+            case 1: prerope_scores16(rows, factor, scale, offset, cos_, sin_, qi, q_stride, 1, oi, out_stride); break;
+            case 2: prerope_scores16(rows, factor, scale, offset, cos_, sin_, qi, q_stride, 2, oi, out_stride); break;
+            case 3: prerope_scores16(rows, factor, scale, offset, cos_, sin_, qi, q_stride, 3, oi, out_stride); break;
+            default: prerope_scores16(rows, factor, scale, offset, cos_, sin_, qi, q_stride, 4, oi, out_stride); break;
+        }
+    }
 }
+#define HAVE_PREROPE_SCORES 1
 #endif
 
 /* rows (count, d) of decoded ŷ -> the keys as TurboQuantCache._keys rebuilds them, in place: k = (ŷ Mᵀ · scale) ⊙ w
@@ -496,8 +559,8 @@ static void rebuild_hadamard_rows(float *rows, int count, int d, const float *fa
  * transform and a sign per channel where M is a randomized Hadamard (pre->signs), the d x d product otherwise; the
  * signs and weights are one factor per channel. Also paged.c's, for pre-RoPE blocks of the serving pool. */
 void kvlab_prerope_rebuild(float *rows, int count, int d, const PreRope *pre, const float *scale) {
-    float key[CB_MAX_DIM], factor[CB_MAX_DIM];   /* factor: s/√d (Hadamard) times w, per channel */
-    for (int c = 0; c < d; c++) factor[c] = (pre->signs ? pre->signs[c] : 1.0f) * (pre->weights ? pre->weights[c] : 1.0f);
+    float key[CB_MAX_DIM], factor[CB_MAX_DIM];
+    prerope_factor(pre, d, factor);
 #if defined(__AVX512F__)
     if (pre->signs && d % 32 == 0) {
         rebuild_hadamard_rows(rows, count, d, factor, scale, pre->offset, pre->cos_, pre->sin_);
@@ -646,7 +709,22 @@ static void load_scales(const Coded *C, int i, int g, int64_t t0, int n, float *
     }
     const uint8_t *codes = (const uint8_t *)C->norms[i] + slot;
     const float centre = log_centre(C, i, g);
-    for (int t = 0; t < n; t++) dst[t] = kvlab_log_scale(codes[t], centre);
+    int t = 0;
+#if defined(__AVX512F__)
+    /* kvlab_log_scale sixteen codes at a time: the step 2^((e mod 16)/16) a lookup in one register, floor(e / 16)
+     * an arithmetic shift, the power of two's bits built, code 0 -> 0 (the same floats) */
+    const __m512 steps = _mm512_loadu_ps(KVLAB_LOG_STEP_POWERS);
+    const __m512i base = _mm512_set1_epi32((int)lrintf(centre * LOG_NORM_STEPS) - LOG_NORM_ZERO);
+    for (; t + 16 <= n; t += 16) {
+        const __m512i code = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + t)));
+        const __m512i e = _mm512_add_epi32(code, base);
+        const __m512i octave = _mm512_max_epi32(_mm512_min_epi32(_mm512_srai_epi32(e, 4), _mm512_set1_epi32(127)), _mm512_set1_epi32(-126));
+        const __m512 power = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(octave, _mm512_set1_epi32(127)), 23));
+        const __m512 value = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(e, _mm512_set1_epi32(15)), steps), power);
+        _mm512_storeu_ps(dst + t, _mm512_maskz_mov_ps(_mm512_test_epi32_mask(code, code), value));
+    }
+#endif
+    for (; t < n; t++) dst[t] = kvlab_log_scale(codes[t], centre);
 }
 
 /* -- kvlab_tq_read (tqcodes.h): one KV head's coded keys read by a few queries ------------------------------------- */
@@ -678,6 +756,8 @@ void kvlab_tq_read(const TqHead *h, const int32_t *table, int64_t k0, int64_t k1
     const int64_t block_rows = C->block_rows;
     float *scores = scratch, *k_scale = scores + (int64_t)nq * TQ_READ_KEYS, *v_scale = k_scale + TQ_READ_KEYS;
     float *qpad = v_scale + TQ_READ_KEYS, *acc = qpad + (int64_t)nq * dpad, *tile = acc + (int64_t)nq * dpad;
+    float factor[CB_MAX_DIM];        /* +prerope: each channel's sign and weight */
+    if (h->pre) prerope_factor(h->pre, d, factor);
     for (int i = 0; i < nq; i++) {   /* the queries dpad apart, zero past d; their sums */
         memcpy(qpad + (int64_t)i * dpad, queries + (i / group) * row_stride + (int64_t)(i % group) * d, sizeof(float) * (size_t)d);
         memset(qpad + (int64_t)i * dpad + d, 0, sizeof(float) * (size_t)(dpad - d));
@@ -698,6 +778,13 @@ void kvlab_tq_read(const TqHead *h, const int32_t *table, int64_t k0, int64_t k1
                 if (h->pre) {   /* dpad == d (+prerope takes d a multiple of 16) */
                     PreRope sub = *h->pre;
                     sub.cos_ += (t + r0) * d, sub.sin_ += (t + r0) * d;
+#ifdef HAVE_PREROPE_SCORES
+                    if (count == 16 && d == 64 && sub.signs) {   /* rebuilt in registers, scored by every query */
+                        prerope_scores(tile, factor, k_scale + j0 + r0, sub.offset, sub.cos_, sub.sin_, qpad, dpad, nq,
+                                       scores + j0 + r0, TQ_READ_KEYS);
+                        continue;
+                    }
+#endif
                     kvlab_prerope_rebuild(tile, count, d, &sub, k_scale + j0 + r0);
                 }
                 for (int i = 0; i < nq; i++)
@@ -712,10 +799,12 @@ void kvlab_tq_read(const TqHead *h, const int32_t *table, int64_t k0, int64_t k1
         const int a = lo[i] > k0 ? (int)(lo[i] - k0) : 0, b = hi[i] < k1 ? (int)(hi[i] - k0) : n;
         float top = -INFINITY, total = 0.0f;
         if (a < b) {
-            for (int j = a; j < b; j++) {
-                s[j] *= h->pre ? h->scale : k_scale[j] * h->scale;
-                top = s[j] > top ? s[j] : top;
-            }
+            const float scale = h->scale;
+            if (h->pre)
+                for (int j = a; j < b; j++) s[j] *= scale;
+            else
+                for (int j = a; j < b; j++) s[j] *= k_scale[j] * scale;
+            top = kvlab_row_max(s + a, b - a);
             total = exp_shifted(s + a, b - a, top);
             for (int j = a; j < b; j++) s[j] *= v_scale[j];
         }
