@@ -749,6 +749,15 @@ SECTIONS = [
         Table("tq_read_decode_ab.json", ab_runs,
               note="The fused decode step's coded chunks through the same kvlab_tq_read (a single cache is one long "
                    "block, read from its codes in registers as before): single-sequence decode within the noise."),
+        Table("prerope_scores_decode_ab.json", ab_runs,
+              note="TurboQuant's +prerope keys (the tq4 and tq3 presets) rebuilt in registers and scored by every query "
+                   "head of the group in the same pass (prerope_scores16), where before each tile of keys was rebuilt "
+                   "into memory (the compiler kept the Hadamard's blocks on the stack) and then scored query by query; "
+                   "+norms8 scales decoded sixteen at a time. The same bits (logits of 6 fused steps after a 700-token "
+                   "prompt equal before and after for tq4, tq3 and tq-k4v4+prerope). tq4 and tq3 1.16-1.23x faster at "
+                   "4k-8k tokens, still 0.59x dense-f16 at 8k: the step is compute-bound on this CPU (about one 512-bit "
+                   "operation per cycle), and a pre-RoPE key costs a Hadamard transform and RoPE per key on top of the "
+                   "decode and the dots.", bare=()),
         Table("one_read_decode_ab.json", ab_runs,
               note="The fused decode step's dense chunks through kvlab_dense_read and its integer chunks through "
                    "kvlab_int_attend, the reads the serving pool and the single cache's module path use: dense is the "
