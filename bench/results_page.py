@@ -758,6 +758,9 @@ SECTIONS = [
                    "4k-8k tokens, still 0.59x dense-f16 at 8k: the step is compute-bound on this CPU (about one 512-bit "
                    "operation per cycle), and a pre-RoPE key costs a Hadamard transform and RoPE per key on top of the "
                    "decode and the dots.", bare=()),
+        Table("prerope_scores_decode_2threads_ab.json", ab_runs,
+              note="The same change at 2 threads: tq4 1.24x at 8k tokens; at 4k 1.12x, where dense-f16, which the change "
+                   "does not touch, moved 1.10x between rounds (noise).", bare=()),
         Table("one_read_decode_ab.json", ab_runs,
               note="The fused decode step's dense chunks through kvlab_dense_read and its integer chunks through "
                    "kvlab_int_attend, the reads the serving pool and the single cache's module path use: dense is the "
