@@ -634,7 +634,9 @@ SECTIONS = [
               "--repeats 2 --steps 16 --out bench/results/decode_presets_1thread.json",
               "The presets against the bare method, on an AMD EPYC (the older tables here ran on a Xeon, where "
               "`tq-k4v4` led `dense-f16` 1.2-1.3x from 4k tokens): `tq4` and `tq3` rebuild each key before RoPE "
-              "(decode, a Hadamard transform, a scale, RoPE), which makes the read compute-bound; `tq3`'s 3-bit "
+              "(decode, a Hadamard transform, a scale, RoPE; in registers, each key scored by every query head of its "
+              "group in the same pass), which makes the read compute-bound; the 4.125-bit layout's 8 channels at 5 "
+              "bits are a second part read on their own (`tq-k4v4+prerope+sink1` steps 13% faster than `tq4` at 4k); `tq3`'s 3-bit "
               "codes in blocks of 4 are read in registers (3.6x faster at 4k than the per-block loop before, old and new alternated on this machine).",
               read_share=True, bare=()),
         Table("decode_contexts_2threads.json", decode_contexts,
