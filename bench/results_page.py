@@ -636,7 +636,7 @@ SECTIONS = [
               "`tq-k4v4` led `dense-f16` 1.2-1.3x from 4k tokens): `tq4` and `tq3` rebuild each key before RoPE "
               "(decode, a Hadamard transform, a scale, RoPE; in registers, each key scored by every query head of its "
               "group in the same pass), which makes the read compute-bound; the 4.125-bit layout's 8 channels at 5 "
-              "bits are a second part read on their own (`tq-k4v4+prerope+sink1` steps 13% faster than `tq4` at 4k); `tq3`'s 3-bit "
+              "bits are a second part, read on its own, which costs time too; `tq3`'s 3-bit "
               "codes in blocks of 4 are read in registers (3.6x faster at 4k than the per-block loop before, old and new alternated on this machine).",
               read_share=True, bare=()),
         Table("decode_contexts_2threads.json", decode_contexts,
