@@ -470,18 +470,19 @@ REBUILD_INLINE void rebuild_row(const float *y, int d, const __m512 *sign, const
     for (int b = 0; b < blocks; b++) v[b] = _mm512_fmadd_ps(v[b], sign[1], _mm512_permute_ps(v[b], 0x4e));
     for (int b = 0; b < blocks; b++) v[b] = _mm512_fmadd_ps(v[b], sign[2], _mm512_shuffle_f32x4(v[b], v[b], 0xb1));
     for (int b = 0; b < blocks; b++) v[b] = _mm512_fmadd_ps(v[b], sign[3], _mm512_shuffle_f32x4(v[b], v[b], 0x4e));
-    if (blocks == 4) {                             /* pairs of blocks 1 apart, then 2 apart, spelled out (d = 64) */
+    if (blocks == 4) {   /* pairs of blocks 1 apart, then 2 apart, spelled out: GCC keeps the loop's blocks on the stack */
         const __m512 a = _mm512_add_ps(v[0], v[1]), b = _mm512_sub_ps(v[0], v[1]);
         const __m512 c = _mm512_add_ps(v[2], v[3]), e = _mm512_sub_ps(v[2], v[3]);
         v[0] = _mm512_add_ps(a, c), v[2] = _mm512_sub_ps(a, c), v[1] = _mm512_add_ps(b, e), v[3] = _mm512_sub_ps(b, e);
-    } else
-    for (int h = 1; h < blocks; h *= 2)            /* pairs of blocks h apart */
-        for (int i = 0; i < blocks; i += 2 * h)
-            for (int j = i; j < i + h; j++) {
-                const __m512 a = v[j], c = v[j + h];
-                v[j] = _mm512_add_ps(a, c);
-                v[j + h] = _mm512_sub_ps(a, c);
-            }
+    } else {
+        for (int h = 1; h < blocks; h *= 2)        /* pairs of blocks h apart */
+            for (int i = 0; i < blocks; i += 2 * h)
+                for (int j = i; j < i + h; j++) {
+                    const __m512 a = v[j], c = v[j + h];
+                    v[j] = _mm512_add_ps(a, c);
+                    v[j + h] = _mm512_sub_ps(a, c);
+                }
+    }
     const __m512 s = _mm512_set1_ps(scale);
     for (int b = 0; b < blocks; b++) {
         const __m512 f = _mm512_mul_ps(_mm512_loadu_ps(factor + 16 * b), s);
@@ -557,10 +558,10 @@ static void prerope_scores(const float *rows, const float *factor, const float *
 /* rows (count, d) of decoded ŷ -> the keys as TurboQuantCache._keys rebuilds them, in place: k = (ŷ Mᵀ · scale) ⊙ w
  * + μ, then RoPE at the row's position (row r: pre->cos_/sin_ + r * d, its scale scale[r]). ŷ Mᵀ is a Hadamard
  * transform and a sign per channel where M is a randomized Hadamard (pre->signs), the d x d product otherwise; the
- * signs and weights are one factor per channel. Also paged.c's, for pre-RoPE blocks of the serving pool. */
-void kvlab_prerope_rebuild(float *rows, int count, int d, const PreRope *pre, const float *scale) {
-    float key[CB_MAX_DIM], factor[CB_MAX_DIM];
-    prerope_factor(pre, d, factor);
+ * signs and weights are one factor per channel (prerope_factor). kvlab_tq_read's tiles that prerope_scores does not
+ * take (a block's last rows, head dims other than 64, builds without AVX-512). */
+static void prerope_rebuild(float *rows, int count, int d, const PreRope *pre, const float *factor, const float *scale) {
+    float key[CB_MAX_DIM];
 #if defined(__AVX512F__)
     if (pre->signs && d % 32 == 0) {
         rebuild_hadamard_rows(rows, count, d, factor, scale, pre->offset, pre->cos_, pre->sin_);
@@ -785,7 +786,7 @@ void kvlab_tq_read(const TqHead *h, const int32_t *table, int64_t k0, int64_t k1
                         continue;
                     }
 #endif
-                    kvlab_prerope_rebuild(tile, count, d, &sub, k_scale + j0 + r0);
+                    prerope_rebuild(tile, count, d, &sub, factor, k_scale + j0 + r0);
                 }
                 for (int i = 0; i < nq; i++)
                     tile_scores(qpad + (int64_t)i * dpad, tile, count, d, dpad, scores + (int64_t)i * TQ_READ_KEYS + j0 + r0);

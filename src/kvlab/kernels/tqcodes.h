@@ -52,10 +52,6 @@ typedef struct {                   /* +prerope: how coded keys are rebuilt, then
     const float *cos_, *sin_;      /* (rows, d) of the rows' positions, as rope() takes them */
 } PreRope;
 
-/* rows (count, d) of decoded codebook values ŷ -> pre-RoPE coded keys rebuilt and turned to their positions, in place:
- * (ŷ Mᵀ · scale[r]) ⊙ w + μ, then RoPE with row r's cos/sin (TurboQuantCache._keys) */
-void kvlab_prerope_rebuild(float *rows, int count, int d, const PreRope *pre, const float *scale);
-
 /* -- reading one KV head's codes: the one read of a TurboQuant layer ------------------------------------------------ */
 #define TQ_READ_KEYS 256           /* keys of one kvlab_tq_read call, at most (a work item of a long context) */
 typedef struct {                   /* KV head g of a coded layer as a read sees it */
