@@ -224,7 +224,7 @@ def test_sliding_layers_keep_and_return_what_transformers_does(name):
 def test_bad_names_and_refused_operations_fail_with_one_line():
     config = llama_config()
     for name, words in (("tq9", "width"), ("int4+bogus", "unknown option"), ("fp16", "unknown cache"), ("none", "keeps nothing"),
-                        ("tq-k4v4+prerope", "keys after RoPE"), ("tq4+prerope", "keys after RoPE"), ("tq-k4v4+alloc", "no recipe"), ("tq-k4v4+halloc", "spell the recipe")):
+                        ("tq-k4v4+prerope", "keys after RoPE"), ("tq4+prerope", "keys after RoPE"), ("tq-k4v4+ropemean", "keys after RoPE"), ("tq-k4v4+alloc", "no recipe"), ("tq-k4v4+halloc", "spell the recipe")):
         with pytest.raises(ConfigError, match=words) as error:
             KVLabCache.from_name(name, config)
         assert "\n" not in str(error.value)

@@ -1,4 +1,5 @@
-"""TurboQuant key-coding options: +prerope (keys coded before RoPE) and +rot=haar (a shared Haar basis)."""
+"""TurboQuant key-coding options: +prerope (keys coded before RoPE), +ropemean (keys after RoPE around their offset
+turned to their positions) and +rot=haar (a shared Haar basis)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def rope_at(x: torch.Tensor, start: int) -> torch.Tensor:
     return apply_rope(x, angles.cos(), angles.sin())
 
 
-@pytest.mark.parametrize("name", ["tq-k4v4+prerope", "tq-k3v3+prerope+sink2", "tq-k4v4+prerope+recent8"])
+@pytest.mark.parametrize("name", ["tq-k4v4+prerope", "tq-k3v3+prerope+sink2", "tq-k4v4+prerope+recent8",
+                                  "tq-k4v4+ropemean", "tq-k3v3+ropemean+sink2+recent8+norms8"])
 def test_attention_is_exact_to_the_stored_keys(name):
     check_attend_is_exact_to_storage(name, ROPED)
     check_attend_is_exact_to_storage(name, ROPED, attend_first=True)
@@ -39,11 +41,31 @@ def test_bytes_are_the_formula_and_the_frequencies_are_counted():
     plain = expected_nbytes("tq-k4v4", ROPED, torch.bfloat16, 10)
     assert expected_nbytes("tq-k4v4+prerope", GEOMETRY, torch.bfloat16, 10) == plain + 32 * 4   # d/2 float32
     assert make_cache("tq-k4v4+prerope", ROPED).config.name == "tq-k4v4+prerope"
+    check_nbytes("tq-k4v4+ropemean+sink1", ROPED)
+    assert expected_nbytes("tq-k4v4+ropemean", GEOMETRY, torch.bfloat16, 10) == plain + 32 * 4
 
 
 def test_without_the_models_rope_frequencies_it_is_a_one_line_error():
     with pytest.raises(ConfigError, match="prerope needs the model's RoPE frequencies"):
         make_cache("tq-k4v4+prerope", GEOMETRY)
+    with pytest.raises(ConfigError, match="ropemean needs the model's RoPE frequencies"):
+        make_cache("tq-k4v4+ropemean", GEOMETRY)
+    for name, problem in (("tq-k4v4+ropemean+prerope", "two ways to code keys around RoPE"),
+                          ("tq-k4v4+ropemean+outliers1", "without \\+outliersN")):
+        with pytest.raises(ConfigError, match=problem):
+            make_cache(name, ROPED)
+
+
+def test_ropemean_weights_keys_per_rope_pair():
+    """RoPE turns (k - μ)/w like k - μ only where both channels of a pair share their weight."""
+    gen = torch.Generator().manual_seed(2)
+    cache = make_cache("tq-k4v4+ropemean", ROPED)
+    scales = torch.linspace(0.2, 3.0, 64)                                      # channels of unequal energy
+    cache.append(0, torch.randn(1, 2, 40, 64, generator=gen) * scales, torch.randn(1, 2, 40, 64, generator=gen))
+    cache.attend(0, torch.randn(1, 6, 40, 64, generator=gen))
+    weights = cache._key_weights(0)[:, :, 0]                                   # (B, Hkv, d)
+    torch.testing.assert_close(weights[..., :32], weights[..., 32:], rtol=0, atol=0)
+    assert len(weights.unique()) > 2
 
 
 def test_a_common_key_direction_turned_by_rope_is_coded_far_better_before_rope():
@@ -52,7 +74,7 @@ def test_a_common_key_direction_turned_by_rope_is_coded_far_better_before_rope()
     gen = torch.Generator().manual_seed(4)
     common = 3 * torch.randn(1, 2, 1, 64, generator=gen)
     errors = {}
-    for name in ("tq-k4v4", "tq-k4v4+prerope"):
+    for name in ("tq-k4v4", "tq-k4v4+prerope", "tq-k4v4+ropemean"):
         cache = make_cache(name, ROPED)
         keys, start = [], 0
         for T in (40, 1, 1, 20):
@@ -67,6 +89,7 @@ def test_a_common_key_direction_turned_by_rope_is_coded_far_better_before_rope()
         gen = torch.Generator().manual_seed(4)
         common = 3 * torch.randn(1, 2, 1, 64, generator=gen)
     assert errors["tq-k4v4+prerope"] < errors["tq-k4v4"] / 2, errors
+    assert errors["tq-k4v4+ropemean"] < errors["tq-k4v4"] / 2, errors
 
 
 @pytest.fixture(scope="module")
@@ -77,17 +100,18 @@ def model():
     return tiny_model(seed=3, n_heads=4, n_kv_heads=2, d_model=256, max_seq_len=SEQ)
 
 
-def test_later_tokens_never_change_earlier_logits(model):
+@pytest.mark.parametrize("name", ["tq-k4v4+prerope", "tq-k4v4+ropemean+sink1"])
+def test_later_tokens_never_change_earlier_logits(model, name):
     tokens = two_sequences()
-    a = chunked_logits(model, tokens[:1], "tq-k4v4+prerope", CHUNKS)
-    b = chunked_logits(model, tokens[1:], "tq-k4v4+prerope", CHUNKS)
+    a = chunked_logits(model, tokens[:1], name, CHUNKS)
+    b = chunked_logits(model, tokens[1:], name, CHUNKS)
     assert torch.equal(a[:, :SAME], b[:, :SAME]) and not torch.equal(a[:, SAME:], b[:, SAME:])
     geometry = CacheGeometry.for_model(model.config, 1, 16)
     assert geometry.rope_inv_freq is not None and len(geometry.rope_inv_freq) == model.config.head_dim // 2
 
 
 @pytest.mark.parametrize("kernel", [True, False], ids=["C", "torch"])
-@pytest.mark.parametrize("name", ["tq-k4v4+prerope", "tq-k3v3+prerope+sink2+recent8"])
+@pytest.mark.parametrize("name", ["tq-k4v4+prerope", "tq-k3v3+prerope+sink2+recent8", "tq-k4v4+ropemean+sink1"])
 def test_prerope_scores_a_key_chunk_at_a_time(name, kernel, monkeypatch):
     """Keys rebuilt, turned by RoPE and scored == dense attention over the whole stored K/V. In C (the one read of
     TurboQuant codes, kernels/paged.c) nothing is decoded into torch tensors; the torch path (one pass: ATTEND_ROWS out
@@ -121,7 +145,8 @@ def test_prerope_scores_a_key_chunk_at_a_time(name, kernel, monkeypatch):
 
 @pytest.mark.parametrize("kernel", [True, False], ids=["C", "torch"])
 @pytest.mark.parametrize("name, window", [("tq-k4v4+prerope", None), ("tq-k3v3+prerope+sink3+recent8", 11), ("tq-k4v4+prerope+qjl+sink1", None),
-                                          ("tq-k4v4+outliers2", None), ("tq-k3v3+prerope+sink1+outliers2+recent8", None)])
+                                          ("tq-k4v4+outliers2", None), ("tq-k3v3+prerope+sink1+outliers2+recent8", None),
+                                          ("tq-k4v4+ropemean+sink1", None), ("tq-k3v3+ropemean+recent8", 11)])
 def test_prerope_long_chunks_in_spans_equal_one_pass(name, window, kernel, monkeypatch):
     """+prerope (and +outliersN, keys rebuilt with their outliers) reads spans like the other widths: blocks of ≤ 45
     rows × spans of ≤ 32 keys == the one-pass read."""
@@ -197,7 +222,8 @@ def test_the_haar_basis_follows_the_seed():
 
 
 @pytest.mark.parametrize("name, window", [("tq4", None), ("tq3", 24), ("tq4+recent8", None), ("tq3+recent8+sink3", 24),
-                                          ("tq-k4v4+prerope+sink1+halloc=k534453v453354", None)])
+                                          ("tq-k4v4+prerope+sink1+halloc=k534453v453354", None),
+                                          ("tq-k4v4+ropemean+sink1+norms8+kscale=lsq+vscale=lsq", 24)])
 def test_the_presets_read_in_c_like_the_torch_path(name, window):
     """The presets' coded tokens read through the one C read (kernels/paged.c kvlab_tq_attention: each batch row's
     one block, keys rebuilt before RoPE, +norms8 scales, the sink and recent window merged by log-sum-exp) == the

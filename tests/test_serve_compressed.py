@@ -41,7 +41,8 @@ from .test_serve_engine import ids_of
 #: more than any near-tie allowance (seen on SmolLM2: the first token of a 41-token prompt parts, gap 1.4 of 29)
 #: a +halloc recipe for SmolLM2's 30 layers x 3 KV heads (90 units): keys alternate 3 and 5 bits, values 4
 HALLOC = "tq-k4v4+prerope+halloc=k" + "35" * 45 + "v" + "4" * 90 + "+sink1"
-FORMATS = ["int8", "int4", "tq-k4v4", "tq-k3v3", "tq-k4v4+prerope", "tq-k4v4+prerope+sink1", HALLOC]
+FORMATS = ["int8", "int4", "tq-k4v4", "tq-k3v3", "tq-k4v4+prerope", "tq-k4v4+prerope+sink1", "tq-k4v4+ropemean+sink1",
+           HALLOC]
 
 
 def single_cache(engine: Engine, geometry: CacheGeometry):
@@ -137,6 +138,9 @@ CASES = [  # format, block size, query heads, KV heads, sliding window, C path (
     # the first tokens exact beside the blocks (sinks.py), merged with the coded keys' softmax
     ("tq-k4v4+sink1", 16, 9, 3, None, False), ("tq-k4v4+sink1", 16, 9, 3, None, True), ("tq-k4v4+prerope+sink2", 8, 4, 1, 7, True),
     ("tq-k4v4+prerope+sink2", 8, 4, 1, 7, False),
+    # keys after RoPE around their offset turned to each position, read on the codes plus the offset's term
+    ("tq-k4v4+ropemean", 16, 9, 3, None, False), ("tq-k4v4+ropemean", 16, 9, 3, None, True),
+    ("tq-k3v3+ropemean+sink2+norms8", 8, 4, 1, 7, True), ("tq-k4v4+ropemean+sink1", 16, 4, 2, None, False),
     ("tq-k3v3+prerope+sink1+norms8", 16, 4, 2, None, True), ("tq-k4v3+qjl+sink3", 8, 4, 2, None, True),
     # a width per KV head (+halloc): the heads' codes side by side in a token's row, each read with its own layout
     ("tq-k4v4+halloc=k354v444", 16, 9, 3, None, False), ("tq-k4v4+halloc=k354v444", 16, 9, 3, None, True),

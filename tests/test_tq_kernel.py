@@ -24,7 +24,7 @@ from kvlab.rope import apply_rope
 
 from .kernel_checks import one_thread, require_kernel  # noqa: F401  (one_thread: autouse)
 
-NAMES = ["tq-k4v4", "tq-k3v3", "tq4", "tq-k4v4+prerope+sink1", "tq-k3v3+vq+norms8", "tq-k4.25v4+prerope+norms8",
+NAMES = ["tq-k4v4", "tq-k3v3", "tq4", "tq-k4v4+prerope+sink1", "tq-k4v4+ropemean+sink1+norms8+kscale=lsq", "tq-k3v3+vq+norms8", "tq-k4.25v4+prerope+norms8",
          "tq-k4v4+halloc=k3553v4444", "tq-k3v3+prerope+rot=haar+kweights=none", "tq-k4v3+alloc=k53v24+bf16norms"]
 N_TOKENS = 40
 
@@ -56,7 +56,8 @@ def reference(codec, layer: int, k: torch.Tensor, v: torch.Tensor, rope) -> dict
     """TurboQuantCache's codes and stored scales of k, v (n, Hkv, d): {name: (n, Hkv[, bytes])}."""
     if rope is not None:
         k = apply_rope(k, rope[0][:, None], -rope[1][:, None])
-    coded = codec.stored_scales(layer, codec.code(layer, k.transpose(0, 1)[None], v.transpose(0, 1)[None]))
+    turn = rope if codec.config.rope_mean else None                          # (n, d) cos, sin: turned forward again
+    coded = codec.stored_scales(layer, codec.code(layer, k.transpose(0, 1)[None], v.transpose(0, 1)[None], turn))
     return {name: coded[name][0].transpose(0, 1) for name in ("k_codes", "k_norm", "v_codes", "v_norm")}
 
 
@@ -102,7 +103,7 @@ def test_c_coder_writes_what_torch_codes(kernel, name, block_rows):
         k = torch.randn(N_TOKENS, H, d, generator=gen) * 3 + 1.0
         v = torch.randn(N_TOKENS, H, d, generator=gen)
         rope = None
-        if codec.config.pre_rope:
+        if codec.config.turns_keys:
             positions = torch.randint(0, 500, (N_TOKENS,), generator=gen)
             cos, sin = codec.position_rope(0, 500)                                # (500, d) each
             rope = cos[positions], sin[positions]

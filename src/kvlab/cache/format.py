@@ -28,6 +28,9 @@ The grammar (a name always tells the bytes it costs):
                                         per channel per layer and KV head)
              | "prerope"                (tq) keys coded before RoPE, RoPE applied when reading
                                         (KVQuant; + the d/2 float32 RoPE frequencies per cache)
+             | "ropemean"               (tq) keys coded after RoPE around their offset turned to their
+                                        position: +prerope's offset and pair-wise weights, read on the
+                                        codes (+ the d/2 float32 RoPE frequencies per cache)
              | "rot=" R                 (tq) rotation: hadamard (default: randomized Hadamard for powers
                                         of two) or haar (per layer Q·diag(s), one d×d float32 Q per cache)
              | "alloc" [N]              (tq) a key and a value width per layer (W-N..W+N, N = 1 (default)
@@ -200,6 +203,7 @@ class CacheSpec:
     center: str = "k"
     key_weights: bool = True
     pre_rope: bool = False
+    rope_mean: bool = False
     rotation: str = "hadamard"
     alloc: int = 0
     key_alloc: tuple[int, ...] = ()
@@ -240,6 +244,10 @@ class CacheSpec:
             raise ConfigError("+vq codes the Lloyd-Max part in blocks; use it without +qjl")
         if self.outliers < 0:
             raise ConfigError(f"+outliersN keeps N ≥ 1 key entries per vector, got {self.outliers}")
+        if self.rope_mean and self.pre_rope:
+            raise ConfigError("+ropemean and +prerope are two ways to code keys around RoPE; use one")
+        if self.rope_mean and self.outliers:
+            raise ConfigError("+ropemean codes whole keys turned to their positions; use it without +outliersN")
         if self.norm_dtype not in ("float16", "bfloat16"):
             raise ConfigError(f"TurboQuant norms are 16-bit floats, got {self.norm_dtype}")
         if not self.alloc:
@@ -445,7 +453,7 @@ class CacheSpec:
         fixed += len(self.center) * n_layers * g.batch * g.n_kv_heads * d * OFFSET_BYTES
         if self.key_weights:
             fixed += n_layers * g.batch * g.n_kv_heads * packed_nbytes(d, WEIGHT_BITS)
-        if self.pre_rope:
+        if self.pre_rope or self.rope_mean:
             fixed += d // 2 * 4                                                   # float32 RoPE frequencies
         if self.log_norms:
             fixed += 2 * n_layers * g.batch * g.n_kv_heads * 2                    # float16 K and V centres per head
@@ -621,6 +629,7 @@ def _write_alloc(s: CacheSpec) -> str:
 OPTIONS = [
     Option(r"qjl", _TQ, _flag("qjl"), lambda s: "+qjl" if s.qjl else "", "qjl"),
     Option(r"prerope", _TQ, _flag("pre_rope"), lambda s: "+prerope" if s.pre_rope else "", "prerope"),
+    Option(r"ropemean", _TQ, _flag("rope_mean"), lambda s: "+ropemean" if s.rope_mean else "", "ropemean"),
     Option(r"rot=(hadamard|haar)", _TQ, lambda m, name, st: {"rotation": m.group(1)},
            lambda s: "+rot=haar" if s.rotation == "haar" else "", "rot={}", ("hadamard", "haar")),
     Option(r"vq", _TQ, _flag("vector"), lambda s: "+vq" if s.vector else "", "vq"),
@@ -658,7 +667,7 @@ _OPTION_FIELDS = [f for f in fields(CacheSpec) if f.name not in ("base", "storag
 _UNKNOWN_OPTION = {
     "int": "unknown option {option!r} in cache {name!r}; integer caches take +gN, +recentN, +fp-first-last",
     "tq": ("unknown option {option!r} in cache {name!r}; TurboQuant caches take +qjl, +recentN, +fp-first-last, "
-           "+center=C, +kweights=none, +prerope, +rot=R, +vq, +norms8, +alloc[N][=recipe], +halloc[N][=recipe], "
+           "+center=C, +kweights=none, +prerope, +ropemean, +rot=R, +vq, +norms8, +alloc[N][=recipe], +halloc[N][=recipe], "
            "+outliersN, +kscale=M, +vscale=M, +bf16norms, +seedN"),
 }
 
@@ -675,9 +684,9 @@ REFUSALS: list[tuple[str, Callable[[CacheSpec, int | None], bool], str]] = [
      "cache 'none' keeps nothing between forward passes; a transformers cache must (use dense, int8, tq4, ...)"),
     ("transformers", lambda s, bs: s.base == "dense" and bool(s.storage),
      "cache {name}: transformers reads K/V in the model's dtype; use dense (or the model's dtype)"),
-    ("transformers", lambda s, bs: s.pre_rope,
-     "cache {name}: +prerope codes keys before RoPE, but transformers hands a cache keys after RoPE; use it in kvlab's "
-     "own engine, or drop +prerope"),
+    ("transformers", lambda s, bs: s.pre_rope or s.rope_mean,
+     "cache {name}: +prerope and +ropemean turn keys by their positions, but transformers hands a cache keys after RoPE "
+     "without them; use it in kvlab's own engine, or drop the option"),
     ("transformers", lambda s, bs: bool(s.alloc) and not s.key_alloc,
      "cache {name} has no recipe: kvlab's engine calibrates +alloc/+halloc for its model; in transformers spell the "
      "recipe out (+alloc=k<digits>v<digits>, as `kvlab eval` prints it)"),
@@ -696,10 +705,10 @@ REFUSALS: list[tuple[str, Callable[[CacheSpec, int | None], bool], str]] = [
     ("pool", lambda s, bs: bs is not None and s.base == "int" and bool(bs % s.pool_group(bs)),
      "block format {name}: the key group of {group} tokens must divide the block size of {block_size} (use "
      "+g{block_size} or a block size that is a multiple)"),
-    ("layered-pool", lambda s, bs: s.base == "tq" and (s.pre_rope or bool(s.full.sink) or bool(s.alloc)),
+    ("layered-pool", lambda s, bs: s.base == "tq" and (s.pre_rope or s.rope_mean or bool(s.full.sink) or bool(s.alloc)),
      "block format {name}: the serving pool of a model whose layers differ in kind (Gemma 3, Qwen3.5, Qwen3-Next) "
-     "holds TurboQuant blocks without +prerope, +sinkN or +alloc/+halloc (one codec over every layer group: its "
-     "layers differ in RoPE, and sink rows and recipes are per pool layer); use tq-k4v4, tq-k3v3, int8 or dense (the "
+     "holds TurboQuant blocks without +prerope, +sinkN or +alloc/+halloc, and without +ropemean (one codec over every "
+     "layer group: its layers differ in RoPE, and sink rows and recipes are per pool layer); use tq-k4v4, tq-k3v3, int8 or dense (the "
      "torch path runs {name} on these models: kvlab generate)"),
     ("fused", lambda s, bs: s.base in ("concat", "none"),
      "cache {name}: the fused decode step writes preallocated caches (the modules run it)"),

@@ -2,7 +2,8 @@
 and for the serving pool alike.
 
 `Coded` describes one layer: the codec's state (the rotation Π as a (d, d) matrix, float8 offsets, 4-bit key
-weights, each KV head's packing with its boundaries, the scale modes, +norms8 centres, +prerope's inverse rotation)
+weights, each KV head's packing with its boundaries, the scale modes, +norms8 centres, +prerope's inverse rotation,
++ropemean's flag)
 and where its codes and scales lie: in blocks (cache/blocks.py TqBlocks), codes (n_blocks, Hkv, block_rows, bytes)
 (+halloc: (n_blocks, 1, block_rows, Σ bytes)), scales (n_blocks, Hkv, block_rows); a single cache's sequence is one
 block of all its slots, a serving pool's blocks hold its block size each.
@@ -41,7 +42,8 @@ class Coded(ctypes.Structure):
                 ("weight_codes", c_void_p), ("fp8_values", c_void_p), ("weight_values", c_void_p),
                 ("rope_cos", c_void_p), ("rope_sin", c_void_p), ("unrotation", c_void_p), ("unrotation_signs", c_void_p),
                 ("block_rows", c_int64), ("block_bytes", c_int64 * 2), ("norm_head_stride", c_int64),
-                ("norm_block_stride", c_int64)]
+                ("norm_block_stride", c_int64), ("rope_mean", c_int32),
+                ("rope_steps", c_void_p)]
 
 
 def fp8_values() -> torch.Tensor:
@@ -81,7 +83,7 @@ class CodedLayers:
               slot_rope: tuple[torch.Tensor, torch.Tensor] | None = None, state_row: int = 0) -> Coded:
         """Layer `layer` of TurboQuantCache `codec` over `buffers` {k_codes, k_norm, v_codes, v_norm} in blocks =
         (n_blocks, block_rows), as TqBlocks holds a layer: codes (n_blocks, Hkv, block_rows, bytes), or +halloc
-        (n_blocks, 1, block_rows, Σ bytes), scales (n_blocks, Hkv, block_rows). slot_rope: +prerope's (slots, d) cos / sin
+        (n_blocks, 1, block_rows, Σ bytes), scales (n_blocks, Hkv, block_rows). slot_rope: +prerope's, +ropemean's (slots, d) cos / sin
         of each slot's position, which the fused step reads (None where the caller passes each token's own to
         code_tokens). state_row: the codec's batch row whose calibration (offsets, key weights, +norms8 centres) made
         the codes."""
@@ -127,10 +129,15 @@ class CodedLayers:
             self._tables = (self.ptr(fp8_values(), (256,), "float8 values", torch.float32, own=True),
                             self.ptr(weight_values(), (16,), "key weight values", torch.float32, own=True))
         c.fp8_values, c.weight_values = self._tables
+        if config.turns_keys and slot_rope is not None:
+            c.rope_cos = self.ptr(slot_rope[0], (slots, hd), "slot RoPE cos", torch.float32)
+            c.rope_sin = self.ptr(slot_rope[1], (slots, hd), "slot RoPE sin", torch.float32)
+        c.rope_mean = int(config.rope_mean)
+        if config.rope_mean:   # (16, d): row r = [cos rθ | sin rθ], the turn of r positions (the reads' 16-key tiles)
+            angles = torch.outer(torch.arange(16, dtype=torch.float32), codec.rope_inv_freq.float().cpu())   # (16, d/2)
+            steps = torch.cat((angles.cos(), angles.sin()), dim=-1).contiguous()
+            c.rope_steps = self.ptr(steps, (16, hd), f"{at} RoPE steps", torch.float32, own=True)
         if config.pre_rope:
-            if slot_rope is not None:
-                c.rope_cos = self.ptr(slot_rope[0], (slots, hd), "slot RoPE cos", torch.float32)
-                c.rope_sin = self.ptr(slot_rope[1], (slots, hd), "slot RoPE sin", torch.float32)
             if codec.rotations[layer].hadamard:   # Mᵀy = s ⊙ (H y)/√d: a Hadamard transform in C, not the d x d product
                 signs = codec.rotations[layer].signs.float() * hd ** -0.5                    # (D,) s/√d
                 c.unrotation_signs = self.ptr(signs, (hd,), f"{at} rotation signs", torch.float32, own=True)
@@ -172,8 +179,8 @@ class CodedLayers:
 
 def code_tokens(kernel, coded: Coded, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> bool:
-    """Code k, v (n, Hkv, d) (keys after RoPE) into slots (n,) of the layer `coded` describes; +prerope: rope, each
-    token's (n, d) cos / sin, turns its key back first. True when stored, False when a scale is not finite (the
+    """Code k, v (n, Hkv, d) (keys after RoPE) into slots (n,) of the layer `coded` describes; +prerope, +ropemean:
+    rope, each token's (n, d) cos / sin, turns its key back first (+ropemean: and its centred key forward again). True when stored, False when a scale is not finite (the
     caller's torch reference then names it)."""
     cos, sin = (None, None) if rope is None else (t.float().contiguous() for t in rope)
     status = kernel.tq_code_tokens(coded, k.float().contiguous(), v.float().contiguous(), slots.to(torch.int64).contiguous(),

@@ -40,6 +40,15 @@ turns with the position (SmolLM2: the energy left after the offset is 0.22 of �
 post-RoPE, one window). The key weights then use each RoPE pair's mean query energy. Costs the
 d/2 float32 RoPE frequencies (the model's, from CacheGeometry.rope_inv_freq), counted.
 
+`+ropemean`: keys coded after RoPE around their offset turned to their position. The offset μ is +prerope's (the
+mean key before RoPE) and the key weights w are one per RoPE pair (each pair's mean energy, keys and queries), so
+RoPE commutes with them: the cache codes x = (k - R_t μ)/w = R_t((k_pre - μ)/w), R_t RoPE at the key's position t,
+and reads
+    scores_i = Π(q⊙w)·ŷ_i · ‖x_i‖c_i · scale  +  q·R_t μ · scale
+on the codes like the bare method, where q·R_t μ = Σ_j A_j cos(tθ_j) + B_j sin(tθ_j) over the d/2 RoPE pairs j
+(A_j = q_j μ_j + q_j' μ_j', B_j = q_j' μ_j - q_j μ_j', j' = j + d/2): a d-wide dot per key and query, where +prerope
+rebuilds and turns every key. The energy left to code is +prerope's. Costs the d/2 float32 RoPE frequencies, counted.
+
 `+rot=haar`: the per-layer rotations are Q·diag(s_l), Q one seeded Haar matrix shared by the layers
 (d² float32 per cache, counted) and s_l each layer's ±1 signs, instead of the randomized Hadamard
 (which misses the paper's worst-case bound for inputs along a basis vector).
@@ -162,6 +171,7 @@ class TurboQuantConfig:
     center: str = "k"                  # "", "k" or "kv": which of K/V get a per-layer, per-head offset (OFFSETS)
     key_weights: bool = True           # query-aware key channel weights (see the module docstring)
     pre_rope: bool = False             # keys coded before RoPE, RoPE applied when reading (+prerope)
+    rope_mean: bool = False            # keys coded after RoPE around their offset turned to their position (+ropemean)
     rotation: str = "hadamard"         # "hadamard" (randomized, powers of two) or "haar" (+rot=haar, shared Q)
     alloc: int = 0                     # +allocN: per-layer key / value widths within N bits of the base (allocation.py)
     key_alloc: tuple[int, ...] = ()    # the recipe's key widths, layer 0 first (): not spelled out yet
@@ -180,6 +190,12 @@ class TurboQuantConfig:
     def spec(self) -> CacheSpec:
         """This config as its format: the name, the bytes formula and the width arithmetic live there."""
         return CacheSpec.from_config(self)
+
+    @property
+    def turns_keys(self) -> bool:
+        """Keys turned back from their positions before the offset and weights (+prerope, +ropemean): coding needs
+        each key's position, and reads take the plain queries."""
+        return self.pre_rope or self.rope_mean
 
     @property
     def alloc_option(self) -> str:
@@ -475,9 +491,10 @@ class TurboQuantCache(CompressedCache):
             # the signs as 1-bit codes whose two centroids are -1 and +1, for the C kernels
             self.sign_layout = CodeLayout.of([(0, d, 1)], [torch.tensor([-1.0, 1.0])], packed_nbytes(d, 1))
         self.rope_inv_freq = None
-        if config.pre_rope:
+        if config.turns_keys:
             if g.rope_inv_freq is None or len(g.rope_inv_freq) != d // 2:
-                raise ConfigError("+prerope needs the model's RoPE frequencies (a cache geometry from CacheGeometry.for_model)")
+                option = "+prerope" if config.pre_rope else "+ropemean"
+                raise ConfigError(f"{option} needs the model's RoPE frequencies (a cache geometry from CacheGeometry.for_model)")
             self.rope_inv_freq = torch.tensor(g.rope_inv_freq, dtype=torch.float32, device=dev)  # (d/2,)
         # the coded tokens read in C (`_coded_read`): each (layer, batch row)'s Coded and step, made at its first read
         self._c_structs = CodedLayers("TurboQuant cache read")
@@ -565,13 +582,15 @@ class TurboQuantCache(CompressedCache):
         k, v, start = self._pending.pop(layer)
         B, Hkv, _, d = k.shape
         key_energy = (k.float() - self._key_offset(layer)).square().mean(dim=2)    # (B, Hkv, d) E[(k-μ)²]
+        if self.config.rope_mean:  # one weight per RoPE pair, so that RoPE turns the weighted key as the key
+            key_energy = _pair_mean(key_energy)
         if q is None:
             query_energy = torch.ones_like(key_energy)
         else:
             qg = q.float().reshape(B, Hkv, -1, d)                                      # (B, Hkv, G·T, d)
             query_energy = qg.square().mean(dim=2)                                     # (B, Hkv, d) E[q²]
-            if self.config.pre_rope:  # RoPE turns each pair (i, i+d/2) of the query: both see its mean
-                query_energy = (query_energy + query_energy.roll(d // 2, dims=-1)) / 2
+            if self.config.turns_keys:  # RoPE turns each pair (i, i+d/2) of the query: both see its mean
+                query_energy = _pair_mean(query_energy)
         log_w = 0.25 * (key_energy.clamp_min(_TINY).log2() - query_energy.clamp_min(_TINY).log2())
         log_w = log_w - log_w.mean(dim=-1, keepdim=True)                              # only ratios matter
         codes = (log_w * WEIGHT_STEPS).round() + WEIGHT_ZERO
@@ -590,7 +609,7 @@ class TurboQuantCache(CompressedCache):
 
     # -- storing ------------------------------------------------------------------------------------
     def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
-        if self.config.pre_rope:
+        if self.config.turns_keys:
             k = self._rope(k, start, inverse=True)                                # (B, H, T, d) keys before RoPE
         if layer in self._pending:  # a second chunk before the first was read: fix the weights now
             self._calibrate_and_store(layer, None)
@@ -607,7 +626,7 @@ class TurboQuantCache(CompressedCache):
 
     def _encode(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         end = start + k.shape[2]
-        coded = self.code(layer, k, v)
+        coded = self.code(layer, k, v, self.slot_rope(start, k.shape[2]) if self.config.rope_mean else None)
         if start == 0 and not self._given_centres:   # +norms8: the layer's first coded chunk sets its centres
             for name, centres in self.norm_centres.items():
                 centres[layer][:] = _log_centre(coded[name])
@@ -618,14 +637,21 @@ class TurboQuantCache(CompressedCache):
         """The per-token buffers: what `code` returns and `decode` reads."""
         return list(self.blocks.buffers)
 
-    def code(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
+    def code(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+             rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """What this cache stores for T tokens of `layer`, without storing it: k, v (B, H, T, d) ->
         {buffer name: (B, H, T[, bytes])} for each of `token_buffer_names()` (the serving pool writes them); with
-        +norms8 the scales stay float32 here (`_encode` codes them against the layer's centres)."""
+        +norms8 the scales stay float32 here (`_encode` codes them against the layer's centres). Keys before RoPE
+        with +prerope and +ropemean; +ropemean: rope, the tokens' cos, sin (T, d), turns them back to their positions
+        after the offset and weights."""
         rot = self.rotations[layer]
         centered = k.float() - self._key_offset(layer)                           # (B, H, T, d) k - μ
         weights = self._key_weights(layer)
         k = centered if weights is None else centered / weights
+        if self.config.rope_mean:                                                 # R_t((k - μ)/w) = (k_t - R_t μ)/w
+            if rope is None:
+                raise ConfigError("+ropemean codes keys at their positions: give code() their RoPE rows")
+            k = apply_rope(k, rope[0], rope[1])
         if self.v_offset:
             v = v.float() - self.v_offset[layer][:, :, None].float()
         out = {}
@@ -720,7 +746,7 @@ class TurboQuantCache(CompressedCache):
         """Keys of slots [lo, hi) of `layer`'s pending first chunk as attention reads them (after RoPE), (B, H, hi-lo, d)."""
         k, _, start = self._pending[layer]
         k = k[:, :, lo:hi].float()
-        return self._rope(k, start + lo) if self.config.pre_rope else k          # _store turned it back
+        return self._rope(k, start + lo) if self.config.turns_keys else k        # _store turned it back
 
     def _first_values(self, layer: int, lo: int, hi: int) -> torch.Tensor:
         return self._pending[layer][1][:, :, lo:hi].float()                       # (B, H, hi-lo, d)
@@ -728,7 +754,7 @@ class TurboQuantCache(CompressedCache):
     def _scores(self, layer: int, qg: torch.Tensor, n: int) -> torch.Tensor:
         if layer in self._pending:
             return (qg @ self._first_keys(layer, 0, n).transpose(-1, -2)) * self.scale   # (B, H, G·T, n)
-        if self.config.pre_rope:  # each key turns by its own position: score the rebuilt keys, a key chunk at a time
+        if self.config.turns_keys:  # each key turns by its own position: score the rebuilt keys, a key chunk at a time
             stored, step = self._buffers(layer), compressed.ATTEND_KEYS
             scores = qg.new_empty(*qg.shape[:3], n)                                # (B, H, G·T, n)
             for lo in range(0, n, step):
@@ -805,7 +831,7 @@ class TurboQuantCache(CompressedCache):
             return attend_with_lse(qg, self._first_keys(layer, lo, hi), self._first_values(layer, lo, hi), self.scale, mask)
         stored = self._buffers(layer)
         values = self._decoded(stored["v_codes"], self.layer_value_codes[layer], lo, hi) * stored["v_norm"][:, :, lo:hi, None].float()
-        if self.config.pre_rope or self.config.outliers:
+        if self.config.turns_keys or self.config.outliers:
             out, lse = attend_with_lse(qg, self._keys(layer, stored, lo, hi), values, self.scale, mask)  # (B, H, R, d), (B, H, R)
         else:
             keys = self._decoded(stored["k_codes"], self.layer_key_codes[layer], lo, hi)        # (B, H, n, d) codebook values
@@ -834,7 +860,7 @@ class TurboQuantCache(CompressedCache):
         G, n = rows // T, self._n_comp[layer]
         context = n + self._held(layer)                       # the last query's position, counted from the first coded
         read = min(T, context)                                # query rows at or after the first coded position
-        queries = qg if config.pre_rope else self._rotated_queries(layer, qg)        # (B, Hkv, G·T, d) as codes are read
+        queries = qg if config.turns_keys else self._rotated_queries(layer, qg)      # (B, Hkv, G·T, d) as C takes them
         queries = queries.reshape(B, Hkv, G, T, d)[:, :, :, T - read:]               # (B, Hkv, G, read, d)
         plain = qg.reshape(B, Hkv, G, T, d)[:, :, :, T - read:]
         out = qg.new_zeros(B, Hkv, G, T, d)
@@ -849,7 +875,7 @@ class TurboQuantCache(CompressedCache):
             row_lse = row_lse.reshape(read, Hkv, G).permute(1, 2, 0)                                # (Hkv, G, read)
             if self.v_offset:
                 o = o + self.v_offset[layer][b].float()[:, None, None]           # the output is normalized: Σp = 1
-            if self.k_offset and not config.pre_rope:   # q·μ·scale, the same for every coded key of a query
+            if self.k_offset and not config.turns_keys:   # q·μ·scale, the same for every coded key of a query
                 row_lse = row_lse + (plain[b] @ self.k_offset[layer][b].float()[:, None, :, None])[..., 0] * self.scale
             out[b, :, :, T - read:], lse[b, :, :, T - read:] = o, row_lse
         return out.reshape(B, Hkv, rows, d), lse.reshape(B, Hkv, rows)
@@ -859,7 +885,7 @@ class TurboQuantCache(CompressedCache):
         slot's RoPE) and its one-block table, made once: the buffers and the state they point at stay in place."""
         structs = self._c_reads.get((layer, row))
         if structs is None:
-            if self.config.pre_rope and self._c_slot_rope is None:   # (slots, d) cos, sin: every layer's
+            if self.config.turns_keys and self._c_slot_rope is None:   # (slots, d) cos, sin: every layer's
                 self._c_slot_rope = tuple(t.contiguous() for t in self.slot_rope(0, self.slots))
             coded = self._c_structs.layer(self, layer, self.blocks.layer(layer), (self.geometry.batch, self.slots),
                                           state_row=row)
@@ -885,11 +911,13 @@ class TurboQuantCache(CompressedCache):
         return self.code_kernel.decode(buffer, lo, hi - lo, codes.layout)
 
     def _keys(self, layer: int, stored: dict[str, torch.Tensor], lo: int, hi: int) -> torch.Tensor:
-        """Stored keys [lo, hi) as attention reads them (after RoPE with +prerope), (B, H, hi-lo, d) float32."""
+        """Stored keys [lo, hi) as attention reads them (after RoPE with +prerope, +ropemean), (B, H, hi-lo, d) float32."""
         k_rot = self._decoded(stored["k_codes"], self.layer_key_codes[layer], lo, hi)
         if self.config.qjl:
             k_rot = k_rot + self._qjl_term(stored, lo, hi)
         k = self.rotations[layer].invert(k_rot * stored["k_norm"][:, :, lo:hi].float()[..., None])
+        if self.config.rope_mean:   # (k - μ)/w before RoPE, which the weights (per pair) and the offset then meet
+            k = self._rope(k, lo, inverse=True)
         weights = self._key_weights(layer)
         if weights is not None:
             k = k * weights
@@ -897,7 +925,7 @@ class TurboQuantCache(CompressedCache):
             k = k + self.k_offset[layer][:, :, None].float()
         if self.config.outliers:
             k = k + self._sparse_keys(stored, lo, hi)                             # the kept entries, exact
-        return self._rope(k, lo) if self.config.pre_rope else k
+        return self._rope(k, lo) if self.config.turns_keys else k
 
     def _restore(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         if layer in self._pending:
@@ -985,6 +1013,8 @@ class TurboQuantCache(CompressedCache):
             fixed += f", 4-bit key channel weights per KV head ({packed_nbytes(d, WEIGHT_BITS)} B each)"
         if config.pre_rope:
             fixed += f"; keys coded before RoPE (per cache: {d // 2} float32 RoPE frequencies)"
+        if config.rope_mean:
+            fixed += f"; keys coded around their offset turned to their position (per cache: {d // 2} float32 RoPE frequencies)"
         if config.log_norms:
             fixed += "; a float16 log2 centre of the key and of the value scales per layer and KV head"
         if config.vector:
@@ -1011,6 +1041,11 @@ class TurboQuantCache(CompressedCache):
 #: Many query rows against a chunk of keys: decode the chunk in C into a transient and multiply (a GEMM beats
 #: a dot per row and query); few rows, or a span longer than a key chunk: read the codes row by row in C.
 DECODE_ROWS = 16
+
+
+def _pair_mean(energy: torch.Tensor) -> torch.Tensor:
+    """(..., d) per-channel energies -> each RoPE pair's (channels i and i + d/2) mean in both of its channels."""
+    return (energy + energy.roll(energy.shape[-1] // 2, dims=-1)) / 2
 
 
 def _decode_chunk(rows: int, keys: int) -> bool:

@@ -728,12 +728,104 @@ static void load_scales(const Coded *C, int i, int g, int64_t t0, int n, float *
     for (; t < n; t++) dst[t] = kvlab_log_scale(codes[t], centre);
 }
 
+/* -- +ropemean: each coded key's offset turned to its position (tqcodes.h KeyTurn) ---------------------------------- */
+void kvlab_tq_turn_coef(const float *q, const float *mu, int d, float scale, float *out) {
+    const int half = d / 2;
+    for (int j = 0; j < half; j++) {
+        out[j] = (q[j] * mu[j] + q[j + half] * mu[j + half]) * scale;
+        out[half + j] = (q[j + half] * mu[j] - q[j] * mu[j + half]) * scale;
+    }
+}
+
+/* out[i * TQ_READ_KEYS + j] = q_i . R_t μ for keys t = k0 + j < k0 + n: query i's [A | B] (T->coef, laid out as the
+ * queries) against key t's cos and sin (first halves). Sixteen keys from a key t0 at a time where AVX-512 is there: the
+ * coefficients turned once to t0 (A' = A cos t0θ + B sin t0θ, B' = B cos t0θ - A sin t0θ), then read against
+ * T->steps' rows r = [cos rθ | sin rθ] for keys t0 + r, which stay in L1 (the position rows of a long context do not:
+ * each key's would cost more bytes than its codes); the rest from the key's own rows. */
+#if defined(__AVX512F__)
+/* sixteen keys from row 0 of cos_/sin_ (the base) for nq (<= 4) queries' [A | B] (coef[i]), half = 16 * blocks, each
+ * query's partial sums folded as the keys come (key_scores_rows' tree) */
+REBUILD_INLINE void turn_scores16(const float *cos_, const float *sin_, const float *steps, int d, const float *const *coef,
+                                  const int nq, const int blocks, float *const *out) {
+    __m512 level[4][4];
+    __m512i lo[4], hi[4];
+    fold_indices(lo, hi);
+    const int half = 16 * blocks;
+    float turned[4][CB_MAX_DIM];   /* each query's [A' | B'] */
+    for (int i = 0; i < nq; i++)
+        for (int b = 0; b < blocks; b++) {
+            const __m512 c = _mm512_loadu_ps(cos_ + 16 * b), sn = _mm512_loadu_ps(sin_ + 16 * b);
+            const __m512 a = _mm512_loadu_ps(coef[i] + 16 * b), e = _mm512_loadu_ps(coef[i] + half + 16 * b);
+            _mm512_storeu_ps(turned[i] + 16 * b, _mm512_fmadd_ps(e, sn, _mm512_mul_ps(a, c)));
+            _mm512_storeu_ps(turned[i] + half + 16 * b, _mm512_fnmadd_ps(a, sn, _mm512_mul_ps(e, c)));
+        }
+    for (int r = 0; r < 16; r++) {
+        __m512 c[4], sn[4];
+        for (int b = 0; b < blocks; b++) {
+            c[b] = _mm512_loadu_ps(steps + (int64_t)r * d + 16 * b);
+            sn[b] = _mm512_loadu_ps(steps + (int64_t)r * d + half + 16 * b);
+        }
+        for (int i = 0; i < nq; i++) {
+            __m512 acc = _mm512_mul_ps(c[0], _mm512_loadu_ps(turned[i]));
+            acc = _mm512_fmadd_ps(sn[0], _mm512_loadu_ps(turned[i] + half), acc);
+            for (int b = 1; b < blocks; b++) {
+                acc = _mm512_fmadd_ps(c[b], _mm512_loadu_ps(turned[i] + 16 * b), acc);
+                acc = _mm512_fmadd_ps(sn[b], _mm512_loadu_ps(turned[i] + half + 16 * b), acc);
+            }
+            int step = 0;
+            for (; step < 4 && (r >> step & 1); step++) acc = fold(level[i][step], acc, lo[step], hi[step]);
+            if (step < 4) level[i][step] = acc;
+            else _mm512_storeu_ps(out[i], acc);
+        }
+    }
+}
+#endif
+
+static void turn_scores(const KeyTurn *T, int group, int64_t row_stride, int nq, int d, int64_t k0, int n, float *out) {
+    const int half = d / 2;
+    int j0 = 0;
+#if defined(__AVX512F__)
+    if (half % 16 == 0 && half <= 64)
+        for (; j0 + 16 <= n; j0 += 16) {
+            const float *c = T->cos_ + (k0 + j0) * d, *sn = T->sin_ + (k0 + j0) * d;
+            for (int i0 = 0; i0 < nq; i0 += 4) {
+                const int m = nq - i0 < 4 ? nq - i0 : 4;
+                const float *coef[4];
+                float *o[4];
+                for (int i = 0; i < m; i++) {
+                    coef[i] = T->coef + ((i0 + i) / group) * row_stride + (int64_t)((i0 + i) % group) * d;
+                    o[i] = out + (int64_t)(i0 + i) * TQ_READ_KEYS + j0;
+                }
+                if (half == 32) {   /* d = 64: a step row in four registers */
+                    switch (m) {
+                        case 1: turn_scores16(c, sn, T->steps, d, coef, 1, 2, o); break;
+                        case 2: turn_scores16(c, sn, T->steps, d, coef, 2, 2, o); break;
+                        case 3: turn_scores16(c, sn, T->steps, d, coef, 3, 2, o); break;
+                        default: turn_scores16(c, sn, T->steps, d, coef, 4, 2, o); break;
+                    }
+                } else {
+                    turn_scores16(c, sn, T->steps, d, coef, m, half / 16, o);
+                }
+            }
+        }
+#endif
+    for (int i = 0; i < nq; i++) {
+        const float *a = T->coef + (i / group) * row_stride + (int64_t)(i % group) * d, *b = a + half;
+        for (int j = j0; j < n; j++) {
+            const float *c = T->cos_ + (k0 + j) * d, *sn = T->sin_ + (k0 + j) * d;
+            float sum = 0.0f;
+            for (int x = 0; x < half; x++) sum += a[x] * c[x] + b[x] * sn[x];
+            out[(int64_t)i * TQ_READ_KEYS + j] = sum;
+        }
+    }
+}
+
 /* -- kvlab_tq_read (tqcodes.h): one KV head's coded keys read by a few queries ------------------------------------- */
 #define TQ_REGISTER_ROWS 32  /* blocks of this many rows or more (a single cache's one) are read from their codes in
                                  registers; a pool's short blocks are decoded a tile at a time */
 
-int64_t kvlab_tq_read_floats(int nq, int dpad) {   /* scores, key and value scales, queries, sums, a tile (+ room) */
-    return (int64_t)nq * TQ_READ_KEYS + 2 * TQ_READ_KEYS + 2 * (int64_t)nq * dpad + (int64_t)CB_TILE * dpad + CB_MAX_DIM;
+int64_t kvlab_tq_read_floats(int nq, int dpad) {   /* scores, key and value scales, queries, sums, a tile (+ room), turns */
+    return 2 * (int64_t)nq * TQ_READ_KEYS + 2 * TQ_READ_KEYS + 2 * (int64_t)nq * dpad + (int64_t)CB_TILE * dpad + CB_MAX_DIM;
 }
 
 /* out[r] = q . row r of the tile (count <= CB_TILE rows, dpad apart, zero past d like q) */
@@ -757,6 +849,7 @@ void kvlab_tq_read(const TqHead *h, const int32_t *table, int64_t k0, int64_t k1
     const int64_t block_rows = C->block_rows;
     float *scores = scratch, *k_scale = scores + (int64_t)nq * TQ_READ_KEYS, *v_scale = k_scale + TQ_READ_KEYS;
     float *qpad = v_scale + TQ_READ_KEYS, *acc = qpad + (int64_t)nq * dpad, *tile = acc + (int64_t)nq * dpad;
+    float *turns = tile + (int64_t)CB_TILE * dpad + CB_MAX_DIM;   /* +ropemean: (nq, TQ_READ_KEYS) q . R_t μ */
     float factor[CB_MAX_DIM];        /* +prerope: each channel's sign and weight */
     if (h->pre) prerope_factor(h->pre, d, factor);
     for (int i = 0; i < nq; i++) {   /* the queries dpad apart, zero past d; their sums */
@@ -793,8 +886,9 @@ void kvlab_tq_read(const TqHead *h, const int32_t *table, int64_t k0, int64_t k1
             }
         t += run;
     }
-    /* each query's softmax over the keys it reads, its weights times the values' scales (0 for keys it does not read) */
     const int n = (int)(k1 - k0);
+    if (h->turn) turn_scores(h->turn, group, row_stride, nq, d, k0, n, turns);
+    /* each query's softmax over the keys it reads, its weights times the values' scales (0 for keys it does not read) */
     for (int i = 0; i < nq; i++) {
         float *s = scores + (int64_t)i * TQ_READ_KEYS, *part = parts + i * part_stride;
         const int a = lo[i] > k0 ? (int)(lo[i] - k0) : 0, b = hi[i] < k1 ? (int)(hi[i] - k0) : n;
@@ -803,6 +897,8 @@ void kvlab_tq_read(const TqHead *h, const int32_t *table, int64_t k0, int64_t k1
             const float scale = h->scale;
             if (h->pre)
                 for (int j = a; j < b; j++) s[j] *= scale;
+            else if (h->turn)
+                for (int j = a; j < b; j++) s[j] = (s[j] * k_scale[j] + turns[(int64_t)i * TQ_READ_KEYS + j]) * scale;
             else
                 for (int j = a; j < b; j++) s[j] *= k_scale[j] * scale;
             top = kvlab_row_max(s + a, b - a);
@@ -832,10 +928,11 @@ void kvlab_tq_read(const TqHead *h, const int32_t *table, int64_t k0, int64_t k1
     for (int i = 0; i < nq; i++) memcpy(parts + i * part_stride, acc + (int64_t)i * dpad, sizeof(float) * (size_t)d);
 }
 
-/* Code x (d,), KV head g's key (which = 0) or value (1), as TurboQuantCache.code: x' = (x - mu) [/ w], the stored
- * scale ||x'|| * factor (store_scale), the codes of y = x' M / ||x'||. 0, or 1 when the scale is not finite. */
+/* Code x (d,), KV head g's key (which = 0) or value (1), as TurboQuantCache.code: x' = (x - mu) [/ w] (a +ropemean key:
+ * then turned by RoPE with cos_/sin_, its position's rows), the stored scale ||x'|| * factor (store_scale), the codes of
+ * y = x' M / ||x'||. 0, or 1 when the scale is not finite. */
 static int code_vector(const Coded *C, const cb_layout *L, int which, int g, const float *x_in, int d,
-                       uint8_t *row, uint16_t *scale_out) {
+                       const float *cos_, const float *sin_, uint8_t *row, uint16_t *scale_out) {
     const float *bounds = C->heads[which][g].bounds;
     float x[CB_MAX_DIM], y[CB_MAX_DIM], y_hat[CB_MAX_DIM];
     const uint8_t *offset = C->offset[which] ? C->offset[which] + (int64_t)g * d : NULL;
@@ -843,6 +940,7 @@ static int code_vector(const Coded *C, const cb_layout *L, int which, int g, con
         x[c] = offset ? x_in[c] - C->fp8_values[offset[c]] : x_in[c];
         if (which == 0 && C->weight_codes) x[c] /= key_weight(C, g, d, c);
     }
+    if (which == 0 && C->rope_mean) rope_half_table(x, cos_, sin_, d);
     const float norm = sqrtf(dot(x, x, d)), inv = norm > 1e-30f ? norm : 1e-30f;
     rotate(x, C->rotation, d, y);
     for (int c = 0; c < d; c++) y[c] /= inv;
@@ -866,8 +964,8 @@ static void unrope(const float *y, const float *cos_, const float *sin_, int d, 
     }
 }
 
-/* The codes and scales of one KV head of one token, before they are stored: k (after RoPE; with +prerope, cos_ not
- * NULL, turned back with cos_/sin_ of its position) and v (hd,) each coded as TurboQuantCache.code codes them into
+/* The codes and scales of one KV head of one token, before they are stored: k (after RoPE; with +prerope and +ropemean,
+ * cos_ not NULL, turned back with cos_/sin_ of its position) and v (hd,) each coded as TurboQuantCache.code codes them into
  * codes[0 .. ROW_ROOM) (key) and codes[ROW_ROOM ..) (value), scales[0..1]. 0, or 1 when a scale is not finite. */
 static int code_head(const Coded *C, const cb_layout *head_layouts, int g, int hd, const float *k, const float *v,
                      const float *cos_, const float *sin_, uint8_t *codes, uint16_t *scales) {
@@ -876,8 +974,8 @@ static int code_head(const Coded *C, const cb_layout *head_layouts, int g, int h
         unrope(k, cos_, sin_, hd, pre_rope_k);
         k = pre_rope_k;
     }
-    return code_vector(C, &head_layouts[2 * g], 0, g, k, hd, codes, &scales[0])
-        || code_vector(C, &head_layouts[2 * g + 1], 1, g, v, hd, codes + ROW_ROOM, &scales[1]);
+    return code_vector(C, &head_layouts[2 * g], 0, g, k, hd, cos_, sin_, codes, &scales[0])
+        || code_vector(C, &head_layouts[2 * g + 1], 1, g, v, hd, NULL, NULL, codes + ROW_ROOM, &scales[1]);
 }
 
 /* code_head's codes and scales of KV head g into slot t */
@@ -941,15 +1039,15 @@ int kvlab_tq_code_rows(const Coded *C, const cb_layout *layouts, int Hkv, int hd
  * not all stored, others may be). */
 int kvlab_tq_code_tokens(const Coded *C, int Hkv, int hd, int64_t n, const float *k, const float *v,
                          const int64_t *slots, const float *cos_, const float *sin_, int n_threads) {
-    const int pre_rope = C->unrotation || C->unrotation_signs;
-    if (Hkv <= 0 || Hkv > CB_MAX_DIM || n < 0 || pre_rope != (cos_ && sin_) || n_threads < 1) return -1;
+    const int turns = C->unrotation || C->unrotation_signs || C->rope_mean;   /* +prerope, +ropemean */
+    if (Hkv <= 0 || Hkv > CB_MAX_DIM || n < 0 || turns != (cos_ && sin_) || n_threads < 1) return -1;
     cb_layout layouts[2 * 8];
     cb_layout *L = Hkv <= 8 ? layouts : malloc(2 * (size_t)Hkv * sizeof(cb_layout));
     if (!L) return -1;
     int status = kvlab_tq_layouts(C, Hkv, hd, L);
     for (int64_t r = 0; r < n && status == 0; r++)
         if (slots[r] < 0 || slots[r] >= C->slots) status = -1;
-    if (status == 0) status = kvlab_tq_code_rows(C, L, Hkv, hd, n, k, v, (int64_t)Hkv * hd, slots, pre_rope ? cos_ : NULL,
+    if (status == 0) status = kvlab_tq_code_rows(C, L, Hkv, hd, n, k, v, (int64_t)Hkv * hd, slots, turns ? cos_ : NULL,
                                                  sin_, NULL, n_threads);
     if (L != layouts) free(L);
     return status;
@@ -1188,9 +1286,10 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
     const size_t tile = max64(max64(dense_tile, read_tile), int_tile);
     float *chunk_kv = malloc(sizeof(float) * (size_t)n_threads * tile);
     uint16_t *rounded = malloc(sizeof(uint16_t) * 2 * (size_t)kv_dim);
-    /* coded layers: the queries as the codes read them, q' = (q w) M * scale, and q . mu * scale per query head;
-     * the new token's codes and scales before they are stored */
-    float *q_coded = malloc(sizeof(float) * ((size_t)q_dim + H));
+    /* coded layers: the queries as the codes read them, q' = (q w) M * scale, and q . mu * scale per query head
+     * (+ropemean: then each query's [A | B] * scale, kvlab_tq_turn_coef); the new token's codes and scales before
+     * they are stored */
+    float *q_coded = malloc(sizeof(float) * (2 * (size_t)q_dim + H));
     uint8_t *new_codes = any_coded ? malloc((size_t)Hkv * 2 * ROW_ROOM) : NULL;
     uint16_t *new_scales = malloc(sizeof(uint16_t) * 2 * (size_t)Hkv);
     int status = 0;
@@ -1282,7 +1381,7 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
                         memcpy(wv + (int64_t)row * hd, v + g * hd, sizeof(float) * (size_t)hd);
                     }
                 }
-                if (C && n_coded > 0 && C->rope_cos)   /* +prerope: the rebuilt keys are read by q itself */
+                if (C && n_coded > 0 && (C->unrotation || C->unrotation_signs))   /* +prerope: the rebuilt keys read by q */
                     for (int i = 0; i < H; i++) {
                         for (int c = 0; c < hd; c++) q_coded[(int64_t)i * hd + c] = q[i * hd + c] * m->attn_scale;
                         q_coded[q_dim + i] = 0.0f;
@@ -1294,12 +1393,12 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
                         for (int c = 0; c < hd; c++) qw[c] = C->weight_codes ? q[i * hd + c] * key_weight(C, g, hd, c) : q[i * hd + c];
                         rotate(qw, C->rotation, hd, q_coded + (int64_t)i * hd);
                         for (int c = 0; c < hd; c++) q_coded[(int64_t)i * hd + c] *= m->attn_scale;
-                        float shift = 0.0f;
-                        if (C->offset[0]) {
-                            float mu[CB_MAX_DIM];
-                            for (int c = 0; c < hd; c++) mu[c] = C->fp8_values[C->offset[0][(int64_t)g * hd + c]];
+                        float shift = 0.0f, mu[CB_MAX_DIM];
+                        for (int c = 0; c < hd; c++) mu[c] = C->offset[0] ? C->fp8_values[C->offset[0][(int64_t)g * hd + c]] : 0.0f;
+                        if (C->rope_mean)   /* the offset turns with each key: its term per key (kvlab_tq_read) */
+                            kvlab_tq_turn_coef(q + i * hd, mu, hd, m->attn_scale, q_coded + q_dim + H + (int64_t)i * hd);
+                        else if (C->offset[0])
                             shift = dot(q + i * hd, mu, hd) * m->attn_scale;
-                        }
                         q_coded[q_dim + i] = shift;
                     }
             }
@@ -1352,14 +1451,17 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
                 const int n = n_coded - t0 < KEY_CHUNK ? n_coded - (int)t0 : KEY_CHUNK;
                 float weights[CB_MAX_DIM], offset[CB_MAX_DIM];
                 PreRope pre;
-                if (C->rope_cos) {   /* +prerope: this KV head's weights and offset, the RoPE rows of the slots */
+                if (C->unrotation || C->unrotation_signs) {   /* +prerope: this KV head's weights and offset, slot RoPE rows */
                     for (int i = 0; i < hd && C->weight_codes; i++) weights[i] = key_weight(C, g, hd, i);
                     for (int i = 0; i < hd && C->offset[0]; i++) offset[i] = C->fp8_values[C->offset[0][(int64_t)g * hd + i]];
                     pre = (PreRope){C->unrotation, C->unrotation_signs, C->weight_codes ? weights : NULL, C->offset[0] ? offset : NULL,
                                     C->rope_cos, C->rope_sin};
                 }
+                const KeyTurn turn = {q_coded + q_dim + H + (int64_t)g * group * hd, C->rope_cos, C->rope_sin,
+                                      C->rope_steps};   /* +ropemean */
                 const TqHead head = {.C = C, .layout = {&head_layouts[2 * g], &head_layouts[2 * g + 1]}, .g = g, .scale = 1.0f,
-                                     .pre = C->rope_cos ? &pre : NULL};
+                                     .pre = C->unrotation || C->unrotation_signs ? &pre : NULL,
+                                     .turn = C->rope_mean ? &turn : NULL};
                 int64_t lo[CB_MAX_DIM], hi[CB_MAX_DIM];   /* every query of the group reads the whole chunk */
                 for (int i = 0; i < group; i++) lo[i] = t0, hi[i] = t0 + n;
                 float *part = parts + ((int64_t)g * group * max_chunks + c) * (hd + 2);

@@ -188,6 +188,8 @@ typedef struct {            /* a read of a coded layer over a ragged batch (kvla
     const Coded *C;
     const cb_layout *layouts;             /* (2 Hkv,) each head's key and value layouts */
     const PreRope *pre;                   /* +prerope: (Hkv,) each head's rebuild, cos/sin rows of position 0; or NULL */
+    const float *turn_coef;               /* +ropemean: (n_rows, H, d) each query's [A | B], else NULL; ... */
+    const float *rope_cos, *rope_sin;     /* ... with the cos/sin rows of position 0 */
     float scale;
 } code_pool;
 
@@ -244,10 +246,12 @@ static void code_item_attend(const code_pool *P, const float *q, const code_item
         lo[i] = from > P->first_key ? from : P->first_key;
         hi[i] = pos + 1 < P->key_end ? pos + 1 : P->key_end;
     }
+    const int64_t first_query = (it->r0 * P->n_heads + (int64_t)it->h * G) * P->d;
+    const KeyTurn turn = {P->turn_coef ? P->turn_coef + first_query : NULL, P->rope_cos, P->rope_sin, P->C->rope_steps};
     const TqHead head = {.C = P->C, .layout = {&P->layouts[2 * it->h], &P->layouts[2 * it->h + 1]}, .g = it->h,
-                         .scale = P->scale, .pre = P->pre ? &P->pre[it->h] : NULL};
+                         .scale = P->scale, .pre = P->pre ? &P->pre[it->h] : NULL, .turn = P->turn_coef ? &turn : NULL};
     kvlab_tq_read(&head, R->block_tables + (int64_t)it->s * R->max_blocks, it->k0, it->k1,
-                  q + (it->r0 * P->n_heads + (int64_t)it->h * G) * P->d, G, (int64_t)P->n_heads * P->d, nq, lo, hi, scratch,
+                  q + first_query, G, (int64_t)P->n_heads * P->d, nq, lo, hi, scratch,
                   parts, P->d + 2);
 }
 
@@ -413,8 +417,10 @@ static int coded_check(const Coded *C, int n_heads, int n_kv_heads, int hd, cons
     if (kvlab_tq_layouts(C, n_kv_heads, hd, L)) return -1;
     for (int h = 0; h < 2 * n_kv_heads; h++)
         if (L[h].dpad != L[0].dpad) return -1;
-    if (C->unrotation || C->unrotation_signs) {   /* +prerope: paged.c's rebuild, a RoPE row for every position */
-        if (hd % 16 || (C->unrotation_signs && (hd & (hd - 1))) || !S->rope_cos || !S->rope_sin) return -1;
+    const int pre = C->unrotation || C->unrotation_signs;
+    if (pre || C->rope_mean) {   /* +prerope (the rebuild) and +ropemean: a RoPE row for every position */
+        if ((pre && (hd % 16 || (C->unrotation_signs && (hd & (hd - 1))))) || !S->rope_cos || !S->rope_sin) return -1;
+        if (C->rope_mean && !C->rope_steps) return -1;
         for (int s = 0; s < R->n_seqs; s++)
             if ((R->context_len[s] < key_end ? R->context_len[s] : key_end) > S->rope_rows) return -1;
     }
@@ -425,13 +431,27 @@ static int coded_check(const Coded *C, int n_heads, int n_kv_heads, int hd, cons
 static int coded_read(const Coded *C, const cb_layout *L, int n_heads, int n_kv_heads, int hd, const Ragged *R,
                       const TqStep *S, const float *q, int64_t first_key, int64_t key_end, float scale, int window,
                       float *out, float *lse, int n_threads) {
-    const int Hkv = n_kv_heads, pre = C->unrotation || C->unrotation_signs;
-    float *state = pre ? malloc(sizeof(float) * 2 * (size_t)Hkv * hd) : NULL;   /* key weights, key offset */
+    const int Hkv = n_kv_heads, pre = C->unrotation || C->unrotation_signs, turn = C->rope_mean;
+    const int64_t n_queries = (int64_t)R->query_start[R->n_seqs] * n_heads;
+    float *state = pre || turn ? malloc(sizeof(float) * 2 * (size_t)Hkv * hd) : NULL;   /* key weights, key offset */
     PreRope *rebuild = pre ? malloc(sizeof(PreRope) * (size_t)Hkv) : NULL;
-    if (pre && (!state || !rebuild)) {
+    /* +ropemean: the queries as the codes read them, then each one's [A | B] */
+    float *turned = turn ? malloc(sizeof(float) * 2 * (size_t)(n_queries * hd + 1)) : NULL;
+    if ((pre || turn) && (!state || (pre && !rebuild) || (turn && !turned))) {
         free(state);
         free(rebuild);
+        free(turned);
         return -2;
+    }
+    if (turn) {   /* plain q in: read as the codes are (kvlab_tq_query), the offset's term per key */
+        kvlab_tq_state(C, Hkv, hd, NULL, state + (int64_t)Hkv * hd, NULL);
+        #pragma omp parallel for schedule(static) num_threads(n_threads < 1 ? 1 : n_threads) if(n_queries * hd * hd >= 65536)
+        for (int64_t i = 0; i < n_queries; i++) {
+            const int g = (int)(i % n_heads) / (n_heads / Hkv);
+            kvlab_tq_query(C, g, hd, q + i * hd, turned + i * hd);
+            kvlab_tq_turn_coef(q + i * hd, state + (int64_t)(Hkv + g) * hd, hd, 1.0f, turned + (n_queries + i) * hd);
+        }
+        q = turned;
     }
     if (pre) {   /* keys rebuilt from the codec's state and turned to their positions (decode.c) */
         kvlab_tq_state(C, Hkv, hd, state, state + (int64_t)Hkv * hd, NULL);
@@ -443,10 +463,12 @@ static int coded_read(const Coded *C, const cb_layout *L, int n_heads, int n_kv_
     }
     const code_pool P = {.n_heads = n_heads, .n_kv_heads = Hkv, .group = n_heads / Hkv, .d = hd, .dpad = L[0].dpad,
                          .window = window, .first_key = first_key, .key_end = key_end, .R = R, .C = C, .layouts = L, .pre = rebuild,
+                         .turn_coef = turn ? turned + n_queries * hd : NULL, .rope_cos = S->rope_cos, .rope_sin = S->rope_sin,
                          .scale = scale};
     const int status = code_attention(&P, q, R->n_seqs, out, lse, n_threads < 1 ? 1 : n_threads);
     free(state);
     free(rebuild);
+    free(turned);
     return status;
 }
 
@@ -540,15 +562,15 @@ int kvlab_tq_pool_layer(const TqPoolLayer *T, int n_heads, int n_kv_heads, int h
     if (n_threads < 1) n_threads = 1;
     const Coded *C = T->coded;
     const int H = n_heads, Hkv = n_kv_heads, G = H / Hkv, d = hd, sink = T->sink;
-    const int pre = C->unrotation || C->unrotation_signs;
+    const int pre = C->unrotation || C->unrotation_signs, plain = pre || C->rope_mean;   /* plain q to coded_read */
     const int64_t N = n_rows, kv_dim = (int64_t)Hkv * d;
     int64_t *slot = malloc(sizeof(int64_t) * (size_t)N), *position = malloc(sizeof(int64_t) * (size_t)N);
     int *entry = malloc(sizeof(int) * (size_t)N);
-    float *queries = pre ? NULL : malloc(sizeof(float) * (size_t)(N * H * d));   /* (N, H, d) as the codes are read */
+    float *queries = plain ? NULL : malloc(sizeof(float) * (size_t)(N * H * d));   /* (N, H, d) as the codes are read */
     float *rotated = malloc(sizeof(float) * (size_t)(N * H * d));                  /* (N, H, d) attention, rotated */
     float *lse = sink ? malloc(sizeof(float) * (size_t)(N * H)) : NULL;
     float *state = malloc(sizeof(float) * (size_t)(2 * kv_dim));                   /* key, value offsets */
-    if (!slot || !position || !entry || (!pre && !queries) || !rotated || (sink && !lse) || !state) status = -2;
+    if (!slot || !position || !entry || (!plain && !queries) || !rotated || (sink && !lse) || !state) status = -2;
     if (!status) {   /* each row's position and slot; a sink position's K/V into its sequence's sink rows */
         for (int s = 0; s < R->n_seqs; s++) {
             const int64_t r0 = R->query_start[s], r1 = R->query_start[s + 1], first = R->context_len[s] - (r1 - r0);
@@ -564,17 +586,17 @@ int kvlab_tq_pool_layer(const TqPoolLayer *T, int n_heads, int n_kv_heads, int h
                 }
             }
         }
-        status = kvlab_tq_code_rows(C, L, Hkv, d, N, k, v, kv_stride, slot, pre ? S->rope_cos : NULL,
-                                    pre ? S->rope_sin : NULL, position, n_threads);
+        status = kvlab_tq_code_rows(C, L, Hkv, d, N, k, v, kv_stride, slot, plain ? S->rope_cos : NULL,
+                                    plain ? S->rope_sin : NULL, position, n_threads);
     }
     float *k_offset = state, *v_offset = state + kv_dim;
     if (!status) {   /* the codes read in place: the read of kvlab_tq_attention */
         kvlab_tq_state(C, Hkv, d, NULL, k_offset, v_offset);
-        if (!pre) {
+        if (!plain) {
             #pragma omp parallel for schedule(static) num_threads(n_threads) if(N * H * d * d >= 65536)
             for (int64_t i = 0; i < N * H; i++) kvlab_tq_query(C, (int)(i % H) / G, d, q + i * d, queries + i * d);
         }
-        status = coded_read(C, L, H, Hkv, d, R, S, pre ? q : queries, sink, INT64_MAX, scale, window, rotated, lse, n_threads);
+        status = coded_read(C, L, H, Hkv, d, R, S, plain ? q : queries, sink, INT64_MAX, scale, window, rotated, lse, n_threads);
     }
     if (!status) {   /* back to the model's domain, merged with the sink rows */
         #pragma omp parallel for schedule(static) num_threads(n_threads)
@@ -583,7 +605,7 @@ int kvlab_tq_pool_layer(const TqPoolLayer *T, int n_heads, int n_kv_heads, int h
             const int g = (int)(i % H) / G;
             const int64_t lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0, hi = pos + 1 < sink ? pos + 1 : sink;
             tq_finish(T, Hkv, g, d, rotated + i * d, q + i * d, sink ? lse[i] : 0.0f,
-                      C->offset[0] && !pre ? k_offset + (int64_t)g * d : NULL, C->offset[1] ? v_offset + (int64_t)g * d : NULL,
+                      C->offset[0] && !plain ? k_offset + (int64_t)g * d : NULL, C->offset[1] ? v_offset + (int64_t)g * d : NULL,
                       entry[r], lo, hi, scale, out + i * d);
         }
     }

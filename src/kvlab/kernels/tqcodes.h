@@ -32,8 +32,8 @@ typedef struct {                   /* a TurboQuant layer's codes (kvlab/cache/tu
     const uint8_t *weight_codes;   /* (Hkv, hd / 2) 4-bit codes of the key channel weights, low nibble first, or NULL */
     const float *fp8_values;       /* (256,) the value of each float8 e4m3 byte */
     const float *weight_values;    /* (16,) the weight of each 4-bit code */
-    const float *rope_cos, *rope_sin;  /* +prerope: (slots, hd) cos / sin of each coded slot's position, as rope()
-                                          takes them (keys are coded before RoPE, turned when read); NULL otherwise */
+    const float *rope_cos, *rope_sin;  /* +prerope, +ropemean: (slots, hd) cos / sin of each coded slot's position, as
+                                          rope() takes them; NULL otherwise (and in a pool: its TqStep's rows) */
     const float *unrotation;       /* +prerope, M not a randomized Hadamard: (hd, hd) Mᵀ, row-major (x = y Mᵀ), else NULL */
     const float *unrotation_signs; /* +prerope with a randomized Hadamard M = H diag(s)/√d: (hd,) s/√d, else NULL */
     /* slot t is row o = t % block_rows of block b = t / block_rows: head g's codes at codes[i] + b * block_bytes[i] +
@@ -42,6 +42,9 @@ typedef struct {                   /* a TurboQuant layer's codes (kvlab/cache/tu
     int64_t block_rows;
     int64_t block_bytes[2];
     int64_t norm_head_stride, norm_block_stride;
+    int32_t rope_mean;             /* +ropemean: keys coded as (k - R_t μ)/w, R_t RoPE at the key's position t (rope_cos,
+                                      rope_sin; the pool's TqStep rows), read on the codes plus q . R_t μ per key */
+    const float *rope_steps;       /* +ropemean: (16, hd), row r = [cos rθ | sin rθ] over the d/2 RoPE frequencies θ */
 } Coded;
 
 typedef struct {                   /* +prerope: how coded keys are rebuilt, then turned to their positions */
@@ -52,6 +55,17 @@ typedef struct {                   /* +prerope: how coded keys are rebuilt, then
     const float *cos_, *sin_;      /* (rows, d) of the rows' positions, as rope() takes them */
 } PreRope;
 
+typedef struct {                   /* +ropemean: each coded key's offset turned to its position, as a read scores it */
+    const float *coef;             /* query i's [A | B] (d/2 each, kvlab_tq_turn_coef) at coef + (i / group) * row_stride
+                                      + (i % group) * d: laid out as the queries */
+    const float *cos_, *sin_;      /* (rows, d) of the keys' positions, as rope() takes them, key index 0's row first */
+    const float *steps;            /* Coded.rope_steps: the turns of 0 .. 15 positions */
+} KeyTurn;
+
+/* out (d,) = [A | B] of query q (d,) and offset mu (d,) (scaled by `scale`): q . R_t mu = Σ_j A_j cos_t[j] + B_j sin_t[j]
+ * over the RoPE pairs j < d/2 (turboquant.py's +ropemean) */
+void kvlab_tq_turn_coef(const float *q, const float *mu, int d, float scale, float *out);
+
 /* -- reading one KV head's codes: the one read of a TurboQuant layer ------------------------------------------------ */
 #define TQ_READ_KEYS 256           /* keys of one kvlab_tq_read call, at most (a work item of a long context) */
 typedef struct {                   /* KV head g of a coded layer as a read sees it */
@@ -60,6 +74,7 @@ typedef struct {                   /* KV head g of a coded layer as a read sees 
     int g;
     float scale;                   /* each score's factor besides the key's stored scale */
     const PreRope *pre;            /* +prerope: the head's weights and offset, cos_/sin_ the rows of key index 0; else NULL */
+    const KeyTurn *turn;           /* +ropemean: the queries' offset terms; else NULL */
 } TqHead;
 /* floats of scratch kvlab_tq_read takes for nq queries (dpad: the layouts' padded row) */
 int64_t kvlab_tq_read_floats(int nq, int dpad);
@@ -68,7 +83,8 @@ int64_t kvlab_tq_read_floats(int nq, int dpad);
  * i / group, head i % group of the KV head's group) lies at queries + (i / group) * row_stride + (i % group) * d, as
  * the codes are read (kvlab_tq_query; with +prerope q itself), and reads keys [lo[i], hi[i]). Its part, d + 2 floats at
  * parts + i * part_stride = [sum_t e^(s_t - top) v'_t | top | sum_t e^(s_t - top)] (none read: top -inf, sum 0), s_t
- * = q_i . k_t * scale_t * h->scale, v'_t the value's codebook vector times its scale (the rotated domain). Long
+ * = (q_i . k_t * scale_t [+ q . R_t μ, h->turn]) * h->scale, v'_t the value's codebook vector times its scale (the
+ * rotated domain). Long
  * blocks (a single cache's one) are read straight from their codes in registers where codebook.c has that path; short
  * ones (a pool's) are decoded a tile at a time, read by every query while in L1. */
 void kvlab_tq_read(const TqHead *h, const int32_t *table, int64_t k0, int64_t k1, const float *queries, int group,
@@ -100,16 +116,17 @@ typedef struct {                   /* one layer of a TurboQuant pool, checked on
 
 typedef struct {                   /* what every layer of one step reads besides its descriptor */
     const int32_t *entries;        /* +sinkN: (n_seqs,) each sequence's entry of sink rows; else NULL */
-    const float *rope_cos, *rope_sin;  /* +prerope: (rope_rows, hd) of positions 0, 1, ..; else NULL */
+    const float *rope_cos, *rope_sin;  /* +prerope, +ropemean: (rope_rows, hd) of positions 0, 1, ..; else NULL */
     int64_t rope_rows;
 } TqStep;
 
 /* Attention straight from C's codes through the block tables of R (R->block_size == C->block_rows): q (n_rows, H, hd)
  * as the codes are read (kvlab_tq_query: rotated, key weights applied; with +prerope q itself, each key rebuilt and
- * turned to its position with S's RoPE rows), keys at positions [first_key, key_end) (key_end < 0: no end; a single
- * cache's recent window follows its codes) -> out (n_rows, H, hd) in the rotated domain and, lse not NULL, (n_rows, H)
- * the log of each row's softmax sum (-inf: no key read, out 0). 0; -1 refused (nothing read); -2 no memory. The one
- * read of a TurboQuant layer's codes over a block table: the pool's (kvlab_tq_pool_layer) and a single cache's. */
+ * turned to its position with S's RoPE rows; with +ropemean q itself, read as the codes are plus its offset term),
+ * keys at positions [first_key, key_end) (key_end < 0: no end; a single cache's recent window follows its codes) ->
+ * out (n_rows, H, hd) in the rotated domain and, lse not NULL, (n_rows, H) the log of each row's softmax sum (-inf: no
+ * key read, out 0). 0; -1 refused (nothing read); -2 no memory. The one read of a TurboQuant layer's codes over a
+ * block table: the pool's (kvlab_tq_pool_layer) and a single cache's. */
 int kvlab_tq_attention(const Coded *C, int n_heads, int n_kv_heads, int hd, const Ragged *R, int64_t n_rows,
                        const TqStep *S, const float *q, int64_t first_key, int64_t key_end, float scale, int window,
                        float *out, float *lse, int n_threads);

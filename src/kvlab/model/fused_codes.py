@@ -14,6 +14,8 @@ keys are rebuilt a sub-tile at a time (ŷ Mᵀ · scale ⊙ w + μ), turned to t
 as TurboQuantCache._keys does; the view holds each coded slot's cos and sin, (slots, d) each, made once. With the
 randomized Hadamard rotation (every power-of-two head dim unless +rot=haar) ŷ Mᵀ is a fast Walsh-Hadamard transform
 and a sign per channel (d log d additions), the view passing s/√d; otherwise the C code multiplies by Mᵀ (d²).
++ropemean: the new key is turned back, centred and weighted, then turned forward again at its slot's position before it
+is coded; a chunk is read on the codes like the bare method, plus each key's q·R_t μ from the same cos / sin table.
 
 Served: every width (3/5-bit, fractional, mixed K/V), +alloc / +halloc (a width per layer / per KV head: each head
 gets its own packing, `HeadCodes`, and with +halloc its bytes' place in the layer's shared row), +sinkN, +recentN,
@@ -114,7 +116,7 @@ class CacheView:
     def _coded(self, cache, layer: int) -> Coded:
         """Layer `layer` of a TurboQuant cache over its own blocks: the first sequence's one block of `slots` rows
         (1, Hkv, slots, ...); +prerope: with each slot's RoPE, one table for every layer."""
-        if cache.config.pre_rope and self._slot_rope is None:
+        if cache.config.turns_keys and self._slot_rope is None:
             self._slot_rope = tuple(t.contiguous() for t in cache.slot_rope(0, cache.slots))   # (S, hd) cos, sin
         buffers = {name: t[:1] for name, t in cache.blocks.layer(layer).items()}
         return self._c.layer(cache, layer, buffers, (1, cache.slots), slot_rope=self._slot_rope)

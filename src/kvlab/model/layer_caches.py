@@ -161,11 +161,11 @@ class LayeredCache(KVCache):
                 try:
                     cache = make_cache(name, geometry, dtype, device)
                 except ConfigError as exc:
-                    if "+prerope" not in str(exc) or geometry.rope_inv_freq is not None:
+                    if "RoPE frequencies" not in str(exc) or geometry.rope_inv_freq is not None:
                         raise
-                    raise ConfigError(f"cache {name!r} codes keys before RoPE (+prerope), which needs RoPE over the whole "
-                                      f"head; {config.arch} rotates {config.rope_dim} of {config.head_dim} dims: choose "
-                                      "a cache without +prerope (tq-k4v4, int8, ...)") from None
+                    raise ConfigError(f"cache {name!r} turns keys by their positions (+prerope, +ropemean), which needs "
+                                      f"RoPE over the whole head; {config.arch} rotates {config.rope_dim} of "
+                                      f"{config.head_dim} dims: choose a cache without them (tq-k4v4, int8, ...)") from None
             if not cache.persistent:
                 raise ConfigError(f"cache {name!r} keeps nothing between forward passes; {config.arch} needs one that does")
             self.parts.append((cache, layers))

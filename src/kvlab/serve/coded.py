@@ -361,7 +361,7 @@ class TurboPool(CodedPool):
         return self.sinks is None or self.sinks.holds(seq)
 
     def _rope_rows(self, view) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (ctx, D) of positions 0 .. the step's longest context (+prerope; a slot's position is its token's
+        """cos, sin (ctx, D) of positions 0 .. the step's longest context (+prerope, +ropemean; a slot's position is its token's
         place in its sequence): made at the step's first layer and kept on its view, a step's transient, not the pool's."""
         if getattr(view, "rope", None) is None:
             view.rope = self.rope_table(view.layout)
@@ -421,9 +421,9 @@ class TurboPool(CodedPool):
 
     def step_struct(self, layout, rows: list[int] | None, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> TqStep:
         """What every layer of a step reads in C beside its descriptor: each sequence's sink entry (+sinkN) and the RoPE
-        table of positions 0 .. its longest context (+prerope: `rope`, or made here), checked; it holds them."""
+        table of positions 0 .. its longest context (+prerope, +ropemean: `rope`, or made here), checked; it holds them."""
         entries = torch.tensor(rows, dtype=torch.int32) if self.sinks else None                      # (S,)
-        if self.codec.config.pre_rope:
+        if self.codec.config.turns_keys:
             rope = rope if rope is not None else self.rope_table(layout)
         else:
             rope = None
@@ -444,7 +444,7 @@ class TurboPool(CodedPool):
         step = getattr(view, "tq_step", None)
         if step is None:
             step = view.tq_step = self.step_struct(view.layout, view.rows,
-                                                   self._rope_rows(view) if self.codec.config.pre_rope else None)
+                                                   self._rope_rows(view) if self.codec.config.turns_keys else None)
         return step
 
     def _layer_in_c(self, layer: int, view, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
@@ -481,7 +481,7 @@ class TurboPool(CodedPool):
         step = self._step(view)
         for entry, start, lo, hi in step.sink_writes:                                     # +sinkN: the chunks' sink tokens
             self.sinks.write(layer, entry, start, k[lo:hi], v[lo:hi])
-        slots, rope = step.coded_slots, step.coded_rope                                   # (n,), +prerope (n, D) each
+        slots, rope = step.coded_slots, step.coded_rope                           # (n,), +prerope/+ropemean (n, D) each
         if step.coded is not None:
             k, v = k[step.coded], v[step.coded]
         if not len(slots):
@@ -491,7 +491,8 @@ class TurboPool(CodedPool):
             return
         if rope is not None:   # the torch reference (and, for a scale that is not finite, its one-line error)
             k = apply_rope(k.float(), rope[0][:, None], -rope[1][:, None])                 # (N, Hkv, D)
-        coded = self.codec.code(at, k.transpose(0, 1)[None], v.transpose(0, 1)[None])   # (1, Hkv, N, ...)
+        coded = self.codec.code(at, k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                rope if self.codec.config.rope_mean else None)            # (1, Hkv, N, ...)
         self.blocks.write_slots(layer, slots, {name: t[0].transpose(0, 1)                  # (N, Hkv, ...)
                                                for name, t in self.codec.stored_scales(at, coded).items()})
 
@@ -513,7 +514,7 @@ class TurboPool(CodedPool):
         kernel = kernel_for(self._device) if view.use_kernel and not config.qjl else None
         if kernel is not None:       # (every width of +halloc too: paged.c reads a layout per head)
             return self._attend_ragged(kernel, layer, view, q)
-        on_codes = view.use_kernel and self.codec.code_kernel is not None and not (config.pre_rope or self.sinks)
+        on_codes = view.use_kernel and self.codec.code_kernel is not None and not (config.turns_keys or self.sinks)
         out = q.new_empty(q.shape[0], q.shape[1], self.geometry.head_dim)            # (N, H, D)
         for s, lo, hi, start, ctx in self.sequences(view):
             slots = view.layout.slots(s)[self.sink:].to(self._device)                # (ctx - sink,) the coded ones
@@ -542,7 +543,7 @@ class TurboPool(CodedPool):
         Hkv = self.geometry.n_kv_heads
         codec, layout = self.codec, view.layout
         at = self.state_layer(layer, view)                                                # the codec's layer
-        if codec.config.pre_rope:   # the keys are rebuilt at their positions in C: the plain queries read them
+        if codec.config.turns_keys:   # C takes the plain queries: it rebuilds the keys (or turns the offset) at their positions
             q_rot = q.contiguous()
         else:
             qg = q.reshape(N, Hkv, H // Hkv, D).transpose(0, 1).reshape(1, Hkv, -1, D)   # (1, Hkv, N·G, D)
@@ -558,7 +559,7 @@ class TurboPool(CodedPool):
             offset = codec.v_offset[at][0].float()                                     # (Hkv, D)
             out = (out.reshape(N, Hkv, H // Hkv, D) + offset[:, None]).reshape(N, H, D)
         if self.sinks:
-            if codec.k_offset and not codec.config.pre_rope:   # q·μ·scale: the coded keys' common score
+            if codec.k_offset and not codec.config.turns_keys:   # q·μ·scale: the coded keys' common score
                 mu = codec.k_offset[at][0].float().repeat_interleave(H // Hkv, dim=0)    # (H, D)
                 lse = lse + (q * mu).sum(-1) * view.scale
             out = self._merge_sinks(layer, view, q, out, lse)
@@ -599,7 +600,7 @@ class TurboPool(CodedPool):
 class _StepRows:
     """A TurboQuant pool's facts about one step's rows, the same for every layer: each row's sequence and position,
     its sequence's sink entry, the sink tokens each chunk writes, the rows coded into blocks (their slots and, with
-    +prerope, their RoPE rows) and the sink rows each row sees."""
+    +prerope or +ropemean, their RoPE rows) and the sink rows each row sees."""
 
     __slots__ = ("entry", "positions", "sink_writes", "coded", "coded_slots", "coded_rope", "sink_seen")
 
@@ -609,7 +610,7 @@ class _StepRows:
         step.sink_writes = []                                                             # (entry, start, lo, hi)
         step.coded, step.coded_slots, step.coded_rope, step.sink_seen = None, view.slots, None, None
         step.positions = step.entry = None
-        if not (pool.sinks or pool.codec.config.pre_rope):   # every row coded where its slot says, no position needed
+        if not (pool.sinks or pool.codec.config.turns_keys):   # every row coded where its slot says, no position needed
             return step
         step.positions, rows = pool._token_rows(view)                                     # (N,) each
         if pool.sinks:
@@ -626,7 +627,7 @@ class _StepRows:
             if view.window:
                 seen &= sink > step.positions[:, None] - view.window
             step.sink_seen = seen
-        if pool.codec.config.pre_rope:   # each coded key turned back from its position before it is coded
+        if pool.codec.config.turns_keys:   # each coded key turned back from its position before it is coded
             cos, sin = pool._rope_rows(view)
             coded = step.positions if step.coded is None else step.positions[step.coded]
             step.coded_rope = cos[coded].contiguous(), sin[coded].contiguous()           # (n, D) each
