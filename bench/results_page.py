@@ -667,6 +667,10 @@ SECTIONS = [
               "like the bare method, plus one d-wide dot per key and query for the turned offset: 1.28x `tq4`'s speed "
               "at 4k tokens and 1.39x at 8k, where `tq4` rebuilds and turns every key; the offset's dot is what "
               "separates it from the bare `tq-k4v4`.", read_share=True, bare=()),
+        Table("ropemean_decode_2threads.json", decode_contexts,
+              "kvlab bench decode --contexts 4k,8k --caches dense-f16,tq4,tq-k4v4+ropemean+sink1+kscale=lsq+vscale=lsq "
+              "--threads 2 --repeats 2 --steps 16 --out bench/results/ropemean_decode_2threads.json",
+              "The same at 2 threads: `+ropemean` 1.27x `tq4` at 4k tokens, 1.34x at 8k.", read_share=True, bare=()),
         Table("decode_contexts_2threads.json", decode_contexts,
               "kvlab bench decode --contexts 512,8k --caches dense-f16,tq-k4v4,tq3,int8,int4 --threads 2 --repeats 2 "
               "--out bench/results/decode_contexts_2threads.json", bare=BOTH),
