@@ -94,7 +94,7 @@ Bytes (`bytes`), every buffer preallocated to the capacity (the caches' `nbytes`
     fixed  per compressed layer the rotation state (d int8 signs; d² float32 if d is not a power of two) and the key
            offsets (B·Hkv·d float8), per cache the codebooks of every width held (centroids + boundaries (+ byte
            tables), float32) and, with qjl, S (d² float32); the key channel weights (B·Hkv·d/2 bytes of 4-bit codes
-           per compressed layer); +prerope the d/2 float32 RoPE frequencies; +rot=haar the d² float32 Haar matrix;
+           per compressed layer); +prerope, +ropemean the d/2 float32 RoPE frequencies; +rot=haar the d² float32 Haar matrix;
            +alloc the recipe (one uint8 key and value width per unit).
 """
 

@@ -642,7 +642,7 @@ class TurboQuantCache(CompressedCache):
         """What this cache stores for T tokens of `layer`, without storing it: k, v (B, H, T, d) ->
         {buffer name: (B, H, T[, bytes])} for each of `token_buffer_names()` (the serving pool writes them); with
         +norms8 the scales stay float32 here (`_encode` codes them against the layer's centres). Keys before RoPE
-        with +prerope and +ropemean; +ropemean: rope, the tokens' cos, sin (T, d), turns them back to their positions
+        with +prerope and +ropemean; +ropemean: rope, the tokens' cos, sin (T, d), turns them to their positions again
         after the offset and weights."""
         rot = self.rotations[layer]
         centered = k.float() - self._key_offset(layer)                           # (B, H, T, d) k - μ
