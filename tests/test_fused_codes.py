@@ -290,3 +290,22 @@ def test_a_buffer_replaced_in_place_is_checked_again(name, narrow, what, native)
         with pytest.raises(ConfigError, match=what) as err:
             model.fused(one, cache)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(("name", "field"), [("tq-k4v4+ropemean", "rope_cos"), ("tq-k4v4+ropemean", "rope_steps"),
+                                             ("tq-k4v4+prerope", "rope_sin")])
+def test_a_layer_without_its_rope_rows_is_refused(name, field, native):
+    """A layer that turns keys by their positions (+prerope, +ropemean) reads each slot's RoPE row (and +ropemean its
+    16 step rows): a description without them is refused in one line, not read through a null pointer."""
+    model = model_for("MHA-64", max_seq_len=40)
+    model.fused = FusedDecodeStep(model, native._lib)
+    cache = make_cache(name, CacheGeometry.for_model(model.config, capacity=40))
+    one = torch.tensor([[3]])
+    with torch.no_grad():
+        model(torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(1)), cache)
+        model.fused(one, cache)                                       # the view is built and used
+        view = model.fused._view_for(cache)
+        setattr(view.coded[0], field, None)
+        with pytest.raises(ConfigError, match="refused") as err:
+            model.fused(one, cache)
+    assert "\n" not in str(err.value)

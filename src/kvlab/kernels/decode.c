@@ -1039,7 +1039,7 @@ int kvlab_tq_code_rows(const Coded *C, const cb_layout *layouts, int Hkv, int hd
  * not all stored, others may be). */
 int kvlab_tq_code_tokens(const Coded *C, int Hkv, int hd, int64_t n, const float *k, const float *v,
                          const int64_t *slots, const float *cos_, const float *sin_, int n_threads) {
-    const int turns = C->unrotation || C->unrotation_signs || C->rope_mean;   /* +prerope, +ropemean */
+    const int turns = kvlab_tq_pre_rope(C) || C->rope_mean;   /* +prerope, +ropemean */
     if (Hkv <= 0 || Hkv > CB_MAX_DIM || n < 0 || turns != (cos_ && sin_) || n_threads < 1) return -1;
     cb_layout layouts[2 * 8];
     cb_layout *L = Hkv <= 8 ? layouts : malloc(2 * (size_t)Hkv * sizeof(cb_layout));
@@ -1246,7 +1246,9 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
         if (L->type != KV_F32 && L->type != KV_F16 && L->type != KV_BF16) { free(layouts); return -1; }
         if (L->coded) {
             const Coded *C = L->coded;
+            const int turns = kvlab_tq_pre_rope(C) || C->rope_mean;   /* it reads each slot's RoPE row */
             if (L->type != KV_F32 || !fill || !fill_fits(L, fill) || C->block_rows != C->slots
+                || (turns && (!C->rope_cos || !C->rope_sin)) || (C->rope_mean && !C->rope_steps)
                 || kvlab_tq_layouts(C, Hkv, hd, &layouts[2 * (int64_t)l * Hkv])) { free(layouts); return -1; }
             const int spill = fill->write == WRITE_SPILL;
             chunks = chunks_of(fill->first + (fill->write == WRITE_FIRST)) + chunks_of(fill->coded + (fill->write == WRITE_CODED || spill))
@@ -1381,7 +1383,7 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
                         memcpy(wv + (int64_t)row * hd, v + g * hd, sizeof(float) * (size_t)hd);
                     }
                 }
-                if (C && n_coded > 0 && (C->unrotation || C->unrotation_signs))   /* +prerope: the rebuilt keys read by q */
+                if (C && n_coded > 0 && kvlab_tq_pre_rope(C))   /* +prerope: the rebuilt keys read by q */
                     for (int i = 0; i < H; i++) {
                         for (int c = 0; c < hd; c++) q_coded[(int64_t)i * hd + c] = q[i * hd + c] * m->attn_scale;
                         q_coded[q_dim + i] = 0.0f;
@@ -1451,7 +1453,7 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
                 const int n = n_coded - t0 < KEY_CHUNK ? n_coded - (int)t0 : KEY_CHUNK;
                 float weights[CB_MAX_DIM], offset[CB_MAX_DIM];
                 PreRope pre;
-                if (C->unrotation || C->unrotation_signs) {   /* +prerope: this KV head's weights and offset, slot RoPE rows */
+                if (kvlab_tq_pre_rope(C)) {   /* +prerope: this KV head's weights and offset, slot RoPE rows */
                     for (int i = 0; i < hd && C->weight_codes; i++) weights[i] = key_weight(C, g, hd, i);
                     for (int i = 0; i < hd && C->offset[0]; i++) offset[i] = C->fp8_values[C->offset[0][(int64_t)g * hd + i]];
                     pre = (PreRope){C->unrotation, C->unrotation_signs, C->weight_codes ? weights : NULL, C->offset[0] ? offset : NULL,
@@ -1460,7 +1462,7 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
                 const KeyTurn turn = {q_coded + q_dim + H + (int64_t)g * group * hd, C->rope_cos, C->rope_sin,
                                       C->rope_steps};   /* +ropemean */
                 const TqHead head = {.C = C, .layout = {&head_layouts[2 * g], &head_layouts[2 * g + 1]}, .g = g, .scale = 1.0f,
-                                     .pre = C->unrotation || C->unrotation_signs ? &pre : NULL,
+                                     .pre = kvlab_tq_pre_rope(C) ? &pre : NULL,
                                      .turn = C->rope_mean ? &turn : NULL};
                 int64_t lo[CB_MAX_DIM], hi[CB_MAX_DIM];   /* every query of the group reads the whole chunk */
                 for (int i = 0; i < group; i++) lo[i] = t0, hi[i] = t0 + n;

@@ -417,7 +417,7 @@ static int coded_check(const Coded *C, int n_heads, int n_kv_heads, int hd, cons
     if (kvlab_tq_layouts(C, n_kv_heads, hd, L)) return -1;
     for (int h = 0; h < 2 * n_kv_heads; h++)
         if (L[h].dpad != L[0].dpad) return -1;
-    const int pre = C->unrotation || C->unrotation_signs;
+    const int pre = kvlab_tq_pre_rope(C);
     if (pre || C->rope_mean) {   /* +prerope (the rebuild) and +ropemean: a RoPE row for every position */
         if ((pre && (hd % 16 || (C->unrotation_signs && (hd & (hd - 1))))) || !S->rope_cos || !S->rope_sin) return -1;
         if (C->rope_mean && !C->rope_steps) return -1;
@@ -431,7 +431,7 @@ static int coded_check(const Coded *C, int n_heads, int n_kv_heads, int hd, cons
 static int coded_read(const Coded *C, const cb_layout *L, int n_heads, int n_kv_heads, int hd, const Ragged *R,
                       const TqStep *S, const float *q, int64_t first_key, int64_t key_end, float scale, int window,
                       float *out, float *lse, int n_threads) {
-    const int Hkv = n_kv_heads, pre = C->unrotation || C->unrotation_signs, turn = C->rope_mean;
+    const int Hkv = n_kv_heads, pre = kvlab_tq_pre_rope(C), turn = C->rope_mean;
     const int64_t n_queries = (int64_t)R->query_start[R->n_seqs] * n_heads;
     float *state = pre || turn ? malloc(sizeof(float) * 2 * (size_t)Hkv * hd) : NULL;   /* key weights, key offset */
     PreRope *rebuild = pre ? malloc(sizeof(PreRope) * (size_t)Hkv) : NULL;
@@ -562,7 +562,7 @@ int kvlab_tq_pool_layer(const TqPoolLayer *T, int n_heads, int n_kv_heads, int h
     if (n_threads < 1) n_threads = 1;
     const Coded *C = T->coded;
     const int H = n_heads, Hkv = n_kv_heads, G = H / Hkv, d = hd, sink = T->sink;
-    const int pre = C->unrotation || C->unrotation_signs, plain = pre || C->rope_mean;   /* plain q to coded_read */
+    const int pre = kvlab_tq_pre_rope(C), plain = pre || C->rope_mean;   /* plain q to coded_read */
     const int64_t N = n_rows, kv_dim = (int64_t)Hkv * d;
     int64_t *slot = malloc(sizeof(int64_t) * (size_t)N), *position = malloc(sizeof(int64_t) * (size_t)N);
     int *entry = malloc(sizeof(int) * (size_t)N);

@@ -47,6 +47,9 @@ typedef struct {                   /* a TurboQuant layer's codes (kvlab/cache/tu
     const float *rope_steps;       /* +ropemean: (16, hd), row r = [cos rθ | sin rθ] over the d/2 RoPE frequencies θ */
 } Coded;
 
+/* +prerope: C's keys are rebuilt before RoPE when read (it holds the inverse rotation) */
+static inline int kvlab_tq_pre_rope(const Coded *C) { return C->unrotation || C->unrotation_signs; }
+
 typedef struct {                   /* +prerope: how coded keys are rebuilt, then turned to their positions */
     const float *unrotation;       /* (d, d) Mᵀ: the key before its scale is x = y Mᵀ = Σ_j y_j Mᵀ[j] ... */
     const float *signs;            /* ... or, for a randomized Hadamard M = H diag(s)/√d, (d,) s/√d: x = (H y) ⊙ s/√d */
