@@ -37,7 +37,7 @@ def test_smoke_run_records_every_cache_at_every_context(smollm2, tmp_path, monke
     assert rows[16, "dense"]["context"] == 16 and rows[64, "dense"]["context"] == 40 - 1 - 2 * 2
     for (asked, cache), r in rows.items():
         assert len(r["samples"]) == 2 and r["tokens_per_s"] > 0 and r["bandwidth_gb_s"] > 0
-        assert r["step"] == ("modules" if cache == "tq-k4v4+qjl" else "fused")   # +qjl: no fused step
+        assert r["step"] == "fused"
         # bytes read per step: the cache's per-token bytes × tokens at mid-run (dense: 30 × 3 × 128 × 4 B per token)
         mid = r["context"] + 1 + 2
         if cache.startswith("dense"):

@@ -206,7 +206,7 @@ def test_named_refusals_give_the_table_message():
     """One name per row of the table (the rows that need no block size hold without one)."""
     for name, path in (("none", "transformers"), ("tq4+prerope", "transformers"), ("tq-k4v4+alloc", "transformers"),
                        ("concat", "pool"), ("int4+recent8", "pool"), ("tq-k3v3+fp-first-last", "pool"),
-                       ("tq-k4v4+outliers2", "pool"), ("tq-k4v4+qjl", "fused"), ("concat", "fused")):
+                       ("concat", "fused")):
         ok, reason = CacheSpec.parse(name, path).supports(path)
         assert not ok and reason and repr(name) in reason or name == "none"
     assert CacheSpec.parse("tq-k3v3+sink20").supports("pool", 16) == (

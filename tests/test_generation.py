@@ -100,7 +100,7 @@ def test_cli_generate_json(smollm2):
 
     expected = ("native", "fused") if block_kernel() is not None else ("dense", "modules")  # no C compiler: modules
     assert (record["weights"], record["decode_step"]) == expected
-    for cache, step in (("int8", expected[1]), ("tq-k4v4+qjl", "modules")):   # +qjl: no fused step
+    for cache, step in (("int8", expected[1]), ("tq-k4v4+qjl", expected[1]), ("concat", "modules")):   # concat: no fused step
         record = json.loads(CliRunner().invoke(app, ["generate", "Hi", "--max-new-tokens", "2", "--cache", cache, "--json"]).output)
         assert record["decode_step"] == step, cache
 

@@ -223,11 +223,14 @@ def test_the_haar_basis_follows_the_seed():
 
 @pytest.mark.parametrize("name, window", [("tq4", None), ("tq3", 24), ("tq4+recent8", None), ("tq3+recent8+sink3", 24),
                                           ("tq-k4v4+prerope+sink1+halloc=k534453v453354", None),
-                                          ("tq-k4v4+ropemean+sink1+norms8+kscale=lsq+vscale=lsq", 24)])
+                                          ("tq-k4v4+ropemean+sink1+norms8+kscale=lsq+vscale=lsq", 24),
+                                          ("tq-k4v4+prerope+qjl+sink1", None), ("tq-k4v3+prerope+outliers2+sink1", 24),
+                                          ("tq-k4v4+qjl+outliers1+recent8", None)])
 def test_the_presets_read_in_c_like_the_torch_path(name, window):
-    """The presets' coded tokens read through the one C read (kernels/paged.c kvlab_tq_attention: each batch row's
-    one block, keys rebuilt before RoPE, +norms8 scales, the sink and recent window merged by log-sum-exp) == the
-    torch path, batch 2 (each row its own calibration), chunks that cross the window and a sliding-window model."""
+    """The presets' coded tokens (and +qjl's, +outliersN's) read through the one C read (kernels/paged.c
+    kvlab_tq_attention: each batch row's one block, keys rebuilt before RoPE, +norms8 scales, the residuals' sketches,
+    the kept key entries, the sink and recent window merged by log-sum-exp) == the torch path, batch 2 (each row its
+    own calibration), chunks that cross the window and a sliding-window model."""
     g = replace(ROPED, batch=2, window=window)
     chunks = (40, 1, 1, 30, 5, 1)
     ours, reference = feed(name, g, chunks, seed=5), feed(name, g, chunks, seed=5)

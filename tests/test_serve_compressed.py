@@ -146,6 +146,9 @@ CASES = [  # format, block size, query heads, KV heads, sliding window, C path (
     ("tq-k4v4+halloc=k354v444", 16, 9, 3, None, False), ("tq-k4v4+halloc=k354v444", 16, 9, 3, None, True),
     ("tq-k3v3+prerope+sink1+halloc=k24v33+vq+norms8", 8, 4, 2, 7, True), ("tq-k3v2.95+halloc=k3v2", 8, 2, 1, None, True),
     ("tq-k4v4+alloc=k5v3", 16, 4, 2, None, True),                             # a width per layer
+    # each key's largest entries kept exactly beside its codes (before RoPE with +prerope)
+    ("tq-k4v4+outliers2", 16, 9, 3, None, False), ("tq-k4v4+outliers2", 16, 9, 3, None, True),
+    ("tq-k4v3+prerope+outliers1+sink1", 8, 4, 1, 7, True), ("tq-k4v4+qjl+outliers1", 8, 4, 2, None, True),
 ]
 #: RoPE frequencies of a head dim of 16 (+prerope needs the model's)
 INV_FREQ = tuple(10000.0 ** (-i / 8) for i in range(8))
@@ -263,8 +266,7 @@ def test_planner_admission_is_the_engines_and_tq4_holds_3_5x_the_f16_sequences(s
 @pytest.mark.parametrize("name,match", [("tq-k4v4+recent8", "tq-k4v4\\+recent8.*full-precision.*hold \\+sinkN"),
                                         ("int4+sink1", "int4\\+sink1.*full-precision"), ("tq-k4v4+sink17", "sink of 17 tokens"),
                                         ("int4+recent64", "int4\\+recent64"),
-                                        ("int4+g32", "must divide the block size"), ("zip9", "unknown block format 'zip9'"),
-                                        ("tq-k4v4+outliers1", "without \\+outliersN")])
+                                        ("int4+g32", "must divide the block size"), ("zip9", "unknown block format 'zip9'")])
 def test_formats_the_pool_cannot_hold_are_one_line_errors(smollm2, name, match):
     with pytest.raises(ConfigError, match=match) as info:
         Engine(smollm2, cache=name, kv_budget="4MiB")

@@ -44,6 +44,7 @@ CASES = [  # format, block size, query heads, KV heads, sliding window
     (TQ4, 4, 4, 1, 5),              # MQA, a window shorter than the chunks
     (TQ3, 8, 6, 2, None),
     (HALLOC, 8, 4, 2, None),
+    ("tq-k4v3+prerope+qjl+outliers2+sink1", 8, 6, 2, None),   # a residual's sketch, exact key entries
     ("tq-k4v4+center=kv+sink2", 4, 6, 3, None),   # K, V coded less their offsets: q·μ joins the coded keys' lse
 ]
 D, LAYERS = 64, 2
@@ -148,7 +149,7 @@ def test_bad_sizes_are_one_line_errors_before_c_writes():
 
 
 # -- every layer of a step in one C call (the engine's fused step) -------------------------------------------------
-STEP_FORMATS = ["tq-k4v4", TQ4, TQ3, HALLOC]
+STEP_FORMATS = ["tq-k4v4", TQ4, TQ3, HALLOC, "tq-k4v3+qjl+outliers1+sink1"]
 
 
 def engine_of(name: str, seed: int = 0) -> Engine:
@@ -225,7 +226,6 @@ def test_when_the_fused_step_takes_turboquant_blocks():
         engine.pool.layers_in_c = False                                        # the pool's layers apart: the modules
         assert fused_batch_for(runner, 1) is None
         engine.pool.layers_in_c = True
-        assert fused_batch_for(engine_of("tq-k4v3+qjl").runner, 1) is None    # +qjl is read with the codec's scores
         step = fused_batch_for(runner, 1)
         engine.add_request([1, 2, 3], SamplingParams(max_tokens=2))
         (chunk,) = engine.scheduler.schedule()

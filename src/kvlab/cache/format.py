@@ -699,9 +699,6 @@ REFUSALS: list[tuple[str, Callable[[CacheSpec, int | None], bool], str]] = [
      "like {plain} (TurboQuant blocks hold +sinkN)"),
     ("pool", lambda s, bs: bs is not None and s.full.sink > bs,
      "block format {name}: a sink of {sink} tokens is more than a block of {block_size}"),
-    ("pool", lambda s, bs: bool(s.outliers),
-     "block format {name} keeps exact key outliers (+outliersN), which the pool's blocks do not read; use it without "
-     "+outliersN"),
     ("pool", lambda s, bs: bs is not None and s.base == "int" and bool(bs % s.pool_group(bs)),
      "block format {name}: the key group of {group} tokens must divide the block size of {block_size} (use "
      "+g{block_size} or a block size that is a multiple)"),
@@ -712,8 +709,4 @@ REFUSALS: list[tuple[str, Callable[[CacheSpec, int | None], bool], str]] = [
      "torch path runs {name} on these models: kvlab generate)"),
     ("fused", lambda s, bs: s.base in ("concat", "none"),
      "cache {name}: the fused decode step writes preallocated caches (the modules run it)"),
-    ("fused", lambda s, bs: s.qjl, "cache {name}: the fused decode step does not read the +qjl residual (the modules "
-     "run it)"),
-    ("fused", lambda s, bs: bool(s.outliers), "cache {name}: the fused decode step does not read exact key outliers "
-     "(+outliersN; the modules run it)"),
 ]

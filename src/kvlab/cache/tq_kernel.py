@@ -3,7 +3,7 @@ and for the serving pool alike.
 
 `Coded` describes one layer: the codec's state (the rotation Π as a (d, d) matrix, float8 offsets, 4-bit key
 weights, each KV head's packing with its boundaries, the scale modes, +norms8 centres, +prerope's inverse rotation,
-+ropemean's flag)
++ropemean's flag, +qjl's sketch matrix and buffers, +outliersN's buffers)
 and where its codes and scales lie: in blocks (cache/blocks.py TqBlocks), codes (n_blocks, Hkv, block_rows, bytes)
 (+halloc: (n_blocks, 1, block_rows, Σ bytes)), scales (n_blocks, Hkv, block_rows); a single cache's sequence is one
 block of all its slots, a serving pool's blocks hold its block size each.
@@ -43,7 +43,8 @@ class Coded(ctypes.Structure):
                 ("rope_cos", c_void_p), ("rope_sin", c_void_p), ("unrotation", c_void_p), ("unrotation_signs", c_void_p),
                 ("block_rows", c_int64), ("block_bytes", c_int64 * 2), ("norm_head_stride", c_int64),
                 ("norm_block_stride", c_int64), ("rope_mean", c_int32),
-                ("rope_steps", c_void_p)]
+                ("rope_steps", c_void_p), ("qjl_matrix", c_void_p), ("qjl_signs", c_void_p), ("qjl_norms", c_void_p),
+                ("outliers", c_int32), ("outlier_channels", c_void_p), ("outlier_values", c_void_p)]
 
 
 def fp8_values() -> torch.Tensor:
@@ -81,7 +82,8 @@ class CodedLayers:
 
     def layer(self, codec, layer: int, buffers: dict[str, torch.Tensor], blocks: tuple[int, int],
               slot_rope: tuple[torch.Tensor, torch.Tensor] | None = None, state_row: int = 0) -> Coded:
-        """Layer `layer` of TurboQuantCache `codec` over `buffers` {k_codes, k_norm, v_codes, v_norm} in blocks =
+        """Layer `layer` of TurboQuantCache `codec` over `buffers` {k_codes, k_norm, v_codes, v_norm [+qjl: k_signs,
+        k_rnorm] [+outliersN: k_out_idx, k_out_val]} in blocks =
         (n_blocks, block_rows), as TqBlocks holds a layer: codes (n_blocks, Hkv, block_rows, bytes), or +halloc
         (n_blocks, 1, block_rows, Σ bytes), scales (n_blocks, Hkv, block_rows). slot_rope: +prerope's, +ropemean's (slots, d) cos / sin
         of each slot's position, which the fused step reads (None where the caller passes each token's own to
@@ -137,6 +139,16 @@ class CodedLayers:
             angles = torch.outer(torch.arange(16, dtype=torch.float32), codec.rope_inv_freq.float().cpu())   # (16, d/2)
             steps = torch.cat((angles.cos(), angles.sin()), dim=-1).contiguous()
             c.rope_steps = self.ptr(steps, (16, hd), f"{at} RoPE steps", torch.float32, own=True)
+        if config.qjl:         # the residual's sketch: S, each token's signs and ‖r‖ (as its scales)
+            c.qjl_matrix = self.ptr(codec.qjl_matrix.float().cpu().contiguous(), (hd, hd), "QJL matrix", torch.float32,
+                                    own=True)
+            c.qjl_signs = self.ptr(buffers["k_signs"], (n_blocks, H, rows, (hd + 7) // 8), f"{at} QJL signs", torch.uint8)
+            c.qjl_norms = self.ptr(buffers["k_rnorm"], (n_blocks, H, rows), f"{at} QJL norms", config.norm_dtype)
+        if config.outliers:    # each token's kept key entries: channels and float16 values
+            c.outliers = config.outliers
+            shape = (n_blocks, H, rows, config.outliers)
+            c.outlier_channels = self.ptr(buffers["k_out_idx"], shape, f"{at} outlier channels", torch.uint8)
+            c.outlier_values = self.ptr(buffers["k_out_val"], shape, f"{at} outlier values", torch.float16)
         if config.pre_rope:
             if codec.rotations[layer].hadamard:   # Mᵀy = s ⊙ (H y)/√d: a Hadamard transform in C, not the d x d product
                 signs = codec.rotations[layer].signs.float() * hd ** -0.5                    # (D,) s/√d

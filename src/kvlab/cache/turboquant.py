@@ -80,8 +80,8 @@ Coding in C: `code` is the reference of kernels/decode.c's kvlab_tq_code_tokens 
 coder of a token's K/V, which the fused decode step and the serving pool call (the module path codes in torch).
 Reading in C: `attend` reads the coded tokens through kernels/paged.c's kvlab_tq_attention (`_coded_read`: each batch
 row a sequence of one block), the serving pool's read, and merges the sink and recent window by log-sum-exp; the
-fused step's coded chunks are the same kvlab_tq_read. The torch path (`code_kernel` None, other devices) is the
-reference; +qjl and +outliersN read through it (their dots and decodes in kernels/codebook.c).
+fused step's coded chunks are the same kvlab_tq_read, +qjl's sketch and +outliersN's kept entries included. The
+torch path (`code_kernel` None, other devices) is the reference.
 
 `+vq` (vector_codebook.py): 2- and 3-bit parts are coded in blocks of 4 rotated coordinates, 4·b bits per block in
 the scalar codes' bytes (4 signs + an index into sign-symmetric magnitude points): a quarter less error at 3 bits.
@@ -454,7 +454,7 @@ class TurboQuantCache(CompressedCache):
             recipe = [[list(pair) for pair in zip(*widths[l])] for l in range(g.n_layers)]   # (L, Hkv, 2)
             self.recipe = torch.tensor(recipe if config.alloc_heads else [row[0] for row in recipe], dtype=torch.uint8,
                                        device=dev)                                           # (L, Hkv, 2) or (L, 2)
-        # the C kernels on CPU: attention read from the codes (`_coded_read`) and one width's row readers (kernels/
+        # the C kernels on CPU: attention read from the codes (`_coded_read`) and one width's rows decoded (kernels/
         # codebook.c, `_rows_in_c`); None: torch decodes (the reference)
         self.code_kernel = codebook_kernel_for(self.device)
         self.haar_basis = None                                                               # (d, d) Q shared by the layers
@@ -769,21 +769,14 @@ class TurboQuantCache(CompressedCache):
         return self.mix(layer, p, self._buffers(layer), n)
 
     def scores(self, layer: int, qg: torch.Tensor, stored: dict[str, torch.Tensor], n: int) -> torch.Tensor:
-        """Scaled logits of qg (B, H, G·T, d) against the first n tokens of `stored` -> (B, H, G·T, n), read on the codes."""
+        """Scaled logits of qg (B, H, G·T, d) against the first n tokens of `stored` -> (B, H, G·T, n), on the codes
+        (the torch path; kernels/decode.c kvlab_tq_read reads them so in C)."""
         q_rot = self._rotated_queries(layer, qg) * self.scale                      # (B, H, G·T, d)
         norms = stored["k_norm"][:, :, None, :n]                                   # (B, H, 1, n) 16-bit
-        if self._rows_in_c and not _decode_chunk(qg.shape[2], n):                # few rows or many keys: dots in C
-            dots = self.code_kernel.dots(stored["k_codes"], 0, n, self.layer_key_codes[layer].layout, q_rot)  # (B, H, G·T, n)
-            if self.config.qjl:  # q·Sᵀsign(Sr) = (Sq)·sign(Sr): the signs are 1-bit codes read like the others
-                sketched = q_rot @ self.qjl_matrix.T                              # (B, H, G·T, m) Sq
-                signs = self.code_kernel.dots(stored["k_signs"], 0, n, self.sign_layout, sketched)
-                dots += signs * self._qjl_coef(stored, 0, n)[:, :, None]
-            scores = dots.mul_(norms)                                             # fp32 × 16-bit stays fp32
-        else:  # the reference (torch decodes), or many rows against few keys (C decodes them, then a GEMM)
-            y_hat = self._decoded(stored["k_codes"], self.layer_key_codes[layer], 0, n)        # (B, H, n, d) codebook values
-            if self.config.qjl:
-                y_hat = y_hat + self._qjl_term(stored, 0, n)                      # unbiased residual estimate
-            scores = q_rot @ (y_hat * norms.transpose(-1, -2)).transpose(-1, -2)  # (B, H, G·T, n)
+        y_hat = self._decoded(stored["k_codes"], self.layer_key_codes[layer], 0, n)        # (B, H, n, d) codebook values
+        if self.config.qjl:
+            y_hat = y_hat + self._qjl_term(stored, 0, n)                          # unbiased residual estimate
+        scores = q_rot @ (y_hat * norms.transpose(-1, -2)).transpose(-1, -2)      # (B, H, G·T, n)
         if self.k_offset:
             scores += (qg @ self.k_offset[layer][..., None].float()) * self.scale  # (B, H, G·T, 1) q·μ
         if self.config.outliers:
@@ -793,10 +786,7 @@ class TurboQuantCache(CompressedCache):
     def mix(self, layer: int, p: torch.Tensor, stored: dict[str, torch.Tensor], n: int) -> torch.Tensor:
         """Σ_i p_i·v_i over the first n tokens of `stored` (see `scores`); p (B, H, G·T, n) -> (B, H, G·T, d)."""
         norms = stored["v_norm"][:, :, None, :n]                                   # (B, H, 1, n) 16-bit
-        if self._rows_in_c and not _decode_chunk(p.shape[2], n):
-            mixed = self.code_kernel.mix(stored["v_codes"], 0, n, self.layer_value_codes[layer].layout, p * norms)  # (B, H, G·T, d)
-        else:
-            mixed = p @ (self._decoded(stored["v_codes"], self.layer_value_codes[layer], 0, n) * norms.transpose(-1, -2))
+        mixed = p @ (self._decoded(stored["v_codes"], self.layer_value_codes[layer], 0, n) * norms.transpose(-1, -2))
         out = self.rotations[layer].invert(mixed)                                  # (B, H, G·T, d)
         if self.v_offset:
             out = out + p.sum(dim=-1, keepdim=True) * self.v_offset[layer][:, :, None].float()
@@ -851,10 +841,10 @@ class TurboQuantCache(CompressedCache):
         the serving pool's): each batch row is a sequence whose one block is its table, its coded token j at position j
         (the queries' positions counted from the first coded one), keys below the recent window's. qg (B, Hkv, G·T, d)
         -> normalized output (B, Hkv, G·T, d) and log-sum-exp (B, Hkv, G·T) (-inf: a row before every coded token).
-        None where the torch path reads them: no C kernel (`code_kernel` None, the reference), +qjl, +outliersN, or the
-        layer's first chunk still exact."""
+        None where the torch path reads them: no C kernel (`code_kernel` None, the reference), or the layer's first chunk
+        still exact."""
         config = self.config
-        if self.code_kernel is None or config.qjl or config.outliers or layer in self._pending:
+        if self.code_kernel is None or layer in self._pending:
             return None
         B, Hkv, rows, d = qg.shape
         G, n = rows // T, self._n_comp[layer]
@@ -895,8 +885,8 @@ class TurboQuantCache(CompressedCache):
 
     @property
     def _rows_in_c(self) -> bool:
-        """Whether kernels/codebook.c's row readers (dots, mix, decode of one width's rows) read the codes: with a C
-        kernel and one width per layer (+halloc's per-head widths: torch, or the C read of `_coded_read`)."""
+        """Whether kernels/codebook.c decodes rows of one width (`decode`, `_keys`): with a C kernel and one width
+        per layer (+halloc's per-head widths: torch; attention reads them through `_coded_read`)."""
         return self.code_kernel is not None and not self.config.alloc_heads
 
     def _rotated_queries(self, layer: int, qg: torch.Tensor) -> torch.Tensor:
@@ -1038,18 +1028,9 @@ class TurboQuantCache(CompressedCache):
         return vectors + fixed
 
 
-#: Many query rows against a chunk of keys: decode the chunk in C into a transient and multiply (a GEMM beats
-#: a dot per row and query); few rows, or a span longer than a key chunk: read the codes row by row in C.
-DECODE_ROWS = 16
-
-
 def _pair_mean(energy: torch.Tensor) -> torch.Tensor:
     """(..., d) per-channel energies -> each RoPE pair's (channels i and i + d/2) mean in both of its channels."""
     return (energy + energy.roll(energy.shape[-1] // 2, dims=-1)) / 2
-
-
-def _decode_chunk(rows: int, keys: int) -> bool:
-    return rows >= DECODE_ROWS and keys <= compressed.ATTEND_KEYS
 
 
 def _byte_table(centroids: torch.Tensor, bits: int) -> torch.Tensor:

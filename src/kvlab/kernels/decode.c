@@ -820,12 +820,91 @@ static void turn_scores(const KeyTurn *T, int group, int64_t row_stride, int nq,
     }
 }
 
+/* -- +qjl and +outliersN: what a key holds besides its codes (tqcodes.h Coded) ------------------------------------ */
+#define QJL_FACTOR 1.2533141373155003f   /* √(π/2): E|⟨s, r⟩| = √(2/π)‖r‖ for a Gaussian row s */
+
+/* Σ_j v_j · (+1 where bit j of signs is set, else -1), over d values */
+static float signed_sum(const uint8_t *signs, const float *v, int d) {
+    int j = 0;
+    float total = 0.0f;
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    for (; j + 16 <= d; j += 16) {
+        const __mmask16 m = (__mmask16)(signs[j / 8] | (unsigned)signs[j / 8 + 1] << 8);
+        const __m512 x = _mm512_loadu_ps(v + j);
+        acc = _mm512_add_ps(acc, _mm512_mask_blend_ps(m, _mm512_sub_ps(_mm512_setzero_ps(), x), x));
+    }
+    total = _mm512_reduce_add_ps(acc);
+#endif
+    for (; j < d; j++) total += (signs[j >> 3] >> (j & 7) & 1) ? v[j] : -v[j];
+    return total;
+}
+
+/* +qjl, codes read as they are: scores[i * stride + r] += √(π/2)/d · ‖r‖ · (S q_i)·sign, for rows r < n of KV head g
+ * from slot `slot` on (one block's run), sketched + i * dpad = S q_i */
+static void qjl_scores(const Coded *C, int g, int64_t slot, int n, int d, const float *sketched, int dpad, int nq,
+                       float *scores, int64_t stride) {
+    const int64_t at = scale_at(C, g, slot), sign_bytes = (d + 7) / 8;
+    float residual[TQ_READ_KEYS];
+    kv_load(C->norm_type, (const uint16_t *)C->qjl_norms + at, n, residual);
+    for (int r = 0; r < n; r++) {
+        const uint8_t *signs = C->qjl_signs + (at + r) * sign_bytes;
+        const float coef = QJL_FACTOR / (float)d * residual[r];
+        for (int i = 0; i < nq; i++) scores[i * stride + r] += coef * signed_sum(signs, sketched + (int64_t)i * dpad, d);
+    }
+}
+
+/* +qjl, keys rebuilt (+prerope): rows r < n of a decoded tile (dpad apart) += √(π/2)/d · ‖r‖ · Sᵀ sign, the
+ * residual's estimate in the rotated domain, for KV head g's slots from `slot` on */
+static void qjl_rows(const Coded *C, int g, int64_t slot, int n, int d, int dpad, float *tile) {
+    const int64_t at = scale_at(C, g, slot), sign_bytes = (d + 7) / 8;
+    float residual[CB_TILE];
+    kv_load(C->norm_type, (const uint16_t *)C->qjl_norms + at, n, residual);
+    for (int r = 0; r < n; r++) {
+        const uint8_t *signs = C->qjl_signs + (at + r) * sign_bytes;
+        const float coef = QJL_FACTOR / (float)d * residual[r];
+        float *row = tile + (int64_t)r * dpad;
+        for (int j = 0; j < d; j++) {
+            const float w = (signs[j >> 3] >> (j & 7) & 1) ? coef : -coef;
+            const float *s_j = C->qjl_matrix + (int64_t)j * d;
+            for (int c = 0; c < d; c++) row[c] += w * s_j[c];
+        }
+    }
+}
+
+/* +outliersN: out[i * TQ_READ_KEYS + r] = q_i . (row r's kept entries), rows r < n of KV head g from slot `slot` on;
+ * plain + i * dpad = q_i as the model has it. With cos_/sin_ (+prerope: the rows' positions, d apart) the entries are
+ * turned to their key's position first: R_t e_c. */
+static void outlier_scores(const Coded *C, int g, int64_t slot, int n, int d, const float *plain, int dpad, int nq,
+                           const float *cos_, const float *sin_, float *out) {
+    const int N = C->outliers, half = d / 2;
+    const int64_t at = scale_at(C, g, slot);
+    for (int r = 0; r < n; r++) {
+        const uint8_t *channel = C->outlier_channels + (at + r) * N;
+        const uint16_t *value = C->outlier_values + (at + r) * N;
+        const float *cs = cos_ ? cos_ + (int64_t)r * d : NULL, *sn = cos_ ? sin_ + (int64_t)r * d : NULL;
+        for (int i = 0; i < nq; i++) {
+            const float *q = plain + (int64_t)i * dpad;
+            float total = 0.0f;
+            for (int e = 0; e < N; e++) {
+                const int c = channel[e];
+                const float v = kvlab_fp16_to_fp32(value[e]);
+                if (!cs) total += q[c] * v;
+                else if (c < half) total += v * (q[c] * cs[c] + q[c + half] * sn[c + half]);   /* rope(): pairs (c, c + d/2) */
+                else total += v * (q[c] * cs[c] - q[c - half] * sn[c - half]);
+            }
+            out[(int64_t)i * TQ_READ_KEYS + r] = total;
+        }
+    }
+}
+
 /* -- kvlab_tq_read (tqcodes.h): one KV head's coded keys read by a few queries ------------------------------------- */
 #define TQ_REGISTER_ROWS 32  /* blocks of this many rows or more (a single cache's one) are read from their codes in
                                  registers; a pool's short blocks are decoded a tile at a time */
 
-int64_t kvlab_tq_read_floats(int nq, int dpad) {   /* scores, key and value scales, queries, sums, a tile (+ room), turns */
-    return 2 * (int64_t)nq * TQ_READ_KEYS + 2 * TQ_READ_KEYS + 2 * (int64_t)nq * dpad + (int64_t)CB_TILE * dpad + CB_MAX_DIM;
+int64_t kvlab_tq_read_floats(int nq, int dpad) {   /* scores, key and value scales, queries, sums, a tile (+ room), each
+                                                    key's own terms, the queries' sketches and plain queries */
+    return 2 * (int64_t)nq * TQ_READ_KEYS + 2 * TQ_READ_KEYS + 4 * (int64_t)nq * dpad + (int64_t)CB_TILE * dpad + CB_MAX_DIM;
 }
 
 /* out[r] = q . row r of the tile (count <= CB_TILE rows, dpad apart, zero past d like q) */
@@ -849,13 +928,27 @@ void kvlab_tq_read(const TqHead *h, const int32_t *table, int64_t k0, int64_t k1
     const int64_t block_rows = C->block_rows;
     float *scores = scratch, *k_scale = scores + (int64_t)nq * TQ_READ_KEYS, *v_scale = k_scale + TQ_READ_KEYS;
     float *qpad = v_scale + TQ_READ_KEYS, *acc = qpad + (int64_t)nq * dpad, *tile = acc + (int64_t)nq * dpad;
-    float *turns = tile + (int64_t)CB_TILE * dpad + CB_MAX_DIM;   /* +ropemean: (nq, TQ_READ_KEYS) q . R_t μ */
+    /* each key's own term besides its codes, (nq, TQ_READ_KEYS): +ropemean's q . R_t μ or +outliersN's q . entries */
+    float *own = tile + (int64_t)CB_TILE * dpad + CB_MAX_DIM;
+    float *sketched = own + (int64_t)nq * TQ_READ_KEYS;   /* +qjl read on the codes: (nq, dpad) S q */
+    float *plain = sketched + (int64_t)nq * dpad;          /* +outliersN: (nq, dpad) the queries as the model has them */
+    const int qjl_on_codes = C->qjl_matrix && !h->pre, owns = h->turn || C->outliers;
     float factor[CB_MAX_DIM];        /* +prerope: each channel's sign and weight */
     if (h->pre) prerope_factor(h->pre, d, factor);
     for (int i = 0; i < nq; i++) {   /* the queries dpad apart, zero past d; their sums */
-        memcpy(qpad + (int64_t)i * dpad, queries + (i / group) * row_stride + (int64_t)(i % group) * d, sizeof(float) * (size_t)d);
-        memset(qpad + (int64_t)i * dpad + d, 0, sizeof(float) * (size_t)(dpad - d));
+        float *q = qpad + (int64_t)i * dpad;
+        memcpy(q, queries + (i / group) * row_stride + (int64_t)(i % group) * d, sizeof(float) * (size_t)d);
+        memset(q + d, 0, sizeof(float) * (size_t)(dpad - d));
         memset(acc + (int64_t)i * dpad, 0, sizeof(float) * (size_t)dpad);
+        if (qjl_on_codes)
+            for (int j = 0; j < d; j++) sketched[(int64_t)i * dpad + j] = dot(C->qjl_matrix + (int64_t)j * d, q, d);
+        if (C->outliers && h->pre)   /* +prerope: q itself */
+            memcpy(plain + (int64_t)i * dpad, q, sizeof(float) * (size_t)d);
+        else if (C->outliers)        /* q' = (q ⊙ w) M: q = q' Mᵀ / w */
+            for (int c = 0; c < d; c++) {
+                const float x = dot(C->rotation + (int64_t)c * d, q, d);
+                plain[(int64_t)i * dpad + c] = C->weight_codes ? x / key_weight(C, g, d, c) : x;
+            }
     }
     /* every query's scores, a run of one block's rows at a time (+prerope: the keys rebuilt with their scales) */
     for (int64_t t = k0; t < k1;) {
@@ -869,6 +962,7 @@ void kvlab_tq_read(const TqHead *h, const int32_t *table, int64_t k0, int64_t k1
             for (int r0 = 0; r0 < run; r0 += CB_TILE) {
                 const int count = run - r0 < CB_TILE ? run - r0 : CB_TILE;
                 kvlab_cb_decode_rows(KL, rows + r0 * C->slot_bytes[0], C->slot_bytes[0], count, tile, dpad);
+                if (h->pre && C->qjl_matrix) qjl_rows(C, g, slot + r0, count, d, dpad, tile);
                 if (h->pre) {   /* dpad == d (+prerope takes d a multiple of 16) */
                     PreRope sub = *h->pre;
                     sub.cos_ += (t + r0) * d, sub.sin_ += (t + r0) * d;
@@ -884,10 +978,14 @@ void kvlab_tq_read(const TqHead *h, const int32_t *table, int64_t k0, int64_t k1
                 for (int i = 0; i < nq; i++)
                     tile_scores(qpad + (int64_t)i * dpad, tile, count, d, dpad, scores + (int64_t)i * TQ_READ_KEYS + j0 + r0);
             }
+        if (qjl_on_codes) qjl_scores(C, g, slot, run, d, sketched, dpad, nq, scores + j0, TQ_READ_KEYS);
+        if (C->outliers)
+            outlier_scores(C, g, slot, run, d, plain, dpad, nq, h->pre ? h->pre->cos_ + t * d : NULL,
+                           h->pre ? h->pre->sin_ + t * d : NULL, own + j0);
         t += run;
     }
     const int n = (int)(k1 - k0);
-    if (h->turn) turn_scores(h->turn, group, row_stride, nq, d, k0, n, turns);
+    if (h->turn) turn_scores(h->turn, group, row_stride, nq, d, k0, n, own);
     /* each query's softmax over the keys it reads, its weights times the values' scales (0 for keys it does not read) */
     for (int i = 0; i < nq; i++) {
         float *s = scores + (int64_t)i * TQ_READ_KEYS, *part = parts + i * part_stride;
@@ -895,10 +993,13 @@ void kvlab_tq_read(const TqHead *h, const int32_t *table, int64_t k0, int64_t k1
         float top = -INFINITY, total = 0.0f;
         if (a < b) {
             const float scale = h->scale;
-            if (h->pre)
+            const float *extra = own + (int64_t)i * TQ_READ_KEYS;
+            if (h->pre && owns)
+                for (int j = a; j < b; j++) s[j] = (s[j] + extra[j]) * scale;
+            else if (h->pre)
                 for (int j = a; j < b; j++) s[j] *= scale;
-            else if (h->turn)
-                for (int j = a; j < b; j++) s[j] = (s[j] * k_scale[j] + turns[(int64_t)i * TQ_READ_KEYS + j]) * scale;
+            else if (owns)
+                for (int j = a; j < b; j++) s[j] = (s[j] * k_scale[j] + extra[j]) * scale;
             else
                 for (int j = a; j < b; j++) s[j] *= k_scale[j] * scale;
             top = kvlab_row_max(s + a, b - a);
@@ -928,23 +1029,61 @@ void kvlab_tq_read(const TqHead *h, const int32_t *table, int64_t k0, int64_t k1
     for (int i = 0; i < nq; i++) memcpy(parts + i * part_stride, acc + (int64_t)i * dpad, sizeof(float) * (size_t)d);
 }
 
+typedef struct {                   /* what a key stores besides its codes and scale (tqcodes.h Coded) */
+    uint8_t signs[CB_MAX_DIM / 8]; /* +qjl: the signs of S r */
+    uint16_t residual;             /* +qjl: ‖r‖ as the scales are stored */
+    uint8_t channels[CB_MAX_DIM];  /* +outliersN: the kept entries' channels ... */
+    uint16_t values[CB_MAX_DIM];   /* ... and their values k_c - μ_c, float16 */
+} KeyExtras;
+
+/* +outliersN: the N entries of x (d,) largest in magnitude (the first of equals) into e, their centred values from
+ * `centred`, and zero in x (turboquant.py _split_outliers). 1, or 0 when a kept value is not finite in float16. */
+static int keep_outliers(const Coded *C, float *x, const float *centred, int d, KeyExtras *e) {
+    uint8_t taken[CB_MAX_DIM] = {0};
+    for (int n = 0; n < C->outliers; n++) {
+        int best = -1;
+        for (int c = 0; c < d; c++)
+            if (!taken[c] && (best < 0 || fabsf(x[c]) > fabsf(x[best]))) best = c;
+        taken[best] = 1;
+        e->channels[n] = (uint8_t)best;
+        e->values[n] = f32_to_f16(centred[best]);
+        if ((e->values[n] & 0x7c00u) == 0x7c00u) return 0;
+        x[best] = 0.0f;
+    }
+    return 1;
+}
+
+/* +qjl: the signs of S r and ‖r‖ of a key's residual r = y - ŷ (d,) into e. 1, or 0 when ‖r‖ is not finite. */
+static int qjl_sketch(const Coded *C, const float *y, const float *y_hat, int d, KeyExtras *e) {
+    float r[CB_MAX_DIM];
+    for (int c = 0; c < d; c++) r[c] = y[c] - y_hat[c];
+    memset(e->signs, 0, (size_t)(d + 7) / 8);
+    for (int j = 0; j < d; j++)
+        if (dot(C->qjl_matrix + (int64_t)j * d, r, d) >= 0.0f) e->signs[j >> 3] |= (uint8_t)(1u << (j & 7));
+    const float norm = sqrtf(dot(r, r, d));
+    return kv_store(C->norm_type, &norm, 1, &e->residual);
+}
+
 /* Code x (d,), KV head g's key (which = 0) or value (1), as TurboQuantCache.code: x' = (x - mu) [/ w] (a +ropemean key:
- * then turned by RoPE with cos_/sin_, its position's rows), the stored scale ||x'|| * factor (store_scale), the codes of
- * y = x' M / ||x'||. 0, or 1 when the scale is not finite. */
+ * then turned by RoPE with cos_/sin_, its position's rows; +outliersN: its largest entries kept in e and zero in x'),
+ * the stored scale ||x'|| * factor (store_scale), the codes of y = x' M / ||x'|| (+qjl: the sketch of the residual into
+ * e). 0, or 1 when a scale is not finite. */
 static int code_vector(const Coded *C, const cb_layout *L, int which, int g, const float *x_in, int d,
-                       const float *cos_, const float *sin_, uint8_t *row, uint16_t *scale_out) {
+                       const float *cos_, const float *sin_, uint8_t *row, uint16_t *scale_out, KeyExtras *e) {
     const float *bounds = C->heads[which][g].bounds;
-    float x[CB_MAX_DIM], y[CB_MAX_DIM], y_hat[CB_MAX_DIM];
+    float x[CB_MAX_DIM], y[CB_MAX_DIM], y_hat[CB_MAX_DIM], centred[CB_MAX_DIM];
     const uint8_t *offset = C->offset[which] ? C->offset[which] + (int64_t)g * d : NULL;
     for (int c = 0; c < d; c++) {
-        x[c] = offset ? x_in[c] - C->fp8_values[offset[c]] : x_in[c];
+        x[c] = centred[c] = offset ? x_in[c] - C->fp8_values[offset[c]] : x_in[c];
         if (which == 0 && C->weight_codes) x[c] /= key_weight(C, g, d, c);
     }
     if (which == 0 && C->rope_mean) rope_half_table(x, cos_, sin_, d);
+    if (which == 0 && C->outliers && !keep_outliers(C, x, centred, d, e)) return 1;
     const float norm = sqrtf(dot(x, x, d)), inv = norm > 1e-30f ? norm : 1e-30f;
     rotate(x, C->rotation, d, y);
     for (int c = 0; c < d; c++) y[c] /= inv;
     kvlab_cb_encode_row(L, bounds, y, row, y_hat);
+    if (which == 0 && C->qjl_matrix && !qjl_sketch(C, y, y_hat, d, e)) return 1;
     float factor = 1.0f;
     if (C->scale_mode[which] != SCALE_NORM) {
         const float sq_raw = dot(y_hat, y_hat, d), sq = sq_raw > 1e-30f ? sq_raw : 1e-30f, yy = dot(y, y_hat, d);
@@ -968,22 +1107,32 @@ static void unrope(const float *y, const float *cos_, const float *sin_, int d, 
  * cos_ not NULL, turned back with cos_/sin_ of its position) and v (hd,) each coded as TurboQuantCache.code codes them into
  * codes[0 .. ROW_ROOM) (key) and codes[ROW_ROOM ..) (value), scales[0..1]. 0, or 1 when a scale is not finite. */
 static int code_head(const Coded *C, const cb_layout *head_layouts, int g, int hd, const float *k, const float *v,
-                     const float *cos_, const float *sin_, uint8_t *codes, uint16_t *scales) {
+                     const float *cos_, const float *sin_, uint8_t *codes, uint16_t *scales, KeyExtras *extras) {
     float pre_rope_k[CB_MAX_DIM];
     if (cos_) {
         unrope(k, cos_, sin_, hd, pre_rope_k);
         k = pre_rope_k;
     }
-    return code_vector(C, &head_layouts[2 * g], 0, g, k, hd, cos_, sin_, codes, &scales[0])
-        || code_vector(C, &head_layouts[2 * g + 1], 1, g, v, hd, NULL, NULL, codes + ROW_ROOM, &scales[1]);
+    return code_vector(C, &head_layouts[2 * g], 0, g, k, hd, cos_, sin_, codes, &scales[0], extras)
+        || code_vector(C, &head_layouts[2 * g + 1], 1, g, v, hd, NULL, NULL, codes + ROW_ROOM, &scales[1], NULL);
 }
 
-/* code_head's codes and scales of KV head g into slot t */
-static void store_head(const Coded *C, int g, int64_t t, const uint8_t *codes, const uint16_t *scales) {
+/* code_head's codes, scales and key extras of KV head g into slot t */
+static void store_head(const Coded *C, int g, int hd, int64_t t, const uint8_t *codes, const uint16_t *scales,
+                       const KeyExtras *extras) {
     memcpy(coded_row(C, 0, g, t), codes, (size_t)C->heads[0][g].row_bytes);
     memcpy(coded_row(C, 1, g, t), codes + ROW_ROOM, (size_t)C->heads[1][g].row_bytes);
     put_scale(C, 0, g, t, scales[0]);
     put_scale(C, 1, g, t, scales[1]);
+    const int64_t at = scale_at(C, g, t);   /* the key's extras lie where its scale does */
+    if (C->qjl_matrix) {
+        memcpy(C->qjl_signs + at * ((hd + 7) / 8), extras->signs, (size_t)(hd + 7) / 8);
+        ((uint16_t *)C->qjl_norms)[at] = extras->residual;
+    }
+    if (C->outliers) {
+        memcpy(C->outlier_channels + at * C->outliers, extras->channels, (size_t)C->outliers);
+        memcpy(C->outlier_values + at * C->outliers, extras->values, sizeof(uint16_t) * (size_t)C->outliers);
+    }
 }
 
 int kvlab_tq_layouts(const Coded *C, int Hkv, int hd, cb_layout *layouts) {
@@ -992,6 +1141,10 @@ int kvlab_tq_layouts(const Coded *C, int Hkv, int hd, cb_layout *layouts) {
         return -1;
     if (C->block_rows <= 0 || C->slots % C->block_rows || C->norm_head_stride < C->block_rows
         || C->norm_block_stride < (int64_t)Hkv * C->norm_head_stride)
+        return -1;
+    if (C->qjl_matrix && (!C->qjl_signs || !C->qjl_norms || C->norm_type == NORM_LOG8 || C->rope_mean)) return -1;
+    if (C->outliers < 0 || C->outliers > hd || (C->outliers && (hd > 256 || !C->outlier_channels || !C->outlier_values
+                                                                 || C->rope_mean)))
         return -1;
     for (int i = 0; i < 2; i++) {
         if (C->scale_mode[i] < SCALE_NORM || C->scale_mode[i] > SCALE_UNBIASED || !C->heads[i]
@@ -1017,15 +1170,16 @@ int kvlab_tq_code_rows(const Coded *C, const cb_layout *layouts, int Hkv, int hd
         const int64_t at = rope_at ? rope_at[r] : r;
         uint8_t codes[2 * ROW_ROOM];
         uint16_t scales[2];
+        KeyExtras extras;
         for (int g = 0; g < Hkv; g++) {
             const int64_t row = r * stride + (int64_t)g * hd;
             if (code_head(C, layouts, g, hd, k + row, v + row, cos_ ? cos_ + at * hd : NULL, cos_ ? sin_ + at * hd : NULL,
-                          codes, scales)) {
+                          codes, scales, &extras)) {
                 #pragma omp atomic write
                 failed = 1;
                 break;
             }
-            store_head(C, g, slots[r], codes, scales);
+            store_head(C, g, hd, slots[r], codes, scales, &extras);
         }
     }
     return failed;
@@ -1294,9 +1448,10 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
     float *q_coded = malloc(sizeof(float) * (2 * (size_t)q_dim + H));
     uint8_t *new_codes = any_coded ? malloc((size_t)Hkv * 2 * ROW_ROOM) : NULL;
     uint16_t *new_scales = malloc(sizeof(uint16_t) * 2 * (size_t)Hkv);
+    KeyExtras *new_extras = any_coded ? malloc(sizeof(KeyExtras) * (size_t)Hkv) : NULL;
     int status = 0;
     if (!x || !h || !y || !qkv || !att || !xsum || !own || !parts || !rounded || !q_coded || !new_scales
-        || !chunk_kv || (any_coded && !new_codes)) status = -1;
+        || !chunk_kv || (any_coded && (!new_codes || !new_extras))) status = -1;
     else memcpy(x, x_in, sizeof(float) * (size_t)d);
 
     StepBarrier barrier = {.n_threads = 1};
@@ -1350,7 +1505,7 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
                     const float *src_k = write == WRITE_CODED ? k + g * hd : L->win_k + (int64_t)g * L->window * hd;
                     const float *src_v = write == WRITE_CODED ? v + g * hd : L->win_v + (int64_t)g * L->window * hd;
                     if (code_head(C, head_layouts, g, hd, src_k, src_v, C->rope_cos ? C->rope_cos + at : NULL,
-                                  C->rope_cos ? C->rope_sin + at : NULL, new_codes + (size_t)g * 2 * ROW_ROOM, &new_scales[2 * g]))
+                                  C->rope_cos ? C->rope_sin + at : NULL, new_codes + (size_t)g * 2 * ROW_ROOM, &new_scales[2 * g], &new_extras[g]))
                         status = n_layers + l + 1;
                 }
             }
@@ -1372,7 +1527,7 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
                         int_store(Q, Q->k_stage, g, fill->coded, fill->coded % Q->group, write == WRITE_CODED ? k + g * hd : wk,
                                   write == WRITE_CODED ? v + g * hd : wv, hd);
                     else if (write == WRITE_CODED || write == WRITE_SPILL)
-                        store_head(C, g, fill->coded, new_codes + (size_t)g * 2 * ROW_ROOM, &new_scales[2 * g]);
+                        store_head(C, g, hd, fill->coded, new_codes + (size_t)g * 2 * ROW_ROOM, &new_scales[2 * g], &new_extras[g]);
                     if (write == WRITE_SPILL) {   /* the window moves up one row */
                         memmove(wk, wk + hd, sizeof(float) * (size_t)(L->window - 1) * hd);
                         memmove(wv, wv + hd, sizeof(float) * (size_t)(L->window - 1) * hd);
@@ -1510,7 +1665,7 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
         matvec(&m->head, h, xsum, logits);
     }
     free(x); free(h); free(y); free(qkv); free(att); free(xsum); free(own); free(parts); free(chunk_kv); free(rounded);
-    free(q_coded); free(new_codes); free(new_scales); free(layouts);
+    free(q_coded); free(new_codes); free(new_scales); free(new_extras); free(layouts);
     return status;
 }
 

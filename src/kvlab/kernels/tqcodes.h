@@ -45,6 +45,18 @@ typedef struct {                   /* a TurboQuant layer's codes (kvlab/cache/tu
     int32_t rope_mean;             /* +ropemean: keys coded as (k - R_t μ)/w, R_t RoPE at the key's position t (rope_cos,
                                       rope_sin; the pool's TqStep rows), read on the codes plus q . R_t μ per key */
     const float *rope_steps;       /* +ropemean: (16, hd), row r = [cos rθ | sin rθ] over the d/2 RoPE frequencies θ */
+    /* +qjl: a key's codes have one bit fewer, plus the sketch S r of its residual r = y - ŷ as signs and ‖r‖; a score
+     * adds √(π/2)/d · ‖r‖ · (S q)·sign(S r) to q·ŷ before the key's scale (turboquant.py). Each token's signs and ‖r‖
+     * lie where its scale does (scale_at), ⌈d/8⌉ bytes (bit j of byte j/8: (S r)_j >= 0) and one 16-bit value. */
+    const float *qjl_matrix;       /* (hd, hd) S, or NULL without +qjl */
+    uint8_t *qjl_signs;            /* (n_blocks, Hkv, block_rows, ⌈hd/8⌉) */
+    void *qjl_norms;               /* (n_blocks, Hkv, block_rows) ‖r‖, stored as the scales (norm_type, 16-bit) */
+    /* +outliersN: each key's N entries largest in magnitude (as the coder sees the key: centred, weighted, before
+     * RoPE with +prerope) kept exactly, their channel and k_c - μ_c, and zero in what is coded; a score adds q·those
+     * entries (turned to the key's position with +prerope). Each token's entries lie where its scale does, N apart. */
+    int32_t outliers;              /* N, or 0 */
+    uint8_t *outlier_channels;     /* (n_blocks, Hkv, block_rows, N) */
+    uint16_t *outlier_values;      /* (n_blocks, Hkv, block_rows, N) float16 */
 } Coded;
 
 /* +prerope: C's keys are rebuilt before RoPE when read (it holds the inverse rotation) */

@@ -21,9 +21,9 @@ Served: every width (3/5-bit, fractional, mixed K/V), +alloc / +halloc (a width 
 gets its own packing, `HeadCodes`, and with +halloc its bytes' place in the layer's shared row), +sinkN, +recentN,
 +fp-first-last (dense layers in the same step), +center=…, +kweights=none, +rot=haar, +prerope, every scale mode,
 f16/bf16 norms, +norms8 (8-bit log scales: decode.c NORM_LOG8, each head's centre read in place), +vq (block parts:
-kernels/codebook.c). Not served (the modules run them): +qjl, +outliersN, a sliding-window model, batches, other dtypes
-and devices, and a step that would calibrate a layer (its first coded token) or find a layer's first chunk still
-waiting for its queries.
+kernels/codebook.c), +qjl (each key's residual sketch coded and read in C) and +outliersN (each key's kept entries).
+Not served (the modules run them): a sliding-window model, batches, other dtypes and devices, and a step that would
+calibrate a layer (its first coded token) or find a layer's first chunk still waiting for its queries.
 
 The compressed formats' modules are imported where a compressed cache is met, never for a dense cache: a dense
 run does not load them (cache/__init__.py).

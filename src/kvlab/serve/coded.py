@@ -21,8 +21,8 @@ kvlab_tq_pool_layer, `layers_in_c`): `append` keeps the step's K/V, and `attend`
 positions into the sink rows), reads the codes in place through the block tables and returns the output in the
 model's domain (inverse rotation, value offset, sink merge done in C). With `layers_in_c` off the same step runs as
 the C coder, kvlab_tq_attention (the read the one call makes, output in the rotated domain) and torch for the rest:
-the path the one call is tested against (tests/test_tq_pool_step.py). +qjl codes read per sequence with the codec's
-own scores and mix instead. These are the paths the tests hold equal to the reference. The int formats keep the
+the path the one call is tested against (tests/test_tq_pool_step.py). These are the paths the tests hold equal to the
+reference. The int formats keep the
 single cache's rule for key groups (cache/quantized.py): the query of the token at position p reads codes
 for the groups complete at p and full-precision keys for the rest, so a chunk's queries before a group's
 completion read that group exactly (from the stage and the chunk's own keys, kept for the step like the
@@ -48,7 +48,7 @@ from dataclasses import replace
 import torch
 
 from ..cache import CacheGeometry
-from ..cache.attention import causal_mask, grouped_attention
+from ..cache.attention import grouped_attention
 from ..cache.blocks import IntBlocks, TqBlocks
 from ..cache.packing import pack
 from ..cache.quantized import code_key_groups, code_values
@@ -382,8 +382,8 @@ class TurboPool(CodedPool):
         return step
 
     def _codes_in_c(self) -> bool:
-        """C does not code +qjl residuals."""
-        return not self.codec.config.qjl
+        """Every TurboQuant format codes in C (+qjl's sketch and +outliersN's entries too)."""
+        return True
 
     def _describe(self, layer: int, at: int):
         """Pool layer `layer`'s codes with the codec's layer `at` (cache/tq_kernel.py)."""
@@ -499,8 +499,8 @@ class TurboPool(CodedPool):
     def attend(self, layer: int, view, q: torch.Tensor) -> torch.Tensor:
         """q (N, H, D) fp32 -> (N, H, D). After an `append` that kept the layer's K/V: the layer in one C call
         (`_layer_in_c`). Else, with view.use_kernel where the codec reads codes in C (CPU): the whole batch in one
-        ragged call on the pool's codes (kernels/paged.c), or, for +qjl codes, per sequence with the codec's own scores
-        and mix; else the torch reference (gather, dequantize, grouped_attention per sequence)."""
+        ragged call on the pool's codes (kernels/paged.c); else the torch reference (gather, dequantize,
+        grouped_attention per sequence)."""
         pending = getattr(view, "pending_kv", None)
         if pending is not None and pending[0] == layer:   # the layer in one C call
             view.pending_kv = None
@@ -509,27 +509,21 @@ class TurboPool(CodedPool):
                 return out
             self._append(layer, view, pending[1], pending[2])   # a scale not finite: the torch reference names it
         self._flush(view)
-        config = self.codec.config   # +qjl reads through the codec's scores: no +prerope keys, no sink rows
         at = self.state_layer(layer, view)                                           # the codec's layer
-        kernel = kernel_for(self._device) if view.use_kernel and not config.qjl else None
+        kernel = kernel_for(self._device) if view.use_kernel else None
         if kernel is not None:       # (every width of +halloc too: paged.c reads a layout per head)
             return self._attend_ragged(kernel, layer, view, q)
-        on_codes = view.use_kernel and self.codec.code_kernel is not None and not (config.turns_keys or self.sinks)
         out = q.new_empty(q.shape[0], q.shape[1], self.geometry.head_dim)            # (N, H, D)
         for s, lo, hi, start, ctx in self.sequences(view):
             slots = view.layout.slots(s)[self.sink:].to(self._device)                # (ctx - sink,) the coded ones
             stored = self.codec.read_scales(at, self.blocks.gather(layer, slots))    # (1, Hkv, n[, bytes])
             qs = q[lo:hi].transpose(0, 1)[None]                                      # (1, H, T, D)
-            if on_codes:
-                o = self._attend_codes(at, qs, stored, ctx, view.window)
-            else:
-                k, v = self.codec.decode(at, stored)                              # (1, Hkv, n, D)
-                if self.sinks:   # the sink rows first, exact: (1, Hkv, ctx, D)
-                    sink_k, sink_v = self.sinks.held(layer, view.rows[s], min(ctx, self.sink))     # (held, Hkv, D)
-                    k = torch.cat([sink_k.transpose(0, 1)[None], k], dim=2)
-                    v = torch.cat([sink_v.transpose(0, 1)[None], v], dim=2)
-                o = grouped_attention(qs, k, v, view.scale, window=view.window)
-            out[lo:hi] = o[0].transpose(0, 1)
+            k, v = self.codec.decode(at, stored)                                     # (1, Hkv, n, D)
+            if self.sinks:   # the sink rows first, exact: (1, Hkv, ctx, D)
+                sink_k, sink_v = self.sinks.held(layer, view.rows[s], min(ctx, self.sink))     # (held, Hkv, D)
+                k = torch.cat([sink_k.transpose(0, 1)[None], k], dim=2)
+                v = torch.cat([sink_v.transpose(0, 1)[None], v], dim=2)
+            out[lo:hi] = grouped_attention(qs, k, v, view.scale, window=view.window)[0].transpose(0, 1)
         return out
 
     def _attend_ragged(self, kernel, layer: int, view, q: torch.Tensor) -> torch.Tensor:
@@ -583,18 +577,6 @@ class TurboPool(CodedPool):
         total = w_coded + w_sink.sum(dim=-1)
         held = torch.einsum("nkgs,nskd->nkgd", w_sink.reshape(N, Hkv, H // Hkv, -1), values).reshape(N, H, -1)
         return (w_coded[..., None] * coded + held) / total[..., None]
-
-    def _attend_codes(self, layer: int, q: torch.Tensor, stored: dict, n: int, window: int | None) -> torch.Tensor:
-        """q (1, H, T, D) against n coded tokens -> (1, H, T, D): the softmax of CompressedCache.attend, no sink or window."""
-        _, H, T, D = q.shape
-        Hkv = self.geometry.n_kv_heads
-        qg = q.reshape(1, Hkv, H // Hkv * T, D)                                       # (1, Hkv, G·T, D)
-        scores = self.codec.scores(layer, qg, stored, n)                             # (1, Hkv, G·T, n)
-        if T > 1 or (window is not None and n > window):
-            mask = causal_mask(T, n, q.device, window).repeat(H // Hkv, 1)           # (G·T, n)
-            scores = scores.masked_fill(~mask, float("-inf"))
-        p = torch.softmax(scores, dim=-1)
-        return self.codec.mix(layer, p, stored, n).reshape(1, H, T, D)
 
 
 class _StepRows:

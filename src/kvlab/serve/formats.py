@@ -25,9 +25,9 @@ row of cache/format.py REFUSALS (CacheSpec.supports("pool")).
 block through the prefix cache), so keys are turned back from it when coded and rebuilt at it when read. +alloc /
 +halloc are held: a layer's codes are one row per token of its heads' codes side by side (each head at its width; a
 buffer per layer where the layers' rows differ in length), their bytes the budget's, the same for any recipe; the
-recipe is the model's, spelled out by the engine before the pool is built (quality/calibrate.py resolve). Not held:
-+outliersN.
-+vq and +norms8 blocks are held (C decodes block parts and 8-bit log scales; the scales' centres are shared state).
+recipe is the model's, spelled out by the engine before the pool is built (quality/calibrate.py resolve).
++vq and +norms8 blocks are held (C decodes block parts and 8-bit log scales; the scales' centres are shared state), and
++qjl's and +outliersN's (each key's residual sketch or kept entries beside its codes, coded and read in C).
 """
 
 from __future__ import annotations

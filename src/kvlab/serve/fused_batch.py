@@ -191,7 +191,7 @@ def _step_of(model) -> FusedBatchStep | None:
 
 def fused_batch_for(runner, n_rows: int) -> FusedBatchStep | None:
     """The fused step when it runs this step of `runner` as the modules would, else None (the module path): dense
-    blocks in fp32/f16/bf16 or TurboQuant blocks whose layers run in C (no +qjl, a model of one layer group) on the
+    blocks in fp32/f16/bf16 or TurboQuant blocks whose layers run in C (a model of one layer group) on the
     CPU, the C attention kernel chosen, the model's fused decode step in place, and at most GEMM_MAX_ROWS rows (more
     go through torch's GEMM in the modules, faster than the block GEMM)."""
     pool = runner.pool
