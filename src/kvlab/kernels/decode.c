@@ -589,18 +589,8 @@ static void prerope_rebuild(float *rows, int count, int d, const PreRope *pre, c
  * and gains the value offset (if any) times the coded keys' share of the attention. */
 static void combine_parts(const float *parts, int n_parts, int d, int rot_lo, int rot_hi, const float *rotation,
                           const float *v_offset, float *out) {
-    float top = -INFINITY, total = 0.0f, coded = 0.0f, rot[CB_MAX_DIM];
-    for (int c = 0; c < n_parts; c++) top = parts[c * (d + 2) + d] > top ? parts[c * (d + 2) + d] : top;
-    for (int i = 0; i < d; i++) out[i] = rot[i] = 0.0f;
-    for (int c = 0; c < n_parts; c++) {
-        const float *part = parts + c * (d + 2);
-        const float w = expf(part[d] - top);
-        const int rotated = c >= rot_lo && c < rot_hi;
-        float *acc = rotated ? rot : out;
-        total += w * part[d + 1];
-        if (rotated) coded += w * part[d + 1];
-        for (int i = 0; i < d; i++) acc[i] += w * part[i];
-    }
+    float top, coded = 0.0f, rot[CB_MAX_DIM];
+    const float total = kvlab_merge_parts(parts, d + 2, n_parts, d, rot_lo, rot_hi, out, rot, &coded, &top);
     if (rot_hi > rot_lo)
         for (int i = 0; i < d; i++) out[i] += dot(rotation + (int64_t)i * d, rot, d);
     const float inv = 1.0f / total;

@@ -116,6 +116,31 @@ static inline int64_t kvlab_dense_read_floats(int nq, int d, int dv) {
  * there; a pool's short blocks are converted DENSE_TILE rows at a time. */
 void kvlab_dense_read(const DenseHead *h, const int32_t *table, int64_t k0, int64_t k1, const float *queries, int nq,
                       float scale, float *scratch, float *parts, int64_t part_stride);
+/* The merge of one query's parts in order, as the steps and the pool's coded read take them: n parts `stride` floats
+ * apart, each [Σ_t e^(s_t - top) v_t (d) | top | Σ_t e^(s_t - top)] of some keys (kvlab_dense_read, kvlab_tq_read,
+ * kvlab_int_attend; top -inf: none). Each part is weighted e^(top_c - M), M the largest top (*top = M): parts
+ * [rot_lo, rot_hi) summed into rot (a coded layer's, in its rotated domain; their weights' share into *coded), the
+ * others into out; returns Σ_c e^(top_c - M) · sum_c. (A serving pool's dense item merges its chunks as they come,
+ * kvlab_paged_attend_item: its context has no bound, so neither has the number of its parts.) */
+static inline float kvlab_merge_parts(const float *parts, int64_t stride, int64_t n, int d, int64_t rot_lo,
+                                      int64_t rot_hi, float *out, float *rot, float *coded, float *top) {
+    float m = -INFINITY, total = 0.0f;
+    for (int64_t c = 0; c < n; c++) m = parts[c * stride + d] > m ? parts[c * stride + d] : m;
+    for (int i = 0; i < d; i++) out[i] = 0.0f;
+    for (int i = 0; i < d && rot_hi > rot_lo; i++) rot[i] = 0.0f;
+    for (int64_t c = 0; c < n; c++) {
+        const float *part = parts + c * stride;
+        if (part[d] == -INFINITY) continue;   /* no key of this part is read */
+        const float w = expf(part[d] - m);
+        const int rotated = c >= rot_lo && c < rot_hi;
+        float *acc = rotated ? rot : out;
+        total += w * part[d + 1];
+        if (rotated) *coded += w * part[d + 1];
+        for (int i = 0; i < d; i++) acc[i] += w * part[i];
+    }
+    *top = m;
+    return total;
+}
 /* dst (n,) = src rounded to f16 (kv_type 1) or bf16 (2) as torch's .to() rounds: 0 when all stored values are
  * finite, 1 otherwise, -1 for another kv_type */
 int kvlab_kv_store(int kv_type, const float *src, int64_t n, uint16_t *dst);

@@ -289,23 +289,13 @@ static int code_attention(const code_pool *P, const float *q, int n_seqs, float 
                 const code_item *first = &items[group_first[g]];
                 const int64_t nq = (first->r1 - first->r0) * G, chunks = group_first[g + 1] - group_first[g];
                 for (int64_t i = 0; i < nq; i++) {
-                    float top = -INFINITY, sum = 0.0f;
-                    for (int64_t c = 0; c < chunks; c++) {
-                        const float mc = parts[(group_first[g] + c) * part_floats + i * (d + 2) + d];
-                        top = mc > top ? mc : top;
-                    }
-                    float *o = out + ((first->r0 + i / G) * P->n_heads + (int64_t)first->h * G + i % G) * d;
-                    memset(o, 0, sizeof(float) * d);
-                    for (int64_t c = 0; c < chunks; c++) {
-                        const float *part = parts + (group_first[g] + c) * part_floats + i * (d + 2);
-                        if (part[d] == -INFINITY) continue;               /* no key of this chunk is seen by query i */
-                        const float weight = expf(part[d] - top);
-                        sum += weight * part[d + 1];
-                        for (int k = 0; k < d; k++) o[k] += weight * part[k];
-                    }
+                    const int64_t at = (first->r0 + i / G) * P->n_heads + (int64_t)first->h * G + i % G;
+                    float top, *o = out + at * d;
+                    const float sum = kvlab_merge_parts(parts + group_first[g] * part_floats + i * (d + 2), part_floats,
+                                                        chunks, d, 0, 0, o, NULL, NULL, &top);
                     const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
                     for (int k = 0; k < d; k++) o[k] *= inv;
-                    if (lse) lse[(first->r0 + i / G) * P->n_heads + (int64_t)first->h * G + i % G] = sum > 0.0f ? top + logf(sum) : -INFINITY;
+                    if (lse) lse[at] = sum > 0.0f ? top + logf(sum) : -INFINITY;
                 }
             }
         }
