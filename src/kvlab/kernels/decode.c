@@ -830,32 +830,36 @@ static float signed_sum(const uint8_t *signs, const float *v, int d) {
     return total;
 }
 
-/* +qjl, codes read as they are: scores[i * stride + r] += √(π/2)/d · ‖r‖ · (S q_i)·sign, for rows r < n of KV head g
- * from slot `slot` on (one block's run), sketched + i * dpad = S q_i */
+/* +qjl: the signs of KV head g's rows from slot `slot` on (one block's run, ⌈d/8⌉ bytes a row) and each row's factor
+ * √(π/2)/d · ‖r‖ into coef (n <= TQ_READ_KEYS) */
+static const uint8_t *qjl_residuals(const Coded *C, int g, int64_t slot, int n, int d, float *coef) {
+    const int64_t at = scale_at(C, g, slot);
+    kv_load(C->norm_type, (const uint16_t *)C->qjl_norms + at, n, coef);
+    for (int r = 0; r < n; r++) coef[r] *= QJL_FACTOR / (float)d;
+    return C->qjl_signs + at * ((d + 7) / 8);
+}
+
+/* +qjl, codes read as they are: scores[i * stride + r] += √(π/2)/d · ‖r‖ · (S q_i)·sign, rows r < n of KV head g from
+ * slot `slot` on, sketched + i * dpad = S q_i */
 static void qjl_scores(const Coded *C, int g, int64_t slot, int n, int d, const float *sketched, int dpad, int nq,
                        float *scores, int64_t stride) {
-    const int64_t at = scale_at(C, g, slot), sign_bytes = (d + 7) / 8;
-    float residual[TQ_READ_KEYS];
-    kv_load(C->norm_type, (const uint16_t *)C->qjl_norms + at, n, residual);
-    for (int r = 0; r < n; r++) {
-        const uint8_t *signs = C->qjl_signs + (at + r) * sign_bytes;
-        const float coef = QJL_FACTOR / (float)d * residual[r];
-        for (int i = 0; i < nq; i++) scores[i * stride + r] += coef * signed_sum(signs, sketched + (int64_t)i * dpad, d);
-    }
+    float coef[TQ_READ_KEYS];
+    const uint8_t *signs = qjl_residuals(C, g, slot, n, d, coef);
+    for (int r = 0; r < n; r++)
+        for (int i = 0; i < nq; i++)
+            scores[i * stride + r] += coef[r] * signed_sum(signs + (int64_t)r * ((d + 7) / 8), sketched + (int64_t)i * dpad, d);
 }
 
 /* +qjl, keys rebuilt (+prerope): rows r < n of a decoded tile (dpad apart) += √(π/2)/d · ‖r‖ · Sᵀ sign, the
  * residual's estimate in the rotated domain, for KV head g's slots from `slot` on */
 static void qjl_rows(const Coded *C, int g, int64_t slot, int n, int d, int dpad, float *tile) {
-    const int64_t at = scale_at(C, g, slot), sign_bytes = (d + 7) / 8;
-    float residual[CB_TILE];
-    kv_load(C->norm_type, (const uint16_t *)C->qjl_norms + at, n, residual);
+    float coef[TQ_READ_KEYS];
+    const uint8_t *signs = qjl_residuals(C, g, slot, n, d, coef);
     for (int r = 0; r < n; r++) {
-        const uint8_t *signs = C->qjl_signs + (at + r) * sign_bytes;
-        const float coef = QJL_FACTOR / (float)d * residual[r];
+        const uint8_t *row_signs = signs + (int64_t)r * ((d + 7) / 8);
         float *row = tile + (int64_t)r * dpad;
         for (int j = 0; j < d; j++) {
-            const float w = (signs[j >> 3] >> (j & 7) & 1) ? coef : -coef;
+            const float w = (row_signs[j >> 3] >> (j & 7) & 1) ? coef[r] : -coef[r];
             const float *s_j = C->qjl_matrix + (int64_t)j * d;
             for (int c = 0; c < d; c++) row[c] += w * s_j[c];
         }
