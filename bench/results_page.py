@@ -820,12 +820,15 @@ SECTIONS = [
                    "(the single caches' own) against the token-major blocks before: within the noise of these short "
                    "runs (the dense row of the three-format runs is 0.90x, the same command with dense alone 0.98x)."),
         Table("throughput_long_decode_360mib.json", throughput,
-              note="The served case where the budget is what limits dense: 16 requests reaching 2k-3.6k tokens, "
-                   "512 of them decoded, in a 360 MiB pool. dense-f16 blocks hold about four such sequences at once "
-                   "(5 preemptions); tq4 and tq-k4v4 blocks admit all 16. Output tok/s: tq4 0.79x dense-f16, tq-k4v4 "
-                   "0.99x (prefix cache on). The capacity does not turn into throughput on 2 cores: a step of 16 "
-                   "coded sequences at ~3k tokens is compute-bound (TPOT p50 397 ms for tq4, 304 for tq-k4v4, "
-                   "against 133 for 4-5 dense sequences), tq4's +prerope key rebuild the most.", bare=()),
+              "kvlab bench throughput --workloads long-decode --batches 16 --no-sequential --formats "
+              "dense-f16,tq4,tq-k4v4+ropemean+sink1+kscale=lsq+vscale=lsq --kv-budget 360MiB --threads 2 "
+              "--out bench/results/throughput_long_decode_360mib.json",
+              "The served case where the budget is what limits dense: 16 requests reaching 2k-3.6k tokens, 512 of "
+              "them decoded, in a 360 MiB pool. dense-f16 blocks hold about four such sequences at once (5 "
+              "preemptions); tq4 and +ropemean blocks admit all 16. Output tok/s: tq4 1.07x dense-f16, +ropemean "
+              "1.03x (prefix cache on), and tq4's TTFT p50 65 s against 103 s. A step of 16 coded sequences at ~3k "
+              "tokens is compute-bound on 2 cores (TPOT p50 292 ms against 133 ms for 4-5 dense sequences): the "
+              "capacity buys latency more than throughput here.", bare=()),
         Table("throughput_long_400mib.json", throughput,
               'kvlab bench throughput --workloads long --batches 16 --no-sequential --formats "dense-f16,tq4,tq3,int4" '
               "--kv-budget 400MiB --threads 2 --out bench/results/throughput_long_400mib.json",
