@@ -176,12 +176,14 @@ def test_sliding_groups_hold_their_window_only(loaded):
     assert len(off.groups.members) == 1 and off.capacity.max_concurrent(400) < engine.capacity.max_concurrent(400)
 
 
-def test_turboquant_blocks_batched_equal_each_sequence_alone(loaded):
-    """tq-k4v4 blocks: one codec over every layer group, calibrated through the model's own cache; each request's tokens
-    equal its tokens served alone (the same calibration), across preemption and abort."""
+@pytest.mark.parametrize("cache", ["tq-k4v4", "tq-k4v3+qjl+outliers1"])
+def test_turboquant_blocks_batched_equal_each_sequence_alone(loaded, cache):
+    """TurboQuant blocks (+qjl's sketches and +outliersN's entries too): one codec over every layer group, calibrated
+    through the model's own cache; each request's tokens equal its tokens served alone (the same calibration), across
+    preemption and abort."""
     batch = prompts(1, (5, 40, 23, 70, 33, 9))
-    _, tokens, ids, running = run_with_preemption_and_abort(loaded, "tq-k4v4", batch)
-    one = Engine(loaded, cache="tq-k4v4", kv_budget="4MiB", max_batch=1, block_size=8, max_step_tokens=24)
+    _, tokens, ids, running = run_with_preemption_and_abort(loaded, cache, batch)
+    one = Engine(loaded, cache=cache, kv_budget="4MiB", max_batch=1, block_size=8, max_step_tokens=24)
     for rid, p in zip(ids, batch):
         if rid != running:
             assert tokens[rid] == one.generate([p], GREEDY, progress=False)[0].token_ids, rid
