@@ -43,7 +43,7 @@ NAMES = ["tq-k4v4", "tq-k3v3", "tq5", "tq3.5", "tq-k5v3", "tq-k3v3+sink4+recent8
          "tq-k4v4+ropemean+sink1+norms8+kscale=lsq+vscale=lsq", "tq-k3v3+ropemean+recent8", "tq-k4v4+ropemean+rot=haar+halloc=k3553v4444",
          # the residual's sketch (+qjl) and exact key entries (+outliersN), on the codes and with keys rebuilt before RoPE
          "tq-k4v3+qjl+sink1", "tq-k4v4+qjl+prerope+recent8", "tq-k4v4+outliers2+recent4", "tq-k4v3.625+prerope+outliers1+sink1",
-         "tq-k4v4+qjl+outliers1+rot=haar"]
+         "tq-k4v4+qjl+outliers1+rot=haar", "tq-k4v4+ropemean+qjl+sink1"]
 #: (n_heads, n_kv_heads, head_dim): MHA, GQA, MQA; head dims 64, 128 and 96 (not a power of two: a dense rotation)
 GEOMETRIES = {"MHA-64": (4, 4, 64), "GQA-128": (4, 2, 128), "MQA-96": (3, 1, 96)}
 

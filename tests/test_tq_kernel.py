@@ -27,7 +27,7 @@ from .kernel_checks import one_thread, require_kernel  # noqa: F401  (one_thread
 NAMES = ["tq-k4v4", "tq-k3v3", "tq4", "tq-k4v4+prerope+sink1", "tq-k4v4+ropemean+sink1+norms8+kscale=lsq", "tq-k3v3+vq+norms8", "tq-k4.25v4+prerope+norms8",
          "tq-k4v4+halloc=k3553v4444", "tq-k3v3+prerope+rot=haar+kweights=none", "tq-k4v3+alloc=k53v24+bf16norms",
          "tq-k4v3+qjl", "tq-k4v4+qjl+prerope+bf16norms", "tq-k4v4+outliers2", "tq-k4v3.625+prerope+outliers1+sink1+norms8",
-         "tq-k4v4+qjl+outliers3+kscale=lsq"]
+         "tq-k4v4+qjl+outliers3+kscale=lsq", "tq-k4v4+ropemean+qjl"]
 N_TOKENS = 40
 
 

@@ -1136,7 +1136,7 @@ int kvlab_tq_layouts(const Coded *C, int Hkv, int hd, cb_layout *layouts) {
     if (C->block_rows <= 0 || C->slots % C->block_rows || C->norm_head_stride < C->block_rows
         || C->norm_block_stride < (int64_t)Hkv * C->norm_head_stride)
         return -1;
-    if (C->qjl_matrix && (!C->qjl_signs || !C->qjl_norms || C->norm_type == NORM_LOG8 || C->rope_mean)) return -1;
+    if (C->qjl_matrix && (!C->qjl_signs || !C->qjl_norms || C->norm_type == NORM_LOG8)) return -1;
     if (C->outliers < 0 || C->outliers > hd || (C->outliers && (hd > 256 || !C->outlier_channels || !C->outlier_values
                                                                  || C->rope_mean)))
         return -1;
