@@ -225,7 +225,8 @@ def test_the_haar_basis_follows_the_seed():
                                           ("tq-k4v4+prerope+sink1+halloc=k534453v453354", None),
                                           ("tq-k4v4+ropemean+sink1+norms8+kscale=lsq+vscale=lsq", 24),
                                           ("tq-k4v4+prerope+qjl+sink1", None), ("tq-k4v3+prerope+outliers2+sink1", 24),
-                                          ("tq-k4v4+qjl+outliers1+recent8", None), ("tq-k4v4+ropemean+qjl+sink1", 24)])
+                                          ("tq-k4v4+qjl+outliers1+recent8", None), ("tq-k4v4+ropemean+qjl+sink1", 24),
+                                          ("tq-k4v4+sink1+halloc=k534453v453354+outliers2", None)])
 def test_the_presets_read_in_c_like_the_torch_path(name, window):
     """The presets' coded tokens (and +qjl's, +outliersN's) read through the one C read (kernels/paged.c
     kvlab_tq_attention: each batch row's one block, keys rebuilt before RoPE, +norms8 scales, the residuals' sketches,
