@@ -270,6 +270,19 @@ def _narrow_int_scales(cache):
     cache.k_scale[0] = cache.k_scale[0][..., :1]                     # (B, Hkv, groups, 1), same address
 
 
+def _stepped_once(geometry: str, name: str, native):
+    """A model of `geometry` with the fused step and a `name` cache after a 9-token prompt and one fused step (its C
+    view built and used): (model, cache, the next token)."""
+    model = model_for(geometry, max_seq_len=40)
+    model.fused = FusedDecodeStep(model, native._lib)
+    cache = make_cache(name, CacheGeometry.for_model(model.config, capacity=40))
+    one = torch.tensor([[3]])
+    with torch.no_grad():
+        model(torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(1)), cache)
+        model.fused(one, cache)
+    return model, cache, one
+
+
 def _narrow_tq_norms(cache):
     cache.k_norm[0] = cache.k_norm[0][..., :-1]                      # (B, Hkv, slots - 1), same address
 
@@ -280,13 +293,8 @@ def _narrow_tq_norms(cache):
 def test_a_buffer_replaced_in_place_is_checked_again(name, narrow, what, native):
     """A buffer swapped for a smaller view at the same address (as a freed buffer's address can be reused) is not the
     buffer the step's C structs were checked against: the next step checks it again and refuses it in one line."""
-    model = model_for("GQA-128", max_seq_len=40)
-    model.fused = FusedDecodeStep(model, native._lib)
-    cache = make_cache(name, CacheGeometry.for_model(model.config, capacity=40))
-    one = torch.tensor([[3]])
+    model, cache, one = _stepped_once("GQA-128", name, native)
     with torch.no_grad():
-        model(torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(1)), cache)
-        model.fused(one, cache)                                       # the view is built and used
         narrow(cache)
         with pytest.raises(ConfigError, match=what) as err:
             model.fused(one, cache)
@@ -298,13 +306,8 @@ def test_a_buffer_replaced_in_place_is_checked_again(name, narrow, what, native)
 def test_a_layer_without_its_rope_rows_is_refused(name, field, native):
     """A layer that turns keys by their positions (+prerope, +ropemean) reads each slot's RoPE row (and +ropemean its
     16 step rows): a description without them is refused in one line, not read through a null pointer."""
-    model = model_for("MHA-64", max_seq_len=40)
-    model.fused = FusedDecodeStep(model, native._lib)
-    cache = make_cache(name, CacheGeometry.for_model(model.config, capacity=40))
-    one = torch.tensor([[3]])
+    model, cache, one = _stepped_once("MHA-64", name, native)
     with torch.no_grad():
-        model(torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(1)), cache)
-        model.fused(one, cache)                                       # the view is built and used
         view = model.fused._view_for(cache)
         setattr(view.coded[0], field, None)
         with pytest.raises(ConfigError, match="refused") as err:

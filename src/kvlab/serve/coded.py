@@ -22,10 +22,9 @@ positions into the sink rows), reads the codes in place through the block tables
 model's domain (inverse rotation, value offset, sink merge done in C). With `layers_in_c` off the same step runs as
 the C coder, kvlab_tq_attention (the read the one call makes, output in the rotated domain) and torch for the rest:
 the path the one call is tested against (tests/test_tq_pool_step.py). These are the paths the tests hold equal to the
-reference. The int formats keep the
-single cache's rule for key groups (cache/quantized.py): the query of the token at position p reads codes
-for the groups complete at p and full-precision keys for the rest, so a chunk's queries before a group's
-completion read that group exactly (from the stage and the chunk's own keys, kept for the step like the
+reference. The int formats keep the single cache's rule for key groups (cache/quantized.py): the query of the token at
+position p reads codes for the groups complete at p and full-precision keys for the rest, so a chunk's queries before
+a group's completion read that group exactly (from the stage and the chunk's own keys, kept for the step like the
 single cache's `_fresh`). The reference splits the chunk's queries into runs between group completions, each
 one grouped_attention over the keys it reads; with use_kernel (CPU) the whole step is one C call per layer
 (kernels/paged.c kvlab_paged_int_attention) that reads the codes in place and the `_fresh` keys exact, each query
