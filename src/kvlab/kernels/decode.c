@@ -220,11 +220,17 @@ static inline __attribute__((always_inline)) void fold_indices(__m512i *lo, __m5
 }
 
 static inline __attribute__((always_inline)) void key_scores_rows(int kv_type, const float *q, const void *keys, int start,
-                                                                  int end, int d, float scale, float *scores) {
+                                                                  int end, int d, float scale, float *scores,
+                                                                  const void *ahead) {
     __m512i lo[4], hi[4];
     fold_indices(lo, hi);
+    const int64_t row_bytes = (int64_t)d * (kv_type == KV_F32 ? 4 : 2);
     int t = start;
     for (; t + 16 <= end; t += 16) {
+        if (ahead) {   /* the keys two tiles on and this tile's values (`ahead`), asked for while these are scored */
+            if (t + 48 <= end) kvlab_prefetch_lines((const uint8_t *)keys + (t + 32) * row_bytes, 16 * row_bytes);
+            kvlab_prefetch_lines((const uint8_t *)ahead + t * row_bytes, 16 * row_bytes);
+        }
         __m512 v[16];
         for (int k = 0; k < 16; k++) {
             const int64_t key = (int64_t)(t + k) * d;
@@ -252,7 +258,7 @@ static inline __attribute__((always_inline)) void key_scores_rows(int kv_type, c
 /* scores[t] = q . keys[t] * scale for t in [start, end) */
 static void key_scores(const float *q, const float *keys, int start, int end, int d, float scale, float *scores) {
     if (d % 16 == 0) {
-        key_scores_rows(KV_F32, q, keys, start, end, d, scale, scores);
+        key_scores_rows(KV_F32, q, keys, start, end, d, scale, scores, NULL);
         return;
     }
     for (int t = start; t < end; t++) scores[t] = dot(q, keys + (int64_t)t * d, d) * scale;
@@ -266,8 +272,8 @@ static float exp_shifted(float *s, int n, float top);
  * kv_type (each conversion one instruction in the inner loops) and per common head dim. */
 static inline __attribute__((always_inline)) void attend_rows_core(int kv_type, const float *q, const void *keys,
                                                                    const void *values, int n, int d, float scale,
-                                                                   float *scores, float *part) {
-    key_scores_rows(kv_type, q, keys, 0, n, d, scale, scores);
+                                                                   float *scores, float *part, int first) {
+    key_scores_rows(kv_type, q, keys, 0, n, d, scale, scores, first ? values : NULL);
     const float top = kvlab_row_max(scores, n);
     const float total = exp_shifted(scores, n, top);
     weighted_rows(kv_type, scores, values, 0, n, d, part, 0);
@@ -276,11 +282,12 @@ static inline __attribute__((always_inline)) void attend_rows_core(int kv_type, 
 }
 
 #define ATTEND_ROWS(type) \
-    (d == 64 ? attend_rows_core(type, q, keys, values, n, 64, scale, scores, part) \
-     : d == 128 ? attend_rows_core(type, q, keys, values, n, 128, scale, scores, part) \
-     : attend_rows_core(type, q, keys, values, n, d, scale, scores, part))
+    (d == 64 ? attend_rows_core(type, q, keys, values, n, 64, scale, scores, part, first) \
+     : d == 128 ? attend_rows_core(type, q, keys, values, n, 128, scale, scores, part, first) \
+     : attend_rows_core(type, q, keys, values, n, d, scale, scores, part, first))
+/* first: the first query of the rows, whose read asks for them ahead (the others find them in cache) */
 static void attend_rows(int kv_type, const float *q, const void *keys, const void *values, int n, int d, float scale,
-                        float *scores, float *part) {
+                        float *scores, float *part, int first) {
     if (kv_type == KV_F32) ATTEND_ROWS(KV_F32);
     else if (kv_type == KV_F16) ATTEND_ROWS(KV_F16);
     else ATTEND_ROWS(KV_BF16);
@@ -365,7 +372,7 @@ void kvlab_dense_read(const DenseHead *h, const int32_t *table, int64_t k0, int6
         const int64_t at = ((int64_t)table[k0 / h->block_rows] * h->block_stride + k0 % h->block_rows) * d;
         for (int i = 0; i < nq; i++)
             attend_rows(h->type, queries + (int64_t)i * d, (const uint8_t *)h->k + at * elem, (const uint8_t *)h->v + at * elem,
-                        n, d, scale, scratch, parts + i * part_stride);
+                        n, d, scale, scratch, parts + i * part_stride, i == 0);
         return;
     }
 #endif
@@ -913,6 +920,31 @@ static void tile_scores(const float *q, const float *tile, int count, int d, int
     memcpy(out, all, sizeof(float) * (size_t)count);
 }
 
+/* rows [r0, min(r1, run)) of a run of rows `bytes` apart asked for ahead of their read (kvlab_prefetch_lines) */
+static inline void prefetch_ahead(const uint8_t *rows, int64_t bytes, int r0, int r1, int run) {
+    if (r1 > run) r1 = run;
+    if (r0 < r1) kvlab_prefetch_lines(rows + r0 * bytes, (r1 - r0) * bytes);
+}
+
+/* scores (nq, TQ_READ_KEYS) of a run of `run` keys from `slot` read from their codes in registers, READ_PIECE rows at a
+ * time, the next piece's key codes and this piece's value codes asked for ahead; -1 (nothing read) where the key
+ * layout is not read in registers */
+#define READ_PIECE 64
+static int register_dots(const TqHead *h, int g, int64_t slot, int run, const float *qpad, int nq, float *scores) {
+    const Coded *C = h->C;
+    const uint8_t *keys = coded_row(C, 0, g, slot), *values = coded_row(C, 1, g, slot);
+    prefetch_ahead(keys, C->slot_bytes[0], 0, READ_PIECE, run);
+    for (int r0 = 0; r0 < run; r0 += READ_PIECE) {
+        const int count = run - r0 < READ_PIECE ? run - r0 : READ_PIECE;
+        prefetch_ahead(keys, C->slot_bytes[0], r0 + READ_PIECE, r0 + 2 * READ_PIECE, run);
+        prefetch_ahead(values, C->slot_bytes[1], r0, r0 + READ_PIECE, run);
+        if (kvlab_cb_dot_rows(h->layout[0], keys + r0 * C->slot_bytes[0], C->slot_bytes[0], count, qpad, h->layout[0]->dpad,
+                              nq, scores + r0, TQ_READ_KEYS) != 0)
+            return -1;   /* at the first piece: the layout is checked before anything is read */
+    }
+    return 0;
+}
+
 void kvlab_tq_read(const TqHead *h, const int32_t *table, int64_t k0, int64_t k1, const float *queries, int group,
                    int64_t row_stride, int nq, const int64_t *lo, const int64_t *hi, float *scratch, float *parts,
                    int64_t part_stride) {
@@ -951,10 +983,11 @@ void kvlab_tq_read(const TqHead *h, const int32_t *table, int64_t k0, int64_t k1
         const uint8_t *rows = coded_row(C, 0, g, slot);
         load_scales(C, 0, g, slot, run, k_scale + j0);
         load_scales(C, 1, g, slot, run, v_scale + j0);
-        if (h->pre || block_rows < TQ_REGISTER_ROWS
-            || kvlab_cb_dot_rows(KL, rows, C->slot_bytes[0], run, qpad, dpad, nq, scores + j0, TQ_READ_KEYS) != 0)
+        if (h->pre || block_rows < TQ_REGISTER_ROWS || register_dots(h, g, slot, run, qpad, nq, scores + j0) != 0)
             for (int r0 = 0; r0 < run; r0 += CB_TILE) {
                 const int count = run - r0 < CB_TILE ? run - r0 : CB_TILE;
+                prefetch_ahead(rows, C->slot_bytes[0], r0 + CB_TILE, r0 + 2 * CB_TILE, run);
+                prefetch_ahead(coded_row(C, 1, g, slot), C->slot_bytes[1], r0, r0 + CB_TILE, run);
                 kvlab_cb_decode_rows(KL, rows + r0 * C->slot_bytes[0], C->slot_bytes[0], count, tile, dpad);
                 if (h->pre && C->qjl_matrix) qjl_rows(C, g, slot + r0, count, d, dpad, tile);
                 if (h->pre) {   /* dpad == d (+prerope takes d a multiple of 16) */

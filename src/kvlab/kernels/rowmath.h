@@ -10,6 +10,14 @@
 
 #include <string.h>
 
+/* the cache lines of [p, p + bytes) asked for ahead of their reads (a hint: no fault, nothing waits on it). The caches'
+ * reads ask for a head's next rows while they compute on the current ones: one head's run of rows is a few KiB, too
+ * short for the hardware prefetcher to ramp up on before it ends. */
+static inline void kvlab_prefetch_lines(const void *p, int64_t bytes) {
+    const uintptr_t end = (uintptr_t)p + (uintptr_t)(bytes > 0 ? bytes : 0);
+    for (uintptr_t a = (uintptr_t)p & ~(uintptr_t)63; a < end; a += 64) __builtin_prefetch((const void *)a, 0, 3);
+}
+
 /* sixteen floats in a vector (GCC's vector extension: AVX-512, two AVX registers or scalar code, as the build has) */
 typedef float kvlab_lanes16 __attribute__((vector_size(64)));
 
