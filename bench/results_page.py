@@ -801,6 +801,12 @@ SECTIONS = [
                    "they took the modules' torch path: the fused step now runs them, 2.7-2.8x faster at 512 tokens and "
                    "1.9-2.1x at 4k; with +prerope (keys rebuilt before RoPE) 3.9x and 5.7x. The C read equals the torch "
                    "path within 1e-5 (tests/test_key_levers.py, tests/test_tq_kernel.py)."),
+        Table("prefetch_decode_ab.json", ab_runs,
+              note="The reads of the caches ask for a head's next rows while they compute on the current ones "
+                   "(kvlab_prefetch_lines): one head's run of rows is a few KiB, too short for the hardware prefetcher, "
+                   "and a profile of tq4 at 4k tokens had 43% of the value mix waiting on the first byte of each row. "
+                   "The same bits; at 4k tokens 1.11x dense-f16, 1.16x int4, 1.12x tq-k4v4, 1.13x tq4; fp32 dense, "
+                   "which reads twice the bytes, 1.02x."),
         Table("one_read_decode_ab.json", ab_runs,
               note="The fused decode step's dense chunks through kvlab_dense_read and its integer chunks through "
                    "kvlab_int_attend, the reads the serving pool and the single cache's module path use: dense is the "
