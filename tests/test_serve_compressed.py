@@ -38,11 +38,13 @@ from .test_serve_engine import ids_of
 #: greedy tokens batched vs alone: the plain formats. +vq and +norms8 blocks are held to the single cache by their attention
 #: (random chunks below), not by greedy text: C's and torch's reads differ by ~1e-5 (fp32 order), which flips a block
 #: index or an 8-bit scale (4.4% a step) now and then, and a flipped scale of the first token's key moves the logits by
-#: more than any near-tie allowance (seen on SmolLM2: the first token of a 41-token prompt parts, gap 1.4 of 29)
+#: more than any near-tie allowance (seen on SmolLM2: the first token of a 41-token prompt parts, gap 1.4 of 29). So are
+#: +ropemean blocks (CASES below): the C coder turns each key back by RoPE and forward around the offset in another fp32
+#: order than torch's, and a flipped code parts the texts past the allowance on some CPUs (seen on an Intel Xeon: the
+#: second token of the 4-token case, gap 0.12 of 19.3)
 #: a +halloc recipe for SmolLM2's 30 layers x 3 KV heads (90 units): keys alternate 3 and 5 bits, values 4
 HALLOC = "tq-k4v4+prerope+halloc=k" + "35" * 45 + "v" + "4" * 90 + "+sink1"
-FORMATS = ["int8", "int4", "tq-k4v4", "tq-k3v3", "tq-k4v4+prerope", "tq-k4v4+prerope+sink1", "tq-k4v4+ropemean+sink1",
-           HALLOC]
+FORMATS = ["int8", "int4", "tq-k4v4", "tq-k3v3", "tq-k4v4+prerope", "tq-k4v4+prerope+sink1", HALLOC]
 
 
 def single_cache(engine: Engine, geometry: CacheGeometry):
