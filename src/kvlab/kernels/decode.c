@@ -346,6 +346,17 @@ static void row_scores(const float *q, const float *const *k, int n, int d, floa
     for (; j < n; j++) s[j] = dot(q, k[j], d) * scale;
 }
 
+/* keys t0 .. t0 + n - 1 of `rows_of` (`width` elements a row) asked for ahead of their read, a block's run at a time */
+static void prefetch_dense_rows(const DenseHead *h, const void *rows_of, int width, const int32_t *table, int64_t t0, int n) {
+    const int64_t elem = h->type == KV_F32 ? 4 : 2;
+    for (int64_t t = t0; t < t0 + n;) {
+        const int64_t offset = t % h->block_rows, run = h->block_rows - offset < t0 + n - t ? h->block_rows - offset : t0 + n - t;
+        kvlab_prefetch_lines((const uint8_t *)rows_of + ((int64_t)table[t / h->block_rows] * h->block_stride + offset) * width * elem,
+                             run * width * elem);
+        t += run;
+    }
+}
+
 /* rows[j] = keys t0 + j (j < n) of `rows_of` (h->k or h->v, `width` elements a row) as fp32: pointers into fp32 rows,
  * else the rows converted into tile */
 static void dense_rows(const DenseHead *h, const void *rows_of, int width, const int32_t *table, int64_t t0, int n,
@@ -380,6 +391,8 @@ void kvlab_dense_read(const DenseHead *h, const int32_t *table, int64_t k0, int6
     const float *rows[DENSE_TILE];
     for (int j0 = 0; j0 < n; j0 += DENSE_TILE) {
         const int m = n - j0 < DENSE_TILE ? n - j0 : DENSE_TILE;
+        if (j0 + m < n) prefetch_dense_rows(h, h->k, d, table, k0 + j0 + m, n - j0 - m < DENSE_TILE ? n - j0 - m : DENSE_TILE);
+        prefetch_dense_rows(h, h->v, dv, table, k0 + j0, m);
         dense_rows(h, h->k, d, table, k0 + j0, m, tile, rows);
         for (int i = 0; i < nq; i++) row_scores(queries + (int64_t)i * d, rows, m, d, scale, scores + (int64_t)i * DENSE_READ_KEYS + j0);
     }
@@ -981,6 +994,10 @@ void kvlab_tq_read(const TqHead *h, const int32_t *table, int64_t k0, int64_t k1
         const int64_t slot = (int64_t)table[t / block_rows] * block_rows + t % block_rows;
         const int run = (int)(block_rows - t % block_rows < k1 - t ? block_rows - t % block_rows : k1 - t), j0 = (int)(t - k0);
         const uint8_t *rows = coded_row(C, 0, g, slot);
+        if (t + run < k1) {   /* the next run's first key codes (a pool's blocks lie apart; a run ends at its block's end) */
+            const int64_t next = (int64_t)table[(t + run) / block_rows] * block_rows;
+            prefetch_ahead(coded_row(C, 0, g, next), C->slot_bytes[0], 0, CB_TILE, (int)(k1 - t - run));
+        }
         load_scales(C, 0, g, slot, run, k_scale + j0);
         load_scales(C, 1, g, slot, run, v_scale + j0);
         if (h->pre || block_rows < TQ_REGISTER_ROWS || register_dots(h, g, slot, run, qpad, nq, scores + j0) != 0)

@@ -75,15 +75,21 @@ static inline void half_floats(const uint16_t *in, int n, int dpad, float *out) 
     for (; c < dpad; c++) out[c] = 0.0f;
 }
 
-/* the lines a head's next tile of key codes and this tile's values (codes, scales, zeros) lie on, asked for ahead of
- * their reads where they are in the block of slot `at` (`left` slots after it): a head's run of a block is a few KiB,
- * too short for the hardware prefetcher to ramp up */
-static inline void prefetch_tiles(const IntHead *R, int64_t at, int64_t left) {
-    if (left >= 31) kvlab_prefetch_lines(R->k_codes + (at + 16) * R->k_row_stride, 16 * R->k_row_stride);
-    if (left < 15) return;
-    kvlab_prefetch_lines(R->v_codes + at * R->v_row_stride, 16 * R->v_row_stride);
-    kvlab_prefetch_lines(R->v_scale + at * R->v_meta_stride, 16 * R->v_meta_stride * (int64_t)sizeof(uint16_t));
-    kvlab_prefetch_lines(R->v_zero + at * R->v_meta_stride, 16 * R->v_meta_stride * (int64_t)sizeof(uint16_t));
+/* the lines of a head's key codes of the tile from position t (slot `at`, `left` slots after it in its block) and of
+ * this tile's values (codes, scales, zeros), asked for ahead of their reads: a head's run of a block is a few KiB at
+ * most, too short for the hardware prefetcher to ramp up, and a pool's blocks lie apart */
+static inline void prefetch_tiles(const IntHead *R, int64_t t, int64_t at, int64_t left, int64_t hi) {
+    const int64_t next = t + 16;
+    if (next < hi) {
+        const int64_t in_block = R->table ? R->block_size - next % R->block_size : 16;
+        const int64_t slot = R->table ? (int64_t)R->table[next / R->block_size] * R->block_stride + next % R->block_size : next;
+        const int64_t n = in_block < 16 ? in_block : 16;
+        kvlab_prefetch_lines(R->k_codes + slot * R->k_row_stride, (hi - next < n ? hi - next : n) * R->k_row_stride);
+    }
+    const int64_t n = left < 15 ? left + 1 : 16, rows = hi - t < n ? hi - t : n;   /* left: INT64_MAX without a table */
+    kvlab_prefetch_lines(R->v_codes + at * R->v_row_stride, rows * R->v_row_stride);
+    kvlab_prefetch_lines(R->v_scale + at * R->v_meta_stride, rows * R->v_meta_stride * (int64_t)sizeof(uint16_t));
+    kvlab_prefetch_lines(R->v_zero + at * R->v_meta_stride, rows * R->v_meta_stride * (int64_t)sizeof(uint16_t));
 }
 
 /* The read of intcache.h, in tiles of sixteen positions. Each tile's keys are decoded once for every query (coded:
@@ -114,7 +120,7 @@ void kvlab_int_attend(const IntHead *R, const IntQuery *Q, int nq, float scale, 
             const int64_t t = t0 + j;
             if (t < most_coded) {
                 const int64_t at = walk_slot(R, t, &slot, &left);
-                if (j == 0) prefetch_tiles(R, at, left);
+                if (j == 0) prefetch_tiles(R, t, at, left, hi);
                 if (t == next_group) {
                     next_group = (t / G + 1) * G;
                     const int64_t group = at / G * R->k_meta_stride;
