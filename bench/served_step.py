@@ -1,0 +1,81 @@
+"""The serving engine's decode step alone: a few sequences with long prompts, in one pool, per block format.
+
+    .venv/bin/python bench/served_step.py [--formats dense-f16,int4,tq4] [--sequences 8] [--prompt-tokens 1500]
+                                          [--new-tokens 40] [--threads 1] [--out FILE]
+
+Every sequence's prompt is prefilled (chunked, as the engine schedules it), then each step decodes one token for
+every sequence; only the steps that decode all of them are kept, and the first five of those are dropped (more
+sequences need more new tokens: the first ones decode while the last ones' prompts are still read). Median
+ms per step and the output tokens/s it makes (sequences / step). What `kvlab bench throughput` mixes with prompt
+chunks, queueing and preemption, this shows alone: how fast the pool reads its blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from kvlab.fileio import write_json  # noqa: E402
+from kvlab.measure import machine_info  # noqa: E402
+from kvlab.serve import Engine, SamplingParams  # noqa: E402
+from kvlab.session import cached_model  # noqa: E402
+
+SKIPPED = 5   # decode steps dropped at the start (allocation, first touches)
+
+
+def decode_steps(loaded, block_format: str, prompts: list[list[int]], new_tokens: int) -> list[float]:
+    """Seconds of each engine step that decodes one token for every sequence."""
+    engine = Engine(loaded, cache=block_format, kv_budget="1GiB", max_batch=len(prompts), max_step_tokens=512,
+                    prefix_caching=False)
+    for prompt in prompts:
+        engine.add_request(prompt, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
+    seconds = []
+    while engine.has_unfinished():
+        start = time.perf_counter()
+        outputs = engine.step()
+        elapsed = time.perf_counter() - start
+        if len(outputs) == len(prompts) and all(out.new_token_ids for out in outputs):
+            seconds.append(elapsed)
+    if len(seconds) <= SKIPPED:
+        raise SystemExit(f"{block_format}: {len(seconds)} steps decoded every sequence at once; raise --new-tokens")
+    return seconds[SKIPPED:]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--formats", default="dense-f16,int4,tq4")
+    parser.add_argument("--sequences", type=int, default=8)
+    parser.add_argument("--prompt-tokens", type=int, default=1500)
+    parser.add_argument("--new-tokens", type=int, default=40)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "served_step.json"))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.set_grad_enabled(False)
+    loaded = cached_model(None, "fp32", "cpu", "auto")
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, loaded.config.vocab_size, (args.prompt_tokens,), generator=generator).tolist()
+               for _ in range(args.sequences)]
+    results = []
+    for block_format in [f.strip() for f in args.formats.split(",") if f.strip()]:
+        steps = decode_steps(loaded, block_format, prompts, args.new_tokens)
+        ms = 1000 * statistics.median(steps)
+        results.append({"blocks": block_format, "steps": len(steps), "step_ms": round(ms, 2),
+                        "output_tokens_per_s": round(1000 * args.sequences / ms, 2),
+                        "step_ms_samples": [round(1000 * s, 2) for s in steps]})
+        print(f"{block_format:>12}: {ms:6.1f} ms a step, {1000 * args.sequences / ms:6.1f} output tok/s", flush=True)
+    write_json(args.out, {"benchmark": "served_step", "machine": machine_info(), "threads": args.threads,
+                          "sequences": args.sequences, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
+                          "results": results}, indent=2)
+
+
+if __name__ == "__main__":
+    main()
