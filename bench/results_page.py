@@ -668,6 +668,12 @@ SECTIONS = [
               "0.79x / 0.75x and 0.71x / 0.67x at 4k / 8k. At 8k dense-f16 reads at 59% of the measured read limit, "
               "tq4 at 23%.",
               read_share=True, bare=()),
+        Table("decode_presets_2threads.json", decode_contexts,
+              "kvlab bench decode --contexts 512,2k,4k,8k --caches dense,dense-f16,tq4,tq3,tq-k4v4,int4 --threads 2 "
+              "--repeats 2 --steps 16 --out bench/results/decode_presets_2threads.json",
+              "The same at 2 threads: `tq-k4v4` 1.07x / 1.16x `dense-f16` at 4k / 8k, `tq4` 0.80x / 0.73x, `tq3` "
+              "0.65x / 0.59x, `int4` 0.97-0.99x; dense-f16 reads at 53-56% of the 2-thread read limit.",
+              read_share=True, bare=()),
         Table("ropemean_decode_1thread.json", decode_contexts,
               "kvlab bench decode --contexts 512,2k,4k,8k --caches dense-f16,tq4,tq-k4v4,"
               "tq-k4v4+ropemean+sink1+kscale=lsq+vscale=lsq,tq-k4v4+ropemean+sink1+norms8+kscale=lsq+vscale=lsq "
