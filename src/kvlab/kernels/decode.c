@@ -933,6 +933,11 @@ static void tile_scores(const float *q, const float *tile, int count, int d, int
     memcpy(out, all, sizeof(float) * (size_t)count);
 }
 
+/* the slot of key t in a block table of blocks `block_rows` rows long */
+static inline int64_t slot_at(const int32_t *table, int64_t block_rows, int64_t t) {
+    return (int64_t)table[t / block_rows] * block_rows + t % block_rows;
+}
+
 /* rows [r0, min(r1, run)) of a run of rows `bytes` apart asked for ahead of their read (kvlab_prefetch_lines) */
 static inline void prefetch_ahead(const uint8_t *rows, int64_t bytes, int r0, int r1, int run) {
     if (r1 > run) r1 = run;
@@ -991,12 +996,12 @@ void kvlab_tq_read(const TqHead *h, const int32_t *table, int64_t k0, int64_t k1
     }
     /* every query's scores, a run of one block's rows at a time (+prerope: the keys rebuilt with their scales) */
     for (int64_t t = k0; t < k1;) {
-        const int64_t slot = (int64_t)table[t / block_rows] * block_rows + t % block_rows;
+        const int64_t slot = slot_at(table, block_rows, t);
         const int run = (int)(block_rows - t % block_rows < k1 - t ? block_rows - t % block_rows : k1 - t), j0 = (int)(t - k0);
         const uint8_t *rows = coded_row(C, 0, g, slot);
         if (t + run < k1) {   /* the next run's first key codes (a pool's blocks lie apart; a run ends at its block's end) */
-            const int64_t next = (int64_t)table[(t + run) / block_rows] * block_rows;
-            prefetch_ahead(coded_row(C, 0, g, next), C->slot_bytes[0], 0, CB_TILE, (int)(k1 - t - run));
+            prefetch_ahead(coded_row(C, 0, g, slot_at(table, block_rows, t + run)), C->slot_bytes[0], 0, CB_TILE,
+                           (int)(k1 - t - run));
         }
         load_scales(C, 0, g, slot, run, k_scale + j0);
         load_scales(C, 1, g, slot, run, v_scale + j0);
@@ -1057,7 +1062,7 @@ void kvlab_tq_read(const TqHead *h, const int32_t *table, int64_t k0, int64_t k1
     }
     /* the values: every query's weighted sum, a run at a time */
     for (int64_t t = k0; t < k1;) {
-        const int64_t slot = (int64_t)table[t / block_rows] * block_rows + t % block_rows;
+        const int64_t slot = slot_at(table, block_rows, t);
         const int run = (int)(block_rows - t % block_rows < k1 - t ? block_rows - t % block_rows : k1 - t), j0 = (int)(t - k0);
         const uint8_t *rows = coded_row(C, 1, g, slot);
         if (block_rows < TQ_REGISTER_ROWS

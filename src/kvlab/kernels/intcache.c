@@ -51,6 +51,11 @@ int kvlab_int_decode(int bits, const uint8_t *codes, const uint16_t *scale, cons
 }
 
 /* -- one query over one KV head: what the single cache and the serving pool both read with (intcache.h) ---------- */
+/* position t's slot */
+static inline int64_t slot_of(const IntHead *R, int64_t t) {
+    return R->table ? (int64_t)R->table[t / R->block_size] * R->block_stride + t % R->block_size : t;
+}
+
 /* position t's slot, for t walked upwards from where *left was last 0: *left counts the slots left in t's block */
 static inline int64_t walk_slot(const IntHead *R, int64_t t, int64_t *slot, int64_t *left) {
     if (*left > 0) {
@@ -62,7 +67,7 @@ static inline int64_t walk_slot(const IntHead *R, int64_t t, int64_t *slot, int6
         return *slot = t;
     }
     *left = R->block_size - 1 - t % R->block_size;
-    return *slot = (int64_t)R->table[t / R->block_size] * R->block_stride + t % R->block_size;
+    return *slot = slot_of(R, t);
 }
 
 /* out (dpad,) = n fp16 values as floats, zero past n */
@@ -82,9 +87,8 @@ static inline void prefetch_tiles(const IntHead *R, int64_t t, int64_t at, int64
     const int64_t next = t + 16;
     if (next < hi) {
         const int64_t in_block = R->table ? R->block_size - next % R->block_size : 16;
-        const int64_t slot = R->table ? (int64_t)R->table[next / R->block_size] * R->block_stride + next % R->block_size : next;
         const int64_t n = in_block < 16 ? in_block : 16;
-        kvlab_prefetch_lines(R->k_codes + slot * R->k_row_stride, (hi - next < n ? hi - next : n) * R->k_row_stride);
+        kvlab_prefetch_lines(R->k_codes + slot_of(R, next) * R->k_row_stride, (hi - next < n ? hi - next : n) * R->k_row_stride);
     }
     const int64_t n = left < 15 ? left + 1 : 16, rows = hi - t < n ? hi - t : n;   /* left: INT64_MAX without a table */
     kvlab_prefetch_lines(R->v_codes + at * R->v_row_stride, rows * R->v_row_stride);
