@@ -7,9 +7,11 @@ command that reproduces it.
 Each file in bench/results is either a table on the page (SECTIONS) or listed as raw data (RAW), never neither: the
 script refuses a results file it does not know, and a named one that is missing, unless its table `needs` hardware
 this project's machines lack (a GPU): until that file is measured the page prints its command. A file that records its
-own `command` is shown with it; the others take theirs from the tables below. Files measured before `tq4` and `tq3`
-named presets call the bare method `tq4` or `tq3`; their sections list those names in `bare` and the page prints the
-current name, `tq-k4v4` or `tq-k3v3`.
+own `command` is shown with it; the others take theirs from the tables below. A file says `tq4` and `tq3` for what
+those names stood for when it was measured: the bare method before they named presets, then `tq4` for
+`tq4.125+prerope+norms8+sink1+kscale=lsq+vscale=lsq`, now for `tq-k4v4+prerope+norms8+sink1+kscale=lsq+vscale=lsq`.
+Each table lists in `presets` what the names meant in its file, and the page prints the name of today (in its rows
+and in its command); a note under a table speaks of the rows by the names its file used.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))   # kvlab's names, without installing it
+from kvlab.cache.format import PRESETS  # noqa: E402  (no torch: cache/format.py is the format alone)
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -46,17 +51,20 @@ def table(header: list[str], rows: list[list[str]], right: set[int] = frozenset(
     return "\n".join(lines)
 
 
-_BARE = re.compile(r"^(pool:)?tq([34])(?=$|\+)")
-BOTH = ("tq4", "tq3")        # measured before either preset existed
-TQ3 = ("tq3",)               # measured after tq4, before tq3 named a preset
+_PRESET_HEAD = re.compile(r"^(pool:)?(tq[34])(?=$|\+)")
+TQ4_125 = "tq4.125+prerope+norms8+sink1+kscale=lsq+vscale=lsq"   # what `tq4` named from its first preset on
+BOTH = (("tq4", "tq-k4v4"), ("tq3", "tq-k3v3"))   # measured before either preset existed: both the bare method
+TQ3 = (("tq4", TQ4_125), ("tq3", "tq-k3v3"))      # measured after tq4 named a preset, before tq3 did
+PRESETS_125 = (("tq4", TQ4_125),)                 # both presets, tq4 its 4.125-bit recipe
+CURRENT = ()                                      # measured with today's presets
 
 
-def current_name(name: str, bare: tuple[str, ...]) -> str:
-    """In a file measured before the presets, 'tq4+sink1' was the bare method: 'tq-k4v4+sink1' today."""
+def current_name(name: str, presets: tuple[tuple[str, str], ...]) -> str:
+    """A name as its file said it -> today's: in a file measured before the presets 'tq4+sink1' was the bare method,
+    'tq-k4v4+sink1' today."""
     def rename(m: re.Match) -> str:
-        head = f"tq{m.group(2)}"
-        return (m.group(1) or "") + (f"tq-k{m.group(2)}v{m.group(2)}" if head in bare else head)
-    return _BARE.sub(rename, name)
+        return (m.group(1) or "") + dict(presets).get(m.group(2), m.group(2))
+    return _PRESET_HEAD.sub(rename, name)
 
 
 def code(name: str) -> str:
@@ -78,7 +86,7 @@ def eval_quality(data, opt) -> str:
         seeds = [s for s in r.get("per_seed", []) if s.get("seed") is not None]
         ci = r.get("ppl_delta_ci")
         rows.append([
-            code(current_name(r["cache"], opt.bare)),
+            code(current_name(r["cache"], opt.presets)),
             num(r["bytes_per_token"], 0),
             f"{BF16_BYTES / r['bytes_per_token']:.2f}×",
             f"{r['ppl']:.2f}",
@@ -109,7 +117,7 @@ def eval_passkey(data, opt) -> str:
             sd = (sum((d - m) ** 2 for d in diffs) / len(diffs)) ** 0.5
             against = f"{m:+.2f} ({sd:.2f}), worst {min(diffs):+.2f}"
         rows.append([
-            code(current_name(r["cache"], opt.bare)),
+            code(current_name(r["cache"], opt.presets)),
             num(r["bytes_per_token"], 0),
             f"**{r['passkey_found']}/{r['passkey_total']}**",
             "—" if mean is None else f"{mean:.2f} / {low:+.2f}",
@@ -140,7 +148,7 @@ def decode_contexts(data, opt) -> str:
     """`kvlab bench decode --contexts`: decode tokens/s by context (rows) and cache (columns), × the baseline."""
     caches, contexts, cell = [], [], {}
     for r in data["results"]:
-        name = current_name(r["cache"], opt.bare)
+        name = current_name(r["cache"], opt.presets)
         if name not in caches:
             caches.append(name)
         if r["context"] not in contexts:
@@ -148,7 +156,7 @@ def decode_contexts(data, opt) -> str:
         step = ", modules" if r.get("step") == "modules" else ""
         share = f", {100 * r['share_of_read_limit']:.0f}%" if opt.read_share and r.get("share_of_read_limit") else ""
         cell[r["context"], name] = f"{r['tokens_per_s']:.1f} ({r['ratio_vs_baseline']:.2f}×{share}{step})"
-    base = current_name(data["baseline"], opt.bare)
+    base = current_name(data["baseline"], opt.presets)
     rows = [[num(c, 0)] + [cell.get((c, n), "—") for n in caches] for c in contexts]
     share = (f"; the percentage is the step's weight and K/V bytes read per second as a share of the "
              f"{data['read_bandwidth_gb_s']:.1f} GB/s measured read limit" if opt.read_share else "")
@@ -175,7 +183,7 @@ def decode_prefill(data, opt) -> str:
 
 def served_step(data, opt) -> str:
     """bench/served_step.py: the engine's decode step alone, one row per block format."""
-    rows = [[code(current_name(r["blocks"], opt.bare)), str(data["sequences"]), f"{r['step_ms']:.1f}",
+    rows = [[code(current_name(r["blocks"], opt.presets)), str(data["sequences"]), f"{r['step_ms']:.1f}",
              num(r["output_tokens_per_s"])] for r in data["results"]]
     return (f"{data['sequences']} sequences of {data['prompt_tokens']:,}-token prompts, {data['threads']} "
             f"thread(s), decode steps only:\n\n"
@@ -188,7 +196,7 @@ def throughput(data, opt) -> str:
     for r in data["results"]:
         seq = r.get("speedup_vs_sequential")
         rows.append([r["workload"], r["contender"], str(r["max_batch"]),
-                     code(current_name(r["block_format"], opt.bare)),
+                     code(current_name(r["block_format"], opt.presets)),
                      "on" if r["prefix_caching"] else "off", str(r["requests"]),
                      num(r["output_tokens_per_s"]), "—" if seq is None else f"{seq:.2f}×",
                      num(1000 * r["ttft_p50_s"], 0), f"{1000 * r['tpot_p50_s']:.0f} / {1000 * r['tpot_p99_s']:.0f}",
@@ -227,7 +235,7 @@ def serve(data, opt) -> str:
              "—" if r["peak_kv_bytes"] is None else num(r["peak_kv_bytes"] / 1e6, 2)]
             for r in data["levels"]]
     server = (f"The server at {s['url']}" if s.get("url") else
-              f"Blocks `{current_name(s['cache'], opt.bare)}`, KV pool {s['kv_budget']}")
+              f"Blocks `{current_name(s['cache'], opt.presets)}`, KV pool {s['kv_budget']}")
     out = (f"{server}, {s['max_tokens']} tokens per request:\n\n"
            + table(["concurrency", "requests", "errors", "requests/s", "out tok/s", "TTFT p50 / p99 ms",
                     "TPOT p50 / p99 ms", "peak KV MB"], rows, right=set(range(8))))
@@ -299,7 +307,7 @@ def cache_name(x) -> str:
 def rows_table(columns: list[tuple[str, str, Callable]], key: str = "rows") -> Callable:
     """A renderer for a list of flat records: (header, field, format) per column."""
     def cell(r, f, fmt, opt):
-        return code(current_name(r[f], opt.bare)) if fmt is cache_name else fmt(r.get(f))
+        return code(current_name(r[f], opt.presets)) if fmt is cache_name else fmt(r.get(f))
 
     def render(data, opt) -> str:
         records = data[key] if isinstance(data, dict) else data
@@ -319,7 +327,7 @@ def prefill_memory(data, opt) -> str:
 
 
 def prefill_caches(data, opt) -> str:
-    rows = [[code(current_name(r["cache"], opt.bare)), f"{r['cpu_seconds']:.1f} s",
+    rows = [[code(current_name(r["cache"], opt.presets)), f"{r['cpu_seconds']:.1f} s",
              f"{r['cpu_time_vs_dense']:.2f}×", f"{r['prefill_peak_mib']:,} MiB", num(r["cache_mib"])]
             for r in data["caches"]]
     n = data["caches"][0]["prompt_tokens"]
@@ -351,7 +359,7 @@ def eval_text(data, opt) -> str:
     for r in data:
         t = r["text"]
         change = (lambda key: "—" if r is data[0] or not dense[key] else f"{t[key] / dense[key] - 1:+.0%}")
-        rows.append([code(r["cache"]), pct(r["ppl_delta_pct"]), f"{t['first_difference_median']:g}",
+        rows.append([code(current_name(r["cache"], opt.presets)), pct(r["ppl_delta_pct"]), f"{t['first_difference_median']:g}",
                      f"{t['same_text']}/{t['prompts']}", f"{t['answers_right']}/{t['questions']}",
                      f"{t['answers_as_dense']}/{t['questions']}", f"{t['repeat_run_mean']:.2f} ({change('repeat_run_mean')})",
                      f"{t['distinct4_mean']:.3f} ({change('distinct4_mean')})"])
@@ -382,13 +390,13 @@ def kv_store(data, opt) -> str:
     """bench/kv_store.py: bytes on disk per 1,000 tokens per pool format; restart to first token vs a fresh prefill."""
     base = next((r["store_bytes_per_1000_tokens"] for r in data["sizes"] if r["cache"] == "dense-f16"), None)
     sizes = table(["cache", "format", "store bytes / 1,000 tokens", "pool bytes / 1,000 tokens", "vs dense-f16"],
-                  [[code(r["cache"]), code(r["format"]), f"{r['store_bytes_per_1000_tokens']:,}",
+                  [[code(current_name(r["cache"], opt.presets)), code(r["format"]), f"{r['store_bytes_per_1000_tokens']:,}",
                     f"{r['pool_bytes_per_1000_tokens']:,}",
                     ratio(base / r["store_bytes_per_1000_tokens"]) if base else "—"] for r in data["sizes"]],
                   right={2, 3, 4})
     restart = table(["cache", "history tokens", "cached tokens", "restart → first token s", "of which engine start s",
                      "fresh prefill → first token s", "speed-up"],
-                    [[code(r["cache"]), f"{r['history_tokens']:,}", ", ".join(f"{c:,}" for c in r["cached_tokens"]),
+                    [[code(current_name(r["cache"], opt.presets)), f"{r['history_tokens']:,}", ", ".join(f"{c:,}" for c in r["cached_tokens"]),
                       f"{r['restart_to_first_token_s']:.2f}", f"{r['restart_engine_start_s']:.2f}",
                       f"{r['fresh_prefill_first_token_s']:.2f}", ratio(r["speedup"])] for r in data["restart"]],
                     right={1, 2, 3, 4, 5, 6})
@@ -401,6 +409,7 @@ def kv_store(data, opt) -> str:
 def gpu_check(data, opt) -> str:
     """bench/gpu_check.py: kvlab's torch path on a CUDA device against a recompute, the CPU, transformers and the
     serving engine, and module-path decode speed."""
+    presets = opt.presets if opt else CURRENT   # a run just made (its test) names today's presets
     m = data["model"]
     out = [f"{data['device_name']} (torch {data['torch']}, CUDA {data['cuda']}, transformers "
            f"{data['transformers_version']}); a random llama of {m['num_hidden_layers']} layers, d_model "
@@ -411,10 +420,10 @@ def gpu_check(data, opt) -> str:
     rows = []
     for r in data["caches"]:
         if r["status"] != "ok":
-            rows.append([code(r["cache"]), f"{r['status']}: {r['message']}"] + ["—"] * 4)
+            rows.append([code(current_name(r["cache"], presets)), f"{r['status']}: {r['message']}"] + ["—"] * 4)
             continue
         first = r.get("first_difference_vs_cpu")
-        rows.append([code(r["cache"]), "ok", f"{r['max_abs_diff_vs_recompute']:.2e}",
+        rows.append([code(current_name(r["cache"], presets)), "ok", f"{r['max_abs_diff_vs_recompute']:.2e}",
                      f"{r['cpu_max_abs_diff_vs_recompute']:.2e}",
                      "equal" if first is None else f"differ from step {first} (top-2 gap {r['smallest_top2_gap']:.3f})",
                      f"{r['nbytes']:,} " + ("= formula" if r["nbytes_equal"] else f"≠ {r['expected_nbytes']:,}")])
@@ -440,7 +449,7 @@ def gpu_check(data, opt) -> str:
         out.append(f"The serving engine ran; its check did not: {e['message']}")
     if data.get("speed"):
         sp, sm = data["speed"], data["speed"]["model"]
-        rows = [[code(r["cache"]), num(r.get("context"), 0), f"{r['tokens_per_s']:.1f}" if r["status"] == "ok" else
+        rows = [[code(current_name(r["cache"], presets)), num(r.get("context"), 0), f"{r['tokens_per_s']:.1f}" if r["status"] == "ok" else
                  r["message"], f"{r['prefill_s']:.2f} s" if r["status"] == "ok" else "—"] for r in sp["results"]]
         out.append(f"Decode speed, {sp['note']}: {sm['num_hidden_layers']} layers, d_model {sm['hidden_size']}, "
                    f"{sm['num_attention_heads']}/{sm['num_key_value_heads']} heads, steps timed between two "
@@ -488,7 +497,7 @@ class Table:
     command: str = ""            # used when the JSON records none
     note: str = ""               # one or two sentences under the table
     rows: tuple[str, ...] = ()   # eval files: only these caches (the others are superseded by another table)
-    bare: tuple[str, ...] = TQ3  # the preset names (tq4, tq3) that named the bare method when this was measured
+    presets: tuple[tuple[str, str], ...] = TQ3   # (name, what it stood for) where the file's tq4 / tq3 meant otherwise
     read_share: bool = False     # decode_contexts: each cell's share of the measured read limit
     dense_row: bool = False      # eval files: show the dense reference row
     part: str = ""               # 'a.b': render data["a"]["b"] (one part of a file with several)
@@ -513,6 +522,20 @@ QUALITY_PROTOCOL = (
 
 SECTIONS = [
     Section("Which cache: quality and bytes", QUALITY_PROTOCOL, [
+        Table("quality_tq4_ropemean.json", eval_quality,
+              'kvlab eval --caches "tq-k4v4+ropemean+sink1+norms8+kscale=lsq+vscale=lsq" --threads 2 '
+              "--out bench/results/quality_tq4_ropemean.json",
+              "`tq4`'s recipe: keys coded after RoPE around their offset turned to each position, read on their "
+              "codes. The same run found the passkey in 9 of 9 trials, as dense did; its text is in the last "
+              "section.", dense_row=True,
+              presets=CURRENT),
+        Table("quality_tq4_recipes.json", eval_quality,
+              'kvlab eval --caches "tq4,tq-k4v4+prerope+norms8+sink1+kscale=lsq+vscale=lsq" --threads 2 '
+              "--out bench/results/quality_tq4_recipes.json",
+              "The same protocol for the keys-before-RoPE recipes: with an eighth of the channels at 5 bits (the "
+              "first row), and at 4 bits throughout; both found the passkey in 9 of 9 trials. Decode speed of all "
+              "three: the decode section.",
+              presets=PRESETS_125),
         Table("quality_tq4.json", eval_quality,
               "kvlab eval --caches tq4,tq4+halloc --seeds 0,1,2 --no-passkey --threads 2 --out bench/results/quality_tq4.json",
               "`tq4` is the preset `tq4.125+prerope+norms8+sink1+kscale=lsq+vscale=lsq` (no calibration pass); "
@@ -535,12 +558,12 @@ SECTIONS = [
               "kvlab eval --caches tq-k4v4 --seeds 0,1,2 --no-passkey --threads 2 --out bench/results/quality_tq_k4v4.json",
               "`tq-k4v4` is the bare TurboQuant method at 4 bits (rotation + Lloyd-Max codes with kvlab's key offset, "
               "renormalized scale and query-aware key weights; nothing kept in full precision).",
-              rows=("dense", "tq4"), bare=BOTH),
+              rows=("dense", "tq4"), presets=BOTH),
         Table("quality_no_calibration.json", eval_quality,
               "kvlab eval --caches tq-k4v4+prerope+sink1 --seeds 0,1,2 --no-passkey --threads 2 "
               "--out bench/results/quality_no_calibration.json",
               "Keys coded before RoPE and the first token kept exact: the two levers of the preset, at whole 4-bit widths.",
-              rows=("dense", "tq4+prerope+sink1"), bare=BOTH),
+              rows=("dense", "tq4+prerope+sink1"), presets=BOTH),
         Table("quality_ropemean.json", eval_quality,
               'kvlab eval --caches "tq4,tq-k4v4+ropemean+sink1+norms8+kscale=lsq+vscale=lsq,'
               'tq-k4v4+prerope+sink1+norms8+kscale=lsq+vscale=lsq" --windows 8 --seeds 0,1,2 --no-passkey --no-text '
@@ -548,24 +571,24 @@ SECTIONS = [
               "Keys after RoPE around their turned offset (`+ropemean`) against keys before RoPE (`+prerope`, the "
               "`tq4` preset's lever) at the same bytes: the offset and the energy left to code are the same, but the "
               "key weights can only be one per RoPE pair (RoPE must turn the weighted key as the key), which costs "
-              "about 0.3 points of perplexity.", bare=()),
+              "about 0.3 points of perplexity.", presets=PRESETS_125),
         Table("quality_ropemean_b.json", eval_quality,
               'kvlab eval --caches "tq-k4.25v4+ropemean+sink1+norms8+kscale=lsq+vscale=lsq,'
               'tq-k4v4+ropemean+sink1+kscale=lsq+vscale=lsq" --windows 8 --seeds 0,1,2 --no-passkey --no-text '
               "--threads 2 --out bench/results/quality_ropemean_b.json",
               "The same protocol: `+ropemean` at `tq4`'s bytes (16-bit scales, or a quarter bit more for the keys) "
-              "stays about 0.3 points behind `tq4`.", bare=()),
+              "stays about 0.3 points behind `tq4`.", presets=PRESETS_125),
         Table("quality_ropemean_text.json", eval_quality,
               'kvlab eval --caches "tq4,tq-k4v4+ropemean+sink1+kscale=lsq+vscale=lsq" --windows 1 --seeds 0 --threads 2 '
               "--out bench/results/quality_ropemean_text.json",
               "The text `+ropemean` writes and the passkeys it finds (one window: its perplexity column is noise, the "
               "tables above measure it): every passkey, the chat answers as dense's, no more repetition than dense.",
-              bare=()),
+              presets=PRESETS_125),
         Table("quality_recipes.json", eval_quality,
               'kvlab eval --caches "tq-k4v4+prerope+sink1+halloc+kscale=lsq,tq-k3.1v3.08+prerope+sink1+halloc+vq+norms8" '
               "--seeds 0,1,2 --no-passkey --threads 2 --out bench/results/quality_recipes.json",
               "The second row is the best 3-bit-class cache measured: per-head widths, block codes (`+vq`) and 8-bit "
-              "log scales (`+norms8`) at 4.91× smaller than bf16.", bare=BOTH),
+              "log scales (`+norms8`) at 4.91× smaller than bf16.", presets=BOTH),
         Table("quality_norms8_recipes.json", eval_quality,
               'kvlab eval --caches "tq-k4.15v4.15+prerope+sink1+halloc+kscale=lsq+norms8,'
               'tq-k4.2v4.1+prerope+sink1+halloc+kscale=lsq+norms8" --seeds 0,1,2 --no-passkey --threads 2 '
@@ -584,13 +607,13 @@ SECTIONS = [
               "The integer caches in one run (no rotation seed); `+g64`: key groups of 64 tokens, `+recent128`: the "
               "newest 128 tokens kept exact. The same file holds the suite's other parts (`--parts passkey`, `layers`, "
               "`speed`: module-path numbers) and its plot is docs/benchmarks/compression.png.",
-              rows=("int8", "int4", "int4+g64", "int4+recent128"), part="quality.records"),
+              rows=("int8", "int4", "int4+g64", "int4+recent128"), part="quality.records", presets=BOTH),
         Table("quality_seeds.json", eval_quality,
               "kvlab eval --caches int4,tq5,tq3 --seeds 0,1,2 --no-passkey --threads 1 --out bench/results/quality_seeds.json",
               "KIVI-style `int4` and the bare TurboQuant method at 5 and 3 bits. The TurboQuant rows come from a run in "
               "which a layer's first chunk was read back through its codes; reading it exact, as the code does now, "
               "moved `tq-k4v4` from +3.17% to +2.67%, so expect tq5/tq3 to differ by a few tenths of a point today.",
-              rows=("dense", "int4", "tq5", "tq3"), bare=BOTH),
+              rows=("dense", "int4", "tq5", "tq3"), presets=BOTH),
         Table("quality_tq3_candidates.json", eval_quality,
               'kvlab eval --caches "tq3.125+prerope+norms8+sink1+vq+kscale=lsq+vscale=lsq,tq3.125+prerope+norms8+sink1+vq" '
               "--windows 16 --seeds 0,1,2 --no-passkey --no-text --threads 1 --out bench/results/quality_tq3_candidates.json",
@@ -616,7 +639,7 @@ SECTIONS = [
               "The `tq3` preset names that recipe (`tq-k3.5v3.125+prerope+vq+norms8+sink1`), as `tq4` names its own; "
               "`tq3+halloc` is the calibrated one (a key and a value width per layer and KV head at the same total). At 2 threads "
               "the preset measures +2.80% where the 1-thread run above measured +2.89%: the thread count changes the "
-              "order of fp32 sums, and the seeds' spread is ±0.3–0.4 points.", bare=()),
+              "order of fp32 sums, and the seeds' spread is ±0.3–0.4 points.", presets=PRESETS_125),
     ]),
     Section("Passkey retrieval",
             "`kvlab eval`'s passkey test: a 5-digit key hidden in King Lear filler at depths 25/50/75% of 1,000 / "
@@ -651,29 +674,43 @@ SECTIONS = [
               'kvlab bench decode --contexts 512,2k,4k --caches "dense,tq-k4v4,'
               "tq-k4.15v4.15+prerope+sink1+halloc+kscale=lsq+vscale=lsq+norms8,"
               'tq-k3.1v3.08+prerope+sink1+halloc+vq+norms8" --threads 1 --repeats 3 --steps 16 '
-              "--out bench/results/decode_recipes.json", bare=BOTH),
+              "--out bench/results/decode_recipes.json", presets=BOTH),
         Table("decode_caches_1thread.json", decode_contexts,
               "kvlab bench decode --contexts 512,4k,8k --caches dense,dense-f16,tq4,tq-k4v4,int4 --threads 1 --repeats 2 "
               "--steps 16 --out bench/results/decode_caches_1thread.json",
               "16-bit K/V are read in place, converted in registers, and each value row is summed whole; the "
               "`tq4` preset rebuilds every key before RoPE (a Hadamard transform, its scale and RoPE per key), which "
               "costs more than it saves in bytes at one thread.", read_share=True),
+        Table("decode_tq4_recipes_1thread.json", decode_contexts,
+              'kvlab bench decode --contexts 512,4k,8k --caches "dense-f16,tq4,'
+              'tq-k4v4+prerope+norms8+sink1+kscale=lsq+vscale=lsq" --threads 1 --repeats 2 --steps 16 '
+              "--out bench/results/decode_tq4_recipes_1thread.json",
+              "Keys coded before RoPE are rebuilt one by one when read (decode, a Hadamard transform, a scale, RoPE): "
+              "at 4 bits throughout 0.92 / 0.88 / 0.84x `dense-f16`; with an eighth of the channels at 5 bits, which "
+              "splits every key and value row into two parts read apart, 0.87 / 0.79 / 0.72x.",
+              read_share=True, presets=PRESETS_125),
+        Table("decode_tq4_ropemean_1thread.json", decode_contexts,
+              'kvlab bench decode --contexts 512,4k,8k --caches "dense-f16,tq-k4v4,'
+              'tq-k4v4+ropemean+sink1+norms8+kscale=lsq+vscale=lsq" --threads 1 --repeats 2 --steps 16 '
+              "--out bench/results/decode_tq4_ropemean_1thread.json",
+              "`tq4`'s recipe (the last row) against the bare method: read on the codes like it, plus one d-wide dot "
+              "per key and query for the turned offset: 0.98 / 1.05 / 1.06x `dense-f16` where the bare method is "
+              "1.00 / 1.15 / 1.26x.", read_share=True, presets=CURRENT),
         Table("decode_presets_1thread.json", decode_contexts,
               "kvlab bench decode --contexts 512,2k,4k,8k --caches dense,dense-f16,tq4,tq3,tq-k4v4,int4 --threads 1 "
               "--repeats 2 --steps 16 --out bench/results/decode_presets_1thread.json",
-              "The presets against the bare method, on an Intel Xeon, the reads asking for their next rows ahead: "
-              "`tq-k4v4` leads `dense-f16` 1.11x at 4k tokens and 1.25x at 8k, `int4` 1.06x at 8k. `tq4` and `tq3` "
-              "rebuild each key before RoPE (decode, a Hadamard transform, a scale, RoPE; in registers, each key "
-              "scored by every query head of its group in the same pass), which makes their read compute-bound: "
-              "0.79x / 0.75x and 0.71x / 0.67x at 4k / 8k. At 8k dense-f16 reads at 59% of the measured read limit, "
-              "tq4 at 23%.",
-              read_share=True, bare=()),
+              "The presets against the bare method, on an Intel Xeon. `tq4` reads its codes in registers as "
+              "`tq-k4v4` does, plus each key's turned offset: 0.94 / 0.99 / 1.06 / 1.01x `dense-f16` at 512 / 2k / "
+              "4k / 8k tokens, where `tq-k4v4` is 0.96 / 1.06 / 1.16 / 1.24x. `tq3` rebuilds each key before RoPE "
+              "(decode, a Hadamard transform, a scale, RoPE), which makes its read compute-bound: 0.71x / 0.64x at "
+              "4k / 8k. At 8k dense-f16 reads at 55% of the measured read limit, tq4 at 28%.",
+              read_share=True, presets=CURRENT),
         Table("decode_presets_2threads.json", decode_contexts,
               "kvlab bench decode --contexts 512,2k,4k,8k --caches dense,dense-f16,tq4,tq3,tq-k4v4,int4 --threads 2 "
               "--repeats 2 --steps 16 --out bench/results/decode_presets_2threads.json",
-              "The same at 2 threads: `tq-k4v4` 1.07x / 1.16x `dense-f16` at 4k / 8k, `tq4` 0.80x / 0.73x, `tq3` "
-              "0.65x / 0.59x, `int4` 0.97-0.99x; dense-f16 reads at 53-56% of the 2-thread read limit.",
-              read_share=True, bare=()),
+              "The same at 2 threads: `tq4` 0.92 / 0.95 / 1.03 / 0.99x `dense-f16`, `tq-k4v4` 0.92 / 1.02 / 1.14 / "
+              "1.16x, `tq3` 0.58-0.70x, `int4` 0.91-0.99x; dense-f16 reads at 51-57% of the 2-thread read limit.",
+              read_share=True, presets=CURRENT),
         Table("ropemean_decode_1thread.json", decode_contexts,
               "kvlab bench decode --contexts 512,2k,4k,8k --caches dense-f16,tq4,tq-k4v4,"
               "tq-k4v4+ropemean+sink1+kscale=lsq+vscale=lsq,tq-k4v4+ropemean+sink1+norms8+kscale=lsq+vscale=lsq "
@@ -681,17 +718,17 @@ SECTIONS = [
               "Keys coded after RoPE around their offset turned to each position (`+ropemean`) are read on the codes "
               "like the bare method, plus one d-wide dot per key and query for the turned offset: 1.28x `tq4`'s speed "
               "at 4k tokens and 1.39x at 8k, where `tq4` rebuilds and turns every key; the offset's dot is what "
-              "separates it from the bare `tq-k4v4`.", read_share=True, bare=()),
+              "separates it from the bare `tq-k4v4`.", read_share=True, presets=PRESETS_125),
         Table("ropemean_decode_2threads.json", decode_contexts,
               "kvlab bench decode --contexts 4k,8k --caches dense-f16,tq4,tq-k4v4+ropemean+sink1+kscale=lsq+vscale=lsq "
               "--threads 2 --repeats 2 --steps 16 --out bench/results/ropemean_decode_2threads.json",
-              "The same at 2 threads: `+ropemean` 1.27x `tq4` at 4k tokens, 1.34x at 8k.", read_share=True, bare=()),
+              "The same at 2 threads: `+ropemean` 1.27x `tq4` at 4k tokens, 1.34x at 8k.", read_share=True, presets=PRESETS_125),
         Table("decode_contexts_2threads.json", decode_contexts,
               "kvlab bench decode --contexts 512,8k --caches dense-f16,tq-k4v4,tq3,int8,int4 --threads 2 --repeats 2 "
-              "--out bench/results/decode_contexts_2threads.json", bare=BOTH),
+              "--out bench/results/decode_contexts_2threads.json", presets=BOTH),
         Table("decode_contexts_2threads_4k.json", decode_contexts,
               "kvlab bench decode --contexts 4k --caches dense-f16,tq-k4v4,tq3,int8,int4 --threads 2 --repeats 2 "
-              "--out bench/results/decode_contexts_2threads_4k.json", bare=BOTH),
+              "--out bench/results/decode_contexts_2threads_4k.json", presets=BOTH),
         Table("decode_barrier_ab.json", ab_runs,
               note="With OpenMP's passive wait policy (kvlab's default, for loaded machines) every barrier of the step "
                    "was a futex wake-up of an idle core, tens of microseconds on this VM, ~15 of them a layer: 2 threads "
@@ -710,12 +747,12 @@ SECTIONS = [
               "kvlab bench decode --contexts 16,4000 --caches dense-f16,tq-k4v4,llama.cpp:f16,llama.cpp:q8_0 "
               "--llama-cpp PYTHON --threads 1 --repeats 3 --out bench/results/decode_vs_llama_cpp_1thread.json",
               "On an AMD EPYC: at one thread llama.cpp leads at a 16-token context (kvlab's dense-f16 0.91x) and they "
-              "are even at 4,000 (0.97x); `tq-k4v4` reads a quarter of the bytes and leads both there.", bare=()),
+              "are even at 4,000 (0.97x); `tq-k4v4` reads a quarter of the bytes and leads both there.", presets=PRESETS_125),
         Table("decode_vs_llama_cpp_2threads.json", decode_contexts,
               "kvlab bench decode --contexts 512,4k --caches dense-f16,tq-k4v4,llama.cpp:f16,llama.cpp:q8_0 "
               "--llama-cpp PYTHON --threads 2 --repeats 3 --out bench/results/decode_vs_llama_cpp_2threads.json",
               "At two threads kvlab's dense-f16 leads llama.cpp's f16 1.28x at 512 tokens and 1.43x at 4k "
-              "(`decode_barrier_ab.json`: the step's own barrier).", bare=BOTH),
+              "(`decode_barrier_ab.json`: the step's own barrier).", presets=BOTH),
         Table("prefill_vs_llama_cpp.json", decode_contexts,
               "kvlab bench decode --contexts 512,2k,4000 --caches dense-f16,llama.cpp:f16 --llama-cpp PYTHON --threads 1 "
               "--repeats 2 --steps 16 --out bench/results/prefill_vs_llama_cpp.json"),
@@ -784,7 +821,7 @@ SECTIONS = [
               "TurboQuant blocks take the whole-step C call as dense blocks do (each layer codes the step's tokens "
               "and attends over the codes in place, kernels/paged.c); integer blocks run layer by layer through "
               "the modules, each layer's read one C call over the block tables (kvlab_int_attend, the single "
-              "integer cache's own read).", bare=()),
+              "integer cache's own read).", presets=PRESETS_125),
         Table("tq_blocks_layout_ab.json", ab_runs,
               note="The same for TurboQuant blocks: the pool's codes in TqBlocks (head-major, the single "
                    "TurboQuantCache's storage, read through one C description of a layer) against the token-major "
@@ -806,10 +843,10 @@ SECTIONS = [
                    "prompt equal before and after for tq4, tq3 and tq-k4v4+prerope). tq4 and tq3 1.16-1.23x faster at "
                    "4k-8k tokens, still 0.59x dense-f16 at 8k: the step is compute-bound on this CPU (about one 512-bit "
                    "operation per cycle), and a pre-RoPE key costs a Hadamard transform and RoPE per key on top of the "
-                   "decode and the dots.", bare=()),
+                   "decode and the dots.", presets=PRESETS_125),
         Table("prerope_scores_decode_2threads_ab.json", ab_runs,
               note="The same change at 2 threads: tq4 1.24x at 8k tokens; at 4k 1.12x, where dense-f16, which the change "
-                   "does not touch, moved 1.10x between rounds (noise).", bare=()),
+                   "does not touch, moved 1.10x between rounds (noise).", presets=PRESETS_125),
         Table("qjl_outliers_in_c_ab.json", ab_runs,
               note="+qjl (each key's residual sketch, the signs of S r and its norm) and +outliersN (each key's kept "
                    "entries) coded and read in C by the one coder and the one read of TurboQuant codes, where before "
@@ -853,20 +890,21 @@ SECTIONS = [
               "preemptions); tq4 and +ropemean blocks admit all 16. Output tok/s: tq4 1.07x dense-f16, +ropemean "
               "1.03x (prefix cache on), and tq4's TTFT p50 65 s against 103 s. A step of 16 coded sequences at ~3k "
               "tokens is compute-bound on 2 cores (TPOT p50 292 ms against 133 ms for 4-5 dense sequences): the "
-              "capacity buys latency more than throughput here.", bare=()),
+              "capacity buys latency more than throughput here.", presets=PRESETS_125),
         Table("served_step_4seq.json", served_step,
               "python bench/served_step.py --formats dense-f16,tq4 --sequences 4 --threads 2 "
               "--out bench/results/served_step_4seq.json",
               "The serving engine's decode step alone, 4 sequences at ~1,500 tokens: what dense-f16 blocks run when "
               "the budget holds four."),
         Table("served_step_16seq.json", served_step,
-              "python bench/served_step.py --formats dense-f16,tq4 --sequences 16 --new-tokens 90 --threads 2 "
-              "--out bench/results/served_step_16seq.json",
-              "The same with 16 sequences, what tq4 blocks admit on that budget: 206 output tok/s against dense-f16's "
-              "191 at 4, 1.08x. A step reads every sequence's K/V, so on 2 cores its time grows with the sequences it "
-              "holds (21 ms at 4, 76-78 at 16) and admitting four times the sequences buys 1.1x the tokens, not 4x. "
-              "Served decode gains from compressed blocks only as far as their read of a key is cheaper than "
-              "dense-f16's, which tq4's is not here (0.79x at 4k tokens, one thread)."),
+              "python bench/served_step.py --formats dense-f16,tq4,tq4.125+prerope+norms8+sink1+kscale=lsq+vscale=lsq "
+              "--sequences 16 --new-tokens 90 --threads 2 --out bench/results/served_step_16seq.json",
+              "The same with 16 sequences, what tq4 blocks admit on that budget: 215 output tok/s in `tq4` blocks, "
+              "199 with keys coded before RoPE, 241 in dense-f16 blocks (the 4-sequence table's dense-f16 made 191 "
+              "on its own run). A step reads every sequence's K/V, so on 2 cores its time grows with the sequences "
+              "it holds, and admitting four times the sequences buys about 1.1x the tokens, not 4x. A pool's blocks "
+              "of 16 tokens are read a tile at a time (decoded, then scored), not from their codes in registers as a "
+              "single cache's long block is, which is why tq4 blocks trail dense-f16's here.", presets=CURRENT),
         Table("throughput_long_400mib.json", throughput,
               'kvlab bench throughput --workloads long --batches 16 --no-sequential --formats "dense-f16,tq4,tq3,int4" '
               "--kv-budget 400MiB --threads 2 --out bench/results/throughput_long_400mib.json",
@@ -874,18 +912,18 @@ SECTIONS = [
               "`tq4` or `tq3` blocks, not in `dense-f16` blocks (peak KV bytes in the table). Prompts dominate "
               "this workload's time on 2 cores; `tq4`'s decode steps are ~3x `dense-f16`'s at these contexts, "
               "`int4`'s ~25x, measured while integer blocks were still read one sequence at a time (each "
-              "layer gathered every sequence's codes; now one C call per layer, ~4x faster served).", bare=()),
+              "layer gathered every sequence's codes; now one C call per layer, ~4x faster served).", presets=PRESETS_125),
         Table("throughput_recipes.json", throughput,
               'kvlab bench throughput --quick --workloads mixed --batches 16 --no-sequential --formats '
               '"dense,tq-k4v4,tq-k4v4+prerope+sink1,tq-k4.125v4.125+prerope+sink1+norms8+kscale=lsq+vscale=lsq,'
-              'tq3+vq+norms8" --out bench/results/throughput_recipes.json', bare=BOTH),
-        Table("throughput_recipes_b.json", throughput, "(the same command, again)", bare=BOTH),
+              'tq3+vq+norms8" --out bench/results/throughput_recipes.json', presets=BOTH),
+        Table("throughput_recipes_b.json", throughput, "(the same command, again)", presets=BOTH),
         Table("pool_calibration.json", eval_quality,
               'python bench/pool_calibration.py "tq-k4v4,tq-k4v4+prerope+sink1,tq-k4.125v4.125+prerope+sink1+norms8+'
               'kscale=lsq+vscale=lsq"',
               "Quality as served: `pool:NAME` is the cache calibrated as the pool calibrates it (once, on a short prose "
               "message in the model's chat template), NAME the cache calibrating on each sequence's own first chunk. "
-              "The third name is `tq4`'s recipe.", bare=BOTH),
+              "The third name is `tq4`'s recipe.", presets=BOTH),
         Table("pool_calibration_halloc.json", eval_quality,
               "python bench/pool_calibration.py tq4+halloc bench/results/pool_calibration_halloc.json"),
         Table("served_answers.json", served_answers,
@@ -919,7 +957,7 @@ SECTIONS = [
               "--out bench/results/serve_tq_k4v4.json --plot bench/results/serve_tq_k4v4.png",
               "This run's pool read coded blocks with a Python loop over sequences; the paged C kernel replaced "
               "it, so the throughput tables above give the speed of compressed blocks today. Its peak KV column "
-              "still shows the bytes: 7.5× fewer than dense blocks for the same tokens.", bare=BOTH),
+              "still shows the bytes: 7.5× fewer than dense blocks for the same tokens.", presets=BOTH),
     ]),
     Section("Through transformers: `kvlab.hf` and `--backend transformers`",
             "SmolLM2 loaded by transformers from the same GGUF (fp32); every row is a cache object handed to the "
@@ -932,7 +970,7 @@ SECTIONS = [
               "hf:hqq-4+r128,hf:hqq-3+r0,hf:hqq-3+r128 --out bench/results/hf_backend_table.json",
               "8 windows (the first 8 of the 16), so the dense perplexity differs from the native tables'. Bytes are a "
               "walk over every tensor each cache object holds at 511 tokens. `tq4` in transformers is the preset "
-              "without `+prerope` (not in this table).", bare=BOTH),
+              "without `+prerope` (not in this table).", presets=BOTH),
         Table("hf_cache.json", rows_table([
             ("cache", "cache", cache_name), ("decode tok/s", "decode_tok_s", f2), ("× DynamicCache", "speed_vs_dynamic", ratio),
             ("bytes/token", "bytes_per_token", integer)]),
@@ -940,24 +978,24 @@ SECTIONS = [
               "tq-k4v4,tq-k4v4+sink1,tq3,hf:quanto-int4+r0,hf:quanto-int4+r128,hf:hqq-4+r0,hf:hqq-4+r128,hf:hqq-3+r0,"
               "hf:hqq-3+r128",
               "512-token context, 64 greedy tokens, contenders interleaved, median of 3. Bytes per token: every tensor "
-              "each cache holds in this fp32 run (DynamicCache and `dense` keep fp32 K/V).", bare=BOTH),
+              "each cache holds in this fp32 run (DynamicCache and `dense` keep fp32 K/V).", presets=BOTH),
         Table("hf_tq3_candidates.json", eval_quality,
               'kvlab eval --backend transformers --caches "tq-k3.5v3.125+vq+norms8+sink1,tq-k4v3+vq+norms8+sink1,'
               'tq-k4v3+vq+norms8+sink1+kscale=lsq+vscale=lsq,tq-k4.5v2.5+vq+norms8+sink1" --windows 4 --seeds 0 '
               "--no-passkey --no-text --threads 2 --out bench/results/hf_tq3_candidates.json",
               "A `tq3` for transformers, where keys arrive after RoPE: the preset's recipe without `+prerope` (the "
-              "first row) loses 7%; 4-bit keys with 3-bit values hold near 2.4%, 4.36× smaller than bf16.", bare=()),
+              "first row) loses 7%; 4-bit keys with 3-bit values hold near 2.4%, 4.36× smaller than bf16.", presets=PRESETS_125),
         Table("hf_tq3_candidates_b.json", eval_quality,
               'kvlab eval --backend transformers --caches "tq-k4v2.75+vq+norms8+sink1,tq-k4v2.875+vq+norms8+sink1,'
               'tq-k3.875v3+vq+norms8+sink1" --windows 4 --seeds 0 --no-passkey --no-text --threads 2 '
               "--out bench/results/hf_tq3_candidates_b.json",
               "Fewer value or key bits to reach 4.5×: each loses 4% or more. transformers' `tq3` is "
-              "`tq-k4v3+vq+norms8+sink1`.", bare=()),
+              "`tq-k4v3+vq+norms8+sink1`.", presets=PRESETS_125),
         Table("text_hf_presets.json", eval_quality,
               'kvlab eval --backend transformers --caches "tq4,tq3" --windows 8 --seeds 0,1,2 --no-passkey --threads 2 '
               "--out bench/results/text_hf_presets.json",
               "The presets as transformers runs them (`tq4` without `+prerope`, `tq3` as `tq-k4v3+vq+norms8+sink1`), "
-              "on the 8 windows of the first table; their text is in the last section.", bare=()),
+              "on the 8 windows of the first table; their text is in the last section.", presets=PRESETS_125),
     ]),
     Section("Text the caches write", "Greedy 64-token continuations of 54 fixed prompts (README's examples, 20 chat "
             "questions with a known answer, prose openings) through each cache, against dense's: the first token that "
@@ -973,17 +1011,23 @@ SECTIONS = [
               "--threads 2 --out bench/results/text_tq3_candidate.json",
               "The no-calibration 3-bit-class candidate answers the chat questions as dense does and repeats itself "
               "within a tenth of dense's longest run.", dense_row=True),
+        Table("quality_tq4_ropemean.json", eval_text, "(the run of `quality_tq4_ropemean.json` above)",
+              "`tq4` (rotation seed 0): 19 of the 20 chat answers as dense's, the longest repeated run 15% shorter "
+              "than dense's, distinct 4-grams 4% fewer.", dense_row=True, presets=CURRENT),
+        Table("quality_tq4_recipes.json", eval_text, "(the run of `quality_tq4_recipes.json` above)",
+              "The keys-before-RoPE recipes: every chat answer as dense's at 4.125 bits, 19 of 20 at 4; both repeat "
+              "runs about a fifth longer than dense's.", presets=PRESETS_125),
         Table("text_tq4_seeds.json", eval_text,
               'kvlab eval --caches "tq4+seed1,tq4+seed2" --windows 1 --seeds 0 --no-passkey --threads 1 '
               "--out bench/results/text_tq4_seeds.json",
               "`tq4` with two more rotation seeds (the first table's `tq4` is seed 0): the longest repeat run is "
               "7.48 / 7.04 / 5.56 over seeds 0 / 1 / 2 against dense's 6.26, a mean of +6.9%; distinct 4-grams "
-              "-1.6% on average. One seed's text is one draw of the rotation.", bare=()),
+              "-1.6% on average. One seed's text is one draw of the rotation.", presets=PRESETS_125),
         Table("text_hf_presets.json", eval_text, "(the transformers run of the presets above; rotation seed 0)",
               "Through transformers, against transformers' own DynamicCache: both presets answer the chat questions "
               "within two of its answers, and neither repeats itself more (longest run -21% and -3%); without "
               "`+prerope`, `tq4` loses +2.3% perplexity where kvlab's engine loses +0.9%, and `tq3` +3.6%, over "
-              "the 3% it holds in kvlab's engine.", bare=()),
+              "the 3% it holds in kvlab's engine.", presets=PRESETS_125),
     ]),
     Section("Serving an agent", "", [
         Table("grammar_mask.json", grammar_mask, "python bench/grammar_mask.py",
@@ -999,7 +1043,7 @@ SECTIONS = [
     Section("Prefill into each cache", "", [
         Table("prefill_caches.json", prefill_caches,
               "python bench/prefill.py --caches dense,dense-f16,int8,int4,tq-k4v4,tq-k4v4+prerope --tokens 8000",
-              bare=BOTH),
+              presets=BOTH),
     ]),
     Section("Gemma 3 and Qwen3.5 in the serving engine", "Random models from transformers' classes, fp32, 1 thread; the "
             "2-core VM was shared with other jobs while these ran, so times are indicative.", [
@@ -1007,7 +1051,7 @@ SECTIONS = [
     ]),
     Section("On a GPU", "kvlab's torch path (the modules; its C kernels run on the CPU only) on a CUDA device, on a "
             "random model built by the script: does every cache run there and give what it gives on the CPU?", [
-        Table("gpu_check.json", gpu_check, "python bench/gpu_check.py", needs="a CUDA GPU"),
+        Table("gpu_check.json", gpu_check, "python bench/gpu_check.py", needs="a CUDA GPU", presets=PRESETS_125),
     ]),
     Section("`kvlab plan`", "Machine: the 2-core CI-class VM, no GPU.", [
         Table("plan_speed.json", plan_speed, "python bench/plan_speed.py"),
@@ -1076,9 +1120,9 @@ def load(name: str):
 
 
 def command_of(data, t: Table) -> str:
-    """The command that made a file, with the cache names of its day spelled as today (bare tq3 -> tq-k3v3)."""
+    """The command that made a file, with the cache names of its day spelled as today (a bare tq3 -> tq-k3v3)."""
     recorded = data.get("command") if isinstance(data, dict) else None
-    return _NAME_IN_COMMAND.sub(lambda m: current_name(m.group(0), t.bare), recorded or t.command)
+    return _NAME_IN_COMMAND.sub(lambda m: current_name(m.group(0), t.presets), recorded or t.command)
 
 
 _NAME_IN_COMMAND = re.compile(r"(?<![\w.\-])tq[34](?![\w.])")
@@ -1133,7 +1177,10 @@ def page() -> str:
            "Current measurements of kvlab on SmolLM2-135M-Instruct (the embedded Q4_1 GGUF), each table under the "
            "command that reproduces it (`kvlab` is `.venv/bin/kvlab`, `python` is `.venv/bin/python`; `PYTHON` a "
            "Python with llama-cpp-python). The machines are small shared cloud VMs (2 vCPUs, AVX-512), so benchmarks "
-           "interleave their contenders in one run: read ratios within a table, not absolute speed across tables.",
+           "interleave their contenders in one run: read ratios within a table, not absolute speed across tables. "
+           "Rows and commands spell each cache by today's names: `tq4` is the preset "
+           f"`{PRESETS['tq4']}`; a table whose row spells `{TQ4_125}` measured the recipe `tq4` stood for before, "
+           "and its note calls that recipe `tq4`.",
            "",
            "Contents: " + " · ".join(f"[{s.title.replace('`', '')}](#{anchor(s.title)})" for s in SECTIONS)
            + " · [Raw data](#raw-data)"]

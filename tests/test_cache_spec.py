@@ -124,8 +124,10 @@ def test_presets_stand_for_their_recipe_and_print_it():
         assert not CacheSpec.parse(head, "transformers").pre_rope
         assert CacheSpec.parse(head + "+prerope", "transformers").pre_rope
         assert CacheSpec.parse(head, "transformers").name == fmt.TRANSFORMERS_PRESETS[head]
-    # without +prerope the same bits lose more: tq4 keeps its widths there, tq3 takes 4-bit keys and 3-bit values
-    assert CacheSpec.parse("tq4", "transformers") == replace(CacheSpec.parse("tq4"), pre_rope=False, spelled="tq4")
+    # keys after RoPE without +ropemean: tq4 there has an eighth of its channels at 5 bits, tq3 4-bit keys, 3-bit values
+    recipe = CacheSpec.parse("tq4.125+norms8+sink1+kscale=lsq+vscale=lsq")
+    assert CacheSpec.parse("tq4", "transformers") == replace(recipe, spelled="tq4")
+    assert not CacheSpec.parse("tq4", "transformers").rope_mean
     tq3 = CacheSpec.parse("tq3", "transformers")
     assert (tq3.key_bits, tq3.value_bits, tq3.vector, tq3.log_norms, tq3.full.sink) == (4, 3, True, True, 1)
 
@@ -236,11 +238,11 @@ def test_cache_pool_and_plan_share_the_formula(name):
             assert pool.block == 16 * spec.token_bytes(SMALL)
 
 
-@pytest.mark.parametrize("kv_type, per_token", [("tq4", 6120), ("tq-k4v4", 6120), ("dense", 46080), ("f16", 23040),
+@pytest.mark.parametrize("kv_type, per_token", [("tq4", 5940), ("tq-k4v4", 6120), ("dense", 46080), ("f16", 23040),
                                                 ("int4", 7200), ("tq-k4v4+halloc", 6120)])
 def test_planner_kv_per_token_is_what_the_cache_holds_per_token(kv_type, per_token):
-    """tq4 on SmolLM2: 90 key and value vectors × (33 B of 4.125-bit codes + an 8-bit scale) = 6,120 B a token (the
-    pool's 97,920 B blocks of 16), not a one-token cache's bytes with its fixed state and fp32 sink."""
+    """tq4 on SmolLM2: 90 key and value vectors × 2 × (32 B of 4-bit codes + an 8-bit scale) = 5,940 B a token (the
+    pool's 95,040 B blocks of 16), not a one-token cache's bytes with its fixed state and fp32 sink."""
     plan = plan_json(make_plan(load_spec("smollm2-135m"), rules_for("kvlab"), PlanSettings(context=512, kv_type_k=kv_type)))
     assert plan["kv_bytes_per_token"] == per_token
     if kv_type in ("tq4", "tq-k4v4"):

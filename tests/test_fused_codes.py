@@ -37,8 +37,9 @@ NAMES = ["tq-k4v4", "tq-k3v3", "tq5", "tq3.5", "tq-k5v3", "tq-k3v3+sink4+recent8
          "tq-k4v4+alloc=k35v44+recent4", "tq-k3v3+prerope+sink1+halloc=k2433v3342", "tq-k4v4+prerope+sink1+halloc=k3553v4444+kscale=lsq",
          # 8-bit log scales around each head's centre
          "tq3.5+norms8+recent8", "tq-k4v4+prerope+sink1+halloc=k3553v4444+kscale=lsq+norms8",
-         # the tq4 preset: 4.125 bits, a part of d/8 channels at 5 bits (8 at d = 64: no whole block of 16); 4.25-bit keys
-         "tq4", "tq-k4.25v4+prerope+norms8",
+         # the tq4 preset; its levers before RoPE at 4.125 bits, a part of d/8 channels at 5 bits (8 at d = 64: no whole
+         # block of 16); 4.25-bit keys
+         "tq4", "tq4.125+prerope+norms8+sink1+kscale=lsq+vscale=lsq", "tq-k4.25v4+prerope+norms8",
          # keys after RoPE around their offset turned to each position
          "tq-k4v4+ropemean+sink1+norms8+kscale=lsq+vscale=lsq", "tq-k3v3+ropemean+recent8", "tq-k4v4+ropemean+rot=haar+halloc=k3553v4444",
          # the residual's sketch (+qjl) and exact key entries (+outliersN), on the codes and with keys rebuilt before RoPE

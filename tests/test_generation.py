@@ -132,9 +132,9 @@ def test_cli_info_lists_compressed_cache_costs(smollm2):
     costs = {row["cache"]: row for row in record["caches"]}
     assert costs["dense"]["bytes_per_token"] == 23040  # bf16 reference
     assert costs["tq-k4v4"]["bytes_per_token"] == 30 * 3 * 2 * (64 * 4 // 8 + 2)  # codes + 16-bit norm per K and V vector
-    # the tq4 preset: 4.125-bit codes + an 8-bit log scale, the same bytes per token; the recipe named in its formula
-    assert costs["tq4"]["bytes_per_token"] == 30 * 3 * 2 * (64 * 4.125 / 8 + 1)
-    assert costs["tq4"]["formula"].startswith("tq4.125+prerope+norms8+sink1+kscale=lsq+vscale=lsq: per key vector")
+    # the tq4 preset: 4-bit codes + an 8-bit log scale per vector; the recipe named in its formula
+    assert costs["tq4"]["bytes_per_token"] == 30 * 3 * 2 * (64 * 4 / 8 + 1)
+    assert costs["tq4"]["formula"].startswith("tq-k4v4+ropemean+norms8+sink1+kscale=lsq+vscale=lsq: per key vector")
     assert costs["tq-k3v3"]["bytes_per_token"] == 30 * 3 * 2 * (64 * 3 // 8 + 2)
     # the tq3 preset: 3.5-bit keys and 3.125-bit values, each vector with an 8-bit log scale
     assert costs["tq3"]["bytes_per_token"] == 30 * 3 * ((64 * 3.5 / 8 + 1) + (64 * 3.125 / 8 + 1))

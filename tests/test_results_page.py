@@ -58,12 +58,13 @@ def test_a_results_file_the_generator_does_not_know_is_refused(tmp_path, monkeyp
 
 def test_old_names_print_as_today():
     gen = load_generator()
-    assert gen.current_name("tq4+sink1", bare=("tq4", "tq3")) == "tq-k4v4+sink1"
-    assert gen.current_name("pool:tq4", bare=("tq4",)) == "pool:tq-k4v4"
-    assert gen.current_name("tq3+sink1", bare=("tq3",)) == "tq-k3v3+sink1"
-    assert gen.current_name("tq4.5", bare=("tq4", "tq3")) == "tq4.5"
-    assert gen.current_name("tq4+halloc", bare=()) == "tq4+halloc"
-    assert gen.current_name("tq4+halloc", bare=("tq3",)) == "tq4+halloc"
+    assert gen.current_name("tq4+sink1", gen.BOTH) == "tq-k4v4+sink1"          # before the presets: the bare method
+    assert gen.current_name("pool:tq4", gen.BOTH) == "pool:tq-k4v4"
+    assert gen.current_name("tq3+sink1", gen.TQ3) == "tq-k3v3+sink1"
+    assert gen.current_name("tq4.5", gen.BOTH) == "tq4.5"
+    assert gen.current_name("tq4+halloc", gen.TQ3) == gen.TQ4_125 + "+halloc"   # tq4's 4.125-bit recipe
+    assert gen.current_name("tq3", gen.PRESETS_125) == "tq3"
+    assert gen.current_name("tq4+halloc", gen.CURRENT) == "tq4+halloc"
 
 
 def test_a_file_that_needs_a_gpu_may_be_absent_and_no_other(tmp_path, monkeypatch):

@@ -35,13 +35,15 @@ from .kernel_checks import require_kernel
 from .test_fused_batch import fused_model, prompts_of
 from .test_serve_compressed import calibrated
 
-TQ4 = "tq4.125+prerope+norms8+sink1+kscale=lsq+vscale=lsq"        # the tq4 preset
+TQ4 = "tq-k4v4+ropemean+norms8+sink1+kscale=lsq+vscale=lsq"       # the tq4 preset
+PREROPE = "tq4.125+prerope+norms8+sink1+kscale=lsq+vscale=lsq"      # keys before RoPE, an eighth of the channels at 5 bits
 TQ3 = "tq-k3.5v3.125+prerope+vq+norms8+sink1"                       # the tq3 preset
 HALLOC = "tq-k4v4+prerope+halloc=k3553v4444+sink1"                  # 2 layers x 2 KV heads, a width per head
 CASES = [  # format, block size, query heads, KV heads, sliding window
     ("tq-k4v4", 8, 6, 2, None),
     (TQ4, 8, 6, 2, None),
     (TQ4, 4, 4, 1, 5),              # MQA, a window shorter than the chunks
+    (PREROPE, 8, 6, 2, None),       # two widths in a row: each part read on its own
     (TQ3, 8, 6, 2, None),
     (HALLOC, 8, 4, 2, None),
     ("tq-k4v3+prerope+qjl+outliers2+sink1", 8, 6, 2, None),   # a residual's sketch, exact key entries
