@@ -9,7 +9,7 @@ script refuses a results file it does not know, and a named one that is missing,
 this project's machines lack (a GPU): until that file is measured the page prints its command. A file that records its
 own `command` is shown with it; the others take theirs from the tables below. A file says `tq4` and `tq3` for what
 those names stood for when it was measured: the bare method before they named presets, then `tq4` for
-`tq4.125+prerope+norms8+sink1+kscale=lsq+vscale=lsq`, now for `tq-k4v4+prerope+norms8+sink1+kscale=lsq+vscale=lsq`.
+`tq4.125+prerope+norms8+sink1+kscale=lsq+vscale=lsq`, now for `tq-k4v4+ropemean+norms8+sink1+kscale=lsq+vscale=lsq`.
 Each table lists in `presets` what the names meant in its file, and the page prints the name of today (in its rows
 and in its command); a note under a table speaks of the rows by the names its file used.
 """
@@ -359,7 +359,8 @@ def eval_text(data, opt) -> str:
     for r in data:
         t = r["text"]
         change = (lambda key: "—" if r is data[0] or not dense[key] else f"{t[key] / dense[key] - 1:+.0%}")
-        rows.append([code(current_name(r["cache"], opt.presets)), pct(r["ppl_delta_pct"]), f"{t['first_difference_median']:g}",
+        rows.append([code(current_name(r["cache"], opt.presets)), pct(r["ppl_delta_pct"]),
+                     f"{t['first_difference_median']:g}",
                      f"{t['same_text']}/{t['prompts']}", f"{t['answers_right']}/{t['questions']}",
                      f"{t['answers_as_dense']}/{t['questions']}", f"{t['repeat_run_mean']:.2f} ({change('repeat_run_mean')})",
                      f"{t['distinct4_mean']:.3f} ({change('distinct4_mean')})"])
@@ -396,7 +397,8 @@ def kv_store(data, opt) -> str:
                   right={2, 3, 4})
     restart = table(["cache", "history tokens", "cached tokens", "restart → first token s", "of which engine start s",
                      "fresh prefill → first token s", "speed-up"],
-                    [[code(current_name(r["cache"], opt.presets)), f"{r['history_tokens']:,}", ", ".join(f"{c:,}" for c in r["cached_tokens"]),
+                    [[code(current_name(r["cache"], opt.presets)), f"{r['history_tokens']:,}",
+                      ", ".join(f"{c:,}" for c in r["cached_tokens"]),
                       f"{r['restart_to_first_token_s']:.2f}", f"{r['restart_engine_start_s']:.2f}",
                       f"{r['fresh_prefill_first_token_s']:.2f}", ratio(r["speedup"])] for r in data["restart"]],
                     right={1, 2, 3, 4, 5, 6})
@@ -449,7 +451,8 @@ def gpu_check(data, opt) -> str:
         out.append(f"The serving engine ran; its check did not: {e['message']}")
     if data.get("speed"):
         sp, sm = data["speed"], data["speed"]["model"]
-        rows = [[code(current_name(r["cache"], presets)), num(r.get("context"), 0), f"{r['tokens_per_s']:.1f}" if r["status"] == "ok" else
+        rows = [[code(current_name(r["cache"], presets)), num(r.get("context"), 0),
+                 f"{r['tokens_per_s']:.1f}" if r["status"] == "ok" else
                  r["message"], f"{r['prefill_s']:.2f} s" if r["status"] == "ok" else "—"] for r in sp["results"]]
         out.append(f"Decode speed, {sp['note']}: {sm['num_hidden_layers']} layers, d_model {sm['hidden_size']}, "
                    f"{sm['num_attention_heads']}/{sm['num_key_value_heads']} heads, steps timed between two "
