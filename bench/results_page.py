@@ -182,12 +182,25 @@ def decode_prefill(data, opt) -> str:
 
 
 def served_step(data, opt) -> str:
-    """bench/served_step.py: the engine's decode step alone, one row per block format."""
-    rows = [[code(current_name(r["blocks"], opt.presets)), str(data["sequences"]), f"{r['step_ms']:.1f}",
-             num(r["output_tokens_per_s"])] for r in data["results"]]
+    """bench/served_step.py: the engine's decode step alone, one row per block format (with --rounds: each format's
+    tok/s over the first format's, median and range of the rounds' ratios)."""
+    import statistics
+
+    rounds = data.get("rounds", 1)
+    first = code(current_name(data["results"][0]["blocks"], opt.presets))
+    rows = []
+    for r in data["results"]:
+        row = [code(current_name(r["blocks"], opt.presets)), str(data["sequences"]), f"{r['step_ms']:.1f}",
+               num(r["output_tokens_per_s"])]
+        if rounds > 1:
+            ratios = r["tokens_per_s_vs_first"]
+            row.append(f"{statistics.median(ratios):.2f}× ({min(ratios):.2f}–{max(ratios):.2f})")
+        rows.append(row)
+    head = ["blocks", "sequences", "ms a step", "out tok/s"] + ([f"× {first} (rounds)"] if rounds > 1 else [])
+    across = (f", {rounds} rounds alternating the formats' order (medians of the rounds' medians)" if rounds > 1
+              else "")
     return (f"{data['sequences']} sequences of {data['prompt_tokens']:,}-token prompts, {data['threads']} "
-            f"thread(s), decode steps only:\n\n"
-            + table(["blocks", "sequences", "ms a step", "out tok/s"], rows, right={1, 2, 3}))
+            f"thread(s), decode steps only{across}:\n\n" + table(head, rows, right=set(range(1, len(head)))))
 
 
 def throughput(data, opt) -> str:
@@ -643,6 +656,15 @@ SECTIONS = [
               "`tq3+halloc` is the calibrated one (a key and a value width per layer and KV head at the same total). At 2 threads "
               "the preset measures +2.80% where the 1-thread run above measured +2.89%: the thread count changes the "
               "order of fp32 sums, and the seeds' spread is ±0.3–0.4 points.", presets=PRESETS_125),
+        Table("quality_tq3_ropemean_screen.json", eval_quality,
+              'kvlab eval --caches "tq3,tq-k3.5v3+ropemean+vq+norms8+sink1+kscale=lsq+vscale=lsq,'
+              'tq-k3v3+ropemean+vq+norms8+sink1+kscale=lsq+vscale=lsq,tq-k4v3+ropemean+vq+norms8+sink1+kscale=lsq+vscale=lsq" '
+              "--no-passkey --no-text --threads 2 --out bench/results/quality_tq3_ropemean_screen.json",
+              "3-bit-class recipes whose keys are coded after RoPE around their turned offset (`+ropemean`), read on "
+              "their codes: `tq-k3.5v3+ropemean+vq+norms8+sink1+kscale=lsq+vscale=lsq` holds `tq3`'s perplexity "
+              "(+2.84% against +2.74%, the intervals overlapping) at 4.67× smaller than bf16 (4,938 B/token against "
+              "5,032), with KL 0.0375 against 0.0325; 3-bit keys cost a point more, 4-bit keys fall under 4.5×.",
+              presets=CURRENT),
     ]),
     Section("Passkey retrieval",
             "`kvlab eval`'s passkey test: a 5-digit key hidden in King Lear filler at depths 25/50/75% of 1,000 / "
@@ -708,6 +730,14 @@ SECTIONS = [
               "(decode, a Hadamard transform, a scale, RoPE), which makes its read compute-bound: 0.71x / 0.64x at "
               "4k / 8k. At 8k dense-f16 reads at 55% of the measured read limit, tq4 at 28%.",
               read_share=True, presets=CURRENT),
+        Table("decode_tq3_ropemean_1thread.json", decode_contexts,
+              'kvlab bench decode --contexts 512,4k,8k --caches "dense-f16,tq3,'
+              'tq-k3.5v3+ropemean+vq+norms8+sink1+kscale=lsq+vscale=lsq,tq4" --threads 1 --repeats 2 --steps 16 '
+              "--out bench/results/decode_tq3_ropemean_1thread.json",
+              "A 3-bit-class recipe read on its codes: keys after RoPE around their turned offset (`+ropemean`), their "
+              "3-bit half in blocks of 4 coordinates (+vq) scored in registers like the scalar parts: 0.83 / 0.80 / "
+              "0.76x `dense-f16` where `tq3`, whose keys are rebuilt before RoPE, is 0.80 / 0.68 / 0.62x. The vq "
+              "values' mix is what it spends most on besides the weights.", read_share=True, presets=CURRENT),
         Table("decode_presets_2threads.json", decode_contexts,
               "kvlab bench decode --contexts 512,2k,4k,8k --caches dense,dense-f16,tq4,tq3,tq-k4v4,int4 --threads 2 "
               "--repeats 2 --steps 16 --out bench/results/decode_presets_2threads.json",
@@ -866,6 +896,13 @@ SECTIONS = [
               note="The same in the serving pool, whose 16-token blocks lie apart: each read also asks for the next "
                    "block's first rows. A decode step of 8 sequences at ~1,500 tokens (bench/served_step.py): 1.12x "
                    "dense-f16 blocks, 1.06x int4, 1.09x tq4."),
+        Table("pool_register_read_ab.json", ab_runs,
+              note="The serving pool's TurboQuant blocks of 16 tokens read from their codes in registers, as a single "
+                   "cache's long block is (kvlab_tq_read), not decoded into a tile first; +ropemean's offset dot with "
+                   "its step table laid out (d, 16): a decode step of 16 sequences at ~1,500 tokens, 2 threads, tq4 "
+                   "blocks 1.09x (medians) where dense-f16 blocks, which the change does not touch, measured 0.95x: "
+                   "the box drifts, and within each run tq4 blocks went from 0.97-1.12x dense-f16's tokens/s to "
+                   "1.11-1.20x.", presets=CURRENT),
         Table("one_read_decode_ab.json", ab_runs,
               note="The fused decode step's dense chunks through kvlab_dense_read and its integer chunks through "
                    "kvlab_int_attend, the reads the serving pool and the single cache's module path use: dense is the "
@@ -905,9 +942,10 @@ SECTIONS = [
               "The same with 16 sequences, what tq4 blocks admit on that budget: 215 output tok/s in `tq4` blocks, "
               "199 with keys coded before RoPE, 241 in dense-f16 blocks (the 4-sequence table's dense-f16 made 191 "
               "on its own run). A step reads every sequence's K/V, so on 2 cores its time grows with the sequences "
-              "it holds, and admitting four times the sequences buys about 1.1x the tokens, not 4x. A pool's blocks "
-              "of 16 tokens are read a tile at a time (decoded, then scored), not from their codes in registers as a "
-              "single cache's long block is, which is why tq4 blocks trail dense-f16's here.", presets=CURRENT),
+              "it holds, and admitting four times the sequences buys about 1.1x the tokens, not 4x. This run predates "
+              "reading a pool's blocks of 16 tokens from their codes in registers: they were decoded a tile at a "
+              "time, which is why tq4 blocks trail dense-f16's here (the next table reads them in registers).",
+              presets=CURRENT),
         Table("throughput_long_400mib.json", throughput,
               'kvlab bench throughput --workloads long --batches 16 --no-sequential --formats "dense-f16,tq4,tq3,int4" '
               "--kv-budget 400MiB --threads 2 --out bench/results/throughput_long_400mib.json",

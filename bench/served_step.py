@@ -1,12 +1,14 @@
 """The serving engine's decode step alone: a few sequences with long prompts, in one pool, per block format.
 
     .venv/bin/python bench/served_step.py [--formats dense-f16,int4,tq4] [--sequences 8] [--prompt-tokens 1500]
-                                          [--new-tokens 40] [--threads 1] [--out FILE]
+                                          [--new-tokens 40] [--threads 1] [--rounds 1] [--out FILE]
 
 Every sequence's prompt is prefilled (chunked, as the engine schedules it), then each step decodes one token for
 every sequence; only the steps that decode all of them are kept, and the first five of those are dropped (more
 sequences need more new tokens: the first ones decode while the last ones' prompts are still read). Median
-ms per step and the output tokens/s it makes (sequences / step). What `kvlab bench throughput` mixes with prompt
+ms per step and the output tokens/s it makes (sequences / step). With --rounds N every format runs N times, the
+order reversed each round so that a drift of the box does not favour one; a format's figure is the median of its
+rounds' medians, and its ratio to the first format is taken within each round. What `kvlab bench throughput` mixes with prompt
 chunks, queueing and preemption, this shows alone: how fast the pool reads its blocks.
 """
 
@@ -56,6 +58,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=1500)
     parser.add_argument("--new-tokens", type=int, default=40)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=1, help="runs of every format, alternating their order")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "served_step.json"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -64,17 +67,29 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, loaded.config.vocab_size, (args.prompt_tokens,), generator=generator).tolist()
                for _ in range(args.sequences)]
+    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    rounds: dict[str, list[list[float]]] = {f: [] for f in formats}   # format -> each round's step seconds
+    for r in range(max(1, args.rounds)):
+        for block_format in formats if r % 2 == 0 else formats[::-1]:
+            steps = decode_steps(loaded, block_format, prompts, args.new_tokens)
+            rounds[block_format].append(steps)
+            ms = 1000 * statistics.median(steps)
+            print(f"round {r + 1} {block_format:>12}: {ms:6.1f} ms a step, {1000 * args.sequences / ms:6.1f} output tok/s",
+                  flush=True)
     results = []
-    for block_format in [f.strip() for f in args.formats.split(",") if f.strip()]:
-        steps = decode_steps(loaded, block_format, prompts, args.new_tokens)
-        ms = 1000 * statistics.median(steps)
-        results.append({"blocks": block_format, "steps": len(steps), "step_ms": round(ms, 2),
-                        "output_tokens_per_s": round(1000 * args.sequences / ms, 2),
-                        "step_ms_samples": [round(1000 * s, 2) for s in steps]})
+    first = [statistics.median(steps) for steps in rounds[formats[0]]]
+    for block_format in formats:
+        medians = [statistics.median(steps) for steps in rounds[block_format]]
+        ms = 1000 * statistics.median(medians)
+        results.append({"blocks": block_format, "steps": sum(len(steps) for steps in rounds[block_format]),
+                        "step_ms": round(ms, 2), "output_tokens_per_s": round(1000 * args.sequences / ms, 2),
+                        "round_step_ms": [round(1000 * m, 2) for m in medians],
+                        "tokens_per_s_vs_first": [round(f / m, 3) for f, m in zip(first, medians)],
+                        "step_ms_samples": [round(1000 * s, 2) for steps in rounds[block_format] for s in steps]})
         print(f"{block_format:>12}: {ms:6.1f} ms a step, {1000 * args.sequences / ms:6.1f} output tok/s", flush=True)
     write_json(args.out, {"benchmark": "served_step", "machine": machine_info(), "threads": args.threads,
                           "sequences": args.sequences, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
-                          "results": results}, indent=2)
+                          "rounds": max(1, args.rounds), "results": results}, indent=2)
 
 
 if __name__ == "__main__":

@@ -135,10 +135,10 @@ class CodedLayers:
             c.rope_cos = self.ptr(slot_rope[0], (slots, hd), "slot RoPE cos", torch.float32)
             c.rope_sin = self.ptr(slot_rope[1], (slots, hd), "slot RoPE sin", torch.float32)
         c.rope_mean = int(config.rope_mean)
-        if config.rope_mean:   # (16, d): row r = [cos rθ | sin rθ], the turn of r positions (the reads' 16-key tiles)
+        if config.rope_mean:   # (d, 16): column r = [cos rθ | sin rθ], the turn of r positions (the reads' 16-key tiles)
             angles = torch.outer(torch.arange(16, dtype=torch.float32), codec.rope_inv_freq.float().cpu())   # (16, d/2)
-            steps = torch.cat((angles.cos(), angles.sin()), dim=-1).contiguous()
-            c.rope_steps = self.ptr(steps, (16, hd), f"{at} RoPE steps", torch.float32, own=True)
+            steps = torch.cat((angles.cos(), angles.sin()), dim=-1).T.contiguous()
+            c.rope_steps = self.ptr(steps, (hd, 16), f"{at} RoPE steps", torch.float32, own=True)
         if config.qjl:         # the residual's sketch: S, each token's signs and ‖r‖ (as its scales)
             c.qjl_matrix = self.ptr(codec.qjl_matrix.float().cpu().contiguous(), (hd, hd), "QJL matrix", torch.float32,
                                     own=True)

@@ -9,8 +9,8 @@
  * The entry points decode a few rows at a time into a small float tile (L1-resident) and work on that, or, under
  * AVX-512 for scalar parts of 1 to 5 bits (any channel count: a part that ends inside a 16-channel block, as a
  * fractional width's 8 channels do, reads that block's bytes alone), score and sum the rows straight from their codes
- * in registers (kvlab_cb_dot_rows, kvlab_cb_mix_rows; see "rows used straight from their codes" below); the mix and
- * the row decoder read block parts (+vq) in registers too, any block count ("block parts" below):
+ * in registers (kvlab_cb_dot_rows, kvlab_cb_mix_rows; see "rows used straight from their codes" below); the dots, the
+ * mix and the row decoder read block parts (+vq) in registers too, any block count ("block parts" below):
  *   dots   out[h, i, t] = q[h, i] . value(row start + t)                    (scores; per row tile, all queries)
  *   mix    out[h, i]    = sum_t w[h, i, t] value(row start + t)             (values; fixed row segments, summed
  *                                                                             in segment order: same result for
@@ -563,18 +563,17 @@ static void decode_row(const cb_layout *L, const uint8_t *row, float *out, int32
     for (int c = L->d; c < L->dpad; c++) out[c] = 0.0f;
 }
 
-/* whether the dots (blocks 0) or the mix and the row decoder (blocks 1) read a layout in registers (AVX-512): every
- * part scalar, 1 to 5 bits (a part is read in groups of up to four 16-channel blocks; one that ends inside a block, a
- * fractional width's 8 channels, reads that block's bytes alone), or with `blocks` a block part (in groups of up to
- * 16 blocks) */
-static int register_layout(const cb_layout *L, int blocks) {
+/* whether the dots, the mix and the row decoder read a layout in registers (AVX-512): every part scalar, 1 to 5 bits
+ * (a part is read in groups of up to four 16-channel blocks; one that ends inside a block, a fractional width's 8
+ * channels, reads that block's bytes alone), or a block part (in groups of up to 16 blocks) */
+static int register_layout(const cb_layout *L) {
     int ok = CB_LANES == 16;
-    for (int p = 0; p < L->n_parts; p++) ok &= L->part[p].block ? blocks : L->part[p].bits <= 5;
+    for (int p = 0; p < L->n_parts; p++) ok &= L->part[p].block || L->part[p].bits <= 5;
     return ok;
 }
 
 void kvlab_cb_decode_rows(const cb_layout *L, const uint8_t *rows, int64_t row_bytes, int64_t count, float *out, int64_t stride) {
-    if (L->d == L->dpad && register_layout(L, 1)) {   /* AVX-512, every part a block part or 1..5 bits: part by part */
+    if (L->d == L->dpad && register_layout(L)) {   /* AVX-512, every part a block part or 1..5 bits: part by part */
         for (int p = 0; p < L->n_parts; p++)
             if (!scalar_part_rows(&L->part[p], rows, row_bytes, count, out, stride)) block_part_rows(&L->part[p], rows, row_bytes, count, out, stride);
         return;
@@ -691,9 +690,20 @@ CB_INLINE __m512 fold(__m512 a, __m512 b, const int s) {
 }
 
 /* p[h] = the partials of q_h . value(row) over the nb blocks from b0 (the last holding `tail` channels); qb: each
- * head's 64 channels in block order, zero past the part, qs floats apart */
-CB_INLINE void row_partials(const uint8_t *row, int64_t o0, int64_t o1, int b0, int nb, int tail, const float *qb,
-                            int64_t qs, const int bits, const int gh, block_table T, __m512 *p) {
+ * head's 64 channels in block order, zero past the part, qs floats apart. With vq, a block part's nb (<= 16) blocks of 4
+ * coordinates from block b0 instead: up to four quads, qb's channels in order */
+CB_INLINE void row_partials(const cb_part *P, const uint8_t *row, int64_t o0, int64_t o1, int b0, int nb, int tail,
+                            const float *qb, int64_t qs, const int bits, const int gh, block_table T, block_points V,
+                            const int vq, __m512 *p) {
+    if (vq) {
+        __m512 v[4];
+        group_values(P, row, b0, nb, bits, V, v);
+        for (int h = 0; h < gh; h++) p[h] = _mm512_mul_ps(_mm512_loadu_ps(qb + h * qs), v[0]);
+        for (int k = 1; k < 4; k++)
+            if (4 * k < nb)
+                for (int h = 0; h < gh; h++) p[h] = _mm512_fmadd_ps(_mm512_loadu_ps(qb + h * qs + 16 * k), v[k], p[h]);
+        return;
+    }
     const __m512 v = block_values(row, o0, o1, b0, bits, T, nb == 1 ? tail : 16);
     for (int h = 0; h < gh; h++) p[h] = _mm512_mul_ps(_mm512_loadu_ps(qb + h * qs), v);
     for (int b = 1; b < 4; b++)
@@ -705,30 +715,34 @@ CB_INLINE void row_partials(const uint8_t *row, int64_t o0, int64_t o1, int b0, 
 
 /* x[h] = the partials of the quad k of the sixteen rows from `rows`, folded twice: positions 4k .. 4k + 3 (the rows
  * bitrev(4k + j) = 8 (j & 1) + 4 (j >> 1) + 2 (k & 1) + (k >> 1)), four lanes a row */
-CB_INLINE void quad_partials(const uint8_t *rows, int64_t row_bytes, int k, int64_t o0, int64_t o1, int b0, int nb, int tail,
-                             const float *qb, int64_t qs, const int bits, const int gh, block_table T, __m512 *x) {
+CB_INLINE void quad_partials(const cb_part *P, const uint8_t *rows, int64_t row_bytes, int k, int64_t o0, int64_t o1, int b0,
+                             int nb, int tail, const float *qb, int64_t qs, const int bits, const int gh, block_table T,
+                             block_points V, const int vq, __m512 *x) {
     __m512 p[4][4];   /* [row of the quad][head] */
     for (int j = 0; j < 4; j++)
-        row_partials(rows + (8 * (j & 1) + 4 * (j >> 1) + 2 * (k & 1) + (k >> 1)) * row_bytes, o0, o1, b0, nb, tail, qb, qs,
-                     bits, gh, T, p[j]);
+        row_partials(P, rows + (8 * (j & 1) + 4 * (j >> 1) + 2 * (k & 1) + (k >> 1)) * row_bytes, o0, o1, b0, nb, tail, qb,
+                     qs, bits, gh, T, V, vq, p[j]);
     for (int h = 0; h < gh; h++) x[h] = fold(fold(p[0][h], p[1][h], 0), fold(p[2][h], p[3][h], 0), 1);
 }
 
 /* out[h * out_stride + r] (+)= q_h . value(row r) over the blocks b0 .. b0 + nb - 1 of one part (nb <= 4, the last
- * holding `tail` channels), r < count, for `gh` heads (bits and gh constants here); qb as row_partials reads it */
+ * holding `tail` channels; vq: a block part's nb <= 16 blocks), r < count, for `gh` heads (bits, gh and vq constants
+ * here); qb as row_partials reads it */
 CB_INLINE void dot_block(const cb_part *P, const uint8_t *rows, int64_t row_bytes, int64_t count, int b0, int nb, int tail,
-                         const float *qb, int64_t qs, int add, float *out, int64_t out_stride, const int bits, const int gh) {
-    const block_table T = prepare_table(P, bits);
+                         const float *qb, int64_t qs, int add, float *out, int64_t out_stride, const int bits, const int gh,
+                         const int vq) {
+    const block_table T = vq ? (block_table){_mm512_setzero_ps(), _mm512_setzero_ps()} : prepare_table(P, bits);
+    const block_points V = vq ? prepare_points(P, bits) : (block_points){{_mm512_setzero_ps()}};
     const int64_t o0 = P->offset[0], o1 = P->n_planes > 1 ? P->offset[1] : 0;
     int64_t r = 0;
     for (; r + 16 <= count; r += 16) {
         const uint8_t *at = rows + r * row_bytes;
         __m512 x[4], y[4], half[4];
-        quad_partials(at, row_bytes, 0, o0, o1, b0, nb, tail, qb, qs, bits, gh, T, x);
-        quad_partials(at, row_bytes, 1, o0, o1, b0, nb, tail, qb, qs, bits, gh, T, y);
+        quad_partials(P, at, row_bytes, 0, o0, o1, b0, nb, tail, qb, qs, bits, gh, T, V, vq, x);
+        quad_partials(P, at, row_bytes, 1, o0, o1, b0, nb, tail, qb, qs, bits, gh, T, V, vq, y);
         for (int h = 0; h < gh; h++) half[h] = fold(x[h], y[h], 2);
-        quad_partials(at, row_bytes, 2, o0, o1, b0, nb, tail, qb, qs, bits, gh, T, x);
-        quad_partials(at, row_bytes, 3, o0, o1, b0, nb, tail, qb, qs, bits, gh, T, y);
+        quad_partials(P, at, row_bytes, 2, o0, o1, b0, nb, tail, qb, qs, bits, gh, T, V, vq, x);
+        quad_partials(P, at, row_bytes, 3, o0, o1, b0, nb, tail, qb, qs, bits, gh, T, V, vq, y);
         for (int h = 0; h < gh; h++) {
             float *o = out + h * out_stride + r;
             const __m512 dots = fold(half[h], fold(x[h], y[h], 2), 3);
@@ -737,7 +751,7 @@ CB_INLINE void dot_block(const cb_part *P, const uint8_t *rows, int64_t row_byte
     }
     for (; r < count; r++) {   /* the last rows one at a time */
         __m512 p[4];
-        row_partials(rows + r * row_bytes, o0, o1, b0, nb, tail, qb, qs, bits, gh, T, p);
+        row_partials(P, rows + r * row_bytes, o0, o1, b0, nb, tail, qb, qs, bits, gh, T, V, vq, p);
         for (int h = 0; h < gh; h++) {
             const float dot = _mm512_reduce_add_ps(p[h]);
             out[h * out_stride + r] = add ? out[h * out_stride + r] + dot : dot;
@@ -747,17 +761,25 @@ CB_INLINE void dot_block(const cb_part *P, const uint8_t *rows, int64_t row_byte
 
 static void dot_heads(const cb_part *P, const uint8_t *rows, int64_t row_bytes, int64_t count, int b0, int nb, int tail,
                       const float *qb, int64_t qs, int add, float *out, int64_t out_stride, int bits, int gh) {
-#define DOT_CASE(B) switch (gh) { \
-        case 1: dot_block(P, rows, row_bytes, count, b0, nb, tail, qb, qs, add, out, out_stride, B, 1); break; \
-        case 2: dot_block(P, rows, row_bytes, count, b0, nb, tail, qb, qs, add, out, out_stride, B, 2); break; \
-        case 3: dot_block(P, rows, row_bytes, count, b0, nb, tail, qb, qs, add, out, out_stride, B, 3); break; \
-        default: dot_block(P, rows, row_bytes, count, b0, nb, tail, qb, qs, add, out, out_stride, B, 4); break; }
+#define DOT_CASE(B, VQ) switch (gh) { \
+        case 1: dot_block(P, rows, row_bytes, count, b0, nb, tail, qb, qs, add, out, out_stride, B, 1, VQ); break; \
+        case 2: dot_block(P, rows, row_bytes, count, b0, nb, tail, qb, qs, add, out, out_stride, B, 2, VQ); break; \
+        case 3: dot_block(P, rows, row_bytes, count, b0, nb, tail, qb, qs, add, out, out_stride, B, 3, VQ); break; \
+        default: dot_block(P, rows, row_bytes, count, b0, nb, tail, qb, qs, add, out, out_stride, B, 4, VQ); break; }
+    if (P->block) {   /* +vq: 2 or 3 bits */
+        if (bits == 2) {
+            DOT_CASE(2, 1)
+        } else {
+            DOT_CASE(3, 1)
+        }
+        return;
+    }
     switch (bits) {
-        case 1: DOT_CASE(1) break;
-        case 2: DOT_CASE(2) break;
-        case 3: DOT_CASE(3) break;
-        case 4: DOT_CASE(4) break;
-        default: DOT_CASE(5) break;
+        case 1: DOT_CASE(1, 0) break;
+        case 2: DOT_CASE(2, 0) break;
+        case 3: DOT_CASE(3, 0) break;
+        case 4: DOT_CASE(4, 0) break;
+        default: DOT_CASE(5, 0) break;
     }
 #undef DOT_CASE
 }
@@ -775,7 +797,7 @@ static void group_of(const cb_part *P, int c0, int *nb, int *tail) {
 int kvlab_cb_mix_rows(const cb_layout *L, const uint8_t *rows, int64_t row_bytes, int64_t count, const float *w,
                       int64_t w_stride, int heads, float *acc, int64_t acc_stride) {
 #if defined(__AVX512F__)
-    if (!register_layout(L, 1)) return -1;
+    if (!register_layout(L)) return -1;
     for (int p = 0; p < L->n_parts; p++) {
         const cb_part *P = &L->part[p];
         if (P->block) {
@@ -804,12 +826,25 @@ int kvlab_cb_mix_rows(const cb_layout *L, const uint8_t *rows, int64_t row_bytes
 int kvlab_cb_dot_rows(const cb_layout *L, const uint8_t *rows, int64_t row_bytes, int64_t count, const float *q,
                       int64_t q_stride, int heads, float *out, int64_t out_stride) {
 #if defined(__AVX512F__)
-    if (!register_layout(L, 0)) return -1;
-    float qb[4 * 64];   /* up to four heads' 64 channels, in block order */
+    if (!register_layout(L)) return -1;
+    float qb[4 * 64];   /* up to four heads' 64 channels, in block order (+vq: in order) */
     for (int h0 = 0; h0 < heads; h0 += 4) {
         const int gh = heads - h0 < 4 ? heads - h0 : 4;
         for (int p = 0; p < L->n_parts; p++) {
             const cb_part *P = &L->part[p];
+            if (P->block) {   /* groups of up to 16 blocks of 4 coordinates (zero past the part) */
+                const int n_blocks = (P->hi - P->lo) / CB_BLOCK;
+                for (int g = 0; g < n_blocks; g += 16) {
+                    const int n = n_blocks - g < 16 ? n_blocks - g : 16;
+                    for (int h = 0; h < gh; h++)
+                        for (int k = 0; k < 4; k++)
+                            _mm512_storeu_ps(qb + h * 64 + 16 * k, _mm512_maskz_loadu_ps(4 * k < n ? quad_lanes(n, k) : 0,
+                                             q + (h0 + h) * q_stride + P->lo + CB_BLOCK * g + 16 * k));
+                    dot_heads(P, rows, row_bytes, count, g, n, 16, qb, 64, p > 0 || g > 0, out + h0 * out_stride, out_stride,
+                              P->bits, gh);
+                }
+                continue;
+            }
             for (int c0 = 0; c0 < P->hi - P->lo; c0 += 64) {
                 int nb, tail;
                 group_of(P, c0, &nb, &tail);
@@ -912,7 +947,7 @@ int kvlab_codebook_dots(const uint8_t *codes, int heads, int64_t slots, int64_t 
                         float *out, int n_threads) {
     cb_layout L;
     if (kvlab_cb_layout(&L, d, n_parts, spec, tables, row_bytes) || check(heads, slots, start, n, nq)) return -1;
-    const int in_registers = register_layout(&L, 0);   /* then a work item is a segment, scored in registers */
+    const int in_registers = register_layout(&L);   /* then a work item is a segment, scored in registers */
     const int64_t span = in_registers ? CB_SEGMENT : CB_TILE, tiles = (n + span - 1) / span;
     const int dpad = L.dpad;
     int failed = 0;

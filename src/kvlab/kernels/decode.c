@@ -750,16 +750,14 @@ void kvlab_tq_turn_coef(const float *q, const float *mu, int d, float scale, flo
 /* out[i * TQ_READ_KEYS + j] = q_i . R_t μ for keys t = k0 + j < k0 + n: query i's [A | B] (T->coef, laid out as the
  * queries) against key t's cos and sin (first halves). Sixteen keys from a key t0 at a time where AVX-512 is there: the
  * coefficients turned once to t0 (A' = A cos t0θ + B sin t0θ, B' = B cos t0θ - A sin t0θ), then read against
- * T->steps' rows r = [cos rθ | sin rθ] for keys t0 + r, which stay in L1 (the position rows of a long context do not:
- * each key's would cost more bytes than its codes); the rest from the key's own rows. */
+ * T->steps' columns r = [cos rθ | sin rθ] for keys t0 + r, which stay in L1 (the position rows of a long context do
+ * not: each key's would cost more bytes than its codes); the rest from the key's own rows. */
 #if defined(__AVX512F__)
-/* sixteen keys from row 0 of cos_/sin_ (the base) for nq (<= 4) queries' [A | B] (coef[i]), half = 16 * blocks, each
- * query's partial sums folded as the keys come (key_scores_rows' tree) */
-REBUILD_INLINE void turn_scores16(const float *cos_, const float *sin_, const float *steps, int d, const float *const *coef,
-                                  const int nq, const int blocks, float *const *out) {
-    __m512 level[4][4];
-    __m512i lo[4], hi[4];
-    fold_indices(lo, hi);
+/* sixteen keys from row 0 of cos_/sin_ (the base) for nq (<= 4) queries' [A | B] (coef[i]), half = 16 * blocks: each
+ * query's sixteen scores in one vector, a channel's coefficient broadcast against its row of steps (d, 16), two chains
+ * a query */
+REBUILD_INLINE void turn_scores16(const float *cos_, const float *sin_, const float *steps, const float *const *coef, const int nq,
+                                  const int blocks, float *const *out) {
     const int half = 16 * blocks;
     float turned[4][CB_MAX_DIM];   /* each query's [A' | B'] */
     for (int i = 0; i < nq; i++)
@@ -769,25 +767,16 @@ REBUILD_INLINE void turn_scores16(const float *cos_, const float *sin_, const fl
             _mm512_storeu_ps(turned[i] + 16 * b, _mm512_fmadd_ps(e, sn, _mm512_mul_ps(a, c)));
             _mm512_storeu_ps(turned[i] + half + 16 * b, _mm512_fnmadd_ps(a, sn, _mm512_mul_ps(e, c)));
         }
-    for (int r = 0; r < 16; r++) {
-        __m512 c[4], sn[4];
-        for (int b = 0; b < blocks; b++) {
-            c[b] = _mm512_loadu_ps(steps + (int64_t)r * d + 16 * b);
-            sn[b] = _mm512_loadu_ps(steps + (int64_t)r * d + half + 16 * b);
-        }
+    __m512 even[4], odd[4];
+    for (int i = 0; i < nq; i++) even[i] = odd[i] = _mm512_setzero_ps();
+    for (int x = 0; x < 2 * half; x += 2) {   /* d = 2 half */
+        const __m512 s0 = _mm512_loadu_ps(steps + 16 * (int64_t)x), s1 = _mm512_loadu_ps(steps + 16 * (int64_t)(x + 1));
         for (int i = 0; i < nq; i++) {
-            __m512 acc = _mm512_mul_ps(c[0], _mm512_loadu_ps(turned[i]));
-            acc = _mm512_fmadd_ps(sn[0], _mm512_loadu_ps(turned[i] + half), acc);
-            for (int b = 1; b < blocks; b++) {
-                acc = _mm512_fmadd_ps(c[b], _mm512_loadu_ps(turned[i] + 16 * b), acc);
-                acc = _mm512_fmadd_ps(sn[b], _mm512_loadu_ps(turned[i] + half + 16 * b), acc);
-            }
-            int step = 0;
-            for (; step < 4 && (r >> step & 1); step++) acc = fold(level[i][step], acc, lo[step], hi[step]);
-            if (step < 4) level[i][step] = acc;
-            else _mm512_storeu_ps(out[i], acc);
+            even[i] = _mm512_fmadd_ps(_mm512_set1_ps(turned[i][x]), s0, even[i]);
+            odd[i] = _mm512_fmadd_ps(_mm512_set1_ps(turned[i][x + 1]), s1, odd[i]);
         }
     }
+    for (int i = 0; i < nq; i++) _mm512_storeu_ps(out[i], _mm512_add_ps(even[i], odd[i]));
 }
 #endif
 
@@ -806,15 +795,15 @@ static void turn_scores(const KeyTurn *T, int group, int64_t row_stride, int nq,
                     coef[i] = T->coef + ((i0 + i) / group) * row_stride + (int64_t)((i0 + i) % group) * d;
                     o[i] = out + (int64_t)(i0 + i) * TQ_READ_KEYS + j0;
                 }
-                if (half == 32) {   /* d = 64: a step row in four registers */
+                if (half == 32) {   /* d = 64: the loops unrolled */
                     switch (m) {
-                        case 1: turn_scores16(c, sn, T->steps, d, coef, 1, 2, o); break;
-                        case 2: turn_scores16(c, sn, T->steps, d, coef, 2, 2, o); break;
-                        case 3: turn_scores16(c, sn, T->steps, d, coef, 3, 2, o); break;
-                        default: turn_scores16(c, sn, T->steps, d, coef, 4, 2, o); break;
+                        case 1: turn_scores16(c, sn, T->steps, coef, 1, 2, o); break;
+                        case 2: turn_scores16(c, sn, T->steps, coef, 2, 2, o); break;
+                        case 3: turn_scores16(c, sn, T->steps, coef, 3, 2, o); break;
+                        default: turn_scores16(c, sn, T->steps, coef, 4, 2, o); break;
                     }
                 } else {
-                    turn_scores16(c, sn, T->steps, d, coef, m, half / 16, o);
+                    turn_scores16(c, sn, T->steps, coef, m, half / 16, o);
                 }
             }
         }
@@ -913,8 +902,8 @@ static void outlier_scores(const Coded *C, int g, int64_t slot, int n, int d, co
 }
 
 /* -- kvlab_tq_read (tqcodes.h): one KV head's coded keys read by a few queries ------------------------------------- */
-#define TQ_REGISTER_ROWS 32  /* blocks of this many rows or more (a single cache's one) are read from their codes in
-                                 registers; a pool's short blocks are decoded a tile at a time */
+#define TQ_REGISTER_ROWS 16  /* blocks of this many rows or more (a single cache's one, a pool's of 16) are read from
+                                 their codes in registers; shorter ones are decoded a tile at a time */
 
 int64_t kvlab_tq_read_floats(int nq, int dpad) {   /* scores, key and value scales, queries, sums, a tile (+ room), each
                                                     key's own terms, the queries' sketches and plain queries */

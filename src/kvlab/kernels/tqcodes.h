@@ -44,7 +44,8 @@ typedef struct {                   /* a TurboQuant layer's codes (kvlab/cache/tu
     int64_t norm_head_stride, norm_block_stride;
     int32_t rope_mean;             /* +ropemean: keys coded as (k - R_t μ)/w, R_t RoPE at the key's position t (rope_cos,
                                       rope_sin; the pool's TqStep rows), read on the codes plus q . R_t μ per key */
-    const float *rope_steps;       /* +ropemean: (16, hd), row r = [cos rθ | sin rθ] over the d/2 RoPE frequencies θ */
+    const float *rope_steps;       /* +ropemean: (hd, 16), column r = [cos rθ | sin rθ] over the d/2 RoPE frequencies θ:
+                                      sixteen keys' factors of one channel in one vector */
     /* +qjl: a key's codes have one bit fewer, plus the sketch S r of its residual r = y - ŷ as signs and ‖r‖; a score
      * adds √(π/2)/d · ‖r‖ · (S q)·sign(S r) to q·ŷ before the key's scale (turboquant.py). Each token's signs and ‖r‖
      * lie where its scale does (scale_at), ⌈d/8⌉ bytes (bit j of byte j/8: (S r)_j >= 0) and one 16-bit value. */
@@ -74,7 +75,7 @@ typedef struct {                   /* +ropemean: each coded key's offset turned 
     const float *coef;             /* query i's [A | B] (d/2 each, kvlab_tq_turn_coef) at coef + (i / group) * row_stride
                                       + (i % group) * d: laid out as the queries */
     const float *cos_, *sin_;      /* (rows, d) of the keys' positions, as rope() takes them, key index 0's row first */
-    const float *steps;            /* Coded.rope_steps: the turns of 0 .. 15 positions */
+    const float *steps;            /* Coded.rope_steps: the turns of 0 .. 15 positions, (d, 16) */
 } KeyTurn;
 
 /* out (d,) = [A | B] of query q (d,) and offset mu (d,) (scaled by `scale`): q . R_t mu = Σ_j A_j cos_t[j] + B_j sin_t[j]
@@ -99,9 +100,9 @@ int64_t kvlab_tq_read_floats(int nq, int dpad);
  * the codes are read (kvlab_tq_query; with +prerope q itself), and reads keys [lo[i], hi[i]). Its part, d + 2 floats at
  * parts + i * part_stride = [sum_t e^(s_t - top) v'_t | top | sum_t e^(s_t - top)] (none read: top -inf, sum 0), s_t
  * = (q_i . k_t * scale_t [+ q . R_t μ, h->turn]) * h->scale, v'_t the value's codebook vector times its scale (the
- * rotated domain). Long
- * blocks (a single cache's one) are read straight from their codes in registers where codebook.c has that path; short
- * ones (a pool's) are decoded a tile at a time, read by every query while in L1. */
+ * rotated domain). Blocks of
+ * 16 rows or more (a single cache's one, a pool's) are read straight from their codes in registers where codebook.c
+ * has that path; shorter ones, and +prerope keys, are decoded a tile at a time, read by every query while in L1. */
 void kvlab_tq_read(const TqHead *h, const int32_t *table, int64_t k0, int64_t k1, const float *queries, int group,
                    int64_t row_stride, int nq, const int64_t *lo, const int64_t *hi, float *scratch, float *parts,
                    int64_t part_stride);
