@@ -1,7 +1,8 @@
 """The serving engine's decode step alone: a few sequences with long prompts, in one pool, per block format.
 
     .venv/bin/python bench/served_step.py [--formats dense-f16,int4,tq4] [--sequences 8] [--prompt-tokens 1500]
-                                          [--new-tokens 40] [--threads 1] [--rounds 1] [--out FILE]
+                                          [--new-tokens 40] [--threads 1] [--rounds 1] [--kv-budget 1GiB]
+                                          [--out FILE]
 
 Every sequence's prompt is prefilled (chunked, as the engine schedules it), then each step decodes one token for
 every sequence; only the steps that decode all of them are kept, and the first five of those are dropped (more
@@ -33,9 +34,9 @@ from kvlab.session import cached_model  # noqa: E402
 SKIPPED = 5   # decode steps dropped at the start (allocation, first touches)
 
 
-def decode_steps(loaded, block_format: str, prompts: list[list[int]], new_tokens: int) -> list[float]:
+def decode_steps(loaded, block_format: str, prompts: list[list[int]], new_tokens: int, kv_budget: str) -> list[float]:
     """Seconds of each engine step that decodes one token for every sequence."""
-    engine = Engine(loaded, cache=block_format, kv_budget="1GiB", max_batch=len(prompts), max_step_tokens=512,
+    engine = Engine(loaded, cache=block_format, kv_budget=kv_budget, max_batch=len(prompts), max_step_tokens=512,
                     prefix_caching=False)
     for prompt in prompts:
         engine.add_request(prompt, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
@@ -47,7 +48,7 @@ def decode_steps(loaded, block_format: str, prompts: list[list[int]], new_tokens
         if len(outputs) == len(prompts) and all(out.new_token_ids for out in outputs):
             seconds.append(elapsed)
     if len(seconds) <= SKIPPED:
-        raise SystemExit(f"{block_format}: {len(seconds)} steps decoded every sequence at once; raise --new-tokens")
+        raise SystemExit(f"{block_format}: {len(seconds)} steps decoded every sequence at once; raise --new-tokens (or --kv-budget: every sequence must fit)")
     return seconds[SKIPPED:]
 
 
@@ -59,6 +60,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=40)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=1, help="runs of every format, alternating their order")
+    parser.add_argument("--kv-budget", default="1GiB", help="the pool's KV budget (every sequence must fit in it)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "served_step.json"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -71,7 +73,7 @@ def main() -> None:
     rounds: dict[str, list[list[float]]] = {f: [] for f in formats}   # format -> each round's step seconds
     for r in range(max(1, args.rounds)):
         for block_format in formats if r % 2 == 0 else formats[::-1]:
-            steps = decode_steps(loaded, block_format, prompts, args.new_tokens)
+            steps = decode_steps(loaded, block_format, prompts, args.new_tokens, args.kv_budget)
             rounds[block_format].append(steps)
             ms = 1000 * statistics.median(steps)
             print(f"round {r + 1} {block_format:>12}: {ms:6.1f} ms a step, {1000 * args.sequences / ms:6.1f} output tok/s",
@@ -89,7 +91,7 @@ def main() -> None:
         print(f"{block_format:>12}: {ms:6.1f} ms a step, {1000 * args.sequences / ms:6.1f} output tok/s", flush=True)
     write_json(args.out, {"benchmark": "served_step", "machine": machine_info(), "threads": args.threads,
                           "sequences": args.sequences, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
-                          "rounds": max(1, args.rounds), "results": results}, indent=2)
+                          "kv_budget": args.kv_budget, "rounds": max(1, args.rounds), "results": results}, indent=2)
 
 
 if __name__ == "__main__":
