@@ -9,8 +9,8 @@ every sequence; only the steps that decode all of them are kept, and the first f
 sequences need more new tokens: the first ones decode while the last ones' prompts are still read). Median
 ms per step and the output tokens/s it makes (sequences / step). With --rounds N every format runs N times, the
 order reversed each round so that a drift of the box does not favour one; a format's figure is the median of its
-rounds' medians, and its ratio to the first format is taken within each round. What `kvlab bench throughput` mixes with prompt
-chunks, queueing and preemption, this shows alone: how fast the pool reads its blocks.
+rounds' medians, and its ratio to the first format is taken within each round. What `kvlab bench throughput`
+mixes with prompt chunks, queueing and preemption, this shows alone: how fast the pool reads its blocks.
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ def decode_steps(loaded, block_format: str, prompts: list[list[int]], new_tokens
         if len(outputs) == len(prompts) and all(out.new_token_ids for out in outputs):
             seconds.append(elapsed)
     if len(seconds) <= SKIPPED:
-        raise SystemExit(f"{block_format}: {len(seconds)} steps decoded every sequence at once; raise --new-tokens (or --kv-budget: every sequence must fit)")
+        raise SystemExit(f"{block_format}: {len(seconds)} steps decoded every sequence at once; raise --new-tokens "
+                         "(or --kv-budget: every sequence must fit)")
     return seconds[SKIPPED:]
 
 
