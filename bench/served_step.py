@@ -64,6 +64,7 @@ def main() -> None:
     parser.add_argument("--kv-budget", default="1GiB", help="the pool's KV budget (every sequence must fit in it)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "served_step.json"))
     args = parser.parse_args()
+    n_rounds = max(1, args.rounds)
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
     loaded = cached_model(None, "fp32", "cpu", "auto")
@@ -72,7 +73,7 @@ def main() -> None:
                for _ in range(args.sequences)]
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     rounds: dict[str, list[list[float]]] = {f: [] for f in formats}   # format -> each round's step seconds
-    for r in range(max(1, args.rounds)):
+    for r in range(n_rounds):
         for block_format in formats if r % 2 == 0 else formats[::-1]:
             steps = decode_steps(loaded, block_format, prompts, args.new_tokens, args.kv_budget)
             rounds[block_format].append(steps)
@@ -92,7 +93,7 @@ def main() -> None:
         print(f"{block_format:>12}: {ms:6.1f} ms a step, {1000 * args.sequences / ms:6.1f} output tok/s", flush=True)
     write_json(args.out, {"benchmark": "served_step", "machine": machine_info(), "threads": args.threads,
                           "sequences": args.sequences, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
-                          "kv_budget": args.kv_budget, "rounds": max(1, args.rounds), "results": results}, indent=2)
+                          "kv_budget": args.kv_budget, "rounds": n_rounds, "results": results}, indent=2)
 
 
 if __name__ == "__main__":

@@ -152,6 +152,8 @@ CASES = [  # format, block size, query heads, KV heads, sliding window, C path (
     ("tq-k4v4+outliers2", 16, 9, 3, None, False), ("tq-k4v4+outliers2", 16, 9, 3, None, True),
     ("tq-k4v3+prerope+outliers1+sink1", 8, 4, 1, 7, True), ("tq-k4v4+qjl+outliers1", 8, 4, 2, None, True),
     ("tq-k4v4+ropemean+qjl+sink1", 8, 4, 2, 7, True),
+    # 16-row blocks read from their codes in registers, the keys' 3-bit half in blocks of 4 coordinates (+vq)
+    ("tq-k3.5v3+ropemean+vq+norms8", 16, 9, 3, None, True),
 ]
 #: RoPE frequencies of a head dim of 16 (+prerope needs the model's)
 INV_FREQ = tuple(10000.0 ** (-i / 8) for i in range(8))
