@@ -1109,7 +1109,7 @@ SECTIONS = [
     ]),
     Section("On a GPU", "kvlab's torch path (the modules; its C kernels run on the CPU only) on a CUDA device, on a "
             "random model built by the script: does every cache run there and give what it gives on the CPU?", [
-        Table("gpu_check.json", gpu_check, "python bench/gpu_check.py", needs="a CUDA GPU", presets=PRESETS_125),
+        Table("gpu_check.json", gpu_check, "python bench/gpu_check.py", needs="a CUDA GPU", presets=CURRENT),
     ]),
     Section("`kvlab plan`", "Machine: the 2-core CI-class VM, no GPU.", [
         Table("plan_speed.json", plan_speed, "python bench/plan_speed.py"),
