@@ -930,15 +930,15 @@ SECTIONS = [
                    "(the single caches' own) against the token-major blocks before: within the noise of these short "
                    "runs (the dense row of the three-format runs is 0.90x, the same command with dense alone 0.98x)."),
         Table("throughput_long_decode_360mib.json", throughput,
-              "kvlab bench throughput --workloads long-decode --batches 16 --no-sequential --formats "
-              "dense-f16,tq4,tq-k4v4+ropemean+sink1+kscale=lsq+vscale=lsq --kv-budget 360MiB --threads 2 "
-              "--out bench/results/throughput_long_decode_360mib.json",
+              "kvlab bench throughput --workloads long-decode --batches 16 --no-sequential --formats dense-f16,tq4 "
+              "--kv-budget 360MiB --threads 2 --out bench/results/throughput_long_decode_360mib.json",
               "The served case where the budget is what limits dense: 16 requests reaching 2k-3.6k tokens, 512 of "
               "them decoded, in a 360 MiB pool. dense-f16 blocks hold about four such sequences at once (5 "
-              "preemptions); tq4 and +ropemean blocks admit all 16. Output tok/s: tq4 1.07x dense-f16, +ropemean "
-              "1.03x (prefix cache on), and tq4's TTFT p50 65 s against 103 s. A step of 16 coded sequences at ~3k "
-              "tokens is compute-bound on 2 cores (TPOT p50 292 ms against 133 ms for 4-5 dense sequences): the "
-              "capacity buys latency more than throughput here.", presets=PRESETS_125),
+              "preemptions); tq4 blocks admit all 16. Output tok/s: tq4 1.22x dense-f16 (prefix cache on), TTFT p50 "
+              "51 s against 82 s. The prompts (40k tokens, the same work in every format, more for dense-f16's "
+              "recomputed preemptions) take most of both runs' time on 2 cores: tq4's 512 decode steps of 16 "
+              "sequences take ~80 ms each (bench/served_step.py), ~41 of its 154 s, so even a free decode would "
+              "make tq4 at most ~1.7x dense-f16 here (an estimate), not 2x.", presets=CURRENT),
         Table("served_step_4seq.json", served_step,
               "python bench/served_step.py --formats dense-f16,tq4 --sequences 4 --threads 2 "
               "--out bench/results/served_step_4seq.json",
