@@ -38,6 +38,7 @@
 #include "blockgemv.h"
 #include "decode.h"
 #include "paged.h"
+#include "rowmath.h"   /* kvlab_swiglu */
 #include "tqcodes.h"
 
 /* values a loop of the step must touch before its work is shared out between threads: below it, opening the parallel
@@ -101,15 +102,6 @@ static int product(const Matrix *W, const float *x, int64_t M, float *y, int int
         for (int64_t i = 0; i < M; i++)
             for (int64_t j = 0; j < W->rows; j++) y[i * W->rows + j] += W->bias[j];
     return status;
-}
-
-/* h (ff,) = silu(gate) * up for one row gu = gate | up (2 ff,): e^-gate sixteen at a time (decode.c's exp, about
- * 2 ulp from expf), -gate capped at 88 so that e^-gate stays finite (silu of a gate below -88 is then -0 or a tiny
- * negative, as with expf: gate / inf); a nan gate stays nan */
-static void swiglu_row(const float *gu, int64_t ff, float *h) {
-    for (int64_t i = 0; i < ff; i++) h[i] = -gu[i] < 88.0f ? -gu[i] : 88.0f;   /* a vector min (fminf: a call each) */
-    kvlab_exp_shifted(h, (int)ff, 0.0f);
-    for (int64_t i = 0; i < ff; i++) h[i] = gu[i] / (1.0f + h[i]) * gu[ff + i];
 }
 
 /* K or V of one row (Hkv heads of hd values) into its slot of a layer's blocks (n_blocks, Hkv, block_size, hd) */
@@ -191,7 +183,7 @@ static int one_row_layers(const Model *m, float *x, const float *cos_, const flo
             kvlab_matrix_sums(&W->gate_up, my_h, my_sums);
             kvlab_matrix_rows(&W->gate_up, my_h, my_sums, gu);
             step_barrier(&barrier, &sense);
-            swiglu_row(gu, ff, my_ff);
+            kvlab_swiglu(gu, gu + ff, ff, my_ff);
             kvlab_matrix_sums(&W->down, my_ff, my_sums);
             kvlab_matrix_rows(&W->down, my_ff, my_sums, y);
             step_barrier(&barrier, &sense);
@@ -272,7 +264,7 @@ int kvlab_batch_step(const Model *m, float *x, int64_t n_rows, const float *cos_
         }
         if ((status = product(&W->gate_up, h, N, gu, flags[GATE_UP], q8_min_rows, n_threads))) break;
         #pragma omp parallel for schedule(static) num_threads(n_threads) if(N * ff >= ROWS_IN_PARALLEL / 4)
-        for (int64_t r = 0; r < N; r++) swiglu_row(gu + r * 2 * ff, ff, h + r * ff);
+        for (int64_t r = 0; r < N; r++) kvlab_swiglu(gu + r * 2 * ff, gu + r * 2 * ff + ff, ff, h + r * ff);
         if ((status = product(&W->down, h, N, y, flags[DOWN], q8_min_rows, n_threads))) break;
         #pragma omp parallel for schedule(static) num_threads(n_threads) if(N * d >= ROWS_IN_PARALLEL)
         for (int64_t r = 0; r < N; r++)

@@ -60,6 +60,7 @@
  * softmax sums are combined in a fixed order, so the result does not depend on the thread count. */
 #define KEY_CHUNK 256
 _Static_assert(KEY_CHUNK <= TQ_READ_KEYS && KEY_CHUNK <= DENSE_READ_KEYS, "a key chunk is one read");
+#define SWIGLU_PIECE 64   /* the feed-forward's gate and up rows a thread computes before their SwiGLU (kvlab_swiglu) */
 
 enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };   /* how the cache stores K/V */
 enum { NORM_LOG8 = 3 };                         /* a coded layer's scales as 8-bit log codes (+norms8, decode.h) */
@@ -1684,9 +1685,15 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
         rms_norm(my_x, W->ffn_norm, m->rms_eps, d, my_h);
         kvlab_matrix_sums(&W->gate_up, my_h, my_sums);
         #pragma omp for schedule(static) nowait
-        for (int i = 0; i < m->d_ff; i++) {   /* a gate row and its up row by one thread: silu(gate) * up */
-            const float g = kvlab_matrix_row(&W->gate_up, i, my_h, my_sums);
-            h[i] = g / (1.0f + expf(-g)) * kvlab_matrix_row(&W->gate_up, m->d_ff + i, my_h, my_sums);
+        for (int p = 0; p < (m->d_ff + SWIGLU_PIECE - 1) / SWIGLU_PIECE; p++) {   /* gate rows and their up rows by one
+                                                                                    * thread: silu(gate) * up */
+            const int i0 = p * SWIGLU_PIECE, n = m->d_ff - i0 < SWIGLU_PIECE ? m->d_ff - i0 : SWIGLU_PIECE;
+            float gate[SWIGLU_PIECE], up[SWIGLU_PIECE];
+            for (int i = 0; i < n; i++) {
+                gate[i] = kvlab_matrix_row(&W->gate_up, i0 + i, my_h, my_sums);
+                up[i] = kvlab_matrix_row(&W->gate_up, m->d_ff + i0 + i, my_h, my_sums);
+            }
+            kvlab_swiglu(gate, up, n, h + i0);
         }
         step_barrier(&barrier, &sense);
         kvlab_matrix_sums(&W->down, h, my_sums);

@@ -190,4 +190,13 @@ static inline float kvlab_row_exp_shifted(float *s, int n, float top) {
     return total;
 }
 #endif
+
+/* h[i] = silu(gate[i]) * up[i] for i < n (h apart from gate and up): e^-gate by the softmax's exponentials above
+ * (about 2 ulp from expf), -gate capped at 88 so that e^-gate stays finite (silu of a gate below -88 is then -0 or a
+ * tiny negative, as with expf: gate / inf); a nan gate stays nan. The fused step and the batched step both call it. */
+static inline void kvlab_swiglu(const float *gate, const float *up, int64_t n, float *h) {
+    for (int64_t i = 0; i < n; i++) h[i] = -gate[i] < 88.0f ? -gate[i] : 88.0f;   /* a vector min (fminf: a call each) */
+    kvlab_row_exp_shifted(h, (int)n, 0.0f);
+    for (int64_t i = 0; i < n; i++) h[i] = gate[i] / (1.0f + h[i]) * up[i];
+}
 #endif
