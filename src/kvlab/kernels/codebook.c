@@ -880,21 +880,66 @@ static void put_code(const cb_part *P, uint8_t *row, int c, int code) {
     }
 }
 
-/* the index of block y (CB_BLOCK,) in a block part: its nearest magnitude point << 4 | its sign bits; y_hat its value */
-static int block_index(const cb_part *P, const float *y, float *y_hat) {
-    const int n_points = 1 << (CB_BLOCK * P->bits - CB_BLOCK);
-    int best = 0, signs = 0;
+/* the first of the n_points points (CB_BLOCK coordinates each) with the highest 2<a, p> - |p|^2 (a = |y|), -inf and
+ * nan scores passed over: the point's index, 0 when none scores above -inf. Each score is summed from the first
+ * coordinate on, one rounding per multiply-add, the same bits in the scalar loop and in the sixteen lanes. */
+static int nearest_point(const float *points, int n_points, const float *a) {
+#if defined(__AVX512F__)
+    if (n_points % 16 == 0 && n_points <= 256) {   /* sixteen points a time, their coordinates turned into lanes */
+        static const int32_t XY[16] = {0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29};
+        static const int32_t LO[16] = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+        const __m512i xy = _mm512_loadu_si512(XY), zw = _mm512_add_epi32(xy, _mm512_set1_epi32(2));
+        const __m512i lo = _mm512_loadu_si512(LO), hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
+        const __m512 a0 = _mm512_set1_ps(a[0]), a1 = _mm512_set1_ps(a[1]), a2 = _mm512_set1_ps(a[2]), a3 = _mm512_set1_ps(a[3]);
+        float scores[256];
+        __m512 top = _mm512_set1_ps(-INFINITY);
+        for (int i = 0; i < n_points; i += 16) {
+            const float *p = points + i * CB_BLOCK;   /* (16, 4): points i .. i + 15 */
+            const __m512 xy01 = _mm512_permutex2var_ps(_mm512_loadu_ps(p), xy, _mm512_loadu_ps(p + 16));
+            const __m512 xy23 = _mm512_permutex2var_ps(_mm512_loadu_ps(p + 32), xy, _mm512_loadu_ps(p + 48));
+            const __m512 zw01 = _mm512_permutex2var_ps(_mm512_loadu_ps(p), zw, _mm512_loadu_ps(p + 16));
+            const __m512 zw23 = _mm512_permutex2var_ps(_mm512_loadu_ps(p + 32), zw, _mm512_loadu_ps(p + 48));
+            const __m512 p0 = _mm512_permutex2var_ps(xy01, lo, xy23), p1 = _mm512_permutex2var_ps(xy01, hi, xy23);
+            const __m512 p2 = _mm512_permutex2var_ps(zw01, lo, zw23), p3 = _mm512_permutex2var_ps(zw01, hi, zw23);
+            __m512 cross = _mm512_mul_ps(a0, p0), norm = _mm512_mul_ps(p0, p0);
+            cross = _mm512_fmadd_ps(a1, p1, cross), norm = _mm512_fmadd_ps(p1, p1, norm);
+            cross = _mm512_fmadd_ps(a2, p2, cross), norm = _mm512_fmadd_ps(p2, p2, norm);
+            cross = _mm512_fmadd_ps(a3, p3, cross), norm = _mm512_fmadd_ps(p3, p3, norm);
+            const __m512 score = _mm512_fmsub_ps(cross, _mm512_set1_ps(2.0f), norm);
+            _mm512_storeu_ps(scores + i, score);
+            top = _mm512_max_ps(score, top);   /* a nan score keeps top (MAXPS returns its second operand) */
+        }
+        const float best = _mm512_reduce_max_ps(top);
+        if (best == -INFINITY) return 0;
+        for (int i = 0; i < n_points; i += 16) {
+            const __mmask16 at = _mm512_cmp_ps_mask(_mm512_loadu_ps(scores + i), _mm512_set1_ps(best), _CMP_EQ_OQ);
+            if (at) return i + __builtin_ctz(at);
+        }
+        return 0;
+    }
+#endif
+    int best = 0;
     float best_score = -INFINITY;
-    for (int i = 0; i < n_points; i++) {   /* argmax of 2<|y|, p> - |p|^2 (vector_codebook.nearest_point) */
-        const float *point = P->table + i * CB_BLOCK;
+    for (int i = 0; i < n_points; i++) {
+        const float *point = points + i * CB_BLOCK;
         float cross = 0.0f, norm = 0.0f;
-        for (int j = 0; j < CB_BLOCK; j++) {
-            cross += fabsf(y[j]) * point[j];
+        for (int j = 0; j < CB_BLOCK; j++) {   /* with FMA (-march=native), a multiply-add each: the lanes' bits */
+            cross += a[j] * point[j];
             norm += point[j] * point[j];
         }
         const float score = 2.0f * cross - norm;
         if (score > best_score) best_score = score, best = i;
     }
+    return best;
+}
+
+/* the index of block y (CB_BLOCK,) in a block part: its nearest magnitude point << 4 | its sign bits (the argmax of
+ * 2<|y|, p> - |p|^2, vector_codebook.nearest_point); y_hat its value */
+static int block_index(const cb_part *P, const float *y, float *y_hat) {
+    float a[CB_BLOCK];
+    for (int j = 0; j < CB_BLOCK; j++) a[j] = fabsf(y[j]);
+    const int best = nearest_point(P->table, 1 << (CB_BLOCK * P->bits - CB_BLOCK), a);
+    int signs = 0;
     for (int j = 0; j < CB_BLOCK; j++) {
         const float value = P->table[best * CB_BLOCK + j];
         signs |= (y[j] < 0.0f) << j;
