@@ -733,10 +733,13 @@ SECTIONS = [
               "kvlab bench decode --contexts 512,2k,4k,8k --caches dense,dense-f16,tq4,tq3,tq-k4v4,int4 --threads 1 "
               "--repeats 2 --steps 16 --out bench/results/decode_presets_1thread.json",
               "The presets against the bare method, on an Intel Xeon. `tq4` reads its codes in registers as "
-              "`tq-k4v4` does, plus each key's turned offset: 0.94 / 0.99 / 1.06 / 1.01x `dense-f16` at 512 / 2k / "
-              "4k / 8k tokens, where `tq-k4v4` is 0.96 / 1.06 / 1.16 / 1.24x. `tq3` rebuilds each key before RoPE "
-              "(decode, a Hadamard transform, a scale, RoPE), which makes its read compute-bound: 0.71x / 0.64x at "
-              "4k / 8k. At 8k dense-f16 reads at 55% of the measured read limit, tq4 at 28%.",
+              "`tq-k4v4` does, plus each key's turned offset: 0.95 / 1.05 / 1.09 / 1.08x `dense-f16` at 512 / 2k / "
+              "4k / 8k tokens, where `tq-k4v4` is 0.98 / 1.13 / 1.21 / 1.20x. `tq3` rebuilds each key before RoPE "
+              "(decode, a Hadamard transform, a scale, RoPE), which makes its read compute-bound: 0.68x / 0.61x at "
+              "4k / 8k. At 8k dense-f16 reads at 70% of the measured read limit, tq4 at 39%. The prefill column: an "
+              "8k prompt takes tq4 2.2x dense-f16's time and tq3 3.5x, since a prompt chunk's queries read the coded "
+              "keys the way a decode step does, four query heads at a time (a profile of tq4's 4k prefill: 55% in "
+              "those reads).",
               read_share=True, presets=CURRENT),
         Table("decode_tq3_ropemean_1thread.json", decode_contexts,
               'kvlab bench decode --contexts 512,4k,8k --caches "dense-f16,tq3,'
@@ -749,8 +752,9 @@ SECTIONS = [
         Table("decode_presets_2threads.json", decode_contexts,
               "kvlab bench decode --contexts 512,2k,4k,8k --caches dense,dense-f16,tq4,tq3,tq-k4v4,int4 --threads 2 "
               "--repeats 2 --steps 16 --out bench/results/decode_presets_2threads.json",
-              "The same at 2 threads: `tq4` 0.92 / 0.95 / 1.03 / 0.99x `dense-f16`, `tq-k4v4` 0.92 / 1.02 / 1.14 / "
-              "1.16x, `tq3` 0.58-0.70x, `int4` 0.91-0.99x; dense-f16 reads at 51-57% of the 2-thread read limit.",
+              "The same at 2 threads: `tq4` 0.93 / 0.94 / 1.03 / 1.03x `dense-f16`, `tq-k4v4` 0.92 / 0.99 / 1.09 / "
+              "1.23x, `tq3` 0.62-0.84x, `int4` 0.91-1.04x; dense-f16 reads at 61-67% of the 2-thread read limit. "
+              "The prefill column is noisier here than at 1 thread (dense-f16's 8k prompt took twice dense's).",
               read_share=True, presets=CURRENT),
         Table("ropemean_decode_1thread.json", decode_contexts,
               "kvlab bench decode --contexts 512,2k,4k,8k --caches dense-f16,tq4,tq-k4v4,"
