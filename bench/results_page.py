@@ -793,6 +793,13 @@ SECTIONS = [
               "--llama-cpp PYTHON --threads 1 --repeats 3 --out bench/results/decode_vs_llama_cpp_1thread.json",
               "On an AMD EPYC: at one thread llama.cpp leads at a 16-token context (kvlab's dense-f16 0.91x) and they "
               "are even at 4,000 (0.97x); `tq-k4v4` reads a quarter of the bytes and leads both there.", presets=PRESETS_125),
+        Table("decode_vs_llama_cpp_1thread_xeon.json", decode_contexts,
+              "kvlab bench decode --contexts 16,4000 --caches dense-f16,tq-k4v4,llama.cpp:f16,llama.cpp:q8_0 "
+              "--llama-cpp PYTHON --threads 1 --repeats 3 --out bench/results/decode_vs_llama_cpp_1thread_xeon.json",
+              "The same on an Intel Xeon, against llama.cpp built as for the serving tables (AVX-512 with VNNI and BF16, "
+              "no AMX): kvlab's dense-f16 1.73x llama.cpp's f16 at a 16-token context and 1.84x at 4,000 tokens "
+              "(llama-bench's own tg64 at 1 thread: 58.1 tok/s, this run's llama.cpp 55.6).", read_share=True,
+              presets=CURRENT),
         Table("decode_vs_llama_cpp_2threads.json", decode_contexts,
               "kvlab bench decode --contexts 512,4k --caches dense-f16,tq-k4v4,llama.cpp:f16,llama.cpp:q8_0 "
               "--llama-cpp PYTHON --threads 2 --repeats 3 --out bench/results/decode_vs_llama_cpp_2threads.json",
@@ -1011,6 +1018,22 @@ SECTIONS = [
         Table("serve_llama_server_np16.json", serve,
               note="llama.cpp's server from the llama-cpp-python 0.3.36 sdist (GGML_NATIVE=OFF, AVX-512), 2 threads, "
                    "16 slots of 512 tokens, f16 K/V, measured by the same client."),
+        Table("serve_kvlab_2threads.json", serve,
+              "OMP_NUM_THREADS=2 kvlab bench serve --cache dense-f16 --kv-budget 512MiB --concurrency 1,16 --requests 16 --max-tokens 256 --no-direct --out bench/results/serve_kvlab_2threads.json",
+              "On an Intel Xeon, alternated with llama-server (the next table; two rounds, the second shown), 2 "
+              "threads each: at one client kvlab's time per output token is 6.5-6.7 ms against llama-server's 7.9-8.4 "
+              "ms, at 16 clients it serves 379-381 output tok/s against 203-207 (1.8x). llama-server's first token "
+              "comes sooner at one client (51-53 ms against 106-107)."),
+        Table("serve_llama_server_2threads.json", serve,
+              "llama-server -m SmolLM2-135M-Instruct.Q4_1.gguf -t 2 -tb 2 -np 16 -c 8192 -ctk f16 -ctv f16 --port 8089; kvlab bench serve --url http://127.0.0.1:8089 --concurrency 1,16 --requests 16 --max-tokens 256 --no-direct --out bench/results/serve_llama_server_2threads.json",
+              "llama.cpp from the llama-cpp-python 0.3.36 sdist, built with GGML_NATIVE=OFF and AVX-512 (VNNI, BF16) "
+              "but no AMX: the native build stops on an illegal instruction on this virtual machine."),
+        Table("serve_kvlab_1thread.json", serve,
+              "OMP_NUM_THREADS=1 kvlab bench serve --cache dense-f16 --kv-budget 512MiB --concurrency 1,16 --requests 16 --max-tokens 256 --no-direct --out bench/results/serve_kvlab_1thread.json",
+              "The same at 1 thread: at one client 11.3-11.4 ms per output token against llama-server's 16.6-17.1 ms, "
+              "at 16 clients 274-285 output tok/s against 113-114 (2.4x)."),
+        Table("serve_llama_server_1thread.json", serve,
+              "llama-server -m SmolLM2-135M-Instruct.Q4_1.gguf -t 1 -tb 1 -np 16 -c 8192 -ctk f16 -ctv f16 --port 8089; kvlab bench serve --url http://127.0.0.1:8089 --concurrency 1,16 --requests 16 --max-tokens 256 --no-direct --out bench/results/serve_llama_server_1thread.json"),
         Table("serve_tq_k4v4.json", serve,
               "kvlab bench serve --cache tq-k4v4 --concurrency 1,4,16,32 --requests 32 --max-tokens 64 --no-direct "
               "--out bench/results/serve_tq_k4v4.json --plot bench/results/serve_tq_k4v4.png",
