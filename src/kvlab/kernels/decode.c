@@ -1684,9 +1684,9 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
         for (int i = 0; i < d; i++) my_x[i] += y[i];
         rms_norm(my_x, W->ffn_norm, m->rms_eps, d, my_h);
         kvlab_matrix_sums(&W->gate_up, my_h, my_sums);
+        /* a piece of gate rows and their up rows by one thread, then silu(gate) * up as the batched step takes it */
         #pragma omp for schedule(static) nowait
-        for (int p = 0; p < (m->d_ff + SWIGLU_PIECE - 1) / SWIGLU_PIECE; p++) {   /* gate rows and their up rows by one
-                                                                                    * thread: silu(gate) * up */
+        for (int p = 0; p < (m->d_ff + SWIGLU_PIECE - 1) / SWIGLU_PIECE; p++) {
             const int i0 = p * SWIGLU_PIECE, n = m->d_ff - i0 < SWIGLU_PIECE ? m->d_ff - i0 : SWIGLU_PIECE;
             float gate[SWIGLU_PIECE], up[SWIGLU_PIECE];
             for (int i = 0; i < n; i++) {
