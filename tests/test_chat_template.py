@@ -63,3 +63,22 @@ def test_cli_chat_with_a_broken_template_is_one_line(monkeypatch):
     assert result.exit_code == 2 and "Traceback" not in result.output
     lines = [line for line in result.output.strip().splitlines() if line.strip()]
     assert len(lines) == 1 and "chat template: syntax error" in lines[0]
+
+
+def test_one_child_renders_prompt_after_prompt_and_a_failed_render_gets_a_fresh_one(monkeypatch):
+    """A Python process costs ~0.1 s to start, which a server would pay on every new conversation turn: the child stays
+    between renders, and one that failed (here: killed at the time bound) is replaced at the next render."""
+    monkeypatch.setattr(chat_template, "RENDER_SECONDS", 2.0)
+    template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    turns = [[{"role": "user", "content": word}] for word in ("one", "two", "three")]
+    first = render_chat_template(template, turns[0])
+    child = chat_template._renderer._child
+    assert render_chat_template(template, turns[1]) == reference_render(template, messages=turns[1])
+    assert first == reference_render(template, messages=turns[0])
+    assert chat_template._renderer._child is child and child.poll() is None
+    endless = "{% for a in range(99999) %}{% for b in range(99999) %}{% endfor %}{% endfor %}"
+    with pytest.raises(ModelFileError, match="did not finish within 2 s"):
+        render_chat_template(endless, MESSAGES)
+    assert child.poll() is not None
+    assert render_chat_template(template, turns[2]) == reference_render(template, messages=turns[2])
+    assert chat_template._renderer._child is not child
