@@ -1021,17 +1021,19 @@ SECTIONS = [
         Table("serve_kvlab_2threads.json", serve,
               "OMP_NUM_THREADS=2 kvlab bench serve --cache dense-f16 --kv-budget 512MiB --concurrency 1,16 --requests 16 --max-tokens 256 --no-direct --out bench/results/serve_kvlab_2threads.json",
               "On an Intel Xeon, alternated with llama-server (the next table; two rounds, the second shown), 2 "
-              "threads each: at one client kvlab's time per output token is 6.5-6.7 ms against llama-server's 7.9-8.4 "
-              "ms, at 16 clients it serves 379-381 output tok/s against 203-207 (1.8x). llama-server's first token "
-              "comes sooner at one client (51-53 ms against 106-107)."),
+              "threads each: at one client kvlab's time per output token is 6.5-6.6 ms against llama-server's 9.0-9.3 "
+              "ms and its first token comes in 49-50 ms against 53-54; at 16 clients it serves 356 output tok/s "
+              "against 205-207 (1.7x). (Before chat templates were rendered by a child kept between renders, a new "
+              "prompt's first token took 106-107 ms: a Python start per render.)"),
         Table("serve_llama_server_2threads.json", serve,
               "llama-server -m SmolLM2-135M-Instruct.Q4_1.gguf -t 2 -tb 2 -np 16 -c 8192 -ctk f16 -ctv f16 --port 8089; kvlab bench serve --url http://127.0.0.1:8089 --concurrency 1,16 --requests 16 --max-tokens 256 --no-direct --out bench/results/serve_llama_server_2threads.json",
               "llama.cpp from the llama-cpp-python 0.3.36 sdist, built with GGML_NATIVE=OFF and AVX-512 (VNNI, BF16) "
               "but no AMX: the native build stops on an illegal instruction on this virtual machine."),
         Table("serve_kvlab_1thread.json", serve,
               "OMP_NUM_THREADS=1 kvlab bench serve --cache dense-f16 --kv-budget 512MiB --concurrency 1,16 --requests 16 --max-tokens 256 --no-direct --out bench/results/serve_kvlab_1thread.json",
-              "The same at 1 thread: at one client 11.3-11.4 ms per output token against llama-server's 16.6-17.1 ms, "
-              "at 16 clients 274-285 output tok/s against 113-114 (2.4x)."),
+              "The same at 1 thread: at one client 11.2-11.4 ms per output token against llama-server's 16.1-17.7 ms "
+              "and a first token in 69-70 ms against 84-88; at 16 clients 263-282 output tok/s against 111-112 "
+              "(2.4x)."),
         Table("serve_llama_server_1thread.json", serve,
               "llama-server -m SmolLM2-135M-Instruct.Q4_1.gguf -t 1 -tb 1 -np 16 -c 8192 -ctk f16 -ctv f16 --port 8089; kvlab bench serve --url http://127.0.0.1:8089 --concurrency 1,16 --requests 16 --max-tokens 256 --no-direct --out bench/results/serve_llama_server_1thread.json"),
         Table("serve_tq_k4v4.json", serve,
