@@ -168,10 +168,13 @@ class _Renderer:
             if line is None:
                 self._stop()
                 return None
-            reply = json.loads(line) if line else {"died": child.wait()}
-            if "text" not in reply:   # a failed render: the next one gets a fresh child
+            try:
+                reply = json.loads(line) if line else None
+            except ValueError:
+                reply = None
+            if reply is None or "text" not in reply:   # a failed render, or no answer: the next gets a fresh child
                 self._stop()
-            return reply
+            return reply if reply is not None else {"died": child.returncode}
         finally:
             self._lock.release()
 
@@ -196,8 +199,6 @@ def _render(template: str, variables_json: str, deadline: float | None) -> str:
         reply = _renderer.render(request, time.monotonic() + limit)
     except OSError as exc:
         raise ModelFileError(f"chat template: cannot start a Python process to render it ({exc.strerror or exc})") from None
-    except ValueError:
-        reply = {"died": "?"}
     if reply is None:
         raise late
     if "died" in reply:
