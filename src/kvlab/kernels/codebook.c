@@ -622,6 +622,15 @@ static void mix_heads(const cb_part *P, const uint8_t *rows, int64_t row_bytes, 
         case 2: mix_block(P, rows, row_bytes, count, w, w_stride, acc, acc_stride, b0, nb, tail, B, 2); break; \
         case 3: mix_block(P, rows, row_bytes, count, w, w_stride, acc, acc_stride, b0, nb, tail, B, 3); break; \
         default: mix_block(P, rows, row_bytes, count, w, w_stride, acc, acc_stride, b0, nb, tail, B, 4); break; }
+    if (bits == 4 && nb == 4 && tail == 16) {   /* 64 channels at 4 bits: the common layout, its counts constants */
+        switch (gh) {
+            case 1: mix_block(P, rows, row_bytes, count, w, w_stride, acc, acc_stride, b0, 4, 16, 4, 1); break;
+            case 2: mix_block(P, rows, row_bytes, count, w, w_stride, acc, acc_stride, b0, 4, 16, 4, 2); break;
+            case 3: mix_block(P, rows, row_bytes, count, w, w_stride, acc, acc_stride, b0, 4, 16, 4, 3); break;
+            default: mix_block(P, rows, row_bytes, count, w, w_stride, acc, acc_stride, b0, 4, 16, 4, 4); break;
+        }
+        return;
+    }
     switch (bits) {
         case 1: MIX_CASE(1) break;
         case 2: MIX_CASE(2) break;
@@ -759,6 +768,47 @@ CB_INLINE void dot_block(const cb_part *P, const uint8_t *rows, int64_t row_byte
     }
 }
 
+/* dot_block for 64 channels at 4 bits from block b0 (one 32-byte run of codes a row): the queries loaded into
+ * registers once (read from memory every row they would alias the scores' stores, 4 KiB apart, on some layouts) */
+CB_INLINE void quad_partials4(const uint8_t *rows, int64_t row_bytes, int k, int64_t o0, const __m512 (*qv)[4], const int gh,
+                              block_table T, __m512 *x) {
+    __m512 p[4][4];   /* [row of the quad][head] */
+    for (int j = 0; j < 4; j++) {
+        const uint8_t *row = rows + (8 * (j & 1) + 4 * (j >> 1) + 2 * (k & 1) + (k >> 1)) * row_bytes + o0;
+        for (int b = 0; b < 4; b++) {
+            const __m512 v = values_of(load_bytes(row + 8 * b, 8), 0, 4, T);
+            for (int h = 0; h < gh; h++) p[j][h] = b ? _mm512_fmadd_ps(qv[h][b], v, p[j][h]) : _mm512_mul_ps(qv[h][b], v);
+        }
+    }
+    for (int h = 0; h < gh; h++) x[h] = fold(fold(p[0][h], p[1][h], 0), fold(p[2][h], p[3][h], 0), 1);
+}
+
+CB_INLINE void dot_rows4(const cb_part *P, const uint8_t *rows, int64_t row_bytes, int64_t count, int b0, const float *qb,
+                         int64_t qs, int add, float *out, int64_t out_stride, const int gh) {
+    const block_table T = prepare_table(P, 4);
+    const int64_t o0 = P->offset[0] + 8 * b0;
+    __m512 qv[4][4];
+    for (int h = 0; h < gh; h++)
+        for (int b = 0; b < 4; b++) qv[h][b] = _mm512_loadu_ps(qb + h * qs + 16 * b);
+    int64_t r = 0;
+    for (; r + 16 <= count; r += 16) {
+        const uint8_t *at = rows + r * row_bytes;
+        __m512 x[4], y[4], half[4];
+        quad_partials4(at, row_bytes, 0, o0, qv, gh, T, x);
+        quad_partials4(at, row_bytes, 1, o0, qv, gh, T, y);
+        for (int h = 0; h < gh; h++) half[h] = fold(x[h], y[h], 2);
+        quad_partials4(at, row_bytes, 2, o0, qv, gh, T, x);
+        quad_partials4(at, row_bytes, 3, o0, qv, gh, T, y);
+        for (int h = 0; h < gh; h++) {
+            float *o = out + h * out_stride + r;
+            const __m512 dots = fold(half[h], fold(x[h], y[h], 2), 3);
+            _mm512_storeu_ps(o, add ? _mm512_add_ps(_mm512_loadu_ps(o), dots) : dots);
+        }
+    }
+    if (r < count)   /* the last rows one at a time */
+        dot_block(P, rows + r * row_bytes, row_bytes, count - r, b0, 4, 16, qb, qs, add, out + r, out_stride, 4, gh, 0);
+}
+
 static void dot_heads(const cb_part *P, const uint8_t *rows, int64_t row_bytes, int64_t count, int b0, int nb, int tail,
                       const float *qb, int64_t qs, int add, float *out, int64_t out_stride, int bits, int gh) {
 #define DOT_CASE(B, VQ) switch (gh) { \
@@ -771,6 +821,15 @@ static void dot_heads(const cb_part *P, const uint8_t *rows, int64_t row_bytes, 
             DOT_CASE(2, 1)
         } else {
             DOT_CASE(3, 1)
+        }
+        return;
+    }
+    if (bits == 4 && nb == 4 && tail == 16) {   /* 64 channels at 4 bits (tq4's keys): the counts constants */
+        switch (gh) {
+            case 1: dot_rows4(P, rows, row_bytes, count, b0, qb, qs, add, out, out_stride, 1); break;
+            case 2: dot_rows4(P, rows, row_bytes, count, b0, qb, qs, add, out, out_stride, 2); break;
+            case 3: dot_rows4(P, rows, row_bytes, count, b0, qb, qs, add, out, out_stride, 3); break;
+            default: dot_rows4(P, rows, row_bytes, count, b0, qb, qs, add, out, out_stride, 4); break;
         }
         return;
     }

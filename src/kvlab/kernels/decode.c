@@ -749,16 +749,16 @@ void kvlab_tq_turn_coef(const float *q, const float *mu, int d, float scale, flo
 }
 
 /* out[i * TQ_READ_KEYS + j] = q_i . R_t μ for keys t = k0 + j < k0 + n: query i's [A | B] (T->coef, laid out as the
- * queries) against key t's cos and sin (first halves). Sixteen keys from a key t0 at a time where AVX-512 is there: the
- * coefficients turned once to t0 (A' = A cos t0θ + B sin t0θ, B' = B cos t0θ - A sin t0θ), then read against
- * T->steps' columns r = [cos rθ | sin rθ] for keys t0 + r, which stay in L1 (the position rows of a long context do
- * not: each key's would cost more bytes than its codes); the rest from the key's own rows. */
+ * queries) against key t's cos and sin (first halves). KEYS (64 or 16) keys from a key t0 at a time where AVX-512 is
+ * there: the coefficients turned once to t0 (A' = A cos t0θ + B sin t0θ, B' = B cos t0θ - A sin t0θ), then read
+ * against T->steps' columns r = [cos rθ | sin rθ] for keys t0 + r, which stay in L1 (the position rows of a long
+ * context do not: each key's would cost more bytes than its codes); the rest from the key's own rows. */
 #if defined(__AVX512F__)
-/* sixteen keys from row 0 of cos_/sin_ (the base) for nq (<= 4) queries' [A | B] (coef[i]), half = 16 * blocks: each
- * query's sixteen scores in one vector, a channel's coefficient broadcast against its row of steps (d, 16), two chains
- * a query */
-REBUILD_INLINE void turn_scores16(const float *cos_, const float *sin_, const float *steps, const float *const *coef, const int nq,
-                                  const int blocks, float *const *out) {
+/* keys / 16 blocks of sixteen keys from row 0 of cos_/sin_ (the base) for nq (<= 4) queries' [A | B] (coef[i]), half
+ * = 16 * blocks: each query's block of sixteen scores in one vector, a channel's coefficient broadcast once against its
+ * row of steps (d, TQ_TURN_KEYS), one chain a query and block */
+REBUILD_INLINE void turn_scores_run(const float *cos_, const float *sin_, const float *steps, const float *const *coef,
+                                    const int nq, const int blocks, const int keys, float *const *out) {
     const int half = 16 * blocks;
     float turned[4][CB_MAX_DIM];   /* each query's [A' | B'] */
     for (int i = 0; i < nq; i++)
@@ -768,16 +768,37 @@ REBUILD_INLINE void turn_scores16(const float *cos_, const float *sin_, const fl
             _mm512_storeu_ps(turned[i] + 16 * b, _mm512_fmadd_ps(e, sn, _mm512_mul_ps(a, c)));
             _mm512_storeu_ps(turned[i] + half + 16 * b, _mm512_fnmadd_ps(a, sn, _mm512_mul_ps(e, c)));
         }
-    __m512 even[4], odd[4];
-    for (int i = 0; i < nq; i++) even[i] = odd[i] = _mm512_setzero_ps();
-    for (int x = 0; x < 2 * half; x += 2) {   /* d = 2 half */
-        const __m512 s0 = _mm512_loadu_ps(steps + 16 * (int64_t)x), s1 = _mm512_loadu_ps(steps + 16 * (int64_t)(x + 1));
+    __m512 acc[4][TQ_TURN_KEYS / 16];
+    for (int i = 0; i < nq; i++)
+        for (int k = 0; k < keys / 16; k++) acc[i][k] = _mm512_setzero_ps();
+    for (int x = 0; x < 2 * half; x++) {   /* d = 2 half */
+        __m512 s[TQ_TURN_KEYS / 16];
+        for (int k = 0; k < keys / 16; k++) s[k] = _mm512_loadu_ps(steps + TQ_TURN_KEYS * (int64_t)x + 16 * k);
         for (int i = 0; i < nq; i++) {
-            even[i] = _mm512_fmadd_ps(_mm512_set1_ps(turned[i][x]), s0, even[i]);
-            odd[i] = _mm512_fmadd_ps(_mm512_set1_ps(turned[i][x + 1]), s1, odd[i]);
+            const __m512 c = _mm512_set1_ps(turned[i][x]);
+            for (int k = 0; k < keys / 16; k++) acc[i][k] = _mm512_fmadd_ps(c, s[k], acc[i][k]);
         }
     }
-    for (int i = 0; i < nq; i++) _mm512_storeu_ps(out[i], _mm512_add_ps(even[i], odd[i]));
+    for (int i = 0; i < nq; i++)
+        for (int k = 0; k < keys / 16; k++) _mm512_storeu_ps(out[i] + 16 * k, acc[i][k]);
+}
+
+/* turn_scores_run with its counts constants: m queries (1 to 4), d = 64 unrolled */
+static void turn_scores_at(const float *c, const float *sn, const float *steps, const float *const *coef, int m, int half,
+                           int keys, float *const *o) {
+#define TURN_CASE(K) switch (m) { \
+        case 1: turn_scores_run(c, sn, steps, coef, 1, 2, K, o); break; \
+        case 2: turn_scores_run(c, sn, steps, coef, 2, 2, K, o); break; \
+        case 3: turn_scores_run(c, sn, steps, coef, 3, 2, K, o); break; \
+        default: turn_scores_run(c, sn, steps, coef, 4, 2, K, o); break; }
+    if (half == 32 && keys == TQ_TURN_KEYS) {
+        TURN_CASE(TQ_TURN_KEYS)
+    } else if (half == 32) {
+        TURN_CASE(16)
+    } else {
+        turn_scores_run(c, sn, steps, coef, m, half / 16, 16, o);   /* keys: 16 (d other than 64) */
+    }
+#undef TURN_CASE
 }
 #endif
 
@@ -786,7 +807,8 @@ static void turn_scores(const KeyTurn *T, int group, int64_t row_stride, int nq,
     int j0 = 0;
 #if defined(__AVX512F__)
     if (half % 16 == 0 && half <= 64)
-        for (; j0 + 16 <= n; j0 += 16) {
+        while (j0 + 16 <= n) {
+            const int keys = half == 32 && j0 + TQ_TURN_KEYS <= n ? TQ_TURN_KEYS : 16;
             const float *c = T->cos_ + (k0 + j0) * d, *sn = T->sin_ + (k0 + j0) * d;
             for (int i0 = 0; i0 < nq; i0 += 4) {
                 const int m = nq - i0 < 4 ? nq - i0 : 4;
@@ -796,17 +818,9 @@ static void turn_scores(const KeyTurn *T, int group, int64_t row_stride, int nq,
                     coef[i] = T->coef + ((i0 + i) / group) * row_stride + (int64_t)((i0 + i) % group) * d;
                     o[i] = out + (int64_t)(i0 + i) * TQ_READ_KEYS + j0;
                 }
-                if (half == 32) {   /* d = 64: the loops unrolled */
-                    switch (m) {
-                        case 1: turn_scores16(c, sn, T->steps, coef, 1, 2, o); break;
-                        case 2: turn_scores16(c, sn, T->steps, coef, 2, 2, o); break;
-                        case 3: turn_scores16(c, sn, T->steps, coef, 3, 2, o); break;
-                        default: turn_scores16(c, sn, T->steps, coef, 4, 2, o); break;
-                    }
-                } else {
-                    turn_scores16(c, sn, T->steps, coef, m, half / 16, o);
-                }
+                turn_scores_at(c, sn, T->steps, coef, m, half, keys, o);
             }
+            j0 += keys;
         }
 #endif
     for (int i = 0; i < nq; i++) {
