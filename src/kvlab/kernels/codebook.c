@@ -768,6 +768,16 @@ CB_INLINE void dot_block(const cb_part *P, const uint8_t *rows, int64_t row_byte
     }
 }
 
+/* rows [lo, hi) of each run of `ahead` asked for, lo and hi the share of rows [r, r + 16) of a read of `count` rows */
+CB_INLINE void ask_ahead(const cb_ahead *ahead, int n_ahead, int64_t r, int64_t count) {
+    for (int a = 0; a < n_ahead; a++) {
+        const int64_t lo = r * ahead[a].count / count, hi = (r + 16 < count ? r + 16 : count) * ahead[a].count / count;
+        const uintptr_t end = (uintptr_t)(ahead[a].rows + hi * ahead[a].row_bytes);
+        for (uintptr_t p = (uintptr_t)(ahead[a].rows + lo * ahead[a].row_bytes) & ~(uintptr_t)63; p < end; p += 64)
+            __builtin_prefetch((const void *)p, 0, 3);
+    }
+}
+
 /* dot_block for 64 channels at 4 bits from block b0 (one 32-byte run of codes a row): the queries loaded into
  * registers once (read from memory every row they would alias the scores' stores, 4 KiB apart, on some layouts) */
 CB_INLINE void quad_partials4(const uint8_t *rows, int64_t row_bytes, int k, int64_t o0, const __m512 (*qv)[4], const int gh,
@@ -784,7 +794,7 @@ CB_INLINE void quad_partials4(const uint8_t *rows, int64_t row_bytes, int k, int
 }
 
 CB_INLINE void dot_rows4(const cb_part *P, const uint8_t *rows, int64_t row_bytes, int64_t count, int b0, const float *qb,
-                         int64_t qs, int add, float *out, int64_t out_stride, const int gh) {
+                         int64_t qs, int add, float *out, int64_t out_stride, const cb_ahead *ahead, int n_ahead, const int gh) {
     const block_table T = prepare_table(P, 4);
     const int64_t o0 = P->offset[0] + 8 * b0;
     __m512 qv[4][4];
@@ -794,6 +804,7 @@ CB_INLINE void dot_rows4(const cb_part *P, const uint8_t *rows, int64_t row_byte
     for (; r + 16 <= count; r += 16) {
         const uint8_t *at = rows + r * row_bytes;
         __m512 x[4], y[4], half[4];
+        ask_ahead(ahead, n_ahead, r, count);
         quad_partials4(at, row_bytes, 0, o0, qv, gh, T, x);
         quad_partials4(at, row_bytes, 1, o0, qv, gh, T, y);
         for (int h = 0; h < gh; h++) half[h] = fold(x[h], y[h], 2);
@@ -805,12 +816,15 @@ CB_INLINE void dot_rows4(const cb_part *P, const uint8_t *rows, int64_t row_byte
             _mm512_storeu_ps(o, add ? _mm512_add_ps(_mm512_loadu_ps(o), dots) : dots);
         }
     }
-    if (r < count)   /* the last rows one at a time */
+    if (r < count) {   /* the last rows one at a time */
+        ask_ahead(ahead, n_ahead, r, count);
         dot_block(P, rows + r * row_bytes, row_bytes, count - r, b0, 4, 16, qb, qs, add, out + r, out_stride, 4, gh, 0);
+    }
 }
 
 static void dot_heads(const cb_part *P, const uint8_t *rows, int64_t row_bytes, int64_t count, int b0, int nb, int tail,
-                      const float *qb, int64_t qs, int add, float *out, int64_t out_stride, int bits, int gh) {
+                      const float *qb, int64_t qs, int add, float *out, int64_t out_stride, int bits, int gh,
+                      const cb_ahead *ahead, int n_ahead) {
 #define DOT_CASE(B, VQ) switch (gh) { \
         case 1: dot_block(P, rows, row_bytes, count, b0, nb, tail, qb, qs, add, out, out_stride, B, 1, VQ); break; \
         case 2: dot_block(P, rows, row_bytes, count, b0, nb, tail, qb, qs, add, out, out_stride, B, 2, VQ); break; \
@@ -826,10 +840,10 @@ static void dot_heads(const cb_part *P, const uint8_t *rows, int64_t row_bytes, 
     }
     if (bits == 4 && nb == 4 && tail == 16) {   /* 64 channels at 4 bits (tq4's keys): the counts constants */
         switch (gh) {
-            case 1: dot_rows4(P, rows, row_bytes, count, b0, qb, qs, add, out, out_stride, 1); break;
-            case 2: dot_rows4(P, rows, row_bytes, count, b0, qb, qs, add, out, out_stride, 2); break;
-            case 3: dot_rows4(P, rows, row_bytes, count, b0, qb, qs, add, out, out_stride, 3); break;
-            default: dot_rows4(P, rows, row_bytes, count, b0, qb, qs, add, out, out_stride, 4); break;
+            case 1: dot_rows4(P, rows, row_bytes, count, b0, qb, qs, add, out, out_stride, ahead, n_ahead, 1); break;
+            case 2: dot_rows4(P, rows, row_bytes, count, b0, qb, qs, add, out, out_stride, ahead, n_ahead, 2); break;
+            case 3: dot_rows4(P, rows, row_bytes, count, b0, qb, qs, add, out, out_stride, ahead, n_ahead, 3); break;
+            default: dot_rows4(P, rows, row_bytes, count, b0, qb, qs, add, out, out_stride, ahead, n_ahead, 4); break;
         }
         return;
     }
@@ -883,9 +897,13 @@ int kvlab_cb_mix_rows(const cb_layout *L, const uint8_t *rows, int64_t row_bytes
 }
 
 int kvlab_cb_dot_rows(const cb_layout *L, const uint8_t *rows, int64_t row_bytes, int64_t count, const float *q,
-                      int64_t q_stride, int heads, float *out, int64_t out_stride) {
+                      int64_t q_stride, int heads, float *out, int64_t out_stride, const cb_ahead *ahead, int n_ahead) {
 #if defined(__AVX512F__)
     if (!register_layout(L)) return -1;
+    if (!(L->n_parts == 1 && !L->part[0].block && L->part[0].bits == 4 && L->d % 64 == 0)) {   /* all at the start */
+        ask_ahead(ahead, n_ahead, 0, 16);
+        n_ahead = 0;
+    }
     float qb[4 * 64];   /* up to four heads' 64 channels, in block order (+vq: in order) */
     for (int h0 = 0; h0 < heads; h0 += 4) {
         const int gh = heads - h0 < 4 ? heads - h0 : 4;
@@ -900,7 +918,7 @@ int kvlab_cb_dot_rows(const cb_layout *L, const uint8_t *rows, int64_t row_bytes
                             _mm512_storeu_ps(qb + h * 64 + 16 * k, _mm512_maskz_loadu_ps(4 * k < n ? quad_lanes(n, k) : 0,
                                              q + (h0 + h) * q_stride + P->lo + CB_BLOCK * g + 16 * k));
                     dot_heads(P, rows, row_bytes, count, g, n, 16, qb, 64, p > 0 || g > 0, out + h0 * out_stride, out_stride,
-                              P->bits, gh);
+                              P->bits, gh, NULL, 0);
                 }
                 continue;
             }
@@ -912,8 +930,9 @@ int kvlab_cb_dot_rows(const cb_layout *L, const uint8_t *rows, int64_t row_bytes
                         const __m512 x = _mm512_maskz_loadu_ps(lanes(b == nb - 1 ? tail : 16), q + (h0 + h) * q_stride + P->lo + c0 + 16 * b);
                         _mm512_storeu_ps(qb + h * 64 + 16 * b, P->bits == 4 ? _mm512_permutexvar_ps(block4_order(), x) : x);
                     }
+                const int first = h0 == 0 && c0 == 0;   /* the one pass that asks for the runs ahead */
                 dot_heads(P, rows, row_bytes, count, c0 / 16, nb, tail, qb, 64, p > 0 || c0 > 0, out + h0 * out_stride,
-                          out_stride, P->bits, gh);
+                          out_stride, P->bits, gh, first ? ahead : NULL, first ? n_ahead : 0);
             }
         }
     }
@@ -1069,7 +1088,7 @@ int kvlab_codebook_dots(const uint8_t *codes, int heads, int64_t slots, int64_t 
                 const int64_t t0 = tile * span, count = n - t0 < span ? n - t0 : span;
                 if (in_registers) {
                     kvlab_cb_dot_rows(&L, codes + ((int64_t)h * slots + start + t0) * row_bytes, row_bytes, count,
-                                      q + (int64_t)h * nq * d, d, nq, out + (int64_t)h * nq * n + t0, n);
+                                      q + (int64_t)h * nq * d, d, nq, out + (int64_t)h * nq * n + t0, n, NULL, 0);
                     continue;
                 }
                 float *rows = buf, *qpad = buf + (size_t)dpad * CB_TILE;

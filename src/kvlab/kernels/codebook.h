@@ -40,11 +40,19 @@ void kvlab_cb_decode_rows(const cb_layout *L, const uint8_t *rows, int64_t row_b
 int kvlab_cb_mix_rows(const cb_layout *L, const uint8_t *rows, int64_t row_bytes, int64_t count, const float *w,
                       int64_t w_stride, int heads, float *acc, int64_t acc_stride);
 
+/* Rows a read asks for ahead of their use: `count` rows `row_bytes` apart from `rows` */
+typedef struct {
+    const uint8_t *rows;
+    int64_t row_bytes, count;
+} cb_ahead;
+
 /* out[h * out_stride + r] = q_h . value(row r) for h < heads, r < count (q_h at q + h * q_stride, d floats): the rows
- * decoded in registers, sixteen rows' dots summed at once. 0, or -1 where this build or layout has no such path (the
- * caller decodes rows into a tile instead). */
+ * decoded in registers, sixteen rows' dots summed at once. The n_ahead runs of `ahead` are asked for meanwhile (a
+ * share with each sixteen rows where the layout is 64 channels at 4 bits, so the loads overlap the arithmetic instead
+ * of stalling in one burst; else all at the start). 0, or -1 where this build or layout has no such path (the caller
+ * decodes rows into a tile instead). */
 int kvlab_cb_dot_rows(const cb_layout *L, const uint8_t *rows, int64_t row_bytes, int64_t count, const float *q,
-                      int64_t q_stride, int heads, float *out, int64_t out_stride);
+                      int64_t q_stride, int heads, float *out, int64_t out_stride, const cb_ahead *ahead, int n_ahead);
 
 /* Code one vector y (d,): each channel's code is the number of its part's boundaries below y (torch.bucketize,
  * right=False; `bounds`: each scalar part's 2^bits - 1 increasing boundaries in turn, none for a block part), a

@@ -949,8 +949,8 @@ static inline void prefetch_ahead(const uint8_t *rows, int64_t bytes, int r0, in
 }
 
 /* scores (nq, TQ_READ_KEYS) of a run of `run` keys from `slot` read from their codes in registers, READ_PIECE rows at a
- * time, the next piece's key codes and this piece's value codes asked for ahead; -1 (nothing read) where the key
- * layout is not read in registers */
+ * time, the next piece's key codes and this piece's value codes asked for alongside (kvlab_cb_dot_rows' cb_ahead);
+ * -1 (nothing read) where the key layout is not read in registers */
 #define READ_PIECE 64
 static int register_dots(const TqHead *h, int g, int64_t slot, int run, const float *qpad, int nq, float *scores) {
     const Coded *C = h->C;
@@ -958,10 +958,11 @@ static int register_dots(const TqHead *h, int g, int64_t slot, int run, const fl
     prefetch_ahead(keys, C->slot_bytes[0], 0, READ_PIECE, run);
     for (int r0 = 0; r0 < run; r0 += READ_PIECE) {
         const int count = run - r0 < READ_PIECE ? run - r0 : READ_PIECE;
-        prefetch_ahead(keys, C->slot_bytes[0], r0 + READ_PIECE, r0 + 2 * READ_PIECE, run);
-        prefetch_ahead(values, C->slot_bytes[1], r0, r0 + READ_PIECE, run);
+        const int next = run - r0 - count < READ_PIECE ? run - r0 - count : READ_PIECE;
+        const cb_ahead ahead[2] = {{keys + (r0 + count) * C->slot_bytes[0], C->slot_bytes[0], next},
+                                   {values + r0 * C->slot_bytes[1], C->slot_bytes[1], count}};
         if (kvlab_cb_dot_rows(h->layout[0], keys + r0 * C->slot_bytes[0], C->slot_bytes[0], count, qpad, h->layout[0]->dpad,
-                              nq, scores + r0, TQ_READ_KEYS) != 0)
+                              nq, scores + r0, TQ_READ_KEYS, ahead, 2) != 0)
             return -1;   /* at the first piece: the layout is checked before anything is read */
     }
     return 0;
