@@ -733,13 +733,15 @@ SECTIONS = [
               "kvlab bench decode --contexts 512,2k,4k,8k --caches dense,dense-f16,tq4,tq3,tq-k4v4,int4 --threads 1 "
               "--repeats 2 --steps 16 --out bench/results/decode_presets_1thread.json",
               "The presets against the bare method, on an Intel Xeon. `tq4` reads its codes in registers as "
-              "`tq-k4v4` does, plus each key's turned offset: 0.95 / 1.05 / 1.09 / 1.08x `dense-f16` at 512 / 2k / "
-              "4k / 8k tokens, where `tq-k4v4` is 0.98 / 1.13 / 1.21 / 1.20x. `tq3` rebuilds each key before RoPE "
-              "(decode, a Hadamard transform, a scale, RoPE), which makes its read compute-bound: 0.68x / 0.61x at "
-              "4k / 8k. At 8k dense-f16 reads at 70% of the measured read limit, tq4 at 39%. The prefill column: an "
-              "8k prompt takes tq4 2.2x dense-f16's time and tq3 3.5x, since a prompt chunk's queries read the coded "
-              "keys the way a decode step does, four query heads at a time (a profile of tq4's 4k prefill: 55% in "
-              "those reads).",
+              "`tq-k4v4` does (64 channels at 4 bits: a dot and a mix of their own, the queries held in registers), "
+              "plus each key's turned offset (64 keys per turn of the coefficients): 1.00 / 1.14 / 1.31 / 1.49x "
+              "`dense-f16` at 512 / 2k / 4k / 8k tokens, where `tq-k4v4` is 1.05 / 1.25 / 1.45 / 1.74x. `tq3` "
+              "rebuilds each key before RoPE (decode, a Hadamard transform, a scale, RoPE), which makes its read "
+              "compute-bound: 0.73x / 0.66x at 4k / 8k. At 8k dense-f16 reads at 55% of the measured read limit (15.4 "
+              "GB/s this run; 12.8-15.4 across its samples), tq4 at 42%, tq-k4v4 at 50%. The prefill column: an 8k "
+              "prompt takes tq4 1.5x dense-f16's time and tq3 3.2x, since a prompt chunk's queries read the coded "
+              "keys the way a decode step does, four query heads at a time, and tq4 adds each key's turned offset "
+              "to every score.",
               read_share=True, presets=CURRENT),
         Table("decode_tq3_ropemean_1thread.json", decode_contexts,
               'kvlab bench decode --contexts 512,4k,8k --caches "dense-f16,tq3,'
@@ -752,9 +754,10 @@ SECTIONS = [
         Table("decode_presets_2threads.json", decode_contexts,
               "kvlab bench decode --contexts 512,2k,4k,8k --caches dense,dense-f16,tq4,tq3,tq-k4v4,int4 --threads 2 "
               "--repeats 2 --steps 16 --out bench/results/decode_presets_2threads.json",
-              "The same at 2 threads: `tq4` 0.93 / 0.94 / 1.03 / 1.03x `dense-f16`, `tq-k4v4` 0.92 / 0.99 / 1.09 / "
-              "1.23x, `tq3` 0.62-0.84x, `int4` 0.91-1.04x; dense-f16 reads at 61-67% of the 2-thread read limit. "
-              "The prefill column is noisier here than at 1 thread (dense-f16's 8k prompt took twice dense's).",
+              "The same at 2 threads: `tq4` 0.96 / 1.08 / 1.27 / 1.45x `dense-f16`, `tq-k4v4` 0.98 / 1.15 / 1.29 / "
+              "1.66x, `tq3` 0.64-0.85x, `int4` 0.92-1.00x; dense-f16 reads at 51-56% of the 2-thread read limit "
+              "(30.9 GB/s at best, 24-31 GB/s across the run's samples). The prefill column is noisier here than at "
+              "1 thread (dense-f16's 8k prompt took twice dense's).",
               read_share=True, presets=CURRENT),
         Table("ropemean_decode_1thread.json", decode_contexts,
               "kvlab bench decode --contexts 512,2k,4k,8k --caches dense-f16,tq4,tq-k4v4,"
@@ -945,11 +948,11 @@ SECTIONS = [
               "--kv-budget 360MiB --threads 2 --out bench/results/throughput_long_decode_360mib.json",
               "The served case where the budget is what limits dense: 16 requests reaching 2k-3.6k tokens, 512 of "
               "them decoded, in a 360 MiB pool. dense-f16 blocks hold about four such sequences at once (5 "
-              "preemptions); tq4 blocks admit all 16. Output tok/s: tq4 1.22x dense-f16 (prefix cache on), TTFT p50 "
-              "51 s against 82 s. The prompts (40k tokens, the same work in every format, more for dense-f16's "
+              "preemptions); tq4 blocks admit all 16. Output tok/s: tq4 1.40x dense-f16 (prefix cache on), TTFT p50 "
+              "43 s against 80 s. The prompts (40k tokens, the same work in every format, more for dense-f16's "
               "recomputed preemptions) take most of both runs' time on 2 cores: tq4's 512 decode steps of 16 "
-              "sequences take ~80 ms each (bench/served_step.py), ~41 of its 154 s, so even a free decode would "
-              "make tq4 at most ~1.7x dense-f16 here (an estimate), not 2x.", presets=CURRENT),
+              "sequences take ~73 ms each (bench/served_step.py at ~3k tokens), ~37 of its ~133 s, so even a free "
+              "decode would make tq4 at most ~1.9x dense-f16 here (an estimate), not 2x.", presets=CURRENT),
         Table("served_step_4seq.json", served_step,
               "python bench/served_step.py --formats dense-f16,tq4 --sequences 4 --threads 2 "
               "--out bench/results/served_step_4seq.json",
@@ -969,8 +972,9 @@ SECTIONS = [
               "python bench/served_step.py --formats dense-f16,tq4,int4 --sequences 16 --prompt-tokens 3000 "
               "--new-tokens 140 --threads 2 --rounds 2 --kv-budget 2GiB --out bench/results/served_step_16seq_3k.json",
               "16 sequences of ~3,000-3,140 tokens in a pool that holds them all, TurboQuant blocks read from their "
-              "codes in registers: `tq4` blocks make 1.39x (1.37-1.41x) the output tokens/s of dense-f16 blocks, "
-              "reading a quarter of the bytes; `int4` blocks 0.82-0.95x.", presets=CURRENT),
+              "codes in registers through the single cache's read (kvlab_tq_read): `tq4` blocks make 1.56x "
+              "(1.53-1.59x) the output tokens/s of dense-f16 blocks, reading a quarter of the bytes; `int4` blocks "
+              "0.82-0.84x.", presets=CURRENT),
         Table("throughput_long_400mib.json", throughput,
               'kvlab bench throughput --workloads long --batches 16 --no-sequential --formats "dense-f16,tq4,tq3,int4" '
               "--kv-budget 400MiB --threads 2 --out bench/results/throughput_long_400mib.json",

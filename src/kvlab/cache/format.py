@@ -68,7 +68,7 @@ Presets. `tq4` and `tq3` are kvlab's recommended recipes, not the bare method: e
 keys coded after RoPE around their offset turned to each position, the first token kept in the cache dtype, 8-bit log
 scales, least-squares scales: no calibration pass, and the serving pool holds it (6,004 B/token on SmolLM2 at 511
 tokens where the bare method is 6,149; +1.22% perplexity over three rotation seeds, 16 windows, passkey as dense).
-Its keys and values are read on their codes, in registers, at one width: 1.05x `dense-f16`'s decode at 4k tokens
+Its keys and values are read on their codes, in registers, at one width: 1.31x `dense-f16`'s decode at 4k tokens
 (1 thread). Keys coded before RoPE (`+prerope`) stay a little closer to dense (KL 0.0145 against 0.0157, +1.30%
 perplexity) but each key is rebuilt and turned when read: the same recipe with +prerope decodes at 0.88x dense-f16
 at 4k tokens, and `tq4.125+prerope+norms8+sink1+kscale=lsq+vscale=lsq` (an eighth of the channels at 5 bits, 6,184

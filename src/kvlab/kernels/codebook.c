@@ -778,8 +778,7 @@ CB_INLINE void ask_ahead(const cb_ahead *ahead, int n_ahead, int64_t r, int64_t 
     }
 }
 
-/* dot_block for 64 channels at 4 bits from block b0 (one 32-byte run of codes a row): the queries loaded into
- * registers once (read from memory every row they would alias the scores' stores, 4 KiB apart, on some layouts) */
+/* quad_partials for 64 channels at 4 bits (o0: the row's first code byte), the queries qv in registers */
 CB_INLINE void quad_partials4(const uint8_t *rows, int64_t row_bytes, int k, int64_t o0, const __m512 (*qv)[4], const int gh,
                               block_table T, __m512 *x) {
     __m512 p[4][4];   /* [row of the quad][head] */
@@ -793,6 +792,8 @@ CB_INLINE void quad_partials4(const uint8_t *rows, int64_t row_bytes, int k, int
     for (int h = 0; h < gh; h++) x[h] = fold(fold(p[0][h], p[1][h], 0), fold(p[2][h], p[3][h], 0), 1);
 }
 
+/* dot_block for 64 channels at 4 bits from block b0 (one 32-byte run of codes a row), its counts constants and the
+ * queries loaded into registers once; the runs of `ahead` asked for a share with each sixteen rows */
 CB_INLINE void dot_rows4(const cb_part *P, const uint8_t *rows, int64_t row_bytes, int64_t count, int b0, const float *qb,
                          int64_t qs, int add, float *out, int64_t out_stride, const cb_ahead *ahead, int n_ahead, const int gh) {
     const block_table T = prepare_table(P, 4);
@@ -939,6 +940,7 @@ int kvlab_cb_dot_rows(const cb_layout *L, const uint8_t *rows, int64_t row_bytes
     return 0;
 #else
     (void)L, (void)rows, (void)row_bytes, (void)count, (void)q, (void)q_stride, (void)heads, (void)out, (void)out_stride;
+    (void)ahead, (void)n_ahead;
     return -1;
 #endif
 }
