@@ -178,6 +178,12 @@ def assert_same_logits_for_any_thread_count(native, cache_name: str) -> None:
     assert torch.equal(runs[0], runs[1])
 
 
+def test_fused_step_reads_tq4_at_head_dim_64(native):
+    """The tq4 preset's read at head dim 64 (SmolLM2's): its 64-channel 4-bit keys and values scored and mixed by their
+    own register kernels, its turned offsets 64 keys per turn of the coefficients, against the modules."""
+    assert_fused_equals_modules(model_for("MHA-64"), "tq4", 270, 6, native._lib)
+
+
 @pytest.mark.parametrize("name", ["tq-k3v3+vq", "tq-k3v2.5+vq+norms8+prerope+sink1+recent4"])
 def test_fused_step_codes_and_reads_block_codes(name, native):
     """+vq block parts (3 and 2 bits) at head dim 64: the new token's block index chosen in C (nearest magnitude point,
