@@ -743,6 +743,13 @@ SECTIONS = [
               "keys the way a decode step does, four query heads at a time, and tq4 adds each key's turned offset "
               "to every score.",
               read_share=True, presets=CURRENT),
+        Table("decode_tq4_repeat_1thread.json", decode_contexts,
+              "kvlab bench decode --contexts 512,8k --caches dense-f16,tq4 --threads 1 --repeats 3 --steps 16 "
+              "--out bench/results/decode_tq4_repeat_1thread.json",
+              "`tq4` against `dense-f16` again, three repeats: 1.02x at 512 tokens and 1.51x at 8k, where the table "
+              "above measured 1.00x and 1.49x. The read limit measured 12.0-12.5 GB/s through this run (12.8-15.4 "
+              "through the one above), so the same speeds read as 67% of it for dense-f16 and 52% for tq4 at 8k.",
+              read_share=True, presets=CURRENT),
         Table("decode_tq3_ropemean_1thread.json", decode_contexts,
               'kvlab bench decode --contexts 512,4k,8k --caches "dense-f16,tq3,'
               'tq-k3.5v3+ropemean+vq+norms8+sink1+kscale=lsq+vscale=lsq,tq4" --threads 1 --repeats 2 --steps 16 '
