@@ -617,26 +617,21 @@ CB_INLINE void mix_block(const cb_part *P, const uint8_t *rows, int64_t row_byte
 
 static void mix_heads(const cb_part *P, const uint8_t *rows, int64_t row_bytes, int64_t count, const float *w,
                       int64_t w_stride, float *acc, int64_t acc_stride, int b0, int nb, int tail, int bits, int gh) {
-#define MIX_CASE(B) switch (gh) { \
-        case 1: mix_block(P, rows, row_bytes, count, w, w_stride, acc, acc_stride, b0, nb, tail, B, 1); break; \
-        case 2: mix_block(P, rows, row_bytes, count, w, w_stride, acc, acc_stride, b0, nb, tail, B, 2); break; \
-        case 3: mix_block(P, rows, row_bytes, count, w, w_stride, acc, acc_stride, b0, nb, tail, B, 3); break; \
-        default: mix_block(P, rows, row_bytes, count, w, w_stride, acc, acc_stride, b0, nb, tail, B, 4); break; }
-    if (bits == 4 && nb == 4 && tail == 16) {   /* 64 channels at 4 bits: the common layout, its counts constants */
-        switch (gh) {
-            case 1: mix_block(P, rows, row_bytes, count, w, w_stride, acc, acc_stride, b0, 4, 16, 4, 1); break;
-            case 2: mix_block(P, rows, row_bytes, count, w, w_stride, acc, acc_stride, b0, 4, 16, 4, 2); break;
-            case 3: mix_block(P, rows, row_bytes, count, w, w_stride, acc, acc_stride, b0, 4, 16, 4, 3); break;
-            default: mix_block(P, rows, row_bytes, count, w, w_stride, acc, acc_stride, b0, 4, 16, 4, 4); break;
-        }
+#define MIX_CASE(B, NB, TAIL) switch (gh) { \
+        case 1: mix_block(P, rows, row_bytes, count, w, w_stride, acc, acc_stride, b0, NB, TAIL, B, 1); break; \
+        case 2: mix_block(P, rows, row_bytes, count, w, w_stride, acc, acc_stride, b0, NB, TAIL, B, 2); break; \
+        case 3: mix_block(P, rows, row_bytes, count, w, w_stride, acc, acc_stride, b0, NB, TAIL, B, 3); break; \
+        default: mix_block(P, rows, row_bytes, count, w, w_stride, acc, acc_stride, b0, NB, TAIL, B, 4); break; }
+    if (bits == 4 && nb == 4 && tail == 16) {   /* 64 channels at 4 bits (tq4's values): the counts constants too */
+        MIX_CASE(4, 4, 16)
         return;
     }
     switch (bits) {
-        case 1: MIX_CASE(1) break;
-        case 2: MIX_CASE(2) break;
-        case 3: MIX_CASE(3) break;
-        case 4: MIX_CASE(4) break;
-        default: MIX_CASE(5) break;
+        case 1: MIX_CASE(1, nb, tail) break;
+        case 2: MIX_CASE(2, nb, tail) break;
+        case 3: MIX_CASE(3, nb, tail) break;
+        case 4: MIX_CASE(4, nb, tail) break;
+        default: MIX_CASE(5, nb, tail) break;
     }
 #undef MIX_CASE
 }
@@ -831,6 +826,8 @@ static void dot_heads(const cb_part *P, const uint8_t *rows, int64_t row_bytes, 
         case 2: dot_block(P, rows, row_bytes, count, b0, nb, tail, qb, qs, add, out, out_stride, B, 2, VQ); break; \
         case 3: dot_block(P, rows, row_bytes, count, b0, nb, tail, qb, qs, add, out, out_stride, B, 3, VQ); break; \
         default: dot_block(P, rows, row_bytes, count, b0, nb, tail, qb, qs, add, out, out_stride, B, 4, VQ); break; }
+    const int rows4 = !P->block && bits == 4 && nb == 4 && tail == 16;   /* 64 channels at 4 bits (tq4's keys) */
+    if (!rows4) ask_ahead(ahead, n_ahead, 0, 16);   /* all of `ahead` at the start; dot_rows4 a share with each 16 rows */
     if (P->block) {   /* +vq: 2 or 3 bits */
         if (bits == 2) {
             DOT_CASE(2, 1)
@@ -839,7 +836,7 @@ static void dot_heads(const cb_part *P, const uint8_t *rows, int64_t row_bytes, 
         }
         return;
     }
-    if (bits == 4 && nb == 4 && tail == 16) {   /* 64 channels at 4 bits (tq4's keys): the counts constants */
+    if (rows4) {   /* the counts constants */
         switch (gh) {
             case 1: dot_rows4(P, rows, row_bytes, count, b0, qb, qs, add, out, out_stride, ahead, n_ahead, 1); break;
             case 2: dot_rows4(P, rows, row_bytes, count, b0, qb, qs, add, out, out_stride, ahead, n_ahead, 2); break;
@@ -901,10 +898,6 @@ int kvlab_cb_dot_rows(const cb_layout *L, const uint8_t *rows, int64_t row_bytes
                       int64_t q_stride, int heads, float *out, int64_t out_stride, const cb_ahead *ahead, int n_ahead) {
 #if defined(__AVX512F__)
     if (!register_layout(L)) return -1;
-    if (!(L->n_parts == 1 && !L->part[0].block && L->part[0].bits == 4 && L->d % 64 == 0)) {   /* all at the start */
-        ask_ahead(ahead, n_ahead, 0, 16);
-        n_ahead = 0;
-    }
     float qb[4 * 64];   /* up to four heads' 64 channels, in block order (+vq: in order) */
     for (int h0 = 0; h0 < heads; h0 += 4) {
         const int gh = heads - h0 < 4 ? heads - h0 : 4;
@@ -918,8 +911,9 @@ int kvlab_cb_dot_rows(const cb_layout *L, const uint8_t *rows, int64_t row_bytes
                         for (int k = 0; k < 4; k++)
                             _mm512_storeu_ps(qb + h * 64 + 16 * k, _mm512_maskz_loadu_ps(4 * k < n ? quad_lanes(n, k) : 0,
                                              q + (h0 + h) * q_stride + P->lo + CB_BLOCK * g + 16 * k));
+                    const int first = h0 == 0 && p == 0 && g == 0;   /* the one pass that asks for the runs ahead */
                     dot_heads(P, rows, row_bytes, count, g, n, 16, qb, 64, p > 0 || g > 0, out + h0 * out_stride, out_stride,
-                              P->bits, gh, NULL, 0);
+                              P->bits, gh, first ? ahead : NULL, first ? n_ahead : 0);
                 }
                 continue;
             }
@@ -931,7 +925,7 @@ int kvlab_cb_dot_rows(const cb_layout *L, const uint8_t *rows, int64_t row_bytes
                         const __m512 x = _mm512_maskz_loadu_ps(lanes(b == nb - 1 ? tail : 16), q + (h0 + h) * q_stride + P->lo + c0 + 16 * b);
                         _mm512_storeu_ps(qb + h * 64 + 16 * b, P->bits == 4 ? _mm512_permutexvar_ps(block4_order(), x) : x);
                     }
-                const int first = h0 == 0 && c0 == 0;   /* the one pass that asks for the runs ahead */
+                const int first = h0 == 0 && p == 0 && c0 == 0;   /* the one pass that asks for the runs ahead */
                 dot_heads(P, rows, row_bytes, count, c0 / 16, nb, tail, qb, 64, p > 0 || c0 > 0, out + h0 * out_stride,
                           out_stride, P->bits, gh, first ? ahead : NULL, first ? n_ahead : 0);
             }
