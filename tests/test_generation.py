@@ -136,9 +136,9 @@ def test_cli_info_lists_compressed_cache_costs(smollm2):
     assert costs["tq4"]["bytes_per_token"] == 30 * 3 * 2 * (64 * 4 / 8 + 1)
     assert costs["tq4"]["formula"].startswith("tq-k4v4+ropemean+norms8+sink1+kscale=lsq+vscale=lsq: per key vector")
     assert costs["tq-k3v3"]["bytes_per_token"] == 30 * 3 * 2 * (64 * 3 // 8 + 2)
-    # the tq3 preset: 3.5-bit keys and 3.125-bit values, each vector with an 8-bit log scale
-    assert costs["tq3"]["bytes_per_token"] == 30 * 3 * ((64 * 3.5 / 8 + 1) + (64 * 3.125 / 8 + 1))
-    assert costs["tq3"]["formula"].startswith("tq-k3.5v3.125+prerope+vq+norms8+sink1: per key vector")
+    # the tq3 preset: 3.5-bit keys and 3-bit values, each vector with an 8-bit log scale
+    assert costs["tq3"]["bytes_per_token"] == 30 * 3 * ((64 * 3.5 / 8 + 1) + (64 * 3 / 8 + 1))
+    assert costs["tq3"]["formula"].startswith("tq-k3.5v3+ropemean+vq+norms8+sink1+kscale=lsq+vscale=lsq: per key vector")
 
 
 def test_bf16_keeps_rope_frequencies_in_fp32():

@@ -222,6 +222,7 @@ def test_the_haar_basis_follows_the_seed():
 
 
 @pytest.mark.parametrize("name, window", [("tq4", None), ("tq3", 24), ("tq4+recent8", None), ("tq3+recent8+sink3", 24),
+                                          ("tq-k3.5v3.125+prerope+vq+norms8+sink1", 24),
                                           ("tq-k4v4+prerope+sink1+halloc=k534453v453354", None),
                                           ("tq-k4v4+ropemean+sink1+norms8+kscale=lsq+vscale=lsq", 24),
                                           ("tq-k4v4+prerope+qjl+sink1", None), ("tq-k4v3+prerope+outliers2+sink1", 24),

@@ -63,7 +63,8 @@ def test_old_names_print_as_today():
     assert gen.current_name("tq3+sink1", gen.TQ3) == "tq-k3v3+sink1"
     assert gen.current_name("tq4.5", gen.BOTH) == "tq4.5"
     assert gen.current_name("tq4+halloc", gen.TQ3) == gen.TQ4_125 + "+halloc"   # tq4's 4.125-bit recipe
-    assert gen.current_name("tq3", gen.PRESETS_125) == "tq3"
+    assert gen.current_name("tq3", gen.PRESETS_125) == gen.TQ3_PREROPE                # tq3's recipe before RoPE
+    assert gen.current_name("tq3+halloc", gen.TQ3_BEFORE_ROPEMEAN) == gen.TQ3_PREROPE + "+halloc"
     assert gen.current_name("tq4+halloc", gen.CURRENT) == "tq4+halloc"
 
 

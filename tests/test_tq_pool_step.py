@@ -37,7 +37,8 @@ from .test_serve_compressed import calibrated
 
 TQ4 = "tq-k4v4+ropemean+norms8+sink1+kscale=lsq+vscale=lsq"       # the tq4 preset
 PREROPE = "tq4.125+prerope+norms8+sink1+kscale=lsq+vscale=lsq"      # keys before RoPE, an eighth of the channels at 5 bits
-TQ3 = "tq-k3.5v3.125+prerope+vq+norms8+sink1"                       # the tq3 preset
+TQ3 = "tq-k3.5v3+ropemean+vq+norms8+sink1+kscale=lsq+vscale=lsq"    # the tq3 preset
+PREROPE_VQ = "tq-k3.5v3.125+prerope+vq+norms8+sink1"                # keys before RoPE, 3-bit parts in blocks of 4
 HALLOC = "tq-k4v4+prerope+halloc=k3553v4444+sink1"                  # 2 layers x 2 KV heads, a width per head
 CASES = [  # format, block size, query heads, KV heads, sliding window
     ("tq-k4v4", 8, 6, 2, None),
@@ -45,6 +46,7 @@ CASES = [  # format, block size, query heads, KV heads, sliding window
     (TQ4, 4, 4, 1, 5),              # MQA, a window shorter than the chunks
     (PREROPE, 8, 6, 2, None),       # two widths in a row: each part read on its own
     (TQ3, 8, 6, 2, None),
+    (PREROPE_VQ, 8, 6, 2, None),
     (HALLOC, 8, 4, 2, None),
     ("tq-k4v3+prerope+qjl+outliers2+sink1", 8, 6, 2, None),   # a residual's sketch, exact key entries
     ("tq-k4v4+center=kv+sink2", 4, 6, 3, None),   # K, V coded less their offsets: q·μ joins the coded keys' lse

@@ -37,7 +37,7 @@ transformers` do). Without it, and in sliding-window segments, the weights are c
 (measured on SmolLM2, one 512-token window: tq-k4v4 (then `tq4`) ΔPPL +5.5% from the keys alone, +3.4% with the queries;
 kvlab's engine +2.6%, the rest being coding noise: tests/test_hf_backend.py).
 
-The presets `tq4` and `tq3` (cache/format.py) code keys around RoPE in kvlab's engine (`+ropemean`, `+prerope`);
+The presets `tq4` and `tq3` (cache/format.py) code keys around RoPE in kvlab's engine (`+ropemean`);
 transformers hands a cache keys after RoPE, so here a preset is a recipe without either (TRANSFORMERS_PRESETS: tq4 is
 tq4.125+norms8+sink1+kscale=lsq+vscale=lsq; tq3 is tq-k4v3+vq+norms8+sink1, since keys after RoPE need 4 bits), and a
 name that asks for `+prerope` or `+ropemean` itself is refused (CacheSpec.supports("transformers") names every refusal).

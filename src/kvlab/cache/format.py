@@ -68,20 +68,20 @@ Presets. `tq4` and `tq3` are kvlab's recommended recipes, not the bare method: e
 keys coded after RoPE around their offset turned to each position, the first token kept in the cache dtype, 8-bit log
 scales, least-squares scales: no calibration pass, and the serving pool holds it (6,004 B/token on SmolLM2 at 511
 tokens where the bare method is 6,149; +1.22% perplexity over three rotation seeds, 16 windows, passkey as dense).
-Its keys and values are read on their codes, in registers, at one width: 1.31x `dense-f16`'s decode at 4k tokens
+Its keys and values are read on their codes, in registers, at one width: 1.35x `dense-f16`'s decode at 4k tokens
 (1 thread). Keys coded before RoPE (`+prerope`) stay a little closer to dense (KL 0.0145 against 0.0157, +1.30%
 perplexity) but each key is rebuilt and turned when read: the same recipe with +prerope decodes at 0.88x dense-f16
 at 4k tokens, and `tq4.125+prerope+norms8+sink1+kscale=lsq+vscale=lsq` (an eighth of the channels at 5 bits, 6,184
 B/token, +1.04%) at 0.79x (docs/benchmarks.md);
-    tq3 = tq-k3.5v3.125+prerope+vq+norms8+sink1
-the same levers at ~3 bits: half the key channels at 4 bits and an eighth of the value channels, the 3-bit codes in
-blocks of 4 coordinates (+vq): 5,032 B/token (4.58x smaller than bf16), +2.89% perplexity over three seeds, passkey as dense,
+    tq3 = tq-k3.5v3+ropemean+vq+norms8+sink1+kscale=lsq+vscale=lsq
+the same levers at ~3 bits: half the key channels at 4 bits, the other half and all the values at 3 bits in blocks of
+4 coordinates (+vq): 4,938 B/token (4.67x smaller than bf16), +2.80% perplexity over three seeds, passkey as dense,
 no calibration. Options after a preset apply to the expansion (`tq4+seed1`, `tq3+halloc` - the calibrated 3-bit
 recipe -, `tq4+kscale=renorm`), and every report spells the expansion out (the spec's `name`). The bare method prints
 as `tq-k4v4`, `tq-k3v3`. transformers hands a cache keys after RoPE, so there a preset stands for a recipe without
 +prerope (TRANSFORMERS_PRESETS): `tq4` for tq4.125+norms8+sink1+kscale=lsq+vscale=lsq, `tq3` for
 tq-k4v3+vq+norms8+sink1: keys after RoPE need their 4 bits (+2.4% where the 3.5-bit keys give +7.1%, 4 windows), so
-there `tq3` is 4.36x smaller than bf16, not 4.58x.
+there `tq3` is 4.36x smaller than bf16, not 4.67x.
 
 Bytes (`bytes`), every buffer preallocated to the capacity (the caches' `nbytes` equal it):
   dense             2·L·B·Hkv·capacity·D·elem (concat: `tokens` instead of the capacity)
@@ -116,7 +116,7 @@ from .sizes import codes_nbytes, is_power_of_two, packed_nbytes, table_nbytes
 
 #: names that stand for a recipe (see the module docstring): the head of a name, expanded before it is read
 PRESETS = {"tq4": "tq-k4v4+ropemean+norms8+sink1+kscale=lsq+vscale=lsq",
-           "tq3": "tq-k3.5v3.125+prerope+vq+norms8+sink1"}
+           "tq3": "tq-k3.5v3+ropemean+vq+norms8+sink1+kscale=lsq+vscale=lsq"}
 #: the presets as a transformers cache holds them: keys come after RoPE there, so without +prerope; after RoPE, 3.5-bit
 #: keys lose 7% perplexity on SmolLM2 (4 windows) where 4-bit keys with 3-bit values lose 2.4%: there tq3 keeps 4-bit keys.
 #: tq4 keeps an eighth of its channels at 5 bits there: a transformers cache dequantizes its tokens every step, so mixed
