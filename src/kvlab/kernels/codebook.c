@@ -30,6 +30,7 @@
 #endif
 
 #include "codebook.h"
+#include "rowmath.h"
 
 #define CB_TILE 16          /* rows decoded at once */
 #define CB_SEGMENT 256      /* rows per partial sum of the mix */
@@ -767,9 +768,7 @@ CB_INLINE void dot_block(const cb_part *P, const uint8_t *rows, int64_t row_byte
 CB_INLINE void ask_ahead(const cb_ahead *ahead, int n_ahead, int64_t r, int64_t count) {
     for (int a = 0; a < n_ahead; a++) {
         const int64_t lo = r * ahead[a].count / count, hi = (r + 16 < count ? r + 16 : count) * ahead[a].count / count;
-        const uintptr_t end = (uintptr_t)(ahead[a].rows + hi * ahead[a].row_bytes);
-        for (uintptr_t p = (uintptr_t)(ahead[a].rows + lo * ahead[a].row_bytes) & ~(uintptr_t)63; p < end; p += 64)
-            __builtin_prefetch((const void *)p, 0, 3);
+        kvlab_prefetch_lines(ahead[a].rows + lo * ahead[a].row_bytes, (hi - lo) * ahead[a].row_bytes);
     }
 }
 
