@@ -438,13 +438,15 @@ static int scalar_part_rows(const cb_part *P, const uint8_t *rows, int64_t row_b
 #if defined(__AVX512F__)
 /* ---- block parts (+vq, 2 or 3 bits) in registers ------------------------------------------------------------------
  * A group is up to 16 blocks of a part (64 channels; the last group of a part may hold fewer, its bytes alone read).
- * Its indices, lane i block i, come straight from the planes' bytes:
+ * A block's index is its magnitude point << 4 | its 4 sign bits, read from the planes' bytes:
  *   2 bits  byte i of the 8-bit plane is block i's index
  *   3 bits  byte i of the 4-bit plane holds the top 4 bits of block i's two 6-bit halves (the high half in the low
- *           nibble), bits 4 (i % 2) .. of byte i / 2 of the 2-bit plane their low 2 bits (the high half's first)
+ *           nibble), bits 4 (i % 2) .. of byte i / 2 of the 2-bit plane their low 2 bits (the high half's first): the
+ *           sixteen points' offsets are worked out in one vector and read back from memory (a lane extract costs two
+ *           vector operations, a load none), the signs gathered from the bytes by scalar bit instructions
  * then four blocks' values at a time (a quad, 16 channels): lane 4i + j coordinate j of block i's point, looked up in
  * the points (2 bits: 64 floats in four registers; 3 bits: one 16-byte load per block, twice as fast as a gather
- * here), with sign bit j of the block's index xor'd in. */
+ * here), sign bit j of the block xor'd in under one 64-bit lane mask of the group's signs. */
 typedef struct {
     __m512 t[4];                   /* 2 bits: the 16 points' 64 floats */
 } block_points;
@@ -455,53 +457,104 @@ CB_INLINE block_points prepare_points(const cb_part *P, const int bits) {
     return T;
 }
 
-/* the indices of the n (1 to 16) blocks from block g (a multiple of 16) of a row's block part, planes at o0 and o1 of
- * the row; the lanes past n hold 0 */
-CB_INLINE __m512i block_indices(const uint8_t *row, int64_t o0, int64_t o1, int g, int n, const int bits) {
-    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(lanes(n), row + o0 + g));
-    if (bits == 2) return bytes;
-    const __m512i pairs = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(lanes((n + 1) / 2), row + o1 + g / 2));
-    const __m512i low = _mm512_and_si512(   /* lane i: the 2-bit plane's 4 bits of block i */
-        _mm512_srlv_epi32(_mm512_permutexvar_epi32(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), pairs),
-                          _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4)), _mm512_set1_epi32(15));
-    const __m512i fifteen = _mm512_set1_epi32(15), three = _mm512_set1_epi32(3);
-    const __m512i high_half = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(bytes, fifteen), 2), _mm512_and_si512(low, three));
-    const __m512i low_half = _mm512_or_si512(_mm512_slli_epi32(_mm512_srli_epi32(bytes, 4), 2), _mm512_srli_epi32(low, 2));
-    return _mm512_or_si512(_mm512_slli_epi32(high_half, 6), low_half);
+/* 2 bits: the indices of the n (1 to 16) blocks from block g (a multiple of 16) of a row's block part, its 8-bit plane at
+ * o0 of the row (byte i: block i's index); the lanes past n hold 0 */
+CB_INLINE __m512i block_indices(const uint8_t *row, int64_t o0, int g, int n) {
+    return _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(lanes(n), row + o0 + g));
 }
 
-/* the values of quad k (blocks 4k .. 4k + 3) of a group whose indices are `index` (`at`: each block's point * 4, the
- * 3-bit points' offsets in the table): lane 4i + j coordinate j of block 4k + i, sign bit j of its index applied (an
- * xor: -x bit for bit) */
-CB_INLINE __m512 quad_values(const cb_part *P, __m512i index, const int32_t *at, int k, const int bits, block_points T) {
-    const __m512i coord = _mm512_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
-    const __m512i mine = _mm512_permutexvar_epi32(
-        _mm512_add_epi32(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), _mm512_set1_epi32(4 * k)), index);
-    const __m512i sign = _mm512_slli_epi32(_mm512_srlv_epi32(mine, coord), 31);
-    __m512 value;
+/* the sign bits of the 16 blocks whose indices are `index`, one lane mask: bit 4i + j is sign bit j of block i (quad k's
+ * lanes are bits 16k .. 16k + 15) */
+CB_INLINE uint64_t sign_bits(__m512i index) {
+    const __m128i low = _mm512_cvtepi32_epi8(index);   /* byte i: block i's index, its signs in the low 4 bits */
+    const uint64_t a = (uint64_t)_mm_cvtsi128_si64(low), b = (uint64_t)_mm_extract_epi64(low, 1);
+#if defined(__BMI2__)
+    return _pext_u64(a, 0x0f0f0f0f0f0f0f0full) | _pext_u64(b, 0x0f0f0f0f0f0f0f0full) << 32;
+#else
+    uint64_t bits = 0;
+    for (int i = 0; i < 8; i++) bits |= (a >> 8 * i & 15) << 4 * i | (b >> 8 * i & 15) << (32 + 4 * i);
+    return bits;
+#endif
+}
+
+/* the magnitudes of quad k (blocks 4k .. 4k + 3) of a group whose indices are `index` (`at`: each block's point * 4,
+ * the 3-bit points' offsets in the table): lane 4i + j coordinate j of block 4k + i's point */
+CB_INLINE __m512 quad_points(const cb_part *P, __m512i index, const int32_t *at, int k, const int bits, block_points T) {
     if (bits == 2) {   /* point * 4 + j < 64: entries 0-31 or 32-63 by bit 5 */
+        const __m512i coord = _mm512_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
+        const __m512i mine = _mm512_permutexvar_epi32(
+            _mm512_add_epi32(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), _mm512_set1_epi32(4 * k)), index);
         const __m512i at2 = _mm512_add_epi32(_mm512_slli_epi32(_mm512_srli_epi32(mine, CB_BLOCK), 2), coord);
-        value = _mm512_mask_blend_ps(_mm512_test_epi32_mask(at2, _mm512_set1_epi32(32)), _mm512_permutex2var_ps(T.t[0], at2, T.t[1]),
-                                     _mm512_permutex2var_ps(T.t[2], at2, T.t[3]));
-    } else {   /* each block's point: one 16-byte load */
-        value = _mm512_castps128_ps512(_mm_loadu_ps(P->table + at[4 * k]));
-        value = _mm512_insertf32x4(value, _mm_loadu_ps(P->table + at[4 * k + 1]), 1);
-        value = _mm512_insertf32x4(value, _mm_loadu_ps(P->table + at[4 * k + 2]), 2);
-        value = _mm512_insertf32x4(value, _mm_loadu_ps(P->table + at[4 * k + 3]), 3);
+        return _mm512_mask_blend_ps(_mm512_test_epi32_mask(at2, _mm512_set1_epi32(32)), _mm512_permutex2var_ps(T.t[0], at2, T.t[1]),
+                                    _mm512_permutex2var_ps(T.t[2], at2, T.t[3]));
     }
-    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(value), sign));
+    /* each block's point: one 16-byte load */
+    const __m256 low = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(P->table + at[4 * k])), _mm_loadu_ps(P->table + at[4 * k + 1]), 1);
+    const __m256 high = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(P->table + at[4 * k + 2])), _mm_loadu_ps(P->table + at[4 * k + 3]), 1);
+    return _mm512_insertf32x8(_mm512_castps256_ps512(low), high, 1);
 }
 
 /* lanes of quad k of a group of n blocks: 4 per block in it */
 CB_INLINE __mmask16 quad_lanes(int n, int k) { return lanes(n - 4 * k >= 4 ? 16 : 4 * (n - 4 * k)); }
 
-/* v[k] = the values of quad k of the n (1 to 16) blocks from block g (a multiple of 16) of a row's block part, 4k < n */
+/* 3 bits: the sign bits of the n (1 to 16) blocks from block g of a row's block part (planes at o0 and o1), as sign_bits
+ * gives them, from the planes' bytes: signs 0 and 1 of block i are bits 2 and 3 of nibble i of the 2-bit plane, signs 2
+ * and 3 bits 4 and 5 of byte i of the 4-bit plane (scalar bit gathers, no vector work) */
+CB_INLINE uint64_t vq3_signs(const uint8_t *row, int64_t o0, int64_t o1, int g, const int n) {
+    const uint64_t low = load_bytes(row + o1 + g / 2, (n + 1) / 2);
+    const uint64_t a = load_bytes(row + o0 + g, n < 8 ? n : 8), b = n > 8 ? load_bytes(row + o0 + g + 8, n - 8) : 0;
+#if defined(__BMI2__)
+    const uint64_t s01 = _pext_u64(low, 0xccccccccccccccccull);   /* bits 2i, 2i + 1: signs 0, 1 of block i */
+    const uint64_t s23 = _pext_u64(a, 0x3030303030303030ull) | _pext_u64(b, 0x3030303030303030ull) << 16;
+    return _pdep_u64(s01, 0x3333333333333333ull) | _pdep_u64(s23, 0xccccccccccccccccull);
+#else
+    uint64_t bits = 0;
+    for (int i = 0; i < n; i++) {
+        const uint64_t byte = (i < 8 ? a >> 8 * i : b >> 8 * (i - 8)) & 255;
+        bits |= (low >> (4 * i + 2) & 3) << 4 * i | (byte >> 4 & 3) << (4 * i + 2);
+    }
+    return bits;
+#endif
+}
+
+/* 3 bits: the n (1 to 16) blocks' points * 4 (their offsets in the table) into `at`, from the planes' bytes: block i's
+ * point is its 6-bit high half's 6 bits then the low half's top 2 (block_indices), i.e. bits 0-3 of byte i of the 4-bit
+ * plane, bits 0-1 of nibble i of the 2-bit plane and bits 6-7 of that byte, high to low */
+CB_INLINE void vq3_offsets(const uint8_t *row, int64_t o0, int64_t o1, int g, const int n, int32_t *at) {
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(lanes(n), row + o0 + g));
+    const __m512i pairs = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(lanes((n + 1) / 2), row + o1 + g / 2));
+    /* lane i: nibble i of the 2-bit plane moved up 4 bits (its bits 0-1 at 4-5) */
+    const __m512i nibble = _mm512_sllv_epi32(_mm512_permutexvar_epi32(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), pairs),
+                                             _mm512_setr_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0));
+    /* (byte & 15) << 6 | (nibble & 3) << 4 | (byte >> 6) << 2: two bitwise selects, then the low 2 bits cleared */
+    const __m512i high = _mm512_ternarylogic_epi32(_mm512_set1_epi32(0x3c0), _mm512_slli_epi32(bytes, 6), _mm512_srli_epi32(bytes, 4), 0xca);
+    const __m512i offsets = _mm512_andnot_si512(_mm512_set1_epi32(3),
+                                                _mm512_ternarylogic_epi32(_mm512_set1_epi32(0x30), nibble, high, 0xca));
+    _mm256_store_si256((__m256i *)at, _mm512_castsi512_si256(offsets));   /* two 32-byte stores: a load is forwarded */
+    if (n > 8) _mm256_store_si256((__m256i *)(at + 8), _mm512_extracti64x4_epi64(offsets, 1));   /* from one, not from a 64-byte one */
+    __asm__ volatile("" : "+m"(*(int32_t(*)[16])at));   /* the offsets stay in memory: loads, not lane extracts */
+}
+
+/* v[k] = the values of quad k of the n (1 to 16) blocks from block g (a multiple of 16) of a row's block part, 4k < n:
+ * lane 4i + j coordinate j of block 4k + i, its sign bit j applied (an xor under the row's sign mask: -x bit for bit) */
 CB_INLINE void group_values(const cb_part *P, const uint8_t *row, int g, int n, const int bits, block_points T, __m512 *v) {
-    const __m512i index = block_indices(row, P->offset[0], P->n_planes > 1 ? P->offset[1] : 0, g, n, bits);
-    int32_t at[16];
-    if (bits == 3) _mm512_storeu_si512(at, _mm512_slli_epi32(_mm512_srli_epi32(index, CB_BLOCK), 2));
+    const int64_t o0 = P->offset[0], o1 = P->n_planes > 1 ? P->offset[1] : 0;
+    __m512i index = _mm512_setzero_si512();
+    uint64_t signs;
+    int32_t at[16] __attribute__((aligned(64)));
+    if (bits == 3) {
+        vq3_offsets(row, o0, o1, g, n, at);
+        signs = vq3_signs(row, o0, o1, g, n);
+    } else {
+        index = block_indices(row, o0, g, n);
+        signs = sign_bits(index);
+    }
+    const __m512i sign = _mm512_set1_epi32((int32_t)0x80000000u);
     for (int k = 0; k < 4; k++)
-        if (4 * k < n) v[k] = quad_values(P, index, at, k, bits, T);
+        if (4 * k < n) {
+            const __m512i x = _mm512_castps_si512(quad_points(P, index, at, k, bits, T));
+            v[k] = _mm512_castsi512_ps(_mm512_mask_xor_epi32(x, (__mmask16)(signs >> 16 * k), x, sign));
+        }
 }
 
 /* rows of one block part (bits a constant where this is inlined) into out + r * stride + lo */
@@ -645,34 +698,42 @@ CB_INLINE void mix_group(const cb_part *P, const uint8_t *rows, int64_t row_byte
     const block_points T = prepare_points(P, bits);
     float *first = acc + P->lo + CB_BLOCK * g;
     __m512 a[4][4];
+#pragma GCC unroll 4
     for (int h = 0; h < gh; h++)
+#pragma GCC unroll 4
         for (int k = 0; k < 4; k++)
             if (4 * k < n) a[h][k] = _mm512_maskz_loadu_ps(quad_lanes(n, k), first + h * acc_stride + 16 * k);
     for (int64_t r = 0; r < count; r++) {
         __m512 v[4];
         group_values(P, rows + r * row_bytes, g, n, bits, T, v);
+#pragma GCC unroll 4
         for (int h = 0; h < gh; h++) {
             const __m512 wr = _mm512_set1_ps(w[h * w_stride + r]);
+#pragma GCC unroll 4
             for (int k = 0; k < 4; k++)
                 if (4 * k < n) a[h][k] = _mm512_fmadd_ps(wr, v[k], a[h][k]);
         }
     }
+#pragma GCC unroll 4
     for (int h = 0; h < gh; h++)
+#pragma GCC unroll 4
         for (int k = 0; k < 4; k++)
             if (4 * k < n) _mm512_mask_storeu_ps(first + h * acc_stride + 16 * k, quad_lanes(n, k), a[h][k]);
 }
 
 static void mix_group_heads(const cb_part *P, const uint8_t *rows, int64_t row_bytes, int64_t count, const float *w,
                             int64_t w_stride, float *acc, int64_t acc_stride, int g, int n, int gh) {
-#define GROUP_CASE(B) switch (gh) { \
-        case 1: mix_group(P, rows, row_bytes, count, w, w_stride, acc, acc_stride, g, n, B, 1); break; \
-        case 2: mix_group(P, rows, row_bytes, count, w, w_stride, acc, acc_stride, g, n, B, 2); break; \
-        case 3: mix_group(P, rows, row_bytes, count, w, w_stride, acc, acc_stride, g, n, B, 3); break; \
-        default: mix_group(P, rows, row_bytes, count, w, w_stride, acc, acc_stride, g, n, B, 4); break; }
-    if (P->bits == 2) {
-        GROUP_CASE(2)
+#define GROUP_CASE(B, N) switch (gh) { \
+        case 1: mix_group(P, rows, row_bytes, count, w, w_stride, acc, acc_stride, g, N, B, 1); break; \
+        case 2: mix_group(P, rows, row_bytes, count, w, w_stride, acc, acc_stride, g, N, B, 2); break; \
+        case 3: mix_group(P, rows, row_bytes, count, w, w_stride, acc, acc_stride, g, N, B, 3); break; \
+        default: mix_group(P, rows, row_bytes, count, w, w_stride, acc, acc_stride, g, N, B, 4); break; }
+    if (P->bits == 3 && n == 16) {   /* 64 channels at 3 bits (tq3's values): the count a constant too */
+        GROUP_CASE(3, 16)
+    } else if (P->bits == 2) {
+        GROUP_CASE(2, n)
     } else {
-        GROUP_CASE(3)
+        GROUP_CASE(3, n)
     }
 #undef GROUP_CASE
 }
@@ -772,24 +833,29 @@ CB_INLINE void ask_ahead(const cb_ahead *ahead, int n_ahead, int64_t r, int64_t 
     }
 }
 
-/* quad_partials for 64 channels at 4 bits (o0: the row's first code byte), the queries qv in registers */
-CB_INLINE void quad_partials4(const uint8_t *rows, int64_t row_bytes, int k, int64_t o0, const __m512 (*qv)[4], const int gh,
-                              block_table T, __m512 *x) {
+/* quad_partials for 64 channels at 4 bits (o0: the first code byte of the part's block b0 in a row) or, `mixed`, for tq3's
+ * keys: channels [0, 32) at 4 bits (part P, o0 its first code byte) and [32, 64) 3-bit blocks of 4 (+vq, part V); the
+ * queries qv in registers: each head's four 16-channel blocks, the 4-bit ones in block order */
+CB_INLINE void quad_partials4(const cb_part *V, const uint8_t *rows, int64_t row_bytes, int k, int64_t o0, const __m512 (*qv)[4],
+                              const int gh, block_table T, const int mixed, __m512 *x) {
     __m512 p[4][4];   /* [row of the quad][head] */
     for (int j = 0; j < 4; j++) {
-        const uint8_t *row = rows + (8 * (j & 1) + 4 * (j >> 1) + 2 * (k & 1) + (k >> 1)) * row_bytes + o0;
-        for (int b = 0; b < 4; b++) {
-            const __m512 v = values_of(load_bytes(row + 8 * b, 8), 0, 4, T);
-            for (int h = 0; h < gh; h++) p[j][h] = b ? _mm512_fmadd_ps(qv[h][b], v, p[j][h]) : _mm512_mul_ps(qv[h][b], v);
-        }
+        const uint8_t *row = rows + (8 * (j & 1) + 4 * (j >> 1) + 2 * (k & 1) + (k >> 1)) * row_bytes;
+        __m512 v[4];
+        for (int b = 0; b < (mixed ? 2 : 4); b++) v[b] = values_of(load_bytes(row + o0 + 8 * b, 8), 0, 4, T);
+        if (mixed) group_values(V, row, 0, 8, 3, (block_points){{_mm512_setzero_ps()}}, v + 2);
+        for (int b = 0; b < 4; b++)
+            for (int h = 0; h < gh; h++) p[j][h] = b ? _mm512_fmadd_ps(qv[h][b], v[b], p[j][h]) : _mm512_mul_ps(qv[h][b], v[b]);
     }
     for (int h = 0; h < gh; h++) x[h] = fold(fold(p[0][h], p[1][h], 0), fold(p[2][h], p[3][h], 0), 1);
 }
 
-/* dot_block for 64 channels at 4 bits from block b0 (one 32-byte run of codes a row), its counts constants and the
+/* dot_block for 64 channels at 4 bits from block b0 (one 32-byte run of codes a row) or, `mixed`, for tq3's keys (parts
+ * P and V as quad_partials4 reads them; qb: [32, 64) in order after the 4-bit blocks), its counts constants and the
  * queries loaded into registers once; the runs of `ahead` asked for a share with each sixteen rows */
-CB_INLINE void dot_rows4(const cb_part *P, const uint8_t *rows, int64_t row_bytes, int64_t count, int b0, const float *qb,
-                         int64_t qs, int add, float *out, int64_t out_stride, const cb_ahead *ahead, int n_ahead, const int gh) {
+CB_INLINE void dot_rows4(const cb_part *P, const cb_part *V, const uint8_t *rows, int64_t row_bytes, int64_t count, int b0,
+                         const float *qb, int64_t qs, int add, float *out, int64_t out_stride, const cb_ahead *ahead,
+                         int n_ahead, const int gh, const int mixed) {
     const block_table T = prepare_table(P, 4);
     const int64_t o0 = P->offset[0] + 8 * b0;
     __m512 qv[4][4];
@@ -800,11 +866,11 @@ CB_INLINE void dot_rows4(const cb_part *P, const uint8_t *rows, int64_t row_byte
         const uint8_t *at = rows + r * row_bytes;
         __m512 x[4], y[4], half[4];
         ask_ahead(ahead, n_ahead, r, count);
-        quad_partials4(at, row_bytes, 0, o0, qv, gh, T, x);
-        quad_partials4(at, row_bytes, 1, o0, qv, gh, T, y);
+        quad_partials4(V, at, row_bytes, 0, o0, qv, gh, T, mixed, x);
+        quad_partials4(V, at, row_bytes, 1, o0, qv, gh, T, mixed, y);
         for (int h = 0; h < gh; h++) half[h] = fold(x[h], y[h], 2);
-        quad_partials4(at, row_bytes, 2, o0, qv, gh, T, x);
-        quad_partials4(at, row_bytes, 3, o0, qv, gh, T, y);
+        quad_partials4(V, at, row_bytes, 2, o0, qv, gh, T, mixed, x);
+        quad_partials4(V, at, row_bytes, 3, o0, qv, gh, T, mixed, y);
         for (int h = 0; h < gh; h++) {
             float *o = out + h * out_stride + r;
             const __m512 dots = fold(half[h], fold(x[h], y[h], 2), 3);
@@ -813,8 +879,19 @@ CB_INLINE void dot_rows4(const cb_part *P, const uint8_t *rows, int64_t row_byte
     }
     if (r < count) {   /* the last rows one at a time */
         ask_ahead(ahead, n_ahead, r, count);
-        dot_block(P, rows + r * row_bytes, row_bytes, count - r, b0, 4, 16, qb, qs, add, out + r, out_stride, 4, gh, 0);
+        if (mixed) {
+            dot_block(P, rows + r * row_bytes, row_bytes, count - r, 0, 2, 16, qb, qs, add, out + r, out_stride, 4, gh, 0);
+            dot_block(V, rows + r * row_bytes, row_bytes, count - r, 0, 8, 16, qb + 32, qs, 1, out + r, out_stride, 3, gh, 1);
+        } else {
+            dot_block(P, rows + r * row_bytes, row_bytes, count - r, b0, 4, 16, qb, qs, add, out + r, out_stride, 4, gh, 0);
+        }
     }
+}
+
+/* whether a layout is tq3's keys: 64 channels, [0, 32) at 4 bits and [32, 64) 3-bit blocks of 4 (dot_rows4's `mixed`) */
+static int tq3_keys(const cb_layout *L) {
+    const cb_part *A = &L->part[0], *B = &L->part[1];
+    return L->n_parts == 2 && L->d == 64 && !A->block && A->bits == 4 && A->hi == 32 && B->block && B->bits == 3;
 }
 
 static void dot_heads(const cb_part *P, const uint8_t *rows, int64_t row_bytes, int64_t count, int b0, int nb, int tail,
@@ -837,10 +914,10 @@ static void dot_heads(const cb_part *P, const uint8_t *rows, int64_t row_bytes, 
     }
     if (rows4) {   /* the counts constants */
         switch (gh) {
-            case 1: dot_rows4(P, rows, row_bytes, count, b0, qb, qs, add, out, out_stride, ahead, n_ahead, 1); break;
-            case 2: dot_rows4(P, rows, row_bytes, count, b0, qb, qs, add, out, out_stride, ahead, n_ahead, 2); break;
-            case 3: dot_rows4(P, rows, row_bytes, count, b0, qb, qs, add, out, out_stride, ahead, n_ahead, 3); break;
-            default: dot_rows4(P, rows, row_bytes, count, b0, qb, qs, add, out, out_stride, ahead, n_ahead, 4); break;
+            case 1: dot_rows4(P, NULL, rows, row_bytes, count, b0, qb, qs, add, out, out_stride, ahead, n_ahead, 1, 0); break;
+            case 2: dot_rows4(P, NULL, rows, row_bytes, count, b0, qb, qs, add, out, out_stride, ahead, n_ahead, 2, 0); break;
+            case 3: dot_rows4(P, NULL, rows, row_bytes, count, b0, qb, qs, add, out, out_stride, ahead, n_ahead, 3, 0); break;
+            default: dot_rows4(P, NULL, rows, row_bytes, count, b0, qb, qs, add, out, out_stride, ahead, n_ahead, 4, 0); break;
         }
         return;
     }
@@ -900,6 +977,24 @@ int kvlab_cb_dot_rows(const cb_layout *L, const uint8_t *rows, int64_t row_bytes
     float qb[4 * 64];   /* up to four heads' 64 channels, in block order (+vq: in order) */
     for (int h0 = 0; h0 < heads; h0 += 4) {
         const int gh = heads - h0 < 4 ? heads - h0 : 4;
+        if (tq3_keys(L)) {   /* both parts in one pass, one fold of the sixteen rows' partials */
+            for (int h = 0; h < gh; h++)
+                for (int b = 0; b < 4; b++) {
+                    const __m512 x = _mm512_loadu_ps(q + (h0 + h) * q_stride + 16 * b);
+                    _mm512_storeu_ps(qb + h * 64 + 16 * b, b < 2 ? _mm512_permutexvar_ps(block4_order(), x) : x);
+                }
+            const cb_ahead *first = h0 == 0 ? ahead : NULL;   /* the one pass that asks for the runs ahead */
+            switch (gh) {
+#define MIXED_CASE(GH) dot_rows4(&L->part[0], &L->part[1], rows, row_bytes, count, 0, qb, 64, 0, out + h0 * out_stride, \
+                                 out_stride, first, first ? n_ahead : 0, GH, 1)
+                case 1: MIXED_CASE(1); break;
+                case 2: MIXED_CASE(2); break;
+                case 3: MIXED_CASE(3); break;
+                default: MIXED_CASE(4); break;
+#undef MIXED_CASE
+            }
+            continue;
+        }
         for (int p = 0; p < L->n_parts; p++) {
             const cb_part *P = &L->part[p];
             if (P->block) {   /* groups of up to 16 blocks of 4 coordinates (zero past the part) */
