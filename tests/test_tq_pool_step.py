@@ -46,6 +46,8 @@ CASES = [  # format, block size, query heads, KV heads, sliding window
     (TQ4, 4, 4, 1, 5),              # MQA, a window shorter than the chunks
     (PREROPE, 8, 6, 2, None),       # two widths in a row: each part read on its own
     (TQ3, 8, 6, 2, None),
+    (TQ4, 16, 6, 2, None),          # blocks of 16 rows: each read one pass through the block table
+    (TQ3, 16, 6, 2, None),
     (PREROPE_VQ, 8, 6, 2, None),
     (HALLOC, 8, 4, 2, None),
     ("tq-k4v3+prerope+qjl+outliers2+sink1", 8, 6, 2, None),   # a residual's sketch, exact key entries

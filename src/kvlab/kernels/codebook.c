@@ -396,6 +396,12 @@ CB_INLINE __m512 block_values(const uint8_t *row, int64_t o0, int64_t o1, int b,
 /* lanes [0, tail) */
 CB_INLINE __mmask16 lanes(int tail) { return (__mmask16)((1u << tail) - 1); }
 
+/* row r of a read: rows + r * row_bytes, or, through a block table, tiles[r / CB_TILE] + (r % CB_TILE) * row_bytes (a
+ * pool's blocks of CB_TILE rows; kvlab_cb_dot_tiles, kvlab_cb_mix_tiles) */
+CB_INLINE const uint8_t *row_at(const uint8_t *rows, const uint8_t *const *tiles, int64_t row_bytes, int64_t r) {
+    return tiles ? tiles[r / CB_TILE] + r % CB_TILE * row_bytes : rows + r * row_bytes;
+}
+
 /* rows of one part whose width (1 to 5 bits, a constant where this is inlined) the register blocks read: the table is
  * set up once for all the rows; a part that ends inside a block (a fractional width's 8 channels at d = 64) has that
  * block's bytes read alone and its channels stored under a lane mask */
@@ -640,7 +646,7 @@ void kvlab_cb_decode_rows(const cb_layout *L, const uint8_t *rows, int64_t row_b
 /* acc[h][lo + 16 b0 ..) += sum_r w[h][r] value(r) for `gh` heads, one part, its blocks b0 .. b0 + nb - 1 (nb <= 4; the
  * last holds `tail` channels): the codes are unpacked and looked up in registers, each row's blocks read by every
  * head (bits and gh constants here; the loops over four blocks unroll, the blocks past nb skipped) */
-CB_INLINE void mix_block(const cb_part *P, const uint8_t *rows, int64_t row_bytes, int64_t count, const float *w,
+CB_INLINE void mix_block(const cb_part *P, const uint8_t *rows, const uint8_t *const *tiles, int64_t row_bytes, int64_t count, const float *w,
                          int64_t w_stride, float *acc, int64_t acc_stride, int b0, int nb, int tail, const int bits, const int gh) {
     const block_table T = prepare_table(P, bits);
     const int64_t o0 = P->offset[0], o1 = P->n_planes > 1 ? P->offset[1] : 0;
@@ -651,8 +657,9 @@ CB_INLINE void mix_block(const cb_part *P, const uint8_t *rows, int64_t row_byte
                 const __m512 x = _mm512_maskz_loadu_ps(lanes(b == nb - 1 ? tail : 16), acc + h * acc_stride + P->lo + 16 * (b0 + b));
                 a[h][b] = bits == 4 ? _mm512_permutexvar_ps(block4_order(), x) : x;
             }
+    const uint8_t *row = rows;
     for (int64_t r = 0; r < count; r++) {
-        const uint8_t *row = rows + r * row_bytes;
+        row = r % CB_TILE ? row + row_bytes : row_at(rows, tiles, row_bytes, r);   /* a tile's rows follow its first */
         __m512 value[4];
         for (int b = 0; b < 4; b++)
             if (b < nb) value[b] = block_values(row, o0, o1, b0 + b, bits, T, b == nb - 1 ? tail : 16);
@@ -669,13 +676,13 @@ CB_INLINE void mix_block(const cb_part *P, const uint8_t *rows, int64_t row_byte
                                       bits == 4 ? _mm512_permutexvar_ps(block4_back(), a[h][b]) : a[h][b]);
 }
 
-static void mix_heads(const cb_part *P, const uint8_t *rows, int64_t row_bytes, int64_t count, const float *w,
+static void mix_heads(const cb_part *P, const uint8_t *rows, const uint8_t *const *tiles, int64_t row_bytes, int64_t count, const float *w,
                       int64_t w_stride, float *acc, int64_t acc_stride, int b0, int nb, int tail, int bits, int gh) {
 #define MIX_CASE(B, NB, TAIL) switch (gh) { \
-        case 1: mix_block(P, rows, row_bytes, count, w, w_stride, acc, acc_stride, b0, NB, TAIL, B, 1); break; \
-        case 2: mix_block(P, rows, row_bytes, count, w, w_stride, acc, acc_stride, b0, NB, TAIL, B, 2); break; \
-        case 3: mix_block(P, rows, row_bytes, count, w, w_stride, acc, acc_stride, b0, NB, TAIL, B, 3); break; \
-        default: mix_block(P, rows, row_bytes, count, w, w_stride, acc, acc_stride, b0, NB, TAIL, B, 4); break; }
+        case 1: mix_block(P, rows, tiles, row_bytes, count, w, w_stride, acc, acc_stride, b0, NB, TAIL, B, 1); break; \
+        case 2: mix_block(P, rows, tiles, row_bytes, count, w, w_stride, acc, acc_stride, b0, NB, TAIL, B, 2); break; \
+        case 3: mix_block(P, rows, tiles, row_bytes, count, w, w_stride, acc, acc_stride, b0, NB, TAIL, B, 3); break; \
+        default: mix_block(P, rows, tiles, row_bytes, count, w, w_stride, acc, acc_stride, b0, NB, TAIL, B, 4); break; }
     if (bits == 4 && nb == 4 && tail == 16) {   /* 64 channels at 4 bits (tq4's values): the counts constants too */
         MIX_CASE(4, 4, 16)
         return;
@@ -693,7 +700,7 @@ static void mix_heads(const cb_part *P, const uint8_t *rows, int64_t row_bytes, 
 /* acc[h][lo + 4g ..) += sum_r w[h][r] value(r) for `gh` heads over the n (<= 16) blocks from block g of a block part:
  * each row's quads looked up once and read by every head, one chain per head and quad (rows in order, as axpy_rows sums
  * a decoded tile); bits and gh constants here */
-CB_INLINE void mix_group(const cb_part *P, const uint8_t *rows, int64_t row_bytes, int64_t count, const float *w,
+CB_INLINE void mix_group(const cb_part *P, const uint8_t *rows, const uint8_t *const *tiles, int64_t row_bytes, int64_t count, const float *w,
                          int64_t w_stride, float *acc, int64_t acc_stride, int g, int n, const int bits, const int gh) {
     const block_points T = prepare_points(P, bits);
     float *first = acc + P->lo + CB_BLOCK * g;
@@ -702,10 +709,12 @@ CB_INLINE void mix_group(const cb_part *P, const uint8_t *rows, int64_t row_byte
     for (int h = 0; h < gh; h++)
 #pragma GCC unroll 4
         for (int k = 0; k < 4; k++)
-            if (4 * k < n) a[h][k] = _mm512_maskz_loadu_ps(quad_lanes(n, k), first + h * acc_stride + 16 * k);
+            a[h][k] = 4 * k < n ? _mm512_maskz_loadu_ps(quad_lanes(n, k), first + h * acc_stride + 16 * k) : _mm512_setzero_ps();
+    const uint8_t *row = rows;
     for (int64_t r = 0; r < count; r++) {
         __m512 v[4];
-        group_values(P, rows + r * row_bytes, g, n, bits, T, v);
+        row = r % CB_TILE ? row + row_bytes : row_at(rows, tiles, row_bytes, r);   /* a tile's rows follow its first */
+        group_values(P, row, g, n, bits, T, v);
 #pragma GCC unroll 4
         for (int h = 0; h < gh; h++) {
             const __m512 wr = _mm512_set1_ps(w[h * w_stride + r]);
@@ -721,13 +730,13 @@ CB_INLINE void mix_group(const cb_part *P, const uint8_t *rows, int64_t row_byte
             if (4 * k < n) _mm512_mask_storeu_ps(first + h * acc_stride + 16 * k, quad_lanes(n, k), a[h][k]);
 }
 
-static void mix_group_heads(const cb_part *P, const uint8_t *rows, int64_t row_bytes, int64_t count, const float *w,
+static void mix_group_heads(const cb_part *P, const uint8_t *rows, const uint8_t *const *tiles, int64_t row_bytes, int64_t count, const float *w,
                             int64_t w_stride, float *acc, int64_t acc_stride, int g, int n, int gh) {
 #define GROUP_CASE(B, N) switch (gh) { \
-        case 1: mix_group(P, rows, row_bytes, count, w, w_stride, acc, acc_stride, g, N, B, 1); break; \
-        case 2: mix_group(P, rows, row_bytes, count, w, w_stride, acc, acc_stride, g, N, B, 2); break; \
-        case 3: mix_group(P, rows, row_bytes, count, w, w_stride, acc, acc_stride, g, N, B, 3); break; \
-        default: mix_group(P, rows, row_bytes, count, w, w_stride, acc, acc_stride, g, N, B, 4); break; }
+        case 1: mix_group(P, rows, tiles, row_bytes, count, w, w_stride, acc, acc_stride, g, N, B, 1); break; \
+        case 2: mix_group(P, rows, tiles, row_bytes, count, w, w_stride, acc, acc_stride, g, N, B, 2); break; \
+        case 3: mix_group(P, rows, tiles, row_bytes, count, w, w_stride, acc, acc_stride, g, N, B, 3); break; \
+        default: mix_group(P, rows, tiles, row_bytes, count, w, w_stride, acc, acc_stride, g, N, B, 4); break; }
     if (P->bits == 3 && n == 16) {   /* 64 channels at 3 bits (tq3's values): the count a constant too */
         GROUP_CASE(3, 16)
     } else if (P->bits == 2) {
@@ -794,7 +803,7 @@ CB_INLINE void quad_partials(const cb_part *P, const uint8_t *rows, int64_t row_
 /* out[h * out_stride + r] (+)= q_h . value(row r) over the blocks b0 .. b0 + nb - 1 of one part (nb <= 4, the last
  * holding `tail` channels; vq: a block part's nb <= 16 blocks), r < count, for `gh` heads (bits, gh and vq constants
  * here); qb as row_partials reads it */
-CB_INLINE void dot_block(const cb_part *P, const uint8_t *rows, int64_t row_bytes, int64_t count, int b0, int nb, int tail,
+CB_INLINE void dot_block(const cb_part *P, const uint8_t *rows, const uint8_t *const *tiles, int64_t row_bytes, int64_t count, int b0, int nb, int tail,
                          const float *qb, int64_t qs, int add, float *out, int64_t out_stride, const int bits, const int gh,
                          const int vq) {
     const block_table T = vq ? (block_table){_mm512_setzero_ps(), _mm512_setzero_ps()} : prepare_table(P, bits);
@@ -802,7 +811,7 @@ CB_INLINE void dot_block(const cb_part *P, const uint8_t *rows, int64_t row_byte
     const int64_t o0 = P->offset[0], o1 = P->n_planes > 1 ? P->offset[1] : 0;
     int64_t r = 0;
     for (; r + 16 <= count; r += 16) {
-        const uint8_t *at = rows + r * row_bytes;
+        const uint8_t *at = row_at(rows, tiles, row_bytes, r);   /* sixteen rows, one tile */
         __m512 x[4], y[4], half[4];
         quad_partials(P, at, row_bytes, 0, o0, o1, b0, nb, tail, qb, qs, bits, gh, T, V, vq, x);
         quad_partials(P, at, row_bytes, 1, o0, o1, b0, nb, tail, qb, qs, bits, gh, T, V, vq, y);
@@ -817,7 +826,7 @@ CB_INLINE void dot_block(const cb_part *P, const uint8_t *rows, int64_t row_byte
     }
     for (; r < count; r++) {   /* the last rows one at a time */
         __m512 p[4];
-        row_partials(P, rows + r * row_bytes, o0, o1, b0, nb, tail, qb, qs, bits, gh, T, V, vq, p);
+        row_partials(P, row_at(rows, tiles, row_bytes, r), o0, o1, b0, nb, tail, qb, qs, bits, gh, T, V, vq, p);
         for (int h = 0; h < gh; h++) {
             const float dot = _mm512_reduce_add_ps(p[h]);
             out[h * out_stride + r] = add ? out[h * out_stride + r] + dot : dot;
@@ -829,7 +838,11 @@ CB_INLINE void dot_block(const cb_part *P, const uint8_t *rows, int64_t row_byte
 CB_INLINE void ask_ahead(const cb_ahead *ahead, int n_ahead, int64_t r, int64_t count) {
     for (int a = 0; a < n_ahead; a++) {
         const int64_t lo = r * ahead[a].count / count, hi = (r + 16 < count ? r + 16 : count) * ahead[a].count / count;
-        kvlab_prefetch_lines(ahead[a].rows + lo * ahead[a].row_bytes, (hi - lo) * ahead[a].row_bytes);
+        for (int64_t j = lo; j < hi;) {   /* a tile's rows at a time (one span where the rows are contiguous) */
+            const int64_t end = ahead[a].tiles && (j / CB_TILE + 1) * CB_TILE < hi ? (j / CB_TILE + 1) * CB_TILE : hi;
+            kvlab_prefetch_lines(row_at(ahead[a].rows, ahead[a].tiles, ahead[a].row_bytes, j), (end - j) * ahead[a].row_bytes);
+            j = end;
+        }
     }
 }
 
@@ -853,7 +866,7 @@ CB_INLINE void quad_partials4(const cb_part *V, const uint8_t *rows, int64_t row
 /* dot_block for 64 channels at 4 bits from block b0 (one 32-byte run of codes a row) or, `mixed`, for tq3's keys (parts
  * P and V as quad_partials4 reads them; qb: [32, 64) in order after the 4-bit blocks), its counts constants and the
  * queries loaded into registers once; the runs of `ahead` asked for a share with each sixteen rows */
-CB_INLINE void dot_rows4(const cb_part *P, const cb_part *V, const uint8_t *rows, int64_t row_bytes, int64_t count, int b0,
+CB_INLINE void dot_rows4(const cb_part *P, const cb_part *V, const uint8_t *rows, const uint8_t *const *tiles, int64_t row_bytes, int64_t count, int b0,
                          const float *qb, int64_t qs, int add, float *out, int64_t out_stride, const cb_ahead *ahead,
                          int n_ahead, const int gh, const int mixed) {
     const block_table T = prepare_table(P, 4);
@@ -863,7 +876,7 @@ CB_INLINE void dot_rows4(const cb_part *P, const cb_part *V, const uint8_t *rows
         for (int b = 0; b < 4; b++) qv[h][b] = _mm512_loadu_ps(qb + h * qs + 16 * b);
     int64_t r = 0;
     for (; r + 16 <= count; r += 16) {
-        const uint8_t *at = rows + r * row_bytes;
+        const uint8_t *at = row_at(rows, tiles, row_bytes, r);   /* sixteen rows, one tile */
         __m512 x[4], y[4], half[4];
         ask_ahead(ahead, n_ahead, r, count);
         quad_partials4(V, at, row_bytes, 0, o0, qv, gh, T, mixed, x);
@@ -879,11 +892,12 @@ CB_INLINE void dot_rows4(const cb_part *P, const cb_part *V, const uint8_t *rows
     }
     if (r < count) {   /* the last rows one at a time */
         ask_ahead(ahead, n_ahead, r, count);
+        const uint8_t *last = row_at(rows, tiles, row_bytes, r);   /* fewer than sixteen rows: within one tile */
         if (mixed) {
-            dot_block(P, rows + r * row_bytes, row_bytes, count - r, 0, 2, 16, qb, qs, add, out + r, out_stride, 4, gh, 0);
-            dot_block(V, rows + r * row_bytes, row_bytes, count - r, 0, 8, 16, qb + 32, qs, 1, out + r, out_stride, 3, gh, 1);
+            dot_block(P, last, NULL, row_bytes, count - r, 0, 2, 16, qb, qs, add, out + r, out_stride, 4, gh, 0);
+            dot_block(V, last, NULL, row_bytes, count - r, 0, 8, 16, qb + 32, qs, 1, out + r, out_stride, 3, gh, 1);
         } else {
-            dot_block(P, rows + r * row_bytes, row_bytes, count - r, b0, 4, 16, qb, qs, add, out + r, out_stride, 4, gh, 0);
+            dot_block(P, last, NULL, row_bytes, count - r, b0, 4, 16, qb, qs, add, out + r, out_stride, 4, gh, 0);
         }
     }
 }
@@ -894,14 +908,14 @@ static int tq3_keys(const cb_layout *L) {
     return L->n_parts == 2 && L->d == 64 && !A->block && A->bits == 4 && A->hi == 32 && B->block && B->bits == 3;
 }
 
-static void dot_heads(const cb_part *P, const uint8_t *rows, int64_t row_bytes, int64_t count, int b0, int nb, int tail,
+static void dot_heads(const cb_part *P, const uint8_t *rows, const uint8_t *const *tiles, int64_t row_bytes, int64_t count, int b0, int nb, int tail,
                       const float *qb, int64_t qs, int add, float *out, int64_t out_stride, int bits, int gh,
                       const cb_ahead *ahead, int n_ahead) {
 #define DOT_CASE(B, VQ) switch (gh) { \
-        case 1: dot_block(P, rows, row_bytes, count, b0, nb, tail, qb, qs, add, out, out_stride, B, 1, VQ); break; \
-        case 2: dot_block(P, rows, row_bytes, count, b0, nb, tail, qb, qs, add, out, out_stride, B, 2, VQ); break; \
-        case 3: dot_block(P, rows, row_bytes, count, b0, nb, tail, qb, qs, add, out, out_stride, B, 3, VQ); break; \
-        default: dot_block(P, rows, row_bytes, count, b0, nb, tail, qb, qs, add, out, out_stride, B, 4, VQ); break; }
+        case 1: dot_block(P, rows, tiles, row_bytes, count, b0, nb, tail, qb, qs, add, out, out_stride, B, 1, VQ); break; \
+        case 2: dot_block(P, rows, tiles, row_bytes, count, b0, nb, tail, qb, qs, add, out, out_stride, B, 2, VQ); break; \
+        case 3: dot_block(P, rows, tiles, row_bytes, count, b0, nb, tail, qb, qs, add, out, out_stride, B, 3, VQ); break; \
+        default: dot_block(P, rows, tiles, row_bytes, count, b0, nb, tail, qb, qs, add, out, out_stride, B, 4, VQ); break; }
     const int rows4 = !P->block && bits == 4 && nb == 4 && tail == 16;   /* 64 channels at 4 bits (tq4's keys) */
     if (!rows4) ask_ahead(ahead, n_ahead, 0, 16);   /* all of `ahead` at the start; dot_rows4 a share with each 16 rows */
     if (P->block) {   /* +vq: 2 or 3 bits */
@@ -914,10 +928,10 @@ static void dot_heads(const cb_part *P, const uint8_t *rows, int64_t row_bytes, 
     }
     if (rows4) {   /* the counts constants */
         switch (gh) {
-            case 1: dot_rows4(P, NULL, rows, row_bytes, count, b0, qb, qs, add, out, out_stride, ahead, n_ahead, 1, 0); break;
-            case 2: dot_rows4(P, NULL, rows, row_bytes, count, b0, qb, qs, add, out, out_stride, ahead, n_ahead, 2, 0); break;
-            case 3: dot_rows4(P, NULL, rows, row_bytes, count, b0, qb, qs, add, out, out_stride, ahead, n_ahead, 3, 0); break;
-            default: dot_rows4(P, NULL, rows, row_bytes, count, b0, qb, qs, add, out, out_stride, ahead, n_ahead, 4, 0); break;
+            case 1: dot_rows4(P, NULL, rows, tiles, row_bytes, count, b0, qb, qs, add, out, out_stride, ahead, n_ahead, 1, 0); break;
+            case 2: dot_rows4(P, NULL, rows, tiles, row_bytes, count, b0, qb, qs, add, out, out_stride, ahead, n_ahead, 2, 0); break;
+            case 3: dot_rows4(P, NULL, rows, tiles, row_bytes, count, b0, qb, qs, add, out, out_stride, ahead, n_ahead, 3, 0); break;
+            default: dot_rows4(P, NULL, rows, tiles, row_bytes, count, b0, qb, qs, add, out, out_stride, ahead, n_ahead, 4, 0); break;
         }
         return;
     }
@@ -941,8 +955,9 @@ static void group_of(const cb_part *P, int c0, int *nb, int *tail) {
 }
 #endif
 
-int kvlab_cb_mix_rows(const cb_layout *L, const uint8_t *rows, int64_t row_bytes, int64_t count, const float *w,
-                      int64_t w_stride, int heads, float *acc, int64_t acc_stride) {
+/* kvlab_cb_mix_rows over rows + r * row_bytes, or (tiles not NULL) through a block table (row_at) */
+static int mix_any(const cb_layout *L, const uint8_t *rows, const uint8_t *const *tiles, int64_t row_bytes, int64_t count,
+                   const float *w, int64_t w_stride, int heads, float *acc, int64_t acc_stride) {
 #if defined(__AVX512F__)
     if (!register_layout(L)) return -1;
     for (int p = 0; p < L->n_parts; p++) {
@@ -951,7 +966,7 @@ int kvlab_cb_mix_rows(const cb_layout *L, const uint8_t *rows, int64_t row_bytes
             const int n_blocks = (P->hi - P->lo) / CB_BLOCK;
             for (int g = 0; g < n_blocks; g += 16)
                 for (int h0 = 0; h0 < heads; h0 += 4)
-                    mix_group_heads(P, rows, row_bytes, count, w + h0 * w_stride, w_stride, acc + h0 * acc_stride, acc_stride,
+                    mix_group_heads(P, rows, tiles, row_bytes, count, w + h0 * w_stride, w_stride, acc + h0 * acc_stride, acc_stride,
                                     g, n_blocks - g < 16 ? n_blocks - g : 16, heads - h0 < 4 ? heads - h0 : 4);
             continue;
         }
@@ -959,19 +974,30 @@ int kvlab_cb_mix_rows(const cb_layout *L, const uint8_t *rows, int64_t row_bytes
             int nb, tail;
             group_of(P, c0, &nb, &tail);
             for (int h0 = 0; h0 < heads; h0 += 4)
-                mix_heads(P, rows, row_bytes, count, w + h0 * w_stride, w_stride, acc + h0 * acc_stride, acc_stride,
+                mix_heads(P, rows, tiles, row_bytes, count, w + h0 * w_stride, w_stride, acc + h0 * acc_stride, acc_stride,
                           c0 / 16, nb, tail, P->bits, heads - h0 < 4 ? heads - h0 : 4);
         }
     }
     return 0;
 #else
-    (void)L, (void)rows, (void)row_bytes, (void)count, (void)w, (void)w_stride, (void)heads, (void)acc, (void)acc_stride;
+    (void)L, (void)rows, (void)tiles, (void)row_bytes, (void)count, (void)w, (void)w_stride, (void)heads, (void)acc, (void)acc_stride;
     return -1;
 #endif
 }
 
-int kvlab_cb_dot_rows(const cb_layout *L, const uint8_t *rows, int64_t row_bytes, int64_t count, const float *q,
-                      int64_t q_stride, int heads, float *out, int64_t out_stride, const cb_ahead *ahead, int n_ahead) {
+int kvlab_cb_mix_rows(const cb_layout *L, const uint8_t *rows, int64_t row_bytes, int64_t count, const float *w,
+                      int64_t w_stride, int heads, float *acc, int64_t acc_stride) {
+    return mix_any(L, rows, NULL, row_bytes, count, w, w_stride, heads, acc, acc_stride);
+}
+
+int kvlab_cb_mix_tiles(const cb_layout *L, const uint8_t *const *tiles, int64_t row_bytes, int64_t count, const float *w,
+                       int64_t w_stride, int heads, float *acc, int64_t acc_stride) {
+    return mix_any(L, NULL, tiles, row_bytes, count, w, w_stride, heads, acc, acc_stride);
+}
+
+/* kvlab_cb_dot_rows over rows + r * row_bytes, or (tiles not NULL) through a block table (row_at) */
+static int dot_any(const cb_layout *L, const uint8_t *rows, const uint8_t *const *tiles, int64_t row_bytes, int64_t count,
+                   const float *q, int64_t q_stride, int heads, float *out, int64_t out_stride, const cb_ahead *ahead, int n_ahead) {
 #if defined(__AVX512F__)
     if (!register_layout(L)) return -1;
     float qb[4 * 64];   /* up to four heads' 64 channels, in block order (+vq: in order) */
@@ -985,7 +1011,7 @@ int kvlab_cb_dot_rows(const cb_layout *L, const uint8_t *rows, int64_t row_bytes
                 }
             const cb_ahead *first = h0 == 0 ? ahead : NULL;   /* the one pass that asks for the runs ahead */
             switch (gh) {
-#define MIXED_CASE(GH) dot_rows4(&L->part[0], &L->part[1], rows, row_bytes, count, 0, qb, 64, 0, out + h0 * out_stride, \
+#define MIXED_CASE(GH) dot_rows4(&L->part[0], &L->part[1], rows, tiles, row_bytes, count, 0, qb, 64, 0, out + h0 * out_stride, \
                                  out_stride, first, first ? n_ahead : 0, GH, 1)
                 case 1: MIXED_CASE(1); break;
                 case 2: MIXED_CASE(2); break;
@@ -1006,7 +1032,7 @@ int kvlab_cb_dot_rows(const cb_layout *L, const uint8_t *rows, int64_t row_bytes
                             _mm512_storeu_ps(qb + h * 64 + 16 * k, _mm512_maskz_loadu_ps(4 * k < n ? quad_lanes(n, k) : 0,
                                              q + (h0 + h) * q_stride + P->lo + CB_BLOCK * g + 16 * k));
                     const int first = h0 == 0 && p == 0 && g == 0;   /* the one pass that asks for the runs ahead */
-                    dot_heads(P, rows, row_bytes, count, g, n, 16, qb, 64, p > 0 || g > 0, out + h0 * out_stride, out_stride,
+                    dot_heads(P, rows, tiles, row_bytes, count, g, n, 16, qb, 64, p > 0 || g > 0, out + h0 * out_stride, out_stride,
                               P->bits, gh, first ? ahead : NULL, first ? n_ahead : 0);
                 }
                 continue;
@@ -1020,17 +1046,27 @@ int kvlab_cb_dot_rows(const cb_layout *L, const uint8_t *rows, int64_t row_bytes
                         _mm512_storeu_ps(qb + h * 64 + 16 * b, P->bits == 4 ? _mm512_permutexvar_ps(block4_order(), x) : x);
                     }
                 const int first = h0 == 0 && p == 0 && c0 == 0;   /* the one pass that asks for the runs ahead */
-                dot_heads(P, rows, row_bytes, count, c0 / 16, nb, tail, qb, 64, p > 0 || c0 > 0, out + h0 * out_stride,
+                dot_heads(P, rows, tiles, row_bytes, count, c0 / 16, nb, tail, qb, 64, p > 0 || c0 > 0, out + h0 * out_stride,
                           out_stride, P->bits, gh, first ? ahead : NULL, first ? n_ahead : 0);
             }
         }
     }
     return 0;
 #else
-    (void)L, (void)rows, (void)row_bytes, (void)count, (void)q, (void)q_stride, (void)heads, (void)out, (void)out_stride;
+    (void)L, (void)rows, (void)tiles, (void)row_bytes, (void)count, (void)q, (void)q_stride, (void)heads, (void)out, (void)out_stride;
     (void)ahead, (void)n_ahead;
     return -1;
 #endif
+}
+
+int kvlab_cb_dot_rows(const cb_layout *L, const uint8_t *rows, int64_t row_bytes, int64_t count, const float *q,
+                      int64_t q_stride, int heads, float *out, int64_t out_stride, const cb_ahead *ahead, int n_ahead) {
+    return dot_any(L, rows, NULL, row_bytes, count, q, q_stride, heads, out, out_stride, ahead, n_ahead);
+}
+
+int kvlab_cb_dot_tiles(const cb_layout *L, const uint8_t *const *tiles, int64_t row_bytes, int64_t count, const float *q,
+                       int64_t q_stride, int heads, float *out, int64_t out_stride, const cb_ahead *ahead, int n_ahead) {
+    return dot_any(L, NULL, tiles, row_bytes, count, q, q_stride, heads, out, out_stride, ahead, n_ahead);
 }
 
 /* index of the first of n = 2^k - 1 increasing bounds >= y (n when none is): torch.bucketize(y, bounds, right=False) */

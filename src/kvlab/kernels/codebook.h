@@ -40,10 +40,12 @@ void kvlab_cb_decode_rows(const cb_layout *L, const uint8_t *rows, int64_t row_b
 int kvlab_cb_mix_rows(const cb_layout *L, const uint8_t *rows, int64_t row_bytes, int64_t count, const float *w,
                       int64_t w_stride, int heads, float *acc, int64_t acc_stride);
 
-/* Rows a read asks for ahead of their use: `count` rows `row_bytes` apart from `rows` */
+/* Rows a read asks for ahead of their use: `count` rows `row_bytes` apart from `rows`, or (tiles not NULL) row j at
+ * tiles[j / CB_TILE] + (j % CB_TILE) * row_bytes */
 typedef struct {
     const uint8_t *rows;
     int64_t row_bytes, count;
+    const uint8_t *const *tiles;
 } cb_ahead;
 
 /* out[h * out_stride + r] = q_h . value(row r) for h < heads, r < count (q_h at q + h * q_stride, d floats): the rows
@@ -53,6 +55,14 @@ typedef struct {
  * decodes rows into a tile instead). */
 int kvlab_cb_dot_rows(const cb_layout *L, const uint8_t *rows, int64_t row_bytes, int64_t count, const float *q,
                       int64_t q_stride, int heads, float *out, int64_t out_stride, const cb_ahead *ahead, int n_ahead);
+
+/* kvlab_cb_dot_rows and kvlab_cb_mix_rows over rows read through a block table: row r at tiles[r / CB_TILE] +
+ * (r % CB_TILE) * row_bytes (a pool's blocks of CB_TILE rows), the queries / accumulators held in registers across the
+ * tiles; -1 where the layout is not read in registers (the caller reads the tiles one by one otherwise) */
+int kvlab_cb_dot_tiles(const cb_layout *L, const uint8_t *const *tiles, int64_t row_bytes, int64_t count, const float *q,
+                       int64_t q_stride, int heads, float *out, int64_t out_stride, const cb_ahead *ahead, int n_ahead);
+int kvlab_cb_mix_tiles(const cb_layout *L, const uint8_t *const *tiles, int64_t row_bytes, int64_t count, const float *w,
+                       int64_t w_stride, int heads, float *acc, int64_t acc_stride);
 
 /* Code one vector y (d,): each channel's code is the number of its part's boundaries below y (torch.bucketize,
  * right=False; `bounds`: each scalar part's 2^bits - 1 increasing boundaries in turn, none for a block part), a

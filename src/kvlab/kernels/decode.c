@@ -959,8 +959,8 @@ static int register_dots(const TqHead *h, int g, int64_t slot, int run, const fl
     for (int r0 = 0; r0 < run; r0 += READ_PIECE) {
         const int count = run - r0 < READ_PIECE ? run - r0 : READ_PIECE;
         const int next = run - r0 - count < READ_PIECE ? run - r0 - count : READ_PIECE;
-        const cb_ahead ahead[2] = {{keys + (r0 + count) * C->slot_bytes[0], C->slot_bytes[0], next},
-                                   {values + r0 * C->slot_bytes[1], C->slot_bytes[1], count}};
+        const cb_ahead ahead[2] = {{keys + (r0 + count) * C->slot_bytes[0], C->slot_bytes[0], next, NULL},
+                                   {values + r0 * C->slot_bytes[1], C->slot_bytes[1], count, NULL}};
         if (kvlab_cb_dot_rows(h->layout[0], keys + r0 * C->slot_bytes[0], C->slot_bytes[0], count, qpad, h->layout[0]->dpad,
                               nq, scores + r0, TQ_READ_KEYS, ahead, 2) != 0)
             return -1;   /* at the first piece: the layout is checked before anything is read */
@@ -968,6 +968,7 @@ static int register_dots(const TqHead *h, int g, int64_t slot, int run, const fl
     return 0;
 }
 
+#define KEYS_AHEAD 2   /* a read through a block table asks for the key codes this many blocks ahead of the one it scores */
 void kvlab_tq_read(const TqHead *h, const int32_t *table, int64_t k0, int64_t k1, const float *queries, int group,
                    int64_t row_stride, int nq, const int64_t *lo, const int64_t *hi, float *scratch, float *parts,
                    int64_t part_stride) {
@@ -975,6 +976,11 @@ void kvlab_tq_read(const TqHead *h, const int32_t *table, int64_t k0, int64_t k1
     const cb_layout *KL = h->layout[0], *VL = h->layout[1];
     const int d = KL->d, dpad = KL->dpad, g = h->g;
     const int64_t block_rows = C->block_rows;
+    /* a pool's blocks of CB_TILE rows are read whole, from a block's start: keys [k0 - k0 % CB_TILE, k0) join the read and
+     * weigh 0 (every query's lo is k0 or later), so that every query's scores and sums go through the block table in one
+     * read, the queries and the sums held in registers across the blocks (kvlab_cb_dot_tiles, kvlab_cb_mix_tiles) */
+    const int tiled = !h->pre && block_rows == CB_TILE;
+    if (tiled && k0 < k1) k0 -= k0 % CB_TILE;
     float *scores = scratch, *k_scale = scores + (int64_t)nq * TQ_READ_KEYS, *v_scale = k_scale + TQ_READ_KEYS;
     float *qpad = v_scale + TQ_READ_KEYS, *acc = qpad + (int64_t)nq * dpad, *tile = acc + (int64_t)nq * dpad;
     /* each key's own term besides its codes, (nq, TQ_READ_KEYS): +ropemean's q . R_t μ or +outliersN's q . entries */
@@ -999,18 +1005,30 @@ void kvlab_tq_read(const TqHead *h, const int32_t *table, int64_t k0, int64_t k1
                 plain[(int64_t)i * dpad + c] = C->weight_codes ? x / key_weight(C, g, d, c) : x;
             }
     }
+    const int n = (int)(k1 - k0);
+    const uint8_t *key_tiles[TQ_READ_KEYS / CB_TILE + 1], *value_tiles[TQ_READ_KEYS / CB_TILE + 1];
+    if (tiled)
+        for (int i = 0; i * CB_TILE < n; i++) {
+            const int64_t slot = slot_at(table, block_rows, k0 + (int64_t)i * CB_TILE);
+            key_tiles[i] = coded_row(C, 0, g, slot), value_tiles[i] = coded_row(C, 1, g, slot);
+            if (i < KEYS_AHEAD) prefetch_ahead(key_tiles[i], C->slot_bytes[0], 0, CB_TILE, n - i * CB_TILE);
+        }
+    const cb_ahead ahead[2] = {{NULL, C->slot_bytes[1], n, value_tiles},   /* this block's values */
+                               {NULL, C->slot_bytes[0], n - KEYS_AHEAD * CB_TILE, key_tiles + KEYS_AHEAD}};   /* keys ahead */
+    const int scored = tiled && kvlab_cb_dot_tiles(KL, key_tiles, C->slot_bytes[0], n, qpad, dpad, nq, scores, TQ_READ_KEYS,
+                                                   ahead, n > KEYS_AHEAD * CB_TILE ? 2 : 1) == 0;
     /* every query's scores, a run of one block's rows at a time (+prerope: the keys rebuilt with their scales) */
     for (int64_t t = k0; t < k1;) {
         const int64_t slot = slot_at(table, block_rows, t);
         const int run = (int)(block_rows - t % block_rows < k1 - t ? block_rows - t % block_rows : k1 - t), j0 = (int)(t - k0);
         const uint8_t *rows = coded_row(C, 0, g, slot);
-        if (t + run < k1) {   /* the next run's first key codes (a pool's blocks lie apart; a run ends at its block's end) */
+        if (!scored && t + run < k1) {   /* the next run's first key codes (a pool's blocks lie apart; a run ends at its block's end) */
             prefetch_ahead(coded_row(C, 0, g, slot_at(table, block_rows, t + run)), C->slot_bytes[0], 0, CB_TILE,
                            (int)(k1 - t - run));
         }
         load_scales(C, 0, g, slot, run, k_scale + j0);
         load_scales(C, 1, g, slot, run, v_scale + j0);
-        if (h->pre || block_rows < TQ_REGISTER_ROWS || register_dots(h, g, slot, run, qpad, nq, scores + j0) != 0)
+        if (!scored && (h->pre || block_rows < TQ_REGISTER_ROWS || register_dots(h, g, slot, run, qpad, nq, scores + j0) != 0))
             for (int r0 = 0; r0 < run; r0 += CB_TILE) {
                 const int count = run - r0 < CB_TILE ? run - r0 : CB_TILE;
                 prefetch_ahead(rows, C->slot_bytes[0], r0 + CB_TILE, r0 + 2 * CB_TILE, run);
@@ -1038,7 +1056,6 @@ void kvlab_tq_read(const TqHead *h, const int32_t *table, int64_t k0, int64_t k1
                            h->pre ? h->pre->sin_ + t * d : NULL, own + j0);
         t += run;
     }
-    const int n = (int)(k1 - k0);
     if (h->turn) turn_scores(h->turn, group, row_stride, nq, d, k0, n, own);
     /* each query's softmax over the keys it reads, its weights times the values' scales (0 for keys it does not read) */
     for (int i = 0; i < nq; i++) {
@@ -1065,8 +1082,9 @@ void kvlab_tq_read(const TqHead *h, const int32_t *table, int64_t k0, int64_t k1
         part[d] = top;
         part[d + 1] = total;
     }
-    /* the values: every query's weighted sum, a run at a time */
-    for (int64_t t = k0; t < k1;) {
+    /* the values: every query's weighted sum, through the block table in one read or a run at a time */
+    for (int64_t t = tiled && kvlab_cb_mix_tiles(VL, value_tiles, C->slot_bytes[1], n, scores, TQ_READ_KEYS, nq, acc, dpad) == 0 ? k1 : k0;
+         t < k1;) {
         const int64_t slot = slot_at(table, block_rows, t);
         const int run = (int)(block_rows - t % block_rows < k1 - t ? block_rows - t % block_rows : k1 - t), j0 = (int)(t - k0);
         const uint8_t *rows = coded_row(C, 1, g, slot);

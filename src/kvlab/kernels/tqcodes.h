@@ -102,8 +102,8 @@ int64_t kvlab_tq_read_floats(int nq, int dpad);
  * parts + i * part_stride = [sum_t e^(s_t - top) v'_t | top | sum_t e^(s_t - top)] (none read: top -inf, sum 0), s_t
  * = (q_i . k_t * scale_t [+ q . R_t μ, h->turn]) * h->scale, v'_t the value's codebook vector times its scale (the
  * rotated domain). Blocks of 16 rows or more (a single cache's one, a pool's) are read straight from their codes in
- * registers where codebook.c has that path; shorter ones, and +prerope keys, are decoded a tile at a time, read by every
- * query while in L1. */
+ * registers where codebook.c has that path (a pool's blocks of 16 from the start of k0's block: the keys before k0 are
+ * read and weigh 0); shorter ones, and +prerope keys, are decoded a tile at a time, read by every query while in L1. */
 void kvlab_tq_read(const TqHead *h, const int32_t *table, int64_t k0, int64_t k1, const float *queries, int group,
                    int64_t row_stride, int nq, const int64_t *lo, const int64_t *hi, float *scratch, float *parts,
                    int64_t part_stride);
