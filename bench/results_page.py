@@ -742,15 +742,19 @@ SECTIONS = [
               "--repeats 2 --steps 16 --out bench/results/decode_presets_1thread.json",
               "The presets against the bare method, on an Intel Xeon. `tq4` reads its codes in registers as "
               "`tq-k4v4` does (64 channels at 4 bits: a dot and a mix of their own, the queries held in registers), "
-              "plus each key's turned offset (64 keys per turn of the coefficients): 0.98 / 1.15 / 1.35 / 1.56x "
-              "`dense-f16` at 512 / 2k / 4k / 8k tokens, where `tq-k4v4` is 1.01 / 1.25 / 1.45 / 1.76x. `tq3` "
-              "codes its keys the same way (after RoPE, around the turned offset), so nothing is rebuilt when read: "
-              "0.88 / 0.84 / 0.86 / 0.87x, where its recipe before RoPE measured 0.88 / 0.78 / 0.73 / 0.66x; its "
-              "3-bit parts are blocks of 4 coordinates, each looked up in a table of points, and that arithmetic, not "
-              "bytes, bounds it (25% of the read limit at 8k). At 8k dense-f16 reads at 60% of the measured read "
-              "limit (14.3 GB/s, best of 9 samples), tq4 at 48%, tq-k4v4 at 54%. The prefill column: an 8k prompt "
-              "takes tq4 1.5x dense-f16's time and tq3 3.4x, since a prompt chunk's queries read the coded keys the "
-              "way a decode step does.",
+              "plus each key's turned offset (64 keys per turn of the coefficients): 0.97 / 1.11 / 1.28 / 1.41x "
+              "`dense-f16` at 512 / 2k / 4k / 8k tokens, where `tq-k4v4` is 1.10 / 1.20 / 1.41 / 1.57x (a busier "
+              "box than the run before this one, whose read limit measured 14.3 GB/s against this run's 11.9, gave "
+              "tq4 0.98 / 1.15 / 1.35 / 1.56x and tq-k4v4 1.01 / 1.25 / 1.45 / 1.76x on the same kernels). `tq3` "
+              "codes its keys the same way (after RoPE, around the turned offset) and reads its 3-bit blocks of 4 "
+              "coordinates (+vq) in registers: a row's sixteen point offsets worked out in one vector and read back "
+              "through memory, its signs gathered by scalar bit instructions into one lane mask, and its keys' two "
+              "halves (32 channels at 4 bits, 8 blocks) scored in one pass: 1.00 / 0.99 / 1.05 / 1.05x, where the "
+              "same recipe read with a lane extract per block and its key halves scored apart measured 0.88 / 0.84 "
+              "/ 0.86 / 0.87x. Looking up a point per 4 coordinates, not bytes, still bounds it (32% of the read "
+              "limit at 8k). At 8k dense-f16 reads at 64% of the measured read limit (11.9 GB/s, best of 9 "
+              "samples), tq4 at 46%, tq-k4v4 at 52%. The prefill column: an 8k prompt takes tq4 1.5x dense-f16's "
+              "time and tq3 2.5x, since a prompt chunk's queries read the coded keys the way a decode step does.",
               read_share=True, presets=CURRENT),
         Table("decode_tq4_repeat_1thread.json", decode_contexts,
               "kvlab bench decode --contexts 512,8k --caches dense-f16,tq4 --threads 1 --repeats 3 --steps 16 "
@@ -773,7 +777,9 @@ SECTIONS = [
               "The same at 2 threads: `tq4` 0.96 / 1.08 / 1.25 / 1.41x `dense-f16`, `tq-k4v4` 0.99 / 1.18 / 1.34 / "
               "1.55x, `tq3` 0.88 / 0.83 / 0.82 / 0.77x (its recipe before RoPE measured 0.64-0.85x), `int4` "
               "0.94-0.99x; dense-f16 reads at 51-57% of the 2-thread read limit (30.0 GB/s at best). The prefill "
-              "column is noisier here than at 1 thread (dense-f16's 8k prompt took twice dense's).",
+              "column is noisier here than at 1 thread (dense-f16's 8k prompt took twice dense's). Measured before "
+              "`tq3`'s +vq blocks were read with one lane mask of signs and its key halves in one pass (the 1-thread "
+              "table above is after).",
               read_share=True, presets=CURRENT),
         Table("ropemean_decode_1thread.json", decode_contexts,
               "kvlab bench decode --contexts 512,2k,4k,8k --caches dense-f16,tq4,tq-k4v4,"
@@ -991,6 +997,15 @@ SECTIONS = [
               "codes in registers through the single cache's read (kvlab_tq_read): `tq4` blocks make 1.56x "
               "(1.53-1.59x) the output tokens/s of dense-f16 blocks, reading a quarter of the bytes; `int4` blocks "
               "0.82-0.84x.", presets=TQ3_BEFORE_ROPEMEAN),
+        Table("served_step_tiles.json", served_step,
+              "python bench/served_step.py --formats dense-f16,tq4,tq3 --sequences 16 --prompt-tokens 2000 "
+              "--new-tokens 140 --threads 2 --kv-budget 2GiB --out bench/results/served_step_tiles.json",
+              "16 sequences of ~2,000-2,140 tokens, each work item of the pool's coded read one pass through the "
+              "block table (the queries and the sums held in registers across the blocks of 16, the key codes asked "
+              "for two blocks ahead) where it was one call per block: `tq4` blocks 1.43x the output tokens/s of "
+              "dense-f16 blocks, `tq3` blocks 1.14x. The same step timed for 20-25 s after the prompts, the build "
+              "before this read and this one alternated: tq4 blocks 75-82 ms a step before, 71-75 after.",
+              presets=CURRENT),
         Table("throughput_long_400mib.json", throughput,
               'kvlab bench throughput --workloads long --batches 16 --no-sequential --formats "dense-f16,tq4,tq3,int4" '
               "--kv-budget 400MiB --threads 2 --out bench/results/throughput_long_400mib.json",
