@@ -774,12 +774,11 @@ SECTIONS = [
         Table("decode_presets_2threads.json", decode_contexts,
               "kvlab bench decode --contexts 512,2k,4k,8k --caches dense,dense-f16,tq4,tq3,tq-k4v4,int4 --threads 2 "
               "--repeats 2 --steps 16 --out bench/results/decode_presets_2threads.json",
-              "The same at 2 threads: `tq4` 0.96 / 1.08 / 1.25 / 1.41x `dense-f16`, `tq-k4v4` 0.99 / 1.18 / 1.34 / "
-              "1.55x, `tq3` 0.88 / 0.83 / 0.82 / 0.77x (its recipe before RoPE measured 0.64-0.85x), `int4` "
-              "0.94-0.99x; dense-f16 reads at 51-57% of the 2-thread read limit (30.0 GB/s at best). The prefill "
-              "column is noisier here than at 1 thread (dense-f16's 8k prompt took twice dense's). Measured before "
-              "`tq3`'s +vq blocks were read with one lane mask of signs and its key halves in one pass (the 1-thread "
-              "table above is after).",
+              "The same at 2 threads: `tq4` 0.98 / 1.09 / 1.17 / 1.37x `dense-f16`, `tq-k4v4` 1.03 / 1.16 / 1.33 / "
+              "1.51x, `tq3` 0.96 / 0.95 / 0.99 / 1.02x (0.88 / 0.83 / 0.82 / 0.77x before its +vq blocks were read "
+              "with one lane mask of signs and its key halves in one pass), `int4` 0.88-0.97x; dense-f16 reads at "
+              "44-49% of the 2-thread read limit (27.8 GB/s at best). The run before this one, on a quieter box "
+              "(30.0 GB/s), gave tq4 0.96 / 1.08 / 1.25 / 1.41x and tq-k4v4 0.99 / 1.18 / 1.34 / 1.55x.",
               read_share=True, presets=CURRENT),
         Table("ropemean_decode_1thread.json", decode_contexts,
               "kvlab bench decode --contexts 512,2k,4k,8k --caches dense-f16,tq4,tq-k4v4,"
