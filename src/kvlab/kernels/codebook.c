@@ -9,7 +9,8 @@
  * The entry points decode a few rows at a time into a small float tile (L1-resident) and work on that, or, under
  * AVX-512 for scalar parts of 1 to 5 bits (any channel count: a part that ends inside a 16-channel block, as a
  * fractional width's 8 channels do, reads that block's bytes alone), score and sum the rows straight from their codes
- * in registers (kvlab_cb_dot_rows, kvlab_cb_mix_rows; see "rows used straight from their codes" below); the dots, the
+ * in registers (kvlab_cb_dot_rows, kvlab_cb_mix_rows, or through a pool's block table kvlab_cb_dot_tiles,
+ * kvlab_cb_mix_tiles; see "rows used straight from their codes" below); the dots, the
  * mix and the row decoder read block parts (+vq) in registers too, any block count ("block parts" below):
  *   dots   out[h, i, t] = q[h, i] . value(row start + t)                    (scores; per row tile, all queries)
  *   mix    out[h, i]    = sum_t w[h, i, t] value(row start + t)             (values; fixed row segments, summed

@@ -50,7 +50,8 @@ typedef struct {
 
 /* out[h * out_stride + r] = q_h . value(row r) for h < heads, r < count (q_h at q + h * q_stride, d floats): the rows
  * decoded in registers, sixteen rows' dots summed at once. The n_ahead runs of `ahead` are asked for meanwhile (a
- * share with each sixteen rows where the layout is 64 channels at 4 bits, so the loads overlap the arithmetic instead
+ * share with each sixteen rows where the layout is 64 channels at 4 bits or tq3's keys (32 channels at 4 bits beside 8
+ * blocks of 4 at 3 bits, scored in one pass), so the loads overlap the arithmetic instead
  * of stalling in one burst; else all at the start). 0, or -1 where this build or layout has no such path (the caller
  * decodes rows into a tile instead). */
 int kvlab_cb_dot_rows(const cb_layout *L, const uint8_t *rows, int64_t row_bytes, int64_t count, const float *q,
