@@ -978,8 +978,9 @@ void kvlab_tq_read(const TqHead *h, const int32_t *table, int64_t k0, int64_t k1
     const int64_t block_rows = C->block_rows;
     /* a pool's blocks of CB_TILE rows are read whole, from a block's start: keys [k0 - k0 % CB_TILE, k0) join the read and
      * weigh 0 (every query's lo is k0 or later), so that every query's scores and sums go through the block table in one
-     * read, the queries and the sums held in registers across the blocks (kvlab_cb_dot_tiles, kvlab_cb_mix_tiles) */
-    const int tiled = !h->pre && block_rows == CB_TILE;
+     * read, the queries and the sums held in registers across the blocks (kvlab_cb_dot_tiles, kvlab_cb_mix_tiles); only
+     * where the widened read still fits TQ_READ_KEYS, the size of the scratch and of the tile lists */
+    const int tiled = !h->pre && block_rows == CB_TILE && k1 - (k0 - k0 % CB_TILE) <= TQ_READ_KEYS;
     if (tiled && k0 < k1) k0 -= k0 % CB_TILE;
     float *scores = scratch, *k_scale = scores + (int64_t)nq * TQ_READ_KEYS, *v_scale = k_scale + TQ_READ_KEYS;
     float *qpad = v_scale + TQ_READ_KEYS, *acc = qpad + (int64_t)nq * dpad, *tile = acc + (int64_t)nq * dpad;
