@@ -308,6 +308,25 @@ def test_a_buffer_replaced_in_place_is_checked_again(name, narrow, what, native)
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("name", ["dense-f16", "int4", "tq4"])
+def test_a_view_is_kept_while_its_buffers_stay(name, native):
+    """The step's C structs are built once and kept while the cache holds the same buffers; a buffer swapped for a copy
+    (another address) gets a new view, pointing at the copy."""
+    model, cache, one = _stepped_once("GQA-128", name, native)
+    view = model.fused._view_for(cache)
+    with torch.no_grad():
+        model.fused(one, cache)
+    assert model.fused._view_for(cache) is view
+    if name == "dense-f16":
+        cache.k = cache.k.clone()
+    else:
+        held = cache.k_scale if name == "int4" else cache.k_norm
+        held[0] = held[0].clone()
+    new = model.fused._view_for(cache)
+    assert new is not view and new.buffers != view.buffers
+    assert model.fused._view_for(cache) is new
+
+
 @pytest.mark.parametrize(("name", "field"), [("tq-k4v4+ropemean", "rope_cos"), ("tq-k4v4+ropemean", "rope_steps"),
                                              ("tq-k4v4+prerope", "rope_sin")])
 def test_a_layer_without_its_rope_rows_is_refused(name, field, native):

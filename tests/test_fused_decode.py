@@ -42,12 +42,10 @@ class CountingStep:
     def __init__(self, step: FusedDecodeStep):
         self.step, self.calls = step, 0
 
-    def accepts(self, tokens, cache):
-        return self.step.accepts(tokens, cache)
-
-    def __call__(self, tokens, cache):
-        self.calls += 1
-        return self.step(tokens, cache)
+    def try_step(self, tokens, cache):
+        logits = self.step.try_step(tokens, cache)
+        self.calls += logits is not None
+        return logits
 
 
 def decode(model, tokens, first_chunk, fused: bool):

@@ -126,12 +126,14 @@ class FusedDecodeStep:
     def accepts(self, tokens: torch.Tensor, cache) -> bool:
         """One new token into a cache it serves, whose layers are level and not full, without autograd.
         Anything else (and every error case) takes the module path."""
-        return (
-            tokens.shape == (1, 1) and not torch.is_grad_enabled() and self.serves(cache)
-            and cache.length < cache.geometry.capacity
-            and cache.is_level
-            and fused_codes.fill(cache) is not None
-        )
+        return self._fill_for(tokens, cache) is not None
+
+    def _fill_for(self, tokens: torch.Tensor, cache) -> Fill | None:
+        """Where the token goes in `cache` when the step accepts it (`accepts`), else None."""
+        if not (tokens.shape == (1, 1) and not torch.is_grad_enabled() and self.serves(cache)
+                and cache.length < cache.geometry.capacity and cache.is_level):
+            return None
+        return fused_codes.fill(cache)
 
     def _view_for(self, cache) -> CacheView:
         """The C structs of `cache`: built on its first fused step, reused while its buffers stay in place."""
@@ -142,11 +144,20 @@ class FusedDecodeStep:
 
     def __call__(self, tokens: torch.Tensor, cache) -> torch.Tensor:
         """tokens (1, 1) -> logits (1, 1, vocab); K/V of the token written (or coded) into `cache`."""
-        cfg = self.config
-        if not self.accepts(tokens, cache):
+        logits = self.try_step(tokens, cache)
+        if logits is None:
             raise ConfigError(f"fused decode step does not take tokens {tuple(tokens.shape)} into this {type(cache).__name__}")
+        return logits
+
+    def try_step(self, tokens: torch.Tensor, cache) -> torch.Tensor | None:
+        """As calling the step, or None (nothing done) where it does not accept the token: the Decoder's forward asks
+        once, not once to check and again to run."""
+        where = self._fill_for(tokens, cache)   # the C code checks every row it writes
+        if where is None:
+            return None
+        cfg = self.config
         pos = cache.length
-        view, where = self._view_for(cache), fused_codes.fill(cache)   # the C code checks every row it writes
+        view = self._view_for(cache)
         x = self._embed(tokens).reshape(-1).float().contiguous()               # (C,)
         cos, sin = self._rope(pos, 1, torch.float32)                           # (1, D) each
         check_buffer("fused decode", "embedding", x, torch.float32, (cfg.d_model,))

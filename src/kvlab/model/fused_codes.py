@@ -32,6 +32,7 @@ run does not load them (cache/__init__.py).
 from __future__ import annotations
 
 import ctypes
+import weakref
 from ctypes import c_int32, c_void_p
 
 import torch
@@ -63,7 +64,9 @@ class CacheView:
     def __init__(self, cache, cfg):
         self._c = CodedLayers(WHAT)                                          # checks and keeps what the structs point at
         self._slot_rope: tuple[torch.Tensor, torch.Tensor] | None = None   # +prerope: made at the first coded layer
-        self.buffers = buffer_layouts(cache)
+        held = held_buffers(cache)
+        self.buffers = tuple(_layout(t) for t in held)
+        self._held = [weakref.ref(t) for t in held]   # the same tensor objects: nothing to check again (`fits`)
         L, hd = cfg.n_layers, cfg.head_dim
         self.layers = (LayerKV * L)()
         if cache.kernel_format == "dense":
@@ -87,8 +90,16 @@ class CacheView:
 
     def fits(self, cache) -> bool:
         """Whether the cache's buffers are still the ones this view points into, with the dtypes, shapes and strides
-        it checked (a buffer replaced by a smaller one at a reused address is not the one it checked)."""
-        return buffer_layouts(cache) == self.buffers
+        it checked (a buffer replaced by a smaller one at a reused address is not the one it checked). The same
+        tensor objects as last time fit without a look at each (a cache replaces a buffer, never resizes one in
+        place); a buffer replaced by another object is checked again."""
+        held = held_buffers(cache)
+        if len(held) == len(self._held) and all(ref() is t for ref, t in zip(self._held, held)):
+            return True
+        if tuple(_layout(t) for t in held) != self.buffers:
+            return False
+        self._held = [weakref.ref(t) for t in held]
+        return True
 
     def _dense(self, cache, layer: int) -> LayerKV:
         """Layer `layer` of a DenseCache (a dense cache's, or a TurboQuant cache's full-precision layer)."""
@@ -122,14 +133,14 @@ class CacheView:
         return self._c.layer(cache, layer, buffers, (1, cache.slots), slot_rope=self._slot_rope)
 
 
-def buffer_layouts(cache) -> tuple[tuple, ...]:
-    """Where the buffers a view points into lie, and their dtype, shape and strides (a view is rebuilt, and its
-    buffers checked again, if one was replaced or reshaped)."""
-    held = [cache.k, cache.v] if cache.kernel_format == "dense" else cache.kernel_buffers()
-    return tuple(_layout(t) for t in held)
+def held_buffers(cache) -> list[torch.Tensor]:
+    """The buffers a view points into (a view is rebuilt, and its buffers checked again, if one was replaced or
+    reshaped)."""
+    return [cache.k, cache.v] if cache.kernel_format == "dense" else cache.kernel_buffers()
 
 
 def _layout(t: torch.Tensor) -> tuple:
+    """Where a buffer lies, and its dtype, shape and strides."""
     return t.data_ptr(), t.dtype, tuple(t.shape), t.stride()
 
 

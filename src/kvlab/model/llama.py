@@ -149,8 +149,9 @@ class Decoder(nn.Module):
         return self.lm_head(x) if self.lm_head is not None else F.linear(x, self.output_weight())
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
-        if self.fused is not None and self.fused.accepts(tokens, cache):
-            return self.fused(tokens, cache)                                # (1, 1, vocab): one C call
+        logits = None if self.fused is None else self.fused.try_step(tokens, cache)   # (1, 1, vocab): one C call, or None
+        if logits is not None:
+            return logits
         B, T = tokens.shape
         x = self.embed(tokens)                                              # (B, T, C)
         cos, sin = self.rope(cache.length, T, x.dtype)
