@@ -161,20 +161,20 @@ def test_every_isa_variant_codes_and_attends_like_torch(variant, geometry, varia
         assert_fused_equals_modules(model, "tq-k3v3+vq+norms8", 262, 3, variants[variant], torch_reference=True, exact_logits=5e-5)
 
 
-def assert_same_logits_for_any_thread_count(native, cache_name: str) -> None:
-    """Ten fused steps after a 550-token prefill (three key chunks of codes) give bit-identical logits at 1 and 2
-    threads."""
-    model = model_for("GQA-128", max_seq_len=600)
+def assert_same_logits_for_any_thread_count(native, cache_name: str, first: int = 550, geometry: str = "GQA-128") -> None:
+    """Ten fused steps after a `first`-token prefill (550: three key chunks of codes) give bit-identical logits at 1
+    and 2 threads."""
+    model = model_for(geometry, max_seq_len=first + 50)
     step = FusedDecodeStep(model, native._lib)
-    tokens = torch.randint(0, 97, (1, 560), generator=torch.Generator().manual_seed(3))
+    tokens = torch.randint(0, 97, (1, first + 10), generator=torch.Generator().manual_seed(3))
     runs = []
     for threads in (1, 2):
-        cache = make_cache(cache_name, CacheGeometry.for_model(model.config, capacity=560))
+        cache = make_cache(cache_name, CacheGeometry.for_model(model.config, capacity=first + 10))
         model.fused = None
         with torch.no_grad():
-            model(tokens[:, :550], cache)
+            model(tokens[:, :first], cache)
             torch.set_num_threads(threads)
-            runs.append(torch.cat([step(tokens[:, t:t + 1], cache) for t in range(550, 560)], dim=1))
+            runs.append(torch.cat([step(tokens[:, t:t + 1], cache) for t in range(first, first + 10)], dim=1))
     assert torch.equal(runs[0], runs[1])
 
 
@@ -182,6 +182,13 @@ def test_fused_step_reads_tq4_at_head_dim_64(native):
     """The tq4 preset's read at head dim 64 (SmolLM2's): its 64-channel 4-bit keys and values scored and mixed by their
     own register kernels, its turned offsets 64 keys per turn of the coefficients, against the modules."""
     assert_fused_equals_modules(model_for("MHA-64"), "tq4", 270, 6, native._lib)
+
+
+def test_fused_step_reads_a_long_context_in_longer_chunks(native):
+    """From 2,048 coded keys on, a TurboQuant layer's keys are read 512 to a chunk (decode.c CODED_LONG): 2,300 tokens
+    make four such chunks and a ragged fifth, against the modules and alike at 1 and 2 threads."""
+    assert_fused_equals_modules(model_for("MHA-64", max_seq_len=2400), "tq4", 2300, 3, native._lib)
+    assert_same_logits_for_any_thread_count(native, "tq4", first=2300, geometry="MHA-64")
 
 
 @pytest.mark.parametrize("name", ["tq-k3v3+vq", "tq-k3v2.5+vq+norms8+prerope+sink1+recent4"])

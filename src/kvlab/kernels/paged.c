@@ -172,7 +172,8 @@ int kvlab_paged_attention(const float *q, int64_t n_rows, int n_heads, int n_kv_
 }
 
 /* -- coded blocks: TurboQuant codes ------------------------------------------------------------------------ */
-#define CODE_CHUNK TQ_READ_KEYS   /* keys per work item (flash-decoding split of a long context) */
+#define CODE_CHUNK 256   /* keys per work item (flash-decoding split of a long context), at most TQ_READ_KEYS */
+_Static_assert(CODE_CHUNK <= TQ_READ_KEYS, "a work item is one read");
 #define CODE_QUERIES 64          /* query vectors (rows x group) per work item, at most */
 
 typedef struct {

@@ -84,7 +84,7 @@ void kvlab_tq_turn_coef(const float *q, const float *mu, int d, float scale, flo
 
 /* -- reading one KV head's codes: the one read of a TurboQuant layer ------------------------------------------------ */
 #define TQ_TURN_KEYS 64            /* keys scored at once from one turn of +ropemean's coefficients (Coded.rope_steps) */
-#define TQ_READ_KEYS 256           /* keys of one kvlab_tq_read call, at most (a work item of a long context) */
+#define TQ_READ_KEYS 512           /* keys of one kvlab_tq_read call, at most (a work item of a long context) */
 typedef struct {                   /* KV head g of a coded layer as a read sees it */
     const Coded *C;
     const cb_layout *layout[2];    /* its keys' and values' layouts (kvlab_tq_layouts) */
