@@ -742,19 +742,17 @@ SECTIONS = [
               "--repeats 2 --steps 16 --out bench/results/decode_presets_1thread.json",
               "The presets against the bare method, on an Intel Xeon. `tq4` reads its codes in registers as "
               "`tq-k4v4` does (64 channels at 4 bits: a dot and a mix of their own, the queries held in registers), "
-              "plus each key's turned offset (64 keys per turn of the coefficients): 0.97 / 1.11 / 1.28 / 1.41x "
-              "`dense-f16` at 512 / 2k / 4k / 8k tokens, where `tq-k4v4` is 1.10 / 1.20 / 1.41 / 1.57x (a busier "
-              "box than the run before this one, whose read limit measured 14.3 GB/s against this run's 11.9, gave "
-              "tq4 0.98 / 1.15 / 1.35 / 1.56x and tq-k4v4 1.01 / 1.25 / 1.45 / 1.76x on the same kernels). `tq3` "
-              "codes its keys the same way (after RoPE, around the turned offset) and reads its 3-bit blocks of 4 "
-              "coordinates (+vq) in registers: a row's sixteen point offsets worked out in one vector and read back "
-              "through memory, its signs gathered by scalar bit instructions into one lane mask, and its keys' two "
-              "halves (32 channels at 4 bits, 8 blocks) scored in one pass: 1.00 / 0.99 / 1.05 / 1.05x, where the "
-              "same recipe read with a lane extract per block and its key halves scored apart measured 0.88 / 0.84 "
-              "/ 0.86 / 0.87x. Looking up a point per 4 coordinates, not bytes, still bounds it (32% of the read "
-              "limit at 8k). At 8k dense-f16 reads at 64% of the measured read limit (11.9 GB/s, best of 9 "
-              "samples), tq4 at 46%, tq-k4v4 at 52%. The prefill column: an 8k prompt takes tq4 1.5x dense-f16's "
-              "time and tq3 2.5x, since a prompt chunk's queries read the coded keys the way a decode step does.",
+              "plus each key's turned offset (64 keys per turn of the coefficients): 1.00 / 1.18 / 1.29 / 1.48x "
+              "`dense-f16` at 512 / 2k / 4k / 8k tokens, where `tq-k4v4` is 1.02 / 1.27 / 1.40 / 1.69x. Against the "
+              "run before this one (tq4 0.97 / 1.11 / 1.28 / 1.41x): the fused step checks a token once and keeps its "
+              "C view while the cache holds the same buffers (~35 us of Python a step instead of ~230), reads a long "
+              "context's coded keys 512 to a chunk, and takes a query's softmax in two vector passes. `tq3` codes its "
+              "keys the same way (after RoPE, around the turned offset) and reads its 3-bit blocks of 4 coordinates "
+              "(+vq) in registers: 0.95 / 1.05 / 1.06 / 1.11x. Looking up a point per 4 coordinates, not bytes, "
+              "bounds it (28% of the read limit at 8k). At 8k dense-f16 reads at 53% of the measured read limit "
+              "(13.7 GB/s, best of 9 samples, where the run before measured 11.9), tq4 at 40%, tq-k4v4 at 46%. The "
+              "prefill column: an 8k prompt takes tq4 1.4x dense-f16's time and tq3 2.3x, since a prompt chunk's "
+              "queries read the coded keys the way a decode step does.",
               read_share=True, presets=CURRENT),
         Table("decode_tq4_repeat_1thread.json", decode_contexts,
               "kvlab bench decode --contexts 512,8k --caches dense-f16,tq4 --threads 1 --repeats 3 --steps 16 "
@@ -774,11 +772,11 @@ SECTIONS = [
         Table("decode_presets_2threads.json", decode_contexts,
               "kvlab bench decode --contexts 512,2k,4k,8k --caches dense,dense-f16,tq4,tq3,tq-k4v4,int4 --threads 2 "
               "--repeats 2 --steps 16 --out bench/results/decode_presets_2threads.json",
-              "The same at 2 threads: `tq4` 0.98 / 1.09 / 1.17 / 1.37x `dense-f16`, `tq-k4v4` 1.03 / 1.16 / 1.33 / "
-              "1.51x, `tq3` 0.96 / 0.95 / 0.99 / 1.02x (0.88 / 0.83 / 0.82 / 0.77x before its +vq blocks were read "
-              "with one lane mask of signs and its key halves in one pass), `int4` 0.88-0.97x; dense-f16 reads at "
-              "44-49% of the 2-thread read limit (27.8 GB/s at best). The run before this one, on a quieter box "
-              "(30.0 GB/s), gave tq4 0.96 / 1.08 / 1.25 / 1.41x and tq-k4v4 0.99 / 1.18 / 1.34 / 1.55x.",
+              "The same at 2 threads: `tq4` 1.00 / 1.14 / 1.31 / 1.46x `dense-f16`, `tq-k4v4` 1.08 / 1.19 / 1.47 / "
+              "1.64x, `tq3` 0.95 / 1.00 / 1.13 / 1.09x, `int4` 0.94-1.03x; dense-f16 reads at 44-51% of the 2-thread "
+              "read limit (26.7 GB/s at best). This is the second of two runs in a row: the first measured dense-f16 "
+              "at 51.9 tokens/s at 4k (65.0 here), which made every 4k ratio ~25% higher (tq4 1.48x); its other "
+              "contexts agreed within noise (tq4 1.02 / 1.13 / - / 1.41x).",
               read_share=True, presets=CURRENT),
         Table("ropemean_decode_1thread.json", decode_contexts,
               "kvlab bench decode --contexts 512,2k,4k,8k --caches dense-f16,tq4,tq-k4v4,"
