@@ -60,10 +60,9 @@
  * softmax sums are combined in a fixed order, so the result does not depend on the thread count. */
 #define KEY_CHUNK 256
 _Static_assert(KEY_CHUNK <= TQ_READ_KEYS && KEY_CHUNK <= DENSE_READ_KEYS, "a key chunk is one read");
-/* A TurboQuant layer holding at least CODED_LONG coded rows reads them in chunks of TQ_READ_KEYS (512): half the reads,
- * each with its fixed costs (the first keys' codes not yet asked for, the queries and sums set up, the softmax's
- * passes), while there are still four chunks a KV head to share out between the threads (a long context's step ran
- * ~2-3% faster) */
+/* A TurboQuant layer holding at least CODED_LONG coded rows reads them in chunks of TQ_READ_KEYS (512): half the reads
+ * and what each costs besides its keys, while there are still four chunks a KV head to share out between the threads
+ * (tq4's step at 8k tokens, 1 thread: ~2% faster in alternating runs) */
 #define CODED_LONG (4 * TQ_READ_KEYS)
 #define SWIGLU_PIECE 64   /* the feed-forward's gate and up rows a thread computes before their SwiGLU (kvlab_swiglu) */
 
