@@ -972,18 +972,15 @@ static int register_dots(const TqHead *h, int g, int64_t slot, int run, const fl
     return 0;
 }
 
-/* A query's softmax over the keys it reads, in two passes over its scores s (n > 0): scaled_scores sets
- * s[j] = (s[j] k_scale[j] + extra[j]) scale (without k_scale the factor 1; without extra s[j] (k_scale[j] scale)) and
- * returns their largest, value_weights sets s[j] = e^(s[j] - top) v_scale[j] and returns the sum of the e^(s[j] - top),
- * added as kvlab_row_exp_shifted adds them: the values a pass for each step gives */
+/* s[j] = (s[j] k_scale[j] + extra[j]) scale (without k_scale the factor 1; without extra s[j] (k_scale[j] scale)) for
+ * j < n (n > 0), in one pass that also returns their largest: a query's scores before its softmax, which
+ * kvlab_row_exp_weighted then takes with the values' scales in one more pass */
 #if defined(__AVX512F__)
-static inline __mmask16 live_lanes(int t, int n) { return n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1u); }
-
 static float scaled_scores(float *s, const float *k_scale, const float *extra, float scale, int n) {
     const __m512 by = _mm512_set1_ps(scale);
     __m512 top = _mm512_set1_ps(-INFINITY);
     for (int t = 0; t < n; t += 16) {
-        const __mmask16 live = live_lanes(t, n);
+        const __mmask16 live = kvlab_live_lanes(t, n);
         const __m512 x = _mm512_maskz_loadu_ps(live, s + t);
         const __m512 k = k_scale ? _mm512_maskz_loadu_ps(live, k_scale + t) : _mm512_set1_ps(1.0f);
         const __m512 y = !extra ? _mm512_mul_ps(x, k_scale ? _mm512_mul_ps(k, by) : by)
@@ -994,29 +991,11 @@ static float scaled_scores(float *s, const float *k_scale, const float *extra, f
     }
     return _mm512_reduce_max_ps(top);
 }
-
-static float value_weights(float *s, const float *v_scale, float top, int n) {
-    const __m512 shift = _mm512_set1_ps(top);
-    __m512 total = _mm512_setzero_ps();
-    for (int t = 0; t < n; t += 16) {
-        const __mmask16 live = live_lanes(t, n);
-        const __m512 e = _mm512_maskz_mov_ps(live, kvlab_exp_lanes(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + t), shift)));
-        _mm512_mask_storeu_ps(s + t, live, _mm512_mul_ps(e, _mm512_maskz_loadu_ps(live, v_scale + t)));
-        total = _mm512_add_ps(total, e);
-    }
-    return _mm512_reduce_add_ps(total);
-}
 #else
 static float scaled_scores(float *s, const float *k_scale, const float *extra, float scale, int n) {
     for (int j = 0; j < n; j++)
         s[j] = !extra ? s[j] * (k_scale ? k_scale[j] * scale : scale) : ((k_scale ? s[j] * k_scale[j] : s[j]) + extra[j]) * scale;
     return kvlab_row_max(s, n);
-}
-
-static float value_weights(float *s, const float *v_scale, float top, int n) {
-    const float total = exp_shifted(s, n, top);
-    for (int j = 0; j < n; j++) s[j] *= v_scale[j];
-    return total;
 }
 #endif
 
@@ -1117,7 +1096,7 @@ void kvlab_tq_read(const TqHead *h, const int32_t *table, int64_t k0, int64_t k1
         float top = -INFINITY, total = 0.0f;
         if (a < b) {   /* +prerope: the keys' scales are in their rebuilt rows */
             top = scaled_scores(s + a, h->pre ? NULL : k_scale + a, owns ? own + (int64_t)i * TQ_READ_KEYS + a : NULL, h->scale, b - a);
-            total = value_weights(s + a, v_scale + a, top, b - a);
+            total = kvlab_row_exp_weighted(s + a, b - a, top, v_scale + a);
         }
         if (a > 0) memset(s, 0, sizeof(float) * (size_t)(a < n ? a : n));   /* the keys it does not read weigh 0 */
         if (b < n) memset(s + (b > 0 ? b : 0), 0, sizeof(float) * (size_t)(n - (b > 0 ? b : 0)));

@@ -115,7 +115,8 @@ static inline float kvlab_row_dot(const float *a, const float *b, int64_t n) {
 }
 #endif
 
-/* s[t] = e^(s[t] - top) for t < n (every s[t] <= top, finite); returns their sum. Sixteen (AVX-512) or eight (AVX2)
+/* s[t] = e^(s[t] - top) for t < n (every s[t] <= top, finite), times times[t] where `times` is given (a softmax's
+ * weights times its values' scales, one pass); returns the sum of the e^(s[t] - top). Sixteen (AVX-512) or eight (AVX2)
  * at a time: e^x = 2^k e^r, k = round(x log2 e), r = x - k ln 2 in two parts, e^r by Cephes' expf polynomial (about
  * one ulp); x below -87 gives 0 or a subnormal, as expf. The sum: lane partials added in a fixed order. */
 #if defined(__AVX512F__)
@@ -134,13 +135,16 @@ static inline __m512 kvlab_exp_lanes(__m512 x) {
     return _mm512_scalef_ps(p, k);
 }
 
-static inline float kvlab_row_exp_shifted(float *s, int n, float top) {
+/* the lanes [0, n - t) of the sixteen from t */
+static inline __mmask16 kvlab_live_lanes(int t, int n) { return n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1u); }
+
+static inline float kvlab_row_exp_weighted(float *s, int n, float top, const float *times) {
     __m512 total = _mm512_setzero_ps();
     const __m512 shift = _mm512_set1_ps(top);
     for (int t = 0; t < n; t += 16) {
-        const __mmask16 live = n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1u);
+        const __mmask16 live = kvlab_live_lanes(t, n);
         const __m512 e = _mm512_maskz_mov_ps(live, kvlab_exp_lanes(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + t), shift)));
-        _mm512_mask_storeu_ps(s + t, live, e);
+        _mm512_mask_storeu_ps(s + t, live, times ? _mm512_mul_ps(e, _mm512_maskz_loadu_ps(live, times + t)) : e);
         total = _mm512_add_ps(total, e);
     }
     return _mm512_reduce_add_ps(total);
@@ -162,34 +166,38 @@ static inline __m256 kvlab_exp_lanes(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
 }
 
-static inline float kvlab_row_exp_shifted(float *s, int n, float top) {
+static inline float kvlab_row_exp_weighted(float *s, int n, float top, const float *times) {
     __m256 total = _mm256_setzero_ps();
     const __m256 shift = _mm256_set1_ps(top);
     int t = 0;
     for (; t + 8 <= n; t += 8) {
         const __m256 e = kvlab_exp_lanes(_mm256_sub_ps(_mm256_loadu_ps(s + t), shift));
-        _mm256_storeu_ps(s + t, e);
+        _mm256_storeu_ps(s + t, times ? _mm256_mul_ps(e, _mm256_loadu_ps(times + t)) : e);
         total = _mm256_add_ps(total, e);
     }
     float lanes[8], sum = 0.0f;
     _mm256_storeu_ps(lanes, total);
     for (int j = 0; j < 8; j++) sum += lanes[j];
     for (; t < n; t++) {
-        s[t] = expf(s[t] - top);
-        sum += s[t];
+        const float e = expf(s[t] - top);
+        s[t] = times ? e * times[t] : e;
+        sum += e;
     }
     return sum;
 }
 #else
-static inline float kvlab_row_exp_shifted(float *s, int n, float top) {
+static inline float kvlab_row_exp_weighted(float *s, int n, float top, const float *times) {
     float total = 0.0f;
     for (int t = 0; t < n; t++) {
-        s[t] = expf(s[t] - top);
-        total += s[t];
+        const float e = expf(s[t] - top);
+        s[t] = times ? e * times[t] : e;
+        total += e;
     }
     return total;
 }
 #endif
+
+static inline float kvlab_row_exp_shifted(float *s, int n, float top) { return kvlab_row_exp_weighted(s, n, top, NULL); }
 
 /* h[i] = silu(gate[i]) * up[i] for i < n (h apart from gate and up): e^-gate by the softmax's exponentials above
  * (about 2 ulp from expf), -gate capped at 88 so that e^-gate stays finite (silu of a gate below -88 is then -0 or a
