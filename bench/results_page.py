@@ -216,11 +216,11 @@ def throughput(data, opt) -> str:
                      "on" if r["prefix_caching"] else "off", str(r["requests"]),
                      num(r["output_tokens_per_s"]), "—" if seq is None else f"{seq:.2f}×",
                      num(1000 * r["ttft_p50_s"], 0), f"{1000 * r['tpot_p50_s']:.0f} / {1000 * r['tpot_p99_s']:.0f}",
-                     num(r["peak_kv_bytes"] / 1e6)])
+                     num(r["peak_kv_bytes"] / 1e6), str(r.get("preemptions", "—"))])
     return (f"Weights `{data['weights']}`, KV budget {data['kv_budget']}:\n\n"
             + table(["workload", "contender", "max batch", "blocks", "prefix cache", "requests", "out tok/s",
-                     "× sequential", "TTFT p50 ms", "TPOT p50 / p99 ms", "peak KV MB"], rows,
-                    right={2, 5, 6, 7, 8, 9, 10}))
+                     "× sequential", "TTFT p50 ms", "TPOT p50 / p99 ms", "peak KV MB", "preemptions"], rows,
+                    right={2, 5, 6, 7, 8, 9, 10, 11}))
 
 
 def ab_runs(data, opt) -> str:
@@ -963,15 +963,25 @@ SECTIONS = [
                    "(the single caches' own) against the token-major blocks before: within the noise of these short "
                    "runs (the dense row of the three-format runs is 0.90x, the same command with dense alone 0.98x)."),
         Table("throughput_long_decode_360mib.json", throughput,
-              "kvlab bench throughput --workloads long-decode --batches 16 --no-sequential --formats dense-f16,tq4 "
+              "kvlab bench throughput --workloads long-decode --batches 16 --no-sequential --formats dense-f16,tq4,tq3 "
               "--kv-budget 360MiB --threads 2 --out bench/results/throughput_long_decode_360mib.json",
               "The served case where the budget is what limits dense: 16 requests reaching 2k-3.6k tokens, 512 of "
-              "them decoded, in a 360 MiB pool. dense-f16 blocks hold about four such sequences at once (5 "
-              "preemptions); tq4 blocks admit all 16. Output tok/s: tq4 1.40x dense-f16 (prefix cache on), TTFT p50 "
-              "43 s against 80 s. The prompts (40k tokens, the same work in every format, more for dense-f16's "
-              "recomputed preemptions) take most of both runs' time on 2 cores: tq4's 512 decode steps of 16 "
-              "sequences take ~73 ms each (bench/served_step.py at ~3k tokens), ~37 of its ~133 s, so even a free "
-              "decode would make tq4 at most ~1.9x dense-f16 here (an estimate), not 2x.", presets=TQ3_BEFORE_ROPEMEAN),
+              "them decoded each, in a 360 MiB pool. dense-f16 blocks hold about five such sequences at once (5 "
+              "preemptions, 4,834 prompt tokens computed again); `tq4` and `tq3` blocks admit all 16. Output tok/s: "
+              "`tq4` 1.61x dense-f16 (prefix cache on), `tq3` 1.25x; TTFT p50 47 s against 101 s. The prompts "
+              "(39,915 tokens, the same work in every format) set a floor on 2 cores: `tq4`'s last request has its "
+              "first token at 96 s of its 142 s, so 2x dense-f16 (a run of 115 s) would leave its 511 further "
+              "steps ~19 s, ~37 ms a step, where a step of 16 sequences at ~2k tokens takes 65.6 ms "
+              "(served_step_softmax_two_pass.json) and the last steps, with fewer sequences left, less.",
+              presets=CURRENT),
+        Table("throughput_long_decode_2gib.json", throughput,
+              "kvlab bench throughput --workloads long-decode --batches 16 --no-sequential --formats dense-f16,tq4,tq3 "
+              "--kv-budget 2GiB --threads 2 --out bench/results/throughput_long_decode_2gib.json",
+              "The same workload in a 2 GiB pool, where dense-f16 blocks hold every request (peak 1,046 MiB of "
+              "blocks): `tq4` blocks give 1.37x dense-f16's output tok/s and `tq3` blocks 1.07x. A step of 16 "
+              "sequences reads ~1 GB of dense-f16 blocks (TPOT p50 252 ms, prompt chunks included) against 270 MB of "
+              "`tq4` blocks (175 ms).",
+              presets=CURRENT),
         Table("served_step_4seq.json", served_step,
               "python bench/served_step.py --formats dense-f16,tq4 --sequences 4 --threads 2 "
               "--out bench/results/served_step_4seq.json",
