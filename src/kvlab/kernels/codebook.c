@@ -484,9 +484,9 @@ CB_INLINE uint64_t sign_bits(__m512i index) {
 #endif
 }
 
-/* the magnitudes of quad k (blocks 4k .. 4k + 3) of a group whose indices are `index` (`at`: each block's point * 4,
- * the 3-bit points' offsets in the table): lane 4i + j coordinate j of block 4k + i's point */
-CB_INLINE __m512 quad_points(const cb_part *P, __m512i index, const int32_t *at, int k, const int bits, block_points T) {
+/* the magnitudes of quad k (blocks 4k .. 4k + 3) of a group whose indices are `index` (`points`: the 3-bit blocks'
+ * point numbers, as vq3_points packs them): lane 4i + j coordinate j of block 4k + i's point */
+CB_INLINE __m512 quad_points(const cb_part *P, __m512i index, const uint64_t *points, int k, const int bits, block_points T) {
     if (bits == 2) {   /* point * 4 + j < 64: entries 0-31 or 32-63 by bit 5 */
         const __m512i coord = _mm512_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
         const __m512i mine = _mm512_permutexvar_epi32(
@@ -495,9 +495,12 @@ CB_INLINE __m512 quad_points(const cb_part *P, __m512i index, const int32_t *at,
         return _mm512_mask_blend_ps(_mm512_test_epi32_mask(at2, _mm512_set1_epi32(32)), _mm512_permutex2var_ps(T.t[0], at2, T.t[1]),
                                     _mm512_permutex2var_ps(T.t[2], at2, T.t[3]));
     }
-    /* each block's point: one 16-byte load */
-    const __m256 low = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(P->table + at[4 * k])), _mm_loadu_ps(P->table + at[4 * k + 1]), 1);
-    const __m256 high = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(P->table + at[4 * k + 2])), _mm_loadu_ps(P->table + at[4 * k + 3]), 1);
+    /* each block's point: one 16-byte load, at 4 floats times its number (byte 4 (k & 1) + j of points[k / 2]) */
+    const uint64_t four = points[k / 2] >> 32 * (k & 1);
+#define POINT(j) _mm_loadu_ps(P->table + 4 * (int64_t)(four >> 8 * (j) & 255))
+    const __m256 low = _mm256_insertf128_ps(_mm256_castps128_ps256(POINT(0)), POINT(1), 1);
+    const __m256 high = _mm256_insertf128_ps(_mm256_castps128_ps256(POINT(2)), POINT(3), 1);
+#undef POINT
     return _mm512_insertf32x8(_mm512_castps256_ps512(low), high, 1);
 }
 
@@ -524,22 +527,24 @@ CB_INLINE uint64_t vq3_signs(const uint8_t *row, int64_t o0, int64_t o1, int g, 
 #endif
 }
 
-/* 3 bits: the n (1 to 16) blocks' points * 4 (their offsets in the table) into `at`, from the planes' bytes: block i's
- * point is its 6-bit high half's 6 bits then the low half's top 2 (block_indices), i.e. bits 0-3 of byte i of the 4-bit
- * plane, bits 0-1 of nibble i of the 2-bit plane and bits 6-7 of that byte, high to low */
-CB_INLINE void vq3_offsets(const uint8_t *row, int64_t o0, int64_t o1, int g, const int n, int32_t *at) {
-    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(lanes(n), row + o0 + g));
-    const __m512i pairs = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(lanes((n + 1) / 2), row + o1 + g / 2));
-    /* lane i: nibble i of the 2-bit plane moved up 4 bits (its bits 0-1 at 4-5) */
-    const __m512i nibble = _mm512_sllv_epi32(_mm512_permutexvar_epi32(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), pairs),
-                                             _mm512_setr_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0));
-    /* (byte & 15) << 6 | (nibble & 3) << 4 | (byte >> 6) << 2: two bitwise selects, then the low 2 bits cleared */
-    const __m512i high = _mm512_ternarylogic_epi32(_mm512_set1_epi32(0x3c0), _mm512_slli_epi32(bytes, 6), _mm512_srli_epi32(bytes, 4), 0xca);
-    const __m512i offsets = _mm512_andnot_si512(_mm512_set1_epi32(3),
-                                                _mm512_ternarylogic_epi32(_mm512_set1_epi32(0x30), nibble, high, 0xca));
-    _mm256_store_si256((__m256i *)at, _mm512_castsi512_si256(offsets));   /* two 32-byte stores: a load is forwarded */
-    if (n > 8) _mm256_store_si256((__m256i *)(at + 8), _mm512_extracti64x4_epi64(offsets, 1));   /* from one, not from a 64-byte one */
-    __asm__ volatile("" : "+m"(*(int32_t(*)[16])at));   /* the offsets stay in memory: loads, not lane extracts */
+/* 3 bits: the n (1 to 16) blocks' point numbers, byte i of points[0] (blocks 0-7) or points[1] (8-15), from the planes'
+ * bytes: block i's point is its 6-bit high half's 6 bits then the low half's top 2 (block_indices), i.e. bits 0-3 of
+ * byte i of the 4-bit plane, bits 0-1 of nibble i of the 2-bit plane and bits 6-7 of that byte, high to low. Eight
+ * blocks a 64-bit word in general-purpose registers: each point's address is a shift and a mask away, with no vector
+ * lane to extract and no store to read back. */
+CB_INLINE void vq3_points(const uint8_t *row, int64_t o0, int64_t o1, int g, const int n, uint64_t *points) {
+    const uint64_t low = load_bytes(row + o1 + g / 2, (n + 1) / 2);
+    const uint64_t bytes[2] = {load_bytes(row + o0 + g, n < 8 ? n : 8), n > 8 ? load_bytes(row + o0 + g + 8, n - 8) : 0};
+    for (int h = 0; h < 2; h++) {
+        const uint64_t b = bytes[h], nibbles = low >> 32 * h;
+#if defined(__BMI2__)
+        const uint64_t middle = _pdep_u64(_pext_u64(nibbles, 0x33333333ull), 0x0c0c0c0c0c0c0c0cull);
+#else
+        uint64_t middle = 0;
+        for (int i = 0; i < 8; i++) middle |= (nibbles >> 4 * i & 3) << (8 * i + 2);
+#endif
+        points[h] = (b & 0x0f0f0f0f0f0f0f0full) << 4 | middle | (b >> 6 & 0x0303030303030303ull);
+    }
 }
 
 /* v[k] = the values of quad k of the n (1 to 16) blocks from block g (a multiple of 16) of a row's block part, 4k < n:
@@ -548,9 +553,9 @@ CB_INLINE void group_values(const cb_part *P, const uint8_t *row, int g, int n, 
     const int64_t o0 = P->offset[0], o1 = P->n_planes > 1 ? P->offset[1] : 0;
     __m512i index = _mm512_setzero_si512();
     uint64_t signs;
-    int32_t at[16] __attribute__((aligned(64)));
+    uint64_t points[2] = {0, 0};
     if (bits == 3) {
-        vq3_offsets(row, o0, o1, g, n, at);
+        vq3_points(row, o0, o1, g, n, points);
         signs = vq3_signs(row, o0, o1, g, n);
     } else {
         index = block_indices(row, o0, g, n);
@@ -559,7 +564,7 @@ CB_INLINE void group_values(const cb_part *P, const uint8_t *row, int g, int n, 
     const __m512i sign = _mm512_set1_epi32((int32_t)0x80000000u);
     for (int k = 0; k < 4; k++)
         if (4 * k < n) {
-            const __m512i x = _mm512_castps_si512(quad_points(P, index, at, k, bits, T));
+            const __m512i x = _mm512_castps_si512(quad_points(P, index, points, k, bits, T));
             v[k] = _mm512_castsi512_ps(_mm512_mask_xor_epi32(x, (__mmask16)(signs >> 16 * k), x, sign));
         }
 }
