@@ -754,6 +754,21 @@ SECTIONS = [
               "prefill column: an 8k prompt takes tq4 1.4x dense-f16's time and tq3 2.3x, since a prompt chunk's "
               "queries read the coded keys the way a decode step does.",
               read_share=True, presets=CURRENT),
+        Table("decode_tq3_points_1thread.json", decode_contexts,
+              "kvlab bench decode --contexts 512,2k,4k,8k --caches dense-f16,tq3 --threads 1 --repeats 2 --steps 16 "
+              "--out bench/results/decode_tq3_points_1thread.json",
+              "`tq3` after its 3-bit blocks' point numbers moved out of a vector (stored, then read back before each "
+              "point's load) into general-purpose registers, eight blocks a 64-bit word: 0.96 / 1.03 / 1.12 / 1.23x "
+              "`dense-f16`, where the table above measured 0.95 / 1.05 / 1.06 / 1.11x (same bits). dense-f16 ran "
+              "faster through this run than through the one above (78.7 tokens/s at 512 against 67.7), against a "
+              "read limit of 11.9 GB/s.",
+              read_share=True, presets=CURRENT),
+        Table("decode_tq3_points_2threads.json", decode_contexts,
+              "kvlab bench decode --contexts 512,2k,4k,8k --caches dense-f16,tq3 --threads 2 --repeats 2 --steps 16 "
+              "--out bench/results/decode_tq3_points_2threads.json",
+              "The same at 2 threads: `tq3` 0.94 / 1.02 / 1.13 / 1.18x `dense-f16` (0.95 / 1.00 / 1.13 / 1.09x in "
+              "the 2-thread table below).",
+              read_share=True, presets=CURRENT),
         Table("decode_tq4_repeat_1thread.json", decode_contexts,
               "kvlab bench decode --contexts 512,8k --caches dense-f16,tq4 --threads 1 --repeats 3 --steps 16 "
               "--out bench/results/decode_tq4_repeat_1thread.json",
@@ -1020,6 +1035,13 @@ SECTIONS = [
               "a step where the table above measured 69.6, `tq3` 85.3 where it measured 87.4. dense-f16 blocks, whose "
               "read did not change, measured 106.4 ms against 99.6: the box's noise, which also makes this run's "
               "ratios (tq4 1.62x, tq3 1.25x) look better than the change alone.",
+              presets=CURRENT),
+        Table("served_step_tq3_points.json", served_step,
+              "python bench/served_step.py --formats dense-f16,tq4,tq3 --sequences 16 --prompt-tokens 2000 "
+              "--new-tokens 140 --threads 2 --kv-budget 2GiB --out bench/results/served_step_tq3_points.json",
+              "The same after `tq3`'s point numbers moved into general-purpose registers (the pool's blocks are read "
+              "by the same kernels): `tq3` blocks 79.4 ms a step (85.3 above), `tq4` 62.3, dense-f16 99.0; output "
+              "tok/s 1.25x and 1.59x dense-f16's.",
               presets=CURRENT),
         Table("throughput_long_400mib.json", throughput,
               'kvlab bench throughput --workloads long --batches 16 --no-sequential --formats "dense-f16,tq4,tq3,int4" '
