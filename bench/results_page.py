@@ -754,6 +754,16 @@ SECTIONS = [
               "prefill column: an 8k prompt takes tq4 1.4x dense-f16's time and tq3 2.3x, since a prompt chunk's "
               "queries read the coded keys the way a decode step does.",
               read_share=True, presets=CURRENT),
+        Table("decode_presets_1thread_repeat.json", decode_contexts,
+              "kvlab bench decode --contexts 512,2k,4k,8k --caches dense,dense-f16,tq4,tq3,tq-k4v4,int4 --threads 1 "
+              "--repeats 2 --steps 16 --out bench/results/decode_presets_1thread_repeat.json",
+              "The same command again, after `tq3`'s point numbers moved into registers (the tables below), with "
+              "nothing else changed: `tq4` 0.95 / 1.18 / 1.33 / 1.50x `dense-f16` at 512 / 2k / 4k / 8k, `tq3` "
+              "0.91 / 1.03 / 1.12 / 1.17x, `tq-k4v4` 1.00 / 1.21 / 1.45 / 1.73x, `int4` 0.93 / 0.96 / 0.95 / 1.00x. "
+              "dense-f16 ran faster through this run (80.9 tokens/s at 512 against 67.7 above), which lowers every "
+              "ratio at 512 by ~5%: two full runs of the same code differ that much there. At 8k dense-f16 reads at "
+              "64% of the read limit (12.4 GB/s) and tq4 at 49%.",
+              read_share=True, presets=CURRENT),
         Table("decode_tq3_points_1thread.json", decode_contexts,
               "kvlab bench decode --contexts 512,2k,4k,8k --caches dense-f16,tq3 --threads 1 --repeats 2 --steps 16 "
               "--out bench/results/decode_tq3_points_1thread.json",
