@@ -507,13 +507,20 @@ CB_INLINE __m512 quad_points(const cb_part *P, __m512i index, const uint64_t *po
 /* lanes of quad k of a group of n blocks: 4 per block in it */
 CB_INLINE __mmask16 quad_lanes(int n, int k) { return lanes(n - 4 * k >= 4 ? 16 : 4 * (n - 4 * k)); }
 
-/* 3 bits: the sign bits of the n (1 to 16) blocks from block g of a row's block part (planes at o0 and o1), as sign_bits
- * gives them, from the planes' bytes: signs 0 and 1 of block i are bits 2 and 3 of nibble i of the 2-bit plane, signs 2
- * and 3 bits 4 and 5 of byte i of the 4-bit plane (scalar bit gathers, no vector work) */
-CB_INLINE uint64_t vq3_signs(const uint8_t *row, int64_t o0, int64_t o1, int g, const int n) {
-    const uint64_t low = load_bytes(row + o1 + g / 2, (n + 1) / 2);
-    const uint64_t a = load_bytes(row + o0 + g, n < 8 ? n : 8), b = n > 8 ? load_bytes(row + o0 + g + 8, n - 8) : 0;
+/* 3 bits: the planes' bytes of the n (1 to 16) blocks from block g of a row's block part (planes at o0 and o1): the
+ * 2-bit plane's nibble i for block i (`low`), the 4-bit plane's byte i for blocks 0-7 (`a`) and 8-15 (`b`) */
+typedef struct { uint64_t low, a, b; } vq3_bytes;
+CB_INLINE vq3_bytes vq3_bytes_of(const uint8_t *row, int64_t o0, int64_t o1, int g, const int n) {
+    return (vq3_bytes){load_bytes(row + o1 + g / 2, (n + 1) / 2), load_bytes(row + o0 + g, n < 8 ? n : 8),
+                       n > 8 ? load_bytes(row + o0 + g + 8, n - 8) : 0};
+}
+
+/* 3 bits: the n blocks' sign bits as sign_bits gives them: signs 0 and 1 of block i are bits 2 and 3 of nibble i of
+ * the 2-bit plane, signs 2 and 3 bits 4 and 5 of byte i of the 4-bit plane (scalar bit gathers, no vector work) */
+CB_INLINE uint64_t vq3_signs(vq3_bytes x, const int n) {
+    const uint64_t low = x.low, a = x.a, b = x.b;
 #if defined(__BMI2__)
+    (void)n;   /* the blocks past n read as zero bytes */
     const uint64_t s01 = _pext_u64(low, 0xccccccccccccccccull);   /* bits 2i, 2i + 1: signs 0, 1 of block i */
     const uint64_t s23 = _pext_u64(a, 0x3030303030303030ull) | _pext_u64(b, 0x3030303030303030ull) << 16;
     return _pdep_u64(s01, 0x3333333333333333ull) | _pdep_u64(s23, 0xccccccccccccccccull);
@@ -527,16 +534,15 @@ CB_INLINE uint64_t vq3_signs(const uint8_t *row, int64_t o0, int64_t o1, int g, 
 #endif
 }
 
-/* 3 bits: the n (1 to 16) blocks' point numbers, byte i of points[0] (blocks 0-7) or points[1] (8-15), from the planes'
- * bytes: block i's point is its 6-bit high half's 6 bits then the low half's top 2 (block_indices), i.e. bits 0-3 of
- * byte i of the 4-bit plane, bits 0-1 of nibble i of the 2-bit plane and bits 6-7 of that byte, high to low. Eight
- * blocks a 64-bit word in general-purpose registers: each point's address is a shift and a mask away, with no vector
- * lane to extract and no store to read back. */
-CB_INLINE void vq3_points(const uint8_t *row, int64_t o0, int64_t o1, int g, const int n, uint64_t *points) {
-    const uint64_t low = load_bytes(row + o1 + g / 2, (n + 1) / 2);
-    const uint64_t bytes[2] = {load_bytes(row + o0 + g, n < 8 ? n : 8), n > 8 ? load_bytes(row + o0 + g + 8, n - 8) : 0};
+/* 3 bits: the blocks' point numbers, byte i of points[0] (blocks 0-7) or points[1] (8-15), from the planes' bytes:
+ * block i's point is its 6-bit high half's 6 bits then the low half's top 2 (block_indices), i.e. bits 0-3 of byte i
+ * of the 4-bit plane, bits 0-1 of nibble i of the 2-bit plane and bits 6-7 of that byte, high to low. Eight blocks a
+ * 64-bit word in general-purpose registers: each point's address is a shift and a mask away, with no vector lane to
+ * extract and no store to read back. */
+CB_INLINE void vq3_points(vq3_bytes x, uint64_t *points) {
+    const uint64_t bytes[2] = {x.a, x.b};
     for (int h = 0; h < 2; h++) {
-        const uint64_t b = bytes[h], nibbles = low >> 32 * h;
+        const uint64_t b = bytes[h], nibbles = x.low >> 32 * h;
 #if defined(__BMI2__)
         const uint64_t middle = _pdep_u64(_pext_u64(nibbles, 0x33333333ull), 0x0c0c0c0c0c0c0c0cull);
 #else
@@ -555,8 +561,9 @@ CB_INLINE void group_values(const cb_part *P, const uint8_t *row, int g, int n, 
     uint64_t signs;
     uint64_t points[2] = {0, 0};
     if (bits == 3) {
-        vq3_points(row, o0, o1, g, n, points);
-        signs = vq3_signs(row, o0, o1, g, n);
+        const vq3_bytes x = vq3_bytes_of(row, o0, o1, g, n);
+        vq3_points(x, points);
+        signs = vq3_signs(x, n);
     } else {
         index = block_indices(row, o0, g, n);
         signs = sign_bits(index);
