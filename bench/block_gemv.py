@@ -20,6 +20,8 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from kvlab.kernels import BLOCK_TYPES, block_kernel, kernel_status  # noqa: E402
 from kvlab.fileio import write_json  # noqa: E402
+from kvlab.measure import machine_info  # noqa: E402
+from kvlab.model.blockquant import split_rows  # noqa: E402
 
 OUT = ROOT / "bench" / "results" / "block_gemv.json"
 SHAPES = [(960, 576), (3072, 576), (576, 1536), (49152, 576)]   # q|k|v, gate|up, down, vocab head (rows, cols)
@@ -27,12 +29,12 @@ SCALE_BYTES = torch.tensor([0x00, 0x2C], dtype=torch.uint8)     # fp16 0.0625 fo
 
 
 def random_q4_1(rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
-    """(rows, cols/32 × 20) uint8 Q4_1 blocks with random nibbles and small finite d, m."""
+    """(rows, cols/32 × 20) uint8 Q4_1 blocks with random nibbles and small finite d, m, in kvlab's row layout."""
     _, per_block, block_bytes = BLOCK_TYPES["Q4_1"]
     blocks = torch.randint(0, 256, (rows, cols // per_block, block_bytes), dtype=torch.uint8, generator=gen)
     blocks[..., 0:2] = SCALE_BYTES
     blocks[..., 2:4] = SCALE_BYTES
-    return blocks.reshape(rows, -1)
+    return split_rows("Q4_1", blocks.reshape(rows, -1))
 
 
 def rate(kernel, matrices: list[torch.Tensor], x: torch.Tensor, seconds: float = 1.0) -> float:
@@ -60,7 +62,7 @@ def main() -> None:
     rows.append({"case": "cold 30 × 3072×576", "gb_s": round(rate(kernel, cold, torch.randn(576)), 2)})
     for row in rows:
         print(f"{row['case']:22s} {row['gb_s']:6.2f} GB/s")
-    write_json(OUT, {"what": __doc__.splitlines()[0], "threads": 1, "rows": rows}, indent=1)
+    write_json(OUT, {"what": __doc__.splitlines()[0], "threads": 1, "machine": machine_info(), "rows": rows}, indent=1)
 
 
 if __name__ == "__main__":

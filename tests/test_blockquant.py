@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType, quants
 
 from kvlab.errors import ConfigError, ModelFileError
 from kvlab import kernels
-from kvlab.model.blockquant import BlockMatrix, BlockQuantEmbedding, BlockQuantLinear, _dequantize_torch
+from kvlab.model.blockquant import BlockMatrix, BlockQuantEmbedding, BlockQuantLinear, _dequantize_torch, split_rows
 from .kernel_checks import require_kernel
 
 TYPES = ["Q4_0", "Q4_1", "Q8_0"]
@@ -26,7 +26,8 @@ SHAPES = [(1, 32), (3, 64), (7, 96), (33, 576), (577, 1536)]  # odd row counts: 
 
 
 def random_blocks(block_type: str, rows: int, cols: int, seed: int = 0):
-    """Random GGUF blocks (rows, row_bytes) uint8 plus the per-weight |d·q| + |m| (rows, cols) for tolerances."""
+    """Random blocks (rows, row_bytes) uint8 in kvlab's row layout (split_rows of GGUF rows) plus the per-weight
+    |d·q| + |m| (rows, cols) for tolerances."""
     rng = np.random.default_rng(seed)
     n = rows * cols // 32
     d = rng.uniform(0.001, 0.05, n).astype(np.float16) * rng.choice([-1, 1], n).astype(np.float16)
@@ -45,13 +46,39 @@ def random_blocks(block_type: str, rows: int, cols: int, seed: int = 0):
         else:
             scale = np.abs(d.astype(np.float32)[:, None] * (q.astype(np.float32) - 8))
         blocks = np.concatenate([*head, packed], axis=1)
-    data = blocks.reshape(rows, -1)
-    return torch.from_numpy(np.ascontiguousarray(data)), torch.from_numpy(scale.reshape(rows, cols).astype(np.float64))
+    data = split_rows(block_type, torch.from_numpy(np.ascontiguousarray(blocks.reshape(rows, -1))))
+    return data, torch.from_numpy(scale.reshape(rows, cols).astype(np.float64))
+
+
+def gguf_rows(block_type: str, data: torch.Tensor) -> np.ndarray:
+    """kvlab's rows back to the file's: each block's d (and m) put back before its quants."""
+    n = data.shape[1] // {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[block_type]
+    head = 4 if block_type == "Q4_1" else 2
+    rows = data.numpy().reshape(data.shape[0], -1)
+    fields = [rows[:, 2 * f * n:2 * (f + 1) * n].reshape(-1, n, 2) for f in range(head // 2)]
+    return np.concatenate([*fields, rows[:, head * n:].reshape(-1, n, (data.shape[1] - head * n) // max(n, 1))], axis=2)
 
 
 def reference(block_type: str, data: torch.Tensor, cols: int) -> torch.Tensor:
-    values = quants.dequantize(data.numpy(), GGMLQuantizationType[block_type])
+    """gguf's own dequantizer on the file's bytes of these rows"""
+    values = quants.dequantize(gguf_rows(block_type, data).reshape(data.shape[0], -1), GGMLQuantizationType[block_type])
     return torch.from_numpy(np.asarray(values, dtype=np.float32).reshape(data.shape[0], cols))
+
+
+@pytest.mark.parametrize("block_type", TYPES)
+def test_split_rows_puts_each_rows_scales_first(block_type):
+    """Row of 3 blocks: [d0 d1 d2 | m0 m1 m2 (Q4_1) | quants0 quants1 quants2], the bytes of the file's row."""
+    _, _, size = kernels.BLOCK_TYPES[block_type]
+    head = 4 if block_type == "Q4_1" else 2
+    file_row = torch.arange(3 * size, dtype=torch.uint8)[None, :]               # block b's bytes: b*size .. b*size+size-1
+    row = split_rows(block_type, file_row)[0].tolist()
+    blocks = [list(range(b * size, (b + 1) * size)) for b in range(3)]
+    expected = sum((blk[0:2] for blk in blocks), [])
+    if head == 4:
+        expected += sum((blk[2:4] for blk in blocks), [])
+    expected += sum((blk[head:] for blk in blocks), [])
+    assert row == expected
+    assert np.array_equal(gguf_rows(block_type, split_rows(block_type, file_row)).reshape(1, -1), file_row.numpy())
 
 
 @pytest.fixture(scope="module")

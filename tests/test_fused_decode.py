@@ -97,7 +97,7 @@ def quantize_matrices(model, block_type: str) -> None:
     for name, module in model.named_modules():
         if name.endswith(("attn.qkv", "attn.out", "ffn.gate_up", "ffn.down")) or name == "lm_head":
             data = quants.quantize(module.weight.detach().numpy(), qtype)
-            blocks[name] = BlockMatrix(block_type, torch.from_numpy(np.ascontiguousarray(data)), module.weight.shape[1])
+            blocks[name] = BlockMatrix.of_gguf_rows(block_type, torch.from_numpy(np.ascontiguousarray(data)), module.weight.shape[1])
     biases = {name: module.bias.detach().clone() for name, module in model.named_modules()
               if getattr(module, "bias", None) is not None}
     install_blocks(model, blocks)

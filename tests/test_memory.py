@@ -135,7 +135,7 @@ def _random_blocks(rows: int, cols: int, block_type: str = "Q4_1", seed: int = 0
     data = torch.randint(0, 256, (rows, cols // per_block, block_bytes), dtype=torch.uint8, generator=g)
     scales = (torch.rand(rows, cols // per_block, 2, generator=g) * 0.02).half().view(torch.uint8)  # d (and m) in [0, 0.02)
     data[..., :4] = scales.reshape(rows, cols // per_block, 4)
-    return BlockMatrix(block_type, data.reshape(rows, -1).contiguous(), cols)
+    return BlockMatrix.of_gguf_rows(block_type, data.reshape(rows, -1).contiguous(), cols)
 
 
 def test_multi_row_product_dequantizes_one_tile_at_a_time(monkeypatch):

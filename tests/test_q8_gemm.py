@@ -109,11 +109,10 @@ def test_gemm_equals_the_reference(q8, block_type, m, n, k):
 @pytest.mark.parametrize("block_type", TYPES)
 def test_integer_part_is_exact(q8, block_type):
     """Unit scales (d_w = 1, every activation block's amax = 127) leave only the integer dots: equal exactly."""
-    data, _ = random_blocks(block_type, 21, 256, seed=5)
-    blocks = data.view(21, 8, -1)
-    blocks[..., 0:2] = torch.tensor([1.0], dtype=torch.float16).view(torch.uint8)       # d_w = 1
+    data, _ = random_blocks(block_type, 21, 256, seed=5)                                # 8 blocks a row, scales first
+    data[:, 0:16].view(torch.float16)[:] = 1.0                                          # d_w = 1
     if block_type == "Q4_1":
-        blocks[..., 2:4] = 0                                                            # m_w = 0
+        data[:, 16:32] = 0                                                              # m_w = 0
     gen = torch.Generator().manual_seed(6)
     x = torch.randint(-127, 128, (35, 256), generator=gen).float()
     x.view(35, 8, 32)[..., 0] = 127.0                                                   # amax 127: d_a = 1, codes = x

@@ -1,6 +1,6 @@
 /* Multi-row product straight from GGUF quantized blocks (Q4_0, Q4_1, Q8_0), for kvlab.
  *
- *   Y (M, N) = X (M, K) @ W^T,   W (N, K) held as blocks (N rows of K / 32 blocks, see blockgemv.c)
+ *   Y (M, N) = X (M, K) @ W^T,   W (N, K) held as blocks (N rows of K / 32 blocks, laid out as blockgemv.h says)
  *
  * No fp32 copy of W is ever made, not even of a slab: the micro-kernel dequantizes one block of two W rows into
  * registers (the exact values d * q + m: d * q is exact in fp32, so one fused multiply-add rounds like the
@@ -96,32 +96,34 @@ static inline vi16 widen_i8(const uint8_t *p) {
 #endif
 }
 
-/* One block (32 weights) of `type` at blk -> lo (weights 0-15) and hi (16-31), exactly d * q + m */
-static inline __attribute__((always_inline)) void block_weights(const int type, const uint8_t *blk, vf16 *lo, vf16 *hi) {
-    const float d = fp16_at(blk);
+/* Block b (32 weights) of a row of nblocks blocks of `type` -> lo (weights 0-15) and hi (16-31), exactly d * q + m */
+static inline __attribute__((always_inline)) void block_weights(const int type, const uint8_t *row, int64_t nblocks,
+                                                                int64_t b, vf16 *lo, vf16 *hi) {
+    const float d = fp16_at(kvlab_row_d(row, b));
+    const uint8_t *qs = kvlab_row_quants(type, row, nblocks, b);
     if (type == Q8_0) {
-        *lo = d * __builtin_convertvector(widen_i8(blk + 2), vf16);
-        *hi = d * __builtin_convertvector(widen_i8(blk + 18), vf16);
+        *lo = d * __builtin_convertvector(widen_i8(qs), vf16);
+        *hi = d * __builtin_convertvector(widen_i8(qs + 16), vf16);
         return;
     }
-    const vi16 q = widen_u8(blk + (type == Q4_1 ? 4 : 2));
-    const float m = type == Q4_1 ? fp16_at(blk + 2) : -8.0f * d;   /* Q4_0: d * (q - 8) = d * q - 8d, both exact */
+    const vi16 q = widen_u8(qs);
+    const float m = type == Q4_1 ? fp16_at(kvlab_row_m(row, nblocks, b)) : -8.0f * d;   /* Q4_0: d * (q - 8) = d * q - 8d, both exact */
     *lo = d * __builtin_convertvector(q & 0x0f, vf16) + m;
     *hi = d * __builtin_convertvector(q >> 4, vf16) + m;
 }
 
 /* y[i * N] and y[i * N + 1] (the latter only if `two`) for the rows i < n of one packed group of X rows, xg
- * (block b of row i at xg + (b * GROUP + i) * 32): W rows w0 and w1, `nblocks` blocks of `stride` bytes each.
+ * (block b of row i at xg + (b * GROUP + i) * 32): W rows w0 and w1, `nblocks` blocks each.
  * `n` is a constant in each inlined copy, so the 2n sums stay in registers. */
 static inline __attribute__((always_inline)) void micro_kernel(const int type, const int n, const uint8_t *w0,
-                                                              const uint8_t *w1, int stride, int64_t nblocks,
+                                                              const uint8_t *w1, int64_t nblocks,
                                                               const float *xg, float *y, int64_t N, int two) {
     vf16 acc0[GROUP], acc1[GROUP];
     for (int i = 0; i < n; i++) acc0[i] = acc1[i] = (vf16){0};
     for (int64_t b = 0; b < nblocks; b++) {
         vf16 a_lo, a_hi, b_lo, b_hi;
-        block_weights(type, w0 + b * stride, &a_lo, &a_hi);
-        block_weights(type, w1 + b * stride, &b_lo, &b_hi);
+        block_weights(type, w0, nblocks, b, &a_lo, &a_hi);
+        block_weights(type, w1, nblocks, b, &b_lo, &b_hi);
         const float *xb = xg + b * GROUP * QK;
         for (int i = 0; i < n; i++) {
             const vf16 x_lo = load16(xb + i * QK), x_hi = load16(xb + i * QK + 16);
@@ -139,17 +141,17 @@ static inline __attribute__((always_inline)) void micro_kernel(const int type, c
 
 /* The group's row count as a compile-time constant, so each copy of the micro-kernel keeps its sums in registers */
 static inline __attribute__((always_inline)) void group_kernel(const int type, int n, const uint8_t *w0, const uint8_t *w1,
-                                                               int stride, int64_t nblocks, const float *xg,
+                                                               int64_t nblocks, const float *xg,
                                                                float *y, int64_t N, int two) {
     switch (n) {
-    case 8: micro_kernel(type, 8, w0, w1, stride, nblocks, xg, y, N, two); break;
-    case 7: micro_kernel(type, 7, w0, w1, stride, nblocks, xg, y, N, two); break;
-    case 6: micro_kernel(type, 6, w0, w1, stride, nblocks, xg, y, N, two); break;
-    case 5: micro_kernel(type, 5, w0, w1, stride, nblocks, xg, y, N, two); break;
-    case 4: micro_kernel(type, 4, w0, w1, stride, nblocks, xg, y, N, two); break;
-    case 3: micro_kernel(type, 3, w0, w1, stride, nblocks, xg, y, N, two); break;
-    case 2: micro_kernel(type, 2, w0, w1, stride, nblocks, xg, y, N, two); break;
-    default: micro_kernel(type, 1, w0, w1, stride, nblocks, xg, y, N, two); break;
+    case 8: micro_kernel(type, 8, w0, w1, nblocks, xg, y, N, two); break;
+    case 7: micro_kernel(type, 7, w0, w1, nblocks, xg, y, N, two); break;
+    case 6: micro_kernel(type, 6, w0, w1, nblocks, xg, y, N, two); break;
+    case 5: micro_kernel(type, 5, w0, w1, nblocks, xg, y, N, two); break;
+    case 4: micro_kernel(type, 4, w0, w1, nblocks, xg, y, N, two); break;
+    case 3: micro_kernel(type, 3, w0, w1, nblocks, xg, y, N, two); break;
+    case 2: micro_kernel(type, 2, w0, w1, nblocks, xg, y, N, two); break;
+    default: micro_kernel(type, 1, w0, w1, nblocks, xg, y, N, two); break;
     }
 }
 
@@ -157,13 +159,13 @@ static inline __attribute__((always_inline)) void group_kernel(const int type, i
  * dequantized block serves 8 + n rows (two W rows x 8 rows dequantize twice as often per multiply-add). Every sum is
  * accumulated exactly as micro_kernel accumulates it, so the results are the same bits. */
 static inline __attribute__((always_inline)) void row_kernel(const int type, const int n, const uint8_t *w0,
-                                                            int stride, int64_t nblocks, const float *xa,
+                                                            int64_t nblocks, const float *xa,
                                                             const float *xb, float *y, int64_t N) {
     vf16 acc[2 * GROUP];
     for (int i = 0; i < GROUP + n; i++) acc[i] = (vf16){0};
     for (int64_t b = 0; b < nblocks; b++) {
         vf16 w_lo, w_hi;
-        block_weights(type, w0 + b * stride, &w_lo, &w_hi);
+        block_weights(type, w0, nblocks, b, &w_lo, &w_hi);
         const float *x0 = xa + b * GROUP * QK, *x1 = xb + b * GROUP * QK;
         for (int i = 0; i < GROUP; i++) {
             acc[i] += w_lo * load16(x0 + i * QK);
@@ -179,17 +181,17 @@ static inline __attribute__((always_inline)) void row_kernel(const int type, con
 
 /* row_kernel with the second group's row count as a compile-time constant */
 static inline __attribute__((always_inline)) void two_group_kernel(const int type, int n, const uint8_t *w0,
-                                                                  int stride, int64_t nblocks, const float *xa,
+                                                                  int64_t nblocks, const float *xa,
                                                                   const float *xb, float *y, int64_t N) {
     switch (n) {
-    case 8: row_kernel(type, 8, w0, stride, nblocks, xa, xb, y, N); break;
-    case 7: row_kernel(type, 7, w0, stride, nblocks, xa, xb, y, N); break;
-    case 6: row_kernel(type, 6, w0, stride, nblocks, xa, xb, y, N); break;
-    case 5: row_kernel(type, 5, w0, stride, nblocks, xa, xb, y, N); break;
-    case 4: row_kernel(type, 4, w0, stride, nblocks, xa, xb, y, N); break;
-    case 3: row_kernel(type, 3, w0, stride, nblocks, xa, xb, y, N); break;
-    case 2: row_kernel(type, 2, w0, stride, nblocks, xa, xb, y, N); break;
-    default: row_kernel(type, 1, w0, stride, nblocks, xa, xb, y, N); break;
+    case 8: row_kernel(type, 8, w0, nblocks, xa, xb, y, N); break;
+    case 7: row_kernel(type, 7, w0, nblocks, xa, xb, y, N); break;
+    case 6: row_kernel(type, 6, w0, nblocks, xa, xb, y, N); break;
+    case 5: row_kernel(type, 5, w0, nblocks, xa, xb, y, N); break;
+    case 4: row_kernel(type, 4, w0, nblocks, xa, xb, y, N); break;
+    case 3: row_kernel(type, 3, w0, nblocks, xa, xb, y, N); break;
+    case 2: row_kernel(type, 2, w0, nblocks, xa, xb, y, N); break;
+    default: row_kernel(type, 1, w0, nblocks, xa, xb, y, N); break;
     }
 }
 
@@ -207,8 +209,7 @@ static void pack_groups(const float *x, int64_t M, int64_t K, float *xp) {
  * thread sweeps its W rows past it; W streams from L2 (or beyond), 40 bytes or fewer per 32 multiply-adds. */
 static void thread_rows(const int type, const uint8_t *blocks, int64_t N, int64_t K, const float *xp, int64_t M,
                         int64_t p0, int64_t p1, float *y) {
-    const int stride = kvlab_block_bytes(type);
-    const int64_t nblocks = K / QK, row_bytes = nblocks * stride;
+    const int64_t nblocks = K / QK, row_bytes = nblocks * kvlab_block_bytes(type);
     int64_t i = 0;
     /* a full group and part or all of the next, while both stay in L1: one W row at a time (a K of 1,536 rows of
      * 96 KiB made it slower) */
@@ -218,7 +219,7 @@ static void thread_rows(const int type, const uint8_t *blocks, int64_t N, int64_
         for (int64_t j = 2 * p0; j < j1; j++) {
             if (j + 2 * AHEAD < j1)
                 for (int64_t at = 0; at < row_bytes; at += 64) __builtin_prefetch(blocks + (j + 2 * AHEAD) * row_bytes + at, 0, 3);
-            two_group_kernel(type, n, blocks + j * row_bytes, stride, nblocks, xp + i * K, xp + (i + GROUP) * K, y + i * N + j, N);
+            two_group_kernel(type, n, blocks + j * row_bytes, nblocks, xp + i * K, xp + (i + GROUP) * K, y + i * N + j, N);
         }
     }
     for (; i < M; i += GROUP) {
@@ -229,7 +230,7 @@ static void thread_rows(const int type, const uint8_t *blocks, int64_t N, int64_
             const uint8_t *w0 = blocks + j * row_bytes, *w1 = two ? w0 + row_bytes : w0;
             if (p + AHEAD < p1)   /* the pair AHEAD pairs on: once y outgrows L2, W comes from L3 for every group */
                 for (int64_t at = 0; at < 2 * row_bytes; at += 64) __builtin_prefetch(w0 + AHEAD * 2 * row_bytes + at, 0, 3);
-            group_kernel(type, n, w0, w1, stride, nblocks, xp + i * K, y + i * N + j, N, two);
+            group_kernel(type, n, w0, w1, nblocks, xp + i * K, y + i * N + j, N, two);
         }
     }
 }

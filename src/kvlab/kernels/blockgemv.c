@@ -6,7 +6,8 @@
  *   Q8_0: fp16 d, 32 int8                      weight = d * q
  * In the nibble formats byte j holds weight j in its low nibble and weight j + 16 in its high nibble.
  *
- * A matrix is `rows` rows of `cols / 32` consecutive blocks. The GEMV keeps x in fp32 (it is not
+ * A matrix is `rows` rows of `cols / 32` blocks, each row with its blocks' scales in front (blockgemv.h kvlab_row_d:
+ * [d of every block | m of every block (Q4_1) | every block's quants]). The GEMV keeps x in fp32 (it is not
  * quantized): y[r] = sum_b d_b * (q_b . x_b) + m_b * sum(x_b), so only the fp32 summation order differs
  * from multiplying by the dequantized matrix. Parallel over rows with OpenMP (the runtime torch uses).
  */
@@ -62,20 +63,13 @@ void kvlab_block_sums(const float *x, int64_t cols, float *sums) {
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
-/* The fp16 scales of blocks [b, b + 16) of a row, as fp32: one gather of the 32-bit word at each block's
- * start (d in its low half; for Q4_1, m in its high half). `n` < 16 masks off blocks past the row's end. */
-static inline __m512i gather_block_words(const uint8_t *row, int64_t b, int stride, int n) {
-    const __m512i at = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                          _mm512_set1_epi32(stride));
-    const __mmask16 live = (__mmask16)((1u << n) - 1u);
-    return _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, at, row + b * stride, 1);
+/* The sixteen fp16 values at p (blocks' d or m, side by side in the row) as fp32; `n` < 16 masks off blocks past
+ * the row's end. One load: with the scales inside each block (the file's layout) this was a gather of sixteen
+ * blocks' first words, and the GEMV ran at 0.6-0.7x today's speed on an AMD EPYC (bench/block_gemv.py). */
+static inline __m512 load_fp16x16(const uint8_t *p, int n) {
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1u), p));
 }
-#define LOW_FP16(w) _mm512_cvtph_ps(_mm512_cvtepi32_epi16(w))
-#define HIGH_FP16(w) _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(w, 16)))
 
-/* Sixteen blocks at a time: their scales come from one gather, the offsets term sum_b m_b * sum(x_b) is a
- * vector FMA, and each block costs one widening load, two int->float conversions and three FMAs, alternating
- * between two accumulators so consecutive blocks do not wait on each other. */
 /* q_b . x_b for one nibble block as 16 fp32 lane partial sums (low nibbles . x[0:16] + high . x[16:32]) */
 static inline __m512 nibble_dot(const uint8_t *qs, const float *xb) {
     const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
@@ -90,26 +84,26 @@ static inline __m512 int8_dot(const uint8_t *qs, const float *xb) {
     return _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + HALF), _mm512_mul_ps(lo, _mm512_loadu_ps(xb)));
 }
 
-/* Sixteen blocks at a time: their scales come from one gather and the offsets term sum_b m_b * sum(x_b) is a
- * vector FMA. Blocks go in pairs into two accumulators, so consecutive blocks do not wait on each other. */
+/* Sixteen blocks at a time: their scales are one load each (d, and m for Q4_1) and the offsets term
+ * sum_b m_b * sum(x_b) is a vector FMA; each block costs one widening load, two int->float conversions and three
+ * FMAs. Blocks go in pairs into two accumulators, so consecutive blocks do not wait on each other. */
 static float dot_row_q4(const uint8_t *row, const float *x, const float *xsum, int64_t nblocks, int type) {
-    const int has_m = type == Q4_1, stride = block_bytes(type), q_at = has_m ? 4 : 2;
+    const int has_m = type == Q4_1;
     __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps(), offsets = _mm512_setzero_ps();
     float scales[16];
     for (int64_t b0 = 0; b0 < nblocks; b0 += 16) {
         const int n = nblocks - b0 < 16 ? (int)(nblocks - b0) : 16;
-        const __m512i words = gather_block_words(row, b0, stride, n);
-        const __m512 d = LOW_FP16(words);
-        const __m512 m = has_m ? HIGH_FP16(words) : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+        const __m512 d = load_fp16x16(kvlab_row_d(row, b0), n);
+        const __m512 m = has_m ? load_fp16x16(kvlab_row_m(row, nblocks, b0), n) : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
         offsets = _mm512_fmadd_ps(m, _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1u), xsum + b0), offsets);
         _mm512_storeu_ps(scales, d);
-        const uint8_t *blk = row + b0 * stride + q_at;
+        const uint8_t *blk = kvlab_row_quants(type, row, nblocks, b0);
         const float *xb = x + b0 * QK;
         int j = 0;
-        for (; j + 1 < n; j += 2, blk += 2 * stride, xb += 2 * QK) {
+        for (; j + 1 < n; j += 2, blk += 2 * HALF, xb += 2 * QK) {
             PREFETCH(blk);
             acc0 = _mm512_fmadd_ps(_mm512_set1_ps(scales[j]), nibble_dot(blk, xb), acc0);
-            acc1 = _mm512_fmadd_ps(_mm512_set1_ps(scales[j + 1]), nibble_dot(blk + stride, xb + QK), acc1);
+            acc1 = _mm512_fmadd_ps(_mm512_set1_ps(scales[j + 1]), nibble_dot(blk + HALF, xb + QK), acc1);
         }
         if (j < n) acc0 = _mm512_fmadd_ps(_mm512_set1_ps(scales[j]), nibble_dot(blk, xb), acc0);
     }
@@ -117,19 +111,18 @@ static float dot_row_q4(const uint8_t *row, const float *x, const float *xsum, i
 }
 
 static float dot_row_q8(const uint8_t *row, const float *x, int64_t nblocks) {
-    const int stride = block_bytes(Q8_0);
     __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
     float scales[16];
     for (int64_t b0 = 0; b0 < nblocks; b0 += 16) {
         const int n = nblocks - b0 < 16 ? (int)(nblocks - b0) : 16;
-        _mm512_storeu_ps(scales, LOW_FP16(gather_block_words(row, b0, stride, n)));
-        const uint8_t *blk = row + b0 * stride + 2;
+        _mm512_storeu_ps(scales, load_fp16x16(kvlab_row_d(row, b0), n));
+        const uint8_t *blk = kvlab_row_quants(Q8_0, row, nblocks, b0);
         const float *xb = x + b0 * QK;
         int j = 0;
-        for (; j + 1 < n; j += 2, blk += 2 * stride, xb += 2 * QK) {
+        for (; j + 1 < n; j += 2, blk += 2 * QK, xb += 2 * QK) {
             PREFETCH(blk);
             acc0 = _mm512_fmadd_ps(_mm512_set1_ps(scales[j]), int8_dot(blk, xb), acc0);
-            acc1 = _mm512_fmadd_ps(_mm512_set1_ps(scales[j + 1]), int8_dot(blk + stride, xb + QK), acc1);
+            acc1 = _mm512_fmadd_ps(_mm512_set1_ps(scales[j + 1]), int8_dot(blk + QK, xb + QK), acc1);
         }
         if (j < n) acc0 = _mm512_fmadd_ps(_mm512_set1_ps(scales[j]), int8_dot(blk, xb), acc0);
     }
@@ -151,16 +144,16 @@ static inline float sum8(__m256 v) {
 #define I8X8(v) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v))
 
 static float dot_row_q4(const uint8_t *row, const float *x, const float *xsum, int64_t nblocks, int type) {
-    const int has_m = type == Q4_1, stride = block_bytes(type), q_at = has_m ? 4 : 2;
+    const int has_m = type == Q4_1;
     const __m128i low4 = _mm_set1_epi8(0x0f);
     __m256 acc = _mm256_setzero_ps();
     float offsets = 0.0f;
     for (int64_t b = 0; b < nblocks; b++) {
-        const uint8_t *blk = row + b * stride;
+        const uint8_t *blk = kvlab_row_quants(type, row, nblocks, b);
         PREFETCH(blk);
-        const float d = fp16_to_fp32(blk);
-        offsets += (has_m ? fp16_to_fp32(blk + 2) : -8.0f * d) * xsum[b];
-        const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + q_at));
+        const float d = fp16_to_fp32(kvlab_row_d(row, b));
+        offsets += (has_m ? fp16_to_fp32(kvlab_row_m(row, nblocks, b)) : -8.0f * d) * xsum[b];
+        const __m128i raw = _mm_loadu_si128((const __m128i *)blk);
         const __m128i lo = _mm_and_si128(raw, low4), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low4);
         const float *xb = x + b * QK;
         __m256 part = _mm256_mul_ps(U8X8(lo), _mm256_loadu_ps(xb));
@@ -173,14 +166,13 @@ static float dot_row_q4(const uint8_t *row, const float *x, const float *xsum, i
 }
 
 static float dot_row_q8(const uint8_t *row, const float *x, int64_t nblocks) {
-    const int stride = block_bytes(Q8_0);
     __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < nblocks; b++) {
-        const uint8_t *blk = row + b * stride;
+        const uint8_t *blk = kvlab_row_quants(Q8_0, row, nblocks, b);
         PREFETCH(blk);
-        const float d = fp16_to_fp32(blk);
-        const __m128i q0 = _mm_loadu_si128((const __m128i *)(blk + 2));
-        const __m128i q1 = _mm_loadu_si128((const __m128i *)(blk + 2 + HALF));
+        const float d = fp16_to_fp32(kvlab_row_d(row, b));
+        const __m128i q0 = _mm_loadu_si128((const __m128i *)blk);
+        const __m128i q1 = _mm_loadu_si128((const __m128i *)(blk + HALF));
         const float *xb = x + b * QK;
         __m256 part = _mm256_mul_ps(I8X8(q0), _mm256_loadu_ps(xb));
         part = _mm256_fmadd_ps(I8X8(_mm_srli_si128(q0, 8)), _mm256_loadu_ps(xb + 8), part);
@@ -194,15 +186,14 @@ static float dot_row_q8(const uint8_t *row, const float *x, int64_t nblocks) {
 #else  /* plain C: 16 independent lanes, which compilers vectorize for whatever SIMD there is */
 
 static float dot_row_q4(const uint8_t *row, const float *x, const float *xsum, int64_t nblocks, int type) {
-    const int has_m = type == Q4_1, stride = block_bytes(type), q_at = has_m ? 4 : 2;
+    const int has_m = type == Q4_1;
     float acc[HALF] = {0};
     float offsets = 0.0f;
     for (int64_t b = 0; b < nblocks; b++) {
-        const uint8_t *blk = row + b * stride;
-        PREFETCH(blk);
-        const float d = fp16_to_fp32(blk);
-        offsets += (has_m ? fp16_to_fp32(blk + 2) : -8.0f * d) * xsum[b];
-        const uint8_t *qs = blk + q_at;
+        const uint8_t *qs = kvlab_row_quants(type, row, nblocks, b);
+        PREFETCH(qs);
+        const float d = fp16_to_fp32(kvlab_row_d(row, b));
+        offsets += (has_m ? fp16_to_fp32(kvlab_row_m(row, nblocks, b)) : -8.0f * d) * xsum[b];
         const float *xb = x + b * QK;
         for (int j = 0; j < HALF; j++)
             acc[j] += d * ((float)(qs[j] & 0x0f) * xb[j] + (float)(qs[j] >> 4) * xb[j + HALF]);
@@ -213,13 +204,11 @@ static float dot_row_q4(const uint8_t *row, const float *x, const float *xsum, i
 }
 
 static float dot_row_q8(const uint8_t *row, const float *x, int64_t nblocks) {
-    const int stride = block_bytes(Q8_0);
     float acc[HALF] = {0};
     for (int64_t b = 0; b < nblocks; b++) {
-        const uint8_t *blk = row + b * stride;
-        PREFETCH(blk);
-        const float d = fp16_to_fp32(blk);
-        const int8_t *qs = (const int8_t *)(blk + 2);
+        const int8_t *qs = (const int8_t *)kvlab_row_quants(Q8_0, row, nblocks, b);
+        PREFETCH(qs);
+        const float d = fp16_to_fp32(kvlab_row_d(row, b));
         const float *xb = x + b * QK;
         for (int j = 0; j < HALF; j++)
             acc[j] += d * ((float)qs[j] * xb[j] + (float)qs[j + HALF] * xb[j + HALF]);
@@ -259,18 +248,16 @@ int kvlab_block_gemv(int type, const uint8_t *blocks, int64_t rows, int64_t cols
 /* One row of blocks -> fp32, d * q + m per weight. Bit-exact whatever the order or fusing: d has 11
  * significant bits and q at most 8, so d * q is exact in fp32 and only "+ m" rounds. */
 #if defined(__AVX512F__)
-/* sixteen weights per instruction, the scales of sixteen blocks from one gather */
+/* sixteen weights per instruction, the scales of sixteen blocks from one load */
 static void dequantize_row(int type, const uint8_t *row, int64_t nblocks, float *out) {
-    const int stride = block_bytes(type), q_at = type == Q4_1 ? 4 : 2;
     const __m512i low4 = _mm512_set1_epi32(0x0f), eight = _mm512_set1_epi32(type == Q4_0 ? 8 : 0);
     float d16[16], m16[16];
     for (int64_t b0 = 0; b0 < nblocks; b0 += 16) {
         const int n = nblocks - b0 < 16 ? (int)(nblocks - b0) : 16;
-        const __m512i words = gather_block_words(row, b0, stride, n);
-        _mm512_storeu_ps(d16, LOW_FP16(words));
-        _mm512_storeu_ps(m16, type == Q4_1 ? HIGH_FP16(words) : _mm512_setzero_ps());
+        _mm512_storeu_ps(d16, load_fp16x16(kvlab_row_d(row, b0), n));
+        _mm512_storeu_ps(m16, type == Q4_1 ? load_fp16x16(kvlab_row_m(row, nblocks, b0), n) : _mm512_setzero_ps());
         for (int j = 0; j < n; j++) {
-            const uint8_t *qs = row + (b0 + j) * stride + q_at;
+            const uint8_t *qs = kvlab_row_quants(type, row, nblocks, b0 + j);
             float *o = out + (b0 + j) * QK;
             const __m512 d = _mm512_set1_ps(d16[j]);
             __m512i lo, hi;
@@ -294,23 +281,19 @@ static void dequantize_row(int type, const uint8_t *row, int64_t nblocks, float 
 }
 #else
 static void dequantize_row(int type, const uint8_t *row, int64_t nblocks, float *out) {
-    const int stride = block_bytes(type);
     for (int64_t b = 0; b < nblocks; b++) {
-        const uint8_t *blk = row + b * stride;
+        const uint8_t *qs = kvlab_row_quants(type, row, nblocks, b);
         float *o = out + b * QK;
-        const float d = fp16_to_fp32(blk);
+        const float d = fp16_to_fp32(kvlab_row_d(row, b));
         if (type == Q8_0) {
-            const int8_t *qs = (const int8_t *)(blk + 2);
-            for (int j = 0; j < QK; j++) o[j] = d * (float)qs[j];
+            for (int j = 0; j < QK; j++) o[j] = d * (float)(int8_t)qs[j];
         } else if (type == Q4_1) {
-            const float m = fp16_to_fp32(blk + 2);
-            const uint8_t *qs = blk + 4;
+            const float m = fp16_to_fp32(kvlab_row_m(row, nblocks, b));
             for (int j = 0; j < HALF; j++) {
                 o[j] = d * (float)(qs[j] & 0x0f) + m;
                 o[j + HALF] = d * (float)(qs[j] >> 4) + m;
             }
         } else {
-            const uint8_t *qs = blk + 2;
             for (int j = 0; j < HALF; j++) {
                 o[j] = d * (float)((int)(qs[j] & 0x0f) - 8);
                 o[j + HALF] = d * (float)((int)(qs[j] >> 4) - 8);

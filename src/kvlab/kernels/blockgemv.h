@@ -14,6 +14,14 @@ enum { F32 = 0, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };   /* GGML type ids */
 
 /* bytes of one 32-weight block of `type` (0 for a type without blocks) */
 int kvlab_block_bytes(int type);
+/* A row of nb blocks, as kvlab holds it (model/blockquant.py split_rows): the GGUF blocks' bytes with their scales in
+ * front, [fp16 d of every block | fp16 m of every block (Q4_1) | every block's quants], so that sixteen blocks' scales
+ * are one vector load. Block b's d, m and quants (16 bytes of nibbles: weight j low, j + 16 high; Q8_0: 32 int8): */
+static inline const uint8_t *kvlab_row_d(const uint8_t *row, int64_t b) { return row + 2 * b; }
+static inline const uint8_t *kvlab_row_m(const uint8_t *row, int64_t nb, int64_t b) { return row + 2 * (nb + b); }
+static inline const uint8_t *kvlab_row_quants(int type, const uint8_t *row, int64_t nb, int64_t b) {
+    return row + (type == Q4_1 ? 4 : 2) * nb + (type == Q8_0 ? 32 : 16) * b;
+}
 /* sums[b] = x[32b] + ... + x[32b + 31], b < cols / 32: what the Q4_0/Q4_1 row dot needs for its offsets */
 void kvlab_block_sums(const float *x, int64_t cols, float *sums);
 /* one row of `nblocks` blocks . x; xsum from kvlab_block_sums (unused by Q8_0) */

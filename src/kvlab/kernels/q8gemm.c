@@ -1,6 +1,6 @@
 /* Multi-row product of int8-quantized activations with GGUF blocks (Q4_0, Q4_1, Q8_0), for kvlab.
  *
- *   Y (M, N) ~ X (M, K) @ W^T,   W (N, K) held as blocks (see blockgemv.c)
+ *   Y (M, N) ~ X (M, K) @ W^T,   W (N, K) held as blocks (laid out as blockgemv.h says)
  *
  * Activations. Each 32-element block of each row of X is quantized to int8 with one fp32 scale, like
  * llama.cpp's Q8_1: amax = max |x|, d = amax / 127, q = round-half-even(x * (127 / amax)) in [-127, 127], and
@@ -17,7 +17,7 @@
  * Layout. X is quantized into groups of 16 rows ("lanes"), block-major: per (group, block) a 640-byte chunk of
  * 8 steps x 16 lanes x 4 codes (step t, lane l: row l's codes 4t .. 4t + 3), then the 16 scales d_a, then 16
  * aux words (Q4_0 / Q8_0: the integer start value of the dot, -8 s resp. -128 s or 0; Q4_1: d_a * s in fp32).
- * The weights are read straight from the GGUF blocks: 4 weight codes of one row are broadcast to all lanes and
+ * The weights are read straight from the blocks: 4 weight codes of one row are broadcast to all lanes and
  * multiplied with 4 codes of each of 16 rows at once (one vpdpbusd: u8 weights x s8 activations, summed into
  * int32 lanes), so after 8 steps each lane holds one row's full block dot, and the fp32 work (convert, scale,
  * fma) is once per block per 16 rows. The nibble codes (0..15) are the unsigned operand as they are; Q8_0's
@@ -171,18 +171,18 @@ static void pack_groups(int type, const float *x, int64_t M, int64_t K, uint8_t 
     }
 }
 
-/* Weight codes 4t .. 4t + 3 of one block as the dot's first operand: nibbles as they are (0..15); Q8_0's signed
- * codes + 128 under VNNI, else as they are (the sign trick takes them) */
-static inline uint32_t weight_word(const int type, const uint8_t *blk, int t) {
+/* Weight codes 4t .. 4t + 3 of one block (its quants at qs) as the dot's first operand: nibbles as they are (0..15);
+ * Q8_0's signed codes + 128 under VNNI, else as they are (the sign trick takes them) */
+static inline uint32_t weight_word(const int type, const uint8_t *qs, int t) {
     if (type == Q8_0) {
-        const uint32_t w = load32(blk + 2 + 4 * t);
+        const uint32_t w = load32(qs + 4 * t);
 #if defined(Q8_AVX512) && defined(__AVX512VNNI__)
         return w ^ 0x80808080u;
 #else
         return w;
 #endif
     }
-    const uint32_t raw = load32(blk + (type == Q4_1 ? 4 : 2) + 4 * (t & 3));
+    const uint32_t raw = load32(qs + 4 * (t & 3));
     return (t < 4 ? raw : raw >> 4) & 0x0f0f0f0fu;
 }
 
@@ -203,14 +203,14 @@ static inline __m512i dot4(const int type, __m512i acc, __m512i w, __m512i a) {
 
 /* out[r][a][l] for weight rows w0, w1 (r) and the 16 lanes of A packed groups (a) starting at xg */
 static inline __attribute__((always_inline)) void micro_kernel(const int type, const int A, const uint8_t *w0,
-                                                              const uint8_t *w1, int stride, int64_t nb,
+                                                              const uint8_t *w1, int64_t nb,
                                                               const uint8_t *xg, int64_t group_bytes,
                                                               float out[2][MAX_PASS][LANES]) {
     __m512 acc[2][MAX_PASS];
     for (int r = 0; r < 2; r++)
         for (int a = 0; a < A; a++) acc[r][a] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk[2] = {w0 + b * stride, w1 + b * stride};
+        const uint8_t *qs[2] = {kvlab_row_quants(type, w0, nb, b), kvlab_row_quants(type, w1, nb, b)};
         const uint8_t *chunk[MAX_PASS];
         for (int a = 0; a < A; a++) chunk[a] = xg + a * group_bytes + b * CHUNK;
         __m512i s[2][MAX_PASS];
@@ -219,8 +219,8 @@ static inline __attribute__((always_inline)) void micro_kernel(const int type, c
             s[0][a] = s[1][a] = start;
         }
         for (int t = 0; t < STEPS; t++) {
-            const __m512i w[2] = {_mm512_set1_epi32((int)weight_word(type, blk[0], t)),
-                                  _mm512_set1_epi32((int)weight_word(type, blk[1], t))};
+            const __m512i w[2] = {_mm512_set1_epi32((int)weight_word(type, qs[0], t)),
+                                  _mm512_set1_epi32((int)weight_word(type, qs[1], t))};
             for (int a = 0; a < A; a++) {
                 const __m512i codes = _mm512_load_si512(chunk[a] + CODES_AT + t * 64);
                 s[0][a] = dot4(type, s[0][a], w[0], codes);
@@ -228,12 +228,13 @@ static inline __attribute__((always_inline)) void micro_kernel(const int type, c
             }
         }
         for (int r = 0; r < 2; r++) {
-            const __m512 dw = _mm512_set1_ps(fp16_at(blk[r]));
+            const uint8_t *row = r ? w1 : w0;
+            const __m512 dw = _mm512_set1_ps(fp16_at(kvlab_row_d(row, b)));
             for (int a = 0; a < A; a++) {
                 const __m512 scale = _mm512_mul_ps(dw, _mm512_load_ps((const float *)(chunk[a] + SCALES_AT)));
                 acc[r][a] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][a]), scale, acc[r][a]);
                 if (type == Q4_1)
-                    acc[r][a] = _mm512_fmadd_ps(_mm512_set1_ps(fp16_at(blk[r] + 2)),
+                    acc[r][a] = _mm512_fmadd_ps(_mm512_set1_ps(fp16_at(kvlab_row_m(row, nb, b))),
                                                 _mm512_load_ps((const float *)(chunk[a] + AUX_AT)), acc[r][a]);
             }
         }
@@ -254,7 +255,7 @@ static inline __m256i dot4(const int type, __m256i acc, __m256i w, __m256i a) {
 }
 
 static inline __attribute__((always_inline)) void micro_kernel(const int type, const int A, const uint8_t *w0,
-                                                              const uint8_t *w1, int stride, int64_t nb,
+                                                              const uint8_t *w1, int64_t nb,
                                                               const uint8_t *xg, int64_t group_bytes,
                                                               float out[2][MAX_PASS][LANES]) {
     (void)A;
@@ -262,7 +263,7 @@ static inline __attribute__((always_inline)) void micro_kernel(const int type, c
     __m256 acc[2][2];
     for (int r = 0; r < 2; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk[2] = {w0 + b * stride, w1 + b * stride};
+        const uint8_t *qs[2] = {kvlab_row_quants(type, w0, nb, b), kvlab_row_quants(type, w1, nb, b)};
         const uint8_t *chunk = xg + b * CHUNK;
         __m256i s[2][2];
         for (int h = 0; h < 2; h++) {
@@ -271,8 +272,8 @@ static inline __attribute__((always_inline)) void micro_kernel(const int type, c
             s[0][h] = s[1][h] = start;
         }
         for (int t = 0; t < STEPS; t++) {
-            const __m256i w[2] = {_mm256_set1_epi32((int)weight_word(type, blk[0], t)),
-                                  _mm256_set1_epi32((int)weight_word(type, blk[1], t))};
+            const __m256i w[2] = {_mm256_set1_epi32((int)weight_word(type, qs[0], t)),
+                                  _mm256_set1_epi32((int)weight_word(type, qs[1], t))};
             for (int h = 0; h < 2; h++) {
                 const __m256i codes = _mm256_load_si256((const __m256i *)(chunk + CODES_AT + t * 64 + 32 * h));
                 s[0][h] = dot4(type, s[0][h], w[0], codes);
@@ -280,12 +281,13 @@ static inline __attribute__((always_inline)) void micro_kernel(const int type, c
             }
         }
         for (int r = 0; r < 2; r++) {
-            const __m256 dw = _mm256_set1_ps(fp16_at(blk[r]));
+            const uint8_t *row = r ? w1 : w0;
+            const __m256 dw = _mm256_set1_ps(fp16_at(kvlab_row_d(row, b)));
             for (int h = 0; h < 2; h++) {
                 const __m256 scale = _mm256_mul_ps(dw, _mm256_load_ps((const float *)(chunk + SCALES_AT + 32 * h)));
                 acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][h]), scale, acc[r][h]);
                 if (type == Q4_1)
-                    acc[r][h] = _mm256_fmadd_ps(_mm256_set1_ps(fp16_at(blk[r] + 2)),
+                    acc[r][h] = _mm256_fmadd_ps(_mm256_set1_ps(fp16_at(kvlab_row_m(row, nb, b))),
                                                 _mm256_load_ps((const float *)(chunk + AUX_AT + 32 * h)), acc[r][h]);
             }
         }
@@ -302,7 +304,7 @@ static inline int weight_code(const int type, uint32_t word, int c) {
     return type == Q8_0 ? (int)(int8_t)byte : (int)byte;
 }
 
-static void micro_kernel(const int type, const int A, const uint8_t *w0, const uint8_t *w1, int stride, int64_t nb,
+static void micro_kernel(const int type, const int A, const uint8_t *w0, const uint8_t *w1, int64_t nb,
                          const uint8_t *xg, int64_t group_bytes, float out[2][MAX_PASS][LANES]) {
     (void)A;
     (void)group_bytes;
@@ -311,20 +313,20 @@ static void micro_kernel(const int type, const int A, const uint8_t *w0, const u
         for (int l = 0; l < LANES; l++) {
             float acc = 0.0f;
             for (int64_t b = 0; b < nb; b++) {
-                const uint8_t *blk = row + b * stride, *chunk = xg + b * CHUNK;
+                const uint8_t *qs = kvlab_row_quants(type, row, nb, b), *chunk = xg + b * CHUNK;
                 int32_t s = 0;
                 if (type != Q4_1) memcpy(&s, chunk + AUX_AT + l * 4, 4);
                 for (int t = 0; t < STEPS; t++) {
-                    const uint32_t word = weight_word(type, blk, t);
+                    const uint32_t word = weight_word(type, qs, t);
                     const int8_t *a = (const int8_t *)(chunk + CODES_AT + (t * LANES + l) * 4);
                     for (int c = 0; c < 4; c++) s += weight_code(type, word, c) * a[c];
                 }
                 float da, aux;
                 memcpy(&da, chunk + SCALES_AT + l * 4, 4);
-                acc = fmaf((float)s, fp16_at(blk) * da, acc);
+                acc = fmaf((float)s, fp16_at(kvlab_row_d(row, b)) * da, acc);
                 if (type == Q4_1) {
                     memcpy(&aux, chunk + AUX_AT + l * 4, 4);
-                    acc = fmaf(fp16_at(blk + 2), aux, acc);
+                    acc = fmaf(fp16_at(kvlab_row_m(row, nb, b)), aux, acc);
                 }
             }
             out[r][0][l] = acc;
@@ -336,14 +338,14 @@ static void micro_kernel(const int type, const int A, const uint8_t *w0, const u
 
 /* The group count of a pass as a constant in each inlined copy of the micro-kernel */
 static inline __attribute__((always_inline)) void pass_kernel(const int type, int A, const uint8_t *w0,
-                                                             const uint8_t *w1, int stride, int64_t nb,
+                                                             const uint8_t *w1, int64_t nb,
                                                              const uint8_t *xg, int64_t group_bytes,
                                                              float out[2][MAX_PASS][LANES]) {
     switch (A) {
-    case 4: micro_kernel(type, 4, w0, w1, stride, nb, xg, group_bytes, out); break;
-    case 3: micro_kernel(type, 3, w0, w1, stride, nb, xg, group_bytes, out); break;
-    case 2: micro_kernel(type, 2, w0, w1, stride, nb, xg, group_bytes, out); break;
-    default: micro_kernel(type, 1, w0, w1, stride, nb, xg, group_bytes, out); break;
+    case 4: micro_kernel(type, 4, w0, w1, nb, xg, group_bytes, out); break;
+    case 3: micro_kernel(type, 3, w0, w1, nb, xg, group_bytes, out); break;
+    case 2: micro_kernel(type, 2, w0, w1, nb, xg, group_bytes, out); break;
+    default: micro_kernel(type, 1, w0, w1, nb, xg, group_bytes, out); break;
     }
 }
 
@@ -351,8 +353,7 @@ static inline __attribute__((always_inline)) void pass_kernel(const int type, in
 static inline __attribute__((always_inline)) void thread_rows(const int type, const uint8_t *blocks, int64_t N,
                                                               int64_t K, const uint8_t *xp, int64_t M, int64_t p0,
                                                               int64_t p1, float *y) {
-    const int stride = block_bytes(type);
-    const int64_t nb = K / QK, row_bytes = nb * stride, group_bytes = nb * CHUNK;
+    const int64_t nb = K / QK, row_bytes = nb * block_bytes(type), group_bytes = nb * CHUNK;
     const int64_t groups = (M + LANES - 1) / LANES;
     float out[2][MAX_PASS][LANES];
     for (int64_t g = 0; g < groups; g += GROUPS_PER_PASS) {
@@ -363,7 +364,7 @@ static inline __attribute__((always_inline)) void thread_rows(const int type, co
             const uint8_t *w0 = blocks + j * row_bytes, *w1 = two ? w0 + row_bytes : w0;
             if (p + AHEAD < p1)
                 for (int64_t at = 0; at < 2 * row_bytes; at += 64) __builtin_prefetch(w0 + AHEAD * 2 * row_bytes + at, 0, 3);
-            pass_kernel(type, A, w0, w1, stride, nb, xp + g * group_bytes, group_bytes, out);
+            pass_kernel(type, A, w0, w1, nb, xp + g * group_bytes, group_bytes, out);
             for (int a = 0; a < A; a++)
                 for (int l = 0; l < LANES; l++) {
                     const int64_t i = (g + a) * LANES + l;

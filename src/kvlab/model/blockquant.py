@@ -1,7 +1,10 @@
 """Linear layers that hold GGUF quantized blocks (Q4_0, Q4_1, Q8_0) instead of fp32 weights.
 
-A BlockMatrix is a (rows, cols) weight kept as its GGUF bytes: `data` (rows, row_bytes) uint8, each row
-cols / 32 consecutive blocks. BlockQuantLinear multiplies one fp32 row straight from the blocks with the C
+A BlockMatrix is a (rows, cols) weight kept as its GGUF bytes: `data` (rows, row_bytes) uint8, each row the bytes
+of its cols / 32 blocks with the blocks' fp16 scales gathered at the front (`split_rows`): [d of every block | m of
+every block (Q4_1) | each block's quants (16 bytes of nibbles, 32 int8 for Q8_0)]. The same bytes as the file's row
+(a row of one block is the file's block), laid out so that a kernel loads sixteen blocks' scales with one vector
+load instead of gathering them from sixteen blocks (llama.cpp repacks its CPU weights for the same reason). BlockQuantLinear multiplies one fp32 row straight from the blocks with the C
 kernel (kvlab.kernels), reading ~5-8.5 bits per weight instead of 32, and a few rows (a batched decode
 step: up to GEMM_MAX_ROWS) with the block GEMM kernel, which dequantizes each block in registers and uses it
 for 8 rows at once, so no fp32 copy of the matrix is made. More rows (prompt chunks, eval windows), no
@@ -37,7 +40,8 @@ from .weights import unpermute_rope_rows
 
 @dataclass
 class BlockMatrix:
-    """A (rows, cols) weight as GGUF blocks: data (rows, row_bytes) uint8 of type `block_type`."""
+    """A (rows, cols) weight as GGUF blocks: data (rows, row_bytes) uint8 of type `block_type`, rows in split_rows'
+    layout (BlockMatrix.from_gguf makes it from a file's tensor, BlockMatrix.of_gguf_rows from a file's row bytes)."""
 
     block_type: str
     data: torch.Tensor
@@ -65,8 +69,31 @@ class BlockMatrix:
         not through the mmap, whose touched pages would stay resident next to the copy)."""
         cols = int(tensor.shape[0])  # GGUF lists the fastest-moving dim (columns) first
         raw = tensor.read()                                                       # (rows, row_bytes) uint8
-        data = torch.from_numpy(raw).reshape(-1, raw.shape[-1])
-        return BlockMatrix(tensor.tensor_type.name, data, cols)
+        return BlockMatrix.of_gguf_rows(tensor.tensor_type.name, torch.from_numpy(raw).reshape(-1, raw.shape[-1]), cols)
+
+    @staticmethod
+    def of_gguf_rows(block_type: str, data: torch.Tensor, cols: int) -> "BlockMatrix":
+        """(rows, row_bytes) uint8 rows as a GGUF file holds them -> a BlockMatrix; `data` is rearranged in place."""
+        matrix = BlockMatrix(block_type, data, cols)                              # checks the type and shape first
+        for start in range(0, data.shape[0], SPLIT_ROWS_AT_ONCE):                 # a transient of at most this many rows
+            rows = data[start:start + SPLIT_ROWS_AT_ONCE]
+            rows.copy_(split_rows(block_type, rows))
+        return matrix
+
+
+#: rows split_rows rearranges at a time while a matrix loads (~1.5 MiB of SmolLM2's embedding rows)
+SPLIT_ROWS_AT_ONCE = 4096
+
+
+def split_rows(block_type: str, data: torch.Tensor) -> torch.Tensor:
+    """(rows, row_bytes) uint8 rows of GGUF blocks -> the same bytes with each row's scales in front:
+    [d_0 .. d_{n-1} | m_0 .. m_{n-1} (Q4_1) | quants_0 .. quants_{n-1}], n blocks a row (a new tensor)."""
+    _, _, block_bytes = BLOCK_TYPES[block_type]
+    rows = data.shape[0]
+    blocks = data.reshape(rows, data.shape[1] // block_bytes, block_bytes)       # (R, n, bytes)
+    head = 4 if block_type == "Q4_1" else 2
+    fields = [blocks[..., 0:2], blocks[..., 2:4]] if head == 4 else [blocks[..., 0:2]]
+    return torch.cat([f.reshape(rows, -1) for f in (*fields, blocks[..., head:])], dim=1)   # (R, row_bytes)
 
 
 def dequantize_blocks(block_type: str, data: torch.Tensor, cols: int) -> torch.Tensor:
@@ -79,19 +106,25 @@ def dequantize_blocks(block_type: str, data: torch.Tensor, cols: int) -> torch.T
 
 def _dequantize_torch(block_type: str, data: torch.Tensor, cols: int) -> torch.Tensor:
     """The same arithmetic in torch (no compiler needed): d * q + m per block, exact in fp32."""
-    _, per_block, block_bytes = BLOCK_TYPES[block_type]
-    rows = data.shape[0]
-    blocks = data.reshape(rows, cols // per_block, block_bytes)                   # (R, B, bytes)
-    d = blocks[..., 0:2].contiguous().view(torch.float16).float()                 # (R, B, 1)
+    codes, d, m = block_fields(block_type, data, cols)
+    weights = d[..., None] * codes.float()                                        # (R, B, 32)
+    return (weights if m is None else weights + m[..., None]).reshape(data.shape[0], cols)
+
+
+def block_fields(block_type: str, data: torch.Tensor, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(R, row_bytes) rows in split_rows' layout -> signed integer codes (R, B, 32) int32 (Q4_0's -8 applied), d (R, B)
+    fp32 and, for Q4_1, m (R, B) fp32 (else None): weight = d · code (+ m)."""
+    _, per_block, _ = BLOCK_TYPES[block_type]
+    rows, n = data.shape[0], cols // per_block
+    head = 4 if block_type == "Q4_1" else 2
+    d = data[:, :2 * n].contiguous().view(torch.float16).float()                  # (R, B)
+    quants = data[:, head * n:].reshape(rows, n, -1)                              # (R, B, 16 or 32)
     if block_type == "Q8_0":
-        q = blocks[..., 2:].contiguous().view(torch.int8).float()                 # (R, B, 32)
-        return (d * q).reshape(rows, cols)
-    nibbles = blocks[..., 4:] if block_type == "Q4_1" else blocks[..., 2:]      # (R, B, 16)
-    q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).float()                # (R, B, 32): low then high
+        return quants.contiguous().view(torch.int8).int(), d, None                # (R, B, 32)
+    q = torch.cat([quants & 0x0F, quants >> 4], dim=-1).int()                    # (R, B, 32): low then high
     if block_type == "Q4_1":
-        m = blocks[..., 2:4].contiguous().view(torch.float16).float()             # (R, B, 1)
-        return (d * q + m).reshape(rows, cols)
-    return (d * (q - 8)).reshape(rows, cols)
+        return q, d, data[:, 2 * n:4 * n].contiguous().view(torch.float16).float()
+    return q - 8, d, None
 
 
 # Up to this many rows (a decode step for a batch of sequences) the block GEMM wins: it reads each weight once

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import BLOCK_TYPES
+from .blockquant import block_fields
 
 QK = 32
 TINY = 2.0 ** -100  # a block with a smaller amax quantizes to zeros (q8gemm.c's TINY)
@@ -37,25 +37,9 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return codes.reshape(m, k), scales, codes.sum(-1, dtype=torch.int32)
 
 
-def weight_codes(block_type: str, data: torch.Tensor, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(N, row_bytes) blocks -> signed integer codes (N, B, 32) int32 (Q4_0's -8 applied), d (N, B) fp32 and,
-    for Q4_1, m (N, B) fp32 (else None): weight = d · code (+ m)."""
-    _, _, block_bytes = BLOCK_TYPES[block_type]
-    rows = data.shape[0]
-    blocks = data.reshape(rows, cols // QK, block_bytes)                          # (N, B, bytes)
-    d = blocks[..., 0:2].contiguous().view(torch.float16).float()[..., 0]         # (N, B)
-    if block_type == "Q8_0":
-        return blocks[..., 2:].contiguous().view(torch.int8).int(), d, None      # (N, B, 32)
-    nibbles = blocks[..., 4:] if block_type == "Q4_1" else blocks[..., 2:]      # (N, B, 16)
-    q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).int()                  # (N, B, 32): low then high
-    if block_type == "Q4_1":
-        return q, d, blocks[..., 2:4].contiguous().view(torch.float16).float()[..., 0]
-    return q - 8, d, None
-
-
 def integer_dots(block_type: str, data: torch.Tensor, cols: int, codes: torch.Tensor) -> torch.Tensor:
     """Exact per-block integer dots: codes (M, K) int8 -> (M, N, B) int64 = Σ_c weight code · activation code."""
-    w, _, _ = weight_codes(block_type, data, cols)                                # (N, B, 32)
+    w, _, _ = block_fields(block_type, data, cols)                                # (N, B, 32)
     a = codes.reshape(codes.shape[0], cols // QK, QK)                             # (M, B, 32)
     # float64 holds these sums exactly (|·| < 2^20), and einsum in float64 is far faster than in int64
     return torch.einsum("mbc,nbc->mnb", a.double(), w.double()).round().long()   # (M, N, B)
@@ -78,7 +62,7 @@ def term_magnitudes(block_type: str, data: torch.Tensor, cols: int, x: torch.Ten
 def _block_terms(block_type: str, data: torch.Tensor, cols: int, x: torch.Tensor, absolute: bool = False) -> torch.Tensor:
     codes, scales, sums = quantize_rows(x)
     isum = integer_dots(block_type, data, cols, codes).double()                  # (M, N, B)
-    _, d_w, m_w = weight_codes(block_type, data, cols)                           # (N, B)
+    _, d_w, m_w = block_fields(block_type, data, cols)                           # (N, B)
     scale = (d_w[None] * scales[:, None]).double()                                # (M, N, B): d_w · d_a rounded in fp32
     parts = [isum * scale]
     if m_w is not None:
