@@ -777,6 +777,13 @@ SECTIONS = [
               "measured dense-f16 at 57.0 / 41.1 / 29.8 tokens/s (88.4 / 48.2 / 33.3 here) and tq4 at 1.04 / 1.11 / "
               "1.21x.",
               read_share=True, presets=CURRENT),
+        Table("decode_presets_2threads_epyc.json", decode_contexts,
+              "kvlab bench decode --contexts 512,2k,4k,8k --caches dense-f16,tq4,tq3,tq-k4v4 --threads 2 --repeats 2 "
+              "--steps 16 --out bench/results/decode_presets_2threads_epyc.json",
+              "The same AMD EPYC at 2 threads: `tq4` 0.89 / 1.02 / 1.21 / 1.28x `dense-f16`, `tq3` 0.91 / 0.89 / 0.94 / "
+              "0.96x, `tq-k4v4` 0.98 / 1.09 / 1.25 / 1.53x. At 8k dense-f16 reads at 43% of the read limit (32.3 GB/s), "
+              "tq4 at 28%.",
+              read_share=True, presets=CURRENT),
         Table("decode_tq3_points_1thread.json", decode_contexts,
               "kvlab bench decode --contexts 512,2k,4k,8k --caches dense-f16,tq3 --threads 1 --repeats 2 --steps 16 "
               "--out bench/results/decode_tq3_points_1thread.json",
