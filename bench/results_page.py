@@ -772,9 +772,9 @@ SECTIONS = [
               "1.15 / 1.23x `dense-f16` at 512 / 2k / 4k / 8k, `tq3` 0.96 / 0.99 / 0.99 / 1.01x, `tq-k4v4` 1.05 / 1.18 / "
               "1.26 / 1.45x, `int4` 0.95 / 0.86 / 0.80 / 0.85x. The coded reads are bound by arithmetic here, so "
               "reading a quarter of the bytes buys less than on the Xeon: at 8k dense-f16 reads at 33% of the read "
-              "limit (29.0 GB/s), tq4 at 20%. Earlier the same day, with the scales gathered from inside each block, "
+              "limit (29.0 GB/s), tq4 at 20%. With the scales still gathered from inside each block, the same machine and "
               "`kvlab bench decode --contexts 512,4k,8k --caches dense-f16,tq4,tq3 --threads 1 --repeats 2 --steps 16` "
-              "measured dense-f16 at 57.0 / 41.1 / 29.8 tokens/s (88.4 / 48.2 / 33.3 here) and tq4 at 1.04 / 1.11 / "
+              "gave dense-f16 57.0 / 41.1 / 29.8 tokens/s (88.4 / 48.2 / 33.3 here) and tq4 at 1.04 / 1.11 / "
               "1.21x.",
               read_share=True, presets=CURRENT),
         Table("decode_presets_2threads_epyc.json", decode_contexts,

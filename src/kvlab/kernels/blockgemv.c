@@ -65,7 +65,7 @@ void kvlab_block_sums(const float *x, int64_t cols, float *sums) {
 
 /* The sixteen fp16 values at p (blocks' d or m, side by side in the row) as fp32; `n` < 16 masks off blocks past
  * the row's end. One load: with the scales inside each block (the file's layout) this was a gather of sixteen
- * blocks' first words, and the GEMV ran at 0.6-0.7x today's speed on an AMD EPYC (bench/block_gemv.py). */
+ * blocks' first words, and the GEMV ran at 0.6-0.7x this layout's speed on an AMD EPYC (bench/block_gemv.py). */
 static inline __m512 load_fp16x16(const uint8_t *p, int n) {
     return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1u), p));
 }
