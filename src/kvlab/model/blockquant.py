@@ -4,10 +4,12 @@ A BlockMatrix is a (rows, cols) weight kept as its GGUF bytes: `data` (rows, row
 of its cols / 32 blocks with the blocks' fp16 scales gathered at the front (`split_rows`): [d of every block | m of
 every block (Q4_1) | each block's quants (16 bytes of nibbles, 32 int8 for Q8_0)]. The same bytes as the file's row
 (a row of one block is the file's block), laid out so that a kernel loads sixteen blocks' scales with one vector
-load instead of gathering them from sixteen blocks (llama.cpp repacks its CPU weights for the same reason). BlockQuantLinear multiplies one fp32 row straight from the blocks with the C
-kernel (kvlab.kernels), reading ~5-8.5 bits per weight instead of 32, and a few rows (a batched decode
-step: up to GEMM_MAX_ROWS) with the block GEMM kernel, which dequantizes each block in registers and uses it
-for 8 rows at once, so no fp32 copy of the matrix is made. More rows (prompt chunks, eval windows), no
+load instead of gathering them from sixteen blocks (llama.cpp repacks its CPU weights for the same reason).
+
+BlockQuantLinear multiplies one fp32 row straight from the blocks with the C kernel (kvlab.kernels), reading
+~5-8.5 bits per weight instead of 32, and a few rows (a batched decode step: up to GEMM_MAX_ROWS) with the block
+GEMM kernel, which dequantizes each block in registers and uses it for 8 rows at once, so no fp32 copy of the
+matrix is made. More rows (prompt chunks, eval windows), no
 kernel, or KVLAB_NO_GEMM=1 (the reference path the GEMM is tested against): the matrix is dequantized to
 fp32 and F.linear is used. The weight values are the file's, exactly: only the fp32
 summation order of the kernels differs from the dense path.
