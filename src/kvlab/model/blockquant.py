@@ -85,6 +85,8 @@ class BlockMatrix:
 
 #: rows split_rows rearranges at a time while a matrix loads (~1.5 MiB of SmolLM2's embedding rows)
 SPLIT_ROWS_AT_ONCE = 4096
+#: bytes of fp16 scales a GGUF block starts with, d (and m for Q4_1), before its quants
+SCALE_BYTES = {"Q4_0": 2, "Q4_1": 4, "Q8_0": 2}
 
 
 def split_rows(block_type: str, data: torch.Tensor) -> torch.Tensor:
@@ -93,9 +95,9 @@ def split_rows(block_type: str, data: torch.Tensor) -> torch.Tensor:
     _, _, block_bytes = BLOCK_TYPES[block_type]
     rows = data.shape[0]
     blocks = data.reshape(rows, data.shape[1] // block_bytes, block_bytes)       # (R, n, bytes)
-    head = 4 if block_type == "Q4_1" else 2
-    fields = [blocks[..., 0:2], blocks[..., 2:4]] if head == 4 else [blocks[..., 0:2]]
-    return torch.cat([f.reshape(rows, -1) for f in (*fields, blocks[..., head:])], dim=1)   # (R, row_bytes)
+    head = SCALE_BYTES[block_type]
+    fields = [blocks[..., at:at + 2] for at in range(0, head, 2)] + [blocks[..., head:]]   # d, (m,) quants
+    return torch.cat([f.reshape(rows, -1) for f in fields], dim=1)               # (R, row_bytes)
 
 
 def dequantize_blocks(block_type: str, data: torch.Tensor, cols: int) -> torch.Tensor:
@@ -118,7 +120,7 @@ def block_fields(block_type: str, data: torch.Tensor, cols: int) -> tuple[torch.
     fp32 and, for Q4_1, m (R, B) fp32 (else None): weight = d · code (+ m)."""
     _, per_block, _ = BLOCK_TYPES[block_type]
     rows, n = data.shape[0], cols // per_block
-    head = 4 if block_type == "Q4_1" else 2
+    head = SCALE_BYTES[block_type]
     d = data[:, :2 * n].contiguous().view(torch.float16).float()                  # (R, B)
     quants = data[:, head * n:].reshape(rows, n, -1)                              # (R, B, 16 or 32)
     if block_type == "Q8_0":
