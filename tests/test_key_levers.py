@@ -244,3 +244,21 @@ def test_the_presets_read_in_c_like_the_torch_path(name, window):
             coded_reads += not cache.awaits_queries(layer) and cache._n_comp[layer] > 0
             torch.testing.assert_close(cache.attend(layer, q), torch_cache.attend(layer, q), atol=2e-5, rtol=1e-4)
     assert coded_reads
+
+
+@pytest.mark.parametrize(("name", "head_dim"), [("tq4", 64), ("tq-k4v4+ropemean+recent8", 64), ("tq4", 128)])
+def test_ropemean_runs_of_64_keys_read_in_c_like_the_torch_path(name, head_dim):
+    """+ropemean's offsets of whole runs of 64 coded keys (decode.c turn_scores_mirrored: the run's keys scored in pairs
+    about its middle key, the first from its own RoPE row) == the torch path, over runs that start anywhere: prompt
+    chunks of 150 and 70 keys, then single tokens; head dims 64 and 128."""
+    inv_freq = tuple((1.0 / 10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)).float().tolist())
+    g = replace(GEOMETRY, batch=2, capacity=240, head_dim=head_dim, head_dim_v=head_dim, rope_inv_freq=inv_freq)
+    chunks = (150, 1, 70, 1, 1)
+    long_reads = 0
+    for (cache, q, _, _), (torch_cache, _, _, _) in zip(feed(name, g, chunks, seed=7), feed(name, g, chunks, seed=7)):
+        torch_cache.code_kernel = None
+        assert cache.code_kernel is not None
+        for layer in range(g.n_layers):
+            long_reads += cache._n_comp[layer] >= 64
+            torch.testing.assert_close(cache.attend(layer, q), torch_cache.attend(layer, q), atol=2e-5, rtol=1e-4)
+    assert long_reads

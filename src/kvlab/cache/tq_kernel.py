@@ -27,7 +27,7 @@ from .format import WEIGHT_STEPS, WEIGHT_ZERO
 
 KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # decode.c's KV_F32, KV_F16, KV_BF16
 SCALE_MODES = {"norm": 0, "renorm": 1, "lsq": 2, "unbiased": 3}       # decode.c's SCALE_*
-TURN_KEYS = 64                                                       # tqcodes.h TQ_TURN_KEYS
+TURN_STEPS = 32                                                      # tqcodes.h TQ_TURN_STEPS
 NORM_LOG8 = 3                                                          # decode.c's NORM_LOG8: +norms8 scales
 
 
@@ -136,10 +136,10 @@ class CodedLayers:
             c.rope_cos = self.ptr(slot_rope[0], (slots, hd), "slot RoPE cos", torch.float32)
             c.rope_sin = self.ptr(slot_rope[1], (slots, hd), "slot RoPE sin", torch.float32)
         c.rope_mean = int(config.rope_mean)
-        if config.rope_mean:   # (d, TURN_KEYS): column r = [cos rθ | sin rθ], the turn of r positions (the reads' runs)
-            angles = torch.outer(torch.arange(TURN_KEYS, dtype=torch.float32), codec.rope_inv_freq.float().cpu())   # (K, d/2)
+        if config.rope_mean:   # (d, TURN_STEPS): column r = [cos rθ | sin rθ], the turn of r positions (the reads' runs)
+            angles = torch.outer(torch.arange(TURN_STEPS, dtype=torch.float32), codec.rope_inv_freq.float().cpu())   # (K, d/2)
             steps = torch.cat((angles.cos(), angles.sin()), dim=-1).T.contiguous()
-            c.rope_steps = self.ptr(steps, (hd, TURN_KEYS), f"{at} RoPE steps", torch.float32, own=True)
+            c.rope_steps = self.ptr(steps, (hd, TURN_STEPS), f"{at} RoPE steps", torch.float32, own=True)
         if config.qjl:         # the residual's sketch: S, each token's signs and ‖r‖ (as its scales)
             c.qjl_matrix = self.ptr(codec.qjl_matrix.float().cpu().contiguous(), (hd, hd), "QJL matrix", torch.float32,
                                     own=True)

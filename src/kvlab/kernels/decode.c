@@ -753,16 +753,65 @@ void kvlab_tq_turn_coef(const float *q, const float *mu, int d, float scale, flo
 }
 
 /* out[i * TQ_READ_KEYS + j] = q_i . R_t μ for keys t = k0 + j < k0 + n: query i's [A | B] (T->coef, laid out as the
- * queries) against key t's cos and sin (first halves). KEYS (64 or 16) keys from a key t0 at a time where AVX-512 is
- * there: the coefficients turned once to t0 (A' = A cos t0θ + B sin t0θ, B' = B cos t0θ - A sin t0θ), then read
- * against T->steps' columns r = [cos rθ | sin rθ] for keys t0 + r, which stay in L1 (the position rows of a long
+ * queries) against key t's cos and sin (first halves). Where AVX-512 is there, runs of TQ_TURN_KEYS keys, then of 16:
+ * the coefficients turned once to a key c of the run (A' = A cos cθ + B sin cθ, B' = B cos cθ - A sin cθ), then read
+ * against T->steps' columns r = [cos rθ | sin rθ] for keys c ± r, which stay in L1 (the position rows of a long
  * context do not: each key's would cost more bytes than its codes); the rest from the key's own rows. */
 #if defined(__AVX512F__)
-/* keys / 16 blocks of sixteen keys from row 0 of cos_/sin_ (the base) for nq (<= 4) queries' [A | B] (coef[i]), half
- * = 16 * blocks: each query's block of sixteen scores in one vector, a channel's coefficient broadcast once against its
- * row of steps (d, TQ_TURN_KEYS), one chain a query and block */
-REBUILD_INLINE void turn_scores_run(const float *cos_, const float *sin_, const float *steps, const float *const *coef,
-                                    const int nq, const int blocks, const int keys, float *const *out) {
+/* A whole run of TQ_TURN_KEYS keys from t0 for nq (<= 4) queries, by the symmetry of RoPE about its middle key c = t0 +
+ * TQ_TURN_KEYS/2: with [A' | B'] turned to c, key c ± u scores E(u) ± O(u), E(u) = Σ_x A'_x cos uθ_x and O(u) = Σ_x
+ * B'_x sin uθ_x, so u = 0 .. 31 (steps' first 32 columns) give keys t0 + 1 .. t0 + 63, and key t0 (u = -32) is scored
+ * from its own cos / sin rows: half the multiply-adds of turning to t0 and reading 64 columns. cos_/sin_: key t0's rows
+ * (d apart per key), half = 16 * blocks. */
+_Static_assert(TQ_TURN_STEPS == TQ_TURN_KEYS / 2 && TQ_TURN_STEPS == 32, "a run's steps: two vectors of columns");
+REBUILD_INLINE void turn_scores_mirrored(const float *cos_, const float *sin_, const float *steps, const float *const *coef,
+                                         const int nq, const int blocks, float *const *out) {
+    const int half = 16 * blocks, d = 2 * half, mid = TQ_TURN_KEYS / 2;
+    const float *cm = cos_ + (int64_t)mid * d, *sm = sin_ + (int64_t)mid * d;   /* the middle key's rows */
+    float turned[4][CB_MAX_DIM];   /* each query's [A' | B'] at the middle key */
+    float first[4];                /* each query's score of key t0, straight from its rows */
+    for (int i = 0; i < nq; i++) {
+        __m512 own = _mm512_setzero_ps();
+        for (int b = 0; b < blocks; b++) {
+            const __m512 a = _mm512_loadu_ps(coef[i] + 16 * b), e = _mm512_loadu_ps(coef[i] + half + 16 * b);
+            const __m512 c = _mm512_loadu_ps(cm + 16 * b), sn = _mm512_loadu_ps(sm + 16 * b);
+            _mm512_storeu_ps(turned[i] + 16 * b, _mm512_fmadd_ps(e, sn, _mm512_mul_ps(a, c)));
+            _mm512_storeu_ps(turned[i] + half + 16 * b, _mm512_fnmadd_ps(a, sn, _mm512_mul_ps(e, c)));
+            own = _mm512_fmadd_ps(e, _mm512_loadu_ps(sin_ + 16 * b), _mm512_fmadd_ps(a, _mm512_loadu_ps(cos_ + 16 * b), own));
+        }
+        first[i] = _mm512_reduce_add_ps(own);
+    }
+    __m512 even[4][2], odd[4][2];   /* E(u), O(u) for u = 0..15, 16..31 */
+    for (int i = 0; i < nq; i++) even[i][0] = even[i][1] = odd[i][0] = odd[i][1] = _mm512_setzero_ps();
+    for (int x = 0; x < half; x++) {   /* steps' rows x (cos) and half + x (sin), columns u = 0 .. 31, read once */
+        const float *cx = steps + TQ_TURN_STEPS * (int64_t)x, *sx = steps + TQ_TURN_STEPS * (int64_t)(half + x);
+        const __m512 c0 = _mm512_loadu_ps(cx), c1 = _mm512_loadu_ps(cx + 16), s0 = _mm512_loadu_ps(sx), s1 = _mm512_loadu_ps(sx + 16);
+        for (int i = 0; i < nq; i++) {
+            const __m512 a = _mm512_set1_ps(turned[i][x]), e = _mm512_set1_ps(turned[i][half + x]);
+            even[i][0] = _mm512_fmadd_ps(a, c0, even[i][0]);
+            even[i][1] = _mm512_fmadd_ps(a, c1, even[i][1]);
+            odd[i][0] = _mm512_fmadd_ps(e, s0, odd[i][0]);
+            odd[i][1] = _mm512_fmadd_ps(e, s1, odd[i][1]);
+        }
+    }
+    /* key t0 + 32 + u scores E(u) + O(u), key t0 + 32 - u E(u) - O(u): keys t0 + 16 + j are u = 16 - j, keys t0 + j
+     * (j >= 1) u = 32 - j, each a permute of the differences */
+    const __m512i back_hi = _mm512_setr_epi32(16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1);
+    const __m512i back_lo = _mm512_setr_epi32(0, 31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17);
+    for (int i = 0; i < nq; i++) {
+        const __m512 lo = _mm512_sub_ps(even[i][0], odd[i][0]), hi = _mm512_sub_ps(even[i][1], odd[i][1]);
+        float *o = out[i];
+        _mm512_storeu_ps(o, _mm512_mask_mov_ps(_mm512_permutex2var_ps(lo, back_lo, hi), 1, _mm512_set1_ps(first[i])));
+        _mm512_storeu_ps(o + 16, _mm512_permutex2var_ps(lo, back_hi, hi));
+        _mm512_storeu_ps(o + 32, _mm512_add_ps(even[i][0], odd[i][0]));
+        _mm512_storeu_ps(o + 48, _mm512_add_ps(even[i][1], odd[i][1]));
+    }
+}
+
+/* sixteen keys from t0 (c = t0) for nq (<= 4) queries, half = 16 * blocks: each query's sixteen scores in one vector, a
+ * channel's row of steps loaded once for every query, one chain a query */
+REBUILD_INLINE void turn_scores_16(const float *cos_, const float *sin_, const float *steps, const float *const *coef,
+                                   const int nq, const int blocks, float *const *out) {
     const int half = 16 * blocks;
     float turned[4][CB_MAX_DIM];   /* each query's [A' | B'] */
     for (int i = 0; i < nq; i++)
@@ -772,35 +821,31 @@ REBUILD_INLINE void turn_scores_run(const float *cos_, const float *sin_, const 
             _mm512_storeu_ps(turned[i] + 16 * b, _mm512_fmadd_ps(e, sn, _mm512_mul_ps(a, c)));
             _mm512_storeu_ps(turned[i] + half + 16 * b, _mm512_fnmadd_ps(a, sn, _mm512_mul_ps(e, c)));
         }
-    __m512 acc[4][TQ_TURN_KEYS / 16];
-    for (int i = 0; i < nq; i++)
-        for (int k = 0; k < keys / 16; k++) acc[i][k] = _mm512_setzero_ps();
+    __m512 acc[4];
+    for (int i = 0; i < nq; i++) acc[i] = _mm512_setzero_ps();
     for (int x = 0; x < 2 * half; x++) {   /* d = 2 half */
-        __m512 s[TQ_TURN_KEYS / 16];
-        for (int k = 0; k < keys / 16; k++) s[k] = _mm512_loadu_ps(steps + TQ_TURN_KEYS * (int64_t)x + 16 * k);
-        for (int i = 0; i < nq; i++) {
-            const __m512 c = _mm512_set1_ps(turned[i][x]);
-            for (int k = 0; k < keys / 16; k++) acc[i][k] = _mm512_fmadd_ps(c, s[k], acc[i][k]);
-        }
+        const __m512 s = _mm512_loadu_ps(steps + TQ_TURN_STEPS * (int64_t)x);
+        for (int i = 0; i < nq; i++) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(turned[i][x]), s, acc[i]);
     }
-    for (int i = 0; i < nq; i++)
-        for (int k = 0; k < keys / 16; k++) _mm512_storeu_ps(out[i] + 16 * k, acc[i][k]);
+    for (int i = 0; i < nq; i++) _mm512_storeu_ps(out[i], acc[i]);
 }
 
-/* turn_scores_run with its counts constants: m queries (1 to 4), d = 64 unrolled */
+/* a run of `keys` (TQ_TURN_KEYS or 16) from t0 for m queries (1 to 4), their counts constants */
 static void turn_scores_at(const float *c, const float *sn, const float *steps, const float *const *coef, int m, int half,
                            int keys, float *const *o) {
-#define TURN_CASE(K) switch (m) { \
-        case 1: turn_scores_run(c, sn, steps, coef, 1, 2, K, o); break; \
-        case 2: turn_scores_run(c, sn, steps, coef, 2, 2, K, o); break; \
-        case 3: turn_scores_run(c, sn, steps, coef, 3, 2, K, o); break; \
-        default: turn_scores_run(c, sn, steps, coef, 4, 2, K, o); break; }
-    if (half == 32 && keys == TQ_TURN_KEYS) {
-        TURN_CASE(TQ_TURN_KEYS)
+#define TURN_CASE(RUN, BLOCKS) switch (m) { \
+        case 1: RUN(c, sn, steps, coef, 1, BLOCKS, o); break; \
+        case 2: RUN(c, sn, steps, coef, 2, BLOCKS, o); break; \
+        case 3: RUN(c, sn, steps, coef, 3, BLOCKS, o); break; \
+        default: RUN(c, sn, steps, coef, 4, BLOCKS, o); break; }
+    if (keys == TQ_TURN_KEYS && half == 32) {
+        TURN_CASE(turn_scores_mirrored, 2)
+    } else if (keys == TQ_TURN_KEYS) {
+        TURN_CASE(turn_scores_mirrored, half / 16)
     } else if (half == 32) {
-        TURN_CASE(16)
+        TURN_CASE(turn_scores_16, 2)
     } else {
-        turn_scores_run(c, sn, steps, coef, m, half / 16, 16, o);   /* keys: 16 (d other than 64) */
+        turn_scores_16(c, sn, steps, coef, m, half / 16, o);
     }
 #undef TURN_CASE
 }
@@ -812,7 +857,7 @@ static void turn_scores(const KeyTurn *T, int group, int64_t row_stride, int nq,
 #if defined(__AVX512F__)
     if (half % 16 == 0 && half <= 64)
         while (j0 + 16 <= n) {
-            const int keys = half == 32 && j0 + TQ_TURN_KEYS <= n ? TQ_TURN_KEYS : 16;
+            const int keys = j0 + TQ_TURN_KEYS <= n ? TQ_TURN_KEYS : 16;
             const float *c = T->cos_ + (k0 + j0) * d, *sn = T->sin_ + (k0 + j0) * d;
             for (int i0 = 0; i0 < nq; i0 += 4) {
                 const int m = nq - i0 < 4 ? nq - i0 : 4;

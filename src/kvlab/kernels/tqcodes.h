@@ -44,7 +44,7 @@ typedef struct {                   /* a TurboQuant layer's codes (kvlab/cache/tu
     int64_t norm_head_stride, norm_block_stride;
     int32_t rope_mean;             /* +ropemean: keys coded as (k - R_t μ)/w, R_t RoPE at the key's position t (rope_cos,
                                       rope_sin; the pool's TqStep rows), read on the codes plus q . R_t μ per key */
-    const float *rope_steps;       /* +ropemean: (hd, TQ_TURN_KEYS), column r = [cos rθ | sin rθ] over the d/2 RoPE
+    const float *rope_steps;       /* +ropemean: (hd, TQ_TURN_STEPS), column r = [cos rθ | sin rθ] over the d/2 RoPE
                                       frequencies θ: sixteen keys' factors of one channel in one vector */
     /* +qjl: a key's codes have one bit fewer, plus the sketch S r of its residual r = y - ŷ as signs and ‖r‖; a score
      * adds √(π/2)/d · ‖r‖ · (S q)·sign(S r) to q·ŷ before the key's scale (turboquant.py). Each token's signs and ‖r‖
@@ -75,7 +75,7 @@ typedef struct {                   /* +ropemean: each coded key's offset turned 
     const float *coef;             /* query i's [A | B] (d/2 each, kvlab_tq_turn_coef) at coef + (i / group) * row_stride
                                       + (i % group) * d: laid out as the queries */
     const float *cos_, *sin_;      /* (rows, d) of the keys' positions, as rope() takes them, key index 0's row first */
-    const float *steps;            /* Coded.rope_steps: the turns of 0 .. TQ_TURN_KEYS - 1 positions, (d, TQ_TURN_KEYS) */
+    const float *steps;            /* Coded.rope_steps: the turns of 0 .. TQ_TURN_STEPS - 1 positions, (d, TQ_TURN_STEPS) */
 } KeyTurn;
 
 /* out (d,) = [A | B] of query q (d,) and offset mu (d,) (scaled by `scale`): q . R_t mu = Σ_j A_j cos_t[j] + B_j sin_t[j]
@@ -83,7 +83,8 @@ typedef struct {                   /* +ropemean: each coded key's offset turned 
 void kvlab_tq_turn_coef(const float *q, const float *mu, int d, float scale, float *out);
 
 /* -- reading one KV head's codes: the one read of a TurboQuant layer ------------------------------------------------ */
-#define TQ_TURN_KEYS 64            /* keys scored at once from one turn of +ropemean's coefficients (Coded.rope_steps) */
+#define TQ_TURN_KEYS 64            /* keys scored at once from one turn of +ropemean's coefficients, to the run's middle */
+#define TQ_TURN_STEPS 32           /* the turns a run reads (keys up to 32 from its middle; Coded.rope_steps' columns) */
 #define TQ_READ_KEYS 512           /* keys of one kvlab_tq_read call, at most (a work item of a long context) */
 typedef struct {                   /* KV head g of a coded layer as a read sees it */
     const Coded *C;
