@@ -768,21 +768,24 @@ SECTIONS = [
               "kvlab bench decode --contexts 512,2k,4k,8k --caches dense,dense-f16,tq4,tq3,tq-k4v4,int4 --threads 1 "
               "--repeats 2 --steps 16 --out bench/results/decode_presets_1thread_epyc.json",
               "The same command on an AMD EPYC, whose AVX-512 does about half the vector work per cycle of the Xeon's, "
-              "with the weights' rows holding their blocks' scales in front (the block GEMV tables): `tq4` 1.01 / 1.05 / "
-              "1.15 / 1.23x `dense-f16` at 512 / 2k / 4k / 8k, `tq3` 0.96 / 0.99 / 0.99 / 1.01x, `tq-k4v4` 1.05 / 1.18 / "
-              "1.26 / 1.45x, `int4` 0.95 / 0.86 / 0.80 / 0.85x. The coded reads are bound by arithmetic here, so "
+              "with the weights' rows holding their blocks' scales in front (the block GEMV tables) and +ropemean's "
+              "turned offsets scored in pairs about each 64-key run's middle key (half the multiply-adds): `tq4` 0.98 / "
+              "1.04 / 1.16 / 1.18x `dense-f16` at 512 / 2k / 4k / 8k, `tq3` 0.91 / 1.01 / 0.99 / 0.97x, `tq-k4v4` 0.98 / "
+              "1.19 / 1.25 / 1.37x, `int4` 0.85 / 0.91 / 0.75 / 0.81x. dense-f16 ran faster through this run than through "
+              "the one before the offsets changed (90.7 / 51.6 / 35.8 tokens/s at 512 / 4k / 8k against 88.4 / 48.2 / "
+              "33.3), which lowers every ratio; that run had tq4 at 1.01 / 1.05 / 1.15 / 1.23x. The offsets alone, tq4 "
+              "alternated between the two builds (one process each, 1 thread, a timing script): 55.4 -> 58.2 tokens/s at "
+              "4k (three rounds), 38.9 -> 43.1 at 8k (two rounds). The coded reads are bound by arithmetic here, so "
               "reading a quarter of the bytes buys less than on the Xeon: at 8k dense-f16 reads at 33% of the read "
-              "limit (29.0 GB/s), tq4 at 20%. With the scales still gathered from inside each block, the same machine and "
-              "`kvlab bench decode --contexts 512,4k,8k --caches dense-f16,tq4,tq3 --threads 1 --repeats 2 --steps 16` "
-              "gave dense-f16 57.0 / 41.1 / 29.8 tokens/s (88.4 / 48.2 / 33.3 here) and tq4 at 1.04 / 1.11 / "
-              "1.21x.",
+              "limit (31.0 GB/s), tq4 at 20%.",
               read_share=True, presets=CURRENT),
         Table("decode_presets_2threads_epyc.json", decode_contexts,
               "kvlab bench decode --contexts 512,2k,4k,8k --caches dense-f16,tq4,tq3,tq-k4v4 --threads 2 --repeats 2 "
               "--steps 16 --out bench/results/decode_presets_2threads_epyc.json",
-              "The same AMD EPYC at 2 threads: `tq4` 0.89 / 1.02 / 1.21 / 1.28x `dense-f16`, `tq3` 0.91 / 0.89 / 0.94 / "
-              "0.96x, `tq-k4v4` 0.98 / 1.09 / 1.25 / 1.53x. At 8k dense-f16 reads at 43% of the read limit (32.3 GB/s), "
-              "tq4 at 28%.",
+              "The same AMD EPYC at 2 threads, with +ropemean's offsets scored in pairs: `tq4` 1.22 / 1.09 / 1.30 / 1.27x "
+              "`dense-f16`, `tq3` 1.15 / 0.99 / 1.03 / 1.05x, `tq-k4v4` 1.25 / 1.13 / 1.25 / 1.41x (before the offsets "
+              "changed: tq4 0.89 / 1.02 / 1.21 / 1.28x, tq3 0.91 / 0.89 / 0.94 / 0.96x). At 8k dense-f16 reads at 34% of "
+              "the read limit (51.6 GB/s), tq4 at 22%.",
               read_share=True, presets=CURRENT),
         Table("decode_tq3_points_1thread.json", decode_contexts,
               "kvlab bench decode --contexts 512,2k,4k,8k --caches dense-f16,tq3 --threads 1 --repeats 2 --steps 16 "
