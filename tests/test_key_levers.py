@@ -246,11 +246,11 @@ def test_the_presets_read_in_c_like_the_torch_path(name, window):
     assert coded_reads
 
 
-@pytest.mark.parametrize(("name", "head_dim"), [("tq4", 64), ("tq-k4v4+ropemean+recent8", 64), ("tq4", 128)])
+@pytest.mark.parametrize(("name", "head_dim"), [("tq4", 64), ("tq-k4v4+ropemean+recent8", 64), ("tq4", 96), ("tq4", 128)])
 def test_ropemean_runs_of_64_keys_read_in_c_like_the_torch_path(name, head_dim):
     """+ropemean's offsets of whole runs of 64 coded keys (decode.c turn_scores_mirrored: the run's keys scored in pairs
     about its middle key, the first from its own RoPE row) == the torch path, over runs that start anywhere: prompt
-    chunks of 150 and 70 keys, then single tokens; head dims 64 and 128."""
+    chunks of 150 and 70 keys, then single tokens; head dims 64, 96 and 128."""
     inv_freq = tuple((1.0 / 10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)).float().tolist())
     g = replace(GEOMETRY, batch=2, capacity=240, head_dim=head_dim, head_dim_v=head_dim, rope_inv_freq=inv_freq)
     chunks = (150, 1, 70, 1, 1)
