@@ -18,7 +18,12 @@ from kvlab.model.llama import apply_rope
 from .compressed_checks import GEOMETRY, check_attend_is_exact_to_storage, check_nbytes, feed
 from .test_causal_caches import CHUNKS, SAME, chunked_logits, two_sequences
 
-INV_FREQ = tuple((1.0 / 10000 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64)).float().tolist())
+def rope_inv_freq(head_dim: int) -> tuple[float, ...]:
+    """RoPE's frequencies (base 10,000) for a head dim, as a geometry holds them."""
+    return tuple((1.0 / 10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)).float().tolist())
+
+
+INV_FREQ = rope_inv_freq(64)
 ROPED = replace(GEOMETRY, rope_inv_freq=INV_FREQ)
 
 
@@ -251,8 +256,7 @@ def test_ropemean_runs_of_64_keys_read_in_c_like_the_torch_path(name, head_dim):
     """+ropemean's offsets of whole runs of 64 coded keys (decode.c turn_scores_mirrored: the run's keys scored in pairs
     about its middle key, the first from its own RoPE row) == the torch path, over runs that start anywhere: prompt
     chunks of 150 and 70 keys, then single tokens; head dims 64, 96 and 128."""
-    inv_freq = tuple((1.0 / 10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)).float().tolist())
-    g = replace(GEOMETRY, batch=2, capacity=240, head_dim=head_dim, head_dim_v=head_dim, rope_inv_freq=inv_freq)
+    g = replace(GEOMETRY, batch=2, capacity=240, head_dim=head_dim, head_dim_v=head_dim, rope_inv_freq=rope_inv_freq(head_dim))
     chunks = (150, 1, 70, 1, 1)
     long_reads = 0
     for (cache, q, _, _), (torch_cache, _, _, _) in zip(feed(name, g, chunks, seed=7), feed(name, g, chunks, seed=7)):
