@@ -763,6 +763,18 @@ void kvlab_tq_turn_coef(const float *q, const float *mu, int d, float scale, flo
  * B'_x sin uθ_x, so u = 0 .. 31 (steps' first 32 columns) give keys t0 + 1 .. t0 + 63, and key t0 (u = -32) is scored
  * from its own cos / sin rows: half the multiply-adds of turning to t0 and reading 64 columns. cos_/sin_: key t0's rows
  * (d apart per key), half = 16 * blocks. */
+/* turned (d,) = [A' | B'], a query's [A | B] (coef) turned to the key whose cos / sin rows (first halves) are given:
+ * A' = A cos cθ + B sin cθ, B' = B cos cθ - A sin cθ; half = 16 * blocks */
+REBUILD_INLINE void turn_to(const float *coef, const float *cos_, const float *sin_, const int blocks, float *turned) {
+    const int half = 16 * blocks;
+    for (int b = 0; b < blocks; b++) {
+        const __m512 c = _mm512_loadu_ps(cos_ + 16 * b), sn = _mm512_loadu_ps(sin_ + 16 * b);
+        const __m512 a = _mm512_loadu_ps(coef + 16 * b), e = _mm512_loadu_ps(coef + half + 16 * b);
+        _mm512_storeu_ps(turned + 16 * b, _mm512_fmadd_ps(e, sn, _mm512_mul_ps(a, c)));
+        _mm512_storeu_ps(turned + half + 16 * b, _mm512_fnmadd_ps(a, sn, _mm512_mul_ps(e, c)));
+    }
+}
+
 _Static_assert(TQ_TURN_STEPS == TQ_TURN_KEYS / 2 && TQ_TURN_STEPS == 32, "a run's steps: two vectors of columns");
 REBUILD_INLINE void turn_scores_mirrored(const float *cos_, const float *sin_, const float *steps, const float *const *coef,
                                          const int nq, const int blocks, float *const *out) {
@@ -771,14 +783,11 @@ REBUILD_INLINE void turn_scores_mirrored(const float *cos_, const float *sin_, c
     float turned[4][CB_MAX_DIM];   /* each query's [A' | B'] at the middle key */
     float first[4];                /* each query's score of key t0, straight from its rows */
     for (int i = 0; i < nq; i++) {
+        turn_to(coef[i], cm, sm, blocks, turned[i]);
         __m512 own = _mm512_setzero_ps();
-        for (int b = 0; b < blocks; b++) {
-            const __m512 a = _mm512_loadu_ps(coef[i] + 16 * b), e = _mm512_loadu_ps(coef[i] + half + 16 * b);
-            const __m512 c = _mm512_loadu_ps(cm + 16 * b), sn = _mm512_loadu_ps(sm + 16 * b);
-            _mm512_storeu_ps(turned[i] + 16 * b, _mm512_fmadd_ps(e, sn, _mm512_mul_ps(a, c)));
-            _mm512_storeu_ps(turned[i] + half + 16 * b, _mm512_fnmadd_ps(a, sn, _mm512_mul_ps(e, c)));
-            own = _mm512_fmadd_ps(e, _mm512_loadu_ps(sin_ + 16 * b), _mm512_fmadd_ps(a, _mm512_loadu_ps(cos_ + 16 * b), own));
-        }
+        for (int b = 0; b < blocks; b++)
+            own = _mm512_fmadd_ps(_mm512_loadu_ps(coef[i] + half + 16 * b), _mm512_loadu_ps(sin_ + 16 * b),
+                                  _mm512_fmadd_ps(_mm512_loadu_ps(coef[i] + 16 * b), _mm512_loadu_ps(cos_ + 16 * b), own));
         first[i] = _mm512_reduce_add_ps(own);
     }
     __m512 even[4][2], odd[4][2];   /* E(u), O(u) for u = 0..15, 16..31 */
@@ -814,13 +823,7 @@ REBUILD_INLINE void turn_scores_16(const float *cos_, const float *sin_, const f
                                    const int nq, const int blocks, float *const *out) {
     const int half = 16 * blocks;
     float turned[4][CB_MAX_DIM];   /* each query's [A' | B'] */
-    for (int i = 0; i < nq; i++)
-        for (int b = 0; b < blocks; b++) {
-            const __m512 c = _mm512_loadu_ps(cos_ + 16 * b), sn = _mm512_loadu_ps(sin_ + 16 * b);
-            const __m512 a = _mm512_loadu_ps(coef[i] + 16 * b), e = _mm512_loadu_ps(coef[i] + half + 16 * b);
-            _mm512_storeu_ps(turned[i] + 16 * b, _mm512_fmadd_ps(e, sn, _mm512_mul_ps(a, c)));
-            _mm512_storeu_ps(turned[i] + half + 16 * b, _mm512_fnmadd_ps(a, sn, _mm512_mul_ps(e, c)));
-        }
+    for (int i = 0; i < nq; i++) turn_to(coef[i], cos_, sin_, blocks, turned[i]);
     __m512 acc[4];
     for (int i = 0; i < nq; i++) acc[i] = _mm512_setzero_ps();
     for (int x = 0; x < 2 * half; x++) {   /* d = 2 half */

@@ -9,10 +9,9 @@ load instead of gathering them from sixteen blocks (llama.cpp repacks its CPU we
 BlockQuantLinear multiplies one fp32 row straight from the blocks with the C kernel (kvlab.kernels), reading
 ~5-8.5 bits per weight instead of 32, and a few rows (a batched decode step: up to GEMM_MAX_ROWS) with the block
 GEMM kernel, which dequantizes each block in registers and uses it for 8 rows at once, so no fp32 copy of the
-matrix is made. More rows (prompt chunks, eval windows), no
-kernel, or KVLAB_NO_GEMM=1 (the reference path the GEMM is tested against): the matrix is dequantized to
-fp32 and F.linear is used. The weight values are the file's, exactly: only the fp32
-summation order of the kernels differs from the dense path.
+matrix is made. More rows (prompt chunks, eval windows), no kernel, or KVLAB_NO_GEMM=1 (the reference path the
+GEMM is tested against): the matrix is dequantized to fp32 and F.linear is used. The weight values are the file's,
+exactly: only the fp32 summation order of the kernels differs from the dense path.
 
 Opt-in (`activations="int8"`, the loader's weights="native-q8"): calls of Q8_MIN_ROWS rows or more (batched decode,
 prompt chunks) quantize the activations to int8 per 32-block and take integer dot products with the weight codes
