@@ -33,7 +33,6 @@
 #include "codebook.h"
 #include "rowmath.h"
 
-#define CB_TILE 16          /* rows decoded at once */
 #define CB_SEGMENT 256      /* rows per partial sum of the mix */
 #define CB_SERIAL_WORK (1 << 17)   /* below this many multiply-adds one thread does it (a region costs more) */
 #if defined(__GNUC__)
