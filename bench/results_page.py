@@ -779,6 +779,18 @@ SECTIONS = [
               "reading a quarter of the bytes buys less than on the Xeon: at 8k dense-f16 reads at 33% of the read "
               "limit (31.0 GB/s), tq4 at 20%.",
               read_share=True, presets=CURRENT),
+        Table("decode_int4_1thread_epyc.json", decode_contexts,
+              "kvlab bench decode --contexts 512,2k,4k,8k --caches dense-f16,int4,tq4 --threads 1 --repeats 2 --steps 16 "
+              "--out bench/results/decode_int4_1thread_epyc.json",
+              "The same EPYC after `int4`'s read moved to the codebook kernels' register path: an int4 row is a 4-bit "
+              "codebook row whose table is the levels code - 7.5, so a key group's scales go on the query side "
+              "((q x step) . level + q . (zero + 7.5 step)) and each value group's on the weights (p_t step_t), and "
+              "neither keys nor values are decoded into a tile any more. `int4` 0.94 / 1.01 / 1.10 / 1.08x `dense-f16` "
+              "at 512 / 2k / 4k / 8k, where the table above had 0.85 / 0.91 / 0.75 / 0.81x. Alternated against the "
+              "build before (one process each, 1 thread, a timing script, three rounds): 42.5 -> 50.3 tokens/s at 4k, "
+              "80.5 -> 84.8 at 512. The levels are centred because the plain split (q . zero + (q x step) . code) "
+              "cancels two large sums.",
+              read_share=True, presets=CURRENT),
         Table("decode_presets_2threads_epyc.json", decode_contexts,
               "kvlab bench decode --contexts 512,2k,4k,8k --caches dense-f16,tq4,tq3,tq-k4v4 --threads 2 --repeats 2 "
               "--steps 16 --out bench/results/decode_presets_2threads_epyc.json",

@@ -30,9 +30,10 @@ def cpu_flags() -> set[str]:
     return set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
 
 
-def build_variant(source: str, name: str, march: list[str], needs: str, folder: Path) -> Path:
-    """kernels/`source` built alone with `march` instead of -march=native, as folder/<stem>-<name>.so: skipped
-    only where that build cannot run here (no cc, not x86-64, a CPU without `needs`); a failed build fails."""
+def build_variant(source: str, name: str, march: list[str], needs: str, folder: Path, also: tuple[str, ...] = ()) -> Path:
+    """kernels/`source` built alone (with the kernels it calls, `also`) with `march` instead of -march=native, as
+    folder/<stem>-<name>.so: skipped only where that build cannot run here (no cc, not x86-64, a CPU without `needs`);
+    a failed build fails."""
     compiler = shutil.which("cc")
     if compiler is None:
         pytest.skip("no C compiler (cc)")
@@ -42,7 +43,8 @@ def build_variant(source: str, name: str, march: list[str], needs: str, folder: 
         pytest.skip(f"this CPU cannot run the {name} build")
     target = folder / f"{Path(source).stem}-{name}.so"
     flags = [g for f in kernels.FLAGS for g in (march if f == "-march=native" else [f])]
-    run = subprocess.run([compiler, *flags, "-o", str(target), str(kernels.HERE / source), *kernels.LIBS],
+    sources = [str(kernels.HERE / f) for f in (source, *also)]
+    run = subprocess.run([compiler, *flags, "-o", str(target), *sources, *kernels.LIBS],
                          capture_output=True, text=True)
     if run.returncode != 0:
         pytest.fail(f"{source} does not build with {' '.join(march)}: {(run.stderr or run.stdout).strip()[:400]}")

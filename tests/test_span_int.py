@@ -179,7 +179,8 @@ def int_variant(request, tmp_path_factory) -> BlockKernel:
     library's own front end (its int_* methods with the loaded library's argument types)."""
     name = request.param
     loaded = require_kernel()
-    target = build_variant("intcache.c", name, [MARCH[name]], CPU_NEEDS[name], tmp_path_factory.mktemp("intcache"))
+    target = build_variant("intcache.c", name, [MARCH[name]], CPU_NEEDS[name], tmp_path_factory.mktemp("intcache"),
+                           also=("codebook.c",))
     lib = ctypes.CDLL(str(target))
     variant = BlockKernel.__new__(BlockKernel)
     variant._lib = lib

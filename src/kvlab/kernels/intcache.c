@@ -6,7 +6,8 @@
  *
  * kvlab_int_attend (intcache.h) is the one read of the codes: a block of queries, scores, softmax and mix, any
  * width 1..8, each tile of sixteen keys and values decoded once for them and read from there, so nothing is decoded
- * into memory beyond a tile. The single cache (kvlab_int_attention), the fused decode step (decode.c) and the serving
+ * into memory beyond a tile; int4 queries that all read the same positions (a decode step) read the codes in
+ * registers through codebook.c instead (int4_registers). The single cache (kvlab_int_attention), the fused decode step (decode.c) and the serving
  * pool (paged.c) all call it, so they agree to the bit. kvlab_int_decode decodes a span into a transient for the
  * long-chunk path (quantized.py's spans). Heads (batch × KV heads) are shared between OpenMP threads.
  */
@@ -19,6 +20,7 @@
 #endif
 
 #include "blockgemv.h"
+#include "codebook.h"   /* kvlab_cb_dot_rows, kvlab_cb_mix_rows: int4 rows read in registers */
 #include "rowmath.h"    /* kvlab_row_dot, kvlab_row_exp_shifted */
 #include "intcache.h"
 #include "intcodes.h"   /* the packed rows: int_code_at, int_row_bytes */
@@ -96,6 +98,105 @@ static inline void prefetch_tiles(const IntHead *R, int64_t t, int64_t at, int64
     kvlab_prefetch_lines(R->v_zero + at * R->v_meta_stride, rows * R->v_meta_stride * (int64_t)sizeof(uint16_t));
 }
 
+/* int4 read in registers, for a block of queries that all read the same positions (a decode step's query heads):
+ * an int4 row is a 4-bit codebook row (codebook.h) whose table is the levels code - 7.5, so with mid = zero + 7.5 step
+ *     q . (zero + code x step) = (q x step) . level + q . mid     (keys, a run inside one key group: step, mid per channel)
+ *     Σ_t p_t (zero_t + code_t x step_t) = Σ_t (p_t step_t) level_t + Σ_t p_t mid_t     (values, per value group)
+ * and kvlab_cb_dot_rows / kvlab_cb_mix_rows read the codes in registers (no tile of decoded keys or values). The levels
+ * are centred so that neither sum is much larger than the key or value itself. Returns 0, or -1 (nothing written)
+ * where the build or the shapes have no such path. */
+#define VALUE_RUN 64   /* value rows a mix call reads, at most */
+#define INT4_LEVELS {-7.5f, -6.5f, -5.5f, -4.5f, -3.5f, -2.5f, -1.5f, -0.5f, 0.5f, 1.5f, 2.5f, 3.5f, 4.5f, 5.5f, 6.5f, 7.5f}
+static int int4_registers(const IntHead *R, const IntQuery *Q, int nq, float scale, float *s) {
+#if defined(__AVX512F__)
+    const int dk = R->dk, dv = R->dv, G = R->key_group, gv = R->value_group, n_vg = dv / gv;
+    if (R->bits != 4 || dk % 16 || dv % 16 || gv % 16 || nq > 16 || dk > KVLAB_INT_MAX_DIM || dv > KVLAB_INT_MAX_DIM) return -1;
+    for (int i = 1; i < nq; i++)
+        if (Q[i].lo != Q[0].lo || Q[i].hi != Q[0].hi || Q[i].coded != Q[0].coded) return -1;
+    static const float levels[16] = INT4_LEVELS;
+    cb_layout keys, values;
+    const int32_t key_spec[4] = {0, dk, 4, 0}, value_spec[4] = {0, gv, 4, 0};
+    if (kvlab_cb_layout(&keys, dk, 1, key_spec, levels, dk / 2) || kvlab_cb_layout(&values, gv, 1, value_spec, levels, gv / 2)) return -1;
+    const int64_t lo = Q[0].lo, hi = Q[0].hi, coded = Q[0].coded < lo ? lo : Q[0].coded > hi ? hi : Q[0].coded, n = hi - lo;
+    float qs[16 * KVLAB_INT_MAX_DIM], base[16], mid[KVLAB_INT_MAX_DIM], step[KVLAB_INT_MAX_DIM];
+    for (int64_t t = lo; t < coded;) {   /* keys from their codes: runs inside one key group and one block */
+        const int64_t slot = slot_of(R, t), group_end = (t / G + 1) * G;
+        int64_t end = group_end < coded ? group_end : coded;
+        if (R->table && end - t > R->block_size - t % R->block_size) end = t + R->block_size - t % R->block_size;
+        const int64_t meta = slot / G * R->k_meta_stride;
+        for (int c = 0; c < dk; c += 16) {
+            const __m512 st = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(R->k_scale + meta + c)));
+            _mm512_storeu_ps(step + c, st);
+            _mm512_storeu_ps(mid + c, _mm512_fmadd_ps(_mm512_set1_ps(7.5f), st,
+                                                      _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(R->k_zero + meta + c)))));
+            for (int i = 0; i < nq; i++) _mm512_storeu_ps(qs + i * dk + c, _mm512_mul_ps(_mm512_loadu_ps(Q[i].q + c), st));
+        }
+        for (int i = 0; i < nq; i++) base[i] = kvlab_row_dot(Q[i].q, mid, dk);
+        const int64_t count = end - t;
+        const cb_ahead ahead = {R->k_codes + slot_of(R, end < coded ? end : t) * R->k_row_stride, R->k_row_stride,
+                                end < coded ? (coded - end < 16 ? coded - end : 16) : 0, NULL};
+        if (kvlab_cb_dot_rows(&keys, R->k_codes + slot * R->k_row_stride, R->k_row_stride, count, qs, dk, nq, s + (t - lo), n,
+                              &ahead, 1))
+            return -1;   /* at the first run: nothing the caller reads has been written */
+        for (int i = 0; i < nq; i++)
+            for (int64_t j = 0; j < count; j++) s[i * n + t - lo + j] = (s[i * n + t - lo + j] + base[i]) * scale;
+        t = end;
+    }
+    for (int64_t t = coded; t < hi; t++)   /* the open group's keys, exact */
+        for (int i = 0; i < nq; i++)
+            s[i * n + t - lo] = kvlab_row_dot(Q[i].q, R->exact + (t - R->exact_first) * R->exact_stride, dk) * scale;
+    for (int i = 0; i < nq; i++) {   /* softmax */
+        float *si = s + i * n, top = kvlab_row_max(si, n);
+        const float sum = kvlab_row_exp_shifted(si, (int)n, top), inv = 1.0f / sum;
+        for (int64_t j = 0; j < n; j++) si[j] *= inv;
+        if (Q[i].lse) *Q[i].lse = top + logf(sum);
+    }
+    float acc[16 * KVLAB_INT_MAX_DIM], w[16 * VALUE_RUN];
+    __m512 mids[16][KVLAB_INT_MAX_DIM / 16];   /* each query's Σ p mid per value group, sixteen rows' lanes apart */
+    memset(acc, 0, sizeof(float) * (size_t)(nq * dv));
+    for (int i = 0; i < nq; i++)
+        for (int k = 0; k < n_vg; k++) mids[i][k] = _mm512_setzero_ps();
+    for (int64_t t = lo; t < hi;) {   /* values: runs of up to VALUE_RUN rows inside one block */
+        const int64_t slot = slot_of(R, t);
+        int64_t end = hi - t < VALUE_RUN ? hi : t + VALUE_RUN;
+        if (R->table && end - t > R->block_size - t % R->block_size) end = t + R->block_size - t % R->block_size;
+        const int count = (int)(end - t);
+        for (int k = 0; k < n_vg; k++) {
+            for (int j0 = 0; j0 < count; j0 += 16) {   /* sixteen rows' steps and mids in two vectors */
+                const int m = count - j0 < 16 ? count - j0 : 16;
+                uint16_t sc[16] = {0}, zr[16] = {0};
+                for (int j = 0; j < m; j++) {
+                    const int64_t meta = (slot + j0 + j) * R->v_meta_stride + k;
+                    sc[j] = R->v_scale[meta], zr[j] = R->v_zero[meta];
+                }
+                const __mmask16 live = (__mmask16)((1u << m) - 1);
+                const __m512 st = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sc));
+                const __m512 md = _mm512_fmadd_ps(_mm512_set1_ps(7.5f), st, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)zr)));
+                for (int i = 0; i < nq; i++) {
+                    const __m512 p = _mm512_maskz_loadu_ps(live, s + i * n + t - lo + j0);
+                    _mm512_storeu_ps(w + i * VALUE_RUN + j0, _mm512_mul_ps(p, st));
+                    mids[i][k] = _mm512_fmadd_ps(p, md, mids[i][k]);
+                }
+            }
+            if (kvlab_cb_mix_rows(&values, R->v_codes + slot * R->v_row_stride + k * gv / 2, R->v_row_stride, count, w,
+                                  VALUE_RUN, nq, acc + k * gv, dv))
+                return -1;
+        }
+        t = end;
+    }
+    for (int i = 0; i < nq; i++)
+        for (int k = 0; k < n_vg; k++) {
+            const __m512 add = _mm512_set1_ps(_mm512_reduce_add_ps(mids[i][k]));
+            for (int c = k * gv; c < (k + 1) * gv; c += 16)
+                _mm512_storeu_ps(Q[i].out + c, _mm512_add_ps(_mm512_loadu_ps(acc + i * dv + c), add));
+        }
+    return 0;
+#else
+    (void)R, (void)Q, (void)nq, (void)scale, (void)s;
+    return -1;
+#endif
+}
+
 /* The read of intcache.h, in tiles of sixteen positions. Each tile's keys are decoded once for every query (coded:
  * zero + code x scale per channel; exact: as given), and each query's score of a key is its sixteen lane sums folded
  * (kvlab_fold16: one tree for every key) times scale. Then each query's softmax over its positions. Each tile's values
@@ -113,6 +214,7 @@ void kvlab_int_attend(const IntHead *R, const IntQuery *Q, int nq, float scale, 
         least_coded = coded[i] < Q[i].hi && coded[i] < least_coded ? coded[i] : least_coded;
     }
     const int64_t n = hi - lo;
+    if (int4_registers(R, Q, nq, scale, scratch) == 0) return;
     float *s = scratch, *vacc = s + nq * n, *keys = vacc + nq * vpad, *exact = keys + 16 * kpad, *none = exact + 16 * kpad;
     float *values = none + kpad;                            /* tiles: 16 rows of kpad (keys, exact) or vpad (values) */
     float zero[KVLAB_INT_MAX_DIM], step[KVLAB_INT_MAX_DIM];            /* the current key group's, or a value row's */

@@ -36,7 +36,8 @@ typedef struct {                              /* one query of a kvlab_int_attend
  * p = softmax_t(q · k_t · scale): k_t = zero + code × scale per channel of its key group for t < coded, exact (from
  * `exact`) for t >= coded; v_t = zero + code × scale per value group. The queries share each key's and value's
  * decoding; a query's output is the same bits whatever the other queries of the call (its scores, softmax and sums
- * are its own, in a fixed order); a query with `lse` also gets log Σ_t exp(q · k_t · scale), to merge this read with
+ * are its own, in a fixed order), except that an int4 call whose queries all read the same positions (a decode step's
+ * query heads) reads the codes in registers instead of through tiles (intcache.c int4_registers), rounded apart; a query with `lse` also gets log Σ_t exp(q · k_t · scale), to merge this read with
  * another part of its keys. dk, dv <= KVLAB_INT_MAX_DIM. scratch: kvlab_int_scratch(n, dk, dv) floats, n = the largest hi
  * less the smallest lo. */
 void kvlab_int_attend(const IntHead *R, const IntQuery *Q, int nq, float scale, float *scratch);
