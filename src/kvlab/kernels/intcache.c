@@ -7,8 +7,8 @@
  * kvlab_int_attend (intcache.h) is the one read of the codes: a block of queries, scores, softmax and mix, any
  * width 1..8, each tile of sixteen keys and values decoded once for them and read from there, so nothing is decoded
  * into memory beyond a tile; int4 queries that all read the same positions (a decode step) read the codes in
- * registers through codebook.c instead (int4_registers). The single cache (kvlab_int_attention), the fused decode step (decode.c) and the serving
- * pool (paged.c) all call it, so they agree to the bit. kvlab_int_decode decodes a span into a transient for the
+ * registers through codebook.c instead (int4_registers). The single cache (kvlab_int_attention), the fused decode
+ * step (decode.c) and the serving pool (paged.c) all call it, so they agree to the bit. kvlab_int_decode decodes a span into a transient for the
  * long-chunk path (quantized.py's spans). Heads (batch × KV heads) are shared between OpenMP threads.
  */
 #include <math.h>
