@@ -105,7 +105,15 @@ static inline void prefetch_tiles(const IntHead *R, int64_t t, int64_t at, int64
  * and kvlab_cb_dot_rows / kvlab_cb_mix_rows read the codes in registers (no tile of decoded keys or values). The levels
  * are centred so that neither sum is much larger than the key or value itself. Returns 0, or -1 (nothing written)
  * where the build or the shapes have no such path. */
+/* s[0 .. len) = softmax of a query's scores, in place; lse (if not NULL) = their log-sum-exp */
+static inline void softmax_scores(float *s, int64_t len, float *lse) {
+    const float top = kvlab_row_max(s, len), sum = kvlab_row_exp_shifted(s, (int)len, top), inv = 1.0f / sum;
+    for (int64_t j = 0; j < len; j++) s[j] *= inv;
+    if (lse) *lse = top + logf(sum);
+}
+
 #define VALUE_RUN 64   /* value rows a mix call reads, at most */
+#define INT4_MID 7.5f  /* the middle of the int4 codes: a level is code - INT4_MID */
 #define INT4_LEVELS {-7.5f, -6.5f, -5.5f, -4.5f, -3.5f, -2.5f, -1.5f, -0.5f, 0.5f, 1.5f, 2.5f, 3.5f, 4.5f, 5.5f, 6.5f, 7.5f}
 static int int4_registers(const IntHead *R, const IntQuery *Q, int nq, float scale, float *s) {
 #if defined(__AVX512F__)
@@ -118,7 +126,7 @@ static int int4_registers(const IntHead *R, const IntQuery *Q, int nq, float sca
     const int32_t key_spec[4] = {0, dk, 4, 0}, value_spec[4] = {0, gv, 4, 0};
     if (kvlab_cb_layout(&keys, dk, 1, key_spec, levels, dk / 2) || kvlab_cb_layout(&values, gv, 1, value_spec, levels, gv / 2)) return -1;
     const int64_t lo = Q[0].lo, hi = Q[0].hi, coded = Q[0].coded < lo ? lo : Q[0].coded > hi ? hi : Q[0].coded, n = hi - lo;
-    float qs[16 * KVLAB_INT_MAX_DIM], base[16], mid[KVLAB_INT_MAX_DIM], step[KVLAB_INT_MAX_DIM];
+    float qs[16 * KVLAB_INT_MAX_DIM], base[16], mid[KVLAB_INT_MAX_DIM];
     for (int64_t t = lo; t < coded;) {   /* keys from their codes: runs inside one key group and one block */
         const int64_t slot = slot_of(R, t), group_end = (t / G + 1) * G;
         int64_t end = group_end < coded ? group_end : coded;
@@ -126,8 +134,7 @@ static int int4_registers(const IntHead *R, const IntQuery *Q, int nq, float sca
         const int64_t meta = slot / G * R->k_meta_stride;
         for (int c = 0; c < dk; c += 16) {
             const __m512 st = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(R->k_scale + meta + c)));
-            _mm512_storeu_ps(step + c, st);
-            _mm512_storeu_ps(mid + c, _mm512_fmadd_ps(_mm512_set1_ps(7.5f), st,
+            _mm512_storeu_ps(mid + c, _mm512_fmadd_ps(_mm512_set1_ps(INT4_MID), st,
                                                       _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(R->k_zero + meta + c)))));
             for (int i = 0; i < nq; i++) _mm512_storeu_ps(qs + i * dk + c, _mm512_mul_ps(_mm512_loadu_ps(Q[i].q + c), st));
         }
@@ -145,12 +152,7 @@ static int int4_registers(const IntHead *R, const IntQuery *Q, int nq, float sca
     for (int64_t t = coded; t < hi; t++)   /* the open group's keys, exact */
         for (int i = 0; i < nq; i++)
             s[i * n + t - lo] = kvlab_row_dot(Q[i].q, R->exact + (t - R->exact_first) * R->exact_stride, dk) * scale;
-    for (int i = 0; i < nq; i++) {   /* softmax */
-        float *si = s + i * n, top = kvlab_row_max(si, n);
-        const float sum = kvlab_row_exp_shifted(si, (int)n, top), inv = 1.0f / sum;
-        for (int64_t j = 0; j < n; j++) si[j] *= inv;
-        if (Q[i].lse) *Q[i].lse = top + logf(sum);
-    }
+    for (int i = 0; i < nq; i++) softmax_scores(s + i * n, n, Q[i].lse);
     float acc[16 * KVLAB_INT_MAX_DIM], w[16 * VALUE_RUN];
     __m512 mids[16][KVLAB_INT_MAX_DIM / 16];   /* each query's Σ p mid per value group, sixteen rows' lanes apart */
     memset(acc, 0, sizeof(float) * (size_t)(nq * dv));
@@ -171,7 +173,7 @@ static int int4_registers(const IntHead *R, const IntQuery *Q, int nq, float sca
                 }
                 const __mmask16 live = (__mmask16)((1u << m) - 1);
                 const __m512 st = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sc));
-                const __m512 md = _mm512_fmadd_ps(_mm512_set1_ps(7.5f), st, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)zr)));
+                const __m512 md = _mm512_fmadd_ps(_mm512_set1_ps(INT4_MID), st, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)zr)));
                 for (int i = 0; i < nq; i++) {
                     const __m512 p = _mm512_maskz_loadu_ps(live, s + i * n + t - lo + j0);
                     _mm512_storeu_ps(w + i * VALUE_RUN + j0, _mm512_mul_ps(p, st));
@@ -270,13 +272,7 @@ void kvlab_int_attend(const IntHead *R, const IntQuery *Q, int nq, float scale, 
             memcpy(s + i * n + t0 - lo, &scores, sizeof(float) * (size_t)m);
         }
     }
-    for (int i = 0; i < nq; i++) {                          /* softmax over the query's own positions */
-        const int64_t len = Q[i].hi - Q[i].lo;
-        float *si = s + i * n + (Q[i].lo - lo), top = kvlab_row_max(si, len);
-        const float sum = kvlab_row_exp_shifted(si, (int)len, top), inv = 1.0f / sum;
-        for (int64_t j = 0; j < len; j++) si[j] *= inv;
-        if (Q[i].lse) *Q[i].lse = top + logf(sum);
-    }
+    for (int i = 0; i < nq; i++) softmax_scores(s + i * n + (Q[i].lo - lo), Q[i].hi - Q[i].lo, Q[i].lse);   /* its own positions */
     memset(vacc, 0, sizeof(float) * nq * vpad);
     left = 0;
     for (int64_t t0 = lo; t0 < hi; t0 += 16) {               /* values */
