@@ -199,11 +199,83 @@ static int int4_registers(const IntHead *R, const IntQuery *Q, int nq, float sca
 #endif
 }
 
+/* -- the tile read's kernels: each query's arithmetic is its own, whichever queries share a call with it ---------- */
+/* the tile (keys or exact) a query reads all sixteen rows of, one way, or NULL (a partial tile, or one it reads mixed) */
+static inline const float *tile_read_whole(const IntQuery *q, int64_t coded, int64_t t0, int m, const float *keys,
+                                           const float *exact) {
+    if (m < 16 || t0 < q->lo || t0 + 16 > q->hi) return NULL;
+    return t0 + 16 <= coded ? keys : t0 >= coded ? exact : NULL;
+}
+
+/* a query's sums over eight rows, folded three rounds of kvlab_fold16's tree: lane l of row j's sum is
+ * Σ_c q[c + l] row_j[c + l] over c = 0, 16, .. kpad - 16, in that order; two halves fold into sixteen scores */
+static inline kvlab_lanes16 fold8(kvlab_lanes16 *a) {
+    for (int width = 8; width > 1; width /= 2)
+        for (int j = 0; j < width / 2; j++) a[j] = kvlab_fold16(a[2 * j], a[2 * j + 1]);
+    return a[0];
+}
+
+static inline kvlab_lanes16 half_scores(const float *const *row, int kpad, const float *q) {
+    kvlab_lanes16 acc[8];
+    for (int j = 0; j < 8; j++) acc[j] = (kvlab_lanes16){0};
+    for (int c = 0; c < kpad; c += 16) {
+        const kvlab_lanes16 qc = kvlab_lanes_at(q + c);
+        for (int j = 0; j < 8; j++) acc[j] += qc * kvlab_lanes_at(row[j] + c);
+    }
+    return fold8(acc);
+}
+
+/* two queries' scores of a whole tile (sixteen rows kpad apart), each key row loaded once for both */
+static inline void tile_scores(const float *tile, int kpad, const float *q0, const float *q1, kvlab_lanes16 out[2]) {
+    kvlab_lanes16 halves[2][2];
+    for (int h = 0; h < 2; h++) {
+        const float *rows = tile + h * 8 * kpad;
+        kvlab_lanes16 a[8], b[8];
+        for (int j = 0; j < 8; j++) a[j] = b[j] = (kvlab_lanes16){0};
+        for (int c = 0; c < kpad; c += 16) {
+            const kvlab_lanes16 qa = kvlab_lanes_at(q0 + c), qb = kvlab_lanes_at(q1 + c);
+            for (int j = 0; j < 8; j++) {
+                const kvlab_lanes16 k = kvlab_lanes_at(rows + j * kpad + c);
+                a[j] += qa * k;
+                b[j] += qb * k;
+            }
+        }
+        halves[0][h] = fold8(a), halves[1][h] = fold8(b);
+    }
+    out[0] = kvlab_fold16(halves[0][0], halves[0][1]);
+    out[1] = kvlab_fold16(halves[1][0], halves[1][1]);
+}
+
+/* o[k] (vpad) += Σ_j w[k][j] v_j over rows [first, last), in j order, for MIX_QUERIES queries: each value row loaded
+ * once for all of them (kvlab_rows_mix's sums, query by query; a zero weight adds nothing) */
+#define MIX_QUERIES 4
+#define MIX_VECTORS 4   /* sixteen-channel vectors of each query's sums held at a time */
+static inline void rows_mix_block(float *const *o, const float w[][16], const float *const *v, int first, int last,
+                                  int vpad) {
+    for (int c = 0; c < vpad; c += 16 * MIX_VECTORS) {
+        const int nv = (vpad - c) / 16 < MIX_VECTORS ? (vpad - c) / 16 : MIX_VECTORS;
+        kvlab_lanes16 a[MIX_QUERIES][MIX_VECTORS];
+        for (int k = 0; k < MIX_QUERIES; k++)
+            for (int x = 0; x < MIX_VECTORS; x++) a[k][x] = kvlab_lanes_at(o[k] + c + 16 * (x < nv ? x : 0));
+        for (int j = first; j < last; j++) {
+            kvlab_lanes16 vx[MIX_VECTORS];
+            for (int x = 0; x < MIX_VECTORS; x++) vx[x] = kvlab_lanes_at(v[j] + c + 16 * (x < nv ? x : 0));
+            for (int k = 0; k < MIX_QUERIES; k++)
+                for (int x = 0; x < MIX_VECTORS; x++) a[k][x] += w[k][j] * vx[x];
+        }
+        for (int k = 0; k < MIX_QUERIES; k++)
+            for (int x = 0; x < nv; x++) memcpy(o[k] + c + 16 * x, &a[k][x], sizeof a[k][x]);
+    }
+}
+
 /* The read of intcache.h, in tiles of sixteen positions. Each tile's keys are decoded once for every query (coded:
  * zero + code x scale per channel; exact: as given), and each query's score of a key is its sixteen lane sums folded
  * (kvlab_fold16: one tree for every key) times scale. Then each query's softmax over its positions. Each tile's values
  * are decoded once (zero + code x scale per value group), and each query adds p_t v_t to its sums in t order, over its
- * own positions only. Channels sixteen at a time, padded with zeros (0 x 0 adds nothing). */
+ * own positions only. Channels sixteen at a time, padded with zeros (0 x 0 adds nothing). Two queries that read a
+ * whole tile the same way are scored together, and values are mixed MIX_QUERIES queries at a time, so that each row
+ * is loaded once for several (a prompt chunk's call has up to KVLAB_INT_QUERIES): the sums are each query's own, in
+ * the same order, whichever queries share its call. */
 void kvlab_int_attend(const IntHead *R, const IntQuery *Q, int nq, float scale, float *scratch) {
     const int dk = R->dk, dv = R->dv, bits = R->bits, G = R->key_group, gv = R->value_group, n_vg = dv / gv;
     const int kpad = KVLAB_INT_PAD(dk), vpad = KVLAB_INT_PAD(dv);
@@ -219,6 +291,11 @@ void kvlab_int_attend(const IntHead *R, const IntQuery *Q, int nq, float scale, 
     if (int4_registers(R, Q, nq, scale, scratch) == 0) return;
     float *s = scratch, *vacc = s + nq * n, *keys = vacc + nq * vpad, *exact = keys + 16 * kpad, *none = exact + 16 * kpad;
     float *values = none + kpad;                            /* tiles: 16 rows of kpad (keys, exact) or vpad (values) */
+    float *qpad = values + 16 * vpad;                         /* the queries, zeros past dk */
+    for (int i = 0; i < nq; i++) {
+        memcpy(qpad + i * kpad, Q[i].q, sizeof(float) * dk);
+        memset(qpad + i * kpad + dk, 0, sizeof(float) * (kpad - dk));
+    }
     float zero[KVLAB_INT_MAX_DIM], step[KVLAB_INT_MAX_DIM];            /* the current key group's, or a value row's */
     memset(none, 0, sizeof(float) * kpad);
     int64_t slot = 0, left = 0, next_group = lo;             /* the key group's scales are loaded at next_group */
@@ -244,32 +321,29 @@ void kvlab_int_attend(const IntHead *R, const IntQuery *Q, int nq, float scale, 
                 memset(exact + j * kpad + dk, 0, sizeof(float) * (kpad - dk));
             }
         }
-        for (int i = 0; i < nq; i++) {
-            kvlab_lanes16 acc[16];
-            for (int j = 0; j < 16; j++) acc[j] = (kvlab_lanes16){0};
-            /* a whole tile the query reads one way (most tiles): its rows straight from the tile */
-            const float *same = m < 16 || t0 < Q[i].lo || t0 + 16 > Q[i].hi ? NULL
-                              : t0 + 16 <= coded[i] ? keys : t0 >= coded[i] ? exact : NULL;
-            if (same)
-                for (int c = 0; c < kpad; c += 16) {
-                    const kvlab_lanes16 qc = kvlab_lanes_at_partial(Q[i].q, c, dk);
-                    for (int j = 0; j < 16; j++) acc[j] += qc * kvlab_lanes_at(same + j * kpad + c);
-                }
-            else {
+        for (int i = 0; i < nq;) {
+            /* a whole tile the query reads one way (most tiles): its rows straight from the tile, and so the next
+             * query's too where it reads the tile the same way (their keys loaded once for both) */
+            const float *same = tile_read_whole(Q + i, coded[i], t0, m, keys, exact);
+            kvlab_lanes16 scores[2];
+            int done = 1;
+            if (same && i + 1 < nq && tile_read_whole(Q + i + 1, coded[i + 1], t0, m, keys, exact) == same) {
+                tile_scores(same, kpad, qpad + i * kpad, qpad + (i + 1) * kpad, scores);
+                done = 2;
+            } else {
                 const float *row[16];                       /* query i's version of each key (none: not read) */
                 for (int j = 0; j < 16; j++) {
                     const int64_t t = t0 + j;
-                    row[j] = j >= m || t < Q[i].lo || t >= Q[i].hi ? none : t < coded[i] ? keys + j * kpad : exact + j * kpad;
+                    row[j] = same ? same + j * kpad
+                           : j >= m || t < Q[i].lo || t >= Q[i].hi ? none : t < coded[i] ? keys + j * kpad : exact + j * kpad;
                 }
-                for (int c = 0; c < kpad; c += 16) {
-                    const kvlab_lanes16 qc = kvlab_lanes_at_partial(Q[i].q, c, dk);
-                    for (int j = 0; j < 16; j++) acc[j] += qc * kvlab_lanes_at(row[j] + c);
-                }
+                scores[0] = kvlab_fold16(half_scores(row, kpad, qpad + i * kpad), half_scores(row + 8, kpad, qpad + i * kpad));
             }
-            for (int width = 16; width > 1; width /= 2)
-                for (int j = 0; j < width / 2; j++) acc[j] = kvlab_fold16(acc[2 * j], acc[2 * j + 1]);
-            const kvlab_lanes16 scores = acc[0] * scale;
-            memcpy(s + i * n + t0 - lo, &scores, sizeof(float) * (size_t)m);
+            for (int k = 0; k < done; k++) {
+                const kvlab_lanes16 scaled = scores[k] * scale;
+                memcpy(s + (i + k) * n + t0 - lo, &scaled, sizeof(float) * (size_t)m);
+            }
+            i += done;
         }
     }
     for (int i = 0; i < nq; i++) softmax_scores(s + i * n + (Q[i].lo - lo), Q[i].hi - Q[i].lo, Q[i].lse);   /* its own positions */
@@ -287,7 +361,22 @@ void kvlab_int_attend(const IntHead *R, const IntQuery *Q, int nq, float scale, 
         }
         const float *rows[16];
         for (int j = 0; j < m; j++) rows[j] = values + j * vpad;
-        for (int i = 0; i < nq; i++) {
+        int i = 0;
+        for (; i + MIX_QUERIES <= nq; i += MIX_QUERIES) {   /* MIX_QUERIES queries at a time, each over its own rows */
+            float w[MIX_QUERIES][16] = {{0}};
+            float *o[MIX_QUERIES];
+            int first = m, last = 0;
+            for (int k = 0; k < MIX_QUERIES; k++) {
+                const int j0 = Q[i + k].lo > t0 ? (int)(Q[i + k].lo - t0) : 0;
+                const int j1 = Q[i + k].hi - t0 < m ? (int)(Q[i + k].hi - t0) : m;
+                for (int j = j0; j < j1; j++) w[k][j] = s[(i + k) * n + t0 - lo + j];
+                o[k] = vacc + (i + k) * vpad;
+                first = j0 < first && j1 > j0 ? j0 : first;
+                last = j1 > last ? j1 : last;
+            }
+            if (last > first) rows_mix_block(o, w, rows, first, last, vpad);
+        }
+        for (; i < nq; i++) {   /* the rest one by one: the same sums */
             const int j0 = Q[i].lo > t0 ? (int)(Q[i].lo - t0) : 0, j1 = Q[i].hi - t0 < m ? (int)(Q[i].hi - t0) : m;
             if (j1 > j0) kvlab_rows_mix(vacc + i * vpad, s + i * n + t0 - lo + j0, rows + j0, j1 - j0, vpad);
         }
