@@ -341,7 +341,8 @@ void kvlab_int_attend(const IntHead *R, const IntQuery *Q, int nq, float scale, 
             }
             for (int k = 0; k < done; k++) {
                 const kvlab_lanes16 scaled = scores[k] * scale;
-                memcpy(s + (i + k) * n + t0 - lo, &scaled, sizeof(float) * (size_t)m);
+                if (m == 16) memcpy(s + (i + k) * n + t0 - lo, &scaled, sizeof scaled);   /* one store, not a call */
+                else memcpy(s + (i + k) * n + t0 - lo, &scaled, sizeof(float) * (size_t)m);
             }
             i += done;
         }
