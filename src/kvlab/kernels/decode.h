@@ -116,28 +116,43 @@ static inline int64_t kvlab_dense_read_floats(int nq, int d, int dv) {
  * there; a pool's short blocks are converted DENSE_TILE rows at a time. */
 void kvlab_dense_read(const DenseHead *h, const int32_t *table, int64_t k0, int64_t k1, const float *queries, int nq,
                       float scale, float *scratch, float *parts, int64_t part_stride);
-/* The merge of one query's parts in order, as the steps and the pool's coded read take them: n parts `stride` floats
- * apart, each [Σ_t e^(s_t - top) v_t (d) | top | Σ_t e^(s_t - top)] of some keys (kvlab_dense_read, kvlab_tq_read,
- * kvlab_int_attend; top -inf: none). Each part is weighted e^(top_c - M), M the largest top (*top = M): parts
- * [rot_lo, rot_hi) summed into rot (a coded layer's, in its rotated domain; their weights' share into *coded), the
- * others into out; returns Σ_c e^(top_c - M) · sum_c. (A serving pool's dense item merges its chunks as they come,
- * kvlab_paged_attend_item: its context has no bound, so neither has the number of its parts.) */
+/* One more part of a query's keys into its running merge, the parts taken in key order: a part is
+ * [Σ_t e^(s_t - top) v_t (d) | top | Σ_t e^(s_t - top)] (kvlab_dense_read, kvlab_tq_read, kvlab_int_attend; top
+ * -inf: no key read, skipped). acc (d) and *sum hold the parts so far weighted e^(top_c - M), M the largest top so far
+ * (*top; -inf before the first part, with acc and *sum zero): both are rescaled as M grows. Returns the factor the
+ * earlier parts were rescaled by (1 where M did not grow) and sets *weight to this part's, for a second accumulator of
+ * the same query. Every merge of
+ * parts (the single cache's fused step, the serving pool's dense items and coded reads) goes through here, so a
+ * query's output is the same bits whichever of them reads its keys in the same parts. */
+static inline float kvlab_merge_part(float *acc, float *top, float *sum, const float *part, int d, float *weight) {
+    *weight = 0.0f;
+    if (part[d] == -INFINITY) return 1.0f;
+    const float next = part[d] > *top ? part[d] : *top;
+    const float old_w = expf(*top - next), new_w = expf(part[d] - next);   /* *top -inf: old_w 0 */
+    for (int i = 0; i < d; i++) acc[i] = acc[i] * old_w + part[i] * new_w;
+    *sum = *sum * old_w + part[d + 1] * new_w;
+    *top = next;
+    *weight = new_w;
+    return old_w;
+}
+/* The merge of one query's n parts, `stride` floats apart, in order (kvlab_merge_part): parts [rot_lo, rot_hi) summed
+ * into rot (a coded layer's, in its rotated domain; their weights' share into *coded), the others into out; *top = the
+ * largest top; returns Σ_c e^(top_c - top) · sum_c. */
 static inline float kvlab_merge_parts(const float *parts, int64_t stride, int64_t n, int d, int64_t rot_lo,
                                       int64_t rot_hi, float *out, float *rot, float *coded, float *top) {
-    float m = -INFINITY, total = 0.0f;
-    for (int64_t c = 0; c < n; c++) m = parts[c * stride + d] > m ? parts[c * stride + d] : m;
+    float m = -INFINITY, total = 0.0f, share = 0.0f;
     for (int i = 0; i < d; i++) out[i] = 0.0f;
     for (int i = 0; i < d && rot_hi > rot_lo; i++) rot[i] = 0.0f;
     for (int64_t c = 0; c < n; c++) {
         const float *part = parts + c * stride;
-        if (part[d] == -INFINITY) continue;   /* no key of this part is read */
-        const float w = expf(part[d] - m);
         const int rotated = c >= rot_lo && c < rot_hi;
-        float *acc = rotated ? rot : out;
-        total += w * part[d + 1];
-        if (rotated) *coded += w * part[d + 1];
-        for (int i = 0; i < d; i++) acc[i] += w * part[i];
+        float w;
+        const float old_w = kvlab_merge_part(rotated ? rot : out, &m, &total, part, d, &w);
+        if (old_w != 1.0f)
+            for (int i = 0; i < d && rot_hi > rot_lo; i++) (rotated ? out : rot)[i] *= old_w;   /* the other sum */
+        share = share * old_w + (rotated ? part[d + 1] * w : 0.0f);
     }
+    if (coded) *coded += share;
     *top = m;
     return total;
 }

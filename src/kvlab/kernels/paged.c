@@ -7,7 +7,7 @@
  * (r - qs[s]) and sees keys [pos - window + 1 (window > 0), pos]: the lower-right causal mask.
  * One work item = (query row, KV head): the G = H / Hkv query heads sharing that KV head read each key once, in
  * chunks of DENSE_READ_KEYS keys, each one kvlab_dense_read (decode.c, the single cache's fused step reads its chunks
- * with it too), merged in order by their maxima; everything is computed in fp32.
+ * with it too), merged in order as that step merges them (decode.h kvlab_merge_part); everything is computed in fp32.
  * Every index is checked before the loop: a bad table or length returns -1 and touches nothing.
  *
  * kvlab_tq_attention does the same over TurboQuant blocks (kvlab/serve/coded.py TurboPool), described by the
@@ -128,22 +128,14 @@ void kvlab_paged_attend_item(const float *q, int n_heads, int n_kv_heads, int d,
     const float *qh = q + (row * n_heads + (int64_t)kv_head * group) * d;   /* (G, D): this KV head's queries */
     float *o = out + (row * n_heads + (int64_t)kv_head * group) * dv;       /* (G, Dv): accumulated in place */
     float top[MAX_GROUP], sum[MAX_GROUP], parts[group * (dv + 2)], scratch[kvlab_dense_read_floats(group, d, dv)];
+    for (int g = 0; g < group; g++) top[g] = -INFINITY, sum[g] = 0.0f;
+    memset(o, 0, sizeof(float) * (size_t)group * (size_t)dv);
     for (int64_t k0 = first; k0 <= pos; k0 += DENSE_READ_KEYS) {   /* chunks of keys, merged in order */
         const int64_t k1 = pos + 1 - k0 < DENSE_READ_KEYS ? pos + 1 : k0 + DENSE_READ_KEYS;
         kvlab_dense_read(&h, block_tables + (int64_t)s * max_blocks, k0, k1, qh, group, scale, scratch, parts, dv + 2);
         for (int g = 0; g < group; g++) {
-            const float *part = parts + (int64_t)g * (dv + 2);
-            float *og = o + (int64_t)g * dv;
-            if (k0 == first) {
-                memcpy(og, part, sizeof(float) * (size_t)dv);
-                top[g] = part[dv], sum[g] = part[dv + 1];
-                continue;
-            }
-            const float new_top = part[dv] > top[g] ? part[dv] : top[g];
-            const float old_w = expf(top[g] - new_top), new_w = expf(part[dv] - new_top);
-            for (int c = 0; c < dv; c++) og[c] = og[c] * old_w + part[c] * new_w;
-            sum[g] = sum[g] * old_w + part[dv + 1] * new_w;
-            top[g] = new_top;
+            float weight;
+            kvlab_merge_part(o + (int64_t)g * dv, &top[g], &sum[g], parts + (int64_t)g * (dv + 2), dv, &weight);
         }
     }
     for (int g = 0; g < group; g++) {
