@@ -6,9 +6,9 @@
 SmolLM2's attention shape (3 KV heads of 64 channels, 9 query heads), one layer of an int8 or int4 cache holding a
 context of random K/V, 1 thread, the paths interleaved in each repeat:
 - a prompt chunk of CHUNK tokens at the end of the context (every query row reads its own causal range):
-  `C read` is kvlab_int_attend (the read the serving pool's integer blocks make of a chunk), `torch spans` what the
-  single cache does with such a chunk (QuantizedCache reads long chunks span by span: codes decoded in C, attention
-  in torch), and dense-f16's torch attention over the same shape for scale;
+  `C read` is kvlab_int_attend (how the single cache and the serving pool's integer blocks read a chunk), `torch
+  spans` the torch path's read of a long chunk, span by span (codes decoded in C, attention in torch: how a cache with
+  a recent window, +recentN, reads one), and dense-f16's torch attention over the same shape for scale;
 - a decode step's read (one token, its 9 query heads) through kvlab_int_attend.
 Times are CPU time per call, medians; the table gives nanoseconds per query-key pair (query heads x keys read).
 """
@@ -63,13 +63,13 @@ def filled(name: str, context: int, gen: torch.Generator):
 def chunk_read(cache, q: torch.Tensor, spans: bool):
     """the chunk's attention, read the way `spans` says (False: every row through the C read)"""
     def read():
-        in_spans = QuantizedCache._in_spans
-        if not spans:
-            QuantizedCache._in_spans = lambda self, layer, rows, T: False
+        coded_read = QuantizedCache._coded_read
+        if spans:
+            QuantizedCache._coded_read = lambda self, layer, qg, T: None   # the torch path, in spans
         try:
             return cache.attend(0, q)
         finally:
-            QuantizedCache._in_spans = in_spans
+            QuantizedCache._coded_read = coded_read
     return read
 
 

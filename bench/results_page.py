@@ -1289,14 +1289,15 @@ SECTIONS = [
             ("decode C read ns", "decode_ns_pair", f2)]),
               "python bench/int_read.py",
               "The integer caches' attention read, one layer, SmolLM2's shape, 1 thread, nanoseconds per query-key "
-              "pair. A 512-token prompt chunk at the end of the context: the C read (what the serving pool's integer "
-              "blocks do) against torch over spans decoded in C (what the single cache does with chunks this long), and "
-              "dense-f16 for scale; then one decode step's read. The C read scores two queries per load of a tile's "
-              "keys and mixes values four at a time (the same bits as one query at a time). Two runs of this script back "
-              "to back on the same AMD EPYC, one query at a time against this: the chunk's C read 7.2-7.5 against "
-              "6.2-6.4 ns a pair, int8's decode read 17.1 / 14.5 against 14.5 / 11.0 ns at 1,024 / 4,096 tokens "
-              "(int4's decode reads its codes in registers, unchanged). Runs on this shared VM differ by ~15% from "
-              "each other: compare within a row."),
+              "pair. A 512-token prompt chunk at the end of the context: the C read (how the single cache and the serving "
+              "pool's integer blocks read it) against the torch path's spans decoded in C (how a cache with a recent "
+              "window, +recentN, reads one), and dense-f16 for scale; then one decode step's read. The C read scores "
+              "two queries per load of a tile's keys (a call with 8 or more queries: the tile transposed, keys in "
+              "lanes) and mixes values four at a time, the same bits as one query at a time. Against one query at a "
+              "time, two runs of this script back to back on the same AMD EPYC: the chunk's C read 7.2-7.5 before, "
+              "6.2-6.4 ns a pair with the pairs alone, int8's decode read 17.1 / 14.5 against 14.5 / 11.0 ns at 1,024 "
+              "/ 4,096 tokens (int4's decode reads its codes in registers, unchanged). Runs on this shared VM differ by "
+              "~15% from each other: compare within a row."),
     ]),
     Section("Gemma 3 and Qwen3.5 in the serving engine", "Random models from transformers' classes, fp32, 1 thread; the "
             "2-core VM was shared with other jobs while these ran, so times are indicative.", [

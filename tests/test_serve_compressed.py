@@ -15,7 +15,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvlab.cache import CacheGeometry, make_cache
+from kvlab.cache import CacheGeometry, compressed, make_cache
 from kvlab.cache.turboquant import TurboQuantCache
 from kvlab.errors import ConfigError
 from kvlab.generate import generate
@@ -234,6 +234,16 @@ def test_pool_bytes_are_blocks_times_the_formula(smollm2, name, per_head_token):
     assert single_cache(engine, geometry).nbytes == 4 * cap.block_bytes + cap.shared_bytes + cap.sequence_bytes
     assert (cap.shared_bytes == 0) == name.startswith("int") and (cap.sequence_bytes == 0) == name.startswith("tq")
 
+
+
+@pytest.mark.parametrize("seed,case", [(s, c) for s, c in enumerate(CASES) if c[0].startswith("int") and c[5]])
+def test_long_chunks_of_an_int_cache_read_as_the_pool_reads(seed, case, monkeypatch):
+    """The same run with the blocks of a long chunk (ATTEND_ROWS x ATTEND_KEYS) shrunk so that these chunks count as
+    long: a single int8 / int4 cache reads them through the C read too, not in spans, so its output stays the pool's
+    to the bit."""
+    monkeypatch.setattr(compressed, "ATTEND_ROWS", 4)
+    monkeypatch.setattr(compressed, "ATTEND_KEYS", 8)
+    test_pool_attention_equals_the_single_cache_on_random_chunks(seed, case)
 
 def test_an_engine_given_the_loaded_model_spells_out_its_recipe(smollm2, monkeypatch):
     """`tq4+halloc` names the recipe calibrated for the model: the engine asks eval/calibrate.resolve for it (stubbed

@@ -28,11 +28,13 @@ tokens the chunk pushed out of the window: a query before the push read them in 
 never depend on a later token. The append's copy is working memory of one chunk (like the chunk's K/V
 the model already holds), replaced by the layer's next append and not part of `nbytes`.
 
-Long chunks (`reads_spans`, compressed.py's blocks): a block of queries reads spans of at most ATTEND_KEYS
-tokens, each decoded into a transient (in C for int8/int4, `int_decode`; by torch otherwise) and attended
-with its log-sum-exp; the rule above is kept by offering each token of the chunk's open groups in its
-versions (coded, exact key, exact key and value), each visible only to the rows that read it so
-(`_span_attend`). No (rows × context) scores and no whole-context decoded K/V are ever held.
+Long chunks on the torch path (no code kernel, or a +recentN window; `reads_spans`, compressed.py's blocks): a
+block of queries reads spans of at most ATTEND_KEYS tokens, each decoded into a transient (in C for int8/int4,
+`int_decode`; by torch otherwise) and attended with its log-sum-exp; the rule above is kept by offering each token
+of the chunk's open groups in its versions (coded, exact key, exact key and value), each visible only to the rows
+that read it so (`_span_attend`). No (rows × context) scores and no whole-context decoded K/V are ever held. With the
+code kernel every other chunk, however long, is read by kvlab_int_attend as a decode step is (a call's queries hold
+one row of scores each), so a prompt gives the serving pool's bits.
 
 Bytes per compressed layer (B sequences, Hkv heads, `slots` tokens, fp16 metadata):
   keys:   B·Hkv·[slots·⌈Dk·b/8⌉ + ⌈slots/G⌉·Dk·2·2 + G·Dk·elem]
@@ -195,11 +197,12 @@ class QuantizedCache(CompressedCache):
         """With the code kernel, the compressed tokens' attention in C, scores, softmax and mix (kvlab_int_attention),
         through kvlab_int_attend, the function the fused step and the serving pool read codes with (kernels/intcache.h),
         so they give the same bits; `_with_exact_parts` merges the sink and the window. qg (B, Hkv, G·T, Dk) -> the
-        normalized output (B, Hkv, G·T, Dv) and log-sum-exp (B, Hkv, G·T). None where the torch path reads them: no
-        kernel (the reference, other widths), a chunk read in spans, or a chunk that pushed tokens out of the recent
-        window while its earlier queries still saw them there (they read those values exact: `_mix`)."""
+        normalized output (B, Hkv, G·T, Dv) and log-sum-exp (B, Hkv, G·T). Chunks of any length: the C read holds
+        one row of scores per query of a call, never (G·T, n). None where the torch path reads them: no kernel (the
+        reference, other widths), or a chunk with a recent window (+recentN), whose earlier queries may still see
+        tokens the chunk pushed out of it (they read those values exact: `_mix`)."""
         n = self._n_comp[layer]
-        if (self.code_kernel is None or (self.window and T > 1) or self._in_spans(layer, qg.shape[2], T)):
+        if self.code_kernel is None or (self.window and T > 1):
             return None
         B, Hkv, rows, Dk = qg.shape
         G = self.config.group_size

@@ -246,6 +246,67 @@ static inline void tile_scores(const float *tile, int kpad, const float *q0, con
     out[1] = kvlab_fold16(halves[1][0], halves[1][1]);
 }
 
+/* A tile transposed (kt[c * 16 + j] = row j's channel c, kpad channels) scores two queries with the keys in lanes:
+ * lane j of A_l accumulates q[c + l] row_j[c + l] over c = 0, 16, .. as lane l of kvlab_fold16's sums of row j does,
+ * and the sixteen A_l are added by the same tree (pairs of neighbours, four rounds), so the scores are the folding
+ * read's to the bit, without a shuffle per query (a call with many queries: a prompt chunk's, TRANSPOSE_QUERIES) */
+#define TRANSPOSE_QUERIES 8
+/* sixteen rows of kpad channels, sixteen at a time, to kt: four rounds of swapping blocks of 8, 4, 2, 1 lanes */
+static inline void transpose_tile(const float *rows, int kpad, float *kt) {
+    for (int c = 0; c < kpad; c += 16) {
+        kvlab_lanes16 r[16];
+        for (int j = 0; j < 16; j++) r[j] = kvlab_lanes_at(rows + j * kpad + c);
+        for (int i = 0; i < 16; i++)
+            if (!(i & 8)) {
+                const kvlab_lanes16 a = r[i], b = r[i + 8];
+                r[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+                r[i + 8] = __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+            }
+        for (int i = 0; i < 16; i++)
+            if (!(i & 4)) {
+                const kvlab_lanes16 a = r[i], b = r[i + 4];
+                r[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+                r[i + 4] = __builtin_shufflevector(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+            }
+        for (int i = 0; i < 16; i++)
+            if (!(i & 2)) {
+                const kvlab_lanes16 a = r[i], b = r[i + 2];
+                r[i] = __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
+                r[i + 2] = __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+            }
+        for (int i = 0; i < 16; i++)
+            if (!(i & 1)) {
+                const kvlab_lanes16 a = r[i], b = r[i + 1];
+                r[i] = __builtin_shufflevector(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
+                r[i + 1] = __builtin_shufflevector(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+            }
+        for (int l = 0; l < 16; l++) memcpy(kt + (c + l) * 16, &r[l], sizeof r[l]);
+    }
+}
+
+/* the tree's first three rounds over eight lane sums A_0..A_7 (neighbours added pairwise) */
+static inline kvlab_lanes16 tree8(const kvlab_lanes16 *a) {
+    const kvlab_lanes16 b0 = a[0] + a[1], b1 = a[2] + a[3], b2 = a[4] + a[5], b3 = a[6] + a[7];
+    return (b0 + b1) + (b2 + b3);
+}
+
+static inline void transposed_scores(const float *kt, int kpad, const float *q0, const float *q1, kvlab_lanes16 out[2]) {
+    kvlab_lanes16 halves[2][2];
+    for (int h = 0; h < 2; h++) {   /* lanes sums l = 8h .. 8h + 7 */
+        kvlab_lanes16 a[8], b[8];
+        for (int l = 0; l < 8; l++) a[l] = b[l] = (kvlab_lanes16){0};
+        for (int c = 0; c < kpad; c += 16)
+            for (int l = 0; l < 8; l++) {
+                const kvlab_lanes16 k = kvlab_lanes_at(kt + (c + 8 * h + l) * 16);
+                a[l] += q0[c + 8 * h + l] * k;
+                b[l] += q1[c + 8 * h + l] * k;
+            }
+        halves[0][h] = tree8(a), halves[1][h] = tree8(b);
+    }
+    out[0] = halves[0][0] + halves[0][1];
+    out[1] = halves[1][0] + halves[1][1];
+}
+
 /* o[k] (vpad) += Σ_j w[k][j] v_j over rows [first, last), in j order, for MIX_QUERIES queries: each value row loaded
  * once for all of them (kvlab_rows_mix's sums, query by query; a zero weight adds nothing) */
 #define MIX_QUERIES 4
@@ -292,6 +353,8 @@ void kvlab_int_attend(const IntHead *R, const IntQuery *Q, int nq, float scale, 
     float *s = scratch, *vacc = s + nq * n, *keys = vacc + nq * vpad, *exact = keys + 16 * kpad, *none = exact + 16 * kpad;
     float *values = none + kpad;                            /* tiles: 16 rows of kpad (keys, exact) or vpad (values) */
     float *qpad = values + 16 * vpad;                         /* the queries, zeros past dk */
+    float *keys_t = qpad + nq * kpad, *exact_t = keys_t + 16 * kpad;   /* the tiles transposed */
+    const int transposed = nq >= TRANSPOSE_QUERIES;
     for (int i = 0; i < nq; i++) {
         memcpy(qpad + i * kpad, Q[i].q, sizeof(float) * dk);
         memset(qpad + i * kpad + dk, 0, sizeof(float) * (kpad - dk));
@@ -321,6 +384,10 @@ void kvlab_int_attend(const IntHead *R, const IntQuery *Q, int nq, float scale, 
                 memset(exact + j * kpad + dk, 0, sizeof(float) * (kpad - dk));
             }
         }
+        if (transposed && m == 16) {
+            if (t0 < most_coded) transpose_tile(keys, kpad, keys_t);
+            if (t0 + 16 > least_coded) transpose_tile(exact, kpad, exact_t);
+        }
         for (int i = 0; i < nq;) {
             /* a whole tile the query reads one way (most tiles): its rows straight from the tile, and so the next
              * query's too where it reads the tile the same way (their keys loaded once for both) */
@@ -328,7 +395,10 @@ void kvlab_int_attend(const IntHead *R, const IntQuery *Q, int nq, float scale, 
             kvlab_lanes16 scores[2];
             int done = 1;
             if (same && i + 1 < nq && tile_read_whole(Q + i + 1, coded[i + 1], t0, m, keys, exact) == same) {
-                tile_scores(same, kpad, qpad + i * kpad, qpad + (i + 1) * kpad, scores);
+                if (transposed)
+                    transposed_scores(same == keys ? keys_t : exact_t, kpad, qpad + i * kpad, qpad + (i + 1) * kpad, scores);
+                else
+                    tile_scores(same, kpad, qpad + i * kpad, qpad + (i + 1) * kpad, scores);
                 done = 2;
             } else {
                 const float *row[16];                       /* query i's version of each key (none: not read) */
@@ -370,7 +440,8 @@ void kvlab_int_attend(const IntHead *R, const IntQuery *Q, int nq, float scale, 
             for (int k = 0; k < MIX_QUERIES; k++) {
                 const int j0 = Q[i + k].lo > t0 ? (int)(Q[i + k].lo - t0) : 0;
                 const int j1 = Q[i + k].hi - t0 < m ? (int)(Q[i + k].hi - t0) : m;
-                for (int j = j0; j < j1; j++) w[k][j] = s[(i + k) * n + t0 - lo + j];
+                if (j1 - j0 == 16) memcpy(w[k], s + (i + k) * n + t0 - lo, sizeof w[k]);
+                else for (int j = j0; j < j1; j++) w[k][j] = s[(i + k) * n + t0 - lo + j];
                 o[k] = vacc + (i + k) * vpad;
                 first = j0 < first && j1 > j0 ? j0 : first;
                 last = j1 > last ? j1 : last;

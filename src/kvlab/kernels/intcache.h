@@ -50,6 +50,6 @@ static inline IntQuery kvlab_int_query(const float *q, float *out, int64_t pos, 
 }
 
 static inline int64_t kvlab_int_scratch(int64_t n, int dk, int dv) {
-    return KVLAB_INT_QUERIES * (n + KVLAB_INT_PAD(dv) + KVLAB_INT_PAD(dk)) + 33 * KVLAB_INT_PAD(dk) + 16 * KVLAB_INT_PAD(dv);
+    return KVLAB_INT_QUERIES * (n + KVLAB_INT_PAD(dv) + KVLAB_INT_PAD(dk)) + 65 * KVLAB_INT_PAD(dk) + 16 * KVLAB_INT_PAD(dv);
 }
 #endif
