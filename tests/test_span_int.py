@@ -27,6 +27,7 @@ from kvlab.kernels import BlockKernel
 from .compressed_checks import check_attend_is_token_by_token
 from .kernel_checks import CPU_NEEDS, MARCH, build_variant, one_thread, require_kernel  # noqa: F401  (one_thread: autouse)
 from .test_causal_caches import CHUNKS, SAME, chunked_logits, two_sequences
+from .test_int_read_grouping import check_rows_alone_and_together
 from .conftest import tiny_model
 
 ROWS, KEYS = 45, 32           # shrunk blocks: a 70-token chunk is 5 query blocks × 3 key spans
@@ -214,6 +215,13 @@ def test_each_variant_decodes_and_attends_like_torch(int_variant, name, dim):
     want = cache.attend(0, q)
     cache.code_kernel = int_variant
     torch.testing.assert_close(cache.attend(0, q), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name, head_dim, run", [("int8", 64, 1), ("int8+g8", 40, 1), ("int4+g16", 48, 2)])
+def test_each_variant_reads_a_row_alone_as_in_a_chunk(int_variant, name, head_dim, run):
+    """Each build's C read (AVX-512, AVX2, plain C: the compiler's contractions differ) gives a row of a prompt chunk
+    the same bits read alone (the folding tile read) as read with the whole chunk (tiles transposed)."""
+    check_rows_alone_and_together(name, head_dim, run, kernel=int_variant)
 
 
 @pytest.mark.parametrize("name, window", [("int4+sink3", None), ("int8+recent8", None), ("int4+g8+sink2+recent8", None),

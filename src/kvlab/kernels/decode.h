@@ -121,9 +121,8 @@ void kvlab_dense_read(const DenseHead *h, const int32_t *table, int64_t k0, int6
  * -inf: no key read, skipped). acc (d) and *sum hold the parts so far weighted e^(top_c - M), M the largest top so far
  * (*top; -inf before the first part, with acc and *sum zero): both are rescaled as M grows. Returns the factor the
  * earlier parts were rescaled by (1 where M did not grow) and sets *weight to this part's, for a second accumulator of
- * the same query. Every merge of
- * parts (the single cache's fused step, the serving pool's dense items and coded reads) goes through here, so a
- * query's output is the same bits whichever of them reads its keys in the same parts. */
+ * the same query. Every merge of parts (the single cache's fused step, the serving pool's dense items and coded reads)
+ * goes through here, so a query's output is the same bits whichever of them reads its keys in the same parts. */
 static inline float kvlab_merge_part(float *acc, float *top, float *sum, const float *part, int d, float *weight) {
     *weight = 0.0f;
     if (part[d] == -INFINITY) return 1.0f;
