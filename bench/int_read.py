@@ -19,13 +19,15 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from block_gemm import ms_per_call  # noqa: E402
 
 from kvlab.cache import CacheGeometry, make_cache  # noqa: E402
 from kvlab.cache.quantized import QuantizedCache  # noqa: E402
@@ -38,16 +40,6 @@ CONTEXTS = (1024, 4096)
 CHUNK = 512
 REPEATS = 5
 KV_HEADS, HEADS, HEAD_DIM = 3, 9, 64
-
-
-def ms_per_call(fn) -> float:
-    """CPU milliseconds per call over enough calls for ~0.2 s (1 thread: time slicing does not count)."""
-    fn()                                                                     # warm-up
-    calls, start = 0, time.process_time()
-    while time.process_time() - start < 0.2:
-        fn()
-        calls += 1
-    return (time.process_time() - start) / calls * 1e3
 
 
 def filled(name: str, context: int, gen: torch.Generator):
