@@ -7,8 +7,8 @@ SmolLM2's attention shape (3 KV heads of 64 channels, 9 query heads), one layer 
 context of random K/V, 1 thread, the paths interleaved in each repeat:
 - a prompt chunk of CHUNK tokens at the end of the context (every query row reads its own causal range):
   `C read` is kvlab_int_attend (how the single cache and the serving pool's integer blocks read a chunk), `torch
-  spans` the torch path's read of a long chunk, span by span (codes decoded in C, attention in torch: how a cache with
-  a recent window, +recentN, reads one), and dense-f16's torch attention over the same shape for scale;
+  spans` the torch path's read of a long chunk, span by span (codes decoded in C, attention in torch), and
+  dense-f16's torch attention over the same shape for scale;
 - a decode step's read (one token, its 9 query heads) through kvlab_int_attend.
 Times are CPU time per call, medians; the table gives nanoseconds per query-key pair (query heads x keys read).
 """

@@ -1290,8 +1290,8 @@ SECTIONS = [
               "python bench/int_read.py",
               "The integer caches' attention read, one layer, SmolLM2's shape, 1 thread, nanoseconds per query-key "
               "pair. A 512-token prompt chunk at the end of the context: the C read (how the single cache and the serving "
-              "pool's integer blocks read it) against the torch path's spans decoded in C (how a cache with a recent "
-              "window, +recentN, reads one), and dense-f16 for scale; then one decode step's read. The C read scores "
+              "pool's integer blocks read it) against the torch path's spans (codes decoded in C, attention in torch), "
+              "and dense-f16 for scale; then one decode step's read. The C read scores "
               "two queries per load of a tile's keys (a call with 8 or more queries: the tile transposed, keys in "
               "lanes) and mixes values four at a time, the same bits as one query at a time. Against one query at a "
               "time, two runs of this script back to back on the same AMD EPYC: the chunk's C read 7.2-7.5 before, "

@@ -28,13 +28,13 @@ tokens the chunk pushed out of the window: a query before the push read them in 
 never depend on a later token. The append's copy is working memory of one chunk (like the chunk's K/V
 the model already holds), replaced by the layer's next append and not part of `nbytes`.
 
-Long chunks on the torch path (no code kernel, or a +recentN window; `reads_spans`, compressed.py's blocks): a
-block of queries reads spans of at most ATTEND_KEYS tokens, each decoded into a transient (in C for int8/int4,
-`int_decode`; by torch otherwise) and attended with its log-sum-exp; the rule above is kept by offering each token
-of the chunk's open groups in its versions (coded, exact key, exact key and value), each visible only to the rows
-that read it so (`_span_attend`). No (rows × context) scores and no whole-context decoded K/V are ever held. With the
-code kernel every other chunk, however long, is read by kvlab_int_attend as a decode step is (a call's queries hold
-one row of scores each), so a prompt gives the serving pool's bits.
+Long chunks on the torch path (no code kernel: the reference, other widths; `reads_spans`, compressed.py's
+blocks): a block of queries reads spans of at most ATTEND_KEYS tokens, each decoded into a transient by torch and
+attended with its log-sum-exp; the rule above is kept by offering each token of the chunk's open groups in its
+versions (coded, exact key, exact key and value), each visible only to the rows that read it so (`_span_attend`).
+No (rows × context) scores and no whole-context decoded K/V are ever held. With the code kernel every chunk, however
+long, is read by kvlab_int_attend as a decode step is (a call's queries hold one row of scores each; a recent
+window's spilled tokens exact for the queries before the spill), so a prompt gives the serving pool's bits.
 
 Bytes per compressed layer (B sequences, Hkv heads, `slots` tokens, fp16 metadata):
   keys:   B·Hkv·[slots·⌈Dk·b/8⌉ + ⌈slots/G⌉·Dk·2·2 + G·Dk·elem]
@@ -198,11 +198,12 @@ class QuantizedCache(CompressedCache):
         through kvlab_int_attend, the function the fused step and the serving pool read codes with (kernels/intcache.h),
         so they give the same bits; `_with_exact_parts` merges the sink and the window. qg (B, Hkv, G·T, Dk) -> the
         normalized output (B, Hkv, G·T, Dv) and log-sum-exp (B, Hkv, G·T). Chunks of any length: the C read holds
-        one row of scores per query of a call, never (G·T, n). None where the torch path reads them: no kernel (the
-        reference, other widths), or a chunk with a recent window (+recentN), whose earlier queries may still see
-        tokens the chunk pushed out of it (they read those values exact: `_mix`)."""
+        one row of scores per query of a call, never (G·T, n). With a recent window (+recentN) a chunk's earlier
+        queries read the tokens it pushed out of the window exact, keys and values (as `_scores` and `_mix` do): the
+        append's copy of their values goes along. None where the torch path reads them: no kernel (the reference,
+        other widths)."""
         n = self._n_comp[layer]
-        if self.code_kernel is None or (self.window and T > 1):
+        if self.code_kernel is None:
             return None
         B, Hkv, rows, Dk = qg.shape
         G = self.config.group_size
@@ -211,10 +212,12 @@ class QuantizedCache(CompressedCache):
         exact = self._fresh_keys(layer, first, n).contiguous() if first < n else qg.new_zeros(B, Hkv, 0, Dk)
         window = self.geometry.window
         first_lo = n + self._held(layer) - T - window + 1 if window else -n - T   # the model's window, in coded tokens
+        recent = self.window if T > 1 else 0           # a chunk's earlier queries: the tokens it pushed out, exact
+        exact_values = self._fresh_values(layer, max(0, first_count), n).contiguous() if recent else None
         return self.code_kernel.int_attention(self.config.bits, self.k_codes[layer], self.k_scale[layer], self.k_zero[layer],
                                               self.v_codes[layer], self.v_scale[layer], self.v_zero[layer], n,
                                               self.geometry.head_dim_v, G, exact, qg.contiguous(), T, first_count, first_lo,
-                                              self.scale)
+                                              self.scale, recent=recent, exact_values=exact_values)
 
     def _scores(self, layer: int, qg: torch.Tensor, n: int) -> torch.Tensor:
         G = self.config.group_size

@@ -219,7 +219,7 @@ class BlockKernel:
         lib.kvlab_block_omp_threads.argtypes = [i32]
         lib.kvlab_int_decode.argtypes = [i32, ptr, ptr, ptr, i32, i64, i64, i32, i64, i64, i32, i32, i32, ptr, i32]
         lib.kvlab_int_attention.argtypes = [i32, ptr, ptr, ptr, ptr, ptr, ptr, i32, i64, i64, i32, i32, i32, i32, ptr, i64,
-                                            ptr, i32, i32, i64, i64, ctypes.c_float, ptr, ptr, i32]
+                                            ptr, i64, i32, ptr, i32, i32, i64, i64, ctypes.c_float, ptr, ptr, i32]
         lib.kvlab_block_gemm.argtypes = [i32, ptr, i64, i64, ptr, i64, ptr, i32]
         lib.kvlab_tq_code_tokens.argtypes = [ptr, i32, i32, i64, ptr, ptr, ptr, ptr, ptr, i32]
         lib.kvlab_int_code_tokens.argtypes = [ptr, i32, i32, i64, ptr, ptr, ptr, ptr, ptr, i64, i32]
@@ -302,14 +302,17 @@ class BlockKernel:
     def int_attention(self, bits: int, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
                       v_codes: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor, n: int, dv: int, group: int,
                       exact: torch.Tensor, q: torch.Tensor, T: int, first_count: int, first_lo: int,
-                      attn_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                      attn_scale: float, recent: int = 0,
+                      exact_values: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """An integer cache's attention over its n compressed tokens (intcache.c kvlab_int_attention: every row through
         kvlab_int_attend, as the fused step and the serving pool read).
         k_codes (B, H, slots, key row bytes), v_codes (B, H, slots, value row bytes) uint8; k_scale/k_zero
         (B, H, ⌈slots/G⌉, Dk), v_scale/v_zero (B, H, slots, Dv/Gv) fp16; exact (B, H, n - first, Dk) fp32 the keys of
         tokens [first, n) (the open groups', first <= the first query's group start); q (B, H, nq, Dk) fp32, row
-        g·T + i the head g of the chunk's token i, which reads tokens [max(0, first_lo + i), min(n, first_count + i))
-        -> the normalized output (B, H, nq, Dv) and the log-sum-exp (B, H, nq) fp32 (-inf: a row that reads none)."""
+        g·T + i the head g of the chunk's token i, which reads tokens [max(0, first_lo + i), min(n, first_count + i +
+        recent)); with a recent window (recent > 0), those from first_count + i on exact, their values from exact_values
+        (B, H, n - v_first, Dv) fp32, tokens [v_first, n) -> the normalized output (B, H, nq, Dv) and the log-sum-exp
+        (B, H, nq) fp32 (-inf: a row that reads none)."""
         what = f"int{bits} cache attention"
         if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (k_codes, v_codes, v_scale, exact, q)):
             raise ConfigError(f"{what}: codes, scales, exact keys and queries must be 4-D")
@@ -326,11 +329,18 @@ class BlockKernel:
             check_buffer(what, name, t, torch.float16, (B, H, slots, n_vg))
         check_buffer(what, "exact keys", exact, torch.float32, (B, H, exact.shape[2], dk))
         check_buffer(what, "query", q, torch.float32, (B, H, nq, dk))
+        if recent and not (isinstance(exact_values, torch.Tensor) and exact_values.dim() == 4):
+            raise ConfigError(f"{what}: a recent window needs the exact values of its tokens (4-D)")
+        if recent:
+            check_buffer(what, "exact values", exact_values, torch.float32, (B, H, exact_values.shape[2], dv))
         out = torch.empty(B, H, nq, dv, dtype=torch.float32)
         lse = torch.empty(B, H, nq, dtype=torch.float32)
         if self._lib.kvlab_int_attention(bits, k_codes.data_ptr(), k_scale.data_ptr(), k_zero.data_ptr(), v_codes.data_ptr(),
                                          v_scale.data_ptr(), v_zero.data_ptr(), B * H, slots, n, dk, dv, group, dv // n_vg,
-                                         exact.data_ptr(), n - exact.shape[2], q.data_ptr(), nq, T, first_count, first_lo,
+                                         exact.data_ptr(), n - exact.shape[2],
+                                         exact_values.data_ptr() if recent else None,
+                                         n - exact_values.shape[2] if recent else 0, recent,
+                                         q.data_ptr(), nq, T, first_count, first_lo,
                                          attn_scale, out.data_ptr(), lse.data_ptr(), torch.get_num_threads()):
             raise ConfigError(f"integer-cache attention refused {n} tokens, {nq} query rows of {T} tokens from "
                               f"{first_count}, {exact.shape[2]} exact keys over int{bits} codes of shape {tuple(k_codes.shape)}")

@@ -118,7 +118,9 @@ static inline void softmax_scores(float *s, int64_t len, float *lse) {
 static int int4_registers(const IntHead *R, const IntQuery *Q, int nq, float scale, float *s) {
 #if defined(__AVX512F__)
     const int dk = R->dk, dv = R->dv, G = R->key_group, gv = R->value_group, n_vg = dv / gv;
-    if (R->bits != 4 || dk % 16 || dv % 16 || gv % 16 || nq > 16 || dk > KVLAB_INT_MAX_DIM || dv > KVLAB_INT_MAX_DIM) return -1;
+    if (R->bits != 4 || dk % 16 || dv % 16 || gv % 16 || nq > 16 || dk > KVLAB_INT_MAX_DIM || dv > KVLAB_INT_MAX_DIM ||
+        (R->exact_v && Q[0].v_coded < Q[0].hi))
+        return -1;
     for (int i = 1; i < nq; i++)
         if (Q[i].lo != Q[0].lo || Q[i].hi != Q[0].hi || Q[i].coded != Q[0].coded) return -1;
     static const float levels[16] = INT4_LEVELS;
@@ -338,12 +340,15 @@ void kvlab_int_attend(const IntHead *R, const IntQuery *Q, int nq, float scale, 
     const int dk = R->dk, dv = R->dv, bits = R->bits, G = R->key_group, gv = R->value_group, n_vg = dv / gv;
     const int kpad = KVLAB_INT_PAD(dk), vpad = KVLAB_INT_PAD(dv);
     int64_t lo = Q[0].lo, hi = Q[0].hi, coded[KVLAB_INT_QUERIES], most_coded = 0, least_coded = INT64_MAX;
+    int64_t v_coded[KVLAB_INT_QUERIES], least_v_coded = INT64_MAX;   /* values at or after v_coded: exact */
     for (int i = 0; i < nq; i++) {
         lo = Q[i].lo < lo ? Q[i].lo : lo;
         hi = Q[i].hi > hi ? Q[i].hi : hi;
         coded[i] = Q[i].coded < Q[i].lo ? Q[i].lo : Q[i].coded > Q[i].hi ? Q[i].hi : Q[i].coded;
         most_coded = coded[i] > most_coded ? coded[i] : most_coded;
         least_coded = coded[i] < Q[i].hi && coded[i] < least_coded ? coded[i] : least_coded;
+        v_coded[i] = !R->exact_v ? Q[i].hi : Q[i].v_coded < Q[i].lo ? Q[i].lo : Q[i].v_coded > Q[i].hi ? Q[i].hi : Q[i].v_coded;
+        least_v_coded = v_coded[i] < Q[i].hi && v_coded[i] < least_v_coded ? v_coded[i] : least_v_coded;
     }
     const int64_t n = hi - lo;
     if (int4_registers(R, Q, nq, scale, scratch) == 0) return;
@@ -351,6 +356,7 @@ void kvlab_int_attend(const IntHead *R, const IntQuery *Q, int nq, float scale, 
     float *values = none + kpad;                            /* tiles: 16 rows of kpad (keys, exact) or vpad (values) */
     float *qpad = values + 16 * vpad;                         /* the queries, zeros past dk */
     float *keys_t = qpad + nq * kpad, *exact_t = keys_t + 16 * kpad;   /* the tiles transposed */
+    float *exact_values = exact_t + 16 * kpad;                         /* a tile's exact values (recent window) */
     const int transposed = nq >= TRANSPOSE_QUERIES;
     for (int i = 0; i < nq; i++) {
         memcpy(qpad + i * kpad, Q[i].q, sizeof(float) * dk);
@@ -429,6 +435,21 @@ void kvlab_int_attend(const IntHead *R, const IntQuery *Q, int nq, float scale, 
         }
         const float *rows[16];
         for (int j = 0; j < m; j++) rows[j] = values + j * vpad;
+        if (t0 + m > least_v_coded) {   /* some query reads some of this tile's values exact: each its own rows */
+            for (int j = 0; j < m; j++)
+                if (t0 + j >= least_v_coded) {
+                    memcpy(exact_values + j * vpad, R->exact_v + (t0 + j - R->exact_v_first) * R->exact_v_stride,
+                           sizeof(float) * dv);
+                    memset(exact_values + j * vpad + dv, 0, sizeof(float) * (vpad - dv));
+                }
+            for (int i = 0; i < nq; i++) {
+                const int j0 = Q[i].lo > t0 ? (int)(Q[i].lo - t0) : 0, j1 = Q[i].hi - t0 < m ? (int)(Q[i].hi - t0) : m;
+                const float *mine[16];
+                for (int j = j0; j < j1; j++) mine[j] = t0 + j < v_coded[i] ? values + j * vpad : exact_values + j * vpad;
+                if (j1 > j0) kvlab_rows_mix(vacc + i * vpad, s + i * n + t0 - lo + j0, mine + j0, j1 - j0, vpad);
+            }
+            continue;
+        }
         int i = 0;
         for (; i + MIX_QUERIES <= nq; i += MIX_QUERIES) {   /* MIX_QUERIES queries at a time, each over its own rows */
             float w[MIX_QUERIES][16] = {{0}};
@@ -459,19 +480,24 @@ void kvlab_int_attend(const IntHead *R, const IntQuery *Q, int nq, float scale, 
  * k_scale / k_zero (heads, ceil(slots / group), dk), v_scale / v_zero (heads, slots, dv / gv) fp16; exact
  * (heads, n - exact_first, dk) fp32 the keys of positions [exact_first, n) (the open groups'); q (heads, nq, dk) with
  * nq = G × T, row g T + i the query head g of the chunk's token i, which reads positions [max(0, first_lo + i),
- * min(n, first_count + i)), those of the key groups complete there from their codes (first_count: how many tokens
- * were coded when the chunk's first token came; first_lo: the first position the model's window shows it).
- * out (heads, nq, dv); lse (heads, nq) or NULL; a query that reads no position gets zeros and lse -inf.
+ * min(n, first_count + i + recent)), those of the key groups complete at first_count + i from their codes (first_count:
+ * how many tokens were coded when the chunk's first token came; first_lo: the first position the model's window shows
+ * it). With a recent window (recent > 0 tokens, +recentN), the positions from first_count + i on were still in the
+ * window when its token came: it reads their keys and values exact, the values from exact_v (heads, n - exact_v_first,
+ * dv) fp32, positions [exact_v_first, n). out (heads, nq, dv); lse (heads, nq) or NULL; a query that reads no position
+ * gets zeros and lse -inf.
  * Returns 0, -1, -2 (no memory). */
 int kvlab_int_attention(int bits, const uint8_t *k_codes, const uint16_t *k_scale, const uint16_t *k_zero,
                         const uint8_t *v_codes, const uint16_t *v_scale, const uint16_t *v_zero, int heads, int64_t slots,
                         int64_t n, int dk, int dv, int group, int value_group, const float *exact, int64_t exact_first,
+                        const float *exact_v, int64_t exact_v_first, int recent,
                         const float *q, int nq, int T, int64_t first_count, int64_t first_lo, float attn_scale,
                         float *out, float *lse, int n_threads) {
     const int64_t first_read = first_count < 0 ? 0 : first_count > n ? n : first_count;
     if (bits < 1 || bits > 8 || group <= 0 || value_group <= 0 || dk <= 0 || dv <= 0 || dk > KVLAB_INT_MAX_DIM ||
         dv > KVLAB_INT_MAX_DIM || dv % value_group || n <= 0 || n > slots || T <= 0 || nq % T ||
-        first_count > n || exact_first < 0 || exact_first > n || exact_first > first_read / group * group)
+        first_count > n || exact_first < 0 || exact_first > n || exact_first > first_read / group * group ||
+        recent < 0 || (recent && (!exact_v || exact_v_first < 0 || exact_v_first > first_read)))
         return -1;
     const int64_t k_bytes = int_row_bytes(bits, dk), v_bytes = int_row_bytes(bits, dv), n_groups = (slots + group - 1) / group;
     const int n_vg = dv / value_group, G = nq / T, rows = G > KVLAB_INT_QUERIES ? 0 : KVLAB_INT_QUERIES / G;
@@ -493,22 +519,26 @@ int kvlab_int_attention(int bits, const uint8_t *k_codes, const uint16_t *k_scal
                                    .v_codes = v_codes + h * slots * v_bytes, .v_row_stride = v_bytes,
                                    .k_scale = k_scale + h * n_groups * dk, .k_zero = k_zero + h * n_groups * dk, .k_meta_stride = dk,
                                    .v_scale = v_scale + h * slots * n_vg, .v_zero = v_zero + h * slots * n_vg, .v_meta_stride = n_vg,
-                                   .exact = exact ? exact + h * (n - exact_first) * dk : NULL, .exact_first = exact_first, .exact_stride = dk};
+                                   .exact = exact ? exact + h * (n - exact_first) * dk : NULL, .exact_first = exact_first, .exact_stride = dk,
+                                   .exact_v = recent ? exact_v + h * (n - exact_v_first) * dv : NULL,
+                                   .exact_v_first = exact_v_first, .exact_v_stride = dv};
                 IntQuery Q[KVLAB_INT_QUERIES];
-                int count = 0;
+                int queries = 0;
                 for (int i = r0; i < T && i < r0 + rows; i++)
                     for (int g = 0; g < G; g++) {
-                        const int64_t row = (int64_t)h * nq + (int64_t)g * T + i;
-                        const int64_t hi = first_count + i < n ? first_count + i : n, lo = first_lo + i > 0 ? first_lo + i : 0;
+                        const int64_t row = (int64_t)h * nq + (int64_t)g * T + i, count = first_count + i;
+                        const int64_t hi = count + recent < n ? count + recent : n, lo = first_lo + i > 0 ? first_lo + i : 0;
                         if (lo >= hi) {   /* nothing coded is in its sight */
                             memset(out + row * dv, 0, sizeof(float) * (size_t)dv);
                             if (lse) lse[row] = -INFINITY;
                             continue;
                         }
-                        Q[count++] = (IntQuery){.q = q + row * dk, .out = out + row * dv, .lo = lo, .coded = hi / group * group,
-                                                .hi = hi, .lse = lse ? lse + row : NULL};
+                        const int64_t stored = count < 0 ? 0 : count;   /* coded when its token came */
+                        Q[queries++] = (IntQuery){.q = q + row * dk, .out = out + row * dv, .lo = lo,
+                                                  .coded = stored / group * group, .hi = hi, .v_coded = stored,
+                                                  .lse = lse ? lse + row : NULL};
                     }
-                if (count) kvlab_int_attend(&R, Q, count, attn_scale, scratch);
+                if (queries) kvlab_int_attend(&R, Q, queries, attn_scale, scratch);
             }
         free(scratch);
     }

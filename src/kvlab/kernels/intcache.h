@@ -19,12 +19,15 @@ typedef struct {
     int64_t block_size, block_stride;         /* (the head's rows of its blocks are block_stride apart); NULL: slot t */
     const float *exact;                       /* the exact key of position t >= exact_first: dk floats at */
     int64_t exact_first, exact_stride;        /* exact + (t - exact_first) * exact_stride */
+    const float *exact_v;                     /* NULL, or the exact value of position t >= exact_v_first: dv floats at */
+    int64_t exact_v_first, exact_v_stride;    /* exact_v + (t - exact_v_first) * exact_v_stride (a recent window's) */
 } IntHead;
 
 typedef struct {                              /* one query of a kvlab_int_attend call */
     const float *q;                           /* dk floats */
     float *out;                               /* dv floats */
     int64_t lo, coded, hi;                    /* it reads positions [lo, hi), those below `coded` from their codes */
+    int64_t v_coded;                          /* with the head's exact_v: values at or after v_coded exact, not coded */
     float *lse;                               /* NULL, or where the log-sum-exp of its scores goes */
 } IntQuery;
 
@@ -34,7 +37,8 @@ typedef struct {                              /* one query of a kvlab_int_attend
 
 /* For each query (nq <= KVLAB_INT_QUERIES, lo < hi): out = Σ_t p_t v_t over positions t in [lo, hi),
  * p = softmax_t(q · k_t · scale): k_t = zero + code × scale per channel of its key group for t < coded, exact (from
- * `exact`) for t >= coded; v_t = zero + code × scale per value group. The queries share each key's and value's
+ * `exact`) for t >= coded; v_t = zero + code × scale per value group (with the head's exact_v: for t < v_coded, and
+ * exact from exact_v after: tokens still in the query's recent window when it came, QuantizedCache +recentN). The queries share each key's and value's
  * decoding; a query's output is the same bits whatever the other queries of the call (its scores, softmax and sums
  * are its own, in a fixed order), except that an int4 call whose queries all read the same positions (a decode step's
  * query heads) reads the codes in registers instead of through tiles (intcache.c int4_registers), rounded apart; a query with `lse` also gets log Σ_t exp(q · k_t · scale), to merge this read with
@@ -50,6 +54,6 @@ static inline IntQuery kvlab_int_query(const float *q, float *out, int64_t pos, 
 }
 
 static inline int64_t kvlab_int_scratch(int64_t n, int dk, int dv) {
-    return KVLAB_INT_QUERIES * (n + KVLAB_INT_PAD(dv) + KVLAB_INT_PAD(dk)) + 65 * KVLAB_INT_PAD(dk) + 16 * KVLAB_INT_PAD(dv);
+    return KVLAB_INT_QUERIES * (n + KVLAB_INT_PAD(dv) + KVLAB_INT_PAD(dk)) + 65 * KVLAB_INT_PAD(dk) + 32 * KVLAB_INT_PAD(dv);
 }
 #endif
