@@ -118,11 +118,10 @@ static inline void softmax_scores(float *s, int64_t len, float *lse) {
 static int int4_registers(const IntHead *R, const IntQuery *Q, int nq, float scale, float *s) {
 #if defined(__AVX512F__)
     const int dk = R->dk, dv = R->dv, G = R->key_group, gv = R->value_group, n_vg = dv / gv;
-    if (R->bits != 4 || dk % 16 || dv % 16 || gv % 16 || nq > 16 || dk > KVLAB_INT_MAX_DIM || dv > KVLAB_INT_MAX_DIM ||
-        (R->exact_v && Q[0].v_coded < Q[0].hi))
-        return -1;
-    for (int i = 1; i < nq; i++)
-        if (Q[i].lo != Q[0].lo || Q[i].hi != Q[0].hi || Q[i].coded != Q[0].coded) return -1;
+    if (R->bits != 4 || dk % 16 || dv % 16 || gv % 16 || nq > 16 || dk > KVLAB_INT_MAX_DIM || dv > KVLAB_INT_MAX_DIM) return -1;
+    for (int i = 0; i < nq; i++)   /* the same positions for all, and no exact value among them */
+        if (Q[i].lo != Q[0].lo || Q[i].hi != Q[0].hi || Q[i].coded != Q[0].coded || (R->exact_v && Q[i].v_coded < Q[i].hi))
+            return -1;
     static const float levels[16] = INT4_LEVELS;
     cb_layout keys, values;
     const int32_t key_spec[4] = {0, dk, 4, 0}, value_spec[4] = {0, gv, 4, 0};
