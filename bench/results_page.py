@@ -1293,11 +1293,11 @@ SECTIONS = [
               "pool's integer blocks read it) against the torch path's spans (codes decoded in C, attention in torch), "
               "and dense-f16 for scale; then one decode step's read. The C read scores "
               "two queries per load of a tile's keys (a call with 8 or more queries: the tile transposed, keys in "
-              "lanes) and mixes values four at a time, the same bits as one query at a time. Against one query at a "
-              "time, two runs of this script back to back on the same AMD EPYC: the chunk's C read 7.2-7.5 before, "
-              "6.2-6.4 ns a pair with the pairs alone, int8's decode read 17.1 / 14.5 against 14.5 / 11.0 ns at 1,024 "
-              "/ 4,096 tokens (int4's decode reads its codes in registers, unchanged). Runs on this shared VM differ by "
-              "~15% from each other: compare within a row."),
+              "lanes) and mixes values four at a time, the same bits as one query at a time. Read one query at a time, "
+              "this script on the same AMD EPYC gave 7.2-7.5 ns a pair for the chunk's C read and 17.1 / 14.5 ns for "
+              "int8's decode read at 1,024 / 4,096 tokens; with the pairs but no transposed tiles, 6.2-6.4 and 14.5 / "
+              "11.0 (int4's decode reads its codes in registers: unchanged). Runs on this shared VM differ by ~15% from "
+              "each other: compare within a row."),
     ]),
     Section("Gemma 3 and Qwen3.5 in the serving engine", "Random models from transformers' classes, fp32, 1 thread; the "
             "2-core VM was shared with other jobs while these ran, so times are indicative.", [
