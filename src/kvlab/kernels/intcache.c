@@ -226,6 +226,12 @@ static inline kvlab_lanes16 half_scores(const float *const *row, int kpad, const
     return fold8(acc);
 }
 
+/* the rows [*j0, *j1) of the tile of m positions from t0 that a query reads (its [lo, hi) there) */
+static inline void tile_rows(const IntQuery *q, int64_t t0, int m, int *j0, int *j1) {
+    *j0 = q->lo > t0 ? (int)(q->lo - t0) : 0;
+    *j1 = q->hi - t0 < m ? (int)(q->hi - t0) : m;
+}
+
 /* two queries' scores of a whole tile (sixteen rows kpad apart), each key row loaded once for both */
 static inline void tile_scores(const float *tile, int kpad, const float *q0, const float *q1, kvlab_lanes16 out[2]) {
     kvlab_lanes16 halves[2][2];
@@ -442,7 +448,8 @@ void kvlab_int_attend(const IntHead *R, const IntQuery *Q, int nq, float scale, 
                     memset(exact_values + j * vpad + dv, 0, sizeof(float) * (vpad - dv));
                 }
             for (int i = 0; i < nq; i++) {
-                const int j0 = Q[i].lo > t0 ? (int)(Q[i].lo - t0) : 0, j1 = Q[i].hi - t0 < m ? (int)(Q[i].hi - t0) : m;
+                int j0, j1;
+                tile_rows(Q + i, t0, m, &j0, &j1);
                 const float *mine[16];
                 for (int j = j0; j < j1; j++) mine[j] = t0 + j < v_coded[i] ? values + j * vpad : exact_values + j * vpad;
                 if (j1 > j0) kvlab_rows_mix(vacc + i * vpad, s + i * n + t0 - lo + j0, mine + j0, j1 - j0, vpad);
@@ -455,8 +462,8 @@ void kvlab_int_attend(const IntHead *R, const IntQuery *Q, int nq, float scale, 
             float *o[MIX_QUERIES];
             int first = m, last = 0;
             for (int k = 0; k < MIX_QUERIES; k++) {
-                const int j0 = Q[i + k].lo > t0 ? (int)(Q[i + k].lo - t0) : 0;
-                const int j1 = Q[i + k].hi - t0 < m ? (int)(Q[i + k].hi - t0) : m;
+                int j0, j1;
+                tile_rows(Q + i + k, t0, m, &j0, &j1);
                 if (j1 - j0 == 16) memcpy(w[k], s + (i + k) * n + t0 - lo, sizeof w[k]);
                 else for (int j = j0; j < j1; j++) w[k][j] = s[(i + k) * n + t0 - lo + j];
                 o[k] = vacc + (i + k) * vpad;
@@ -466,7 +473,8 @@ void kvlab_int_attend(const IntHead *R, const IntQuery *Q, int nq, float scale, 
             if (last > first) rows_mix_block(o, w, rows, first, last, vpad);
         }
         for (; i < nq; i++) {   /* the rest one by one: the same sums */
-            const int j0 = Q[i].lo > t0 ? (int)(Q[i].lo - t0) : 0, j1 = Q[i].hi - t0 < m ? (int)(Q[i].hi - t0) : m;
+            int j0, j1;
+            tile_rows(Q + i, t0, m, &j0, &j1);
             if (j1 > j0) kvlab_rows_mix(vacc + i * vpad, s + i * n + t0 - lo + j0, rows + j0, j1 - j0, vpad);
         }
     }

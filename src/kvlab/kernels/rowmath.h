@@ -27,14 +27,6 @@ static inline kvlab_lanes16 kvlab_lanes_at(const float *p) {
     return v;
 }
 
-/* p[c .. c + 16) with zeros past p[d - 1] */
-static inline kvlab_lanes16 kvlab_lanes_at_partial(const float *p, int c, int d) {
-    if (c + 16 <= d) return kvlab_lanes_at(p + c);
-    kvlab_lanes16 v = {0};
-    for (int i = 0; c + i < d; i++) v[i] = p[c + i];
-    return v;
-}
-
 /* one vector of the pairwise sums of a's lanes (lanes 0-7) and of b's (8-15): fold(a, b)[i] = a[2i] + a[2i + 1];
  * sixteen vectors folded in four rounds give one whose lane i is vector i's sum, each by the same tree */
 static inline kvlab_lanes16 kvlab_fold16(kvlab_lanes16 a, kvlab_lanes16 b) {
