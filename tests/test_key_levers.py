@@ -232,6 +232,7 @@ def most_coded_keys_read_in_c_like_torch(name: str, g: CacheGeometry, chunks, se
     most = 0
     for (cache, q, _, _), (torch_cache, _, _, _) in zip(feed(name, g, chunks, seed=seed), feed(name, g, chunks, seed=seed)):
         torch_cache.code_kernel = None
+        cache.codes_in_c = False   # the same codes in both (the first chunk waits for its queries): C reads, torch reads
         assert cache.code_kernel is not None
         for layer in range(g.n_layers):
             if not cache.awaits_queries(layer):

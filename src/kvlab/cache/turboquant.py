@@ -77,7 +77,8 @@ of TurboQuant codes, each head its own packing (kernels/paged.c; model/fused_cod
 head.
 
 Coding in C: `code` is the reference of kernels/decode.c's kvlab_tq_code_tokens (cache/tq_kernel.py), the one C
-coder of a token's K/V, which the fused decode step and the serving pool call (the module path codes in torch).
+coder of a token's K/V, which the fused decode step, the serving pool and this cache's chunks (`_coded_in_c`) call;
+torch codes a +norms8 layer's first chunk (its float scales set the centres) and every chunk without the kernel.
 Reading in C: `attend` reads the coded tokens through kernels/paged.c's kvlab_tq_attention (`_coded_read`: each batch
 row a sequence of one block), the serving pool's read, and merges the sink and recent window by log-sum-exp; the
 fused step's coded chunks are the same kvlab_tq_read, +qjl's sketch and +outliersN's kept entries included. The
@@ -113,6 +114,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError, NonFiniteError
+from ..kernels import kernel_for
 from ..kernels.codebook import CodeLayout, codebook_kernel_for
 from ..kernels.paged import TqStep, tq_attention
 from ..rope import apply_rope
@@ -128,7 +130,7 @@ from .attention import attend_with_lse
 from .compressed import CompressedCache
 from .packing import pack, unpack
 from .rotation import Rotation, haar_matrix
-from .tq_kernel import CodedLayers, key_weight
+from .tq_kernel import CodedLayers, code_tokens, key_weight
 
 #: How the stored 16-bit scale of a vector x (y = Πx/‖x‖, ŷ its codes) is chosen; the reconstruction
 #: is scale·Πᵀŷ. All cost the same bytes.
@@ -483,7 +485,7 @@ class TurboQuantCache(CompressedCache):
                              for name in ("k_norm", "v_norm")} if config.log_norms else {}   # (B, H) float16
         self._given_centres = False
         self._calibrated: set[int] = set()
-        self._pending: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}               # first chunk, until attended
+        self._pending: dict[int, tuple] = {}   # first chunk (k as coded, v, start, k as appended), until attended
         self.qjl_matrix = None
         if config.qjl:
             gen = torch.Generator().manual_seed(_layer_seed(config.seed, -1))
@@ -500,6 +502,9 @@ class TurboQuantCache(CompressedCache):
         self._c_structs = CodedLayers("TurboQuant cache read")
         self._c_reads: dict[tuple[int, int], tuple] = {}
         self._c_slot_rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        # chunks coded by kvlab_tq_code_tokens (`_coded_in_c`) where the C kernel is at hand; False: by `code` (the reference:
+        # the tests that compare the C read with torch's give both caches the same codes so)
+        self.codes_in_c = self.code_kernel is not None
 
     def _token_shapes(self) -> dict[str, tuple[torch.dtype, dict[int, tuple[int, ...]]]]:
         """Each per-token buffer's dtype and, per compressed layer, a token's (H', *row) (TqBlocks' `shapes`), in the
@@ -579,7 +584,7 @@ class TurboQuantCache(CompressedCache):
         q: (B, H, T, d), or None (a read without queries, e.g. `dequantized`): the weights then use the
         keys alone, as if every query channel had the same energy.
         """
-        k, v, start = self._pending.pop(layer)
+        k, v, start, after_rope = self._pending.pop(layer)
         B, Hkv, _, d = k.shape
         key_energy = (k.float() - self._key_offset(layer)).square().mean(dim=2)    # (B, Hkv, d) E[(k-μ)²]
         if self.config.rope_mean:  # one weight per RoPE pair, so that RoPE turns the weighted key as the key
@@ -596,7 +601,7 @@ class TurboQuantCache(CompressedCache):
         codes = (log_w * WEIGHT_STEPS).round() + WEIGHT_ZERO
         codes = codes.clamp(0, (1 << WEIGHT_BITS) - 1).to(torch.uint8)                # (B, Hkv, d)
         self.k_weight_codes[layer][:] = pack(codes, WEIGHT_BITS)
-        self._encode(layer, k, v, start)
+        self._encode(layer, k, v, start, after_rope)
 
     def _key_weights(self, layer: int) -> torch.Tensor | None:
         """(B, Hkv, 1, d) float32 w, or None without key weights."""
@@ -609,6 +614,7 @@ class TurboQuantCache(CompressedCache):
 
     # -- storing ------------------------------------------------------------------------------------
     def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+        after_rope = k                                                            # (B, H, T, d) as appended (C codes it)
         if self.config.turns_keys:
             k = self._rope(k, start, inverse=True)                                # (B, H, T, d) keys before RoPE
         if layer in self._pending:  # a second chunk before the first was read: fix the weights now
@@ -620,11 +626,15 @@ class TurboQuantCache(CompressedCache):
                     if offsets:
                         offsets[layer][:] = x.float().mean(dim=2).clamp(-_OFFSET_MAX, _OFFSET_MAX)  # (B, H, d)
                 if self.k_weight_codes:  # the weights need the queries: code this chunk when it is first read
-                    self._pending[layer] = (k, v, start)
+                    self._pending[layer] = (k, v, start, after_rope)
                     return
-        self._encode(layer, k, v, start)
+        self._encode(layer, k, v, start, after_rope)
 
-    def _encode(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+    def _encode(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int, after_rope: torch.Tensor) -> None:
+        """Code tokens [start, start+T) of `layer` into its buffers: k (B, H, T, d) as `code` takes it (before RoPE with
+        +prerope and +ropemean), after_rope the keys as appended. In C where `_coded_in_c` can, else by `code`."""
+        if self._coded_in_c(layer, after_rope, v, start):
+            return
         end = start + k.shape[2]
         coded = self.code(layer, k, v, self.slot_rope(start, k.shape[2]) if self.config.rope_mean else None)
         if start == 0 and not self._given_centres:   # +norms8: the layer's first coded chunk sets its centres
@@ -632,6 +642,27 @@ class TurboQuantCache(CompressedCache):
                 centres[layer][:] = _log_centre(coded[name])
         for name, value in self.stored_scales(layer, coded).items():
             getattr(self, name)[layer][:, :, start:end] = value
+
+    def _coded_in_c(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> bool:
+        """Code tokens [start, start+T) of `layer` (k after RoPE, v: (B, H, T, d)) with kvlab_tq_code_tokens, the coder of
+        the fused step and of the serving pool, each batch row into its block: True when stored. False where `code`
+        codes them: no C kernel or `codes_in_c` off (the torch path is the reference), a layer's first chunk under
+        +norms8 (its float scales set the centres that C codes against), a description the C coder refuses (then
+        `codes_in_c` turns off), or a scale that is not finite (`code` then names it)."""
+        if self.code_kernel is None or not self.codes_in_c or (self.norm_centres and start == 0 and not self._given_centres):
+            return False
+        T = k.shape[2]
+        rope = self.slot_rope(start, T) if self.config.turns_keys else None          # (T, d) cos, sin
+        try:
+            for b in range(self.geometry.batch):
+                coded = self._c_read_structs(layer, b)[0]
+                slots = torch.arange(b * self.slots + start, b * self.slots + start + T)   # row b's block, from `start`
+                if not code_tokens(kernel_for(self.device), coded, k[b].transpose(0, 1), v[b].transpose(0, 1), slots, rope):
+                    return False
+        except ConfigError:
+            self.codes_in_c = False
+            return False
+        return True
 
     def token_buffer_names(self) -> list[str]:
         """The per-token buffers: what `code` returns and `decode` reads."""
@@ -744,7 +775,7 @@ class TurboQuantCache(CompressedCache):
     # give those queries the chunk as it was appended, and `attend` codes it after them.
     def _first_keys(self, layer: int, lo: int, hi: int) -> torch.Tensor:
         """Keys of slots [lo, hi) of `layer`'s pending first chunk as attention reads them (after RoPE), (B, H, hi-lo, d)."""
-        k, _, start = self._pending[layer]
+        k, _, start, _ = self._pending[layer]
         k = k[:, :, lo:hi].float()
         return self._rope(k, start + lo) if self.config.turns_keys else k        # _store turned it back
 

@@ -914,6 +914,11 @@ CB_INLINE void dot_rows4(const cb_part *P, const cb_part *V, const uint8_t *rows
     }
 }
 
+/* whether a layout is tq4's keys: 64 channels at 4 bits, one part (dot_heads' `rows4`) */
+static int rows4_keys(const cb_layout *L) {
+    return L->n_parts == 1 && L->d == 64 && !L->part[0].block && L->part[0].bits == 4;
+}
+
 /* whether a layout is tq3's keys: 64 channels, [0, 32) at 4 bits and [32, 64) 3-bit blocks of 4 (dot_rows4's `mixed`) */
 static int tq3_keys(const cb_layout *L) {
     const cb_part *A = &L->part[0], *B = &L->part[1];
@@ -956,6 +961,132 @@ static void dot_heads(const cb_part *P, const uint8_t *rows, const uint8_t *cons
     }
 #undef DOT_CASE
 }
+
+/* ---- many queries (a prompt chunk's call): each sixteen rows decoded once ------------------------------------------
+ * The register reads above unpack a row's codes once for up to four queries. A call with MANY_QUERIES or more decodes
+ * each sixteen rows once for all of them (kvlab_cb_decode_rows: the same values), then
+ *   dots  of tq4's keys (64 channels at 4 bits) and tq3's (dot_rows4's `mixed`): the tile transposed, keys in lanes.
+ *         Lane j of block b of the register read is one vector over the sixteen rows; its four products are chained
+ *         in block order as row_partials chains them and the sixteen lane sums added by the fold's tree (lane j and
+ *         j + 8, then j + 4, j + 2, j + 1: _mm512_reduce_add_ps's order too), so each score is the register read's to
+ *         the bit, without a fold per query. The last rows of a read (fewer than sixteen) of tq3's keys sum blocks
+ *         0-1 and 2-3 apart, as dot_rows4's last rows do;
+ *   mix   of any register layout of 64-channel rows: each row loaded once for four queries, each channel's sum in
+ *         row order as mix_block's. */
+#define MANY_QUERIES 8
+
+/* the channel in lane j of block b of the register read of tq4's keys (4-bit blocks: block4_order) or, `mixed`, of
+ * tq3's (blocks 0-1 at 4 bits, 2-3 +vq quads in order) */
+CB_INLINE int lane_channel(int b, int j, const int mixed) { return 16 * b + (mixed && b >= 2 ? j : (j >> 1) + 8 * (j & 1)); }
+
+/* sixteen lane sums added by the fold's tree */
+CB_INLINE __m512 lane_tree(const __m512 *s8) {   /* s8[j] = p[j] + p[j + 8] */
+    const __m512 t0 = _mm512_add_ps(s8[0], s8[4]), t1 = _mm512_add_ps(s8[1], s8[5]), t2 = _mm512_add_ps(s8[2], s8[6]),
+                 t3 = _mm512_add_ps(s8[3], s8[7]);
+    return _mm512_add_ps(_mm512_add_ps(t0, t2), _mm512_add_ps(t1, t3));
+}
+
+/* the chain of lane j over blocks [b0, b1) for query q (64 channels in order), kt the tile transposed (kt[c * 16 + r]) */
+CB_INLINE __m512 lane_chain(const float *kt, const float *q, int j, const int b0, const int b1, const int mixed) {
+    int c = lane_channel(b0, j, mixed);
+    __m512 p = _mm512_mul_ps(_mm512_set1_ps(q[c]), _mm512_loadu_ps(kt + 16 * c));
+#pragma GCC unroll 4
+    for (int b = b0 + 1; b < b1; b++) {
+        c = lane_channel(b, j, mixed);
+        p = _mm512_fmadd_ps(_mm512_set1_ps(q[c]), _mm512_loadu_ps(kt + 16 * c), p);
+    }
+    return p;
+}
+
+/* the scores of sixteen rows (kt transposed) for `nq` (1 or 2, a constant) queries, blocks [b0, b1) */
+CB_INLINE void lane_scores(const float *kt, const float *q0, const float *q1, const int nq, const int b0, const int b1,
+                           const int mixed, __m512 *out) {
+    __m512 s[2][8];
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) {
+        s[0][j] = _mm512_add_ps(lane_chain(kt, q0, j, b0, b1, mixed), lane_chain(kt, q0, j + 8, b0, b1, mixed));
+        if (nq == 2) s[1][j] = _mm512_add_ps(lane_chain(kt, q1, j, b0, b1, mixed), lane_chain(kt, q1, j + 8, b0, b1, mixed));
+    }
+    out[0] = lane_tree(s[0]);
+    if (nq == 2) out[1] = lane_tree(s[1]);
+}
+
+/* out[h * out_stride + r] = q_h . value(row r) for every head (q_stride apart), r < count, of tq4's or (`mixed`) tq3's
+ * keys: sixteen rows decoded and transposed once, then scored with keys in lanes, two heads at a time */
+CB_INLINE void dot_many(const cb_layout *L, const uint8_t *rows, const uint8_t *const *tiles, int64_t row_bytes, int64_t count,
+                        const float *q, int64_t q_stride, int heads, float *out, int64_t out_stride, const cb_ahead *ahead,
+                        int n_ahead, const int mixed) {
+    float tile[CB_TILE * 64], kt[64 * CB_TILE];
+    for (int64_t r = 0; r < count; r += CB_TILE) {   /* sixteen rows, one tile */
+        const int n = count - r < CB_TILE ? (int)(count - r) : CB_TILE;
+        ask_ahead(ahead, n_ahead, r, count);
+        kvlab_cb_decode_rows(L, row_at(rows, tiles, row_bytes, r), row_bytes, n, tile, 64);
+        if (n < CB_TILE) memset(tile + n * 64, 0, sizeof(float) * (size_t)(CB_TILE - n) * 64);   /* scored, not stored */
+        kvlab_transpose_tile(tile, 64, kt);
+        const __mmask16 live = lanes(n);
+        for (int h = 0; h < heads; h += 2) {
+            const float *q0 = q + h * q_stride, *q1 = q0 + q_stride;
+            __m512 s[2];
+            if (mixed && n < CB_TILE) {   /* dot_rows4's last rows: the 4-bit blocks' sums, then the +vq quads' added */
+                __m512 rest[2];
+                if (h + 1 < heads) lane_scores(kt, q0, q1, 2, 0, 2, 1, s), lane_scores(kt, q0, q1, 2, 2, 4, 1, rest);
+                else lane_scores(kt, q0, q0, 1, 0, 2, 1, s), lane_scores(kt, q0, q0, 1, 2, 4, 1, rest);
+                s[0] = _mm512_add_ps(s[0], rest[0]), s[1] = _mm512_add_ps(s[1], rest[1]);
+            } else if (h + 1 < heads) {
+                lane_scores(kt, q0, q1, 2, 0, 4, mixed, s);
+            } else {
+                lane_scores(kt, q0, q0, 1, 0, 4, mixed, s);
+            }
+            _mm512_mask_storeu_ps(out + h * out_stride + r, live, s[0]);
+            if (h + 1 < heads) _mm512_mask_storeu_ps(out + (h + 1) * out_stride + r, live, s[1]);
+        }
+    }
+}
+
+/* acc[h][0 .. 64) += sum_r w[h][r] tile row r, r < count (rows 64 floats apart) for `gh` (a constant, <= 4) heads */
+CB_INLINE void mix_decoded(const float *tile, int count, const float *w, int64_t w_stride, float *acc,
+                           int64_t acc_stride, const int gh) {
+    __m512 a[4][4];
+#pragma GCC unroll 4
+    for (int h = 0; h < gh; h++)
+#pragma GCC unroll 4
+        for (int x = 0; x < 4; x++) a[h][x] = _mm512_loadu_ps(acc + h * acc_stride + 16 * x);
+    for (int r = 0; r < count; r++) {
+        __m512 v[4];
+#pragma GCC unroll 4
+        for (int x = 0; x < 4; x++) v[x] = _mm512_loadu_ps(tile + r * 64 + 16 * x);
+#pragma GCC unroll 4
+        for (int h = 0; h < gh; h++) {
+            const __m512 wr = _mm512_set1_ps(w[h * w_stride + r]);
+#pragma GCC unroll 4
+            for (int x = 0; x < 4; x++) a[h][x] = _mm512_fmadd_ps(wr, v[x], a[h][x]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int h = 0; h < gh; h++)
+#pragma GCC unroll 4
+        for (int x = 0; x < 4; x++) _mm512_storeu_ps(acc + h * acc_stride + 16 * x, a[h][x]);
+}
+
+/* acc[h] += sum_r w[h][r] value(row r) for every head, d = 64: sixteen rows decoded once, then mixed four heads at a time */
+static void mix_many(const cb_layout *L, const uint8_t *rows, const uint8_t *const *tiles, int64_t row_bytes, int64_t count,
+                     const float *w, int64_t w_stride, int heads, float *acc, int64_t acc_stride) {
+    float tile[CB_TILE * 64];
+    for (int64_t r = 0; r < count; r += CB_TILE) {   /* sixteen rows, one tile */
+        const int n = count - r < CB_TILE ? (int)(count - r) : CB_TILE;
+        kvlab_cb_decode_rows(L, row_at(rows, tiles, row_bytes, r), row_bytes, n, tile, 64);
+        for (int h0 = 0; h0 < heads; h0 += 4) {
+            const float *wh = w + h0 * w_stride + r;
+            float *ah = acc + h0 * acc_stride;
+            switch (heads - h0 < 4 ? heads - h0 : 4) {
+                case 1: mix_decoded(tile, n, wh, w_stride, ah, acc_stride, 1); break;
+                case 2: mix_decoded(tile, n, wh, w_stride, ah, acc_stride, 2); break;
+                case 3: mix_decoded(tile, n, wh, w_stride, ah, acc_stride, 3); break;
+                default: mix_decoded(tile, n, wh, w_stride, ah, acc_stride, 4); break;
+            }
+        }
+    }
+}
 #endif
 
 #if defined(__AVX512F__)
@@ -972,6 +1103,10 @@ static int mix_any(const cb_layout *L, const uint8_t *rows, const uint8_t *const
                    const float *w, int64_t w_stride, int heads, float *acc, int64_t acc_stride) {
 #if defined(__AVX512F__)
     if (!register_layout(L)) return -1;
+    if (heads >= MANY_QUERIES && L->d == 64 && L->dpad == 64) {
+        mix_many(L, rows, tiles, row_bytes, count, w, w_stride, heads, acc, acc_stride);
+        return 0;
+    }
     for (int p = 0; p < L->n_parts; p++) {
         const cb_part *P = &L->part[p];
         if (P->block) {
@@ -1012,6 +1147,11 @@ static int dot_any(const cb_layout *L, const uint8_t *rows, const uint8_t *const
                    const float *q, int64_t q_stride, int heads, float *out, int64_t out_stride, const cb_ahead *ahead, int n_ahead) {
 #if defined(__AVX512F__)
     if (!register_layout(L)) return -1;
+    if (heads >= MANY_QUERIES && L->d == 64 && L->dpad == 64 && (tq3_keys(L) || rows4_keys(L))) {
+        if (tq3_keys(L)) dot_many(L, rows, tiles, row_bytes, count, q, q_stride, heads, out, out_stride, ahead, n_ahead, 1);
+        else dot_many(L, rows, tiles, row_bytes, count, q, q_stride, heads, out, out_stride, ahead, n_ahead, 0);
+        return 0;
+    }
     float qb[4 * 64];   /* up to four heads' 64 channels, in block order (+vq: in order) */
     for (int h0 = 0; h0 < heads; h0 += 4) {
         const int gh = heads - h0 < 4 ? heads - h0 : 4;

@@ -36,7 +36,8 @@ int kvlab_cb_layout(cb_layout *L, int d, int n_parts, const int32_t *spec, const
 void kvlab_cb_decode_rows(const cb_layout *L, const uint8_t *rows, int64_t row_bytes, int64_t count, float *out, int64_t stride);
 
 /* acc[h * acc_stride + c] += sum_r w[h * w_stride + r] value(row r)[c] for h < heads, c < d, r < count: the rows decoded
- * in registers. 0, or -1 where this build or layout has no such path (the caller decodes rows into a tile instead). */
+ * in registers (a call of many heads at d = 64: each sixteen rows decoded once for all of them; each sum the same bits
+ * either way). 0, or -1 where this build or layout has no such path (the caller decodes rows into a tile instead). */
 int kvlab_cb_mix_rows(const cb_layout *L, const uint8_t *rows, int64_t row_bytes, int64_t count, const float *w,
                       int64_t w_stride, int heads, float *acc, int64_t acc_stride);
 
@@ -52,8 +53,9 @@ typedef struct {
  * decoded in registers, sixteen rows' dots summed at once. The n_ahead runs of `ahead` are asked for meanwhile (a
  * share with each sixteen rows where the layout is 64 channels at 4 bits or tq3's keys (32 channels at 4 bits beside 8
  * blocks of 4 at 3 bits, scored in one pass), so the loads overlap the arithmetic instead
- * of stalling in one burst; else all at the start). 0, or -1 where this build or layout has no such path (the caller
- * decodes rows into a tile instead). */
+ * of stalling in one burst; else all at the start). A call of many heads over those two layouts decodes each sixteen
+ * rows once and scores them with the keys in lanes, the same bits as a call of one. 0, or -1 where this build or layout
+ * has no such path (the caller decodes rows into a tile instead). */
 int kvlab_cb_dot_rows(const cb_layout *L, const uint8_t *rows, int64_t row_bytes, int64_t count, const float *q,
                       int64_t q_stride, int heads, float *out, int64_t out_stride, const cb_ahead *ahead, int n_ahead);
 

@@ -258,35 +258,6 @@ static inline void tile_scores(const float *tile, int kpad, const float *q0, con
  * and the sixteen A_l are added by the same tree (pairs of neighbours, four rounds), so the scores are the folding
  * read's to the bit, without a shuffle per query (a call with many queries: a prompt chunk's, TRANSPOSE_QUERIES) */
 #define TRANSPOSE_QUERIES 8
-/* sixteen rows of kpad channels, sixteen at a time, to kt: four rounds of swapping blocks of S = 8, 4, 2, 1 lanes
- * between rows i and i + S: row i's lanes l with bit S set take row i + S's lanes l - S, and row i + S's lanes l
- * without it take row i's lanes l + S */
-#define LANE_LO(l, S) (((l) & (S)) ? 16 + (l) - (S) : (l))
-#define LANE_HI(l, S) (((l) & (S)) ? 16 + (l) : (l) + (S))
-#define SWAP_BLOCKS(S) \
-    for (int i = 0; i < 16; i++) \
-        if (!(i & (S))) { \
-            const kvlab_lanes16 a = r[i], b = r[i + (S)]; \
-            r[i] = __builtin_shufflevector(a, b, \
-                    LANE_LO(0, S), LANE_LO(1, S), LANE_LO(2, S), LANE_LO(3, S), LANE_LO(4, S), LANE_LO(5, S), \
-                    LANE_LO(6, S), LANE_LO(7, S), LANE_LO(8, S), LANE_LO(9, S), LANE_LO(10, S), LANE_LO(11, S), \
-                    LANE_LO(12, S), LANE_LO(13, S), LANE_LO(14, S), LANE_LO(15, S)); \
-            r[i + (S)] = __builtin_shufflevector(a, b, \
-                    LANE_HI(0, S), LANE_HI(1, S), LANE_HI(2, S), LANE_HI(3, S), LANE_HI(4, S), LANE_HI(5, S), \
-                    LANE_HI(6, S), LANE_HI(7, S), LANE_HI(8, S), LANE_HI(9, S), LANE_HI(10, S), LANE_HI(11, S), \
-                    LANE_HI(12, S), LANE_HI(13, S), LANE_HI(14, S), LANE_HI(15, S)); \
-        }
-static inline void transpose_tile(const float *rows, int kpad, float *kt) {
-    for (int c = 0; c < kpad; c += 16) {
-        kvlab_lanes16 r[16];
-        for (int j = 0; j < 16; j++) r[j] = kvlab_lanes_at(rows + j * kpad + c);
-        SWAP_BLOCKS(8) SWAP_BLOCKS(4) SWAP_BLOCKS(2) SWAP_BLOCKS(1)
-        for (int l = 0; l < 16; l++) memcpy(kt + (c + l) * 16, &r[l], sizeof r[l]);
-    }
-}
-#undef SWAP_BLOCKS
-#undef LANE_HI
-#undef LANE_LO
 
 /* the tree's first three rounds over eight lane sums A_0..A_7 (neighbours added pairwise) */
 static inline kvlab_lanes16 tree8(const kvlab_lanes16 *a) {
@@ -393,8 +364,8 @@ void kvlab_int_attend(const IntHead *R, const IntQuery *Q, int nq, float scale, 
             }
         }
         if (transposed && m == 16) {
-            if (t0 < most_coded) transpose_tile(keys, kpad, keys_t);
-            if (t0 + 16 > least_coded) transpose_tile(exact, kpad, exact_t);
+            if (t0 < most_coded) kvlab_transpose_tile(keys, kpad, keys_t);
+            if (t0 + 16 > least_coded) kvlab_transpose_tile(exact, kpad, exact_t);
         }
         for (int i = 0; i < nq;) {
             /* a whole tile the query reads one way (most tiles): its rows straight from the tile, and so the next

@@ -1,4 +1,4 @@
-/* Row arithmetic several kernels share (decode.c, intcache.c, paged.c), each the same bits on every call: a dot
+/* Row arithmetic several kernels share (codebook.c, decode.c, intcache.c, paged.c), each the same bits on every call: a dot
  * product, sixteen-lane vectors and their sums, the softmax's exponentials. */
 #ifndef KVLAB_ROWMATH_H
 #define KVLAB_ROWMATH_H
@@ -33,6 +33,37 @@ static inline kvlab_lanes16 kvlab_fold16(kvlab_lanes16 a, kvlab_lanes16 b) {
     return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
          + __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
+
+/* sixteen rows of kpad channels (a multiple of 16), kpad apart, transposed to kt (kt[c * 16 + j] = row j's channel c),
+ * sixteen channels at a time: four rounds of swapping blocks of S = 8, 4, 2, 1 lanes
+ * between rows i and i + S: row i's lanes l with bit S set take row i + S's lanes l - S, and row i + S's lanes l
+ * without it take row i's lanes l + S */
+#define LANE_LO(l, S) (((l) & (S)) ? 16 + (l) - (S) : (l))
+#define LANE_HI(l, S) (((l) & (S)) ? 16 + (l) : (l) + (S))
+#define SWAP_BLOCKS(S) \
+    for (int i = 0; i < 16; i++) \
+        if (!(i & (S))) { \
+            const kvlab_lanes16 a = r[i], b = r[i + (S)]; \
+            r[i] = __builtin_shufflevector(a, b, \
+                    LANE_LO(0, S), LANE_LO(1, S), LANE_LO(2, S), LANE_LO(3, S), LANE_LO(4, S), LANE_LO(5, S), \
+                    LANE_LO(6, S), LANE_LO(7, S), LANE_LO(8, S), LANE_LO(9, S), LANE_LO(10, S), LANE_LO(11, S), \
+                    LANE_LO(12, S), LANE_LO(13, S), LANE_LO(14, S), LANE_LO(15, S)); \
+            r[i + (S)] = __builtin_shufflevector(a, b, \
+                    LANE_HI(0, S), LANE_HI(1, S), LANE_HI(2, S), LANE_HI(3, S), LANE_HI(4, S), LANE_HI(5, S), \
+                    LANE_HI(6, S), LANE_HI(7, S), LANE_HI(8, S), LANE_HI(9, S), LANE_HI(10, S), LANE_HI(11, S), \
+                    LANE_HI(12, S), LANE_HI(13, S), LANE_HI(14, S), LANE_HI(15, S)); \
+        }
+static inline void kvlab_transpose_tile(const float *rows, int kpad, float *kt) {
+    for (int c = 0; c < kpad; c += 16) {
+        kvlab_lanes16 r[16];
+        for (int j = 0; j < 16; j++) r[j] = kvlab_lanes_at(rows + j * kpad + c);
+        SWAP_BLOCKS(8) SWAP_BLOCKS(4) SWAP_BLOCKS(2) SWAP_BLOCKS(1)
+        for (int l = 0; l < 16; l++) memcpy(kt + (c + l) * 16, &r[l], sizeof r[l]);
+    }
+}
+#undef SWAP_BLOCKS
+#undef LANE_HI
+#undef LANE_LO
 
 /* the largest of s[0..n), n > 0: sixteen lanes at a time where the CPU has AVX-512, not a serial chain of compares (a nan score may or may not
  * be taken; the exponentials make the row's output nan either way) */
