@@ -754,6 +754,26 @@ SECTIONS = [
               "prefill column: an 8k prompt takes tq4 1.4x dense-f16's time and tq3 2.3x, since a prompt chunk's "
               "queries read the coded keys the way a decode step does.",
               read_share=True, presets=CURRENT),
+        Table("decode_presets_1thread_xeon.json", decode_contexts,
+              "kvlab bench decode --contexts 512,2k,4k,8k --caches dense,dense-f16,tq4,tq3,tq-k4v4,int4 --threads 1 "
+              "--repeats 2 --steps 16 --out bench/results/decode_presets_1thread_xeon.json",
+              "The current build on an Intel Xeon (AVX-512, AMX), the table above's command: `tq4` 0.98 / 1.25 / 1.41 / "
+              "1.57x `dense-f16` at 512 / 2k / 4k / 8k tokens, `tq3` 0.97 / 1.11 / 1.19 / 1.23x, `tq-k4v4` 1.06 / 1.34 / "
+              "1.52 / 1.75x, `int4` (its codes read in registers) 1.00 / 1.06 / 1.08 / 1.09x. At 8k dense-f16 reads at "
+              "54% of the measured read limit (14.1 GB/s), tq4 at 43%, tq3 at 32%. The prefill column: a prompt chunk's "
+              "tokens are coded in C (the fused step's and the pool's coder) and its queries read a tile's codes decoded "
+              "once for all of them, so an 8k prompt takes `tq3` 1.43x dense-f16's time (2.3x in the table above) and "
+              "`tq4` 1.27x.",
+              read_share=True, presets=CURRENT),
+        Table("decode_presets_2threads_xeon.json", decode_contexts,
+              "kvlab bench decode --contexts 512,2k,4k,8k --caches dense,dense-f16,tq4,tq3,tq-k4v4,int4 --threads 2 "
+              "--repeats 2 --steps 16 --out bench/results/decode_presets_2threads_xeon.json",
+              "The same build and Xeon at 2 threads: `tq4` 1.00 / 1.20 / 1.35 / 1.50x `dense-f16`, `tq3` 0.94 / 1.06 / "
+              "1.14 / 1.17x, `tq-k4v4` 1.03 / 1.26 / 1.43 / 1.64x, `int4` 0.98 / 1.00 / 1.03 / 0.98x; dense-f16 reads at "
+              "51-57% of the 2-thread read limit (27.3 GB/s), tq4 at 39-53%. The prefill column at 2 threads: dense-f16's "
+              "prompt chunks take longer than dense's (54.9 s against 30.4 s at 8k), where at 1 thread they are even "
+              "(47.6 against 44.7).",
+              read_share=True, presets=CURRENT),
         Table("decode_presets_1thread_repeat.json", decode_contexts,
               "kvlab bench decode --contexts 512,2k,4k,8k --caches dense,dense-f16,tq4,tq3,tq-k4v4,int4 --threads 1 "
               "--repeats 2 --steps 16 --out bench/results/decode_presets_1thread_repeat.json",
@@ -1283,6 +1303,25 @@ SECTIONS = [
         Table("prefill_caches.json", prefill_caches,
               "python bench/prefill.py --caches dense,dense-f16,int8,int4,tq-k4v4,tq-k4v4+prerope --tokens 8000",
               presets=BOTH),
+        Table("prefill_tq_caches_before_xeon.json", prefill_caches,
+              "python bench/prefill.py --caches dense,dense-f16,tq4,tq3,tq-k4v4 --tokens 4000 --src BEFORE/src "
+              "--out bench/results/prefill_tq_caches_before_xeon.json",
+              "TurboQuant prefill before its prompt chunks were coded in C (BEFORE: a checkout of 3c50b20), Intel Xeon: "
+              "a single cache coded each chunk in torch (rotation, bucketize, for `tq3` a nearest-point search per 4 "
+              "coordinates) and its queries unpacked a row's codes once per four of them: `tq4` 1.43x dense's CPU time, `tq3` "
+              "2.22x.",
+              presets=CURRENT),
+        Table("prefill_tq_caches_xeon.json", prefill_caches,
+              "python bench/prefill.py --caches dense,dense-f16,tq4,tq3,tq-k4v4 --tokens 4000 "
+              "--out bench/results/prefill_tq_caches_xeon.json",
+              "The same after: a chunk's tokens coded by kvlab_tq_code_tokens (the fused step's and the serving pool's "
+              "coder; a +norms8 layer's first chunk still in torch, since its float scales set the centres), and a call "
+              "of 8 or more queries reading tiles of sixteen rows decoded once, `tq4`'s and `tq3`'s keys scored with "
+              "the keys in lanes in the register read's order (the same bits as a query read alone): `tq4` 1.34x dense's "
+              "CPU time, `tq3` 1.59x. The two runs went one after the other, and `tq-k4v4` reads 1.14x before and 1.23x "
+              "after; alternated with the build before (`--caches tq-k4v4`, two rounds each) it took 17.8 / 18.0 s before "
+              "and 16.2 / 16.7 s after: this machine drifted between the runs.",
+              presets=CURRENT),
         Table("int_read.json", rows_table([
             ("cache", "cache", str), ("context", "context", integer), ("chunk C read ns", "c_read_ns_pair", f2),
             ("chunk torch spans ns", "torch_spans_ns_pair", f2), ("chunk dense-f16 ns", "dense_f16_ns_pair", f2),
