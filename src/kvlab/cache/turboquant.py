@@ -584,7 +584,7 @@ class TurboQuantCache(CompressedCache):
         q: (B, H, T, d), or None (a read without queries, e.g. `dequantized`): the weights then use the
         keys alone, as if every query channel had the same energy.
         """
-        k, v, start, after_rope = self._pending.pop(layer)
+        k, v, start, appended = self._pending.pop(layer)                               # k: before RoPE (`_before_rope`)
         B, Hkv, _, d = k.shape
         key_energy = (k.float() - self._key_offset(layer)).square().mean(dim=2)    # (B, Hkv, d) E[(k-μ)²]
         if self.config.rope_mean:  # one weight per RoPE pair, so that RoPE turns the weighted key as the key
@@ -601,7 +601,7 @@ class TurboQuantCache(CompressedCache):
         codes = (log_w * WEIGHT_STEPS).round() + WEIGHT_ZERO
         codes = codes.clamp(0, (1 << WEIGHT_BITS) - 1).to(torch.uint8)                # (B, Hkv, d)
         self.k_weight_codes[layer][:] = pack(codes, WEIGHT_BITS)
-        self._encode(layer, k, v, start, after_rope)
+        self._encode(layer, appended, v, start, k)
 
     def _key_weights(self, layer: int) -> torch.Tensor | None:
         """(B, Hkv, 1, d) float32 w, or None without key weights."""
@@ -614,29 +614,37 @@ class TurboQuantCache(CompressedCache):
 
     # -- storing ------------------------------------------------------------------------------------
     def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
-        after_rope = k                                                            # (B, H, T, d) as appended (C codes it)
-        if self.config.turns_keys:
-            k = self._rope(k, start, inverse=True)                                # (B, H, T, d) keys before RoPE
         if layer in self._pending:  # a second chunk before the first was read: fix the weights now
             self._calibrate_and_store(layer, None)
+        before_rope = None   # computed where the calibration needs it, else only if torch codes the chunk
         if layer not in self._calibrated:
             self._calibrated.add(layer)
             if k.shape[2] >= MIN_CALIBRATION_TOKENS:  # too few tokens: no offset, neutral weights
-                for offsets, x in ((self.k_offset, k), (self.v_offset, v)):
+                before_rope = self._before_rope(k, start)
+                for offsets, x in ((self.k_offset, before_rope), (self.v_offset, v)):
                     if offsets:
                         offsets[layer][:] = x.float().mean(dim=2).clamp(-_OFFSET_MAX, _OFFSET_MAX)  # (B, H, d)
                 if self.k_weight_codes:  # the weights need the queries: code this chunk when it is first read
-                    self._pending[layer] = (k, v, start, after_rope)
+                    self._pending[layer] = (before_rope, v, start, k)
                     return
-        self._encode(layer, k, v, start, after_rope)
+        self._encode(layer, k, v, start, before_rope)
 
-    def _encode(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int, after_rope: torch.Tensor) -> None:
-        """Code tokens [start, start+T) of `layer` into its buffers: k (B, H, T, d) as `code` takes it (before RoPE with
-        +prerope and +ropemean), after_rope the keys as appended. In C where `_coded_in_c` can, else by `code`."""
-        if self._coded_in_c(layer, after_rope, v, start):
+    def _before_rope(self, k: torch.Tensor, start: int) -> torch.Tensor:
+        """Keys (B, H, T, d) of compressed slots [start, start+T) as `code` and the calibration take them: turned back
+        by RoPE with +prerope and +ropemean, else as appended."""
+        return self._rope(k, start, inverse=True) if self.config.turns_keys else k
+
+    def _encode(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int,
+                before_rope: torch.Tensor | None = None) -> None:
+        """Code tokens [start, start+T) of `layer` into its buffers: k (B, H, T, d) as appended (after RoPE), before_rope
+        the keys as `code` takes them where the caller has them (`_before_rope`). In C where `_coded_in_c` can, else
+        by `code`."""
+        if self._coded_in_c(layer, k, v, start):
             return
+        if before_rope is None:
+            before_rope = self._before_rope(k, start)
         end = start + k.shape[2]
-        coded = self.code(layer, k, v, self.slot_rope(start, k.shape[2]) if self.config.rope_mean else None)
+        coded = self.code(layer, before_rope, v, self.slot_rope(start, k.shape[2]) if self.config.rope_mean else None)
         if start == 0 and not self._given_centres:   # +norms8: the layer's first coded chunk sets its centres
             for name, centres in self.norm_centres.items():
                 centres[layer][:] = _log_centre(coded[name])
@@ -651,13 +659,13 @@ class TurboQuantCache(CompressedCache):
         `codes_in_c` turns off), or a scale that is not finite (`code` then names it)."""
         if self.code_kernel is None or not self.codes_in_c or (self.norm_centres and start == 0 and not self._given_centres):
             return False
-        T = k.shape[2]
+        T, kernel = k.shape[2], kernel_for(self.device)
         rope = self.slot_rope(start, T) if self.config.turns_keys else None          # (T, d) cos, sin
         try:
             for b in range(self.geometry.batch):
                 coded = self._c_read_structs(layer, b)[0]
                 slots = torch.arange(b * self.slots + start, b * self.slots + start + T)   # row b's block, from `start`
-                if not code_tokens(kernel_for(self.device), coded, k[b].transpose(0, 1), v[b].transpose(0, 1), slots, rope):
+                if not code_tokens(kernel, coded, k[b].transpose(0, 1), v[b].transpose(0, 1), slots, rope):
                     return False
         except ConfigError:
             self.codes_in_c = False
