@@ -335,6 +335,29 @@ static void matvec(const Matrix *m, const float *x, float *xsum, float *y) {
  * far fewer shuffles than a lane tree per key. The rest (and d not a multiple of 16): dot(), one key at a time. */
 static void row_scores(const float *q, const float *const *k, int n, int d, float scale, float *s) {
     int j = 0;
+#if !defined(__AVX512F__) && defined(__AVX2__)
+    /* AVX2: the same sums by the same tree, four keys at a time (sixteen keys' two-register lanes would not fit its
+     * sixteen registers, and GCC builds the fold's shuffles of two-register vectors through memory): each key's lanes
+     * 0-7 and 8-15 in two registers, each half's pairwise tree by two horizontal adds and a 128-bit add, the halves
+     * added last, as the fold adds them; the keys past the last sixteen through dot(), as there */
+    if (d % 16 == 0)
+        for (; j + 4 <= n / 16 * 16; j += 4) {
+            __m256 lo[4], hi[4];
+            for (int i = 0; i < 4; i++) lo[i] = hi[i] = _mm256_setzero_ps();
+            for (int c = 0; c < d; c += 16) {
+                const __m256 q0 = _mm256_loadu_ps(q + c), q1 = _mm256_loadu_ps(q + c + 8);
+                for (int i = 0; i < 4; i++) {
+                    lo[i] = _mm256_fmadd_ps(q0, _mm256_loadu_ps(k[j + i] + c), lo[i]);
+                    hi[i] = _mm256_fmadd_ps(q1, _mm256_loadu_ps(k[j + i] + c + 8), hi[i]);
+                }
+            }
+            const __m256 l = _mm256_hadd_ps(_mm256_hadd_ps(lo[0], lo[1]), _mm256_hadd_ps(lo[2], lo[3]));
+            const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(hi[0], hi[1]), _mm256_hadd_ps(hi[2], hi[3]));
+            const __m128 sums = _mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(l), _mm256_extractf128_ps(l, 1)),
+                                           _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+            _mm_storeu_ps(s + j, _mm_mul_ps(sums, _mm_set1_ps(scale)));
+        }
+#else
     if (d % 16 == 0)
         for (; j + 16 <= n; j += 16) {
             kvlab_lanes16 acc[16];
@@ -348,6 +371,7 @@ static void row_scores(const float *q, const float *const *k, int n, int d, floa
             const kvlab_lanes16 sums = acc[0] * scale;
             memcpy(s + j, &sums, sizeof sums);
         }
+#endif
     for (; j < n; j++) s[j] = dot(q, k[j], d) * scale;
 }
 
@@ -852,6 +876,35 @@ static void turn_scores_at(const float *c, const float *sn, const float *steps, 
     }
 #undef TURN_CASE
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+/* AVX2: turn_scores_16's arithmetic eight lanes a vector: sixteen keys from t0 for nq (<= 4) queries, each query's
+ * coefficients turned to key t0 (half a multiple of 8), its sixteen scores in two vectors; a key's scores from its own
+ * rows, one serial sum each, had made +ropemean's term a third of tq4's read on an AMD EPYC */
+static void turn_scores_16(const float *cos_, const float *sin_, const float *steps, const float *const *coef, int nq,
+                           int half, float *const *out) {
+    float turned[4][CB_MAX_DIM];   /* each query's [A' | B'] */
+    for (int i = 0; i < nq; i++)
+        for (int x = 0; x < half; x += 8) {
+            const __m256 c = _mm256_loadu_ps(cos_ + x), sn = _mm256_loadu_ps(sin_ + x);
+            const __m256 a = _mm256_loadu_ps(coef[i] + x), e = _mm256_loadu_ps(coef[i] + half + x);
+            _mm256_storeu_ps(turned[i] + x, _mm256_fmadd_ps(e, sn, _mm256_mul_ps(a, c)));
+            _mm256_storeu_ps(turned[i] + half + x, _mm256_fnmadd_ps(a, sn, _mm256_mul_ps(e, c)));
+        }
+    __m256 lo[4], hi[4];
+    for (int i = 0; i < nq; i++) lo[i] = hi[i] = _mm256_setzero_ps();
+    for (int x = 0; x < 2 * half; x++) {
+        const __m256 s0 = _mm256_loadu_ps(steps + TQ_TURN_STEPS * (int64_t)x), s1 = _mm256_loadu_ps(steps + TQ_TURN_STEPS * (int64_t)x + 8);
+        for (int i = 0; i < nq; i++) {
+            const __m256 t = _mm256_set1_ps(turned[i][x]);
+            lo[i] = _mm256_fmadd_ps(t, s0, lo[i]);
+            hi[i] = _mm256_fmadd_ps(t, s1, hi[i]);
+        }
+    }
+    for (int i = 0; i < nq; i++) {
+        _mm256_storeu_ps(out[i], lo[i]);
+        _mm256_storeu_ps(out[i] + 8, hi[i]);
+    }
+}
 #endif
 
 static void turn_scores(const KeyTurn *T, int group, int64_t row_stride, int nq, int d, int64_t k0, int n, float *out) {
@@ -873,6 +926,21 @@ static void turn_scores(const KeyTurn *T, int group, int64_t row_stride, int nq,
                 turn_scores_at(c, sn, T->steps, coef, m, half, keys, o);
             }
             j0 += keys;
+        }
+#elif defined(__AVX2__) && defined(__FMA__)
+    if (half % 8 == 0 && 2 * half <= CB_MAX_DIM)
+        for (; j0 + 16 <= n; j0 += 16) {
+            const float *c = T->cos_ + (k0 + j0) * d, *sn = T->sin_ + (k0 + j0) * d;
+            for (int i0 = 0; i0 < nq; i0 += 4) {
+                const int m = nq - i0 < 4 ? nq - i0 : 4;
+                const float *coef[4];
+                float *o[4];
+                for (int i = 0; i < m; i++) {
+                    coef[i] = T->coef + ((i0 + i) / group) * row_stride + (int64_t)((i0 + i) % group) * d;
+                    o[i] = out + (int64_t)(i0 + i) * TQ_READ_KEYS + j0;
+                }
+                turn_scores_16(c, sn, T->steps, coef, m, half, o);
+            }
         }
 #endif
     for (int i = 0; i < nq; i++) {
@@ -979,11 +1047,16 @@ int64_t kvlab_tq_read_floats(int nq, int dpad) {   /* scores, key and value scal
 
 /* out[r] = q . row r of the tile (count <= CB_TILE rows, dpad apart, zero past d like q) */
 static void tile_scores(const float *q, const float *tile, int count, int d, int dpad, float *out) {
+#if defined(__AVX512F__)
     if (dpad == d) {
         key_scores(q, tile, 0, count, d, 1.0f, out);
         return;
     }
-    float all[CB_TILE];
+#else
+    (void)d;
+#endif
+    float all[CB_TILE];   /* eight rows at a time, one tree of adds for the eight (key_scores' one row at a time folds each
+                             row's lanes apart: as costly as the row's multiply-adds where a vector is 8 lanes) */
     kvlab_cb_dot8(q, tile, dpad, all);
     if (count > 8) kvlab_cb_dot8(q, tile + 8 * (int64_t)dpad, dpad, all + 8);
     memcpy(out, all, sizeof(float) * (size_t)count);

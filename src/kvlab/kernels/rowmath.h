@@ -85,6 +85,20 @@ static inline float kvlab_row_max(const float *s, int64_t n) {
  * time held in registers across the rows (one block would make every row wait for the previous one's adds) */
 static inline void kvlab_rows_mix(float *o, const float *p, const float *const *v, int n, int dv) {
     int c = 0;
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+    /* AVX2: the same sums in the same order with explicit registers (GCC's two-register vectors spill here, and it
+     * builds the row pointers into vectors) */
+    for (; c + 64 <= dv; c += 64) {
+        __m256 a[8];
+        for (int k = 0; k < 8; k++) a[k] = _mm256_loadu_ps(o + c + 8 * k);
+        for (int j = 0; j < n; j++) {
+            const __m256 w = _mm256_set1_ps(p[j]);
+            const float *row = v[j] + c;
+            for (int k = 0; k < 8; k++) a[k] = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 8 * k), a[k]);
+        }
+        for (int k = 0; k < 8; k++) _mm256_storeu_ps(o + c + 8 * k, a[k]);
+    }
+#endif
     for (; c + 64 <= dv; c += 64) {
         kvlab_lanes16 a0 = kvlab_lanes_at(o + c), a1 = kvlab_lanes_at(o + c + 16), a2 = kvlab_lanes_at(o + c + 32),
                       a3 = kvlab_lanes_at(o + c + 48);
