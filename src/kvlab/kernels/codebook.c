@@ -653,6 +653,11 @@ static void decode_blocks(const cb_part *P, const uint8_t *row, float *out, int3
     for (int b = 0; b < (P->hi - P->lo) / CB_BLOCK; b++) {
         const int index = P->bits == 2 ? codes[b] : codes[2 * b] << 6 | codes[2 * b + 1];
         const float *point = P->table + (index >> CB_BLOCK) * CB_BLOCK;
+#if defined(__AVX2__)
+        const __m128i sign = _mm_and_si128(_mm_sllv_epi32(_mm_set1_epi32(index), _mm_setr_epi32(31, 30, 29, 28)), _mm_set1_epi32(INT32_MIN));
+        _mm_storeu_ps(out + b * CB_BLOCK, _mm_xor_ps(_mm_loadu_ps(point), _mm_castsi128_ps(sign)));   /* CB_BLOCK == 4 lanes */
+        continue;
+#endif
         for (int j = 0; j < CB_BLOCK; j++) {   /* the sign bit flipped (-x bit for bit), no branch on random signs */
             uint32_t x;
             memcpy(&x, point + j, 4);
@@ -693,6 +698,15 @@ void kvlab_cb_decode_rows(const cb_layout *L, const uint8_t *rows, int64_t row_b
             if (!scalar_part_rows(&L->part[p], rows, row_bytes, count, out, stride)) block_part_rows(&L->part[p], rows, row_bytes, count, out, stride);
         return;
     }
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    int whole = L->d == L->dpad;   /* AVX2, every part one scalar_part_rows reads: part by part, each table loaded once */
+    for (int p = 0; p < L->n_parts; p++)
+        whole &= !L->part[p].block && L->part[p].lo % 8 == 0 && L->part[p].hi % 8 == 0 && L->part[p].bits >= 2 && L->part[p].bits <= 4;
+    if (whole) {
+        for (int p = 0; p < L->n_parts; p++) scalar_part_rows(&L->part[p], rows, row_bytes, count, out, stride);
+        return;
+    }
+#endif
     int32_t scratch[CB_MAX_DIM];
     for (int64_t r = 0; r < count; r++) decode_row(L, rows + r * row_bytes, out + r * stride, scratch);
 }
