@@ -774,6 +774,26 @@ SECTIONS = [
               "prompt chunks take longer than dense's (54.9 s against 30.4 s at 8k), where at 1 thread they are even "
               "(47.6 against 44.7).",
               read_share=True, presets=CURRENT),
+        Table("decode_presets_1thread_epyc_avx2_before.json", decode_contexts,
+              "kvlab bench decode --contexts 4k,8k --caches dense-f16,tq4,tq3,tq-k4v4 --threads 1 --repeats 2 --steps 16 "
+              "--out bench/results/decode_presets_1thread_epyc_avx2_before.json",
+              "An AMD EPYC without AVX-512 (AVX2, FMA, F16C only), the build before its AVX2 read paths: every cache "
+              "decodes at 4-10 tokens/s, far below the AVX-512 machines above. GCC builds the sixteen-lane vectors of the "
+              "dense read (scores folded across sixteen keys, the value mix) through memory where a vector is two AVX "
+              "registers, 4-bit codes were decoded by gathers, and +ropemean's key terms were serial sums.",
+              read_share=True, presets=CURRENT),
+        Table("decode_presets_1thread_epyc_avx2.json", decode_contexts,
+              "kvlab bench decode --contexts 512,4k,8k --caches dense-f16,tq4,tq3,tq-k4v4 --threads 1 --repeats 2 "
+              "--steps 16 --out bench/results/decode_presets_1thread_epyc_avx2.json",
+              "The same machine with the AVX2 paths (the dense read's scores four keys at a time in the same tree, so the "
+              "same bits; the value mix in explicit registers; 2-4-bit codes looked up by register permutes; +ropemean's "
+              "terms sixteen keys a vector): dense-f16 30.6 / 21.0 tokens/s at 4k / 8k (3.1x / 3.9x the table above), "
+              "tq4 25.5 / 16.0 (2.4x / 3.2x), tq3 16.4 / 9.6, tq-k4v4 30.8 / 19.4; tq4's 4k prefill 104 -> 37 s. Against "
+              "dense-f16 the coded caches now lose here (tq4 0.91 / 0.84 / 0.76x at 512 / 4k / 8k): AVX2 has no "
+              "register read of codes (the AVX-512 one scores and mixes them without a tile), so they are still decoded "
+              "into a tile and read from it, and the weights' Q4_1 GEMV (~14 ms a token, ~7 GB/s: nibble to float "
+              "conversions bound) takes half of every step.",
+              read_share=True, presets=CURRENT),
         Table("decode_presets_1thread_repeat.json", decode_contexts,
               "kvlab bench decode --contexts 512,2k,4k,8k --caches dense,dense-f16,tq4,tq3,tq-k4v4,int4 --threads 1 "
               "--repeats 2 --steps 16 --out bench/results/decode_presets_1thread_repeat.json",
@@ -1477,7 +1497,7 @@ def page() -> str:
            "",
            "Current measurements of kvlab on SmolLM2-135M-Instruct (the embedded Q4_1 GGUF), each table under the "
            "command that reproduces it (`kvlab` is `.venv/bin/kvlab`, `python` is `.venv/bin/python`; `PYTHON` a "
-           "Python with llama-cpp-python). The machines are small shared cloud VMs (2 vCPUs, AVX-512), so benchmarks "
+           "Python with llama-cpp-python). The machines are small shared cloud VMs (2 vCPUs, AVX-512 unless a table says AVX2), so benchmarks "
            "interleave their contenders in one run: read ratios within a table, not absolute speed across tables. "
            "Rows and commands spell each cache by today's names: `tq4` is the preset "
            f"`{PRESETS['tq4']}`; a table whose row spells `{TQ4_125}` measured the recipe `tq4` stood for before, "
