@@ -876,12 +876,17 @@ static void turn_scores_at(const float *c, const float *sn, const float *steps, 
     }
 #undef TURN_CASE
 }
+
+/* whether a head's keys are scored in runs (turn_scores_at), and how many keys the run from j0 of n takes */
+static inline int turn_in_runs(int half) { return half % 16 == 0 && half <= 64; }
+static inline int turn_run_keys(int j0, int n) { return j0 + TQ_TURN_KEYS <= n ? TQ_TURN_KEYS : 16; }
 #elif defined(__AVX2__) && defined(__FMA__)
 /* AVX2: turn_scores_16's arithmetic eight lanes a vector: sixteen keys from t0 for nq (<= 4) queries, each query's
  * coefficients turned to key t0 (half a multiple of 8), its sixteen scores in two vectors; a key's scores from its own
  * rows, one serial sum each, had made +ropemean's term a third of tq4's read on an AMD EPYC */
-static void turn_scores_16(const float *cos_, const float *sin_, const float *steps, const float *const *coef, int nq,
-                           int half, float *const *out) {
+static void turn_scores_at(const float *cos_, const float *sin_, const float *steps, const float *const *coef, int nq,
+                           int half, int keys, float *const *out) {
+    (void)keys;   /* always 16 (turn_run_keys) */
     float turned[4][CB_MAX_DIM];   /* each query's [A' | B'] */
     for (int i = 0; i < nq; i++)
         for (int x = 0; x < half; x += 8) {
@@ -905,15 +910,18 @@ static void turn_scores_16(const float *cos_, const float *sin_, const float *st
         _mm256_storeu_ps(out[i] + 8, hi[i]);
     }
 }
+
+static inline int turn_in_runs(int half) { return half % 8 == 0 && 2 * half <= CB_MAX_DIM; }
+static inline int turn_run_keys(int j0, int n) { (void)j0, (void)n; return 16; }
 #endif
 
 static void turn_scores(const KeyTurn *T, int group, int64_t row_stride, int nq, int d, int64_t k0, int n, float *out) {
     const int half = d / 2;
     int j0 = 0;
-#if defined(__AVX512F__)
-    if (half % 16 == 0 && half <= 64)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+    if (turn_in_runs(half))
         while (j0 + 16 <= n) {
-            const int keys = j0 + TQ_TURN_KEYS <= n ? TQ_TURN_KEYS : 16;
+            const int keys = turn_run_keys(j0, n);
             const float *c = T->cos_ + (k0 + j0) * d, *sn = T->sin_ + (k0 + j0) * d;
             for (int i0 = 0; i0 < nq; i0 += 4) {
                 const int m = nq - i0 < 4 ? nq - i0 : 4;
@@ -926,21 +934,6 @@ static void turn_scores(const KeyTurn *T, int group, int64_t row_stride, int nq,
                 turn_scores_at(c, sn, T->steps, coef, m, half, keys, o);
             }
             j0 += keys;
-        }
-#elif defined(__AVX2__) && defined(__FMA__)
-    if (half % 8 == 0 && 2 * half <= CB_MAX_DIM)
-        for (; j0 + 16 <= n; j0 += 16) {
-            const float *c = T->cos_ + (k0 + j0) * d, *sn = T->sin_ + (k0 + j0) * d;
-            for (int i0 = 0; i0 < nq; i0 += 4) {
-                const int m = nq - i0 < 4 ? nq - i0 : 4;
-                const float *coef[4];
-                float *o[4];
-                for (int i = 0; i < m; i++) {
-                    coef[i] = T->coef + ((i0 + i) / group) * row_stride + (int64_t)((i0 + i) % group) * d;
-                    o[i] = out + (int64_t)(i0 + i) * TQ_READ_KEYS + j0;
-                }
-                turn_scores_16(c, sn, T->steps, coef, m, half, o);
-            }
         }
 #endif
     for (int i = 0; i < nq; i++) {
@@ -1111,6 +1104,21 @@ static float scaled_scores(float *s, const float *k_scale, const float *extra, f
         top = _mm512_mask_max_ps(top, live, y, top);
     }
     return _mm512_reduce_max_ps(top);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+static float scaled_scores(float *s, const float *k_scale, const float *extra, float scale, int n) {
+    const __m256 by = _mm256_set1_ps(scale);
+    int j = 0;
+    for (; j + 8 <= n; j += 8) {   /* the scalar loop's arithmetic below, eight at a time */
+        const __m256 x = _mm256_loadu_ps(s + j), k = k_scale ? _mm256_loadu_ps(k_scale + j) : _mm256_set1_ps(1.0f);
+        const __m256 y = !extra ? _mm256_mul_ps(x, k_scale ? _mm256_mul_ps(k, by) : by)
+                       : k_scale ? _mm256_mul_ps(_mm256_fmadd_ps(x, k, _mm256_loadu_ps(extra + j)), by)
+                       : _mm256_mul_ps(_mm256_add_ps(x, _mm256_loadu_ps(extra + j)), by);
+        _mm256_storeu_ps(s + j, y);
+    }
+    for (; j < n; j++)
+        s[j] = !extra ? s[j] * (k_scale ? k_scale[j] * scale : scale) : ((k_scale ? s[j] * k_scale[j] : s[j]) + extra[j]) * scale;
+    return kvlab_row_max(s, n);
 }
 #else
 static float scaled_scores(float *s, const float *k_scale, const float *extra, float scale, int n) {

@@ -4,7 +4,7 @@
 #define KVLAB_ROWMATH_H
 #include <math.h>
 #include <stdint.h>
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -65,8 +65,8 @@ static inline void kvlab_transpose_tile(const float *rows, int kpad, float *kt) 
 #undef LANE_HI
 #undef LANE_LO
 
-/* the largest of s[0..n), n > 0: sixteen lanes at a time where the CPU has AVX-512, not a serial chain of compares (a nan score may or may not
- * be taken; the exponentials make the row's output nan either way) */
+/* the largest of s[0..n), n > 0: sixteen (AVX-512) or eight (AVX2) lanes at a time, not a serial chain of compares (a
+ * nan score may or may not be taken; the exponentials make the row's output nan either way) */
 static inline float kvlab_row_max(const float *s, int64_t n) {
     float top = s[0];
     int64_t j = 1;
@@ -75,6 +75,15 @@ static inline float kvlab_row_max(const float *s, int64_t n) {
         __m512 lanes = _mm512_loadu_ps(s);
         for (j = 16; j + 16 <= n; j += 16) lanes = _mm512_max_ps(_mm512_loadu_ps(s + j), lanes);   /* a > b ? a : b */
         top = _mm512_reduce_max_ps(lanes);
+    }
+#elif defined(__AVX2__)
+    if (n >= 8) {   /* eight lanes (a serial chain of compares is one max per three cycles) */
+        __m256 lanes = _mm256_loadu_ps(s);
+        for (j = 8; j + 8 <= n; j += 8) lanes = _mm256_max_ps(_mm256_loadu_ps(s + j), lanes);
+        __m128 half = _mm_max_ps(_mm256_castps256_ps128(lanes), _mm256_extractf128_ps(lanes, 1));
+        half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+        half = _mm_max_ss(half, _mm_movehdup_ps(half));
+        top = _mm_cvtss_f32(half);
     }
 #endif
     for (; j < n; j++) top = s[j] > top ? s[j] : top;
