@@ -794,6 +794,15 @@ SECTIONS = [
               "into a tile and read from it, and the weights' Q4_1 GEMV (~14 ms a token, ~7 GB/s: nibble to float "
               "conversions bound) takes half of every step.",
               read_share=True, presets=CURRENT),
+        Table("decode_presets_2threads_epyc_avx2.json", decode_contexts,
+              "kvlab bench decode --contexts 512,4k,8k --caches dense-f16,tq4,tq3,tq-k4v4 --threads 2 --repeats 2 "
+              "--steps 16 --out bench/results/decode_presets_2threads_epyc_avx2.json",
+              "The same AVX2 machine and build at 2 threads (with a row's largest score and the coded read's scaled "
+              "scores in AVX2 too): dense-f16 100 / 54 / 36 tokens/s at 512 / 4k / 8k, `tq4` 0.93 / 0.90 / 0.84x of it, "
+              "`tq-k4v4` 0.92 / 0.98 / 0.88x, `tq3` 0.75 / 0.57 / 0.38x (its +vq points are decoded one block at a time "
+              "here). The prefill column: at 2 threads the coded caches' prompt chunks (read in C) take less time than "
+              "dense-f16's (torch's chunked attention): `tq4` 24.0 s against 25.5 s at 4k, 64.6 s against 79.6 s at 8k.",
+              read_share=True, presets=CURRENT),
         Table("decode_presets_1thread_repeat.json", decode_contexts,
               "kvlab bench decode --contexts 512,2k,4k,8k --caches dense,dense-f16,tq4,tq3,tq-k4v4,int4 --threads 1 "
               "--repeats 2 --steps 16 --out bench/results/decode_presets_1thread_repeat.json",
