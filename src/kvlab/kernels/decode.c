@@ -335,28 +335,11 @@ static void matvec(const Matrix *m, const float *x, float *xsum, float *y) {
  * far fewer shuffles than a lane tree per key. The rest (and d not a multiple of 16): dot(), one key at a time. */
 static void row_scores(const float *q, const float *const *k, int n, int d, float scale, float *s) {
     int j = 0;
-#if !defined(__AVX512F__) && defined(__AVX2__)
-    /* AVX2: the same sums by the same tree, four keys at a time (sixteen keys' two-register lanes would not fit its
-     * sixteen registers, and GCC builds the fold's shuffles of two-register vectors through memory): each key's lanes
-     * 0-7 and 8-15 in two registers, each half's pairwise tree by two horizontal adds and a 128-bit add, the halves
-     * added last, as the fold adds them; the keys past the last sixteen through dot(), as there */
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+    /* AVX2: four keys at a time by the same tree (kvlab_scores4, the same bits); the keys past the last sixteen
+     * through dot(), as below */
     if (d % 16 == 0)
-        for (; j + 4 <= n / 16 * 16; j += 4) {
-            __m256 lo[4], hi[4];
-            for (int i = 0; i < 4; i++) lo[i] = hi[i] = _mm256_setzero_ps();
-            for (int c = 0; c < d; c += 16) {
-                const __m256 q0 = _mm256_loadu_ps(q + c), q1 = _mm256_loadu_ps(q + c + 8);
-                for (int i = 0; i < 4; i++) {
-                    lo[i] = _mm256_fmadd_ps(q0, _mm256_loadu_ps(k[j + i] + c), lo[i]);
-                    hi[i] = _mm256_fmadd_ps(q1, _mm256_loadu_ps(k[j + i] + c + 8), hi[i]);
-                }
-            }
-            const __m256 l = _mm256_hadd_ps(_mm256_hadd_ps(lo[0], lo[1]), _mm256_hadd_ps(lo[2], lo[3]));
-            const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(hi[0], hi[1]), _mm256_hadd_ps(hi[2], hi[3]));
-            const __m128 sums = _mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(l), _mm256_extractf128_ps(l, 1)),
-                                           _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
-            _mm_storeu_ps(s + j, _mm_mul_ps(sums, _mm_set1_ps(scale)));
-        }
+        for (; j + 4 <= n / 16 * 16; j += 4) _mm_storeu_ps(s + j, _mm_mul_ps(kvlab_scores4(q, k + j, d), _mm_set1_ps(scale)));
 #else
     if (d % 16 == 0)
         for (; j + 16 <= n; j += 16) {

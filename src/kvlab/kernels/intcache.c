@@ -232,8 +232,23 @@ static inline void tile_rows(const IntQuery *q, int64_t t0, int m, int *j0, int 
     *j1 = q->hi - t0 < m ? (int)(q->hi - t0) : m;
 }
 
+/* a query's scores of sixteen rows (kvlab_fold16 of two half_scores) */
+static inline kvlab_lanes16 row_scores16(const float *const *row, int kpad, const float *q) {
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+    return kvlab_scores16(q, row, kpad);   /* the same tree in AVX2 registers (rowmath.h) */
+#else
+    return kvlab_fold16(half_scores(row, kpad, q), half_scores(row + 8, kpad, q));
+#endif
+}
+
 /* two queries' scores of a whole tile (sixteen rows kpad apart), each key row loaded once for both */
 static inline void tile_scores(const float *tile, int kpad, const float *q0, const float *q1, kvlab_lanes16 out[2]) {
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+    const float *rows[16];   /* AVX2: query by query, four rows at a time (the same sums, rowmath.h kvlab_scores4) */
+    for (int j = 0; j < 16; j++) rows[j] = tile + j * kpad;
+    out[0] = kvlab_scores16(q0, rows, kpad);
+    out[1] = kvlab_scores16(q1, rows, kpad);
+#else
     kvlab_lanes16 halves[2][2];
     for (int h = 0; h < 2; h++) {
         const float *rows = tile + h * 8 * kpad;
@@ -251,6 +266,7 @@ static inline void tile_scores(const float *tile, int kpad, const float *q0, con
     }
     out[0] = kvlab_fold16(halves[0][0], halves[0][1]);
     out[1] = kvlab_fold16(halves[1][0], halves[1][1]);
+#endif
 }
 
 /* A tile transposed (kt[c * 16 + j] = row j's channel c, kpad channels) scores two queries with the keys in lanes:
@@ -288,6 +304,23 @@ static inline void transposed_scores(const float *kt, int kpad, const float *q0,
 #define MIX_VECTORS 4   /* sixteen-channel vectors of each query's sums held at a time */
 static inline void rows_mix_block(float *const *o, const float w[][16], const float *const *v, int first, int last,
                                   int vpad) {
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+    /* AVX2: sixteen channels at a time (the four queries' sums in eight registers, a row's two loads shared): the same
+     * sums in the same order; four vectors of two registers for four queries did not fit its sixteen registers */
+    for (int c = 0; c < vpad; c += 16) {
+        __m256 a[MIX_QUERIES][2];
+        for (int k = 0; k < MIX_QUERIES; k++) a[k][0] = _mm256_loadu_ps(o[k] + c), a[k][1] = _mm256_loadu_ps(o[k] + c + 8);
+        for (int j = first; j < last; j++) {
+            const __m256 v0 = _mm256_loadu_ps(v[j] + c), v1 = _mm256_loadu_ps(v[j] + c + 8);
+            for (int k = 0; k < MIX_QUERIES; k++) {
+                const __m256 wk = _mm256_set1_ps(w[k][j]);
+                a[k][0] = _mm256_fmadd_ps(wk, v0, a[k][0]);
+                a[k][1] = _mm256_fmadd_ps(wk, v1, a[k][1]);
+            }
+        }
+        for (int k = 0; k < MIX_QUERIES; k++) _mm256_storeu_ps(o[k] + c, a[k][0]), _mm256_storeu_ps(o[k] + c + 8, a[k][1]);
+    }
+#else
     for (int c = 0; c < vpad; c += 16 * MIX_VECTORS) {
         const int nv = (vpad - c) / 16 < MIX_VECTORS ? (vpad - c) / 16 : MIX_VECTORS;
         kvlab_lanes16 a[MIX_QUERIES][MIX_VECTORS];
@@ -302,6 +335,7 @@ static inline void rows_mix_block(float *const *o, const float w[][16], const fl
         for (int k = 0; k < MIX_QUERIES; k++)
             for (int x = 0; x < nv; x++) memcpy(o[k] + c + 16 * x, &a[k][x], sizeof a[k][x]);
     }
+#endif
 }
 
 /* The read of intcache.h, in tiles of sixteen positions. Each tile's keys are decoded once for every query (coded:
@@ -386,7 +420,7 @@ void kvlab_int_attend(const IntHead *R, const IntQuery *Q, int nq, float scale, 
                     row[j] = same ? same + j * kpad
                            : j >= m || t < Q[i].lo || t >= Q[i].hi ? none : t < coded[i] ? keys + j * kpad : exact + j * kpad;
                 }
-                scores[0] = kvlab_fold16(half_scores(row, kpad, qpad + i * kpad), half_scores(row + 8, kpad, qpad + i * kpad));
+                scores[0] = row_scores16(row, kpad, qpad + i * kpad);
             }
             for (int k = 0; k < done; k++) {
                 const kvlab_lanes16 scaled = scores[k] * scale;
