@@ -865,8 +865,8 @@ static inline int turn_in_runs(int half) { return half % 16 == 0 && half <= 64; 
 static inline int turn_run_keys(int j0, int n) { return j0 + TQ_TURN_KEYS <= n ? TQ_TURN_KEYS : 16; }
 #elif defined(__AVX2__) && defined(__FMA__)
 /* AVX2: turn_scores_16's arithmetic eight lanes a vector: sixteen keys from t0 for nq (<= 4) queries, each query's
- * coefficients turned to key t0 (half a multiple of 8), its sixteen scores in two vectors; a key's scores from its own
- * rows, one serial sum each, had made +ropemean's term a third of tq4's read on an AMD EPYC */
+ * coefficients turned to key t0 (half a multiple of 8), its sixteen scores in two vectors (scoring each key from its
+ * own rows is a serial sum per key and query: a third of tq4's read on an AVX2 AMD EPYC) */
 static void turn_scores_at(const float *cos_, const float *sin_, const float *steps, const float *const *coef, int nq,
                            int half, int keys, float *const *out) {
     (void)keys;   /* always 16 (turn_run_keys) */
