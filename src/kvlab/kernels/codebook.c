@@ -437,8 +437,8 @@ static int scalar_part_rows(const cb_part *P, const uint8_t *rows, int64_t row_b
 #elif defined(__AVX2__)
 /* AVX2: eight channels of a 2-, 3- or 4-bit part at a time straight from their bytes: the plane's bytes of the eight
  * broadcast, lane k shifted right by k codes (the permute reads only an index's low 3 bits), the table in one register
- * (2, 3 bits) or two, the second where the code's bit 3 is set (4 bits): a gather of the codes stored apart was the
- * 4-bit decode before (a read of tq4's keys spent a third of its time there on an AMD EPYC) */
+ * (2, 3 bits) or two, the second where the code's bit 3 is set (4 bits); decode_row's codes stored apart and gathered
+ * cost a read of tq4's keys a third of its time on an AVX2 AMD EPYC */
 CB_INLINE __m256 values8(const uint8_t *row, const cb_part *P, int c, const int bits, __m256 t0, __m256 t1) {
     if (bits == 4) {
         uint32_t x;
@@ -467,10 +467,12 @@ CB_INLINE void part_rows8(const cb_part *P, const uint8_t *rows, int64_t row_byt
             _mm256_storeu_ps(out + r * stride + P->lo + c, values8(rows + r * row_bytes, P, c, bits, t0, t1));
 }
 
-/* rows of one scalar part of 2 to 4 bits whose channels are whole bytes of each plane (lo and hi multiples of 8) through
- * part_rows8; 0 for any other part, which the caller decodes otherwise */
+/* whether part_rows8 reads a part: scalar, 2 to 4 bits, its channels whole bytes of each plane (lo, hi multiples of 8) */
+static int part_in_lanes8(const cb_part *P) { return !P->block && P->lo % 8 == 0 && P->hi % 8 == 0 && P->bits >= 2 && P->bits <= 4; }
+
+/* rows of one part part_in_lanes8 takes through part_rows8; 0 for any other part, which the caller decodes otherwise */
 static int scalar_part_rows(const cb_part *P, const uint8_t *rows, int64_t row_bytes, int64_t count, float *out, int64_t stride) {
-    if (P->block || P->lo % 8 || P->hi % 8 || P->bits < 2 || P->bits > 4) return 0;
+    if (!part_in_lanes8(P)) return 0;
     switch (P->bits) {
         case 2: part_rows8(P, rows, row_bytes, count, out, stride, 2); return 1;
         case 3: part_rows8(P, rows, row_bytes, count, out, stride, 3); return 1;
@@ -656,14 +658,14 @@ static void decode_blocks(const cb_part *P, const uint8_t *row, float *out, int3
 #if defined(__AVX2__)
         const __m128i sign = _mm_and_si128(_mm_sllv_epi32(_mm_set1_epi32(index), _mm_setr_epi32(31, 30, 29, 28)), _mm_set1_epi32(INT32_MIN));
         _mm_storeu_ps(out + b * CB_BLOCK, _mm_xor_ps(_mm_loadu_ps(point), _mm_castsi128_ps(sign)));   /* CB_BLOCK == 4 lanes */
-        continue;
-#endif
+#else
         for (int j = 0; j < CB_BLOCK; j++) {   /* the sign bit flipped (-x bit for bit), no branch on random signs */
             uint32_t x;
             memcpy(&x, point + j, 4);
             x ^= (uint32_t)(index >> j & 1) << 31;
             memcpy(out + b * CB_BLOCK + j, &x, 4);
         }
+#endif
     }
 }
 
@@ -700,8 +702,7 @@ void kvlab_cb_decode_rows(const cb_layout *L, const uint8_t *rows, int64_t row_b
     }
 #if defined(__AVX2__) && !defined(__AVX512F__)
     int whole = L->d == L->dpad;   /* AVX2, every part one scalar_part_rows reads: part by part, each table loaded once */
-    for (int p = 0; p < L->n_parts; p++)
-        whole &= !L->part[p].block && L->part[p].lo % 8 == 0 && L->part[p].hi % 8 == 0 && L->part[p].bits >= 2 && L->part[p].bits <= 4;
+    for (int p = 0; p < L->n_parts; p++) whole &= part_in_lanes8(&L->part[p]);
     if (whole) {
         for (int p = 0; p < L->n_parts; p++) scalar_part_rows(&L->part[p], rows, row_bytes, count, out, stride);
         return;
