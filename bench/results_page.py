@@ -7,12 +7,9 @@ command that reproduces it.
 Each file in bench/results is either a table on the page (SECTIONS) or listed as raw data (RAW), never neither: the
 script refuses a results file it does not know, and a named one that is missing, unless its table `needs` hardware
 this project's machines lack (a GPU): until that file is measured the page prints its command. A file that records its
-own `command` is shown with it; the others take theirs from the tables below. A file says `tq4` and `tq3` for what
-those names stood for when it was measured: the bare method before they named presets, then `tq4` for
-`tq4.125+prerope+norms8+sink1+kscale=lsq+vscale=lsq`, now for `tq-k4v4+ropemean+norms8+sink1+kscale=lsq+vscale=lsq`;
-`tq3` for `tq-k3.5v3.125+prerope+vq+norms8+sink1`, now for `tq-k3.5v3+ropemean+vq+norms8+sink1+kscale=lsq+vscale=lsq`.
-Each table lists in `presets` what the names meant in its file, and the page prints the name of today (in its rows
-and in its command); a note under a table speaks of the rows by the names its file used.
+own `command` is shown with it; the others take theirs from the tables below. Where a file's `tq4` or `tq3` is a
+recipe other than the preset of that name (the bare method, or keys coded before RoPE), its table's `presets` says
+which, and the page prints that recipe in full (in its rows and in its command); notes name recipes the same way.
 """
 
 from __future__ import annotations
@@ -52,19 +49,21 @@ def table(header: list[str], rows: list[list[str]], right: set[int] = frozenset(
     return "\n".join(lines)
 
 
+# What a results file's `tq4` / `tq3` measured, where that is not the preset of the same name (a table's `presets`).
 _PRESET_HEAD = re.compile(r"^(pool:)?(tq[34])(?=$|\+)")
-TQ4_125 = "tq4.125+prerope+norms8+sink1+kscale=lsq+vscale=lsq"   # what `tq4` named from its first preset on
-BOTH = (("tq4", "tq-k4v4"), ("tq3", "tq-k3v3"))   # measured before either preset existed: both the bare method
-TQ3 = (("tq4", TQ4_125), ("tq3", "tq-k3v3"))      # measured after tq4 named a preset, before tq3 did
-TQ3_PREROPE = "tq-k3.5v3.125+prerope+vq+norms8+sink1"   # what `tq3` named from its first preset on
-PRESETS_125 = (("tq4", TQ4_125), ("tq3", TQ3_PREROPE))   # both presets, tq4 its 4.125-bit recipe, tq3 before RoPE
-TQ3_BEFORE_ROPEMEAN = (("tq3", TQ3_PREROPE),)     # tq4 as today, tq3 its recipe with keys before RoPE
-CURRENT = ()                                      # measured with today's presets
+TQ4_125 = "tq4.125+prerope+norms8+sink1+kscale=lsq+vscale=lsq"   # keys before RoPE, an eighth of channels at 5 bits
+TQ3_PREROPE = "tq-k3.5v3.125+prerope+vq+norms8+sink1"            # the 3-bit-class recipe with keys before RoPE
+BOTH = (("tq4", "tq-k4v4"), ("tq3", "tq-k3v3"))          # tq4 / tq3: the bare method at 4 / 3 bits
+TQ3 = (("tq4", TQ4_125), ("tq3", "tq-k3v3"))             # tq4: TQ4_125; tq3: the bare method
+PRESETS_125 = (("tq4", TQ4_125), ("tq3", TQ3_PREROPE))   # tq4: TQ4_125; tq3: TQ3_PREROPE
+TQ3_BEFORE_ROPEMEAN = (("tq3", TQ3_PREROPE),)            # tq4: the preset; tq3: TQ3_PREROPE
+HF_PRESETS = (("tq4", "tq4.125+norms8+sink1+kscale=lsq+vscale=lsq"),   # the presets as transformers runs them
+              ("tq3", "tq-k4v3+vq+norms8+sink1"))                      # (keys after RoPE: no +prerope, no +ropemean)
+CURRENT = ()                                             # tq4 / tq3: the presets
 
 
 def current_name(name: str, presets: tuple[tuple[str, str], ...]) -> str:
-    """A name as its file said it -> today's: in a file measured before the presets 'tq4+sink1' was the bare method,
-    'tq-k4v4+sink1' today."""
+    """A name as its file spells it -> the recipe it measured: with `BOTH`, 'tq4+sink1' is 'tq-k4v4+sink1'."""
     def rename(m: re.Match) -> str:
         return (m.group(1) or "") + dict(presets).get(m.group(2), m.group(2))
     return _PRESET_HEAD.sub(rename, name)
@@ -151,6 +150,8 @@ def decode_contexts(data, opt) -> str:
     """`kvlab bench decode --contexts`: decode tokens/s by context (rows) and cache (columns), × the baseline."""
     caches, contexts, cell = [], [], {}
     for r in data["results"]:
+        if opt.rows and r["cache"] not in opt.rows:
+            continue
         name = current_name(r["cache"], opt.presets)
         if name not in caches:
             caches.append(name)
@@ -185,25 +186,12 @@ def decode_prefill(data, opt) -> str:
 
 
 def served_step(data, opt) -> str:
-    """bench/served_step.py: the engine's decode step alone, one row per block format (with --rounds: each format's
-    tok/s over the first format's, median and range of the rounds' ratios)."""
-    import statistics
-
-    rounds = data.get("rounds", 1)
-    first = code(current_name(data["results"][0]["blocks"], opt.presets))
-    rows = []
-    for r in data["results"]:
-        row = [code(current_name(r["blocks"], opt.presets)), str(data["sequences"]), f"{r['step_ms']:.1f}",
-               num(r["output_tokens_per_s"])]
-        if rounds > 1:
-            ratios = r["tokens_per_s_vs_first"]
-            row.append(f"{statistics.median(ratios):.2f}× ({min(ratios):.2f}–{max(ratios):.2f})")
-        rows.append(row)
-    head = ["blocks", "sequences", "ms a step", "out tok/s"] + ([f"× {first} (rounds)"] if rounds > 1 else [])
-    across = (f", {rounds} rounds alternating the formats' order (medians of the rounds' medians)" if rounds > 1
-              else "")
+    """bench/served_step.py: the engine's decode step alone, one row per block format."""
+    rows = [[code(current_name(r["blocks"], opt.presets)), str(data["sequences"]), f"{r['step_ms']:.1f}",
+             num(r["output_tokens_per_s"])] for r in data["results"]]
     return (f"{data['sequences']} sequences of {data['prompt_tokens']:,}-token prompts, {data['threads']} "
-            f"thread(s), decode steps only{across}:\n\n" + table(head, rows, right=set(range(1, len(head)))))
+            f"thread(s), decode steps only:\n\n"
+            + table(["blocks", "sequences", "ms a step", "out tok/s"], rows, right={1, 2, 3}))
 
 
 def throughput(data, opt) -> str:
@@ -221,25 +209,6 @@ def throughput(data, opt) -> str:
             + table(["workload", "contender", "max batch", "blocks", "prefix cache", "requests", "out tok/s",
                      "× sequential", "TTFT p50 ms", "TPOT p50 / p99 ms", "peak KV MB", "preemptions"], rows,
                     right={2, 5, 6, 7, 8, 9, 10, 11}))
-
-
-def ab_runs(data, opt) -> str:
-    """Two commits' runs of one command, alternated: each row's runs, medians and the after/before ratio of medians.
-    A row is named by its `labels` under the file's `columns` (blocks and prefix cache where a file names neither)."""
-    import statistics
-
-    rows = []
-    for r in data["rows"]:
-        before, after = statistics.median(r["before"]), statistics.median(r["after"])
-        pairs = [a / b for a, b in zip(r["after"], r["before"])]
-        labels = r.get("labels") or [r["blocks"], r["prefix_caching"]]
-        rows.append([code(labels[0]), *labels[1:], num(before), num(after), f"{after / before:.2f}×",
-                     f"{min(pairs):.2f}–{max(pairs):.2f}×"])
-    columns = data.get("columns", ["blocks", "prefix cache"])
-    return (f"{data['what']}: `{data['before']}` against `{data['after']}`, {len(data['rows'][0]['before'])} rounds "
-            f"alternated, {data['metric']}:\n\n"
-            + table([*columns, "before (median)", "after (median)", "after / before", "round ratios"], rows,
-                    right=set(range(len(columns), len(columns) + 4))))
 
 
 def serve(data, opt) -> str:
@@ -352,27 +321,14 @@ def prefill_caches(data, opt) -> str:
             + table(["cache", "CPU time", "× dense", "prefill RSS growth", "cache MiB"], rows, right={1, 2, 3, 4}))
 
 
-def served_answers(data, opt) -> str:
-    caches = list(data["answers"])
-    rows = [[q] + [data["answers"][c][i].replace("|", "/") for c in caches] for i, q in enumerate(data["questions"])]
-    return table(["question"] + [code(c) for c in caches], rows)
-
-
-def passkey_tie(data, opt) -> str:
-    toks = data["answer_tokens"]
-    rows = [[code(c)] + [f"{x:+.2f}" for x in leads] for c, leads in data["leads"].items()]
-    t = data["trial"]
-    return (f"Trial: {t['filler']:,} filler tokens, depth {t['depth']}, key {t['key']}. Each cell is the lead of the "
-            "answer token's logit over the best other token (negative: greedy decoding leaves the answer there):\n\n"
-            + table(["cache"] + [code(repr(x)[1:-1]) for x in toks], rows, right=set(range(1, len(toks) + 1))))
-
-
 def eval_text(data, opt) -> str:
     """`kvlab eval`'s text part: greedy continuations of 54 fixed prompts against the reference's (the first record:
-    dense, or transformers' own cache `hf:dynamic`)."""
+    dense, or transformers' own cache `hf:dynamic`); with `rows`, only those caches besides the reference."""
     dense = data[0]["text"]
     rows = []
     for r in data:
+        if opt.rows and r is not data[0] and r["cache"] not in opt.rows:
+            continue
         t = r["text"]
         change = (lambda key: "—" if r is data[0] or not dense[key] else f"{t[key] / dense[key] - 1:+.0%}")
         rows.append([code(current_name(r["cache"], opt.presets)), pct(r["ppl_delta_pct"]),
@@ -427,7 +383,7 @@ def kv_store(data, opt) -> str:
 def gpu_check(data, opt) -> str:
     """bench/gpu_check.py: kvlab's torch path on a CUDA device against a recompute, the CPU, transformers and the
     serving engine, and module-path decode speed."""
-    presets = opt.presets if opt else CURRENT   # a run just made (its test) names today's presets
+    presets = opt.presets if opt else CURRENT   # a run just made (its test) names the presets
     m = data["model"]
     out = [f"{data['device_name']} (torch {data['torch']}, CUDA {data['cuda']}, transformers "
            f"{data['transformers_version']}); a random llama of {m['num_hidden_layers']} layers, d_model "
@@ -491,10 +447,6 @@ def f4(x):
     return "—" if x is None else f"{x:.4f}"
 
 
-def pct_change(x):
-    return "—" if x is None else f"{x:+.1f}%"
-
-
 def ratio(x):
     return "—" if x is None else f"{x:.2f}×"
 
@@ -515,8 +467,8 @@ class Table:
     render: Callable
     command: str = ""            # used when the JSON records none
     note: str = ""               # one or two sentences under the table
-    rows: tuple[str, ...] = ()   # eval files: only these caches (the others are superseded by another table)
-    presets: tuple[tuple[str, str], ...] = TQ3   # (name, what it stood for) where the file's tq4 / tq3 meant otherwise
+    rows: tuple[str, ...] = ()   # eval and decode_contexts files: only these caches, as the file names them
+    presets: tuple[tuple[str, str], ...] = TQ3   # (name, recipe measured) for a file's non-preset tq4 / tq3
     read_share: bool = False     # decode_contexts: each cell's share of the measured read limit
     dense_row: bool = False      # eval files: show the dense reference row
     part: str = ""               # 'a.b': render data["a"]["b"] (one part of a file with several)
@@ -544,84 +496,40 @@ SECTIONS = [
         Table("quality_tq4_ropemean.json", eval_quality,
               'kvlab eval --caches "tq-k4v4+ropemean+sink1+norms8+kscale=lsq+vscale=lsq" --threads 2 '
               "--out bench/results/quality_tq4_ropemean.json",
-              "`tq4`'s recipe: keys coded after RoPE around their offset turned to each position, read on their "
-              "codes. The same run found the passkey in 9 of 9 trials, as dense did; its text is in the last "
-              "section.", dense_row=True,
-              presets=TQ3_BEFORE_ROPEMEAN),
-        Table("quality_tq4_recipes.json", eval_quality,
-              'kvlab eval --caches "tq4,tq-k4v4+prerope+norms8+sink1+kscale=lsq+vscale=lsq" --threads 2 '
-              "--out bench/results/quality_tq4_recipes.json",
-              "The same protocol for the keys-before-RoPE recipes: with an eighth of the channels at 5 bits (the "
-              "first row), and at 4 bits throughout; both found the passkey in 9 of 9 trials. Decode speed of all "
-              "three: the decode section.",
-              presets=PRESETS_125),
+              "The `tq4` preset: keys coded after RoPE around their offset turned to each position, read on their "
+              "codes. The same run finds the passkey in 9 of 9 trials, as dense does; its text is in the last "
+              "section.", dense_row=True, presets=CURRENT),
+        Table("quality_tq3_ropemean.json", eval_quality,
+              'kvlab eval --caches "tq-k3.5v3+ropemean+vq+norms8+sink1+kscale=lsq+vscale=lsq" --threads 2 '
+              "--out bench/results/quality_tq3_ropemean.json",
+              "The `tq3` preset: `tq4`'s levers at ~3 bits, its values' 3-bit codes in blocks of 4 coordinates "
+              "(`+vq`), no calibration. Every passkey found; its text is in the last section.", presets=CURRENT),
+        Table("quality_tq3_halloc.json", eval_quality,
+              'kvlab eval --caches "tq3+halloc" --windows 16 --seeds 0,1,2 --no-passkey --no-text --threads 1 '
+              "--out bench/results/quality_tq3_halloc.json",
+              "`tq3+halloc`, calibrated once per model: a key and a value width per layer and KV head at the same "
+              "total, +2.42% where `tq3` measures +2.80%, at 4.68× smaller than bf16.", presets=CURRENT),
         Table("quality_tq4.json", eval_quality,
               "kvlab eval --caches tq4,tq4+halloc --seeds 0,1,2 --no-passkey --threads 2 --out bench/results/quality_tq4.json",
-              "`tq4` is the preset `tq4.125+prerope+norms8+sink1+kscale=lsq+vscale=lsq` (no calibration pass); "
-              "`tq4+halloc` adds a key and value width per layer and KV head, calibrated once per model (~2.5 min on "
-              "SmolLM2, then read from disk).", dense_row=True),
+              f"`{TQ4_125}` codes its keys before RoPE (`+prerope`, rebuilt when read) with an eighth of the channels "
+              "at 5 bits, no calibration pass; `+halloc` adds a key and value width per layer and KV head, calibrated "
+              "once per model (~2.5 min on SmolLM2, then read from disk).", dense_row=True),
         Table("quality_tq4_seeds345.json", eval_quality,
               'kvlab eval --caches "tq4,tq-k4.25v4+prerope+norms8+sink1+kscale=lsq+vscale=lsq" --seeds 3,4,5 --no-passkey '
               "--threads 2 --out bench/results/quality_tq4_seeds345.json",
-              "Three more rotation seeds; with the table above, `tq4` is +1.11% over six seeds. The second row is the same "
-              "bytes with the extra bits on the keys (+1.04% over six seeds; it answers two of five chat questions "
-              "unlike dense when served, see the serving section)."),
-        Table("quality_tq4_halloc_seeds345.json", eval_quality,
-              "kvlab eval --caches tq4+halloc --seeds 3,4,5 --no-passkey --threads 1 "
-              "--out bench/results/quality_tq4_halloc_seeds345.json",
-              "With seeds 0–2 above: `tq4+halloc` is +0.81% over six seeds."),
-        Table("quality_tq_k425.json", eval_quality,
-              'kvlab eval --caches "tq-k4.25v4+prerope+norms8+sink1+kscale=lsq+vscale=lsq" --seeds 0,1,2 --no-passkey '
-              "--threads 2 --out bench/results/quality_tq_k425.json"),
+              f"Three more rotation seeds: with the table above, `{TQ4_125}` is +1.11% over six seeds.",
+              rows=("tq4",)),
         Table("quality_tq_k4v4.json", eval_quality,
               "kvlab eval --caches tq-k4v4 --seeds 0,1,2 --no-passkey --threads 2 --out bench/results/quality_tq_k4v4.json",
               "`tq-k4v4` is the bare TurboQuant method at 4 bits (rotation + Lloyd-Max codes with kvlab's key offset, "
               "renormalized scale and query-aware key weights; nothing kept in full precision).",
               rows=("dense", "tq4"), presets=BOTH),
-        Table("quality_no_calibration.json", eval_quality,
-              "kvlab eval --caches tq-k4v4+prerope+sink1 --seeds 0,1,2 --no-passkey --threads 2 "
-              "--out bench/results/quality_no_calibration.json",
-              "Keys coded before RoPE and the first token kept exact: the two levers of the preset, at whole 4-bit widths.",
-              rows=("dense", "tq4+prerope+sink1"), presets=BOTH),
-        Table("quality_ropemean.json", eval_quality,
-              'kvlab eval --caches "tq4,tq-k4v4+ropemean+sink1+norms8+kscale=lsq+vscale=lsq,'
-              'tq-k4v4+prerope+sink1+norms8+kscale=lsq+vscale=lsq" --windows 8 --seeds 0,1,2 --no-passkey --no-text '
-              "--threads 2 --out bench/results/quality_ropemean.json",
-              "Keys after RoPE around their turned offset (`+ropemean`) against keys before RoPE (`+prerope`, the "
-              "`tq4` preset's lever) at the same bytes: the offset and the energy left to code are the same, but the "
-              "key weights can only be one per RoPE pair (RoPE must turn the weighted key as the key), which costs "
-              "about 0.3 points of perplexity.", presets=PRESETS_125),
-        Table("quality_ropemean_b.json", eval_quality,
-              'kvlab eval --caches "tq-k4.25v4+ropemean+sink1+norms8+kscale=lsq+vscale=lsq,'
-              'tq-k4v4+ropemean+sink1+kscale=lsq+vscale=lsq" --windows 8 --seeds 0,1,2 --no-passkey --no-text '
-              "--threads 2 --out bench/results/quality_ropemean_b.json",
-              "The same protocol: `+ropemean` at `tq4`'s bytes (16-bit scales, or a quarter bit more for the keys) "
-              "stays about 0.3 points behind `tq4`.", presets=PRESETS_125),
-        Table("quality_ropemean_text.json", eval_quality,
-              'kvlab eval --caches "tq4,tq-k4v4+ropemean+sink1+kscale=lsq+vscale=lsq" --windows 1 --seeds 0 --threads 2 '
-              "--out bench/results/quality_ropemean_text.json",
-              "The text `+ropemean` writes and the passkeys it finds (one window: its perplexity column is noise, the "
-              "tables above measure it): every passkey, the chat answers as dense's, no more repetition than dense.",
-              presets=PRESETS_125),
         Table("quality_recipes.json", eval_quality,
               'kvlab eval --caches "tq-k4v4+prerope+sink1+halloc+kscale=lsq,tq-k3.1v3.08+prerope+sink1+halloc+vq+norms8" '
               "--seeds 0,1,2 --no-passkey --threads 2 --out bench/results/quality_recipes.json",
-              "The second row is the best 3-bit-class cache measured: per-head widths, block codes (`+vq`) and 8-bit "
-              "log scales (`+norms8`) at 4.91× smaller than bf16.", presets=BOTH),
-        Table("quality_norms8_recipes.json", eval_quality,
-              'kvlab eval --caches "tq-k4.15v4.15+prerope+sink1+halloc+kscale=lsq+norms8,'
-              'tq-k4.2v4.1+prerope+sink1+halloc+kscale=lsq+norms8" --seeds 0,1,2 --no-passkey --threads 2 '
-              "--out bench/results/quality_norms8_recipes.json",
-              "Calibrated 4-bit-class recipes that spend the bytes 8-bit scales free on 0.15 more code bits. The "
-              "calibrated recipe picks every head's widths from the pooled total, so the two spellings give one cache."),
-        Table("quality_norms8_recipes_b.json", eval_quality,
-              'kvlab eval --caches "tq-k4.15v4.15+prerope+sink1+halloc+kscale=lsq+vscale=lsq+norms8,'
-              'tq-k4.15v4.15+prerope+sink1+halloc+kscale=lsq+center=kv+norms8" --seeds 0,1,2 --no-passkey --threads 2 '
-              "--out bench/results/quality_norms8_recipes_b.json"),
-        Table("quality_norms8_recipes_seeds345.json", eval_quality,
-              'kvlab eval --caches "tq-k4.15v4.15+prerope+sink1+halloc+kscale=lsq+vscale=lsq+norms8,'
-              'tq-k4.15v4.15+prerope+sink1+halloc+kscale=lsq+norms8" --seeds 3,4,5 --no-passkey --threads 2 '
-              "--out bench/results/quality_norms8_recipes_seeds345.json"),
+              "A calibrated 3-bit-class recipe: per-head widths, block codes (`+vq`) and 8-bit log scales "
+              "(`+norms8`), under +3% at 4.91× smaller than bf16.",
+              rows=("tq-k3.1v3.08+prerope+sink1+halloc+vq+norms8",), presets=BOTH),
         Table("compression.json", eval_quality, "python bench/compression.py --parts quality --threads 1",
               "The integer caches in one run (no rotation seed); `+g64`: key groups of 64 tokens, `+recent128`: the "
               "newest 128 tokens kept exact. The same file holds the suite's other parts (`--parts passkey`, `layers`, "
@@ -629,64 +537,18 @@ SECTIONS = [
               rows=("int8", "int4", "int4+g64", "int4+recent128"), part="quality.records", presets=BOTH),
         Table("quality_seeds.json", eval_quality,
               "kvlab eval --caches int4,tq5,tq3 --seeds 0,1,2 --no-passkey --threads 1 --out bench/results/quality_seeds.json",
-              "KIVI-style `int4` and the bare TurboQuant method at 5 and 3 bits. The TurboQuant rows come from a run in "
-              "which a layer's first chunk was read back through its codes; reading it exact, as the code does now, "
-              "moved `tq-k4v4` from +3.17% to +2.67%, so expect tq5/tq3 to differ by a few tenths of a point today.",
+              "KIVI-style `int4` and the bare TurboQuant method at 5 and 3 bits. In this run the TurboQuant caches read "
+              "a layer's first chunk back through its codes; kvlab reads it exact, which puts `tq-k4v4` at +2.67% "
+              "(the table above) where reading it through its codes gives +3.17%, so `tq5` and `tq-k3v3` are within "
+              "a few tenths of a point of these rows.",
               rows=("dense", "int4", "tq5", "tq3"), presets=BOTH),
-        Table("quality_tq3_candidates.json", eval_quality,
-              'kvlab eval --caches "tq3.125+prerope+norms8+sink1+vq+kscale=lsq+vscale=lsq,tq3.125+prerope+norms8+sink1+vq" '
-              "--windows 16 --seeds 0,1,2 --no-passkey --no-text --threads 1 --out bench/results/quality_tq3_candidates.json",
-              "Candidates for a `tq3` preset: the `tq4` preset's levers at 3 bits (keys before RoPE, the first token "
-              "exact, 8-bit log scales, block codes), no calibration."),
-        Table("quality_tq3_candidates_b.json", eval_quality,
-              'kvlab eval --caches "tq3.25+prerope+norms8+sink1+vq,tq-k3.5v3+prerope+norms8+sink1+vq" '
-              "--windows 16 --seeds 0,1,2 --no-passkey --no-text --threads 1 --out bench/results/quality_tq3_candidates_b.json",
-              "A quarter bit more (4.66× smaller than bf16): closer to +3%, not under it."),
-        Table("quality_tq3_candidates_c.json", eval_quality,
-              'kvlab eval --caches "tq-k3.5v3.25+prerope+norms8+sink1+vq,tq-k3.5v3.25+prerope+norms8+sink1+vq+kscale=lsq" '
-              "--windows 16 --seeds 0,1,2 --no-passkey --no-text --threads 1 --out bench/results/quality_tq3_candidates_c.json",
-              "Half a bit more for the keys than the values: +2.61%, under +3% without calibration, at 4.499× smaller "
-              "than bf16 (just short of 4.5×)."),
-        Table("quality_tq3_candidates_d.json", eval_quality,
-              'kvlab eval --caches "tq-k3.5v3.125+prerope+norms8+sink1+vq,tq-k3.375v3.25+prerope+norms8+sink1+vq" '
-              "--windows 16 --seeds 0,1,2 --no-passkey --no-text --threads 1 --out bench/results/quality_tq3_candidates_d.json",
-              "`tq-k3.5v3.125+prerope+norms8+sink1+vq` is the first no-calibration 3-bit-class cache under +3% at "
-              "≥ 4.5× smaller than bf16: +2.89% at 4.58×."),
-        Table("quality_tq3_preset.json", eval_quality,
-              'kvlab eval --caches "tq3+halloc,tq3" --windows 16 --seeds 0,1,2 --no-passkey --no-text --threads 2 '
-              "--out bench/results/quality_tq3_preset.json",
-              "The `tq3` preset names that recipe (`tq-k3.5v3.125+prerope+vq+norms8+sink1`), as `tq4` names its own; "
-              "`tq3+halloc` is the calibrated one (a key and a value width per layer and KV head at the same total). At 2 threads "
-              "the preset measures +2.80% where the 1-thread run above measured +2.89%: the thread count changes the "
-              "order of fp32 sums, and the seeds' spread is ±0.3–0.4 points.", presets=PRESETS_125),
-        Table("quality_tq3_halloc.json", eval_quality,
-              'kvlab eval --caches "tq3+halloc" --windows 16 --seeds 0,1,2 --no-passkey --no-text --threads 1 '
-              "--out bench/results/quality_tq3_halloc.json",
-              "`tq3+halloc`, calibrated once per model: a key and a value width per layer and KV head at the same "
-              "total, +2.42% where `tq3` measures +2.80%, at 4.68x smaller than bf16.", presets=CURRENT),
-        Table("quality_tq3_ropemean_screen.json", eval_quality,
-              'kvlab eval --caches "tq3,tq-k3.5v3+ropemean+vq+norms8+sink1+kscale=lsq+vscale=lsq,'
-              'tq-k3v3+ropemean+vq+norms8+sink1+kscale=lsq+vscale=lsq,tq-k4v3+ropemean+vq+norms8+sink1+kscale=lsq+vscale=lsq" '
-              "--no-passkey --no-text --threads 2 --out bench/results/quality_tq3_ropemean_screen.json",
-              "3-bit-class recipes whose keys are coded after RoPE around their turned offset (`+ropemean`), read on "
-              "their codes: `tq-k3.5v3+ropemean+vq+norms8+sink1+kscale=lsq+vscale=lsq` holds `tq3`'s perplexity "
-              "(+2.84% against +2.74%, the intervals overlapping) at 4.67× smaller than bf16 (4,938 B/token against "
-              "5,032), with KL 0.0375 against 0.0325; 3-bit keys cost a point more, 4-bit keys fall under 4.5×.",
-              presets=TQ3_BEFORE_ROPEMEAN),
-        Table("quality_tq3_ropemean.json", eval_quality,
-              'kvlab eval --caches "tq-k3.5v3+ropemean+vq+norms8+sink1+kscale=lsq+vscale=lsq" --threads 2 '
-              "--out bench/results/quality_tq3_ropemean.json",
-              "That recipe with passkey and text: +2.80% [2.34, 3.28], every passkey found, 19 of the 20 chat "
-              "questions answered as dense; its mean longest repeated run is 22% longer than dense's (`tq3`'s within "
-              "7%), distinct 4-grams 1% fewer, at this one rotation seed; over three seeds its run is 7.6% longer "
-              "(`text_tq3_seeds.json`, the last section), within a tenth of dense's, and it is the `tq3` preset now.",
-              presets=TQ3_BEFORE_ROPEMEAN),
     ]),
     Section("Passkey retrieval",
             "`kvlab eval`'s passkey test: a 5-digit key hidden in King Lear filler at depths 25/50/75% of 1,000 / "
             "3,000 / 6,000 tokens, asked back through the chat template with the answer primed by \"The pass key is\"; "
             "TurboQuant caches cycle through rotation seeds 0/1/2. The key margin is the smallest logit lead of the "
-            "key's tokens over the best other token (negative: the answer leaves the key).", [
+            "key's tokens over the best other token (negative: the answer leaves the key). The presets' 9 trials are "
+            "in their quality runs above.", [
         Table("passkey_tq4.json", eval_passkey,
               "kvlab eval --caches tq4,tq4+halloc,tq-k4v4 --windows 1 --seeds 0,1,2 --passkey-repeats 3 --threads 2 "
               "--out bench/results/passkey_tq4.json",
@@ -694,262 +556,119 @@ SECTIONS = [
         Table("passkey_other_caches.json", eval_passkey,
               'kvlab eval --caches "int4,tq5,tq-k3.1v3.08+prerope+sink1+halloc+vq+norms8" --windows 1 --seeds 0,1,2 '
               "--threads 1 --out bench/results/passkey_other_caches.json"),
-        Table("passkey_tq3_candidate.json", eval_passkey,
-              'kvlab eval --caches "tq-k3.5v3.125+prerope+norms8+sink1+vq" --windows 1 --seeds 0,1,2 --no-text '
-              "--threads 2 --out bench/results/passkey_tq3_candidate.json",
-              "The no-calibration 3-bit-class candidate (+2.89%, 4.58× smaller than bf16)."),
-        Table("passkey_tie.json", passkey_tie,
-              'python bench/passkey_tie.py "dense,tq4+seed0,tq4+seed1,tq4+seed2,tq4+halloc+seed1,tq-k4v4+seed1"',
-              "Without the primed answer (`--no-passkey-prime`) one trial turns on dense's own 0.87-logit choice of "
-              "\" pass\" over \" passage\": the rotation seed moves that lead, and a count of nine unprimed trials "
-              "measures that coin flip. Once on the answer every cache reads the digits with leads above +3."),
     ]),
     Section("Decode speed by context",
             "SmolLM2-135M-Instruct (Q4_1 GGUF, native weights, fp32), batch 1: a prompt of each length, then greedy "
             "one-token steps through the fused C step; caches interleaved in every repeat. Compare ratios within a "
-            "table: absolute speed depends on the machine and its load.", [
-        Table("decode_preset.json", decode_contexts,
-              'kvlab bench decode --contexts 512,2k,4k --caches "dense,tq-k4v4,tq4,tq4+halloc" --threads 1 --repeats 3 '
-              "--steps 16 --out bench/results/decode_preset.json"),
-        Table("decode_recipes.json", decode_contexts,
-              'kvlab bench decode --contexts 512,2k,4k --caches "dense,tq-k4v4,'
-              "tq-k4.15v4.15+prerope+sink1+halloc+kscale=lsq+vscale=lsq+norms8,"
-              'tq-k3.1v3.08+prerope+sink1+halloc+vq+norms8" --threads 1 --repeats 3 --steps 16 '
-              "--out bench/results/decode_recipes.json", presets=BOTH),
-        Table("decode_caches_1thread.json", decode_contexts,
-              "kvlab bench decode --contexts 512,4k,8k --caches dense,dense-f16,tq4,tq-k4v4,int4 --threads 1 --repeats 2 "
-              "--steps 16 --out bench/results/decode_caches_1thread.json",
-              "16-bit K/V are read in place, converted in registers, and each value row is summed whole; the "
-              "`tq4` preset rebuilds every key before RoPE (a Hadamard transform, its scale and RoPE per key), which "
-              "costs more than it saves in bytes at one thread.", read_share=True),
-        Table("decode_tq4_recipes_1thread.json", decode_contexts,
-              'kvlab bench decode --contexts 512,4k,8k --caches "dense-f16,tq4,'
-              'tq-k4v4+prerope+norms8+sink1+kscale=lsq+vscale=lsq" --threads 1 --repeats 2 --steps 16 '
-              "--out bench/results/decode_tq4_recipes_1thread.json",
-              "Keys coded before RoPE are rebuilt one by one when read (decode, a Hadamard transform, a scale, RoPE): "
-              "at 4 bits throughout 0.92 / 0.88 / 0.84x `dense-f16`; with an eighth of the channels at 5 bits, which "
-              "splits every key and value row into two parts read apart, 0.87 / 0.79 / 0.72x.",
-              read_share=True, presets=PRESETS_125),
-        Table("decode_tq4_ropemean_1thread.json", decode_contexts,
-              'kvlab bench decode --contexts 512,4k,8k --caches "dense-f16,tq-k4v4,'
-              'tq-k4v4+ropemean+sink1+norms8+kscale=lsq+vscale=lsq" --threads 1 --repeats 2 --steps 16 '
-              "--out bench/results/decode_tq4_ropemean_1thread.json",
-              "`tq4`'s recipe (the last row) against the bare method: read on the codes like it, plus one d-wide dot "
-              "per key and query for the turned offset: 0.98 / 1.05 / 1.06x `dense-f16` where the bare method is "
-              "1.00 / 1.15 / 1.26x.", read_share=True, presets=TQ3_BEFORE_ROPEMEAN),
-        Table("decode_presets_1thread.json", decode_contexts,
-              "kvlab bench decode --contexts 512,2k,4k,8k --caches dense,dense-f16,tq4,tq3,tq-k4v4,int4 --threads 1 "
-              "--repeats 2 --steps 16 --out bench/results/decode_presets_1thread.json",
-              "The presets against the bare method, on an Intel Xeon. `tq4` reads its codes in registers as "
-              "`tq-k4v4` does (64 channels at 4 bits: a dot and a mix of their own, the queries held in registers), "
-              "plus each key's turned offset (64 keys per turn of the coefficients): 1.00 / 1.18 / 1.29 / 1.48x "
-              "`dense-f16` at 512 / 2k / 4k / 8k tokens, where `tq-k4v4` is 1.02 / 1.27 / 1.40 / 1.69x. Against the "
-              "run before this one (tq4 0.97 / 1.11 / 1.28 / 1.41x): the fused step checks a token once and keeps its "
-              "C view while the cache holds the same buffers (~35 us of Python a step instead of ~230), reads a long "
-              "context's coded keys 512 to a chunk, and takes a query's softmax in two vector passes. `tq3` codes its "
-              "keys the same way (after RoPE, around the turned offset) and reads its 3-bit blocks of 4 coordinates "
-              "(+vq) in registers: 0.95 / 1.05 / 1.06 / 1.11x. Looking up a point per 4 coordinates, not bytes, "
-              "bounds it (28% of the read limit at 8k). At 8k dense-f16 reads at 53% of the measured read limit "
-              "(13.7 GB/s, best of 9 samples, where the run before measured 11.9), tq4 at 40%, tq-k4v4 at 46%. The "
-              "prefill column: an 8k prompt takes tq4 1.4x dense-f16's time and tq3 2.3x, since a prompt chunk's "
-              "queries read the coded keys the way a decode step does.",
-              read_share=True, presets=CURRENT),
+            "table: absolute speed depends on the machine and its load. Three machines: an Intel Xeon (AVX-512, AMX), "
+            "an AMD EPYC with AVX-512, and an AMD EPYC with AVX2 only.", [
         Table("decode_presets_1thread_xeon.json", decode_contexts,
               "kvlab bench decode --contexts 512,2k,4k,8k --caches dense,dense-f16,tq4,tq3,tq-k4v4,int4 --threads 1 "
               "--repeats 2 --steps 16 --out bench/results/decode_presets_1thread_xeon.json",
-              "The current build on an Intel Xeon (AVX-512, AMX), the table above's command: `tq4` 0.98 / 1.25 / 1.41 / "
-              "1.57x `dense-f16` at 512 / 2k / 4k / 8k tokens, `tq3` 0.97 / 1.11 / 1.19 / 1.23x, `tq-k4v4` 1.06 / 1.34 / "
-              "1.52 / 1.75x, `int4` (its codes read in registers) 1.00 / 1.06 / 1.08 / 1.09x. At 8k dense-f16 reads at "
-              "54% of the measured read limit (14.1 GB/s), tq4 at 43%, tq3 at 32%. The prefill column: a prompt chunk's "
-              "tokens are coded in C (the fused step's and the pool's coder) and its queries read a tile's codes decoded "
-              "once for all of them, so an 8k prompt takes `tq3` 1.43x dense-f16's time (2.3x in the table above) and "
-              "`tq4` 1.27x.",
+              "The presets against the bare method on the Intel Xeon: `tq4` 0.98 / 1.25 / 1.41 / 1.57x `dense-f16` at "
+              "512 / 2k / 4k / 8k tokens, `tq3` 0.97 / 1.11 / 1.19 / 1.23x, `tq-k4v4` 1.06 / 1.34 / 1.52 / 1.75x, "
+              "`int4` (its codes read in registers) 1.00 / 1.06 / 1.08 / 1.09x. `tq4` reads its codes in registers as "
+              "`tq-k4v4` does, plus each key's turned offset; `tq3` looks up a point per block of 4 coordinates (+vq), "
+              "which bounds it. At 8k dense-f16 reads at 54% of the measured read limit (14.1 GB/s), tq4 at 43%, tq3 "
+              "at 32%. The prefill column: a prompt chunk's tokens are coded in C (the fused step's and the pool's "
+              "coder) and its queries read a tile's codes decoded once for all of them: an 8k prompt takes `tq3` 1.43x "
+              "dense-f16's time and `tq4` 1.27x.",
               read_share=True, presets=CURRENT),
         Table("decode_presets_2threads_xeon.json", decode_contexts,
               "kvlab bench decode --contexts 512,2k,4k,8k --caches dense,dense-f16,tq4,tq3,tq-k4v4,int4 --threads 2 "
               "--repeats 2 --steps 16 --out bench/results/decode_presets_2threads_xeon.json",
-              "The same build and Xeon at 2 threads: `tq4` 1.00 / 1.20 / 1.35 / 1.50x `dense-f16`, `tq3` 0.94 / 1.06 / "
-              "1.14 / 1.17x, `tq-k4v4` 1.03 / 1.26 / 1.43 / 1.64x, `int4` 0.98 / 1.00 / 1.03 / 0.98x; dense-f16 reads at "
-              "51-57% of the 2-thread read limit (27.3 GB/s), tq4 at 39-53%. The prefill column at 2 threads: dense-f16's "
+              "The Xeon at 2 threads: `tq4` 1.00 / 1.20 / 1.35 / 1.50x `dense-f16`, `tq3` 0.94 / 1.06 / 1.14 / 1.17x, "
+              "`tq-k4v4` 1.03 / 1.26 / 1.43 / 1.64x, `int4` 0.98 / 1.00 / 1.03 / 0.98x; dense-f16 reads at 51-57% of "
+              "the 2-thread read limit (27.3 GB/s), tq4 at 39-53%. The prefill column at 2 threads: dense-f16's "
               "prompt chunks take longer than dense's (54.9 s against 30.4 s at 8k), where at 1 thread they are even "
               "(47.6 against 44.7).",
               read_share=True, presets=CURRENT),
-        Table("decode_presets_1thread_epyc_avx2_before.json", decode_contexts,
-              "kvlab bench decode --contexts 4k,8k --caches dense-f16,tq4,tq3,tq-k4v4 --threads 1 --repeats 2 --steps 16 "
-              "--out bench/results/decode_presets_1thread_epyc_avx2_before.json",
-              "An AMD EPYC without AVX-512 (AVX2, FMA, F16C only), the build before its AVX2 read paths: every cache "
-              "decodes at 4-10 tokens/s, far below the AVX-512 machines above. GCC builds the sixteen-lane vectors of the "
-              "dense read (scores folded across sixteen keys, the value mix) through memory where a vector is two AVX "
-              "registers, 4-bit codes were decoded by gathers, and +ropemean's key terms were serial sums.",
-              read_share=True, presets=CURRENT),
-        Table("decode_presets_1thread_epyc_avx2.json", decode_contexts,
-              "kvlab bench decode --contexts 512,4k,8k --caches dense-f16,tq4,tq3,tq-k4v4 --threads 1 --repeats 2 "
-              "--steps 16 --out bench/results/decode_presets_1thread_epyc_avx2.json",
-              "The same machine with the AVX2 paths (the dense read's scores four keys at a time in the same tree, so the "
-              "same bits; the value mix in explicit registers; 2-4-bit codes looked up by register permutes; +ropemean's "
-              "terms sixteen keys a vector): dense-f16 30.6 / 21.0 tokens/s at 4k / 8k (3.1x / 3.9x the table above), "
-              "tq4 25.5 / 16.0 (2.4x / 3.2x), tq3 16.4 / 9.6, tq-k4v4 30.8 / 19.4; tq4's 4k prefill 104 -> 37 s. Against "
-              "dense-f16 the coded caches now lose here (tq4 0.91 / 0.84 / 0.76x at 512 / 4k / 8k): AVX2 has no "
-              "register read of codes (the AVX-512 one scores and mixes them without a tile), so they are still decoded "
-              "into a tile and read from it, and the weights' Q4_1 GEMV (~14 ms a token, ~7 GB/s: nibble to float "
-              "conversions bound) takes half of every step.",
-              read_share=True, presets=CURRENT),
-        Table("decode_presets_2threads_epyc_avx2.json", decode_contexts,
-              "kvlab bench decode --contexts 512,4k,8k --caches dense-f16,tq4,tq3,tq-k4v4 --threads 2 --repeats 2 "
-              "--steps 16 --out bench/results/decode_presets_2threads_epyc_avx2.json",
-              "The same AVX2 machine and build at 2 threads (with a row's largest score and the coded read's scaled "
-              "scores in AVX2 too): dense-f16 100 / 54 / 36 tokens/s at 512 / 4k / 8k, `tq4` 0.93 / 0.90 / 0.84x of it, "
-              "`tq-k4v4` 0.92 / 0.98 / 0.88x, `tq3` 0.75 / 0.57 / 0.38x (its +vq points are decoded one block at a time "
-              "here). The prefill column: at 2 threads the coded caches' prompt chunks (read in C) take less time than "
-              "dense-f16's (torch's chunked attention): `tq4` 24.0 s against 25.5 s at 4k, 64.6 s against 79.6 s at 8k.",
-              read_share=True, presets=CURRENT),
-        Table("decode_int_1thread_epyc_avx2.json", decode_contexts,
-              "kvlab bench decode --contexts 4k --caches dense-f16,int8,int4,tq4 --threads 1 --repeats 2 --steps 16 "
-              "--out bench/results/decode_int_1thread_epyc_avx2.json",
-              "The integer caches on the AVX2 EPYC once their tile scores and value mix run in AVX2 registers (the same "
-              "trees and orders, so the same bits): `int8` 0.98x and `int4` 0.93x `dense-f16` at 4k. Alternated with the "
-              "build before (one process each, a timing script, 1 thread, 4,096 tokens): `int8` 16.5 -> 30.8 tokens/s, "
-              "`int4` 17.3 -> 31.2, their prefill 142 -> 62 s.",
-              read_share=True, presets=CURRENT),
-        Table("decode_presets_1thread_repeat.json", decode_contexts,
-              "kvlab bench decode --contexts 512,2k,4k,8k --caches dense,dense-f16,tq4,tq3,tq-k4v4,int4 --threads 1 "
-              "--repeats 2 --steps 16 --out bench/results/decode_presets_1thread_repeat.json",
-              "The same command again, after `tq3`'s point numbers moved into registers (the tables below), with "
-              "nothing else changed: `tq4` 0.95 / 1.18 / 1.33 / 1.50x `dense-f16` at 512 / 2k / 4k / 8k, `tq3` "
-              "0.91 / 1.03 / 1.12 / 1.17x, `tq-k4v4` 1.00 / 1.21 / 1.45 / 1.73x, `int4` 0.93 / 0.96 / 0.95 / 1.00x. "
-              "dense-f16 ran faster through this run (80.9 tokens/s at 512 against 67.7 above), which lowers every "
-              "ratio at 512 by ~5%: two full runs of the same code differ that much there. At 8k dense-f16 reads at "
-              "64% of the read limit (12.4 GB/s) and tq4 at 49%.",
-              read_share=True, presets=CURRENT),
+        Table("decode_tq4_recipes_1thread.json", decode_contexts,
+              'kvlab bench decode --contexts 512,4k,8k --caches "dense-f16,tq4,'
+              'tq-k4v4+prerope+norms8+sink1+kscale=lsq+vscale=lsq" --threads 1 --repeats 2 --steps 16 '
+              "--out bench/results/decode_tq4_recipes_1thread.json",
+              "Keys coded before RoPE (`+prerope`) are rebuilt one by one when read (decode, a Hadamard transform, a "
+              "scale, RoPE): at 4 bits throughout 0.92 / 0.88 / 0.84x `dense-f16`; with an eighth of the channels at "
+              f"5 bits (`{TQ4_125}`), which splits every key and value row into two parts read apart, "
+              "0.87 / 0.79 / 0.72x. Intel Xeon, 1 thread.",
+              read_share=True, presets=PRESETS_125),
         Table("decode_presets_1thread_epyc.json", decode_contexts,
               "kvlab bench decode --contexts 512,2k,4k,8k --caches dense,dense-f16,tq4,tq3,tq-k4v4,int4 --threads 1 "
               "--repeats 2 --steps 16 --out bench/results/decode_presets_1thread_epyc.json",
-              "The same command on an AMD EPYC, whose AVX-512 does about half the vector work per cycle of the Xeon's, "
-              "with the weights' rows holding their blocks' scales in front (the block GEMV tables) and +ropemean's "
-              "turned offsets scored in pairs about each 64-key run's middle key (half the multiply-adds): `tq4` 0.98 / "
-              "1.04 / 1.16 / 1.18x `dense-f16` at 512 / 2k / 4k / 8k, `tq3` 0.91 / 1.01 / 0.99 / 0.97x, `tq-k4v4` 0.98 / "
-              "1.19 / 1.25 / 1.37x, `int4` 0.85 / 0.91 / 0.75 / 0.81x. dense-f16 ran faster through this run than through "
-              "the one before the offsets changed (90.7 / 51.6 / 35.8 tokens/s at 512 / 4k / 8k against 88.4 / 48.2 / "
-              "33.3), which lowers every ratio; that run had tq4 at 1.01 / 1.05 / 1.15 / 1.23x. The offsets alone, tq4 "
-              "alternated between the two builds (one process each, 1 thread, a timing script): 55.4 -> 58.2 tokens/s at "
-              "4k (three rounds), 38.9 -> 43.1 at 8k (two rounds). The coded reads are bound by arithmetic here, so "
-              "reading a quarter of the bytes buys less than on the Xeon: at 8k dense-f16 reads at 33% of the read "
-              "limit (31.0 GB/s), tq4 at 20%.",
-              read_share=True, presets=CURRENT),
+              "The same command on an AMD EPYC with AVX-512, which does about half the vector work per cycle of the "
+              "Xeon's: `tq4` 0.98 / 1.04 / 1.16 / 1.18x `dense-f16` at 512 / 2k / 4k / 8k, `tq3` 0.91 / 1.01 / 0.99 / "
+              "0.97x, `tq-k4v4` 0.98 / 1.19 / 1.25 / 1.37x (`int4` on this machine: the next table). The coded reads "
+              "are bound by arithmetic here, so reading a quarter of the bytes buys less than on the Xeon: at 8k "
+              "dense-f16 reads at 33% of the read limit (31.0 GB/s), tq4 at 20%.",
+              read_share=True, presets=CURRENT, rows=("dense", "dense-f16", "tq4", "tq3", "tq-k4v4")),
         Table("decode_int4_1thread_epyc.json", decode_contexts,
               "kvlab bench decode --contexts 512,2k,4k,8k --caches dense-f16,int4,tq4 --threads 1 --repeats 2 --steps 16 "
               "--out bench/results/decode_int4_1thread_epyc.json",
-              "The same EPYC after `int4`'s read moved to the codebook kernels' register path: an int4 row is a 4-bit "
-              "codebook row whose table is the levels code - 7.5, so a key group's scales go on the query side "
-              "((q x step) . level + q . (zero + 7.5 step)) and each value group's on the weights (p_t step_t), and "
-              "neither keys nor values are decoded into a tile any more. `int4` 0.94 / 1.01 / 1.10 / 1.08x `dense-f16` "
-              "at 512 / 2k / 4k / 8k, where the table above had 0.85 / 0.91 / 0.75 / 0.81x. Alternated against the "
-              "build before (one process each, 1 thread, a timing script, three rounds): 42.5 -> 50.3 tokens/s at 4k, "
-              "80.5 -> 84.8 at 512. The levels are centred because the plain split (q . zero + (q x step) . code) "
-              "cancels two large sums.",
+              "`int4` on the same EPYC: an int4 row is read as a 4-bit codebook row whose table is the levels code - "
+              "7.5, so a key group's scales go on the query side ((q x step) . level + q . (zero + 7.5 step)) and each "
+              "value group's on the weights (p_t step_t); neither keys nor values are decoded into a tile. `int4` "
+              "0.94 / 1.01 / 1.10 / 1.08x `dense-f16` at 512 / 2k / 4k / 8k. The levels are centred because the plain "
+              "split (q . zero + (q x step) . code) cancels two large sums.",
               read_share=True, presets=CURRENT),
         Table("decode_presets_2threads_epyc.json", decode_contexts,
               "kvlab bench decode --contexts 512,2k,4k,8k --caches dense-f16,tq4,tq3,tq-k4v4 --threads 2 --repeats 2 "
               "--steps 16 --out bench/results/decode_presets_2threads_epyc.json",
-              "The same AMD EPYC at 2 threads, with +ropemean's offsets scored in pairs: `tq4` 1.22 / 1.09 / 1.30 / 1.27x "
-              "`dense-f16`, `tq3` 1.15 / 0.99 / 1.03 / 1.05x, `tq-k4v4` 1.25 / 1.13 / 1.25 / 1.41x (before the offsets "
-              "changed: tq4 0.89 / 1.02 / 1.21 / 1.28x, tq3 0.91 / 0.89 / 0.94 / 0.96x). At 8k dense-f16 reads at 34% of "
-              "the read limit (51.6 GB/s), tq4 at 22%.",
+              "The AMD EPYC with AVX-512 at 2 threads: `tq4` 1.22 / 1.09 / 1.30 / 1.27x `dense-f16`, `tq3` 1.15 / "
+              "0.99 / 1.03 / 1.05x, `tq-k4v4` 1.25 / 1.13 / 1.25 / 1.41x. At 8k dense-f16 reads at 34% of the read "
+              "limit (51.6 GB/s), tq4 at 22%.",
               read_share=True, presets=CURRENT),
-        Table("decode_tq3_points_1thread.json", decode_contexts,
-              "kvlab bench decode --contexts 512,2k,4k,8k --caches dense-f16,tq3 --threads 1 --repeats 2 --steps 16 "
-              "--out bench/results/decode_tq3_points_1thread.json",
-              "`tq3` after its 3-bit blocks' point numbers moved out of a vector (stored, then read back before each "
-              "point's load) into general-purpose registers, eight blocks a 64-bit word: 0.96 / 1.03 / 1.12 / 1.23x "
-              "`dense-f16`, where the table above measured 0.95 / 1.05 / 1.06 / 1.11x (same bits). dense-f16 ran "
-              "faster through this run than through the one above (78.7 tokens/s at 512 against 67.7), against a "
-              "read limit of 11.9 GB/s.",
+        Table("decode_presets_1thread_epyc_avx2.json", decode_contexts,
+              "kvlab bench decode --contexts 512,4k,8k --caches dense-f16,tq4,tq3,tq-k4v4 --threads 1 --repeats 2 "
+              "--steps 16 --out bench/results/decode_presets_1thread_epyc_avx2.json",
+              "An AMD EPYC without AVX-512 (AVX2, FMA, F16C only): the dense read scores four keys at a time and "
+              "mixes values in explicit AVX2 registers; the coded caches are decoded into a tile (2-4-bit codes by "
+              "register permutes, +ropemean's terms sixteen keys a vector) and read from it, since AVX2 has no "
+              "register read of codes like the AVX-512 one. dense-f16 30.6 / 21.0 tokens/s at 4k / 8k, tq4 25.5 / "
+              "16.0, tq3 16.4 / 9.6, tq-k4v4 30.8 / 19.4: here the coded caches trail dense-f16 (tq4 0.91 / 0.84 / "
+              "0.76x at 512 / 4k / 8k), and the weights' Q4_1 GEMV takes about half of every step.",
               read_share=True, presets=CURRENT),
-        Table("decode_tq3_points_2threads.json", decode_contexts,
-              "kvlab bench decode --contexts 512,2k,4k,8k --caches dense-f16,tq3 --threads 2 --repeats 2 --steps 16 "
-              "--out bench/results/decode_tq3_points_2threads.json",
-              "The same at 2 threads: `tq3` 0.94 / 1.02 / 1.13 / 1.18x `dense-f16` (0.95 / 1.00 / 1.13 / 1.09x in "
-              "the 2-thread table below).",
+        Table("decode_presets_2threads_epyc_avx2.json", decode_contexts,
+              "kvlab bench decode --contexts 512,4k,8k --caches dense-f16,tq4,tq3,tq-k4v4 --threads 2 --repeats 2 "
+              "--steps 16 --out bench/results/decode_presets_2threads_epyc_avx2.json",
+              "The AVX2 EPYC at 2 threads: dense-f16 100 / 54 / 36 tokens/s at 512 / 4k / 8k, `tq4` 0.93 / 0.90 / "
+              "0.84x of it, `tq-k4v4` 0.92 / 0.98 / 0.88x, `tq3` 0.75 / 0.57 / 0.38x (its +vq points are decoded one "
+              "block at a time here). The prefill column: at 2 threads the coded caches' prompt chunks (read in C) "
+              "take less time than dense-f16's (torch's chunked attention): `tq4` 24.0 s against 25.5 s at 4k, "
+              "64.6 s against 79.6 s at 8k.",
               read_share=True, presets=CURRENT),
-        Table("decode_tq4_repeat_1thread.json", decode_contexts,
-              "kvlab bench decode --contexts 512,8k --caches dense-f16,tq4 --threads 1 --repeats 3 --steps 16 "
-              "--out bench/results/decode_tq4_repeat_1thread.json",
-              "`tq4` against `dense-f16` again, three repeats: 1.02x at 512 tokens and 1.51x at 8k, where the table "
-              "above measured 0.98x and 1.56x. The read limit measured 12.0-12.5 GB/s through this run (14.3 at best "
-              "through the one above), so the same speeds read as 67% of it for dense-f16 and 52% for tq4 at 8k.",
-              read_share=True, presets=TQ3_BEFORE_ROPEMEAN),
-        Table("decode_tq3_ropemean_1thread.json", decode_contexts,
-              'kvlab bench decode --contexts 512,4k,8k --caches "dense-f16,tq3,'
-              'tq-k3.5v3+ropemean+vq+norms8+sink1+kscale=lsq+vscale=lsq,tq4" --threads 1 --repeats 2 --steps 16 '
-              "--out bench/results/decode_tq3_ropemean_1thread.json",
-              "A 3-bit-class recipe read on its codes: keys after RoPE around their turned offset (`+ropemean`), their "
-              "3-bit half in blocks of 4 coordinates (+vq) scored in registers like the scalar parts: 0.83 / 0.80 / "
-              "0.76x `dense-f16` where `tq3`, whose keys are rebuilt before RoPE, is 0.80 / 0.68 / 0.62x. The vq "
-              "values' mix is what it spends most on besides the weights.", read_share=True, presets=TQ3_BEFORE_ROPEMEAN),
-        Table("decode_presets_2threads.json", decode_contexts,
-              "kvlab bench decode --contexts 512,2k,4k,8k --caches dense,dense-f16,tq4,tq3,tq-k4v4,int4 --threads 2 "
-              "--repeats 2 --steps 16 --out bench/results/decode_presets_2threads.json",
-              "The same at 2 threads: `tq4` 1.00 / 1.14 / 1.31 / 1.46x `dense-f16`, `tq-k4v4` 1.08 / 1.19 / 1.47 / "
-              "1.64x, `tq3` 0.95 / 1.00 / 1.13 / 1.09x, `int4` 0.94-1.03x; dense-f16 reads at 44-51% of the 2-thread "
-              "read limit (26.7 GB/s at best). This is the second of two runs in a row: the first measured dense-f16 "
-              "at 51.9 tokens/s at 4k (65.0 here), which made every 4k ratio ~25% higher (tq4 1.48x); its other "
-              "contexts agreed within noise (tq4 1.02 / 1.13 / - / 1.41x).",
+        Table("decode_int_1thread_epyc_avx2.json", decode_contexts,
+              "kvlab bench decode --contexts 4k --caches dense-f16,int8,int4,tq4 --threads 1 --repeats 2 --steps 16 "
+              "--out bench/results/decode_int_1thread_epyc_avx2.json",
+              "The integer caches on the AVX2 EPYC, their tile scores and value mix in AVX2 registers (the same trees "
+              "and orders as the scalar code, so the same bits): `int8` 0.98x and `int4` 0.93x `dense-f16` at 4k.",
               read_share=True, presets=CURRENT),
-        Table("ropemean_decode_1thread.json", decode_contexts,
-              "kvlab bench decode --contexts 512,2k,4k,8k --caches dense-f16,tq4,tq-k4v4,"
-              "tq-k4v4+ropemean+sink1+kscale=lsq+vscale=lsq,tq-k4v4+ropemean+sink1+norms8+kscale=lsq+vscale=lsq "
-              "--threads 1 --repeats 2 --steps 16 --out bench/results/ropemean_decode_1thread.json",
-              "Keys coded after RoPE around their offset turned to each position (`+ropemean`) are read on the codes "
-              "like the bare method, plus one d-wide dot per key and query for the turned offset: 1.28x `tq4`'s speed "
-              "at 4k tokens and 1.39x at 8k, where `tq4` rebuilds and turns every key; the offset's dot is what "
-              "separates it from the bare `tq-k4v4`.", read_share=True, presets=PRESETS_125),
-        Table("ropemean_decode_2threads.json", decode_contexts,
-              "kvlab bench decode --contexts 4k,8k --caches dense-f16,tq4,tq-k4v4+ropemean+sink1+kscale=lsq+vscale=lsq "
-              "--threads 2 --repeats 2 --steps 16 --out bench/results/ropemean_decode_2threads.json",
-              "The same at 2 threads: `+ropemean` 1.27x `tq4` at 4k tokens, 1.34x at 8k.", read_share=True, presets=PRESETS_125),
-        Table("decode_contexts_2threads.json", decode_contexts,
-              "kvlab bench decode --contexts 512,8k --caches dense-f16,tq-k4v4,tq3,int8,int4 --threads 2 --repeats 2 "
-              "--out bench/results/decode_contexts_2threads.json", presets=BOTH),
-        Table("decode_contexts_2threads_4k.json", decode_contexts,
-              "kvlab bench decode --contexts 4k --caches dense-f16,tq-k4v4,tq3,int8,int4 --threads 2 --repeats 2 "
-              "--out bench/results/decode_contexts_2threads_4k.json", presets=BOTH),
-        Table("decode_barrier_ab.json", ab_runs,
-              note="With OpenMP's passive wait policy (kvlab's default, for loaded machines) every barrier of the step "
-                   "was a futex wake-up of an idle core, tens of microseconds on this VM, ~15 of them a layer: 2 threads "
-                   "decoded slower than 1. The step's own "
-                   "barrier spins a few tens of microseconds before it sleeps, and each thread repeats the small vector "
-                   "work between matrices instead of waiting for one thread to do it: 7 barriers a layer. One thread "
-                   "is unchanged (no barrier)."),
     ]),
     Section("Against llama.cpp on the same GGUF",
             "llama.cpp is llama-cpp-python 0.3.36 built from source in its own venv (see bench/README.md), run by "
             "`kvlab bench decode --llama-cpp PYTHON` in the same interleaved loop: same prompt, same greedy steps, same "
             "threads. llama.cpp's f16 K/V runs without flash attention (its default; faster here), q8_0 needs it. "
             "On the AMD EPYC llama.cpp is its native build (`GGML_NATIVE=ON`); on the Intel Xeon AVX-512 (VNNI, BF16, "
-            "VBMI) is switched on by hand and AMX off (a native build stopped with an illegal instruction on a VM that "
+            "VBMI) is switched on by hand and AMX off (a native build stops with an illegal instruction on a VM that "
             "reports AMX tiles).", [
         Table("decode_vs_llama_cpp_1thread.json", decode_contexts,
               "kvlab bench decode --contexts 16,4000 --caches dense-f16,tq-k4v4,llama.cpp:f16,llama.cpp:q8_0 "
               "--llama-cpp PYTHON --threads 1 --repeats 3 --out bench/results/decode_vs_llama_cpp_1thread.json",
-              "On an AMD EPYC, with the weights' rows holding their blocks' scales in front (one load for sixteen "
-              "blocks' scales, not a gather): kvlab's dense-f16 decodes at 1.38x llama.cpp's f16 at a 16-token context "
+              "On an AMD EPYC, the weights' rows holding their blocks' scales in front (one load for sixteen blocks' "
+              "scales, not a gather): kvlab's dense-f16 decodes at 1.38x llama.cpp's f16 at a 16-token context "
               "(105.8 against 76.8 tokens/s; llama-bench's own tg64 at 1 thread: 80.6 +/- 5.2) and 1.31x at 4,000 "
-              "tokens, where `tq-k4v4` reads a quarter of the bytes and makes 1.73x. Before that change the same "
-              "command measured 0.91x and 0.97x (against llama.cpp built with `GGML_NATIVE=OFF`).", presets=CURRENT),
+              "tokens, where `tq-k4v4` reads a quarter of the bytes and makes 1.73x.", presets=CURRENT),
         Table("decode_vs_llama_cpp_1thread_xeon.json", decode_contexts,
               "kvlab bench decode --contexts 16,4000 --caches dense-f16,tq-k4v4,llama.cpp:f16,llama.cpp:q8_0 "
               "--llama-cpp PYTHON --threads 1 --repeats 3 --out bench/results/decode_vs_llama_cpp_1thread_xeon.json",
               "The same on an Intel Xeon, against llama.cpp built as for the serving tables (AVX-512 with VNNI and BF16, "
               "no AMX): kvlab's dense-f16 1.73x llama.cpp's f16 at a 16-token context and 1.84x at 4,000 tokens "
               "(llama-bench's own tg64 at 1 thread: 58.1 tok/s, this run's llama.cpp 55.6).", read_share=True,
-              presets=TQ3_BEFORE_ROPEMEAN),
+              presets=CURRENT),
         Table("decode_vs_llama_cpp_2threads.json", decode_contexts,
               "kvlab bench decode --contexts 512,4k --caches dense-f16,tq-k4v4,llama.cpp:f16,llama.cpp:q8_0 "
               "--llama-cpp PYTHON --threads 2 --repeats 3 --out bench/results/decode_vs_llama_cpp_2threads.json",
               "At two threads on the AMD EPYC kvlab's dense-f16 leads llama.cpp's f16 (native build) 1.71x at 512 "
-              "tokens and 2.07x at 4k (153.5 against 89.6 and 83.1 against 40.1 tokens/s), with the weights' rows "
-              "holding their blocks' scales in front; before that change the same command measured 1.28x and 1.43x "
-              "(`decode_barrier_ab.json`: the step's own barrier).", presets=CURRENT),
+              "tokens and 2.07x at 4k (153.5 against 89.6 and 83.1 against 40.1 tokens/s).", presets=CURRENT),
         Table("prefill_vs_llama_cpp.json", decode_contexts,
               "kvlab bench decode --contexts 512,2k,4000 --caches dense-f16,llama.cpp:f16 --llama-cpp PYTHON --threads 1 "
               "--repeats 2 --steps 16 --out bench/results/prefill_vs_llama_cpp.json"),
@@ -976,10 +695,8 @@ SECTIONS = [
               "python bench/decode_step.py", "Where one decode step goes, fused against the modules (2 threads)."),
         Table("block_gemv.json", rows_table([("matrix", "case", str), ("GB/s of Q4_1 blocks", "gb_s", f2)]),
               "python bench/block_gemv.py",
-              "The block GEMV kernel alone, one thread, each ctypes call included. With the blocks' scales gathered "
-              "from inside each block (the file's layout), two runs alternated with these on the same AMD EPYC "
-              "measured 5.4-6.1 GB/s hot at 3072x576 and 4.4-5.4 cold; loading sixteen blocks' scales at once from the "
-              "front of the row gives 7.0-8.6 and 7.2-8.1."),
+              "The block GEMV kernel alone, one thread, each ctypes call included: each row holds its blocks' scales "
+              "in front, sixteen blocks' scales loaded at once."),
         Table("block_gemm.json", rows_table([
             ("rows", "rows", integer), ("block GEMM ms", "block_gemm_ms", f4),
             ("dequantize + F.linear ms", "dequantize_linear_ms", f4), ("int8 activations ms", "int8_activations_ms", f4),
@@ -1014,242 +731,85 @@ SECTIONS = [
               "--out bench/results/throughput_chat_q8.json"),
     ]),
     Section("Compressed blocks in the serving pool",
-            "The same engine with each block format (mixed quick workload, batch 16, prefix cache on, no sequential "
-            "contender); two runs of each command, since the box is noisy: read the ratio to dense within a run.", [
-        Table("throughput_formats.json", throughput,
-              'kvlab bench throughput --quick --workloads mixed --batches 16 --no-sequential --formats '
-              '"dense,dense-f16,tq4,tq3,int4" --threads 2 --out bench/results/throughput_formats.json',
-              "TurboQuant blocks take the whole-step C call as dense blocks do (each layer codes the step's tokens "
-              "and attends over the codes in place, kernels/paged.c); integer blocks run layer by layer through "
-              "the modules, each layer's read one C call over the block tables (kvlab_int_attend, the single "
-              "integer cache's own read).", presets=PRESETS_125),
-        Table("tq_blocks_layout_ab.json", ab_runs,
-              note="The same for TurboQuant blocks: the pool's codes in TqBlocks (head-major, the single "
-                   "TurboQuantCache's storage, read through one C description of a layer) against the token-major "
-                   "buffers before: within the noise."),
-        Table("tq_read_long_decode_ab.json", ab_runs,
-              note="One C read of TurboQuant codes for the pool, the batched step, the single cache and the fused step "
-                   "(kvlab_tq_read): a pool work item now takes one softmax over its chunk with vectorized exponentials "
-                   "instead of an online softmax per 16-key tile with expf. On 16 coded sequences of 2k-3.6k tokens "
-                   "the TPOT p50 went 372 -> 324 ms for tq-k4v4 and 418 -> 400 ms for tq4, whose +prerope key rebuild "
-                   "is most of its read. One run each: a direction, not a tight figure."),
-        Table("tq_read_decode_ab.json", ab_runs,
-              note="The fused decode step's coded chunks through the same kvlab_tq_read (a single cache is one long "
-                   "block, read from its codes in registers as before): single-sequence decode within the noise."),
-        Table("prerope_scores_decode_ab.json", ab_runs,
-              note="TurboQuant's +prerope keys (the tq4 and tq3 presets) rebuilt in registers and scored by every query "
-                   "head of the group in the same pass (prerope_scores16), where before each tile of keys was rebuilt "
-                   "into memory (the compiler kept the Hadamard's blocks on the stack) and then scored query by query; "
-                   "+norms8 scales decoded sixteen at a time. The same bits (logits of 6 fused steps after a 700-token "
-                   "prompt equal before and after for tq4, tq3 and tq-k4v4+prerope). tq4 and tq3 1.16-1.23x faster at "
-                   "4k-8k tokens, still 0.59x dense-f16 at 8k: the step is compute-bound on this CPU (about one 512-bit "
-                   "operation per cycle), and a pre-RoPE key costs a Hadamard transform and RoPE per key on top of the "
-                   "decode and the dots.", presets=PRESETS_125),
-        Table("prerope_scores_decode_2threads_ab.json", ab_runs,
-              note="The same change at 2 threads: tq4 1.24x at 8k tokens; at 4k 1.12x, where dense-f16, which the change "
-                   "does not touch, moved 1.10x between rounds (noise).", presets=PRESETS_125),
-        Table("qjl_outliers_in_c_ab.json", ab_runs,
-              note="+qjl (each key's residual sketch, the signs of S r and its norm) and +outliersN (each key's kept "
-                   "entries) coded and read in C by the one coder and the one read of TurboQuant codes, where before "
-                   "they took the modules' torch path: the fused step now runs them, 2.7-2.8x faster at 512 tokens and "
-                   "1.9-2.1x at 4k; with +prerope (keys rebuilt before RoPE) 3.9x and 5.7x. The C read equals the torch "
-                   "path within 1e-5 (tests/test_key_levers.py, tests/test_tq_kernel.py)."),
-        Table("prefetch_decode_ab.json", ab_runs,
-              note="The reads of the caches ask for a head's next rows while they compute on the current ones "
-                   "(kvlab_prefetch_lines): one head's run of rows is a few KiB, too short for the hardware prefetcher, "
-                   "and a profile of tq4 at 4k tokens had 43% of the value mix waiting on the first byte of each row. "
-                   "The same bits; at 4k tokens 1.11x dense-f16, 1.16x int4, 1.12x tq-k4v4, 1.13x tq4; fp32 dense, "
-                   "which reads twice the bytes, 1.02x."),
-        Table("prefetch_served_ab.json", ab_runs,
-              note="The same in the serving pool, whose 16-token blocks lie apart: each read also asks for the next "
-                   "block's first rows. A decode step of 8 sequences at ~1,500 tokens (bench/served_step.py): 1.12x "
-                   "dense-f16 blocks, 1.06x int4, 1.09x tq4."),
-        Table("pool_register_read_ab.json", ab_runs,
-              note="The serving pool's TurboQuant blocks of 16 tokens read from their codes in registers, as a single "
-                   "cache's long block is (kvlab_tq_read), not decoded into a tile first; +ropemean's offset dot with "
-                   "its step table laid out (d, 16): a decode step of 16 sequences at ~1,500 tokens, 2 threads, tq4 "
-                   "blocks 1.09x (medians) where dense-f16 blocks, which the change does not touch, measured 0.95x: "
-                   "the box drifts, and within each run tq4 blocks went from 0.97-1.12x dense-f16's tokens/s to "
-                   "1.11-1.20x.", presets=TQ3_BEFORE_ROPEMEAN),
-        Table("one_read_decode_ab.json", ab_runs,
-              note="The fused decode step's dense chunks through kvlab_dense_read and its integer chunks through "
-                   "kvlab_int_attend, the reads the serving pool and the single cache's module path use: dense is the "
-                   "same in-register read as before (the same bits), within the noise; the integer read, rewritten to "
-                   "match the fused step's own (values mixed four column blocks at a time, no division per key or "
-                   "value group), is within the noise here. A script timing 25 x 8 one-token steps at 4,000 tokens "
-                   "(minimum per step, alternated twice) put int4 at 27.8-28.1 ms against 26.8-27.1 before, dense-f16 "
-                   "and dense unchanged."),
-        Table("one_read_served_ab.json", ab_runs,
-              note="The serving pool's dense items through kvlab_dense_read (chunks of 256 keys merged in order, in "
-                   "place of an online softmax per 64-key tile) and its integer items through the rewritten "
-                   "kvlab_int_attend: within the noise of these short runs. Timing the pool's dense read alone (16 "
-                   "sequences x 3,000 tokens, f16, one layer, minimum of 40): 6.9-7.3 ms against 7.3-7.5 at 1 thread, "
-                   "3.6-4.0 against 3.9-4.1 at 2."),
-        Table("blocks_layout_ab.json", ab_runs,
-              note="The pool's dense and integer blocks read and written in cache/blocks.py's head-major layout "
-                   "(the single caches' own) against the token-major blocks before: within the noise of these short "
-                   "runs (the dense row of the three-format runs is 0.90x, the same command with dense alone 0.98x)."),
-        Table("throughput_long_decode_360mib.json", throughput,
+            "The same engine with each block format, no sequential contender, on an Intel Xeon at 2 threads. The "
+            "`long-decode` workload is 16 requests reaching 2k-3.6k tokens, 512 of them decoded each. TurboQuant "
+            "blocks take the whole-step C call as dense blocks do (each layer codes the step's tokens and attends "
+            "over the codes in place, read from the codes in registers by the single cache's read, kvlab_tq_read).", [
+        Table("throughput_long_decode_2gib.json", throughput,
               "kvlab bench throughput --workloads long-decode --batches 16 --no-sequential --formats dense-f16,tq4,tq3 "
-              "--kv-budget 360MiB --threads 2 --out bench/results/throughput_long_decode_360mib.json",
-              "The served case where the budget is what limits dense: 16 requests reaching 2k-3.6k tokens, 512 of "
-              "them decoded each, in a 360 MiB pool. dense-f16 blocks hold about five such sequences at once (5 "
-              "preemptions, 4,834 prompt tokens computed again); `tq4` and `tq3` blocks admit all 16. Output tok/s: "
-              "`tq4` 1.61x dense-f16 (prefix cache on), `tq3` 1.25x; TTFT p50 47 s against 101 s. The prompts "
-              "(39,915 tokens, the same work in every format) set a floor on 2 cores: `tq4`'s last request has its "
-              "first token at 96 s of its 142 s, so 2x dense-f16 (a run of 115 s) would leave its 511 further "
-              "steps ~19 s, ~37 ms a step, where a step of 16 sequences at ~2k tokens takes 65.6 ms "
-              "(served_step_softmax_two_pass.json) and the last steps, with fewer sequences left, less.",
+              "--kv-budget 2GiB --threads 2 --out bench/results/throughput_long_decode_2gib.json",
+              "A 2 GiB pool, where dense-f16 blocks hold every request (peak 1,046 MiB of blocks): `tq4` blocks give "
+              "1.37x dense-f16's output tok/s and `tq3` blocks 1.07x. A step of 16 sequences reads ~1 GB of dense-f16 "
+              "blocks (TPOT p50 252 ms, prompt chunks included) against 270 MB of `tq4` blocks (175 ms).",
               presets=CURRENT),
         Table("throughput_long_decode_360mib_xeon.json", throughput,
               "kvlab bench throughput --workloads long-decode --batches 16 --no-sequential --formats dense-f16,tq4,tq3 "
               "--kv-budget 360MiB --threads 2 --out bench/results/throughput_long_decode_360mib_xeon.json",
-              "The same command on an Intel Xeon, with a prompt chunk's TurboQuant reads decoding each tile once for all "
-              "its queries: `tq4` blocks 1.54x dense-f16's output tok/s (prefix cache on; 62.4 against 40.6), `tq3` "
-              "1.32x; TTFT p50 43 s and 49 s against 88 s. dense-f16 blocks were preempted 5 times and computed 44,749 "
-              "prompt tokens where the TurboQuant blocks computed the 39,915 of the workload once.",
+              "The served case where the budget is what limits dense: a 360 MiB pool holds about five such sequences "
+              "in dense-f16 blocks and all 16 in `tq4` or `tq3` blocks. `tq4` blocks give 1.54x dense-f16's output "
+              "tok/s (prefix cache on; 62.4 against 40.6), `tq3` 1.32x; TTFT p50 43 s and 49 s against 88 s. "
+              "dense-f16 blocks are preempted 5 times and compute 44,749 prompt tokens where the TurboQuant blocks "
+              "compute the 39,915 of the workload once.",
+              presets=CURRENT),
+        Table("throughput_long_decode_360mib.json", throughput,
+              "kvlab bench throughput --workloads long-decode --batches 16 --no-sequential --formats dense-f16,tq4,tq3 "
+              "--kv-budget 360MiB --threads 2 --out bench/results/throughput_long_decode_360mib.json",
+              "A second run of the same command on the same Xeon: `tq4` 1.61x dense-f16's output tok/s (prefix cache "
+              "on), `tq3` 1.25x; TTFT p50 47 s against 101 s. The prompts (39,915 tokens, the same work in every "
+              "format) set a floor on 2 cores: `tq4`'s last request has its first token at 96 s of its 142 s.",
               presets=CURRENT),
         Table("throughput_long_decode_280mib.json", throughput,
               "kvlab bench throughput --workloads long-decode --batches 16 --no-sequential --formats dense-f16,tq4 "
               "--kv-budget 280MiB --threads 2 --out bench/results/throughput_long_decode_280mib.json",
-              "The same workload at about the smallest budget that still admits every request in `tq4` blocks (peak "
-              "269.7 MiB): `tq4` 1.58x dense-f16's output tok/s. dense-f16 blocks hold fewer sequences here than at "
-              "360 MiB but were preempted once, not five times, and made 38.5 tok/s against 35.8 there: how often "
-              "the scheduler has to take blocks back matters as much as how many sequences fit.",
-              presets=CURRENT),
-        Table("throughput_long_decode_2gib.json", throughput,
-              "kvlab bench throughput --workloads long-decode --batches 16 --no-sequential --formats dense-f16,tq4,tq3 "
-              "--kv-budget 2GiB --threads 2 --out bench/results/throughput_long_decode_2gib.json",
-              "The same workload in a 2 GiB pool, where dense-f16 blocks hold every request (peak 1,046 MiB of "
-              "blocks): `tq4` blocks give 1.37x dense-f16's output tok/s and `tq3` blocks 1.07x. A step of 16 "
-              "sequences reads ~1 GB of dense-f16 blocks (TPOT p50 252 ms, prompt chunks included) against 270 MB of "
-              "`tq4` blocks (175 ms).",
-              presets=CURRENT),
-        Table("served_step_4seq.json", served_step,
-              "python bench/served_step.py --formats dense-f16,tq4 --sequences 4 --threads 2 "
-              "--out bench/results/served_step_4seq.json",
-              "The serving engine's decode step alone, 4 sequences at ~1,500 tokens: what dense-f16 blocks run when "
-              "the budget holds four."),
-        Table("served_step_16seq.json", served_step,
-              "python bench/served_step.py --formats dense-f16,tq4,tq4.125+prerope+norms8+sink1+kscale=lsq+vscale=lsq "
-              "--sequences 16 --new-tokens 90 --threads 2 --out bench/results/served_step_16seq.json",
-              "The same with 16 sequences, what tq4 blocks admit on that budget: 215 output tok/s in `tq4` blocks, "
-              "199 with keys coded before RoPE, 241 in dense-f16 blocks (the 4-sequence table's dense-f16 made 191 "
-              "on its own run). A step reads every sequence's K/V, so on 2 cores its time grows with the sequences "
-              "it holds, and admitting four times the sequences buys about 1.1x the tokens, not 4x. This run predates "
-              "reading a pool's blocks of 16 tokens from their codes in registers: they were decoded a tile at a "
-              "time, which is why tq4 blocks trail dense-f16's here (the next table reads them in registers).",
-              presets=TQ3_BEFORE_ROPEMEAN),
-        Table("served_step_16seq_3k.json", served_step,
-              "python bench/served_step.py --formats dense-f16,tq4,int4 --sequences 16 --prompt-tokens 3000 "
-              "--new-tokens 140 --threads 2 --rounds 2 --kv-budget 2GiB --out bench/results/served_step_16seq_3k.json",
-              "16 sequences of ~3,000-3,140 tokens in a pool that holds them all, TurboQuant blocks read from their "
-              "codes in registers through the single cache's read (kvlab_tq_read): `tq4` blocks make 1.56x "
-              "(1.53-1.59x) the output tokens/s of dense-f16 blocks, reading a quarter of the bytes; `int4` blocks "
-              "0.82-0.84x.", presets=TQ3_BEFORE_ROPEMEAN),
-        Table("served_step_tiles.json", served_step,
-              "python bench/served_step.py --formats dense-f16,tq4,tq3 --sequences 16 --prompt-tokens 2000 "
-              "--new-tokens 140 --threads 2 --kv-budget 2GiB --out bench/results/served_step_tiles.json",
-              "16 sequences of ~2,000-2,140 tokens, each work item of the pool's coded read one pass through the "
-              "block table (the queries and the sums held in registers across the blocks of 16, the key codes asked "
-              "for two blocks ahead) where it was one call per block: `tq4` blocks 1.43x the output tokens/s of "
-              "dense-f16 blocks, `tq3` blocks 1.14x. The same step timed for 20-25 s after the prompts, the build "
-              "before this read and this one alternated: tq4 blocks 75-82 ms a step before, 71-75 after.",
-              presets=CURRENT),
-        Table("served_step_softmax_two_pass.json", served_step,
-              "python bench/served_step.py --formats dense-f16,tq4,tq3 --sequences 16 --prompt-tokens 2000 "
-              "--new-tokens 140 --threads 2 --kv-budget 2GiB --out bench/results/served_step_softmax_two_pass.json",
-              "The same after the coded read's softmax went to two vector passes (the same bits): `tq4` blocks 65.6 ms "
-              "a step where the table above measured 69.6, `tq3` 85.3 where it measured 87.4. dense-f16 blocks, whose "
-              "read did not change, measured 106.4 ms against 99.6: the box's noise, which also makes this run's "
-              "ratios (tq4 1.62x, tq3 1.25x) look better than the change alone.",
+              "About the smallest budget that still admits every request in `tq4` blocks (peak 269.7 MiB): `tq4` "
+              "1.58x dense-f16's output tok/s. dense-f16 blocks hold fewer sequences here than at 360 MiB but are "
+              "preempted once, not five times, and make 38.5 tok/s against 35.8 there: how often the scheduler has "
+              "to take blocks back matters as much as how many sequences fit.",
               presets=CURRENT),
         Table("served_step_tq3_points.json", served_step,
               "python bench/served_step.py --formats dense-f16,tq4,tq3 --sequences 16 --prompt-tokens 2000 "
               "--new-tokens 140 --threads 2 --kv-budget 2GiB --out bench/results/served_step_tq3_points.json",
-              "The same after `tq3`'s point numbers moved into general-purpose registers (the pool's blocks are read "
-              "by the same kernels): `tq3` blocks 79.4 ms a step (85.3 above), `tq4` 62.3, dense-f16 99.0; output "
-              "tok/s 1.25x and 1.59x dense-f16's.",
+              "The serving engine's decode step alone, 16 sequences of ~2,000-2,140 tokens in a pool that holds them "
+              "all; each work item of the pool's coded read is one pass through the block table (the queries and sums "
+              "held in registers across the blocks of 16, the key codes asked for two blocks ahead): `tq4` blocks "
+              "62.3 ms a step, `tq3` 79.4, dense-f16 99.0; output tok/s 1.59x and 1.25x dense-f16's.",
               presets=CURRENT),
-        Table("throughput_long_400mib.json", throughput,
-              'kvlab bench throughput --workloads long --batches 16 --no-sequential --formats "dense-f16,tq4,tq3,int4" '
-              "--kv-budget 400MiB --threads 2 --out bench/results/throughput_long_400mib.json",
-              "16 requests with 2k-4k-token contexts on a budget of 400 MiB of blocks: enough for every request in "
-              "`tq4` or `tq3` blocks, not in `dense-f16` blocks (peak KV bytes in the table). Prompts dominate "
-              "this workload's time on 2 cores; `tq4`'s decode steps are ~3x `dense-f16`'s at these contexts, "
-              "`int4`'s ~25x, measured while integer blocks were still read one sequence at a time (each "
-              "layer gathered every sequence's codes; now one C call per layer, ~4x faster served).", presets=PRESETS_125),
-        Table("throughput_recipes.json", throughput,
-              'kvlab bench throughput --quick --workloads mixed --batches 16 --no-sequential --formats '
-              '"dense,tq-k4v4,tq-k4v4+prerope+sink1,tq-k4.125v4.125+prerope+sink1+norms8+kscale=lsq+vscale=lsq,'
-              'tq3+vq+norms8" --out bench/results/throughput_recipes.json', presets=BOTH),
-        Table("throughput_recipes_b.json", throughput, "(the same command, again)", presets=BOTH),
         Table("pool_calibration.json", eval_quality,
               'python bench/pool_calibration.py "tq-k4v4,tq-k4v4+prerope+sink1,tq-k4.125v4.125+prerope+sink1+norms8+'
               'kscale=lsq+vscale=lsq"',
               "Quality as served: `pool:NAME` is the cache calibrated as the pool calibrates it (once, on a short prose "
               "message in the model's chat template), NAME the cache calibrating on each sequence's own first chunk. "
-              "The third name is `tq4`'s recipe.", presets=BOTH),
-        Table("pool_calibration_halloc.json", eval_quality,
-              "python bench/pool_calibration.py tq4+halloc bench/results/pool_calibration_halloc.json"),
-        Table("served_answers.json", served_answers,
-              'python bench/served_answers.py "dense,tq4,tq-k4.25v4+prerope+norms8+sink1+kscale=lsq+vscale=lsq,'
-              'tq4+halloc,tq-k4v4"',
-              "Five chat questions, greedy, 10 tokens, through the serving engine."),
+              f"The third name is `{TQ4_125}` spelled by its widths.", presets=BOTH),
     ]),
     Section("`kvlab serve` under load: `kvlab bench serve`",
-            "The bench starts `kvlab serve` on a free loopback port (native weights, 2 threads) and streams chat "
-            "completions from N concurrent OpenAI clients, 64 tokens each (`ignore_eos`).", [
-        Table("serve_dense.json", serve,
-              "kvlab bench serve --concurrency 1,4,16,32 --requests 32 --max-tokens 64 "
-              "--out bench/results/serve_dense.json --plot bench/results/serve_dense.png"),
-        Table("serve_kvlab_vs_llama_server.json", serve,
-              note="Against llama-server below, alternated with it (two rounds, the second shown): a decode-heavy "
-                   "load (short chat prompts, 256 tokens each). At one client kvlab's time per output token is 1.7x "
-                   "llama-server's (16.3-16.5 against 9.2-9.5 ms): its batched step at one sequence costs 13.5 ms "
-                   "in-process (the single-sequence fused step ~7 ms with spinning OpenMP waits, ~18 ms with the "
-                   "passive waits kvlab sets); at 16 clients it serves 1.2-1.3x llama-server's tokens/s with a TTFT "
-                   "4.6-6.8x shorter."),
-        Table("serve_one_row_step_ab.json", ab_runs,
-              note="The engine's step of one row (a lone decode token over dense blocks) now runs every layer in one "
-                   "parallel region with the fused decode step's barrier, not a region per product: a served client's "
-                   "time per output token 1.6x shorter, 10-11.8 ms against llama-server's 9.2-9.5 ms in the table "
-                   "above (measured before this change)."),
-        Table("serve_llama_server_np16.json", serve,
-              note="llama.cpp's server from the llama-cpp-python 0.3.36 sdist (GGML_NATIVE=OFF, AVX-512), 2 threads, "
-                   "16 slots of 512 tokens, f16 K/V, measured by the same client."),
+            "The bench starts `kvlab serve` on a free loopback port (native weights, dense-f16 blocks in a 512 MiB "
+            "pool) and streams chat completions from N concurrent OpenAI clients, 256 tokens each (`ignore_eos`); "
+            "`--url` points the same client at another server. Each kvlab table is alternated with the llama-server "
+            "table after it (two rounds, the second shown), at the same thread count. llama-server is llama.cpp "
+            "from the llama-cpp-python 0.3.36 sdist: on the Intel Xeon built with `GGML_NATIVE=OFF` and AVX-512 "
+            "(VNNI, BF16) but no AMX (the native build stops on an illegal instruction on this virtual machine), on "
+            "the AMD EPYC its native build.", [
         Table("serve_kvlab_2threads.json", serve,
               "OMP_NUM_THREADS=2 kvlab bench serve --cache dense-f16 --kv-budget 512MiB --concurrency 1,16 --requests 16 --max-tokens 256 --no-direct --out bench/results/serve_kvlab_2threads.json",
-              "On an Intel Xeon, alternated with llama-server (the next table; two rounds, the second shown), 2 "
-              "threads each: at one client kvlab's time per output token is 6.5-6.6 ms against llama-server's 9.0-9.3 "
-              "ms and its first token comes in 49-50 ms against 53-54; at 16 clients it serves 356 output tok/s "
-              "against 205-207 (1.7x). (Before chat templates were rendered by a child kept between renders, a new "
-              "prompt's first token took 106-107 ms: a Python start per render.)"),
+              "Intel Xeon, 2 threads: at one client kvlab's time per output token is 6.5-6.6 ms against llama-server's "
+              "9.0-9.3 ms and its first token comes in 49-50 ms against 53-54; at 16 clients it serves 356 output "
+              "tok/s against 205-207 (1.7x)."),
         Table("serve_llama_server_2threads.json", serve,
-              "llama-server -m SmolLM2-135M-Instruct.Q4_1.gguf -t 2 -tb 2 -np 16 -c 8192 -ctk f16 -ctv f16 --port 8089; kvlab bench serve --url http://127.0.0.1:8089 --concurrency 1,16 --requests 16 --max-tokens 256 --no-direct --out bench/results/serve_llama_server_2threads.json",
-              "llama.cpp from the llama-cpp-python 0.3.36 sdist, built with GGML_NATIVE=OFF and AVX-512 (VNNI, BF16) "
-              "but no AMX: the native build stops on an illegal instruction on this virtual machine."),
+              "llama-server -m SmolLM2-135M-Instruct.Q4_1.gguf -t 2 -tb 2 -np 16 -c 8192 -ctk f16 -ctv f16 --port 8089; kvlab bench serve --url http://127.0.0.1:8089 --concurrency 1,16 --requests 16 --max-tokens 256 --no-direct --out bench/results/serve_llama_server_2threads.json"),
         Table("serve_kvlab_1thread.json", serve,
               "OMP_NUM_THREADS=1 kvlab bench serve --cache dense-f16 --kv-budget 512MiB --concurrency 1,16 --requests 16 --max-tokens 256 --no-direct --out bench/results/serve_kvlab_1thread.json",
-              "The same at 1 thread: at one client 11.2-11.4 ms per output token against llama-server's 16.1-17.7 ms "
+              "Intel Xeon, 1 thread: at one client 11.2-11.4 ms per output token against llama-server's 16.1-17.7 ms "
               "and a first token in 69-70 ms against 84-88; at 16 clients 263-282 output tok/s against 111-112 "
               "(2.4x)."),
         Table("serve_llama_server_1thread.json", serve,
               "llama-server -m SmolLM2-135M-Instruct.Q4_1.gguf -t 1 -tb 1 -np 16 -c 8192 -ctk f16 -ctv f16 --port 8089; kvlab bench serve --url http://127.0.0.1:8089 --concurrency 1,16 --requests 16 --max-tokens 256 --no-direct --out bench/results/serve_llama_server_1thread.json"),
         Table("serve_kvlab_1thread_epyc.json", serve,
               "OMP_NUM_THREADS=1 kvlab bench serve --cache dense-f16 --kv-budget 512MiB --concurrency 1,16 --requests 16 --max-tokens 256 --no-direct --out bench/results/serve_kvlab_1thread_epyc.json",
-              "The same on an AMD EPYC, alternated with llama-server (its native build, the next table; two rounds, "
-              "the second shown): at one client 11.7-12.3 ms per output token against llama-server's 13.2-13.7 ms, "
+              "AMD EPYC, 1 thread: at one client 11.7-12.3 ms per output token against llama-server's 13.2-13.7 ms, "
               "a first token in 104-105 ms against 97-107; at 16 clients 154-166 output tok/s against 100-103 "
               "(1.6x), first tokens in 0.5-0.7 s against 3.9-4.0 s."),
         Table("serve_llama_server_1thread_epyc.json", serve,
               "llama-server -m SmolLM2-135M-Instruct.Q4_1.gguf -t 1 -tb 1 -np 16 -c 8192 -ctk f16 -ctv f16 --port 8089; kvlab bench serve --url http://127.0.0.1:8089 --concurrency 1,16 --requests 16 --max-tokens 256 --no-direct --out bench/results/serve_llama_server_1thread_epyc.json"),
-        Table("serve_tq_k4v4.json", serve,
-              "kvlab bench serve --cache tq-k4v4 --concurrency 1,4,16,32 --requests 32 --max-tokens 64 --no-direct "
-              "--out bench/results/serve_tq_k4v4.json --plot bench/results/serve_tq_k4v4.png",
-              "This run's pool read coded blocks with a Python loop over sequences; the paged C kernel replaced "
-              "it, so the throughput tables above give the speed of compressed blocks today. Its peak KV column "
-              "still shows the bytes: 7.5× fewer than dense blocks for the same tokens.", presets=BOTH),
     ]),
     Section("Through transformers: `kvlab.hf` and `--backend transformers`",
             "SmolLM2 loaded by transformers from the same GGUF (fp32); every row is a cache object handed to the "
@@ -1261,8 +821,8 @@ SECTIONS = [
               "dense,int8,int4,tq5,tq-k4v4,tq-k4v4+sink1,tq3,hf:quanto-int4+r0,hf:quanto-int4+r128,hf:hqq-4+r0,"
               "hf:hqq-4+r128,hf:hqq-3+r0,hf:hqq-3+r128 --out bench/results/hf_backend_table.json",
               "8 windows (the first 8 of the 16), so the dense perplexity differs from the native tables'. Bytes are a "
-              "walk over every tensor each cache object holds at 511 tokens. `tq4` in transformers is the preset "
-              "without `+prerope` (not in this table).", presets=BOTH),
+              "walk over every tensor each cache object holds at 511 tokens. The presets as transformers runs them: "
+              "the last table of this section.", presets=BOTH),
         Table("hf_cache.json", rows_table([
             ("cache", "cache", cache_name), ("decode tok/s", "decode_tok_s", f2), ("× DynamicCache", "speed_vs_dynamic", ratio),
             ("bytes/token", "bytes_per_token", integer)]),
@@ -1275,63 +835,44 @@ SECTIONS = [
               'kvlab eval --backend transformers --caches "tq-k3.5v3.125+vq+norms8+sink1,tq-k4v3+vq+norms8+sink1,'
               'tq-k4v3+vq+norms8+sink1+kscale=lsq+vscale=lsq,tq-k4.5v2.5+vq+norms8+sink1" --windows 4 --seeds 0 '
               "--no-passkey --no-text --threads 2 --out bench/results/hf_tq3_candidates.json",
-              "A `tq3` for transformers, where keys arrive after RoPE: the preset's recipe without `+prerope` (the "
-              "first row) loses 7%; 4-bit keys with 3-bit values hold near 2.4%, 4.36× smaller than bf16.", presets=PRESETS_125),
-        Table("hf_tq3_candidates_b.json", eval_quality,
-              'kvlab eval --backend transformers --caches "tq-k4v2.75+vq+norms8+sink1,tq-k4v2.875+vq+norms8+sink1,'
-              'tq-k3.875v3+vq+norms8+sink1" --windows 4 --seeds 0 --no-passkey --no-text --threads 2 '
-              "--out bench/results/hf_tq3_candidates_b.json",
-              "Fewer value or key bits to reach 4.5×: each loses 4% or more. transformers' `tq3` is "
-              "`tq-k4v3+vq+norms8+sink1`.", presets=PRESETS_125),
+              "3-bit-class recipes where keys arrive after RoPE (4 windows, seed 0): 3.5-bit keys (the first row) lose "
+              "7%, 4-bit keys with 3-bit values near 2.4% at 4.36× smaller than bf16, which is why transformers' "
+              "`tq3` is `tq-k4v3+vq+norms8+sink1`.", presets=CURRENT),
         Table("text_hf_presets.json", eval_quality,
               'kvlab eval --backend transformers --caches "tq4,tq3" --windows 8 --seeds 0,1,2 --no-passkey --threads 2 '
               "--out bench/results/text_hf_presets.json",
-              "The presets as transformers runs them (`tq4` without `+prerope`, `tq3` as `tq-k4v3+vq+norms8+sink1`), "
-              "on the 8 windows of the first table; their text is in the last section.", presets=PRESETS_125),
+              "The presets as transformers runs them, its keys arriving after RoPE: `tq4` is "
+              f"`{HF_PRESETS[0][1]}` and `tq3` is `{HF_PRESETS[1][1]}`, on the 8 windows of the first table; their "
+              "text is in the last section.", presets=HF_PRESETS),
     ]),
     Section("Text the caches write", "Greedy 64-token continuations of 54 fixed prompts (README's examples, 20 chat "
             "questions with a known answer, prose openings) through each cache, against dense's: the first token that "
             "differs, chat answers, and degeneration (the longest run of one repeated n-gram, distinct 4-grams). The "
             "perplexity column is one window, rotation seed 0, unless a table says otherwise.", [
-        Table("text_quality.json", eval_text,
-              "kvlab eval --caches int8,int4,tq4,tq-k4v4,tq3 --windows 1 --seeds 0 --no-passkey --threads 1 "
-              "--out bench/results/text_quality.json",
-              "`tq3` here is the bare 3-bit method: it repeats itself a third more than dense; `tq4` a fifth more; int4 "
-              "less.", dense_row=True),
-        Table("text_tq3_candidate.json", eval_text,
-              'kvlab eval --caches "tq-k3.5v3.125+prerope+norms8+sink1+vq,tq4" --windows 1 --seeds 0 --no-passkey '
-              "--threads 2 --out bench/results/text_tq3_candidate.json",
-              "The no-calibration 3-bit-class candidate answers the chat questions as dense does and repeats itself "
-              "within a tenth of dense's longest run.", dense_row=True),
         Table("quality_tq4_ropemean.json", eval_text, "(the run of `quality_tq4_ropemean.json` above)",
               "`tq4` (rotation seed 0): 19 of the 20 chat answers as dense's, the longest repeated run 15% shorter "
-              "than dense's, distinct 4-grams 4% fewer.", dense_row=True, presets=TQ3_BEFORE_ROPEMEAN),
+              "than dense's, distinct 4-grams 4% fewer.", dense_row=True, presets=CURRENT),
         Table("quality_tq3_ropemean.json", eval_text, "(the run of `quality_tq3_ropemean.json` above)",
-              "The 3.5-bit recipe after RoPE (rotation seed 0): 19 of the 20 chat answers as dense's, the longest "
-              "repeated run 22% longer than dense's, distinct 4-grams 1% fewer.", dense_row=True, presets=TQ3_BEFORE_ROPEMEAN),
-        Table("quality_tq4_recipes.json", eval_text, "(the run of `quality_tq4_recipes.json` above)",
-              "The keys-before-RoPE recipes: every chat answer as dense's at 4.125 bits, 19 of 20 at 4; both repeat "
-              "runs about a fifth longer than dense's.", presets=PRESETS_125),
-        Table("text_tq4_seeds.json", eval_text,
-              'kvlab eval --caches "tq4+seed1,tq4+seed2" --windows 1 --seeds 0 --no-passkey --threads 1 '
-              "--out bench/results/text_tq4_seeds.json",
-              "`tq4` with two more rotation seeds (the first table's `tq4` is seed 0): the longest repeat run is "
-              "7.48 / 7.04 / 5.56 over seeds 0 / 1 / 2 against dense's 6.26, a mean of +6.9%; distinct 4-grams "
-              "-1.6% on average. One seed's text is one draw of the rotation.", presets=PRESETS_125),
+              "`tq3` (rotation seed 0): 19 of the 20 chat answers as dense's, the longest repeated run 22% longer "
+              "than dense's, distinct 4-grams 1% fewer.", dense_row=True, presets=CURRENT),
         Table("text_tq3_seeds.json", eval_text,
               'kvlab eval --caches "tq3+seed1,tq3+seed2,tq-k3.5v3+ropemean+vq+norms8+sink1+kscale=lsq+vscale=lsq+seed1,'
               'tq-k3.5v3+ropemean+vq+norms8+sink1+kscale=lsq+vscale=lsq+seed2" --windows 1 --seeds 0 --no-passkey '
               "--threads 1 --out bench/results/text_tq3_seeds.json",
-              "Both 3-bit recipes with two more rotation seeds (seed 0 is in the tables above). The recipe after "
-              "RoPE (today's `tq3`): longest repeat run 7.65 / 5.67 / 6.89 over seeds 0 / 1 / 2 against dense's "
-              "6.26, a mean of +7.6%; distinct 4-grams -1.9%; 19 of the 20 chat answers as dense's at every seed. "
-              "The recipe before RoPE: 4.74 / 7.82 at seeds 1 / 2, 16 and 19 answers as dense's.",
-              dense_row=True, presets=TQ3_BEFORE_ROPEMEAN),
+              "`tq3` with two more rotation seeds (seed 0 is the table above): its longest repeat run is 7.65 / 5.67 / "
+              "6.89 over seeds 0 / 1 / 2 against dense's 6.26, a mean of +7.6%; distinct 4-grams -1.9%; 19 of the 20 "
+              "chat answers as dense's at every seed.", dense_row=True, presets=TQ3_BEFORE_ROPEMEAN,
+              rows=("tq-k3.5v3+ropemean+vq+norms8+sink1+kscale=lsq+vscale=lsq+seed1",
+                    "tq-k3.5v3+ropemean+vq+norms8+sink1+kscale=lsq+vscale=lsq+seed2")),
+        Table("text_quality.json", eval_text,
+              "kvlab eval --caches int8,int4,tq4,tq-k4v4,tq3 --windows 1 --seeds 0 --no-passkey --threads 1 "
+              "--out bench/results/text_quality.json",
+              f"The integer caches and other recipes: the bare 3-bit method (`tq-k3v3`) repeats itself a third more "
+              f"than dense, `{TQ4_125}` a fifth more, `int4` less.", dense_row=True),
         Table("text_hf_presets.json", eval_text, "(the transformers run of the presets above; rotation seed 0)",
               "Through transformers, against transformers' own DynamicCache: both presets answer the chat questions "
-              "within two of its answers, and neither repeats itself more (longest run -21% and -3%); without "
-              "`+prerope`, `tq4` loses +2.3% perplexity where kvlab's engine loses +0.9%, and `tq3` +3.6%, over "
-              "the 3% it holds in kvlab's engine.", presets=PRESETS_125),
+              "within two of its answers, and neither repeats itself more (longest run -21% and -3%).",
+              presets=HF_PRESETS),
     ]),
     Section("Serving an agent", "", [
         Table("grammar_mask.json", grammar_mask, "python bench/grammar_mask.py",
@@ -1345,46 +886,33 @@ SECTIONS = [
               "`/health` keeps answering."),
     ]),
     Section("Prefill into each cache", "", [
-        Table("prefill_caches.json", prefill_caches,
-              "python bench/prefill.py --caches dense,dense-f16,int8,int4,tq-k4v4,tq-k4v4+prerope --tokens 8000",
-              presets=BOTH),
-        Table("prefill_tq_caches_before_xeon.json", prefill_caches,
-              "python bench/prefill.py --caches dense,dense-f16,tq4,tq3,tq-k4v4 --tokens 4000 --src BEFORE/src "
-              "--out bench/results/prefill_tq_caches_before_xeon.json",
-              "TurboQuant prefill before its prompt chunks were coded in C (BEFORE: a checkout of 3c50b20), Intel Xeon: "
-              "a single cache coded each chunk in torch (rotation, bucketize, for `tq3` a nearest-point search per 4 "
-              "coordinates) and its queries unpacked a row's codes once per four of them: `tq4` 1.43x dense's CPU time, `tq3` "
-              "2.22x.",
-              presets=CURRENT),
         Table("prefill_tq_caches_xeon.json", prefill_caches,
               "python bench/prefill.py --caches dense,dense-f16,tq4,tq3,tq-k4v4 --tokens 4000 "
               "--out bench/results/prefill_tq_caches_xeon.json",
-              "The same after: a chunk's tokens coded by kvlab_tq_code_tokens (the fused step's and the serving pool's "
-              "coder; a +norms8 layer's first chunk still in torch, since its float scales set the centres), and a call "
-              "of 8 or more queries reading tiles of sixteen rows decoded once, `tq4`'s and `tq3`'s keys scored with "
-              "the keys in lanes in the register read's order (the same bits as a query read alone): `tq4` 1.34x dense's "
-              "CPU time, `tq3` 1.59x. The two runs went one after the other, and `tq-k4v4` reads 1.14x before and 1.23x "
-              "after; alternated with the build before (`--caches tq-k4v4`, two rounds each) it took 17.8 / 18.0 s before "
-              "and 16.2 / 16.7 s after: this machine drifted between the runs.",
+              "Intel Xeon. A TurboQuant prompt chunk's tokens are coded by kvlab_tq_code_tokens (the fused step's and "
+              "the serving pool's coder; a +norms8 layer's first chunk in torch, since its float scales set the "
+              "centres), and a call of 8 or more queries reads tiles of sixteen rows decoded once, `tq4`'s and `tq3`'s "
+              "keys scored with the keys in lanes in the register read's order (the same bits as a query read alone): "
+              "`tq4` 1.34x dense's CPU time, `tq3` 1.59x, `tq-k4v4` 1.23x.",
               presets=CURRENT),
+        Table("prefill_caches.json", prefill_caches,
+              "python bench/prefill.py --caches dense,dense-f16,int8,int4,tq-k4v4,tq-k4v4+prerope --tokens 8000",
+              presets=BOTH),
         Table("int_read.json", rows_table([
             ("cache", "cache", str), ("context", "context", integer), ("chunk C read ns", "c_read_ns_pair", f2),
             ("chunk torch spans ns", "torch_spans_ns_pair", f2), ("chunk dense-f16 ns", "dense_f16_ns_pair", f2),
             ("decode C read ns", "decode_ns_pair", f2)]),
               "python bench/int_read.py",
               "The integer caches' attention read, one layer, SmolLM2's shape, 1 thread, nanoseconds per query-key "
-              "pair. A 512-token prompt chunk at the end of the context: the C read (how the single cache and the serving "
-              "pool's integer blocks read it) against the torch path's spans (codes decoded in C, attention in torch), "
-              "and dense-f16 for scale; then one decode step's read. The C read scores "
-              "two queries per load of a tile's keys (a call with 8 or more queries: the tile transposed, keys in "
-              "lanes) and mixes values four at a time, the same bits as one query at a time. Read one query at a time, "
-              "this script on the same AMD EPYC gave 7.2-7.5 ns a pair for the chunk's C read and 17.1 / 14.5 ns for "
-              "int8's decode read at 1,024 / 4,096 tokens; with the pairs but no transposed tiles, 6.2-6.4 and 14.5 / "
-              "11.0 (int4's decode reads its codes in registers: unchanged). Runs on this shared VM differ by ~15% from "
-              "each other: compare within a row."),
+              "pair, AMD EPYC. A 512-token prompt chunk at the end of the context: the C read (how the single cache "
+              "and the serving pool's integer blocks read it) against the torch path's spans (codes decoded in C, "
+              "attention in torch), and dense-f16 for scale; then one decode step's read. The C read scores two "
+              "queries per load of a tile's keys (a call with 8 or more queries: the tile transposed, keys in lanes) "
+              "and mixes values four at a time, the same bits as one query at a time. Runs on this shared VM differ "
+              "by ~15% from each other: compare within a row."),
     ]),
     Section("Gemma 3 and Qwen3.5 in the serving engine", "Random models from transformers' classes, fp32, 1 thread; the "
-            "2-core VM was shared with other jobs while these ran, so times are indicative.", [
+            "2-core VM they ran on is shared with other jobs, so times are indicative.", [
         Table("hybrid_serving.json", hybrid_serving, "python bench/hybrid_serving.py"),
     ]),
     Section("On a GPU", "kvlab's torch path (the modules; its C kernels run on the CPU only) on a CUDA device, on a "
@@ -1398,54 +926,18 @@ SECTIONS = [
 
 # Results kept as data but not shown as tables: what each holds and the command that made it.
 RAW = {
-    "quality_alloc.json": ("kvlab eval --caches tq-k4v4+alloc,tq-k4v4+prerope+sink1+alloc,tq3+alloc --seeds 0,1,2 "
-                           "--no-passkey --threads 1", "per-layer widths (`+alloc`)"),
-    "quality_halloc.json": ("kvlab eval --caches tq-k4v4+prerope+sink1+halloc,tq3+halloc --seeds 0,1,2 --no-passkey "
-                            "--threads 1", "per-head widths (`+halloc`)"),
-    "quality_halloc_variants.json": ("kvlab eval --caches tq-k4v4+prerope+sink2+halloc,tq-k4v4+prerope+sink1+halloc2,"
-                                     "tq3+prerope+halloc --seeds 0,1,2 --no-passkey --threads 1",
-                                     "a second sink token, wider width choices, pre-RoPE keys at 3 bits"),
-    "quality_tq3_halloc_variants.json": ("kvlab eval --caches tq3+prerope+halloc2,tq-k4v2+prerope+halloc --seeds 0,1,2 "
-                                         "--no-passkey --threads 1", "3-bit-class allocation variants"),
-    "quality_halloc_kscale.json": ("kvlab eval --caches tq-k4v4+prerope+sink1+halloc+kscale=lsq,"
-                                   "tq-k4v4+prerope+sink1+halloc+kscale=unbiased --seeds 0,1,2 --no-passkey --threads 2",
-                                   "key scale rules on the calibrated recipe"),
-    "quality_kscale.json": ("kvlab eval --caches tq-k4v4+kscale=lsq,tq-k4v4+sink1+kscale=lsq,"
-                            "tq3+prerope+halloc+kscale=lsq --seeds 0,1,2 --no-passkey --threads 2",
-                            "least-squares key scales on other recipes"),
-    "quality_tq3_sink.json": ("kvlab eval --caches tq-k3v2.95+prerope+sink1+halloc+kscale=lsq,"
-                              "tq-k3v2.95+prerope+sink1+halloc --seeds 0,1,2 --no-passkey --threads 2",
-                              "a sink paid within the 3-bit budget"),
-    "quality_tq3_sink_variants.json": ("kvlab eval --caches tq-k3v2.9+prerope+sink2+halloc,"
-                                       "tq-k3v2.95+prerope+sink1+halloc2 --seeds 0,1,2 --no-passkey --threads 2",
-                                       "two sink tokens, wider widths at 3 bits"),
-    "quality_tq3_vq.json": ("kvlab eval --caches tq-k3v2.94+prerope+sink1+halloc+vq --seeds 0,1,2 --no-passkey "
-                            "--threads 2", "block codes (`+vq`) at 3 bits"),
-    "quality_tq3_norms8.json": ("kvlab eval --caches tq-k3.1v3.08+prerope+sink1+halloc+vq+norms8,"
-                                "tq-k3.1v3.09+prerope+sink1+halloc+norms8 --seeds 0,1,2 --no-passkey --threads 2",
-                                "8-bit log scales at 3 bits, with and without block codes"),
-    "quality_outliers.json": ("kvlab eval --caches tq-k4v4+prerope+sink1,tq-k3.875v3.75+prerope+outliers1+sink1,"
-                              "tq-k4v3.625+prerope+outliers1+sink1,tq-k4v4+prerope+outliers1+sink1 --seeds 0,1,2 "
-                              "--no-passkey --threads 1", "exact key outliers (`+outliersN`)"),
-    "hf_passkey.json": ("kvlab eval --backend transformers --windows 1 --seeds 0,1,2 --threads 1 --no-passkey-prime "
-                        "--passkey-lengths 1000,2000,3000 --caches dense,int8,int4,tq5,tq-k4v4,tq-k4v4+sink1,tq3,"
-                        "hf:quanto-int4+r0,hf:quanto-int4+r128,hf:hqq-4+r128,hf:hqq-3+r128",
-                        "passkey through transformers, unprimed protocol"),
-    "hf_passkey_r0.json": ("kvlab eval --backend transformers --windows 1 --seeds 0,1,2 --threads 1 --no-passkey-prime "
-                           "--passkey-lengths 1000,2000,3000 --caches hf:hqq-4+r0,hf:hqq-3+r0",
-                           "the same for HQQ without a residual"),
+    "passkey_tie.json": ('python bench/passkey_tie.py "dense,tq4+seed0,tq4+seed1,tq4+seed2,tq4+halloc+seed1,tq-k4v4+seed1"',
+                         "the logit lead of each answer token on one passkey trial without the primed answer "
+                         "(`--no-passkey-prime`), per cache and rotation seed"),
+    "served_answers.json": ('python bench/served_answers.py "dense,tq4,tq-k4.25v4+prerope+norms8+sink1+kscale=lsq+'
+                            'vscale=lsq,tq4+halloc,tq-k4v4"',
+                            "five chat questions answered through the serving engine, greedy, 10 tokens"),
     "key_error.json": ("python bench/key_error.py", "key-only attention KL of TurboQuant/int4 key coders on real "
                                                     "queries and keys (`tq4` there is `tq-k4v4`)"),
     "vector_codes.json": ("python bench/vector_codes.py", "per-vector error of scalar Lloyd-Max codes against `+vq` "
                                                           "block codes on random unit vectors"),
     "lab_all.json": ("", "the textbook experiments behind docs/lab.md"),
 }
-
-# Caveat for the quality runs in RAW: they predate reading a layer's first chunk exactly.
-RAW_NOTE = (
-    "The TurboQuant quality files above were made when a layer's first chunk was read back through its codes, and "
-    "their names say `tq4` for the bare method (`tq-k4v4` today, as the commands here spell it): compare them with "
-    "each other, not with the tables on this page.")
 
 
 # --------------------------------------------------------------------------------------------------- assembly
@@ -1458,7 +950,8 @@ def load(name: str):
 
 
 def command_of(data, t: Table) -> str:
-    """The command that made a file, with the cache names of its day spelled as today (a bare tq3 -> tq-k3v3)."""
+    """The command that made a file, each `tq4` / `tq3` in it that is not the preset spelled as the recipe it measured
+    (with BOTH, tq3 -> tq-k3v3)."""
     recorded = data.get("command") if isinstance(data, dict) else None
     return _NAME_IN_COMMAND.sub(lambda m: current_name(m.group(0), t.presets), recorded or t.command)
 
@@ -1516,9 +1009,8 @@ def page() -> str:
            "command that reproduces it (`kvlab` is `.venv/bin/kvlab`, `python` is `.venv/bin/python`; `PYTHON` a "
            "Python with llama-cpp-python). The machines are small shared cloud VMs (2 vCPUs, AVX-512 unless a table says AVX2), so benchmarks "
            "interleave their contenders in one run: read ratios within a table, not absolute speed across tables. "
-           "Rows and commands spell each cache by today's names: `tq4` is the preset "
-           f"`{PRESETS['tq4']}`; a table whose row spells `{TQ4_125}` measured the recipe `tq4` stood for before, "
-           "and its note calls that recipe `tq4`.",
+           f"`tq4` is the preset `{PRESETS['tq4']}` and `tq3` the preset `{PRESETS['tq3']}`; every other recipe "
+           "is spelled out in the rows and commands.",
            "",
            "Contents: " + " · ".join(f"[{s.title.replace('`', '')}](#{anchor(s.title)})" for s in SECTIONS)
            + " · [Raw data](#raw-data)"]
@@ -1533,7 +1025,7 @@ def page() -> str:
         data = load(name)
         cmd = command_of(data, Table(name, None, cmd))
         out.append(f"- `{name}`: {what}. `{cmd}`")
-    out += ["", RAW_NOTE, ""]
+    out.append("")
     return "\n".join(out)
 
 
