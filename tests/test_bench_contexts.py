@@ -9,6 +9,7 @@ from typer.testing import CliRunner
 
 from kvlab.bench import contexts as bench_contexts
 from kvlab.bench.contexts import parse_contexts
+from kvlab.cache import CacheSpec
 from kvlab.cli import app
 from kvlab.errors import ConfigError
 
@@ -40,7 +41,7 @@ def test_smoke_run_records_every_cache_at_every_context(smollm2, tmp_path, monke
         assert r["step"] == "fused"
         # bytes read per step: the cache's per-token bytes × tokens at mid-run (dense: 30 × 3 × 128 × 4 B per token)
         mid = r["context"] + 1 + 2
-        if cache.startswith("dense"):
+        if CacheSpec.parse(cache).base == "dense":
             assert r["kv_bytes_read_per_step"] == 30 * 3 * 128 * (4 if cache == "dense" else 2) * mid
         assert r["bandwidth_gb_s"] == pytest.approx((r["weight_bytes"] + r["kv_bytes_read_per_step"]) * r["tokens_per_s"] / 1e9)
     assert rows[16, "dense-f16"]["ratio_vs_baseline"] == 1.0

@@ -163,6 +163,6 @@ def test_hub_style_config_reads_the_same_facts():
         "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "query_pre_attn_scalar": 168,
     })
     assert [layer.kind for layer in spec.layers] == (["sliding"] * 5 + ["full"]) * 2
-    facts = spec.engine
+    facts = spec.runtime
     assert (facts.rope_theta, facts.rope_theta_local, facts.rope_scaling_factor, facts.rope_scaling_type) == (1e6, 1e4, 8.0, None)
     assert facts.query_pre_attn_scalar == 168 and facts.hidden_act == "gelu_tanh" and facts.tie_embeddings and facts.qk_norm

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -26,7 +27,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import DynamicCache  # noqa: E402
 from transformers.cache_utils import DynamicSlidingWindowLayer  # noqa: E402
 
-from kvlab.cache import CacheGeometry, expected_nbytes, make_cache  # noqa: E402
+from kvlab.cache import CacheGeometry, CacheSpec, expected_nbytes, make_cache  # noqa: E402
 from kvlab.cache.attention import grouped_attention  # noqa: E402
 from kvlab.errors import ConfigError  # noqa: E402
 from kvlab.hf import KVLabCache, SlidingLayer, stored_kv  # noqa: E402
@@ -209,12 +210,13 @@ def test_sliding_layers_keep_and_return_what_transformers_does(name):
         assert min(seen, window - 1) <= held < window - 1 + window           # the window, in whole segments
         assert len(segments) <= 2
         geometry = CacheGeometry(1, KV_HEADS, HEAD_DIM, BATCH, capacity=window)
-        plain = name.split("+")[0]                                           # the sink lives in the first segment only
+        spec = CacheSpec.parse(name)
+        plain = replace(spec, full=replace(spec.full, sink=0)).name          # the sink lives in the first segment only
         want = sum(expected_nbytes(name if start == 0 else plain, geometry, torch.float32, window) for start, _ in segments)
         assert layer.store.nbytes == want
     assert layer.get_seq_length() == reference.get_seq_length() == sum(CHUNKS)
     assert (worst > 0) == (name != "dense")                                  # compressed formats really code
-    if name.startswith("tq"):   # later segments code with the key offset measured on the first chunk
+    if CacheSpec.parse(name).base == "tq":   # later segments code with the key offset measured on the first chunk
         first = make_cache(name, CacheGeometry(1, KV_HEADS, HEAD_DIM, BATCH, capacity=window))
         first.append(0, *next(chunks()))
         assert first.k_offset[0].float().abs().sum() > 0

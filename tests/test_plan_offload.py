@@ -73,7 +73,7 @@ def test_ram_is_checked():
 
 def test_a_gguf_files_tensor_table_splits_exactly():
     spec = load_spec(str(default_model_path()))
-    split = split_from_tensors(spec.engine.tensors, spec.n_layers)
+    split = split_from_tensors(spec.runtime.tensors, spec.n_layers)
     assert split.total == open_gguf(default_model_path()).tensor_bytes
     plan = build_plan(str(default_model_path()), gpu_layers=10)
     assert split.tied                                        # SmolLM2 has no output.weight

@@ -3,8 +3,12 @@ published files), stated sizes (--weights-bytes / --weights-file), the vision pr
 
 from __future__ import annotations
 
+import builtins
 import io
 import json
+import os
+import struct
+from pathlib import Path
 
 import pytest
 from rich.console import Console
@@ -61,6 +65,34 @@ def test_schemes_match_published_files(name, scheme, gb):
     plan = build_plan(name, weights_quant=scheme.lower())
     assert abs(plan.weights.bytes / (gb * 1e9) - 1) < 0.012, plan.weights.formula
     assert plan.weights.scheme is not None and scheme in plan.weights.formula
+
+
+def test_a_plan_reads_each_model_file_once(tmp_path, monkeypatch):
+    """The planner plans from the one description sources/ reads: config.json, each safetensors header and a GGUF are
+    opened once, and the architecture's tensor list (for the quant schemes) comes with that description."""
+    folder = tmp_path / "smollm2"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(catalog()["smollm2-135m"].config))
+    header = json.dumps({"model.norm.weight": {"dtype": "F32", "shape": [576], "data_offsets": [0, 2304]}}).encode()
+    (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(2304))
+    gguf = default_model_path()
+    opened: list[Path] = []
+    real_open = io.open
+
+    def counted(file, *args, **kwargs):
+        if isinstance(file, (str, os.PathLike)):
+            opened.append(Path(file).resolve())
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", counted)
+    monkeypatch.setattr(io, "open", counted)
+    planned = build_plan(str(folder), weights_quant="q4_k_m")
+    build_plan(str(gguf))
+    monkeypatch.undo()
+    files = [folder / "config.json", folder / "model.safetensors", gguf]
+    assert {f.name: opened.count(Path(f).resolve()) for f in files} == {f.name: 1 for f in files}
+    assert planned.spec.extra["weight_tensors"] and planned.weights.scheme is not None     # Q4_K_M tensor by tensor
+    assert planned.weights.bytes == build_plan("smollm2-135m", weights_quant="q4_k_m").weights.bytes
 
 
 def test_every_scheme_name_plans_and_orders_sensibly():

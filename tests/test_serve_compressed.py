@@ -15,7 +15,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvlab.cache import CacheGeometry, compressed, make_cache
+from kvlab.cache import CacheGeometry, CacheSpec, compressed, make_cache
 from kvlab.cache.turboquant import TurboQuantCache
 from kvlab.errors import ConfigError
 from kvlab.generate import generate
@@ -111,7 +111,7 @@ def test_batched_tokens_equal_each_sequence_alone_with_that_format(smollm2, name
         assert_same_greedy_tokens(smollm2, engine, prompt, tokens[rid], alone(smollm2, engine, prompt, n))
     stats = engine.stats()
     assert stats.blocks_used == 0 and stats.running == 0 and not getattr(engine.pool, "rows", {})
-    assert bool(calls) == (block_kernel() is not None and name.startswith("tq"))
+    assert bool(calls) == (block_kernel() is not None and CacheSpec.parse(name).base == "tq")
 
 
 # -- the pool's attention against the single caches', on random shapes -------------------------------------
@@ -234,11 +234,12 @@ def test_pool_bytes_are_blocks_times_the_formula(smollm2, name, per_head_token):
     # one sequence of 4 blocks in the single cache holds 4 blocks + the per-sequence and shared state
     geometry = CacheGeometry.for_model(cfg, capacity=64)
     assert single_cache(engine, geometry).nbytes == 4 * cap.block_bytes + cap.shared_bytes + cap.sequence_bytes
-    assert (cap.shared_bytes == 0) == name.startswith("int") and (cap.sequence_bytes == 0) == name.startswith("tq")
+    base = CacheSpec.parse(name).base
+    assert (cap.shared_bytes == 0) == (base == "int") and (cap.sequence_bytes == 0) == (base == "tq")
 
 
 
-@pytest.mark.parametrize("seed,case", [(s, c) for s, c in enumerate(CASES) if c[0].startswith("int") and c[5]])
+@pytest.mark.parametrize("seed,case", [(s, c) for s, c in enumerate(CASES) if CacheSpec.parse(c[0]).base == "int" and c[5]])
 def test_long_chunks_of_an_int_cache_read_as_the_pool_reads(seed, case, monkeypatch):
     """The same run with the blocks of a long chunk (ATTEND_ROWS x ATTEND_KEYS) shrunk so that these chunks count as
     long: a single int8 / int4 cache reads them through the C read too, not in spans, so its output stays the pool's

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kvlab.backends import KvlabRuntime
-from kvlab.cache import CacheGeometry, TurboQuantCache, describe_formula, expected_nbytes, make_cache
+from kvlab.cache import CacheGeometry, CacheSpec, TurboQuantCache, describe_formula, expected_nbytes, make_cache
 from kvlab.cache.allocation import allocate, held_widths
 from kvlab.cache.names import parse
 from kvlab.cache.turboquant import HeadCodes
@@ -57,11 +57,11 @@ def test_each_head_stores_what_a_uniform_cache_at_its_widths_stores(name):
     """The reference: for every (layer, head), a plain cache at that head's key and value widths fed the same
     K/V and queries holds the same code bytes and norms for that head, and rebuilds the same K/V."""
     config = parse(name)[1]
-    suffix = name.split("+", 1)[1].split("+", 1)[1] if name.count("+") > 1 else ""
+    uniform = replace(CacheSpec.parse(name), alloc=0, key_alloc=(), value_alloc=(), alloc_heads=False)   # no recipe
     references = {}
     for layer, head in itertools.product(range(GEOMETRY.n_layers), range(GEOMETRY.n_kv_heads)):
         kb, vb = unit_widths(config, layer, head)
-        references.setdefault((kb, vb), f"tq-k{kb}v{vb}" + (f"+{suffix}" if suffix else ""))
+        references.setdefault((kb, vb), replace(uniform, key_bits=kb, value_bits=vb).name)
     fed = {ref: feed(ref) for ref in set(references.values())}
     for cache, q, _, _ in feed(name):
         plain = {ref: next(steps)[0] for ref, steps in fed.items()}

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from kvlab.cache import CacheGeometry, expected_nbytes, make_cache
+from kvlab.cache import CacheGeometry, CacheSpec, expected_nbytes, make_cache
 from kvlab.cache.rotation import Rotation
 from kvlab.cache.turboquant import RotatedCodes
 from kvlab.errors import ConfigError, NonFiniteError
@@ -225,7 +225,7 @@ def test_sink_tokens_are_kept_exactly(name):
         n = min(7, k.shape[2])
         assert torch.equal(k_hat[:, :, :n], k[:, :, :n]) and torch.equal(v_hat[:, :, :n], v[:, :, :n])
     assert not torch.equal(k_hat[:, :, 7:], k[:, :, 7:])                     # the rest is compressed
-    assert make_cache(name, GEOMETRY).full.sink == 7 and name.split("+")[1] == "sink7"
+    assert make_cache(name, GEOMETRY).full.sink == 7 and CacheSpec.parse(name).full.sink == 7
 
 
 def test_two_appends_before_any_read_stay_exact():

@@ -83,15 +83,15 @@ def run_generation(
 
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     backend = check_backend(backend, [cache])   # before any loading
-    engine = load_runtime(backend, model, dtype, device, weights)
-    loaded = engine.loaded
+    runtime = load_runtime(backend, model, dtype, device, weights)
+    loaded = runtime.loaded
     context = model_context(loaded.model)
     if capacity is not None:
         check_int(capacity, "--capacity", 1, context, "the model's context" if context else "")
     ids = encode_prompt(loaded, prompt, chat)
     check_fits(len(ids), max_new_tokens, context, capacity)  # before the cache is allocated, not after
     capacity = capacity or len(ids) + max_new_tokens
-    kv = engine.make_cache(cache, capacity)
+    kv = runtime.make_cache(cache, capacity)
     decoder = StreamDecoder(loaded.tokenizer)
     on_token = None
     if stream is not None:

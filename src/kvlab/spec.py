@@ -1,6 +1,6 @@
-"""ModelSpec / LayerSpec: one description of a model's layers, shared by the planner and the engine.
+"""ModelSpec / LayerSpec: one description of a model's layers, shared by the planner and the model runtime.
 
-The planner turns a ModelSpec into bytes; the engine's caches allocate exactly those bytes.
+The planner turns a ModelSpec into bytes; kvlab's caches allocate exactly those bytes.
 """
 
 from __future__ import annotations
@@ -126,10 +126,10 @@ class MoEFacts:
 
 
 @dataclass(frozen=True)
-class EngineFacts:
-    """What only the engine needs beyond the layers' cache shapes, read once by sources/.
+class RuntimeFacts:
+    """What only kvlab's model runtime needs beyond the layers' cache shapes, read once by sources/.
 
-    `DecoderConfig.from_spec` (model/config.py) checks these against what the engine can run; nothing
+    `decoder_config` (model/config.py) checks these against what kvlab can run; nothing
     else parses a model file a second time.
     """
 
@@ -137,7 +137,7 @@ class EngineFacts:
     d_ff: int | tuple[int, ...] = 0              # feed-forward width (per layer when the file lists several)
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None      # llama3 scaling (HF configs)
-    rope_scaling_type: str | None = None         # any other scaling type named by the file (the engine refuses it)
+    rope_scaling_type: str | None = None         # any other scaling type named by the file (kvlab refuses it)
     rope_dim: int = 0                            # rotated dims per head when the file says (0: all of head_dim)
     rope_freq_factors: tuple[float, ...] | None = None  # llama.cpp's rope_freqs tensor (Llama 3.x GGUFs)
     rms_eps: float = 1e-5
@@ -172,7 +172,7 @@ class ModelSpec:
     weights_bytes: int = 0      # exact bytes of stored weights when known (GGUF/safetensors), else 0
     source: str = ""            # where the facts came from (file path, config, catalog citation)
     extra: dict = field(default_factory=dict, compare=False, hash=False)
-    engine: EngineFacts | None = field(default=None, compare=False, hash=False)  # None: a catalog entry
+    runtime: RuntimeFacts | None = field(default=None, compare=False, hash=False)  # None: a catalog entry
 
     def __post_init__(self) -> None:
         if not self.layers:

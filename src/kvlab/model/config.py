@@ -79,14 +79,14 @@ class DecoderConfig:
         if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
             raise ConfigError(f"rope_freqs has {len(self.rope_freq_factors)} factors, expected head_dim/2 = {self.head_dim // 2}")
         if self.arch not in SUPPORTED_ARCHS:
-            raise ConfigError(f"unknown architecture {self.arch!r}; the engine runs {', '.join(SUPPORTED_ARCHS)}")
+            raise ConfigError(f"unknown architecture {self.arch!r}; kvlab runs {', '.join(SUPPORTED_ARCHS)}")
         if not self.layer_kinds:
             object.__setattr__(self, "layer_kinds", ("sliding" if self.sliding_window else "full",) * self.n_layers)
         if len(self.layer_kinds) != self.n_layers:
             raise ConfigError(f"layer_kinds lists {len(self.layer_kinds)} kinds for {self.n_layers} layers")
         for i, kind in enumerate(self.layer_kinds):
             if kind not in LAYER_KINDS:
-                raise ConfigError(f"layer {i} is of kind {kind!r}; the engine runs {', '.join(LAYER_KINDS)} layers")
+                raise ConfigError(f"layer {i} is of kind {kind!r}; kvlab runs {', '.join(LAYER_KINDS)} layers")
         if "sliding" in self.layer_kinds and not (self.sliding_window and self.sliding_window > 0):
             raise ConfigError(f"sliding layers need a positive sliding_window, got {self.sliding_window!r}")
         if "recurrent" in self.layer_kinds and self.linear is None:
@@ -99,7 +99,7 @@ class DecoderConfig:
         if self.rope_dim % 2 or not 0 < self.rope_dim <= self.head_dim:
             raise ConfigError(f"rope_dim={self.rope_dim} must be even and at most head_dim={self.head_dim}")
         if self.hidden_act not in ACTIVATIONS:
-            raise ConfigError(f"feed-forward activation {self.hidden_act!r} cannot be run (the engine runs {', '.join(ACTIVATIONS)})")
+            raise ConfigError(f"feed-forward activation {self.hidden_act!r} cannot be run (kvlab runs {', '.join(ACTIVATIONS)})")
         if self.arch in LLAMA_FAMILY and (self.rope_dim != self.head_dim or "recurrent" in self.layer_kinds
                                           or self.attn_output_gate or self.sandwich_norms or self.hidden_act != "silu"
                                           or self.moe is not None or len(set(self.layer_kinds)) > 1):
@@ -124,40 +124,40 @@ class DecoderConfig:
 
 
 def require_runnable(arch: str, source: str) -> None:
-    """UnsupportedArchitectureError unless the engine runs `arch` (checked before anything else is parsed)."""
+    """UnsupportedArchitectureError unless kvlab runs `arch` (checked before anything else is parsed)."""
     if arch not in ARCH_NAMES:
         raise UnsupportedArchitectureError(
-            f"{source}: architecture {arch!r} cannot be run by the engine (it runs {', '.join(SUPPORTED_ARCHS)}); "
+            f"{source}: architecture {arch!r} cannot be run by kvlab (it runs {', '.join(SUPPORTED_ARCHS)}); "
             "`kvlab plan` still plans it"
         )
 
 
 def decoder_config(spec: ModelSpec) -> DecoderConfig:
-    """The runnable decoder a ModelSpec (with its EngineFacts, from sources/) describes, or a one-line error
-    saying what the engine cannot run. This is the only way from a model file to a DecoderConfig."""
+    """The runnable decoder a ModelSpec (with its RuntimeFacts, from sources/) describes, or a one-line error
+    saying what kvlab cannot run. This is the only way from a model file to a DecoderConfig."""
     source = spec.source or spec.name
     require_runnable(spec.arch, source)
-    facts = spec.engine
+    facts = spec.runtime
     if facts is None or facts.format not in ("gguf", "safetensors"):
-        raise ConfigError(f"{source}: no weights known for {spec.name!r}; the engine runs a GGUF file or a folder with safetensors")
+        raise ConfigError(f"{source}: no weights known for {spec.name!r}; kvlab runs a GGUF file or a folder with safetensors")
     if ARCH_NAMES[spec.arch] in HYBRID_FAMILY:
         return _hybrid_config(spec, facts, source)
     first = spec.layers[0]
     shapes = {(l.kind, l.n_heads, l.n_kv_heads, l.head_dim_k, l.head_dim_v, l.window) for l in spec.layers}
     if len(shapes) != 1 or first.kind not in ("full", "sliding"):
         raise UnsupportedArchitectureError(
-            f"{source}: layers differ in kind, head counts, head dims or window; the engine runs identical "
+            f"{source}: layers differ in kind, head counts, head dims or window; kvlab runs identical "
             "full or sliding-window attention layers (`kvlab plan` plans the others)"
         )
     if first.head_dim_k != first.head_dim_v:
         raise UnsupportedArchitectureError(f"{source}: key head dim {first.head_dim_k} differs from value head dim {first.head_dim_v}")
     if isinstance(facts.d_ff, tuple):
-        raise UnsupportedArchitectureError(f"{source}: per-layer feed-forward widths cannot be run by the engine")
+        raise UnsupportedArchitectureError(f"{source}: per-layer feed-forward widths cannot be run by kvlab")
     if facts.rope_scaling_type is not None:
-        raise UnsupportedArchitectureError(f"{source}: RoPE scaling {facts.rope_scaling_type!r} cannot be run by the engine")
+        raise UnsupportedArchitectureError(f"{source}: RoPE scaling {facts.rope_scaling_type!r} cannot be run by kvlab")
     if facts.rope_dim and facts.rope_dim != first.head_dim_k:
         raise UnsupportedArchitectureError(
-            f"{source}: RoPE over {facts.rope_dim} of {first.head_dim_k} head dims (partial rotary) cannot be run by the engine")
+            f"{source}: RoPE over {facts.rope_dim} of {first.head_dim_k} head dims (partial rotary) cannot be run by kvlab")
     if spec.d_model <= 0 or spec.vocab_size <= 0:
         raise ConfigError(f"{source}: embedding length {spec.d_model} and vocabulary {spec.vocab_size} must be positive")
     try:
@@ -191,10 +191,10 @@ def _hybrid_config(spec: ModelSpec, facts, source: str) -> DecoderConfig:
     kinds = tuple(layer.kind for layer in spec.layers)
     for i, kind in enumerate(kinds):
         if kind not in LAYER_KINDS:
-            raise UnsupportedArchitectureError(f"{source}: layer {i} is of kind {kind!r}; the engine runs {', '.join(LAYER_KINDS)} layers")
+            raise UnsupportedArchitectureError(f"{source}: layer {i} is of kind {kind!r}; kvlab runs {', '.join(LAYER_KINDS)} layers")
     attention = [layer for layer in spec.layers if layer.kind in ("full", "sliding")]
     if not attention:
-        raise UnsupportedArchitectureError(f"{source}: no attention layer; the engine runs hybrids with at least one")
+        raise UnsupportedArchitectureError(f"{source}: no attention layer; kvlab runs hybrids with at least one")
     shapes = {(l.n_heads, l.n_kv_heads, l.head_dim_k, l.head_dim_v) for l in attention}
     if len(shapes) != 1:
         raise UnsupportedArchitectureError(f"{source}: attention layers differ in head counts or head dims {sorted(shapes)}")
@@ -206,14 +206,14 @@ def _hybrid_config(spec: ModelSpec, facts, source: str) -> DecoderConfig:
         raise UnsupportedArchitectureError(f"{source}: sliding layers of different windows {sorted(windows)}")
     if spec.extra.get("n_expert") and facts.moe is None:
         raise UnsupportedArchitectureError(f"{source}: a mixture-of-experts feed-forward ({spec.extra['n_expert']} experts) "
-                                           f"cannot be run by the engine for {arch}")
+                                           f"cannot be run by kvlab for {arch}")
     if facts.moe is not None and facts.moe.top_k > facts.moe.n_experts:
         raise ConfigError(f"{source}: {facts.moe.top_k} experts per token of {facts.moe.n_experts}")
     if isinstance(facts.d_ff, tuple):
-        raise UnsupportedArchitectureError(f"{source}: per-layer feed-forward widths cannot be run by the engine")
+        raise UnsupportedArchitectureError(f"{source}: per-layer feed-forward widths cannot be run by kvlab")
     if facts.rope_scaling_type is not None or facts.rope_scaling is not None:
         scaling = facts.rope_scaling_type or "llama3"
-        raise UnsupportedArchitectureError(f"{source}: RoPE scaling {scaling!r} cannot be run by the engine for {arch}")
+        raise UnsupportedArchitectureError(f"{source}: RoPE scaling {scaling!r} cannot be run by kvlab for {arch}")
     if "recurrent" in kinds and facts.linear_attention is None:
         raise ConfigError(f"{source}: recurrent layers but no Gated DeltaNet shapes (linear_num_value_heads / ssm.* keys)")
     if spec.d_model <= 0 or spec.vocab_size <= 0:

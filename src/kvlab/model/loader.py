@@ -80,8 +80,8 @@ def resolve_weights(weights: str, path: Path, dtype: torch.dtype, device: str) -
 
 
 def read_model(path: Path) -> tuple[ModelSpec, GGUFFile | None]:
-    """The one read of a model file (kvlab.sources): its ModelSpec with the engine's facts, and the open GGUF
-    (tensor data stays on disk) for a GGUF file. An architecture the engine cannot run is refused first."""
+    """The one read of a model file (kvlab.sources): its ModelSpec with the runtime's facts, and the open GGUF
+    (tensor data stays on disk) for a GGUF file. An architecture kvlab cannot run is refused first."""
     from ..sources.hf_folder import read_config, spec_from_folder
 
     if path.is_dir():
@@ -129,7 +129,7 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype | str = torch.
     cfg = decoder_config(spec)
     if cfg.arch in HYBRID_FAMILY:
         return _load_hybrid(path, spec, gguf_file, cfg, dtype, device, weights)
-    check_tensors(cfg, spec.engine.tensors, HF if gguf_file is None else GGUF, str(path))  # before any weight is read
+    check_tensors(cfg, spec.runtime.tensors, HF if gguf_file is None else GGUF, str(path))  # before any weight is read
     weights = resolve_weights(weights, path, dtype, device)
     blocks = {}
     if gguf_file is None:
@@ -180,7 +180,7 @@ def _load_hybrid(path: Path, spec: ModelSpec, gguf_file: GGUFFile | None, cfg: D
         raise ConfigError(f"--weights {weights}: GGUF blocks are kept for the llama family only; {cfg.arch} runs "
                           "--weights dense (or auto)")
     scheme = HF if gguf_file is None else GGUF
-    table = spec.engine.tensors
+    table = spec.runtime.tensors
     check_hybrid_tensors(cfg, table, scheme, str(path))      # before any weight is read
     if gguf_file is None:
         tokenizer = Tokenizer.from_folder(path)

@@ -11,7 +11,7 @@ from typing import Callable
 
 from ..spec import ModelSpec
 from .components import Component
-from .rules import EngineRules
+from .rules import RuleSet
 from .gpus import GPU
 from .layout import KVLayout
 from .offload import Offload, WeightSplit
@@ -33,7 +33,7 @@ class Placement:
 @dataclass(frozen=True)
 class Plan:
     spec: ModelSpec
-    engine: EngineRules
+    engine: RuleSet
     settings: PlanSettings
     layout: KVLayout
     weights: WeightsEstimate
@@ -117,7 +117,7 @@ def _cache_formulas(spec: ModelSpec, layout: KVLayout, part: str) -> str:
     return " + ".join(terms) or "0"
 
 
-def plan_components(spec: ModelSpec, engine: EngineRules, settings: PlanSettings, weights: WeightsEstimate,
+def plan_components(spec: ModelSpec, engine: RuleSet, settings: PlanSettings, weights: WeightsEstimate,
                     extras: tuple[Component, ...] = (), offload: Placement | None = None
                     ) -> tuple[KVLayout, tuple[Component, ...]]:
     """The GPU's budget lines; `extras` are fixed lines beside the model (a vision projector and its image buffer);
@@ -141,7 +141,7 @@ def plan_components(spec: ModelSpec, engine: EngineRules, settings: PlanSettings
     return layout, tuple(parts)
 
 
-def host_components(spec: ModelSpec, engine: EngineRules, settings: PlanSettings, weights: WeightsEstimate,
+def host_components(spec: ModelSpec, engine: RuleSet, settings: PlanSettings, weights: WeightsEstimate,
                     offload: Placement) -> tuple[Component, ...]:
     """What an offloaded llama.cpp plan keeps in host RAM."""
     return _offloaded(spec, engine, settings, weights, engine.layout(spec, settings), (), offload)[1]
@@ -195,7 +195,7 @@ def _largest(fits: Callable[[int], bool], lo: int, hi: int) -> int:
     return lo
 
 
-def make_plan(spec: ModelSpec, engine: EngineRules, settings: PlanSettings, weights_quant: str | None = None,
+def make_plan(spec: ModelSpec, engine: RuleSet, settings: PlanSettings, weights_quant: str | None = None,
               gpu: GPU | None = None, solve: bool = True, weights: WeightsEstimate | None = None,
               extras: tuple[Component, ...] = (), headroom: int = 0, placement: Placement | None = None) -> Plan:
     """Plan one configuration; with a GPU also solve for the longest context and most sequences, keeping
@@ -223,7 +223,7 @@ def make_plan(spec: ModelSpec, engine: EngineRules, settings: PlanSettings, weig
                 extras=extras, headroom_bytes=headroom, offload=placement.offload if placement else None, host=host)
 
 
-def kv_bytes_at(spec: ModelSpec, engine: EngineRules, settings: PlanSettings, contexts: list[int]) -> list[int]:
+def kv_bytes_at(spec: ModelSpec, engine: RuleSet, settings: PlanSettings, contexts: list[int]) -> list[int]:
     """KV + recurrent bytes at each context (for plots)."""
     return [engine.layout(spec, replace(settings, context=c)).total_bytes for c in contexts]
 

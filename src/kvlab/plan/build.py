@@ -68,7 +68,7 @@ def build_plan(model: str | None = None, ctx: str | int = "4096", kv_type: str |
     eng = rules_for(engine)
     if weights_quant is not None:
         check_quant(weights_quant)   # an unknown name is an error listing the known ones, whatever the model
-    spec = _with_tensors(load_spec(model), model)
+    spec = load_spec(model)   # the one read of the model: its architecture's tensor list comes with it (sources/)
     if params is not None:
         spec = replace(spec, n_params=parse_count(params, "--params"),
                        extra={**spec.extra, "n_params_source": "--params"})
@@ -217,27 +217,6 @@ def parse_count(value: str | int, option: str) -> int:
     if number <= 0:
         raise ConfigError(f"{option} must be positive, got {value!r}")
     return number
-
-
-def _with_tensors(spec, model: str):
-    """The architecture's tensor list in spec.extra (for GGUF quant schemes), where kvlab can list it."""
-    from ..sources import find_entry
-    from ..sources.hf_folder import text_config, read_config
-    from ..sources.params import weight_tensors
-
-    path = Path(model).expanduser()
-    config = None
-    if path.is_dir() and (path / "config.json").is_file():
-        config = read_config(path / "config.json")
-    elif path.is_file() and path.suffix.lower() == ".json":
-        config = read_config(path)
-    elif not path.exists():
-        entry = find_entry(model)
-        config = entry.config if entry is not None else None
-    if config is None:
-        return spec
-    tensors = weight_tensors(text_config(config), list(spec.layers))
-    return replace(spec, extra={**spec.extra, "weight_tensors": tensors}) if tensors else spec
 
 
 def _stated_weights(weights_bytes, weights_file) -> WeightsEstimate | None:

@@ -21,6 +21,7 @@ import shlex
 from dataclasses import replace
 from pathlib import Path
 
+from ..cache import CacheSpec
 from .budget import Plan
 from .rules.llama_cpp import DEFAULT_N_UBATCH, LlamaCppRules
 
@@ -106,15 +107,15 @@ def _vllm_serve(plan: Plan) -> list[str]:
 
 def _kvlab_serve(plan: Plan) -> list[str]:
     s = plan.settings
-    cache, _, dtype = plan.layout.kv_type_k.partition("@")
-    if cache == "dense" and dtype in ("float16", "bfloat16"):
-        cache = {"float16": "dense-f16", "bfloat16": "dense-bf16"}[dtype]
+    cache, dtype = CacheSpec.parse_with_dtype(plan.layout.kv_type_k)   # the layout's label: tq4@float32, dense@float16
+    if cache.base == "dense" and not cache.storage and dtype != "float32":
+        cache = CacheSpec("dense", dtype)     # dense@f16 serves as the block format dense-f16
     words = ["kvlab", "serve"]
     if plan.model_ref and Path(plan.model_ref).expanduser().exists():
         words.append(plan.model_ref)
     elif plan.model_ref:
         words.append(f"PATH/TO/{plan.spec.name}")   # kvlab serves local files: the folder or GGUF of this model
-    words += ["--cache", cache, "--ctx", s.context, "--max-seqs", s.parallel]
+    words += ["--cache", cache.label, "--ctx", s.context, "--max-seqs", s.parallel]
     if (plan.weights_quant or "").lower() in ("bf16", "bfloat16"):
         words += ["--dtype", "bf16"]
     if s.block_size != 16:

@@ -93,7 +93,7 @@ def weight_split(spec: ModelSpec, weights) -> WeightSplit:
     if scheme is not None:
         return WeightSplit(scheme.embedding_bytes, scheme.output_bytes, scheme.layer_bytes, scheme.layer_expert_bytes,
                            tied=scheme.tied)
-    tensors = spec.engine.tensors if spec.engine is not None else {}
+    tensors = spec.runtime.tensors if spec.runtime is not None else {}
     if tensors and weights.exact and spec.extra.get("dtype") == "gguf":
         split = split_from_tensors(tensors, spec.n_layers)
         if split.total == weights.bytes:
@@ -106,7 +106,7 @@ def estimated_split(spec: ModelSpec, total: int) -> WeightSplit:
     n = spec.n_layers
     per_param = total / spec.n_params if spec.n_params else 0
     embedding = int(spec.vocab_size * spec.d_model * per_param)
-    tied = spec.engine.tie_embeddings if spec.engine is not None else False
+    tied = spec.runtime.tie_embeddings if spec.runtime is not None else False
     output = 0 if tied else embedding
     rest = max(0, total - embedding - output)
     return WeightSplit(embedding, output, tuple([rest // n] * n), tuple([0] * n), exact=False, tied=tied)

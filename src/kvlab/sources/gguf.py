@@ -3,7 +3,7 @@
 `open_gguf(path)` parses the header with `struct` over an mmap of the file, so only the header's
 pages are ever read: a 40 GB file opens as fast as a 4 MB one. Tensor data is reachable lazily
 through `GGUFTensor.data` (a read-only numpy memmap view, shaped like `gguf.GGUFReader`'s), so the
-engine can dequantize from the same object. Nothing is ever unpickled or executed.
+model runtime can dequantize from the same object. Nothing is ever unpickled or executed.
 
 Every failure (missing file, not GGUF, truncated, corrupt header) is one `ModelFileError` line.
 """
@@ -23,7 +23,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import quant_shape_to_byte_shape
 
 from ..errors import ConfigError, ModelFileError
-from ..spec import EngineFacts, LinearAttentionFacts, ModelSpec, MoEFacts, TensorInfo
+from ..spec import LinearAttentionFacts, ModelSpec, MoEFacts, RuntimeFacts, TensorInfo
 from .native import native_weight_bytes
 from .layers import (FIXED_WINDOWS, LayerFacts, as_float, as_int, build_layers, check_number_keys, interval_kinds, layer_count, pattern_kinds, per_layer,
                      per_layer_flags, short, ssm_state_elements)
@@ -455,7 +455,7 @@ def _vocab_size(md: dict[str, Any], arch: str, source: str) -> int:
     return vocab
 
 
-def _engine_facts(gguf_file: GGUFFile, arch: str, vocab: int, n_ff: list[int]) -> EngineFacts:
+def _runtime_facts(gguf_file: GGUFFile, arch: str, vocab: int, n_ff: list[int]) -> RuntimeFacts:
     md, source = gguf_file.metadata, str(gguf_file.path)
     key = lambda name, default=None: md.get(f"{arch}.{name}", default)  # noqa: E731
     names = {t.name for t in gguf_file.tensors}
@@ -503,7 +503,7 @@ def _engine_facts(gguf_file: GGUFFile, arch: str, vocab: int, n_ff: list[int]) -
                 top_k=as_int(key("expert_used_count", 1), what("expert_used_count"), 1),
                 d_ff_expert=as_int(key("expert_feed_forward_length"), what("expert_feed_forward_length"), 1),
                 d_ff_shared=as_int(key("expert_shared_feed_forward_length", 0), what("expert_shared_feed_forward_length")))
-    return EngineFacts(
+    return RuntimeFacts(
         format="gguf",
         d_ff=n_ff[0] if len(set(n_ff)) == 1 else tuple(n_ff),
         rope_theta=as_float(key("rope.freq_base", 10000.0), f"{source}: {arch}.rope.freq_base"),
@@ -524,7 +524,7 @@ def _engine_facts(gguf_file: GGUFFile, arch: str, vocab: int, n_ff: list[int]) -
 def spec_from_gguf(gguf_file: GGUFFile) -> ModelSpec:
     """A ModelSpec from GGUF metadata keys; weights_bytes are the tensor table's exact bytes.
 
-    The spec carries the engine's facts (EngineFacts: RoPE, norms, biases, tied head, token ids, the
+    The spec carries the runtime's facts (RuntimeFacts: RoPE, norms, biases, tied head, token ids, the
     tensor table): this is the only parse of a GGUF's metadata.
     """
     try:
@@ -586,7 +586,7 @@ def _spec_from_gguf(gguf_file: GGUFFile) -> ModelSpec:
                "file_size": gguf_file.file_size, "dtype": "gguf",
                # what kvlab's native weights hold of this file (sources/native.py), for the planner
                "native_weight_bytes": native_weight_bytes({t.name: t for t in gguf_file.tensors}, len(layers))},
-        engine=_engine_facts(gguf_file, arch, vocab, n_ff),
+        runtime=_runtime_facts(gguf_file, arch, vocab, n_ff),
     )
 
 

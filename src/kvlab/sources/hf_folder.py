@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, KvlabError, ModelFileError, OfflineError
-from ..spec import EngineFacts, LinearAttentionFacts, ModelSpec, MoEFacts, RopeScaling, TensorInfo
+from ..spec import LinearAttentionFacts, ModelSpec, MoEFacts, RopeScaling, RuntimeFacts, TensorInfo
 from .layers import (LayerFacts, as_float, as_int, build_layers, check_number_keys, interval_kinds, layer_count, pattern_kinds, per_layer,
                      short, ssm_state_elements)
-from .params import count_params
+from .params import weight_tensors
 
 #: bytes per element of safetensors dtypes
 SAFETENSORS_DTYPE_BYTES = {
@@ -73,7 +73,7 @@ DELTANET_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", 
 LLAMA4_TYPES = ("llama4", "llama4_text")
 LLAMA4_CHUNK = 8192
 LLAMA4_NOPE_INTERVAL = 4
-#: transformers' names of the feed-forward activations the engine runs -> kvlab's
+#: transformers' names of the feed-forward activations kvlab runs -> kvlab's
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 
@@ -98,9 +98,9 @@ def _token_ids(cfg: dict[str, Any], key: str, vocab: int, source: str) -> tuple[
     return ids
 
 
-def _engine_facts(cfg: dict[str, Any], arch: str, vocab: int, head_dim: int, source: str,
-                  tensors: dict[str, TensorInfo] | None) -> EngineFacts:
-    """RoPE, norm, bias and head facts the engine needs, read with transformers' defaults for the model type."""
+def _runtime_facts(cfg: dict[str, Any], arch: str, vocab: int, head_dim: int, source: str,
+                   tensors: dict[str, TensorInfo] | None) -> RuntimeFacts:
+    """RoPE, norm, bias and head facts kvlab's model runtime needs, read with transformers' defaults for the model type."""
     scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     local = {}
     if isinstance(scaling.get("full_attention"), dict):  # per layer type (transformers 5's Gemma 3 configs)
@@ -128,7 +128,7 @@ def _engine_facts(cfg: dict[str, Any], arch: str, vocab: int, head_dim: int, sou
         family["rope_scaling_factor"] = as_float(scaling.get("factor"), f"{source}: rope_scaling.factor")
         rope_type = None
     bos = _token_ids(cfg, "bos_token_id", vocab, source)
-    return EngineFacts(
+    return RuntimeFacts(
         format="safetensors" if tensors else "config",
         d_ff=_first(cfg, "intermediate_size", default=0),
         rope_theta=as_float(theta, f"{source}: rope_theta"),
@@ -147,7 +147,7 @@ def _engine_facts(cfg: dict[str, Any], arch: str, vocab: int, head_dim: int, sou
 
 
 def _family_facts(cfg: dict[str, Any], arch: str, local_rope: dict[str, Any], source: str) -> dict[str, Any]:
-    """The EngineFacts fields only Gemma 3 and the Gated DeltaNet hybrids set (transformers' defaults for absent keys)."""
+    """The RuntimeFacts fields only Gemma 3 and the Gated DeltaNet hybrids set (transformers' defaults for absent keys)."""
     act = str(_first(cfg, "hidden_activation", "hidden_act", default="gelu_pytorch_tanh" if arch in GEMMA3_TYPES else "silu"))
     facts: dict[str, Any] = {"hidden_act": _ACTIVATIONS.get(act, act)}
     if arch in GEMMA3_TYPES:
@@ -285,21 +285,23 @@ def _llama4_kinds(cfg: dict[str, Any], n_layers: int, source: str) -> list[str]:
 
 def spec_from_config(config: dict[str, Any], name: str = "", source: str = "config.json",
                      weights_bytes: int = 0, n_params: int = 0,
-                     tensors: dict[str, TensorInfo] | None = None) -> ModelSpec:
-    """A ModelSpec from a transformers config dict (top level or nested text_config), with the engine's facts.
+                     tensors: dict[str, TensorInfo] | None = None, list_weights: bool = True) -> ModelSpec:
+    """A ModelSpec from a transformers config dict (top level or nested text_config), with the runtime's facts.
 
-    `tensors`: the safetensors headers' table, when the config comes with weights.
+    `tensors`: the safetensors headers' table, when the config comes with weights. `list_weights`: the architecture's
+    tensor list (GGUF names and shapes, sources/params.py) goes in extra["weight_tensors"], where kvlab can list it,
+    so the planner sizes GGUF quant schemes tensor by tensor without reading the config again.
     """
     if not isinstance(config, dict):
         raise ConfigError(f"{source}: config must be a JSON object, got {type(config).__name__}")
     try:
-        return _spec_from_config(config, name, source, weights_bytes, n_params, tensors)
+        return _spec_from_config(config, name, source, weights_bytes, n_params, tensors, list_weights)
     except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as exc:  # a value the checks did not foresee
         raise ConfigError(f"{source}: malformed config ({type(exc).__name__}: {str(exc)[:200]})") from None
 
 
 def _spec_from_config(config: dict[str, Any], name: str, source: str, weights_bytes: int, n_params: int,
-                      tensors: dict[str, TensorInfo] | None) -> ModelSpec:
+                      tensors: dict[str, TensorInfo] | None, list_weights: bool) -> ModelSpec:
     cfg = text_config(config)
     _check_types(cfg, source)
     n_layers = _first(cfg, "num_hidden_layers", "n_layer", "num_layers", "n_layers")
@@ -355,8 +357,11 @@ def _spec_from_config(config: dict[str, Any], name: str, source: str, weights_by
     vocab = as_int(_first(cfg, "vocab_size", default=config.get("vocab_size", 0)) or 0, f"{source}: vocab_size")
     if tensors:
         _check_kv_projections(layers, tensors, source)
+    listed = weight_tensors(cfg, list(layers))   # [] when kvlab does not know the family
+    if list_weights and listed:
+        extra["weight_tensors"] = listed
     if not n_params and not weights_bytes:  # a bare config.json: count the parameters from the architecture
-        n_params = count_params(cfg, layers)
+        n_params = sum(t.numel for t in listed)
         extra["n_params_source"] = "architecture" if n_params else None
     return ModelSpec(
         name=name or str(_first(config, "_name_or_path", "model_type", default="model")),
@@ -370,7 +375,7 @@ def _spec_from_config(config: dict[str, Any], name: str, source: str, weights_by
         weights_bytes=weights_bytes,
         source=source,
         extra=extra,
-        engine=_engine_facts(cfg, arch, vocab, int(head_dim), source, tensors),
+        runtime=_runtime_facts(cfg, arch, vocab, int(head_dim), source, tensors),
     )
 
 
@@ -553,4 +558,5 @@ def spec_from_hub(repo_id: str) -> ModelSpec:
         raise OfflineError(f"{repo_id}: cannot reach the Hugging Face Hub ({type(exc).__name__}); "
                            "are you offline? give a local file, folder or catalog name") from None
     return spec_from_config(config, name=repo_id, source=f"https://huggingface.co/{repo_id}/blob/main/config.json",
-                            weights_bytes=weights_bytes, n_params=n_params)
+                            weights_bytes=weights_bytes, n_params=n_params,
+                            list_weights=False)   # a Hub repo's quants are sized from its parameter count

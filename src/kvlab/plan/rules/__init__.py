@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 from ...errors import ConfigError
-from .base import EngineRules
+from .base import RuleSet
 from .kvlab import KvlabRules
 from .llama_cpp import LlamaCppRules
 from .vllm import VllmRules
 
-RULES: dict[str, type[EngineRules]] = {"llama.cpp": LlamaCppRules, "vllm": VllmRules, "kvlab": KvlabRules}
+RULES: dict[str, type[RuleSet]] = {"llama.cpp": LlamaCppRules, "vllm": VllmRules, "kvlab": KvlabRules}
 _ALIASES = {"llama-cpp": "llama.cpp", "llamacpp": "llama.cpp", "llama_cpp": "llama.cpp", "vLLM": "vllm"}
 
 
-def rules_for(name: str) -> EngineRules:
+def rules_for(name: str) -> RuleSet:
     key = _ALIASES.get(name.strip(), name.strip().lower())
     key = _ALIASES.get(key, key)
     if key not in RULES:
@@ -20,4 +20,4 @@ def rules_for(name: str) -> EngineRules:
     return RULES[key]()
 
 
-__all__ = ["EngineRules", "RULES", "rules_for", "LlamaCppRules", "VllmRules", "KvlabRules"]
+__all__ = ["RuleSet", "RULES", "rules_for", "LlamaCppRules", "VllmRules", "KvlabRules"]

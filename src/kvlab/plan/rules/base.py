@@ -1,4 +1,4 @@
-"""EngineRules: the allocation rules of one inference engine (llama.cpp, vLLM, kvlab)."""
+"""RuleSet: the allocation rules of one inference engine (llama.cpp, vLLM, kvlab)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class EngineRules(ABC):
+class RuleSet(ABC):
     """What an engine allocates for a model and settings."""
 
     name: str = ""

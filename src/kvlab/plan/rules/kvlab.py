@@ -23,10 +23,10 @@ from ..components import Component
 from ..layout import KVLayout, LayerBytes
 from ..settings import PlanSettings
 from ..weights import WeightsEstimate
-from .base import EngineRules
+from .base import RuleSet
 
 
-class KvlabRules(EngineRules):
+class KvlabRules(RuleSet):
     name = "kvlab"
     version = "kvlab (this package)"
 

@@ -29,7 +29,7 @@ from ..components import Component
 from ..kv_types import KVType, kv_type
 from ..layout import KVLayout, LayerBytes
 from ..settings import PlanSettings
-from .base import EngineRules, MiB, pad
+from .base import RuleSet, MiB, pad
 
 CELL_PAD = 256          # n_ctx and SWA cells are padded to 256
 DEFAULT_N_BATCH = 2048
@@ -44,7 +44,7 @@ FIXED_WINDOW_ARCHS = {**FIXED_WINDOWS, **{t: FIXED_WINDOWS["llama4"] for t in LL
 GPU_RUNTIME_BYTES = 400 * MiB   # CUDA context + cuBLAS workspace: typical, driver-dependent (estimate)
 
 
-class LlamaCppRules(EngineRules):
+class LlamaCppRules(RuleSet):
     name = "llama.cpp"
     version = "llama.cpp 0c1e57098 (llama-cpp-python 0.3.36)"
     max_parallel = 256   # LLAMA_MAX_SEQ

@@ -22,7 +22,7 @@ from ..components import Component
 from ..kv_types import KVType, kv_type
 from ..layout import KVLayout, LayerBytes
 from ..settings import PlanSettings
-from .base import EngineRules, GiB, cdiv
+from .base import GiB, RuleSet, cdiv
 
 DEFAULT_MAX_BATCHED_TOKENS = 8192
 RUNTIME_BYTES = GiB // 2      # CUDA context, NCCL, CUDA graphs: typical (estimate)
@@ -34,7 +34,7 @@ def _model_dtype(spec: ModelSpec) -> str:
     return {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}.get(dtype, "bf16" if dtype != "gguf" else "f16")
 
 
-class VllmRules(EngineRules):
+class VllmRules(RuleSet):
     name = "vllm"
     version = "vLLM v1 @ 001cabc1 (kv_cache_interface.py)"
     headroom_reason = "none beyond --gpu-memory-utilization 0.9, which already leaves 10% of the card to others"
