@@ -9,20 +9,26 @@ import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvlab.backends import cache_name
 from kvlab.cache import CacheGeometry, CacheSpec, expected_nbytes, make_cache
 from kvlab.cache import format as fmt
 from kvlab.cache.capacity import CapacityPlan
 from kvlab.errors import ConfigError
+from kvlab.model.config import DecoderConfig
 from kvlab.plan import PlanSettings, rules_for, make_plan
 from kvlab.plan.report import plan_json
+from kvlab.plan.rules.kvlab import engine_admission
+from kvlab.serve.engine import capacity_for
 from kvlab.serve.formats import block_format
 from kvlab.sources import load_spec
+from kvlab.spec import LayerSpec, ModelSpec
 
 SMOLLM2 = CacheGeometry(n_layers=30, n_kv_heads=3, head_dim=64, n_heads=9)
 #: a small geometry every generated width splits (head dim 64) with RoPE frequencies for +prerope
@@ -147,61 +153,132 @@ def test_a_spec_is_immutable():
 
 
 # -- every path refuses what supports() refuses, with its message -------------------------------------------------
+# supports(path) ok => every entry point of that path accepts the name; an entry point refuses => supports(path) refuses
+# with the same one line. Each path is reached through the functions its users call.
+FLAT = DecoderConfig(vocab_size=8, d_model=256, n_layers=SMALL.n_layers, n_heads=SMALL.n_heads, n_kv_heads=SMALL.n_kv_heads,
+                     d_ff=8, head_dim=SMALL.head_dim)
+#: a model whose layers differ in kind (Gemma 3): two layer groups of SMALL's 2 layers, so SMALL's recipes fit a group
+LAYERED = DecoderConfig(vocab_size=8, d_model=256, n_layers=4, n_heads=SMALL.n_heads, n_kv_heads=SMALL.n_kv_heads, d_ff=8,
+                        head_dim=SMALL.head_dim, arch="gemma3", layer_kinds=("sliding", "full") * 2, sliding_window=32)
+
+
+def model_spec(config: DecoderConfig) -> ModelSpec:
+    """The planner's view of `config`'s attention layers."""
+    layers = tuple(LayerSpec(kind, config.n_heads, config.n_kv_heads, config.head_dim, config.head_dim,
+                             config.sliding_window if kind == "sliding" else None) for kind in config.layer_kinds)
+    return ModelSpec(config.arch, config.arch, layers)
+
+
+def outcome(call) -> str:
+    """"" when `call` accepts the name, else the one line of its ConfigError."""
+    try:
+        call()
+    except ConfigError as err:
+        assert "\n" not in str(err)
+        return str(err)
+    return ""
+
+
+def assert_agrees(spec: CacheSpec, path: str, block_size: int | None, on_small: dict, anywhere: dict = {}) -> None:
+    """Every entry point refuses what supports(path) refuses, with its reason, and accepts the rest. `on_small`: entry
+    points that size the format for SMALL, where a format that does not fit it (a width that splits no whole channels)
+    gets the bytes formula's one line; `anywhere`: entry points that read the name alone."""
+    ok, reason = spec.supports(path, block_size)
+    fit = reason if not ok else outcome(lambda: spec.bytes(SMALL, SMALL.capacity))
+    got = {where: outcome(call) for where, call in {**on_small, **anywhere}.items()}
+    assert got == {**dict.fromkeys(on_small, fit), **dict.fromkeys(anywhere, reason)}, \
+        f"{spec.label!r} on {path}: supports() says {ok, reason}"
+
+
+def refuses_all(name: str, *entry_points: dict) -> None:
+    """A name the grammar refuses: every entry point gives a one-line ConfigError."""
+    for calls in entry_points:
+        for where, call in calls.items():
+            assert outcome(call), f"{where} accepts {name!r}, which the grammar refuses"
+
+
+def unresolved(spec: CacheSpec) -> bool:
+    """+alloc / +halloc without its recipe: the torch path calibrates the recipe for its model first
+    (quality/calibrate.py resolve); a cache is built from the name that spells it out."""
+    return bool(spec.alloc) and not spec.key_alloc
+
+
 @EXAMPLES
 @given(names())
 def test_the_pool_refuses_what_supports_refuses(name):
+    """block_format (the pool), CapacityPlan (its admission), serve.Engine's capacity_for and the planner's --kv-budget."""
+    entry_points = {
+        "block_format": lambda: block_format(name, SMALL, 16),
+        "CapacityPlan": lambda: CapacityPlan.build(SMALL, name, "4MiB", 16),
+        "Engine": lambda: capacity_for(FLAT, name, "4MiB", 16),
+        "planner --kv-budget": lambda: engine_admission(model_spec(FLAT), PlanSettings(context=64, kv_type_k=name), "4MiB"),
+    }
     spec = parsed(name, "pool")
     if spec is None:
-        with pytest.raises(ConfigError):
-            block_format(name, SMALL, 16)
-        return
-    ok, reason = spec.supports("pool", 16)
-    try:
-        held = block_format(name, SMALL, 16)
-    except ConfigError as err:
-        assert not ok and str(err) == reason or ok and str(err) not in _table_messages(spec, 16)
-        return
-    assert ok
-    assert held.block_bytes == spec.pool_bytes(SMALL, 16).block
+        return refuses_all(name, entry_points)
+    assert_agrees(spec, "pool", 16, entry_points)
+    if not outcome(lambda: block_format(name, SMALL, 16)):
+        assert block_format(name, SMALL, 16).block_bytes == spec.pool_bytes(SMALL, 16).block
+
+
+@EXAMPLES
+@given(names())
+def test_the_layered_pool_refuses_what_supports_refuses(name):
+    """A model whose layers differ in kind: serve.Engine's capacity_for and the planner's --kv-budget."""
+    entry_points = {
+        "Engine": lambda: capacity_for(LAYERED, name, "4MiB", 16),
+        "planner --kv-budget": lambda: engine_admission(model_spec(LAYERED), PlanSettings(context=64, kv_type_k=name), "4MiB"),
+    }
+    spec = parsed(name, "pool")
+    if spec is None:
+        return refuses_all(name, entry_points)
+    assert_agrees(spec, "layered-pool", 16, entry_points)
+
+
+@EXAMPLES
+@given(names())
+def test_the_torch_path_refuses_what_supports_refuses(name):
+    """The single-sequence caches (make_cache), the CLI's --cache check and the planner's --kv-type (--engine kvlab)."""
+    planner = lambda: rules_for("kvlab").layout(model_spec(FLAT), PlanSettings(context=48, kv_type_k=name))  # noqa: E731
+    cli = {"CLI": lambda: cache_name("kvlab", name)}
+    spec = parsed(name)
+    if spec is None:
+        return refuses_all(name, {"make_cache": lambda: make_cache(name, SMALL), "planner --kv-type": planner}, cli)
+    if unresolved(spec):
+        assert "has no recipe yet" in outcome(lambda: make_cache(name, SMALL))
+        assert_agrees(spec, "torch", None, {"planner --kv-type": planner}, cli)
+    else:
+        assert_agrees(spec, "torch", None, {"make_cache": lambda: make_cache(name, SMALL), "planner --kv-type": planner}, cli)
 
 
 @EXAMPLES
 @given(names())
 def test_transformers_refuses_what_supports_refuses(name):
+    """kvlab.hf's CacheFormat and the CLI's --backend transformers check (both read the name alone)."""
     pytest.importorskip("transformers")
     from kvlab.hf import CacheFormat
 
+    entry_points = {"CacheFormat": lambda: CacheFormat.parse(name), "CLI": lambda: cache_name("transformers", name)}
     spec = parsed(name, "transformers")
     if spec is None:
-        with pytest.raises(ConfigError):
-            CacheFormat.parse(name)
-        return
-    ok, reason = spec.supports("transformers")
-    if ok:
-        assert CacheFormat.parse(name).name == spec.label
-    else:
-        with pytest.raises(ConfigError) as err:
-            CacheFormat.parse(name)
-        assert str(err.value) == reason
+        return refuses_all(name, entry_points)
+    assert_agrees(spec, "transformers", None, {}, entry_points)
+    if spec.supports("transformers")[0]:
+        assert CacheFormat.parse(name).name == cache_name("transformers", name) == spec.label
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.sampled_from(["int", "tq", "concat"]), st.lists(st.sampled_from(["qjl", "outliers1", "sink1", "recent4",
-                                                                          "prerope", "norms8", "g16"]), max_size=2))
-def test_the_fused_step_refuses_what_supports_refuses(base, options):
-    """serves_codes (model/fused_codes.py) takes the modules exactly for the formats supports("fused") refuses."""
-    from kvlab.model.fused_codes import serves_codes
-    from kvlab.model.fused_int import serves_int
+@EXAMPLES
+@given(names())
+def test_the_fused_step_refuses_what_supports_refuses(name):
+    """The fused decode step (model/fused.py FusedDecodeStep.serves) takes a cache shaped for its model exactly for
+    the formats supports("fused") accepts; the modules run the rest."""
+    from kvlab.model.fused import FusedDecodeStep
 
-    name = "+".join([{"int": "int4", "tq": "tq-k4v3", "concat": "concat"}[base], *options])
     spec = parsed(name)
-    if spec is None:
-        return
-    cfg = type("Config", (), {"n_layers": SMALL.n_layers, "n_kv_heads": SMALL.n_kv_heads, "head_dim": SMALL.head_dim,
-                              "sliding_window": None})
-    cache = make_cache(name, SMALL)
-    served = serves_int(cache, cfg) if spec.base == "int" else spec.base == "tq" and serves_codes(cache, cfg)
-    assert served == spec.supports("fused")[0]
+    if spec is None or unresolved(spec) or outcome(lambda: spec.bytes(SMALL, SMALL.capacity)):
+        return                                    # no cache to build: a recipe to calibrate, or a width SMALL cannot hold
+    step = SimpleNamespace(config=FLAT)           # serves() reads the step's model config only
+    assert FusedDecodeStep.serves(step, make_cache(name, SMALL)) == spec.supports("fused")[0]
 
 
 def test_named_refusals_give_the_table_message():
@@ -216,11 +293,6 @@ def test_named_refusals_give_the_table_message():
     assert "must divide the block size of 16" in CacheSpec.parse("int4+g32").supports("pool", 16)[1]
     assert CacheSpec.parse("int4").supports("pool", 16) == (True, "")
     assert all(CacheSpec.parse(name).supports("torch") == (True, "") for name in fmt.NAMES)
-
-
-def _table_messages(spec: CacheSpec, block_size: int) -> set[str]:
-    facts = spec._facts(block_size)
-    return {message.format(**facts) for _, _, message in fmt.REFUSALS}
 
 
 # -- one bytes formula ---------------------------------------------------------------------------------------------

@@ -4,7 +4,13 @@ Its storage is the dense formats' blocks (cache/blocks.py), holding the batch's 
 `capacity` rows each: the serving pool is the same storage with many sequences in small blocks.
 The storage dtype may be narrower than the run's compute dtype (`dense-f16`, `dense-bf16` in a fp32 run:
 what llama.cpp and vLLM store by default): K/V are rounded to it when written, and attention reads them
-back chunk by chunk, upcast to the compute dtype (attention.chunked_attention), never as a whole-context copy.
+back chunk by chunk, upcast to the compute dtype, never as a whole-context copy.
+
+Reading: on the CPU with kvlab's C library, an fp32 query reads the rows in place through the serving pool's entry
+point (kernels/paged.c kvlab_paged_attention: the B sequences are B blocks of `capacity` rows, each query row's causal
+and window mask as the pool's), for a prompt chunk as for one token; elsewhere, or with `read_kernel` set to None (the
+reference the C read is tested against), torch's attention.grouped_attention (attention.chunked_attention when the
+storage is narrower than the query).
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ import torch
 from .attention import chunked_attention, grouped_attention
 from .base import CacheGeometry, KVCache, copy_prefix
 from .blocks import DenseBlocks
+from ..kernels import kernel_for
+from ..kernels.paged import sequences_attention
 
 class DenseCache(KVCache):
     """DenseBlocks of B blocks × `capacity` rows: k, v (layers, B, Hkv, capacity, D); token t of layer l of sequence
@@ -28,6 +36,7 @@ class DenseCache(KVCache):
         self.storage = storage or dtype
         self.blocks = DenseBlocks(g, g.batch, g.capacity, self.storage, self.device)
         self.k, self.v = self.blocks.k, self.blocks.v
+        self.read_kernel = kernel_for(self.device)   # None: torch reads the rows
 
     @staticmethod
     def bytes_per_token(geometry: CacheGeometry, dtype: torch.dtype) -> int:
@@ -44,7 +53,10 @@ class DenseCache(KVCache):
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         self._check_attend(layer, q)
-        k, v = self.blocks.rows(layer, self._lengths[layer])   # (B, Hkv, S, D) views, no copy
+        n = self._lengths[layer]
+        if self.read_kernel is not None and q.dtype == torch.float32 and 0 < q.shape[2] <= n:
+            return sequences_attention(self.read_kernel, q, self.k[layer], self.v[layer], n, self.scale, self.geometry.window)
+        k, v = self.blocks.rows(layer, n)   # (B, Hkv, S, D) views, no copy
         if self.storage != q.dtype:
             return chunked_attention(q, k, v, self.scale, window=self.geometry.window)
         return grouped_attention(q, k, v, self.scale, window=self.geometry.window)

@@ -388,9 +388,10 @@ class CacheSpec:
         checks that depend on its block size are made when `block_size` is given."""
         if path not in PATHS:
             raise ConfigError(f"unknown path {path!r}; choose one of {', '.join(PATHS)}")
-        for where, refused, message in REFUSALS:
-            if where == path and refused(self, block_size):
-                return False, message.format(**self._facts(block_size))
+        for each in ("layered-pool", "pool") if path == "layered-pool" else (path,):   # a layered pool is a pool too
+            for where, refused, message in REFUSALS:
+                if where == each and refused(self, block_size):
+                    return False, message.format(**self._facts(block_size))
         return True, ""
 
     def check(self, path: str, block_size: int | None = None) -> "CacheSpec":

@@ -227,6 +227,9 @@ class BlockKernel:
                    lib.kvlab_int_decode, lib.kvlab_int_attention, lib.kvlab_tq_code_tokens, lib.kvlab_int_code_tokens):
             fn.restype = i32
 
+    def __deepcopy__(self, memo) -> "BlockKernel":
+        return self   # one loaded library, shared (a copied cache reads through the same functions)
+
     def gemv(self, type_name: str, blocks: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """blocks (rows, row_bytes) uint8, x (cols,) fp32 contiguous -> y (rows,) fp32."""
         what = "block GEMV"

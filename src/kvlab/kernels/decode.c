@@ -299,10 +299,6 @@ static void attend_rows(int kv_type, const float *q, const void *keys, const voi
 }
 #undef ATTEND_ROWS
 #define HAVE_ATTEND_ROWS 1
-#else
-static void key_scores(const float *q, const float *keys, int start, int end, int d, float scale, float *scores) {
-    for (int t = start; t < end; t++) scores[t] = dot(q, keys + (int64_t)t * d, d) * scale;
-}
 #endif
 
 static float exp_shifted(float *s, int n, float top) { return kvlab_row_exp_shifted(s, n, top); }
@@ -386,11 +382,155 @@ static void dense_rows(const DenseHead *h, const void *rows_of, int width, const
     }
 }
 
+
+/* A read of more than FEW_QUERIES queries (a prompt chunk's tile of query rows) computes like a matrix product:
+ * the scores of BLOCK_QUERIES queries x sixteen keys at a time from the keys transposed, each score one FMA chain over
+ * the channels, and the value mix of BLOCK_QUERIES queries x sixteen channels at a time, each channel's sum in key
+ * order, so that every key and value row is loaded once per block of queries instead of once per query. */
+#define FEW_QUERIES 8
+
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+/* AVX2 (GCC's two-register sixteen-lane vectors spill here): eight rows' channels c .. c + 7 transposed into
+ * kt[(c + l) * 16 + half .. + 7], the standard unpack / shuffle / lane-swap 8 x 8 transpose */
+static inline void transpose8(const float *const *rows, int c, float *kt, int half) {
+    __m256 r[8], t[8], u[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(rows[i] + c);
+    for (int i = 0; i < 8; i += 2) t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);       /* channels 0 / 4 of rows i / 2 .. */
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);   /* 1 / 5 */
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);   /* 2 / 6 */
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);   /* 3 / 7 */
+    }
+    for (int l = 0; l < 4; l++) {
+        _mm256_storeu_ps(kt + (c + l) * 16 + half, _mm256_permute2f128_ps(u[l], u[4 + l], 0x20));
+        _mm256_storeu_ps(kt + (c + l + 4) * 16 + half, _mm256_permute2f128_ps(u[l], u[4 + l], 0x31));
+    }
+}
+#endif
+
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define BLOCK_QUERIES 6   /* 6 queries x 16 keys or channels: twelve accumulators of the sixteen AVX registers */
+/* A <= BLOCK_QUERIES queries' scores against the sixteen transposed keys kt, each an FMA chain over the channels in two
+ * eight-key halves */
+static inline __attribute__((always_inline)) void scores_block(int A, const float *q, int d, const float *kt, float scale,
+                                                               float *out) {
+    __m256 lo[BLOCK_QUERIES], hi[BLOCK_QUERIES];
+    for (int a = 0; a < A; a++) lo[a] = hi[a] = _mm256_setzero_ps();
+    for (int c = 0; c < d; c++) {
+        const __m256 k_lo = _mm256_loadu_ps(kt + c * 16), k_hi = _mm256_loadu_ps(kt + c * 16 + 8);
+        for (int a = 0; a < A; a++) {
+            const __m256 qa = _mm256_broadcast_ss(q + a * d + c);
+            lo[a] = _mm256_fmadd_ps(qa, k_lo, lo[a]);
+            hi[a] = _mm256_fmadd_ps(qa, k_hi, hi[a]);
+        }
+    }
+    for (int a = 0; a < A; a++) {
+        _mm256_storeu_ps(out + a * DENSE_READ_KEYS, _mm256_mul_ps(lo[a], _mm256_set1_ps(scale)));
+        _mm256_storeu_ps(out + a * DENSE_READ_KEYS + 8, _mm256_mul_ps(hi[a], _mm256_set1_ps(scale)));
+    }
+}
+
+/* A queries' value mix over m rows, channels c .. c + 15 (o[a]: query a's sums, p[a]: its weights) */
+static inline __attribute__((always_inline)) void mix_block(int A, float *const *o, const float *const *p,
+                                                            const float *const *rows, int m, int c) {
+    __m256 lo[BLOCK_QUERIES], hi[BLOCK_QUERIES];
+    for (int a = 0; a < A; a++) lo[a] = _mm256_loadu_ps(o[a] + c), hi[a] = _mm256_loadu_ps(o[a] + c + 8);
+    for (int j = 0; j < m; j++) {
+        const __m256 v_lo = _mm256_loadu_ps(rows[j] + c), v_hi = _mm256_loadu_ps(rows[j] + c + 8);
+        for (int a = 0; a < A; a++) {
+            const __m256 w = _mm256_broadcast_ss(p[a] + j);
+            lo[a] = _mm256_fmadd_ps(w, v_lo, lo[a]);
+            hi[a] = _mm256_fmadd_ps(w, v_hi, hi[a]);
+        }
+    }
+    for (int a = 0; a < A; a++) _mm256_storeu_ps(o[a] + c, lo[a]), _mm256_storeu_ps(o[a] + c + 8, hi[a]);
+}
+#else
+#define BLOCK_QUERIES 4
+static inline __attribute__((always_inline)) void scores_block(int A, const float *q, int d, const float *kt, float scale,
+                                                               float *out) {
+    kvlab_lanes16 acc[BLOCK_QUERIES];
+    for (int a = 0; a < A; a++) acc[a] = (kvlab_lanes16){0};
+    for (int c = 0; c < d; c++) {
+        const kvlab_lanes16 k = kvlab_lanes_at(kt + c * 16);
+        for (int a = 0; a < A; a++) acc[a] += q[a * d + c] * k;
+    }
+    for (int a = 0; a < A; a++) {
+        acc[a] *= scale;
+        memcpy(out + a * DENSE_READ_KEYS, &acc[a], sizeof acc[a]);
+    }
+}
+
+static inline __attribute__((always_inline)) void mix_block(int A, float *const *o, const float *const *p,
+                                                            const float *const *rows, int m, int c) {
+    kvlab_lanes16 acc[BLOCK_QUERIES];
+    for (int a = 0; a < A; a++) acc[a] = kvlab_lanes_at(o[a] + c);
+    for (int j = 0; j < m; j++) {
+        const kvlab_lanes16 v = kvlab_lanes_at(rows[j] + c);
+        for (int a = 0; a < A; a++) acc[a] += p[a][j] * v;
+    }
+    for (int a = 0; a < A; a++) memcpy(o[a] + c, &acc[a], sizeof acc[a]);
+}
+#endif
+
+/* scores[i * DENSE_READ_KEYS + j] = scale * (q_i . k_j) for the m <= DENSE_TILE keys rows[j], i < nq (keys past m up to
+ * the next sixteen get scores that are not read); kt: scratch for sixteen keys transposed (d x 16) */
+static void many_scores(const float *queries, int nq, const float *const *rows, int m, int d, float scale, float *kt,
+                        float *scores) {
+    for (int j = 0; j < m; j += 16) {
+        const float *group[16];
+        for (int r = 0; r < 16; r++) group[r] = rows[j + r < m ? j + r : m - 1];
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+        for (int c = 0; c < d; c += 8) transpose8(group, c, kt, 0), transpose8(group + 8, c, kt, 8);
+#else
+        kvlab_transpose_rows(group, d, kt);
+#endif
+        for (int i = 0; i < nq; i += BLOCK_QUERIES) {   /* the last block's size a constant in each call */
+            const float *q = queries + (int64_t)i * d;
+            float *out = scores + (int64_t)i * DENSE_READ_KEYS + j;
+            switch (nq - i < BLOCK_QUERIES ? nq - i : BLOCK_QUERIES) {
+            case 1: scores_block(1, q, d, kt, scale, out); break;
+            case 2: scores_block(2, q, d, kt, scale, out); break;
+            case 3: scores_block(3, q, d, kt, scale, out); break;
+            case 4: scores_block(4, q, d, kt, scale, out); break;
+#if BLOCK_QUERIES > 4
+            case 5: scores_block(5, q, d, kt, scale, out); break;
+            default: scores_block(6, q, d, kt, scale, out); break;
+#endif
+            }
+        }
+    }
+}
+
+/* parts[i * part_stride + c] += sum_j p_i[j] v_j[c] for the m value rows rows[j], p_i = p + i * DENSE_READ_KEYS, i < nq */
+static void many_mix(float *parts, int64_t part_stride, int nq, const float *p, const float *const *rows, int m, int dv) {
+    for (int i = 0; i < nq; i += BLOCK_QUERIES) {
+        const int A = nq - i < BLOCK_QUERIES ? nq - i : BLOCK_QUERIES;
+        float *o[BLOCK_QUERIES];
+        const float *pa[BLOCK_QUERIES];
+        for (int a = 0; a < A; a++) o[a] = parts + (i + a) * part_stride, pa[a] = p + (int64_t)(i + a) * DENSE_READ_KEYS;
+        for (int c = 0; c < dv; c += 16)
+            switch (A) {   /* the block's size a constant in each call */
+            case 1: mix_block(1, o, pa, rows, m, c); break;
+            case 2: mix_block(2, o, pa, rows, m, c); break;
+            case 3: mix_block(3, o, pa, rows, m, c); break;
+            case 4: mix_block(4, o, pa, rows, m, c); break;
+#if BLOCK_QUERIES > 4
+            case 5: mix_block(5, o, pa, rows, m, c); break;
+            default: mix_block(6, o, pa, rows, m, c); break;
+#endif
+            }
+    }
+}
+
 void kvlab_dense_read(const DenseHead *h, const int32_t *table, int64_t k0, int64_t k1, const float *queries, int nq,
                       float scale, float *scratch, float *parts, int64_t part_stride) {
     const int d = h->d, dv = h->dv, n = (int)(k1 - k0);
 #ifdef HAVE_ATTEND_ROWS
-    if (d == dv && d % 16 == 0 && k0 / h->block_rows == (k1 - 1) / h->block_rows) {   /* one run of a block: in place */
+    /* one run of a block: in place, each query reading (and converting) the rows itself (a decode step's few queries;
+     * the many of a prompt chunk's tile share each tile below) */
+    if (d == dv && d % 16 == 0 && k0 / h->block_rows == (k1 - 1) / h->block_rows && nq <= FEW_QUERIES) {
         const size_t elem = h->type == KV_F32 ? 4 : 2;
         const int64_t at = ((int64_t)table[k0 / h->block_rows] * h->block_stride + k0 % h->block_rows) * d;
         for (int i = 0; i < nq; i++)
@@ -400,13 +540,18 @@ void kvlab_dense_read(const DenseHead *h, const int32_t *table, int64_t k0, int6
     }
 #endif
     float *scores = scratch, *tile = scratch + (int64_t)nq * DENSE_READ_KEYS;   /* (nq, DENSE_READ_KEYS), a tile */
+    float *kt = tile + (int64_t)DENSE_TILE * (d > dv ? d : dv);                  /* (d, 16): sixteen keys transposed */
+    const int blocked = nq > FEW_QUERIES && d % 16 == 0 && dv % 16 == 0;
     const float *rows[DENSE_TILE];
     for (int j0 = 0; j0 < n; j0 += DENSE_TILE) {
         const int m = n - j0 < DENSE_TILE ? n - j0 : DENSE_TILE;
         if (j0 + m < n) prefetch_dense_rows(h, h->k, d, table, k0 + j0 + m, n - j0 - m < DENSE_TILE ? n - j0 - m : DENSE_TILE);
         prefetch_dense_rows(h, h->v, dv, table, k0 + j0, m);
         dense_rows(h, h->k, d, table, k0 + j0, m, tile, rows);
-        for (int i = 0; i < nq; i++) row_scores(queries + (int64_t)i * d, rows, m, d, scale, scores + (int64_t)i * DENSE_READ_KEYS + j0);
+        if (blocked)
+            many_scores(queries, nq, rows, m, d, scale, kt, scores + j0);
+        else
+            for (int i = 0; i < nq; i++) row_scores(queries + (int64_t)i * d, rows, m, d, scale, scores + (int64_t)i * DENSE_READ_KEYS + j0);
     }
     for (int i = 0; i < nq; i++) {
         float *s = scores + (int64_t)i * DENSE_READ_KEYS, *part = parts + i * part_stride, top = kvlab_row_max(s, n);
@@ -417,7 +562,10 @@ void kvlab_dense_read(const DenseHead *h, const int32_t *table, int64_t k0, int6
     for (int j0 = 0; j0 < n; j0 += DENSE_TILE) {
         const int m = n - j0 < DENSE_TILE ? n - j0 : DENSE_TILE;
         dense_rows(h, h->v, dv, table, k0 + j0, m, tile, rows);
-        for (int i = 0; i < nq; i++) kvlab_rows_mix(parts + i * part_stride, scores + (int64_t)i * DENSE_READ_KEYS + j0, rows, m, dv);
+        if (blocked)
+            many_mix(parts, part_stride, nq, scores + j0, rows, m, dv);
+        else
+            for (int i = 0; i < nq; i++) kvlab_rows_mix(parts + i * part_stride, scores + (int64_t)i * DENSE_READ_KEYS + j0, rows, m, dv);
     }
 }
 

@@ -107,7 +107,7 @@ typedef struct {
 #define DENSE_TILE 64         /* rows a short-block read converts at a time */
 /* floats of scratch kvlab_dense_read takes for nq queries */
 static inline int64_t kvlab_dense_read_floats(int nq, int d, int dv) {
-    return (int64_t)nq * DENSE_READ_KEYS + (int64_t)DENSE_TILE * (d > dv ? d : dv);
+    return (int64_t)nq * DENSE_READ_KEYS + (int64_t)DENSE_TILE * (d > dv ? d : dv) + 16 * (int64_t)d;   /* + 16 keys transposed */
 }
 /* The one read of dense rows (the fused step's chunks, the serving pool's items): the attention of nq queries
  * (queries + i * d) over keys [k0, k1) of h, k1 - k0 <= DENSE_READ_KEYS, each query's part

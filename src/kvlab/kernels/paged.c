@@ -5,10 +5,12 @@
  * Sequence s owns query rows [qs[s], qs[s+1]) of q (N, H, D) fp32 and attends to its first ctx[s] tokens
  * through block_tables[s] (max_blocks ids). Its query row r sits at position ctx[s] - (qs[s+1] - qs[s]) +
  * (r - qs[s]) and sees keys [pos - window + 1 (window > 0), pos]: the lower-right causal mask.
- * One work item = (query row, KV head): the G = H / Hkv query heads sharing that KV head read each key once, in
- * chunks of DENSE_READ_KEYS keys, each one kvlab_dense_read (decode.c, the single cache's fused step reads its chunks
- * with it too), merged in order as that step merges them (decode.h kvlab_merge_part); everything is computed in fp32.
- * Every index is checked before the loop: a bad table or length returns -1 and touches nothing.
+ * One work item = (a tile of up to TILE_QUERIES / G query rows of one sequence, KV head): the G = H / Hkv query heads
+ * sharing that KV head, for every row of the tile, read each key once, in chunks of DENSE_READ_KEYS keys, each one
+ * kvlab_dense_read (decode.c, the single cache's fused step reads its chunks with it too), merged in order as that step
+ * merges them (decode.h kvlab_merge_part); everything is computed in fp32. A prompt chunk's rows thus share each
+ * key's conversion and load; the single dense cache's module path reads through here too (cache/dense.py).
+ * Every index is checked before the loop: a bad table or length returns -1 and touches nothing (-2: no memory).
  *
  * kvlab_tq_attention does the same over TurboQuant blocks (kvlab/serve/coded.py TurboPool), described by the
  * layer's Coded (tqcodes.h; cache/blocks.py TqBlocks' layout, head-major inside a block like the dense pool's): per
@@ -111,38 +113,76 @@ static int owner(const int32_t *query_start, int n_seqs, int64_t row) {
     return lo;
 }
 
-void kvlab_paged_attend_item(const float *q, int n_heads, int n_kv_heads, int d, int dv, const void *k_pool,
-                             const void *v_pool, int dtype, const int32_t *block_tables, int n_seqs, int max_blocks,
-                             int block_size, const int32_t *query_start, const int32_t *context_len, float scale,
-                             int window, float *out, int64_t item) {
-    const int group = n_heads / n_kv_heads;
-    const int64_t row = item / n_kv_heads;
-    const int kv_head = (int)(item % n_kv_heads);
-    const int s = owner(query_start, n_seqs, row);
-    const int64_t pos = context_len[s] - (query_start[s + 1] - query_start[s]) + (row - query_start[s]);
-    const int64_t first = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+/* Query rows of one sequence read together: a tile's keys are converted (fp16 / bf16) and scored once for all its rows'
+ * queries, at most TILE_QUERIES of them (rows x the KV head's G query heads). */
+#define TILE_QUERIES 32
+
+/* One work item: the G query heads of KV head kv_head for query rows [r0, r1) of sequence s (rows at positions p0 ..
+ * p0 + r1 - r0 - 1). Each row reads its keys in chunks of DENSE_READ_KEYS, each chunk one kvlab_dense_read, merged in
+ * position order (decode.h kvlab_merge_part): the keys every row of the tile sees ([first key of the last row, p0]) in
+ * one read of all the tile's queries, the keys only some rows see (a window's older keys, the causal diagonal) by each
+ * row apart. A tile of one row is the one-query-row read the batched step makes (kvlab_paged_attend_item). */
+static void attend_tile(const float *q, int n_heads, int n_kv_heads, int d, int dv, const void *k_pool,
+                        const void *v_pool, int dtype, const int32_t *table, int block_size, int64_t r0, int64_t r1,
+                        int64_t p0, int kv_head, float scale, int window, float *out) {
+    const int group = n_heads / n_kv_heads, rows = (int)(r1 - r0), nq = rows * group;
     const size_t elem = dtype == POOL_F32 ? 4 : 2, head = (size_t)kv_head * (size_t)block_size;   /* its first row */
     const DenseHead h = {.type = dtype, .d = d, .dv = dv, .k = (const uint8_t *)k_pool + head * (size_t)d * elem,
                          .v = (const uint8_t *)v_pool + head * (size_t)dv * elem, .block_rows = block_size,
                          .block_stride = (int64_t)n_kv_heads * block_size};
-    const float *qh = q + (row * n_heads + (int64_t)kv_head * group) * d;   /* (G, D): this KV head's queries */
-    float *o = out + (row * n_heads + (int64_t)kv_head * group) * dv;       /* (G, Dv): accumulated in place */
-    float top[MAX_GROUP], sum[MAX_GROUP], parts[group * (dv + 2)], scratch[kvlab_dense_read_floats(group, d, dv)];
-    for (int g = 0; g < group; g++) top[g] = -INFINITY, sum[g] = 0.0f;
-    memset(o, 0, sizeof(float) * (size_t)group * (size_t)dv);
-    for (int64_t k0 = first; k0 <= pos; k0 += DENSE_READ_KEYS) {   /* chunks of keys, merged in order */
-        const int64_t k1 = pos + 1 - k0 < DENSE_READ_KEYS ? pos + 1 : k0 + DENSE_READ_KEYS;
-        kvlab_dense_read(&h, block_tables + (int64_t)s * max_blocks, k0, k1, qh, group, scale, scratch, parts, dv + 2);
-        for (int g = 0; g < group; g++) {
-            float weight;
-            kvlab_merge_part(o + (int64_t)g * dv, &top[g], &sum[g], parts + (int64_t)g * (dv + 2), dv, &weight);
-        }
+    float top[nq], sum[nq], parts[nq * (dv + 2)], scratch[kvlab_dense_read_floats(nq, d, dv)];
+    float queries[rows > 1 ? nq * d : 1];   /* (rows, G, D): the tile's queries side by side */
+    for (int i = 0; i < nq; i++) top[i] = -INFINITY, sum[i] = 0.0f;
+    for (int r = 0; r < rows; r++) {
+        memset(out + ((r0 + r) * n_heads + (int64_t)kv_head * group) * dv, 0, sizeof(float) * (size_t)group * (size_t)dv);
+        if (rows > 1)
+            memcpy(queries + (int64_t)r * group * d, q + ((r0 + r) * n_heads + (int64_t)kv_head * group) * d,
+                   sizeof(float) * (size_t)group * (size_t)d);
     }
-    for (int g = 0; g < group; g++) {
-        float *og = o + (int64_t)g * dv;
-        const float inv = 1.0f / sum[g];
-        for (int c = 0; c < dv; c++) og[c] *= inv;
+    const float *all = rows > 1 ? queries : q + (r0 * n_heads + (int64_t)kv_head * group) * d;
+#define FIRST_KEY(pos) (window > 0 && (pos) - window + 1 > 0 ? (pos) - window + 1 : 0)
+    /* keys [k0, k1] for `count` queries from query `at` of the tile (q_at: theirs, side by side), chunk by chunk */
+#define READ_KEYS(k_first, k_last, q_at, at, count)                                                                     \
+    for (int64_t c0 = (k_first); c0 <= (k_last); c0 += DENSE_READ_KEYS) {                                              \
+        const int64_t c1 = (k_last) + 1 - c0 < DENSE_READ_KEYS ? (k_last) + 1 : c0 + DENSE_READ_KEYS;                  \
+        kvlab_dense_read(&h, table, c0, c1, (q_at), (count), scale, scratch, parts, dv + 2);                           \
+        for (int i = 0; i < (count); i++) {                                                                            \
+            const int row = ((at) + i) / group, g = ((at) + i) % group;                                                \
+            float weight;                                                                                              \
+            kvlab_merge_part(out + ((r0 + row) * n_heads + (int64_t)kv_head * group + g) * dv, &top[(at) + i],          \
+                             &sum[(at) + i], parts + (int64_t)i * (dv + 2), dv, &weight);                              \
+        }                                                                                                              \
     }
+    /* row r sees keys [FIRST_KEY(p0 + r), p0 + r]; every row sees [shared, p0] (empty when a window is shorter than the
+     * tile); what a row sees before that and after it, it reads alone */
+    const int64_t shared = FIRST_KEY(p0 + rows - 1);
+    for (int r = 0; r < rows; r++)
+        READ_KEYS(FIRST_KEY(p0 + r), shared - 1 < p0 + r ? shared - 1 : p0 + r, all + (int64_t)r * group * d, r * group, group)
+    READ_KEYS(shared, p0, all, 0, nq)
+    for (int r = 1; r < rows; r++)
+        READ_KEYS(shared > p0 + 1 ? shared : p0 + 1, p0 + r, all + (int64_t)r * group * d, r * group, group)
+#undef READ_KEYS
+#undef FIRST_KEY
+    for (int i = 0; i < nq; i++) {
+        float *o = out + ((r0 + i / group) * n_heads + (int64_t)kv_head * group + i % group) * dv;
+        const float inv = 1.0f / sum[i];
+        for (int c = 0; c < dv; c++) o[c] *= inv;
+    }
+}
+
+/* the position of sequence s's query row `row` */
+static inline int64_t row_position(const int32_t *query_start, const int32_t *context_len, int s, int64_t row) {
+    return context_len[s] - (query_start[s + 1] - query_start[s]) + (row - query_start[s]);
+}
+
+void kvlab_paged_attend_item(const float *q, int n_heads, int n_kv_heads, int d, int dv, const void *k_pool,
+                             const void *v_pool, int dtype, const int32_t *block_tables, int n_seqs, int max_blocks,
+                             int block_size, const int32_t *query_start, const int32_t *context_len, float scale,
+                             int window, float *out, int64_t item) {
+    const int64_t row = item / n_kv_heads;
+    const int s = owner(query_start, n_seqs, row);
+    attend_tile(q, n_heads, n_kv_heads, d, dv, k_pool, v_pool, dtype, block_tables + (int64_t)s * max_blocks, block_size,
+                row, row + 1, row_position(query_start, context_len, s, row), (int)(item % n_kv_heads), scale, window, out);
 }
 
 int kvlab_paged_attention(const float *q, int64_t n_rows, int n_heads, int n_kv_heads, int d, int dv,
@@ -153,13 +193,33 @@ int kvlab_paged_attention(const float *q, int64_t n_rows, int n_heads, int n_kv_
     if (check_layout(n_rows, n_heads, n_kv_heads, d, dv, dtype, n_slots, block_tables, n_seqs, max_blocks, block_size,
                      query_start, context_len, INT64_MAX))
         return -1;
-    int64_t work = 0;   /* query heads x keys x channels: a step this small runs on one thread (see PARALLEL_WORK) */
-    for (int s = 0; s < n_seqs; s++) work += (int64_t)(query_start[s + 1] - query_start[s]) * context_len[s];
+    const int group = n_heads / n_kv_heads, tile_rows = group < TILE_QUERIES ? TILE_QUERIES / group : 1;
+    int64_t work = 0, n_tiles = 0;   /* query heads x keys x channels: a step this small runs on one thread (PARALLEL_WORK) */
+    for (int s = 0; s < n_seqs; s++) {
+        const int64_t n_q = query_start[s + 1] - query_start[s];
+        work += n_q * context_len[s];
+        n_tiles += (n_q + tile_rows - 1) / tile_rows;
+    }
     work *= (int64_t)n_heads * d;
+    int32_t *tile_seq = (int32_t *)malloc(sizeof(int32_t) * (size_t)(n_tiles > 0 ? n_tiles : 1));   /* each tile's sequence */
+    if (tile_seq == NULL) return -2;
+    int64_t *tile_row = (int64_t *)malloc(sizeof(int64_t) * (size_t)(n_tiles > 0 ? n_tiles : 1));   /* ... and first row */
+    if (tile_row == NULL) {
+        free(tile_seq);
+        return -2;
+    }
+    for (int s = 0, t = 0; s < n_seqs; s++)
+        for (int64_t r = query_start[s]; r < query_start[s + 1]; r += tile_rows, t++) tile_seq[t] = s, tile_row[t] = r;
     #pragma omp parallel for schedule(dynamic, 1) num_threads(n_threads) if(work >= PARALLEL_WORK)
-    for (int64_t item = 0; item < n_rows * n_kv_heads; item++)
-        kvlab_paged_attend_item(q, n_heads, n_kv_heads, d, dv, k_pool, v_pool, dtype, block_tables, n_seqs, max_blocks,
-                                block_size, query_start, context_len, scale, window, out, item);
+    for (int64_t item = 0; item < n_tiles * n_kv_heads; item++) {
+        const int64_t t = item / n_kv_heads, r0 = tile_row[t];
+        const int s = tile_seq[t];
+        const int64_t r1 = r0 + tile_rows < query_start[s + 1] ? r0 + tile_rows : query_start[s + 1];
+        attend_tile(q, n_heads, n_kv_heads, d, dv, k_pool, v_pool, dtype, block_tables + (int64_t)s * max_blocks, block_size,
+                    r0, r1, row_position(query_start, context_len, s, r0), (int)(item % n_kv_heads), scale, window, out);
+    }
+    free(tile_seq);
+    free(tile_row);
     return 0;
 }
 

@@ -60,8 +60,23 @@ def paged_attention(kernel, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
         q.data_ptr(), N, H, Hkv, D, Dv, k_pool.data_ptr(), v_pool.data_ptr(), POOL_DTYPES[k_pool.dtype], slots,
         block_tables.data_ptr(), S, block_tables.shape[1], block_size, query_start.data_ptr(), context_len.data_ptr(),
         scale, int(window), out.data_ptr(), torch.get_num_threads())
+    _check(status != -2, "out of memory for the work list")
     _check(status == 0, f"refused the layout of {S} sequences over {slots} slots (a block id, length or offset out of range)")
     return out
+
+
+def sequences_attention(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, scale: float,
+                        window: int | None = None) -> torch.Tensor:
+    """A single cache's read through paged_attention: q (B, H, T, D) fp32; k (B, Hkv, rows, D), v (B, Hkv, rows, Dv)
+    contiguous, sequence b's rows (one block of `rows` each), the first n of them its keys in order, the queries the
+    last T of those positions (causal, and the window) -> (B, H, T, Dv) fp32."""
+    B, H, T, D = q.shape
+    rows = q.transpose(1, 2).reshape(B * T, H, D).contiguous()                 # (B·T, H, D): each query row's heads
+    tables = torch.arange(B, dtype=torch.int32).unsqueeze(1)                   # sequence b: block b
+    starts = torch.arange(0, B * T + 1, T, dtype=torch.int32)
+    lengths = torch.full((B,), n, dtype=torch.int32)
+    out = paged_attention(kernel, rows, k, v, tables, starts, lengths, scale, window or 0)   # (B·T, H, Dv)
+    return out.view(B, T, H, -1).transpose(1, 2)
 
 
 @functools.lru_cache(maxsize=4)

@@ -83,13 +83,18 @@ static inline kvlab_lanes16 kvlab_scores16(const float *q, const float *const *r
                     LANE_HI(6, S), LANE_HI(7, S), LANE_HI(8, S), LANE_HI(9, S), LANE_HI(10, S), LANE_HI(11, S), \
                     LANE_HI(12, S), LANE_HI(13, S), LANE_HI(14, S), LANE_HI(15, S)); \
         }
-static inline void kvlab_transpose_tile(const float *rows, int kpad, float *kt) {
+static inline void kvlab_transpose_rows(const float *const *rows, int kpad, float *kt) {   /* rows by pointer */
     for (int c = 0; c < kpad; c += 16) {
         kvlab_lanes16 r[16];
-        for (int j = 0; j < 16; j++) r[j] = kvlab_lanes_at(rows + j * kpad + c);
+        for (int j = 0; j < 16; j++) r[j] = kvlab_lanes_at(rows[j] + c);
         SWAP_BLOCKS(8) SWAP_BLOCKS(4) SWAP_BLOCKS(2) SWAP_BLOCKS(1)
         for (int l = 0; l < 16; l++) memcpy(kt + (c + l) * 16, &r[l], sizeof r[l]);
     }
+}
+static inline void kvlab_transpose_tile(const float *rows, int kpad, float *kt) {
+    const float *each[16];
+    for (int j = 0; j < 16; j++) each[j] = rows + j * kpad;
+    kvlab_transpose_rows(each, kpad, kt);
 }
 #undef SWAP_BLOCKS
 #undef LANE_HI

@@ -20,6 +20,8 @@ from ..cache.base import tensors_nbytes
 from ..cache.blocks import DenseBlocks
 from ..cache.geometry import WINDOW_BLOCK  # noqa: F401  (rows beyond the window; importable from here)
 from ..errors import CacheCapacityError, ConfigError
+from ..kernels import kernel_for
+from ..kernels.paged import sequences_attention
 from ..rope import kind_frequencies
 from .config import LLAMA_FAMILY, DecoderConfig
 
@@ -88,6 +90,7 @@ class SlidingWindowCache(KVCache):
         self.k, self.v = self.blocks.k, self.blocks.v                    # (L, B, Hkv, rows, D)
         self._held = [0] * g.n_layers                                    # rows in use per layer
         self._wide: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}    # layer -> K/V of a chunk longer than the rows
+        self.read_kernel = kernel_for(self.device)                       # None: torch reads the rows (the reference)
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         n_new = self._check_append(layer, k, v)
@@ -116,10 +119,13 @@ class SlidingWindowCache(KVCache):
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         self._check_attend(layer, q)
         if layer in self._wide:
-            k, v = self._wide.pop(layer)
+            rows_k, rows_v = self._wide.pop(layer)                       # (B, Hkv, held + T, D), contiguous copies
+            held = rows_k.shape[2]
         else:
-            held = self._held[layer]
-            k, v = self.k[layer, :, :, :held], self.v[layer, :, :, :held]  # (B, Hkv, S, D): the newest tokens in order
+            rows_k, rows_v, held = self.k[layer], self.v[layer], self._held[layer]   # the newest `held` tokens in order
+        if self.read_kernel is not None and q.dtype == torch.float32 and 0 < q.shape[2] <= held:
+            return sequences_attention(self.read_kernel, q, rows_k, rows_v, held, self.scale, self.geometry.window)
+        k, v = rows_k[:, :, :held], rows_v[:, :, :held]                   # (B, Hkv, S, D)
         if self.storage != q.dtype:
             return chunked_attention(q, k, v, self.scale, window=self.geometry.window)
         return grouped_attention(q, k, v, self.scale, window=self.geometry.window)
