@@ -623,24 +623,25 @@ SECTIONS = [
               "An AMD EPYC without AVX-512 (AVX2, FMA, F16C only): the dense read scores four keys at a time and "
               "mixes values in explicit AVX2 registers; the coded caches are decoded into a tile (2-4-bit codes by "
               "register permutes, +ropemean's terms sixteen keys a vector) and read from it, since AVX2 has no "
-              "register read of codes like the AVX-512 one. dense-f16 30.6 / 21.0 tokens/s at 4k / 8k, tq4 25.5 / "
-              "16.0, tq3 16.4 / 9.6, tq-k4v4 30.8 / 19.4: here the coded caches trail dense-f16 (tq4 0.91 / 0.84 / "
-              "0.76x at 512 / 4k / 8k), and the weights' Q4_1 GEMV takes about half of every step.",
+              "register read of codes like the AVX-512 one. dense-f16 68.6 / 34.8 / 22.8 tokens/s at 512 / 4k / 8k, "
+              "tq4 61.2 / 28.6 / 17.9: here the coded caches trail dense-f16 (tq4 0.89 / 0.82 / 0.78x, tq-k4v4 0.96 / "
+              "0.97 / 0.81x, tq3 0.73 / 0.52 / 0.42x). The weights' Q4_1 and Q8_0 rows are read eight blocks' scales "
+              "at a time (about 40% of a step at 4k).",
               read_share=True, presets=CURRENT),
         Table("decode_presets_2threads_epyc_avx2.json", decode_contexts,
               "kvlab bench decode --contexts 512,4k,8k --caches dense-f16,tq4,tq3,tq-k4v4 --threads 2 --repeats 2 "
               "--steps 16 --out bench/results/decode_presets_2threads_epyc_avx2.json",
-              "The AVX2 EPYC at 2 threads: dense-f16 100 / 54 / 36 tokens/s at 512 / 4k / 8k, `tq4` 0.93 / 0.90 / "
-              "0.84x of it, `tq-k4v4` 0.92 / 0.98 / 0.88x, `tq3` 0.75 / 0.57 / 0.38x (its +vq points are decoded one "
-              "block at a time here). The prefill column: at 2 threads the coded caches' prompt chunks (read in C) "
-              "take less time than dense-f16's (torch's chunked attention): `tq4` 24.0 s against 25.5 s at 4k, "
-              "64.6 s against 79.6 s at 8k.",
+              "The AVX2 EPYC at 2 threads: dense-f16 121 / 62 / 39 tokens/s at 512 / 4k / 8k, `tq4` 0.95 / 0.83 / "
+              "0.81x of it, `tq-k4v4` 0.89 / 0.84 / 0.96x, `tq3` 0.69 / 0.49 / 0.48x (its +vq points are decoded one "
+              "block at a time here). The prefill column: every cache's prompt chunks are read in C, a tile of query "
+              "rows at a time; dense-f16 prefills 4k tokens in 16.3 s and 8k in 44.2 s, `tq4` in 23.9 s and 64.6 s.",
               read_share=True, presets=CURRENT),
         Table("decode_int_1thread_epyc_avx2.json", decode_contexts,
               "kvlab bench decode --contexts 4k --caches dense-f16,int8,int4,tq4 --threads 1 --repeats 2 --steps 16 "
               "--out bench/results/decode_int_1thread_epyc_avx2.json",
               "The integer caches on the AVX2 EPYC, their tile scores and value mix in AVX2 registers (the same trees "
-              "and orders as the scalar code, so the same bits): `int8` 0.98x and `int4` 0.93x `dense-f16` at 4k.",
+              "and orders as the scalar code, so the same bits): `int8` 1.02x and `int4` 1.03x `dense-f16` at 4k "
+              "(`tq4` 0.78x in this run).",
               read_share=True, presets=CURRENT),
     ]),
     Section("Against llama.cpp on the same GGUF",
