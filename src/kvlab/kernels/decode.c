@@ -389,25 +389,6 @@ static void dense_rows(const DenseHead *h, const void *rows_of, int width, const
  * order, so that every key and value row is loaded once per block of queries instead of once per query. */
 #define FEW_QUERIES 8
 
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-/* AVX2 (GCC's two-register sixteen-lane vectors spill here): eight rows' channels c .. c + 7 transposed into
- * kt[(c + l) * 16 + half .. + 7], the standard unpack / shuffle / lane-swap 8 x 8 transpose */
-static inline void transpose8(const float *const *rows, int c, float *kt, int half) {
-    __m256 r[8], t[8], u[8];
-    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(rows[i] + c);
-    for (int i = 0; i < 8; i += 2) t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-    for (int i = 0; i < 8; i += 4) {
-        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);       /* channels 0 / 4 of rows i / 2 .. */
-        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);   /* 1 / 5 */
-        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);   /* 2 / 6 */
-        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);   /* 3 / 7 */
-    }
-    for (int l = 0; l < 4; l++) {
-        _mm256_storeu_ps(kt + (c + l) * 16 + half, _mm256_permute2f128_ps(u[l], u[4 + l], 0x20));
-        _mm256_storeu_ps(kt + (c + l + 4) * 16 + half, _mm256_permute2f128_ps(u[l], u[4 + l], 0x31));
-    }
-}
-#endif
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 #define BLOCK_QUERIES 6   /* 6 queries x 16 keys or channels: twelve accumulators of the sixteen AVX registers */
@@ -481,11 +462,7 @@ static void many_scores(const float *queries, int nq, const float *const *rows, 
     for (int j = 0; j < m; j += 16) {
         const float *group[16];
         for (int r = 0; r < 16; r++) group[r] = rows[j + r < m ? j + r : m - 1];
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-        for (int c = 0; c < d; c += 8) transpose8(group, c, kt, 0), transpose8(group + 8, c, kt, 8);
-#else
         kvlab_transpose_rows(group, d, kt);
-#endif
         for (int i = 0; i < nq; i += BLOCK_QUERIES) {   /* the last block's size a constant in each call */
             const float *q = queries + (int64_t)i * d;
             float *out = scores + (int64_t)i * DENSE_READ_KEYS + j;

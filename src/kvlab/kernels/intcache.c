@@ -281,6 +281,36 @@ static inline kvlab_lanes16 tree8(const kvlab_lanes16 *a) {
     return (b0 + b1) + (b2 + b3);
 }
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+/* AVX2: each query and eight keys at a time in explicit registers (GCC's two-register vectors spill here): the same
+ * lane sums, chained in channel order, and the same tree, so the same bits */
+static inline __m256 tree8_avx2(const __m256 *a) {
+    const __m256 b0 = _mm256_add_ps(a[0], a[1]), b1 = _mm256_add_ps(a[2], a[3]), b2 = _mm256_add_ps(a[4], a[5]),
+                 b3 = _mm256_add_ps(a[6], a[7]);
+    return _mm256_add_ps(_mm256_add_ps(b0, b1), _mm256_add_ps(b2, b3));
+}
+
+static inline void transposed_scores(const float *kt, int kpad, const float *q0, const float *q1, kvlab_lanes16 out[2]) {
+    const float *q[2] = {q0, q1};
+    float sums[2][16];
+    for (int i = 0; i < 2; i++)
+        for (int keys = 0; keys < 16; keys += 8) {
+            __m256 halves[2];
+            for (int h = 0; h < 2; h++) {   /* lane sums l = 8h .. 8h + 7 */
+                __m256 a[8];
+                for (int l = 0; l < 8; l++) a[l] = _mm256_setzero_ps();
+                for (int c = 0; c < kpad; c += 16)
+                    for (int l = 0; l < 8; l++)
+                        a[l] = _mm256_fmadd_ps(_mm256_broadcast_ss(q[i] + c + 8 * h + l),
+                                               _mm256_loadu_ps(kt + (c + 8 * h + l) * 16 + keys), a[l]);
+                halves[h] = tree8_avx2(a);
+            }
+            _mm256_storeu_ps(sums[i] + keys, _mm256_add_ps(halves[0], halves[1]));
+        }
+    out[0] = kvlab_lanes_at(sums[0]);
+    out[1] = kvlab_lanes_at(sums[1]);
+}
+#else
 static inline void transposed_scores(const float *kt, int kpad, const float *q0, const float *q1, kvlab_lanes16 out[2]) {
     kvlab_lanes16 halves[2][2];
     for (int h = 0; h < 2; h++) {   /* lanes sums l = 8h .. 8h + 7 */
@@ -297,6 +327,7 @@ static inline void transposed_scores(const float *kt, int kpad, const float *q0,
     out[0] = halves[0][0] + halves[0][1];
     out[1] = halves[1][0] + halves[1][1];
 }
+#endif
 
 /* o[k] (vpad) += Σ_j w[k][j] v_j over rows [first, last), in j order, for MIX_QUERIES queries: each value row loaded
  * once for all of them (kvlab_rows_mix's sums, query by query; a zero weight adds nothing) */

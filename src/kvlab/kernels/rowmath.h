@@ -83,13 +83,36 @@ static inline kvlab_lanes16 kvlab_scores16(const float *q, const float *const *r
                     LANE_HI(6, S), LANE_HI(7, S), LANE_HI(8, S), LANE_HI(9, S), LANE_HI(10, S), LANE_HI(11, S), \
                     LANE_HI(12, S), LANE_HI(13, S), LANE_HI(14, S), LANE_HI(15, S)); \
         }
+#if !defined(__AVX512F__) && defined(__AVX2__)
+/* AVX2: eight rows' channels c .. c + 7 into kt[(c + l) * 16 + half .. + 7], the unpack / shuffle / lane-swap 8 x 8
+ * transpose (GCC's two-register sixteen-lane vectors spill in the rounds below) */
+static inline void kvlab_transpose8(const float *const *rows, int c, float *kt, int half) {
+    __m256 r[8], t[8], u[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(rows[i] + c);
+    for (int i = 0; i < 8; i += 2) t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);           /* channels 0 / 4 of rows i .. i + 3 */
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);       /* 1 / 5 */
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);   /* 2 / 6 */
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);   /* 3 / 7 */
+    }
+    for (int l = 0; l < 4; l++) {
+        _mm256_storeu_ps(kt + (c + l) * 16 + half, _mm256_permute2f128_ps(u[l], u[4 + l], 0x20));
+        _mm256_storeu_ps(kt + (c + l + 4) * 16 + half, _mm256_permute2f128_ps(u[l], u[4 + l], 0x31));
+    }
+}
+#endif
 static inline void kvlab_transpose_rows(const float *const *rows, int kpad, float *kt) {   /* rows by pointer */
+#if !defined(__AVX512F__) && defined(__AVX2__)
+    for (int c = 0; c < kpad; c += 8) kvlab_transpose8(rows, c, kt, 0), kvlab_transpose8(rows + 8, c, kt, 8);
+#else
     for (int c = 0; c < kpad; c += 16) {
         kvlab_lanes16 r[16];
         for (int j = 0; j < 16; j++) r[j] = kvlab_lanes_at(rows[j] + c);
         SWAP_BLOCKS(8) SWAP_BLOCKS(4) SWAP_BLOCKS(2) SWAP_BLOCKS(1)
         for (int l = 0; l < 16; l++) memcpy(kt + (c + l) * 16, &r[l], sizeof r[l]);
     }
+#endif
 }
 static inline void kvlab_transpose_tile(const float *rows, int kpad, float *kt) {
     const float *each[16];
