@@ -290,7 +290,8 @@ static inline __m256 tree8_avx2(const __m256 *a) {
     return _mm256_add_ps(_mm256_add_ps(b0, b1), _mm256_add_ps(b2, b3));
 }
 
-static inline void transposed_scores(const float *kt, int kpad, const float *q0, const float *q1, kvlab_lanes16 out[2]) {
+static __attribute__((noinline)) void transposed_scores(const float *kt, int kpad, const float *q0, const float *q1,
+                                                        kvlab_lanes16 out[2]) {   /* apart: the decode read keeps its registers */
     const float *q[2] = {q0, q1};
     float sums[2][16];
     for (int i = 0; i < 2; i++)
