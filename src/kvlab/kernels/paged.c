@@ -122,6 +122,33 @@ static int owner(const int32_t *query_start, int n_seqs, int64_t row) {
  * position order (decode.h kvlab_merge_part): the keys every row of the tile sees ([first key of the last row, p0]) in
  * one read of all the tile's queries, the keys only some rows see (a window's older keys, the causal diagonal) by each
  * row apart. A tile of one row is the one-query-row read the batched step makes (kvlab_paged_attend_item). */
+typedef struct {            /* a tile's read (attend_tile): what each of its key ranges needs */
+    const DenseHead *h;
+    const int32_t *table;
+    int n_heads, group, kv_head, dv;
+    int64_t r0;             /* the tile's first query row */
+    float scale;
+    float *scratch, *parts, *top, *sum, *out;   /* top, sum: each query's running merge; out (N, H, Dv) */
+} tile_read;
+
+/* the first key a query at position pos sees */
+static inline int64_t first_key(int64_t pos, int window) { return window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0; }
+
+/* keys [first, last] for `count` queries from query `at` of the tile (q: theirs, side by side), chunk by chunk, each
+ * chunk merged into its queries' running sums */
+static void read_keys(const tile_read *T, int64_t first, int64_t last, const float *q, int at, int count) {
+    for (int64_t c0 = first; c0 <= last; c0 += DENSE_READ_KEYS) {
+        const int64_t c1 = last + 1 - c0 < DENSE_READ_KEYS ? last + 1 : c0 + DENSE_READ_KEYS;
+        kvlab_dense_read(T->h, T->table, c0, c1, q, count, T->scale, T->scratch, T->parts, T->dv + 2);
+        for (int i = 0; i < count; i++) {
+            const int row = (at + i) / T->group, g = (at + i) % T->group;
+            float weight;
+            kvlab_merge_part(T->out + ((T->r0 + row) * T->n_heads + (int64_t)T->kv_head * T->group + g) * T->dv,
+                             &T->top[at + i], &T->sum[at + i], T->parts + (int64_t)i * (T->dv + 2), T->dv, &weight);
+        }
+    }
+}
+
 static void attend_tile(const float *q, int n_heads, int n_kv_heads, int d, int dv, const void *k_pool,
                         const void *v_pool, int dtype, const int32_t *table, int block_size, int64_t r0, int64_t r1,
                         int64_t p0, int kv_head, float scale, int window, float *out) {
@@ -140,29 +167,17 @@ static void attend_tile(const float *q, int n_heads, int n_kv_heads, int d, int 
                    sizeof(float) * (size_t)group * (size_t)d);
     }
     const float *all = rows > 1 ? queries : q + (r0 * n_heads + (int64_t)kv_head * group) * d;
-#define FIRST_KEY(pos) (window > 0 && (pos) - window + 1 > 0 ? (pos) - window + 1 : 0)
-    /* keys [k0, k1] for `count` queries from query `at` of the tile (q_at: theirs, side by side), chunk by chunk */
-#define READ_KEYS(k_first, k_last, q_at, at, count)                                                                     \
-    for (int64_t c0 = (k_first); c0 <= (k_last); c0 += DENSE_READ_KEYS) {                                              \
-        const int64_t c1 = (k_last) + 1 - c0 < DENSE_READ_KEYS ? (k_last) + 1 : c0 + DENSE_READ_KEYS;                  \
-        kvlab_dense_read(&h, table, c0, c1, (q_at), (count), scale, scratch, parts, dv + 2);                           \
-        for (int i = 0; i < (count); i++) {                                                                            \
-            const int row = ((at) + i) / group, g = ((at) + i) % group;                                                \
-            float weight;                                                                                              \
-            kvlab_merge_part(out + ((r0 + row) * n_heads + (int64_t)kv_head * group + g) * dv, &top[(at) + i],          \
-                             &sum[(at) + i], parts + (int64_t)i * (dv + 2), dv, &weight);                              \
-        }                                                                                                              \
-    }
-    /* row r sees keys [FIRST_KEY(p0 + r), p0 + r]; every row sees [shared, p0] (empty when a window is shorter than the
+    const tile_read T = {.h = &h, .table = table, .n_heads = n_heads, .group = group, .kv_head = kv_head, .dv = dv,
+                         .r0 = r0, .scale = scale, .scratch = scratch, .parts = parts, .top = top, .sum = sum, .out = out};
+    /* row r sees keys [first_key(p0 + r), p0 + r]; every row sees [shared, p0] (empty when a window is shorter than the
      * tile); what a row sees before that and after it, it reads alone */
-    const int64_t shared = FIRST_KEY(p0 + rows - 1);
+    const int64_t shared = first_key(p0 + rows - 1, window);
     for (int r = 0; r < rows; r++)
-        READ_KEYS(FIRST_KEY(p0 + r), shared - 1 < p0 + r ? shared - 1 : p0 + r, all + (int64_t)r * group * d, r * group, group)
-    READ_KEYS(shared, p0, all, 0, nq)
+        read_keys(&T, first_key(p0 + r, window), shared - 1 < p0 + r ? shared - 1 : p0 + r, all + (int64_t)r * group * d,
+                  r * group, group);
+    read_keys(&T, shared, p0, all, 0, nq);
     for (int r = 1; r < rows; r++)
-        READ_KEYS(shared > p0 + 1 ? shared : p0 + 1, p0 + r, all + (int64_t)r * group * d, r * group, group)
-#undef READ_KEYS
-#undef FIRST_KEY
+        read_keys(&T, shared > p0 + 1 ? shared : p0 + 1, p0 + r, all + (int64_t)r * group * d, r * group, group);
     for (int i = 0; i < nq; i++) {
         float *o = out + ((r0 + i / group) * n_heads + (int64_t)kv_head * group + i % group) * dv;
         const float inv = 1.0f / sum[i];
