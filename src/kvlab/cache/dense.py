@@ -54,8 +54,9 @@ class DenseCache(KVCache):
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         self._check_attend(layer, q)
         n = self._lengths[layer]
-        if self.read_kernel is not None and q.dtype == torch.float32 and 0 < q.shape[2] <= n:
-            return sequences_attention(self.read_kernel, q, self.k[layer], self.v[layer], n, self.scale, self.geometry.window)
+        out = sequences_attention(self.read_kernel, q, self.k[layer], self.v[layer], n, self.scale, self.geometry.window)
+        if out is not None:
+            return out
         k, v = self.blocks.rows(layer, n)   # (B, Hkv, S, D) views, no copy
         if self.storage != q.dtype:
             return chunked_attention(q, k, v, self.scale, window=self.geometry.window)

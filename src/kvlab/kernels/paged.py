@@ -66,10 +66,13 @@ def paged_attention(kernel, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
 
 
 def sequences_attention(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, scale: float,
-                        window: int | None = None) -> torch.Tensor:
+                        window: int | None = None) -> torch.Tensor | None:
     """A single cache's read through paged_attention: q (B, H, T, D) fp32; k (B, Hkv, rows, D), v (B, Hkv, rows, Dv)
     contiguous, sequence b's rows (one block of `rows` each), the first n of them its keys in order, the queries the
-    last T of those positions (causal, and the window) -> (B, H, T, Dv) fp32."""
+    last T of those positions (causal, and the window) -> (B, H, T, Dv) fp32. None where C does not read it (no
+    kernel: the cache's torch reference; another query dtype; no queries, or more than keys): torch reads it."""
+    if kernel is None or q.dtype != torch.float32 or not 0 < q.shape[2] <= n:
+        return None
     B, H, T, D = q.shape
     rows = q.transpose(1, 2).reshape(B * T, H, D).contiguous()                 # (B·T, H, D): each query row's heads
     tables = torch.arange(B, dtype=torch.int32).unsqueeze(1)                   # sequence b: block b

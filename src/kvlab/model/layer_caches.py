@@ -123,8 +123,9 @@ class SlidingWindowCache(KVCache):
             held = rows_k.shape[2]
         else:
             rows_k, rows_v, held = self.k[layer], self.v[layer], self._held[layer]   # the newest `held` tokens in order
-        if self.read_kernel is not None and q.dtype == torch.float32 and 0 < q.shape[2] <= held:
-            return sequences_attention(self.read_kernel, q, rows_k, rows_v, held, self.scale, self.geometry.window)
+        out = sequences_attention(self.read_kernel, q, rows_k, rows_v, held, self.scale, self.geometry.window)
+        if out is not None:
+            return out
         k, v = rows_k[:, :, :held], rows_v[:, :, :held]                   # (B, Hkv, S, D)
         if self.storage != q.dtype:
             return chunked_attention(q, k, v, self.scale, window=self.geometry.window)
