@@ -17,8 +17,8 @@
  * K/V storage: fp32, f16 or bf16 (kvlab's dense, dense-f16, dense-bf16 caches). A new token's K/V are
  * rounded to nearest-even as torch's .to() rounds them. A key chunk of dense rows is read by kvlab_dense_read, the
  * one read of dense rows (the serving pool's too; the cache is its one block): in place, f16/bf16 converted to fp32
- * in registers (AVX-512), or a tile of rows at a time into the thread's scratch elsewhere; exact conversions, so the
- * step equals the module path's upcast reads.
+ * in registers (AVX-512, and AVX2 for a decode step's few queries), or a tile of rows at a time into the thread's
+ * scratch elsewhere; exact conversions, so the step equals the module path's upcast reads.
  *
  * TurboQuant layers (kvlab/cache/turboquant.py; LayerKV with `coded` set): a sink and a recent window of fp32
  * rows around the coded rows. The new token (or the row leaving the window) is coded here as
@@ -501,6 +501,146 @@ static void many_mix(float *parts, int64_t part_stride, int nq, const float *p, 
     }
 }
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+/* AVX2, a decode step's few queries: the rows read in place, each 16-bit row converted in registers as it is used by a
+ * pass of up to FEW_PASS queries (no tile of converted rows stored and read back per query). Every key's score is
+ * summed as kvlab_scores4 sums it (two eight-lane FMA chains over the channels, folded by one tree; the tile read takes
+ * the keys past the last sixteen through dot() instead) and each channel's value sum runs over the keys in order, as
+ * in kvlab_rows_mix. */
+#define HAVE_FEW_READ 1
+#define FEW_AHEAD 8   /* keys scored between two rounds of asking for rows ahead */
+#define FEW_PASS 3   /* queries a pass: 3 x 2 keys x 2 chains, or 3 x 32 channels: twelve accumulators */
+#define AI static inline __attribute__((always_inline))
+
+/* channels c .. c + 7 of a stored row as fp32 (exact) */
+AI __m256 row8(int type, const uint8_t *row, int c) {
+    if (type == KV_F32) return _mm256_loadu_ps((const float *)row + c);
+    const __m128i x = _mm_loadu_si128((const __m128i *)((const uint16_t *)row + c));
+    if (type == KV_F16) return _mm256_cvtph_ps(x);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16));
+}
+
+/* kvlab_scores4's fold of four keys' two chains into their four sums */
+AI __m128 fold4(__m256 l0, __m256 l1, __m256 l2, __m256 l3, __m256 h0, __m256 h1, __m256 h2, __m256 h3) {
+    const __m256 l = _mm256_hadd_ps(_mm256_hadd_ps(l0, l1), _mm256_hadd_ps(l2, l3));
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(h0, h1), _mm256_hadd_ps(h2, h3));
+    return _mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(l), _mm256_extractf128_ps(l, 1)),
+                      _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
+
+/* out[i * DENSE_READ_KEYS + r] = scale * (q_i . row r) for P queries (queries + i * d) and R keys */
+AI void few_scores(int type, int P, int R, const float *queries, int d, const uint8_t *const *rows, float scale, float *out) {
+    __m256 lo[FEW_PASS][2], hi[FEW_PASS][2];
+    for (int i = 0; i < P; i++)
+        for (int r = 0; r < R; r++) lo[i][r] = hi[i][r] = _mm256_setzero_ps();
+    for (int c = 0; c < d; c += 16) {
+        __m256 k_lo[2], k_hi[2];
+        for (int r = 0; r < R; r++) k_lo[r] = row8(type, rows[r], c), k_hi[r] = row8(type, rows[r], c + 8);
+        for (int i = 0; i < P; i++) {
+            const __m256 q0 = _mm256_loadu_ps(queries + (int64_t)i * d + c), q1 = _mm256_loadu_ps(queries + (int64_t)i * d + c + 8);
+            for (int r = 0; r < R; r++) {
+                lo[i][r] = _mm256_fmadd_ps(q0, k_lo[r], lo[i][r]);
+                hi[i][r] = _mm256_fmadd_ps(q1, k_hi[r], hi[i][r]);
+            }
+        }
+    }
+    for (int i = 0; i < P; i++) {   /* a key's sum does not depend on the keys folded beside it */
+        float sums[4];
+        _mm_storeu_ps(sums, _mm_mul_ps(fold4(lo[i][0], lo[i][R - 1], lo[i][0], lo[i][0], hi[i][0], hi[i][R - 1], hi[i][0], hi[i][0]),
+                                       _mm_set1_ps(scale)));
+        for (int r = 0; r < R; r++) out[(int64_t)i * DENSE_READ_KEYS + r] = sums[r];
+    }
+}
+
+/* o_i[c .. c + 32) += sum_j p_i[j] row_j[c ..] for P queries (o_i = parts + i * part_stride, p_i = p + i * DENSE_READ_KEYS)
+ * over m rows */
+AI void few_mix(int type, int P, float *parts, int64_t part_stride, const float *p, const uint8_t *const *rows, int m, int c) {
+    __m256 a[FEW_PASS][4];
+    for (int i = 0; i < P; i++)
+        for (int k = 0; k < 4; k++) a[i][k] = _mm256_loadu_ps(parts + i * part_stride + c + 8 * k);
+    for (int j = 0; j < m; j++) {
+        __m256 v[4];
+        for (int k = 0; k < 4; k++) v[k] = row8(type, rows[j], c + 8 * k);
+        for (int i = 0; i < P; i++) {
+            const __m256 w = _mm256_broadcast_ss(p + (int64_t)i * DENSE_READ_KEYS + j);
+            for (int k = 0; k < 4; k++) a[i][k] = _mm256_fmadd_ps(w, v[k], a[i][k]);
+        }
+    }
+    for (int i = 0; i < P; i++)
+        for (int k = 0; k < 4; k++) _mm256_storeu_ps(parts + i * part_stride + c + 8 * k, a[i][k]);
+}
+
+/* one pass's scores over m keys and its mix, each query count, key count and storage type its own copy */
+#define FEW_TYPES(call, type) \
+    switch (type) { case KV_F32: call(KV_F32); break; case KV_F16: call(KV_F16); break; default: call(KV_BF16); break; }
+static void few_pass_scores(int type, int P, const float *q, int d, const uint8_t *const *rows, int m, float scale, float *out) {
+    for (int j = 0; j < m; j += 2) {
+#define SCORES(T) \
+        switch (P * 2 + (m - j > 1)) { \
+        case 2: few_scores(T, 1, 1, q, d, rows + j, scale, out + j); break; case 3: few_scores(T, 1, 2, q, d, rows + j, scale, out + j); break; \
+        case 4: few_scores(T, 2, 1, q, d, rows + j, scale, out + j); break; case 5: few_scores(T, 2, 2, q, d, rows + j, scale, out + j); break; \
+        case 6: few_scores(T, 3, 1, q, d, rows + j, scale, out + j); break; default: few_scores(T, 3, 2, q, d, rows + j, scale, out + j); break; }
+        FEW_TYPES(SCORES, type)
+#undef SCORES
+    }
+}
+
+static void few_pass_mix(int type, int P, float *parts, int64_t part_stride, const float *p, const uint8_t *const *rows, int m, int dv) {
+    for (int c = 0; c < dv; c += 32) {
+#define MIX(T) \
+        switch (P) { case 1: few_mix(T, 1, parts, part_stride, p, rows, m, c); break; \
+                     case 2: few_mix(T, 2, parts, part_stride, p, rows, m, c); break; \
+                     default: few_mix(T, 3, parts, part_stride, p, rows, m, c); break; }
+        FEW_TYPES(MIX, type)
+#undef MIX
+    }
+}
+
+/* kvlab_dense_read of up to FEW_QUERIES queries, d a multiple of 16 and dv of 32: passes of up to FEW_PASS queries over
+ * the rows where they are stored, a tile of DENSE_TILE keys at a time (the next tile's keys and this tile's values asked
+ * for ahead) */
+static void few_read(const DenseHead *h, const int32_t *table, int64_t k0, int64_t k1, const float *queries, int nq,
+                     float scale, float *scores, float *parts, int64_t part_stride) {
+    const int d = h->d, dv = h->dv, n = (int)(k1 - k0), elem = h->type == KV_F32 ? 4 : 2;
+    const uint8_t *keys[DENSE_READ_KEYS], *values[DENSE_READ_KEYS];
+    int64_t block = k0 / h->block_rows, offset = k0 % h->block_rows;   /* key k0 + j: no division per key */
+    for (int j = 0; j < n; j++) {
+        const int64_t row = (int64_t)table[block] * h->block_stride + offset;
+        keys[j] = (const uint8_t *)h->k + row * d * elem, values[j] = (const uint8_t *)h->v + row * dv * elem;
+        if (++offset == h->block_rows) offset = 0, block++;
+    }
+    const int passes = (nq + FEW_PASS - 1) / FEW_PASS;
+    const int64_t key_bytes = (int64_t)d * elem, value_bytes = (int64_t)dv * elem;
+    for (int j0 = 0; j0 < n; j0 += FEW_AHEAD) {
+        const int m = n - j0 < FEW_AHEAD ? n - j0 : FEW_AHEAD;
+        for (int j = j0; j < j0 + m; j++) {   /* keys FEW_AHEAD ahead and this run's values, a few lines at a time */
+            if (j + FEW_AHEAD < n) kvlab_prefetch_lines(keys[j + FEW_AHEAD], key_bytes);
+            kvlab_prefetch_lines(values[j], value_bytes);
+        }
+        for (int i = 0, pass = 0; i < nq; pass++) {   /* passes of sizes as even as they go: 4 = 2 + 2, 8 = 3 + 3 + 2 */
+            const int P = (nq - i + passes - pass - 1) / (passes - pass);
+            few_pass_scores(h->type, P, queries + (int64_t)i * d, d, keys + j0, m, scale, scores + (int64_t)i * DENSE_READ_KEYS + j0);
+            i += P;
+        }
+    }
+    for (int i = 0; i < nq; i++) {
+        float *s = scores + (int64_t)i * DENSE_READ_KEYS, *part = parts + i * part_stride, top = kvlab_row_max(s, n);
+        part[dv + 1] = exp_shifted(s, n, top);
+        part[dv] = top;
+        memset(part, 0, sizeof(float) * (size_t)dv);
+    }
+    for (int j0 = 0; j0 < n; j0 += DENSE_TILE) {
+        const int m = n - j0 < DENSE_TILE ? n - j0 : DENSE_TILE;
+        for (int i = 0, pass = 0; i < nq; pass++) {
+            const int P = (nq - i + passes - pass - 1) / (passes - pass);
+            few_pass_mix(h->type, P, parts + i * part_stride, part_stride, scores + (int64_t)i * DENSE_READ_KEYS + j0, values + j0, m, dv);
+            i += P;
+        }
+    }
+}
+#undef AI
+#endif
+
 void kvlab_dense_read(const DenseHead *h, const int32_t *table, int64_t k0, int64_t k1, const float *queries, int nq,
                       float scale, float *scratch, float *parts, int64_t part_stride) {
     const int d = h->d, dv = h->dv, n = (int)(k1 - k0);
@@ -513,6 +653,12 @@ void kvlab_dense_read(const DenseHead *h, const int32_t *table, int64_t k0, int6
         for (int i = 0; i < nq; i++)
             attend_rows(h->type, queries + (int64_t)i * d, (const uint8_t *)h->k + at * elem, (const uint8_t *)h->v + at * elem,
                         n, d, scale, scratch, parts + i * part_stride, i == 0);
+        return;
+    }
+#endif
+#ifdef HAVE_FEW_READ
+    if (nq <= FEW_QUERIES && d % 16 == 0 && dv % 32 == 0) {
+        few_read(h, table, k0, k1, queries, nq, scale, scratch, parts, part_stride);
         return;
     }
 #endif
