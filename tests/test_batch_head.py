@@ -144,7 +144,7 @@ def test_engine_tokens_through_the_fused_head_equal_the_modules(monkeypatch):
 def test_vector_exp_is_close_to_torch_and_keeps_nan(kernel):
     """decode.c's exponentials, which the batch step's SwiGLU and the paged softmax use (kvlab_exp_shifted): within a
     few ulp of torch.exp over the softmax's and the gate's range, 0 far below, nan where the input is nan."""
-    fn = kernel._lib.kvlab_exp_shifted
+    fn = kernel.lib.kvlab_exp_shifted
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_float]
     fn.restype = ctypes.c_float
     x = torch.cat([torch.linspace(-87.0, 88.0, 4001), torch.tensor([-200.0, -90.0, 0.0, float("nan"), -1e-30])])

@@ -60,7 +60,7 @@ def variants(native):
     """{"avx512": lib, "avx2": lib, "plain": lib}: the kernels built for each instruction set this CPU runs (a
     failed build is a failure where a compiler exists); off x86 only the native library."""
     if platform.machine() not in ("x86_64", "AMD64"):
-        return {"native": native._lib}
+        return {"native": native.lib}
     libs = {}
     for label in MARCH:
         if CPU_NEEDS[label] and CPU_NEEDS[label] not in cpu_flags():
@@ -142,7 +142,7 @@ def assert_fused_equals_modules(model, name: str, first: int, steps: int, lib, t
 @pytest.mark.parametrize("name", NAMES)
 def test_fused_step_equals_modules(name, native):
     """Two key chunks of codes (256 + the rest), every width and option; sinks and windows fill and spill."""
-    assert_fused_equals_modules(model_for("GQA-128"), name, 270, 6, native._lib)
+    assert_fused_equals_modules(model_for("GQA-128"), name, 270, 6, native.lib)
 
 
 @pytest.mark.parametrize("variant", list(MARCH))
@@ -165,7 +165,7 @@ def assert_same_logits_for_any_thread_count(native, cache_name: str, first: int 
     """Ten fused steps after a `first`-token prefill (550: three key chunks of codes) give bit-identical logits at 1
     and 2 threads."""
     model = model_for(geometry, max_seq_len=first + 50)
-    step = FusedDecodeStep(model, native._lib)
+    step = FusedDecodeStep(model, native.lib)
     tokens = torch.randint(0, 97, (1, first + 10), generator=torch.Generator().manual_seed(3))
     runs = []
     for threads in (1, 2):
@@ -181,13 +181,13 @@ def assert_same_logits_for_any_thread_count(native, cache_name: str, first: int 
 def test_fused_step_reads_tq4_at_head_dim_64(native):
     """The tq4 preset's read at head dim 64 (SmolLM2's): its 64-channel 4-bit keys and values scored and mixed by their
     own register kernels, its turned offsets 64 keys per turn of the coefficients, against the modules."""
-    assert_fused_equals_modules(model_for("MHA-64"), "tq4", 270, 6, native._lib)
+    assert_fused_equals_modules(model_for("MHA-64"), "tq4", 270, 6, native.lib)
 
 
 def test_fused_step_reads_a_long_context_in_longer_chunks(native):
     """From 2,048 coded keys on, a TurboQuant layer's keys are read 512 to a chunk (decode.c CODED_LONG): 2,300 tokens
     make four such chunks and a ragged fifth, against the modules and alike at 1 and 2 threads."""
-    assert_fused_equals_modules(model_for("MHA-64", max_seq_len=2400), "tq4", 2300, 3, native._lib)
+    assert_fused_equals_modules(model_for("MHA-64", max_seq_len=2400), "tq4", 2300, 3, native.lib)
     assert_same_logits_for_any_thread_count(native, "tq4", first=2300, geometry="MHA-64")
 
 
@@ -195,7 +195,7 @@ def test_fused_step_reads_a_long_context_in_longer_chunks(native):
 def test_fused_step_codes_and_reads_block_codes(name, native):
     """+vq block parts (3 and 2 bits) at head dim 64: the new token's block index chosen in C (nearest magnitude point,
     signs) and the blocks decoded in C, as the modules do (a head dim of 64: the points trained once, ~1 min each)."""
-    assert_fused_equals_modules(model_for("MHA-64"), name, 270, 6, native._lib)
+    assert_fused_equals_modules(model_for("MHA-64"), name, 270, 6, native.lib)
 
 
 def test_fused_step_is_the_same_for_any_thread_count(native):
@@ -221,7 +221,7 @@ def test_smollm2_greedy_text_is_the_modules(smollm2):
 
 def test_caches_it_does_not_serve_take_the_modules(native):
     model = model_for("MQA-96", max_seq_len=40)
-    step = FusedDecodeStep(model, native._lib)
+    step = FusedDecodeStep(model, native.lib)
     geometry = CacheGeometry.for_model(model.config, capacity=40)
     one = torch.tensor([[3]])
     with torch.no_grad():
@@ -256,7 +256,7 @@ def test_non_finite_kv_is_the_module_paths_error(native):
     for bad, expect in ((float("nan"), "NaN or Inf"), (1e9, "overflows")):
         messages = []
         for fused in (True, False):
-            model.fused = FusedDecodeStep(model, native._lib) if fused else None
+            model.fused = FusedDecodeStep(model, native.lib) if fused else None
             cache = make_cache("tq-k4v4", CacheGeometry.for_model(cfg, capacity=16))
             weight = model.blocks[1].attn.qkv.weight
             with torch.no_grad():
@@ -288,7 +288,7 @@ def _stepped_once(geometry: str, name: str, native):
     """A model of `geometry` with the fused step and a `name` cache after a 9-token prompt and one fused step (its C
     view built and used): (model, cache, the next token)."""
     model = model_for(geometry, max_seq_len=40)
-    model.fused = FusedDecodeStep(model, native._lib)
+    model.fused = FusedDecodeStep(model, native.lib)
     cache = make_cache(name, CacheGeometry.for_model(model.config, capacity=40))
     one = torch.tensor([[3]])
     with torch.no_grad():

@@ -38,7 +38,7 @@ def native():
 def variants(native):
     """{"native": lib, "avx2": lib, "plain-c": lib}: the library built for this CPU, for Haswell (AVX2 + F16C,
     no AVX-512) and for baseline x86-64 (no F16C: the plain-C conversions). Off x86, only the native one."""
-    libs = {"native": native._lib}
+    libs = {"native": native.lib}
     if platform.machine() not in ("x86_64", "AMD64"):
         return libs
     for label, variant in (("avx2", "avx2"), ("plain-c", "plain")):
@@ -94,7 +94,7 @@ def assert_fused_equals_modules(model, tokens, name, first_chunk, lib):
 def test_fused_step_equals_modules(name, kind, native):
     model = tiny_model(**CONFIGS[kind])
     tokens = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(4))
-    assert_fused_equals_modules(model, tokens, name, 3, native._lib)
+    assert_fused_equals_modules(model, tokens, name, 3, native.lib)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -143,7 +143,7 @@ def test_fused_step_is_the_same_for_any_thread_count(name, native):
     try:
         for n in (1, 3):
             torch.set_num_threads(n)
-            runs.append(decode(model, tokens, name, 290, FusedDecodeStep(model, native._lib))[0][:, 290:])
+            runs.append(decode(model, tokens, name, 290, FusedDecodeStep(model, native.lib))[0][:, 290:])
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(runs[0], runs[1])

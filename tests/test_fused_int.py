@@ -78,7 +78,7 @@ def test_store_is_the_module_paths_bit_for_bit(name, native):
     geometry = CacheGeometry(n_layers=1, n_kv_heads=heads, head_dim=d, capacity=72)
     modules, fused = make_cache(name, geometry), make_cache(name, geometry)
     q = fused_int.quantized(fused, 0, d, checked)
-    append = store_append(native._lib)
+    append = store_append(native.lib)
     for t in range(70):
         k, v = awkward_rows(t, heads, d)
         modules.append(0, k[None, :, None], v[None, :, None])
@@ -98,7 +98,7 @@ def test_store_refuses_kv_beyond_float16_like_the_module_path(what, at, native):
     kv[at][1, 5] = -7e4
     with pytest.raises(NonFiniteError) as want:
         modules.append(0, kv[0][None, :, None], kv[1][None, :, None])
-    assert store_append(native._lib)(ctypes.byref(q), heads, d, 0, kv[0].data_ptr(), kv[1].data_ptr()) == 1
+    assert store_append(native.lib)(ctypes.byref(q), heads, d, 0, kv[0].data_ptr(), kv[1].data_ptr()) == 1
     with pytest.raises(NonFiniteError) as got:
         fused_int.raise_range_error(q)
     assert str(got.value) == str(want.value) and str(want.value).startswith(f"{what} magnitude 7e+04")
@@ -129,7 +129,7 @@ def assert_fused_equals_modules(model, name: str, first: int, steps: int, lib, t
 @pytest.mark.parametrize("name", NAMES)
 def test_fused_step_equals_modules(name, native):
     """Two key chunks of codes (256 + the rest); steps that complete key groups; sinks and windows fill and spill."""
-    assert_fused_equals_modules(model_for("GQA-128"), name, 262, 10, native._lib)
+    assert_fused_equals_modules(model_for("GQA-128"), name, 262, 10, native.lib)
 
 
 @pytest.mark.parametrize("variant", list(MARCH))
@@ -168,7 +168,7 @@ def test_smollm2_greedy_text_is_the_modules(name, smollm2):
 def test_what_it_does_not_serve_takes_the_modules(native):
     """Batches and bf16 caches take the modules; a short prompt's tokens fill the sink and the window in C."""
     model = model_for("MQA-96", max_seq_len=40)
-    step = FusedDecodeStep(model, native._lib)
+    step = FusedDecodeStep(model, native.lib)
     geometry = CacheGeometry.for_model(model.config, capacity=40)
     assert step.serves(make_cache("int4+g16+sink2+recent4+fp-first-last", geometry))
     assert not step.serves(make_cache("int4", CacheGeometry.for_model(model.config, batch=2, capacity=40)))
@@ -195,7 +195,7 @@ def test_bad_kv_is_the_module_paths_error(bad, expect, native):
     tokens = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(7))
     messages = []
     for fused in (True, False):
-        model.fused = FusedDecodeStep(model, native._lib) if fused else None
+        model.fused = FusedDecodeStep(model, native.lib) if fused else None
         cache = make_cache("int4+g4", CacheGeometry.for_model(cfg, capacity=16))
         weight = model.blocks[1].attn.qkv.weight
         with torch.no_grad():

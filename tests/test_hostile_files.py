@@ -428,10 +428,10 @@ def test_fused_step_refuses_buffers_that_do_not_match_the_config(tiny_path):
     down = model.blocks[1].ffn.down
     model.blocks[1].ffn.down = model.blocks[1].ffn.gate_up       # (2·d_ff, d) where (d, d_ff) belongs
     try:
-        one_line_error(lambda: FusedDecodeStep(model, kernel._lib), ConfigError, "layer 1 ffn down")
+        one_line_error(lambda: FusedDecodeStep(model, kernel.lib), ConfigError, "layer 1 ffn down")
     finally:
         model.blocks[1].ffn.down = down
-    step = FusedDecodeStep(model, kernel._lib)
+    step = FusedDecodeStep(model, kernel.lib)
     cache = make_cache("dense", CacheGeometry.for_model(loaded.config, capacity=4))
     cache.k = cache.k[:, :, :, :2]                               # a cache whose buffers are smaller than its geometry
     with torch.no_grad():

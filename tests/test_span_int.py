@@ -189,9 +189,9 @@ def int_variant(request, tmp_path_factory) -> BlockKernel:
                            also=("codebook.c",))
     lib = ctypes.CDLL(str(target))
     variant = BlockKernel.__new__(BlockKernel)
-    variant._lib = lib
+    variant.lib = lib
     for fn in ("kvlab_int_decode", "kvlab_int_attention"):
-        getattr(lib, fn).argtypes = getattr(loaded._lib, fn).argtypes
+        getattr(lib, fn).argtypes = getattr(loaded.lib, fn).argtypes
         getattr(lib, fn).restype = ctypes.c_int
     return variant
 

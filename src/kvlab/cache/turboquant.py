@@ -810,7 +810,7 @@ class TurboQuantCache(CompressedCache):
     def scores(self, layer: int, qg: torch.Tensor, stored: dict[str, torch.Tensor], n: int) -> torch.Tensor:
         """Scaled logits of qg (B, H, G·T, d) against the first n tokens of `stored` -> (B, H, G·T, n), on the codes
         (the torch path; kernels/decode.c kvlab_tq_read reads them so in C)."""
-        q_rot = self._rotated_queries(layer, qg) * self.scale                      # (B, H, G·T, d)
+        q_rot = self.rotated_queries(layer, qg) * self.scale                      # (B, H, G·T, d)
         norms = stored["k_norm"][:, :, None, :n]                                   # (B, H, 1, n) 16-bit
         y_hat = self._decoded(stored["k_codes"], self.layer_key_codes[layer], 0, n)        # (B, H, n, d) codebook values
         if self.config.qjl:
@@ -867,7 +867,7 @@ class TurboQuantCache(CompressedCache):
             if self.config.qjl:
                 keys = keys + self._qjl_term(stored, lo, hi)
             keys = keys * stored["k_norm"][:, :, lo:hi, None].float()
-            out, lse = attend_with_lse(self._rotated_queries(layer, qg), keys, values, self.scale, mask)
+            out, lse = attend_with_lse(self.rotated_queries(layer, qg), keys, values, self.scale, mask)
             if self.k_offset:
                 lse = lse + (qg @ self.k_offset[layer][..., None].float())[..., 0] * self.scale  # q·μ, the same for every key
         out = self.rotations[layer].invert(out)
@@ -889,7 +889,7 @@ class TurboQuantCache(CompressedCache):
         G, n = rows // T, self._n_comp[layer]
         context = n + self._held(layer)                       # the last query's position, counted from the first coded
         read = min(T, context)                                # query rows at or after the first coded position
-        queries = qg if config.turns_keys else self._rotated_queries(layer, qg)      # (B, Hkv, G·T, d) as C takes them
+        queries = qg if config.turns_keys else self.rotated_queries(layer, qg)      # (B, Hkv, G·T, d) as C takes them
         queries = queries.reshape(B, Hkv, G, T, d)[:, :, :, T - read:]               # (B, Hkv, G, read, d)
         plain = qg.reshape(B, Hkv, G, T, d)[:, :, :, T - read:]
         out = qg.new_zeros(B, Hkv, G, T, d)
@@ -928,7 +928,7 @@ class TurboQuantCache(CompressedCache):
         per layer (+halloc's per-head widths: torch; attention reads them through `_coded_read`)."""
         return self.code_kernel is not None and not self.config.alloc_heads
 
-    def _rotated_queries(self, layer: int, qg: torch.Tensor) -> torch.Tensor:
+    def rotated_queries(self, layer: int, qg: torch.Tensor) -> torch.Tensor:
         """Π(q⊙w): the queries as the codes are read, (B, H, R, d)."""
         weights = self._key_weights(layer)
         return self.rotations[layer].apply(qg if weights is None else qg * weights)

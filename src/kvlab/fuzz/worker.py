@@ -106,7 +106,7 @@ def run_canary() -> dict:
     blocks = torch.zeros(rows, block_bytes, dtype=torch.uint8)    # (rows, one block) of zeros
     x = torch.ones(per_block)                                     # (cols,)
     y = torch.empty(rows - 1)                                     # one row short: the write past the end
-    kernel._lib.kvlab_block_gemv(type_id, blocks.data_ptr(), rows, per_block, x.data_ptr(), y.data_ptr(), 1)
+    kernel.lib.kvlab_block_gemv(type_id, blocks.data_ptr(), rows, per_block, x.data_ptr(), y.data_ptr(), 1)
     return {"kind": "ok", "message": "the out-of-bounds write went unnoticed"}
 
 

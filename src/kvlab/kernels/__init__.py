@@ -212,7 +212,7 @@ class BlockKernel:
 
     def __init__(self, lib: ctypes.CDLL, path: Path):
         self.path = path
-        self._lib = lib
+        self.lib = lib   # the loaded library: the fused steps call its entry points directly
         i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
         lib.kvlab_block_gemv.argtypes = [i32, ptr, i64, i64, ptr, ptr, i32]
         lib.kvlab_block_dequantize.argtypes = [i32, ptr, i64, i64, ptr, i32]
@@ -237,7 +237,7 @@ class BlockKernel:
         check_buffer(what, "x", x, torch.float32, (cols,))
         y = torch.empty(rows, dtype=torch.float32) if out is None else out
         check_buffer(what, "output", y, torch.float32, (rows,))
-        status = self._lib.kvlab_block_gemv(type_id, blocks.data_ptr(), rows, cols, x.data_ptr(), y.data_ptr(),
+        status = self.lib.kvlab_block_gemv(type_id, blocks.data_ptr(), rows, cols, x.data_ptr(), y.data_ptr(),
                                             torch.get_num_threads())
         if status != 0:
             raise ConfigError(f"block GEMV refused {type_name} blocks of shape {tuple(blocks.shape)}")
@@ -260,7 +260,7 @@ class BlockKernel:
         y = torch.empty(m, n, dtype=torch.float32) if out is None else out
         if y.dtype != torch.float32 or tuple(y.shape) != (m, n) or not y.is_contiguous() or y.device.type != "cpu":
             raise ConfigError(f"block GEMM output must be a contiguous CPU fp32 ({m}, {n}) tensor, got {tuple(y.shape)} {y.dtype}")
-        status = self._lib.kvlab_block_gemm(type_id, blocks.data_ptr(), n, k, x.data_ptr(), m, y.data_ptr(), torch.get_num_threads())
+        status = self.lib.kvlab_block_gemm(type_id, blocks.data_ptr(), n, k, x.data_ptr(), m, y.data_ptr(), torch.get_num_threads())
         if status == -2:
             raise KvlabError(f"block GEMM: no memory for its scratch buffers ({m}×{k} packed input)")
         if status != 0:
@@ -271,7 +271,7 @@ class BlockKernel:
         """blocks (rows, row_bytes) uint8 contiguous -> (rows, cols) fp32, bit-exact d * q + m."""
         type_id, rows, cols = _block_shape("block dequantize", type_name, blocks)
         out = torch.empty(rows, cols, dtype=torch.float32)
-        if self._lib.kvlab_block_dequantize(type_id, blocks.data_ptr(), rows, cols, out.data_ptr(), torch.get_num_threads()):
+        if self.lib.kvlab_block_dequantize(type_id, blocks.data_ptr(), rows, cols, out.data_ptr(), torch.get_num_threads()):
             raise ConfigError(f"block dequantize refused {type_name} blocks of shape {tuple(blocks.shape)}")
         return out
 
@@ -297,7 +297,7 @@ class BlockKernel:
         if start + n > slots or (n and (start + n - 1) // token_group >= meta_rows):
             raise ConfigError(f"{what}: rows [{start}, {start + n}) asked of a cache of {slots} slots ({meta_rows} metadata rows)")
         out = torch.empty(B, H, n, d, dtype=torch.float32)
-        if self._lib.kvlab_int_decode(bits, codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), B * H, slots, meta_rows, meta_cols,
+        if self.lib.kvlab_int_decode(bits, codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), B * H, slots, meta_rows, meta_cols,
                                       start, n, d, token_group, channel_group, out.data_ptr(), torch.get_num_threads()):
             raise ConfigError(f"integer-cache decode refused int{bits} codes of shape {tuple(codes.shape)}")
         return out
@@ -338,7 +338,7 @@ class BlockKernel:
             check_buffer(what, "exact values", exact_values, torch.float32, (B, H, exact_values.shape[2], dv))
         out = torch.empty(B, H, nq, dv, dtype=torch.float32)
         lse = torch.empty(B, H, nq, dtype=torch.float32)
-        if self._lib.kvlab_int_attention(bits, k_codes.data_ptr(), k_scale.data_ptr(), k_zero.data_ptr(), v_codes.data_ptr(),
+        if self.lib.kvlab_int_attention(bits, k_codes.data_ptr(), k_scale.data_ptr(), k_zero.data_ptr(), v_codes.data_ptr(),
                                          v_scale.data_ptr(), v_zero.data_ptr(), B * H, slots, n, dk, dv, group, dv // n_vg,
                                          exact.data_ptr(), n - exact.shape[2],
                                          exact_values.data_ptr() if recent else None,
@@ -364,7 +364,7 @@ class BlockKernel:
         for name, t in (("RoPE cos", cos), ("RoPE sin", sin)):
             if t is not None:
                 check_buffer(what, name, t, torch.float32, (n, d))
-        return self._lib.kvlab_tq_code_tokens(ctypes.byref(coded), heads, d, n, k.data_ptr(), v.data_ptr(), slots.data_ptr(),
+        return self.lib.kvlab_tq_code_tokens(ctypes.byref(coded), heads, d, n, k.data_ptr(), v.data_ptr(), slots.data_ptr(),
                                               None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(),
                                               torch.get_num_threads())
 
@@ -384,13 +384,13 @@ class BlockKernel:
         if n and (int(stage_rows.min()) < 0 or int(stage_rows.max()) >= rows):
             return -1
         stage_stride = quantized.group * heads * d                                 # floats of one stage row (G, Hkv, d)
-        return self._lib.kvlab_int_code_tokens(ctypes.byref(quantized), heads, d, n, k.data_ptr(), v.data_ptr(),
+        return self.lib.kvlab_int_code_tokens(ctypes.byref(quantized), heads, d, n, k.data_ptr(), v.data_ptr(),
                                                slots.data_ptr(), positions.data_ptr(), stage_rows.data_ptr(), stage_stride,
                                                torch.get_num_threads())
 
     def openmp_threads(self, n: int) -> int:
         """Threads a parallel region of the kernel library actually gets when asked for n."""
-        return self._lib.kvlab_block_omp_threads(n)
+        return self.lib.kvlab_block_omp_threads(n)
 
 
 def block_kernel() -> BlockKernel | None:

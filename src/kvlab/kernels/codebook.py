@@ -132,7 +132,7 @@ class CodebookKernel:
 def codebook_kernel_for(device: torch.device) -> CodebookKernel | None:
     """The codebook kernels for tensors on `device` (CPU only, when the kernel library loaded), else None."""
     library = kernel_for(device)
-    return None if library is None else _wrap(library._lib, library.path)
+    return None if library is None else _wrap(library.lib, library.path)
 
 
 @functools.lru_cache(maxsize=4)

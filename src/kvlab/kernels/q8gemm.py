@@ -76,7 +76,7 @@ class Q8Kernel:
 def q8_kernel_for(device: torch.device) -> Q8Kernel | None:
     """The int8-activation kernels for tensors on `device` (CPU only, when the kernel library loaded), else None."""
     library = kernel_for(device)
-    return None if library is None else _wrap(library._lib, library.path)
+    return None if library is None else _wrap(library.lib, library.path)
 
 
 @functools.lru_cache(maxsize=4)

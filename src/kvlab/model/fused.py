@@ -193,10 +193,10 @@ def fused_decode_step(model: nn.Module) -> FusedDecodeStep | None:
     if getattr(getattr(model, "config", None), "arch", "llama") not in LLAMA_FAMILY:
         return None  # Gemma 3 / Qwen3.5 / Qwen3-Next: layer kinds the C step has no code for (model/hybrid.py FUSED_OFF)
     kernel = block_kernel()
-    if kernel is None or not hasattr(kernel._lib, "kvlab_decode_step"):
+    if kernel is None or not hasattr(kernel.lib, "kvlab_decode_step"):
         return None
     try:
-        return FusedDecodeStep(model, kernel._lib)
+        return FusedDecodeStep(model, kernel.lib)
     except ConfigError:
         return None
 

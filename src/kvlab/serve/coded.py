@@ -527,7 +527,7 @@ class TurboPool(CodedPool):
 
     def _attend_ragged(self, kernel, layer: int, view, q: torch.Tensor) -> torch.Tensor:
         """q (N, H, D) -> (N, H, D): every sequence of the step in one C call on the pool's codes through the block
-        tables. The queries go in as the codes are read (Π(q⊙w), TurboQuantCache._rotated_queries); the kernel's
+        tables. The queries go in as the codes are read (Π(q⊙w), TurboQuantCache.rotated_queries); the kernel's
         output is in the rotated domain: one inverse rotation and the value offset for the whole batch. The key
         offset's q·μ is the same for every key of a query, so the softmax does not see it. +sinkN: the kernel reads
         the coded keys from position N on and gives each row's log-sum-exp (plus q·μ: now it counts), which merges
@@ -540,7 +540,7 @@ class TurboPool(CodedPool):
             q_rot = q.contiguous()
         else:
             qg = q.reshape(N, Hkv, H // Hkv, D).transpose(0, 1).reshape(1, Hkv, -1, D)   # (1, Hkv, N·G, D)
-            q_rot = self.codec._rotated_queries(at, qg)                                # (1, Hkv, N·G, D)
+            q_rot = self.codec.rotated_queries(at, qg)                                # (1, Hkv, N·G, D)
             q_rot = q_rot.reshape(Hkv, N, H // Hkv, D).transpose(0, 1).reshape(N, H, D).contiguous()
         rotated = tq_attention(kernel, self._coder(layer, view), q_rot, layout.block_tables, layout.query_start,
                                layout.context_len, self._tq_step(view), view.scale, view.window or 0,

@@ -183,9 +183,9 @@ def _step_of(model) -> FusedBatchStep | None:
     step = _steps.get(decode_step)
     if step is None:
         kernel = block_kernel()
-        if kernel is None or not hasattr(kernel._lib, "kvlab_batch_step"):
+        if kernel is None or not hasattr(kernel.lib, "kvlab_batch_step"):
             return None
-        step = _steps[decode_step] = FusedBatchStep(model, decode_step, kernel._lib)
+        step = _steps[decode_step] = FusedBatchStep(model, decode_step, kernel.lib)
     return step
 
 
