@@ -620,29 +620,34 @@ SECTIONS = [
         Table("decode_presets_1thread_epyc_avx2.json", decode_contexts,
               "kvlab bench decode --contexts 512,4k,8k --caches dense-f16,tq4,tq3,tq-k4v4 --threads 1 --repeats 2 "
               "--steps 16 --out bench/results/decode_presets_1thread_epyc_avx2.json",
-              "An AMD EPYC without AVX-512 (AVX2, FMA, F16C only): the dense read scores four keys at a time and "
-              "mixes values in explicit AVX2 registers; the coded caches are decoded into a tile (2-4-bit codes by "
-              "register permutes, +ropemean's terms sixteen keys a vector) and read from it, since AVX2 has no "
-              "register read of codes like the AVX-512 one. dense-f16 68.6 / 34.8 / 22.8 tokens/s at 512 / 4k / 8k, "
-              "tq4 61.2 / 28.6 / 17.9: here the coded caches trail dense-f16 (tq4 0.89 / 0.82 / 0.78x, tq-k4v4 0.96 / "
-              "0.97 / 0.81x, tq3 0.73 / 0.52 / 0.42x). The weights' Q4_1 and Q8_0 rows are read eight blocks' scales "
-              "at a time (about 40% of a step at 4k).",
+              "An AMD EPYC without AVX-512 (AVX2, FMA, F16C only). A decode step's dense rows are read in place, each "
+              "16-bit row converted in registers once for up to three query heads and asked for a few rows ahead "
+              "(dense-f16 77.5 / 40.9 / 26.5 tokens/s at 512 / 4k / 8k; standalone runs of the same steps give "
+              "47-49 at 4k and 36.5 at 8k when the machine's memory is quiet: its read bandwidth moved between 17 "
+              "and 22 GB/s during this run, and dense-f16's two 8k samples are 18.9 and 34.0). The coded caches "
+              "decode a tile of rows before reading it (a 4-bit part by byte-table lookups, vpshufb on each "
+              "centroid's four bytes), since AVX2 has no register read of codes like the AVX-512 one: `tq4` 0.87 / "
+              "0.72 / 0.82x `dense-f16`, `tq-k4v4` 0.91 / 0.85 / 1.09x, `tq3` 0.67 / 0.34 / 0.37x. Here a step is "
+              "bound by arithmetic, not by bytes read (dense-f16 at 36-40% of the read limit), so reading a quarter "
+              "of the bytes does not pay for decoding them.",
               read_share=True, presets=CURRENT),
         Table("decode_presets_2threads_epyc_avx2.json", decode_contexts,
               "kvlab bench decode --contexts 512,4k,8k --caches dense-f16,tq4,tq3,tq-k4v4 --threads 2 --repeats 2 "
               "--steps 16 --out bench/results/decode_presets_2threads_epyc_avx2.json",
-              "The AVX2 EPYC at 2 threads: dense-f16 121 / 62 / 39 tokens/s at 512 / 4k / 8k, `tq4` 0.95 / 0.83 / "
-              "0.81x of it, `tq-k4v4` 0.89 / 0.84 / 0.96x, `tq3` 0.69 / 0.49 / 0.48x (its +vq points are decoded one "
-              "block at a time here). The prefill column: every cache's prompt chunks are read in C, a tile of query "
-              "rows at a time; dense-f16 prefills 4k tokens in 16.3 s and 8k in 44.2 s, `tq4` in 23.9 s and 64.6 s.",
+              "The AVX2 EPYC at 2 threads: dense-f16 95 / 86 / 64 tokens/s at 512 / 4k / 8k (its two 512 samples are "
+              "78 and 111: the machine was noisy then), reading at 49% and 54% of the 2-thread read limit at 4k and "
+              "8k; `tq4` 0.68 / 0.71 / 0.65x of it, `tq-k4v4` 0.70 / 0.87 / 0.70x, `tq3` 0.38 / 0.36 / 0.25x (its "
+              "+vq points are decoded one block at a time here). The prefill column: every cache's prompt chunks are "
+              "read in C, a tile of query rows at a time; dense-f16 prefills 4k tokens in 17.3 s and 8k in 42.5 s, "
+              "`tq4` in 23.1 s and 68.7 s.",
               read_share=True, presets=CURRENT),
         Table("decode_int_1thread_epyc_avx2.json", decode_contexts,
               "kvlab bench decode --contexts 4k --caches dense-f16,int8,int4,tq4 --threads 1 --repeats 2 --steps 16 "
               "--out bench/results/decode_int_1thread_epyc_avx2.json",
               "The integer caches on the AVX2 EPYC, their tile scores and value mix in AVX2 registers (the same trees "
-              "and orders as the scalar code, so the same bits): `int8` 0.90x and `int4` 0.87x `dense-f16` at 4k, "
-              "`tq4` 0.80x. Their prompt chunks are read many queries at a time from transposed tiles: 32.5 / 31.8 s "
-              "for 4k tokens against dense-f16's 24.7 s.",
+              "and orders as the scalar code, so the same bits): `int8` 0.71x and `int4` 0.72x `dense-f16` at 4k, "
+              "`tq4` 0.68x, dense-f16 reading its rows in place at 47.7 tokens/s. Their prompt chunks are read many "
+              "queries at a time from transposed tiles: 30.5 / 34.2 s for 4k tokens against dense-f16's 26.9 s.",
               read_share=True, presets=CURRENT),
     ]),
     Section("Against llama.cpp on the same GGUF",
@@ -666,6 +671,13 @@ SECTIONS = [
               "no AMX): kvlab's dense-f16 1.73x llama.cpp's f16 at a 16-token context and 1.84x at 4,000 tokens "
               "(llama-bench's own tg64 at 1 thread: 58.1 tok/s, this run's llama.cpp 55.6).", read_share=True,
               presets=CURRENT),
+        Table("decode_vs_llama_cpp_1thread_epyc_avx2.json", decode_contexts,
+              "kvlab bench decode --contexts 16,4000 --caches dense-f16,tq4,llama.cpp:f16,llama.cpp:q8_0 "
+              "--llama-cpp PYTHON --threads 1 --repeats 3 --out bench/results/decode_vs_llama_cpp_1thread_epyc_avx2.json",
+              "On the AMD EPYC with AVX2 only (llama.cpp's native build): kvlab's dense-f16 0.97x llama.cpp's f16 at a "
+              "16-token context (83.3 against 86.1 tokens/s: the step is the weights' GEMV, which llama.cpp does on "
+              "activations quantized to 8 bits and kvlab on fp32 ones) and 1.48x at 4,000 tokens (37.2 against 25.2; "
+              "the K/V read in place, 16-bit rows converted in registers).", presets=CURRENT),
         Table("decode_vs_llama_cpp_2threads.json", decode_contexts,
               "kvlab bench decode --contexts 512,4k --caches dense-f16,tq-k4v4,llama.cpp:f16,llama.cpp:q8_0 "
               "--llama-cpp PYTHON --threads 2 --repeats 3 --out bench/results/decode_vs_llama_cpp_2threads.json",

@@ -19,7 +19,8 @@
  *   decode out[h, t]    = value(row start + t)                              (a chunk's transient for a GEMM)
  * Sixteen (AVX-512) or eight (AVX2) channels of a plane are unpacked at once (widen the bytes, spread them to
  * the lanes, shift, mask), then looked up in the table: a register permute when the table fits one or two
- * registers, a gather otherwise. The plain-C build does the same one channel at a time. Norms, offsets and the
+ * registers, a gather otherwise (AVX2 decodes a 4-bit part by byte tables instead: part_rows4). The plain-C build
+ * does the same one channel at a time. Norms, offsets and the
  * rotation stay in torch.
  */
 #include <math.h>
