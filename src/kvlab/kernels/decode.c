@@ -501,6 +501,17 @@ static void many_mix(float *parts, int64_t part_stride, int nq, const float *p, 
     }
 }
 
+/* each query's scores (nq, DENSE_READ_KEYS) over n keys -> e^(s - top) in place, and its part's top and sum, its sums
+ * zeroed for the value mix */
+static void softmax_parts(float *scores, int nq, int n, int dv, float *parts, int64_t part_stride) {
+    for (int i = 0; i < nq; i++) {
+        float *s = scores + (int64_t)i * DENSE_READ_KEYS, *part = parts + i * part_stride, top = kvlab_row_max(s, n);
+        part[dv + 1] = exp_shifted(s, n, top);
+        part[dv] = top;
+        memset(part, 0, sizeof(float) * (size_t)dv);
+    }
+}
+
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 /* AVX2, a decode step's few queries: the rows read in place, each 16-bit row converted in registers as it is used by a
  * pass of up to FEW_PASS queries (no tile of converted rows stored and read back per query). Every key's score is
@@ -623,12 +634,7 @@ static void few_read(const DenseHead *h, const int32_t *table, int64_t k0, int64
             i += P;
         }
     }
-    for (int i = 0; i < nq; i++) {
-        float *s = scores + (int64_t)i * DENSE_READ_KEYS, *part = parts + i * part_stride, top = kvlab_row_max(s, n);
-        part[dv + 1] = exp_shifted(s, n, top);
-        part[dv] = top;
-        memset(part, 0, sizeof(float) * (size_t)dv);
-    }
+    softmax_parts(scores, nq, n, dv, parts, part_stride);
     for (int j0 = 0; j0 < n; j0 += DENSE_TILE) {
         const int m = n - j0 < DENSE_TILE ? n - j0 : DENSE_TILE;
         for (int i = 0, pass = 0; i < nq; pass++) {
@@ -676,12 +682,7 @@ void kvlab_dense_read(const DenseHead *h, const int32_t *table, int64_t k0, int6
         else
             for (int i = 0; i < nq; i++) row_scores(queries + (int64_t)i * d, rows, m, d, scale, scores + (int64_t)i * DENSE_READ_KEYS + j0);
     }
-    for (int i = 0; i < nq; i++) {
-        float *s = scores + (int64_t)i * DENSE_READ_KEYS, *part = parts + i * part_stride, top = kvlab_row_max(s, n);
-        part[dv + 1] = exp_shifted(s, n, top);
-        part[dv] = top;
-        memset(part, 0, sizeof(float) * (size_t)dv);
-    }
+    softmax_parts(scores, nq, n, dv, parts, part_stride);
     for (int j0 = 0; j0 < n; j0 += DENSE_TILE) {
         const int m = n - j0 < DENSE_TILE ? n - j0 : DENSE_TILE;
         dense_rows(h, h->v, dv, table, k0 + j0, m, tile, rows);
