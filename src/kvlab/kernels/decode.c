@@ -608,8 +608,9 @@ static void few_pass_mix(int type, int P, float *parts, int64_t part_stride, con
 }
 
 /* kvlab_dense_read of up to FEW_QUERIES queries, d a multiple of 16 and dv of 32: passes of up to FEW_PASS queries over
- * the rows where they are stored, a tile of DENSE_TILE keys at a time (the next tile's keys and this tile's values asked
- * for ahead) */
+ * the rows where they are stored, FEW_AHEAD keys scored at a time while the FEW_AHEAD keys after them and their own
+ * values are asked for (a few lines each time: asking for a whole tile at once stalled the read), then the values
+ * mixed DENSE_TILE rows at a time */
 static void few_read(const DenseHead *h, const int32_t *table, int64_t k0, int64_t k1, const float *queries, int nq,
                      float scale, float *scores, float *parts, int64_t part_stride) {
     const int d = h->d, dv = h->dv, n = (int)(k1 - k0), elem = h->type == KV_F32 ? 4 : 2;
