@@ -475,15 +475,16 @@ CB_INLINE void part_rows8(const cb_part *P, const uint8_t *rows, int64_t row_byt
  * channels where values8 takes 48. */
 typedef struct { __m256i b[4]; } bytes4;
 
-static bytes4 centroid_bytes(const float *table) {   /* byte k of each of the 16 centroids, in both lanes */
-    uint8_t t[4][16];
-    for (int i = 0; i < 16; i++) {
-        uint32_t x;
-        memcpy(&x, table + i, 4);
-        for (int k = 0; k < 4; k++) t[k][i] = (uint8_t)(x >> (8 * k));
-    }
+/* byte k of each of the 16 centroids, in both lanes: each four centroids' bytes gathered by byte k (dword k), then
+ * the 4 x 4 dwords transposed */
+static bytes4 centroid_bytes(const float *table) {
+    const __m128i by_byte = _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    __m128 q[4];
+    for (int j = 0; j < 4; j++)
+        q[j] = _mm_castsi128_ps(_mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(table + 4 * j)), by_byte));
+    _MM_TRANSPOSE4_PS(q[0], q[1], q[2], q[3]);   /* q[k]: byte k of centroids 0-3, 4-7, 8-11, 12-15 */
     bytes4 out;
-    for (int k = 0; k < 4; k++) out.b[k] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)t[k]));
+    for (int k = 0; k < 4; k++) out.b[k] = _mm256_broadcastsi128_si256(_mm_castps_si128(q[k]));
     return out;
 }
 

@@ -111,6 +111,14 @@ static inline uint16_t f32_to_f16(float f) {
 #endif
 }
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__F16C__)
+/* eight f16 / bf16 values at src as fp32, exactly */
+static inline __attribute__((always_inline)) __m256 kv_load8(int kv_type, const uint16_t *src) {
+    const __m128i x = _mm_loadu_si128((const __m128i *)src);
+    return kv_type == KV_F16 ? _mm256_cvtph_ps(x) : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16));
+}
+#endif
+
 /* dst (n,) fp32 = the f16 / bf16 values at src, exactly */
 static inline __attribute__((always_inline)) void kv_load(int kv_type, const uint16_t *src, int64_t n, float *dst) {
     int64_t i = 0;
@@ -122,12 +130,7 @@ static inline __attribute__((always_inline)) void kv_load(int kv_type, const uin
             _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(
                 _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + i))), 16)));
 #elif defined(__AVX2__) && defined(__F16C__)
-    if (kv_type == KV_F16)
-        for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
-    else
-        for (; i + 8 <= n; i += 8)
-            _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(
-                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + i))), 16)));
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, kv_load8(kv_type, src + i));
 #endif
     for (; i < n; i++) dst[i] = kv_type == KV_F16 ? kvlab_fp16_to_fp32(src[i]) : bf16_to_f32(src[i]);
 }
@@ -525,18 +528,7 @@ static void softmax_parts(float *scores, int nq, int n, int dv, float *parts, in
 
 /* channels c .. c + 7 of a stored row as fp32 (exact) */
 AI __m256 row8(int type, const uint8_t *row, int c) {
-    if (type == KV_F32) return _mm256_loadu_ps((const float *)row + c);
-    const __m128i x = _mm_loadu_si128((const __m128i *)((const uint16_t *)row + c));
-    if (type == KV_F16) return _mm256_cvtph_ps(x);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16));
-}
-
-/* kvlab_scores4's fold of four keys' two chains into their four sums */
-AI __m128 fold4(__m256 l0, __m256 l1, __m256 l2, __m256 l3, __m256 h0, __m256 h1, __m256 h2, __m256 h3) {
-    const __m256 l = _mm256_hadd_ps(_mm256_hadd_ps(l0, l1), _mm256_hadd_ps(l2, l3));
-    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(h0, h1), _mm256_hadd_ps(h2, h3));
-    return _mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(l), _mm256_extractf128_ps(l, 1)),
-                      _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+    return type == KV_F32 ? _mm256_loadu_ps((const float *)row + c) : kv_load8(type, (const uint16_t *)row + c);
 }
 
 /* out[i * DENSE_READ_KEYS + r] = scale * (q_i . row r) for P queries (queries + i * d) and R keys */
@@ -557,7 +549,7 @@ AI void few_scores(int type, int P, int R, const float *queries, int d, const ui
     }
     for (int i = 0; i < P; i++) {   /* a key's sum does not depend on the keys folded beside it */
         float sums[4];
-        _mm_storeu_ps(sums, _mm_mul_ps(fold4(lo[i][0], lo[i][R - 1], lo[i][0], lo[i][0], hi[i][0], hi[i][R - 1], hi[i][0], hi[i][0]),
+        _mm_storeu_ps(sums, _mm_mul_ps(kvlab_fold4(lo[i][0], lo[i][R - 1], lo[i][0], lo[i][0], hi[i][0], hi[i][R - 1], hi[i][0], hi[i][0]),
                                        _mm_set1_ps(scale)));
         for (int r = 0; r < R; r++) out[(int64_t)i * DENSE_READ_KEYS + r] = sums[r];
     }
