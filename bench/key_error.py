@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from kvlab.cache import CacheGeometry, DenseCache, make_cache  # noqa: E402
 from kvlab.cache.rotation import Rotation  # noqa: E402
-from kvlab.cache.turboquant import RotatedCodes  # noqa: E402
+from kvlab.cache.tq_codec import RotatedCodes  # noqa: E402
 from kvlab.quality.perplexity import WindowProtocol  # noqa: E402
 from kvlab.eval.suite import corpus_windows  # noqa: E402
 from kvlab.fileio import write_json  # noqa: E402

@@ -20,7 +20,7 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from kvlab.cache.turboquant import RotatedCodes  # noqa: E402
+from kvlab.cache.tq_codec import RotatedCodes  # noqa: E402
 from kvlab.fileio import write_json  # noqa: E402
 
 OUT = Path(__file__).parent / "results" / "vector_codes.json"

@@ -117,7 +117,7 @@ def test_prerope_cache_gets_each_kinds_frequencies(pair):
     frequencies = kind_frequencies(loaded.config)
     (full, full_layers), (sliding, sliding_layers) = cache.parts
     assert (full_layers, sliding_layers) == ((1, 3), (0, 2))
-    assert torch.equal(full.rope_inv_freq, frequencies["full"]) and torch.equal(sliding.rope_inv_freq, frequencies["sliding"])
+    assert torch.equal(full.codec.rope_inv_freq, frequencies["full"]) and torch.equal(sliding.codec.rope_inv_freq, frequencies["sliding"])
     assert not torch.equal(frequencies["full"], frequencies["sliding"])
     ids = prompt(40, seed=9)
     with torch.no_grad():

@@ -170,8 +170,8 @@ def test_read_queries_calibrates_the_first_chunk_on_its_queries_as_kvlab_does(mo
         reference.append(layer, k, v)
         reference.attend(layer, q)
         ours = cache.store.cache
-        assert torch.equal(ours.k_weight_codes[layer], reference.k_weight_codes[layer])
-        assert not torch.equal(keys_only.store.cache.k_weight_codes[layer], reference.k_weight_codes[layer])
+        assert torch.equal(ours.codec.k_weight_codes[layer], reference.codec.k_weight_codes[layer])
+        assert not torch.equal(keys_only.store.cache.codec.k_weight_codes[layer], reference.codec.k_weight_codes[layer])
         assert torch.equal(ours.dequantized(layer)[0], reference.dequantized(layer)[0])
     # a later chunk (no queries needed) reads through update as before, and the logits stay finite
     with torch.no_grad():

@@ -219,8 +219,8 @@ def test_sliding_layers_keep_and_return_what_transformers_does(name):
     if CacheSpec.parse(name).base == "tq":   # later segments code with the key offset measured on the first chunk
         first = make_cache(name, CacheGeometry(1, KV_HEADS, HEAD_DIM, BATCH, capacity=window))
         first.append(0, *next(chunks()))
-        assert first.k_offset[0].float().abs().sum() > 0
-        assert all(torch.equal(cache.k_offset[0], first.k_offset[0]) for _, cache in segments)
+        assert first.codec.k_offset[0].float().abs().sum() > 0
+        assert all(torch.equal(cache.codec.k_offset[0], first.codec.k_offset[0]) for _, cache in segments)
 
 
 def test_bad_names_and_refused_operations_fail_with_one_line():

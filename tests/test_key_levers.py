@@ -11,7 +11,8 @@ import torch
 from kvlab.cache import CacheGeometry, compressed, expected_nbytes, make_cache
 from kvlab.cache.attention import grouped_attention
 from kvlab.cache.rotation import Rotation, haar_matrix
-from kvlab.cache.turboquant import RotatedCodes, TurboQuantCache
+from kvlab.cache.tq_codec import RotatedCodes, TqCodec
+from kvlab.cache.turboquant import TurboQuantCache
 from kvlab.errors import ConfigError
 from kvlab.model.llama import apply_rope
 
@@ -68,7 +69,7 @@ def test_ropemean_weights_keys_per_rope_pair():
     scales = torch.linspace(0.2, 3.0, 64)                                      # channels of unequal energy
     cache.append(0, torch.randn(1, 2, 40, 64, generator=gen) * scales, torch.randn(1, 2, 40, 64, generator=gen))
     cache.attend(0, torch.randn(1, 6, 40, 64, generator=gen))
-    weights = cache._key_weights(0)[:, :, 0]                                   # (B, Hkv, d)
+    weights = cache.codec.key_weights(0)[:, :, 0]                                   # (B, Hkv, d)
     torch.testing.assert_close(weights[..., :32], weights[..., 32:], rtol=0, atol=0)
     assert len(weights.unique()) > 2
 
@@ -124,13 +125,13 @@ def test_prerope_scores_a_key_chunk_at_a_time(name, kernel, monkeypatch):
     monkeypatch.setattr(compressed, "ATTEND_KEYS", 16)
     monkeypatch.setattr(compressed, "ATTEND_ROWS", 10**9)
     spans = []
-    decoded = TurboQuantCache._decoded
+    decoded = TqCodec.decoded
 
     def counted(self, buffer, codes, lo, hi):
-        keys = any(buffer is layer["k_codes"] for layer in map(self.blocks.layer, self.compressed_layers))
+        keys = any(codes is key_codes for key_codes in self.layer_key_codes.values())
         return (spans.append(hi - lo) if keys else None) or decoded(self, buffer, codes, lo, hi)
 
-    monkeypatch.setattr(TurboQuantCache, "_decoded", counted)
+    monkeypatch.setattr(TqCodec, "decoded", counted)
     seen = coded_reads = 0
     for cache, q, k_all, v_all in feed(name, ROPED):
         if not kernel:
@@ -220,8 +221,8 @@ def test_haar_caches_read_exactly_what_they_store_and_count_the_basis(name):
 
 def test_the_haar_basis_follows_the_seed():
     one, two = make_cache("tq-k4v4+rot=haar", GEOMETRY), make_cache("tq-k4v4+rot=haar+seed1", GEOMETRY)
-    assert not torch.equal(one.haar_basis, two.haar_basis)
-    assert torch.equal(one.haar_basis, make_cache("tq-k4v4+rot=haar", GEOMETRY).haar_basis)
+    assert not torch.equal(one.codec.haar_basis, two.codec.haar_basis)
+    assert torch.equal(one.codec.haar_basis, make_cache("tq-k4v4+rot=haar", GEOMETRY).codec.haar_basis)
     with pytest.raises(ConfigError, match="unknown option 'rot=qr'"):
         make_cache("tq-k4v4+rot=qr", GEOMETRY)
 

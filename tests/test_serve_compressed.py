@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from kvlab.cache import CacheGeometry, CacheSpec, compressed, make_cache
+from kvlab.cache.tq_codec import TqCodec
 from kvlab.cache.turboquant import TurboQuantCache
 from kvlab.errors import ConfigError
 from kvlab.generate import generate
@@ -115,14 +116,14 @@ def test_batched_tokens_equal_each_sequence_alone_with_that_format(smollm2, name
 
 
 # -- the pool's attention against the single caches', on random shapes -------------------------------------
-def calibrated(geometry: CacheGeometry, config, rng: torch.Generator) -> TurboQuantCache:
+def calibrated(geometry: CacheGeometry, config, rng: torch.Generator) -> TqCodec:
     """A codec calibrated (offsets and key weights) on random keys and queries with a common key component."""
     probe = TurboQuantCache(replace(geometry, capacity=32), config=config)
     k = torch.randn(1, geometry.n_kv_heads, 32, geometry.head_dim, generator=rng) + 2.0
     probe.append(0, k, torch.randn(k.shape, generator=rng))
     probe.attend(0, torch.randn(1, geometry.n_heads, 32, geometry.head_dim, generator=rng))
-    codec = TurboQuantCache(replace(geometry, capacity=config.full.sink + 1), config=config)   # as calibrated_codec
-    codec.use_calibration(probe)
+    codec = TqCodec(config, replace(geometry, batch=1), range(geometry.n_layers), 1, "cpu", config.full.sink)  # as calibrated_codec
+    codec.take_calibration(probe.codec)
     return codec
 
 

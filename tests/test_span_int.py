@@ -19,7 +19,7 @@ import torch
 from kvlab import kernels
 
 from kvlab.cache import CacheGeometry, compressed, make_cache
-from kvlab.cache import quantized
+from kvlab.cache import blocks, quantized
 from kvlab.cache.attention import grouped_attention
 from kvlab.errors import ConfigError
 from kvlab.kernels import BlockKernel
@@ -120,7 +120,7 @@ def test_with_the_kernel_a_long_chunk_is_read_in_c(monkeypatch, small_blocks):
         want = one_pass.attend(0, q)
         with monkeypatch.context() as patch:
             patch.setattr(BlockKernel, "int_decode", lambda *_: pytest.fail("decoded codes into a transient"))
-            patch.setattr(quantized, "unpack", lambda *_: pytest.fail("torch unpacked the codes"))
+            patch.setattr(blocks, "unpack", lambda *_: pytest.fail("torch unpacked the codes"))
             patch.setattr(quantized.QuantizedCache, "_span_attend", lambda *_: pytest.fail("read in spans"))
             got = blocked.attend(0, q)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -64,8 +64,8 @@ def test_attention_reads_exactly_what_each_layer_stores_at_its_own_width(name):
     cache = make_cache(name, GEOMETRY)
     config = cache.config
     for layer in range(GEOMETRY.n_layers):
-        assert cache.layer_key_codes[layer].bits == config.key_alloc[layer]
-        assert cache.layer_value_codes[layer].bits == config.value_alloc[layer]
+        assert cache.codec.layer_key_codes[layer].bits == config.key_alloc[layer]
+        assert cache.codec.layer_value_codes[layer].bits == config.value_alloc[layer]
         assert cache.k_codes[layer].shape[-1] == GEOMETRY.head_dim * config.key_alloc[layer] // 8
 
 
@@ -128,12 +128,12 @@ def check_recipe_bytes(name: str, base: str, bare: str) -> None:
 def test_fixed_state_counts_the_recipe_and_every_held_codebook():
     cache = make_cache("tq-k4v4+alloc=k345v444", GEOMETRY)
     plain = make_cache("tq-k4v4", GEOMETRY)
-    assert tuple(cache.recipe.shape) == (3, 2) and cache.recipe.dtype == torch.uint8
-    assert cache.recipe.tolist() == [[3, 4], [4, 4], [5, 4]]
-    assert sorted(cache.key_books) == sorted(cache.value_books) == [3, 4, 5]
-    assert all(cache.key_books[b] is cache.value_books[b] for b in (3, 4, 5))   # held once
-    books = sum(cache.key_books[b].nbytes for b in (3, 4, 5))
-    assert cache.state_nbytes() - plain.state_nbytes() == books + 6 - plain.key_codes.nbytes - plain.value_codes.nbytes
+    assert tuple(cache.codec.recipe.shape) == (3, 2) and cache.codec.recipe.dtype == torch.uint8
+    assert cache.codec.recipe.tolist() == [[3, 4], [4, 4], [5, 4]]
+    assert sorted(cache.codec.key_books) == sorted(cache.codec.value_books) == [3, 4, 5]
+    assert all(cache.codec.key_books[b] is cache.codec.value_books[b] for b in (3, 4, 5))   # held once
+    books = sum(cache.codec.key_books[b].nbytes for b in (3, 4, 5))
+    assert cache.codec.state_nbytes() - plain.codec.state_nbytes() == books + 6 - plain.codec.key_codes.nbytes - plain.codec.value_codes.nbytes
 
 
 def test_smollm2_alloc_caches_stay_within_the_issue_budgets():

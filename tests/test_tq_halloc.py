@@ -21,7 +21,7 @@ from kvlab.backends import KvlabRuntime
 from kvlab.cache import CacheGeometry, CacheSpec, TurboQuantCache, describe_formula, expected_nbytes, make_cache
 from kvlab.cache.allocation import allocate, held_widths
 from kvlab.cache.names import parse
-from kvlab.cache.turboquant import HeadCodes
+from kvlab.cache.tq_codec import HeadCodes
 from kvlab.errors import ConfigError
 from kvlab.quality import calibrate
 from kvlab.serve.formats import block_format
@@ -69,7 +69,7 @@ def test_each_head_stores_what_a_uniform_cache_at_its_widths_stores(name):
             cache.attend(layer, q)
             for ref in plain.values():
                 ref.attend(layer, q)                                   # the same queries set the same key weights
-            codes = cache.layer_key_codes[layer], cache.layer_value_codes[layer]
+            codes = cache.codec.layer_key_codes[layer], cache.codec.layer_value_codes[layer]
             assert all(isinstance(c, HeadCodes) for c in codes)
             k, v = cache.dequantized(layer)
             for head in range(GEOMETRY.n_kv_heads):
@@ -89,10 +89,10 @@ def test_attention_reads_exactly_what_each_head_stores(name):
     check_attend_is_exact_to_storage(name)
     check_attend_is_exact_to_storage(name, attend_first=True)
     cache = make_cache(name, GEOMETRY)
-    assert not cache._rows_in_c                                        # one width's C row readers do not apply
+    assert not cache.codec.rows_in_c                                        # one width's C row readers do not apply
     for layer in range(GEOMETRY.n_layers):
         keys = tuple(unit_widths(cache.config, layer, h)[0] for h in range(GEOMETRY.n_kv_heads))
-        assert cache.layer_key_codes[layer].bits == keys
+        assert cache.codec.layer_key_codes[layer].bits == keys
         assert cache.k_codes[layer].shape[1:] == (1, cache.slots, sum(GEOMETRY.head_dim * b // 8 for b in keys))
 
 
@@ -140,9 +140,9 @@ def test_a_fractional_base_spends_the_rounded_down_budget_and_reads_what_it_stor
 def test_the_recipe_is_held_one_byte_per_width_per_layer_and_head():
     cache = make_cache("tq-k4v4+halloc=k354453v444444", GEOMETRY)
     per_layer = make_cache("tq-k4v4+alloc=k444v444", GEOMETRY)
-    assert tuple(cache.recipe.shape) == (3, 2, 2) and cache.recipe.dtype == torch.uint8
-    assert cache.recipe[:, :, 0].flatten().tolist() == [3, 5, 4, 4, 5, 3]
-    assert cache.state_nbytes() - per_layer.state_nbytes() == 3 * 2 * 2 - 3 * 2   # the same codebooks held
+    assert tuple(cache.codec.recipe.shape) == (3, 2, 2) and cache.codec.recipe.dtype == torch.uint8
+    assert cache.codec.recipe[:, :, 0].flatten().tolist() == [3, 5, 4, 4, 5, 3]
+    assert cache.codec.state_nbytes() - per_layer.codec.state_nbytes() == 3 * 2 * 2 - 3 * 2   # the same codebooks held
 
 
 def test_smollm2_halloc_caches_stay_within_the_issue_budgets():

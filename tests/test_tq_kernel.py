@@ -1,5 +1,5 @@
 """The C coder of a token's K/V (kernels/decode.c kvlab_tq_code_tokens, cache/tq_kernel.py): the codes and scales it
-writes equal TurboQuantCache.code's (the torch reference) in a single cache's one block and in the serving pool's
+writes equal TqCodec.code's (the torch reference) in a single cache's one block and in the serving pool's
 many (cache/blocks.py TqBlocks), for every option the presets use; slots it does not hold and a description the call does
 not match are refused, and a scale that is not finite is reported, not stored as if it were.
 
@@ -10,15 +10,14 @@ and a scale must be within one 16-bit step (or one 8-bit log step) wherever its 
 
 from __future__ import annotations
 
-from dataclasses import replace
 
 import pytest
 import torch
 
 from kvlab.cache import CacheGeometry
 from kvlab.cache.blocks import TqBlocks
+from kvlab.cache.tq_codec import TqCodec
 from kvlab.cache.tq_kernel import CodedLayers, code_tokens
-from kvlab.cache.turboquant import TurboQuantCache
 from kvlab.errors import ConfigError
 from kvlab.rope import apply_rope
 
@@ -37,7 +36,7 @@ def kernel():
 
 
 def calibrated_codec(name: str, head_dim: int = 64, n_kv_heads: int = 2, n_layers: int = 2, seed: int = 0):
-    """A codec (capacity sink + 1, as the pool's) calibrated on random keys with a common component."""
+    """A codec of one row, as the pool's, calibrated on random keys with a common component."""
     from kvlab.cache import make_cache
 
     gen = torch.Generator().manual_seed(seed)
@@ -49,24 +48,24 @@ def calibrated_codec(name: str, head_dim: int = 64, n_kv_heads: int = 2, n_layer
         k = torch.randn(1, n_kv_heads, 32, head_dim, generator=gen) + 2.0
         probe.append(layer, k, torch.randn(k.shape, generator=gen))
         probe.attend(layer, torch.randn(1, 2 * n_kv_heads, 32, head_dim, generator=gen))
-    codec = TurboQuantCache(replace(geometry, capacity=probe.config.full.sink + 1), config=probe.config)
-    codec.use_calibration(probe)
+    codec = TqCodec(probe.config, geometry, range(n_layers), 1, "cpu", probe.config.full.sink)   # as calibrated_codec
+    codec.take_calibration(probe.codec)
     return codec
 
 
 def reference(codec, layer: int, k: torch.Tensor, v: torch.Tensor, rope) -> dict[str, torch.Tensor]:
-    """TurboQuantCache's codes and stored scales of k, v (n, Hkv, d): {name: (n, Hkv[, bytes])}."""
+    """The codec's codes and stored scales of k, v (n, Hkv, d): {name: (n, Hkv[, bytes])}."""
     if rope is not None:
         k = apply_rope(k, rope[0][:, None], -rope[1][:, None])
     turn = rope if codec.config.rope_mean else None                          # (n, d) cos, sin: turned forward again
     coded = codec.stored_scales(layer, codec.code(layer, k.transpose(0, 1)[None], v.transpose(0, 1)[None], turn))
-    return {name: coded[name][0].transpose(0, 1) for name in codec.token_buffer_names()}
+    return {name: coded[name][0].transpose(0, 1) for name in codec.token_shapes()}
 
 
 def empty_buffers(codec, layer: int, slots: int, block_rows: int) -> dict[str, torch.Tensor]:
     """Zeroed blocks of `block_rows` rows (cache/blocks.py TqBlocks), (slots / block_rows, Hkv, block_rows[, bytes]):
     a pool's many blocks, or a single cache's one (block_rows = slots)."""
-    return TqBlocks(codec.blocks.shapes([layer]), slots // block_rows, block_rows).layer(layer)
+    return TqBlocks(codec.token_shapes(), slots // block_rows, block_rows).layer(layer)
 
 
 def rows_of(buffer: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

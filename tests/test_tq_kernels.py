@@ -17,8 +17,8 @@ import torch
 
 from kvlab.cache import CacheGeometry, attention, compressed, make_cache
 from kvlab.cache.attention import grouped_attention
-from kvlab.cache import turboquant
-from kvlab.cache.turboquant import RotatedCodes
+from kvlab.cache import tq_codec
+from kvlab.cache.tq_codec import RotatedCodes
 from kvlab.errors import ConfigError
 from kvlab.kernels.codebook import CodebookKernel, CodeLayout
 
@@ -92,7 +92,7 @@ def _random_points(dim: int, bits: int) -> torch.Tensor:
 def test_each_variant_reads_block_codes_like_torch(variant, dim, monkeypatch):
     """+vq block parts read by each build: decode bit for bit as RotatedCodes.decode (torch), dots and mix as its
     values times the queries / weights, on random rows (any byte string is a valid row) over ragged spans."""
-    monkeypatch.setattr(turboquant, "magnitude_codebook", _random_points)
+    monkeypatch.setattr(tq_codec, "magnitude_codebook", _random_points)
     gen = torch.Generator().manual_seed(dim)
     for bits in VQ_WIDTHS[dim]:
         codes = RotatedCodes(dim, bits, vector=True)

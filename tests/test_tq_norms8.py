@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvlab.cache import expected_nbytes, make_cache
-from kvlab.cache.turboquant import LOG_NORM_STEPS, _log_centre, _log_norm_codes, _log_norm_values
+from kvlab.cache.tq_codec import LOG_NORM_STEPS, _log_centre, _log_norm_codes, _log_norm_values
 from kvlab.errors import ConfigError
 
 from .compressed_checks import GEOMETRY, check_attend_is_exact_chunked_and_token_by_token, check_nbytes, feed
@@ -68,11 +68,11 @@ def test_attention_is_exact_to_what_is_stored_in_the_formulas_bytes(name):
 def test_the_centre_is_the_first_coded_chunks_median_and_a_grown_copy_keeps_it():
     *_, (cache, _, _, _) = feed("tq-k3v3+norms8", ROPED, chunks=(20, 5))
     stored = cache._buffers(0)                                                     # scales decoded, float32
-    centre = cache.norm_centres["k_norm"][0].float()                              # (B, H)
+    centre = cache.codec.norm_centres["k_norm"][0].float()                              # (B, H)
     first = stored["k_norm"][:, :, :20]
     assert (centre - first.log2().median(dim=-1).values).abs().max() <= 0.5 / LOG_NORM_STEPS + 1e-3
     bigger = cache.grown(cache.geometry.capacity + 8)
-    assert torch.equal(bigger.norm_centres["v_norm"][1], cache.norm_centres["v_norm"][1])
+    assert torch.equal(bigger.codec.norm_centres["v_norm"][1], cache.codec.norm_centres["v_norm"][1])
     assert torch.equal(bigger.dequantized(0)[1], cache.dequantized(0)[1])
 
 

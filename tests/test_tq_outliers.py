@@ -52,9 +52,9 @@ def test_the_outliers_are_exactly_the_largest_entries():
     cache = make_cache("tq-k4v4+outliers3", GEOMETRY)
     cache.append(0, k, v)
     cache.attend(0, torch.randn(1, 6, 20, 64, generator=gen))                # codes the first chunk (key weights)
-    centered = k - cache._key_offset(0)                                          # (1, 2, 20, 64) k - μ
+    centered = k - cache.codec.key_offset(0)                                          # (1, 2, 20, 64) k - μ
     channels, values = _stored(cache, 0, 20)
-    expected = (centered / cache._key_weights(0)).abs().topk(3, dim=-1).indices
+    expected = (centered / cache.codec.key_weights(0)).abs().topk(3, dim=-1).indices
     assert torch.equal(channels.sort(-1).values, expected.sort(-1).values)
     assert torch.equal(values, centered.gather(-1, channels).half())
 

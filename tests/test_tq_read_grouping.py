@@ -36,7 +36,7 @@ def _coded_cache(name: str):
 def test_a_querys_scores_and_sums_do_not_depend_on_the_queries_read_with_it(name):
     cache, gen = _coded_cache(name)
     kernel = cache.code_kernel
-    for codes, layout in ((cache.k_codes[0], cache.layer_key_codes[0].layout), (cache.v_codes[0], cache.layer_value_codes[0].layout)):
+    for codes, layout in ((cache.k_codes[0], cache.codec.layer_key_codes[0].layout), (cache.v_codes[0], cache.codec.layer_value_codes[0].layout)):
         rows = kernel.decode(codes, START, ROWS, layout)                         # (1, Hkv, ROWS, d) the plain reference
         q = torch.randn(1, 2, QUERIES, 64, generator=gen)
         scores = kernel.dots(codes, START, ROWS, layout, q)                     # (1, Hkv, QUERIES, ROWS)

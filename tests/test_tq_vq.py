@@ -17,7 +17,7 @@ import torch
 
 from kvlab.cache import CacheGeometry, expected_nbytes, make_cache
 from kvlab.cache import vector_codebook
-from kvlab.cache.turboquant import RotatedCodes
+from kvlab.cache.tq_codec import RotatedCodes
 from kvlab.cache.vector_codebook import magnitude_codebook, magnitude_points
 from kvlab.errors import ConfigError
 from kvlab.kernels.codebook import codebook_kernel_for

@@ -7,7 +7,7 @@ import torch
 
 from kvlab.cache import CacheGeometry, CacheSpec, expected_nbytes, make_cache
 from kvlab.cache.rotation import Rotation
-from kvlab.cache.turboquant import RotatedCodes
+from kvlab.cache.tq_codec import RotatedCodes
 from kvlab.errors import ConfigError, NonFiniteError
 
 from kvlab.cache.attention import grouped_attention
@@ -59,8 +59,8 @@ def test_rotation_is_orthogonal_seeded_and_per_layer():
         assert not torch.allclose(Rotation(dim, seed=8).apply(x), rot.apply(x))
     assert Rotation(64, 0).nbytes == 64 and Rotation(80, 0).nbytes == 80 * 80 * 4
     cache = make_cache("tq-k4v4", GEOMETRY)
-    assert not torch.equal(cache.rotations[0].signs, cache.rotations[1].signs)
-    assert torch.equal(make_cache("tq-k4v4", GEOMETRY).rotations[2].signs, cache.rotations[2].signs)
+    assert not torch.equal(cache.codec.rotations[0].signs, cache.codec.rotations[1].signs)
+    assert torch.equal(make_cache("tq-k4v4", GEOMETRY).codec.rotations[2].signs, cache.codec.rotations[2].signs)
 
 
 def test_qjl_inner_products_are_unbiased():
@@ -150,14 +150,14 @@ def test_key_offset_comes_from_the_first_append_and_costs_fp8_bytes():
     cache = make_cache("tq-k4v4", GEOMETRY)
     k = torch.randn(1, 2, 16, 64) + 5.0
     cache.append(0, k, torch.randn(1, 2, 16, 64))
-    assert cache.k_offset[0].dtype == torch.float8_e4m3fn
-    torch.testing.assert_close(cache.k_offset[0].float(), k.mean(dim=2), atol=0.4, rtol=0.07)
-    assert not cache.v_offset
+    assert cache.codec.k_offset[0].dtype == torch.float8_e4m3fn
+    torch.testing.assert_close(cache.codec.k_offset[0].float(), k.mean(dim=2), atol=0.4, rtol=0.07)
+    assert not cache.codec.v_offset
     plain = make_cache("tq-k4v4+center=none", GEOMETRY)
     assert cache.nbytes - plain.nbytes == GEOMETRY.n_layers * GEOMETRY.n_kv_heads * 64
     short = make_cache("tq-k4v4", GEOMETRY)
     short.append(0, k[:, :, :1], k[:, :, :1])  # one token: too few to estimate an offset
-    assert short.k_offset[0].float().abs().sum() == 0
+    assert short.codec.k_offset[0].float().abs().sum() == 0
 
 
 def test_bad_configurations():
@@ -206,7 +206,7 @@ def test_key_weights_follow_the_queries_and_cut_the_score_error():
         qg = q.reshape(1, g.n_kv_heads, -1, 64)
         errors[name] = ((qg @ (k_hat - k).transpose(-1, -2)).square().mean()).item()
         if name == "tq-k3v3":
-            weights = cache._key_weights(0)[0, :, 0]                          # (Hkv, d)
+            weights = cache.codec.key_weights(0)[0, :, 0]                          # (Hkv, d)
             assert (weights[:, :8] > 2).all() and (weights[:, 8:16] < 0.5).all()
     assert errors["tq-k3v3"] < errors["tq-k3v3+kweights=none"] / 3
 

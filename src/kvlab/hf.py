@@ -57,7 +57,6 @@ from dataclasses import dataclass, replace
 import torch
 
 from .cache import CacheGeometry, CacheSpec, ConcatCache, DenseCache, KVCache
-from .cache.base import copy_prefix
 from .cache.compressed import CompressedCache
 from .cache.turboquant import TurboQuantCache
 from .cache.names import compressed
@@ -82,9 +81,6 @@ ATTENTION = "kvlab_sdpa"
 #: The read a layer left for the attention that follows its `update` (same thread, same layer, next call).
 _HANDOFF = threading.local()
 #: Per-layer state a TurboQuant cache measures on its first tokens (see turboquant.py).
-_CALIBRATION = ("k_offset", "v_offset", "k_weight_codes")
-
-
 @dataclass(frozen=True)
 class CacheFormat:
     """A kvlab cache name, parsed: the class that stores K/V and its config (None for dense / concat)."""
@@ -250,9 +246,7 @@ def inherit_calibration(old: KVCache, new: KVCache) -> None:
     key/value offsets and key channel weights): a segment started by one decode token could not measure
     them, and any stored offset or weight is exact (the same value codes and reads)."""
     if isinstance(old, TurboQuantCache):
-        for name in _CALIBRATION:
-            copy_prefix(getattr(old, name), getattr(new, name))
-        new._calibrated = set(old._calibrated)
+        new.continue_calibration(old)
 
 
 def _geometry(n_layers: int, k: torch.Tensor, v: torch.Tensor, capacity: int) -> CacheGeometry:

@@ -20,7 +20,8 @@ import torch
 from ..errors import NonFiniteError
 from .base import tensors_nbytes
 from .format import dense_rows_bytes
-from .packing import packed_nbytes, unpack
+from .int_codes import code_key_groups, code_values
+from .packing import pack, packed_nbytes, unpack
 from .geometry import CacheGeometry
 
 
@@ -94,7 +95,7 @@ class IntBlocks:
     A key group never straddles two blocks (the pool's block size is a multiple of G). QuantizedCache holds its coded
     layers' tokens here, one block of its `slots` rows per sequence; the serving pool (serve/coded.py IntPool) many
     blocks. The slot methods are the pool's torch reference: they write and read tokens by slot, as the C coder and
-    reader (kernels/decode.c int_store, kernels/intcache.h) do."""
+    reader (kernels/decode.c int_store, kernels/intcache.h) do, and QuantizedCache's torch path codes and reads by them."""
 
     BUFFERS = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")
 
@@ -122,39 +123,35 @@ class IntBlocks:
         """Layer `layer`'s buffers: views (n_blocks, Hkv, ...)."""
         return {name: t[layer] for name, t in self.buffers().items()}
 
-    # -- the pool's torch reference: tokens by slot (block · block_size + row) ------------------------------
+    # -- tokens by slot (block · block_size + row): the torch reference of the C coder and readers -------------
     def _at(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return slots // self.block_size, slots % self.block_size
 
-    def write_values(self, layer: int, slots: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
-                     zero: torch.Tensor) -> None:
-        """Packed value codes (N, Hkv, row), scales and zero points (N, Hkv, Dv/Gv) of N tokens into their slots."""
+    def code_values(self, layer: int, slots: torch.Tensor, v: torch.Tensor) -> None:
+        """Values v (N, Hkv, Dv) of N tokens coded per group of Gv channels (int_codes.py) into their slots (N,)."""
+        codes, scale, zero = code_values(v, self.value_group, self.bits)                 # (N, Hkv, Dv), (N, Hkv, Dv/Gv)
         block, row = self._at(slots)
-        self.v_codes[layer][block, :, row] = codes
+        self.v_codes[layer][block, :, row] = pack(codes, self.bits)   # (blocks, Hkv, rows, ...)[block_i, :, row_i] = x_i
         self.v_scale[layer][block, :, row] = scale
         self.v_zero[layer][block, :, row] = zero
 
-    def write_key_groups(self, layer: int, slots: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
-                         zero: torch.Tensor) -> None:
-        """Packed key codes (n, Hkv, row) of n = whole groups' tokens into their slots (each group's G slots
-        consecutive), and each group's scales and zero points (n/G, Hkv, Dk)."""
+    def code_key_groups(self, layer: int, slots: torch.Tensor, keys: torch.Tensor) -> None:
+        """Keys (n, Hkv, Dk) of n = whole groups' tokens coded per channel over each group's G tokens (int_codes.py)
+        into their slots (n,): each group's G slots consecutive, from a multiple of G."""
+        G, (n, Hkv, Dk) = self.group, keys.shape
+        codes, scale, zero = code_key_groups(keys.float().reshape(n // G, G, Hkv, Dk), 1, self.bits)   # (n/G, Hkv, Dk) scales
         block, row = self._at(slots)
-        self.k_codes[layer][block, :, row] = codes
-        block, group = block[::self.group], row[::self.group] // self.group                        # (n/G,) each
+        self.k_codes[layer][block, :, row] = pack(codes.reshape(n, Hkv, Dk), self.bits)
+        block, group = block[::G], row[::G] // G                                                      # (n/G,) each
         self.k_scale[layer][block, :, group] = scale
         self.k_zero[layer][block, :, group] = zero
 
-    def coded_keys(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        """(n, Hkv, Dk) float32 of the slots of n = whole groups' tokens: zero + code·scale."""
-        G, g = self.group, self.geometry
-        if not len(slots):
-            return torch.zeros(0, g.n_kv_heads, g.head_dim, device=self.k_codes.device)
+    def keys(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """(n, Hkv, Dk) float32 of the slots of n tokens in complete groups: zero + code·scale, their group's."""
         block, row = self._at(slots)
-        codes = unpack(self.k_codes[layer][block, :, row], self.bits, g.head_dim).float()          # (n, Hkv, Dk)
-        block, group = block[::G], row[::G] // G                                                   # (n/G,) each
-        scale = self.k_scale[layer][block, :, group].float().repeat_interleave(G, dim=0)           # (n, Hkv, Dk)
-        zero = self.k_zero[layer][block, :, group].float().repeat_interleave(G, dim=0)
-        return zero + codes * scale
+        codes = unpack(self.k_codes[layer][block, :, row], self.bits, self.geometry.head_dim).float()     # (n, Hkv, Dk)
+        group = row // self.group                                                                     # (n,) its key group
+        return self.k_zero[layer][block, :, group].float() + codes * self.k_scale[layer][block, :, group].float()
 
     def values(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """(n, Hkv, Dv) float32 of the slots: zero + code·scale per value group of each token."""

@@ -74,12 +74,6 @@ class LayerGroups:
         groups = [full[i:i + size] for i in range(0, len(full), size)] + [sliding[i:i + size] for i in range(0, len(sliding), size)]
         return cls(tuple(groups), tuple(None if g[0] in full else window for g in groups), windows)
 
-    @classmethod
-    def single(cls, n_layers: int) -> "LayerGroups":
-        """Every layer of a model of full attention layers in one group."""
-        return cls((tuple(range(n_layers)),), (None,), tuple((i, None) for i in range(n_layers)))
-
-
 @dataclass(frozen=True)
 class CapacityPlan:
     """What a byte budget buys in one block format."""

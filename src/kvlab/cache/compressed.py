@@ -386,7 +386,3 @@ def _part_mask(first_query: int, n_queries: int, first_key: int, n_keys: int, gr
         return None
     seen = block_mask(first_query, n_queries, first_key, n_keys, device, window).repeat(group, 1)
     return torch.zeros(seen.shape, device=device).masked_fill_(~seen, float("-inf"))
-
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)

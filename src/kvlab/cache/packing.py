@@ -53,4 +53,4 @@ def _unpack_plane(packed: torch.Tensor, width: int, n_codes: int) -> torch.Tenso
         return packed[..., :n_codes]
     shifts = torch.arange(0, 8, width, dtype=torch.uint8, device=packed.device)
     codes = (packed[..., None] >> shifts) & ((1 << width) - 1)                    # (..., bytes, 8/w)
-    return codes.reshape(*packed.shape[:-1], -1)[..., :n_codes]
+    return codes.reshape(*packed.shape[:-1], packed.shape[-1] * (8 // width))[..., :n_codes]   # (no -1: any row count, 0 too)

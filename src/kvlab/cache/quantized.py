@@ -48,7 +48,7 @@ from functools import cached_property
 
 import torch
 
-from ..errors import ConfigError, NonFiniteError
+from ..errors import ConfigError
 from ..kernels import kernel_for
 from .base import CacheGeometry, copy_prefix, tensors_nbytes
 from .attention import attend_with_lse
@@ -56,10 +56,8 @@ from . import compressed
 from .compressed import CompressedCache
 from .blocks import IntBlocks
 from .format import CacheSpec, FullPrecision
-from .packing import pack, packed_nbytes, unpack
-
-_META = torch.float16           # scales and zero points
-_META_MAX = torch.finfo(_META).max
+from .int_codes import check_range
+from .packing import packed_nbytes
 
 
 @dataclass(frozen=True)
@@ -104,6 +102,7 @@ class QuantizedCache(CompressedCache):
         self.blocks = IntBlocks(g, len(self.compressed_layers), b, G, self.value_group, B, self.slots, dev)
         for name in IntBlocks.BUFFERS:
             setattr(self, name, dict(zip(self.compressed_layers, getattr(self.blocks, name))))
+        self._block_layer = {layer: i for i, layer in enumerate(self.compressed_layers)}   # its layer in `blocks`
         self.k_stage = {l: torch.zeros(B, H, G, g.head_dim, dtype=dtype, device=dev) for l in self.compressed_layers}
         self.code_kernel = kernel_for(self.device) if b in (4, 8) else None
         # per layer, the last append's (open group's first token, its full-precision keys from there,
@@ -112,8 +111,7 @@ class QuantizedCache(CompressedCache):
 
     # -- storing ------------------------------------------------------------------------------------
     def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
-        b, G = self.config.bits, self.config.group_size
-        B, H, T, Dk = k.shape
+        G, T = self.config.group_size, k.shape[2]
         check_range(k, "key")
         # keys: re-open the incomplete group (if any) from the stage, so groups start aligned
         have = start % G
@@ -124,22 +122,20 @@ class QuantizedCache(CompressedCache):
         n = have + T
         complete = n // G * G                                                   # tokens of the groups now complete
         if complete:
-            groups = block[:, :, :complete].float().reshape(B, H, complete // G, G, Dk)  # (B, H, ng, G, Dk)
-            codes, scale, zero = code_key_groups(groups, 3, b)                            # (B, H, ng, G, Dk), (B, H, ng, Dk)
-            self.k_codes[layer][:, :, first:first + complete] = pack(codes.reshape(B, H, complete, Dk), b)
-            g0 = first // G
-            self.k_scale[layer][:, :, g0:g0 + complete // G] = scale
-            self.k_zero[layer][:, :, g0:g0 + complete // G] = zero
+            self.blocks.code_key_groups(self._block_layer[layer], self._slots(first, first + complete),
+                                        _by_token(block[:, :, :complete]))
         if n > complete:
             self.k_stage[layer][:, :, :n - complete] = block[:, :, complete:]
         # this append's full-precision keys (and, with a recent window, values) for the queries of the
         # same chunk that precede a group's completion (or a token's spill): see `_scores` and `_mix`
         self._fresh[layer] = (first, block, start, v.to(self.dtype) if self.window else None)
         # values: groups of channels within each token
-        codes, scale, zero = code_values(v, self.value_group, b)                 # (B, H, T, Dv), (B, H, T, nvg)
-        self.v_codes[layer][:, :, start:start + T] = pack(codes, b)
-        self.v_scale[layer][:, :, start:start + T] = scale
-        self.v_zero[layer][:, :, start:start + T] = zero
+        self.blocks.code_values(self._block_layer[layer], self._slots(start, start + T), _by_token(v))
+
+    def _slots(self, lo: int, hi: int) -> torch.Tensor:
+        """(B·(hi-lo),) the slots of compressed tokens [lo, hi) of every sequence (sequence b's block is b), b-major."""
+        rows = torch.arange(lo, hi, device=self.device)
+        return (torch.arange(self.geometry.batch, device=self.device)[:, None] * self.slots + rows).flatten()
 
     # -- reading ------------------------------------------------------------------------------------
     def _coded_keys(self, layer: int, lo: int, hi: int) -> torch.Tensor:
@@ -148,11 +144,7 @@ class QuantizedCache(CompressedCache):
         b, G = self.config.bits, self.config.group_size
         if self.code_kernel is not None:
             return self.code_kernel.int_decode(b, self.k_codes[layer], self.k_scale[layer], self.k_zero[layer], lo, hi - lo, G, 1)
-        codes = unpack(self.k_codes[layer][:, :, lo:hi], b, self.geometry.head_dim).float()  # (B, H, hi-lo, Dk)
-        group = torch.arange(lo, hi, device=self.device) // G                      # (hi-lo,) each token's key group
-        scale = self.k_scale[layer][:, :, group].float()                            # (B, H, hi-lo, Dk)
-        zero = self.k_zero[layer][:, :, group].float()
-        return zero + codes * scale
+        return _by_sequence(self.blocks.keys(self._block_layer[layer], self._slots(lo, hi)), self.geometry.batch)
 
     def _keys(self, layer: int, n: int) -> torch.Tensor:
         """(B, H, n, Dk) float32 as the next query reads them: codes of the complete groups, then the stage."""
@@ -166,12 +158,7 @@ class QuantizedCache(CompressedCache):
         b, Gv = self.config.bits, self.value_group
         if self.code_kernel is not None:
             return self.code_kernel.int_decode(b, self.v_codes[layer], self.v_scale[layer], self.v_zero[layer], lo, hi - lo, 1, Gv)
-        codes = unpack(self.v_codes[layer][:, :, lo:hi], b, self.geometry.head_dim_v).float()
-        B, H, n = codes.shape[:3]
-        codes = codes.reshape(B, H, n, self.geometry.head_dim_v // Gv, Gv)       # (B, H, n, nvg, Gv)
-        scale = self.v_scale[layer][:, :, lo:hi].float()[..., None]               # (B, H, n, nvg, 1)
-        zero = self.v_zero[layer][:, :, lo:hi].float()[..., None]
-        return (zero + codes * scale).reshape(B, H, n, self.geometry.head_dim_v)  # (B, H, n, Dv)
+        return _by_sequence(self.blocks.values(self._block_layer[layer], self._slots(lo, hi)), self.geometry.batch)
 
     def _restore(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._keys(layer, n), self._values(layer, 0, n)
@@ -365,40 +352,11 @@ class QuantizedCache(CompressedCache):
                 f"plus a stage of {G} full-precision keys per layer and head")
 
 
-def check_range(x: torch.Tensor, what: str) -> None:
-    """A one-line error for entries beyond float16, where the scales and zero points cannot follow."""
-    biggest = x.abs().max().item() if x.numel() else 0.0
-    if biggest > _META_MAX:
-        raise NonFiniteError(f"{what} magnitude {biggest:.3g} exceeds the float16 range of the integer cache's scales")
+def _by_token(x: torch.Tensor) -> torch.Tensor:
+    """(B, H, T, D) -> (B·T, H, D): tokens b-major, as `_slots` lists their slots."""
+    return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
 
 
-def code_values(v: torch.Tensor, value_group: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Values (..., Dv) coded per group of `value_group` channels of each token: codes (..., Dv) uint8 (unpacked), float16
-    scales and zero points (..., Dv / value_group)."""
-    vg = v.float().reshape(*v.shape[:-1], v.shape[-1] // value_group, value_group)    # (..., nvg, Gv)
-    scale, zero = _affine(vg.amin(dim=-1), vg.amax(dim=-1), bits, "value")           # (..., nvg)
-    return _encode(vg, scale[..., None], zero[..., None], bits).reshape(v.shape), scale, zero
-
-
-def code_key_groups(groups: torch.Tensor, token_dim: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Keys coded per channel over each group's tokens (along `token_dim` of `groups`): codes shaped as `groups` uint8
-    (unpacked), float16 scales and zero points shaped as `groups` without `token_dim`."""
-    scale, zero = _affine(groups.amin(dim=token_dim), groups.amax(dim=token_dim), bits, "key")
-    return _encode(groups, scale.unsqueeze(token_dim), zero.unsqueeze(token_dim), bits), scale, zero
-
-
-def _affine(lo: torch.Tensor, hi: torch.Tensor, bits: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """float16 (scale, zero) for the range [lo, hi] with 2^bits levels."""
-    check_range(lo, what)
-    check_range(hi, what)
-    zero = lo.to(_META)
-    scale = ((hi - zero.float()) / ((1 << bits) - 1)).to(_META)
-    return scale, zero
-
-
-def _encode(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
-    """round((x - zero)/scale) clamped to [0, 2^bits); a zero scale (constant group) gives code 0."""
-    s = scale.float()
-    safe = torch.where(s > 0, s, torch.ones_like(s))
-    codes = torch.round((x - zero.float()) / safe).clamp_(0, (1 << bits) - 1)
-    return torch.where(s > 0, codes, torch.zeros_like(codes)).to(torch.uint8)
+def _by_sequence(x: torch.Tensor, batch: int) -> torch.Tensor:
+    """(B·T, H, D) -> (B, H, T, D): the inverse of `_by_token`."""
+    return x.reshape(batch, -1, *x.shape[1:]).transpose(1, 2)

@@ -23,11 +23,6 @@ def is_power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def check_bits(bits: int) -> None:
-    if not isinstance(bits, int) or not 1 <= bits <= 8:
-        raise ConfigError(f"code width must be an integer number of bits in 1..8, got {bits!r}")
-
-
 def width_split(dim: int, bits: float) -> tuple[int, int]:
     """(⌊b⌋, the channels at ⌊b⌋+1 bits); a ConfigError (one line) when b does not split d into whole channels."""
     low = math.floor(bits)

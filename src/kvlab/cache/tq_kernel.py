@@ -8,7 +8,7 @@ and where its codes and scales lie: in blocks (cache/blocks.py TqBlocks), codes 
 (+halloc: (n_blocks, 1, block_rows, Σ bytes)), scales (n_blocks, Hkv, block_rows); a single cache's sequence is one
 block of all its slots, a serving pool's blocks hold its block size each.
 `code_tokens` codes a step's K/V into it with kvlab_tq_code_tokens, the one coder of a token's K/V that the fused
-decode step uses too; TurboQuantCache.code is its torch reference (tests/test_tq_kernel.py). `CodedLayers.pool_layer`
+decode step uses too; TqCodec.code is its torch reference (tests/test_tq_kernel.py). `CodedLayers.pool_layer`
 adds a serving pool layer's sink rows (kernels/tqcodes.h TqPoolLayer): what kvlab_tq_pool_layer codes and reads a
 whole step's layer with (kernels/paged.py tq_pool_layer), and the engine's fused step every layer.
 """
@@ -55,7 +55,7 @@ def fp8_values() -> torch.Tensor:
 
 
 def weight_values() -> torch.Tensor:
-    """The value of each 4-bit key weight code, (16,) float32, as TurboQuantCache._key_weights computes it."""
+    """The value of each 4-bit key weight code, (16,) float32, as TqCodec.key_weights computes it."""
     return key_weight(torch.arange(16))
 
 
@@ -83,7 +83,7 @@ class CodedLayers:
 
     def layer(self, codec, layer: int, buffers: dict[str, torch.Tensor], blocks: tuple[int, int],
               slot_rope: tuple[torch.Tensor, torch.Tensor] | None = None, state_row: int = 0) -> Coded:
-        """Layer `layer` of TurboQuantCache `codec` over `buffers` {k_codes, k_norm, v_codes, v_norm [+qjl: k_signs,
+        """Layer `layer` of TqCodec `codec` over `buffers` {k_codes, k_norm, v_codes, v_norm [+qjl: k_signs,
         k_rnorm] [+outliersN: k_out_idx, k_out_val]} in blocks =
         (n_blocks, block_rows), as TqBlocks holds a layer: codes (n_blocks, Hkv, block_rows, bytes), or +halloc
         (n_blocks, 1, block_rows, Σ bytes), scales (n_blocks, Hkv, block_rows). slot_rope: +prerope's, +ropemean's (slots, d) cos / sin

@@ -4,14 +4,14 @@ where the new token goes, for the dense caches, TurboQuant caches and integer ca
 A TurboQuant layer is read in C straight from its codes: the stored rows are decoded one key chunk at a time into
 a per-thread tile of centroid values (rotated domain), scored against q' = Π(q⊙w)·scale and scaled by their 16-bit
 norms; q·μ·scale, the same for every coded key, shifts the chunk's softmax; the coded chunks' value sum turns back
-with Πᵀ once per query head (+ the value offset). The new token is coded in C as `TurboQuantCache.code` codes it.
+with Πᵀ once per query head (+ the value offset). The new token is coded in C as `TqCodec.code` codes it.
 The C code gets Π as a (d, d) matrix (`Rotation.apply` of the identity: Hadamard, Haar and non-power-of-two alike),
 the cache's own offset and key-weight buffers (float8 and 4-bit codes, read through two small tables), and each
 width's layout (kernels/codebook.py `CodeLayout`) with its boundaries.
 
 +prerope (keys coded before RoPE): the new key is turned back at its slot's position before it is coded, and a chunk's
 keys are rebuilt a sub-tile at a time (ŷ Mᵀ · scale ⊙ w + μ), turned to their positions and scored against q itself,
-as TurboQuantCache._keys does; the view holds each coded slot's cos and sin, (slots, d) each, made once. With the
+as TqCodec.keys does; the view holds each coded slot's cos and sin, (slots, d) each, made once. With the
 randomized Hadamard rotation (every power-of-two head dim unless +rot=haar) ŷ Mᵀ is a fast Walsh-Hadamard transform
 and a sign per channel (d log d additions), the view passing s/√d; otherwise the C code multiplies by Mᵀ (d²).
 +ropemean: the new key is turned back, centred and weighted, then turned forward again at its slot's position before it
@@ -128,9 +128,9 @@ class CacheView:
         """Layer `layer` of a TurboQuant cache over its own blocks: the first sequence's one block of `slots` rows
         (1, Hkv, slots, ...); +prerope: with each slot's RoPE, one table for every layer."""
         if cache.config.turns_keys and self._slot_rope is None:
-            self._slot_rope = tuple(t.contiguous() for t in cache.slot_rope(0, cache.slots))   # (S, hd) cos, sin
+            self._slot_rope = tuple(t.contiguous() for t in cache.codec.slot_rope(0, cache.slots))   # (S, hd) cos, sin
         buffers = {name: t[:1] for name, t in cache.blocks.layer(layer).items()}
-        return self._c.layer(cache, layer, buffers, (1, cache.slots), slot_rope=self._slot_rope)
+        return self._c.layer(cache.codec, layer, buffers, (1, cache.slots), slot_rope=self._slot_rope)
 
 
 def held_buffers(cache) -> list[torch.Tensor]:

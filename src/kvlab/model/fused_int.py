@@ -54,7 +54,7 @@ def quantized(cache, layer: int, hd: int, ptr) -> Quantized:
 
 def raise_range_error(q: Quantized) -> None:
     """The module path's one-line error for the K/V the C step found beyond float16's range (check_range)."""
-    from ..cache.quantized import check_range
+    from ..cache.int_codes import check_range
 
     what = "key" if q.overflow_what == 0 else "value"
     check_range(torch.tensor([q.overflow]), what)

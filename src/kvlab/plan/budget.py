@@ -223,9 +223,4 @@ def make_plan(spec: ModelSpec, engine: RuleSet, settings: PlanSettings, weights_
                 extras=extras, headroom_bytes=headroom, offload=placement.offload if placement else None, host=host)
 
 
-def kv_bytes_at(spec: ModelSpec, engine: RuleSet, settings: PlanSettings, contexts: list[int]) -> list[int]:
-    """KV + recurrent bytes at each context (for plots)."""
-    return [engine.layout(spec, replace(settings, context=c)).total_bytes for c in contexts]
-
-
-__all__ = ["Plan", "make_plan", "plan_components", "kv_bytes_at"]
+__all__ = ["Plan", "make_plan", "plan_components"]

@@ -11,7 +11,7 @@ Token slot = block · block_size + offset indexes every buffer:
           block_size) 16-bit, or uint8 log codes (+norms8, read against the codec's centres) [+ qjl signs, ‖r‖];
           +alloc: each layer's codes at its width, +halloc: one row per token, (n_blocks, 1, block_size, Σ_h bytes_h),
           its heads' codes side by side at their widths
-          + one TurboQuantCache `codec` holding the per-layer state all sequences share
+          + one TqCodec `codec` (cache/tq_codec.py) holding the per-layer state all sequences share
 and a block copy (copy-on-write) copies every buffer's rows of that block.
 
 Reading. The torch reference, per sequence: gather its slots, dequantize them, then run
@@ -34,7 +34,7 @@ TurboQuant's per-layer state: rotations and codebooks are data-independent; the 
 channel weights and the +norms8 scale centres are calibrated once, at pool construction, by running the model on
 `calibration_ids` (CALIBRATION_TEXT in the chat template, or fixed ids without a tokenizer) with a
 single TurboQuantCache (which calibrates on its first chunk as it always does), and then shared by every
-sequence: the pool's `codec`. A single TurboQuantCache given the same state (`use_calibration(codec)`)
+sequence: the pool's `codec` (a TqCodec). A single TurboQuantCache given the same state (`use_calibration(codec)`)
 stores and reads every token exactly as the pool does, whatever the chunking: that is the single-sequence
 reference for the tq formats (a plain `tq-k4v4` cache calibrates on each sequence's own prompt instead).
 """
@@ -49,11 +49,10 @@ import torch
 from ..cache import CacheGeometry
 from ..cache.attention import grouped_attention
 from ..cache.blocks import IntBlocks, TqBlocks
-from ..cache.packing import pack
-from ..cache.quantized import code_key_groups, code_values
 from ..cache import int_kernel
 from ..cache.int_kernel import pool_layer
 from ..cache.tq_kernel import CodedLayers, code_tokens
+from ..cache.tq_codec import TqCodec
 from ..cache.turboquant import TurboQuantCache
 from ..errors import ConfigError
 from ..kernels import kernel_for
@@ -249,11 +248,9 @@ class IntPool(CodedPool):
         return pool_layer(self.blocks.layer(layer), self.stage[at], self.bits, self.group, self.value_group, "integer pool")
 
     def _append_reference(self, stage: torch.Tensor, layer: int, view, k: torch.Tensor, v: torch.Tensor) -> None:
-        """append in torch: QuantizedCache's arithmetic on the step's tokens."""
-        b, G = self.bits, self.group
-        Hkv = v.shape[1]
-        codes, scale, zero = code_values(v, self.value_group, b)                       # (N, Hkv, Dv), (N, Hkv, nvg)
-        self.blocks.write_values(layer, view.slots, pack(codes, b), scale, zero)
+        """append in torch: the blocks' coders (cache/blocks.py IntBlocks, QuantizedCache's too) on the step's tokens."""
+        G = self.group
+        self.blocks.code_values(layer, view.slots, v)
         for s, lo, hi, start, ctx in self.sequences(view):
             row = view.rows[s]
             have = start % G
@@ -264,9 +261,7 @@ class IntPool(CodedPool):
             complete = len(keys) // G * G
             if complete:
                 slots = view.layout.slots(s)[first:first + complete].to(self._device)  # (complete,)
-                grouped = keys[:complete].float().reshape(complete // G, G, Hkv, -1)   # (ng, G, Hkv, D)
-                codes, scale, zero = code_key_groups(grouped, 1, b)                    # scales (ng, Hkv, D)
-                self.blocks.write_key_groups(layer, slots, pack(codes.reshape(complete, Hkv, -1), b), scale, zero)
+                self.blocks.code_key_groups(layer, slots, keys[:complete])
             stage[row, :len(keys) - complete] = keys[complete:]
 
     def attend(self, layer: int, view, q: torch.Tensor) -> torch.Tensor:
@@ -279,7 +274,7 @@ class IntPool(CodedPool):
         out = q.new_empty(q.shape[0], q.shape[1], self.geometry.head_dim_v)          # (N, H, Dv)
         for s, lo, hi, start, ctx in self.sequences(view):
             slots = view.layout.slots(s).to(self._device)                            # (ctx,)
-            coded = self.blocks.coded_keys(layer, slots[:ctx // G * G])              # (complete, Hkv, Dk)
+            coded = self.blocks.keys(layer, slots[:ctx // G * G])                    # (complete, Hkv, Dk)
             values = self.blocks.values(layer, slots).transpose(0, 1)[None]          # (1, Hkv, ctx, Dv)
             first, exact = self._fresh[s]                                            # keys [first, ctx) in full precision
             a = start
@@ -310,11 +305,11 @@ class TurboPool(CodedPool):
     """TurboQuant blocks (cache/blocks.py TqBlocks, the storage TurboQuantCache holds its codes in, with many
     sequences in it); the per-layer state lives in `codec`."""
 
-    def __init__(self, geometry: CacheGeometry, plan, fmt: BlockFormat, codec: TurboQuantCache, device="cpu"):
+    def __init__(self, geometry: CacheGeometry, plan, fmt: BlockFormat, codec: TqCodec, device="cpu"):
         super().__init__(geometry, plan, fmt, device)
         self.codec = codec                                     # calibrated_codec(...): the shared per-layer state
-        shapes = codec.blocks.shapes(range(geometry.n_layers))  # the codec's own blocks give each layer's rows
-        self.blocks = TqBlocks(shapes, plan.n_blocks, self.block_size, self._device)
+        # blocks of the pool's layers (a layer group's); the codec holds every group's layers' state
+        self.blocks = TqBlocks(codec.token_shapes(range(geometry.n_layers)), plan.n_blocks, self.block_size, self._device)
         self.sink = fmt.config.full.sink                                # +sinkN: the first N tokens exact, apart
         if codec.sink != self.sink:   # the codec's reads place coded slot i at position sink + i (+prerope)
             raise ConfigError(f"TurboQuant pool: its codec keeps {codec.sink} sink tokens, the format {self.sink}")
@@ -349,10 +344,6 @@ class TurboPool(CodedPool):
         if not self.sinks:
             return []
         return [(name, t.dtype, tuple(t.shape[:1] + t.shape[2:])) for name, t in (("sink.k", self.sinks.k), ("sink.v", self.sinks.v))]
-
-    def forget_prefix_state(self, ids) -> None:
-        if self.sinks:
-            self.sinks.forget(ids)
 
     def holds_prefix_state(self, seq) -> bool:
         """Whether cached prefix blocks are all the sequence needs of its first tokens (+sinkN: its sink rows are
@@ -527,7 +518,7 @@ class TurboPool(CodedPool):
 
     def _attend_ragged(self, kernel, layer: int, view, q: torch.Tensor) -> torch.Tensor:
         """q (N, H, D) -> (N, H, D): every sequence of the step in one C call on the pool's codes through the block
-        tables. The queries go in as the codes are read (Π(q⊙w), TurboQuantCache.rotated_queries); the kernel's
+        tables. The queries go in as the codes are read (Π(q⊙w), TqCodec.read_queries); the kernel's
         output is in the rotated domain: one inverse rotation and the value offset for the whole batch. The key
         offset's q·μ is the same for every key of a query, so the softmax does not see it. +sinkN: the kernel reads
         the coded keys from position N on and gives each row's log-sum-exp (plus q·μ: now it counts), which merges
@@ -536,27 +527,14 @@ class TurboPool(CodedPool):
         Hkv = self.geometry.n_kv_heads
         codec, layout = self.codec, view.layout
         at = self.state_layer(layer, view)                                                # the codec's layer
-        if codec.config.turns_keys:   # C takes the plain queries: it rebuilds the keys (or turns the offset) at their positions
-            q_rot = q.contiguous()
-        else:
-            qg = q.reshape(N, Hkv, H // Hkv, D).transpose(0, 1).reshape(1, Hkv, -1, D)   # (1, Hkv, N·G, D)
-            q_rot = self.codec.rotated_queries(at, qg)                                # (1, Hkv, N·G, D)
-            q_rot = q_rot.reshape(Hkv, N, H // Hkv, D).transpose(0, 1).reshape(N, H, D).contiguous()
-        rotated = tq_attention(kernel, self._coder(layer, view), q_rot, layout.block_tables, layout.query_start,
-                               layout.context_len, self._tq_step(view), view.scale, view.window or 0,
+        qg = q.reshape(N, Hkv, H // Hkv, D).transpose(0, 1).reshape(1, Hkv, -1, D)       # (1, Hkv, N·G, D)
+        queries = codec.read_queries(at, qg).reshape(Hkv, N, H // Hkv, D).transpose(0, 1).reshape(N, H, D)
+        rotated = tq_attention(kernel, self._coder(layer, view), queries.contiguous(), layout.block_tables,
+                               layout.query_start, layout.context_len, self._tq_step(view), view.scale, view.window or 0,
                                first_key=self.sink, with_lse=bool(self.sinks))                # (N, H, D)
-        if self.sinks:
-            rotated, lse = rotated                                                        # (N, H, D), (N, H)
-        out = codec.rotations[at].invert(rotated)                                      # (N, H, D)
-        if codec.v_offset:
-            offset = codec.v_offset[at][0].float()                                     # (Hkv, D)
-            out = (out.reshape(N, Hkv, H // Hkv, D) + offset[:, None]).reshape(N, H, D)
-        if self.sinks:
-            if codec.k_offset and not codec.config.turns_keys:   # q·μ·scale: the coded keys' common score
-                mu = codec.k_offset[at][0].float().repeat_interleave(H // Hkv, dim=0)    # (H, D)
-                lse = lse + (q * mu).sum(-1) * view.scale
-            out = self._merge_sinks(layer, view, q, out, lse)
-        return out
+        rotated, lse = rotated if self.sinks else (rotated, None)                         # (N, H, D), (N, H)
+        out, lse = codec.read_output(at, rotated, q, view.scale, lse)
+        return self._merge_sinks(layer, view, q, out, lse) if self.sinks else out
 
     def _merge_sinks(self, layer: int, view, q: torch.Tensor, coded: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
         """One softmax over each row's sink rows and its coded keys: q (N, H, D), coded (N, H, D) the coded keys'
@@ -616,16 +594,16 @@ class _StepRows:
 
 
 def calibrated_codec(model, geometry: CacheGeometry, config, device, tokenizer=None, groups=None,
-                     name: str | None = None) -> TurboQuantCache:
-    """A TurboQuantCache (no token buffers to speak of) whose offsets, key weights and +norms8 centres come from the
-    model on `calibration_ids` (the calibration text, with the tokenizer). With layer groups (LayerGroups, a model
-    whose layers differ in kind) the codec holds every group's layers (pool layer j of group g at g·size + j,
-    IntPool.state_layer) and calibrates through the model's own cache of the format `name` (model_cache: a cache
-    per layer kind), each layer taking the state of the model layer it stands for."""
-    one = replace(geometry, batch=1)   # room for the sink: the codec's reads place coded slot i at position sink + i
+                     name: str | None = None) -> TqCodec:
+    """A TqCodec of one row whose offsets, key weights and +norms8 centres come from the model on `calibration_ids`
+    (the calibration text, with the tokenizer), read off a single TurboQuantCache that calibrated on them. With layer
+    groups (LayerGroups, a model whose layers differ in kind) the codec holds every group's layers (pool layer j of
+    group g at g·size + j, IntPool.state_layer) and calibrates through the model's own cache of the format `name`
+    (model_cache: a cache per layer kind), each layer taking the state of the model layer it stands for."""
+    one = replace(geometry, batch=1)
     if groups is not None:
         one = replace(one, n_layers=len(groups.members) * groups.size)
-    codec = TurboQuantCache(replace(one, capacity=config.full.sink + 1), config=config, device=device)
+    codec = TqCodec(config, one, range(one.n_layers), 1, device, sink=config.full.sink)
     if config.center or config.key_weights or config.log_norms:
         if model is None:
             raise ConfigError("TurboQuant blocks are calibrated on the model: give the pool the model")
@@ -637,10 +615,10 @@ def calibrated_codec(model, geometry: CacheGeometry, config, device, tokenizer=N
         with torch.inference_mode():
             model(ids, probe, last_only=True)
         if groups is None:
-            codec.use_calibration(probe)
+            codec.take_calibration(probe.codec)
         else:   # model layer members[g][j] -> (its kind's cache, its index there)
-            codec.use_calibration(None, {g * groups.size + j: probe.where[layer] for g, members in enumerate(groups.members)
-                                         for j, layer in enumerate(members)})
+            codec.take_calibration(None, {g * groups.size + j: (probe.where[layer][0].codec, probe.where[layer][1])
+                                          for g, members in enumerate(groups.members) for j, layer in enumerate(members)})
     return codec
 
 

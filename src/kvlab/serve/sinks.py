@@ -37,11 +37,6 @@ class SinkRows:
     def nbytes(self) -> int:
         return tensors_nbytes(self.k, self.v)
 
-    @staticmethod
-    def bytes_per_entry(geometry: CacheGeometry, sink: int, dtype: torch.dtype) -> int:
-        g = geometry
-        return g.n_layers * sink * g.n_kv_heads * (g.head_dim + g.head_dim_v) * dtype.itemsize
-
     def _key(self, seq) -> tuple:
         """Its first N token ids; a sequence with fewer tokens (a short prompt) gets a key of its own: the rows it
         writes past its prompt come from its own sampled tokens, which another sequence need not share."""
@@ -97,12 +92,6 @@ class SinkRows:
             if entry in self.idle:
                 self.idle.move_to_end(entry)
         return [("sink.k", self.k[:, entry]), ("sink.v", self.v[:, entry])]
-
-    def forget(self, ids) -> None:
-        """The rows `rows(ids, adopt=True)` gave could not be filled: the entry holds nothing."""
-        entry = self._find(tuple(ids[:self.sink]))
-        if entry is not None:
-            self.ids[entry], self.written[entry] = None, 0
 
     def release(self, seq) -> None:
         entry = self.holders.pop(seq, None)
