@@ -136,9 +136,9 @@ def test_a_turboquant_sequence_holds_the_same_codes_in_its_one_block_and_in_pool
     cache = TurboQuantCache(geometry, config=fmt.config)
     cache.use_calibration(codec)
     assert isinstance(cache.blocks, TqBlocks) and isinstance(pool.blocks, TqBlocks)
-    assert (cache.blocks.n_blocks, cache.blocks.block_size) == (1, cache.slots)
-    assert cache.blocks.shapes() == pool.blocks.shapes()                        # the same rows, in blocks of other sizes
     sink, n = fmt.config.full.sink, 0
+    assert (cache.blocks.n_blocks, cache.blocks.block_size) == (1, cache.slots + sink)   # rows for the sink too (unused)
+    assert cache.blocks.shapes() == pool.blocks.shapes()                        # the same rows, in blocks of other sizes
     table = rng.sample(range(plan.n_blocks), geometry.capacity // bs)
     seq = Sequence("a", [1])
     while n < geometry.capacity:

@@ -65,17 +65,7 @@ def test_the_formats_are_the_format_codes_own():
     assert not {"concat", "none", "int4+recent128"} & set(FORMATS)
 
 
-def _sink_slots_differ(name: str) -> bool:
-    """TurboQuant blocks with +sinkN (tq4, tq3): the pool's blocks are positional, so a sequence's first block keeps an
-    unwritten code slot for each sink position (the sink lives in sink rows) that the single cache and the planner do
-    not count; one sequence needs N tokens' codes more than planned. Known, and strict: the mark goes when they agree."""
-    spec = CacheSpec.parse(name, "pool")
-    return spec.base == "tq" and bool(spec.full.sink)
-
-
-@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.xfail(
-    strict=True, reason="pool blocks keep code slots for the sink positions")) if _sink_slots_differ(name) else name
-    for name in FORMATS])
+@pytest.mark.parametrize("name", FORMATS)
 def test_planner_bytes_equal_pool_bytes_equal_nbytes(model, name):
     path, loaded, spec = model
     held = CacheSpec.parse(name, "pool").pool_spec(BLOCK).cache_name     # the format the pool's blocks hold

@@ -93,7 +93,7 @@ def test_attention_reads_exactly_what_each_head_stores(name):
     for layer in range(GEOMETRY.n_layers):
         keys = tuple(unit_widths(cache.config, layer, h)[0] for h in range(GEOMETRY.n_kv_heads))
         assert cache.codec.layer_key_codes[layer].bits == keys
-        assert cache.k_codes[layer].shape[1:] == (1, cache.slots, sum(GEOMETRY.head_dim * b // 8 for b in keys))
+        assert cache.k_codes[layer].shape[1:] == (1, cache.config.spec.coded_rows(GEOMETRY.capacity), sum(GEOMETRY.head_dim * b // 8 for b in keys))
 
 
 def test_every_chunk_reads_what_token_by_token_decoding_reads():

@@ -62,7 +62,7 @@ def test_attention_is_exact_to_what_is_stored_in_the_formulas_bytes(name):
     g = replace(ROPED, capacity=64)
     with16 = expected_nbytes(replace(config, log_norms=False).name, g, torch.bfloat16, 1)
     vectors = g.n_layers * g.n_kv_heads * 2                                        # K and V per layer and head
-    assert with16 - expected_nbytes(name, g, torch.bfloat16, 1) == vectors * config.full.split(g.capacity)[2] - vectors * 2
+    assert with16 - expected_nbytes(name, g, torch.bfloat16, 1) == vectors * config.spec.coded_rows(g.capacity) - vectors * 2
 
 
 def test_the_centre_is_the_first_coded_chunks_median_and_a_grown_copy_keeps_it():

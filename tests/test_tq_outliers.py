@@ -87,7 +87,7 @@ def test_bytes_are_the_formula_with_three_bytes_per_kept_entry(name):
     without = replace(base, outliers=0).name
     g = ROPED
     assert (expected_nbytes(name, g, torch.bfloat16, 1) - expected_nbytes(without, g, torch.bfloat16, 1)
-            == g.n_layers * g.n_kv_heads * base.full.split(g.capacity)[2] * base.outliers * OUTLIER_BYTES)   # coded slots
+            == g.n_layers * g.n_kv_heads * base.spec.coded_rows(g.capacity) * base.outliers * OUTLIER_BYTES)   # coded rows
     assert "exact outlier entr" in describe_formula(name, g, torch.bfloat16)
 
 

@@ -421,7 +421,8 @@ class CacheSpec:
         sink, window, slots = self.full.split(g.capacity)
         per_token_dense = g.n_kv_heads * (g.head_dim + g.head_dim_v) * elem * g.batch
         n_comp = g.n_layers - n_fp
-        store = self._int_bytes(g, elem, slots, n_comp) if self.base == "int" else self._tq_bytes(g, slots, n_comp)
+        rows = self.coded_rows(g.capacity)
+        store = self._int_bytes(g, elem, rows, n_comp) if self.base == "int" else self._tq_bytes(g, rows, n_comp)
         return n_fp * per_token_dense * g.capacity + n_comp * per_token_dense * (sink + window) + store
 
     def token_bytes(self, geometry, dtype="float32") -> float:
@@ -499,6 +500,13 @@ class CacheSpec:
         return PoolBytes(name, block, shared=rest, sequence=rows)
 
     # -- the compressed formats' arithmetic -------------------------------------------------------------------
+    def coded_rows(self, capacity: int) -> int:
+        """Rows of codes a compressed cache of `capacity` tokens holds per sequence and layer: its compressed slots,
+        and for TurboQuant one more for each sink position (never written: the sink keeps those tokens exact), as the
+        serving pool's positional blocks keep one, so that one formula counts the single cache and the pool."""
+        sink, _, slots = self.full.split(capacity)
+        return slots + sink if self.base == "tq" else slots
+
     def value_group(self, head_dim_v: int) -> int:
         """An integer format's channels per value group: min(G, Dv), which must divide Dv."""
         group = min(self.group_size or 32, head_dim_v)

@@ -75,6 +75,8 @@ def describe_formula(name: str, geometry: CacheGeometry, dtype: torch.dtype) -> 
     dtype_name = str(dtype).removeprefix("torch.")
     if config.full.sink:
         text += f"; the first {config.full.sink} tokens of every layer in {dtype_name}"
+        if spec.base == "tq":   # format.py CacheSpec.coded_rows
+            text += " (their rows of codes kept too, unused, as the serving pool's blocks keep them)"
     if config.full.recent:
         text += f"; the newest {config.full.recent} tokens of every layer in {dtype_name}"
     if config.full.first_last:

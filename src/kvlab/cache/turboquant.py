@@ -242,9 +242,11 @@ class TurboQuantCache(CompressedCache):
         # the coding state (tq_codec.py): rotations, codebooks and one row of calibration per batch row, which each
         # sequence sets from its first chunk (or `use_calibration` gives)
         self.codec = TqCodec(config, g, self.compressed_layers, g.batch, self.device, self.sink)
-        # the per-token buffers: B sequences, one block of `slots` rows each (cache/blocks.py TqBlocks); per layer
-        # k_codes, v_codes (B, H, S, bytes) (+halloc (B, 1, S, Σ bytes)), k_norm, v_norm (B, H, S) [+ qjl, outliers]
-        self.blocks = TqBlocks(self.codec.token_shapes(), g.batch, self.slots, self.device)
+        # the per-token buffers: B sequences, one block of S rows each (cache/blocks.py TqBlocks); per layer k_codes,
+        # v_codes (B, H, S, bytes) (+halloc (B, 1, S, Σ bytes)), k_norm, v_norm (B, H, S) [+ qjl, outliers]. Coded token
+        # j is row j; S = slots + sink: the last `sink` rows are never written, kept as the pool keeps them (format.py
+        # CacheSpec.coded_rows)
+        self.blocks = TqBlocks(self.codec.token_shapes(), g.batch, config.spec.coded_rows(g.capacity), self.device)
         for name, layers in self.blocks.buffers.items():
             setattr(self, name, layers)
         self._given_centres = False   # +norms8 centres from `use_calibration`: no chunk moves them
@@ -365,7 +367,8 @@ class TurboQuantCache(CompressedCache):
         try:
             for b in range(self.geometry.batch):
                 coded = self._c_read_structs(layer, b)[0]
-                slots = torch.arange(b * self.slots + start, b * self.slots + start + T)   # row b's block, from `start`
+                first = b * self.blocks.block_size + start                                # row b's block, from `start`
+                slots = torch.arange(first, first + T)
                 if not code_tokens(kernel, coded, k[b].transpose(0, 1), v[b].transpose(0, 1), slots, rope):
                     return False
         except ConfigError:
@@ -476,9 +479,9 @@ class TurboQuantCache(CompressedCache):
         structs = self._c_reads.get((layer, row))
         if structs is None:
             if self.config.turns_keys and self._c_slot_rope is None:   # (slots, d) cos, sin: every layer's
-                self._c_slot_rope = tuple(t.contiguous() for t in self.codec.slot_rope(0, self.slots))
-            coded = self._c_structs.layer(self.codec, layer, self.blocks.layer(layer), (self.geometry.batch, self.slots),
-                                          state_row=row)
+                self._c_slot_rope = tuple(t.contiguous() for t in self.codec.slot_rope(0, self.blocks.block_size))
+            coded = self._c_structs.layer(self.codec, layer, self.blocks.layer(layer),
+                                          (self.geometry.batch, self.blocks.block_size), state_row=row)
             step = TqStep.of(None, self._c_slot_rope, 1, self.geometry.head_dim)
             structs = self._c_reads[(layer, row)] = (coded, step, torch.tensor([[row]], dtype=torch.int32))
         return structs

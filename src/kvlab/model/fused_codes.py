@@ -125,12 +125,12 @@ class CacheView:
         )
 
     def _coded(self, cache, layer: int) -> Coded:
-        """Layer `layer` of a TurboQuant cache over its own blocks: the first sequence's one block of `slots` rows
-        (1, Hkv, slots, ...); +prerope: with each slot's RoPE, one table for every layer."""
+        """Layer `layer` of a TurboQuant cache over its own blocks: the first sequence's one block of S rows
+        (1, Hkv, S, ...); +prerope: with each slot's RoPE, one table for every layer."""
         if cache.config.turns_keys and self._slot_rope is None:
-            self._slot_rope = tuple(t.contiguous() for t in cache.codec.slot_rope(0, cache.slots))   # (S, hd) cos, sin
+            self._slot_rope = tuple(t.contiguous() for t in cache.codec.slot_rope(0, cache.blocks.block_size))   # (S, hd) cos, sin
         buffers = {name: t[:1] for name, t in cache.blocks.layer(layer).items()}
-        return self._c.layer(cache.codec, layer, buffers, (1, cache.slots), slot_rope=self._slot_rope)
+        return self._c.layer(cache.codec, layer, buffers, (1, cache.blocks.block_size), slot_rope=self._slot_rope)
 
 
 def held_buffers(cache) -> list[torch.Tensor]:
