@@ -112,7 +112,7 @@ def check_code_kernel_equals_the_torch_path(name: str, seed: int) -> None:
     if direct.code_kernel is None:
         require_kernel()  # skips without a compiler, fails when one is here but the build does not load
     reference.code_kernel = None
-    if hasattr(direct, "codes_in_c"):   # TurboQuant: the same codes in both (by torch), read in C and in torch
+    if hasattr(direct, "codes_in_c"):   # the same codes in both (by torch), read in C and in torch
         direct.codes_in_c = False
     gen = torch.Generator().manual_seed(seed)
     for T in (45, 1, 1, 7, 1):

@@ -1,7 +1,7 @@
-"""The C coder of integer tokens in the serving pool (kernels/decode.c kvlab_int_code_tokens, cache/int_kernel.py):
-on random chunks of several sequences, with groups that complete inside a chunk, across chunks and at its end,
-the codes, scales and open groups' staged keys it writes are bit for bit those of the pool's torch reference (QuantizedCache's
-arithmetic); K/V beyond float16's range leave the C path to the reference's one-line error.
+"""The C coder of integer tokens in the serving pool and in a single cache (kernels/decode.c kvlab_int_code_tokens,
+cache/int_kernel.py): on random chunks of several sequences, with groups that complete inside a chunk, across chunks
+and at its end, the codes, scales and open groups' staged keys it writes are bit for bit those of the torch reference
+(int_codes.py through IntBlocks); K/V beyond float16's range leave the C path to the reference's one-line error.
 """
 
 from __future__ import annotations
@@ -88,3 +88,32 @@ def test_the_coder_refuses_what_its_description_was_not_checked_for():
     with pytest.raises(ConfigError, match="refused"):                                  # a stage row past the stages
         int_kernel.code_tokens(kernel, coder, torch.randn(2, 2, 32), torch.randn(2, 2, 32), view.slots, positions, rows + 99)
     assert not pool.blocks.v_codes.any()
+
+
+@pytest.mark.parametrize("name,batch,capacity", [("int4", 2, 64), ("int8+g8", 1, 61), ("int3+g4", 3, 40),
+                                                 ("int4+sink2+recent8", 2, 66)])
+def test_a_single_cache_codes_its_chunks_in_c_bit_for_bit(name, batch, capacity):
+    """QuantizedCache's chunks through the same C coder (each sequence into its one block, its stage heads first):
+    codes, scales and the open groups' staged keys bit for bit those of its torch path, and `kvlab_int_code_tokens`
+    really ran; a cache of several sequences in blocks that key groups do not tile codes in torch."""
+    require_kernel()
+    from kvlab.cache import make_cache
+
+    geometry = CacheGeometry(n_layers=2, n_kv_heads=2, head_dim=32, n_heads=4, batch=batch, capacity=capacity)
+    c, ref = make_cache(name, geometry), make_cache(name, geometry)
+    ref.codes_in_c = False
+    gen = torch.Generator().manual_seed(batch)
+    for T in (13, 1, 1, 9, 1, 20):
+        if c.length + T > capacity:
+            break
+        for layer in range(2):
+            k, v = torch.randn(batch, 2, T, 32, generator=gen) * 3, torch.randn(batch, 2, T, 32, generator=gen)
+            c.append(layer, k, v)
+            ref.append(layer, k, v)
+    assert c.length > c.config.group_size
+    for name_, want in ref.blocks.buffers().items():
+        assert torch.equal(c.blocks.buffers()[name_], want), name_
+    open_keys = c._n_comp[0] % c.config.group_size
+    for layer in range(2):
+        assert torch.equal(c.k_stage[layer][:, :, :open_keys], ref.k_stage[layer][:, :, :open_keys])
+    assert bool(c._coders) == (batch == 1 or c.slots % c.config.group_size == 0)

@@ -7,8 +7,9 @@ of cache/blocks.py IntBlocks:
     single cache   one block: codes, value scales (Hkv, slots, ...), key scales (Hkv, ⌈slots/G⌉, hd), stage (Hkv, G, hd)
     serving pool   codes, value scales (n_blocks, Hkv, block_size, ...), key scales (n_blocks, Hkv, block_size/G, hd),
                    a stage per running sequence (rows, G, Hkv, hd)
-`code_tokens` codes a step's K/V into the pool with kvlab_int_code_tokens, which stores each token as the fused
-decode step stores its one (int_store); QuantizedCache's torch code is its reference (tests/test_int_kernel.py).
+`code_tokens` codes a step's K/V with kvlab_int_code_tokens, which stores each token as the fused decode step stores
+its one (int_store): the pool's tokens, and a single cache's prompt chunks (`blocks_layer` over its blocks, one per
+sequence); QuantizedCache's torch code is its reference (tests/test_int_kernel.py).
 """
 
 from __future__ import annotations
@@ -44,27 +45,36 @@ def single_layout(q: Quantized) -> Quantized:
 
 def pool_layer(buffers: dict[str, torch.Tensor], stage: torch.Tensor, bits: int, group: int, value_group: int,
                what: str) -> Quantized:
-    """One pool layer's codes: buffers {k_codes, v_codes (n_blocks, Hkv, block_size, row), k_scale, k_zero (n_blocks,
-    Hkv, block_size/G, hd), v_scale, v_zero (n_blocks, Hkv, block_size, hd/Gv)} and the layer's stages (rows, G, Hkv,
-    hd) fp32, checked here."""
+    """One pool layer's codes (`blocks_layer`), its stages (rows, G, Hkv, hd): a sequence spans blocks, so a key group
+    must not straddle two."""
+    bs = buffers["k_codes"].shape[2]
+    if bs % group:
+        raise ConfigError(f"{what}: key groups of {group} tokens do not tile blocks of {bs}")
+    return blocks_layer(buffers, stage, bits, group, value_group, what)
+
+
+def blocks_layer(buffers: dict[str, torch.Tensor], stage: torch.Tensor, bits: int, group: int, value_group: int,
+                 what: str, heads_first: bool = False) -> Quantized:
+    """One layer of cache/blocks.py IntBlocks as the C coder takes it, checked here: buffers {k_codes, v_codes
+    (n_blocks, Hkv, block_size, row), k_scale, k_zero (n_blocks, Hkv, ⌈block_size/G⌉, hd), v_scale, v_zero (n_blocks,
+    Hkv, block_size, hd/Gv)} and the layer's stages fp32, one per stage row: (rows, G, Hkv, hd) (the pool's), or with
+    `heads_first` (rows, Hkv, G, hd) (the single cache's, a row per sequence, each sequence its one block)."""
     n_blocks, H, bs, _ = buffers["k_codes"].shape
     hd = stage.shape[-1]
-    row = packed_nbytes(hd, bits)
-    blocks, groups, n_vg = (n_blocks, H, bs), (n_blocks, H, bs // group, hd), hd // value_group
+    row, n_groups = packed_nbytes(hd, bits), -(-bs // group)
+    blocks, groups, n_vg = (n_blocks, H, bs), (n_blocks, H, n_groups, hd), hd // value_group
     shapes = {"k_codes": ((*blocks, row), torch.uint8), "v_codes": ((*blocks, row), torch.uint8),
               "k_scale": (groups, torch.float16), "k_zero": (groups, torch.float16),
               "v_scale": ((*blocks, n_vg), torch.float16), "v_zero": ((*blocks, n_vg), torch.float16)}
-    if bs % group:
-        raise ConfigError(f"{what}: key groups of {group} tokens do not tile blocks of {bs}")
     q = Quantized(bits=bits, group=group, value_group=value_group, slots=n_blocks * bs, k_row_bytes=row, v_row_bytes=row)
     for name, (shape, dtype) in shapes.items():
         check_buffer(what, name, buffers[name], dtype, shape)
         setattr(q, name, buffers[name].data_ptr())
-    check_buffer(what, "key stage", stage, torch.float32, (stage.shape[0], group, H, hd))
+    check_buffer(what, "key stage", stage, torch.float32, (stage.shape[0], *((H, group) if heads_first else (group, H)), hd))
     q.k_stage = stage.data_ptr()
-    q.block_rows, q.block_stride, q.meta_block_stride = bs, H * bs, H * bs // group
-    q.head_stride, q.slot_stride, q.meta_head_stride, q.meta_group_stride = bs, 1, bs // group, 1
-    q.stage_head_stride, q.stage_row_stride = 1, H
+    q.block_rows, q.block_stride, q.meta_block_stride = bs, H * bs, H * n_groups
+    q.head_stride, q.slot_stride, q.meta_head_stride, q.meta_group_stride = bs, 1, n_groups, 1
+    q.stage_head_stride, q.stage_row_stride = (group, 1) if heads_first else (1, H)
     q.checked = (H, hd, stage.shape[0])   # what the buffers were checked for: KV heads, head dim, stage rows
     return q
 

@@ -10,6 +10,9 @@ directly in C, scores, softmax and mix (`_coded_read`: kernels/intcache.h kvlab_
 of sixteen tokens decoded once for every query), the function the fused decode step and the serving
 pool's integer blocks read with: their output is this cache's, to the bit. The sink and the recent
 window are merged with it by log-sum-exp. `code_kernel = None` selects the torch path (the reference).
+The codes live in cache/blocks.py IntBlocks (one block per sequence), the storage of the serving pool too, and
+a chunk's tokens are coded on CPU by kvlab_int_code_tokens, the C coder the fused step and the pool store with
+(`_coded_in_c`; `codes_in_c = False`: by torch, int_codes.py, the reference it is held to bit for bit).
 
 Causal in every schedule (KIVI's rule): a key group is coded only once its G tokens are all there, from
 their original keys; until then those keys wait in the "stage" (G tokens × Dk in the cache dtype,
@@ -57,6 +60,7 @@ from .compressed import CompressedCache
 from .blocks import IntBlocks
 from .format import CacheSpec, FullPrecision
 from .int_codes import check_range
+from .int_kernel import blocks_layer, code_tokens
 from .packing import packed_nbytes
 
 
@@ -105,6 +109,10 @@ class QuantizedCache(CompressedCache):
         self._block_layer = {layer: i for i, layer in enumerate(self.compressed_layers)}   # its layer in `blocks`
         self.k_stage = {l: torch.zeros(B, H, G, g.head_dim, dtype=dtype, device=dev) for l in self.compressed_layers}
         self.code_kernel = kernel_for(self.device) if b in (4, 8) else None
+        # chunks coded by kvlab_int_code_tokens (`_coded_in_c`) where the kernel library is at hand; False: by torch
+        # (the reference); per layer, its blocks and stage as the C coder takes them
+        self.codes_in_c = kernel_for(self.device) is not None
+        self._coders: dict[tuple, object] = {}
         # per layer, the last append's (open group's first token, its full-precision keys from there,
         # first token of the append, its values if there is a recent window): read by the same chunk only
         self._fresh: dict[int, tuple] = {}
@@ -119,6 +127,11 @@ class QuantizedCache(CompressedCache):
         block = k.to(self.dtype)
         if have:
             block = torch.cat([self.k_stage[layer][:, :, :have], block], dim=2)  # (B, H, have+T, Dk)
+        # this append's full-precision keys (and, with a recent window, values) for the queries of the
+        # same chunk that precede a group's completion (or a token's spill): see `_scores` and `_mix`
+        self._fresh[layer] = (first, block, start, v.to(self.dtype) if self.window else None)
+        if self._coded_in_c(layer, k, v, start):
+            return
         n = have + T
         complete = n // G * G                                                   # tokens of the groups now complete
         if complete:
@@ -126,11 +139,29 @@ class QuantizedCache(CompressedCache):
                                         _by_token(block[:, :, :complete]))
         if n > complete:
             self.k_stage[layer][:, :, :n - complete] = block[:, :, complete:]
-        # this append's full-precision keys (and, with a recent window, values) for the queries of the
-        # same chunk that precede a group's completion (or a token's spill): see `_scores` and `_mix`
-        self._fresh[layer] = (first, block, start, v.to(self.dtype) if self.window else None)
         # values: groups of channels within each token
         self.blocks.code_values(self._block_layer[layer], self._slots(start, start + T), _by_token(v))
+
+    def _coded_in_c(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> bool:
+        """Code compressed tokens [start, start+T) of `layer` (k, v: (B, H, T, D)) with kvlab_int_code_tokens, the coder
+        of the fused step and of the serving pool (int_kernel.py), each sequence into its block and its stage: True
+        when stored. False where torch codes them (the reference): `codes_in_c` off, a stage that is not fp32 or value
+        heads not as wide as key heads (what the C coder takes), several sequences in blocks that key groups do not
+        tile, or K/V that are not finite or beyond float16's range (the torch path names them in one line)."""
+        g, G, T = self.geometry, self.config.group_size, k.shape[2]
+        kernel = kernel_for(self.device)
+        if (not self.codes_in_c or kernel is None or self.dtype != torch.float32 or g.head_dim != g.head_dim_v
+                or (g.batch > 1 and self.slots % G)):
+            return False
+        held = (layer, self.k_stage[layer].data_ptr())   # (a copy of the cache has buffers of its own)
+        coder = self._coders.get(held)
+        if coder is None:
+            i = self._block_layer[layer]
+            coder = self._coders[held] = blocks_layer(self.blocks.layer(i), self.k_stage[layer], self.config.bits, G,
+                                                       self.value_group, "integer cache", heads_first=True)
+        positions = torch.arange(start, start + T, device=self.device).repeat(g.batch)          # (B·T,)
+        sequences = torch.arange(g.batch, device=self.device).repeat_interleave(T)               # (B·T,) stage rows
+        return code_tokens(kernel, coder, _by_token(k), _by_token(v), self._slots(start, start + T), positions, sequences)
 
     def _slots(self, lo: int, hi: int) -> torch.Tensor:
         """(B·(hi-lo),) the slots of compressed tokens [lo, hi) of every sequence (sequence b's block is b), b-major."""

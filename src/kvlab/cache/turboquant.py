@@ -254,7 +254,7 @@ class TurboQuantCache(CompressedCache):
         self._pending: dict[int, tuple] = {}   # first chunk (k as coded, v, start, k as appended), until attended
         # the coded tokens read in C (`_coded_read`): each (layer, batch row)'s Coded and step, made at its first read
         self._c_structs = CodedLayers("TurboQuant cache read")
-        self._c_reads: dict[tuple[int, int], tuple] = {}
+        self._c_reads: dict[tuple, tuple] = {}
         self._c_slot_rope: tuple[torch.Tensor, torch.Tensor] | None = None
         # chunks coded by kvlab_tq_code_tokens (`_coded_in_c`) where the C kernel is at hand; False: by `code` (the reference:
         # the tests that compare the C read with torch's give both caches the same codes so)
@@ -476,14 +476,15 @@ class TurboQuantCache(CompressedCache):
     def _c_read_structs(self, layer: int, row: int) -> tuple:
         """Layer `layer`'s Coded over every batch row's block with row `row`'s calibration, its step (+prerope: each
         slot's RoPE) and its one-block table, made once: the buffers and the state they point at stay in place."""
-        structs = self._c_reads.get((layer, row))
+        held = (layer, row, self.k_codes[layer].data_ptr())   # (a copy of the cache has buffers of its own)
+        structs = self._c_reads.get(held)
         if structs is None:
             if self.config.turns_keys and self._c_slot_rope is None:   # (slots, d) cos, sin: every layer's
                 self._c_slot_rope = tuple(t.contiguous() for t in self.codec.slot_rope(0, self.blocks.block_size))
             coded = self._c_structs.layer(self.codec, layer, self.blocks.layer(layer),
                                           (self.geometry.batch, self.blocks.block_size), state_row=row)
             step = TqStep.of(None, self._c_slot_rope, 1, self.geometry.head_dim)
-            structs = self._c_reads[(layer, row)] = (coded, step, torch.tensor([[row]], dtype=torch.int32))
+            structs = self._c_reads[held] = (coded, step, torch.tensor([[row]], dtype=torch.int32))
         return structs
 
     def _restore(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
