@@ -80,7 +80,8 @@ _STATE_TYPES = ("linear_attention", "conv")
 ATTENTION = "kvlab_sdpa"
 #: The read a layer left for the attention that follows its `update` (same thread, same layer, next call).
 _HANDOFF = threading.local()
-#: Per-layer state a TurboQuant cache measures on its first tokens (see turboquant.py).
+
+
 @dataclass(frozen=True)
 class CacheFormat:
     """A kvlab cache name, parsed: the class that stores K/V and its config (None for dense / concat)."""

@@ -74,6 +74,7 @@ class LayerGroups:
         groups = [full[i:i + size] for i in range(0, len(full), size)] + [sliding[i:i + size] for i in range(0, len(sliding), size)]
         return cls(tuple(groups), tuple(None if g[0] in full else window for g in groups), windows)
 
+
 @dataclass(frozen=True)
 class CapacityPlan:
     """What a byte budget buys in one block format."""
