@@ -418,7 +418,7 @@ class CacheSpec:
             held = g.capacity if self.base == "dense" else tokens
             return dense_rows_bytes(g, g.batch * held, self.storage or dtype)
         n_fp = len(self.full.layers(g.n_layers))
-        sink, window, slots = self.full.split(g.capacity)
+        sink, window, _ = self.full.split(g.capacity)
         per_token_dense = g.n_kv_heads * (g.head_dim + g.head_dim_v) * elem * g.batch
         n_comp = g.n_layers - n_fp
         rows = self.coded_rows(g.capacity)

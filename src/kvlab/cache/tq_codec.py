@@ -586,11 +586,6 @@ class TqCodec:
         sparse = torch.zeros(*channels.shape[:3], self.geometry.head_dim, device=channels.device)
         return sparse.scatter_(-1, channels, stored["k_out_val"][:, :, lo:hi].float())
 
-    def read_queries(self, layer: int, qg: torch.Tensor) -> torch.Tensor:
-        """qg (B, Hkv, R, d) as kernels/paged.c kvlab_tq_attention takes them: the plain queries where C turns the keys
-        (+prerope, +ropemean), else Π(q⊙w) (`rotated_queries`)."""
-        return qg if self.config.turns_keys else self.rotated_queries(layer, qg)
-
     def read_output(self, layer: int, rotated: torch.Tensor, queries: torch.Tensor, scale: float,
                     lse: torch.Tensor | None = None, row: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         """What kvlab_tq_attention gives, in the model's domain: rotated (N, H, d) the normalized mix in the rotated

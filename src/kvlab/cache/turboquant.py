@@ -459,7 +459,8 @@ class TurboQuantCache(CompressedCache):
         def by_row(x: torch.Tensor) -> torch.Tensor:          # (B, Hkv, G·T, d) -> (B, read, H, d): the rows read
             return x.reshape(B, Hkv, G, T, d)[:, :, :, T - read:].permute(0, 3, 1, 2, 4).reshape(B, read, Hkv * G, d)
 
-        queries, plain = by_row(codec.read_queries(layer, qg)), by_row(qg)
+        plain = by_row(qg)                                    # the queries as C takes them where it turns the keys
+        queries = plain if self.config.turns_keys else by_row(codec.rotated_queries(layer, qg))
         out = qg.new_zeros(B, Hkv, G, T, d)
         lse = qg.new_full((B, Hkv, G, T), float("-inf"))
         query_start, context_len = torch.tensor([0, read], dtype=torch.int32), torch.tensor([context], dtype=torch.int32)

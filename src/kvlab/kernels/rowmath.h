@@ -35,12 +35,8 @@ static inline kvlab_lanes16 kvlab_fold16(kvlab_lanes16 a, kvlab_lanes16 b) {
 }
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-/* AVX2: q . rows[i] (i < 4; d a multiple of 16) by the sums sixteen vectors folded with kvlab_fold16 make: lane l of
- * row i accumulates q[c + l] rows[i][c + l] over c = 0, 16, .. in order, and the sixteen lanes are added by the same
- * pairwise tree (two horizontal adds and a 128-bit add a half, the halves added last), so the same bits. Sixteen rows'
- * two-register vectors do not fit AVX2's sixteen registers, and GCC builds the fold's shuffles of two-register vectors
- * through memory: this is ~7x faster at d = 64. */
-/* the four sums of four rows' two eight-lane chains (lo: lanes 0-7 of the sixteen, hi: 8-15), each by the tree above */
+/* the four sums of four rows' two eight-lane chains (lo: lanes 0-7 of the sixteen, hi: 8-15), each by the
+ * pairwise tree kvlab_scores4 sums by (below) */
 static inline __m128 kvlab_fold4(__m256 l0, __m256 l1, __m256 l2, __m256 l3, __m256 h0, __m256 h1, __m256 h2, __m256 h3) {
     const __m256 l = _mm256_hadd_ps(_mm256_hadd_ps(l0, l1), _mm256_hadd_ps(l2, l3));
     const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(h0, h1), _mm256_hadd_ps(h2, h3));
@@ -48,6 +44,11 @@ static inline __m128 kvlab_fold4(__m256 l0, __m256 l1, __m256 l2, __m256 l3, __m
                       _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
 }
 
+/* AVX2: q . rows[i] (i < 4; d a multiple of 16) by the sums sixteen vectors folded with kvlab_fold16 make: lane l of
+ * row i accumulates q[c + l] rows[i][c + l] over c = 0, 16, .. in order, and the sixteen lanes are added by the same
+ * pairwise tree (two horizontal adds and a 128-bit add a half, the halves added last), so the same bits. Sixteen rows'
+ * two-register vectors do not fit AVX2's sixteen registers, and GCC builds the fold's shuffles of two-register vectors
+ * through memory: this is ~7x faster at d = 64. */
 static inline __m128 kvlab_scores4(const float *q, const float *const *rows, int d) {
     __m256 lo[4], hi[4];
     for (int i = 0; i < 4; i++) lo[i] = hi[i] = _mm256_setzero_ps();

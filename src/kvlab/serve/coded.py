@@ -518,7 +518,7 @@ class TurboPool(CodedPool):
 
     def _attend_ragged(self, kernel, layer: int, view, q: torch.Tensor) -> torch.Tensor:
         """q (N, H, D) -> (N, H, D): every sequence of the step in one C call on the pool's codes through the block
-        tables. The queries go in as the codes are read (Π(q⊙w), TqCodec.read_queries); the kernel's
+        tables. The queries go in as the codes are read (Π(q⊙w), TqCodec.rotated_queries); the kernel's
         output is in the rotated domain: one inverse rotation and the value offset for the whole batch. The key
         offset's q·μ is the same for every key of a query, so the softmax does not see it. +sinkN: the kernel reads
         the coded keys from position N on and gives each row's log-sum-exp (plus q·μ: now it counts), which merges
@@ -527,8 +527,11 @@ class TurboPool(CodedPool):
         Hkv = self.geometry.n_kv_heads
         codec, layout = self.codec, view.layout
         at = self.state_layer(layer, view)                                                # the codec's layer
-        qg = q.reshape(N, Hkv, H // Hkv, D).transpose(0, 1).reshape(1, Hkv, -1, D)       # (1, Hkv, N·G, D)
-        queries = codec.read_queries(at, qg).reshape(Hkv, N, H // Hkv, D).transpose(0, 1).reshape(N, H, D)
+        if codec.config.turns_keys:   # C takes the plain queries: it rebuilds the keys (or turns the offset) at their positions
+            queries = q
+        else:
+            qg = q.reshape(N, Hkv, H // Hkv, D).transpose(0, 1).reshape(1, Hkv, -1, D)   # (1, Hkv, N·G, D)
+            queries = codec.rotated_queries(at, qg).reshape(Hkv, N, H // Hkv, D).transpose(0, 1).reshape(N, H, D)
         rotated = tq_attention(kernel, self._coder(layer, view), queries.contiguous(), layout.block_tables,
                                layout.query_start, layout.context_len, self._tq_step(view), view.scale, view.window or 0,
                                first_key=self.sink, with_lse=bool(self.sinks))                # (N, H, D)
