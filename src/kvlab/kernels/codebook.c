@@ -704,6 +704,73 @@ static int block_part_rows(const cb_part *P, const uint8_t *rows, int64_t row_by
     else block_rows(P, rows, row_bytes, count, out, stride, 3);
     return 1;
 }
+#elif defined(__AVX2__)
+/* AVX2: block b's index (decode_blocks' codes[b], or codes[2b] << 6 | codes[2b + 1] at 3 bits) straight from the
+ * planes' bytes: 2 bits one byte; 3 bits the halves' high 4 bits the two nibbles of byte b of the 4-bit plane, their
+ * low 2 bits nibble b of the 2-bit plane */
+static inline int stored_block_index(const cb_part *P, const uint8_t *row, int b) {
+    if (P->bits == 2) return row[P->offset[0] + b];
+    const int nibbles = row[P->offset[0] + b], low = row[P->offset[1] + b / 2] >> 4 * (b % 2);
+    return ((nibbles & 15) << 2 | (low & 3)) << 6 | (nibbles >> 4) << 2 | (low >> 2 & 3);
+}
+
+/* the xor that applies sign bits j (bit j: channel j negative) to a block's four floats: sign bit of lane j set */
+#define SIGN_LANES(j) {(j) & 1 ? 0x80000000u : 0, (j) & 2 ? 0x80000000u : 0, (j) & 4 ? 0x80000000u : 0, (j) & 8 ? 0x80000000u : 0}
+static const uint32_t BLOCK_SIGNS[16][CB_BLOCK] = {SIGN_LANES(0), SIGN_LANES(1), SIGN_LANES(2), SIGN_LANES(3), SIGN_LANES(4),
+    SIGN_LANES(5), SIGN_LANES(6), SIGN_LANES(7), SIGN_LANES(8), SIGN_LANES(9), SIGN_LANES(10), SIGN_LANES(11), SIGN_LANES(12),
+    SIGN_LANES(13), SIGN_LANES(14), SIGN_LANES(15)};
+#undef SIGN_LANES
+
+/* block b's values: its point (4 floats) loaded by its index, its signs applied as decode_blocks does (-x bit for bit) */
+static inline __m128 block_values4(const float *table, int point, int signs) {
+    return _mm_xor_ps(_mm_loadu_ps(table + point * CB_BLOCK), _mm_loadu_ps((const float *)BLOCK_SIGNS[signs]));
+}
+
+#if defined(__BMI2__)
+/* eight blocks from block g: byte i of *points block g + i's point number, nibble i of *signs its sign bits, by scalar
+ * bit gathers from the planes' bytes (as the AVX-512 vq3_points / vq3_signs) */
+static inline void block_words(const cb_part *P, const uint8_t *row, int g, uint64_t *points, uint64_t *signs) {
+    uint64_t a;
+    memcpy(&a, row + P->offset[0] + g, 8);
+    if (P->bits == 2) {
+        *points = a >> 4 & 0x0f0f0f0f0f0f0f0full;
+        *signs = _pext_u64(a, 0x0f0f0f0f0f0f0f0full);
+        return;
+    }
+    uint32_t low;   /* the 2-bit plane's nibble i: the low bits of block i's halves */
+    memcpy(&low, row + P->offset[1] + g / 2, 4);
+    *points = (a & 0x0f0f0f0f0f0f0f0full) << 4 | _pdep_u64(_pext_u64(low, 0x33333333u), 0x0c0c0c0c0c0c0c0cull) |
+              (a >> 6 & 0x0303030303030303ull);
+    *signs = _pdep_u64(_pext_u64(low, 0xccccccccu), 0x33333333u) | _pdep_u64(_pext_u64(a, 0x3030303030303030ull), 0xccccccccu);
+}
+#endif
+
+/* rows of one block part, two blocks a vector, the indices never passing through a scratch of codes */
+static int block_part_rows(const cb_part *P, const uint8_t *rows, int64_t row_bytes, int64_t count, float *out, int64_t stride) {
+    if (!P->block) return 0;
+    const int n_blocks = (P->hi - P->lo) / CB_BLOCK;
+    const float *table = P->table;
+    for (int64_t r = 0; r < count; r++) {
+        const uint8_t *row = rows + r * row_bytes;
+        float *o = out + r * stride + P->lo;
+        int b = 0;
+#if defined(__BMI2__)
+        for (; b + 8 <= n_blocks; b += 8) {
+            uint64_t points, signs;
+            block_words(P, row, b, &points, &signs);
+            for (int i = 0; i < 8; i += 2)
+                _mm256_storeu_ps(o + (b + i) * CB_BLOCK,
+                                 _mm256_setr_m128(block_values4(table, (int)(points >> 8 * i & 255), (int)(signs >> 4 * i & 15)),
+                                                  block_values4(table, (int)(points >> 8 * (i + 1) & 255), (int)(signs >> 4 * (i + 1) & 15))));
+        }
+#endif
+        for (; b < n_blocks; b++) {
+            const int index = stored_block_index(P, row, b);
+            _mm_storeu_ps(o + b * CB_BLOCK, block_values4(table, index >> CB_BLOCK, index & 15));
+        }
+    }
+    return 1;
+}
 #else
 static int block_part_rows(const cb_part *P, const uint8_t *rows, int64_t row_bytes, int64_t count, float *out, int64_t stride) {
     (void)P, (void)rows, (void)row_bytes, (void)count, (void)out, (void)stride;
@@ -764,10 +831,12 @@ void kvlab_cb_decode_rows(const cb_layout *L, const uint8_t *rows, int64_t row_b
         return;
     }
 #if defined(__AVX2__) && !defined(__AVX512F__)
-    int whole = L->d == L->dpad;   /* AVX2, every part one scalar_part_rows reads: part by part, each table loaded once */
-    for (int p = 0; p < L->n_parts; p++) whole &= part_in_lanes8(&L->part[p]);
+    int whole = L->d == L->dpad;   /* AVX2, every part one scalar_part_rows or block_part_rows reads: part by part, each
+                                      table loaded once */
+    for (int p = 0; p < L->n_parts; p++) whole &= part_in_lanes8(&L->part[p]) || L->part[p].block;
     if (whole) {
-        for (int p = 0; p < L->n_parts; p++) scalar_part_rows(&L->part[p], rows, row_bytes, count, out, stride);
+        for (int p = 0; p < L->n_parts; p++)
+            if (!scalar_part_rows(&L->part[p], rows, row_bytes, count, out, stride)) block_part_rows(&L->part[p], rows, row_bytes, count, out, stride);
         return;
     }
 #endif

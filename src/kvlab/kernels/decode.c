@@ -1011,6 +1011,21 @@ static void load_scales(const Coded *C, int i, int g, int64_t t0, int n, float *
         const __m512 value = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(e, _mm512_set1_epi32(15)), steps), power);
         _mm512_storeu_ps(dst + t, _mm512_maskz_mov_ps(_mm512_test_epi32_mask(code, code), value));
     }
+#elif defined(__AVX2__) && defined(__F16C__)
+    /* the same eight at a time: the step from two registers of eight (bit 3 of e picks), code 0 -> 0 */
+    const __m256 steps_lo = _mm256_loadu_ps(KVLAB_LOG_STEP_POWERS), steps_hi = _mm256_loadu_ps(KVLAB_LOG_STEP_POWERS + 8);
+    const __m256i base = _mm256_set1_epi32((int)lrintf(centre * LOG_NORM_STEPS) - LOG_NORM_ZERO);
+    for (; t + 8 <= n; t += 8) {
+        const __m256i code = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + t)));
+        const __m256i e = _mm256_add_epi32(code, base);
+        const __m256i octave = _mm256_max_epi32(_mm256_min_epi32(_mm256_srai_epi32(e, 4), _mm256_set1_epi32(127)), _mm256_set1_epi32(-126));
+        const __m256 power = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(octave, _mm256_set1_epi32(127)), 23));
+        const __m256i high = _mm256_slli_epi32(e, 28);   /* bit 3 of e in the sign bit: blendv's choice */
+        const __m256 step = _mm256_blendv_ps(_mm256_permutevar8x32_ps(steps_lo, e), _mm256_permutevar8x32_ps(steps_hi, e),
+                                             _mm256_castsi256_ps(high));
+        const __m256 zero = _mm256_castsi256_ps(_mm256_cmpeq_epi32(code, _mm256_setzero_si256()));
+        _mm256_storeu_ps(dst + t, _mm256_andnot_ps(zero, _mm256_mul_ps(step, power)));
+    }
 #endif
     for (; t < n; t++) dst[t] = kvlab_log_scale(codes[t], centre);
 }
@@ -1129,12 +1144,47 @@ static void turn_scores_at(const float *c, const float *sn, const float *steps, 
 static inline int turn_in_runs(int half) { return half % 16 == 0 && half <= 64; }
 static inline int turn_run_keys(int j0, int n) { return j0 + TQ_TURN_KEYS <= n ? TQ_TURN_KEYS : 16; }
 #elif defined(__AVX2__) && defined(__FMA__)
-/* AVX2: turn_scores_16's arithmetic eight lanes a vector: sixteen keys from t0 for nq (<= 4) queries, each query's
- * coefficients turned to key t0 (half a multiple of 8), its sixteen scores in two vectors (scoring each key from its
- * own rows is a serial sum per key and query: a third of tq4's read on an AVX2 AMD EPYC) */
-static void turn_scores_at(const float *cos_, const float *sin_, const float *steps, const float *const *coef, int nq,
-                           int half, int keys, float *const *out) {
-    (void)keys;   /* always 16 (turn_run_keys) */
+/* AVX2: turn_scores_mirrored's arithmetic eight lanes a vector (the same sums lane by lane), one query at a time: its
+ * eight sums and the broadcasts fill the sixteen registers, steps' columns come from L1 */
+static void turn_scores_mirrored(const float *cos_, const float *sin_, const float *steps, const float *coef, int half, float *out) {
+    const int d = 2 * half, mid = TQ_TURN_KEYS / 2;
+    const float *cm = cos_ + (int64_t)mid * d, *sm = sin_ + (int64_t)mid * d;   /* the middle key's rows */
+    float turned[CB_MAX_DIM];   /* [A' | B'] at the middle key */
+    __m256 own = _mm256_setzero_ps();
+    for (int x = 0; x < half; x += 8) {
+        const __m256 c = _mm256_loadu_ps(cm + x), sn = _mm256_loadu_ps(sm + x);
+        const __m256 a = _mm256_loadu_ps(coef + x), e = _mm256_loadu_ps(coef + half + x);
+        _mm256_storeu_ps(turned + x, _mm256_fmadd_ps(e, sn, _mm256_mul_ps(a, c)));
+        _mm256_storeu_ps(turned + half + x, _mm256_fnmadd_ps(a, sn, _mm256_mul_ps(e, c)));
+        own = _mm256_fmadd_ps(e, _mm256_loadu_ps(sin_ + x), _mm256_fmadd_ps(a, _mm256_loadu_ps(cos_ + x), own));
+    }
+    __m256 even[4], odd[4];   /* E(u), O(u) for u = 0..7, .., 24..31 */
+    for (int k = 0; k < 4; k++) even[k] = odd[k] = _mm256_setzero_ps();
+    for (int x = 0; x < half; x++) {
+        const float *cx = steps + TQ_TURN_STEPS * (int64_t)x, *sx = steps + TQ_TURN_STEPS * (int64_t)(half + x);
+        const __m256 a = _mm256_broadcast_ss(turned + x), e = _mm256_broadcast_ss(turned + half + x);
+        for (int k = 0; k < 4; k++) {
+            even[k] = _mm256_fmadd_ps(a, _mm256_loadu_ps(cx + 8 * k), even[k]);
+            odd[k] = _mm256_fmadd_ps(e, _mm256_loadu_ps(sx + 8 * k), odd[k]);
+        }
+    }
+    /* key t0 + 32 - u scores E(u) - O(u): out[j] = difference 32 - j for j = 1 .. 31, eight reversed lanes a store (the
+     * last, out[32] = E(0) - O(0) with O(0) = 0, is written again below as E(0) + O(0)); key t0 + 32 + u E(u) + O(u) */
+    const __m256i reverse = _mm256_setr_epi32(7, 6, 5, 4, 3, 2, 1, 0);
+    for (int k = 3; k >= 0; k--)
+        _mm256_storeu_ps(out + 1 + 8 * (3 - k), _mm256_permutevar8x32_ps(_mm256_sub_ps(even[k], odd[k]), reverse));
+    for (int k = 0; k < 4; k++) _mm256_storeu_ps(out + 32 + 8 * k, _mm256_add_ps(even[k], odd[k]));
+    float lanes[8], first = 0.0f;   /* key t0 (u = -32), from its own rows: its lanes added in a fixed order */
+    _mm256_storeu_ps(lanes, own);
+    for (int j = 0; j < 8; j++) first += lanes[j];
+    out[0] = first;
+}
+
+/* sixteen keys from t0 for nq (<= 4) queries, each query's coefficients turned to key t0 (half a multiple of 8), its
+ * sixteen scores in two vectors (scoring each key from its own rows is a serial sum per key and query: a third of
+ * tq4's read on an AVX2 AMD EPYC) */
+static void turn_scores_16(const float *cos_, const float *sin_, const float *steps, const float *const *coef, int nq,
+                           int half, float *const *out) {
     float turned[4][CB_MAX_DIM];   /* each query's [A' | B'] */
     for (int i = 0; i < nq; i++)
         for (int x = 0; x < half; x += 8) {
@@ -1159,8 +1209,17 @@ static void turn_scores_at(const float *cos_, const float *sin_, const float *st
     }
 }
 
+/* a run of `keys` (TQ_TURN_KEYS or 16) from t0 for nq (1 to 4) queries */
+static void turn_scores_at(const float *cos_, const float *sin_, const float *steps, const float *const *coef, int nq,
+                           int half, int keys, float *const *out) {
+    if (keys == TQ_TURN_KEYS)
+        for (int i = 0; i < nq; i++) turn_scores_mirrored(cos_, sin_, steps, coef[i], half, out[i]);
+    else
+        turn_scores_16(cos_, sin_, steps, coef, nq, half, out);
+}
+
 static inline int turn_in_runs(int half) { return half % 8 == 0 && 2 * half <= CB_MAX_DIM; }
-static inline int turn_run_keys(int j0, int n) { (void)j0, (void)n; return 16; }
+static inline int turn_run_keys(int j0, int n) { return j0 + TQ_TURN_KEYS <= n ? TQ_TURN_KEYS : 16; }
 #endif
 
 static void turn_scores(const KeyTurn *T, int group, int64_t row_stride, int nq, int d, int64_t k0, int n, float *out) {
