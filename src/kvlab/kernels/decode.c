@@ -1355,8 +1355,14 @@ static void tile_scores(const float *q, const float *tile, int count, int d, int
 #else
     (void)d;
 #endif
-    float all[CB_TILE];   /* eight rows at a time, one tree of adds for the eight (key_scores' one row at a time folds each
-                             row's lanes apart: as costly as the row's multiply-adds where a vector is 8 lanes) */
+    /* eight rows at a time, one tree of adds for the eight (key_scores' one row at a time folds each row's lanes apart:
+     * as costly as the row's multiply-adds where a vector is 8 lanes); a whole tile straight into out */
+    if (count == CB_TILE) {
+        kvlab_cb_dot8(q, tile, dpad, out);
+        kvlab_cb_dot8(q, tile + 8 * (int64_t)dpad, dpad, out + 8);
+        return;
+    }
+    float all[CB_TILE];
     kvlab_cb_dot8(q, tile, dpad, all);
     if (count > 8) kvlab_cb_dot8(q, tile + 8 * (int64_t)dpad, dpad, all + 8);
     memcpy(out, all, sizeof(float) * (size_t)count);
