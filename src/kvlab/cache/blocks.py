@@ -146,6 +146,21 @@ class IntBlocks:
         self.k_scale[layer][block, :, group] = scale
         self.k_zero[layer][block, :, group] = zero
 
+    @staticmethod
+    def open_keys(stage: torch.Tensor, have: int, keys: torch.Tensor) -> torch.Tensor:
+        """(S, have + T, Hkv, Dk): S sequences' keys from their open group on, the group's first `have` keys from their
+        stages (S, G, Hkv, Dk), then the new keys (S, T, Hkv, Dk)."""
+        return torch.cat([stage[:, :have], keys.to(stage.dtype)], dim=1) if have else keys.to(stage.dtype)
+
+    def code_open_keys(self, layer: int, stage: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor) -> None:
+        """S sequences' keys from their open group on (S, n, Hkv, Dk, `open_keys`), their slots (S, n): the whole groups
+        coded (`code_key_groups`), the rest staged in the stages (S, G, Hkv, Dk) for the group they open."""
+        n = keys.shape[1]
+        complete = n // self.group * self.group
+        if complete:
+            self.code_key_groups(layer, slots[:, :complete].flatten(), keys[:, :complete].flatten(0, 1))
+        stage[:, :n - complete] = keys[:, complete:]
+
     def keys(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """(n, Hkv, Dk) float32 of the slots of n tokens in complete groups: zero + code·scale, their group's."""
         block, row = self._at(slots)

@@ -4,7 +4,7 @@ serving pool alike.
 `Quantized` describes one layer's codes (cache/quantized.py: keys coded per channel over groups of G tokens, values
 per group of Gv channels per token, the open key group's keys staged in fp32) and where its rows lie, in the blocks
 of cache/blocks.py IntBlocks:
-    single cache   one block: codes, value scales (Hkv, slots, ...), key scales (Hkv, ⌈slots/G⌉, hd), stage (Hkv, G, hd)
+    single cache   one block: codes, value scales (Hkv, slots, ...), key scales (Hkv, ⌈slots/G⌉, hd), stage (G, Hkv, hd)
     serving pool   codes, value scales (n_blocks, Hkv, block_size, ...), key scales (n_blocks, Hkv, block_size/G, hd),
                    a stage per running sequence (rows, G, Hkv, hd)
 `code_tokens` codes a step's K/V with kvlab_int_code_tokens, which stores each token as the fused decode step stores
@@ -34,11 +34,11 @@ class Quantized(ctypes.Structure):
                 ("block_rows", c_int64), ("block_stride", c_int64), ("meta_block_stride", c_int64)]
 
 
-def single_layout(q: Quantized) -> Quantized:
-    """A single cache's rows (head-major, one block): see the module docstring."""
+def single_layout(q: Quantized, n_kv_heads: int) -> Quantized:
+    """A single cache's rows (head-major, one block) and its stage (G, Hkv, hd): see the module docstring."""
     G, S = q.group, q.slots
     q.head_stride, q.slot_stride, q.meta_head_stride, q.meta_group_stride = S, 1, -(-S // G), 1
-    q.stage_head_stride, q.stage_row_stride = G, 1
+    q.stage_head_stride, q.stage_row_stride = 1, n_kv_heads
     q.block_rows, q.block_stride, q.meta_block_stride = max(S, 1), 0, 0
     return q
 
@@ -54,11 +54,11 @@ def pool_layer(buffers: dict[str, torch.Tensor], stage: torch.Tensor, bits: int,
 
 
 def blocks_layer(buffers: dict[str, torch.Tensor], stage: torch.Tensor, bits: int, group: int, value_group: int,
-                 what: str, heads_first: bool = False) -> Quantized:
+                 what: str) -> Quantized:
     """One layer of cache/blocks.py IntBlocks as the C coder takes it, checked here: buffers {k_codes, v_codes
     (n_blocks, Hkv, block_size, row), k_scale, k_zero (n_blocks, Hkv, ⌈block_size/G⌉, hd), v_scale, v_zero (n_blocks,
-    Hkv, block_size, hd/Gv)} and the layer's stages fp32, one per stage row: (rows, G, Hkv, hd) (the pool's), or with
-    `heads_first` (rows, Hkv, G, hd) (the single cache's, a row per sequence, each sequence its one block)."""
+    Hkv, block_size, hd/Gv)} and the layer's stages fp32, (rows, G, Hkv, hd): one per running sequence (the pool's), or
+    per sequence of a single cache, each its one block."""
     n_blocks, H, bs, _ = buffers["k_codes"].shape
     hd = stage.shape[-1]
     row, n_groups = packed_nbytes(hd, bits), -(-bs // group)
@@ -70,11 +70,11 @@ def blocks_layer(buffers: dict[str, torch.Tensor], stage: torch.Tensor, bits: in
     for name, (shape, dtype) in shapes.items():
         check_buffer(what, name, buffers[name], dtype, shape)
         setattr(q, name, buffers[name].data_ptr())
-    check_buffer(what, "key stage", stage, torch.float32, (stage.shape[0], *((H, group) if heads_first else (group, H)), hd))
+    check_buffer(what, "key stage", stage, torch.float32, (stage.shape[0], group, H, hd))
     q.k_stage = stage.data_ptr()
     q.block_rows, q.block_stride, q.meta_block_stride = bs, H * bs, H * n_groups
     q.head_stride, q.slot_stride, q.meta_head_stride, q.meta_group_stride = bs, 1, n_groups, 1
-    q.stage_head_stride, q.stage_row_stride = (group, 1) if heads_first else (1, H)
+    q.stage_head_stride, q.stage_row_stride = 1, H
     q.checked = (H, hd, stage.shape[0])   # what the buffers were checked for: KV heads, head dim, stage rows
     return q
 

@@ -107,7 +107,8 @@ class QuantizedCache(CompressedCache):
         for name in IntBlocks.BUFFERS:
             setattr(self, name, dict(zip(self.compressed_layers, getattr(self.blocks, name))))
         self._block_layer = {layer: i for i, layer in enumerate(self.compressed_layers)}   # its layer in `blocks`
-        self.k_stage = {l: torch.zeros(B, H, G, g.head_dim, dtype=dtype, device=dev) for l in self.compressed_layers}
+        # per coded layer, each sequence's open key group (B, G, Hkv, Dk), token-major as the pool's stages
+        self.k_stage = {l: torch.zeros(B, G, H, g.head_dim, dtype=dtype, device=dev) for l in self.compressed_layers}
         self.code_kernel = kernel_for(self.device) if b in (4, 8) else None
         # chunks coded by kvlab_int_code_tokens (`_coded_in_c`) where the kernel library is at hand; False: by torch
         # (the reference); per layer, its blocks and stage as the C coder takes them
@@ -124,21 +125,14 @@ class QuantizedCache(CompressedCache):
         # keys: re-open the incomplete group (if any) from the stage, so groups start aligned
         have = start % G
         first = start - have                                                    # first token of the open group
-        block = k.to(self.dtype)
-        if have:
-            block = torch.cat([self.k_stage[layer][:, :, :have], block], dim=2)  # (B, H, have+T, Dk)
+        block = self.blocks.open_keys(self.k_stage[layer], have, k.transpose(1, 2))   # (B, have+T, Hkv, Dk)
         # this append's full-precision keys (and, with a recent window, values) for the queries of the
         # same chunk that precede a group's completion (or a token's spill): see `_scores` and `_mix`
         self._fresh[layer] = (first, block, start, v.to(self.dtype) if self.window else None)
         if self._coded_in_c(layer, k, v, start):
             return
-        n = have + T
-        complete = n // G * G                                                   # tokens of the groups now complete
-        if complete:
-            self.blocks.code_key_groups(self._block_layer[layer], self._slots(first, first + complete),
-                                        _by_token(block[:, :, :complete]))
-        if n > complete:
-            self.k_stage[layer][:, :, :n - complete] = block[:, :, complete:]
+        slots = self._slots(first, first + have + T).view(self.geometry.batch, -1)    # (B, have+T)
+        self.blocks.code_open_keys(self._block_layer[layer], self.k_stage[layer], block, slots)
         # values: groups of channels within each token
         self.blocks.code_values(self._block_layer[layer], self._slots(start, start + T), _by_token(v))
 
@@ -158,7 +152,7 @@ class QuantizedCache(CompressedCache):
         if coder is None:
             i = self._block_layer[layer]
             coder = self._coders[held] = blocks_layer(self.blocks.layer(i), self.k_stage[layer], self.config.bits, G,
-                                                       self.value_group, "integer cache", heads_first=True)
+                                                       self.value_group, "integer cache")
         positions = torch.arange(start, start + T, device=self.device).repeat(g.batch)          # (B·T,)
         sequences = torch.arange(g.batch, device=self.device).repeat_interleave(T)               # (B·T,) stage rows
         return code_tokens(kernel, coder, _by_token(k), _by_token(v), self._slots(start, start + T), positions, sequences)
@@ -180,7 +174,7 @@ class QuantizedCache(CompressedCache):
     def _keys(self, layer: int, n: int) -> torch.Tensor:
         """(B, H, n, Dk) float32 as the next query reads them: codes of the complete groups, then the stage."""
         complete = n // self.config.group_size * self.config.group_size
-        stage = self.k_stage[layer][:, :, :n - complete].float()                 # (B, H, n - complete, Dk)
+        stage = self.k_stage[layer][:, :n - complete].transpose(1, 2).float()    # (B, H, n - complete, Dk)
         return torch.cat([self._coded_keys(layer, 0, complete), stage], dim=2) if complete else stage
 
     def _values(self, layer: int, lo: int, hi: int) -> torch.Tensor:
@@ -205,11 +199,11 @@ class QuantizedCache(CompressedCache):
         """(B, H, n - lo, Dk) float32: the full-precision keys of compressed tokens [lo, n)."""
         complete = n // self.config.group_size * self.config.group_size
         if lo >= complete:
-            return self.k_stage[layer][:, :, lo - complete:n - complete].float()
-        first, block, _, _ = self._fresh.get(layer, (n, None, n, None))
-        if first > lo or block is None or first + block.shape[2] != n:
+            return self.k_stage[layer][:, lo - complete:n - complete].transpose(1, 2).float()
+        first, block, _, _ = self._fresh.get(layer, (n, None, n, None))   # block (B, n - first, Hkv, Dk)
+        if first > lo or block is None or first + block.shape[1] != n:
             raise ConfigError(f"layer {layer}: attention over more queries than the tokens just appended to the integer cache")
-        return block[:, :, lo - first:].float()
+        return block[:, lo - first:].transpose(1, 2).float()
 
     def _coded_read(self, layer: int, qg: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """With the code kernel, the compressed tokens' attention in C, scores, softmax and mix (kvlab_int_attention),

@@ -172,47 +172,21 @@ class TurboQuantConfig:
         return self.pre_rope or self.rope_mean
 
     @property
-    def alloc_option(self) -> str:
-        """"+alloc" (a width per layer) or "+halloc" (per layer and KV head): how the name spells the recipe."""
-        return self.spec.alloc_option
-
-    @property
     def name(self) -> str:
         return self.spec.name
-
-    @property
-    def code_bits(self) -> float:
-        """Bits of Lloyd-Max codes per key coordinate (one fewer with qjl)."""
-        return self.spec.code_bits
-
-    def alloc_units(self, n_layers: int, n_kv_heads: int) -> int:
-        """How many widths a recipe of this cache holds for keys (and for values): one per layer, or per layer and head."""
-        return self.spec.alloc_units(n_layers, n_kv_heads)
 
     def head_widths(self, layer: int, n_kv_heads: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """(key code bits, value bits) of each KV head of `layer`: the recipe's with +alloc / +halloc, else the base
         widths."""
         if self.alloc and not self.key_alloc:
             raise ConfigError(f"cache {self.name!r} has no recipe yet: build it through an engine that calibrates it for "
-                              f"its model (kvlab eval / generate), or spell the recipe as {self.alloc_option}=k<digits>v<digits>")
+                              f"its model (kvlab eval / generate), or spell the recipe as {self.spec.alloc_option}=k<digits>v<digits>")
         if self.alloc_heads:
             span = slice(layer * n_kv_heads, (layer + 1) * n_kv_heads)
             return self.key_alloc[span], self.value_alloc[span]
         if self.key_alloc:
             return (self.key_alloc[layer],) * n_kv_heads, (self.value_alloc[layer],) * n_kv_heads
-        return (self.code_bits,) * n_kv_heads, (self.value_bits,) * n_kv_heads
-
-    def check_outliers(self, dim: int) -> None:
-        """+outliersN fits a head dim of `dim`: N ≤ dim, and channel indices that fit a uint8 (one-line ConfigError)."""
-        self.spec.check_outliers(dim)
-
-    def held_widths(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
-        """The key and value widths whose codebooks a cache holds (all a recipe may use, with +alloc)."""
-        return self.spec.held_widths()
-
-    def codebook_widths(self) -> list[float]:
-        """One entry per codebook the cache holds (format.py CacheSpec.codebook_widths)."""
-        return self.spec.codebook_widths()
+        return (self.spec.code_bits,) * n_kv_heads, (self.value_bits,) * n_kv_heads
 
 
 def config_fields(spec: CacheSpec) -> dict:
@@ -220,12 +194,6 @@ def config_fields(spec: CacheSpec) -> dict:
     settings = {f.name: getattr(spec, f.name) for f in dataclasses.fields(TurboQuantConfig)}
     settings["norm_dtype"] = getattr(torch, spec.norm_dtype)
     return settings
-
-
-def norm_bytes(config: TurboQuantConfig) -> int:
-    """Bytes of each vector's stored scale: 2 (float16 / bfloat16), 1 with +norms8."""
-    return config.spec.norm_bytes
-
 
 
 class TurboQuantCache(CompressedCache):
@@ -527,7 +495,7 @@ class TurboQuantCache(CompressedCache):
     def describe(cls, config: TurboQuantConfig, geometry: CacheGeometry, dtype: torch.dtype) -> str:
         d = geometry.head_dim
         scale = "8-bit log scale" if config.log_norms else "16-bit norm"
-        key = f"per key vector: {d}×{config.code_bits:g}-bit codes{' in blocks of 4' if config.vector else ''} + {scale}"
+        key = f"per key vector: {d}×{config.spec.code_bits:g}-bit codes{' in blocks of 4' if config.vector else ''} + {scale}"
         if config.qjl:
             key += f" + {d}×1-bit QJL signs + 16-bit residual norm"
         if config.outliers:
@@ -550,9 +518,9 @@ class TurboQuantCache(CompressedCache):
         if not config.alloc:   # (a fractional base of +alloc need not split d: its budget is spent instead)
             k, v = config.spec.vector_bytes(d)
             return f"{key} = {k} B; per value vector: {d}×{config.value_bits:g}-bit codes + {scale} = {v} B{fixed}"
-        key_held, value_held = config.held_widths()
+        key_held, value_held = config.spec.held_widths()
         unit = "layer and KV head" if config.alloc_heads else "layer"
-        units = config.alloc_units(geometry.n_layers, geometry.n_kv_heads)
+        units = config.spec.alloc_units(geometry.n_layers, geometry.n_kv_heads)
         total = budget(units, config.key_bits, config.value_bits)
         heads = 1 if config.alloc_heads else geometry.n_kv_heads
         vectors = (f"per token: {total * d // 8 * heads} B of codes (the recipe's key and value widths sum to {total} "
@@ -560,7 +528,7 @@ class TurboQuantCache(CompressedCache):
                    f"{'' if config.alloc_heads else ' of every KV head'}) + a {scale} per key and per value vector")
         if config.outliers:
             vectors += f" + {config.outliers} exact key outlier entr{'y' if config.outliers == 1 else 'ies'} (3 B each)"
-        fixed += (f"; {config.alloc_option}: each {unit}'s key ({key_held[0]}..{key_held[-1]}) and value "
+        fixed += (f"; {config.spec.alloc_option}: each {unit}'s key ({key_held[0]}..{key_held[-1]}) and value "
                   f"({value_held[0]}..{value_held[-1]}) widths from a calibration recipe (1 B each per {unit}, every "
                   f"width's codebook held)")
         return vectors + fixed

@@ -43,13 +43,13 @@ def quantized(cache, layer: int, hd: int, ptr) -> Quantized:
     at = f"layer {layer}"
     q = Quantized(bits=b, group=G, value_group=Gv, slots=S, k_row_bytes=row, v_row_bytes=row)
     shapes = {"k_codes": ((H, S, row), torch.uint8), "k_scale": ((H, -(-S // G), hd), torch.float16),
-              "k_zero": ((H, -(-S // G), hd), torch.float16), "k_stage": ((H, G, hd), torch.float32),
+              "k_zero": ((H, -(-S // G), hd), torch.float16), "k_stage": ((G, H, hd), torch.float32),
               "v_codes": ((H, S, row), torch.uint8), "v_scale": ((H, S, hd // Gv), torch.float16),
               "v_zero": ((H, S, hd // Gv), torch.float16)}
     for name in cache.BUFFERS:
         shape, dtype = shapes[name]
         setattr(q, name, ptr(getattr(cache, name)[layer][0], shape, f"{at} {name}", dtype))
-    return single_layout(q)
+    return single_layout(q, H)
 
 
 def raise_range_error(q: Quantized) -> None:

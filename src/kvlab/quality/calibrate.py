@@ -211,14 +211,14 @@ def resolve(name: str, loaded) -> str:
     if spec.base != "tq" or not spec.alloc or spec.key_alloc:
         return name
     config = compressed(spec)[1]
-    check_geometry((), config.alloc_units(loaded.config.n_layers, loaded.config.n_kv_heads), loaded.config.head_dim,
-                   config.alloc_option)
+    check_geometry((), config.spec.alloc_units(loaded.config.n_layers, loaded.config.n_kv_heads), loaded.config.head_dim,
+                   config.spec.alloc_option)
     digest = model_digest(Path(loaded.path))
     calibrated = replace(config, seed=0).name                                     # what the recipe is for: tq-k4v4+alloc
     memo = (digest, calibrated)
     if memo not in _MEMO:
         path = recipe_path(digest, calibrated)
-        units = config.alloc_units(loaded.config.n_layers, loaded.config.n_kv_heads)
+        units = config.spec.alloc_units(loaded.config.n_layers, loaded.config.n_kv_heads)
         recipe = load_recipe(path, digest, calibrated, config, units)
         if recipe is None:
             whole = whole_base(config).name                                       # tq-k3v2.95+halloc: tq-k3v3+halloc's pass
@@ -299,11 +299,11 @@ def load_recipe(path: Path, digest: str, calibrated: str, config: TurboQuantConf
     try:
         data = _stored_record(path, digest, calibrated)
         keys, values = tuple(int(w) for w in data["keys"]), tuple(int(w) for w in data["values"])
-        check_recipe(keys, values, config.key_bits, config.value_bits, config.alloc, config.alloc_option)
+        check_recipe(keys, values, config.key_bits, config.value_bits, config.alloc, config.spec.alloc_option)
         if len(keys) != n_units:
             raise ValueError(f"{len(keys)} units, the model has {n_units}")
     except (OSError, ValueError, KeyError, TypeError, ConfigError) as err:
-        raise ConfigError(f"stored {config.alloc_option} recipe {path} is unusable ({err}); delete it to calibrate again") from None
+        raise ConfigError(f"stored {config.spec.alloc_option} recipe {path} is unusable ({err}); delete it to calibrate again") from None
     return keys, values
 
 

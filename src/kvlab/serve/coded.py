@@ -229,9 +229,8 @@ class IntPool(CodedPool):
         stage = self.stage[self.state_layer(layer, view)]                              # (rows, G, Hkv, Dk)
         self._fresh = []                  # each sequence's keys from its open group on, exact, for this step's reads
         for s, lo, hi, start, ctx in self.sequences(view):
-            have = start % G
-            keys = k[lo:hi].to(stage.dtype)                                            # (T, Hkv, D)
-            self._fresh.append((start - have, torch.cat([stage[view.rows[s], :have], keys]) if have else keys))
+            have, row = start % G, view.rows[s]
+            self._fresh.append((start - have, self.blocks.open_keys(stage[row:row + 1], have, k[None, lo:hi])[0]))
         coder = self._coder(layer, view)
         if coder is not None:
             positions, rows = self._token_rows(view)                                   # (N,) each; rows: stage rows
@@ -249,20 +248,11 @@ class IntPool(CodedPool):
 
     def _append_reference(self, stage: torch.Tensor, layer: int, view, k: torch.Tensor, v: torch.Tensor) -> None:
         """append in torch: the blocks' coders (cache/blocks.py IntBlocks, QuantizedCache's too) on the step's tokens."""
-        G = self.group
         self.blocks.code_values(layer, view.slots, v)
-        for s, lo, hi, start, ctx in self.sequences(view):
+        for (s, lo, hi, start, ctx), (first, keys) in zip(self.sequences(view), self._fresh):   # keys (have + T, Hkv, D)
             row = view.rows[s]
-            have = start % G
-            first = start - have                                                       # the open group's first token
-            keys = k[lo:hi].to(self.stage.dtype)                                       # (T, Hkv, D)
-            if have:
-                keys = torch.cat([stage[row, :have], keys])                           # (have + T, Hkv, D)
-            complete = len(keys) // G * G
-            if complete:
-                slots = view.layout.slots(s)[first:first + complete].to(self._device)  # (complete,)
-                self.blocks.code_key_groups(layer, slots, keys[:complete])
-            stage[row, :len(keys) - complete] = keys[complete:]
+            slots = view.layout.slots(s)[first:first + len(keys)].to(self._device)         # (have + T,)
+            self.blocks.code_open_keys(layer, stage[row:row + 1], keys[None], slots[None])
 
     def attend(self, layer: int, view, q: torch.Tensor) -> torch.Tensor:
         """q (N, H, D) fp32 -> (N, H, Dv) fp32. With view.use_kernel on CPU: the whole batch in one C call on the pool's
