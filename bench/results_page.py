@@ -618,28 +618,31 @@ SECTIONS = [
               "limit (51.6 GB/s), tq4 at 22%.",
               read_share=True, presets=CURRENT),
         Table("decode_presets_1thread_epyc_avx2.json", decode_contexts,
-              "kvlab bench decode --contexts 512,4k,8k --caches dense-f16,tq4,tq3,tq-k4v4 --threads 1 --repeats 2 "
-              "--steps 16 --out bench/results/decode_presets_1thread_epyc_avx2.json",
+              "kvlab bench decode --contexts 512,2k,4k,8k --caches dense,dense-f16,tq4,tq3,tq-k4v4,int4 --threads 1 "
+              "--repeats 2 --steps 16 --out bench/results/decode_presets_1thread_epyc_avx2.json",
               "An AMD EPYC without AVX-512 (AVX2, FMA, F16C only). A decode step's dense rows are read in place, each "
-              "16-bit row converted in registers once for up to three query heads and asked for a few rows ahead "
-              "(dense-f16 77.5 / 40.9 / 26.5 tokens/s at 512 / 4k / 8k; standalone runs of the same steps give "
-              "47-49 at 4k and 36.5 at 8k when the machine's memory is quiet: its read bandwidth moved between 17 "
-              "and 22 GB/s during this run, and dense-f16's two 8k samples are 18.9 and 34.0). The coded caches "
-              "decode a tile of rows before reading it (a 4-bit part by byte-table lookups, vpshufb on each "
-              "centroid's four bytes), since AVX2 has no register read of codes like the AVX-512 one: `tq4` 0.87 / "
-              "0.72 / 0.82x `dense-f16`, `tq-k4v4` 0.91 / 0.85 / 1.09x, `tq3` 0.67 / 0.34 / 0.37x. Here a step is "
-              "bound by arithmetic, not by bytes read (dense-f16 at 36-40% of the read limit), so reading a quarter "
-              "of the bytes does not pay for decoding them.",
+              "16-bit row converted in registers once for up to three query heads. The coded caches decode a tile of "
+              "rows before reading it, since AVX2 has no register read of codes like the AVX-512 one: a 4-bit part "
+              "by byte-table lookups (vpshufb on each centroid's four bytes), a +vq block part from its planes' bytes "
+              "(scalar bit gathers, one 16-byte point load a block); +norms8 scales are turned back eight at a time "
+              "and +ropemean's per-key term is read by RoPE's symmetry about a run's middle key. `tq4` 0.89 / 0.86 / "
+              "1.04 / 0.84x `dense-f16` at 512 / 2k / 4k / 8k, `tq3` 0.80 / 0.68 / 0.76 / 0.57x, `tq-k4v4` 0.93 / "
+              "0.86 / 1.28 / 0.92x, `int4` 0.92 / 0.78 / 1.13 / 0.60x. The 4k row is noisy (tq4's two samples 38.6 "
+              "and 23.0; the machine's read bandwidth moved between 19.0 and 23.3 GB/s during the run). Those three "
+              "AVX2 reads took `tq4` from 33.7 to 40.9 tokens/s and `tq3` from 17.3 to 30.0 at 4,000 tokens (1 "
+              "thread, back-to-back pairs of the same decode steps before and after them). A step here is bound by "
+              "arithmetic, not by bytes read (dense-f16 at 24-42% of the read limit), so reading a quarter of the "
+              "bytes does not pay for decoding them.",
               read_share=True, presets=CURRENT),
         Table("decode_presets_2threads_epyc_avx2.json", decode_contexts,
-              "kvlab bench decode --contexts 512,4k,8k --caches dense-f16,tq4,tq3,tq-k4v4 --threads 2 --repeats 2 "
-              "--steps 16 --out bench/results/decode_presets_2threads_epyc_avx2.json",
-              "The AVX2 EPYC at 2 threads: dense-f16 95 / 86 / 64 tokens/s at 512 / 4k / 8k (its two 512 samples are "
-              "78 and 111: the machine was noisy then), reading at 49% and 54% of the 2-thread read limit at 4k and "
-              "8k; `tq4` 0.68 / 0.71 / 0.65x of it, `tq-k4v4` 0.70 / 0.87 / 0.70x, `tq3` 0.38 / 0.36 / 0.25x (its "
-              "+vq points are decoded one block at a time here). The prefill column: every cache's prompt chunks are "
-              "read in C, a tile of query rows at a time; dense-f16 prefills 4k tokens in 17.3 s and 8k in 42.5 s, "
-              "`tq4` in 23.1 s and 68.7 s.",
+              "kvlab bench decode --contexts 512,2k,4k,8k --caches dense,dense-f16,tq4,tq3,tq-k4v4,int4 --threads 2 "
+              "--repeats 2 --steps 16 --out bench/results/decode_presets_2threads_epyc_avx2.json",
+              "The AVX2 EPYC at 2 threads: dense-f16 85 / 85 / 65 tokens/s at 2k / 4k / 8k, reading at 38% and 43% "
+              "of the 2-thread read limit at 4k and 8k; `tq4` 0.82 / 0.85 / 0.75x of it, `tq-k4v4` 0.90 / 0.84 / "
+              "0.82x, `tq3` 0.69 / 0.62 / 0.52x, `int4` 0.92 / 0.73 / 0.65x. The 512 row is noise (dense-f16's two "
+              "samples 137 and 51; the read bandwidth the run sampled moved between 28 and 43 GB/s). Prefill (the "
+              "JSON's prefill_s): every cache's prompt chunks are read in C, a tile of query rows at a time; dense-f16 prefills "
+              "4k tokens in 17.4 s and 8k in 41.8 s, `tq4` in 21.3 s and 53.6 s.",
               read_share=True, presets=CURRENT),
         Table("decode_int_1thread_epyc_avx2.json", decode_contexts,
               "kvlab bench decode --contexts 4k --caches dense-f16,int8,int4,tq4 --threads 1 --repeats 2 --steps 16 "
