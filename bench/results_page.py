@@ -641,8 +641,8 @@ SECTIONS = [
               "of the 2-thread read limit at 4k and 8k; `tq4` 0.82 / 0.85 / 0.75x of it, `tq-k4v4` 0.90 / 0.84 / "
               "0.82x, `tq3` 0.69 / 0.62 / 0.52x, `int4` 0.92 / 0.73 / 0.65x. The 512 row is noise (dense-f16's two "
               "samples 137 and 51; the read bandwidth the run sampled moved between 28 and 43 GB/s). Prefill (the "
-              "JSON's prefill_s): every cache's prompt chunks are read in C, a tile of query rows at a time; dense-f16 prefills "
-              "4k tokens in 17.4 s and 8k in 41.8 s, `tq4` in 21.3 s and 53.6 s.",
+              "JSON's prefill_s): every cache's prompt chunks are read in C, a tile of query rows at a time; "
+              "dense-f16 prefills 4k tokens in 17.4 s and 8k in 41.8 s, `tq4` in 21.3 s and 53.6 s.",
               read_share=True, presets=CURRENT),
         Table("decode_int_1thread_epyc_avx2.json", decode_contexts,
               "kvlab bench decode --contexts 4k --caches dense-f16,int8,int4,tq4 --threads 1 --repeats 2 --steps 16 "
