@@ -791,8 +791,8 @@ SECTIONS = [
               "(TTFT p50 85 s against 152 s), and each request's decode tokens then share their steps with the other "
               "fifteen's prompt chunks (TPOT p50 588 ms against 190 ms). The decode step itself is not slower: "
               "the next table gives 307.7 ms a step for dense-f16 and 309.4 ms for tq4 at 16 sequences of ~1,000 "
-              "tokens here. On two cores this workload is bound by computing its 40k prompt tokens, which every format must "
-              "do, so admitting everyone buys little output rate: dense-f16 queues with its cores busy.",
+              "tokens here. On two cores this workload is bound by computing its 40k prompt tokens, which every format "
+              "must do, so admitting everyone buys little output rate: dense-f16 queues with its cores busy.",
               presets=CURRENT),
         Table("served_step_epyc_avx2.json", served_step,
               "python bench/served_step.py --formats dense-f16,tq4 --sequences 16 --prompt-tokens 1000 --new-tokens 80 "

@@ -243,7 +243,8 @@ class TqCodec:
         key_held, value_held = config.spec.held_widths()
         # +alloc: the held widths' codebooks, shared by keys and values, without byte tables (allocation.py)
         vq = config.vector
-        shared = {b: RotatedCodes(d, b, dev, byte_tables=False, vector=vq) for b in config.spec.codebook_widths()} if config.alloc else {}
+        shared = ({b: RotatedCodes(d, b, dev, byte_tables=False, vector=vq) for b in config.spec.codebook_widths()}
+                  if config.alloc else {})
         self.key_books = {b: shared.get(b) or RotatedCodes(d, b, dev, vector=vq) for b in key_held}
         self.value_books = {b: shared.get(b) or RotatedCodes(d, b, dev, vector=vq) for b in value_held}
         widths = {l: config.head_widths(l, H) for l in range(g.n_layers)}    # per layer: (keys, values) per head
@@ -253,7 +254,8 @@ class TqCodec:
 
         self.layer_key_codes = {l: layer_codes(self.key_books, widths[l][0]) for l in self.layers}
         self.layer_value_codes = {l: layer_codes(self.value_books, widths[l][1]) for l in self.layers}
-        base = (centre(config.spec.code_bits), centre(config.value_bits)) if config.alloc else (config.spec.code_bits, config.value_bits)
+        key_bits = config.spec.code_bits
+        base = (centre(key_bits), centre(config.value_bits)) if config.alloc else (key_bits, config.value_bits)
         self.key_codes, self.value_codes = self.key_books[base[0]], self.value_books[base[1]]  # the base widths
         # +alloc / +halloc: the recipe is state the codec holds, one uint8 key and value width per layer (and KV head)
         self.recipe = None

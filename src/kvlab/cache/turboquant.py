@@ -180,7 +180,8 @@ class TurboQuantConfig:
         widths."""
         if self.alloc and not self.key_alloc:
             raise ConfigError(f"cache {self.name!r} has no recipe yet: build it through an engine that calibrates it for "
-                              f"its model (kvlab eval / generate), or spell the recipe as {self.spec.alloc_option}=k<digits>v<digits>")
+                              f"its model (kvlab eval / generate), or spell the recipe as "
+                              f"{self.spec.alloc_option}=k<digits>v<digits>")
         if self.alloc_heads:
             span = slice(layer * n_kv_heads, (layer + 1) * n_kv_heads)
             return self.key_alloc[span], self.value_alloc[span]
@@ -495,7 +496,8 @@ class TurboQuantCache(CompressedCache):
     def describe(cls, config: TurboQuantConfig, geometry: CacheGeometry, dtype: torch.dtype) -> str:
         d = geometry.head_dim
         scale = "8-bit log scale" if config.log_norms else "16-bit norm"
-        key = f"per key vector: {d}×{config.spec.code_bits:g}-bit codes{' in blocks of 4' if config.vector else ''} + {scale}"
+        blocks = " in blocks of 4" if config.vector else ""
+        key = f"per key vector: {d}×{config.spec.code_bits:g}-bit codes{blocks} + {scale}"
         if config.qjl:
             key += f" + {d}×1-bit QJL signs + 16-bit residual norm"
         if config.outliers:

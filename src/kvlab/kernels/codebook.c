@@ -779,23 +779,18 @@ static int block_part_rows(const cb_part *P, const uint8_t *rows, int64_t row_by
 #endif
 
 /* out (n,) = a block part's values: each block's point, its signs applied (turboquant.py _block_decode); the builds
- * without block_part_rows */
+ * without block_part_rows (neither AVX-512 nor AVX2) */
 static void decode_blocks(const cb_part *P, const uint8_t *row, float *out, int32_t *codes) {
     for (int k = 0; k < P->n_planes; k++) plane_codes(row + P->offset[k], P->n_codes, P->width[k], P->shift[k], k == 0, codes);
     for (int b = 0; b < (P->hi - P->lo) / CB_BLOCK; b++) {
         const int index = P->bits == 2 ? codes[b] : codes[2 * b] << 6 | codes[2 * b + 1];
         const float *point = P->table + (index >> CB_BLOCK) * CB_BLOCK;
-#if defined(__AVX2__)
-        const __m128i sign = _mm_and_si128(_mm_sllv_epi32(_mm_set1_epi32(index), _mm_setr_epi32(31, 30, 29, 28)), _mm_set1_epi32(INT32_MIN));
-        _mm_storeu_ps(out + b * CB_BLOCK, _mm_xor_ps(_mm_loadu_ps(point), _mm_castsi128_ps(sign)));   /* CB_BLOCK == 4 lanes */
-#else
         for (int j = 0; j < CB_BLOCK; j++) {   /* the sign bit flipped (-x bit for bit), no branch on random signs */
             uint32_t x;
             memcpy(&x, point + j, 4);
             x ^= (uint32_t)(index >> j & 1) << 31;
             memcpy(out + b * CB_BLOCK + j, &x, 4);
         }
-#endif
     }
 }
 

@@ -1040,7 +1040,7 @@ void kvlab_tq_turn_coef(const float *q, const float *mu, int d, float scale, flo
 }
 
 /* out[i * TQ_READ_KEYS + j] = q_i . R_t μ for keys t = k0 + j < k0 + n: query i's [A | B] (T->coef, laid out as the
- * queries) against key t's cos and sin (first halves). Where AVX-512 is there, runs of TQ_TURN_KEYS keys, then of 16:
+ * queries) against key t's cos and sin (first halves). Where AVX-512 or AVX2 is there, runs of TQ_TURN_KEYS keys, then of 16:
  * the coefficients turned once to a key c of the run (A' = A cos cθ + B sin cθ, B' = B cos cθ - A sin cθ), then read
  * against T->steps' columns r = [cos rθ | sin rθ] for keys c ± r, which stay in L1 (the position rows of a long
  * context do not: each key's would cost more bytes than its codes); the rest from the key's own rows. */

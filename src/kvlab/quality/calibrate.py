@@ -303,7 +303,8 @@ def load_recipe(path: Path, digest: str, calibrated: str, config: TurboQuantConf
         if len(keys) != n_units:
             raise ValueError(f"{len(keys)} units, the model has {n_units}")
     except (OSError, ValueError, KeyError, TypeError, ConfigError) as err:
-        raise ConfigError(f"stored {config.spec.alloc_option} recipe {path} is unusable ({err}); delete it to calibrate again") from None
+        raise ConfigError(f"stored {config.spec.alloc_option} recipe {path} is unusable ({err}); "
+                          "delete it to calibrate again") from None
     return keys, values
 
 
