@@ -236,7 +236,7 @@ class IntPool(CodedPool):
             positions, rows = self._token_rows(view)                                   # (N,) each; rows: stage rows
             if int_kernel.code_tokens(self._kernel, coder, k, v, view.slots, positions, rows):
                 return
-        self._append_reference(stage, layer, view, k, v)
+        self._append_reference(stage, layer, view, v)
 
     def _codes_in_c(self) -> bool:
         """The C coder takes fp32 stages and value heads as wide as key heads."""
@@ -246,8 +246,9 @@ class IntPool(CodedPool):
         """Pool layer `layer`'s blocks with state layer `at`'s stages (cache/int_kernel.py)."""
         return pool_layer(self.blocks.layer(layer), self.stage[at], self.bits, self.group, self.value_group, "integer pool")
 
-    def _append_reference(self, stage: torch.Tensor, layer: int, view, k: torch.Tensor, v: torch.Tensor) -> None:
-        """append in torch: the blocks' coders (cache/blocks.py IntBlocks, QuantizedCache's too) on the step's tokens."""
+    def _append_reference(self, stage: torch.Tensor, layer: int, view, v: torch.Tensor) -> None:
+        """append in torch: the blocks' coders (cache/blocks.py IntBlocks, QuantizedCache's too) on the step's values
+        and on each sequence's keys from its open group on (`_fresh`, which `append` has just gathered)."""
         self.blocks.code_values(layer, view.slots, v)
         for (s, lo, hi, start, ctx), (first, keys) in zip(self.sequences(view), self._fresh):   # keys (have + T, Hkv, D)
             row = view.rows[s]
