@@ -22,6 +22,7 @@ from kvlab.model.blockquant import GEMM_MAX_ROWS, set_activations
 from kvlab.model.fused import fused_decode_step, fused_step_off
 from kvlab.serve import Engine, SamplingParams
 from kvlab.serve.attention import RaggedLayout
+from kvlab.serve.coded import IntPool
 from kvlab.serve.fused_batch import FusedBatchStep, fused_batch_for, fused_batch_off
 
 from .conftest import tiny_model
@@ -240,7 +241,10 @@ def test_when_the_fused_step_applies(monkeypatch):
         assert fused_batch_for(runner, 1) is None
         monkeypatch.delenv("KVLAB_NO_FUSED_BATCH")
         assert fused_batch_for(Engine(model, kv_budget="1MiB", use_kernel=False).runner, 1) is None
-        assert fused_batch_for(Engine(model, cache="int8", kv_budget="1MiB").runner, 1) is None   # coded blocks
+        coded = Engine(model, cache="int8", kv_budget="1MiB").runner                # integer blocks: in C ...
+        assert fused_batch_for(coded, 1) is step
+        monkeypatch.setattr(IntPool, "_codes_in_c", lambda self: False)        # ... where the pool's C coder takes them
+        assert fused_batch_for(Engine(model, cache="int8", kv_budget="1MiB").runner, 1) is None
     model.double()                                                            # cast buffers drop model.fused
     with torch.inference_mode():
         assert fused_batch_for(runner, 1) is None

@@ -64,10 +64,17 @@ def alone(smollm2, engine: Engine, prompt: list[int], max_tokens: int) -> list[i
     return generate(smollm2.model, torch.tensor([prompt]), cache, max_tokens, eos_ids=smollm2.tokenizer.eos_ids).token_ids[0]
 
 
-def assert_same_greedy_tokens(smollm2, engine: Engine, prompt: list[int], got: list[int], want: list[int]) -> None:
+# int4 codes each key channel over 16 tokens from its min and max: on SmolLM2, whose keys have outlier channels, one
+# ulp more on every K/V (x (1 + 2^-23) in the modules' own path) moves the next logits by up to 3.4% of their scale
+NEAR_TIE = {"int4": 3.5e-2}
+
+
+def assert_same_greedy_tokens(smollm2, engine: Engine, prompt: list[int], got: list[int], want: list[int],
+                              near_tie: float = 5e-3) -> None:
     """`got` (batched) equals `want` (alone), or they part where the alone run's top two logits are a near-tie: within
-    5e-3 of the logits' scale, what one flipped code moves them by (C and torch code a coordinate that close to a
-    bucket boundary apart, see test_fused_codes), and every token before it is equal."""
+    `near_tie` of the logits' scale, what one flipped code moves them by (C and torch code a coordinate that close to a
+    bucket boundary apart, see test_fused_codes; NEAR_TIE for int4, where the batch's C products and the single
+    cache's torch prefill part by fp32 rounding), and every token before it is equal."""
     if got == want:
         return
     at = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
@@ -75,13 +82,13 @@ def assert_same_greedy_tokens(smollm2, engine: Engine, prompt: list[int], got: l
     with torch.no_grad():
         logits = smollm2.model(torch.tensor([prompt + want[:at]]), single_cache(engine, geometry))[0, -1]   # (V,)
     gap = (logits[want[at]] - logits[got[at]]).item()
-    assert abs(gap) <= 5e-3 * logits.abs().max().item(), (got, want, at, gap)
+    assert abs(gap) <= near_tie * logits.abs().max().item(), (got, want, at, gap)
 
 
 @pytest.mark.parametrize("name", FORMATS)
 def test_batched_tokens_equal_each_sequence_alone_with_that_format(smollm2, name, monkeypatch):
-    """Through the pool's C kernels where they build (TurboQuant: one call per layer and step, kernels/paged.c, or
-    every layer of a step in one, kernels/batchstep.c)."""
+    """Through the pool's C kernels where they build (TurboQuant: one call per layer and step, kernels/paged.c; both
+    formats: every layer of a step in one, kernels/batchstep.c)."""
     calls = []
     monkeypatch.setattr(coded, "tq_attention", lambda *a, **kw: calls.append(1) or tq_attention(*a, **kw))
     monkeypatch.setattr(coded, "tq_pool_layer", lambda *a, **kw: calls.append(1) or tq_pool_layer(*a, **kw))   # one call a layer
@@ -109,10 +116,11 @@ def test_batched_tokens_equal_each_sequence_alone_with_that_format(smollm2, name
             engine.abort(doomed)                          # in its first decodes: its row and blocks go back
     assert reasons[doomed] == "abort" and cached[rids[2]] == 32
     for rid, (prompt, n) in zip(rids, cases):
-        assert_same_greedy_tokens(smollm2, engine, prompt, tokens[rid], alone(smollm2, engine, prompt, n))
+        assert_same_greedy_tokens(smollm2, engine, prompt, tokens[rid], alone(smollm2, engine, prompt, n),
+                                  NEAR_TIE.get(name, 5e-3))
     stats = engine.stats()
     assert stats.blocks_used == 0 and stats.running == 0 and not getattr(engine.pool, "rows", {})
-    assert bool(calls) == (block_kernel() is not None and CacheSpec.parse(name).base == "tq")
+    assert bool(calls) == (block_kernel() is not None)
 
 
 # -- the pool's attention against the single caches', on random shapes -------------------------------------

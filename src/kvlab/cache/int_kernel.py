@@ -31,7 +31,7 @@ class Quantized(ctypes.Structure):
                 ("k_stage", c_void_p), ("overflow_what", c_int32), ("overflow", c_float),
                 ("head_stride", c_int64), ("slot_stride", c_int64), ("meta_head_stride", c_int64),
                 ("meta_group_stride", c_int64), ("stage_head_stride", c_int64), ("stage_row_stride", c_int64),
-                ("block_rows", c_int64), ("block_stride", c_int64), ("meta_block_stride", c_int64)]
+                ("block_rows", c_int64), ("block_stride", c_int64), ("meta_block_stride", c_int64), ("stages", c_int64)]
 
 
 def single_layout(q: Quantized, n_kv_heads: int) -> Quantized:
@@ -39,7 +39,7 @@ def single_layout(q: Quantized, n_kv_heads: int) -> Quantized:
     G, S = q.group, q.slots
     q.head_stride, q.slot_stride, q.meta_head_stride, q.meta_group_stride = S, 1, -(-S // G), 1
     q.stage_head_stride, q.stage_row_stride = 1, n_kv_heads
-    q.block_rows, q.block_stride, q.meta_block_stride = max(S, 1), 0, 0
+    q.block_rows, q.block_stride, q.meta_block_stride, q.stages = max(S, 1), 0, 0, 1
     return q
 
 
@@ -74,8 +74,8 @@ def blocks_layer(buffers: dict[str, torch.Tensor], stage: torch.Tensor, bits: in
     q.k_stage = stage.data_ptr()
     q.block_rows, q.block_stride, q.meta_block_stride = bs, H * bs, H * n_groups
     q.head_stride, q.slot_stride, q.meta_head_stride, q.meta_group_stride = bs, 1, n_groups, 1
-    q.stage_head_stride, q.stage_row_stride = 1, H
-    q.checked = (H, hd, stage.shape[0])   # what the buffers were checked for: KV heads, head dim, stage rows
+    q.stage_head_stride, q.stage_row_stride, q.stages = 1, H, stage.shape[0]
+    q.checked = (H, hd)   # what the buffers were checked for: KV heads, head dim
     return q
 
 

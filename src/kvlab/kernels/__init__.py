@@ -222,7 +222,7 @@ class BlockKernel:
                                             ptr, i64, i32, ptr, i32, i32, i64, i64, ctypes.c_float, ptr, ptr, i32]
         lib.kvlab_block_gemm.argtypes = [i32, ptr, i64, i64, ptr, i64, ptr, i32]
         lib.kvlab_tq_code_tokens.argtypes = [ptr, i32, i32, i64, ptr, ptr, ptr, ptr, ptr, i32]
-        lib.kvlab_int_code_tokens.argtypes = [ptr, i32, i32, i64, ptr, ptr, ptr, ptr, ptr, i64, i32]
+        lib.kvlab_int_code_tokens.argtypes = [ptr, i32, i32, i64, ptr, ptr, i64, ptr, ptr, ptr, i64, i32]
         for fn in (lib.kvlab_block_gemv, lib.kvlab_block_gemm, lib.kvlab_block_dequantize, lib.kvlab_block_omp_threads,
                    lib.kvlab_int_decode, lib.kvlab_int_attention, lib.kvlab_tq_code_tokens, lib.kvlab_int_code_tokens):
             fn.restype = i32
@@ -371,20 +371,18 @@ class BlockKernel:
     def int_code_tokens(self, quantized, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
                         stage_rows: torch.Tensor) -> int:
         """kvlab_int_code_tokens (decode.c): k, v (n, Hkv, d) fp32 coded into slots (n,) of the integer pool layer
-        `quantized` (a cache/int_kernel.py Quantized, its buffers checked for `quantized.checked` = (Hkv, d, stage
-        rows) where it was made; C checks each slot), token r at positions[r] with its key staged in stage row
-        stage_rows[r]. 0 stored, 1 not finite or beyond float16's range, -1 refused."""
+        `quantized` (a cache/int_kernel.py Quantized, its buffers checked for `quantized.checked` = (Hkv, d) where it
+        was made; C checks each slot and stage row), token r at positions[r] with its key staged in stage row
+        stage_rows[r]. 0 stored, 1 not finite, 2 beyond float16's range, -1 refused."""
         what = "integer coding"
-        heads, d, rows = quantized.checked
+        heads, d = quantized.checked
         n = slots.shape[0] if slots.dim() == 1 else -1
         for name, t in (("slots", slots), ("positions", positions), ("stage rows", stage_rows)):
             check_buffer(what, name, t, torch.int64, (n,))
         check_buffer(what, "keys", k, torch.float32, (n, heads, d))
         check_buffer(what, "values", v, torch.float32, (n, heads, d))
-        if n and (int(stage_rows.min()) < 0 or int(stage_rows.max()) >= rows):
-            return -1
         stage_stride = quantized.group * heads * d                                 # floats of one stage row (G, Hkv, d)
-        return self.lib.kvlab_int_code_tokens(ctypes.byref(quantized), heads, d, n, k.data_ptr(), v.data_ptr(),
+        return self.lib.kvlab_int_code_tokens(ctypes.byref(quantized), heads, d, n, k.data_ptr(), v.data_ptr(), heads * d,
                                                slots.data_ptr(), positions.data_ptr(), stage_rows.data_ptr(), stage_stride,
                                                torch.get_num_threads())
 

@@ -1,6 +1,7 @@
 /* One step of the serving engine in one call: every layer of the model for a stack of N rows of S sequences
- * (kvlab/serve/fused_batch.py), over the engine's dense block pool (kvlab/serve/blocks.py BlockPool) or its TurboQuant
- * pool (kvlab/serve/coded.py TurboPool: each layer through kvlab_tq_pool_layer, tqcodes.h). It is
+ * (kvlab/serve/fused_batch.py), over the engine's dense block pool (kvlab/serve/blocks.py BlockPool), its TurboQuant
+ * pool (kvlab/serve/coded.py TurboPool: each layer through kvlab_tq_pool_layer, tqcodes.h) or its integer pool
+ * (IntPool: each layer through kvlab_int_pool_layer, paged.h). It is
  * Runner.run's module path (kvlab/serve/runner.py: the Decoder's Blocks over a BatchView) with the per-layer
  * Python and small torch operations taken out, and it is tested against that path.
  *
@@ -10,7 +11,8 @@
  *     h = rms_norm(x) ; q|k|v = h W_qkv^T (+ bias) ; [q/k head norms] ; RoPE(q, k) at each row's position ;
  *     K/V written to each row's slot (rounded to f16 / bf16 as torch's .to() rounds, for such a pool) ;
  *     a = each row's attention over its sequence's blocks (paged.c) ; x += a W_out^T ;
- *     (TurboQuant: K/V coded into their slots or sink rows, and a read from the codes, by kvlab_tq_pool_layer)
+ *     (TurboQuant: K/V coded into their slots or sink rows, and a read from the codes, by kvlab_tq_pool_layer;
+ *      integer codes: K/V coded into their slots and stages, and a read from the codes, by kvlab_int_pool_layer)
  *     h = rms_norm(x) ; g|u = h W_gate_up^T ; x += (silu(g) * u) W_down^T
  * x (N, d_model) is updated in place. kvlab_batch_head then takes the rows the step samples: the final norm, the
  * output head (the same product as the layers': the model's choice of kernel) and each row's argmax (the greedy token).
@@ -46,15 +48,18 @@
  * threads than on one) */
 #define ROWS_IN_PARALLEL 65536
 
-enum { POOL_TQ = 4 };          /* Pool.type of TurboQuant blocks: each layer read and written through its descriptor */
+enum { POOL_TQ = 4, POOL_INT = 5 };   /* Pool.type of coded blocks: each layer read and written through its descriptor */
 
 typedef struct {
-    int32_t type;              /* POOL_F32, POOL_F16 or POOL_BF16 (k, v), or POOL_TQ (tq, tq_step) */
+    int32_t type;              /* POOL_F32, POOL_F16 or POOL_BF16 (k, v), POOL_TQ (tq, tq_step) or POOL_INT (ints, stage_rows) */
     int32_t n_layers, n_kv_heads, head_dim;
     int64_t slots;             /* n_blocks * block_size */
     void *k, *v;               /* (n_layers, n_blocks, n_kv_heads, block_size, head_dim) each (cache/blocks.py) */
     const TqPoolLayer *const *tq;  /* POOL_TQ: (n_layers,) each layer's codes, sink rows and codec state */
     const TqStep *tq_step;     /* POOL_TQ: the step's sink entries and RoPE table */
+    Quantized *const *ints;    /* POOL_INT: (n_layers,) each layer's codes and key stages */
+    const int32_t *stage_rows; /* POOL_INT: (n_seqs,) each sequence's stage row */
+    int32_t failed_layer;      /* written by a step that stops at a layer (status 1 or 2): that layer */
 } Pool;
 
 enum { QKV = 0, OUT = 1, GATE_UP = 2, DOWN = 3 };   /* a layer's matrices, in the order of the int8 flags */
@@ -70,7 +75,8 @@ static int sizes_ok(const Model *m, const Pool *P, const Ragged *R, int64_t n_ro
         || n_rows < 0 || m->layers == NULL)
         return 0;
     if (P->n_layers != m->n_layers || P->n_kv_heads != m->n_kv_heads || P->head_dim != hd) return 0;
-    if (P->type == POOL_TQ ? !P->tq || !P->tq_step : !P->k || !P->v) return 0;
+    if (P->type == POOL_TQ ? !P->tq || !P->tq_step : P->type == POOL_INT ? !P->ints || !P->stage_rows : !P->k || !P->v)
+        return 0;
     const int64_t q_dim = (int64_t)m->n_heads * hd, kv_dim = (int64_t)m->n_kv_heads * hd;
     for (int l = 0; l < m->n_layers; l++) {
         const Layer *W = &m->layers[l];
@@ -79,8 +85,11 @@ static int sizes_ok(const Model *m, const Pool *P, const Ragged *R, int64_t n_ro
             return 0;
         if (P->type == POOL_TQ && kvlab_tq_pool_layer_ok(P->tq[l], m->n_heads, m->n_kv_heads, (int)hd, R, n_rows, P->tq_step))
             return 0;
+        if (P->type == POOL_INT && kvlab_int_pool_layer_ok(P->ints[l], m->n_heads, m->n_kv_heads, (int)hd, R, n_rows,
+                                                           P->stage_rows))
+            return 0;
     }
-    return P->type == POOL_TQ || kvlab_paged_layout_ok(n_rows, m->n_heads, m->n_kv_heads, (int)hd, (int)hd, P->type, P->slots,
+    return P->type == POOL_TQ || P->type == POOL_INT || kvlab_paged_layout_ok(n_rows, m->n_heads, m->n_kv_heads, (int)hd, (int)hd, P->type, P->slots,
                                  R->block_tables, R->n_seqs, R->max_blocks, R->block_size, R->query_start,
                                  R->context_len) == 0;
 }
@@ -199,8 +208,9 @@ static int one_row_layers(const Model *m, float *x, const float *cos_, const flo
 /* Every layer for the N rows of x (N, d_model), in place. cos_, sin_ (N, head_dim): each row's RoPE.
  * int8_matrices: a flag per matrix (n_layers x 4, QKV..DOWN) for int8 activations, or NULL for none.
  * Returns 0; -1 (nothing written) when a size or index is refused; -2 without scratch memory; 1 when a TurboQuant
- * scale is not finite (the step stops at that layer). */
-int kvlab_batch_step(const Model *m, float *x, int64_t n_rows, const float *cos_, const float *sin_, const Pool *P,
+ * scale or an integer layer's K/V are not finite, 2 when an integer layer's K/V exceed float16's range (the step stops
+ * at that layer, P->failed_layer). */
+int kvlab_batch_step(const Model *m, float *x, int64_t n_rows, const float *cos_, const float *sin_, Pool *P,
                      const Ragged *R, float scale, int window, const uint8_t *int8_matrices, int q8_min_rows,
                      int n_threads) {
     static const uint8_t fp32_activations[4] = {0, 0, 0, 0};
@@ -210,7 +220,7 @@ int kvlab_batch_step(const Model *m, float *x, int64_t n_rows, const float *cos_
     const int H = m->n_heads, Hkv = m->n_kv_heads, hd = m->head_dim;
     const int64_t N = n_rows, d = m->d_model, ff = m->d_ff, q_dim = (int64_t)H * hd, kv_dim = (int64_t)Hkv * hd;
     const int64_t qkv_dim = q_dim + 2 * kv_dim, wide = d > ff ? d : ff;
-    const int coded = P->type == POOL_TQ;
+    const int coded = P->type == POOL_TQ || P->type == POOL_INT;
     const size_t elem = P->type == POOL_F32 ? 4 : 2, layer_bytes = coded ? 0 : (size_t)P->slots * (size_t)kv_dim * elem;
     if (N == 1 && !coded && (int8_matrices == NULL || q8_min_rows > 1)) {   /* one row (a lone decode token) */
         int s = 0;                                       /* its sequence: the one that owns row 0 */
@@ -248,14 +258,20 @@ int kvlab_batch_step(const Model *m, float *x, int64_t n_rows, const float *cos_
                 store_row(P->type, v, Hkv, hd, v_layer, slot[r], R->block_size);
             }
         }
-        if (coded)   /* K/V coded into their slots (sink positions: sink rows), attention in the model's domain */
+        if (P->type == POOL_TQ)   /* K/V coded into their slots (sink positions: sink rows), attention in the model's domain */
             status = kvlab_tq_pool_layer(P->tq[l], H, Hkv, hd, R, N, P->tq_step, q, qkv + q_dim, qkv + q_dim + kv_dim,
                                          qkv_dim, scale, window, att, n_threads);
+        else if (P->type == POOL_INT)   /* K/V coded into their slots and stages, attention on the codes */
+            status = kvlab_int_pool_layer(P->ints[l], H, Hkv, hd, R, N, P->stage_rows, q, qkv + q_dim, qkv + q_dim + kv_dim,
+                                          qkv_dim, scale, window, att, n_threads);
         else
             status = kvlab_paged_attention(q, N, H, Hkv, hd, hd, k_layer, v_layer, P->type, P->slots, R->block_tables,
                                            R->n_seqs, R->max_blocks, R->block_size, R->query_start, R->context_len,
                                            scale, window, att, n_threads);
-        if (status) break;
+        if (status) {
+            P->failed_layer = l;
+            break;
+        }
         if ((status = product(&W->out, att, N, y, flags[OUT], q8_min_rows, n_threads))) break;
         #pragma omp parallel for schedule(static) num_threads(n_threads) if(N * d >= ROWS_IN_PARALLEL)
         for (int64_t r = 0; r < N; r++) {

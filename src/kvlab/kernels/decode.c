@@ -905,30 +905,7 @@ enum { WRITE_FIRST = 0, WRITE_CODED = 1, WRITE_RECENT = 2, WRITE_SPILL = 3 };  /
                                                                                   coded, the new one joins the window */
 enum { SCALE_NORM = 0, SCALE_RENORM = 1, SCALE_LSQ = 2, SCALE_UNBIASED = 3 };  /* turboquant.py SCALE_MODES */
 
-/* HeadCodes, Coded: a TurboQuant layer's codes (tqcodes.h) */
-
-typedef struct {                   /* an integer layer's codes (kvlab/cache/quantized.py QuantizedCache) */
-    int32_t bits;                  /* code width, 1..8 */
-    int32_t group;                 /* G: tokens per key group */
-    int32_t value_group;           /* Gv: channels per value group */
-    int32_t slots;                 /* coded rows per KV head */
-    int64_t k_row_bytes, v_row_bytes;
-    uint8_t *k_codes, *v_codes;    /* (Hkv, slots, row bytes), packed as intcodes.h reads them */
-    uint16_t *k_scale, *k_zero;    /* (Hkv, ceil(slots / G), hd) f16: one per channel per key group */
-    uint16_t *v_scale, *v_zero;    /* (Hkv, slots, hd / Gv) f16: one per value group per token */
-    float *k_stage;                /* (Hkv, G, hd) fp32: the keys of the open (incomplete) group */
-    int32_t overflow_what;         /* written on a range error: 0 the keys, 1 the values ... */
-    float overflow;                /* ... and the magnitude the module path names */
-    /* where head g's rows lie (int_row): slot t is row o = t % block_rows of block b = t / block_rows; its codes and
-     * value scales at row b * block_stride + g * head_stride + o * slot_stride, its key group's scales at
-     * b * meta_block_stride + g * meta_head_stride + (o / G) * meta_group_stride rows of hd; stage row r at
-     * g * stage_head_stride + r * stage_row_stride rows of hd. A single cache (Hkv, slots, ...), one block:
-     * head (slots, ⌈slots/G⌉), slot and group 1, stage (G, 1); the serving pool's blocks (n_blocks, Hkv, block_rows,
-     * ...), cache/blocks.py's layout: block (Hkv·block_rows, Hkv·block_rows/G), head (block_rows, block_rows/G), slot
-     * and group 1, and a sequence's stage (G, Hkv, hd): (1, Hkv) */
-    int64_t head_stride, slot_stride, meta_head_stride, meta_group_stride, stage_head_stride, stage_row_stride;
-    int64_t block_rows, block_stride, meta_block_stride;
-} Quantized;
+/* HeadCodes, Coded: a TurboQuant layer's codes (tqcodes.h); Quantized: an integer layer's (intcodes.h) */
 
 typedef struct {
     int32_t type;                  /* KV_F32, KV_F16 or KV_BF16: how `first` stores K/V */
@@ -1781,11 +1758,11 @@ static int fill_fits(const LayerKV *kv, const Fill *f) {
 /* ---- integer layers ------------------------------------------------------------------------------------ */
 #define F16_MAX 65504.0f   /* float16's largest value: the scales and zero points cannot follow K/V beyond it */
 
-static int int_layout_ok(const Quantized *Q, int d) {
-    return Q->bits >= 1 && Q->bits <= 8 && Q->group > 0 && Q->value_group > 0 && d % Q->value_group == 0 && Q->slots >= 0
+int kvlab_int_layout_ok(const Quantized *Q, int d) {
+    return Q && Q->bits >= 1 && Q->bits <= 8 && Q->group > 0 && Q->value_group > 0 && d % Q->value_group == 0 && Q->slots >= 0
         && Q->block_rows > 0 && (Q->block_rows >= Q->slots || Q->block_rows % Q->group == 0)
         && Q->k_row_bytes == int_row_bytes(Q->bits, d) && Q->v_row_bytes == int_row_bytes(Q->bits, d)
-        && Q->k_codes && Q->v_codes && Q->k_scale && Q->k_zero && Q->v_scale && Q->v_zero && Q->k_stage;
+        && Q->k_codes && Q->v_codes && Q->k_scale && Q->k_zero && Q->v_scale && Q->v_zero && Q->k_stage && Q->stages >= 1;
 }
 
 /* 0 when `heads` key and value rows (`stride` floats apart) fit float16's range; else 1 with Q->overflow_what and
@@ -1888,33 +1865,39 @@ static void int_store(const Quantized *Q, float *k_stage, int g, int64_t slot, i
  * and stored as the fused step does. 0; 1 when the K/V exceed float16's range (overflow fields set, nothing
  * written); -1 for bad arguments. */
 int kvlab_int_append(Quantized *Q, int heads, int d, int32_t index, const float *k, const float *v) {
-    if (heads <= 0 || d <= 0 || d > CB_MAX_DIM || index < 0 || index >= Q->slots || !int_layout_ok(Q, d)) return -1;
+    if (heads <= 0 || d <= 0 || d > CB_MAX_DIM || index < 0 || index >= Q->slots || !kvlab_int_layout_ok(Q, d)) return -1;
     if (!all_finite(k, heads * d) || !all_finite(v, heads * d)) return -1;
     if (int_range_error(Q, k, v, d, heads, d)) return 1;
     for (int g = 0; g < heads; g++) int_store(Q, Q->k_stage, g, index, index % Q->group, k + (int64_t)g * d, v + (int64_t)g * d, d);
     return 0;
 }
 
-/* Code n tokens' K/V into integer layer Q (the serving pool's layout, see Quantized): k, v (n, Hkv, d); token r is
- * at position positions[r] of its sequence, goes to slot slots[r] (< Q->slots; a key group's G slots consecutive)
- * and stages its key in the stage at Q->k_stage + stages[r] * stage_stride floats (its sequence's, (G, Hkv, d)).
- * The tokens of one sequence come in position order. The one coder of an integer token, as the fused step stores
- * one (int_store). 0; 1 when the K/V exceed float16's range or are not finite (nothing written: the caller's
- * reference names it); -1 for bad arguments. */
-int kvlab_int_code_tokens(Quantized *Q, int Hkv, int d, int64_t n, const float *k, const float *v, const int64_t *slots,
-                          const int64_t *positions, const int64_t *stages, int64_t stage_stride, int n_threads) {
-    if (Hkv <= 0 || d <= 0 || d > CB_MAX_DIM || n < 0 || n_threads < 1 || !int_layout_ok(Q, d) || stage_stride < 0) return -1;
+/* Code n tokens' K/V into integer layer Q (the serving pool's layout, see Quantized): token r's keys at k + r * kv_stride
+ * and values at v + r * kv_stride, (Hkv, d) each; it is at position positions[r] of its sequence, goes to slot slots[r]
+ * (< Q->slots; a key group's G slots consecutive) and stages its key in stage row stages[r] (< Q->stages) at Q->k_stage
+ * + stages[r] * stage_stride floats (its sequence's, (G, Hkv, d)). The tokens of one sequence come in position order.
+ * The one coder of an integer token, as the fused step stores one (int_store). 0; 1 when the K/V are not finite; 2
+ * when they exceed float16's range (Q's overflow fields say how) (nothing written either way: the caller's reference
+ * names it); -1 for bad arguments. */
+int kvlab_int_code_tokens(Quantized *Q, int Hkv, int d, int64_t n, const float *k, const float *v, int64_t kv_stride,
+                          const int64_t *slots, const int64_t *positions, const int64_t *stages, int64_t stage_stride,
+                          int n_threads) {
+    if (Hkv <= 0 || d <= 0 || d > CB_MAX_DIM || n < 0 || n_threads < 1 || !kvlab_int_layout_ok(Q, d) || stage_stride < 0
+        || kv_stride < (int64_t)Hkv * d)
+        return -1;
     for (int64_t r = 0; r < n; r++)
-        if (slots[r] < 0 || slots[r] >= Q->slots || positions[r] < 0 || stages[r] < 0 || slots[r] % Q->group != positions[r] % Q->group)
+        if (slots[r] < 0 || slots[r] >= Q->slots || positions[r] < 0 || stages[r] < 0 || stages[r] >= Q->stages
+            || slots[r] % Q->group != positions[r] % Q->group)
             return -1;
-    if (!all_finite(k, (int)(n * Hkv * d)) || !all_finite(v, (int)(n * Hkv * d))) return 1;
     for (int64_t r = 0; r < n; r++)
-        if (int_range_error(Q, k + r * Hkv * d, v + r * Hkv * d, d, Hkv, d)) return 1;
+        if (!all_finite(k + r * kv_stride, Hkv * d) || !all_finite(v + r * kv_stride, Hkv * d)) return 1;
+    for (int64_t r = 0; r < n; r++)
+        if (int_range_error(Q, k + r * kv_stride, v + r * kv_stride, d, Hkv, d)) return 2;
     #pragma omp parallel for schedule(static) num_threads(n_threads < Hkv ? n_threads : Hkv)
     for (int g = 0; g < Hkv; g++)   /* a head's tokens in order: a group completes after its staged keys */
         for (int64_t r = 0; r < n; r++)
             int_store(Q, Q->k_stage + stages[r] * stage_stride, g, slots[r], (int)(positions[r] % Q->group),
-                      k + (r * Hkv + g) * d, v + (r * Hkv + g) * d, d);
+                      k + r * kv_stride + (int64_t)g * d, v + r * kv_stride + (int64_t)g * d, d);
     return 0;
 }
 
@@ -1947,7 +1930,7 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
                    + chunks_of(fill->recent + (fill->write == WRITE_RECENT));
             any_coded = 1;
         } else if (L->quant) {
-            if (L->type != KV_F32 || !fill || !fill_fits(L, fill) || !int_layout_ok(L->quant, hd) || hd > KVLAB_INT_MAX_DIM
+            if (L->type != KV_F32 || !fill || !fill_fits(L, fill) || !kvlab_int_layout_ok(L->quant, hd) || hd > KVLAB_INT_MAX_DIM
                 || H / Hkv > KVLAB_INT_QUERIES) { free(layouts); return -1; }
             chunks = chunks_of(fill->first + (fill->write == WRITE_FIRST))
                    + chunks_of(fill->coded + (fill->write == WRITE_CODED || fill->write == WRITE_SPILL))

@@ -4,7 +4,10 @@
  * A width that divides 8 (1, 2, 4, 8) packs 8/b codes per byte, low bits first: code c sits in byte c*b/8 at bit
  * (c*b) % 8. Other widths are bit planes, widest first (3 = 2 + 1, 5 = 4 + 1, 6 = 4 + 2, 7 = 4 + 2 + 1): the plane of
  * width w holds bits [s, s + w) of every code packed like a w-bit code, ceil(d*w/8) bytes, and the planes follow each
- * other in the row. */
+ * other in the row.
+ *
+ * `Quantized` describes an integer layer's codes, a single cache's or a serving pool's: decode.c codes tokens into it
+ * (the fused step, kvlab_int_code_tokens) and paged.c reads and writes a pool layer of it (kvlab_int_pool_layer). */
 #ifndef KVLAB_INTCODES_H
 #define KVLAB_INTCODES_H
 #include <stdint.h>
@@ -12,6 +15,37 @@
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
+
+typedef struct {                   /* an integer layer's codes (kvlab/cache/quantized.py QuantizedCache) */
+    int32_t bits;                  /* code width, 1..8 */
+    int32_t group;                 /* G: tokens per key group */
+    int32_t value_group;           /* Gv: channels per value group */
+    int32_t slots;                 /* coded rows per KV head */
+    int64_t k_row_bytes, v_row_bytes;
+    uint8_t *k_codes, *v_codes;    /* (Hkv, slots, row bytes), packed as intcodes.h reads them */
+    uint16_t *k_scale, *k_zero;    /* (Hkv, ceil(slots / G), hd) f16: one per channel per key group */
+    uint16_t *v_scale, *v_zero;    /* (Hkv, slots, hd / Gv) f16: one per value group per token */
+    float *k_stage;                /* (Hkv, G, hd) fp32: the keys of the open (incomplete) group */
+    int32_t overflow_what;         /* written on a range error: 0 the keys, 1 the values ... */
+    float overflow;                /* ... and the magnitude the module path names */
+    /* where head g's rows lie (int_row): slot t is row o = t % block_rows of block b = t / block_rows; its codes and
+     * value scales at row b * block_stride + g * head_stride + o * slot_stride, its key group's scales at
+     * b * meta_block_stride + g * meta_head_stride + (o / G) * meta_group_stride rows of hd; stage row r at
+     * g * stage_head_stride + r * stage_row_stride rows of hd. A single cache (Hkv, slots, ...), one block:
+     * head (slots, ⌈slots/G⌉), slot and group 1, stage (G, 1); the serving pool's blocks (n_blocks, Hkv, block_rows,
+     * ...), cache/blocks.py's layout: block (Hkv·block_rows, Hkv·block_rows/G), head (block_rows, block_rows/G), slot
+     * and group 1, and a sequence's stage (G, Hkv, hd): (1, Hkv) */
+    int64_t head_stride, slot_stride, meta_head_stride, meta_group_stride, stage_head_stride, stage_row_stride;
+    int64_t block_rows, block_stride, meta_block_stride;
+    int64_t stages;                /* stage rows k_stage holds: one per sequence, each (G, Hkv, hd) */
+} Quantized;
+
+/* decode.c: 1 when Q describes an integer layer of heads of d channels that C codes and reads, else 0 */
+int kvlab_int_layout_ok(const Quantized *Q, int d);
+/* decode.c: n tokens' K/V coded into Q (see its comment there). 0; 1 not finite; 2 beyond float16; -1 refused */
+int kvlab_int_code_tokens(Quantized *Q, int Hkv, int d, int64_t n, const float *k, const float *v, int64_t kv_stride,
+                          const int64_t *slots, const int64_t *positions, const int64_t *stages, int64_t stage_stride,
+                          int n_threads);
 
 /* bytes of one row of d codes of `bits` bits (packing.packed_nbytes) */
 static inline int64_t int_row_bytes(int bits, int d) {

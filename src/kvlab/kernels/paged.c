@@ -26,6 +26,8 @@
  * kvlab_paged_int_attention reads integer blocks (IntPool) with the single integer cache's own per-query function
  * (intcache.h kvlab_int_attend: one softmax over the whole context, no split), so that the pool's output is the
  * single cache's to the bit: int codes would turn a rounding difference into a different code now and then.
+ kvlab_int_pool_layer is one integer pool layer of a step (batchstep.c): the step's K/V coded by the coder of the
+ * single cache and the fused decode step (decode.c kvlab_int_code_tokens), then that read.
  */
 #include <math.h>
 #include <stdint.h>
@@ -459,6 +461,66 @@ int kvlab_paged_int_attention(const float *q, int64_t n_rows, int n_heads, int n
     }
     free(block_row);
     free(block_seq);
+    return status;
+}
+
+/* -- an integer pool layer of a step (batchstep.c): its tokens coded, then read ------------------------------------ */
+int kvlab_int_pool_layer_ok(const Quantized *Q, int n_heads, int n_kv_heads, int hd, const Ragged *R, int64_t n_rows,
+                            const int32_t *stage_rows) {
+    if (!Q || !R || !stage_rows || n_kv_heads <= 0 || !kvlab_int_layout_ok(Q, hd) || hd > KVLAB_INT_MAX_DIM) return -1;
+    const int64_t bs = R->block_size, groups = bs / Q->group;   /* cache/blocks.py IntBlocks' layout, its stages' */
+    if (Q->block_rows != bs || bs % Q->group || Q->head_stride != bs || Q->slot_stride != 1
+        || Q->block_stride != n_kv_heads * bs || Q->meta_head_stride != groups || Q->meta_group_stride != 1
+        || Q->meta_block_stride != n_kv_heads * groups || Q->stage_head_stride != 1 || Q->stage_row_stride != n_kv_heads)
+        return -1;
+    for (int s = 0; s < R->n_seqs; s++)
+        if (stage_rows[s] < 0 || stage_rows[s] >= Q->stages) return -1;
+    return check_layout(n_rows, n_heads, n_kv_heads, hd, hd, POOL_F32, Q->slots, R->block_tables, R->n_seqs,
+                        R->max_blocks, R->block_size, R->query_start, R->context_len, INT64_MAX);
+}
+
+int kvlab_int_pool_layer(Quantized *Q, int n_heads, int n_kv_heads, int hd, const Ragged *R, int64_t n_rows,
+                         const int32_t *stage_rows, const float *q, const float *k, const float *v, int64_t kv_stride,
+                         float scale, int window, float *out, int n_threads) {
+    if (kvlab_int_pool_layer_ok(Q, n_heads, n_kv_heads, hd, R, n_rows, stage_rows) || kv_stride < (int64_t)n_kv_heads * hd)
+        return -1;
+    const int G = Q->group, S = R->n_seqs;
+    const int64_t kv = (int64_t)n_kv_heads * hd, stage_floats = G * kv;   /* a stage: (G, Hkv, hd) */
+    int64_t *exact_start = malloc(sizeof(int64_t) * (size_t)(S + 1)), *at = malloc(sizeof(int64_t) * 3 * (size_t)n_rows);
+    int status = exact_start && at ? 0 : -2;
+    float *exact = NULL;
+    if (status == 0) {   /* each sequence's keys from its open group on: the group's staged keys, then its rows' */
+        exact_start[0] = 0;
+        for (int s = 0; s < S; s++) {
+            const int64_t n = R->query_start[s + 1] - R->query_start[s];
+            exact_start[s + 1] = exact_start[s] + (R->context_len[s] - n) % G + n;
+        }
+        exact = malloc(sizeof(float) * (size_t)(exact_start[S] * kv + 1));
+        status = exact ? 0 : -2;
+    }
+    int64_t *slots = at, *positions = at + n_rows, *stages = at + 2 * n_rows;
+    for (int s = 0; s < S && status == 0; s++) {
+        const int64_t r0 = R->query_start[s], start = R->context_len[s] - (R->query_start[s + 1] - r0), have = start % G;
+        const float *stage = Q->k_stage + stage_rows[s] * stage_floats;
+        memcpy(exact + exact_start[s] * kv, stage, sizeof(float) * (size_t)(have * kv));
+        for (int64_t r = r0; r < R->query_start[s + 1]; r++) {
+            memcpy(exact + (exact_start[s] + have + r - r0) * kv, k + r * kv_stride, sizeof(float) * (size_t)kv);
+            positions[r] = start + r - r0;
+            slots[r] = kvlab_ragged_slot(R, s, positions[r]);
+            stages[r] = stage_rows[s];
+        }
+    }
+    if (status == 0)
+        status = kvlab_int_code_tokens(Q, n_kv_heads, hd, n_rows, k, v, kv_stride, slots, positions, stages, stage_floats,
+                                       n_threads);
+    if (status == 0)
+        status = kvlab_paged_int_attention(q, n_rows, n_heads, n_kv_heads, hd, hd, Q->bits, Q->k_codes, Q->k_scale,
+                                           Q->k_zero, G, Q->v_codes, Q->v_scale, Q->v_zero, Q->value_group, Q->slots,
+                                           exact, exact_start, exact_start[S], R->block_tables, S, R->max_blocks,
+                                           R->block_size, R->query_start, R->context_len, scale, window, out, n_threads);
+    free(exact_start);
+    free(at);
+    free(exact);
     return status;
 }
 

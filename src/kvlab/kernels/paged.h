@@ -1,8 +1,10 @@
-/* paged.c's dense entry points for the other C sources (batchstep.c): ragged attention over K/V blocks
- * (TurboQuant pool layers: tqcodes.h). */
+/* paged.c's entry points for the other C sources (batchstep.c): ragged attention over K/V blocks, an integer pool
+ * layer of a step (TurboQuant pool layers: tqcodes.h). */
 #ifndef KVLAB_PAGED_H
 #define KVLAB_PAGED_H
 #include <stdint.h>
+
+#include "intcodes.h"   /* Quantized */
 
 enum { POOL_F32 = 0, POOL_F16 = 1, POOL_BF16 = 2 };   /* how a pool stores K/V */
 
@@ -38,4 +40,17 @@ void kvlab_paged_attend_item(const float *q, int n_heads, int n_kv_heads, int d,
                              const void *v_pool, int dtype, const int32_t *block_tables, int n_seqs, int max_blocks,
                              int block_size, const int32_t *query_start, const int32_t *context_len, float scale,
                              int window, float *out, int64_t item);
+
+/* 0 when kvlab_int_pool_layer takes these sizes: Q laid out as cache/blocks.py IntBlocks' blocks (R->block_size rows
+ * each) with its stages, each sequence's stage row (stage_rows (n_seqs,)) below Q->stages, every block id inside Q */
+int kvlab_int_pool_layer_ok(const Quantized *Q, int n_heads, int n_kv_heads, int hd, const Ragged *R, int64_t n_rows,
+                            const int32_t *stage_rows);
+/* One integer pool layer of a step (serve/coded.py IntPool): each row's K/V (k, v rows `kv_stride` floats apart, (Hkv,
+ * hd) each, keys after RoPE) coded into its slot, its key staged in its sequence's stage row (kvlab_int_code_tokens),
+ * then out (n_rows, H, hd) = each row's attention over its sequence's codes, q (n_rows, H, hd) after RoPE, the keys
+ * from the row's open group on exact (kvlab_paged_int_attention). 0; -1 refused (nothing written); -2 no memory; 1
+ * K/V not finite, 2 beyond float16's range (Q's overflow fields set) (nothing written, nothing attended). */
+int kvlab_int_pool_layer(Quantized *Q, int n_heads, int n_kv_heads, int hd, const Ragged *R, int64_t n_rows,
+                         const int32_t *stage_rows, const float *q, const float *k, const float *v, int64_t kv_stride,
+                         float scale, int window, float *out, int n_threads);
 #endif

@@ -29,6 +29,8 @@ single cache's `_fresh`). The reference splits the chunk's queries into runs bet
 one grouped_attention over the keys it reads; with use_kernel (CPU) the whole step is one C call per layer
 (kernels/paged.c kvlab_paged_int_attention) that reads the codes in place and the `_fresh` keys exact, each query
 through the function the single int8/int4 cache reads with (kernels/intcache.h): bitwise the single cache's output.
+The engine's fused step (serve/fused_batch.py) runs both per layer in one C call (kernels/paged.c
+kvlab_int_pool_layer: the step's exact keys from each stage and the rows, the C coder, that read).
 
 TurboQuant's per-layer state: rotations and codebooks are data-independent; the key offset, the key
 channel weights and the +norms8 scale centres are calibrated once, at pool construction, by running the model on
@@ -188,6 +190,22 @@ class CodedPool:
     def _describe(self, layer: int, at: int):
         raise NotImplementedError
 
+    def layer_structs(self):
+        """Every layer's C description (a model of one layer group, `_layer_struct`) as the engine's fused step reads
+        them: a ctypes array of pointers (L,), made once; None where a layer does not run in C."""
+        held = getattr(self, "_layer_array", None)
+        if held is None:
+            structs = [self._layer_struct(layer) for layer in range(self.geometry.n_layers)]
+            if any(s is None for s in structs):
+                return None
+            held = (ctypes.POINTER(type(structs[0])) * len(structs))(*(ctypes.pointer(s) for s in structs))
+            held.structs = structs
+            self._layer_array = held
+        return held
+
+    def _layer_struct(self, layer: int):
+        raise NotImplementedError
+
     # -- reading ------------------------------------------------------------------------------------------
     @staticmethod
     def sequences(view):
@@ -245,6 +263,10 @@ class IntPool(CodedPool):
     def _describe(self, layer: int, at: int):
         """Pool layer `layer`'s blocks with state layer `at`'s stages (cache/int_kernel.py)."""
         return pool_layer(self.blocks.layer(layer), self.stage[at], self.bits, self.group, self.value_group, "integer pool")
+
+    def _layer_struct(self, layer: int):
+        """Layer `layer`'s codes and stages as kvlab_int_pool_layer codes and reads them (the C coder's description)."""
+        return self._coder_at(layer, layer)
 
     def _append_reference(self, stage: torch.Tensor, layer: int, view, v: torch.Tensor) -> None:
         """append in torch: the blocks' coders (cache/blocks.py IntBlocks, QuantizedCache's too) on the step's values
@@ -387,18 +409,8 @@ class TurboPool(CodedPool):
             described = self._pool_layers[layer, at] = self._c_layers.pool_layer(coder, *sinks)
         return described
 
-    def layer_structs(self):
-        """Every layer's `layer_struct` (a model of one layer group) as the fused step reads them: a ctypes array of
-        pointers (L,), made once; None where a layer does not run in C."""
-        held = getattr(self, "_layer_array", None)
-        if held is None:
-            structs = [self.layer_struct(layer, layer) for layer in range(self.geometry.n_layers)]
-            if any(s is None for s in structs):
-                return None
-            held = (ctypes.POINTER(TqPoolLayer) * len(structs))(*(ctypes.pointer(s) for s in structs))
-            held.structs = structs
-            self._layer_array = held
-        return held
+    def _layer_struct(self, layer: int) -> TqPoolLayer | None:
+        return self.layer_struct(layer, layer)
 
     def step_struct(self, layout, rows: list[int] | None, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> TqStep:
         """What every layer of a step reads in C beside its descriptor: each sequence's sink entry (+sinkN) and the RoPE

@@ -1,5 +1,6 @@
-"""FusedBatchStep: every layer of an engine step in one C call (kernels/batchstep.c), over the dense block pool or a
-TurboQuant pool (each layer's K/V coded and read by paged.c kvlab_tq_pool_layer, through the pool's descriptors).
+"""FusedBatchStep: every layer of an engine step in one C call (kernels/batchstep.c), over the dense block pool, a
+TurboQuant pool or an integer pool (each layer's K/V coded and read by paged.c kvlab_tq_pool_layer or
+kvlab_int_pool_layer, through the pool's descriptors).
 
 The runner's module path (runner.py) runs a step's rows through the Decoder's Blocks: per layer a few dozen small
 torch operations whose Python overhead was ~20% of a 16-row decode step. The fused step does the same arithmetic
@@ -30,9 +31,10 @@ from ..kernels import block_kernel, check_buffer
 from ..kernels.paged import POOL_DTYPES, Ragged
 from ..model.blockquant import GEMM_MAX_ROWS, Q8_MIN_ROWS, BlockQuantLinear, gemm_enabled
 from ..model.fused import FusedDecodeStep
+from ..model.fused_int import raise_range_error
 from .attention import RaggedLayout
 from .blocks import BlockPool
-from .coded import TurboPool
+from .coded import IntPool, TurboPool
 
 WHAT = "fused batch step"
 OFF_ENV = "KVLAB_NO_FUSED_BATCH"   # set: every engine step through the modules
@@ -40,10 +42,11 @@ OFF_ENV = "KVLAB_NO_FUSED_BATCH"   # set: every engine step through the modules
 
 class _Pool(ctypes.Structure):   # batchstep.c Pool
     _fields_ = [("type", c_int32), ("n_layers", c_int32), ("n_kv_heads", c_int32), ("head_dim", c_int32),
-                ("slots", c_int64), ("k", c_void_p), ("v", c_void_p), ("tq", c_void_p), ("tq_step", c_void_p)]
+                ("slots", c_int64), ("k", c_void_p), ("v", c_void_p), ("tq", c_void_p), ("tq_step", c_void_p),
+                ("ints", c_void_p), ("stage_rows", c_void_p), ("failed_layer", c_int32)]
 
 
-POOL_TQ = 4   # batchstep.c: a TurboQuant pool, each layer through its descriptor (tqcodes.h)
+POOL_TQ, POOL_INT = 4, 5   # batchstep.c: a TurboQuant or integer pool, each layer through its descriptor
 
 
 class FusedBatchStep:
@@ -70,15 +73,16 @@ class FusedBatchStep:
         return torch.tensor([isinstance(m, BlockQuantLinear) and m.activations == "int8" for m in self._matrices],
                             dtype=torch.uint8)
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: BlockPool | TurboPool,
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: BlockPool | TurboPool | IntPool,
                  layout: RaggedLayout, scale: float, window: int | None, rows: list[int] | None = None) -> torch.Tensor:
         """x (1, N, C) embedded rows, cos/sin (N, D) at their positions -> (1, N, C) after every layer; each row's
         K/V written to its pool slot (found through the layout's block tables). A TurboPool codes them there (sink
-        positions into the sink rows of each sequence's entry, `rows`: pool.rows_for of the step's sequences)."""
+        positions into the sink rows of each sequence's entry, `rows`: pool.rows_for of the step's sequences), an
+        IntPool too (each sequence's open key group in its stage row, `rows`)."""
         cfg = self.config
         C, D, L = cfg.d_model, cfg.head_dim, cfg.n_layers
-        if not isinstance(layout, RaggedLayout) or not isinstance(pool, (BlockPool, TurboPool)):
-            raise ConfigError(f"{WHAT}: needs a RaggedLayout over a dense BlockPool or a TurboPool, got "
+        if not isinstance(layout, RaggedLayout) or not isinstance(pool, (BlockPool, TurboPool, IntPool)):
+            raise ConfigError(f"{WHAT}: needs a RaggedLayout over a dense BlockPool, a TurboPool or an IntPool, got "
                               f"{type(layout).__name__} over {type(pool).__name__}")
         S = layout.context_len.numel()
         check_buffer(WHAT, "query_start", layout.query_start, torch.int32, (S + 1,))
@@ -110,7 +114,10 @@ class FusedBatchStep:
         if status == -2:
             raise KvlabError(f"{WHAT}: no memory for the scratch rows of {N} tokens")
         if status == 1:
-            raise NonFiniteError(f"{WHAT}: a TurboQuant key or value scale of the step is not finite")
+            what = "an integer key or value" if isinstance(pool, IntPool) else "a TurboQuant key or value scale"
+            raise NonFiniteError(f"{WHAT}: {what} of the step is not finite")
+        if status == 2:
+            raise_range_error(pool.layer_structs().structs[pool_struct.failed_layer])   # the modules' message
         if status != 0:
             raise ConfigError(f"{WHAT} refused {S} sequences over {pool_struct.slots} pool slots (a block id, length or "
                               f"offset out of range, or a pool not shaped for this model)")
@@ -118,14 +125,22 @@ class FusedBatchStep:
             pool.sinks_written(L - 1, layout, rows)
         return rows_out.view(1, N, C)
 
-    def _pool_struct(self, pool: BlockPool | TurboPool, layout: RaggedLayout, rows: list[int] | None) -> tuple[_Pool, object]:
+    def _pool_struct(self, pool: BlockPool | TurboPool | IntPool, layout: RaggedLayout,
+                     rows: list[int] | None) -> tuple[_Pool, object]:
         """batchstep.c's Pool over `pool`, checked, and what it points at that nothing else holds during the call."""
         cfg = self.config
         D, L = cfg.head_dim, cfg.n_layers
-        if isinstance(pool, TurboPool):   # each layer's descriptor was checked where it was made
+        if isinstance(pool, (TurboPool, IntPool)):   # each layer's descriptor was checked where it was made
             layers = pool.layer_structs()
             if layers is None or len(layers) != L or pool.geometry.n_kv_heads != cfg.n_kv_heads or pool.geometry.head_dim != D:
-                raise ConfigError(f"{WHAT}: the TurboQuant pool's layers are not {L} coded in C for this model")
+                raise ConfigError(f"{WHAT}: the {type(pool).__name__}'s layers are not {L} coded in C for this model")
+        if isinstance(pool, IntPool):
+            if rows is None or len(rows) != layout.context_len.numel():
+                raise ConfigError(f"{WHAT}: an integer pool needs each sequence's stage row")
+            stage_rows = torch.tensor(rows, dtype=torch.int32)                       # (S,)
+            return _Pool(POOL_INT, L, cfg.n_kv_heads, D, pool.slots, None, None, None, None, ctypes.addressof(layers),
+                         stage_rows.data_ptr()), stage_rows
+        if isinstance(pool, TurboPool):
             if pool.sinks is not None and (rows is None or len(rows) != layout.context_len.numel()):
                 raise ConfigError(f"{WHAT}: a pool with sink rows needs each sequence's entry")
             step = pool.step_struct(layout, rows)
@@ -191,9 +206,10 @@ def _step_of(model) -> FusedBatchStep | None:
 
 def fused_batch_for(runner, n_rows: int) -> FusedBatchStep | None:
     """The fused step when it runs this step of `runner` as the modules would, else None (the module path): dense
-    blocks in fp32/f16/bf16 or TurboQuant blocks whose layers run in C (a model of one layer group) on the
-    CPU, the C attention kernel chosen, the model's fused decode step in place, and at most GEMM_MAX_ROWS rows (more
-    go through torch's GEMM in the modules, faster than the block GEMM)."""
+    blocks in fp32/f16/bf16, or TurboQuant or integer blocks whose layers run in C (a model of one layer group; an
+    integer pool's C coder takes an fp32 stage and value heads as wide as key heads) on the CPU, the C attention kernel
+    chosen, the model's fused decode step in place, and at most GEMM_MAX_ROWS rows (more go through torch's GEMM in the
+    modules, faster than the block GEMM)."""
     pool = runner.pool
     if not runner.fused_batch or os.environ.get(OFF_ENV) or not runner.use_kernel or pool.device.type != "cpu":
         return None
@@ -202,10 +218,12 @@ def fused_batch_for(runner, n_rows: int) -> FusedBatchStep | None:
     if type(pool) is BlockPool:
         if pool.dtype not in POOL_DTYPES:
             return None
-    elif type(pool) is not TurboPool or not pool.layers_in_c or len(runner.groups.members) != 1 or runner.state is not None:
+    elif type(pool) not in (TurboPool, IntPool) or len(runner.groups.members) != 1 or runner.state is not None:
+        return None
+    elif type(pool) is TurboPool and not pool.layers_in_c:
         return None
     step = _step_of(runner.model)
-    if step is not None and type(pool) is TurboPool and pool.layer_structs() is None:
+    if step is not None and type(pool) is not BlockPool and pool.layer_structs() is None:
         return None
     return step
 

@@ -4,7 +4,7 @@ The N tokens of a step (decode tokens and prefill chunks of any number of sequen
 model as one (1, N, C) batch, so every weight matrix is read once per step. The model's own Block
 modules run it: BatchView speaks the cache protocol (append / attend, and mix for recurrent layers) for the
 step, writing each token's K/V into its pool slot and answering attention per sequence through its block table.
-Where it applies (dense or TurboQuant blocks, at most GEMM_MAX_ROWS rows: fused_batch.fused_batch_for), the same
+Where it applies (dense, TurboQuant or integer blocks, at most GEMM_MAX_ROWS rows: fused_batch.fused_batch_for), the same
 layers run in one C call instead, and the sampled rows' final norm, output head and argmax in one more.
 
 Models whose layers differ in kind (Gemma 3, Qwen3.5) run the modules: each attention layer reads the blocks of its
