@@ -517,12 +517,17 @@ class TqCodec:
         weights = self.key_weights(layer)
         return self.rotations[layer].apply(qg if weights is None else qg * weights)
 
-    def keys(self, layer: int, stored: dict[str, torch.Tensor], lo: int, hi: int) -> torch.Tensor:
-        """Stored keys [lo, hi) as attention reads them (after RoPE with +prerope, +ropemean), (B, H, hi-lo, d) float32."""
+    def rotated_keys(self, layer: int, stored: dict[str, torch.Tensor], lo: int, hi: int) -> torch.Tensor:
+        """Stored keys [lo, hi) in the rotated domain, as the rotated queries read them: codebook values (+ the QJL
+        residual estimate) times their scales, (B, H, hi-lo, d) float32."""
         k_rot = self.decoded(stored["k_codes"], self.layer_key_codes[layer], lo, hi)
         if self.config.qjl:
             k_rot = k_rot + self.qjl_term(stored, lo, hi)
-        k = self.rotations[layer].invert(k_rot * stored["k_norm"][:, :, lo:hi].float()[..., None])
+        return k_rot * stored["k_norm"][:, :, lo:hi, None].float()
+
+    def keys(self, layer: int, stored: dict[str, torch.Tensor], lo: int, hi: int) -> torch.Tensor:
+        """Stored keys [lo, hi) as attention reads them (after RoPE with +prerope, +ropemean), (B, H, hi-lo, d) float32."""
+        k = self.rotations[layer].invert(self.rotated_keys(layer, stored, lo, hi))
         if self.config.rope_mean:   # (k - μ)/w before RoPE, which the weights (per pair) and the offset then meet
             k = self.rope(k, lo, inverse=True)
         weights = self.key_weights(layer)
@@ -552,11 +557,7 @@ class TqCodec:
         """Scaled logits of qg (B, H, G·T, d) against the first n tokens of `stored` -> (B, H, G·T, n), on the codes
         (the torch path; kernels/decode.c kvlab_tq_read reads them so in C)."""
         q_rot = self.rotated_queries(layer, qg) * scale                           # (B, H, G·T, d)
-        norms = stored["k_norm"][:, :, None, :n]                                   # (B, H, 1, n) 16-bit
-        y_hat = self.decoded(stored["k_codes"], self.layer_key_codes[layer], 0, n)         # (B, H, n, d) codebook values
-        if self.config.qjl:
-            y_hat = y_hat + self.qjl_term(stored, 0, n)                           # unbiased residual estimate
-        scores = q_rot @ (y_hat * norms.transpose(-1, -2)).transpose(-1, -2)      # (B, H, G·T, n)
+        scores = q_rot @ self.rotated_keys(layer, stored, 0, n).transpose(-1, -2)  # (B, H, G·T, n)
         if self.k_offset:
             scores += (qg @ self.k_offset[layer][..., None].float()) * scale      # (B, H, G·T, 1) q·μ
         if self.config.outliers:

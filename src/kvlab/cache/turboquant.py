@@ -398,10 +398,7 @@ class TurboQuantCache(CompressedCache):
         if self.config.turns_keys or self.config.outliers:
             out, lse = attend_with_lse(qg, codec.keys(layer, stored, lo, hi), values, self.scale, mask)  # (B, H, R, d), (B, H, R)
         else:
-            keys = codec.decoded(stored["k_codes"], codec.layer_key_codes[layer], lo, hi)       # (B, H, n, d) codebook values
-            if self.config.qjl:
-                keys = keys + codec.qjl_term(stored, lo, hi)
-            keys = keys * stored["k_norm"][:, :, lo:hi, None].float()
+            keys = codec.rotated_keys(layer, stored, lo, hi)                       # (B, H, n, d)
             out, lse = attend_with_lse(codec.rotated_queries(layer, qg), keys, values, self.scale, mask)
             if codec.k_offset:
                 lse = lse + (qg @ codec.k_offset[layer][..., None].float())[..., 0] * self.scale  # q·μ, the same for every key
