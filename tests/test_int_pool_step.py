@@ -125,7 +125,7 @@ def test_bad_rows_and_keys_beyond_float16_are_one_line_errors():
             step(x, cos, sin, pool, layout, runner.scale, None, [0])
         with fused_batch_off(runner), pytest.raises(NonFiniteError) as modules:
             runner.hidden([chunk])
-        for error in (fused.value, modules.value):    # C checks every key as it comes, torch a key group when it completes
+        for error in (fused.value, modules.value):    # C checks each key as it comes, torch a key group when complete
             assert "exceeds the float16 range of the integer cache's scales" in str(error) and "\n" not in str(error)
         norm.div_(1e6)
         assert step(x, cos, sin, pool, layout, runner.scale, None, [0]).shape == x.shape

@@ -382,9 +382,9 @@ class BlockKernel:
         check_buffer(what, "keys", k, torch.float32, (n, heads, d))
         check_buffer(what, "values", v, torch.float32, (n, heads, d))
         stage_stride = quantized.group * heads * d                                 # floats of one stage row (G, Hkv, d)
-        return self.lib.kvlab_int_code_tokens(ctypes.byref(quantized), heads, d, n, k.data_ptr(), v.data_ptr(), heads * d,
-                                               slots.data_ptr(), positions.data_ptr(), stage_rows.data_ptr(), stage_stride,
-                                               torch.get_num_threads())
+        return self.lib.kvlab_int_code_tokens(ctypes.byref(quantized), heads, d, n, k.data_ptr(), v.data_ptr(),
+                                               heads * d, slots.data_ptr(), positions.data_ptr(), stage_rows.data_ptr(),
+                                               stage_stride, torch.get_num_threads())
 
     def openmp_threads(self, n: int) -> int:
         """Threads a parallel region of the kernel library actually gets when asked for n."""

@@ -51,7 +51,7 @@
 enum { POOL_TQ = 4, POOL_INT = 5 };   /* Pool.type of coded blocks: each layer read and written through its descriptor */
 
 typedef struct {
-    int32_t type;              /* POOL_F32, POOL_F16 or POOL_BF16 (k, v), POOL_TQ (tq, tq_step) or POOL_INT (ints, stage_rows) */
+    int32_t type;              /* POOL_F32, POOL_F16, POOL_BF16 (k, v), POOL_TQ (tq, tq_step), POOL_INT (ints, stage_rows) */
     int32_t n_layers, n_kv_heads, head_dim;
     int64_t slots;             /* n_blocks * block_size */
     void *k, *v;               /* (n_layers, n_blocks, n_kv_heads, block_size, head_dim) each (cache/blocks.py) */
@@ -89,9 +89,9 @@ static int sizes_ok(const Model *m, const Pool *P, const Ragged *R, int64_t n_ro
                                                            P->stage_rows))
             return 0;
     }
-    return P->type == POOL_TQ || P->type == POOL_INT || kvlab_paged_layout_ok(n_rows, m->n_heads, m->n_kv_heads, (int)hd, (int)hd, P->type, P->slots,
-                                 R->block_tables, R->n_seqs, R->max_blocks, R->block_size, R->query_start,
-                                 R->context_len) == 0;
+    return P->type == POOL_TQ || P->type == POOL_INT
+        || kvlab_paged_layout_ok(n_rows, m->n_heads, m->n_kv_heads, (int)hd, (int)hd, P->type, P->slots, R->block_tables,
+                                 R->n_seqs, R->max_blocks, R->block_size, R->query_start, R->context_len) == 0;
 }
 
 /* y (M, W.rows) = x (M, W.cols) W^T (+ bias): 0, or the product kernel's error */
@@ -258,7 +258,7 @@ int kvlab_batch_step(const Model *m, float *x, int64_t n_rows, const float *cos_
                 store_row(P->type, v, Hkv, hd, v_layer, slot[r], R->block_size);
             }
         }
-        if (P->type == POOL_TQ)   /* K/V coded into their slots (sink positions: sink rows), attention in the model's domain */
+        if (P->type == POOL_TQ)   /* K/V coded into slots (sink positions: sink rows), attention in the model's domain */
             status = kvlab_tq_pool_layer(P->tq[l], H, Hkv, hd, R, N, P->tq_step, q, qkv + q_dim, qkv + q_dim + kv_dim,
                                          qkv_dim, scale, window, att, n_threads);
         else if (P->type == POOL_INT)   /* K/V coded into their slots and stages, attention on the codes */

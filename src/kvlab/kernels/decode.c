@@ -1930,8 +1930,8 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
                    + chunks_of(fill->recent + (fill->write == WRITE_RECENT));
             any_coded = 1;
         } else if (L->quant) {
-            if (L->type != KV_F32 || !fill || !fill_fits(L, fill) || !kvlab_int_layout_ok(L->quant, hd) || hd > KVLAB_INT_MAX_DIM
-                || H / Hkv > KVLAB_INT_QUERIES) { free(layouts); return -1; }
+            if (L->type != KV_F32 || !fill || !fill_fits(L, fill) || !kvlab_int_layout_ok(L->quant, hd)
+                || hd > KVLAB_INT_MAX_DIM || H / Hkv > KVLAB_INT_QUERIES) { free(layouts); return -1; }
             chunks = chunks_of(fill->first + (fill->write == WRITE_FIRST))
                    + chunks_of(fill->coded + (fill->write == WRITE_CODED || fill->write == WRITE_SPILL))
                    + chunks_of(fill->recent + (fill->write == WRITE_RECENT));

@@ -25,7 +25,7 @@ typedef struct {                   /* an integer layer's codes (kvlab/cache/quan
     uint8_t *k_codes, *v_codes;    /* (Hkv, slots, row bytes), packed as intcodes.h reads them */
     uint16_t *k_scale, *k_zero;    /* (Hkv, ceil(slots / G), hd) f16: one per channel per key group */
     uint16_t *v_scale, *v_zero;    /* (Hkv, slots, hd / Gv) f16: one per value group per token */
-    float *k_stage;                /* (Hkv, G, hd) fp32: the keys of the open (incomplete) group */
+    float *k_stage;                /* (stages, G, Hkv, hd) fp32: each sequence's keys of its open (incomplete) group */
     int32_t overflow_what;         /* written on a range error: 0 the keys, 1 the values ... */
     float overflow;                /* ... and the magnitude the module path names */
     /* where head g's rows lie (int_row): slot t is row o = t % block_rows of block b = t / block_rows; its codes and

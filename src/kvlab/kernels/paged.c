@@ -26,7 +26,7 @@
  * kvlab_paged_int_attention reads integer blocks (IntPool) with the single integer cache's own per-query function
  * (intcache.h kvlab_int_attend: one softmax over the whole context, no split), so that the pool's output is the
  * single cache's to the bit: int codes would turn a rounding difference into a different code now and then.
- kvlab_int_pool_layer is one integer pool layer of a step (batchstep.c): the step's K/V coded by the coder of the
+ * kvlab_int_pool_layer is one integer pool layer of a step (batchstep.c): the step's K/V coded by the coder of the
  * single cache and the fused decode step (decode.c kvlab_int_code_tokens), then that read.
  */
 #include <math.h>
@@ -486,7 +486,8 @@ int kvlab_int_pool_layer(Quantized *Q, int n_heads, int n_kv_heads, int hd, cons
         return -1;
     const int G = Q->group, S = R->n_seqs;
     const int64_t kv = (int64_t)n_kv_heads * hd, stage_floats = G * kv;   /* a stage: (G, Hkv, hd) */
-    int64_t *exact_start = malloc(sizeof(int64_t) * (size_t)(S + 1)), *at = malloc(sizeof(int64_t) * 3 * (size_t)n_rows);
+    int64_t *exact_start = malloc(sizeof(int64_t) * (size_t)(S + 1));
+    int64_t *at = malloc(sizeof(int64_t) * (3 * (size_t)n_rows + 1));   /* each row's slot, position and stage row */
     int status = exact_start && at ? 0 : -2;
     float *exact = NULL;
     if (status == 0) {   /* each sequence's keys from its open group on: the group's staged keys, then its rows' */

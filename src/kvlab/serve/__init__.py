@@ -6,7 +6,7 @@
     scheduler.py  waiting / running queues, per-step token budget, chunked prefill, preemption
     attention.py  attention over a ragged batch through block tables (torch reference + kernels/paged.c)
     runner.py     one batched forward per step: weights read once, attention per block table
-    fused_batch.py  the same step in one C call (kernels/batchstep.c) where it applies: dense, int or tq blocks, <= 48 rows
+    fused_batch.py  the same step in one C call (kernels/batchstep.c) where it applies: any blocks, <= 48 rows
     sampling.py   SamplingParams, the batched draw (penalties, logit_bias, min_p, grammar masks, logprobs), stop strings
     grammar.py    constrained decoding (llguidance): JSON schemas and Lark grammars, one mask row per sequence
     engine.py     add_request · step · abort · generate; n choices forked from one prefill
