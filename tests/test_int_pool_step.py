@@ -2,9 +2,10 @@
 the step's exact keys from each sequence's stage and rows, the C coder, the paged read) against the module path
 (serve/coded.py IntPool: the same coder and read, called layer by layer from the Blocks).
 
-Every step of an engine run is computed both ways from the same pool state: the rows' logits agree to fp32 rounding
-and the codes, scales and stages are the ones the modules write; greedy tokens are the modules'; bad stage rows and
-K/V beyond float16 are one-line errors.
+Every step of an engine run is computed both ways from the same pool state (test_tq_pool_step's harness): the stages
+agree to fp32 rounding, the codes and scales are the ones the modules write, the rows' logits agree within what a
+code moved by that rounding makes of them; greedy tokens are the modules'; bad stage rows and K/V beyond float16 are
+one-line errors.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from kvlab.serve.coded import IntPool
 from kvlab.serve.fused_batch import FusedBatchStep, fused_batch_for, fused_batch_off
 
 from .kernel_checks import require_kernel
-from .test_fused_batch import fused_model, prompts_of
+from .test_fused_batch import fused_model
+from .test_tq_pool_step import every_step_both_ways, greedy_tokens_both_ways
 
 CASES = [  # format, query heads, KV heads, sliding window
     ("int4", 4, 2, None),           # groups of the block size (4 tokens)
@@ -46,57 +48,17 @@ def kernel():
 
 @pytest.mark.parametrize("name,heads,kv_heads,window", CASES)
 def test_every_fused_step_equals_the_modules(name, heads, kv_heads, window):
-    """Each step both ways from the same pool state: the stages to fp32 rounding, the codes and scales the modules write
-    (an fp32 ulp of the K/V may move a value across a code boundary, more often among int8's 256 levels: at most 1
-    byte in 200), and the logits to 2e-4 of
-    their scale (a moved 4-bit code moves its value by a step of its group's range: up to 5e-5 here, 1e-6 without)."""
+    """The stages to fp32 rounding; the codes and scales the modules write but for 1 byte in 200 (an fp32 ulp of the
+    K/V moves a value across a code boundary more often among int8's 256 levels); the logits to 2e-4 of their scale
+    (a moved 4-bit code moves its value by a step of its group's range: up to 5e-5 here, 1e-6 without)."""
     engine = engine_of(name, heads, kv_heads, window)
-    runner, pool, model = engine.runner, engine.pool, engine.model
-    assert isinstance(pool, IntPool)
-    rows_per_step, changed, written = [], 0, 0
-
-    @torch.inference_mode()
-    def run(chunks):
-        nonlocal changed, written
-        n = sum(c.n_tokens for c in chunks)
-        assert fused_batch_for(runner, n) is not None, f"a step of {n} rows did not take the fused path"
-        before = {key: t.clone() for key, t in buffers(pool).items()}
-        with fused_batch_off(runner):
-            want = runner.hidden(chunks)                                       # (1, N, C)
-        wanted = {key: t.clone() for key, t in buffers(pool).items()}
-        for key, t in buffers(pool).items():
-            t.copy_(before[key])
-        got = runner.hidden(chunks)                                            # (1, N, C)
-        want_logits, got_logits = model.logits(want), model.logits(got)
-        assert (got_logits - want_logits).abs().max().item() <= 2e-4 * want_logits.abs().max().item() + 1e-6
-        for key, t in buffers(pool).items():
-            if key == "stage":
-                torch.testing.assert_close(t, wanted[key], rtol=1e-5, atol=1e-5 * wanted[key].abs().max().item())
-            else:
-                changed += int((t != wanted[key]).sum())
-                written += int((wanted[key] != before[key]).sum())
-        rows_per_step.append(n)
-        return runner.sample(chunks, want)
-
-    runner.run = run
-    engine.generate(prompts_of(0), [SamplingParams(max_tokens=n) for n in (7, 3, 9, 5, 4)], progress=False)
-    assert 1 in rows_per_step and max(rows_per_step) == 11                   # lone decodes and mixed stacks
-    assert written > 0 and changed <= written // 200
+    assert isinstance(engine.pool, IntPool)
+    every_step_both_ways(engine, buffers, lambda key: key == "stage", 2e-4, 200)
 
 
 @pytest.mark.parametrize("name,heads,kv_heads,window", CASES[:2])
 def test_fused_greedy_tokens_equal_the_modules(name, heads, kv_heads, window):
-    prompts = prompts_of(1, (3, 17, 8, 30, 1, 12))
-    params = [SamplingParams(max_tokens=n) for n in (9, 4, 12, 6, 10, 7)]
-    modules = engine_of(name, heads, kv_heads, window, 1)
-    with fused_batch_off(modules.runner):
-        want = [out.token_ids for out in modules.generate(prompts, params, progress=False)]
-    fused, calls = engine_of(name, heads, kv_heads, window, 1), []
-    step_call = FusedBatchStep.__call__
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(FusedBatchStep, "__call__", lambda self, *a: calls.append(1) or step_call(self, *a))
-        got = [out.token_ids for out in fused.generate(prompts, params, progress=False)]
-    assert len(calls) == fused.stats().steps and got == want                 # every step fused, the same tokens
+    greedy_tokens_both_ways(lambda: engine_of(name, heads, kv_heads, window, 1))
 
 
 def test_bad_rows_and_keys_beyond_float16_are_one_line_errors():

@@ -164,13 +164,12 @@ def engine_of(name: str, seed: int = 0) -> Engine:
                   max_batch=4, max_step_tokens=11)
 
 
-@pytest.mark.parametrize("name", STEP_FORMATS)
-def test_every_fused_step_equals_the_modules(name):
-    """Each step runs both ways from the same pool state (the modules with each layer's parts apart: the C coder, the
-    paged codes attention, the rest in torch): the rows' logits agree as the dense test's (1e-5 of their
-    scale), the sink rows (fp32 K/V) to fp32 rounding, and the codes and scales are the ones the modules write (an
-    fp32 ulp of a product may move a coordinate across a code boundary: at most 1 byte in 1000)."""
-    engine = engine_of(name)
+def every_step_both_ways(engine: Engine, buffers, exact, logits_rel: float, byte_share: int, apart=None) -> None:
+    """Each step of an engine run, both ways from the same pool state: the modules (and inside them `apart(pool,
+    True)` ... `apart(pool, False)`, where given) and the fused step. The rows' logits agree to `logits_rel` of their
+    scale, the buffers `exact(key)` names (full-precision rows) to fp32 rounding, and the other buffers (codes and
+    scales) are the ones the modules write but for at most 1 byte in `byte_share`: an fp32 ulp of a product may move
+    a coordinate across a code boundary. buffers(pool) -> {key: tensor}. The run has lone decodes and mixed stacks."""
     runner, pool, model = engine.runner, engine.pool, engine.model
     rows_per_step, changed, written = [], 0, 0
 
@@ -181,17 +180,19 @@ def test_every_fused_step_equals_the_modules(name):
         assert fused_batch_for(runner, n) is not None, f"a step of {n} rows did not take the fused path"
         before = {key: t.clone() for key, t in buffers(pool).items()}
         with fused_batch_off(runner):
-            pool.layers_in_c = False                                           # the modules, each layer's parts apart
+            if apart:
+                apart(pool, True)
             want = runner.hidden(chunks)                                       # (1, N, C)
-            pool.layers_in_c = True
+            if apart:
+                apart(pool, False)
         wanted = {key: t.clone() for key, t in buffers(pool).items()}
         for key, t in buffers(pool).items():
             t.copy_(before[key])
         got = runner.hidden(chunks)                                            # (1, N, C)
         want_logits, got_logits = model.logits(want), model.logits(got)
-        assert (got_logits - want_logits).abs().max().item() <= 1e-5 * want_logits.abs().max().item() + 1e-6
+        assert (got_logits - want_logits).abs().max().item() <= logits_rel * want_logits.abs().max().item() + 1e-6
         for key, t in buffers(pool).items():
-            if key.startswith("sink."):
+            if exact(key):
                 torch.testing.assert_close(t, wanted[key], rtol=1e-5, atol=1e-5 * wanted[key].abs().max().item())
             else:
                 changed += int((t != wanted[key]).sum())
@@ -202,23 +203,43 @@ def test_every_fused_step_equals_the_modules(name):
     runner.run = run
     engine.generate(prompts_of(0), [SamplingParams(max_tokens=n) for n in (7, 3, 9, 5, 4)], progress=False)
     assert 1 in rows_per_step and max(rows_per_step) == 11                   # lone decodes and mixed stacks
-    assert written > 0 and changed <= written // 1000
+    assert written > 0 and changed <= written // byte_share
 
 
-@pytest.mark.parametrize("name", STEP_FORMATS)
-def test_fused_greedy_tokens_equal_the_modules(name):
+def greedy_tokens_both_ways(make_engine, apart=None) -> tuple[Engine, Engine]:
+    """Greedy tokens of six requests through the modules (`apart(pool, True)` first, where given) and through the
+    fused step, every step of it fused: the same tokens. -> (the modules' engine, the fused one)."""
     prompts = prompts_of(1, (3, 17, 8, 30, 1, 12))
     params = [SamplingParams(max_tokens=n) for n in (9, 4, 12, 6, 10, 7)]
-    modules = engine_of(name, 1)
-    modules.pool.layers_in_c = False                                           # each layer's parts apart
+    modules = make_engine()
+    if apart:
+        apart(modules.pool, True)
     with fused_batch_off(modules.runner):
         want = [out.token_ids for out in modules.generate(prompts, params, progress=False)]
-    fused, calls = engine_of(name, 1), []
+    fused, calls = make_engine(), []
     step_call = FusedBatchStep.__call__
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(FusedBatchStep, "__call__", lambda self, *a: calls.append(1) or step_call(self, *a))
         got = [out.token_ids for out in fused.generate(prompts, params, progress=False)]
     assert len(calls) == fused.stats().steps and got == want                 # every step fused, the same tokens
+    return modules, fused
+
+
+def layers_apart(pool: TurboPool, apart: bool) -> None:
+    """The modules with each layer's parts apart (the C coder, the paged codes attention, the rest in torch)."""
+    pool.layers_in_c = not apart
+
+
+@pytest.mark.parametrize("name", STEP_FORMATS)
+def test_every_fused_step_equals_the_modules(name):
+    """Against the modules with each layer's parts apart; the logits as the dense test's (1e-5 of their scale), the
+    sink rows (fp32 K/V) to fp32 rounding, the codes and scales but for 1 byte in 1000."""
+    every_step_both_ways(engine_of(name), buffers, lambda key: key.startswith("sink."), 1e-5, 1000, layers_apart)
+
+
+@pytest.mark.parametrize("name", STEP_FORMATS)
+def test_fused_greedy_tokens_equal_the_modules(name):
+    modules, fused = greedy_tokens_both_ways(lambda: engine_of(name, 1), layers_apart)
     if fused.pool.sinks:
         assert fused.pool.sinks.written == modules.pool.sinks.written
 
