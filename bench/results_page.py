@@ -637,12 +637,13 @@ SECTIONS = [
         Table("decode_presets_2threads_epyc_avx2.json", decode_contexts,
               "kvlab bench decode --contexts 512,2k,4k,8k --caches dense,dense-f16,tq4,tq3,tq-k4v4,int4 --threads 2 "
               "--repeats 2 --steps 16 --out bench/results/decode_presets_2threads_epyc_avx2.json",
-              "The AVX2 EPYC at 2 threads: dense-f16 85 / 85 / 65 tokens/s at 2k / 4k / 8k, reading at 38% and 43% "
-              "of the 2-thread read limit at 4k and 8k; `tq4` 0.82 / 0.85 / 0.75x of it, `tq-k4v4` 0.90 / 0.84 / "
-              "0.82x, `tq3` 0.69 / 0.62 / 0.52x, `int4` 0.92 / 0.73 / 0.65x. The 512 row is noise (dense-f16's two "
-              "samples 137 and 51; the read bandwidth the run sampled moved between 28 and 43 GB/s). Prefill (the "
-              "JSON's prefill_s): every cache's prompt chunks are read in C, a tile of query rows at a time; "
-              "dense-f16 prefills 4k tokens in 17.4 s and 8k in 41.8 s, `tq4` in 21.3 s and 53.6 s.",
+              "The AVX2 EPYC at 2 threads: dense-f16 94 / 99 / 84 / 50 tokens/s at 512 / 2k / 4k / 8k, reading at "
+              "40% and 36% of the 2-thread read limit at 4k and 8k; `tq4` 0.95 / 0.85 / 0.74 / 0.82x of it, "
+              "`tq-k4v4` 1.16 / 0.82 / 0.76 / 1.01x, `tq3` 0.90 / 0.65 / 0.55 / 0.64x, `int4` 1.06 / 0.66 / 0.67 / "
+              "0.68x. A noisy run from 2k on (tq4's two samples at 4k 71.5 and 51.9; the read bandwidth it sampled "
+              "moved between 25 and 40 GB/s): compare within a row. Prefill (the JSON's prefill_s): every cache's "
+              "prompt chunks are read in C, a tile of query rows at a time; dense-f16 prefills 4k tokens in 16.1 s "
+              "and 8k in 44.9 s, `tq4` in 20.6 s and 62.9 s.",
               read_share=True, presets=CURRENT),
         Table("decode_int_1thread_epyc_avx2.json", decode_contexts,
               "kvlab bench decode --contexts 4k --caches dense-f16,int8,int4,tq4 --threads 1 --repeats 2 --steps 16 "
