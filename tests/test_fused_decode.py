@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType, quants
 
 from kvlab.cache import CacheGeometry, make_cache
 from kvlab.errors import CacheCapacityError, NonFiniteError
-from kvlab.model.blockquant import BlockMatrix
+from kvlab.model.blockquant import BlockMatrix, set_activations
 from kvlab.model.fused import FusedDecodeStep, decode_step_kind, fused_decode_step, fused_step_off
 from kvlab.model.loader import install_blocks
 from .kernel_checks import require_kernel
@@ -114,6 +114,23 @@ def test_fused_steps_on_block_weights(block_type):
     fused, _ = decode(model, tokens, 4, fused=True)
     modules, _ = decode(model, tokens, 4, fused=False)
     assert (fused - modules).abs().max().item() < 1e-5 * modules.abs().max().item() + 1e-6
+
+
+@pytest.mark.parametrize("block_type", ["Q4_0", "Q4_1", "Q8_0"])
+def test_fused_steps_with_int8_activations(block_type):
+    """With int8 activations (weights native-q8) the step's products are q8gemm.c's row dots, the modules' kernel for
+    one row: within 5e-3 of the modules' logits (an activation an ulp apart may round to a neighbouring code), and not
+    the fp32 step's."""
+    model = tiny_model(n_heads=4, n_kv_heads=2, d_model=64, d_ff=544, qkv_bias=True, tie_embeddings=False)
+    quantize_matrices(model, block_type)
+    tokens = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(6))
+    fp32, _ = decode(model, tokens, 4, fused=True)
+    set_activations(model, "int8")
+    fused, _ = decode(model, tokens, 4, fused=True)
+    modules, _ = decode(model, tokens, 4, fused=False)
+    scale = modules.abs().max().item()
+    assert (fused - modules).abs().max().item() < 5e-3 * scale
+    assert (fused[:, 4:] - fp32[:, 4:]).abs().max().item() > 1e-5 * scale
 
 
 def test_fused_step_is_the_same_for_any_thread_count():

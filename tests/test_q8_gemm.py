@@ -21,7 +21,7 @@ from kvlab import kernels
 from kvlab.errors import ConfigError
 from kvlab.kernels.q8gemm import Q8Kernel, q8_kernel_for
 from kvlab.model import blockquant, int8act
-from kvlab.model.blockquant import BlockMatrix, BlockQuantLinear, set_activations
+from kvlab.model.blockquant import BlockMatrix, BlockQuantLinear, block_fields, set_activations
 
 from .kernel_checks import MARCH, build_variant, one_thread, require_kernel  # noqa: F401  (one_thread: autouse)
 from .test_blockquant import TYPES, random_blocks
@@ -29,8 +29,8 @@ from .test_blockquant import TYPES, random_blocks
 #: each build variant of q8gemm.c: its -march flags and the CPU flag it needs to run here
 VARIANT_FLAGS = {"avx512-vnni": (["-march=x86-64-v4", "-mavx512vnni"], "avx512_vnni"), "avx512": ([MARCH["avx512"]], "avx512bw"),
                  "avx2": ([MARCH["avx2"]], "avx2"), "plain": ([MARCH["plain"]], "")}
-#: (M rows of X, N weight rows, K columns): one row, a group less one / exactly / plus one, two groups plus a tail
-SHAPES = [(1, 1, 32), (2, 3, 64), (15, 33, 96), (16, 8, 576), (17, 77, 128), (40, 9, 1536), (70, 64, 320)]
+#: (M rows of X, N weight rows, K columns): a few rows (row dots), a group less one / exactly / plus one, two groups plus a tail
+SHAPES = [(1, 1, 32), (2, 3, 64), (3, 40, 1536), (15, 33, 96), (16, 8, 576), (17, 77, 128), (40, 9, 1536), (70, 64, 320)]
 
 
 @pytest.fixture(scope="module")
@@ -61,10 +61,35 @@ def activations(m: int, k: int, seed: int) -> torch.Tensor:
     return x
 
 
+FEW_ROWS = 4   # q8gemm.c Q8_FEW_ROWS: below it, every output is one row dot
+
+
+def row_dot_magnitudes(block_type: str, data: torch.Tensor, k: int, x: torch.Tensor) -> torch.Tensor:
+    """(M, N) float64: the scale of the row dot's fp32 sums. It adds each block's eight lane sums (codes of the
+    unsigned operand: Q4 nibbles as they are, Q8_0's signed codes) times d_w·d_a, and beside them m·(d_a·s) (Q4_0: m =
+    -8 d_w), so its rounding is measured against Σ_b |d_w·d_a| Σ_c |w_c·a_c| + |m_b·d_a·s_b|, not the net terms."""
+    codes, scales, sums = int8act.quantize_rows(x)
+    w, d_w, m_w = block_fields(block_type, data, k)                                      # (N, B, 32), (N, B)
+    w = w + 8 if block_type == "Q4_0" else w
+    a = codes.reshape(codes.shape[0], k // 32, 32).double().abs()                       # (M, B, 32)
+    lanes = torch.einsum("mbc,nbc->mnb", a, w.double().abs())                           # (M, N, B)
+    scale = (d_w[None] * scales[:, None]).double().abs()                                # (M, N, B)
+    total = (lanes * scale).sum(-1)
+    m = m_w if block_type == "Q4_1" else -8 * d_w if block_type == "Q4_0" else None
+    if m is not None:
+        total += (m[None].double() * (scales * sums.float())[:, None].double()).abs().sum(-1)
+    return total
+
+
 def assert_close_to_reference(y: torch.Tensor, block_type: str, data: torch.Tensor, x: torch.Tensor) -> None:
+    """Within the fp32 summation's rounding of the exact sum: the packed kernel rounds once per block, the row dots
+    of a few rows once per block in each of eight lanes, then over the lanes."""
     k = x.shape[1]
     exact = int8act.int8_linear_reference(block_type, data, k, x)                       # (M, N) float64
-    bound = (k // 32) * 2.0 ** -24 * int8act.term_magnitudes(block_type, data, k, x) + 1e-30
+    if x.shape[0] < FEW_ROWS:
+        bound = (k // 32 + 8) * 2.0 ** -24 * row_dot_magnitudes(block_type, data, k, x) + 1e-30
+    else:
+        bound = (k // 32) * 2.0 ** -24 * int8act.term_magnitudes(block_type, data, k, x) + 1e-30
     assert y.shape == exact.shape
     err = (y.double() - exact).abs()
     assert (err <= bound).all(), float((err / bound).max())
@@ -120,11 +145,12 @@ def test_integer_part_is_exact(q8, block_type):
     assert torch.equal(codes.float(), x)
     exact = int8act.integer_dots(block_type, data, 256, codes).sum(-1)                  # (M, N) int64
     assert torch.equal(q8.gemm(block_type, data, x), exact.float())
+    assert torch.equal(q8.gemm(block_type, data, x[:FEW_ROWS - 1]), exact[:FEW_ROWS - 1].float())   # the row dots
 
 
 @pytest.mark.parametrize("block_type", TYPES)
 def test_every_variant_gives_the_same_bits(variant, q8, block_type):
-    for m, n, k in [(5, 7, 64), (33, 20, 320)]:
+    for m, n, k in [(1, 9, 576), (3, 5, 96), (5, 7, 64), (33, 20, 320)]:
         data, _ = random_blocks(block_type, n, k, seed=m)
         x = activations(m, k, seed=k)
         assert torch.equal(variant.gemm(block_type, data, x), q8.gemm(block_type, data, x))
@@ -133,11 +159,11 @@ def test_every_variant_gives_the_same_bits(variant, q8, block_type):
 @pytest.mark.parametrize("block_type", TYPES)
 def test_thread_count_does_not_change_the_result(q8, block_type):
     data, _ = random_blocks(block_type, 99, 576, seed=7)
-    x = activations(40, 576, seed=8)
-    torch.set_num_threads(1)
-    one = q8.gemm(block_type, data, x)
-    torch.set_num_threads(2)
-    assert torch.equal(q8.gemm(block_type, data, x), one)
+    for x in (activations(40, 576, seed=8), activations(1, 576, seed=9)):
+        torch.set_num_threads(1)
+        one = q8.gemm(block_type, data, x)
+        torch.set_num_threads(2)
+        assert torch.equal(q8.gemm(block_type, data, x), one)
 
 
 def test_non_finite_activations_give_nan_rows_only(q8):
@@ -148,6 +174,8 @@ def test_non_finite_activations_give_nan_rows_only(q8):
     y = q8.gemm("Q4_1", data, x)
     assert y[7].isnan().all()
     assert torch.equal(torch.cat([y[:7], y[8:]]), torch.cat([clean[:7], clean[8:]]))
+    few = q8.gemm("Q4_1", data, x[6:9])                                                 # the row dots
+    assert few[1].isnan().all() and not few[0].isnan().any() and not few[2].isnan().any()
 
 
 def test_bad_buffers_are_one_line_errors(q8):
@@ -170,12 +198,11 @@ def test_layer_uses_int8_activations_only_when_asked(q8):
     fp32 = layer(x)
     layer.activations = "int8"
     assert torch.equal(layer(x), q8.gemm("Q4_1", data, x.reshape(20, 128)).view(2, 10, 45) + layer.bias)
-    few = x[:, : blockquant.Q8_MIN_ROWS // 2 - 1]                                      # below Q8_MIN_ROWS rows: fp32
-    layer.activations = "fp32"
-    expected = layer(few)
-    layer.activations = "int8"
-    assert torch.equal(layer(few), expected)
+    one = x[:1, :1]                                                                    # a decode token: int8 too
+    assert torch.equal(layer(one), q8.gemm("Q4_1", data, one.reshape(1, 128)).view(1, 1, 45) + layer.bias)
     assert not torch.equal(layer(x), fp32)
+    layer.activations = "fp32"
+    assert torch.equal(layer(x), fp32)
     with pytest.raises(ConfigError):
         BlockQuantLinear(BlockMatrix("Q4_1", data, 128), activations="int4")
 
@@ -212,9 +239,8 @@ def test_int8_model_logits_stay_close_to_fp32(smollm2, int8_smollm2):
     assert (int8.argmax(-1) == fp32.argmax(-1)).float().mean() >= 0.9
 
 
-def test_int8_model_greedy_text_is_sensible(int8_smollm2, monkeypatch):
-    """Greedy by full recompute (every call multi-row, so every matrix product takes int8 activations)."""
-    monkeypatch.setattr(blockquant, "Q8_MIN_ROWS", 2)
+def test_int8_model_greedy_text_is_sensible(int8_smollm2):
+    """Greedy by full recompute (every matrix product takes int8 activations)."""
     ids = torch.tensor([int8_smollm2.tokenizer.encode("The capital of France is")])
     for _ in range(4):
         ids = torch.cat([ids, _logits(int8_smollm2, ids)[:, -1].argmax(-1, keepdim=True)], dim=1)

@@ -17,8 +17,8 @@
  * x (N, d_model) is updated in place. kvlab_batch_head then takes the rows the step samples: the final norm, the
  * output head (the same product as the layers': the model's choice of kernel) and each row's argmax (the greedy token).
  *
- * Products: GGUF blocks through blockgemm.c, or q8gemm.c for a matrix whose activations are int8 from q8_min_rows
- * rows on (the choice BlockQuantLinear makes); fp32 rows through one fixed-order dot per (weight row, input row).
+ * Products: GGUF blocks through blockgemm.c, or q8gemm.c for a matrix whose activations are int8 (the choice
+ * BlockQuantLinear makes); fp32 rows through one fixed-order dot per (weight row, input row).
  * Every product and the attention split their work between threads in their own parallel region, the row work
  * (norms, RoPE, SwiGLU) is split by rows: no result depends on the thread count. A step of one row over dense
  * blocks (a lone decode token) runs in one parallel region instead (one_row_layers), as decode.c's step does.
@@ -63,6 +63,7 @@ typedef struct {
 } Pool;
 
 enum { QKV = 0, OUT = 1, GATE_UP = 2, DOWN = 3 };   /* a layer's matrices, in the order of the int8 flags */
+static const uint8_t fp32_activations[4] = {0, 0, 0, 0};
 
 static int shape_is(const Matrix *W, int64_t rows, int64_t cols) {
     if (W->rows != rows || W->cols != cols || W->data == NULL) return 0;
@@ -95,14 +96,14 @@ static int sizes_ok(const Model *m, const Pool *P, const Ragged *R, int64_t n_ro
 }
 
 /* y (M, W.rows) = x (M, W.cols) W^T (+ bias): 0, or the product kernel's error */
-static int product(const Matrix *W, const float *x, int64_t M, float *y, int int8, int q8_min_rows, int n_threads) {
+static int product(const Matrix *W, const float *x, int64_t M, float *y, int int8, int n_threads) {
     int status = 0;
     if (W->type == F32) {
         const float *w = (const float *)W->data;
         #pragma omp parallel for schedule(static) num_threads(n_threads) if(W->rows * W->cols * M >= ROWS_IN_PARALLEL)
         for (int64_t j = 0; j < W->rows; j++)
             for (int64_t i = 0; i < M; i++) y[i * W->rows + j] = kvlab_dot(w + j * W->cols, x + i * W->cols, W->cols);
-    } else if (int8 && M >= q8_min_rows) {
+    } else if (int8) {
         status = kvlab_q8_gemm(W->type, W->data, W->rows, W->cols, x, M, y, n_threads);
     } else {
         status = kvlab_block_gemm(W->type, W->data, W->rows, W->cols, x, M, y, n_threads);
@@ -148,10 +149,11 @@ static void queries_and_keys(const Model *m, const Layer *W, const float *cos_, 
  * for many rows computes (kvlab_matrix_row is few_rows' and the F32 product's dot, kvlab_paged_attend_item the
  * attention's item). */
 static int one_row_layers(const Model *m, float *x, const float *cos_, const float *sin_, const Pool *P, const Ragged *R,
-                          float scale, int window, int64_t slot, size_t layer_bytes, int n_threads) {
+                          float scale, int window, int64_t slot, size_t layer_bytes, const uint8_t *int8_matrices,
+                          int n_threads) {
     const int H = m->n_heads, Hkv = m->n_kv_heads, hd = m->head_dim;
     const int64_t d = m->d_model, ff = m->d_ff, q_dim = (int64_t)H * hd, kv_dim = (int64_t)Hkv * hd;
-    const int64_t qkv_dim = q_dim + 2 * kv_dim, wide = d > ff ? d : ff, own_floats = d + 2 * wide + wide / QK + 1;
+    const int64_t qkv_dim = q_dim + 2 * kv_dim, wide = d > ff ? d : ff, own_floats = d + 2 * wide + kvlab_matrix_scratch(wide);
     float *qkv = malloc(sizeof(float) * (size_t)qkv_dim), *q = malloc(sizeof(float) * (size_t)q_dim);
     float *att = malloc(sizeof(float) * (size_t)q_dim), *y = malloc(sizeof(float) * (size_t)d);
     float *gu = malloc(sizeof(float) * 2 * (size_t)ff), *own = malloc(sizeof(float) * (size_t)(n_threads * own_floats));
@@ -168,10 +170,11 @@ static int one_row_layers(const Model *m, float *x, const float *cos_, const flo
         memcpy(my_x, x, sizeof(float) * (size_t)d);
         for (int l = 0; l < m->n_layers; l++) {
             const Layer *W = &m->layers[l];
+            const uint8_t *int8 = int8_matrices ? int8_matrices + 4 * (size_t)l : fp32_activations;
             void *k_layer = (uint8_t *)P->k + (size_t)l * layer_bytes, *v_layer = (uint8_t *)P->v + (size_t)l * layer_bytes;
             kvlab_rms_norm(my_x, W->attn_norm, m->rms_eps, (int)d, my_h);
-            kvlab_matrix_sums(&W->qkv, my_h, my_sums);
-            kvlab_matrix_rows(&W->qkv, my_h, my_sums, qkv);
+            kvlab_matrix_prepare(&W->qkv, int8[QKV], my_h, my_sums);
+            kvlab_matrix_rows(&W->qkv, int8[QKV], my_h, my_sums, qkv);
             step_barrier(&barrier, &sense);
             if (me == 0) {   /* q and k normed and turned, K/V into the row's slot */
                 queries_and_keys(m, W, cos_, sin_, qkv, q);
@@ -184,17 +187,17 @@ static int one_row_layers(const Model *m, float *x, const float *cos_, const flo
                 kvlab_paged_attend_item(q, H, Hkv, hd, hd, k_layer, v_layer, P->type, R->block_tables, R->n_seqs,
                                         R->max_blocks, R->block_size, R->query_start, R->context_len, scale, window, att, g);
             step_barrier(&barrier, &sense);
-            kvlab_matrix_sums(&W->out, att, my_sums);
-            kvlab_matrix_rows(&W->out, att, my_sums, y);
+            kvlab_matrix_prepare(&W->out, int8[OUT], att, my_sums);
+            kvlab_matrix_rows(&W->out, int8[OUT], att, my_sums, y);
             step_barrier(&barrier, &sense);
             for (int64_t i = 0; i < d; i++) my_x[i] += y[i];
             kvlab_rms_norm(my_x, W->ffn_norm, m->rms_eps, (int)d, my_h);
-            kvlab_matrix_sums(&W->gate_up, my_h, my_sums);
-            kvlab_matrix_rows(&W->gate_up, my_h, my_sums, gu);
+            kvlab_matrix_prepare(&W->gate_up, int8[GATE_UP], my_h, my_sums);
+            kvlab_matrix_rows(&W->gate_up, int8[GATE_UP], my_h, my_sums, gu);
             step_barrier(&barrier, &sense);
             kvlab_swiglu(gu, gu + ff, ff, my_ff);
-            kvlab_matrix_sums(&W->down, my_ff, my_sums);
-            kvlab_matrix_rows(&W->down, my_ff, my_sums, y);
+            kvlab_matrix_prepare(&W->down, int8[DOWN], my_ff, my_sums);
+            kvlab_matrix_rows(&W->down, int8[DOWN], my_ff, my_sums, y);
             step_barrier(&barrier, &sense);
             for (int64_t i = 0; i < d; i++) my_x[i] += y[i];
         }
@@ -211,9 +214,7 @@ static int one_row_layers(const Model *m, float *x, const float *cos_, const flo
  * scale or an integer layer's K/V are not finite, 2 when an integer layer's K/V exceed float16's range (the step stops
  * at that layer, P->failed_layer). */
 int kvlab_batch_step(const Model *m, float *x, int64_t n_rows, const float *cos_, const float *sin_, Pool *P,
-                     const Ragged *R, float scale, int window, const uint8_t *int8_matrices, int q8_min_rows,
-                     int n_threads) {
-    static const uint8_t fp32_activations[4] = {0, 0, 0, 0};
+                     const Ragged *R, float scale, int window, const uint8_t *int8_matrices, int n_threads) {
     if (!sizes_ok(m, P, R, n_rows) || window < 0) return -1;
     if (n_rows == 0) return 0;
     if (n_threads < 1) n_threads = 1;
@@ -222,11 +223,11 @@ int kvlab_batch_step(const Model *m, float *x, int64_t n_rows, const float *cos_
     const int64_t qkv_dim = q_dim + 2 * kv_dim, wide = d > ff ? d : ff;
     const int coded = P->type == POOL_TQ || P->type == POOL_INT;
     const size_t elem = P->type == POOL_F32 ? 4 : 2, layer_bytes = coded ? 0 : (size_t)P->slots * (size_t)kv_dim * elem;
-    if (N == 1 && !coded && (int8_matrices == NULL || q8_min_rows > 1)) {   /* one row (a lone decode token) */
+    if (N == 1 && !coded) {   /* one row (a lone decode token) */
         int s = 0;                                       /* its sequence: the one that owns row 0 */
         while (s < R->n_seqs - 1 && R->query_start[s + 1] <= 0) s++;
         return one_row_layers(m, x, cos_, sin_, P, R, scale, window, kvlab_ragged_slot(R, s, R->context_len[s] - 1),
-                              layer_bytes, n_threads);
+                              layer_bytes, int8_matrices, n_threads);
     }
     int64_t *slot = malloc(sizeof(int64_t) * (size_t)N);
     float *h = malloc(sizeof(float) * (size_t)(N * wide));
@@ -248,7 +249,7 @@ int kvlab_batch_step(const Model *m, float *x, int64_t n_rows, const float *cos_
         void *v_layer = coded ? NULL : (uint8_t *)P->v + (size_t)l * layer_bytes;
         #pragma omp parallel for schedule(static) num_threads(n_threads) if(N * d >= ROWS_IN_PARALLEL)
         for (int64_t r = 0; r < N; r++) kvlab_rms_norm(x + r * d, W->attn_norm, m->rms_eps, (int)d, h + r * d);
-        if ((status = product(&W->qkv, h, N, qkv, flags[QKV], q8_min_rows, n_threads))) break;
+        if ((status = product(&W->qkv, h, N, qkv, flags[QKV], n_threads))) break;
         #pragma omp parallel for schedule(static) num_threads(n_threads) if(N * qkv_dim >= ROWS_IN_PARALLEL)
         for (int64_t r = 0; r < N; r++) {
             float *k = qkv + r * qkv_dim + q_dim, *v = k + kv_dim;
@@ -272,16 +273,16 @@ int kvlab_batch_step(const Model *m, float *x, int64_t n_rows, const float *cos_
             P->failed_layer = l;
             break;
         }
-        if ((status = product(&W->out, att, N, y, flags[OUT], q8_min_rows, n_threads))) break;
+        if ((status = product(&W->out, att, N, y, flags[OUT], n_threads))) break;
         #pragma omp parallel for schedule(static) num_threads(n_threads) if(N * d >= ROWS_IN_PARALLEL)
         for (int64_t r = 0; r < N; r++) {
             for (int64_t i = 0; i < d; i++) x[r * d + i] += y[r * d + i];
             kvlab_rms_norm(x + r * d, W->ffn_norm, m->rms_eps, (int)d, h + r * d);
         }
-        if ((status = product(&W->gate_up, h, N, gu, flags[GATE_UP], q8_min_rows, n_threads))) break;
+        if ((status = product(&W->gate_up, h, N, gu, flags[GATE_UP], n_threads))) break;
         #pragma omp parallel for schedule(static) num_threads(n_threads) if(N * ff >= ROWS_IN_PARALLEL / 4)
         for (int64_t r = 0; r < N; r++) kvlab_swiglu(gu + r * 2 * ff, gu + r * 2 * ff + ff, ff, h + r * ff);
-        if ((status = product(&W->down, h, N, y, flags[DOWN], q8_min_rows, n_threads))) break;
+        if ((status = product(&W->down, h, N, y, flags[DOWN], n_threads))) break;
         #pragma omp parallel for schedule(static) num_threads(n_threads) if(N * d >= ROWS_IN_PARALLEL)
         for (int64_t r = 0; r < N; r++)
             for (int64_t i = 0; i < d; i++) x[r * d + i] += y[r * d + i];
@@ -343,10 +344,10 @@ int kvlab_rows_argmax(const float *x, int64_t R, int64_t V, int64_t *out, int n_
 
 /* The sampled rows' logits, as Runner.sample's model.logits computes them: logits (R, vocab) = the output head of
  * rms_norm(x) (final norm) for the R rows of x (R, d_model), through product() (int8: the head takes int8
- * activations from q8_min_rows rows on, as its BlockQuantLinear does); tokens (R,) = each row's argmax, or NULL.
+ * activations, as its BlockQuantLinear does); tokens (R,) = each row's argmax, or NULL.
  * Returns 0; -1 (nothing written) for a head or norm not shaped for the model; -2 without scratch memory. */
-int kvlab_batch_head(const Model *m, const float *x, int64_t R, int int8, int q8_min_rows, float *logits,
-                     int64_t *tokens, int n_threads) {
+int kvlab_batch_head(const Model *m, const float *x, int64_t R, int int8, float *logits, int64_t *tokens,
+                     int n_threads) {
     const int64_t d = m->d_model, vocab = m->head.rows;
     if (d <= 0 || R < 0 || m->final_norm == NULL || vocab < 1 || !shape_is(&m->head, vocab, d)) return -1;
     if (R == 0) return 0;
@@ -354,7 +355,7 @@ int kvlab_batch_head(const Model *m, const float *x, int64_t R, int int8, int q8
     float *h = malloc(sizeof(float) * (size_t)(R * d));
     if (h == NULL) return -2;
     for (int64_t r = 0; r < R; r++) kvlab_rms_norm(x + r * d, m->final_norm, m->rms_eps, (int)d, h + r * d);
-    int status = product(&m->head, h, R, logits, int8, q8_min_rows, n_threads);
+    int status = product(&m->head, h, R, logits, int8, n_threads);
     free(h);
     if (status == 0 && tokens != NULL) status = kvlab_rows_argmax(logits, R, vocab, tokens, n_threads);
     return status;

@@ -35,6 +35,11 @@ int kvlab_block_gemm(int type, const uint8_t *blocks, int64_t N, int64_t K, cons
                      int n_threads);
 int kvlab_q8_gemm(int type, const uint8_t *blocks, int64_t N, int64_t K, const float *x, int64_t M, float *y,
                   int n_threads);
+/* One row x (K,) with int8 activations (q8gemm.c, the row dots of a few rows): kvlab_q8_prepare writes what the row
+ * dot reads of x into `prepared` (kvlab_q8_row_floats(K) floats); kvlab_q8_row_dot is one row of nb blocks . x */
+int64_t kvlab_q8_row_floats(int64_t K);
+void kvlab_q8_prepare(const float *x, int64_t K, float *prepared);
+float kvlab_q8_row_dot(int type, const uint8_t *row, const float *prepared, int64_t nb);
 
 /* IEEE half -> float, exact for every bit pattern (subnormals, inf, nan): F16C when the CPU has it */
 static inline float kvlab_fp16_to_fp32(uint16_t h) {

@@ -7,7 +7,7 @@
  *                   KV head's positions [start, pos] ; x += W_out a ;
  *                   h = rms_norm(x) ; g|u = W_gate_up h ; x += W_down (silu(g) * u)
  * then logits = W_head rms_norm(x). Matrices are GGUF blocks (Q4_0/Q4_1/Q8_0, read by blockgemv.c's row
- * kernels) or fp32 rows. One OpenMP parallel region spans the whole step: matrix rows and attention heads
+ * kernels, or with int8 activations where the model's matrix takes them by q8gemm.c's) or fp32 rows. One OpenMP parallel region spans the whole step: matrix rows and attention heads
  * are shared between the threads; the small vector work between two matrices (the residual, RMS norms, the
  * blocks' sums) is done by every thread alike on its own copy, so a layer crosses seven barriers (one per matrix,
  * the new token's K/V and the attention's two passes), each decode.h's step barrier: it spins before it sleeps, where
@@ -318,13 +318,13 @@ static int all_finite(const float *x, int n) {
     return ok;
 }
 
-/* y = M x (+ bias), the sums made by one thread (xsum: shared scratch), y whole when it returns */
-static void matvec(const Matrix *m, const float *x, float *xsum, float *y) {
-    if (m->type == Q4_0 || m->type == Q4_1) {
+/* y = M x (+ bias), x prepared by one thread (prepared: shared scratch), y whole when it returns */
+static void matvec(const Matrix *m, int int8, const float *x, float *prepared, float *y) {
+    if (int8 || m->type == Q4_0 || m->type == Q4_1) {
         #pragma omp single
-        kvlab_matrix_sums(m, x, xsum);
+        kvlab_matrix_prepare(m, int8, x, prepared);
     }
-    kvlab_matrix_rows(m, x, xsum, y);
+    kvlab_matrix_rows(m, int8, x, prepared, y);
     #pragma omp barrier
 }
 
@@ -1904,12 +1904,14 @@ int kvlab_int_code_tokens(Quantized *Q, int Hkv, int d, int64_t n, const float *
 
 /* x (d_model,): the token's embedding (not modified). kv: (n_layers,) each layer's K/V (see LayerKV); dense layers
  * hold positions [0, pos) and `pos` is written; coded layers hold and write as `fill` says. cos/sin: (head_dim,) at
- * `pos`. logits: (vocab,). Returns 0; L + 1 when layer L's new K/V hold a NaN/Inf (or round to Inf in f16/bf16);
+ * `pos`. int8_matrices: a flag per matrix (n_layers x 4, QKV..DOWN, then the head) for int8 activations, or NULL for
+ * none. logits: (vocab,). Returns 0; L + 1 when layer L's new K/V hold a NaN/Inf (or round to Inf in f16/bf16);
  * n_layers + L + 1 when a coded layer L's new 16-bit scale overflows, or the K/V an integer layer L stores exceed
  * float16's range (its Quantized says which and how far) (layers < L were written, L and later were not); -1 for
  * bad arguments or no memory. */
 int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const float *cos_, const float *sin_,
-                      const LayerKV *kv, const Fill *fill, float *logits, int n_threads) {
+                      const LayerKV *kv, const Fill *fill, const uint8_t *int8_matrices, float *logits, int n_threads) {
+    static const uint8_t fp32_activations[4] = {0, 0, 0, 0};
     const int d = m->d_model, hd = m->head_dim, H = m->n_heads, Hkv = m->n_kv_heads, n_layers = m->n_layers;
     if (pos < 0 || Hkv <= 0 || H % Hkv != 0 || hd % 2 != 0 || hd > CB_MAX_DIM || n_threads < 1) return -1;
     int any_coded = 0, any_int = 0, max_chunks = 0;
@@ -1950,10 +1952,10 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
     float *y = malloc(sizeof(float) * (size_t)d);
     float *qkv = malloc(sizeof(float) * (size_t)(q_dim + 2 * kv_dim));
     float *att = malloc(sizeof(float) * (size_t)q_dim);
-    float *xsum = malloc(sizeof(float) * (size_t)(widest / QK + 1));
+    float *xsum = malloc(sizeof(float) * (size_t)kvlab_matrix_scratch(widest));
     /* each thread's own copy of the residual x, of the normalized input h and of its block sums: the small vector
      * work between two matrices is done by every thread alike (the same bits), so no thread waits for another there */
-    const int64_t own_floats = d + widest + widest / QK + 1;
+    const int64_t own_floats = d + widest + kvlab_matrix_scratch(widest);
     float *own = malloc(sizeof(float) * (size_t)(n_threads * own_floats));
     float *parts = malloc(sizeof(float) * (size_t)H * (size_t)max_chunks * (size_t)(hd + 2));
     /* each thread's scratch for one key chunk's read (dense, TurboQuant or integer rows); the new token's rounded K|V */
@@ -1985,6 +1987,7 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
     memcpy(my_x, x, sizeof(float) * (size_t)d);
     for (int l = 0; l < n_layers && status == 0; l++) {
         const Layer *W = &m->layers[l];
+        const uint8_t *int8 = int8_matrices ? int8_matrices + 4 * (size_t)l : fp32_activations;   /* QKV, OUT, GATE_UP, DOWN */
         const LayerKV *L = &kv[l];
         const Coded *C = L->coded;
         Quantized *Q = L->quant;
@@ -2003,8 +2006,8 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
         const int c_first = chunks_of(n_first), c_coded = C ? coded_chunks(n_coded) : chunks_of(n_coded);
         const int n_chunks = c_first + c_coded + chunks_of(n_recent), per_coded = coded_chunk(n_coded);
         rms_norm(my_x, W->attn_norm, m->rms_eps, d, my_h);
-        kvlab_matrix_sums(&W->qkv, my_h, my_sums);
-        kvlab_matrix_rows(&W->qkv, my_h, my_sums, qkv);
+        kvlab_matrix_prepare(&W->qkv, int8[0], my_h, my_sums);
+        kvlab_matrix_rows(&W->qkv, int8[0], my_h, my_sums, qkv);
         step_barrier(&barrier, &sense);
         if (me == 0) {
             float *q = qkv, *k = qkv + q_dim, *v = qkv + q_dim + kv_dim;
@@ -2161,26 +2164,26 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
                           C ? C->rotation : NULL, has_offset ? v_offset : NULL, att + i * hd);
         }
         step_barrier(&barrier, &sense);
-        kvlab_matrix_sums(&W->out, att, my_sums);
-        kvlab_matrix_rows(&W->out, att, my_sums, y);
+        kvlab_matrix_prepare(&W->out, int8[1], att, my_sums);
+        kvlab_matrix_rows(&W->out, int8[1], att, my_sums, y);
         step_barrier(&barrier, &sense);
         for (int i = 0; i < d; i++) my_x[i] += y[i];
         rms_norm(my_x, W->ffn_norm, m->rms_eps, d, my_h);
-        kvlab_matrix_sums(&W->gate_up, my_h, my_sums);
+        kvlab_matrix_prepare(&W->gate_up, int8[2], my_h, my_sums);
         /* a piece of gate rows and their up rows by one thread, then silu(gate) * up as the batched step takes it */
         #pragma omp for schedule(static) nowait
         for (int p = 0; p < (m->d_ff + SWIGLU_PIECE - 1) / SWIGLU_PIECE; p++) {
             const int i0 = p * SWIGLU_PIECE, n = m->d_ff - i0 < SWIGLU_PIECE ? m->d_ff - i0 : SWIGLU_PIECE;
             float gate[SWIGLU_PIECE], up[SWIGLU_PIECE];
             for (int i = 0; i < n; i++) {
-                gate[i] = kvlab_matrix_row(&W->gate_up, i0 + i, my_h, my_sums);
-                up[i] = kvlab_matrix_row(&W->gate_up, m->d_ff + i0 + i, my_h, my_sums);
+                gate[i] = kvlab_matrix_row(&W->gate_up, int8[2], i0 + i, my_h, my_sums);
+                up[i] = kvlab_matrix_row(&W->gate_up, int8[2], m->d_ff + i0 + i, my_h, my_sums);
             }
             kvlab_swiglu(gate, up, n, h + i0);
         }
         step_barrier(&barrier, &sense);
-        kvlab_matrix_sums(&W->down, h, my_sums);
-        kvlab_matrix_rows(&W->down, h, my_sums, y);
+        kvlab_matrix_prepare(&W->down, int8[3], h, my_sums);
+        kvlab_matrix_rows(&W->down, int8[3], h, my_sums, y);
         step_barrier(&barrier, &sense);
         for (int i = 0; i < d; i++) my_x[i] += y[i];
     }
@@ -2190,7 +2193,7 @@ int kvlab_decode_step(const Model *m, const float *x_in, int32_t pos, const floa
     if (status == 0) {
         rms_norm(x, m->final_norm, m->rms_eps, d, h);
         #pragma omp parallel num_threads(n_threads)
-        matvec(&m->head, h, xsum, logits);
+        matvec(&m->head, int8_matrices && int8_matrices[4 * (size_t)n_layers], h, xsum, logits);
     }
     free(x); free(h); free(y); free(qkv); free(att); free(xsum); free(own); free(parts); free(chunk_kv); free(rounded);
     free(q_coded); free(new_codes); free(new_scales); free(new_extras); free(layouts);

@@ -50,27 +50,33 @@ void kvlab_rms_norm(const float *x, const float *w, float eps, int n, float *y);
 /* RoPE of one head of d values in place, as llama.py's apply_rope: pairs (i, i + d/2) */
 void kvlab_rope(float *x, const float *cos_, const float *sin_, int d);
 /* One input row x through a matrix, as the steps' products compute it (blockgemv.c's row dot for GGUF blocks, one
- * fixed-order dot for fp32 rows). xsum: what the row dot needs of x besides x (Q4_0 / Q4_1 blocks' sums), made by
- * kvlab_matrix_sums; row r of W . x (+ its bias) by kvlab_matrix_row; y = W x with W's rows shared between the
- * threads of the enclosing parallel region (no barrier after) by kvlab_matrix_rows. */
-static inline void kvlab_matrix_sums(const Matrix *W, const float *x, float *xsum) {
-    if (W->type == Q4_0 || W->type == Q4_1) kvlab_block_sums(x, W->cols, xsum);
+ * fixed-order dot for fp32 rows; with int8 activations, `int8`, q8gemm.c's row dot of x's int8 codes, as a product of
+ * a few rows takes them). kvlab_matrix_prepare writes what the row dot needs of x besides x into `prepared`
+ * (kvlab_matrix_scratch(cols) floats: Q4_0 / Q4_1 blocks' sums, or x's int8 codes and their scales); row r of W . x
+ * (+ its bias) by kvlab_matrix_row; y = W x with W's rows shared between the threads of the enclosing parallel region
+ * (no barrier after) by kvlab_matrix_rows. */
+static inline int64_t kvlab_matrix_scratch(int64_t cols) { return kvlab_q8_row_floats(cols) + 1; }
+
+static inline void kvlab_matrix_prepare(const Matrix *W, int int8, const float *x, float *prepared) {
+    if (int8 && W->type != F32) kvlab_q8_prepare(x, W->cols, prepared);
+    else if (W->type == Q4_0 || W->type == Q4_1) kvlab_block_sums(x, W->cols, prepared);
 }
 
-static inline float kvlab_matrix_row(const Matrix *W, int64_t r, const float *x, const float *xsum) {
+static inline float kvlab_matrix_row(const Matrix *W, int int8, int64_t r, const float *x, const float *prepared) {
     float v;
     if (W->type == F32) {
         v = kvlab_dot((const float *)W->data + r * W->cols, x, W->cols);
     } else {
         const int64_t nblocks = W->cols / QK;
-        v = kvlab_block_row_dot(W->type, W->data + r * nblocks * kvlab_block_bytes(W->type), x, xsum, nblocks);
+        const uint8_t *row = W->data + r * nblocks * kvlab_block_bytes(W->type);
+        v = int8 ? kvlab_q8_row_dot(W->type, row, prepared, nblocks) : kvlab_block_row_dot(W->type, row, x, prepared, nblocks);
     }
     return W->bias ? v + W->bias[r] : v;
 }
 
-static inline void kvlab_matrix_rows(const Matrix *W, const float *x, const float *xsum, float *y) {
+static inline void kvlab_matrix_rows(const Matrix *W, int int8, const float *x, const float *prepared, float *y) {
     #pragma omp for schedule(static) nowait
-    for (int64_t r = 0; r < W->rows; r++) y[r] = kvlab_matrix_row(W, r, x, xsum);
+    for (int64_t r = 0; r < W->rows; r++) y[r] = kvlab_matrix_row(W, int8, r, x, prepared);
 }
 
 /* +norms8 (turboquant.py LOG_NORM_STEPS, _LOG_NORM_ZERO): a scale's uint8 code c > 0 stands for

@@ -139,6 +139,160 @@ int kvlab_q8_quantize(const float *x, int64_t M, int64_t K, int8_t *codes, float
     return 0;
 }
 
+/* -- a few rows of X: one row dot per output --------------------------------------------------------------------
+ * Below Q8_FEW_ROWS rows most of the packed kernel's 16 lanes would idle, so each output is one row dot, as
+ * llama.cpp's decode computes it: X's row is prepared once (kvlab_q8_prepare: its codes, and per block d_a and d_a * s
+ * in fp32, layout [d_a of every block | d_a * s of every block | the codes]), then per weight block the integer dot in
+ * eight int32 lanes (lane l: weights 4l .. 4l + 3; vpmaddubsw + vpmaddwd, or vpdpbusd), each lane times d_w * d_a
+ * added into that lane's fp32 sum (even blocks into one set of eight sums, odd blocks into another), and
+ * sum_b m_b * (d_a * s) beside them (Q4_1's m; Q4_0's m = -8 d_w). The lanes' integer sums are exact and every
+ * variant adds the same fp32 terms in the same order, so AVX-512, AVX2 and plain C give the same bits; against the
+ * packed kernel (one fp32 sum per output, a whole block's integer dot at a time) only the fp32 summation differs. */
+#define Q8_FEW_ROWS 4
+#define ROW_CHUNK 64   /* blocks whose scales are turned to fp32 at once */
+
+int64_t kvlab_q8_row_floats(int64_t K) { return 2 * (K / QK) + K / 4; }
+
+void kvlab_q8_prepare(const float *x, int64_t K, float *prepared) {
+    const int64_t nb = K / QK;
+    int8_t *codes = (int8_t *)(prepared + 2 * nb);
+    for (int64_t b = 0; b < nb; b++) {
+        int32_t s;
+        prepared[b] = quantize_block(x + b * QK, codes + b * QK, &s);
+        prepared[nb + b] = prepared[b] * (float)s;
+    }
+}
+
+/* blocks b0 .. b0 + n of a row: dd[j] = d_w * d_a, m[j] = the weight's offset per unit of activation code sum (eight
+ * blocks a conversion where F16C is at hand: one scalar conversion per block cost more than the block's dot) */
+static void row_scales(int type, const uint8_t *row, int64_t nb, int64_t b0, int n, const float *d_a, float *dd,
+                       float *m) {
+    int j = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+    for (; j + 8 <= n; j += 8) {
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)kvlab_row_d(row, b0 + j)));
+        _mm256_storeu_ps(dd + j, _mm256_mul_ps(d, _mm256_loadu_ps(d_a + b0 + j)));
+        _mm256_storeu_ps(m + j, type == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)kvlab_row_m(row, nb, b0 + j)))
+                                             : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f)));
+    }
+#endif
+    for (; j < n; j++) {
+        const float d = fp16_at(kvlab_row_d(row, b0 + j));
+        dd[j] = d * d_a[b0 + j];
+        m[j] = type == Q4_1 ? fp16_at(kvlab_row_m(row, nb, b0 + j)) : -8.0f * d;
+    }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+/* one block's integer dot in eight int32 lanes (lane l: weights 4l .. 4l + 3): the weights as the unsigned operand
+ * (nibbles as they are; Q8_0 by the sign trick, |w| x sign(w) a, whose pair sums stay below 2^15) */
+static inline __m256i block_lanes(int type, const uint8_t *qs, const int8_t *a) {
+    __m256i act = _mm256_loadu_si256((const __m256i *)a), w;
+    if (type == Q8_0) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)qs);
+        w = _mm256_sign_epi8(q, q);
+        act = _mm256_sign_epi8(act, q);
+    } else {
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)qs), low4 = _mm_set1_epi8(0x0f);
+        w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4), _mm_and_si128(bytes, low4));
+    }
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, act);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, act), _mm256_set1_epi16(1));
+#endif
+}
+
+static inline float lane_total(__m256 v) {   /* ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)) */
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+float kvlab_q8_row_dot(int type, const uint8_t *row, const float *prepared, int64_t nb) {
+    const float *d_a = prepared, *ds = prepared + nb;
+    const int8_t *codes = (const int8_t *)(prepared + 2 * nb);
+    const int step = type == Q8_0 ? QK : QK / 2;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    float offsets = 0.0f, dd[ROW_CHUNK], m[ROW_CHUNK];
+    for (int64_t b0 = 0; b0 < nb; b0 += ROW_CHUNK) {
+        const int n = nb - b0 < ROW_CHUNK ? (int)(nb - b0) : ROW_CHUNK;
+        row_scales(type, row, nb, b0, n, d_a, dd, m);
+        if (type != Q8_0) {
+            __m256 off = _mm256_setzero_ps();
+            int j = 0;
+            for (; j + 8 <= n; j += 8) off = _mm256_fmadd_ps(_mm256_loadu_ps(m + j), _mm256_loadu_ps(ds + b0 + j), off);
+            offsets += lane_total(off);
+            for (; j < n; j++) offsets = fmaf(m[j], ds[b0 + j], offsets);
+        }
+        const uint8_t *qs = kvlab_row_quants(type, row, nb, b0);
+        const int8_t *a = codes + b0 * QK;
+        int j = 0;
+        for (; j + 1 < n; j += 2, qs += 2 * step, a += 2 * QK) {
+            __builtin_prefetch(qs + 2048, 0, 3);
+            acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_lanes(type, qs, a)), _mm256_broadcast_ss(dd + j), acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_lanes(type, qs + step, a + QK)), _mm256_broadcast_ss(dd + j + 1),
+                                   acc1);
+        }
+        if (j < n) acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_lanes(type, qs, a)), _mm256_broadcast_ss(dd + j), acc0);
+    }
+    return lane_total(_mm256_add_ps(acc0, acc1)) + offsets;
+}
+
+#else
+static float lane_total(const float *v) { return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7])); }
+
+/* the AVX2 code's arithmetic lane by lane */
+float kvlab_q8_row_dot(int type, const uint8_t *row, const float *prepared, int64_t nb) {
+    const float *d_a = prepared, *ds = prepared + nb;
+    const int8_t *codes = (const int8_t *)(prepared + 2 * nb);
+    float acc[2][8] = {{0}}, offsets = 0.0f, dd[ROW_CHUNK], m[ROW_CHUNK];
+    for (int64_t b0 = 0; b0 < nb; b0 += ROW_CHUNK) {
+        const int n = nb - b0 < ROW_CHUNK ? (int)(nb - b0) : ROW_CHUNK;
+        row_scales(type, row, nb, b0, n, d_a, dd, m);
+        if (type != Q8_0) {
+            float off[8] = {0};
+            int j = 0;
+            for (; j + 8 <= n; j += 8)
+                for (int l = 0; l < 8; l++) off[l] = fmaf(m[j + l], ds[b0 + j + l], off[l]);
+            offsets += lane_total(off);
+            for (; j < n; j++) offsets = fmaf(m[j], ds[b0 + j], offsets);
+        }
+        for (int j = 0; j < n; j++) {
+            const uint8_t *qs = kvlab_row_quants(type, row, nb, b0 + j);
+            const int8_t *a = codes + (b0 + j) * QK;
+            for (int l = 0; l < 8; l++) {
+                int32_t lane = 0;
+                for (int c = 4 * l; c < 4 * l + 4; c++) {
+                    const int w = type == Q8_0 ? (int8_t)qs[c] : c < QK / 2 ? qs[c] & 0x0f : qs[c - QK / 2] >> 4;
+                    lane += w * a[c];
+                }
+                acc[j % 2][l] = fmaf((float)lane, dd[j], acc[j % 2][l]);
+            }
+        }
+    }
+    float total[8];
+    for (int l = 0; l < 8; l++) total[l] = acc[0][l] + acc[1][l];
+    return lane_total(total) + offsets;
+}
+#endif
+
+/* Y (M, N) for M < Q8_FEW_ROWS: each X row prepared once, then every output one row dot */
+static int few_rows(int type, const uint8_t *blocks, int64_t N, int64_t K, const float *x, int64_t M, float *y,
+                    int n_threads) {
+    const int64_t per_row = kvlab_q8_row_floats(K), nb = K / QK, row_bytes = nb * block_bytes(type);
+    float *prepared = malloc(sizeof(float) * (size_t)(M * per_row));
+    if (prepared == NULL) return -2;
+    for (int64_t i = 0; i < M; i++) kvlab_q8_prepare(x + i * K, K, prepared + i * per_row);
+    #pragma omp parallel for schedule(static) num_threads(n_threads) if(N * K * M >= 65536)
+    for (int64_t r = 0; r < N; r++)
+        for (int64_t i = 0; i < M; i++)
+            y[i * N + r] = kvlab_q8_row_dot(type, blocks + r * row_bytes, prepared + i * per_row, nb);
+    free(prepared);
+    return 0;
+}
+
 /* The dot's integer start value for a block with code sum s: Q4_0's -8 offset; Q8_0's +128 offset under VNNI */
 static inline int32_t start_value(int type, int32_t s) {
     if (type == Q4_0) return -8 * s;
@@ -391,6 +545,7 @@ int kvlab_q8_gemm(int type, const uint8_t *blocks, int64_t N, int64_t K, const f
     if (block_bytes(type) == 0 || K % QK != 0 || K <= 0 || K > MAX_K || N < 0 || M < 0) return -1;
     if (N == 0 || M == 0) return 0;
     if (n_threads < 1) n_threads = 1;
+    if (M < Q8_FEW_ROWS) return few_rows(type, blocks, N, K, x, M, y, n_threads);
     const int64_t groups = (M + LANES - 1) / LANES, nb = K / QK;
     const size_t bytes = (size_t)groups * (size_t)nb * CHUNK;                  /* a multiple of 64 */
     uint8_t *xp = (uint8_t *)aligned_alloc(64, bytes);

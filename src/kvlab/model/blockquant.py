@@ -13,10 +13,12 @@ matrix is made. More rows (prompt chunks, eval windows), no kernel, or KVLAB_NO_
 GEMM is tested against): the matrix is dequantized to fp32 and F.linear is used. The weight values are the file's,
 exactly: only the fp32 summation order of the kernels differs from the dense path.
 
-Opt-in (`activations="int8"`, the loader's weights="native-q8"): calls of Q8_MIN_ROWS rows or more (batched decode,
-prompt chunks) quantize the activations to int8 per 32-block and take integer dot products with the weight codes
-(kernels/q8gemm.c, VNNI; reference: kvlab.model.int8act): ~2x the fp32 paths' speed, at the price of the
-activation rounding (not equal to the dense path; never the default).
+Opt-in (`activations="int8"`, the loader's weights="native-q8"): every call (a decode token, batched decode, prompt
+chunks) quantizes the activations to int8 per 32-block and takes integer dot products with the weight codes
+(kernels/q8gemm.c: row dots for a few rows, a packed kernel for more, VNNI where the CPU has it; reference:
+kvlab.model.int8act), as llama.cpp's CPU path does: faster than the fp32 paths (a decode token's products ~1.4x on
+an AVX2 CPU, many rows ~2x), at the price of the activation rounding (not equal to the dense path; never the
+default).
 
 Rows of a BlockMatrix are whole blocks, so fusing q|k|v or gate|up is a concatenation of byte rows and
 llama.cpp's Q/K RoPE row permutation is undone by permuting byte rows, as for fp32 rows.
@@ -151,9 +153,6 @@ def dequant_tile_rows(in_features: int) -> int:
     return max(DEQUANT_ROW_STEP, fitting // DEQUANT_ROW_STEP * DEQUANT_ROW_STEP)
 
 
-# With int8 activations (opt-in), calls of this many rows or more take the int8 kernel: it computes 16 rows at once,
-# so below ~8 rows most of its lanes idle and the fp32 block GEMM is as fast (bench/block_gemm.py).
-Q8_MIN_ROWS = 8
 ACTIVATIONS = ("fp32", "int8")
 
 
@@ -184,7 +183,7 @@ class BlockQuantLinear(nn.Module):
         kernel = block_kernel()
         one_row = x.numel() == x.shape[-1]
         rows = math.prod(x.shape[:-1])                                            # no division: a 0-wide x is legal
-        if self.activations == "int8" and rows >= Q8_MIN_ROWS and x.dtype == torch.float32 and self.in_features:
+        if self.activations == "int8" and x.dtype == torch.float32 and self.in_features:
             q8 = q8_kernel_for(x.device)
             if q8 is not None:
                 return self._finish(q8.gemm(self.block_type, self.blocks, x.reshape(-1, self.in_features).contiguous()), x)

@@ -72,13 +72,16 @@ class FusedDecodeStep:
             )
         self._layers = layers
         head = model.lm_head if model.lm_head is not None else model.embed  # tied: the fp32 embedding table
+        # every matrix in decode.c's order (each layer's QKV, OUT, GATE_UP, DOWN, then the head): their activations
+        self._matrices = [m for b in model.blocks for m in (b.attn.qkv, b.attn.out, b.ffn.gate_up, b.ffn.down)] + [head]
+        self._flags_of: tuple[bool, ...] | None = None
         self._model = _Model(cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff,
                              cfg.sliding_window or 0, cfg.rms_eps, cfg.head_dim ** -0.5, layers,
                              self._ptr(model.norm.weight, (d,), "final norm"), self._matrix(head, cfg.vocab_size, d, "output head"))
         self._embed = model.embed
         self._rope = model.rope
         lib.kvlab_decode_step.argtypes = [POINTER(_Model), c_void_p, c_int32, c_void_p, c_void_p, POINTER(LayerKV),
-                                          POINTER(Fill), c_void_p, ctypes.c_int]
+                                          POINTER(Fill), c_void_p, c_void_p, ctypes.c_int]
         lib.kvlab_decode_step.restype = c_int32
         self._views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # cache -> its CacheView, while it lives
 
@@ -86,6 +89,14 @@ class FusedDecodeStep:
     def weights(self) -> _Model:
         """The model's weights as decode.h's Model struct; the engine's batch step reads them too (serve/fused_batch.py)."""
         return self._model
+
+    def int8_flags(self) -> torch.Tensor:
+        """(n_layers * 4 + 1,) uint8: 1 for each matrix (QKV, OUT, GATE_UP, DOWN of each layer, then the head) whose
+        activations are int8 (BlockQuantLinear.activations), read on every call as the modules read theirs."""
+        now = tuple(getattr(m, "activations", "fp32") == "int8" for m in self._matrices)
+        if now != self._flags_of:
+            self._flags_of, self._flags = now, torch.tensor(now, dtype=torch.uint8)
+        return self._flags
 
     def __deepcopy__(self, memo) -> None:
         """A copied model has copied buffers: it does not inherit a step that points into the originals."""
@@ -167,7 +178,7 @@ class FusedDecodeStep:
         self._model.attn_scale = cache.scale
         status = self._lib.kvlab_decode_step(
             ctypes.byref(self._model), x.data_ptr(), pos, cos.data_ptr(), sin.data_ptr(), view.layers,
-            ctypes.byref(where), logits.data_ptr(), torch.get_num_threads(),
+            ctypes.byref(where), self.int8_flags().data_ptr(), logits.data_ptr(), torch.get_num_threads(),
         )
         if status < 0:
             raise ConfigError(f"fused decode step refused position {pos} of a cache of {cache.geometry.capacity} tokens")

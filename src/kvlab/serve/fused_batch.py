@@ -29,7 +29,7 @@ import torch
 from ..errors import ConfigError, KvlabError, NonFiniteError
 from ..kernels import block_kernel, check_buffer
 from ..kernels.paged import POOL_DTYPES, Ragged
-from ..model.blockquant import GEMM_MAX_ROWS, Q8_MIN_ROWS, BlockQuantLinear, gemm_enabled
+from ..model.blockquant import GEMM_MAX_ROWS, gemm_enabled
 from ..model.fused import FusedDecodeStep
 from ..model.fused_int import raise_range_error
 from .attention import RaggedLayout
@@ -56,22 +56,13 @@ class FusedBatchStep:
         self.config = model.config
         self._decode_step = weakref.ref(decode_step)   # weak: the model's step, not this one, keeps the weights alive
         self._lib = lib
-        # a layer's matrices in batchstep.c's order (QKV, OUT, GATE_UP, DOWN): which take int8 activations
-        self._matrices = [m for b in model.blocks for m in (b.attn.qkv, b.attn.out, b.ffn.gate_up, b.ffn.down)]
         lib.kvlab_batch_step.argtypes = [c_void_p, c_void_p, c_int64, c_void_p, c_void_p, ctypes.POINTER(_Pool),
-                                         ctypes.POINTER(Ragged), c_float, c_int32, c_void_p, c_int32, c_int32]
+                                         ctypes.POINTER(Ragged), c_float, c_int32, c_void_p, c_int32]
         lib.kvlab_batch_step.restype = c_int32
-        head = model.lm_head if model.lm_head is not None else model.embed   # what decode_step.weights.head holds
-        self._head = weakref.ref(head)                                         # its activations: read on every call
-        lib.kvlab_batch_head.argtypes = [c_void_p, c_void_p, c_int64, c_int32, c_int32, c_void_p, c_void_p, c_int32]
+        lib.kvlab_batch_head.argtypes = [c_void_p, c_void_p, c_int64, c_int32, c_void_p, c_void_p, c_int32]
         lib.kvlab_batch_head.restype = c_int32
         lib.kvlab_rows_argmax.argtypes = [c_void_p, c_int64, c_int64, c_void_p, c_int32]
         lib.kvlab_rows_argmax.restype = c_int32
-
-    def int8_flags(self) -> torch.Tensor:
-        """(n_layers * 4,) uint8: 1 for each matrix whose activations are int8 (read on every call, as the modules do)."""
-        return torch.tensor([isinstance(m, BlockQuantLinear) and m.activations == "int8" for m in self._matrices],
-                            dtype=torch.uint8)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: BlockPool | TurboPool | IntPool,
                  layout: RaggedLayout, scale: float, window: int | None, rows: list[int] | None = None) -> torch.Tensor:
@@ -99,8 +90,8 @@ class FusedBatchStep:
         decode_step = self._decode_step()
         if decode_step is None:
             raise ConfigError(f"{WHAT}: the fused decode step whose weight structs it reads is gone")
-        flags = self.int8_flags()
-        check_buffer(WHAT, "int8 flags", flags, torch.uint8, (4 * L,))
+        flags = decode_step.int8_flags()                                         # (4L + 1,): the layers', the head's
+        check_buffer(WHAT, "int8 flags", flags, torch.uint8, (4 * L + 1,))
         pool_struct, held = self._pool_struct(pool, layout, rows)
         rows_out = torch.empty(N, C, dtype=torch.float32)
         rows_out.copy_(x[0])                                                      # (N, C): updated in place by C
@@ -109,7 +100,7 @@ class FusedBatchStep:
         status = self._lib.kvlab_batch_step(
             ctypes.addressof(decode_step.weights), rows_out.data_ptr(), N, cos.data_ptr(), sin.data_ptr(),
             ctypes.byref(pool_struct), ctypes.byref(ragged), float(scale), int(window or 0), flags.data_ptr(),
-            Q8_MIN_ROWS, torch.get_num_threads())
+            torch.get_num_threads())
         del held
         if status == -2:
             raise KvlabError(f"{WHAT}: no memory for the scratch rows of {N} tokens")
@@ -158,18 +149,18 @@ class FusedBatchStep:
 
     def head(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (R, C) rows after every layer -> their logits (R, vocab), as the model's logits() computes them (the
-        final norm, then the head's product: int8 activations from Q8_MIN_ROWS rows on where its module takes them),
+        final norm, then the head's product: int8 activations where its module takes them),
         and each row's argmax (R,) int64."""
         decode_step = self._decode_step()
         if decode_step is None:
             raise ConfigError(f"{WHAT}: the fused decode step whose weight structs it reads is gone")
-        int8 = isinstance(self._head(), BlockQuantLinear) and self._head().activations == "int8"
+        int8 = bool(decode_step.int8_flags()[-1])
         R, C, vocab = x.shape[0], self.config.d_model, decode_step.weights.head.rows
         check_buffer(WHAT, "head rows", x, torch.float32, (R, C))
         logits = torch.empty(R, vocab, dtype=torch.float32)                      # (R, vocab)
         tokens = torch.empty(R, dtype=torch.int64)                               # (R,)
         status = self._lib.kvlab_batch_head(ctypes.addressof(decode_step.weights), x.data_ptr(), R, int(int8),
-                                            Q8_MIN_ROWS, logits.data_ptr(), tokens.data_ptr(), torch.get_num_threads())
+                                            logits.data_ptr(), tokens.data_ptr(), torch.get_num_threads())
         if status == -2:
             raise KvlabError(f"{WHAT}: no memory for the final norm of {R} rows")
         if status != 0:
