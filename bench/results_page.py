@@ -678,10 +678,21 @@ SECTIONS = [
         Table("decode_vs_llama_cpp_1thread_epyc_avx2.json", decode_contexts,
               "kvlab bench decode --contexts 16,4000 --caches dense-f16,tq4,llama.cpp:f16,llama.cpp:q8_0 "
               "--llama-cpp PYTHON --threads 1 --repeats 3 --out bench/results/decode_vs_llama_cpp_1thread_epyc_avx2.json",
-              "On the AMD EPYC with AVX2 only (llama.cpp's native build): kvlab's dense-f16 0.97x llama.cpp's f16 at a "
-              "16-token context (83.3 against 86.1 tokens/s: the step is the weights' GEMV, which llama.cpp does on "
-              "activations quantized to 8 bits and kvlab on fp32 ones) and 1.48x at 4,000 tokens (37.2 against 25.2; "
-              "the K/V read in place, 16-bit rows converted in registers).", presets=CURRENT),
+              "On the AMD EPYC with AVX2 only (llama.cpp's native build), kvlab's exact weights (fp32 activations): "
+              "dense-f16 0.95x llama.cpp's f16 at a 16-token context (78.8 against 83.1 tokens/s: the step is the "
+              "weights' GEMV, which llama.cpp does on activations quantized to 8 bits) and 1.52x at 4,000 tokens (44.3 "
+              "against 29.2; the K/V read in place, 16-bit rows converted in registers).", presets=CURRENT),
+        Table("decode_native_q8_vs_llama_cpp_1thread_epyc_avx2.json", decode_contexts,
+              "kvlab bench decode --contexts 16,4000 --caches dense-f16,tq4,llama.cpp:f16,llama.cpp:q8_0 --weights native-q8 "
+              "--llama-cpp PYTHON --threads 1 --repeats 5 --out bench/results/decode_native_q8_vs_llama_cpp_1thread_epyc_avx2.json",
+              "The same with `--weights native-q8`, llama.cpp's own arithmetic: every product, a decode token's too, "
+              "on activations quantized to int8 per 32-block (kernels/q8gemm.c's row dots: the integer dot of a block "
+              "in eight int32 lanes, vpmaddubsw + vpmaddwd). dense-f16 1.28x llama.cpp's f16 at 16 tokens (97.8 "
+              "against 76.4 tokens/s) and 1.20x at 4,000 (38.0 against 31.6). A noisy box: the previous run of this "
+              "command gave 1.28x and 2.24x (84.8 / 66.5, 55.3 / 24.6). Back-to-back in one process (a scratch loop, "
+              "6 alternations of 32 steps at 16 tokens) int8 activations decode at 1.27x the exact weights' speed "
+              "(102 against 80 tokens/s). Not exact: SmolLM2's logits move by a few percent of their range "
+              "(tests/test_q8_gemm.py).", presets=CURRENT),
         Table("decode_vs_llama_cpp_2threads.json", decode_contexts,
               "kvlab bench decode --contexts 512,4k --caches dense-f16,tq-k4v4,llama.cpp:f16,llama.cpp:q8_0 "
               "--llama-cpp PYTHON --threads 2 --repeats 3 --out bench/results/decode_vs_llama_cpp_2threads.json",
@@ -724,6 +735,17 @@ SECTIONS = [
               "SmolLM2's 3072×576 Q4_1 gate|up matrix, one thread, CPU time per call. Up to 48 rows (a batched decode "
               "step) the layer uses the block GEMM, above it dequantize + torch's GEMM; int8 activations are the "
               "opt-in `--weights native-q8`."),
+        Table("block_gemm_epyc_avx2.json", rows_table([
+            ("rows", "rows", integer), ("block GEMM ms", "block_gemm_ms", f4),
+            ("dequantize + F.linear ms", "dequantize_linear_ms", f4), ("int8 activations ms", "int8_activations_ms", f4),
+            ("block GEMM GMAC/s", "block_gemm_gmac_s", f2), ("× dequantize", "speedup", f2),
+            ("int8 × dequantize", "int8_speedup", f2)]),
+              "python bench/block_gemm.py --out bench/results/block_gemm_epyc_avx2.json",
+              "The same on the AMD EPYC without AVX-512. The block GEMM's AVX2 micro-kernel (intrinsics, one W row "
+              "against four rows) makes 24-26 GMAC/s from 4 rows on; the 16-lane vector-extension code it replaces "
+              "ran 3-9x slower per row than the one-row GEMV (16 rows: 6.7 ms a call, now 1.08). The crossover with "
+              "dequantize + torch's GEMM stays between 32 and 64 rows. int8 activations: row dots below 4 rows "
+              "(0.131 ms for one row, against the exact GEMV's 0.169), the packed 16-lane kernel from 4 rows on."),
     ]),
     Section("Serving many sequences: `kvlab bench throughput`",
             "The batched engine (paged KV blocks, prefix cache, chunked prefill, one fused C step over the batch) "
@@ -787,23 +809,23 @@ SECTIONS = [
         Table("throughput_long_decode_280mib_epyc_avx2.json", throughput,
               "kvlab bench throughput --workloads long-decode --batches 16 --no-sequential --formats dense-f16,tq4,tq3,int4 "
               "--kv-budget 280MiB --threads 2 --out bench/results/throughput_long_decode_280mib_epyc_avx2.json",
-              "The same workload and budget on the AMD EPYC without AVX-512: `tq4` blocks give 1.24x dense-f16's "
-              "output tok/s (22.3 against 18.0), `tq3` 1.08x (19.4), `int4` 1.05x (19.0: at this budget its blocks "
-              "hold 15 of the 16 requests, 2 preemptions). The coded blocks admit every request at once, so first "
-              "tokens come sooner (TTFT p50 86 s for tq4 against 167 s), and each request's decode tokens then share "
-              "their steps with the other fifteen's prompt chunks (TPOT p50 537 ms against 208 ms). On two cores this "
-              "workload is bound by computing its 40k prompt tokens, which every format must do, and on AVX2 a coded "
-              "read is bound by its arithmetic, not its bytes (the next table: a decode step of 16 sequences costs "
-              "about the same in every format), so admitting everyone buys little output rate.",
+              "The same workload and budget on the AMD EPYC without AVX-512: dense-f16 38.6 output tok/s, `tq4` 28.7 "
+              "(0.74x), `tq3` 24.8 (0.64x), `int4` 26.4 (0.68x). Every format is faster than in the last run of this "
+              "command (dense-f16 18.0, `tq4` 22.3, `tq3` 19.4, `int4` 19.0), dense-f16 most: its decode steps were the "
+              "block GEMM's, 3.3x faster since its AVX2 micro-kernel (the next table). At 280 MiB dense-f16's blocks "
+              "hold nearly every request (one preemption), so the coded blocks' capacity buys no concurrency here, "
+              "while their prompt chunks cost more (coding, and AVX2 reads that decode each tile before scoring it): "
+              "TTFT p50 97 s for `tq4` against 92 s, TPOT p50 363 ms against 90 ms.",
               presets=CURRENT),
         Table("served_step_epyc_avx2.json", served_step,
               "python bench/served_step.py --formats dense-f16,int4,tq4 --sequences 16 --prompt-tokens 1000 --new-tokens 80 "
               "--threads 2 --rounds 2 --kv-budget 2GiB --out bench/results/served_step_epyc_avx2.json",
               "The serving engine's decode step alone on the AVX2 EPYC, 16 sequences of ~1,000-1,080 tokens in a pool "
-              "that holds them all, two rounds in reversed order: dense-f16 blocks 300.2 ms a step, `tq4` 312.0, `int4` "
-              "315.6. Integer blocks take the one-call step too (each layer's tokens coded and read by "
-              "kvlab_int_pool_layer); through the modules, layer by layer, an `int4` step took 1.16x dense-f16's time "
-              "in a run of the same command (352.0 against 302.5 ms), 1.05x here.",
+              "that holds them all, two rounds in reversed order: dense-f16 blocks 90.9 ms a step, `tq4` 94.7 (1.04x "
+              "dense-f16's time), `int4` 117.1 (1.29x). The products of 16 rows are the block GEMM's AVX2 micro-kernel "
+              "(one W row against four rows in intrinsics, 67 us a row of the gate|up matrix); before it the vector-"
+              "extension code made every step 300-316 ms (dense-f16 300.2, `tq4` 312.0, `int4` 315.6 in the last run "
+              "of this command), the products hiding the formats' differences.",
               presets=CURRENT),
         Table("served_step_tq3_points.json", served_step,
               "python bench/served_step.py --formats dense-f16,tq4,tq3 --sequences 16 --prompt-tokens 2000 "
@@ -849,6 +871,17 @@ SECTIONS = [
               "(1.6x), first tokens in 0.5-0.7 s against 3.9-4.0 s."),
         Table("serve_llama_server_1thread_epyc.json", serve,
               "llama-server -m SmolLM2-135M-Instruct.Q4_1.gguf -t 1 -tb 1 -np 16 -c 8192 -ctk f16 -ctv f16 --port 8089; kvlab bench serve --url http://127.0.0.1:8089 --concurrency 1,16 --requests 16 --max-tokens 256 --no-direct --out bench/results/serve_llama_server_1thread_epyc.json"),
+        Table("serve_kvlab_1thread_epyc_avx2.json", serve,
+              "OMP_NUM_THREADS=1 kvlab bench serve --cache dense-f16 --kv-budget 512MiB --concurrency 1,16 --requests 16 --max-tokens 256 --no-direct --out bench/results/serve_kvlab_1thread_epyc_avx2.json",
+              "AMD EPYC without AVX-512, 1 thread, exact weights: at one client 14.1 ms per output token against "
+              "llama-server's 13.9 (the one-row GEMV on fp32 activations, where llama.cpp's are int8); at 16 clients "
+              "148.6 output tok/s against 85.7 (1.73x), first tokens in 0.79 s against 3.7 s."),
+        Table("serve_kvlab_native_q8_1thread_epyc_avx2.json", serve,
+              "OMP_NUM_THREADS=1 kvlab serve --cache dense-f16 --kv-budget 512MiB --weights native-q8 --port 8091; kvlab bench serve --url http://127.0.0.1:8091 --concurrency 1,16 --requests 16 --max-tokens 256 --no-direct --out bench/results/serve_kvlab_native_q8_1thread_epyc_avx2.json",
+              "The same server with `--weights native-q8` (llama.cpp's int8 activations): 11.6 ms per output token at "
+              "one client (0.83x llama-server's 13.9), 260.0 output tok/s at 16 clients (3.0x llama-server's 85.7)."),
+        Table("serve_llama_server_1thread_epyc_avx2.json", serve,
+              "llama-server -m SmolLM2-135M-Instruct.Q4_1.gguf -t 1 -tb 1 -np 16 -c 8192 -ctk f16 -ctv f16 --port 8089; kvlab bench serve --url http://127.0.0.1:8089 --concurrency 1,16 --requests 16 --max-tokens 256 --no-direct --out bench/results/serve_llama_server_1thread_epyc_avx2.json"),
     ]),
     Section("Through transformers: `kvlab.hf` and `--backend transformers`",
             "SmolLM2 loaded by transformers from the same GGUF (fp32); every row is a cache object handed to the "

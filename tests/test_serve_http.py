@@ -425,7 +425,8 @@ def test_serve_without_the_extra_is_a_one_line_error(monkeypatch):
 
 
 def test_kvlab_serve_prints_its_plan_and_exits_cleanly_on_sigterm(smollm2):
-    """The CLI in a subprocess: memory plan on start, loopback bind, a running stream aborted by SIGTERM, exit 0."""
+    """The CLI in a subprocess: memory plan on start, loopback bind, a running stream aborted by SIGTERM, exit 0
+    (weights native-q8: int8 activations in every product)."""
     import signal
     import subprocess
     import sys
@@ -434,7 +435,7 @@ def test_kvlab_serve_prints_its_plan_and_exits_cleanly_on_sigterm(smollm2):
 
     port = free_port()
     process = subprocess.Popen([sys.executable, "-c", "from kvlab.cli import app; app()", "serve", "--port", str(port),
-                                "--kv-budget", "16MiB", "--shutdown-grace", "0.2"],
+                                "--kv-budget", "16MiB", "--shutdown-grace", "0.2", "--weights", "native-q8"],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         def up() -> bool:
@@ -454,7 +455,7 @@ def test_kvlab_serve_prints_its_plan_and_exits_cleanly_on_sigterm(smollm2):
         assert process.wait(60) == 0
         output = process.stdout.read()
         assert "KV memory plan" in output and "sequences of 512 tokens" in output
-        assert f"http://127.0.0.1:{port}" in output
+        assert f"(native-q8 weights) on http://127.0.0.1:{port}" in output
     finally:
         if process.poll() is None:
             process.kill()

@@ -89,8 +89,8 @@ def generate(
     capacity: Optional[int] = typer.Option(None, "--capacity", help="Cache capacity in tokens (default: prompt + new tokens)."),
     chunk_size: Optional[int] = typer.Option(None, "--prefill-chunk", help="Prefill the prompt in chunks of this many tokens."),
     device: str = typer.Option("cpu", "--device", help="cpu | cuda | cuda:N | mps (a device this machine has)."),
-    weights: str = typer.Option("auto", "--weights", help="auto | native (GGUF blocks, fp32 CPU) | native-q8 (and int8 activations for multi-row calls: "
-                                "faster prompts, not exact) | dense (dequantized)."),
+    weights: str = typer.Option("auto", "--weights", help="auto | native (GGUF blocks, fp32 CPU) | native-q8 (and int8 activations, "
+                                "llama.cpp's arithmetic: faster, not exact) | dense (dequantized)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
     backend: str = typer.Option("kvlab", "--backend", help="kvlab | transformers (any causal LM it loads from local files, with kvlab's caches inside)."),
 ):

@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # the GGUF reader (the gguf package) loads only when a GGUF i
     from ..sources.gguf import GGUFFile
 
 WEIGHTS = ("auto", "dense", "native", "native-q8")
-NATIVE = ("native", "native-q8")  # GGUF blocks kept; "-q8": multi-row calls with int8 activations (blockquant.py)
+NATIVE = ("native", "native-q8")  # GGUF blocks kept; "-q8": every product with int8 activations (blockquant.py)
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}
@@ -116,7 +116,7 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype | str = torch.
 
     `weights`: "dense" dequantizes every tensor to `dtype`; "native" keeps a GGUF's Q4_0/Q4_1/Q8_0
     matrices as blocks (fp32 on CPU; kvlab.model.blockquant); "auto" picks native when it can;
-    "native-q8" is native with int8 activations for multi-row calls (faster batches and prompts, not exact).
+    "native-q8" is native with int8 activations in every product, llama.cpp's arithmetic (faster, not exact).
     """
     if isinstance(dtype, str):
         dtype = parse_dtype(dtype)
@@ -222,7 +222,7 @@ def install_blocks(model: Decoder, blocks: dict, activations: str = "fp32") -> N
     """Swap the Decoder's embedding / linear modules named in `blocks` for block-holding ones.
 
     A tied output head becomes a BlockQuantLinear over the embedding's own blocks (one buffer).
-    `activations`: "int8" sends the linear modules' multi-row calls through the int8-activation kernel.
+    `activations`: "int8" sends the linear modules' products through the int8-activation kernel.
     """
     from .blockquant import BlockQuantEmbedding, BlockQuantLinear, set_activations
 

@@ -73,13 +73,13 @@ def _size(option: str, value: str) -> int:
 def run_server(*, model: str | None, cache: str, kv_budget: str | None, ctx: int | None, max_seqs: int | None,
                host: str, port: int, api_key: str | None, max_batch: int, max_waiting: int, block_size: int,
                default_max_tokens: int, grace: float, dtype: str, max_body_bytes: int, console,
-               kv_store: str | None = None, kv_store_max: str = "4GiB") -> None:
+               kv_store: str | None = None, kv_store_max: str = "4GiB", weights: str = "auto") -> None:
     """`kvlab serve`: load the model, size the KV pool, print the memory plan, serve until SIGINT/SIGTERM."""
     from ..session import cached_model
     from .engine import Engine, capacity_for
     from .http import LOOPBACK_HOSTS, Server, ServerConfig, create_app, is_loopback
 
-    loaded = cached_model(model, dtype, "cpu")
+    loaded = cached_model(model, dtype, "cpu", weights)
     context_length = loaded.config.max_seq_len
     budget: int | str = kv_budget or "512MiB"
     if ctx is not None:
@@ -104,7 +104,7 @@ def run_server(*, model: str | None, cache: str, kv_budget: str | None, ctx: int
         store = engine.store
         console.print(f"KV store {store.folder}: {len(store.files):,} blocks, {store.nbytes / 2**20:,.1f} MiB "
                       f"(at most {store.max_bytes / 2**20:,.0f} MiB)", highlight=False)
-    console.print(f"serving {name} on http://{host}:{port}/v1 (Ctrl+C stops)", highlight=False)
+    console.print(f"serving {name} ({loaded.weights} weights) on http://{host}:{port}/v1 (Ctrl+C stops)", highlight=False)
     Server(create_app(engine, loaded.tokenizer, config), host=host, port=port).run()
 
 
@@ -129,6 +129,8 @@ def register(app: typer.Typer) -> None:
         default_max_tokens: int = typer.Option(256, "--default-max-tokens", min=1, help="max_tokens of requests that name none."),
         grace: float = typer.Option(5.0, "--shutdown-grace", min=0.0, help="Seconds running requests may finish on SIGINT/SIGTERM."),
         dtype: str = typer.Option("fp32", "--dtype", help="fp32 | bf16."),
+        weights: str = typer.Option("auto", "--weights", help="auto | native (GGUF blocks, exact) | native-q8 (and int8 "
+                                    "activations, llama.cpp's arithmetic: faster, not exact) | dense (dequantized)."),
         max_body: str = typer.Option("4MiB", "--max-body", help="Largest request body accepted (413 beyond)."),
         kv_store: Optional[str] = typer.Option(None, "--kv-store", help="Folder keeping the prefix cache on disk "
                                                "across restarts (and POST /kv/save, /kv/restore files)."),
@@ -145,4 +147,4 @@ def register(app: typer.Typer) -> None:
                    api_key=api_key, max_batch=max_batch, max_waiting=max_waiting, block_size=block_size,
                    default_max_tokens=default_max_tokens, grace=grace, dtype=dtype,
                    max_body_bytes=_size("--max-body", max_body), console=console, kv_store=kv_store,
-                   kv_store_max=kv_store_max)
+                   kv_store_max=kv_store_max, weights=weights)
