@@ -692,7 +692,10 @@ SECTIONS = [
               "command gave 1.28x and 2.24x (84.8 / 66.5, 55.3 / 24.6). Back-to-back in one process (a scratch loop, "
               "6 alternations of 32 steps at 16 tokens) int8 activations decode at 1.27x the exact weights' speed "
               "(102 against 80 tokens/s). Not exact: SmolLM2's logits move by a few percent of their range "
-              "(tests/test_q8_gemm.py).", presets=CURRENT),
+              "(tests/test_q8_gemm.py), and its text with them: asked \"What is the capital of France?\" (chat, "
+              "greedy) llama.cpp answers \"L'Étoile, la Marseillaise, ...\" and kvlab with `--weights native-q8` "
+              "\"L'Étoile, la Cité, ...\", where kvlab's exact weights answer \"The capital of France is Paris.\"",
+              presets=CURRENT),
         Table("decode_vs_llama_cpp_2threads.json", decode_contexts,
               "kvlab bench decode --contexts 512,4k --caches dense-f16,tq-k4v4,llama.cpp:f16,llama.cpp:q8_0 "
               "--llama-cpp PYTHON --threads 2 --repeats 3 --out bench/results/decode_vs_llama_cpp_2threads.json",
