@@ -222,13 +222,6 @@ static inline __attribute__((always_inline)) void block_weights8(const int type,
     w[3] = _mm256_fmadd_ps(dv, _mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4)), m);
 }
 
-static inline float halves_sum(__m256 lo, __m256 hi) {   /* lane_sum of the 16 lanes (lo: 0-7, hi: 8-15) */
-    __m256 v = _mm256_add_ps(lo, hi);
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
 static inline __attribute__((always_inline)) void narrow_kernel(const int type, const int n, const uint8_t *w0,
                                                                int64_t nblocks, const float *xg, float *y, int64_t N) {
     __m256 acc[NARROW][2];
@@ -245,7 +238,7 @@ static inline __attribute__((always_inline)) void narrow_kernel(const int type, 
             acc[i][1] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xi + 24), acc[i][1]);
         }
     }
-    for (int i = 0; i < n; i++) y[i * N] = halves_sum(acc[i][0], acc[i][1]);
+    for (int i = 0; i < n; i++) y[i * N] = kvlab_sum8(_mm256_add_ps(acc[i][0], acc[i][1]));   /* lane_sum's tree */
 }
 
 /* narrow_kernel with the row count as a compile-time constant */

@@ -132,13 +132,6 @@ static float dot_row_q8(const uint8_t *row, const float *x, int64_t nblocks) {
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
-static inline float sum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 /* the 8 bytes at p zero- / sign-extended to eight int32 lanes (one load-and-widen instruction) */
 #define U8X8_AT(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
 #define I8X8_AT(p) _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
@@ -189,7 +182,7 @@ static float dot_row_q4(const uint8_t *row, const float *x, const float *xsum, i
         __m256 off = _mm256_setzero_ps();
         int j = 0;
         for (; j + 8 <= n; j += 8) off = _mm256_fmadd_ps(_mm256_loadu_ps(m + j), _mm256_loadu_ps(xsum + b0 + j), off);
-        offsets += sum8(off);
+        offsets += kvlab_sum8(off);
         for (; j < n; j++) offsets += m[j] * xsum[b0 + j];
         const uint8_t *blk = kvlab_row_quants(type, row, nblocks, b0);
         const float *xb = x + b0 * QK;
@@ -200,7 +193,7 @@ static float dot_row_q4(const uint8_t *row, const float *x, const float *xsum, i
         }
         if (j < n) acc0 = _mm256_fmadd_ps(_mm256_broadcast_ss(d + j), nibble_dot8(blk, xb), acc0);
     }
-    return sum8(_mm256_add_ps(acc0, acc1)) + offsets;
+    return kvlab_sum8(_mm256_add_ps(acc0, acc1)) + offsets;
 }
 
 static float dot_row_q8(const uint8_t *row, const float *x, int64_t nblocks) {
@@ -219,7 +212,7 @@ static float dot_row_q8(const uint8_t *row, const float *x, int64_t nblocks) {
         }
         if (j < n) acc0 = _mm256_fmadd_ps(_mm256_broadcast_ss(d + j), int8_dot8(blk, xb), acc0);
     }
-    return sum8(_mm256_add_ps(acc0, acc1));
+    return kvlab_sum8(_mm256_add_ps(acc0, acc1));
 }
 
 #else  /* plain C: 16 independent lanes, which compilers vectorize for whatever SIMD there is */

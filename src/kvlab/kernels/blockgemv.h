@@ -5,7 +5,7 @@
 #define KVLAB_BLOCKGEMV_H
 #include <stdint.h>
 #include <string.h>
-#ifdef __F16C__
+#if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -40,6 +40,16 @@ int kvlab_q8_gemm(int type, const uint8_t *blocks, int64_t N, int64_t K, const f
 int64_t kvlab_q8_row_floats(int64_t K);
 void kvlab_q8_prepare(const float *x, int64_t K, float *prepared);
 float kvlab_q8_row_dot(int type, const uint8_t *row, const float *prepared, int64_t nb);
+
+#if defined(__AVX2__)
+/* the sum of eight lanes by a fixed tree, ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)): a 16-lane sum's tree
+ * (halves added, four times) once its two halves are added */
+static inline float kvlab_sum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
 
 /* IEEE half -> float, exact for every bit pattern (subnormals, inf, nan): F16C when the CPU has it */
 static inline float kvlab_fp16_to_fp32(uint16_t h) {

@@ -204,12 +204,6 @@ static inline __m256i block_lanes(int type, const uint8_t *qs, const int8_t *a) 
 #endif
 }
 
-static inline float lane_total(__m256 v) {   /* ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)) */
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
 float kvlab_q8_row_dot(int type, const uint8_t *row, const float *prepared, int64_t nb) {
     const float *d_a = prepared, *ds = prepared + nb;
     const int8_t *codes = (const int8_t *)(prepared + 2 * nb);
@@ -223,7 +217,7 @@ float kvlab_q8_row_dot(int type, const uint8_t *row, const float *prepared, int6
             __m256 off = _mm256_setzero_ps();
             int j = 0;
             for (; j + 8 <= n; j += 8) off = _mm256_fmadd_ps(_mm256_loadu_ps(m + j), _mm256_loadu_ps(ds + b0 + j), off);
-            offsets += lane_total(off);
+            offsets += kvlab_sum8(off);
             for (; j < n; j++) offsets = fmaf(m[j], ds[b0 + j], offsets);
         }
         const uint8_t *qs = kvlab_row_quants(type, row, nb, b0);
@@ -237,11 +231,12 @@ float kvlab_q8_row_dot(int type, const uint8_t *row, const float *prepared, int6
         }
         if (j < n) acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_lanes(type, qs, a)), _mm256_broadcast_ss(dd + j), acc0);
     }
-    return lane_total(_mm256_add_ps(acc0, acc1)) + offsets;
+    return kvlab_sum8(_mm256_add_ps(acc0, acc1)) + offsets;
 }
 
 #else
-static float lane_total(const float *v) { return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7])); }
+static float lane_total(const float *v) {   /* kvlab_sum8's tree */
+    return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7])); }
 
 /* the AVX2 code's arithmetic lane by lane */
 float kvlab_q8_row_dot(int type, const uint8_t *row, const float *prepared, int64_t nb) {
