@@ -459,6 +459,14 @@ def integer(x):
     return "—" if x is None else f"{x:,.0f}"
 
 
+#: bench/block_gemm.py's table: the products of several rows by row count
+block_gemm_rows = rows_table([
+    ("rows", "rows", integer), ("block GEMM ms", "block_gemm_ms", f4),
+    ("dequantize + F.linear ms", "dequantize_linear_ms", f4), ("int8 activations ms", "int8_activations_ms", f4),
+    ("block GEMM GMAC/s", "block_gemm_gmac_s", f2), ("× dequantize", "speedup", f2),
+    ("int8 × dequantize", "int8_speedup", f2)])
+
+
 # --------------------------------------------------------------------------------------------------- the page
 
 @dataclass(frozen=True)
@@ -729,20 +737,12 @@ SECTIONS = [
               "python bench/block_gemv.py",
               "The block GEMV kernel alone, one thread, each ctypes call included: each row holds its blocks' scales "
               "in front, sixteen blocks' scales loaded at once."),
-        Table("block_gemm.json", rows_table([
-            ("rows", "rows", integer), ("block GEMM ms", "block_gemm_ms", f4),
-            ("dequantize + F.linear ms", "dequantize_linear_ms", f4), ("int8 activations ms", "int8_activations_ms", f4),
-            ("block GEMM GMAC/s", "block_gemm_gmac_s", f2), ("× dequantize", "speedup", f2),
-            ("int8 × dequantize", "int8_speedup", f2)]),
+        Table("block_gemm.json", block_gemm_rows,
               "python bench/block_gemm.py",
               "SmolLM2's 3072×576 Q4_1 gate|up matrix, one thread, CPU time per call. Up to 48 rows (a batched decode "
               "step) the layer uses the block GEMM, above it dequantize + torch's GEMM; int8 activations are the "
               "opt-in `--weights native-q8`."),
-        Table("block_gemm_epyc_avx2.json", rows_table([
-            ("rows", "rows", integer), ("block GEMM ms", "block_gemm_ms", f4),
-            ("dequantize + F.linear ms", "dequantize_linear_ms", f4), ("int8 activations ms", "int8_activations_ms", f4),
-            ("block GEMM GMAC/s", "block_gemm_gmac_s", f2), ("× dequantize", "speedup", f2),
-            ("int8 × dequantize", "int8_speedup", f2)]),
+        Table("block_gemm_epyc_avx2.json", block_gemm_rows,
               "python bench/block_gemm.py --out bench/results/block_gemm_epyc_avx2.json",
               "The same on the AMD EPYC without AVX-512. The block GEMM's AVX2 micro-kernel (intrinsics, one W row "
               "against four rows) makes 24-26 GMAC/s from 4 rows on; the 16-lane vector-extension code it replaces "
