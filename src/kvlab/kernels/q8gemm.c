@@ -184,7 +184,6 @@ static void row_scales(int type, const uint8_t *row, int64_t nb, int64_t b0, int
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
 /* one block's integer dot in eight int32 lanes (lane l: weights 4l .. 4l + 3): the weights as the unsigned operand
  * (nibbles as they are; Q8_0 by the sign trick, |w| x sign(w) a, whose pair sums stay below 2^15) */
 static inline __m256i block_lanes(int type, const uint8_t *qs, const int8_t *a) {
@@ -236,7 +235,8 @@ float kvlab_q8_row_dot(int type, const uint8_t *row, const float *prepared, int6
 
 #else
 static float lane_total(const float *v) {   /* kvlab_sum8's tree */
-    return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7])); }
+    return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
+}
 
 /* the AVX2 code's arithmetic lane by lane */
 float kvlab_q8_row_dot(int type, const uint8_t *row, const float *prepared, int64_t nb) {
