@@ -812,13 +812,13 @@ SECTIONS = [
         Table("throughput_long_decode_280mib_epyc_avx2.json", throughput,
               "kvlab bench throughput --workloads long-decode --batches 16 --no-sequential --formats dense-f16,tq4,tq3,int4 "
               "--kv-budget 280MiB --threads 2 --out bench/results/throughput_long_decode_280mib_epyc_avx2.json",
-              "The same workload and budget on the AMD EPYC without AVX-512: dense-f16 38.6 output tok/s, `tq4` 28.7 "
-              "(0.74x), `tq3` 24.8 (0.64x), `int4` 26.4 (0.68x). Every format is faster than in the last run of this "
-              "command (dense-f16 18.0, `tq4` 22.3, `tq3` 19.4, `int4` 19.0), dense-f16 most: its decode steps were the "
-              "block GEMM's, 3.3x faster since its AVX2 micro-kernel (the next table). At 280 MiB dense-f16's blocks "
-              "hold nearly every request (one preemption), so the coded blocks' capacity buys no concurrency here, "
+              "The same workload and budget on the AMD EPYC without AVX-512: dense-f16 37.2 output tok/s, `tq4` 33.2 "
+              "(0.89x), `tq3` 26.5 (0.71x), `int4` 25.6 (0.69x). Every format is faster than in the run of this command "
+              "before the block GEMM's AVX2 micro-kernel (dense-f16 18.0, `tq4` 22.3, `tq3` 19.4, `int4` 19.0), dense-f16 "
+              "most: its decode steps are those products (3.3x faster, the next table). At 280 MiB dense-f16's blocks "
+              "hold nearly every request (one preemption), so the coded blocks' capacity buys little concurrency here, "
               "while their prompt chunks cost more (coding, and AVX2 reads that decode each tile before scoring it): "
-              "TTFT p50 97 s for `tq4` against 92 s, TPOT p50 363 ms against 90 ms.",
+              "TTFT p50 75 s for `tq4` against 97 s, TPOT p50 329 ms against 97 ms.",
               presets=CURRENT),
         Table("served_step_epyc_avx2.json", served_step,
               "python bench/served_step.py --formats dense-f16,int4,tq4 --sequences 16 --prompt-tokens 1000 --new-tokens 80 "
