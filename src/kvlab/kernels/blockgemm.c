@@ -281,7 +281,7 @@ static void thread_rows(const int type, const uint8_t *blocks, int64_t N, int64_
                             y + (i + s) * N + j, N);
         }
     }
-#endif
+#else
     /* a full group and part or all of the next, while both stay in L1: one W row at a time (a K of 1,536 rows of
      * 96 KiB made it slower) */
     for (; M - i > GROUP && 2 * GROUP * K * (int64_t)sizeof(float) <= PAIR_BYTES; i += 2 * GROUP) {
@@ -304,6 +304,7 @@ static void thread_rows(const int type, const uint8_t *blocks, int64_t N, int64_
             group_kernel(type, n, w0, w1, nblocks, xp + i * K, y + i * N + j, N, two);
         }
     }
+#endif
 }
 
 /* one instantiation per block type, so the type is a constant inside the micro-kernels */

@@ -16,8 +16,8 @@ exactly: only the fp32 summation order of the kernels differs from the dense pat
 Opt-in (`activations="int8"`, the loader's weights="native-q8"): every call (a decode token, batched decode, prompt
 chunks) quantizes the activations to int8 per 32-block and takes integer dot products with the weight codes
 (kernels/q8gemm.c: row dots for a few rows, a packed kernel for more, VNNI where the CPU has it; reference:
-kvlab.model.int8act), as llama.cpp's CPU path does: faster than the fp32 paths (a decode token's products ~1.4x on
-an AVX2 CPU, many rows ~2x), at the price of the activation rounding (not equal to the dense path; never the
+kvlab.model.int8act), as llama.cpp's CPU path does: faster than the fp32 paths (a decode token's products 1.2-1.4x
+on an AVX2 CPU, 16 rows ~1.9x), at the price of the activation rounding (not equal to the dense path; never the
 default).
 
 Rows of a BlockMatrix are whole blocks, so fusing q|k|v or gate|up is a concatenation of byte rows and

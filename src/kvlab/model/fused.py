@@ -74,7 +74,8 @@ class FusedDecodeStep:
         head = model.lm_head if model.lm_head is not None else model.embed  # tied: the fp32 embedding table
         # every matrix in decode.c's order (each layer's QKV, OUT, GATE_UP, DOWN, then the head): their activations
         self._matrices = [m for b in model.blocks for m in (b.attn.qkv, b.attn.out, b.ffn.gate_up, b.ffn.down)] + [head]
-        self._flags_of: tuple[bool, ...] | None = None
+        self._flags_of: tuple[bool, ...] | None = None   # the activations `_flags` was made for
+        self._flags = torch.zeros(len(self._matrices), dtype=torch.uint8)
         self._model = _Model(cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff,
                              cfg.sliding_window or 0, cfg.rms_eps, cfg.head_dim ** -0.5, layers,
                              self._ptr(model.norm.weight, (d,), "final norm"), self._matrix(head, cfg.vocab_size, d, "output head"))
