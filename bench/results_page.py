@@ -653,6 +653,16 @@ SECTIONS = [
               "prompt chunks are read in C, a tile of query rows at a time; dense-f16 prefills 4k tokens in 16.1 s "
               "and 8k in 44.9 s, `tq4` in 20.6 s and 62.9 s.",
               read_share=True, presets=CURRENT),
+        Table("decode_presets_1thread_epyc_zen5.json", decode_contexts,
+              "kvlab bench decode --contexts 512,2k,4k,8k --caches dense,dense-f16,tq4,tq3,tq-k4v4,int4 --threads 1 "
+              "--repeats 2 --steps 16 --out bench/results/decode_presets_1thread_epyc_zen5.json",
+              "An AMD EPYC of the Zen 5 generation (AVX-512 on full-width units, VNNI; read limit 43.6 GB/s at 1 "
+              "thread): `tq4` 0.94 / 1.00 / 1.03 / 1.13x `dense-f16` at 512 / 2k / 4k / 8k, `tq3` 0.91 / 0.91 / "
+              "0.85 / 0.93x, `tq-k4v4` 0.97 / 1.06 / 1.06 / 1.25x, `int4` 0.91 / 0.87 / 0.80 / 0.80x; dense-f16 "
+              "reads at 35-38% of the read limit, tq4 at 22-30%. Where a tq4 step's time goes at 4k (perf, 1 "
+              "thread): 43% the weights' block GEMV, 19% the key scores read from codes, 5% the value mix, 5% "
+              "+ropemean's per-key term. The key scores, not the bytes, bound the coded caches here.",
+              read_share=True, presets=CURRENT),
         Table("decode_int_1thread_epyc_avx2.json", decode_contexts,
               "kvlab bench decode --contexts 4k --caches dense-f16,int8,int4,tq4 --threads 1 --repeats 2 --steps 16 "
               "--out bench/results/decode_int_1thread_epyc_avx2.json",
