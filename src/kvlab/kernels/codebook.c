@@ -1056,7 +1056,7 @@ CB_INLINE void quad_partials4(const cb_part *V, const uint8_t *rows, int64_t row
         if (mixed) group_values(V, row, 0, 8, 3, (block_points){{_mm512_setzero_ps()}}, v + 2);
         for (int b = 0; b < 4; b++)
             for (int h = 0; h < gh; h++) p[j][h] = b ? _mm512_fmadd_ps(qv[h][b], v[b], p[j][h]) : _mm512_mul_ps(qv[h][b], v[b]);
-        /* tq4's keys fold each pair of rows as it comes, the same sums with fewer registers live (1.15x the reads of
+        /* tq4's keys fold each pair of rows as it comes, the same sums with fewer registers live (1.11x the reads of
          * this path on a Zen 5; tq3's, whose block points take registers of their own, ran slower so) */
         if (!mixed && (j & 1))
             for (int h = 0; h < gh; h++) p[j - 1][h] = fold(p[j - 1][h], p[j][h], 0);
