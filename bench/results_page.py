@@ -700,6 +700,18 @@ SECTIONS = [
               "dense-f16 0.95x llama.cpp's f16 at a 16-token context (78.8 against 83.1 tokens/s: the step is the "
               "weights' GEMV, which llama.cpp does on activations quantized to 8 bits) and 1.52x at 4,000 tokens (44.3 "
               "against 29.2; the K/V read in place, 16-bit rows converted in registers).", presets=CURRENT),
+        Table("decode_vs_llama_cpp_1thread_epyc_zen5.json", decode_contexts,
+              "kvlab bench decode --contexts 16,4000 --caches dense-f16,tq4,llama.cpp:f16,llama.cpp:q8_0 "
+              "--llama-cpp PYTHON --threads 1 --repeats 3 --out bench/results/decode_vs_llama_cpp_1thread_epyc_zen5.json",
+              "On the Zen 5 EPYC (AVX-512; llama.cpp's native build), kvlab's exact weights: dense-f16 1.13x "
+              "llama.cpp's f16 at a 16-token context (166.9 against 147.3 tokens/s) and 1.57x at 4,000 tokens (83.9 "
+              "against 53.3); `tq4` 1.20x dense-f16 at 4,000.", presets=CURRENT),
+        Table("decode_native_q8_vs_llama_cpp_1thread_epyc_zen5.json", decode_contexts,
+              "kvlab bench decode --contexts 16,4000 --caches dense-f16,tq4,llama.cpp:f16,llama.cpp:q8_0 --weights native-q8 "
+              "--llama-cpp PYTHON --threads 1 --repeats 3 --out bench/results/decode_native_q8_vs_llama_cpp_1thread_epyc_zen5.json",
+              "The same on the Zen 5 EPYC with `--weights native-q8` (int8 activations, as llama.cpp computes): "
+              "dense-f16 1.26x llama.cpp's f16 at 16 tokens (182.6 against 144.7 tokens/s) and 1.59x at 4,000 (96.1 "
+              "against 60.6).", presets=CURRENT),
         Table("decode_native_q8_vs_llama_cpp_1thread_epyc_avx2.json", decode_contexts,
               "kvlab bench decode --contexts 16,4000 --caches dense-f16,tq4,llama.cpp:f16,llama.cpp:q8_0 --weights native-q8 "
               "--llama-cpp PYTHON --threads 1 --repeats 5 --out bench/results/decode_native_q8_vs_llama_cpp_1thread_epyc_avx2.json",
