@@ -661,7 +661,9 @@ SECTIONS = [
               "0.85 / 0.93x, `tq-k4v4` 0.97 / 1.06 / 1.06 / 1.25x, `int4` 0.91 / 0.87 / 0.80 / 0.80x; dense-f16 "
               "reads at 35-38% of the read limit, tq4 at 22-30%. Where a tq4 step's time goes at 4k (perf, 1 "
               "thread): 43% the weights' block GEMV, 19% the key scores read from codes, 5% the value mix, 5% "
-              "+ropemean's per-key term. The key scores, not the bytes, bound the coded caches here.",
+              "+ropemean's per-key term. The key scores, not the bytes, bound the coded caches here. Measured before the "
+              "weights' row dots read 4 KB ahead and tq4's key read folded each pair of rows as it comes (1.07x a step "
+              "at 16 tokens, 1.11x the key scores); the runs against llama.cpp below are after them.",
               read_share=True, presets=CURRENT),
         Table("decode_int_1thread_epyc_avx2.json", decode_contexts,
               "kvlab bench decode --contexts 4k --caches dense-f16,int8,int4,tq4 --threads 1 --repeats 2 --steps 16 "
