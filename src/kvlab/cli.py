@@ -17,6 +17,7 @@ from typer.core import TyperCommand, TyperGroup
 
 from . import __version__
 from .limits import MAX_REPEATS
+from .model.weight_modes import WEIGHTS_HELP
 from .terminal import OneLineUsageErrors, console, one_line_errors
 
 #: commands whose module loads only when the command is resolved: name -> (one-line help, loader name)
@@ -89,8 +90,7 @@ def generate(
     capacity: Optional[int] = typer.Option(None, "--capacity", help="Cache capacity in tokens (default: prompt + new tokens)."),
     chunk_size: Optional[int] = typer.Option(None, "--prefill-chunk", help="Prefill the prompt in chunks of this many tokens."),
     device: str = typer.Option("cpu", "--device", help="cpu | cuda | cuda:N | mps (a device this machine has)."),
-    weights: str = typer.Option("auto", "--weights", help="auto | native (GGUF blocks, fp32 CPU) | native-q8 (and int8 activations, "
-                                "llama.cpp's arithmetic: faster, not exact) | dense (dequantized)."),
+    weights: str = typer.Option("auto", "--weights", help=WEIGHTS_HELP),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
     backend: str = typer.Option("kvlab", "--backend", help="kvlab | transformers (any causal LM it loads from local files, with kvlab's caches inside)."),
 ):
@@ -153,7 +153,7 @@ def bench_decode(
         help="engine:cache pairs; engines: kvlab (--weights), kvlab-unfused (kvlab without the fused decode step), "
         "kvlab-dense-weights (dequantized fp32/bf16 weights), transformers.",
     ),
-    weights: str = typer.Option("auto", "--weights", help="Weights of the kvlab contenders: auto | native | native-q8 | dense."),
+    weights: str = typer.Option("auto", "--weights", help="Weights of the kvlab contenders: " + WEIGHTS_HELP),
     out: Optional[str] = typer.Option(None, "--out", help="[default: bench/results/decode.json, decode_contexts.json with --contexts]"),
     json_out: bool = typer.Option(False, "--json"),
     contexts: Optional[str] = typer.Option(

@@ -28,6 +28,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..errors import ConfigError
+from ..model.weight_modes import WEIGHTS_HELP
 
 # torch, the engine and the model load inside the functions: `kvlab --help` and `kvlab plan` stay light
 
@@ -247,8 +248,7 @@ def register(bench_app) -> None:
         max_step_tokens: int = typer.Option(512, "--max-step-tokens", min=1),
         threads: int = typer.Option(0, "--threads", min=0, help="torch intra-op threads (0: torch's default)."),
         no_sequential: bool = typer.Option(False, "--no-sequential", help="Skip the sequential generate baseline."),
-        weights: str = typer.Option("auto", "--weights", help="auto | native | native-q8 (int8 activations in every "
-                                    "product: faster, not exact) | dense."),
+        weights: str = typer.Option("auto", "--weights", help=WEIGHTS_HELP),
         out: str = typer.Option("bench/results/throughput.json", "--out"),
         json_out: bool = typer.Option(False, "--json"),
     ):

@@ -21,6 +21,7 @@ from ..spec import ModelSpec
 from .config import HYBRID_FAMILY, DecoderConfig, decoder_config, require_runnable
 from .llama import Decoder
 from .tokenizer import Tokenizer
+from .weight_modes import NATIVE, WEIGHTS
 from .weights import (
     GGUF,
     HF,
@@ -34,8 +35,6 @@ from .weights import (
 if TYPE_CHECKING:  # the GGUF reader (the gguf package) loads only when a GGUF is read
     from ..sources.gguf import GGUFFile
 
-WEIGHTS = ("auto", "dense", "native", "native-q8")
-NATIVE = ("native", "native-q8")  # GGUF blocks kept; "-q8": every product with int8 activations (blockquant.py)
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}

@@ -13,6 +13,7 @@ import typer
 from rich.table import Table
 
 from ..errors import ConfigError, KvlabError
+from ..model.weight_modes import WEIGHTS_HELP
 
 PLAN_CONTEXTS = (512, 2048, 8192)  # the memory plan shows how many sequences of these lengths fit
 
@@ -129,8 +130,7 @@ def register(app: typer.Typer) -> None:
         default_max_tokens: int = typer.Option(256, "--default-max-tokens", min=1, help="max_tokens of requests that name none."),
         grace: float = typer.Option(5.0, "--shutdown-grace", min=0.0, help="Seconds running requests may finish on SIGINT/SIGTERM."),
         dtype: str = typer.Option("fp32", "--dtype", help="fp32 | bf16."),
-        weights: str = typer.Option("auto", "--weights", help="auto | native (GGUF blocks, exact) | native-q8 (and int8 "
-                                    "activations, llama.cpp's arithmetic: faster, not exact) | dense (dequantized)."),
+        weights: str = typer.Option("auto", "--weights", help=WEIGHTS_HELP),
         max_body: str = typer.Option("4MiB", "--max-body", help="Largest request body accepted (413 beyond)."),
         kv_store: Optional[str] = typer.Option(None, "--kv-store", help="Folder keeping the prefix cache on disk "
                                                "across restarts (and POST /kv/save, /kv/restore files)."),
