@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kvlab.cache import CacheGeometry, make_cache
+from kvlab.model.llama import Decoder
 from kvlab.model.fused import FusedDecodeStep, decode_step_kind, fused_decode_step, fused_step_off
 
 from .conftest import tiny_model
@@ -106,6 +107,42 @@ def test_every_isa_variant_over_several_key_chunks(name, variant, variants):
     model = tiny_model(n_heads=4, n_kv_heads=2, d_model=64, sliding_window=300, max_seq_len=600)
     tokens = torch.randint(0, 97, (1, 600), generator=torch.Generator().manual_seed(8))
     assert_fused_equals_modules(model, tokens, name, 580, variants[variant])
+
+
+def as_multi_head(model):
+    """The model with each KV head repeated for every query head of its group (MHA): the same K/V rows, each query
+    reading them alone."""
+    config = model.config
+    group, d = config.n_heads // config.n_kv_heads, config.d_model // config.n_heads
+    mha = Decoder(type(config)(**{**vars(config), "n_kv_heads": config.n_heads})).eval()
+    state = {}
+    for key, value in model.state_dict().items():
+        if key.endswith("qkv.weight"):
+            q, k, v = value.split([config.n_heads * d, config.n_kv_heads * d, config.n_kv_heads * d])
+            repeat = lambda w: w.view(config.n_kv_heads, d, -1).repeat_interleave(group, 0).reshape(-1, w.shape[1])
+            value = torch.cat([q, repeat(k), repeat(v)])
+        state[key] = value
+    mha.load_state_dict(state)
+    return mha
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("n_heads,n_kv_heads,head_dim", [(4, 2, 64), (4, 1, 64), (2, 1, 128), (6, 2, 64)])
+def test_a_group_reading_its_rows_together_is_each_query_reading_alone(name, n_heads, n_kv_heads, head_dim, native):
+    """A GQA group's queries read their KV head's 16-bit rows in one call (AVX2: in passes of up to three queries a
+    row); the same model with every KV head repeated per query (MHA: each query reads alone) gives the same logits to
+    the bit, over full key tiles, partial ones and a chain's last rows, and the modules' logits."""
+    model = tiny_model(n_heads=n_heads, n_kv_heads=n_kv_heads, d_model=n_heads * head_dim, max_seq_len=80)
+    tokens = torch.randint(0, 97, (1, 80), generator=torch.Generator().manual_seed(n_heads + head_dim))
+    # every position after the first through the fused step: torch's products of a prompt chunk may sum in another
+    # order for the wider K/V projection
+    grouped = decode(model, tokens, name, 1, FusedDecodeStep(model, native.lib))[0]
+    mha = as_multi_head(model)
+    alone = decode(mha, tokens, name, 1, FusedDecodeStep(mha, native.lib))[0]
+    assert torch.equal(grouped, alone)
+    modules = decode(model, tokens, name, 1)[0]   # K/V stored by torch: a value may round to the next 16-bit step,
+    tolerance = {"dense-f16": 2e-3, "dense-bf16": 1e-2}[name]   # which the next positions carry on (bf16: 2^-8 steps)
+    assert (grouped - modules).abs().max() < tolerance * modules.abs().max()
 
 
 @pytest.mark.parametrize("variant", ["native", "avx2", "plain-c"])
