@@ -665,6 +665,25 @@ SECTIONS = [
               "weights' row dots read 4 KB ahead and tq4's key read folded each pair of rows as it comes (1.07x a step "
               "at 16 tokens, 1.11x the key scores); the runs against llama.cpp below are after them.",
               read_share=True, presets=CURRENT),
+        Table("decode_presets_1thread_epyc_zen4.json", decode_contexts,
+              "kvlab bench decode --contexts 512,4k,8k --caches dense-f16,tq4,tq3,tq-k4v4 --threads 1 --repeats 2 "
+              "--steps 16 --out bench/results/decode_presets_1thread_epyc_zen4.json",
+              "An AMD EPYC of the Zen 4 generation (AVX-512 on 256-bit units, VNNI; read limit 29.5 GB/s at 1 thread, "
+              "its samples 22-30): `tq4` 0.99 / 1.24 / 1.45x `dense-f16` at 512 / 4k / 8k, `tq3` 0.94 / 1.10 / 1.11x, "
+              "`tq-k4v4` 1.02 / 1.34 / 1.59x; dense-f16 at 29-33% of the read limit, tq4 at 21-30%. Where the time goes "
+              "at 8k (perf, 1 thread): dense-f16 70% its K/V read (the first query's key loads stall on memory; "
+              "converting each 16-bit tile once for a group's three queries instead of once per query was 9% slower "
+              "at 4k, so the conversions are not what bounds it), 26% the weights' GEMV; `tq4` 33% the GEMV, 21% the "
+              "key scores from codes, 12% the value mix, 8% +ropemean's per-key term; `tq3` 29% its key scores (4-bit "
+              "channels and +vq quads), 24% its value mix (one 16-byte point load a +vq block), 28% the GEMV.",
+              read_share=True, presets=CURRENT),
+        Table("decode_presets_2threads_epyc_zen4.json", decode_contexts,
+              "kvlab bench decode --contexts 512,4k,8k --caches dense-f16,tq4,tq3,tq-k4v4 --threads 2 --repeats 2 "
+              "--steps 16 --out bench/results/decode_presets_2threads_epyc_zen4.json",
+              "The Zen 4 EPYC at 2 threads: dense-f16 142.5 / 85.1 / 56.2 tokens/s at 512 / 4k / 8k, at 47-49% of the "
+              "2-thread read limit (33.1 GB/s); `tq4` 1.09 / 1.12 / 1.22x, `tq3` 1.02 / 1.01 / 1.01x, `tq-k4v4` 1.10 / "
+              "1.24 / 1.50x. Noisy from 4k on (tq4's two samples at 8k 61.2 and 76.1 tokens/s): compare within a row.",
+              read_share=True, presets=CURRENT),
         Table("decode_int_1thread_epyc_avx2.json", decode_contexts,
               "kvlab bench decode --contexts 4k --caches dense-f16,int8,int4,tq4 --threads 1 --repeats 2 --steps 16 "
               "--out bench/results/decode_int_1thread_epyc_avx2.json",
