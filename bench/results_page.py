@@ -733,6 +733,18 @@ SECTIONS = [
               "The same on the Zen 5 EPYC with `--weights native-q8` (int8 activations, as llama.cpp computes): "
               "dense-f16 1.26x llama.cpp's f16 at 16 tokens (182.6 against 144.7 tokens/s) and 1.59x at 4,000 (96.1 "
               "against 60.6).", presets=CURRENT),
+        Table("decode_vs_llama_cpp_1thread_epyc_zen4.json", decode_contexts,
+              "kvlab bench decode --contexts 16,4000 --caches dense-f16,tq4,llama.cpp:f16,llama.cpp:q8_0 "
+              "--llama-cpp PYTHON --threads 1 --repeats 3 --out bench/results/decode_vs_llama_cpp_1thread_epyc_zen4.json",
+              "On the Zen 4 EPYC (AVX-512 on 256-bit units; llama.cpp's native build), kvlab's exact weights: "
+              "dense-f16 1.19x llama.cpp's f16 at a 16-token context (99.2 against 83.0 tokens/s) and 1.33x at 4,000 "
+              "tokens (48.0 against 36.2); `tq4` 1.25x dense-f16 at 4,000.", presets=CURRENT),
+        Table("decode_native_q8_vs_llama_cpp_1thread_epyc_zen4.json", decode_contexts,
+              "kvlab bench decode --contexts 16,4000 --caches dense-f16,tq4,llama.cpp:f16,llama.cpp:q8_0 --weights native-q8 "
+              "--llama-cpp PYTHON --threads 1 --repeats 3 --out bench/results/decode_native_q8_vs_llama_cpp_1thread_epyc_zen4.json",
+              "The same on the Zen 4 EPYC with `--weights native-q8`: dense-f16 1.75x llama.cpp's f16 at 16 tokens "
+              "(130.5 against 74.6 tokens/s) and 1.40x at 4,000 (51.6 against 36.8); `tq4` 1.34x dense-f16 at 4,000.",
+              presets=CURRENT),
         Table("decode_native_q8_vs_llama_cpp_1thread_epyc_avx2.json", decode_contexts,
               "kvlab bench decode --contexts 16,4000 --caches dense-f16,tq4,llama.cpp:f16,llama.cpp:q8_0 --weights native-q8 "
               "--llama-cpp PYTHON --threads 1 --repeats 5 --out bench/results/decode_native_q8_vs_llama_cpp_1thread_epyc_avx2.json",
