@@ -180,33 +180,6 @@ static inline __attribute__((always_inline)) __m512 load_lanes(int kv_type, cons
     return kv_type == KV_F16 ? _mm512_cvtph_ps(h) : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-/* weighted_sum for d a multiple of 16 over rows of kv_type, in its order (lane block b: accumulator j takes the
- * positions t = start + j mod 4, then (acc0 + acc1) + (acc2 + acc3)), so the same bits; up to four lane blocks at
- * once, each row read whole while its positions' sixteen chains run side by side */
-static inline __attribute__((always_inline)) void weighted_rows(int kv_type, const float *p, const void *values, int start,
-                                                               int end, int d, float *out, int add) {
-    for (int c0 = 0; c0 < d; c0 += 64) {
-        const int blocks = d - c0 >= 64 ? 4 : (d - c0) / 16;
-        __m512 acc[4][4];
-        for (int b = 0; b < 4; b++)
-            for (int j = 0; j < 4; j++) acc[b][j] = _mm512_setzero_ps();
-        for (int b = 0; b < blocks && add; b++) acc[b][0] = _mm512_loadu_ps(out + c0 + 16 * b);
-        int t = start;
-        for (; t + 4 <= end; t += 4)
-            for (int j = 0; j < 4; j++) {
-                const __m512 w = _mm512_set1_ps(p[t + j]);
-                const int64_t row = (int64_t)(t + j) * d + c0;
-                for (int b = 0; b < blocks; b++) acc[b][j] = _mm512_fmadd_ps(w, load_lanes(kv_type, values, row + 16 * b), acc[b][j]);
-            }
-        for (; t < end; t++) {
-            const __m512 w = _mm512_set1_ps(p[t]);
-            for (int b = 0; b < blocks; b++) acc[b][0] = _mm512_fmadd_ps(w, load_lanes(kv_type, values, (int64_t)t * d + c0 + 16 * b), acc[b][0]);
-        }
-        for (int b = 0; b < blocks; b++)
-            _mm512_storeu_ps(out + c0 + 16 * b, _mm512_add_ps(_mm512_add_ps(acc[b][0], acc[b][1]), _mm512_add_ps(acc[b][2], acc[b][3])));
-    }
-}
-
 /* One step of folding 16 vectors into one: lanes `lo` of (a, b) plus lanes `hi` of (a, b) */
 static inline __m512 fold(__m512 a, __m512 b, __m512i lo, __m512i hi) {
     return _mm512_add_ps(_mm512_permutex2var_ps(a, lo, b), _mm512_permutex2var_ps(a, hi, b));
@@ -228,17 +201,11 @@ static inline __attribute__((always_inline)) void fold_indices(__m512i *lo, __m5
 }
 
 static inline __attribute__((always_inline)) void key_scores_rows(int kv_type, const float *q, const void *keys, int start,
-                                                                  int end, int d, float scale, float *scores,
-                                                                  const void *ahead) {
+                                                                  int end, int d, float scale, float *scores) {
     __m512i lo[4], hi[4];
     fold_indices(lo, hi);
-    const int64_t row_bytes = (int64_t)d * (kv_type == KV_F32 ? 4 : 2);
     int t = start;
     for (; t + 16 <= end; t += 16) {
-        if (ahead) {   /* the keys two tiles on and this tile's values (`ahead`), asked for while these are scored */
-            if (t + 48 <= end) kvlab_prefetch_lines((const uint8_t *)keys + (t + 32) * row_bytes, 16 * row_bytes);
-            kvlab_prefetch_lines((const uint8_t *)ahead + t * row_bytes, 16 * row_bytes);
-        }
         __m512 v[16];
         for (int k = 0; k < 16; k++) {
             const int64_t key = (int64_t)(t + k) * d;
@@ -266,7 +233,7 @@ static inline __attribute__((always_inline)) void key_scores_rows(int kv_type, c
 /* scores[t] = q . keys[t] * scale for t in [start, end) */
 static void key_scores(const float *q, const float *keys, int start, int end, int d, float scale, float *scores) {
     if (d % 16 == 0) {
-        key_scores_rows(KV_F32, q, keys, start, end, d, scale, scores, NULL);
+        key_scores_rows(KV_F32, q, keys, start, end, d, scale, scores);
         return;
     }
     for (int t = start; t < end; t++) scores[t] = dot(q, keys + (int64_t)t * d, d) * scale;
@@ -274,33 +241,117 @@ static void key_scores(const float *q, const float *keys, int start, int end, in
 
 static float exp_shifted(float *s, int n, float top);
 
-/* attend_part over rows of kv_type read in place (d a multiple of 16): fp32 rows, or 16-bit rows converted in
- * registers; the same products in the same order as key_scores, exp_shifted and weighted_sum on fp32 rows (16-bit
- * ones kv_load'ed into a tile first), so the same bits, without a tile's round trip through memory. Inlined per
- * kv_type (each conversion one instruction in the inner loops) and per common head dim. */
-static inline __attribute__((always_inline)) void attend_rows_core(int kv_type, const float *q, const void *keys,
-                                                                   const void *values, int n, int d, float scale,
-                                                                   float *scores, float *part, int first) {
-    key_scores_rows(kv_type, q, keys, 0, n, d, scale, scores, first ? values : NULL);
-    const float top = kvlab_row_max(scores, n);
-    const float total = exp_shifted(scores, n, top);
-    weighted_rows(kv_type, scores, values, 0, n, d, part, 0);
-    part[d] = top;
-    part[d + 1] = total;
+/* The attention of a decode step's queries over one run of rows of kv_type read in place (d a multiple of 16, at most
+ * 128): fp32 rows, or 16-bit rows converted in registers. The queries of a KV head's group go through in passes of up
+ * to GROUP_PASS, each row loaded (and converted) once a pass and read by every query of it:
+ *   scores  sixteen keys a tile; each key's lane partials (its 16-channel blocks chained in order), then the fold tree
+ *           of key_scores_rows (keys 2k and 2k + 1 folded, then those pairs, ...), closed as the keys come; the last
+ *           n % 16 keys one at a time as key_scores_rows sums them;
+ *   values  each 16-channel block of the output in two chains, keys t even and odd, added at the end.
+ * A query's products and sums do not depend on the queries beside it in a pass, so its part is the same bits whether
+ * it reads alone (one query a KV head) or in a group. Inlined per kv_type, per pass size and per common head dim. */
+#define GROUP_PASS 3
+static inline __attribute__((always_inline)) void group_scores(int kv_type, const float *q, const int P, const void *keys,
+                                                               int n, const int d, float scale, float *scores,
+                                                               const void *ahead) {
+    __m512i lo[4], hi[4];
+    fold_indices(lo, hi);
+    const int64_t row_bytes = (int64_t)d * (kv_type == KV_F32 ? 4 : 2);
+    int t = 0;
+    for (; t + 16 <= n; t += 16) {
+        if (ahead) {   /* the keys two tiles on and this tile's values, asked for while these are scored */
+            if (t + 48 <= n) kvlab_prefetch_lines((const uint8_t *)keys + (t + 32) * row_bytes, 16 * row_bytes);
+            kvlab_prefetch_lines((const uint8_t *)ahead + t * row_bytes, 16 * row_bytes);
+        }
+        __m512 level[GROUP_PASS][4];   /* level[i][s]: query i's fold waiting at step s */
+#pragma GCC unroll 16
+        for (int r = 0; r < 16; r++) {
+            __m512 row[8];
+            for (int b = 0; b < d / 16; b++) row[b] = load_lanes(kv_type, keys, (int64_t)(t + r) * d + 16 * b);
+            for (int i = 0; i < P; i++) {
+                __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q + i * d), row[0]);
+                for (int b = 1; b < d / 16; b++) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i * d + 16 * b), row[b], acc);
+                int step = 0;   /* key r closes the folds of steps s while bit s of r is set */
+                for (; step < 4 && (r >> step & 1); step++) acc = fold(level[i][step], acc, lo[step], hi[step]);
+                if (step < 4) level[i][step] = acc;
+                else _mm512_storeu_ps(scores + (int64_t)i * DENSE_READ_KEYS + t, _mm512_mul_ps(acc, _mm512_set1_ps(scale)));
+            }
+        }
+    }
+    for (int i = 0; i < P && t < n; i++)   /* the last keys one at a time */
+        key_scores_rows(kv_type, q + i * d, keys, t, n, d, scale, scores + (int64_t)i * DENSE_READ_KEYS);
 }
 
-#define ATTEND_ROWS(type) \
-    (d == 64 ? attend_rows_core(type, q, keys, values, n, 64, scale, scores, part, first) \
-     : d == 128 ? attend_rows_core(type, q, keys, values, n, 128, scale, scores, part, first) \
-     : attend_rows_core(type, q, keys, values, n, d, scale, scores, part, first))
-/* first: the first query of the rows, whose read asks for them ahead (the others find them in cache) */
-static void attend_rows(int kv_type, const float *q, const void *keys, const void *values, int n, int d, float scale,
-                        float *scores, float *part, int first) {
-    if (kv_type == KV_F32) ATTEND_ROWS(KV_F32);
-    else if (kv_type == KV_F16) ATTEND_ROWS(KV_F16);
-    else ATTEND_ROWS(KV_BF16);
+/* value t of a pass's mix into chain j (a constant) of each query's lane blocks */
+static inline __attribute__((always_inline)) void mix_row(int kv_type, const float *p, const int P, const void *values,
+                                                          int t, const int d, int c0, int blocks, const int j,
+                                                          __m512 (*acc)[4][2]) {
+    __m512 v[4];
+    for (int b = 0; b < blocks; b++) v[b] = load_lanes(kv_type, values, (int64_t)t * d + c0 + 16 * b);
+    for (int i = 0; i < P; i++) {
+        const __m512 w = _mm512_set1_ps(p[(int64_t)i * DENSE_READ_KEYS + t]);
+        for (int b = 0; b < blocks; b++) acc[i][b][j] = _mm512_fmadd_ps(w, v[b], acc[i][b][j]);
+    }
 }
-#undef ATTEND_ROWS
+
+/* parts[i][0 .. d) = sum_t p_i[t] value t for the P queries of a pass (p_i = p + i * DENSE_READ_KEYS) */
+static inline __attribute__((always_inline)) void group_mix(int kv_type, const float *p, const int P, const void *values,
+                                                            int n, const int d, float *parts, int64_t part_stride) {
+    for (int c0 = 0; c0 < d; c0 += 64) {
+        const int blocks = d - c0 >= 64 ? 4 : (d - c0) / 16;
+        __m512 acc[GROUP_PASS][4][2];   /* [query][lane block][t even, odd] */
+        for (int i = 0; i < P; i++)
+            for (int b = 0; b < 4; b++) acc[i][b][0] = acc[i][b][1] = _mm512_setzero_ps();
+        int t = 0;
+        for (; t + 2 <= n; t += 2) {
+            mix_row(kv_type, p, P, values, t, d, c0, blocks, 0, acc);
+            mix_row(kv_type, p, P, values, t + 1, d, c0, blocks, 1, acc);
+        }
+        if (t < n) mix_row(kv_type, p, P, values, t, d, c0, blocks, 0, acc);
+        for (int i = 0; i < P; i++)
+            for (int b = 0; b < blocks; b++)
+                _mm512_storeu_ps(parts + i * part_stride + c0 + 16 * b, _mm512_add_ps(acc[i][b][0], acc[i][b][1]));
+    }
+}
+
+/* one pass of P queries: scores, each query's softmax, the value mix; `first`: the first pass over the rows, which
+ * asks for them ahead */
+static inline __attribute__((always_inline)) void group_pass(int kv_type, const float *q, const int P, const void *keys,
+                                                             const void *values, int n, const int d, float scale,
+                                                             float *scores, float *parts, int64_t part_stride, int first) {
+    group_scores(kv_type, q, P, keys, n, d, scale, scores, first ? values : NULL);
+    for (int i = 0; i < P; i++) {
+        float *s = scores + (int64_t)i * DENSE_READ_KEYS, *part = parts + i * part_stride;
+        const float top = kvlab_row_max(s, n);
+        part[d + 1] = exp_shifted(s, n, top);
+        part[d] = top;
+    }
+    group_mix(kv_type, scores, P, values, n, d, parts, part_stride);
+}
+
+#define GROUP_D(type, P) \
+    (d == 64 ? group_pass(type, q, P, keys, values, n, 64, scale, scores, parts, part_stride, first) \
+     : d == 128 ? group_pass(type, q, P, keys, values, n, 128, scale, scores, parts, part_stride, first) \
+     : group_pass(type, q, P, keys, values, n, d, scale, scores, parts, part_stride, first))
+#define GROUP_P(type) \
+    switch (P) { case 1: GROUP_D(type, 1); break; case 2: GROUP_D(type, 2); break; default: GROUP_D(type, 3); break; }
+/* the attention of nq queries (queries + i * d) over n rows: parts as kvlab_dense_read's, scores nq rows of
+ * DENSE_READ_KEYS floats */
+static void attend_rows(int kv_type, const float *queries, int nq, const void *keys, const void *values, int n, int d,
+                        float scale, float *scores, float *parts_, int64_t part_stride) {
+    const int passes = (nq + GROUP_PASS - 1) / GROUP_PASS;
+    for (int i0 = 0, pass = 0; i0 < nq; pass++) {   /* passes of sizes as even as they go: 4 = 2 + 2, 8 = 3 + 3 + 2 */
+        const int P = (nq - i0 + passes - pass - 1) / (passes - pass), first = pass == 0;
+        const float *q = queries + (int64_t)i0 * d;
+        float *parts = parts_ + i0 * part_stride;
+        if (kv_type == KV_F32) GROUP_P(KV_F32)
+        else if (kv_type == KV_F16) GROUP_P(KV_F16)
+        else GROUP_P(KV_BF16)
+        i0 += P;
+    }
+}
+#undef GROUP_P
+#undef GROUP_D
 #define HAVE_ATTEND_ROWS 1
 #endif
 
@@ -644,14 +695,13 @@ void kvlab_dense_read(const DenseHead *h, const int32_t *table, int64_t k0, int6
                       float scale, float *scratch, float *parts, int64_t part_stride) {
     const int d = h->d, dv = h->dv, n = (int)(k1 - k0);
 #ifdef HAVE_ATTEND_ROWS
-    /* one run of a block: in place, each query reading (and converting) the rows itself (a decode step's few queries;
+    /* one run of a block: in place, the queries in passes that share each row's load (a decode step's few queries;
      * the many of a prompt chunk's tile share each tile below) */
-    if (d == dv && d % 16 == 0 && k0 / h->block_rows == (k1 - 1) / h->block_rows && nq <= FEW_QUERIES) {
+    if (d == dv && d % 16 == 0 && d <= 128 && k0 / h->block_rows == (k1 - 1) / h->block_rows && nq <= FEW_QUERIES) {
         const size_t elem = h->type == KV_F32 ? 4 : 2;
         const int64_t at = ((int64_t)table[k0 / h->block_rows] * h->block_stride + k0 % h->block_rows) * d;
-        for (int i = 0; i < nq; i++)
-            attend_rows(h->type, queries + (int64_t)i * d, (const uint8_t *)h->k + at * elem, (const uint8_t *)h->v + at * elem,
-                        n, d, scale, scratch, parts + i * part_stride, i == 0);
+        attend_rows(h->type, queries, nq, (const uint8_t *)h->k + at * elem, (const uint8_t *)h->v + at * elem, n, d, scale,
+                    scratch, parts, part_stride);
         return;
     }
 #endif
