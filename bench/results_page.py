@@ -666,23 +666,27 @@ SECTIONS = [
               "at 16 tokens, 1.11x the key scores); the runs against llama.cpp below are after them.",
               read_share=True, presets=CURRENT),
         Table("decode_presets_1thread_epyc_zen4.json", decode_contexts,
-              "kvlab bench decode --contexts 512,4k,8k --caches dense-f16,tq4,tq3,tq-k4v4 --threads 1 --repeats 2 "
+              "kvlab bench decode --contexts 512,4k,8k --caches dense,dense-f16,tq4,tq3,tq-k4v4 --threads 1 --repeats 2 "
               "--steps 16 --out bench/results/decode_presets_1thread_epyc_zen4.json",
               "An AMD EPYC of the Zen 4 generation (AVX-512 on 256-bit units, VNNI; read limit 29.5 GB/s at 1 thread, "
-              "its samples 22-30): `tq4` 0.99 / 1.24 / 1.45x `dense-f16` at 512 / 4k / 8k, `tq3` 0.94 / 1.10 / 1.11x, "
-              "`tq-k4v4` 1.02 / 1.34 / 1.59x; dense-f16 at 29-33% of the read limit, tq4 at 21-30%. Where the time goes "
-              "at 8k (perf, 1 thread): dense-f16 70% its K/V read (the first query's key loads stall on memory; "
-              "converting each 16-bit tile once for a group's three queries instead of once per query was 9% slower "
-              "at 4k, so the conversions are not what bounds it), 26% the weights' GEMV; `tq4` 33% the GEMV, 21% the "
-              "key scores from codes, 12% the value mix, 8% +ropemean's per-key term; `tq3` 29% its key scores (4-bit "
-              "channels and +vq quads), 24% its value mix (one 16-byte point load a +vq block), 28% the GEMV.",
+              "its samples 22-30). A decode step's dense rows are read in place by passes of up to three queries of a "
+              "KV head's group, each row loaded and converted once a pass (a 16-bit row's conversion is two "
+              "micro-ops here, and converting it once per query bound the read): dense-f16 97.5 / 60.1 / 41.1 "
+              "tokens/s at 512 / 4k / 8k where each query reading alone made 89.0 / 44.1 / 29.6 (the same command "
+              "before the change, without `dense`), now 1.30x / 1.37x fp32 `dense` at 4k / 8k and at 39-40% of the "
+              "read limit there (was 29%). Against that baseline `tq4` 0.96 / 1.03 / 1.07x (was 0.99 / 1.24 / "
+              "1.45x), `tq3` 0.91 / 0.88 / 0.87x, `tq-k4v4` 0.99 / 1.11 / 1.18x; tq4 at 22-32% of the limit. Where a "
+              "coded step's time goes at 8k (perf, 1 thread, before the change): `tq4` 33% the weights' GEMV, 21% "
+              "the key scores from codes, 12% the value mix, 8% +ropemean's per-key term; `tq3` 29% its key scores "
+              "(4-bit channels and +vq quads), 24% its value mix (one 16-byte point load a +vq block), 28% the GEMV.",
               read_share=True, presets=CURRENT),
         Table("decode_presets_2threads_epyc_zen4.json", decode_contexts,
-              "kvlab bench decode --contexts 512,4k,8k --caches dense-f16,tq4,tq3,tq-k4v4 --threads 2 --repeats 2 "
+              "kvlab bench decode --contexts 512,4k,8k --caches dense,dense-f16,tq4,tq3,tq-k4v4 --threads 2 --repeats 2 "
               "--steps 16 --out bench/results/decode_presets_2threads_epyc_zen4.json",
-              "The Zen 4 EPYC at 2 threads: dense-f16 142.5 / 85.1 / 56.2 tokens/s at 512 / 4k / 8k, at 47-49% of the "
-              "2-thread read limit (33.1 GB/s); `tq4` 1.09 / 1.12 / 1.22x, `tq3` 1.02 / 1.01 / 1.01x, `tq-k4v4` 1.10 / "
-              "1.24 / 1.50x. Noisy from 4k on (tq4's two samples at 8k 61.2 and 76.1 tokens/s): compare within a row.",
+              "The Zen 4 EPYC at 2 threads: dense-f16 172.7 / 107.1 / 75.9 tokens/s at 512 / 4k / 8k (142.5 / 85.1 / "
+              "56.2 before the grouped read), 1.31x / 1.48x fp32 `dense` at 4k / 8k; `tq4` 0.95 / 1.02 / 1.08x, `tq3` "
+              "0.90 / 0.90 / 0.87x, `tq-k4v4` 0.96 / 1.10 / 1.21x. The read limit's first sample was 47.6 GB/s and the "
+              "other six 33-35, so the shares of it here are low by about a quarter.",
               read_share=True, presets=CURRENT),
         Table("decode_int_1thread_epyc_avx2.json", decode_contexts,
               "kvlab bench decode --contexts 4k --caches dense-f16,int8,int4,tq4 --threads 1 --repeats 2 --steps 16 "
@@ -737,13 +741,16 @@ SECTIONS = [
               "kvlab bench decode --contexts 16,4000 --caches dense-f16,tq4,llama.cpp:f16,llama.cpp:q8_0 "
               "--llama-cpp PYTHON --threads 1 --repeats 3 --out bench/results/decode_vs_llama_cpp_1thread_epyc_zen4.json",
               "On the Zen 4 EPYC (AVX-512 on 256-bit units; llama.cpp's native build), kvlab's exact weights: "
-              "dense-f16 1.19x llama.cpp's f16 at a 16-token context (99.2 against 83.0 tokens/s) and 1.33x at 4,000 "
-              "tokens (48.0 against 36.2); `tq4` 1.25x dense-f16 at 4,000.", presets=CURRENT),
+              "dense-f16 1.38x llama.cpp's f16 at a 16-token context (103.8 against 75.4 tokens/s) and 1.32x at 4,000 "
+              "tokens (49.0 against 37.1; kvlab's three samples 43.8-56.4); `tq4` 1.20x dense-f16 at 4,000. The same "
+              "command before the grouped dense read: 1.19x (99.2 against 83.0) and 1.33x (48.0 against 36.2); "
+              "llama.cpp's own f16 moved 75-83 tokens/s between the two runs.", presets=CURRENT),
         Table("decode_native_q8_vs_llama_cpp_1thread_epyc_zen4.json", decode_contexts,
               "kvlab bench decode --contexts 16,4000 --caches dense-f16,tq4,llama.cpp:f16,llama.cpp:q8_0 --weights native-q8 "
               "--llama-cpp PYTHON --threads 1 --repeats 3 --out bench/results/decode_native_q8_vs_llama_cpp_1thread_epyc_zen4.json",
-              "The same on the Zen 4 EPYC with `--weights native-q8`: dense-f16 1.75x llama.cpp's f16 at 16 tokens "
-              "(130.5 against 74.6 tokens/s) and 1.40x at 4,000 (51.6 against 36.8); `tq4` 1.34x dense-f16 at 4,000.",
+              "The same on the Zen 4 EPYC with `--weights native-q8` (before the grouped dense read): dense-f16 1.75x "
+              "llama.cpp's f16 at 16 tokens (130.5 against 74.6 tokens/s) and 1.40x at 4,000 (51.6 against 36.8); "
+              "`tq4` 1.34x dense-f16 at 4,000.",
               presets=CURRENT),
         Table("decode_native_q8_vs_llama_cpp_1thread_epyc_avx2.json", decode_contexts,
               "kvlab bench decode --contexts 16,4000 --caches dense-f16,tq4,llama.cpp:f16,llama.cpp:q8_0 --weights native-q8 "
