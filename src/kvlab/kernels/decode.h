@@ -121,8 +121,8 @@ static inline int64_t kvlab_dense_read_floats(int nq, int d, int dv) {
  * Up to 8 queries (a decode step's): the rows are read in place, 16-bit ones converted in registers, by passes of up
  * to three queries, each row loaded once a pass: under AVX-512 a block run (a single cache's, head dim <= 128), under
  * AVX2 any rows (asked for a few at a time just ahead of their read); elsewhere a pool's short blocks converted
- * DENSE_TILE rows at a time. More (a prompt chunk's tile of rows): the rows DENSE_TILE at a time, scores and value mix in blocks of queries
- * (decode.c). */
+ * DENSE_TILE rows at a time. More (a prompt chunk's tile of rows): the rows DENSE_TILE at a time, scores and value
+ * mix in blocks of queries (decode.c). */
 void kvlab_dense_read(const DenseHead *h, const int32_t *table, int64_t k0, int64_t k1, const float *queries, int nq,
                       float scale, float *scratch, float *parts, int64_t part_stride);
 /* One more part of a query's keys into its running merge, the parts taken in key order: a part is
