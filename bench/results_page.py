@@ -670,8 +670,9 @@ SECTIONS = [
               "--steps 16 --out bench/results/decode_presets_1thread_epyc_zen4.json",
               "An AMD EPYC of the Zen 4 generation (AVX-512 on 256-bit units, VNNI; read limit 29.5 GB/s at 1 thread, "
               "its samples 22-30). A decode step's dense rows are read in place by passes of up to three queries of a "
-              "KV head's group, each row loaded and converted once a pass (a 16-bit row's conversion is two "
-              "micro-ops here, and converting it once per query bound the read): dense-f16 97.5 / 60.1 / 41.1 "
+              "KV head's group, each row loaded and converted once a pass (a scratch loop over an 8k step's f16 K/V "
+              "that converts each row three times, as three queries reading alone did, took 16.6 ms against 7.1 ms "
+              "converting it once: the conversions bound the read, not the bytes): dense-f16 97.5 / 60.1 / 41.1 "
               "tokens/s at 512 / 4k / 8k where each query reading alone made 89.0 / 44.1 / 29.6 (the same command "
               "before the change, without `dense`), now 1.30x / 1.37x fp32 `dense` at 4k / 8k and at 39-40% of the "
               "read limit there (was 29%). Against that baseline `tq4` 0.96 / 1.03 / 1.07x (was 0.99 / 1.24 / "
