@@ -247,7 +247,8 @@ static float exp_shifted(float *s, int n, float top);
  *   scores  sixteen keys a tile; each key's lane partials (its 16-channel blocks chained in order), then the fold tree
  *           of key_scores_rows (keys 2k and 2k + 1 folded, then those pairs, ...), closed as the keys come; the last
  *           n % 16 keys one at a time as key_scores_rows sums them;
- *   values  each 16-channel block of the output in two chains, keys t even and odd, added at the end.
+ *   values  each 16-channel block of the output in four chains, key t into chain t % 4 (the last n % 4 keys into the
+ *           first), then (c0 + c1) + (c2 + c3).
  * A query's products and sums do not depend on the queries beside it in a pass, so its part is the same bits whether
  * it reads alone (one query a KV head) or in a group. Inlined per kv_type, per pass size and per common head dim. */
 #define GROUP_PASS 3
@@ -285,8 +286,8 @@ static inline __attribute__((always_inline)) void group_scores(int kv_type, cons
 /* value t of a pass's mix into chain j (a constant) of each query's lane blocks */
 static inline __attribute__((always_inline)) void mix_row(int kv_type, const float *p, const int P, const void *values,
                                                           int t, const int d, int c0, int blocks, const int j,
-                                                          __m512 (*acc)[4][2]) {
-    __m512 v[4];
+                                                          __m512 (*acc)[2][4]) {
+    __m512 v[2];
     for (int b = 0; b < blocks; b++) v[b] = load_lanes(kv_type, values, (int64_t)t * d + c0 + 16 * b);
     for (int i = 0; i < P; i++) {
         const __m512 w = _mm512_set1_ps(p[(int64_t)i * DENSE_READ_KEYS + t]);
@@ -294,23 +295,28 @@ static inline __attribute__((always_inline)) void mix_row(int kv_type, const flo
     }
 }
 
-/* parts[i][0 .. d) = sum_t p_i[t] value t for the P queries of a pass (p_i = p + i * DENSE_READ_KEYS) */
+/* parts[i][0 .. d) = sum_t p_i[t] value t for the P queries of a pass (p_i = p + i * DENSE_READ_KEYS), two lane blocks
+ * at a time (a pass's chains, 2 x 4 a query, stay in registers) */
 static inline __attribute__((always_inline)) void group_mix(int kv_type, const float *p, const int P, const void *values,
                                                             int n, const int d, float *parts, int64_t part_stride) {
-    for (int c0 = 0; c0 < d; c0 += 64) {
-        const int blocks = d - c0 >= 64 ? 4 : (d - c0) / 16;
-        __m512 acc[GROUP_PASS][4][2];   /* [query][lane block][t even, odd] */
+    for (int c0 = 0; c0 < d; c0 += 32) {
+        const int blocks = d - c0 >= 32 ? 2 : 1;
+        __m512 acc[GROUP_PASS][2][4];   /* [query][lane block][t mod 4] */
         for (int i = 0; i < P; i++)
-            for (int b = 0; b < 4; b++) acc[i][b][0] = acc[i][b][1] = _mm512_setzero_ps();
+            for (int b = 0; b < 2; b++)
+                for (int j = 0; j < 4; j++) acc[i][b][j] = _mm512_setzero_ps();
         int t = 0;
-        for (; t + 2 <= n; t += 2) {
+        for (; t + 4 <= n; t += 4) {
             mix_row(kv_type, p, P, values, t, d, c0, blocks, 0, acc);
             mix_row(kv_type, p, P, values, t + 1, d, c0, blocks, 1, acc);
+            mix_row(kv_type, p, P, values, t + 2, d, c0, blocks, 2, acc);
+            mix_row(kv_type, p, P, values, t + 3, d, c0, blocks, 3, acc);
         }
-        if (t < n) mix_row(kv_type, p, P, values, t, d, c0, blocks, 0, acc);
+        for (; t < n; t++) mix_row(kv_type, p, P, values, t, d, c0, blocks, 0, acc);
         for (int i = 0; i < P; i++)
             for (int b = 0; b < blocks; b++)
-                _mm512_storeu_ps(parts + i * part_stride + c0 + 16 * b, _mm512_add_ps(acc[i][b][0], acc[i][b][1]));
+                _mm512_storeu_ps(parts + i * part_stride + c0 + 16 * b, _mm512_add_ps(_mm512_add_ps(acc[i][b][0], acc[i][b][1]),
+                                                                                      _mm512_add_ps(acc[i][b][2], acc[i][b][3])));
     }
 }
 
