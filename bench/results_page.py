@@ -668,23 +668,25 @@ SECTIONS = [
         Table("decode_presets_1thread_epyc_zen4.json", decode_contexts,
               "kvlab bench decode --contexts 512,4k,8k --caches dense,dense-f16,tq4,tq3,tq-k4v4 --threads 1 --repeats 2 "
               "--steps 16 --out bench/results/decode_presets_1thread_epyc_zen4.json",
-              "An AMD EPYC of the Zen 4 generation (AVX-512 on 256-bit units, VNNI; read limit 29.5 GB/s at 1 thread, "
-              "its samples 22-30). A decode step's dense rows are read in place by passes of up to three queries of a "
+              "An AMD EPYC of the Zen 4 generation (AVX-512 on 256-bit units, VNNI). A decode step's dense rows are read in place by passes of up to three queries of a "
               "KV head's group, each row loaded and converted once a pass (a scratch loop over an 8k step's f16 K/V "
               "that converts each row three times, as three queries reading alone did, took 16.6 ms against 7.1 ms "
-              "converting it once: the conversions bound the read, not the bytes): dense-f16 97.5 / 60.1 / 41.1 "
-              "tokens/s at 512 / 4k / 8k where each query reading alone made 89.0 / 44.1 / 29.6 (the same command "
-              "before the change, without `dense`), now 1.30x / 1.37x fp32 `dense` at 4k / 8k and at 39-40% of the "
-              "read limit there (was 29%). Against that baseline `tq4` 0.96 / 1.03 / 1.07x (was 0.99 / 1.24 / "
-              "1.45x), `tq3` 0.91 / 0.88 / 0.87x, `tq-k4v4` 0.99 / 1.11 / 1.18x; tq4 at 22-32% of the limit. Where a "
-              "coded step's time goes at 8k (perf, 1 thread, before the change): `tq4` 33% the weights' GEMV, 21% "
+              "converting it once: the conversions bound the read, not the bytes; each query's sums in the same order, so "
+              "the same bits). In a scratch loop calling kvlab_dense_read as the fused step does, the read of an 8k "
+              "step took 13.4 ms against 20.7 each query reading alone, 6.8 against 10.2 at 4k. In this run (the "
+              "machine slower than in earlier ones: read limit 24.7 GB/s) dense-f16 is 1.25x / 1.50x fp32 `dense` at "
+              "4k / 8k and at 41-42% of the read limit; `tq4` 0.97 / 1.07 / 1.12x dense-f16 at 512 / 4k / 8k (the same "
+              "command before the grouped read: 0.99 / 1.24 / 1.45x), `tq3` 0.92 / 0.91 / 0.91x, `tq-k4v4` 0.99 / "
+              "1.14 / 1.29x; tq4 at 23-37% of the limit. Where a coded step's time goes at 8k (perf, 1 thread, before "
+              "the grouped read): `tq4` 33% the weights' GEMV, 21% "
               "the key scores from codes, 12% the value mix, 8% +ropemean's per-key term; `tq3` 29% its key scores "
               "(4-bit channels and +vq quads), 24% its value mix (one 16-byte point load a +vq block), 28% the GEMV.",
               read_share=True, presets=CURRENT),
         Table("decode_presets_2threads_epyc_zen4.json", decode_contexts,
               "kvlab bench decode --contexts 512,4k,8k --caches dense,dense-f16,tq4,tq3,tq-k4v4 --threads 2 --repeats 2 "
               "--steps 16 --out bench/results/decode_presets_2threads_epyc_zen4.json",
-              "The Zen 4 EPYC at 2 threads: dense-f16 172.7 / 107.1 / 75.9 tokens/s at 512 / 4k / 8k (142.5 / 85.1 / "
+              "The Zen 4 EPYC at 2 threads, measured with a first form of the grouped read (two value chains a lane "
+              "block; the form now on main sums in four and was faster in the scratch loop): dense-f16 172.7 / 107.1 / 75.9 tokens/s at 512 / 4k / 8k (142.5 / 85.1 / "
               "56.2 before the grouped read), 1.31x / 1.48x fp32 `dense` at 4k / 8k; `tq4` 0.95 / 1.02 / 1.08x, `tq3` "
               "0.90 / 0.90 / 0.87x, `tq-k4v4` 0.96 / 1.10 / 1.21x. The read limit's first sample was 47.6 GB/s and the "
               "other six 33-35, so the shares of it here are low by about a quarter.",
@@ -742,7 +744,8 @@ SECTIONS = [
               "kvlab bench decode --contexts 16,4000 --caches dense-f16,tq4,llama.cpp:f16,llama.cpp:q8_0 "
               "--llama-cpp PYTHON --threads 1 --repeats 3 --out bench/results/decode_vs_llama_cpp_1thread_epyc_zen4.json",
               "On the Zen 4 EPYC (AVX-512 on 256-bit units; llama.cpp's native build), kvlab's exact weights: "
-              "dense-f16 1.38x llama.cpp's f16 at a 16-token context (103.8 against 75.4 tokens/s) and 1.32x at 4,000 "
+              "dense-f16 (the first form of the grouped read, as in the 2-thread table) 1.38x llama.cpp's f16 at a "
+              "16-token context (103.8 against 75.4 tokens/s) and 1.32x at 4,000 "
               "tokens (49.0 against 37.1; kvlab's three samples 43.8-56.4); `tq4` 1.20x dense-f16 at 4,000. The same "
               "command before the grouped dense read: 1.19x (99.2 against 83.0) and 1.33x (48.0 against 36.2); "
               "llama.cpp's own f16 moved 75-83 tokens/s between the two runs.", presets=CURRENT),
